@@ -1,0 +1,17 @@
+"""Exceptions raised by zeroshard. Every message names what was wrong and what to do."""
+
+
+class ZeroshardError(RuntimeError):
+    """Base class of every error zeroshard raises on purpose."""
+
+
+class ConfigError(ZeroshardError, ValueError):
+    """A ds_config key is unknown, mistyped, out of range or inconsistent with another key."""
+
+
+class LossScaleError(ZeroshardError):
+    """fp16 dynamic loss scaling cannot continue (the scale sits at its minimum and keeps overflowing)."""
+
+
+class CollectiveMismatchError(ZeroshardError):
+    """Ranks were about to issue collectives that do not match; raised instead of hanging."""

@@ -1,0 +1,43 @@
+"""A rank-aware logger: messages carry the rank, and `ranks=[0]` limits who prints."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+_FORMAT = "[zeroshard %(rank)s] %(levelname)s %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = _current_rank()
+        return True
+
+
+def _current_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def get_logger(name: str = "zeroshard") -> logging.Logger:
+    """Return the package logger (configured once, level from ZEROSHARD_LOG_LEVEL, default INFO)."""
+    logger = logging.getLogger(name)
+    root = logging.getLogger("zeroshard")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.addFilter(_RankFilter())
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("ZEROSHARD_LOG_LEVEL", "INFO").upper())
+        root.propagate = False
+    return logger
+
+
+def log_rank(logger: logging.Logger, level: int, msg: str, ranks: Iterable[int] | None = (0,)) -> None:
+    """Log `msg` on the given ranks only (all ranks when `ranks` is None)."""
+    if ranks is None or _current_rank() in set(ranks):
+        logger.log(level, msg)
