@@ -1,0 +1,194 @@
+"""The one place zeroshard calls torch.distributed collectives.
+
+[Note: one call site]
+Every collective goes through `Collectives`, which
+- hides API differences across torch versions and backends (`all_gather_single` in torch >= 2.13,
+  `all_gather_into_tensor` before; no AVG/PREMUL_SUM on gloo, so averaging is SUM + a scale done by
+  the caller, folded into one multiply at step time);
+- counts what each rank sends, per collective kind, so tests and benchmarks read communication
+  volume from one counter (`CommStats`);
+- optionally checks, before each collective, that every rank is about to issue the same one
+  (`verify=True`): a mismatch raises `CollectiveMismatchError` naming the ranks instead of hanging.
+
+Bytes are counted with the ring model nccl-tests calls "bus bytes": an all-reduce of S bytes sends
+2·S·(N-1)/N per rank, a reduce-scatter of an S-byte input and an all-gather of an S-byte output
+each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.errors import CollectiveMismatchError
+
+_all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+class CollectiveKind(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+
+
+class Handle(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """Handle of a collective that completed synchronously (or had nothing to do)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    payload_bytes: int = 0
+    bus_bytes: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Per-kind counters; `snapshot()`/`since()` give the volume of one step."""
+
+    kinds: dict[str, KindStats] = field(default_factory=lambda: {k.value: KindStats() for k in CollectiveKind})
+
+    def record(self, kind: CollectiveKind, payload_bytes: int, bus_bytes: float) -> None:
+        entry = self.kinds[kind.value]
+        entry.calls += 1
+        entry.payload_bytes += payload_bytes
+        entry.bus_bytes += bus_bytes
+
+    @property
+    def total_bus_bytes(self) -> float:
+        return sum(k.bus_bytes for k in self.kinds.values())
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {name: dict(vars(k)) for name, k in self.kinds.items()}
+
+    def reset(self) -> None:
+        for k in self.kinds.values():
+            k.calls, k.payload_bytes, k.bus_bytes = 0, 0, 0.0
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5}
+
+
+class Collectives:
+    """Collectives over one process group, counted and (optionally) verified across ranks."""
+
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int, verify: bool = False):
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.verify = verify
+        self.stats = CommStats()
+        self._seq = 0
+
+    # -- collectives -------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        nbytes = _nbytes(tensor)
+        self._check(CollectiveKind.ALL_REDUCE, tensor)
+        if self.world_size == 1:
+            return _Done()
+        self.stats.record(CollectiveKind.ALL_REDUCE, nbytes, 2 * nbytes * self._ring_fraction)
+        work = dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, expected {self.world_size} x {output.numel()}"
+            )
+        self._check(CollectiveKind.REDUCE_SCATTER, input)
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        nbytes = _nbytes(input)
+        self.stats.record(CollectiveKind.REDUCE_SCATTER, nbytes, nbytes * self._ring_fraction)
+        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements, expected {self.world_size} x {input.numel()}"
+            )
+        self._check(CollectiveKind.ALL_GATHER, output)
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        nbytes = _nbytes(output)
+        self.stats.record(CollectiveKind.ALL_GATHER, nbytes, nbytes * self._ring_fraction)
+        work = _all_gather_single(output, input, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
+        self._check(CollectiveKind.BROADCAST, tensor)
+        if self.world_size == 1:
+            return _Done()
+        nbytes = _nbytes(tensor)
+        self.stats.record(CollectiveKind.BROADCAST, nbytes, nbytes * self._ring_fraction)
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def any_true(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank if `flag` is true on any rank (one tiny MAX all-reduce)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        self.all_reduce(t, op="max")
+        return bool(t.item() > 0)
+
+    # -- internals ---------------------------------------------------------------------------------
+    @property
+    def _ring_fraction(self) -> float:
+        return (self.world_size - 1) / self.world_size
+
+    def _check(self, kind: CollectiveKind, tensor: torch.Tensor) -> None:
+        """With `verify`, all-gather a fingerprint (seq, kind, numel, dtype) and compare across ranks."""
+        self._seq += 1
+        if not self.verify or self.world_size == 1:
+            return
+        mine = torch.tensor(
+            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), _DTYPE_CODES.get(tensor.dtype, 0)],
+            dtype=torch.int64,
+            device=tensor.device,
+        )
+        everyone = torch.empty(self.world_size * 4, dtype=torch.int64, device=tensor.device)
+        _all_gather_single(everyone, mine, group=self.group)
+        rows = everyone.view(self.world_size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            described = "; ".join(
+                f"rank {r}: #{row[0]} {list(CollectiveKind)[row[1]].value} numel={row[2]}" for r, row in enumerate(rows)
+            )
+            raise CollectiveMismatchError(
+                f"ranks are about to issue different collectives ({described}). The ranks took different code "
+                "paths (e.g. a module or parameter used on some ranks only); make every rank run the same modules."
+            )
+
+
+def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"unsupported reduce op {op!r}; expected one of {sorted(ops)}")
+    return ops[op]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

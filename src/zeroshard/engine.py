@@ -1,0 +1,236 @@
+"""The training engine: forward, backward and step over a ZeRO strategy, with DeepSpeed's API."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives, CommStats
+from zeroshard.comm.topology import Topology
+from zeroshard.errors import ZeroshardError
+from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.optimizer import ZeroOptimizer
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by this rank, by kind. `model_states` is the sum ZeRO's formulas describe."""
+
+    rank: int
+    world_size: int
+    stage: int
+    trainable_numel: int
+    params: int
+    frozen_params: int
+    gradients: int
+    master_weights: int
+    optimizer_state: int
+    comm_buffers: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.frozen_params + self.gradients + self.master_weights + self.optimizer_state
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "model_states": self.model_states}
+
+
+class Engine(nn.Module):
+    """What `zeroshard.initialize` returns first. `engine(batch)`, `engine.backward(loss)`, `engine.step()`.
+
+    Example:
+        >>> engine, optimizer, loader, sched = zeroshard.initialize(model=model, config=cfg)  # doctest: +SKIP
+        >>> loss = engine(x, y); engine.backward(loss); engine.step()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Any,
+        topology: Topology,
+        comm: Collectives,
+        precision: PrecisionPolicy,
+        zero: ZeroOptimizer | None,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any,
+        loss_scaler: Any,
+        training_dataloader: Any,
+    ):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.topology = topology
+        self.comm = comm
+        self.precision = precision
+        self.zero = zero
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._no_sync_depth = 0
+        self._last_grad_norm: float | None = None
+        if zero is not None:  # a plain loss.backward() (not engine.backward) still reduces on the right steps
+            zero.reducer.sync_decider = self._micro_step_syncs
+
+    def _micro_step_syncs(self) -> bool:
+        return self.zero_stage >= 2 or (self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0)
+
+    # -- DeepSpeed-compatible accessors ----------------------------------------------------------
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    @property
+    def comm_stats(self) -> CommStats:
+        return self.comm.stats
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients (before clipping), or None if no step was taken."""
+        return self._last_grad_norm
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
+        zero = self._require_zero("backward")
+        zero.reducer.begin_backward(self._micro_step_syncs())
+        factor = self.loss_scale / self.gradient_accumulation_steps()
+        with torch.profiler.record_function("zeroshard.backward"):
+            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        with torch.profiler.record_function("zeroshard.reduce_wait"):
+            zero.reducer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """Count a micro-step; on the accumulation boundary take the optimizer step on every rank."""
+        zero = self._require_zero("step")
+        if self.is_gradient_accumulation_boundary():
+            if self._no_sync_depth:
+                raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
+            outcome = zero.step(self.loss_scale)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(outcome.skipped)
+            if outcome.skipped:
+                self.skipped_steps += 1
+                log_rank(logger, 20, f"step {self.global_steps}: fp16 overflow, step skipped; loss scale now {self.loss_scale:g}")
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self._last_grad_norm = outcome.grad_norm
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._report_progress()
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Drop all gradients accumulated since the last step."""
+        if self.zero is not None:
+            self.zero.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without communication (stages 0 and 1, like DDP's no_sync)."""
+        if self.zero_stage >= 2:
+            raise ZeroshardError(
+                f"no_sync() is incompatible with ZeRO stage {self.zero_stage}: gradients are partitioned "
+                "(reduce-scattered) every micro-step. Use stage 0/1, or rely on gradient_accumulation_steps."
+            )
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def destroy(self) -> None:
+        """Remove every hook from the module and release optimizer state and buffers."""
+        if self.zero is not None:
+            self.zero.destroy()
+            self.zero = None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        self.optimizer = None
+        self.lr_scheduler = None
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        zero_bytes = self.zero.memory_bytes() if self.zero is not None else {}
+        tracked = set()
+        trainable = 0
+        if self.zero is not None:
+            for buffers in self.zero.buffers:
+                tracked.update(id(p) for p in buffers.params)
+                trainable += sum(s.numel for s in buffers.layout.slots)
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in tracked)
+        return MemoryReport(
+            rank=self.global_rank,
+            world_size=self.world_size,
+            stage=self.zero_stage,
+            trainable_numel=trainable,
+            params=zero_bytes.get("params_trainable", 0),
+            frozen_params=frozen,
+            gradients=zero_bytes.get("gradients", 0),
+            master_weights=zero_bytes.get("master_weights", 0),
+            optimizer_state=zero_bytes.get("optimizer_state", 0),
+            comm_buffers=zero_bytes.get("comm_buffers", 0),
+        )
+
+    def _report_progress(self) -> None:
+        every = int(self.config.steps_per_print or 0)
+        if every > 0 and self.global_steps % every == 0:
+            lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
+            log_rank(logger, 20, f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lr}] "
+                     f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}")
+
+    def _require_zero(self, what: str) -> ZeroOptimizer:
+        if self.zero is None:
+            raise ZeroshardError(
+                f"engine.{what}() needs an optimizer: pass optimizer= to initialize or add an \"optimizer\" "
+                "block to the config (or the engine was destroyed)"
+            )
+        return self.zero

@@ -1,0 +1,38 @@
+"""Which dtype is used where, decided once from the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """compute: parameters and activations; grad_accum: gradient accumulation and shards;
+    comm: gradient reduction (DeepSpeed's default: the compute dtype); master weights are fp32."""
+
+    compute_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    fp16: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PrecisionPolicy:
+        if cfg.fp16.enabled:
+            compute = torch.float16
+        elif cfg.bf16.enabled:
+            compute = torch.bfloat16
+        else:
+            compute = torch.float32
+        accum_name = cfg.data_types.grad_accum_dtype
+        comm_name = cfg.communication_data_type
+        return cls(
+            compute_dtype=compute,
+            grad_accum_dtype=_DTYPES[accum_name] if accum_name else torch.float32,
+            comm_dtype=_DTYPES[comm_name] if comm_name else compute,
+            fp16=bool(cfg.fp16.enabled),
+        )

@@ -1,0 +1,239 @@
+"""The ZeRO stage 0/1/2 optimizer: flat sharded master weights, reduced gradients, one step.
+
+Stage 0 keeps everything replicated and all-reduces gradients; stage 1 shards master weights and
+optimizer state (gradients still accumulate in full, then are reduce-scattered); stage 2 also
+shards gradients, reduce-scattering them during every backward. After the step each rank writes
+its updated shard into the parameter buffer and the buckets are all-gathered in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.precision.loss_scaler import has_inf_or_nan
+from zeroshard.utils.logging import get_logger
+from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers
+from zeroshard.zero.layout import FlatLayout, ParamSpec, build_layout
+from zeroshard.zero.reducer import GradientReducer, ReducePolicy
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """Everything the stage 0/1/2 optimizer needs to know, decided once from the config."""
+
+    stage: int
+    compute_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    bucket_numel: int
+    overlap_comm: bool
+    use_reduce_scatter: bool
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    gradient_clipping: float
+    check_overflow: bool  # fp16: skip the step on every rank when any rank saw inf/nan
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    skipped: bool
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class ParamGroupSpec:
+    """A parameter group as the user gave it: hyperparameters and its (named) parameters."""
+
+    options: dict[str, Any]
+    params: list[tuple[str, nn.Parameter]]
+
+
+class ZeroOptimizer:
+    """Stage 0/1/2 state of one model on one rank. `step()` is the whole boundary step."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        policy: ZeroPolicy,
+        comm: Collectives,
+        device: torch.device,
+    ):
+        self.module = module
+        self.policy = policy
+        self.comm = comm
+        self.device = device
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        shard_count = self.world_size if policy.stage >= 1 else 1
+        order = {id(p): i for i, p in enumerate(module.parameters())}
+        specs = [[ParamSpec(name, p.numel(), order[id(p)]) for name, p in g.params] for g in groups]
+        self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
+        self.group_options = [dict(g.options) for g in groups]
+        self.buffers: list[GroupBuffers] = [
+            build_group_buffers(
+                layout,
+                [p for _, p in g.params],
+                self.rank,
+                policy.compute_dtype,
+                policy.grad_accum_dtype,
+                keep_full_grads=policy.stage < 2,
+                device=device,
+            )
+            for layout, g in zip(self.layout.groups, groups, strict=True)
+        ]
+        self._cast_untracked(module, {id(p) for g in groups for _, p in g.params})
+        self.pool = BufferPool(device)
+        self.reducer = GradientReducer(
+            self.layout,
+            self.buffers,
+            comm,
+            ReducePolicy(
+                partition_grads=policy.stage >= 2,
+                comm_dtype=policy.comm_dtype,
+                overlap=policy.overlap_comm,
+                use_reduce_scatter=policy.use_reduce_scatter,
+                prescale=1.0 / policy.gradient_predivide_factor if policy.prescale_gradients else 1.0,
+            ),
+            self.pool,
+            self.rank,
+            sync_decider=lambda: True,
+        )
+        self.reducer.register_hooks()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._master_grads: list[torch.Tensor] = []
+
+    # -- construction helpers --------------------------------------------------------------------
+    def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
+        """Frozen parameters and floating buffers follow the compute dtype, as DeepSpeed's module cast does."""
+        dtype = self.policy.compute_dtype
+        for param in module.parameters():
+            if id(param) not in tracked and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        for submodule in module.modules():
+            for name, buf in submodule.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    setattr(submodule, name, buf.to(dtype))
+
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        """torch-style groups over the flat master shards (one tensor per group), user options kept."""
+        return [{**opts, "params": [b.master]} for opts, b in zip(self.group_options, self.buffers, strict=True)]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use `optimizer` (built over `master_param_groups()` or re-pointed at them) for the step."""
+        self.optimizer = optimizer
+        self._master_grads = [
+            b.grad_shard if b.grad_shard.dtype == torch.float32 else torch.zeros_like(b.master) for b in self.buffers
+        ]
+
+    # -- the step --------------------------------------------------------------------------------
+    @property
+    def post_scale(self) -> float:
+        """Factor that turns the summed gradients into the mean over ranks."""
+        if self.policy.prescale_gradients:
+            return self.policy.gradient_predivide_factor / self.world_size
+        return 1.0 / self.world_size
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buffers]
+
+    def step(self, loss_scale: float = 1.0) -> StepOutcome:
+        """Finish reductions, unscale, clip, step the optimizer on the shards and publish parameters."""
+        assert self.optimizer is not None, "attach() an optimizer first"
+        with torch.profiler.record_function("zeroshard.reduce_wait"):
+            self.reducer.finish_backward()
+        grads = self.grad_shards()
+        if self.policy.check_overflow and self.comm.any_true(has_inf_or_nan(grads), self.device):
+            self.zero_grad()
+            return StepOutcome(skipped=True, grad_norm=None)
+        with torch.profiler.record_function("zeroshard.clip"):
+            scale = self.post_scale / loss_scale
+            norm = self._global_norm(grads) * scale
+            if self.policy.gradient_clipping > 0:
+                clip_coef = self.policy.gradient_clipping / (norm + 1e-6)
+                if clip_coef < 1.0:
+                    scale *= clip_coef
+        with torch.profiler.record_function("zeroshard.optimizer_step"):
+            for buffers, master_grad in zip(self.buffers, self._master_grads, strict=True):
+                if master_grad is buffers.grad_shard:
+                    if scale != 1.0:
+                        master_grad.mul_(scale)
+                else:
+                    torch.mul(buffers.grad_shard, scale, out=master_grad)
+                buffers.master.grad = master_grad
+            self.optimizer.step()
+            for buffers in self.buffers:
+                buffers.master.grad = None
+        with torch.profiler.record_function("zeroshard.all_gather_params"):
+            self.publish_params()
+        self.zero_grad()
+        return StepOutcome(skipped=False, grad_norm=norm)
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        nonempty = [g for g in grads if g.numel() > 0]
+        if nonempty:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in nonempty])
+            total_sq = norms.pow(2).sum().reshape(1)
+        else:
+            total_sq = torch.zeros(1, device=self.device)
+        if self.layout.shard_count > 1:
+            self.comm.all_reduce(total_sq)
+        return math.sqrt(float(total_sq.item()))
+
+    def publish_params(self) -> None:
+        """Write each rank's updated master shard into the parameter views and all-gather every bucket."""
+        handles = []
+        for buffers in self.buffers:
+            if buffers.master_aliases_params:
+                continue
+            if self.layout.shard_count == 1:
+                buffers.param_flat.copy_(buffers.master)
+                continue
+            for bucket in buffers.layout.buckets:
+                lo, hi = bucket.owner_range(self.rank)
+                mine = buffers.param_flat[lo:hi]
+                mine.copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
+                out = buffers.bucket_params(bucket.start, bucket.numel)
+                handles.append(self.comm.all_gather(out, mine, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        self.reducer.finish_backward()
+        self.reducer.reset_window()
+
+    def destroy(self) -> None:
+        self.reducer.remove_hooks()
+        self.pool.clear()
+
+    # -- introspection ---------------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        grads = 0
+        for b in self.buffers:
+            grads += nbytes(b.grad_full)
+            if b.grad_shard is not b.grad_full:
+                grads += nbytes(b.grad_shard)
+        state = 0
+        if self.optimizer is not None:
+            for per_param in self.optimizer.state.values():
+                state += sum(nbytes(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {
+            "params_trainable": sum(nbytes(b.param_flat) for b in self.buffers),
+            "gradients": grads,
+            "master_weights": sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers),
+            "optimizer_state": state,
+            "comm_buffers": self.pool.held_bytes
+            + sum(0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True)),
+        }

@@ -1,0 +1,176 @@
+"""Single-process reference training and the engine-side runner used by the parity tests.
+
+The reference is plain PyTorch: the same model and seed, the whole global batch (world_size x
+gradient_accumulation_steps micro-batches) per step, fp32 master weights with torch's AdamW and
+`clip_grad_norm_`. For bf16 it keeps a bf16 working copy for forward/backward and accumulates its
+gradients in fp32, which is what the engine does.
+
+[Note: parameters without a gradient]
+Flat ZeRO shards give a parameter that received no gradient in a step a zero gradient (its Adam
+moments decay and weight decay applies), as DeepSpeed does. The reference zero-fills such
+gradients so the two agree by definition rather than by accident.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.models.gpt import GPT, GPTConfig
+
+# bias=False: an attention key bias has an exactly-zero true gradient (softmax ignores a per-query
+# constant), so its computed gradient is rounding noise that Adam normalises into +-lr steps; any
+# change of summation order then sends it elsewhere. Without biases every parameter has a real
+# gradient and fp32 parity is a meaningful 1e-6 check.
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int
+    dtype: str = "fp32"  # fp32 | bf16
+    gas: int = 1
+    micro: int = 2
+    steps: int = 8
+    variant: str = "plain"  # plain | frozen | unused
+    bucket: int = 4096  # small buckets: several per group, so ordering and padding are exercised
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seq: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}"
+
+
+class WithUnused(nn.Module):
+    """A GPT plus a layer the forward never uses."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gpt = GPT(cfg)
+        self.unused = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.config = cfg
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gpt(idx, targets)
+
+
+def build_model(case: Case) -> nn.Module:
+    torch.manual_seed(1234)
+    model: nn.Module = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)
+    if case.variant == "frozen":
+        model.wpe.weight.requires_grad_(False)
+        for p in model.blocks[0].ln_1.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def param_groups(model: nn.Module, case: Case) -> list[dict]:
+    """Two groups (decay on matrices, none on vectors), so group options must be preserved."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": case.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def global_batches(case: Case, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(99)
+    size = case.micro * case.gas * world_size
+    out = []
+    for _ in range(case.steps):
+        x = torch.randint(0, TINY.vocab_size, (size, case.seq), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def micro_batch(batch: tuple[torch.Tensor, torch.Tensor], k: int, rank: int, world_size: int, micro: int):
+    """Micro-step k of `rank` takes rows [(k*world_size + rank)*micro, ... + micro) of the global batch."""
+    start = (k * world_size + rank) * micro
+    return batch[0][start : start + micro], batch[1][start : start + micro]
+
+
+def ds_config(case: Case) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": case.micro,
+        "gradient_accumulation_steps": case.gas,
+        "gradient_clipping": case.clip,
+        "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": case.lr, "weight_decay": case.weight_decay}},
+        "bf16": {"enabled": case.dtype == "bf16"},
+        "zero_optimization": {
+            "stage": case.stage,
+            "reduce_bucket_size": case.bucket,
+            "allgather_bucket_size": case.bucket,
+            "overlap_comm": True,
+        },
+    }
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def reference_run(case: Case, world_size: int) -> tuple[list[float], list[torch.Tensor]]:
+    """Per-step mean loss and per-step flat parameters of the single-process reference."""
+    master_model = build_model(case)
+    dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+    work = copy.deepcopy(master_model).to(dtype)
+    groups = param_groups(master_model, case)
+    optimizer = torch.optim.AdamW(groups, lr=case.lr)
+    trainable = [(m, w) for m, w in zip(master_model.parameters(), work.parameters(), strict=True) if m.requires_grad]
+    losses, params = [], []
+    n_micro = world_size * case.gas
+    for batch in global_batches(case, world_size):
+        step_losses = []
+        for m, _ in trainable:
+            m.grad = torch.zeros_like(m)
+        for k in range(case.gas):
+            for r in range(world_size):
+                x, y = micro_batch(batch, k, r, world_size, case.micro)
+                loss = work(x, y)
+                step_losses.append(loss.item())
+                (loss / n_micro).backward()
+                for m, w in trainable:
+                    if w.grad is not None:
+                        m.grad += w.grad.float()
+                        w.grad = None
+        torch.nn.utils.clip_grad_norm_([m for m, _ in trainable], case.clip)
+        optimizer.step()
+        with torch.no_grad():
+            for m, w in zip(master_model.parameters(), work.parameters(), strict=True):
+                w.copy_(m)
+        losses.append(sum(step_losses) / len(step_losses))
+        params.append(flat_params(work))
+    return losses, params
+
+
+def engine_run(rank: int, world_size: int, case: Case, configure: Callable[[dict], dict] | None = None):
+    """Train `case` with zeroshard on this rank; per-step mean local loss and per-step flat params."""
+    import zeroshard
+
+    model = build_model(case)
+    config = ds_config(case) if configure is None else configure(ds_config(case))
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    losses, params = [], []
+    for batch in global_batches(case, world_size):
+        step_losses = []
+        for k in range(case.gas):
+            x, y = micro_batch(batch, k, rank, world_size, case.micro)
+            loss = engine(x, y)
+            step_losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        losses.append(sum(step_losses) / len(step_losses))
+        params.append(flat_params(engine.module))
+    report = engine.memory_report()
+    engine.destroy()
+    return losses, params, report
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
