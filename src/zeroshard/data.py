@@ -21,3 +21,45 @@ def build_dataloader(
     (DistributedSampler with shuffling, as DeepSpeed's dataloader does)."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+
+
+def stdlib_corpus(max_bytes: int = 2_000_000) -> bytes:
+    """A default text corpus that needs no download: the Python standard library's own source files,
+    in a fixed (sorted) order so every machine and rank reads the same bytes."""
+    import os
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    chunks: list[bytes] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in {"test", "tests", "site-packages", "idlelib"})
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    data = fh.read()
+                chunks.append(data)
+                total += len(data)
+                if total >= max_bytes:
+                    return b"".join(chunks)[:max_bytes]
+    return b"".join(chunks)
+
+
+class ByteBlocks(Dataset[tuple[Any, Any]]):
+    """Byte-level language-model samples: (x, y) blocks of `block_size` tokens, y shifted by one."""
+
+    def __init__(self, data: bytes, block_size: int):
+        import torch
+
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.block_size = block_size
+        if len(self.tokens) <= block_size:
+            raise ValueError(f"corpus of {len(self.tokens)} bytes is shorter than block_size {block_size}")
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        start = i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]

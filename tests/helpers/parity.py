@@ -99,7 +99,6 @@ def ds_config(case: Case) -> dict:
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.gas,
         "gradient_clipping": case.clip,
-        "steps_per_print": 0,
         "optimizer": {"type": "AdamW", "params": {"lr": case.lr, "weight_decay": case.weight_decay}},
         "bf16": {"enabled": case.dtype == "bf16"},
         "zero_optimization": {

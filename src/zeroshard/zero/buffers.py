@@ -41,7 +41,7 @@ class GroupBuffers:
 def build_group_buffers(
     layout: GroupLayout,
     params: list[nn.Parameter],
-    rank: int,
+    shard_rank: int,
     compute_dtype: torch.dtype,
     grad_accum_dtype: torch.dtype,
     keep_full_grads: bool,
@@ -52,7 +52,7 @@ def build_group_buffers(
     alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32
     master = param_flat if alias else torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
     if not alias:
-        for piece in owned_pieces(layout, rank):
+        for piece in owned_pieces(layout, shard_rank):
             source = params[layout.slots[piece.slot].index].detach().reshape(-1)
             master.narrow(0, piece.shard_offset, piece.param_end - piece.param_begin).copy_(
                 source[piece.param_begin : piece.param_end]

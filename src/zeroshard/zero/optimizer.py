@@ -75,6 +75,7 @@ class ZeroOptimizer:
         self.rank = comm.rank
         self.world_size = comm.world_size
         shard_count = self.world_size if policy.stage >= 1 else 1
+        self.shard_rank = self.rank if shard_count > 1 else 0  # which slice of every bucket this rank owns
         order = {id(p): i for i, p in enumerate(module.parameters())}
         specs = [[ParamSpec(name, p.numel(), order[id(p)]) for name, p in g.params] for g in groups]
         self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
@@ -83,7 +84,7 @@ class ZeroOptimizer:
             build_group_buffers(
                 layout,
                 [p for _, p in g.params],
-                self.rank,
+                self.shard_rank,
                 policy.compute_dtype,
                 policy.grad_accum_dtype,
                 keep_full_grads=policy.stage < 2,
@@ -105,7 +106,7 @@ class ZeroOptimizer:
                 prescale=1.0 / policy.gradient_predivide_factor if policy.prescale_gradients else 1.0,
             ),
             self.pool,
-            self.rank,
+            self.shard_rank,
             sync_decider=lambda: True,
         )
         self.reducer.register_hooks()
@@ -199,7 +200,7 @@ class ZeroOptimizer:
                 buffers.param_flat.copy_(buffers.master)
                 continue
             for bucket in buffers.layout.buckets:
-                lo, hi = bucket.owner_range(self.rank)
+                lo, hi = bucket.owner_range(self.shard_rank)
                 mine = buffers.param_flat[lo:hi]
                 mine.copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
                 out = buffers.bucket_params(bucket.start, bucket.numel)

@@ -50,7 +50,7 @@ class GradientReducer:
         comm: Collectives,
         policy: ReducePolicy,
         pool: BufferPool,
-        rank: int,
+        shard_rank: int,
         sync_decider: Callable[[], bool],
     ):
         self.layout = layout
@@ -58,7 +58,7 @@ class GradientReducer:
         self.comm = comm
         self.policy = policy
         self.pool = pool
-        self.rank = rank
+        self.shard_rank = shard_rank
         self.sync_decider = sync_decider  # used when a backward starts without begin_backward()
         self._order = layout.buckets_in_launch_order
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -204,7 +204,7 @@ class GradientReducer:
 
             def finish_all_reduce() -> None:
                 if sharded:
-                    lo, _ = bucket.owner_range(self.rank)
+                    lo, _ = bucket.owner_range(self.shard_rank)
                     target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
                     target.copy_(send.narrow(0, lo - bucket.start, bucket.shard_numel))
                 elif staged:
@@ -237,7 +237,7 @@ class GradientReducer:
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
         if not self.policy.use_reduce_scatter:
             handle = self.comm.all_reduce(staging, async_op=self.policy.overlap)
-            lo, _ = bucket.owner_range(self.rank)
+            lo, _ = bucket.owner_range(self.shard_rank)
 
             def finish_all_reduce() -> None:
                 target.add_(staging.narrow(0, lo - bucket.start, bucket.shard_numel))

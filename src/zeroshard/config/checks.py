@@ -1,0 +1,56 @@
+"""Rules that involve more than one key. Values still "auto" are skipped; resolve_config runs the
+rules again once every value is known."""
+
+from __future__ import annotations
+
+from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.errors import ConfigError
+
+
+def check_consistency(cfg: ZeroshardConfig) -> None:
+    """Raise ConfigError when keys contradict each other (DeepSpeed's cross-key assertions)."""
+    _check_precision(cfg)
+    _check_zero(cfg)
+
+
+def _check_precision(cfg: ZeroshardConfig) -> None:
+    fp16, bf16 = cfg.fp16, cfg.bf16
+    if fp16.enabled is True and bf16.enabled is True:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+    if fp16.enabled is True and fp16.loss_scale == 0:
+        for key in ("loss_scale_window", "min_loss_scale"):
+            value = getattr(fp16, key)
+            if isinstance(value, int) and value <= 0:
+                raise ConfigError(f"fp16.{key}: {value} is out of range; dynamic loss scaling needs > 0")
+    if bf16.bf16_optimizer_states is True and bf16.bf16_master_weights_and_grads is not True:
+        raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true")
+
+
+def _check_zero(cfg: ZeroshardConfig) -> None:
+    zero = cfg.zero_optimization
+    stage = zero.stage
+    needs_zero = {
+        "fp16.fp16_master_weights_and_grads": cfg.fp16.fp16_master_weights_and_grads,
+        "bf16.bf16_master_weights_and_grads": cfg.bf16.bf16_master_weights_and_grads,
+        "bf16.bf16_optimizer_states": cfg.bf16.bf16_optimizer_states,
+    }
+    for key, value in needs_zero.items():
+        if value is True and stage == 0:
+            raise ConfigError(f"{key} is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)")
+    if zero.compute_grad_norm is False and stage not in (1, 2):
+        raise ConfigError(
+            f"zero_optimization.compute_grad_norm is false, which only stage 1 or 2 supports "
+            f"(zero_optimization.stage is {stage})"
+        )
+    ratio = zero.offload_optimizer.ratio
+    if isinstance(ratio, float) and ratio < 1.0 and stage != 3:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio {ratio} < 1.0 (partial offload) needs stage 3 "
+            f"(zero_optimization.stage is {stage})"
+        )
+    if cfg.gradient_allreduce_op == "sum" and stage == 3:
+        raise ConfigError('gradient_allreduce_op "sum" is not supported with zero_optimization.stage 3')
+    for name in ("offload_param", "offload_optimizer"):
+        offload = getattr(zero, name)
+        if offload.device == "nvme" and offload.nvme_path is None:
+            raise ConfigError(f'zero_optimization.{name}.device is "nvme" but {name}.nvme_path is not set')

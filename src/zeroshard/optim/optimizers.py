@@ -1,0 +1,258 @@
+"""Build the optimizer named by ds_config `optimizer.type` / `optimizer.params`.
+
+[Note: elementwise optimizers only] The ZeRO engine hands the optimizer ONE flat fp32 tensor per parameter
+group, a shard that concatenates slices of many parameters. An optimizer whose update of one element depends
+only on that element's own gradient and state (Adam, SGD, Lion, ...) gives the same result on the shard as on
+the original parameters. Anything that looks at a whole tensor (LAMB's trust ratio, Muon's orthogonalisation,
+Adafactor's row/column factors, muP's shape-dependent scaling, 1-bit compression, LBFGS's line search) would
+silently compute something else, so those names are refused.
+
+[Note: Adam implementation] DeepSpeed maps "Adam"/"AdamW" to its FusedAdam (weight_decay default 0.0,
+decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW with the same defaults and
+`fused=True` when every tensor is on a device with fused kernels, else `foreach=True`. One step of AdamW
+(weight_decay=0.01) on a single 10M-element fp32 tensor, torch 2.13 CPU, 2 threads (best of 3 x 20 steps):
+
+    default (for-loop): 44.6 ms    foreach: 31.6 ms    fused: 5.0 ms
+    (Adam with L2 decay: 50.8 / 38.3 / 5.1 ms)
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from zeroshard.errors import ConfigError
+from zeroshard.optim.lion import Lion
+
+# torch.optim classes whose update is elementwise, by their exact names.
+_TORCH_ELEMENTWISE: tuple[str, ...] = (
+    "ASGD",
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+)
+
+# Names (lower case) refused by [Note: elementwise optimizers only], with the reason shown to the user.
+_NOT_ELEMENTWISE: Mapping[str, str] = MappingProxyType(
+    {
+        "lamb": "LAMB scales each tensor's update by a per-tensor trust ratio",
+        "onebitadam": "1-bit Adam compresses whole-tensor communication and needs DeepSpeed's backend",
+        "zerooneadam": "0/1 Adam compresses whole-tensor communication and needs DeepSpeed's backend",
+        "onebitlamb": "1-bit LAMB uses per-tensor trust ratios and compressed communication",
+        "muadam": "muP optimizers scale the lr by each parameter's shape",
+        "muadamw": "muP optimizers scale the lr by each parameter's shape",
+        "musgd": "muP optimizers scale the lr by each parameter's shape",
+        "muon": "Muon orthogonalises each weight matrix",
+        "adafactor": "Adafactor factors the second moment over each matrix's rows and columns",
+        "lbfgs": "LBFGS needs a closure and a line search over all parameters",
+        "sparseadam": "SparseAdam needs sparse gradients",
+    }
+)
+
+# DeepSpeed-only Adam keys that torch's Adam/AdamW lack; consumed in _adam_kwargs.
+_DS_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none", "fp32_optimizer_states")
+# DeepSpeed-only keys other optimizers accept and ignore (values that match zeroshard's behaviour).
+_DS_IGNORED_KEYS = ("set_grad_none", "fp32_optimizer_states")
+# FusedAdam's defaults where they differ from torch's (torch AdamW defaults weight_decay to 0.01).
+_FUSED_ADAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({"weight_decay": 0.0})
+# Keys whose JSON list value torch wants as a tuple.
+_TUPLE_KEYS = ("betas", "etas", "step_sizes")
+
+
+def supported_optimizer_names() -> list[str]:
+    """The `optimizer.type` values build_optimizer accepts (matched case-insensitively)."""
+    return sorted({*_TORCH_ELEMENTWISE, "Lion"}, key=str.lower)
+
+
+def build_optimizer(
+    type_name: str, params: Mapping[str, Any], param_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """Build ds_config `optimizer.type` with `optimizer.params` over torch-style `param_groups`.
+
+    Names are case-insensitive. "Adam" means AdamW (decoupled weight decay) unless `adam_w_mode` is false,
+    as in DeepSpeed; DeepSpeed-only keys (adam_w_mode, torch_adam, bias_correction, ...) are consumed here.
+
+    Example:
+        >>> import torch
+        >>> w = torch.zeros(10, requires_grad=True)
+        >>> opt = build_optimizer("Adam", {"lr": 1e-3, "weight_decay": 0.1}, [{"params": [w]}])
+        >>> type(opt).__name__, opt.defaults["weight_decay"]
+        ('AdamW', 0.1)
+    """
+    kwargs = dict(params or {})
+    if "max_grad_norm" in kwargs:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm is not an optimizer parameter; set the top-level "
+            '"gradient_clipping" key instead.'
+        )
+    key = type_name.lower()
+    if key in ("adam", "adamw"):
+        cls, kwargs = _adam_kwargs(key, kwargs, param_groups)
+    else:
+        cls = _resolve_class(type_name)
+        kwargs = _drop_ds_only_keys(cls, kwargs)
+    _check_keys(cls, kwargs)
+    for name in _TUPLE_KEYS:
+        if isinstance(kwargs.get(name), list):
+            kwargs[name] = tuple(kwargs[name])
+    try:
+        return cls(param_groups, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"optimizer.params is invalid for optimizer.type={type_name!r}: {err}") from err
+
+
+def optimizer_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The lr, betas, eps and weight_decay a client optimizer was built with (those it has), as Python values.
+
+    Used to resolve ds_config "auto" values from an optimizer the user constructed.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=3e-4)
+        >>> optimizer_defaults(opt)
+        {'lr': 0.0003, 'betas': (0.9, 0.999), 'eps': 1e-08, 'weight_decay': 0.01}
+    """
+    source = dict(optimizer.param_groups[0]) if optimizer.param_groups else {}
+    source.update(optimizer.defaults)
+    found: dict[str, Any] = {}
+    for name in ("lr", "betas", "eps", "weight_decay"):
+        if name in source:
+            found[name] = _as_python(source[name])
+    return found
+
+
+def _as_python(value: Any) -> Any:
+    """A tensor or tuple of tensors as Python floats; anything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple | list):
+        return tuple(_as_python(v) for v in value)
+    return value
+
+
+def _resolve_class(type_name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class for a (non-Adam) name, or a ConfigError explaining why there is none."""
+    key = type_name.lower()
+    supported = supported_optimizer_names()
+    if key in _NOT_ELEMENTWISE:
+        raise ConfigError(
+            f"optimizer.type={type_name!r} is not supported: {_NOT_ELEMENTWISE[key]}, but ZeRO hands the "
+            f"optimizer flat shards of many parameters, so only elementwise optimizers are valid. "
+            f"Supported: {', '.join(supported)}."
+        )
+    if key == "lion":
+        return Lion
+    for name in _TORCH_ELEMENTWISE:
+        if name.lower() == key:
+            cls: type[torch.optim.Optimizer] = getattr(torch.optim, name)
+            return cls
+    lowered = {name.lower(): name for name in supported}
+    close = difflib.get_close_matches(key, list(lowered), n=1)
+    hint = f" Did you mean {lowered[close[0]]!r}?" if close else ""
+    raise ConfigError(f"optimizer.type={type_name!r} is unknown.{hint} Supported: {', '.join(supported)}.")
+
+
+def _adam_kwargs(
+    key: str, kwargs: dict[str, Any], param_groups: list[dict[str, Any]]
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """Map DeepSpeed's Adam/AdamW keys onto torch's Adam/AdamW (see [Note: Adam implementation])."""
+    adam_w_mode = _bool_param(kwargs, "adam_w_mode", True)
+    torch_adam = _bool_param(kwargs, "torch_adam", False)
+    if not _bool_param(kwargs, "bias_correction", True):
+        raise ConfigError(
+            "optimizer.params.bias_correction=False is not supported: torch's Adam always applies bias "
+            "correction. Remove the key or set it to true."
+        )
+    for name in _DS_ADAM_KEYS:
+        kwargs.pop(name, None)
+    cls = torch.optim.AdamW if (key == "adamw" or adam_w_mode) else torch.optim.Adam
+    if not torch_adam:
+        # DeepSpeed's default path is FusedAdam, whose defaults we keep; torch_adam selects torch's own.
+        for name, value in _FUSED_ADAM_DEFAULTS.items():
+            kwargs.setdefault(name, value)
+    if "fused" not in kwargs and "foreach" not in kwargs:
+        if _fused_kernels_available(param_groups):
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
+    return cls, kwargs
+
+
+def _bool_param(kwargs: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean optimizer param, type-checked."""
+    value = kwargs.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"optimizer.params.{name} must be true or false, got {value!r}")
+    return value
+
+
+def _drop_ds_only_keys(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Consume DeepSpeed-only keys the torch class lacks, when their value matches what zeroshard does."""
+    accepted = _accepted_keys(cls)
+    for name in _DS_IGNORED_KEYS:
+        if name not in accepted:
+            kwargs.pop(name, None)
+    if "amsgrad" not in accepted and "amsgrad" in kwargs:
+        # DeepSpeed's CPU Adagrad takes amsgrad and ignores it; only the no-op value is safe to accept.
+        if kwargs["amsgrad"] is not False:
+            raise ConfigError(
+                f"optimizer.params.amsgrad={kwargs['amsgrad']!r} is not supported by {cls.__name__}; "
+                "remove it or set it to false."
+            )
+        del kwargs["amsgrad"]
+    return kwargs
+
+
+def _accepted_keys(cls: type[torch.optim.Optimizer]) -> list[str]:
+    """Keyword parameters of the optimizer's constructor, other than the parameters themselves."""
+    signature = inspect.signature(cls.__init__)
+    return [
+        name
+        for name, p in signature.parameters.items()
+        if name not in ("self", "params", "model_params")
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+
+
+def _check_keys(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> None:
+    """ConfigError naming the first key the optimizer's constructor does not take."""
+    accepted = _accepted_keys(cls)
+    for name in kwargs:
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"optimizer.params.{name} is not a parameter of {cls.__name__}.{hint} "
+                f"Accepted: {', '.join(accepted)}."
+            )
+
+
+def _fused_kernels_available(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether torch has fused Adam kernels for every tensor (floating point, dense, supported device)."""
+    devices = _fused_devices()
+    for group in param_groups:
+        for tensor in group["params"]:
+            if tensor.is_sparse or not tensor.is_floating_point() or tensor.device.type not in devices:
+                return False
+    return True
+
+
+def _fused_devices() -> tuple[str, ...]:
+    """Device types with fused optimizer kernels in the installed torch (its own list when it exposes one)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cpu", "cuda")
+    return tuple(_get_fused_kernels_supported_devices())

@@ -1,0 +1,122 @@
+"""DeepSpeed's engine API on 2 ranks: client objects, dataloader, no_sync, accessors, destroy."""
+
+from __future__ import annotations
+
+import torch
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
+
+
+def _client_objects(rank: int, world_size: int):
+    """A client optimizer and scheduler objects are used (re-pointed at the shards), not rebuilt."""
+    import zeroshard
+
+    case = Case(stage=1, steps=4)
+    model = build_model(case)
+    opt = torch.optim.AdamW(param_groups(model, case), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    config = {k: v for k, v in ds_config(case).items() if k != "optimizer"}
+    engine, optimizer, _, lr_scheduler = zeroshard.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    assert optimizer is opt and lr_scheduler is sched
+    lrs = []
+    for batch in global_batches(case, world_size):
+        x, y = micro_batch(batch, 0, rank, world_size, case.micro)
+        engine.backward(engine(x, y))
+        engine.step()
+        lrs.append(engine.get_lr())
+    api = (engine.global_steps, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+           engine.get_global_grad_norm() is not None, len(opt.param_groups))
+    engine.destroy()
+    return lrs, api
+
+
+def _callable_optimizer_and_dataloader(rank: int, world_size: int):
+    import zeroshard
+    from torch.utils.data import TensorDataset
+
+    case = Case(stage=2, steps=2)
+    model = build_model(case)
+    data = torch.randint(0, 64, (40, 17))
+    dataset = TensorDataset(torch.arange(40), data[:, :-1], data[:, 1:])
+    config = {k: v for k, v in ds_config(case).items() if k != "optimizer"}
+    engine, optimizer, loader, _ = zeroshard.initialize(
+        model=model, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1), training_data=dataset, config=config)
+    assert isinstance(optimizer, torch.optim.SGD)
+    seen = []
+    for index, x, y in loader:
+        assert x.shape[0] == case.micro
+        seen.extend(index.tolist())
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.destroy()
+    return len(loader), sorted(seen)
+
+
+def _no_sync_and_destroy(rank: int, world_size: int):
+    """no_sync accumulates without communication; the next synced backward reduces the sum."""
+    import zeroshard
+
+    results = []
+    for use_no_sync in (True, False):
+        case = Case(stage=1, steps=1, clip=0.0)
+        model = build_model(case)
+        config = ds_config(case)
+        config["gradient_clipping"] = 0.0
+        # no_sync sums two micro-batches (loss / 1 each); gas=2 averages them (loss / 2): double its lr
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1 if use_no_sync else 0.2}}
+        config["gradient_accumulation_steps"] = 1 if use_no_sync else 2
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+        big = Case(stage=1, steps=1, gas=2)
+        batch = global_batches(big, world_size)[0]
+        x0, y0 = micro_batch(batch, 0, rank, world_size, case.micro)
+        x1, y1 = micro_batch(batch, 1, rank, world_size, case.micro)
+        if use_no_sync:
+            with engine.no_sync():
+                before = engine.comm_stats.total_bus_bytes
+                engine.backward(engine(x0, y0))
+                assert engine.comm_stats.total_bus_bytes == before, "no_sync backward communicated"
+            engine.backward(engine(x1, y1))
+            engine.step()
+        else:
+            engine.backward(engine(x0, y0))
+            engine.step()
+            engine.backward(engine(x1, y1))
+            engine.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]))
+        engine.destroy()
+        hooks_left = [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+        assert not hooks_left, f"hooks left after destroy: {hooks_left}"
+    return float((results[0] - results[1]).abs().max())
+
+
+def _stage2_rejects_no_sync(rank: int, world_size: int):
+    import zeroshard
+
+    case = Case(stage=2, steps=1)
+    model = build_model(case)
+    engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case))
+    try:
+        with engine.no_sync():
+            pass
+    except zeroshard.ZeroshardError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+    return None
+
+
+def _all(rank: int, world_size: int):
+    return (_client_objects(rank, world_size), _callable_optimizer_and_dataloader(rank, world_size),
+            _no_sync_and_destroy(rank, world_size), _stage2_rejects_no_sync(rank, world_size))
+
+
+def test_engine_api():
+    results = run_on_ranks(_all, 2)
+    (lrs, api), _, _, _ = results[0]
+    assert [round(x[0], 10) for x in lrs] == [5e-4, 2.5e-4, 1.25e-4, 6.25e-5]
+    assert api == (4, 2, 1, True, 2)
+    (n0, seen0), (n1, seen1) = results[0][1], results[1][1]
+    assert n0 == n1 == 10 and not set(seen0) & set(seen1) and sorted(seen0 + seen1) == list(range(40))
+    for r in results:
+        assert r[2] < 1e-6, f"no_sync result differs from accumulation by {r[2]}"
+        assert r[3] and "no_sync" in r[3] and "stage 2" in r[3]
