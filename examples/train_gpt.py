@@ -1,7 +1,7 @@
 """Train a small byte-level GPT on the Python standard library's source with zeroshard.
 
-    torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 processes, ZeRO-2 (examples/ds_config_zero2.json)
-    python examples/train_gpt.py --steps 20                        # one process, no launcher
+torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 processes, ZeRO-2 (examples/ds_config_zero2.json)
+python examples/train_gpt.py --steps 20                        # one process, no launcher
 """
 
 import argparse
@@ -24,10 +24,11 @@ torch.manual_seed(0)
 model = GPT(PRESETS[args.model])
 dataset = ByteBlocks(stdlib_corpus(args.corpus_bytes), model.config.block_size)
 engine, optimizer, loader, scheduler = zeroshard.initialize(
-    model=model, model_parameters=model.parameters(), training_data=dataset, config=args.config)
+    model=model, model_parameters=model.parameters(), training_data=dataset, config=args.config
+)
 
 rank0 = engine.global_rank == 0
-t0, epoch, losses = time.time(), 0, []
+t0, epoch, losses, printed = time.time(), 0, [], 0
 while engine.global_steps < args.steps:
     loader.sampler.set_epoch(epoch)
     for x, y in loader:
@@ -35,16 +36,22 @@ while engine.global_steps < args.steps:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        if engine.is_gradient_accumulation_boundary() and rank0 and engine.global_steps % 10 == 0:
+        if rank0 and engine.global_steps % 10 == 0 and engine.global_steps != printed:
+            printed = engine.global_steps
             tokens = engine.global_steps * engine.train_batch_size() * model.config.block_size
-            print(f"step {engine.global_steps:4d}  loss {sum(losses[-10:]) / len(losses[-10:]):.4f}  "
-                  f"lr {engine.get_lr()[0]:.2e}  {tokens / (time.time() - t0):,.0f} tok/s", flush=True)
+            print(
+                f"step {engine.global_steps:4d}  loss {sum(losses[-10:]) / len(losses[-10:]):.4f}  "
+                f"lr {engine.get_lr()[0]:.2e}  {tokens / (time.time() - t0):,.0f} tok/s",
+                flush=True,
+            )
         if engine.global_steps >= args.steps:
             break
     epoch += 1
 
 if rank0:
     report = engine.memory_report()
-    print(f"done: {engine.global_steps} steps, final loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, "
-          f"model states {report.model_states / 2**20:.1f} MiB/rank (stage {report.stage})")
+    print(
+        f"done: {engine.global_steps} steps, final loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, "
+        f"model states {report.model_states / 2**20:.1f} MiB/rank (stage {report.stage})"
+    )
 engine.destroy()

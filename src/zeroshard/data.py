@@ -19,7 +19,9 @@ def build_dataloader(
 ) -> DataLoader[Any]:
     """Each rank reads its own 1/world_size of every epoch, `micro_batch_size` samples at a time
     (DistributedSampler with shuffling, as DeepSpeed's dataloader does)."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+    )
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
 
 

@@ -159,7 +159,11 @@ class Engine(nn.Module):
                 self.loss_scaler.update_scale(outcome.skipped)
             if outcome.skipped:
                 self.skipped_steps += 1
-                log_rank(logger, 20, f"step {self.global_steps}: fp16 overflow, step skipped; loss scale now {self.loss_scale:g}")
+                log_rank(
+                    logger,
+                    20,
+                    f"step {self.global_steps}: fp16 overflow, step skipped; loss scale now {self.loss_scale:g}",
+                )
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._last_grad_norm = outcome.grad_norm
@@ -168,8 +172,8 @@ class Engine(nn.Module):
             self._report_progress()
         self.micro_steps += 1
 
-    def zero_grad(self) -> None:
-        """Drop all gradients accumulated since the last step."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""
         if self.zero is not None:
             self.zero.zero_grad()
 
@@ -200,7 +204,7 @@ class Engine(nn.Module):
     # -- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         zero_bytes = self.zero.memory_bytes() if self.zero is not None else {}
-        tracked = set()
+        tracked: set[int] = set()
         trainable = 0
         if self.zero is not None:
             for buffers in self.zero.buffers:
@@ -224,13 +228,17 @@ class Engine(nn.Module):
         every = int(self.config.steps_per_print or 0)
         if every > 0 and self.global_steps % every == 0:
             lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
-            log_rank(logger, 20, f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lr}] "
-                     f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}")
+            log_rank(
+                logger,
+                20,
+                f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lr}] "
+                f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}",
+            )
 
     def _require_zero(self, what: str) -> ZeroOptimizer:
         if self.zero is None:
             raise ZeroshardError(
-                f"engine.{what}() needs an optimizer: pass optimizer= to initialize or add an \"optimizer\" "
+                f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '
                 "block to the config (or the engine was destroyed)"
             )
         return self.zero

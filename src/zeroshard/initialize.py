@@ -95,8 +95,12 @@ def _build(
         raise ConfigError(
             f"zero_optimization.stage: {stage} (parameter partitioning) is not implemented yet; use 0, 1 or 2"
         )
-    comm = Collectives(topology.group, topology.world_size, topology.rank,
-                       verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES") == "1")
+    comm = Collectives(
+        topology.group,
+        topology.world_size,
+        topology.rank,
+        verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES") == "1",
+    )
     model.to(topology.device)
     _broadcast_module_state(model, comm)
     precision = PrecisionPolicy.from_config(cfg)
@@ -114,14 +118,23 @@ def _build(
     loss_scaler = None
     if fp16.enabled:
         loss_scaler = build_loss_scaler(
-            loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-            loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-            consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
+            loss_scale=fp16.loss_scale,
+            initial_scale_power=fp16.initial_scale_power,
+            loss_scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_loss_scale=fp16.min_loss_scale,
         )
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, int(cfg.train_micro_batch_size_per_gpu), topology.rank,
-                                  topology.world_size, collate_fn, drop_last=bool(cfg.dataloader_drop_last))
+        loader = build_dataloader(
+            training_data,
+            int(cfg.train_micro_batch_size_per_gpu or 1),
+            topology.rank,
+            topology.world_size,
+            collate_fn,
+            drop_last=bool(cfg.dataloader_drop_last),
+        )
     engine = Engine(model, cfg, topology, comm, precision, zero, engine_optimizer, scheduler, loss_scaler, loader)
     return engine, engine_optimizer, loader, scheduler
 
@@ -146,7 +159,9 @@ def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy) -
     )
 
 
-def _param_groups(model: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None) -> list[ParamGroupSpec]:
+def _param_groups(
+    model: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
+) -> list[ParamGroupSpec]:
     """The trainable parameter groups, from the client optimizer, `model_parameters`, or the model."""
     names = {id(p): n for n, p in model.named_parameters()}
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -167,8 +182,10 @@ def _param_groups(model: nn.Module, optimizer: OptimizerArg, model_parameters: I
         named = []
         for p in params:
             if id(p) not in names:
-                raise ConfigError(f"parameter group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                  "parameter of the model passed to initialize")
+                raise ConfigError(
+                    f"parameter group {i} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model passed to initialize"
+                )
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 named.append((names[id(p)], p))
@@ -183,8 +200,10 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: ZeroOpt
     groups = zero.master_param_groups()
     if isinstance(optimizer, torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):
-            raise ConfigError("the client optimizer already has state; pass a freshly constructed optimizer "
-                              "(load optimizer state with engine.load_checkpoint)")
+            raise ConfigError(
+                "the client optimizer already has state; pass a freshly constructed optimizer "
+                "(load optimizer state with engine.load_checkpoint)"
+            )
         for target, group in zip(optimizer.param_groups, groups, strict=True):
             target["params"] = group["params"]
         optimizer.state.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
@@ -16,7 +17,9 @@ def _client_objects(rank: int, world_size: int):
     opt = torch.optim.AdamW(param_groups(model, case), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     config = {k: v for k, v in ds_config(case).items() if k != "optimizer"}
-    engine, optimizer, _, lr_scheduler = zeroshard.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    engine, optimizer, _, lr_scheduler = zeroshard.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=config
+    )
     assert optimizer is opt and lr_scheduler is sched
     lrs = []
     for batch in global_batches(case, world_size):
@@ -24,15 +27,21 @@ def _client_objects(rank: int, world_size: int):
         engine.backward(engine(x, y))
         engine.step()
         lrs.append(engine.get_lr())
-    api = (engine.global_steps, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-           engine.get_global_grad_norm() is not None, len(opt.param_groups))
+    api = (
+        engine.global_steps,
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+        engine.get_global_grad_norm() is not None,
+        len(opt.param_groups),
+    )
     engine.destroy()
     return lrs, api
 
 
 def _callable_optimizer_and_dataloader(rank: int, world_size: int):
-    import zeroshard
     from torch.utils.data import TensorDataset
+
+    import zeroshard
 
     case = Case(stage=2, steps=2)
     model = build_model(case)
@@ -40,7 +49,11 @@ def _callable_optimizer_and_dataloader(rank: int, world_size: int):
     dataset = TensorDataset(torch.arange(40), data[:, :-1], data[:, 1:])
     config = {k: v for k, v in ds_config(case).items() if k != "optimizer"}
     engine, optimizer, loader, _ = zeroshard.initialize(
-        model=model, optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1), training_data=dataset, config=config)
+        model=model,
+        optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1),
+        training_data=dataset,
+        config=config,
+    )
     assert isinstance(optimizer, torch.optim.SGD)
     seen = []
     for index, x, y in loader:
@@ -106,8 +119,12 @@ def _stage2_rejects_no_sync(rank: int, world_size: int):
 
 
 def _all(rank: int, world_size: int):
-    return (_client_objects(rank, world_size), _callable_optimizer_and_dataloader(rank, world_size),
-            _no_sync_and_destroy(rank, world_size), _stage2_rejects_no_sync(rank, world_size))
+    return (
+        _client_objects(rank, world_size),
+        _callable_optimizer_and_dataloader(rank, world_size),
+        _no_sync_and_destroy(rank, world_size),
+        _stage2_rejects_no_sync(rank, world_size),
+    )
 
 
 def test_engine_api():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
@@ -14,8 +15,13 @@ def _overflow(rank: int, world_size: int, stage: int):
     model = build_model(case)
     config = ds_config(case)
     config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
-    engine, _, _, scheduler = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    config["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10},
+    }
+    engine, _, _, scheduler = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, case), config=config
+    )
     batches = global_batches(case, world_size)
     x, y = micro_batch(batches[0], 0, rank, world_size, case.micro)
     engine.backward(engine(x, y))

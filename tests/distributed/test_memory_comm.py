@@ -13,8 +13,9 @@ def _measure(rank: int, world_size: int, stages: list[int]):
     for stage in stages:
         case = Case(stage=stage, steps=3, bucket=8192)
         model = build_model(case)
-        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case),
-                                               config=ds_config(case))
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
         per_step = []
         for batch in global_batches(case, world_size):
             before = engine.comm_stats.snapshot()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, engine_run, reference_run, relative_difference
 
@@ -15,11 +16,11 @@ from helpers.parity import Case, engine_run, reference_run, relative_difference
 # dropped bucket) shows up well above that bound.
 TOL = {"fp32": (1e-6, 1e-6), "bf16": (1e-2, 1e-2)}
 
-CASES_2 = [
-    Case(stage=s, dtype=d, gas=g) for s in (0, 1, 2) for d in ("fp32", "bf16") for g in (1, 3)
-] + [
-    Case(stage=s, variant=v) for s in (1, 2) for v in ("frozen", "unused")
-] + [Case(stage=0, variant="unused"), Case(stage=0, variant="frozen")]
+CASES_2 = (
+    [Case(stage=s, dtype=d, gas=g) for s in (0, 1, 2) for d in ("fp32", "bf16") for g in (1, 3)]
+    + [Case(stage=s, variant=v) for s in (1, 2) for v in ("frozen", "unused")]
+    + [Case(stage=0, variant="unused"), Case(stage=0, variant="frozen")]
+)
 
 CASES_4 = [Case(stage=2, gas=1), Case(stage=1, gas=3)]
 
@@ -38,7 +39,9 @@ def _check(cases: list[Case], per_rank, world_size: int) -> None:
             loss = sum(losses[step] for losses in rank_losses) / world_size
             rel = abs(loss - ref_losses[step]) / abs(ref_losses[step])
             if rel > loss_tol:
-                failures.append(f"{case.name} step {step}: loss {loss!r} vs reference {ref_losses[step]!r} (rel {rel:.2e})")
+                failures.append(
+                    f"{case.name} step {step}: loss {loss!r} vs reference {ref_losses[step]!r} (rel {rel:.2e})"
+                )
             for r in range(world_size):
                 p_rel = relative_difference(per_rank[r][i][1][step], ref_params[step])
                 if p_rel > param_tol:

@@ -27,8 +27,13 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), ZEROSHARD_LOG_LEVEL="WARNING",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ZEROSHARD_LOG_LEVEL="WARNING",
     )
     import torch
     import torch.distributed as dist
@@ -58,8 +63,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
             try:
                 rank, status, payload = results.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish "
-                                   f"within {timeout}s") from None
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s"
+                ) from None
             if status == "ok":
                 collected[rank] = pickle.loads(payload)
             else:

@@ -83,11 +83,7 @@ def test_empty_config_has_deepspeed_defaults() -> None:
         False,
     )
     zero = cfg.zero_optimization
-    assert (
-        zero.stage == 0
-        and zero.reduce_bucket_size == 500_000_000
-        and zero.allgather_bucket_size == 500_000_000
-    )
+    assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000 and zero.allgather_bucket_size == 500_000_000
     assert isinstance(zero.reduce_bucket_size, int)
     assert zero.offload_optimizer.device == "none" and zero.offload_param.device == "none"
     assert zero.overlap_comm is False
@@ -283,10 +279,7 @@ def test_zero_keys_and_defaults_match_deepspeed() -> None:
         expected = list(value.values()) if key == "leaf_module" else value
         got = list(ours[key].values()) if key == "leaf_module" else ours[key]
         assert got == expected, key
-    assert (
-        set(DeepSpeedZeroConfig.model_fields)
-        <= set(ZeroshardConfig().zero_optimization.spellings()) | deprecated
-    )
+    assert set(DeepSpeedZeroConfig.model_fields) <= set(ZeroshardConfig().zero_optimization.spellings()) | deprecated
 
 
 @pytest.mark.parametrize(
@@ -406,9 +399,7 @@ def test_unknown_key_names_the_path_and_the_closest_key(source: dict[str, Any], 
 
 def test_unknown_key_lists_valid_keys_when_nothing_is_close() -> None:
     message = error_of({"activation_checkpointing": {"zzz": 1}})
-    assert message.startswith(
-        "activation_checkpointing.zzz: unknown key; valid keys of activation_checkpointing are:"
-    )
+    assert message.startswith("activation_checkpointing.zzz: unknown key; valid keys of activation_checkpointing are:")
     assert "partition_activations" in message and "cpu_checkpointing" in message
 
 
@@ -510,10 +501,7 @@ def test_duplicate_json_keys(tmp_path: pathlib.Path, log: pytest.LogCaptureFixtu
     ]
     different = tmp_path / "different.json"
     different.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')
-    assert (
-        error_of(different)
-        == f'ds_config file {different}: key "stage" appears twice, with 1 and 2; keep one'
-    )
+    assert error_of(different) == f'ds_config file {different}: key "stage" appears twice, with 1 and 2; keep one'
 
 
 # --------------------------------------------------------------------------- deprecated and alternative spell
@@ -574,8 +562,7 @@ def test_duplicate_json_keys(tmp_path: pathlib.Path, log: pytest.LogCaptureFixtu
             {"seq_parallel_comm_data_type": "bf16"},
             "seq_parallel_communication_data_type",
             "bf16",
-            "zeroshard: seq_parallel_comm_data_type is deprecated; use "
-            "seq_parallel_communication_data_type instead",
+            "zeroshard: seq_parallel_comm_data_type is deprecated; use seq_parallel_communication_data_type instead",
         ),
         (
             {"zero_optimization": True, "allgather_size": 1e8},
@@ -684,8 +671,7 @@ def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureF
         ),
         (
             {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
-            "fp16.fp16_master_weights_and_grads is true but needs ZeRO "
-            "stage 1, 2 or 3 (zero_optimization.stage is 0)",
+            "fp16.fp16_master_weights_and_grads is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)",
         ),
     ],
 )
@@ -694,10 +680,7 @@ def test_contradicting_keys_are_errors(source: dict[str, Any], message: str) -> 
 
 
 def test_static_loss_scale_does_not_need_a_window() -> None:
-    assert (
-        parse_config({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale
-        == 128
-    )
+    assert parse_config({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale == 128
 
 
 # --------------------------------------------------------------------------- unimplemented keys
@@ -857,9 +840,7 @@ def test_batch_triple_is_completed(
         ),
     ],
 )
-def test_inconsistent_batch_is_an_error(
-    train: int | None, micro: int | None, accum: int | None, message: str
-) -> None:
+def test_inconsistent_batch_is_an_error(train: int | None, micro: int | None, accum: int | None, message: str) -> None:
     cfg = parse_config(
         {
             "train_batch_size": train,
@@ -917,9 +898,7 @@ HF_AUTO = {
 def test_auto_is_kept_by_parse_and_resolved_into_a_new_config() -> None:
     cfg = parse_config(HF_AUTO)
     assert (
-        cfg.train_batch_size is AUTO
-        and cfg.fp16.enabled is AUTO
-        and cfg.zero_optimization.reduce_bucket_size is AUTO
+        cfg.train_batch_size is AUTO and cfg.fp16.enabled is AUTO and cfg.zero_optimization.reduce_bucket_size is AUTO
     )
     assert cfg.optimizer is not None and cfg.optimizer.params["lr"] is AUTO and not cfg.resolved
     out = resolve_config(
@@ -966,10 +945,7 @@ def test_known_values_fill_auto(log: pytest.LogCaptureFixture) -> None:
     out = resolve_config(parse_config(HF_AUTO), world_size=4, known=known)
     assert (out.train_batch_size, out.gradient_accumulation_steps) == (24, 3)
     assert out.fp16.enabled is True and out.gradient_clipping == 0.5
-    assert (
-        out.zero_optimization.stage3_prefetch_bucket_size == 123
-        and out.zero_optimization.reduce_bucket_size == 64
-    )
+    assert out.zero_optimization.stage3_prefetch_bucket_size == 123 and out.zero_optimization.reduce_bucket_size == 64
     assert out.optimizer is not None and out.optimizer.params["betas"] == [0.8, 0.9]
     assert out.scheduler is not None and out.scheduler.params["warmup_max_lr"] == 0.1
     assert out.scheduler.params["warmup_num_steps"] == 7
@@ -1032,8 +1008,7 @@ def test_auto_means_default_where_deepspeed_reads_it_so() -> None:
         ),
         (
             {"activation_checkpointing": {"partition_activations": "auto"}},
-            'activation_checkpointing.partition_activations: "auto" is '
-            "not accepted for this key; set a value",
+            'activation_checkpointing.partition_activations: "auto" is not accepted for this key; set a value',
         ),
         ({"optimizer": {"type": "auto"}}, 'optimizer.type: "auto" is not accepted for this key; set a value'),
     ],
@@ -1043,10 +1018,7 @@ def test_auto_where_nobody_fills_it_is_an_error(source: dict[str, Any], message:
 
 
 def test_literal_auto_value_is_kept() -> None:
-    assert (
-        parse_config({"data_types": {"keep_in_fp32_modules": "auto"}}).data_types.keep_in_fp32_modules
-        == "auto"
-    )
+    assert parse_config({"data_types": {"keep_in_fp32_modules": "auto"}}).data_types.keep_in_fp32_modules == "auto"
     assert parse_config({"pipeline": {"stages": "auto"}}).pipeline == {"stages": "auto"}
 
 
@@ -1141,18 +1113,14 @@ def _seed_002() -> dict[str, Any]:
     return data
 
 
-REAL_CONFIGS = [
-    (path.name, path, world) for path in sorted((DATA / "ds_configs").glob("*.json")) for world in (2, 8)
-]
+REAL_CONFIGS = [(path.name, path, world) for path in sorted((DATA / "ds_configs").glob("*.json")) for world in (2, 8)]
 REAL_CONFIGS += [
     ("seed_000", DATA / "seeds" / "seed_000_stage3_cpu_offload.json", 8),
     ("seed_001", DATA / "seeds" / "seed_001_stage3_fp16_activation_checkpointing.json", 8),
 ]
 
 
-@pytest.mark.parametrize(
-    ("name", "path", "world"), REAL_CONFIGS, ids=[f"{n}-ws{w}" for n, _, w in REAL_CONFIGS]
-)
+@pytest.mark.parametrize(("name", "path", "world"), REAL_CONFIGS, ids=[f"{n}-ws{w}" for n, _, w in REAL_CONFIGS])
 def test_real_world_config_parses_and_resolves(name: str, path: pathlib.Path, world: int) -> None:
     cfg = resolve_config(parse_config(path), world_size=world, known=KNOWN)
     assert cfg.resolved
@@ -1188,9 +1156,7 @@ def test_ms_swift_cosine_schedule_needs_total_steps() -> None:
 
 
 def test_transformers_zero3_legacy_spelling(log: pytest.LogCaptureFixture) -> None:
-    cfg = resolve_config(
-        parse_config(DATA / "ds_configs" / "transformers-tests_zero3.json"), world_size=2, known=KNOWN
-    )
+    cfg = resolve_config(parse_config(DATA / "ds_configs" / "transformers-tests_zero3.json"), world_size=2, known=KNOWN)
     zero = cfg.zero_optimization
     assert zero.stage3_gather_16bit_weights_on_model_save is True and zero.sub_group_size == 10**14
     assert (
@@ -1204,9 +1170,7 @@ def test_transformers_zero3_legacy_spelling(log: pytest.LogCaptureFixture) -> No
 
 
 def test_seed_000_stage3_values() -> None:
-    cfg = resolve_config(
-        parse_config(DATA / "seeds" / "seed_000_stage3_cpu_offload.json"), world_size=8, known=KNOWN
-    )
+    cfg = resolve_config(parse_config(DATA / "seeds" / "seed_000_stage3_cpu_offload.json"), world_size=8, known=KNOWN)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
         64,
         1,
@@ -1274,14 +1238,10 @@ def test_config_modules_import_no_torch() -> None:
             for name in names:
                 assert name.split(".")[0] in allowed_roots, f"{source.name} imports {name}"
                 if name.startswith("zeroshard."):
-                    assert name.startswith(
-                        ("zeroshard.config", "zeroshard.errors", "zeroshard.utils.logging")
-                    ), name
+                    assert name.startswith(("zeroshard.config", "zeroshard.errors", "zeroshard.utils.logging")), name
 
 
-@pytest.mark.parametrize(
-    "module", [config_pkg, parse_module, resolve_module, schema_module], ids=lambda m: m.__name__
-)
+@pytest.mark.parametrize("module", [config_pkg, parse_module, resolve_module, schema_module], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module: Any) -> None:
     result = doctest.testmod(module, verbose=False)
     assert result.failed == 0 and result.attempted > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from zeroshard.zero.layout import ParamSpec, build_layout, owned_pieces
 
 

@@ -232,9 +232,7 @@ def test_has_inf_or_nan_detects(dtype: torch.dtype, bad: float) -> None:
 
 def test_has_inf_or_nan_edge_cases() -> None:
     assert not has_inf_or_nan([])
-    assert not has_inf_or_nan(
-        [torch.empty(0), torch.arange(3), torch.full((4,), 65504.0, dtype=torch.float16)]
-    )
+    assert not has_inf_or_nan([torch.empty(0), torch.arange(3), torch.full((4,), 65504.0, dtype=torch.float16)])
     assert has_inf_or_nan([torch.zeros(2, 2), torch.tensor([[1.0], [float("nan")]]).t()])
     assert has_inf_or_nan(iter([torch.ones(3), torch.tensor([float("inf")], dtype=torch.float64)]))
 

@@ -211,10 +211,7 @@ def test_lion_matches_chen_et_al() -> None:
         for p, g in zip(live, grads, strict=True):
             p.grad = g
         opt.step()
-        refs = [
-            (*_lion_reference(p, m, g, lr, 0.9, 0.99, 0.1), lr)
-            for (p, m, lr), g in zip(refs, grads, strict=True)
-        ]
+        refs = [(*_lion_reference(p, m, g, lr, 0.9, 0.99, 0.1), lr) for (p, m, lr), g in zip(refs, grads, strict=True)]
     for (p_ref, m_ref, _), group in zip(refs, opt.param_groups, strict=True):
         p = group["params"][0]
         torch.testing.assert_close(p.detach(), p_ref, rtol=1e-6, atol=1e-7)
@@ -245,9 +242,7 @@ def test_lion_rejects_bad_hyperparameters() -> None:
 
 def test_optimizer_defaults() -> None:
     p = [torch.zeros(2, requires_grad=True)]
-    assert optimizer_defaults(
-        torch.optim.AdamW(p, lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
-    ) == {
+    assert optimizer_defaults(torch.optim.AdamW(p, lr=3e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)) == {
         "lr": 3e-4,
         "betas": (0.8, 0.9),
         "eps": 1e-6,

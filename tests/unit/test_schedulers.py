@@ -36,9 +36,7 @@ def warmup_lr(t: int, lo: float = 0.0, hi: float = BASE_LR, n: int = 1000, kind:
     return lo + (hi - lo) * (warmup_ramp(t, n, kind) if t < max(2, n) else 1.0)
 
 
-def warmup_decay_lr(
-    t: int, total: int, lo: float = 0.0, hi: float = 0.001, n: int = 1000, kind: str = "log"
-) -> float:
+def warmup_decay_lr(t: int, total: int, lo: float = 0.0, hi: float = 0.001, n: int = 1000, kind: str = "log") -> float:
     if t < 0:
         return lo
     if t < max(2, n):
@@ -82,9 +80,7 @@ def one_cycle(
         if pos <= first:
             frac = math.floor(pos * stairs1 / first) / stairs1 if stairs1 else pos / first
         else:
-            frac = (
-                math.floor((total - pos) * stairs2 / second) / stairs2 if stairs2 else (total - pos) / second
-            )
+            frac = math.floor((total - pos) * stairs2 / second) / stairs2 if stairs2 else (total - pos) / second
         return lo + (hi - lo) * frac, mom_hi - (mom_hi - mom_lo) * frac
     done = t - total + 1
     lr = lo if (decay_step == 0 or lr_rate == 0) else lo / (1 + lr_rate * done / decay_step)
@@ -164,9 +160,7 @@ CASES: list[tuple[str, str, dict[str, Any], Callable[[int], tuple[float, float |
             "cycle_max_mom": 0.95,
             "decay_mom_rate": 0.01,
         },
-        lambda t: one_cycle(
-            t, 0.01, 0.1, 10, 15, decay_step=5, lr_rate=0.1, mom_lo=0.85, mom_hi=0.95, mom_rate=0.01
-        ),
+        lambda t: one_cycle(t, 0.01, 0.1, 10, 15, decay_step=5, lr_rate=0.1, mom_lo=0.85, mom_hi=0.95, mom_rate=0.01),
     ),
     (
         "OneCycle",
@@ -265,9 +259,7 @@ def test_multiple_groups_and_per_group_lists() -> None:
 
 def test_one_cycle_without_betas_only_cycles_lr() -> None:
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5, momentum=0.9)
-    sched = build_lr_scheduler(
-        "OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4}, opt
-    )
+    sched = build_lr_scheduler("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_step_size": 4}, opt)
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 + 0.9 / 4)
     assert "betas" not in opt.param_groups[0] and opt.param_groups[0]["momentum"] == 0.9
@@ -312,9 +304,7 @@ def test_torch_scheduler_by_name() -> None:
         opt.step()
         sched.step()
     assert sched.get_last_lr() == pytest.approx([BASE_LR / 4])
-    assert type(build_lr_scheduler("cosineannealinglr", {"T_max": 10}, _optimizer())).__name__ == (
-        "CosineAnnealingLR"
-    )
+    assert type(build_lr_scheduler("cosineannealinglr", {"T_max": 10}, _optimizer())).__name__ == ("CosineAnnealingLR")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,9 +359,7 @@ def test_config_errors(name: str, params: dict[str, Any], pattern: str) -> None:
 
 
 def test_unknown_type_suggests() -> None:
-    with pytest.raises(
-        ConfigError, match=r"scheduler\.type='WarmupCosine' is unknown\. Did you mean 'WarmupCosineLR'"
-    ):
+    with pytest.raises(ConfigError, match=r"scheduler\.type='WarmupCosine' is unknown\. Did you mean 'WarmupCosineLR'"):
         build_lr_scheduler("WarmupCosine", {}, _optimizer())
 
 

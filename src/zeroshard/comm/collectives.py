@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 import torch
@@ -28,12 +28,10 @@ import torch.distributed as dist
 from zeroshard.errors import CollectiveMismatchError
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single: Callable[..., Any] = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+_reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class CollectiveKind(str, Enum):
+class CollectiveKind(StrEnum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"

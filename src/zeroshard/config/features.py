@@ -29,15 +29,9 @@ class ActivationCheckpointingConfig(ConfigBlock):
     partition_activations: bool = option(
         False, "Partition checkpointed activations across model-parallel ranks.", Bool()
     )
-    number_checkpoints: int | None = option(
-        None, "Number of checkpoints kept in contiguous memory.", Nullable(Int())
-    )
-    contiguous_memory_optimization: bool = option(
-        False, "Copy checkpoints into one contiguous buffer.", Bool()
-    )
-    synchronize_checkpoint_boundary: bool = option(
-        False, "Synchronise the device at each checkpoint.", Bool()
-    )
+    number_checkpoints: int | None = option(None, "Number of checkpoints kept in contiguous memory.", Nullable(Int()))
+    contiguous_memory_optimization: bool = option(False, "Copy checkpoints into one contiguous buffer.", Bool())
+    synchronize_checkpoint_boundary: bool = option(False, "Synchronise the device at each checkpoint.", Bool())
     profile: bool = option(False, "Time the forward and recomputation of each checkpoint.", Bool())
     cpu_checkpointing: bool = option(False, "Keep checkpointed activations in CPU memory.", Bool())
 
@@ -93,9 +87,7 @@ class CheckpointConfig(ConfigBlock):
     use_node_local_storage: bool = option(False, "Each node writes to its own local storage.", Bool())
     parallel_write: ParallelWriteConfig = block(ParallelWriteConfig, "Parallel checkpoint writing.")
     checkpoint_serialization: bool = option(True, "Serialise with torch.save (else the raw writer).", Bool())
-    writer: CheckpointWriterConfig | None = block(
-        CheckpointWriterConfig, "The fast checkpoint writer.", optional=True
-    )
+    writer: CheckpointWriterConfig | None = block(CheckpointWriterConfig, "The fast checkpoint writer.", optional=True)
 
 
 @dataclass(frozen=True)
@@ -104,9 +96,7 @@ class ElasticityConfig(ConfigBlock):
 
     enabled: bool = option(False, "Enable elastic batch-size selection.", Bool())
     max_train_batch_size: int = option(2000, "Largest acceptable train_batch_size.", Int(minimum=1))
-    micro_batch_sizes: tuple[int, ...] = option(
-        (2, 4, 6), "Candidate micro-batch sizes.", ListOf(Int(minimum=1))
-    )
+    micro_batch_sizes: tuple[int, ...] = option((2, 4, 6), "Candidate micro-batch sizes.", ListOf(Int(minimum=1)))
     min_gpus: int = option(1, "Fewest GPUs to support.", Int(minimum=1))
     max_gpus: int = option(10000, "Most GPUs to support.", Int(minimum=1))
     num_gpus_per_node: int = option(1, "GPUs per node.", Int(minimum=1))
@@ -141,9 +131,7 @@ class CompileConfig(ConfigBlock):
     deepcompile: bool = option(False, "Turn on DeepCompile.", Bool())
     autoep_non_moe: bool = option(False, "Compile parents of AutoEP layers, keeping AutoEP eager.", Bool())
     free_activation: bool = option(False, "Free activations eagerly.", Bool())
-    free_activation_threshold: int = option(
-        10 * 1024 * 1024, "Bytes above which activations are freed.", _SIZE
-    )
+    free_activation_threshold: int = option(10 * 1024 * 1024, "Bytes above which activations are freed.", _SIZE)
     offload_activation: bool = option(False, "Offload saved activations to pinned host memory.", Bool())
     offload_activation_pin_memory: bool = option(True, "Pin the host buffers of activation offload.", Bool())
     offload_opt_states: bool = option(False, "Offload optimizer states between steps.", Bool())

@@ -42,9 +42,7 @@ class AutoPolicy(enum.Enum):
     """What the string "auto" means for a field (see [Note: auto and the two phases])."""
 
     FORBID = "forbid"  # an error: neither DeepSpeed nor the HF integration give this key a value
-    DEFAULT = (
-        "default"  # known[path], else the DeepSpeed default (DeepSpeed drops "auto" in its pydantic blocks)
-    )
+    DEFAULT = "default"  # known[path], else the DeepSpeed default (DeepSpeed drops "auto" in its pydantic blocks)
     RESOLVE = "resolve"  # known[path], else a rule of resolve.py, else ConfigError
     LITERAL = "literal"  # "auto" is an ordinary value of this key
 
@@ -246,9 +244,7 @@ def json_value(value: object, path: str) -> Any:
 def json_mapping(value: object, path: str) -> dict[str, Any]:
     """A deep copy of a JSON object; anything else is an error."""
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"{path or 'ds_config'}: {show(value)} is not an object (a mapping of keys to values)"
-        )
+        raise ConfigError(f"{path or 'ds_config'}: {show(value)} is not an object (a mapping of keys to values)")
     copied: dict[str, Any] = json_value(value, path)
     return copied
 

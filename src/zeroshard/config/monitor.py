@@ -66,9 +66,7 @@ class CometConfig(ConfigBlock):
     experiment_name: str | None = option(None, "Comet experiment name.", Nullable(Str()))
     experiment_key: str | None = option(None, "Key of an existing Comet experiment.", Nullable(Str()))
     online: bool | None = option(None, "Log online (true) or store an offline experiment.", Nullable(Bool()))
-    mode: str | None = option(
-        None, 'How the experiment starts: "get", "create" or "get_or_create".', Nullable(Str())
-    )
+    mode: str | None = option(None, 'How the experiment starts: "get", "create" or "get_or_create".', Nullable(Str()))
 
 
 @dataclass(frozen=True)

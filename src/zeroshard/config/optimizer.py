@@ -22,12 +22,8 @@ class OptimizerConfig(ConfigBlock):
 
     REQUIRED = ("type",)
 
-    type: str = option(
-        "", 'Optimizer name, e.g. "AdamW" (DeepSpeed matches its own names ignoring case).', _type_name
-    )
-    params: dict[str, Any] = params(
-        'Keyword arguments (lr, betas, eps, weight_decay, ...); values may be "auto".'
-    )
+    type: str = option("", 'Optimizer name, e.g. "AdamW" (DeepSpeed matches its own names ignoring case).', _type_name)
+    params: dict[str, Any] = params('Keyword arguments (lr, betas, eps, weight_decay, ...); values may be "auto".')
     legacy_fusion: bool = option(False, "Legacy fused-optimizer switch (kept for compatibility).", Bool())
 
 
@@ -39,6 +35,5 @@ class SchedulerConfig(ConfigBlock):
 
     type: str = option("", 'Scheduler name, e.g. "WarmupLR" or "WarmupCosineLR".', _type_name)
     params: dict[str, Any] = params(
-        "Keyword arguments (warmup_min_lr, warmup_max_lr, "
-        'warmup_num_steps, total_num_steps, ...); may be "auto".'
+        'Keyword arguments (warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, ...); may be "auto".'
     )

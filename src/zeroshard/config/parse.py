@@ -74,9 +74,7 @@ def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
     except FileNotFoundError:
-        hint = (
-            " (to pass JSON text, json.loads it and pass the dict)" if path.lstrip().startswith("{") else ""
-        )
+        hint = " (to pass JSON text, json.loads it and pass the dict)" if path.lstrip().startswith("{") else ""
         raise ConfigError(f"ds_config file {path} does not exist{hint}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"ds_config file {path} is not UTF-8 text: {err.reason}") from None
@@ -99,8 +97,7 @@ def _unique_keys(pairs: list[tuple[str, Any]], path: str, logger: logging.Logger
     for key, value in pairs:
         if key in out and out[key] != value:
             raise ConfigError(
-                f'ds_config file {path}: key "{key}" appears twice, with {show(out[key])} and {show(value)}; '
-                "keep one"
+                f'ds_config file {path}: key "{key}" appears twice, with {show(out[key])} and {show(value)}; keep one'
             )
         if key in out:
             logger.warning(f'zeroshard: key "{key}" appears twice in {path} with the same value')
@@ -113,9 +110,7 @@ def _legacy_zero_switch(mapping: dict[str, Any], logger: logging.Logger) -> dict
     switch = mapping.get("zero_optimization")
     if not isinstance(switch, bool):
         return mapping
-    logger.warning(
-        "zeroshard: zero_optimization=true/false is deprecated; use zero_optimization.stage instead"
-    )
+    logger.warning("zeroshard: zero_optimization=true/false is deprecated; use zero_optimization.stage instead")
     zero: dict[str, Any] = {"stage": 1 if switch else 0}
     allgather = mapping.pop("allgather_size", None)
     if switch and allgather is not None:
@@ -128,9 +123,7 @@ def build_block(cls: type[B], value: object, path: str, logger: logging.Logger) 
     if value is None:
         value = {}
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"{path or 'ds_config'}: {show(value)} is not an object (a mapping of keys to values)"
-        )
+        raise ConfigError(f"{path or 'ds_config'}: {show(value)} is not an object (a mapping of keys to values)")
     olds = {moved.old for moved in cls.MOVED}
     given = _canonical_keys(cls, {key: val for key, val in value.items() if key not in olds}, path)
     for moved in cls.MOVED:
@@ -138,9 +131,7 @@ def build_block(cls: type[B], value: object, path: str, logger: logging.Logger) 
             _apply_moved(moved, value[moved.old], given, path, logger)
     for name in cls.REQUIRED:
         if name not in given:
-            raise ConfigError(
-                f"{join(path, name)}: missing; every {path or 'ds_config'} block needs a {name}"
-            )
+            raise ConfigError(f"{join(path, name)}: missing; every {path or 'ds_config'} block needs a {name}")
     fields = cls.key_fields()
     kwargs = {name: _convert(cls, fields[name], raw, join(path, name), logger) for name, raw in given.items()}
     for name, default in cls.dynamic_defaults(kwargs).items():
@@ -178,9 +169,7 @@ def unknown_key_message(cls: type[ConfigBlock], key: str, path: str) -> str:
     return f"{join(path, key)}: unknown key; valid keys{where} are: {', '.join(sorted(cls.key_fields()))}"
 
 
-def _apply_moved(
-    moved: Moved, value: object, given: dict[str, Any], path: str, logger: logging.Logger
-) -> None:
+def _apply_moved(moved: Moved, value: object, given: dict[str, Any], path: str, logger: logging.Logger) -> None:
     old_path = join(path, moved.old)
     new_value = moved.convert(value, old_path)
     targets = [join(path, target) for target in moved.new]

@@ -31,9 +31,7 @@ class FP16Config(ConfigBlock):
     initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.", Int())
     loss_scale_window: int = option(1000, "Steps without overflow before the dynamic scale grows.", Int())
     hysteresis: int = option(2, "Overflows tolerated before the dynamic scale shrinks.", Int())
-    consecutive_hysteresis: bool = option(
-        False, "Refill hysteresis after every step without overflow.", Bool()
-    )
+    consecutive_hysteresis: bool = option(False, "Refill hysteresis after every step without overflow.", Bool())
     min_loss_scale: int = option(1, "Lower bound of the dynamic loss scale.", Int())
     fp16_master_weights_and_grads: bool = option(
         False, "Keep master weights and gradients in fp16 (ZeRO 1-3, CPU Adam).", Bool()
@@ -48,13 +46,9 @@ class BF16Config(ConfigBlock):
     MOVED = (Moved("check_overflow", ("check_grad_overflow",)),)
 
     enabled: bool = option(False, "Train in bf16 mixed precision.", Bool(), auto=AutoPolicy.RESOLVE)
-    immediate_grad_update: bool = option(
-        False, "Apply gradient updates immediately rather than delayed.", Bool()
-    )
+    immediate_grad_update: bool = option(False, "Apply gradient updates immediately rather than delayed.", Bool())
     check_grad_overflow: bool = option(True, "Skip the step when gradients overflow.", Bool())
-    bf16_master_weights_and_grads: bool = option(
-        False, "Keep master weights and gradients in bf16 (ZeRO 1-3).", Bool()
-    )
+    bf16_master_weights_and_grads: bool = option(False, "Keep master weights and gradients in bf16 (ZeRO 1-3).", Bool())
     bf16_optimizer_states: bool = option(
         False, "Keep optimizer states in bf16 (needs bf16_master_weights_and_grads).", Bool()
     )
@@ -76,9 +70,7 @@ class DataTypesConfig(ConfigBlock):
         "Gradient accumulation dtype (fp32, fp16 or bf16); null follows the model dtype.",
         Nullable(DType()),
     )
-    param_dtype: str | None = option(
-        None, "Cast parameters to this dtype; null keeps them.", Nullable(DType())
-    )
+    param_dtype: str | None = option(None, "Cast parameters to this dtype; null keeps them.", Nullable(DType()))
     buffer_dtype: str | None = option(None, "Cast buffers to this dtype; null keeps them.", Nullable(DType()))
     keep_in_fp32_modules: str | tuple[str, ...] = option(
         "auto",

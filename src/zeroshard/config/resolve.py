@@ -121,9 +121,7 @@ def resolve_config(
         (4, 0.0001)
     """
     if not isinstance(cfg, ZeroshardConfig):
-        raise TypeError(
-            f"resolve_config takes the ZeroshardConfig from parse_config, not {type(cfg).__name__}"
-        )
+        raise TypeError(f"resolve_config takes the ZeroshardConfig from parse_config, not {type(cfg).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size {world_size!r} must be an int >= 1")
     ctx = _Context(cfg, _canonical_known(known or {}))
@@ -219,16 +217,8 @@ def _resolve_params(params: Mapping[str, Any], path: str, ctx: _Context, filled:
 def _unresolved(key: str, check: object) -> ConfigError:
     if isinstance(check, Nullable):
         check = check.inner
-    what = (
-        "true or false"
-        if isinstance(check, Bool)
-        else "a number"
-        if isinstance(check, Int | Float)
-        else "a value"
-    )
-    return ConfigError(
-        f'{key} is "auto" and nothing resolved it; set {what} in the config or pass it to initialize'
-    )
+    what = "true or false" if isinstance(check, Bool) else "a number" if isinstance(check, Int | Float) else "a value"
+    return ConfigError(f'{key} is "auto" and nothing resolved it; set {what} in the config or pass it to initialize')
 
 
 def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> ZeroshardConfig:

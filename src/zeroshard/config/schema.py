@@ -104,9 +104,7 @@ class ZeroshardConfig(ConfigBlock):
         Float(minimum=0.0),
         auto=_RESOLVE,
     )
-    zero_allow_untested_optimizer: bool = option(
-        False, "Allow ZeRO with an optimizer it was not tested with.", Bool()
-    )
+    zero_allow_untested_optimizer: bool = option(False, "Allow ZeRO with an optimizer it was not tested with.", Bool())
     zero_force_ds_cpu_optimizer: bool = option(
         True, "Require DeepSpeed's CPU optimizer with optimizer offload.", Bool()
     )
@@ -115,9 +113,7 @@ class ZeroshardConfig(ConfigBlock):
     # Precision.
     fp16: FP16Config = block(FP16Config, "fp16 mixed precision and loss scaling.")
     bf16: BF16Config = block(BF16Config, "bf16 mixed precision (legacy key: bfloat16).")
-    data_types: DataTypesConfig = block(
-        DataTypesConfig, "Dtypes of gradient accumulation, parameters, buffers."
-    )
+    data_types: DataTypesConfig = block(DataTypesConfig, "Dtypes of gradient accumulation, parameters, buffers.")
     torch_autocast: TorchAutocastConfig = block(TorchAutocastConfig, "Forward under torch.autocast.")
     amp: dict[str, Any] | None = opaque("NVIDIA Apex AMP settings (removed in DeepSpeed 0.19).")
 
@@ -140,12 +136,8 @@ class ZeroshardConfig(ConfigBlock):
         Str(("mean", "sum"), str.lower),
     )
     disable_allgather: bool = option(False, "Use broadcasts instead of all-gather for parameters.", Bool())
-    zero_allow_comm_data_type_fp32: bool = option(
-        False, "Allow fp32 communication with ZeRO (older releases).", Bool()
-    )
-    sparse_gradients: bool = option(
-        False, "Reduce embedding gradients sparsely (removed in DeepSpeed 0.19).", Bool()
-    )
+    zero_allow_comm_data_type_fp32: bool = option(False, "Allow fp32 communication with ZeRO (older releases).", Bool())
+    sparse_gradients: bool = option(False, "Reduce embedding gradients sparsely (removed in DeepSpeed 0.19).", Bool())
     use_data_before_expert_parallelism: bool = option(
         False, "Order data-parallel before expert-parallel ranks in the topology.", Bool()
     )
@@ -180,9 +172,7 @@ class ZeroshardConfig(ConfigBlock):
     checkpoint: CheckpointConfig = block(CheckpointConfig, "Checkpoint validation and writing.")
     datastates_ckpt: Any = opaque("DataStates asynchronous checkpointing settings.", any_json=True)
     disable_python_gc: bool = option(False, "Disable Python's automatic cyclic garbage collector.", Bool())
-    dataloader_drop_last: bool = option(
-        False, "Drop the last incomplete batch of the engine's dataloader.", Bool()
-    )
+    dataloader_drop_last: bool = option(False, "Drop the last incomplete batch of the engine's dataloader.", Bool())
 
     # Other engines and features, kept as given.
     elasticity: ElasticityConfig = block(ElasticityConfig, "Elastic batch sizes (removed in DeepSpeed 0.19).")
@@ -194,15 +184,11 @@ class ZeroshardConfig(ConfigBlock):
     weight_quantization: dict[str, Any] | None = opaque("Weight quantization settings.")
     autotuning: dict[str, Any] | None = opaque("Autotuner settings.")
     data_efficiency: dict[str, Any] | None = opaque("Data sampling and routing (curriculum, random-LTD).")
-    curriculum_learning: dict[str, Any] | None = opaque(
-        "Legacy curriculum learning (removed in DeepSpeed 0.19)."
-    )
+    curriculum_learning: dict[str, Any] | None = opaque("Legacy curriculum learning (removed in DeepSpeed 0.19).")
     compression_training: dict[str, Any] | None = opaque("Compression library (removed in DeepSpeed 0.19).")
     quantize_training: dict[str, Any] | None = opaque("MoQ quantized training (removed in DeepSpeed 0.19).")
     eigenvalue: dict[str, Any] | None = opaque("Eigenvalue-based MoQ (removed in DeepSpeed 0.19).")
-    progressive_layer_drop: dict[str, Any] | None = opaque(
-        "Progressive layer dropping (removed in DeepSpeed 0.19)."
-    )
+    progressive_layer_drop: dict[str, Any] | None = opaque("Progressive layer dropping (removed in DeepSpeed 0.19).")
     sparse_attention: dict[str, Any] | None = opaque("Sparse attention kernels (removed in DeepSpeed 0.19).")
     nebula: dict[str, Any] | None = opaque("Nebula checkpointing service (removed in DeepSpeed 0.19).")
     graph_harvesting: bool = option(False, "CUDA graph harvesting (removed in DeepSpeed 0.19).", Bool())

@@ -53,15 +53,11 @@ class OffloadParamConfig(ConfigBlock):
 
     AUTO_POLICY = AutoPolicy.DEFAULT
 
-    device: str = option(
-        "none", "Where parameters live: none, cpu or nvme (stage 3 only).", Str(_OFFLOAD_DEVICES)
-    )
+    device: str = option("none", "Where parameters live: none, cpu or nvme (stage 3 only).", Str(_OFFLOAD_DEVICES))
     nvme_path: str | None = option(None, "Filesystem path used when device is nvme.", Nullable(Path()))
     buffer_count: int = option(5, "Buffers in the NVMe parameter buffer pool.", _SIZE)
     buffer_size: int = option(100_000_000, "Elements per NVMe parameter buffer.", _SIZE)
-    max_in_cpu: int = option(
-        1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", _SIZE
-    )
+    max_in_cpu: int = option(1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", _SIZE)
     pin_memory: bool = option(True, "Offload to page-locked CPU memory (fast asynchronous copies).", Bool())
 
 
@@ -76,13 +72,9 @@ class OffloadOptimizerConfig(ConfigBlock):
     buffer_count: int = option(4, "Buffers in the NVMe optimizer-state buffer pool.", _SIZE)
     pin_memory: bool = option(True, "Offload to page-locked CPU memory (fast asynchronous copies).", Bool())
     pipeline_read: bool = option(False, "Overlap reading the next NVMe tile with the current step.", Bool())
-    pipeline_write: bool = option(
-        False, "Overlap writing the previous NVMe tile with the current step.", Bool()
-    )
+    pipeline_write: bool = option(False, "Overlap writing the previous NVMe tile with the current step.", Bool())
     fast_init: bool = option(False, "Fast optimizer initialisation when offloading to NVMe.", Bool())
-    ratio: float = option(
-        1.0, "Fraction of optimizer states offloaded (< 1.0 needs stage 3).", Float(0.0, 1.0)
-    )
+    ratio: float = option(1.0, "Fraction of optimizer states offloaded (< 1.0 needs stage 3).", Float(0.0, 1.0))
     super_offload: bool = option(False, "High-performance CPU offload for superchips (stage 3).", Bool())
     cpuadam_cores_perc: float = option(0.8, "Fraction of CPU cores used by CPU Adam.", Float(0.0, 1.0))
 
@@ -106,9 +98,7 @@ class ZeroConfig(ConfigBlock):
     MOVED = (
         Moved("cpu_offload", ("offload_optimizer.device",), _offload_device),
         Moved("cpu_offload_param", ("offload_param.device",), _offload_device),
-        Moved(
-            "cpu_offload_use_pin_memory", ("offload_optimizer.pin_memory", "offload_param.pin_memory"), _pin
-        ),
+        Moved("cpu_offload_use_pin_memory", ("offload_optimizer.pin_memory", "offload_param.pin_memory"), _pin),
         Moved("stage3_gather_fp16_weights_on_model_save", ("stage3_gather_16bit_weights_on_model_save",)),
     )
 
@@ -118,12 +108,8 @@ class ZeroConfig(ConfigBlock):
         Int(choices=(0, 1, 2, 3)),
         auto=AutoPolicy.FORBID,
     )
-    contiguous_gradients: bool = option(
-        True, "Copy gradients into one contiguous buffer as produced.", Bool()
-    )
-    reduce_scatter: bool = option(
-        True, "Average gradients with reduce/reduce-scatter, not all-reduce.", Bool()
-    )
+    contiguous_gradients: bool = option(True, "Copy gradients into one contiguous buffer as produced.", Bool())
+    reduce_scatter: bool = option(True, "Average gradients with reduce/reduce-scatter, not all-reduce.", Bool())
     reduce_bucket_size: int = option(
         500_000_000,
         "Elements reduced at a time. 0 is accepted (older DeepSpeed; 0.19 wants > 0).",
@@ -133,9 +119,7 @@ class ZeroConfig(ConfigBlock):
     use_multi_rank_bucket_allreduce: bool = option(
         True, "Combine the reduce buckets of all ranks into one all-reduce.", Bool()
     )
-    allgather_partitions: bool = option(
-        True, "All-gather updated parameters (else a series of broadcasts).", Bool()
-    )
+    allgather_partitions: bool = option(True, "All-gather updated parameters (else a series of broadcasts).", Bool())
     allgather_bucket_size: int = option(500_000_000, "Elements all-gathered at a time.", _SIZE)
     overlap_comm: bool = option(
         False, "Overlap gradient reduction with backward (default: true for stage 3, else false).", Bool()
@@ -150,9 +134,7 @@ class ZeroConfig(ConfigBlock):
     offload_param: OffloadParamConfig = block(OffloadParamConfig, "Parameter offload (stage 3).")
     offload_optimizer: OffloadOptimizerConfig = block(OffloadOptimizerConfig, "Optimizer state offload.")
     zenflow: dict[str, Any] | None = opaque("ZenFlow selective optimizer update settings.")
-    sub_group_size: int = option(
-        1_000_000_000, "Tile size of the optimizer step (ZeRO-3 offload/Infinity).", _SIZE
-    )
+    sub_group_size: int = option(1_000_000_000, "Tile size of the optimizer step (ZeRO-3 offload/Infinity).", _SIZE)
     stage3_prefetch_bucket_size: int = option(
         50_000_000,
         "Parameter elements fetched ahead of use (ZeRO-3).",
@@ -209,9 +191,7 @@ class ZeroConfig(ConfigBlock):
         Bool(),
         aliases=("allgather_sequential",),
     )
-    ignore_unused_parameters: bool = option(
-        True, "Tolerate parameters that get no gradient (stage 2).", Bool()
-    )
+    ignore_unused_parameters: bool = option(True, "Tolerate parameters that get no gradient (stage 2).", Bool())
     legacy_stage1: bool = option(False, "The old ZeRO stage 1 implementation.", Bool())
     round_robin_gradients: bool = option(
         False, "Parallelise gradient copies to CPU across ranks (stage 1/2 with offload).", Bool()
@@ -223,15 +203,9 @@ class ZeroConfig(ConfigBlock):
         1, "Ranks in the secondary (hierarchical, ZeRO++ hpZ) parameter partition.", Int(minimum=0)
     )
     zero_quantized_weights: bool = option(False, "Quantize weights for the all-gather (ZeRO++ qwZ).", Bool())
-    zero_quantized_nontrainable_weights: bool = option(
-        False, "Store non-trainable weights quantized (ZeRO++).", Bool()
-    )
-    zero_quantized_gradients: bool = option(
-        False, "Quantized gradient all-to-all reduce (ZeRO++ qgZ).", Bool()
-    )
-    zeropp_loco_param: dict[str, Any] | None = opaque(
-        "LoCo error feedback for quantized gradients (removed in 0.19)."
-    )
+    zero_quantized_nontrainable_weights: bool = option(False, "Store non-trainable weights quantized (ZeRO++).", Bool())
+    zero_quantized_gradients: bool = option(False, "Quantized gradient all-to-all reduce (ZeRO++ qgZ).", Bool())
+    zeropp_loco_param: dict[str, Any] | None = opaque("LoCo error feedback for quantized gradients (removed in 0.19).")
     mics_shard_size: int = option(-1, "MiCS shard group size; -1 off (removed in DeepSpeed 0.19).", Int())
     mics_hierarchical_params_gather: bool = option(
         False, "MiCS hierarchical all-gather (removed in DeepSpeed 0.19).", Bool()

@@ -64,9 +64,7 @@ class Lion(torch.optim.Optimizer):
                 _lion_update(params, grads, moments, group["lr"], beta1, beta2, group["weight_decay"])
         return loss
 
-    def _gather(
-        self, group: dict[str, Any]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def _gather(self, group: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The group's parameters with gradients, their gradients and momenta (created lazily)."""
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []

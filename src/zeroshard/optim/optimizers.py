@@ -234,8 +234,7 @@ def _check_keys(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> 
             close = difflib.get_close_matches(name, accepted, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"optimizer.params.{name} is not a parameter of {cls.__name__}.{hint} "
-                f"Accepted: {', '.join(accepted)}."
+                f"optimizer.params.{name} is not a parameter of {cls.__name__}.{hint} Accepted: {', '.join(accepted)}."
             )
 
 

@@ -72,8 +72,7 @@ class WarmupLRParams:
         _check_int("warmup_num_steps", self.warmup_num_steps, minimum=0)
         if self.warmup_type not in (LOG_WARMUP, LINEAR_WARMUP):
             raise ConfigError(
-                f"scheduler.params.warmup_type={self.warmup_type!r} is invalid; use {LOG_WARMUP!r} or "
-                f"{LINEAR_WARMUP!r}"
+                f"scheduler.params.warmup_type={self.warmup_type!r} is invalid; use {LOG_WARMUP!r} or {LINEAR_WARMUP!r}"
             )
 
 
@@ -114,8 +113,7 @@ class WarmupCosineLRParams:
         _check_number("cos_min_ratio", self.cos_min_ratio, minimum=0.0)
         if self.warmup_type not in (LOG_WARMUP, LINEAR_WARMUP):
             raise ConfigError(
-                f"scheduler.params.warmup_type={self.warmup_type!r} is invalid; use {LOG_WARMUP!r} or "
-                f"{LINEAR_WARMUP!r}"
+                f"scheduler.params.warmup_type={self.warmup_type!r} is invalid; use {LOG_WARMUP!r} or {LINEAR_WARMUP!r}"
             )
         _check_total_after_warmup(self.total_num_steps, self.warmup_num_steps)
 
@@ -293,9 +291,7 @@ class WarmupLR(BatchLRScheduler):
     def _gamma(self, iteration: int) -> float:
         """Fraction of (max - min) added to min at `iteration`."""
         if iteration < self.warmup_num_steps:
-            return _warmup_fraction(
-                self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up
-            )
+            return _warmup_fraction(self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up)
         return 1.0
 
 
@@ -310,9 +306,7 @@ class WarmupDecayLR(WarmupLR):
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
-            return _warmup_fraction(
-                self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up
-            )
+            return _warmup_fraction(self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up)
         remaining = float(self.total_num_steps - iteration)
         return max(0.0, remaining / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
 
@@ -350,9 +344,7 @@ class WarmupCosineLR(BatchLRScheduler):
         if iteration < 0:
             return 0.0
         if iteration < self.warmup_num_steps:
-            fraction = _warmup_fraction(
-                self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up
-            )
+            fraction = _warmup_fraction(self.warmup_type, iteration, self.warmup_num_steps, self.inverse_log_warm_up)
             return self.warmup_min_ratio + fraction * (1.0 - self.warmup_min_ratio)
         progress = min(
             1.0,
@@ -433,9 +425,7 @@ class OneCycle(BatchLRScheduler):
         """beta1 of every param group at batch `iteration`."""
         if iteration < self.total_size:
             scale = self._scale_factor(iteration)
-            return [
-                high - (high - low) * scale for low, high in zip(self.min_moms, self.max_moms, strict=True)
-            ]
+            return [high - (high - low) * scale for low, high in zip(self.min_moms, self.max_moms, strict=True)]
         if self.skip_mom_decay:
             return list(self.max_moms)
         factor = 1 + self.decay_mom_rate * (self._decay_iteration(iteration) / self.decay_step_size)
@@ -474,9 +464,7 @@ class LRRangeTest(BatchLRScheduler):
         self, optimizer: torch.optim.Optimizer, params: LRRangeTestParams, last_batch_iteration: int = -1
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lrs = _per_group(
-            "lr_range_test_min_lr", params.lr_range_test_min_lr, len(optimizer.param_groups)
-        )
+        self.min_lrs = _per_group("lr_range_test_min_lr", params.lr_range_test_min_lr, len(optimizer.param_groups))
         self.step_size = params.lr_range_test_step_size
         self.step_rate = params.lr_range_test_step_rate
         self.staircase = params.lr_range_test_staircase
@@ -522,9 +510,7 @@ _TORCH_UNSUITABLE: Mapping[str, str] = MappingProxyType(
 )
 
 
-def build_lr_scheduler(
-    type_name: str, params: Mapping[str, Any], optimizer: torch.optim.Optimizer
-) -> LRSchedulerLike:
+def build_lr_scheduler(type_name: str, params: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> LRSchedulerLike:
     """Build ds_config `scheduler.type` with `scheduler.params` over `optimizer` and apply its initial lr.
 
     Example:
@@ -578,9 +564,7 @@ def _resolve_name(type_name: str) -> str:
     raise ConfigError(f"scheduler.type={type_name!r} is unknown.{hint} Supported: {', '.join(names)}.")
 
 
-def _build_deepspeed_schedule(
-    name: str, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer
-) -> BatchLRScheduler:
+def _build_deepspeed_schedule(name: str, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer) -> BatchLRScheduler:
     """One of the five DeepSpeed schedules, its params validated against its schema."""
     scheduler_cls, params_cls = _SCHEDULES[name]
     last_batch_iteration = kwargs.pop("last_batch_iteration", -1)
@@ -590,9 +574,7 @@ def _build_deepspeed_schedule(
     missing = [
         f.name
         for f in fields.values()
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in kwargs
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs
     ]
     if missing:
         raise ConfigError(f"scheduler.params.{missing[0]} is required by {name}")
@@ -614,9 +596,7 @@ def _check_param_names(name: str, kwargs: Mapping[str, Any], accepted: list[str]
         )
 
 
-def _build_torch_schedule(
-    name: str, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer
-) -> LRSchedulerLike:
+def _build_torch_schedule(name: str, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer) -> LRSchedulerLike:
     """A torch.optim.lr_scheduler class by name, params passed as keyword arguments."""
     cls = getattr(torch.optim.lr_scheduler, name)
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "optimizer")]

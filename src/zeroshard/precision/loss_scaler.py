@@ -137,9 +137,7 @@ class DynamicLossScaler:
         self._overflows_since_growth += 1
         if exhausted:
             lowered = max(self._scale / self.scale_factor, self.min_scale)
-            self._log(
-                f"OVERFLOW! Skipping step. Attempted loss scale: {self._scale:g}, reducing to {lowered:g}"
-            )
+            self._log(f"OVERFLOW! Skipping step. Attempted loss scale: {self._scale:g}, reducing to {lowered:g}")
             self._scale = lowered
         else:
             self._log(
@@ -221,9 +219,7 @@ def build_loss_scaler(
     if isinstance(initial_scale_power, bool) or not isinstance(initial_scale_power, int):
         raise ConfigError(f"fp16.initial_scale_power must be an integer, got {initial_scale_power!r}")
     if not isinstance(consecutive_hysteresis, bool):
-        raise ConfigError(
-            f"fp16.consecutive_hysteresis must be true or false, got {consecutive_hysteresis!r}"
-        )
+        raise ConfigError(f"fp16.consecutive_hysteresis must be true or false, got {consecutive_hysteresis!r}")
     return DynamicLossScaler(
         init_scale=2.0**initial_scale_power,
         scale_window=loss_scale_window,

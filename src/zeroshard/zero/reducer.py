@@ -157,9 +157,7 @@ class GradientReducer:
     def _launched(self, bucket: Bucket) -> bool:
         return bucket.id < self._next
 
-    def _accumulate(
-        self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor
-    ) -> None:
+    def _accumulate(self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor) -> None:
         flat_grad = grad.reshape(-1)
         if buffers.grad_full is not None:
             buffers.grad_full.narrow(0, offset, numel).add_(flat_grad)

@@ -1,0 +1,1 @@
+"""What runs inside each torchrun process group: one benchmark row per launch."""

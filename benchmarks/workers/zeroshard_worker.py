@@ -1,0 +1,69 @@
+"""zeroshard rows: the same ds_config block DeepSpeed gets, through `zeroshard.initialize`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.spec import RowSpec
+from benchmarks.workers.common import ModelState, NotImplementedRow
+
+
+def ds_config(spec: RowSpec) -> dict[str, Any]:
+    """The ds_config both DeepSpeed and zeroshard rows are given (fp32, AdamW, no clipping)."""
+    s = spec.settings
+    zero: dict[str, Any] = {
+        "stage": spec.variant.stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": s.bucket_numel,
+        "allgather_bucket_size": s.bucket_numel,
+    }
+    if spec.variant.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1_000_000,
+        "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
+                                                  "weight_decay": s.weight_decay}},
+        "zero_optimization": zero,
+    }
+
+
+def _unimplemented(keys: tuple[str, ...]) -> list[str]:
+    from zeroshard.config.support import is_unimplemented
+
+    return [k for k in keys if is_unimplemented(k)]
+
+
+class ZeroshardTrainer:
+    def __init__(self, model: nn.Module, spec: RowSpec):
+        import zeroshard
+        from zeroshard.errors import ConfigError
+
+        missing = _unimplemented(spec.variant.needs)
+        if missing:
+            raise NotImplementedRow(f"zeroshard lists {', '.join(missing)} as not implemented yet")
+        try:
+            self.engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=ds_config(spec))
+        except (ConfigError, NotImplementedError) as err:
+            raise NotImplementedRow(str(err).splitlines()[0]) from err
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def model_state(self) -> ModelState:
+        report = self.engine.memory_report().to_dict()
+        parts = {k: int(report[k]) for k in ("params", "frozen_params", "gradients", "master_weights",
+                                             "optimizer_state", "comm_buffers")}
+        return ModelState(int(report["model_states"]), parts, "measured (memory_report)")
+
+    def engine_comm_bytes(self) -> float | None:
+        return float(self.engine.comm_stats.total_bus_bytes)
