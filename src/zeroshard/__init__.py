@@ -9,6 +9,8 @@ Example:
 from zeroshard.engine import Engine, MemoryReport
 from zeroshard.errors import CollectiveMismatchError, ConfigError, LossScaleError, ZeroshardError
 from zeroshard.initialize import initialize
+from zeroshard.zero.stage3.gathered import GatheredParameters
+from zeroshard.zero.stage3.meta import zero_init
 
 __version__ = "0.1.0"
 
@@ -16,9 +18,11 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigError",
     "Engine",
+    "GatheredParameters",
     "LossScaleError",
     "MemoryReport",
     "ZeroshardError",
     "initialize",
+    "zero_init",
     "__version__",
 ]

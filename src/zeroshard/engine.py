@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
-from zeroshard.zero.optimizer import ZeroOptimizer
+from zeroshard.zero.strategy import Strategy
 
 logger = get_logger(__name__)
 
@@ -34,6 +35,9 @@ class MemoryReport:
     master_weights: int
     optimizer_state: int
     comm_buffers: int
+    persistent_params: int = 0  # stage 3: small parameters kept whole on every rank
+    gathered_params: int = 0  # stage 3: full units gathered right now
+    peak_gathered_params: int = 0  # stage 3: largest gathered working set so far
 
     @property
     def model_states(self) -> int:
@@ -43,7 +47,7 @@ class MemoryReport:
         return {**asdict(self), "model_states": self.model_states}
 
 
-class Engine(nn.Module):
+class Engine(CheckpointMixin, nn.Module):
     """What `zeroshard.initialize` returns first. `engine(batch)`, `engine.backward(loss)`, `engine.step()`.
 
     Example:
@@ -58,7 +62,7 @@ class Engine(nn.Module):
         topology: Topology,
         comm: Collectives,
         precision: PrecisionPolicy,
-        zero: ZeroOptimizer | None,
+        zero: Strategy | None,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any,
         loss_scaler: Any,
@@ -82,7 +86,7 @@ class Engine(nn.Module):
         self._no_sync_depth = 0
         self._last_grad_norm: float | None = None
         if zero is not None:  # a plain loss.backward() (not engine.backward) still reduces on the right steps
-            zero.reducer.sync_decider = self._micro_step_syncs
+            zero.set_sync_decider(self._micro_step_syncs)
 
     def _micro_step_syncs(self) -> bool:
         return self.zero_stage >= 2 or (self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0)
@@ -140,12 +144,12 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
         zero = self._require_zero("backward")
-        zero.reducer.begin_backward(self._micro_step_syncs())
+        zero.begin_backward(self._micro_step_syncs())
         factor = self.loss_scale / self.gradient_accumulation_steps()
         with torch.profiler.record_function("zeroshard.backward"):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         with torch.profiler.record_function("zeroshard.reduce_wait"):
-            zero.reducer.finish_backward()
+            zero.finish_backward()
         return loss
 
     def step(self) -> None:
@@ -191,6 +195,45 @@ class Engine(nn.Module):
         finally:
             self._no_sync_depth -= 1
 
+    @contextlib.contextmanager
+    def gathered_for_generation(self) -> Iterator[None]:
+        """Keep the whole model gathered inside the block (stage 3), e.g. for `model.generate(...)`,
+        so generation does not all-gather every layer for every token. Every rank must enter it."""
+        gather = getattr(self.zero, "gathered", None)
+        if gather is None:
+            yield
+            return
+        with gather():
+            yield
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Write the full model in its compute dtype as safetensors (rank 0 writes; every rank must call).
+
+        Under stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`
+        (DeepSpeed's rule), since it gathers the whole model."""
+        import os
+
+        from safetensors.torch import save_file
+
+        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            raise ZeroshardError(
+                "save_16bit_model under stage 3 gathers the whole model; set "
+                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
+            )
+        state = self.module.state_dict()  # stage 3: hooks gather and copy out full tensors
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            seen: set[int] = set()
+            unique = {}
+            for name, tensor in state.items():
+                key = tensor.untyped_storage().data_ptr()
+                if key in seen:  # tied weights: safetensors stores each storage once
+                    continue
+                seen.add(key)
+                unique[name] = tensor.detach().contiguous().cpu()
+            save_file(unique, os.path.join(save_dir, save_filename))
+        return True
+
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
         if self.zero is not None:
@@ -207,10 +250,10 @@ class Engine(nn.Module):
         tracked: set[int] = set()
         trainable = 0
         if self.zero is not None:
-            for buffers in self.zero.buffers:
-                tracked.update(id(p) for p in buffers.params)
-                trainable += sum(s.numel for s in buffers.layout.slots)
+            tracked.update(id(p) for p in self.zero.tracked_params())
+            trainable = self.zero.trainable_numel
         frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in tracked)
+        # stage 3 holds frozen parameters as shards inside `params`
         return MemoryReport(
             rank=self.global_rank,
             world_size=self.world_size,
@@ -222,6 +265,9 @@ class Engine(nn.Module):
             master_weights=zero_bytes.get("master_weights", 0),
             optimizer_state=zero_bytes.get("optimizer_state", 0),
             comm_buffers=zero_bytes.get("comm_buffers", 0),
+            persistent_params=zero_bytes.get("persistent_params", 0),
+            gathered_params=zero_bytes.get("gathered_params", 0),
+            peak_gathered_params=zero_bytes.get("peak_gathered_params", 0),
         )
 
     def _report_progress(self) -> None:
@@ -235,7 +281,7 @@ class Engine(nn.Module):
                 f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}",
             )
 
-    def _require_zero(self, what: str) -> ZeroOptimizer:
+    def _require_zero(self, what: str) -> Strategy:
         if self.zero is None:
             raise ZeroshardError(
                 f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '

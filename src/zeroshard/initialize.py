@@ -21,6 +21,9 @@ from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.optimizer import ParamGroupSpec, ZeroOptimizer, ZeroPolicy
+from zeroshard.zero.stage3.prefetch import PrefetchPolicy
+from zeroshard.zero.stage3.strategy import Stage3Optimizer, Stage3Policy
+from zeroshard.zero.strategy import Strategy
 
 logger = get_logger(__name__)
 
@@ -91,24 +94,29 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
-    if stage > 2:
-        raise ConfigError(
-            f"zero_optimization.stage: {stage} (parameter partitioning) is not implemented yet; use 0, 1 or 2"
-        )
     comm = Collectives(
         topology.group,
         topology.world_size,
         topology.rank,
         verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES") == "1",
     )
-    model.to(topology.device)
-    _broadcast_module_state(model, comm)
+    meta = any(p.is_meta for p in model.parameters())
+    if stage < 3 and meta:
+        raise ConfigError("the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3")
+    if not meta:
+        model.to(topology.device)
+        _broadcast_module_state(model, comm)
+    else:  # stage 3 materialises parameters unit by unit; buffers are small and move now
+        for sub in model.modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                if buf is not None and buf.device != topology.device:
+                    setattr(sub, name, torch.zeros_like(buf, device=topology.device) if buf.is_meta else buf.to(topology.device))
     precision = PrecisionPolicy.from_config(cfg)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     zero = engine_optimizer = None
     if has_optimizer:
-        zero = ZeroOptimizer(model, groups, _zero_policy(cfg, stage, precision), comm, topology.device)
+        zero = _make_strategy(cfg, stage, precision, model, groups, comm, topology)
         engine_optimizer = _make_optimizer(cfg, optimizer, zero)
         zero.attach(engine_optimizer)
     else:
@@ -137,6 +145,33 @@ def _build(
         )
     engine = Engine(model, cfg, topology, comm, precision, zero, engine_optimizer, scheduler, loss_scaler, loader)
     return engine, engine_optimizer, loader, scheduler
+
+
+def _make_strategy(
+    cfg: ZeroshardConfig,
+    stage: int,
+    precision: PrecisionPolicy,
+    model: nn.Module,
+    groups: list[ParamGroupSpec],
+    comm: Collectives,
+    topology: Topology,
+) -> Strategy:
+    base = _zero_policy(cfg, stage, precision)
+    if stage < 3:
+        return ZeroOptimizer(model, groups, base, comm, topology.device)
+    z = cfg.zero_optimization
+    policy = Stage3Policy(
+        base=base,
+        prefetch=PrefetchPolicy(
+            bucket_numel=int(z.stage3_prefetch_bucket_size),
+            max_live_numel=int(z.stage3_max_live_parameters),
+            max_reuse_distance=int(z.stage3_max_reuse_distance),
+        ),
+        persistence_threshold=int(z.stage3_param_persistence_threshold),
+        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps),
+        sub_group_numel=max(int(z.sub_group_size), 1),
+    )
+    return Stage3Optimizer(model, groups, policy, comm, topology.device)
 
 
 def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy) -> ZeroPolicy:
@@ -196,7 +231,7 @@ def _param_groups(
     return groups
 
 
-def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: ZeroOptimizer) -> torch.optim.Optimizer:
+def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strategy) -> torch.optim.Optimizer:
     groups = zero.master_param_groups()
     if isinstance(optimizer, torch.optim.Optimizer):
         if any(len(s) for s in optimizer.state.values()):

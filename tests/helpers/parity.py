@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.models.gpt import GPT, Block, GPTConfig
 
 # bias=False: an attention key bias has an exactly-zero true gradient (softmax ignores a per-query
 # constant), so its computed gradient is rounding noise that Adam normalises into +-lr steps; any
@@ -42,10 +42,14 @@ class Case:
     weight_decay: float = 0.1
     clip: float = 1.0
     seq: int = 16
+    persistence: int = 0  # stage 3: stage3_param_persistence_threshold
+    reuse: int = 0  # stage 3: stage3_max_reuse_distance
+    prefetch: int = 50_000  # stage 3: stage3_prefetch_bucket_size
 
     @property
     def name(self) -> str:
-        return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}"
+        extra = f"-persist{self.persistence}-reuse{self.reuse}" if self.stage == 3 else ""
+        return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}{extra}"
 
 
 class WithUnused(nn.Module):
@@ -61,9 +65,41 @@ class WithUnused(nn.Module):
         return self.gpt(idx, targets)
 
 
+class VariantGPT(GPT):
+    """Control flow stage 3 must survive: a block called twice (`twice`), blocks whose output is
+    dropped (`unused_unit`), a block order that flips every other step (`order`, via `flip`)."""
+
+    def __init__(self, cfg: GPTConfig, variant: str):
+        super().__init__(cfg)
+        self.variant = variant
+        self.flip = False
+        if variant == "unused_unit":
+            self.extras = nn.ModuleList(Block(cfg) for _ in range(2))
+            self.extras.apply(self._init_weights)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        blocks = list(self.blocks)
+        if self.variant == "twice":
+            blocks = [blocks[0], *blocks]
+        if self.variant == "order" and self.flip:
+            blocks = blocks[::-1]
+        if self.variant == "unused_unit":
+            for extra in self.extras:
+                extra(x)
+        for block in blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
 def build_model(case: Case) -> nn.Module:
     torch.manual_seed(1234)
-    model: nn.Module = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)
+    model: nn.Module
+    if case.variant in ("twice", "unused_unit", "order"):
+        model = VariantGPT(TINY, case.variant)
+    else:
+        model = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)
     if case.variant == "frozen":
         model.wpe.weight.requires_grad_(False)
         for p in model.blocks[0].ln_1.parameters():
@@ -106,6 +142,9 @@ def ds_config(case: Case) -> dict:
             "reduce_bucket_size": case.bucket,
             "allgather_bucket_size": case.bucket,
             "overlap_comm": True,
+            "stage3_param_persistence_threshold": case.persistence,
+            "stage3_max_reuse_distance": case.reuse,
+            "stage3_prefetch_bucket_size": case.prefetch,
         },
     }
 
@@ -124,7 +163,8 @@ def reference_run(case: Case, world_size: int) -> tuple[list[float], list[torch.
     trainable = [(m, w) for m, w in zip(master_model.parameters(), work.parameters(), strict=True) if m.requires_grad]
     losses, params = [], []
     n_micro = world_size * case.gas
-    for batch in global_batches(case, world_size):
+    for step, batch in enumerate(global_batches(case, world_size)):
+        work.flip = step % 2 == 1
         step_losses = []
         for m, _ in trainable:
             m.grad = torch.zeros_like(m)
@@ -156,8 +196,12 @@ def engine_run(rank: int, world_size: int, case: Case, configure: Callable[[dict
     config = ds_config(case) if configure is None else configure(ds_config(case))
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     losses, params = [], []
-    for batch in global_batches(case, world_size):
+    for step, batch in enumerate(global_batches(case, world_size)):
+        engine.module.flip = step % 2 == 1
         step_losses = []
+        if case.variant == "eval":  # an evaluation forward between steps must not disturb training
+            with torch.no_grad():
+                engine(*micro_batch(batch, 0, rank, world_size, case.micro))
         for k in range(case.gas):
             x, y = micro_batch(batch, k, rank, world_size, case.micro)
             loss = engine(x, y)
@@ -165,7 +209,8 @@ def engine_run(rank: int, world_size: int, case: Case, configure: Callable[[dict
             engine.backward(loss)
             engine.step()
         losses.append(sum(step_losses) / len(step_losses))
-        params.append(flat_params(engine.module))
+        with engine.gathered_for_generation():
+            params.append(flat_params(engine.module))
     report = engine.memory_report()
     engine.destroy()
     return losses, params, report

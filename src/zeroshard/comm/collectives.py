@@ -113,7 +113,7 @@ class Collectives:
         self._check(CollectiveKind.REDUCE_SCATTER, input)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
+                output.data.copy_(input)
             return _Done()
         nbytes = _nbytes(input)
         self.stats.record(CollectiveKind.REDUCE_SCATTER, nbytes, nbytes * self._ring_fraction)
@@ -129,7 +129,7 @@ class Collectives:
         self._check(CollectiveKind.ALL_GATHER, output)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
+                output.data.copy_(input)  # .data: no version bump on buffers autograd saved views of
             return _Done()
         nbytes = _nbytes(output)
         self.stats.record(CollectiveKind.ALL_GATHER, nbytes, nbytes * self._ring_fraction)

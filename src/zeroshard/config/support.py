@@ -16,13 +16,7 @@ from zeroshard.config.fields import AUTO, ConfigBlock, default_of, join, show, t
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3: the stage number is parsed; everything specific to stage 3 is not done yet.
-        "zero_optimization.sub_group_size",
-        "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",
-        "zero_optimization.stage3_max_live_parameters",
-        "zero_optimization.stage3_max_reuse_distance",
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
         "zero_optimization.stage3_allgather_sequential",

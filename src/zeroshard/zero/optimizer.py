@@ -8,8 +8,7 @@ its updated shard into the parameter buffer and the buckets are all-gathered in 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +16,11 @@ import torch
 from torch import nn
 
 from zeroshard.comm.collectives import Collectives
-from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers
 from zeroshard.zero.layout import FlatLayout, ParamSpec, build_layout
 from zeroshard.zero.reducer import GradientReducer, ReducePolicy
+from zeroshard.zero.stepmath import step_scale
 
 logger = get_logger(__name__)
 
@@ -152,17 +151,20 @@ class ZeroOptimizer:
         assert self.optimizer is not None, "attach() an optimizer first"
         with torch.profiler.record_function("zeroshard.reduce_wait"):
             self.reducer.finish_backward()
-        grads = self.grad_shards()
-        if self.policy.check_overflow and self.comm.any_true(has_inf_or_nan(grads), self.device):
+        decided = step_scale(
+            self.grad_shards(),
+            self.comm,
+            self.layout.shard_count > 1,
+            self.post_scale,
+            loss_scale,
+            self.policy.gradient_clipping,
+            self.policy.check_overflow,
+            self.device,
+        )
+        if decided.overflow:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
-        with torch.profiler.record_function("zeroshard.clip"):
-            scale = self.post_scale / loss_scale
-            norm = self._global_norm(grads) * scale
-            if self.policy.gradient_clipping > 0:
-                clip_coef = self.policy.gradient_clipping / (norm + 1e-6)
-                if clip_coef < 1.0:
-                    scale *= clip_coef
+        scale, norm = decided.scale, decided.grad_norm
         with torch.profiler.record_function("zeroshard.optimizer_step"):
             for buffers, master_grad in zip(self.buffers, self._master_grads, strict=True):
                 if master_grad is buffers.grad_shard:
@@ -178,17 +180,6 @@ class ZeroOptimizer:
             self.publish_params()
         self.zero_grad()
         return StepOutcome(skipped=False, grad_norm=norm)
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        nonempty = [g for g in grads if g.numel() > 0]
-        if nonempty:
-            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in nonempty])
-            total_sq = norms.pow(2).sum().reshape(1)
-        else:
-            total_sq = torch.zeros(1, device=self.device)
-        if self.layout.shard_count > 1:
-            self.comm.all_reduce(total_sq)
-        return math.sqrt(float(total_sq.item()))
 
     def publish_params(self) -> None:
         """Write each rank's updated master shard into the parameter views and all-gather every bucket."""
@@ -211,6 +202,23 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.reducer.finish_backward()
         self.reducer.reset_window()
+
+    # -- the strategy interface the engine uses (shared with stage 3) ----------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self.reducer.begin_backward(sync)
+
+    def finish_backward(self) -> None:
+        self.reducer.finish_backward()
+
+    def set_sync_decider(self, decider: Callable[[], bool]) -> None:
+        self.reducer.sync_decider = decider
+
+    def tracked_params(self) -> list[nn.Parameter]:
+        return [p for b in self.buffers for p in b.params]
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.layout.unpadded_numel
 
     def destroy(self) -> None:
         self.reducer.remove_hooks()

@@ -1,0 +1,277 @@
+"""Consolidate a sharded checkpoint into one state_dict, or into Hugging Face-style safetensors shards.
+
+DeepSpeed's names and arguments (`deepspeed.utils.zero_to_fp32`): `get_fp32_state_dict_from_zero_checkpoint`,
+`load_state_dict_from_zero_checkpoint`, `convert_zero_checkpoint_to_fp32_state_dict`. Trainable parameters
+come from the fp32 master weights; buffers and frozen parameters from the model weights.
+
+[Note: streaming export]
+`convert_zero_checkpoint_to_state_dict` never holds a tensor whole: it plans the shards from the
+metadata (names, shapes, dtypes are known before any byte is read), writes each shard's header, then
+copies every tensor from its pieces in chunks of `safetensors_io.CHUNK_BYTES`, converting the dtype per
+chunk. Peak memory is a few chunks, whatever the model or tensor size (the `--format bin` path is the
+exception: torch.save needs each shard in memory, so it is bounded by `max_shard_size`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.format import MASTER, METADATA_FILE, CheckpointMetadata
+from zeroshard.checkpoint.load import resolve_tag_dir
+from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
+from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_from_name
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> str:
+    """The tagged directory: `checkpoint_dir` itself if it holds metadata.json, else `<dir>/<tag or latest>`."""
+    root = os.fspath(checkpoint_dir)
+    if tag is None and os.path.isfile(os.path.join(root, METADATA_FILE)):
+        return root
+    tag_dir = resolve_tag_dir(root, tag)
+    if tag_dir is None:
+        raise CheckpointError(f"{root}: no 'latest' file and no tag given; pass tag= (e.g. 'global_step100')")
+    return tag_dir
+
+
+def _source(reader: CheckpointReader, name: str) -> tuple[str, str | None]:
+    """Where the fp32 values of `name` live: master weights if it has them, else the model weights."""
+    if reader.metadata.tensors[name].trainable and reader.has(OPTIM, name):
+        return OPTIM, MASTER
+    return MODEL, None
+
+
+def _exported_names(meta: CheckpointMetadata, exclude_frozen: bool) -> list[str]:
+    return [
+        name
+        for name, info in meta.tensors.items()
+        if not (exclude_frozen and info.kind == "param" and not info.requires_grad and not info.trainable)
+    ]
+
+
+def _out_dtype(stored: str, dtype: torch.dtype) -> torch.dtype:
+    kept = dtype_from_name(stored)
+    return dtype if kept.is_floating_point else kept
+
+
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The consolidated fp32 state_dict (CPU). Tied names share one tensor, as in the module.
+
+    Example:
+        >>> sd = get_fp32_state_dict_from_zero_checkpoint("ckpt")  # doctest: +SKIP
+        >>> model.load_state_dict(sd)  # doctest: +SKIP
+    """
+    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+        meta = reader.metadata
+        result: dict[str, torch.Tensor] = {}
+        for name in _exported_names(meta, exclude_frozen_parameters):
+            store, state = _source(reader, name)
+            dtype = _out_dtype(meta.tensors[name].dtype, torch.float32)
+            result[name] = reader.read_tensor(store, name, dtype=dtype, state=state)
+        for alias, canonical in meta.aliases.items():
+            if canonical in result:
+                result[alias] = result[canonical]
+        return result
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> nn.Module:
+    """Move `model` to CPU and copy the checkpoint's fp32 weights into it, tensor by tensor (strict=False).
+
+    Like DeepSpeed's, the model is then a plain module: build a new engine to train it again.
+    """
+    model = model.cpu()
+    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+        meta = reader.metadata
+        with torch.no_grad():
+            for key, tensor in model.state_dict(keep_vars=True).items():
+                name = key if key in meta.tensors else meta.aliases.get(key)
+                if name is None or tuple(tensor.shape) != meta.tensors[name].shape:
+                    continue
+                store, state = _source(reader, name)
+                flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
+                reader.read_range(store, name, 0, tensor.numel(), flat, state)
+                tensor.data.copy_(flat.view(tensor.shape))
+    return model
+
+
+# -- sharded output --------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
+_UNITS.update({"GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(size: int | str) -> int:
+    """`"5GB"` -> 5_000_000_000 (decimal units, binary with `iB`), as Hugging Face parses max_shard_size."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
+    if match is None:
+        raise ValueError(f"max_shard_size {size!r}: expected a number of bytes or a size such as '5GB' or '500MiB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Hugging Face's split: fill shards in order; a tensor larger than a shard gets one of its own."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, nbytes in sizes:
+        if nbytes > max_bytes:
+            shards.append([name])
+            continue
+        if current and filled + nbytes > max_bytes:
+            shards.append(current)
+            current, filled = [], 0
+        current.append(name)
+        filled += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _shard_names(count: int, safetensors: bool) -> tuple[list[str], str]:
+    weights = "model.safetensors" if safetensors else "pytorch_model.bin"
+    index = weights + ".index.json"
+    if count == 1:
+        return [weights], index
+    stem, ext = weights.rsplit(".", 1)
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)], index
+
+
+def _write_safetensors_shard(
+    reader: CheckpointReader, path: str, names: list[str], dtypes: dict[str, torch.dtype]
+) -> None:
+    meta = reader.metadata
+    specs = [TensorSpec(n, dtypes[n], meta.tensors[n].shape) for n in names]
+    tmp = path + ".tmp"
+    writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
+    try:
+        for name in names:
+            store, state = _source(reader, name)
+            for chunk in reader.stream(store, name, state):
+                writer.write(chunk.to(dtypes[name]))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
+def _write_bin_shard(reader: CheckpointReader, path: str, names: list[str], dtypes: dict[str, torch.dtype]) -> None:
+    shard = {}
+    for name in names:
+        store, state = _source(reader, name)
+        shard[name] = reader.read_tensor(store, name, dtype=dtypes[name], state=state)
+    torch.save(shard, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def convert_zero_checkpoint_to_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dtype: torch.dtype | str = torch.float32,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
+    """Write the consolidated weights to `output_dir` as Hugging Face shards; returns the files written.
+
+    `model.safetensors`, or `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`
+    (`pytorch_model*.bin` with `safe_serialization=False`). Tied aliases are written once, under the
+    canonical name, as `save_pretrained` does. See [Note: streaming export] for the memory bound.
+    """
+    out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    out = os.fspath(output_dir)
+    os.makedirs(out, exist_ok=True)
+    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+        meta = reader.metadata
+        names = _exported_names(meta, exclude_frozen_parameters)
+        dtypes = {n: _out_dtype(meta.tensors[n].dtype, out_dtype) for n in names}
+        sizes = [(n, meta.tensors[n].numel * dtypes[n].itemsize) for n in names]
+        shards = plan_shards(sizes, parse_size(max_shard_size))
+        files, index_name = _shard_names(len(shards), safe_serialization)
+        write = _write_safetensors_shard if safe_serialization else _write_bin_shard
+        for file, shard in zip(files, shards, strict=True):
+            write(reader, os.path.join(out, file), shard, dtypes)
+    written = list(files)
+    index_path = os.path.join(out, index_name)
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(size for _, size in sizes)},
+            "weight_map": {n: f for f, shard in zip(files, shards, strict=True) for n in shard},
+        }
+        with open(index_path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(index_path + ".tmp", index_path)
+        written.append(index_name)
+    elif os.path.exists(index_path):
+        os.unlink(index_path)  # a stale index from an earlier, sharded export would shadow the single file
+    return written
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
+    """`convert_zero_checkpoint_to_state_dict` in fp32 (DeepSpeed's name and arguments).
+
+    Example:
+        >>> convert_zero_checkpoint_to_fp32_state_dict("ckpt", "hf_out", max_shard_size="2GB")  # doctest: +SKIP
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    """
+    return convert_zero_checkpoint_to_state_dict(
+        checkpoint_dir, output_dir, torch.float32, max_shard_size, safe_serialization, tag, exclude_frozen_parameters
+    )
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of `zeroshard convert CHECKPOINT OUT` (for the `zeroshard` command's sub-parser)."""
+    parser.add_argument("checkpoint", help="save_dir of save_checkpoint (or one tagged checkpoint directory)")
+    parser.add_argument("output", help="directory for the safetensors shards and index")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of floating tensors")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MiB")
+    parser.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    parser.add_argument("--format", choices=("safetensors", "bin"), default="safetensors")
+    return parser
+
+
+def convert_main(argv: Sequence[str] | None = None) -> int:
+    """`zeroshard convert`: returns the exit status."""
+    parser = add_convert_arguments(argparse.ArgumentParser(prog="zeroshard convert", description=__doc__))
+    args = parser.parse_args(argv)
+    files = convert_zero_checkpoint_to_state_dict(
+        args.checkpoint,
+        args.output,
+        DTYPES[args.dtype],
+        args.max_shard_size,
+        args.format == "safetensors",
+        args.tag,
+        args.exclude_frozen,
+    )
+    sys.stdout.write("".join(os.path.join(args.output, f) + "\n" for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(convert_main())

@@ -1,0 +1,329 @@
+"""`load_checkpoint`: each rank reads the ranges it owns under its current layout, from any layout.
+
+Order of restoration (DeepSpeed's semantics):
+- module weights always (strict key check per `load_module_strict`);
+- `load_module_only`: nothing else; master weights are refreshed from the loaded module weights;
+- otherwise counters, RNG, sampler position, the lr scheduler (`load_lr_scheduler_states`), and with
+  `load_optimizer_states` the fp32 master weights, optimizer state and loss scaler (else the master
+  weights are refreshed from the module weights, as DeepSpeed's `_restore_from_bit16_weights`).
+When the world size changed, the global batch is kept by adapting gradient accumulation (unless the
+config pins `train_batch_size`), see `adapt_batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import json
+import os
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.format import (
+    ENGINE_STATE_FILE,
+    LATEST_FILE,
+    MASTER,
+    METADATA_FILE,
+    CheckpointMetadata,
+    rng_file,
+)
+from zeroshard.checkpoint.protocol import CheckpointableEngine
+from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
+from zeroshard.checkpoint.rng import restore_rng_state
+from zeroshard.checkpoint.safetensors_io import dtype_from_name
+from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state
+from zeroshard.checkpoint.state import ModelPiece, ShardedState
+from zeroshard.checkpoint.sync import RankSync, entry_timeout, write_timeout
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+
+def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
+    """`<load_dir>/<tag>` (tag from `latest` when None); None when there is no `latest`."""
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST_FILE)
+        if not os.path.isfile(latest):
+            return None
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    tag_dir = os.path.join(load_dir, str(tag))
+    if os.path.isdir(tag_dir):
+        return tag_dir
+    # A crash between the two renames of a re-save leaves the complete old copy aside (see [Note: crash safety]).
+    for old in sorted(glob.glob(os.path.join(glob.escape(load_dir), f".old.{glob.escape(str(tag))}.*"))):
+        if os.path.isfile(os.path.join(old, METADATA_FILE)):
+            log_rank(logger, 30, f"{tag_dir} is missing (a save of it was interrupted); using its old copy {old}")
+            return old
+    raise CheckpointError(f"{tag_dir}: checkpoint directory does not exist")
+
+
+# -- module weights ------------------------------------------------------------------------------------
+def _ckpt_name(meta: CheckpointMetadata, name: str, aliases: dict[str, str]) -> str | None:
+    """The checkpoint's canonical name for the engine's tensor `name` (tied weights may be named apart)."""
+    if name in meta.tensors:
+        return name
+    if name in meta.aliases:
+        return meta.aliases[name]
+    for alias, canonical in aliases.items():  # the engine calls it by another of its keys
+        if canonical == name and alias in meta.tensors:
+            return alias
+    return None
+
+
+def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: bool) -> dict[str, str]:
+    """engine canonical name -> checkpoint name; missing/unexpected keys are errors when `strict`."""
+    mapping: dict[str, str] = {}
+    missing = []
+    for name, tensor in catalog.tensors.items():
+        ckpt = _ckpt_name(meta, name, catalog.aliases)
+        if ckpt is None:
+            if name not in meta.excluded:
+                missing.append(name)
+            continue
+        saved = meta.tensors[ckpt].shape
+        if tuple(tensor.shape) != saved:
+            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the model, {saved} in the checkpoint")
+        mapping[name] = ckpt
+    unexpected = sorted(set(meta.tensors) - set(mapping.values()))
+    if missing or unexpected:
+        message = f"module keys differ from the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}"
+        if strict:
+            raise CheckpointError(message + " (pass load_module_strict=False to load the rest)")
+        log_rank(logger, 30, message)
+    return mapping
+
+
+def load_module_weights(
+    reader: CheckpointReader, catalog: ModuleCatalog, state: ShardedState | None, strict: bool
+) -> None:
+    mapping = check_module_keys(reader.metadata, catalog, strict)
+    targets = state.model_targets_to_load() if state is not None else []
+    sharded = {t.name for t in targets}
+    for name, tensor in catalog.tensors.items():
+        if name not in sharded:
+            targets.append(ModelPiece(name, 0, tensor.numel(), tensor.detach()))
+    with torch.no_grad():
+        for target in targets:
+            if target.name not in mapping:
+                continue
+            out = target.values
+            if out.is_contiguous():
+                reader.read_range(MODEL, mapping[target.name], target.begin, target.end, out.view(-1))
+            else:
+                flat = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+                reader.read_range(MODEL, mapping[target.name], target.begin, target.end, flat)
+                out.copy_(flat.view(out.shape))
+
+
+# -- optimizer ---------------------------------------------------------------------------------------------
+def _scalar(record: dict[str, Any], like: Any, device: torch.device) -> Any:
+    if record["tensor"] is None:
+        return record["value"]
+    if isinstance(like, torch.Tensor):
+        device = like.device
+    return torch.tensor(record["value"], dtype=dtype_from_name(record["tensor"]), device=device)
+
+
+def load_optimizer_state(
+    reader: CheckpointReader,
+    optimizer: torch.optim.Optimizer,
+    state: ShardedState,
+    mapping: dict[str, str],
+    load_master: bool,
+) -> None:
+    """Master weights (when `load_master`) and optimizer state of this rank's pieces, scalars, group options."""
+    info = reader.metadata.optimizer
+    assert info is not None
+    group_of_name = {name: g for g, group in enumerate(info.groups) for name in group["params"]}
+    pieces = state.optim_pieces()
+    elementwise: dict[int, dict[str, torch.Tensor]] = {}
+    ckpt_group: dict[int, int] = {}
+    with torch.no_grad():
+        for p in pieces:
+            name = mapping.get(p.name)
+            if name is None or not reader.has(OPTIM, name):
+                raise CheckpointError(f"{reader.tag_dir}: no optimizer state for parameter {p.name!r}")
+            ckpt_group.setdefault(p.group, group_of_name.get(name, p.group))
+            if load_master:
+                reader.read_range(OPTIM, name, p.begin, p.end, p.view(p.param), state=MASTER)
+            tensors = elementwise.setdefault(id(p.param), {})
+            for key, dtype in info.elementwise.items():
+                if key not in tensors:
+                    tensors[key] = torch.zeros(p.param.shape, dtype=dtype_from_name(dtype), device=p.param.device)
+                reader.read_range(OPTIM, name, p.begin, p.end, p.view(tensors[key]), state=key)
+    for g, group in enumerate(optimizer.param_groups):
+        source = ckpt_group.get(g, g)
+        if source >= len(info.groups):
+            log_rank(logger, 30, f"optimizer group {g} has no counterpart in the checkpoint; its state starts fresh")
+            continue
+        saved = info.groups[source]
+        cpu_scalars = not (group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            old = optimizer.state.get(param, {})
+            device = torch.device("cpu") if cpu_scalars else param.device
+            new = {k: _scalar(r, old.get(k), device) for k, r in saved["scalars"].items()}
+            new.update(elementwise.get(id(param), {}))
+            if info.elementwise and id(param) not in elementwise and saved["scalars"]:
+                # This rank owns only padding of the group: zeros keep its state consistent with the others.
+                new.update(
+                    {
+                        k: torch.zeros(param.shape, dtype=dtype_from_name(d), device=param.device)
+                        for k, d in info.elementwise.items()
+                    }
+                )
+            optimizer.state[param] = new
+        for key, value in saved["options"].items():
+            current = group.get(key)
+            group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+    if type(optimizer).__name__ != info.cls:
+        log_rank(logger, 30, f"optimizer is {type(optimizer).__name__}, the checkpoint's was {info.cls}")
+
+
+# -- batch ---------------------------------------------------------------------------------------------------
+def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
+    """Keep the checkpoint's global batch on a new world size by changing gradient accumulation.
+
+    Returns whether gradient_accumulation_steps changed. Not done when the config pins train_batch_size
+    (the user asked for that batch) or when the micro-batch times the world size does not divide it.
+    """
+    cfg = engine.config
+    saved = int(meta.batch["train_batch_size"])
+    current = int(cfg.train_batch_size)
+    if saved == current:
+        return False
+    micro, world = int(cfg.train_micro_batch_size_per_gpu), engine.topology.world_size
+    pinned = cfg.raw.get("train_batch_size") not in (None, "auto")
+    if pinned or saved % (micro * world):
+        why = "train_batch_size is set in the config" if pinned else f"{micro} x {world} ranks does not divide it"
+        log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {why}")
+        return False
+    gas = saved // (micro * world)
+    engine.config = dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
+    log_rank(
+        logger,
+        30,
+        f"world size {meta.world_size} -> {world}: gradient_accumulation_steps "
+        f"{cfg.gradient_accumulation_steps} -> {gas} keeps the global batch at {saved}",
+    )
+    return True
+
+
+# -- the collective call -------------------------------------------------------------------------------
+def _restore_training_state(
+    engine: CheckpointableEngine, reader: CheckpointReader, blob: dict[str, Any], load_lr_scheduler_states: bool
+) -> None:
+    meta = reader.metadata
+    rank = engine.topology.rank
+    gas_changed = adapt_batch(engine, meta)
+    counters = meta.counters
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    gas = int(engine.config.gradient_accumulation_steps)
+    engine.micro_steps = engine.global_steps * gas if gas_changed else int(counters["micro_steps"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
+    sampler: Any = getattr(engine.training_dataloader, "sampler", None)
+    if blob["data_sampler"] is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(blob["data_sampler"])
+    if rng_file(rank) in meta.files:
+        restore_rng_state(json.loads(reader.read_small(rng_file(rank))))
+    else:
+        log_rank(
+            logger, 30, f"the checkpoint has no RNG state for rank {rank} (saved on {meta.world_size} ranks)", None
+        )
+
+
+def _load_into(
+    engine: CheckpointableEngine,
+    reader: CheckpointReader,
+    strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[dict[str, Any], bool]:
+    """Restore this rank's state; returns (client_state, whether parameters must be re-published)."""
+    meta = reader.metadata
+    state = engine_state(engine)
+    catalog = catalog_module(engine.module, state.sharded_params() if state is not None else {})
+    load_module_weights(reader, catalog, state, strict)
+    blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
+    master_loaded = False
+    if not load_module_only:
+        _restore_training_state(engine, reader, blob, load_lr_scheduler_states)
+        if load_optimizer_states and state is not None and engine.optimizer is not None:
+            if meta.optimizer is None:
+                log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
+            else:
+                from_fp32 = bool(engine.config.zero_optimization.load_from_fp32_weights)
+                mapping = check_module_keys(meta, catalog, strict=False)
+                load_optimizer_state(reader, engine.optimizer, state, mapping, load_master=from_fp32)
+                master_loaded = from_fp32
+                if engine.loss_scaler is not None and blob["loss_scaler"] is not None:
+                    engine.loss_scaler.load_state_dict(blob["loss_scaler"])
+    publish = False
+    if state is not None and engine.zero is not None:
+        if not master_loaded:
+            state.refresh_master_from_params()
+        # Module weights stored in another dtype than this engine computes in: rebuild them from fp32.
+        publish = master_loaded and meta.compute_dtype != compute_dtype_name(engine)
+    client_state: dict[str, Any] = blob["client_state"]
+    return client_state, publish
+
+
+def load_checkpoint(
+    engine: CheckpointableEngine,
+    load_dir: str | os.PathLike[str],
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """See `CheckpointMixin.load_checkpoint`."""
+    rank, world_size = engine.topology.rank, engine.topology.world_size
+    root = os.path.abspath(os.fspath(load_dir))
+    sync = RankSync("load_checkpoint", rank, world_size)
+    resolved: dict[str, Any] = {"dir": None, "error": None}
+    try:
+        resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag))
+    except CheckpointError as e:
+        resolved["error"] = str(e)
+    hello = sync.all_gather("start", resolved, entry_timeout())
+    errors = sorted({h["error"] for h in hello if h["error"]})
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    if len({h["dir"] for h in hello}) > 1:
+        raise CheckpointError(f"load_checkpoint: ranks resolved different checkpoints {[h['dir'] for h in hello]}")
+    tag_dir = resolved["dir"]
+    if tag_dir is None:
+        log_rank(logger, 30, f"no {LATEST_FILE} file in {root}: nothing loaded (pass tag= to load a given checkpoint)")
+        return None, None
+    local_error: Exception | None = None
+    client_state: dict[str, Any] | None = None
+    publish = False
+    try:
+        with torch.profiler.record_function("zeroshard.load_checkpoint"), CheckpointReader(tag_dir) as reader:
+            client_state, publish = _load_into(
+                engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            )
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        local_error = e
+    status = {"error": None if local_error is None else f"rank {rank}: {local_error}"}
+    statuses = sync.all_gather("loaded", status, write_timeout())
+    failed = [s["error"] for s in statuses if s["error"]]
+    if failed:
+        raise CheckpointError("load_checkpoint failed: " + "; ".join(failed)) from local_error
+    # Collectives only once every rank is known to have loaded (a failed rank would never join them).
+    if engine.zero is not None:
+        if publish:
+            state = engine_state(engine)
+            assert state is not None
+            state.publish_params()
+        engine.zero.zero_grad()
+    log_rank(logger, 20, f"loaded checkpoint {tag_dir}")
+    return tag_dir, client_state

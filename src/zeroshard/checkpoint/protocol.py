@@ -1,0 +1,27 @@
+"""The engine attributes the checkpoint code reads and writes (the integration contract)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zeroshard.comm.topology import Topology
+from zeroshard.precision.policy import PrecisionPolicy
+
+
+class CheckpointableEngine(Protocol):
+    module: nn.Module
+    config: Any  # ZeroshardConfig
+    topology: Topology
+    precision: PrecisionPolicy
+    zero: Any  # zero.strategy.Strategy: ZeroOptimizer (stages 0-2) or the stage-3 strategy
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: Any
+    loss_scaler: Any
+    training_dataloader: Any
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+    skipped_steps: int

@@ -1,0 +1,45 @@
+"""Per-rank RNG states (torch CPU and CUDA, numpy, python) as JSON, for exact resume."""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+
+def _encode(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every generator a training step may draw from, on this rank."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float], np.random.get_state(legacy=True))
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _encode(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the generators to `state` (from capture_rng_state, possibly in another process)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_decode(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = [_decode(s) for s in state["cuda"]]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(saved)

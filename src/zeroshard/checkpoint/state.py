@@ -1,0 +1,143 @@
+"""What a ZeRO strategy holds on one rank, in the terms of the checkpoint format: pieces of tensors.
+
+[Note: strategy adapters]
+The save and load code never looks at buckets, shard offsets or padding. A strategy describes its
+sharded tensors through the `ShardedState` protocol: which module parameters it owns the storage of,
+the model-weight pieces this rank writes, the ranges this rank must fill on load, and the pieces of the
+optimizer's parameters (with the offset of each piece inside the optimizer's tensor, so elementwise
+optimizer state is a slice at the same offset). `FlatZeroState` implements it for stages 0-2; a
+stage-3 strategy implements the same four lists over its per-parameter partitions, and the files it
+writes and reads are the same (see [Note: checkpoint format]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from zeroshard.zero.layout import owned_pieces
+from zeroshard.zero.optimizer import ZeroOptimizer
+
+
+@dataclass(frozen=True)
+class ModelPiece:
+    """Elements [begin, end) of the module tensor `name`; `values` is a 1-D view of them."""
+
+    name: str
+    begin: int
+    end: int
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class OptimPiece:
+    """Elements [begin, end) of parameter `name`, held at `param[offset : offset + end - begin]`.
+
+    `param` is the tensor the optimizer steps (a flat fp32 master shard); its elementwise optimizer
+    state holds the same piece at the same offset.
+    """
+
+    name: str
+    begin: int
+    end: int
+    param: torch.Tensor
+    offset: int
+    group: int
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view(-1).narrow(0, self.offset, self.end - self.begin)
+
+
+class ShardedState(Protocol):
+    """See [Note: strategy adapters]."""
+
+    def sharded_params(self) -> dict[int, str]:
+        """id(parameter) -> state_dict name, for the parameters whose storage the strategy manages."""
+        ...
+
+    def model_pieces_to_save(self) -> list[ModelPiece]:
+        """Pieces of sharded parameters that this rank writes (every element written by exactly one rank)."""
+        ...
+
+    def model_targets_to_load(self) -> list[ModelPiece]:
+        """Ranges of sharded parameters this rank fills from the checkpoint's model weights."""
+        ...
+
+    def optim_pieces(self) -> list[OptimPiece]:
+        """This rank's pieces of the optimizer's parameters (for saving: only when `writes_optim`)."""
+        ...
+
+    @property
+    def writes_optim(self) -> bool:
+        """Whether this rank writes its optimizer pieces (false where another rank holds a copy)."""
+        ...
+
+    def refresh_master_from_params(self) -> None:
+        """Master weights := the module's (compute-dtype) weights, for the pieces this rank owns."""
+        ...
+
+    def publish_params(self) -> None:
+        """Module weights := master weights (collective: every rank calls it)."""
+        ...
+
+
+class FlatZeroState:
+    """`ShardedState` of the stage 0/1/2 flat-buffer optimizer."""
+
+    def __init__(self, zero: ZeroOptimizer, rank: int):
+        self.zero = zero
+        self.rank = rank
+
+    @property
+    def writes_optim(self) -> bool:
+        # Stage 0 shards nothing (shard_count 1): every rank holds everything and rank 0 writes it.
+        return self.rank < self.zero.layout.shard_count
+
+    def sharded_params(self) -> dict[int, str]:
+        return {
+            id(buffers.params[slot.index]): slot.name for buffers in self.zero.buffers for slot in buffers.layout.slots
+        }
+
+    def _owned(self) -> list[tuple[int, str, int, int, int, int]]:
+        """(group, name, begin, end, offset in the param buffer, offset in the master shard) per piece."""
+        rows = []
+        for g, buffers in enumerate(self.zero.buffers):
+            layout = buffers.layout
+            for piece in owned_pieces(layout, self.zero.shard_rank):
+                slot = layout.slots[piece.slot]
+                flat = slot.offset + piece.param_begin
+                rows.append((g, slot.name, piece.param_begin, piece.param_end, flat, piece.shard_offset))
+        return rows
+
+    def model_pieces_to_save(self) -> list[ModelPiece]:
+        if not self.writes_optim:
+            return []
+        return [
+            ModelPiece(name, begin, end, self.zero.buffers[g].param_flat.narrow(0, flat, end - begin))
+            for g, name, begin, end, flat, _ in self._owned()
+        ]
+
+    def model_targets_to_load(self) -> list[ModelPiece]:
+        # Parameters are replicated in stages 0-2: every rank fills every parameter whole.
+        return [
+            ModelPiece(slot.name, 0, slot.numel, buffers.param_flat.narrow(0, slot.offset, slot.numel))
+            for buffers in self.zero.buffers
+            for slot in buffers.layout.slots
+        ]
+
+    def optim_pieces(self) -> list[OptimPiece]:
+        return [
+            OptimPiece(name, begin, end, self.zero.buffers[g].master, offset, g)
+            for g, name, begin, end, _, offset in self._owned()
+        ]
+
+    def refresh_master_from_params(self) -> None:
+        for g, _, begin, end, flat, offset in self._owned():
+            buffers = self.zero.buffers[g]
+            if not buffers.master_aliases_params:
+                buffers.master.narrow(0, offset, end - begin).copy_(buffers.param_flat.narrow(0, flat, end - begin))
+
+    def publish_params(self) -> None:
+        self.zero.publish_params()

@@ -1,0 +1,117 @@
+"""Rendezvous of every rank for save/load, through the process group's key-value store, with timeouts.
+
+[Note: collective calls with a deadline]
+`save_checkpoint` and `load_checkpoint` must be called on every rank. DeepSpeed hangs in a barrier
+when one rank does not call them; here each phase is a rendezvous on the c10d store (TCPStore under
+torchrun) with a deadline, so a missing rank is a `CheckpointError` naming the ranks that arrived and
+those that did not. The store also carries small JSON payloads (tags, per-rank manifests, errors), so a
+failure on one rank (a full disk, a corrupted file it alone reads) is reported on every rank instead of
+leaving the others waiting in the next training collective.
+
+The n-th checkpoint call of a rank uses keys under `zeroshard/checkpoint/<n>/`, with n counted per
+rank in the store itself: ranks make their calls in the same order, so their n agree, and several
+engines in one process never reuse a key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from zeroshard.checkpoint.errors import CheckpointError
+
+ENTRY_TIMEOUT_ENV = "ZEROSHARD_CHECKPOINT_TIMEOUT"
+WRITE_TIMEOUT_ENV = "ZEROSHARD_CHECKPOINT_WRITE_TIMEOUT"
+DEFAULT_ENTRY_TIMEOUT_S = 300.0  # how long ranks may arrive apart at a save/load call
+DEFAULT_WRITE_TIMEOUT_S = 3600.0  # how long the slowest rank may take to write or read its files
+
+
+def entry_timeout() -> float:
+    return float(os.environ.get(ENTRY_TIMEOUT_ENV, DEFAULT_ENTRY_TIMEOUT_S))
+
+
+def write_timeout() -> float:
+    return float(os.environ.get(WRITE_TIMEOUT_ENV, DEFAULT_WRITE_TIMEOUT_S))
+
+
+def _default_store() -> dist.Store | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    # The default group's store is not public API, but it is the rendezvous every rank already shares.
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class RankSync:
+    """Phases of one collective checkpoint call. `op` names the call in error messages."""
+
+    def __init__(self, op: str, rank: int, world_size: int, store: dist.Store | None = None):
+        self.op = op
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store if store is not None or world_size == 1 else _default_store()
+        if self.world_size > 1 and self.store is None:
+            raise CheckpointError(f"{op}: world size {world_size} but torch.distributed is not initialised")
+        self.prefix = ""
+        if self.store is not None and world_size > 1:
+            call = self.store.add(f"zeroshard/checkpoint/calls/{rank}", 1)
+            self.prefix = f"zeroshard/checkpoint/{call}"
+
+    def _key(self, phase: str, rank: int) -> str:
+        return f"{self.prefix}/{phase}/{rank}"
+
+    def _wait(self, phase: str, ranks: list[int], timeout: float) -> None:
+        assert self.store is not None
+        keys = [self._key(phase, r) for r in ranks]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - the store raises several types on timeout
+            missing = [r for r, key in zip(ranks, keys, strict=True) if not self.store.check([key])]
+            if not missing:
+                return
+            arrived = sorted(set(range(self.world_size)) - set(missing))
+            raise CheckpointError(
+                f"{self.op}: rank(s) {missing} did not reach the '{phase}' phase within {timeout:.0f}s "
+                f"(rank(s) {arrived} did). {self.op} is collective: call it on every rank, with the same "
+                "arguments, and make sure no rank failed or exited."
+            ) from None
+
+    def _get(self, phase: str, rank: int) -> Any:
+        assert self.store is not None
+        return json.loads(self.store.get(self._key(phase, rank)))
+
+    def all_gather(self, phase: str, payload: Any, timeout: float) -> list[Any]:
+        """Every rank's JSON `payload`, on every rank."""
+        if self.store is None or self.world_size == 1:
+            return [payload]
+        self.store.set(self._key(phase, self.rank), json.dumps(payload))
+        self._wait(phase, list(range(self.world_size)), timeout)
+        return [self._get(phase, r) for r in range(self.world_size)]
+
+    def gather(self, phase: str, payload: Any, timeout: float) -> list[Any] | None:
+        """Every rank's payload on rank 0 (None elsewhere)."""
+        if self.store is None or self.world_size == 1:
+            return [payload]
+        self.store.set(self._key(phase, self.rank), json.dumps(payload))
+        if self.rank != 0:
+            return None
+        self._wait(phase, list(range(self.world_size)), timeout)
+        gathered = [self._get(phase, r) for r in range(self.world_size)]
+        for r in range(self.world_size):
+            self.store.delete_key(self._key(phase, r))  # manifests can be large; free the store
+        return gathered
+
+    def broadcast(self, phase: str, payload: Any, timeout: float) -> Any:
+        """Rank 0's payload on every rank."""
+        if self.store is None or self.world_size == 1:
+            return payload
+        if self.rank == 0:
+            self.store.set(self._key(phase, 0), json.dumps(payload))
+            return payload
+        self._wait(phase, [0], timeout)
+        return self._get(phase, 0)

@@ -1,0 +1,123 @@
+"""`zeroshard estimate --model NAME_OR_FOLDER | --params 7e9 [--gpus N] [--nodes K] [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from zeroshard.cli.common import CLIError, human_bytes, out
+from zeroshard.cli.estimate.formulas import Cluster, Precision
+from zeroshard.cli.estimate.recommend import Recommendation, recommend
+from zeroshard.cli.estimate.rows import DEFAULT_BUCKET_NUMEL, Row, estimate_rows
+from zeroshard.cli.estimate.shapes import ModelInfo, from_model_arg, from_params
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4, "sgd-nomomentum": 0}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_GPU_GIB = 80.0
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "estimate",
+        parents=parents,
+        help="per-rank memory of each ZeRO stage and offload choice, and a recommendation",
+        description="Estimate per-rank GPU and per-node CPU memory for every ZeRO stage x offload option "
+        "(zeroshard's accounting, DeepSpeed's formulas beside it) plus activations, and recommend one.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="a Hugging Face model folder or a built-in config name (e.g. llama-2-7b)")
+    what.add_argument("--params", type=float, help="number of parameters, e.g. 7e9 (a Llama-like shape is assumed)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) per node (default: CUDA devices here, or 1)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
+    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank for the activation estimate")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
+    p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="gradient accumulation dtype")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
+    p.add_argument("--bucket-size", type=float, default=DEFAULT_BUCKET_NUMEL, help="reduce_bucket_size (elements)")
+    p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, or 80)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows (and nothing else)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("gpus", "nodes", "seq_len", "micro_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    model = from_model_arg(args.model) if args.model else from_params(args.params)
+    cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
+    precision = Precision(DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.grad_dtype], OPTIMIZER_STATE_BYTES[args.optimizer])
+    rows = estimate_rows(
+        model, cluster, precision, args.seq_len, args.micro_batch, args.gradient_checkpointing, int(args.bucket_size)
+    )
+    gpu_memory = int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
+    rec = recommend(model.params, rows, cluster, gpu_memory)
+    if args.json:
+        out(json.dumps([_json_row(row, rec) for row in rows], indent=2))
+    else:
+        out(render(model, cluster, args, rows, rec, gpu_memory))
+    return 0
+
+
+def _json_row(row: Row, rec: Recommendation) -> dict[str, Any]:
+    data = row.to_json()
+    data["recommended"] = row.option == rec.option
+    if data["recommended"]:
+        data["recommendation"] = rec.to_json()
+    return data
+
+
+def render(
+    model: ModelInfo, cluster: Cluster, args: argparse.Namespace, rows: list[Row], rec: Recommendation, gpu_memory: int
+) -> str:
+    s = model.shape
+    lines = [
+        f"model: {model.name}: {model.params:,} parameters, largest layer {model.largest_layer:,}; "
+        f"hidden {s.hidden}, {s.layers} layers, vocabulary {s.vocab}",
+    ]
+    if model.assumed:
+        lines.append(f"  ({model.assumed})")
+    lines += [
+        f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
+        f"{args.dtype} parameters, {args.grad_dtype} gradient accumulation, {args.optimizer}; "
+        f"activations for micro-batch {args.micro_batch} x {args.seq_len} tokens"
+        + (" with checkpointing" if args.gradient_checkpointing else ""),
+        "",
+        f"{'option':<54}{'GPU/rank':>11}{'states':>11}{'activ.':>11}{'buffers':>11}"
+        f"{'CPU/node':>11}{'NVMe/node':>11}  | DeepSpeed GPU/rank, CPU/node",
+    ]
+    for row in rows:
+        mark = "*" if row.option == rec.option else " "
+        ds = "-" if row.deepspeed is None else f"{human_bytes(row.deepspeed[1])}, {human_bytes(row.deepspeed[0])}"
+        lines.append(
+            f"{mark} {row.option.label():<52}{human_bytes(row.gpu_bytes_per_rank):>11}"
+            f"{human_bytes(row.states.gpu):>11}{human_bytes(row.activation_bytes):>11}"
+            f"{human_bytes(row.buffer_bytes):>11}{human_bytes(row.cpu_bytes_per_node):>11}"
+            f"{human_bytes(row.nvme_bytes_per_node):>11}  | {ds}"
+        )
+    lines += ["", f"recommended (seed-000 decision tree): {rec.option.label()}"]
+    lines += [f"  - {reason}" for reason in rec.reasons]
+    if rec.fits is False:
+        lines.append(f"  - does not fit in {human_bytes(gpu_memory)} per GPU")
+        if rec.fallback is not None:
+            lines.append(f"  - first option that fits: {rec.fallback.label()}")
+    lines += [f"  - {note}" for note in rec.notes]
+    lines.append(f'  ds_config: {json.dumps({"zero_optimization": rec.zero_optimization})}')
+    return "\n".join(lines)
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _local_gpu_memory() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)

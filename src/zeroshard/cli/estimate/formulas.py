@@ -1,0 +1,153 @@
+"""Bytes per rank of the ZeRO model states, by stage and offload choice: pure arithmetic, no torch.
+
+[Note: two accountings]
+`zeroshard_states` follows zeroshard's own buffers (docs/design.md): gradients are accumulated in
+fp32 by default, so stage 2 holds 4Ψ/N of gradients where the ZeRO paper has 2Ψ/N; the fp32 master
+copy is skipped when it would alias the fp32 parameters (fp32 training without sharding).
+`engine.memory_report().model_states` measures the same quantities. `deepspeed_states` reproduces
+DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+(zero_init=True for stage 3), including their 1.5x CPU buffer factor; DeepSpeed has no estimator
+for stages 0 and 1 and for NVMe, so those are None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+OFFLOAD_CHOICES: Final = ("none", "cpu", "nvme")
+ADDITIONAL_BUFFER_FACTOR: Final = 1.5  # DeepSpeed's default
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ZeRO configuration: stage and where optimizer state / parameters live."""
+
+    stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def label(self) -> str:
+        parts = [f"stage {self.stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"offload_optimizer={self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"offload_param={self.offload_param}")
+        return ", ".join(parts)
+
+
+# Every stage x offload combination DeepSpeed accepts: parameter offload and NVMe need stage 3.
+OPTIONS: Final = (
+    Option(0),
+    Option(1),
+    Option(1, "cpu"),
+    Option(2),
+    Option(2, "cpu"),
+    Option(3),
+    Option(3, "cpu"),
+    Option(3, "cpu", "cpu"),
+    Option(3, "nvme", "nvme"),
+)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element: parameters (compute dtype), gradient accumulation, optimizer state per parameter."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 8  # Adam/AdamW: m and v in fp32
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int = 1
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of one rank's model states, by kind, and by the tier that holds them."""
+
+    params: int
+    gradients: int
+    master_weights: int
+    optimizer_state: int
+    gpu: int
+    cpu: int
+    nvme: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.gradients + self.master_weights + self.optimizer_state
+
+
+def zeroshard_states(psi: int, option: Option, precision: Precision, world_size: int) -> ModelStates:
+    """Per-rank model-state bytes of `psi` trainable parameters (see [Note: two accountings])."""
+    n = world_size
+    p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    sharded_states = option.stage >= 1 and n > 1
+    params = p * psi // n if option.stage == 3 else p * psi
+    if option.stage == 0 or (option.stage == 1 and n == 1 and option.offload_optimizer == "none"):
+        grads = g * psi  # one full accumulator; it is its own shard when nothing is sharded
+    elif option.stage == 1 and option.offload_optimizer == "none":
+        grads = g * psi + g * psi // n  # full accumulator plus the reduce-scattered shard
+    else:
+        grads = g * psi // n
+    master_aliases = p == 4 and not sharded_states and option.stage < 3
+    master = 0 if master_aliases else 4 * psi // (n if option.stage >= 1 else 1)
+    optim = k * psi // (n if option.stage >= 1 else 1)
+    tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
+    tiers[_tier(option.offload_param)] += params
+    # With optimizer offload the fp32 gradient shard lives next to the optimizer, and stage 1 reduces
+    # like stage 2 (DeepSpeed's one code path for both).
+    tiers[_tier(option.offload_optimizer)] += master + optim
+    grad_tier = "gpu" if option.offload_optimizer == "none" else "cpu"
+    tiers[grad_tier] += grads
+    return ModelStates(params, grads, master, optim, tiers["gpu"], tiers["cpu"], tiers["nvme"])
+
+
+def _tier(device: str) -> str:
+    return "gpu" if device == "none" else device
+
+
+def deepspeed_states(
+    psi: int, largest_layer: int, option: Option, cluster: Cluster, factor: float = ADDITIONAL_BUFFER_FACTOR
+) -> tuple[int, int] | None:
+    """(cpu bytes per node, gpu bytes per GPU) from DeepSpeed's estimators, or None where it has none."""
+    gpus, nodes, total = cluster.gpus_per_node, cluster.nodes, cluster.world_size
+    if option.stage == 2 or (option.stage == 1 and option.offload_optimizer == "cpu"):
+        if option.stage == 1:
+            return None
+        if option.offload_optimizer == "cpu":
+            return int(psi * max(4 * total, 16) * factor), int(2 * psi)
+        return int(psi * 4 * gpus * factor), int(2 * psi + int(18 * psi / total))
+    if option.stage != 3 or option.offload_optimizer == "nvme":
+        return None
+    largest = 4 * largest_layer
+    if option.offload_optimizer == "cpu" and option.offload_param == "cpu":
+        return int(psi * 18 / nodes * factor), int(largest)
+    if option.offload_optimizer == "cpu":
+        return int(psi * 16 / nodes * factor), int(largest + int(2 * psi / total))
+    return int(largest_layer * 4 * gpus * factor), int(largest + int(18 * psi / total))
+
+
+def gather_buffer_bytes(option: Option, largest_layer: int, precision: Precision) -> int:
+    """Stage 3 holds a gathered copy of the unit being computed and its gradient (DeepSpeed: 4 x largest layer)."""
+    return 2 * precision.param_bytes * largest_layer if option.stage == 3 else 0
+
+
+def comm_buffer_bytes(option: Option, psi: int, bucket_numel: int, comm_bytes: int) -> int:
+    """Reduce buckets in flight: one being filled and one being reduced (none for stage 0 with a full accumulator)."""
+    if option.stage == 0:
+        return 0
+    return 2 * min(bucket_numel, psi) * comm_bytes
+
+
+def load_bytes_per_rank(option: Option, psi: int, largest_layer: int) -> int:
+    """Host memory to build the model before sharding: fp32 in every process, one layer at a time with stage 3."""
+    return 4 * largest_layer if option.stage == 3 else 4 * psi

@@ -1,0 +1,111 @@
+"""One estimate row per ZeRO option: model states, activations and buffers, by tier (GPU, CPU, NVMe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zeroshard.cli.estimate.activations import activation_bytes
+from zeroshard.cli.estimate.formulas import (
+    OPTIONS,
+    Cluster,
+    ModelStates,
+    Option,
+    Precision,
+    comm_buffer_bytes,
+    deepspeed_states,
+    gather_buffer_bytes,
+    load_bytes_per_rank,
+    zeroshard_states,
+)
+from zeroshard.cli.estimate.shapes import ModelInfo
+
+DEFAULT_BUCKET_NUMEL = 500_000_000  # DeepSpeed's reduce_bucket_size default
+NVME_BUFFER_NUMEL = 100_000_000  # DeepSpeed's offload buffer_size default
+NVME_PARAM_BUFFERS, NVME_OPTIMIZER_BUFFERS = 5, 4  # DeepSpeed's buffer_count defaults
+
+
+@dataclass(frozen=True)
+class Row:
+    option: Option
+    states: ModelStates  # per rank
+    activation_bytes: int  # per rank
+    buffer_bytes: int  # per rank on the GPU: reduce buckets, stage-3 gathered unit
+    gpu_bytes_per_rank: int
+    cpu_bytes_per_node: int
+    nvme_bytes_per_node: int
+    deepspeed: tuple[int, int] | None  # DeepSpeed's (cpu per node, gpu per GPU), model states only
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.option.stage,
+            "offload_optimizer": self.option.offload_optimizer,
+            "offload_param": self.option.offload_param,
+            "gpu_bytes_per_rank": self.gpu_bytes_per_rank,
+            "cpu_bytes_per_node": self.cpu_bytes_per_node,
+            "nvme_bytes_per_node": self.nvme_bytes_per_node,
+            "model_states_bytes_per_rank": {
+                "params": self.states.params,
+                "gradients": self.states.gradients,
+                "master_weights": self.states.master_weights,
+                "optimizer_state": self.states.optimizer_state,
+                "total": self.states.total,
+                "on_gpu": self.states.gpu,
+                "on_cpu": self.states.cpu,
+                "on_nvme": self.states.nvme,
+            },
+            "activation_bytes_per_rank": self.activation_bytes,
+            "buffer_bytes_per_rank": self.buffer_bytes,
+            "deepspeed_cpu_bytes_per_node": None if self.deepspeed is None else self.deepspeed[0],
+            "deepspeed_gpu_bytes_per_rank": None if self.deepspeed is None else self.deepspeed[1],
+        }
+
+
+def estimate_row(
+    model: ModelInfo,
+    option: Option,
+    cluster: Cluster,
+    precision: Precision,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool = False,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> Row:
+    n = cluster.world_size
+    states = zeroshard_states(model.params, option, precision, n)
+    acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
+    buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
+        option, model.params, bucket_numel, precision.param_bytes
+    )
+    staging = 0
+    if option.offload_param == "nvme":
+        staging += NVME_PARAM_BUFFERS * min(NVME_BUFFER_NUMEL, model.params) * precision.param_bytes
+    if option.offload_optimizer == "nvme":
+        staging += NVME_OPTIMIZER_BUFFERS * min(NVME_BUFFER_NUMEL, model.params // n) * 4
+    cpu_rank = max(load_bytes_per_rank(option, model.params, model.largest_layer), states.cpu + staging)
+    return Row(
+        option=option,
+        states=states,
+        activation_bytes=acts,
+        buffer_bytes=buffers,
+        gpu_bytes_per_rank=states.gpu + acts + buffers,
+        cpu_bytes_per_node=cpu_rank * cluster.gpus_per_node,
+        nvme_bytes_per_node=states.nvme * cluster.gpus_per_node,
+        deepspeed=deepspeed_states(model.params, model.largest_layer, option, cluster),
+    )
+
+
+def estimate_rows(
+    model: ModelInfo,
+    cluster: Cluster,
+    precision: Precision,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool = False,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> list[Row]:
+    """A row for every option in `OPTIONS`."""
+    return [
+        estimate_row(model, option, cluster, precision, seq_len, micro_batch, checkpointing, bucket_numel)
+        for option in OPTIONS
+    ]

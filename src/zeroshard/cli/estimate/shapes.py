@@ -1,0 +1,82 @@
+"""What `estimate` knows about a model: parameter count, largest layer, and a shape for activations.
+
+From a Hugging Face folder or a built-in config name the model is built on the meta device (no
+memory, no download) and counted exactly, tied weights once, as DeepSpeed's `model_to_params` does.
+From a bare parameter count a Llama-like shape is assumed (hidden/layers = 128, 32k vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from zeroshard.cli.estimate.activations import Shape
+from zeroshard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    params: int  # unique parameters (tied weights counted once)
+    largest_layer: int  # parameters of the largest module, counting only its own (DeepSpeed's definition)
+    shape: Shape
+    assumed: str | None = None  # how the shape was guessed, when it was
+
+
+def count_module(module: nn.Module) -> tuple[int, int]:
+    """(unique parameter count, largest layer's own parameter count) of a module."""
+    total = sum({id(p): p.numel() for p in module.parameters()}.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    return total, largest
+
+
+def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
+    """The activation shape of a transformers config (Llama/Qwen2/Mistral-style and GPT-2-style names)."""
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 1))
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+    gated = module is not None and any(name.endswith("gate_proj") for name, _ in module.named_modules())
+    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated)
+
+
+def from_hf_config(name: str, config: Any) -> ModelInfo:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total, largest = count_module(model)
+    return ModelInfo(name, total, largest, shape_of(config, model))
+
+
+def from_model_arg(model: str) -> ModelInfo:
+    """`--model`: a Hugging Face model folder (its config.json) or a built-in config name."""
+    from zeroshard.presets import model_preset
+
+    if os.path.isdir(model):
+        from transformers import AutoConfig
+
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ConfigError(f"model folder {model} has no config.json; pass a Hugging Face model folder")
+        return from_hf_config(model, AutoConfig.from_pretrained(model))
+    preset = model_preset(model)
+    return from_hf_config(preset.name, preset.hf_config(vocab_size=259))
+
+
+def from_params(params: float, vocab: int = 32000) -> ModelInfo:
+    """A Llama-like shape with `params` parameters: 12·L·h² + 2·V·h with L = h/128 (Llama-2 7B/13B, GPT-3)."""
+    if params <= 0:
+        raise ConfigError(f"--params {params:g} must be positive")
+    hidden = max(64, round((params * 128 / 12) ** (1 / 3) / 64) * 64)
+    layers = max(1, round(params / (12 * hidden * hidden)))
+    heads = max(1, hidden // 128)
+    shape = Shape(hidden, layers, heads, heads, int(math.ceil(8 * hidden / 3 / 64) * 64), vocab, True)
+    largest = max(vocab * hidden, shape.intermediate * hidden)
+    note = f"Llama-like shape assumed: hidden {hidden}, {layers} layers, vocabulary {vocab}; pass --model for exact numbers"
+    return ModelInfo(f"{params:.3g} parameters", int(params), largest, shape, note)

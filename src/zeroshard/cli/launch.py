@@ -1,0 +1,109 @@
+"""`zeroshard launch [options] script.py args...`: torchrun on this node, or on every host of a hostfile.
+
+    zeroshard launch --nproc_per_node 2 train.py --deepspeed ds_config.json
+    zeroshard launch --nproc_per_node 2 -m zeroshard.cli.train --model tiny-llama --zero-stage 2
+    zeroshard launch --hostfile hosts --include "worker-0@worker-1:0,1" --dry-run train.py
+
+Multi-node starts one torchrun per host over ssh (`--dry-run` prints the per-node commands instead).
+`--max_restarts R` restarts the whole group after a failure (torchrun's elastic agent); `zeroshard
+train` then resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from typing import Any
+
+from zeroshard.cli.common import EXIT_CONFIG, CLIError, out
+
+
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "launch",
+        parents=parents,
+        help="start a training script on torchrun (one node, or every host of a hostfile over ssh)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc_per_node", "--nproc-per-node", "--num_gpus", type=int, help="processes per node")
+    p.add_argument("--nnodes", "--num_nodes", type=int, help="number of nodes (the first K hosts of the hostfile)")
+    p.add_argument("--node_rank", "--node-rank", type=int, help="this node's rank (multi-node without a hostfile)")
+    p.add_argument("-H", "--hostfile", help="DeepSpeed-style hostfile: lines 'HOST slots=N'")
+    p.add_argument("-i", "--include", help='hosts/slots to use, e.g. "worker-0@worker-1:0,2"')
+    p.add_argument("-e", "--exclude", help='hosts/slots to skip, e.g. "worker-1:0"')
+    p.add_argument("--master_addr", "--master-addr", help="rendezvous host (default: the first host)")
+    p.add_argument("--master_port", "--master-port", type=int, help="rendezvous port (default 29500)")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0, help="elastic restarts of the group")
+    p.add_argument("--rdzv_id", "--rdzv-id", default="zeroshard", help="job id for the c10d rendezvous")
+    p.add_argument("--ssh_port", "--ssh-port", type=int, help="ssh port of the remote hosts")
+    p.add_argument("-m", "--module", action="store_true", help="the script is a Python module name (python -m)")
+    p.add_argument("--no_python", "--no-python", action="store_true", help="run the script as an executable")
+    p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the commands instead of running them")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.launcher import LaunchOptions, multi_node, read_hostfile, select_resources, single_node
+    from zeroshard.launcher.hostfile import limit_resources
+    from zeroshard.launcher.plan import exported_environment
+    from zeroshard.launcher.runner import run_local, run_nodes
+
+    for name in ("nproc_per_node", "nnodes", "master_port"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"--{name} {value} must be >= 1", EXIT_CONFIG)
+    if args.max_restarts < 0:
+        raise CLIError(f"--max_restarts {args.max_restarts} must be >= 0", EXIT_CONFIG)
+    opts = LaunchOptions(
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        module=args.module,
+        no_python=args.no_python,
+        rdzv_id=args.rdzv_id,
+        ssh_port=args.ssh_port,
+    )
+    if args.hostfile is not None and args.node_rank is not None:
+        raise CLIError("--node_rank is for multi-node runs without a hostfile; with --hostfile, ranks follow its order")
+    if args.hostfile is None and (args.include or args.exclude):
+        hosts: dict[str, int] | None = {"localhost": args.nproc_per_node or _local_slots()}
+    else:
+        hosts = read_hostfile(args.hostfile) if args.hostfile else None
+    if hosts is None:
+        argv = single_node(opts, args.nproc_per_node or _local_slots())
+        if args.dry_run:
+            out(shlex.join(argv))
+            return 0
+        return run_local(argv)
+    resources = limit_resources(select_resources(hosts, args.include, args.exclude), args.nnodes, args.nproc_per_node)
+    cwd = os.getcwd()
+    nodes = multi_node(opts, resources, exported_environment(os.environ, cwd, os.path.expanduser("~")))
+    if len(nodes) == 1 and not nodes[0].remote:
+        local = single_node(opts, nodes[0].nproc)
+        env = {k: v for k, v in nodes[0].env.items() if k == "CUDA_VISIBLE_DEVICES"}
+        if args.dry_run:
+            out(shlex.join(local) if not env else f"env {shlex.join(f'{k}={v}' for k, v in env.items())} {shlex.join(local)}")
+            return 0
+        os.environ.update(env)
+        return run_local(local)
+    if args.dry_run:
+        for node in nodes:
+            out(f"# node {node.node_rank}: {node.host}, {node.nproc} process(es)")
+            out(shlex.join(node.full_argv(cwd)))
+        return 0
+    return run_nodes(nodes, cwd)
+
+
+def _local_slots() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1

@@ -1,0 +1,64 @@
+"""Entry point of the `zeroshard` console script: one subcommand per module, one error policy for all.
+
+Errors zeroshard raises on purpose (ConfigError, CLIError, ...) and the usual OS errors are printed
+as one line naming the command; `--debug` shows the traceback instead. A bad config exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from zeroshard.cli.common import EXIT_CONFIG, EXIT_FAILURE, CLIError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zeroshard import __version__
+    from zeroshard.cli import launch, report, train, validate
+    from zeroshard.cli.estimate import command as estimate
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    parser = argparse.ArgumentParser(
+        prog="zeroshard", description="PyTorch-native ZeRO with DeepSpeed's ds_config.", parents=[common]
+    )
+    parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (validate, report, estimate, launch, train):
+        module.add_parser(sub, [common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command_argv = argv[argv.index(args.command) + 1 :]  # what a re-launch passes on
+    return run_guarded(args.run, args, f"zeroshard {args.command}")
+
+
+def run_guarded(run: object, args: argparse.Namespace, prog: str) -> int:
+    """Call `run(args)`; turn expected errors into one line on stderr and an exit code."""
+    from zeroshard.errors import ConfigError, ZeroshardError
+
+    assert callable(run)
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
+    except (CLIError, ZeroshardError, OSError, ValueError, ImportError) as err:
+        if getattr(args, "debug", False):
+            raise
+        code = err.code if isinstance(err, CLIError) else EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_FAILURE
+        message = str(err) if isinstance(err, CLIError | ZeroshardError) else f"{type(err).__name__}: {err}"
+        sys.stderr.write(f"{prog}: error: {message} (run with --debug for the traceback)\n")
+        return code
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The ds_config of a `zeroshard train` run: a preset or a file, with "auto" filled from the command line.
+
+This is what the Hugging Face Trainer's DeepSpeed integration does with its TrainingArguments: the
+batch sizes, learning rate, warm-up, total steps, clipping and precision come from the command; a
+value the config sets explicitly wins; anything else "auto" is left to `initialize` (bucket sizes
+from the model's hidden size) and to DeepSpeed's defaults. A config without an optimizer or a
+scheduler gets the presets' AdamW and WarmupCosineLR, as the Trainer would create its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zeroshard.presets import ds_config_preset, fill_auto, load_ds_config
+
+
+@dataclass(frozen=True)
+class TrainHyper:
+    """The command-line values a ds_config's "auto" entries can take."""
+
+    micro_batch: int
+    grad_accum: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    max_steps: int
+    max_grad_norm: float
+    dtype: str  # fp32, bf16 or fp16
+
+    def known(self, world_size: int) -> dict[str, object]:
+        """Dotted ds_config paths and their values, as `fill_auto` and `resolve_config` take them."""
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": self.micro_batch * self.grad_accum * world_size,
+            "optimizer.params.lr": self.lr,
+            "optimizer.params.weight_decay": self.weight_decay,
+            "scheduler.params.total_num_steps": self.max_steps,
+            "scheduler.params.warmup_num_steps": self.warmup_steps,
+            "scheduler.params.warmup_max_lr": self.lr,
+            "scheduler.params.warmup_min_lr": 0.0,
+            "gradient_clipping": self.max_grad_norm,
+            "bf16.enabled": self.dtype == "bf16",
+            "fp16.enabled": self.dtype == "fp16",
+        }
+
+
+def preset_name(stage: int, offload: bool) -> str:
+    return f"zero{stage}_offload" if offload else f"zero{stage}"
+
+
+def train_ds_config(source: str, hyper: TrainHyper, world_size: int) -> dict[str, Any]:
+    """The config dict to pass to `initialize`: `source` (preset name or file) with "auto" filled."""
+    config = load_ds_config(source)
+    preset = ds_config_preset("zero2")
+    for block in ("optimizer", "scheduler"):
+        if block not in config:
+            config[block] = preset[block]
+    return fill_auto(config, hyper.known(world_size))
+
+
+def auto_paths(config: Mapping[str, Any], path: str = "") -> list[str]:
+    """Dotted paths of every "auto" value in a raw config mapping."""
+    found: list[str] = []
+    for key, value in config.items():
+        here = f"{path}.{key}" if path else key
+        if isinstance(value, Mapping):
+            found += auto_paths(value, here)
+        elif value == "auto":
+            found.append(here)
+    return found

@@ -1,0 +1,120 @@
+"""Hugging Face causal LMs for `zeroshard train`: a local folder, or a built-in config with random weights.
+
+Weights are built in fp32 (the engine casts to the compute dtype); LoRA wraps the model with peft
+(frozen base, trainable adapters); activation checkpointing uses transformers' non-reentrant mode,
+whose recomputation runs inside autograd, so the engine's gradient hooks fire as usual.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.errors import ConfigError
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: Sequence[str] | None = None  # None: peft's default for the model type
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # a folder with config.json, or a built-in config name (zeroshard.presets.MODEL_PRESETS)
+    tokenizer: str | None = None  # a tokenizer folder; None: the model folder's, else the byte-level default
+    gradient_checkpointing: bool = False
+    lora: LoraSpec | None = None
+
+    @property
+    def is_folder(self) -> bool:
+        return os.path.isdir(self.name)
+
+
+def check_model(spec: ModelSpec) -> None:
+    """Fail fast on a model that is neither a folder with config.json nor a built-in name."""
+    from zeroshard.presets import MODEL_PRESETS
+
+    if spec.is_folder:
+        if not os.path.exists(os.path.join(spec.name, "config.json")):
+            raise ConfigError(f"model folder {spec.name} has no config.json; pass a Hugging Face model folder")
+        return
+    if spec.name not in MODEL_PRESETS:
+        looks_like_path = os.sep in spec.name or spec.name.startswith(".")
+        what = "model folder does not exist" if looks_like_path else "is not a built-in model config"
+        raise ConfigError(
+            f"--model {spec.name}: {what}; pass a local Hugging Face folder or one of {', '.join(MODEL_PRESETS)}"
+        )
+
+
+def tokenizer_source(spec: ModelSpec) -> str | None:
+    from zeroshard.integrations.tokenizer import has_tokenizer
+
+    if spec.tokenizer is not None:
+        return spec.tokenizer
+    return spec.name if spec.is_folder and has_tokenizer(spec.name) else None
+
+
+def build_model(spec: ModelSpec, tokenizer: Any, seq_len: int) -> nn.Module:
+    """The model in fp32 on CPU, with checkpointing and LoRA applied as `spec` asks."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.is_folder:
+        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch.float32)
+    else:
+        from zeroshard.presets import model_preset
+
+        ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+        ids["bos_token_id"] = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        config = model_preset(spec.name).hf_config(vocab_size=len(tokenizer), **ids)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _check_fit(model.config, tokenizer, seq_len, spec.name)
+    if model.config.model_type not in FAMILIES:
+        log_rank(logger, 30, f"model type {model.config.model_type} is not tested with zeroshard train ({FAMILIES})")
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if spec.lora is not None:
+        model = _with_lora(model, spec.lora)
+    return model
+
+
+def _check_fit(config: Any, tokenizer: Any, seq_len: int, name: str) -> None:
+    vocab = int(config.vocab_size)
+    if len(tokenizer) > vocab:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} ids but model {name} has vocab_size {vocab}; "
+            "use the model's own tokenizer (--tokenizer)"
+        )
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and seq_len > int(positions):
+        raise ConfigError(f"--seq-len {seq_len} exceeds model {name}'s {positions} positions")
+
+
+def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.targets) if lora.targets else None,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)  # type: ignore[arg-type]
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    log_rank(logger, 20, f"LoRA rank {lora.rank}: {trainable:,} trainable of {total:,} parameters")
+    return peft_model

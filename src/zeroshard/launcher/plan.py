@@ -1,0 +1,156 @@
+"""From launch options to one torchrun command per node. Pure: nothing is started here.
+
+[Note: rendezvous choice]
+Without restarts every node gets a static rendezvous (`--node_rank i --master_addr --master_port`), the
+exact shape DeepSpeed's launcher produces. With `--max_restarts > 0` the nodes use torchrun's c10d
+rendezvous (`--rdzv_backend c10d --rdzv_endpoint A:P --rdzv_id ID`), which re-forms the group after a
+failure; a single node without an address uses `--standalone`. Workers of a restarted group must not
+read the previous attempt's keys from the shared store: see `rendezvous.attempt_store`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from zeroshard.launcher.hostfile import LaunchError, Resources
+
+DEFAULT_MASTER_PORT = 29500
+EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_")
+ENV_FILES = (".zeroshard_env", ".deepspeed_env")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    script: str
+    script_args: Sequence[str] = ()
+    nproc_per_node: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    module: bool = False
+    no_python: bool = False
+    rdzv_id: str = "zeroshard"
+    ssh_port: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What runs on one node: torchrun's argv, the environment it needs, and how to reach the host."""
+
+    host: str
+    node_rank: int
+    nproc: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    remote: bool = False
+    ssh_port: int | None = None
+
+    def shell_command(self, cwd: str) -> str:
+        """The command line the node runs (cd, environment, torchrun)."""
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        env = f"env {exports} " if exports else ""
+        return f"cd {shlex.quote(cwd)} && {env}{shlex.join(self.argv)}"
+
+    def full_argv(self, cwd: str) -> list[str]:
+        """The argv to run here: ssh for a remote node, bash for the local one."""
+        if not self.remote:
+            return ["bash", "-c", self.shell_command(cwd)]
+        port = ["-p", str(self.ssh_port)] if self.ssh_port else []
+        return ["ssh", "-o", "BatchMode=yes", *port, self.host, self.shell_command(cwd)]
+
+
+def torchrun_prefix() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _program(opts: LaunchOptions) -> list[str]:
+    flags = ["-m"] if opts.module else ["--no_python"] if opts.no_python else []
+    return [*flags, opts.script, *opts.script_args]
+
+
+def single_node(opts: LaunchOptions, nproc: int) -> list[str]:
+    """torchrun's argv for one node (this one): standalone, or static/c10d when an address is given."""
+    argv = [*torchrun_prefix(), "--nproc_per_node", str(nproc)]
+    if opts.nnodes not in (None, 1) or opts.node_rank is not None:
+        if opts.nnodes in (None, 1) or opts.node_rank is None or not opts.master_addr:
+            raise LaunchError(
+                "multi-node without a hostfile needs --nnodes K --node_rank I --master_addr A on every node "
+                "(or pass --hostfile to start all nodes from here over ssh)"
+            )
+        return argv + _rendezvous(opts, opts.nnodes, opts.node_rank, opts.master_addr) + _program(opts)
+    if opts.master_addr or opts.master_port:
+        return argv + _rendezvous(opts, 1, 0, opts.master_addr or "127.0.0.1") + _program(opts)
+    return argv + ["--standalone", "--max_restarts", str(opts.max_restarts)] + _program(opts)
+
+
+def _rendezvous(opts: LaunchOptions, nnodes: int | None, node_rank: int, master_addr: str) -> list[str]:
+    port = opts.master_port or DEFAULT_MASTER_PORT
+    if opts.max_restarts > 0:
+        return [
+            "--nnodes",
+            str(nnodes),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{master_addr}:{port}",
+            "--rdzv_id",
+            opts.rdzv_id,
+            "--max_restarts",
+            str(opts.max_restarts),
+        ]
+    return ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(port)]
+
+
+def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, str]) -> list[NodeCommand]:
+    """One torchrun per host of `resources`; the first host is the master unless --master_addr says otherwise."""
+    hosts = list(resources)
+    master = opts.master_addr or hosts[0]
+    commands = []
+    for rank, host in enumerate(hosts):
+        slots = resources[host]
+        env = dict(exports)
+        if slots != list(range(len(slots))):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        argv = [*torchrun_prefix(), "--nproc_per_node", str(len(slots))]
+        argv += _rendezvous(opts, len(hosts), rank, master) + _program(opts)
+        commands.append(
+            NodeCommand(host, rank, len(slots), argv, env, remote=not is_local_host(host), ssh_port=opts.ssh_port)
+        )
+    return commands
+
+
+def is_local_host(host: str) -> bool:
+    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return host in names
+
+
+def exported_environment(environ: Mapping[str, str], cwd: str, home: str) -> dict[str, str]:
+    """Variables a remote node needs from here: DeepSpeed's prefixes, plus KEY=VALUE lines of env files."""
+    env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}
+    for folder in (home, cwd):
+        for name in ENV_FILES:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                env.update(read_env_file(path))
+    return env
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise LaunchError(f"{path} line {number}: expected KEY=VALUE, got {line!r}")
+            out[key.strip()] = value.strip()
+    return out

@@ -1,0 +1,90 @@
+"""Every hook stage 3 puts on the user's module, registered in one place and removable.
+
+Hook bodies only route the event to a named method of the strategy:
+- unit module pre-forward:  `on_pre_forward(unit)`; its tensor inputs pass through `_PostBackward`,
+  an identity whose backward reports that the unit's backward has finished (`on_post_backward`);
+- unit module post-forward: `on_post_forward(unit, output)` (registers the pre-backward hook on outputs);
+- parameter post-accumulate-grad: `on_grad(unit, index, param)`;
+- root state_dict pre/post: gather everything / copy out full tensors and release.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+if TYPE_CHECKING:
+    from zeroshard.zero.stage3.strategy import Stage3Optimizer
+    from zeroshard.zero.stage3.unit import ShardedUnit
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; in backward, tells the strategy a unit's backward has run."""
+
+    @staticmethod
+    def forward(ctx: Any, strategy: Stage3Optimizer, unit: ShardedUnit, *tensors: torch.Tensor) -> Any:
+        ctx.strategy, ctx.unit = strategy, unit
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.strategy.on_post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def route_inputs_through_post_backward(strategy: Stage3Optimizer, unit: ShardedUnit, args: Any, kwargs: Any) -> Any:
+    flat, _ = tree_flatten((args, kwargs))
+    needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needs or not torch.is_grad_enabled():
+        return None
+    wrapped = _PostBackward.apply(strategy, unit, *needs)
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    replacement = {id(t): w for t, w in zip(needs, wrapped, strict=True)}
+    return tree_map(lambda t: replacement.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+class Stage3Hooks:
+    def __init__(self, strategy: Stage3Optimizer, root: nn.Module):
+        self.strategy = strategy
+        self.root = root
+        self.handles: list[Any] = []
+
+    def register(self) -> None:
+        s = self.strategy
+        self.handles.append(self.root.register_forward_pre_hook(lambda m, a: s.on_root_pre_forward()))
+        for unit in s.units:
+            if unit.module is not None:
+                self.handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
+                self.handles.append(unit.module.register_forward_hook(self._post_forward(unit)))
+            for index, param in enumerate(unit.params):
+                if param.requires_grad:
+                    self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad(unit, index)))
+        self.handles.append(self.root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: s.gather_all()))
+        self.handles.append(self.root.register_state_dict_post_hook(lambda m, sd, prefix, meta: s.detach_state(sd)))
+
+    def _pre_forward(self, unit: ShardedUnit) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            self.strategy.on_pre_forward(unit)
+            return route_inputs_through_post_backward(self.strategy, unit, args, kwargs)
+
+        return hook
+
+    def _post_forward(self, unit: ShardedUnit) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.strategy.on_post_forward(unit, output)
+
+        return hook
+
+    def _on_grad(self, unit: ShardedUnit, index: int) -> Any:
+        def hook(param: nn.Parameter) -> None:
+            self.strategy.on_grad(unit, index, param)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

@@ -1,0 +1,144 @@
+"""Which parameters form which unit, and where they sit in the unit's flat buffer. Pure functions.
+
+[Note: units]
+A unit is gathered with one collective. By default every transformer block is a unit (the classes a
+Hugging Face model lists in `_no_split_modules`, otherwise the children of a ModuleList/Sequential
+whose class repeats), and the root module is the unit of every parameter no block owns (embeddings,
+final norm, head). A parameter shared by modules of different units (tied weights) belongs to their
+closest common ancestor unit, which is gathered for as long as both run. Parameters with fewer than
+`stage3_param_persistence_threshold` elements are moved to one persistent unit that stays gathered
+on every rank (it is still sharded for the optimizer and re-gathered once after each step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+UnitPolicy = Callable[[str, nn.Module], bool]
+PERSISTENT = "<persistent>"
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    name: str  # the module's qualified name ("" for the root) or PERSISTENT
+    param_names: tuple[str, ...]
+
+
+def default_unit_policy(root: nn.Module) -> UnitPolicy:
+    """Transformer blocks: HF `_no_split_modules` classes, else repeated children of module lists."""
+    no_split = set(getattr(root, "_no_split_modules", None) or [])
+    repeated: set[int] = set()
+    for module in root.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            kinds = [type(c) for c in module.children()]
+            for child in module.children():
+                if kinds.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+                    repeated.add(id(child))
+
+    def policy(name: str, module: nn.Module) -> bool:
+        return type(module).__name__ in no_split if no_split else id(module) in repeated
+
+    return policy
+
+
+def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold: int) -> list[UnitSpec]:
+    """Units in registration order (root first, persistent last); every parameter is in exactly one."""
+    wants_unit = policy or default_unit_policy(root)
+    unit_of_module: dict[str, str] = {}
+    for name, module in root.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        inherited = unit_of_module.get(parent, "") if name else ""
+        unit_of_module[name] = name if name and wants_unit(name, module) else inherited
+
+    owners: dict[int, list[str]] = {}
+    first_name: dict[int, str] = {}
+    for mod_name, module in root.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(mod_name)
+            first_name.setdefault(id(param), f"{mod_name}.{p_name}" if mod_name else p_name)
+
+    members: dict[str, list[str]] = {"": []}
+    for name in unit_of_module.values():
+        members.setdefault(name, [])
+    persistent: list[str] = []
+    for name, param in root.named_parameters():
+        units = {unit_of_module[m] for m in owners[id(param)]}
+        unit = units.pop() if len(units) == 1 else _common_ancestor([unit_of_module[m] for m in owners[id(param)]])
+        if param.numel() < persistence_threshold:
+            persistent.append(name)
+        else:
+            members[unit].append(name)
+    specs = [UnitSpec(name, tuple(params)) for name, params in members.items() if params]
+    if persistent:
+        specs.append(UnitSpec(PERSISTENT, tuple(persistent)))
+    return specs
+
+
+def _common_ancestor(unit_names: Sequence[str]) -> str:
+    parts = [n.split(".") if n else [] for n in unit_names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    candidate = ".".join(common)
+    # the ancestor must itself be a unit; the caller maps unknown names to the root
+    return candidate if candidate in unit_names else ""
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int
+    numel: int
+    group: int
+    index: int  # position in the unit's parameter list (slots are ordered by group, not by index)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """A unit's flat buffer: parameters sorted by optimizer group, each start aligned, padded to N."""
+
+    numel: int
+    shard_numel: int
+    slots: tuple[Slot, ...]
+    group_ranges: tuple[tuple[int, int, int], ...]  # (group, begin, end) in the flat buffer
+
+    def slot_of(self, index: int) -> Slot:
+        return next(s for s in self.slots if s.index == index)
+
+    def owned(self, shard_rank: int) -> tuple[int, int]:
+        begin = shard_rank * self.shard_numel
+        return begin, begin + self.shard_numel
+
+    def group_pieces(self, shard_rank: int) -> list[tuple[int, int, int]]:
+        """(group, begin, end) of the owned range that falls in each group, as offsets in the shard."""
+        lo, hi = self.owned(shard_rank)
+        out = []
+        for group, begin, end in self.group_ranges:
+            b, e = max(lo, begin), min(hi, end)
+            if b < e:
+                out.append((group, b - lo, e - lo))
+        return out
+
+
+def layout_unit(params: Sequence[tuple[str, int, int]], shard_count: int, align: int = 16) -> UnitLayout:
+    """`params` are (name, numel, group) in registration order."""
+    ordered = sorted(range(len(params)), key=lambda i: (params[i][2], i))
+    slots: list[Slot] = []
+    ranges: list[tuple[int, int, int]] = []
+    offset = 0
+    for i in ordered:
+        name, numel, group = params[i]
+        if ranges and ranges[-1][0] == group:
+            ranges[-1] = (group, ranges[-1][1], offset + numel)
+        else:
+            ranges.append((group, offset, offset + numel))
+        slots.append(Slot(name, offset, numel, group, i))
+        offset = -(-(offset + numel) // align) * align
+    padded = -(-max(offset, 1) // (shard_count * align)) * (shard_count * align)
+    # a group's range ends at its last element; padding after it belongs to no group
+    return UnitLayout(padded, padded // shard_count, tuple(slots), tuple(ranges))

@@ -1,0 +1,487 @@
+"""ZeRO stage 3: every parameter is sharded; units are gathered just before use and released after.
+
+Forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in flight) and starts
+gathering the next units of the recorded trace; its post-forward hook releases it unless the trace
+says it is reused soon. Backward: a hook on the unit's outputs gathers it again; when the unit's
+backward has run (its inputs' gradients exist) its gradients, staged by per-parameter hooks, are
+reduce-scattered into the gradient shard and the unit is released. Whatever did not happen in
+backward (units whose inputs need no gradient, units unused in the loss) happens when backward
+returns. The step updates the fp32 master shards per sub-group and copies them to the compute shards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.errors import CollectiveMismatchError, ZeroshardError
+from zeroshard.utils.logging import get_logger
+from zeroshard.zero.buffers import BufferPool
+from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy
+from zeroshard.zero.stage3.gathered import OWNERS
+from zeroshard.zero.stage3.hooks import Stage3Hooks
+from zeroshard.zero.stage3.plan import PERSISTENT, UnitPolicy, layout_unit, plan_units
+from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
+from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+from zeroshard.zero.stepmath import step_scale
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    base: ZeroPolicy
+    prefetch: PrefetchPolicy
+    persistence_threshold: int
+    gradient_accumulation_steps: int
+    sub_group_numel: int
+    wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
+    unit_policy: UnitPolicy | None = None
+
+
+class Stage3Optimizer:
+    """Stage-3 state of one model on one rank; the same interface as the stage 0-2 ZeroOptimizer."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        policy: Stage3Policy,
+        comm: Collectives,
+        device: torch.device,
+    ):
+        self.module = module
+        self.policy = policy
+        self.comm = comm
+        self.device = device
+        self.world_size = comm.world_size
+        self.shard_rank = comm.rank
+        self.group_options = [dict(g.options) for g in groups]
+        group_of = {id(p): gi for gi, g in enumerate(groups) for _, p in g.params}
+        frozen_group = len(groups)
+        named = dict(module.named_parameters())
+        base = policy.base
+        grad_dtype = base.comm_dtype if policy.gradient_accumulation_steps == 1 else base.grad_accum_dtype
+        modules = dict(module.named_modules())
+        self.units: list[ShardedUnit] = []
+        for index, spec in enumerate(plan_units(module, policy.unit_policy, policy.persistence_threshold)):
+            params = [named[n] for n in spec.param_names]
+            rows = [(n, p.numel(), group_of.get(id(p), frozen_group)) for n, p in zip(spec.param_names, params)]
+            _materialize(modules, spec.param_names, params, device, index)
+            unit = ShardedUnit(
+                index,
+                spec.name,
+                None if spec.name == PERSISTENT else modules[spec.name],
+                layout_unit(rows, self.world_size),
+                params,
+                self.shard_rank,
+                base.compute_dtype,
+                grad_dtype,
+                device,
+            )
+            unit.release()
+            self.units.append(unit)
+        self._cast_buffers(module, base.compute_dtype)
+        self.pool = BufferPool(device)
+        self.trace = ExecutionTrace()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = self._build_pieces(len(groups))
+        self._inflight: list[tuple[Handle, Callable[[], None], str]] = []
+        self._forward_calls: dict[int, int] = {}
+        self._in_backward = False
+        self._first_window_step = True
+        self._gather_log: list[int] = []
+        self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
+        self.sync_decider: Callable[[], bool] = lambda: True
+        self.hooks = Stage3Hooks(self, module)
+        self.hooks.register()
+        OWNERS.register(self, self.tracked_params())
+
+    # -- construction ------------------------------------------------------------------------------
+    def _build_pieces(self, n_groups: int) -> list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]]:
+        """Per optimizer group: (unit, master view, grad view) of the owned range that is that group's."""
+        pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_groups)]
+        for unit in self.units:
+            for group, begin, end in unit.layout.group_pieces(self.shard_rank):
+                if group < n_groups:
+                    pieces[group].append(
+                        (unit, unit.master.narrow(0, begin, end - begin), unit.grad_shard.narrow(0, begin, end - begin))
+                    )
+        return pieces
+
+    @staticmethod
+    def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+        for submodule in module.modules():
+            for name, buf in submodule.named_buffers(recurse=False):
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    setattr(submodule, name, buf.to(dtype))
+
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        groups = []
+        for options, pieces in zip(self.group_options, self._pieces, strict=True):
+            params = [master for _, master, _ in pieces] or [torch.zeros(0, device=self.device)]
+            groups.append({**options, "params": params})
+        return groups
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    # -- forward / backward events (called by the hooks) -------------------------------------------
+    def on_root_pre_forward(self) -> None:
+        """A new forward: close the previous trace (a forward without backward, e.g. evaluation)."""
+        if self._in_backward or not self.trace.current:
+            return
+        self._end_trace()
+        for unit in self.units:
+            unit.release()
+        self._forward_calls.clear()
+
+    def _end_trace(self) -> None:
+        self.trace.end_step()
+
+    def on_pre_forward(self, unit: ShardedUnit) -> None:
+        self.trace.record(unit.index)
+        self._forward_calls[unit.index] = self._forward_calls.get(unit.index, 0) + 1
+        self._use(unit)
+
+    def on_post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    needs, lambda grads: self.on_pre_backward(unit), mode="any"
+                )
+        if reused_soon(unit.index, self.trace.upcoming(), self._numels, self.policy.prefetch):
+            return
+        unit.release()
+
+    def on_pre_backward(self, unit: ShardedUnit) -> None:
+        self._in_backward = True
+        self.trace.record(unit.index)
+        self._use(unit)
+
+    def on_grad(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is not None:
+            unit.stage_grad(index, grad, self.pool, self.policy.base.comm_dtype)
+
+    def on_post_backward(self, unit: ShardedUnit) -> None:
+        """The unit's backward has run for one of its forward calls; after the last, reduce and release."""
+        remaining = self._forward_calls.get(unit.index, 1) - 1
+        self._forward_calls[unit.index] = remaining
+        if remaining > 0:
+            return
+        self._reduce(unit)
+        unit.release()
+
+    def _use(self, unit: ShardedUnit) -> None:
+        if unit.state is UnitState.SHARDED:
+            self._gather(unit)
+        self._wait_gathered(unit)
+        gathered = {u.index for u in self.units if u.state is not UnitState.SHARDED}
+        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.persistent)
+        for index in units_to_prefetch(self.trace.upcoming(), self._numels, gathered, live, self.policy.prefetch):
+            self._gather(self.units[index])
+
+    @property
+    def _numels(self) -> list[int]:
+        return [u.numel for u in self.units]
+
+    def _gather(self, unit: ShardedUnit) -> None:
+        self._gather_log.append(unit.index)
+        unit.gather(self.comm, async_op=self.policy.base.overlap_comm)
+        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.persistent)
+        self.peak_gathered_numel = max(self.peak_gathered_numel, live)
+
+    def _wait_gathered(self, unit: ShardedUnit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self._wait_or_diagnose(unit._pending, f"all-gather of unit {unit.name!r}")
+            unit.wait_gathered()
+
+    def _reduce(self, unit: ShardedUnit) -> None:
+        if unit.reduce_launched or not unit.trainable:
+            return
+        base = self.policy.base
+        prescale = 1.0 / base.gradient_predivide_factor if base.prescale_gradients else 1.0
+        handle, finish = unit.launch_reduce(
+            self.comm, self.pool, base.comm_dtype, prescale, self._first_window_step, base.overlap_comm
+        )
+        self._inflight.append((handle, finish, f"reduce-scatter of unit {unit.name!r}"))
+
+    # -- the strategy interface ----------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self._in_backward = True
+
+    def finish_backward(self) -> None:
+        """Reduce what backward did not (unused units, units whose inputs need no grad) and release."""
+        if not self._in_backward and not any(u.staging is not None for u in self.units):
+            return
+        for unit in self.units:
+            self._reduce(unit)
+        for handle, finish, what in self._inflight:
+            self._wait_or_diagnose(handle, what)
+            finish()
+        self._inflight.clear()
+        for unit in self.units:
+            unit.end_backward()
+            unit.release()
+        self._forward_calls.clear()
+        self._first_window_step = False
+        self._in_backward = False
+        self._end_trace()
+
+    def set_sync_decider(self, decider: Callable[[], bool]) -> None:
+        self.sync_decider = decider  # stage 3 reduces every micro-step; kept for the interface
+
+    def step(self, loss_scale: float = 1.0) -> StepOutcome:
+        assert self.optimizer is not None, "attach() an optimizer first"
+        with torch.profiler.record_function("zeroshard.reduce_wait"):
+            self.finish_backward()
+        self._check_same_gathers()
+        base = self.policy.base
+        post = base.gradient_predivide_factor / self.world_size if base.prescale_gradients else 1.0 / self.world_size
+        decided = step_scale(
+            [u.grad_shard for u in self.units],
+            self.comm,
+            self.world_size > 1,
+            post,
+            loss_scale,
+            base.gradient_clipping,
+            base.check_overflow,
+            self.device,
+        )
+        if decided.overflow:
+            self.zero_grad()
+            return StepOutcome(skipped=True, grad_norm=None)
+        with torch.profiler.record_function("zeroshard.optimizer_step"):
+            for sub_group in self._sub_groups():
+                self._step_sub_group(sub_group, decided.scale)
+        with torch.profiler.record_function("zeroshard.all_gather_params"):
+            for unit in self.units:
+                if unit.persistent or unit.state is not UnitState.SHARDED:
+                    self._refresh_gathered(unit)
+        self.zero_grad()
+        return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
+
+    def _sub_groups(self) -> Iterator[list[ShardedUnit]]:
+        """Units in chunks of about `sub_group_size` shard elements: one optimizer call (and one set of
+        fp32 gradient temporaries) per chunk, as DeepSpeed's sub-groups."""
+        chunk: list[ShardedUnit] = []
+        size = 0
+        for unit in self.units:
+            chunk.append(unit)
+            size += unit.layout.shard_numel
+            if size >= self.policy.sub_group_numel:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def _step_sub_group(self, units: list[ShardedUnit], scale: float) -> None:
+        assert self.optimizer is not None
+        members = {u.index for u in units}
+        assigned = []
+        for pieces in self._pieces:
+            for unit, master, grad in pieces:
+                if unit.index not in members:
+                    continue
+                if grad.dtype == torch.float32:
+                    if scale != 1.0:
+                        grad.mul_(scale)
+                    master.grad = grad
+                else:
+                    master.grad = grad.float().mul_(scale)
+                assigned.append(master)
+        if assigned:
+            self.optimizer.step()
+        for master in assigned:
+            master.grad = None
+        for unit in units:
+            unit.publish()
+
+    def _refresh_gathered(self, unit: ShardedUnit) -> None:
+        """Persistent (and any still-gathered) units get the updated values right after the step."""
+        unit.state = UnitState.SHARDED
+        unit.gather(self.comm, async_op=False)
+        unit.wait_gathered()
+
+    def zero_grad(self) -> None:
+        self.finish_backward()
+        for unit in self.units:
+            unit.grad_shard.zero_()
+        self._first_window_step = True
+
+    def destroy(self) -> None:
+        """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
+        self.hooks.remove()
+        OWNERS.unregister(self.tracked_params())
+        for unit in self.units:
+            self._wait_gathered(unit)
+            if unit.state is UnitState.SHARDED:
+                unit.gather(self.comm, async_op=False)
+                unit.wait_gathered()
+        self.pool.clear()
+
+    def tracked_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(u.trainable_numel for u in self.units)
+
+    def memory_bytes(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        state = 0
+        if self.optimizer is not None:
+            for per_param in self.optimizer.state.values():
+                state += sum(nbytes(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        persistent_full = sum(u.full.untyped_storage().nbytes() for u in self.units if u.persistent)
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent)
+        return {
+            "params_trainable": sum(nbytes(u.shard) for u in self.units),
+            "gradients": sum(nbytes(u.grad_shard) for u in self.units),
+            "master_weights": sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units),
+            "optimizer_state": state,
+            "comm_buffers": self.pool.held_bytes,
+            "persistent_params": persistent_full,
+            "gathered_params": gathered,
+            "peak_gathered_params": self.peak_gathered_numel * self.units[0].full.element_size() if self.units else 0,
+        }
+
+    # -- whole-model gathering ---------------------------------------------------------------------
+    def pin(self, units: Sequence[ShardedUnit]) -> None:
+        """Gather `units` (every rank must call this) and keep them gathered until `unpin`."""
+        for unit in units:
+            unit.pins += 1
+            if unit.state is UnitState.SHARDED:
+                self._gather(unit)
+        for unit in units:
+            self._wait_gathered(unit)
+
+    def unpin(self, units: Sequence[ShardedUnit]) -> None:
+        for unit in units:
+            unit.pins = max(0, unit.pins - 1)
+            unit.release()
+
+    def gather_all(self) -> None:
+        self.pin(self.units)
+
+    def release_all(self) -> None:
+        self.unpin(self.units)
+
+    def detach_state(self, state_dict: dict[str, Any]) -> None:
+        """state_dict post-hook: full tensors are copied out before the units are released."""
+        for key, value in list(state_dict.items()):
+            if isinstance(value, torch.Tensor):
+                state_dict[key] = value.detach().clone()
+        self.release_all()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        self.gather_all()
+        try:
+            yield
+        finally:
+            self.release_all()
+
+    def units_of(self, params: Sequence[nn.Parameter]) -> list[ShardedUnit]:
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
+
+    def write_back(self, unit: ShardedUnit) -> None:
+        """After the full parameters of a gathered unit were modified: update this rank's shards."""
+        lo, hi = unit.layout.owned(self.shard_rank)
+        unit.shard.copy_(unit.full[lo:hi])
+        if unit.master is not unit.shard:
+            unit.master.copy_(unit.full[lo:hi])
+
+    # -- divergence --------------------------------------------------------------------------------
+    def _wait_or_diagnose(self, handle: Handle | None, what: str) -> None:
+        if handle is None:
+            return
+        timeout = datetime.timedelta(seconds=self.policy.wait_timeout_s)
+        try:
+            handle.wait(timeout) if self.world_size > 1 else handle.wait()  # type: ignore[call-arg]
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                raise
+            raise CollectiveMismatchError(self._diagnose(what)) from err
+
+    def _diagnose(self, what: str) -> str:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        recent = [self.units[i].name for i in self._gather_log[-3:]]
+        store.set(f"zeroshard/diag/{self.shard_rank}", f"waiting on {what}; last gathered units {recent}")
+        lines = []
+        for rank in range(self.world_size):
+            try:
+                store.wait([f"zeroshard/diag/{rank}"], datetime.timedelta(seconds=5))
+                lines.append(f"rank {rank}: {store.get(f'zeroshard/diag/{rank}').decode()}")
+            except RuntimeError:
+                lines.append(f"rank {rank}: did not answer (busy elsewhere or hung)")
+        return (
+            f"ranks diverged: rank {self.shard_rank} waited {self.policy.wait_timeout_s:.0f}s on {what}, which not "
+            "every rank issued. " + "; ".join(lines) + ". Every rank must run the same modules in the same order "
+            "(a module skipped or added on some ranks only)."
+        )
+
+    def _check_same_gathers(self) -> None:
+        """Once per step: every rank gathered the same units in the same order (catches divergence that
+        equal-sized units would otherwise hide)."""
+        if self.world_size == 1:
+            return
+        digest = zlib.crc32(bytes(str(self._gather_log), "ascii"))
+        mine = torch.tensor([digest, len(self._gather_log)], dtype=torch.int64, device=self.device)
+        everyone = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(everyone, mine)
+        rows = everyone.view(self.world_size, 2).tolist()
+        self._gather_log.clear()
+        if any(row != rows[0] for row in rows):
+            raise CollectiveMismatchError(
+                "ranks gathered different units in this step "
+                + "; ".join(f"rank {r}: {n} gathers (digest {d})" for r, (d, n) in enumerate(rows))
+                + ". Every rank must run the same modules in the same order."
+            )
+
+
+def _materialize(
+    modules: dict[str, nn.Module], names: Sequence[str], params: list[nn.Parameter], device: torch.device, seed: int
+) -> None:
+    """Meta-device parameters become real, one unit at a time, initialised by their modules' own
+    reset_parameters() under a per-unit seed shared by every rank: no rank ever holds the full model."""
+    if not any(p.is_meta for p in params):
+        return
+    owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
+    root = modules[""]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + seed)
+        for owner in owners:
+            module = modules[owner]
+            own = list(module.parameters(recurse=False))
+            if not all(p.is_meta for p in own):
+                continue  # initialised with an earlier unit that shares this module
+            for p in own:  # the whole module, also parameters another unit will shard later
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            init = getattr(root, "_init_weights", None)
+            if callable(init):
+                init(module)
+    for p in params:
+        if p.is_meta:
+            p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)

@@ -1,0 +1,158 @@
+"""One unit's sharded and gathered forms, and the collectives that move between them.
+
+[Note: gathered storage]
+Each unit owns one full-size buffer in the compute dtype whose storage is resized to zero when the
+unit is released and back when it is gathered again, always the same storage object. Autograd's saved
+tensors that view the parameters (e.g. `weight.t()`) therefore stay valid: backward re-gathers into
+the very memory they point to. While released, each parameter's `.data` is an empty placeholder, so
+reading a released parameter gives an empty tensor rather than freed memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.errors import ZeroshardError
+from zeroshard.zero.buffers import BufferPool
+from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
+
+
+class UnitState(Enum):
+    SHARDED = auto()
+    GATHERING = auto()
+    GATHERED = auto()
+
+
+class ShardedUnit:
+    """Parameters of one unit: a compute-dtype shard, an fp32 master shard, and a gradient shard."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module | None,
+        layout: UnitLayout,
+        params: list[nn.Parameter],
+        shard_rank: int,
+        compute_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.layout = layout
+        self.params = params
+        self.shard_rank = shard_rank
+        self.persistent = name == PERSISTENT
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.full = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
+        by_index = {slot.index: slot for slot in layout.slots}
+        self._slots = [by_index[i] for i in range(len(params))]  # in parameter order
+        self.views = [self.full.narrow(0, s.offset, s.numel).view(p.shape) for s, p in zip(self._slots, params)]
+        lo, hi = layout.owned(shard_rank)
+        for view, param in zip(self.views, params, strict=True):
+            view.copy_(param.detach())
+        alias = compute_dtype == torch.float32
+        self.shard = self.full[lo:hi].clone()
+        self.master = self.shard if alias else self.full[lo:hi].float()
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
+        self.state = UnitState.GATHERED
+        self._pending: Handle | None = None
+        self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
+        for view, param in zip(self.views, params, strict=True):
+            param.data = view
+        # backward bookkeeping
+        self.staging: torch.Tensor | None = None
+        self.seen: set[int] = set()
+        self.reduce_launched = False
+        self.gathers = 0
+        self.pins = 0  # while > 0 the unit stays gathered (state_dict, GatheredParameters, generation)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(self._slots[i].numel for i in self.trainable)
+
+    # -- gather / release --------------------------------------------------------------------------
+    def gather(self, comm: Collectives, async_op: bool) -> None:
+        """Start (or finish) bringing the full parameters back; no-op when already gathered."""
+        if self.state is not UnitState.SHARDED:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.full.numel() * self.full.element_size())
+        self._pending = comm.all_gather(self.full, self.shard, async_op=async_op)
+        self.gathers += 1
+        self.state = UnitState.GATHERING
+
+    def wait_gathered(self) -> None:
+        if self.state is UnitState.GATHERING:
+            assert self._pending is not None
+            self._pending.wait()
+            self._pending = None
+            for view, param in zip(self.views, self.params, strict=True):
+                param.data = view
+            self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        if self.state is UnitState.SHARDED or self.persistent or self.pins:
+            return
+        self.wait_gathered()
+        for placeholder, param in zip(self._placeholders, self.params, strict=True):
+            param.data = placeholder
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def stage_grad(self, param_index: int, grad: torch.Tensor, pool: BufferPool, comm_dtype: torch.dtype) -> bool:
+        """Add a parameter's gradient into the unit's staging buffer; True once all have arrived."""
+        if self.reduce_launched:
+            raise ZeroshardError(
+                f"a gradient for {self._slots[param_index].name!r} arrived after unit {self.name!r} was "
+                "reduced in this backward; call engine.backward once per micro-step (non-reentrant checkpointing)"
+            )
+        if self.staging is None:
+            self.staging = pool.acquire(self.numel, comm_dtype)
+        slot = self._slots[param_index]
+        self.staging.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
+        self.seen.add(param_index)
+        return len(self.seen) == len(self.trainable)
+
+    def launch_reduce(
+        self, comm: Collectives, pool: BufferPool, comm_dtype: torch.dtype, prescale: float, direct: bool, async_op: bool
+    ) -> tuple[Handle, Callable[[], None]]:
+        """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating)."""
+        staging = self.staging if self.staging is not None else pool.acquire(self.numel, comm_dtype)
+        self.staging = None
+        self.reduce_launched = True
+        if prescale != 1.0:
+            staging.mul_(prescale)
+        into_shard = direct and self.grad_shard.dtype == staging.dtype
+        out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
+        handle = comm.reduce_scatter(out, staging, async_op=async_op)
+
+        def finish() -> None:
+            if not into_shard:
+                self.grad_shard.add_(out)
+                pool.release(out)
+            pool.release(staging)
+
+        return handle, finish
+
+    def end_backward(self) -> None:
+        self.seen.clear()
+        self.reduce_launched = False
+
+    # -- after the optimizer step ------------------------------------------------------------------
+    def publish(self) -> None:
+        """Copy the updated master shard into the compute-dtype shard (no-op when they alias)."""
+        if self.master is not self.shard:
+            self.shard.copy_(self.master)
