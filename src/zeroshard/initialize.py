@@ -94,11 +94,15 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    # [Note: divergence check] stage 3 issues many collectives from hooks, where ranks that took different
+    # code paths would otherwise hang or abort in the backend; a fingerprint exchange before each one
+    # (one tiny all-gather) turns that into an error naming each rank's unit. On by default for stage 3.
+    verify_default = "1" if stage == 3 else "0"
     comm = Collectives(
         topology.group,
         topology.world_size,
         topology.rank,
-        verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES") == "1",
+        verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES", verify_default) == "1",
     )
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta:

@@ -17,6 +17,7 @@ each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -95,22 +96,24 @@ class Collectives:
         self._seq = 0
 
     # -- collectives -------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str = "") -> Handle:
         nbytes = _nbytes(tensor)
-        self._check(CollectiveKind.ALL_REDUCE, tensor)
+        self._check(CollectiveKind.ALL_REDUCE, tensor, label)
         if self.world_size == 1:
             return _Done()
         self.stats.record(CollectiveKind.ALL_REDUCE, nbytes, 2 * nbytes * self._ring_fraction)
         work = dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
+    ) -> Handle:
         """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(
                 f"reduce_scatter: input has {input.numel()} elements, expected {self.world_size} x {output.numel()}"
             )
-        self._check(CollectiveKind.REDUCE_SCATTER, input)
+        self._check(CollectiveKind.REDUCE_SCATTER, input, label)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.data.copy_(input)
@@ -120,13 +123,13 @@ class Collectives:
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"all_gather: output has {output.numel()} elements, expected {self.world_size} x {input.numel()}"
             )
-        self._check(CollectiveKind.ALL_GATHER, output)
+        self._check(CollectiveKind.ALL_GATHER, output, label)
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.data.copy_(input)  # .data: no version bump on buffers autograd saved views of
@@ -136,8 +139,8 @@ class Collectives:
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle:
-        self._check(CollectiveKind.BROADCAST, tensor)
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, label: str = "") -> Handle:
+        self._check(CollectiveKind.BROADCAST, tensor, label)
         if self.world_size == 1:
             return _Done()
         nbytes = _nbytes(tensor)
@@ -158,27 +161,43 @@ class Collectives:
     def _ring_fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
 
-    def _check(self, kind: CollectiveKind, tensor: torch.Tensor) -> None:
-        """With `verify`, all-gather a fingerprint (seq, kind, numel, dtype) and compare across ranks."""
+    def _check(self, kind: CollectiveKind, tensor: torch.Tensor, label: str = "") -> None:
+        """With `verify`, all-gather a fixed-size fingerprint (seq, kind, numel, dtype, label hash) and
+        compare across ranks before the real collective: a mismatch is raised on every rank, naming
+        what each rank was about to do, instead of a hang or a backend abort."""
         self._seq += 1
         if not self.verify or self.world_size == 1:
             return
+        code = zlib.crc32(label.encode())
         mine = torch.tensor(
-            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), _DTYPE_CODES.get(tensor.dtype, 0)],
+            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), _DTYPE_CODES.get(tensor.dtype, 0), code],
             dtype=torch.int64,
             device=tensor.device,
         )
-        everyone = torch.empty(self.world_size * 4, dtype=torch.int64, device=tensor.device)
+        everyone = torch.empty(self.world_size * 5, dtype=torch.int64, device=tensor.device)
         _all_gather_single(everyone, mine, group=self.group)
-        rows = everyone.view(self.world_size, 4).tolist()
-        if any(row != rows[0] for row in rows):
-            described = "; ".join(
-                f"rank {r}: #{row[0]} {list(CollectiveKind)[row[1]].value} numel={row[2]}" for r, row in enumerate(rows)
-            )
-            raise CollectiveMismatchError(
-                f"ranks are about to issue different collectives ({described}). The ranks took different code "
-                "paths (e.g. a module or parameter used on some ranks only); make every rank run the same modules."
-            )
+        rows = everyone.view(self.world_size, 5).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        labels = self._exchange_labels(label, tensor.device)
+        described = "; ".join(
+            f"rank {r}: #{row[0]} {list(CollectiveKind)[row[1]].value} numel={row[2]}" + (f" ({labels[r]})" if labels[r] else "")
+            for r, row in enumerate(rows)
+        )
+        raise CollectiveMismatchError(
+            f"ranks diverged: they are about to issue different collectives ({described}). The ranks took "
+            "different code paths (e.g. a module run on some ranks only); every rank must run the same modules "
+            "in the same order."
+        )
+
+    def _exchange_labels(self, label: str, device: torch.device) -> list[str]:
+        width = 96
+        raw = label.encode()[:width].ljust(width, b"\0")
+        mine = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+        everyone = torch.empty(self.world_size * width, dtype=torch.uint8, device=device)
+        _all_gather_single(everyone, mine, group=self.group)
+        rows = everyone.view(self.world_size, width).tolist()
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
 
 
 def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:

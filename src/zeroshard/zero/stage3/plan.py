@@ -31,12 +31,19 @@ def default_unit_policy(root: nn.Module) -> UnitPolicy:
     """Transformer blocks: HF `_no_split_modules` classes, else repeated children of module lists."""
     no_split = set(getattr(root, "_no_split_modules", None) or [])
     repeated: set[int] = set()
-    for module in root.modules():
+
+    def visit(module: nn.Module) -> None:
         if isinstance(module, nn.ModuleList | nn.Sequential):
             kinds = [type(c) for c in module.children()]
             for child in module.children():
-                if kinds.count(type(child)) >= 2 and any(True for _ in child.parameters()):
+                composite = any(True for _ in child.children())  # a block, not a bare Linear
+                if kinds.count(type(child)) >= 2 and composite and any(True for _ in child.parameters()):
                     repeated.add(id(child))
+        for child in module.children():
+            if id(child) not in repeated:  # outermost repeated blocks only
+                visit(child)
+
+    visit(root)
 
     def policy(name: str, module: nn.Module) -> bool:
         return type(module).__name__ in no_split if no_split else id(module) in repeated

@@ -37,6 +37,8 @@ from zeroshard.zero.stepmath import step_scale
 
 logger = get_logger(__name__)
 
+MAX_INFLIGHT_REDUCES = 2
+
 
 @dataclass(frozen=True)
 class Stage3Policy:
@@ -219,6 +221,15 @@ class Stage3Optimizer:
             self.comm, self.pool, base.comm_dtype, prescale, self._first_window_step, base.overlap_comm
         )
         self._inflight.append((handle, finish, f"reduce-scatter of unit {unit.name!r}"))
+        # finish older reductions as new ones start: staging buffers go back to the pool during backward,
+        # so at most MAX_INFLIGHT_REDUCES units' full gradients exist at once
+        while len(self._inflight) > MAX_INFLIGHT_REDUCES:
+            self._finish_oldest_reduce()
+
+    def _finish_oldest_reduce(self) -> None:
+        handle, finish, what = self._inflight.pop(0)
+        self._wait_or_diagnose(handle, what)
+        finish()
 
     # -- the strategy interface ----------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -230,10 +241,8 @@ class Stage3Optimizer:
             return
         for unit in self.units:
             self._reduce(unit)
-        for handle, finish, what in self._inflight:
-            self._wait_or_diagnose(handle, what)
-            finish()
-        self._inflight.clear()
+        while self._inflight:
+            self._finish_oldest_reduce()
         for unit in self.units:
             unit.end_backward()
             unit.release()
@@ -476,7 +485,7 @@ def _materialize(
             if not all(p.is_meta for p in own):
                 continue  # initialised with an earlier unit that shares this module
             for p in own:  # the whole module, also parameters another unit will shard later
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                _make_real(p, device)
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
             init = getattr(root, "_init_weights", None)
@@ -484,4 +493,12 @@ def _materialize(
                 init(module)
     for p in params:
         if p.is_meta:
-            p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+            _make_real(p, device, zero=True)
+
+
+def _make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:
+    """Give a meta parameter real storage in place: the Python object (and every reference to it,
+    tied weights included) stays the same; `.data =` cannot change a tensor's device type."""
+    alloc = torch.zeros if zero else torch.empty
+    real = nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, real)

@@ -89,7 +89,7 @@ class ShardedUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
-        self._pending = comm.all_gather(self.full, self.shard, async_op=async_op)
+        self._pending = comm.all_gather(self.full, self.shard, async_op=async_op, label=f"gather of unit {self.name!r}")
         self.gathers += 1
         self.state = UnitState.GATHERING
 
@@ -137,7 +137,7 @@ class ShardedUnit:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
         out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
-        handle = comm.reduce_scatter(out, staging, async_op=async_op)
+        handle = comm.reduce_scatter(out, staging, async_op=async_op, label=f"reduce-scatter of unit {self.name!r}")
 
         def finish() -> None:
             if not into_shard:
