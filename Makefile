@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make train   install, then train the example GPT on 2 processes (ZeRO-2) on the bundled data
+#   make train   install, then train the example GPT on 2 processes (ZeRO-3) on the bundled data
 #   make test    install, then run the default test suite (what CI runs)
 PYTHON ?= python
 PIP = $(PYTHON) -m pip

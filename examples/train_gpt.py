@@ -1,6 +1,6 @@
 """Train a small byte-level GPT on the Python standard library's source with zeroshard.
 
-torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 processes, ZeRO-2 (examples/ds_config_zero2.json)
+torchrun --nproc_per_node 2 examples/train_gpt.py            # 2 processes, ZeRO-3 (examples/ds_config_zero3.json)
 python examples/train_gpt.py --steps 20                        # one process, no launcher
 """
 
@@ -14,7 +14,7 @@ from zeroshard.data import ByteBlocks, stdlib_corpus
 from zeroshard.models.gpt import GPT, PRESETS
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--config", default="examples/ds_config_zero2.json")
+parser.add_argument("--config", default="examples/ds_config_zero3.json")
 parser.add_argument("--model", default="small", choices=sorted(PRESETS))
 parser.add_argument("--steps", type=int, default=150)
 parser.add_argument("--corpus-bytes", type=int, default=1_000_000)

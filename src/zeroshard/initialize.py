@@ -96,8 +96,11 @@ def _build(
     stage = int(cfg.zero_optimization.stage)
     # [Note: divergence check] stage 3 issues many collectives from hooks, where ranks that took different
     # code paths would otherwise hang or abort in the backend; a fingerprint exchange before each one
-    # (one tiny all-gather) turns that into an error naming each rank's unit. On by default for stage 3.
-    verify_default = "1" if stage == 3 else "0"
+    # (one tiny all-gather) turns that into an error naming each rank's unit. On by default for stage 3
+    # on gloo; on NCCL the check would sync the host with the GPU before every collective, so there the
+    # once-per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1
+    # forces the per-collective check).
+    verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"
     comm = Collectives(
         topology.group,
         topology.world_size,

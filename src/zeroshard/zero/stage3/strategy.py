@@ -423,8 +423,11 @@ class Stage3Optimizer:
         if handle is None:
             return
         timeout = datetime.timedelta(seconds=self.policy.wait_timeout_s)
+        if self.world_size == 1 or self.device.type != "cpu":
+            handle.wait()  # NCCL: a stream wait; a CPU timeout here would block the host on the GPU
+            return
         try:
-            handle.wait(timeout) if self.world_size > 1 else handle.wait()  # type: ignore[call-arg]
+            handle.wait(timeout)  # type: ignore[call-arg]
         except RuntimeError as err:
             if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
                 raise
