@@ -14,6 +14,7 @@ from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.strategy import Strategy
@@ -38,6 +39,10 @@ class MemoryReport:
     persistent_params: int = 0  # stage 3: small parameters kept whole on every rank
     gathered_params: int = 0  # stage 3: full units gathered right now
     peak_gathered_params: int = 0  # stage 3: largest gathered working set so far
+    host_params: int = 0  # offload_param: compute-dtype shards in host memory
+    host_master_weights: int = 0  # offload_optimizer: fp32 master weights in host memory
+    host_optimizer_state: int = 0  # offload_optimizer: optimizer state in host memory
+    host_gradients: int = 0  # offload_optimizer: fp32 gradient copies in host memory
 
     @property
     def model_states(self) -> int:
@@ -85,6 +90,7 @@ class Engine(CheckpointMixin, nn.Module):
         self.skipped_steps = 0
         self._no_sync_depth = 0
         self._last_grad_norm: float | None = None
+        self._offloader = StateOffloader()
         if zero is not None:  # a plain loss.backward() (not engine.backward) still reduces on the right steps
             zero.set_sync_decider(self._micro_step_syncs)
 
@@ -155,6 +161,8 @@ class Engine(CheckpointMixin, nn.Module):
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary take the optimizer step on every rank."""
         zero = self._require_zero("step")
+        if self._offloader.active:
+            raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
         if self.is_gradient_accumulation_boundary():
             if self._no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
@@ -234,6 +242,36 @@ class Engine(CheckpointMixin, nn.Module):
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
 
+    def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
+        `module.state_dict()` included (tied weights under each name). Every rank must call it."""
+        masters = self.zero.consolidated_params(dtype) if self.zero is not None else {}
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            value = masters.get(id(param))
+            out[name] = value if value is not None else param.detach().to(dtype).clone()
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            for name, buf in sub.named_buffers(recurse=False):
+                if buf is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() does
+                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().clone()
+        return out
+
+    def offload_states(
+        self,
+        include: Any = None,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
+        memory until `reload_states()`; training steps are refused in between."""
+        zero = self._require_zero("offload_states")
+        self._offloader.offload(zero.offloadable_tensors(), torch.device(device), pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states()` moved."""
+        self._offloader.reload(non_blocking)
+
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
         if self.zero is not None:
@@ -268,6 +306,10 @@ class Engine(CheckpointMixin, nn.Module):
             persistent_params=zero_bytes.get("persistent_params", 0),
             gathered_params=zero_bytes.get("gathered_params", 0),
             peak_gathered_params=zero_bytes.get("peak_gathered_params", 0),
+            host_params=zero_bytes.get("host_params", 0),
+            host_master_weights=zero_bytes.get("host_master_weights", 0),
+            host_optimizer_state=zero_bytes.get("host_optimizer_state", 0),
+            host_gradients=zero_bytes.get("host_gradients", 0),
         )
 
     def _report_progress(self) -> None:

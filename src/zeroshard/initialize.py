@@ -16,6 +16,7 @@ from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.offload.tier import tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
@@ -94,6 +95,7 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    _check_offload(cfg, stage)
     # [Note: divergence check] stage 3 issues many collectives from hooks, where ranks that took different
     # code paths would otherwise hang or abort in the backend; a fingerprint exchange before each one
     # (one tiny all-gather) turns that into an error naming each rank's unit. On by default for stage 3
@@ -154,6 +156,33 @@ def _build(
     return engine, engine_optimizer, loader, scheduler
 
 
+def _check_offload(cfg: ZeroshardConfig, stage: int) -> None:
+    z = cfg.zero_optimization
+    param_device = str(z.offload_param.device)
+    if param_device != "none" and stage < 3:
+        raise ConfigError(
+            f'zero_optimization.offload_param.device: "{param_device}" needs zero_optimization.stage 3 '
+            "(stages 0-2 keep whole parameters on every rank); use offload_optimizer for stages 1-2"
+        )
+    if str(z.offload_optimizer.device) != "none" and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
+    ratio = float(z.offload_optimizer.ratio)
+    if ratio != 1.0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) is not supported; "
+            "use 1.0 (offload all optimizer state) or device \"none\""
+        )
+    for key, device in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", param_device)):
+        if str(device) == "nvme":
+            _check_nvme(cfg, key)
+
+
+def _check_nvme(cfg: ZeroshardConfig, key: str) -> None:
+    raise ConfigError(
+        f'zero_optimization.{key}.device: "nvme" is not available yet in this build; use "cpu" or "none"'
+    )
+
+
 def _make_strategy(
     cfg: ZeroshardConfig,
     stage: int,
@@ -163,7 +192,7 @@ def _make_strategy(
     comm: Collectives,
     topology: Topology,
 ) -> Strategy:
-    base = _zero_policy(cfg, stage, precision)
+    base = _zero_policy(cfg, stage, precision, topology.device)
     if stage < 3:
         return ZeroOptimizer(model, groups, base, comm, topology.device)
     z = cfg.zero_optimization
@@ -177,11 +206,13 @@ def _make_strategy(
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         gradient_accumulation_steps=int(cfg.gradient_accumulation_steps),
         sub_group_numel=max(int(z.sub_group_size), 1),
+        master_tier=base.master_tier,
+        param_tier=tier_for(str(z.offload_param.device), topology.device, bool(z.offload_param.pin_memory)),
     )
     return Stage3Optimizer(model, groups, policy, comm, topology.device)
 
 
-def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy) -> ZeroPolicy:
+def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy, device: torch.device) -> ZeroPolicy:
     z = cfg.zero_optimization
     bucket = int(z.reduce_bucket_size)
     if stage >= 1:
@@ -198,6 +229,7 @@ def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy) -
         gradient_predivide_factor=float(cfg.gradient_predivide_factor),
         gradient_clipping=float(cfg.gradient_clipping or 0.0),
         check_overflow=precision.fp16,
+        master_tier=tier_for(str(z.offload_optimizer.device), device, bool(z.offload_optimizer.pin_memory)),
     )
 
 

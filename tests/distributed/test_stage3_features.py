@@ -233,3 +233,32 @@ def test_sharded_construction_stays_below_full_model_size(monkeypatch):
     for growth, full_bytes, finite in run_on_ranks(_sharded_construction, 4, timeout=300):
         assert finite
         assert growth < full_bytes, f"peak RSS grew by {growth / 2**20:.0f} MiB; the full model is {full_bytes / 2**20:.0f} MiB"
+
+
+def _consolidated(rank: int, world_size: int):
+    import zeroshard
+
+    out = {}
+    for stage in (1, 3):
+        case = Case(stage=stage, dtype="bf16", steps=2)
+        model = build_model(case)
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+        for batch in global_batches(case, world_size):
+            x, y = micro_batch(batch, 0, rank, world_size, case.micro)
+            engine.backward(engine(x, y))
+            engine.step()
+        full = engine.consolidated_state_dict()
+        compute = engine.module.state_dict()
+        out[stage] = {k: (v.dtype, tuple(v.shape), float((v - compute[k].float()).abs().max())) for k, v in full.items()}
+        engine.destroy()
+    return out
+
+
+def test_consolidated_state_dict_gives_fp32_masters():
+    for result in run_on_ranks(_consolidated, 2):
+        for stage, entries in result.items():
+            assert "lm_head.weight" in entries and "wte.weight" in entries
+            for name, (dtype, shape, diff) in entries.items():
+                assert dtype == torch.float32 and len(shape) >= 1, (stage, name)
+                assert diff < 1e-2, (stage, name, diff)  # the bf16 compute copy is the master rounded
+            assert any(d > 0 for _, _, d in entries.values()), "masters should keep bits bf16 drops"

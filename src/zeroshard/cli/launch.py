@@ -79,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         hosts = read_hostfile(args.hostfile) if args.hostfile else None
     if hosts is None:
-        argv = single_node(opts, args.nproc_per_node or _local_slots())
+        nproc = args.nproc_per_node or _local_slots()
+        argv = single_node(opts, nproc)
         if args.dry_run:
             out(shlex.join(argv))
             return 0
-        return run_local(argv)
+        return run_local(argv, nproc)
     resources = limit_resources(select_resources(hosts, args.include, args.exclude), args.nnodes, args.nproc_per_node)
     cwd = os.getcwd()
     nodes = multi_node(opts, resources, exported_environment(os.environ, cwd, os.path.expanduser("~")))
@@ -91,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
         local = single_node(opts, nodes[0].nproc)
         env = {k: v for k, v in nodes[0].env.items() if k == "CUDA_VISIBLE_DEVICES"}
         if args.dry_run:
-            out(shlex.join(local) if not env else f"env {shlex.join(f'{k}={v}' for k, v in env.items())} {shlex.join(local)}")
+            out(
+                shlex.join(local)
+                if not env
+                else f"env {shlex.join(f'{k}={v}' for k, v in env.items())} {shlex.join(local)}"
+            )
             return 0
         os.environ.update(env)
-        return run_local(local)
+        return run_local(local, nodes[0].nproc)
     if args.dry_run:
         for node in nodes:
             out(f"# node {node.node_rank}: {node.host}, {node.nproc} process(es)")

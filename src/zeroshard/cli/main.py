@@ -1,5 +1,7 @@
 """Entry point of the `zeroshard` console script: one subcommand per module, one error policy for all.
 
+Subcommands: validate-config, report, estimate, launch, train (zeroshard.cli), convert (zeroshard.checkpoint.export).
+
 Errors zeroshard raises on purpose (ConfigError, CLIError, ...) and the usual OS errors are printed
 as one line naming the command; `--debug` shows the traceback instead. A bad config exits with 2.
 """
@@ -7,6 +9,7 @@ as one line naming the command; `--debug` shows the traceback instead. A bad con
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (validate, report, estimate, launch, train):
         module.add_parser(sub, [common])
+    from zeroshard.checkpoint import export as convert  # `zeroshard convert` lives with the checkpoint format
+
+    if hasattr(convert, "add_parser"):
+        convert.add_parser(sub, [common])
     return parser
 
 
@@ -42,17 +49,22 @@ def run_guarded(run: object, args: argparse.Namespace, prog: str) -> int:
     from zeroshard.errors import ConfigError, ZeroshardError
 
     assert callable(run)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        prog = f"{prog} [rank {os.environ['RANK']}]"  # every rank of a failed job reports
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
+    except BrokenPipeError:  # `zeroshard ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CLIError, ZeroshardError, OSError, ValueError, ImportError) as err:
         if getattr(args, "debug", False):
             raise
         code = err.code if isinstance(err, CLIError) else EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_FAILURE
         message = str(err) if isinstance(err, CLIError | ZeroshardError) else f"{type(err).__name__}: {err}"
-        sys.stderr.write(f"{prog}: error: {message} (run with --debug for the traceback)\n")
+        sys.stderr.write(f"{prog}: error: {message}\n")
         return code
 
 

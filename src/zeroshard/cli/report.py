@@ -113,13 +113,8 @@ def devices() -> list[Check]:
     checks = [Check("cpu cores (usable)", True, f"{cpus}; torch threads {torch.get_num_threads()}")]
     meminfo = _meminfo()
     if meminfo:
-        checks.append(
-            Check(
-                "host memory",
-                True,
-                f"{human_bytes(meminfo.get('MemTotal', 0))} total, {human_bytes(meminfo.get('MemAvailable', 0))} available",
-            )
-        )
+        total, available = human_bytes(meminfo.get("MemTotal", 0)), human_bytes(meminfo.get("MemAvailable", 0))
+        checks.append(Check("host memory", True, f"{total} total, {available} available"))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
@@ -130,7 +125,11 @@ def devices() -> list[Check]:
                     f"{props.name}, {human_bytes(props.total_memory)}, capability {props.major}.{props.minor}",
                 )
             )
-        checks.append(Check("bf16 on GPU", torch.cuda.is_bf16_supported(), "supported" if torch.cuda.is_bf16_supported() else "no"))
+        checks.append(
+            Check(
+                "bf16 on GPU", torch.cuda.is_bf16_supported(), "supported" if torch.cuda.is_bf16_supported() else "no"
+            )
+        )
     else:
         checks.append(Check("cuda", None, "no CUDA device; zeroshard trains on CPU with gloo (fp32 is fastest)"))
     mps = getattr(torch.backends, "mps", None)
@@ -165,7 +164,11 @@ def nvme(path: str) -> list[Check]:
         return [Check("nvme path", False, f"{path} is not a folder")]
     usage = shutil.disk_usage(path)
     checks.append(
-        Check("free disk", True, f"{human_bytes(usage.free)} free of {human_bytes(usage.total)} at {os.path.abspath(path)}")
+        Check(
+            "free disk",
+            True,
+            f"{human_bytes(usage.free)} free of {human_bytes(usage.total)} at {os.path.abspath(path)}",
+        )
     )
     ok, detail = o_direct_supported(path)
     checks.append(Check("O_DIRECT writes", ok, detail))

@@ -13,10 +13,12 @@ Face folder), final-adapter/ (LoRA), export_probe.pt (the engine's logits on a f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zeroshard.cli.common import EXIT_CONFIG, CLIError
@@ -27,7 +29,9 @@ DEFAULT_STAGE = 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=DEFAULT_MODEL, help=f"HF model folder or built-in config (default {DEFAULT_MODEL})")
+    m.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"HF model folder or built-in config (default {DEFAULT_MODEL})"
+    )
     m.add_argument("--tokenizer", help="tokenizer folder (default: the model folder's, else byte-level)")
     m.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     m.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
@@ -55,12 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     z.add_argument("--ds-config", help="ds_config file or preset (zero0..zero3, zero2_offload, zero3_offload)")
     z.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help=f"preset stage (default {DEFAULT_STAGE})")
     z.add_argument("--offload", action="store_true", help="use the *_offload preset of the stage")
-    z.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on CUDA, else fp32")
+    z.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on CUDA, else fp32"
+    )
     r = p.add_argument_group("output")
     r.add_argument("--output-dir", default="runs/zeroshard-train", help="where metrics, checkpoints, export go")
     r.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
-    r.add_argument("--resume", nargs="?", const="auto", help="resume from --output-dir's latest checkpoint, or a folder")
+    r.add_argument(
+        "--resume", nargs="?", const="auto", help="resume from --output-dir's latest checkpoint, or a folder"
+    )
     r.add_argument("--log-steps", type=int, default=10, help="log line every N steps")
+    r.add_argument("--stop-after", type=int, help="end this invocation after N steps (continue later with --resume)")
     r.add_argument("--sample-prompt", default="def ", help="prompt of the final sample generation")
     r.add_argument("--sample-tokens", type=int, default=48, help="tokens to generate at the end (0: none)")
     r.add_argument("--no-export", dest="export", action="store_false", help="skip the final Hugging Face export")
@@ -122,7 +131,9 @@ def ds_config_source(args: argparse.Namespace) -> str:
         return str(args.ds_config)
     stage = DEFAULT_STAGE if args.zero_stage is None else args.zero_stage
     if args.offload and stage < 2:
-        raise CLIError(f"--offload needs --zero-stage 2 or 3 (presets zero2_offload, zero3_offload), not {stage}", EXIT_CONFIG)
+        raise CLIError(
+            f"--offload needs --zero-stage 2 or 3 (presets zero2_offload, zero3_offload), not {stage}", EXIT_CONFIG
+        )
     return preset_name(stage, args.offload)
 
 
@@ -149,6 +160,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         save_steps=args.save_steps,
         resume=args.resume,
         log_steps=args.log_steps,
+        stop_after=args.stop_after,
         seed=args.seed,
         sample_prompt=args.sample_prompt,
         sample_tokens=args.sample_tokens,
@@ -159,8 +171,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     positive = ("seq_len", "max_steps", "micro_batch", "grad_accum", "log_steps", "eval_batches", "nproc_per_node")
-    for name in positive:
-        if getattr(args, name) < 1:
+    for name in (*positive, "stop_after"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1", EXIT_CONFIG)
     for name in ("eval_steps", "save_steps", "sample_tokens", "lora_rank", "max_restarts"):
         if getattr(args, name) < 0:
@@ -183,8 +195,23 @@ def preflight(args: argparse.Namespace, world_size: int) -> Any:
     check_readable(opts.data)
     hidden = _hidden_size(opts.model.name)
     known = {"hidden_size": hidden} if hidden else {}
-    resolve_config(parse_config(train_ds_config(opts.ds_config, opts.hyper, world_size)), world_size=world_size, known=known)
+    config = train_ds_config(opts.ds_config, opts.hyper, world_size)
+    with _quiet_config_logger():  # the run itself logs the same warnings once, from initialize
+        resolve_config(parse_config(config), world_size=world_size, known=known)
     return opts
+
+
+@contextlib.contextmanager
+def _quiet_config_logger() -> Iterator[None]:
+    from zeroshard.utils.logging import get_logger
+
+    logger = get_logger("zeroshard.config")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _hidden_size(model: str) -> int | None:
@@ -226,9 +253,11 @@ def _relaunch(args: argparse.Namespace) -> int:
         LaunchOptions("zeroshard.cli.train", script_args, module=True, max_restarts=args.max_restarts),
         args.nproc_per_node,
     )
-    code = run_local(argv)
+    code = run_local(argv, args.nproc_per_node)
     if code:
-        raise CLIError(f"the {args.nproc_per_node} training processes failed (exit code {code}); see their messages above", code)
+        raise CLIError(
+            f"the {args.nproc_per_node} training processes failed (exit code {code}); see their messages above", code
+        )
     return 0
 
 

@@ -54,12 +54,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--world-size {args.world_size} must be >= 1", EXIT_CONFIG)
     with _captured_warnings() as warnings:
         raw = load_ds_config(args.file)
-        cfg = parse_config(raw)
-        known, filled = _known(args, raw)
         try:
+            cfg = parse_config(raw)
+            known, filled = _known(args, raw)
             resolved = resolve_config(cfg, world_size=args.world_size, known=known)
         except ConfigError as err:
-            hint = "" if args.strict else " (or pass --set KEY=VALUE / --hidden-size)"
+            hint = " (--set KEY=VALUE gives it a value)" if '"auto"' in str(err) else ""
             raise ConfigError(f"{args.file}: {err}{hint}") from None
     if args.json:
         out(json.dumps(resolved.to_dict(include_defaults=args.full), indent=2))

@@ -53,7 +53,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             import datetime
 
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+            # torchrun's agent store outlives restarts: one store namespace per attempt (launcher/rendezvous.py)
+            from zeroshard.launcher.rendezvous import init_process_group_from_env
+
+            init_process_group_from_env(chosen, timeout_s or 1800.0)
+        elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(chosen, init_method="env://", **kwargs)  # type: ignore[arg-type]
         else:
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]

@@ -28,8 +28,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         "zero_optimization.leaf_module",
         # Offload (CPU and NVMe) and asynchronous I/O.
-        "zero_optimization.offload_param",
-        "zero_optimization.offload_optimizer",
         "zero_optimization.round_robin_gradients",
         "zero_force_ds_cpu_optimizer",
         "aio",

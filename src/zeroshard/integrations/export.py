@@ -12,7 +12,6 @@ the master weights' precision.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,13 +20,6 @@ from torch import nn
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    folder: str
-    adapter_folder: str | None
-    probe_max_abs_diff: float | None
 
 
 def gathered_fp32_state_dict(engine: Any) -> dict[str, torch.Tensor]:
@@ -77,13 +69,16 @@ def export_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], tokenizer
     A peft model also writes its adapter to `folder + "-adapter"` and exports the merged weights;
     returns the adapter folder, or None.
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress lines say what happens
     os.makedirs(folder, exist_ok=True)
     adapter_folder = None
     if _is_peft(model):
         adapter_folder = folder.rstrip(os.sep) + "-adapter"
         model.save_pretrained(adapter_folder, state_dict=state)  # type: ignore[operator]
         merged = _merged_copy(model, state)
-        merged.save_pretrained(folder, safe_serialization=True)
+        merged.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
     else:
         model.save_pretrained(folder, state_dict=state, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(folder)
@@ -117,13 +112,17 @@ def probe_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model: nn.Module, tokenizer: Any, prompt: str, new_tokens: int) -> str:
+def sample(model: nn.Module, tokenizer: Any, prompt: str, new_tokens: int, seed: int = 0) -> str:
+    """Top-k sampling at temperature 0.8 from a fixed seed: the same text for the same weights."""
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    torch.manual_seed(seed)
     output = model.generate(  # type: ignore[operator]
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
-        do_sample=False,
+        do_sample=True,
+        temperature=0.8,
+        top_k=50,
         pad_token_id=tokenizer.pad_token_id,
     )
     return str(tokenizer.decode(output[0], skip_special_tokens=True))

@@ -72,7 +72,7 @@ def build_model(spec: ModelSpec, tokenizer: Any, seq_len: int) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if spec.is_folder:
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch.float32)
     else:
         from zeroshard.presets import model_preset
 
@@ -108,7 +108,7 @@ def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
 
     config = LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, uses it as a float
         lora_dropout=lora.dropout,
         target_modules=list(lora.targets) if lora.targets else None,
         task_type="CAUSAL_LM",

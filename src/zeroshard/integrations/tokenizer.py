@@ -51,7 +51,11 @@ def encode_documents(tokenizer: Any, documents: Iterable[str], batch: int = 256)
     if is_byte_tokenizer(tokenizer):
         for doc in documents:
             data = bytearray(doc.encode("utf-8"))
-            ids = torch.frombuffer(data, dtype=torch.uint8).long() + BYTE_OFFSET if data else torch.empty(0, dtype=torch.long)
+            ids = (
+                torch.frombuffer(data, dtype=torch.uint8).long() + BYTE_OFFSET
+                if data
+                else torch.empty(0, dtype=torch.long)
+            )
             pieces += [ids, torch.tensor([eos])]
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
     docs = list(documents)

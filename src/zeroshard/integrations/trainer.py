@@ -19,11 +19,9 @@ from typing import Any
 
 import torch
 
-from zeroshard.errors import ConfigError
 from zeroshard.integrations.checkpoints import Checkpointer, LoopPosition
 from zeroshard.integrations.ds_config import TrainHyper, train_ds_config
 from zeroshard.integrations.export import (
-    ExportResult,
     export_hf_folder,
     gathered_fp32_state_dict,
     load_exported,
@@ -55,6 +53,7 @@ class TrainOptions:
     save_steps: int = 0  # 0: no periodic checkpoints
     resume: str | None = None  # "auto" or a checkpoint folder
     log_steps: int = 10
+    stop_after: int | None = None  # end this invocation after this many steps (resume later); None: run to max
     seed: int = 0
     sample_prompt: str = "def "
     sample_tokens: int = 48  # 0: no sample
@@ -109,6 +108,7 @@ def train(opts: TrainOptions) -> TrainResult:
     tokens = encode_documents(tokenizer, read_documents(opts.data))
     train_set, eval_set = split_blocks(tokens, opts.seq_len, opts.eval_fraction)
     config = train_ds_config(opts.ds_config, opts.hyper, world_size)
+    counts = _parameter_counts(model)  # before initialize: stage 3 leaves only shards in the module
     engine = _initialize(model, train_set, config)
     rank0 = engine.global_rank == 0
     if rank0:
@@ -120,7 +120,7 @@ def train(opts: TrainOptions) -> TrainResult:
     result = TrainResult(checkpoints=checkpointer.available)
     metrics = MetricsWriter(opts.output_dir, enabled=rank0, append=engine.global_steps > 0)
     progress = Progress(opts.hyper.max_steps, engine.global_steps, enabled=rank0, bar=opts.progress_bar)
-    progress.line(_banner(engine, model, train_set, eval_set, opts))
+    progress.line(_banner(engine, counts, train_set, eval_set, opts))
     try:
         _loop(engine, opts, train_set, eval_set, position, checkpointer, metrics, progress, result)
         result.eval_loss = evaluate(engine, eval_set, opts.eval_batches)
@@ -139,6 +139,8 @@ def train(opts: TrainOptions) -> TrainResult:
         with open(os.path.join(opts.output_dir, "summary.json"), "w", encoding="utf-8") as handle:
             json.dump(asdict(result), handle, indent=2)
     engine.destroy()
+    if torch.distributed.is_initialized():  # a clean exit: gloo can abort at interpreter shutdown otherwise
+        torch.distributed.destroy_process_group()
     return result
 
 
@@ -146,12 +148,9 @@ def _initialize(model: torch.nn.Module, train_set: TokenBlocks, config: dict[str
     import zeroshard
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    try:
-        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=trainable, training_data=train_set, config=config)
-    except ConfigError as err:
-        if "zero_optimization.stage" in str(err):
-            raise ConfigError(f"{err} (zeroshard train: pass --zero-stage 0, 1 or 2)") from None
-        raise
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=trainable, training_data=train_set, config=config
+    )
     return engine
 
 
@@ -169,7 +168,8 @@ def _loop(
     window = LossWindow()
     start, start_step = time.perf_counter(), engine.global_steps
     tokens_per_step = engine.train_batch_size() * opts.seq_len
-    for batch in _batches(engine, position, opts.hyper.max_steps):
+    last = opts.hyper.max_steps if opts.stop_after is None else min(opts.hyper.max_steps, start_step + opts.stop_after)
+    for batch in _batches(engine, position, last):
         before = engine.global_steps
         batch = batch.to(engine.device)
         loss = engine(input_ids=batch, labels=batch).loss
@@ -181,16 +181,17 @@ def _loop(
             continue
         step = engine.global_steps
         row: dict[str, Any] = {"step": step, "epoch": position.epoch}
-        if step % opts.log_steps == 0 or step == opts.hyper.max_steps or step == start_step + 1:
+        if step % opts.log_steps == 0 or step == last or step == start_step + 1:
             elapsed = time.perf_counter() - start
-            row.update(_log_row(engine, window, step - start_step, tokens_per_step, elapsed))
+            states, rss = _per_rank_memory(engine)
+            row.update(_log_row(engine, window, step - start_step, tokens_per_step, elapsed, states, rss))
             result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
             result.final_loss, result.tokens_per_s, result.elapsed_s = row["loss"], row["tokens_per_s"], elapsed
-            progress.line(_log_line(row, opts.hyper.max_steps))
+            progress.line(_log_line(row, opts.hyper.max_steps, states, rss))
         if opts.eval_steps > 0 and step % opts.eval_steps == 0 and step != opts.hyper.max_steps:
             row["eval_loss"] = evaluate(engine, eval_set, opts.eval_batches)
             progress.line(f"step {step:>6}  eval loss {_fmt(row['eval_loss'])}")
-        if len(row) > 2:
+        if "loss" in row or "eval_loss" in row:
             metrics.write(row)
         if opts.save_steps > 0 and step % opts.save_steps == 0:
             checkpointer.save(position)
@@ -199,9 +200,10 @@ def _loop(
 
 
 def _batches(engine: Any, position: LoopPosition, max_steps: int) -> Iterator[torch.Tensor]:
-    """Micro-batches until `max_steps` optimizer steps, continuing from `position` (epoch, batches done)."""
+    """Micro-batches until step `max_steps`, continuing from `position` (epoch, batches done)."""
     loader = engine.training_dataloader
-    skip = position.batches_in_epoch
+    # A resumable sampler was put back at its position by load_checkpoint; a plain one starts the epoch over.
+    skip = 0 if hasattr(loader.sampler, "load_state_dict") else position.batches_in_epoch
     while engine.global_steps < max_steps:
         loader.sampler.set_epoch(position.epoch)
         for index, batch in enumerate(loader):
@@ -214,8 +216,9 @@ def _batches(engine: Any, position: LoopPosition, max_steps: int) -> Iterator[to
         position.batches_in_epoch = skip = 0
 
 
-def _log_row(engine: Any, window: LossWindow, steps: int, tokens_per_step: int, elapsed: float) -> dict[str, Any]:
-    states, rss = _per_rank_memory(engine)
+def _log_row(
+    engine: Any, window: LossWindow, steps: int, tokens_per_step: int, elapsed: float, states: list[int], rss: list[int]
+) -> dict[str, Any]:
     return {
         "loss": window.mean(engine),
         "lr": engine.get_lr()[0],
@@ -225,8 +228,6 @@ def _log_row(engine: Any, window: LossWindow, steps: int, tokens_per_step: int, 
         "model_states_mib_max": max(states) / 2**20,
         "rss_mib_max": max(rss) / 2**20,
         "elapsed_s": elapsed,
-        "_states": states,
-        "_rss": rss,
     }
 
 
@@ -239,12 +240,12 @@ def _per_rank_memory(engine: Any) -> tuple[list[int], list[int]]:
     return [int(s) for s, _ in pairs], [int(r) for _, r in pairs]
 
 
-def _log_line(row: dict[str, Any], max_steps: int) -> str:
-    states = "|".join(f"{s / 2**20:.1f}" for s in row["_states"])
-    rss = "|".join(f"{r / 2**20:.0f}" for r in row["_rss"])
+def _log_line(row: dict[str, Any], max_steps: int, states: list[int], rss: list[int]) -> str:
+    per_rank_states = "|".join(f"{s / 2**20:.1f}" for s in states)
+    per_rank_rss = "|".join(f"{r / 2**20:.0f}" for r in rss)
     return (
         f"step {row['step']:>6}/{max_steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-        f"{row['tokens_per_s']:,.0f} tok/s  model states {states} MiB/rank  rss {rss} MiB/rank"
+        f"{row['tokens_per_s']:,.0f} tok/s  model states {per_rank_states} MiB/rank  rss {per_rank_rss} MiB/rank"
     )
 
 
@@ -270,7 +271,9 @@ def evaluate(engine: Any, eval_set: TokenBlocks, max_batches: int) -> float | No
             ids = torch.stack([eval_set[i] for i in (chunk or [0])]).to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss  # ranks without data still run the forward
             if chunk:
-                totals += torch.tensor([float(loss) * len(chunk), len(chunk)], dtype=torch.float64, device=totals.device)
+                totals += torch.tensor(
+                    [float(loss) * len(chunk), len(chunk)], dtype=torch.float64, device=totals.device
+                )
     finally:
         engine.train()
     engine.comm.all_reduce(totals)
@@ -304,14 +307,22 @@ def _finish(
     if result.adapter_folder:
         progress.line(f"LoRA adapter saved to {result.adapter_folder}")
     if opts.sample_tokens > 0:
-        result.sample = sample(exported, tokenizer, opts.sample_prompt, opts.sample_tokens)
+        result.sample = sample(exported, tokenizer, opts.sample_prompt, opts.sample_tokens, opts.seed)
         progress.line(f"sample: {result.sample!r}")
     engine.train()
 
 
-def _banner(engine: Any, model: torch.nn.Module, train_set: TokenBlocks, eval_set: TokenBlocks, opts: TrainOptions) -> str:
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters, tied weights once."""
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
+    return total, trainable
+
+
+def _banner(
+    engine: Any, counts: tuple[int, int], train_set: TokenBlocks, eval_set: TokenBlocks, opts: TrainOptions
+) -> str:
+    total, trainable = counts
     dtype = str(engine.precision.compute_dtype).removeprefix("torch.")
     return (
         f"zeroshard train: {opts.model.name} ({total:,} parameters, {trainable:,} trainable), ZeRO stage "

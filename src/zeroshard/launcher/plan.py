@@ -67,7 +67,8 @@ class NodeCommand:
 
 
 def torchrun_prefix() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run"]
+    """torch.distributed.run through a wrapper that only shortens its failure report (see torchrun.py)."""
+    return [sys.executable, "-m", "zeroshard.launcher.torchrun"]
 
 
 def _program(opts: LaunchOptions) -> list[str]:
@@ -105,7 +106,16 @@ def _rendezvous(opts: LaunchOptions, nnodes: int | None, node_rank: int, master_
             "--max_restarts",
             str(opts.max_restarts),
         ]
-    return ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(port)]
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        str(port),
+    ]
 
 
 def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, str]) -> list[NodeCommand]:

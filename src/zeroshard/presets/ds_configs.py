@@ -18,6 +18,7 @@ from typing import Any, Final
 from zeroshard.config.batch import BATCH_KEYS
 from zeroshard.config.parse import read_json_file
 from zeroshard.config.resolve import canonical_path
+from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.errors import ConfigError
 from zeroshard.utils.logging import get_logger
 
@@ -101,9 +102,8 @@ def load_ds_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     if text in DS_CONFIG_PRESETS:
         return ds_config_preset(text)
     if not os.path.exists(text):
-        raise ConfigError(
-            f"ds_config {text!r} is neither a file nor a preset; use a JSON file or one of {', '.join(DS_CONFIG_PRESETS)}"
-        )
+        presets = ", ".join(DS_CONFIG_PRESETS)
+        raise ConfigError(f"ds_config {text!r} is neither a file nor a preset; use a JSON file or one of {presets}")
     return read_json_file(text, get_logger("zeroshard.config"))
 
 
@@ -115,7 +115,7 @@ def fill_auto(config: Mapping[str, Any], known: Mapping[str, object]) -> dict[st
     batch triple can be completed. Values the config sets explicitly are never replaced; "auto" values
     not in `known` stay for `initialize` (bucket sizes from the model's hidden size, DeepSpeed defaults).
     """
-    out = _fill(config, "", {canonical_path(k): v for k, v in known.items() if v is not None})
+    out = _fill(config, "", {_canonical(k): v for k, v in known.items() if v is not None})
     for key in missing_batch_keys(config):
         if known.get(key) is not None:
             out[key] = known[key]
@@ -129,14 +129,23 @@ def missing_batch_keys(config: Mapping[str, Any]) -> list[str]:
     return [key for key in BATCH_KEYS if key not in config]
 
 
+def _canonical(path: str) -> str:
+    """`canonical_path`, plus DeepSpeed's renamed top-level blocks (`bfloat16` is `bf16`)."""
+    head, sep, rest = path.partition(".")
+    for moved in ZeroshardConfig.MOVED:
+        if moved.old == head and len(moved.new) == 1:
+            head = moved.new[0]
+    return canonical_path(head + sep + rest)
+
+
 def _fill(node: Mapping[str, Any], path: str, known: Mapping[str, object]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in node.items():
         here = f"{path}.{key}" if path else key
         if isinstance(value, Mapping):
             out[key] = _fill(value, here, known)
-        elif value == "auto" and canonical_path(here) in known:
-            out[key] = known[canonical_path(here)]
+        elif value == "auto" and _canonical(here) in known:
+            out[key] = known[_canonical(here)]
         else:
             out[key] = copy.deepcopy(value)
     return out

@@ -86,7 +86,12 @@ _ALL: Final = (
         trainable_here=False,
     ),
     ModelPreset(
-        "llama-2-7b", "llama", _llama(4096, 11008, 32, 32, 32, 4096), "Llama-2 7B", vocab_size=32000, trainable_here=False
+        "llama-2-7b",
+        "llama",
+        _llama(4096, 11008, 32, 32, 32, 4096),
+        "Llama-2 7B",
+        vocab_size=32000,
+        trainable_here=False,
     ),
     ModelPreset(
         "llama-2-13b",
@@ -97,7 +102,12 @@ _ALL: Final = (
         trainable_here=False,
     ),
     ModelPreset(
-        "llama-2-70b", "llama", _llama(8192, 28672, 80, 64, 8, 4096), "Llama-2 70B", vocab_size=32000, trainable_here=False
+        "llama-2-70b",
+        "llama",
+        _llama(8192, 28672, 80, 64, 8, 4096),
+        "Llama-2 70B",
+        vocab_size=32000,
+        trainable_here=False,
     ),
     ModelPreset(
         "llama-3-8b",

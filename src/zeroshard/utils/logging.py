@@ -10,9 +10,11 @@ _FORMAT = "[zeroshard %(rank)s] %(levelname)s %(message)s"
 
 
 class _RankFilter(logging.Filter):
+    """Tags records with the rank; config messages (identical on every rank) are kept on rank 0 only."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = _current_rank()
-        return True
+        return not (record.name.startswith("zeroshard.config") and record.rank != 0)
 
 
 def _current_rank() -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zeroshard.offload.tier import Tier
 from zeroshard.zero.layout import GroupLayout, owned_pieces
 
 
@@ -46,11 +47,14 @@ def build_group_buffers(
     grad_accum_dtype: torch.dtype,
     keep_full_grads: bool,
     device: torch.device,
+    master_tier: Tier | None = None,
 ) -> GroupBuffers:
-    """Allocate a group's buffers, copy the current parameter values in, and rebind the parameters."""
+    """Allocate a group's buffers, copy the current parameter values in, and rebind the parameters.
+    Master weights live on `master_tier` (the compute device unless optimizer state is offloaded)."""
+    tier = master_tier or Tier("device", device)
     param_flat = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
-    alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32
-    master = param_flat if alias else torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+    alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32 and not tier.offloaded
+    master = param_flat if alias else tier.zeros(layout.shard_numel)
     if not alias:
         for piece in owned_pieces(layout, shard_rank):
             source = params[layout.slots[piece.slot].index].detach().reshape(-1)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers
 from zeroshard.zero.layout import FlatLayout, ParamSpec, build_layout
@@ -40,6 +41,7 @@ class ZeroPolicy:
     gradient_predivide_factor: float
     gradient_clipping: float
     check_overflow: bool  # fp16: skip the step on every rank when any rank saw inf/nan
+    master_tier: Tier | None = None  # where master weights and optimizer state live (None: the device)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ class ParamGroupSpec:
 
     options: dict[str, Any]
     params: list[tuple[str, nn.Parameter]]
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 class ZeroOptimizer:
@@ -88,6 +96,7 @@ class ZeroOptimizer:
                 policy.grad_accum_dtype,
                 keep_full_grads=policy.stage < 2,
                 device=device,
+                master_tier=policy.master_tier,
             )
             for layout, g in zip(self.layout.groups, groups, strict=True)
         ]
@@ -132,7 +141,9 @@ class ZeroOptimizer:
         """Use `optimizer` (built over `master_param_groups()` or re-pointed at them) for the step."""
         self.optimizer = optimizer
         self._master_grads = [
-            b.grad_shard if b.grad_shard.dtype == torch.float32 else torch.zeros_like(b.master) for b in self.buffers
+            b.grad_shard if b.grad_shard.dtype == torch.float32 and b.grad_shard.device == b.master.device
+            else torch.zeros_like(b.master)
+            for b in self.buffers
         ]
 
     # -- the step --------------------------------------------------------------------------------
@@ -170,8 +181,10 @@ class ZeroOptimizer:
                 if master_grad is buffers.grad_shard:
                     if scale != 1.0:
                         master_grad.mul_(scale)
-                else:
-                    torch.mul(buffers.grad_shard, scale, out=master_grad)
+                else:  # another dtype, or another tier (offload): copy, then scale there
+                    master_grad.copy_(buffers.grad_shard)
+                    if scale != 1.0:
+                        master_grad.mul_(scale)
                 buffers.master.grad = master_grad
             self.optimizer.step()
             for buffers in self.buffers:
@@ -216,6 +229,30 @@ class ZeroOptimizer:
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for b in self.buffers for p in b.params]
 
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Full fp32 master values of every trainable parameter, keyed by id(param), on every rank
+        (collective: every rank must call it)."""
+        out: dict[int, torch.Tensor] = {}
+        for buffers in self.buffers:
+            layout = buffers.layout
+            if layout.numel == layout.shard_numel:
+                full = buffers.master.to(self.device)
+            else:
+                full = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+                for bucket in layout.buckets:
+                    mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device)
+                    self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
+            for slot in layout.slots:
+                param = buffers.params[slot.index]
+                out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(param.shape).to(dtype).clone()
+        return out
+
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        """Master weights (unless they are the parameters themselves) and optimizer state."""
+        out = [b.master for b in self.buffers if not b.master_aliases_params]
+        out += [g for g, b in zip(self._master_grads, self.buffers, strict=True) if g is not b.grad_shard]
+        return out + _optimizer_state_tensors(self.optimizer)
+
     @property
     def trainable_numel(self) -> int:
         return self.layout.unpadded_numel
@@ -238,11 +275,16 @@ class ZeroOptimizer:
         if self.optimizer is not None:
             for per_param in self.optimizer.state.values():
                 state += sum(nbytes(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
+        copies = sum(0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True))
+        offloaded = self.policy.master_tier is not None and self.policy.master_tier.offloaded
         return {
             "params_trainable": sum(nbytes(b.param_flat) for b in self.buffers),
             "gradients": grads,
-            "master_weights": sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers),
-            "optimizer_state": state,
-            "comm_buffers": self.pool.held_bytes
-            + sum(0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True)),
+            "master_weights": 0 if offloaded else masters,
+            "optimizer_state": 0 if offloaded else state,
+            "comm_buffers": self.pool.held_bytes + (0 if offloaded else copies),
+            "host_master_weights": masters if offloaded else 0,
+            "host_optimizer_state": state if offloaded else 0,
+            "host_gradients": copies if offloaded else 0,
         }

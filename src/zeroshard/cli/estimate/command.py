@@ -32,6 +32,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank for the activation estimate")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (stage 3's gradient dtype)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
     p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="gradient accumulation dtype")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
@@ -43,7 +44,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("gpus", "nodes", "seq_len", "micro_batch"):
+    for name in ("gpus", "nodes", "seq_len", "micro_batch", "grad_accum"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
@@ -51,9 +52,18 @@ def run(args: argparse.Namespace) -> int:
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
     precision = Precision(DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.grad_dtype], OPTIMIZER_STATE_BYTES[args.optimizer])
     rows = estimate_rows(
-        model, cluster, precision, args.seq_len, args.micro_batch, args.gradient_checkpointing, int(args.bucket_size)
+        model,
+        cluster,
+        precision,
+        args.seq_len,
+        args.micro_batch,
+        args.gradient_checkpointing,
+        int(args.bucket_size),
+        args.grad_accum,
     )
-    gpu_memory = int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
+    gpu_memory = (
+        int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
+    )
     rec = recommend(model.params, rows, cluster, gpu_memory)
     if args.json:
         out(json.dumps([_json_row(row, rec) for row in rows], indent=2))
@@ -82,7 +92,8 @@ def render(
         lines.append(f"  ({model.assumed})")
     lines += [
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
-        f"{args.dtype} parameters, {args.grad_dtype} gradient accumulation, {args.optimizer}; "
+        f"{args.dtype} parameters, {args.grad_dtype} gradient accumulation ({args.grad_accum} micro-steps), "
+        f"{args.optimizer}; "
         f"activations for micro-batch {args.micro_batch} x {args.seq_len} tokens"
         + (" with checkpointing" if args.gradient_checkpointing else ""),
         "",
@@ -105,7 +116,7 @@ def render(
         if rec.fallback is not None:
             lines.append(f"  - first option that fits: {rec.fallback.label()}")
     lines += [f"  - {note}" for note in rec.notes]
-    lines.append(f'  ds_config: {json.dumps({"zero_optimization": rec.zero_optimization})}')
+    lines.append(f"  ds_config: {json.dumps({'zero_optimization': rec.zero_optimization})}")
     return "\n".join(lines)
 
 

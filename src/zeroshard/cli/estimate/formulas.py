@@ -3,7 +3,7 @@
 [Note: two accountings]
 `zeroshard_states` follows zeroshard's own buffers (docs/design.md): gradients are accumulated in
 fp32 by default, so stage 2 holds 4Ψ/N of gradients where the ZeRO paper has 2Ψ/N; the fp32 master
-copy is skipped when it would alias the fp32 parameters (fp32 training without sharding).
+copy is skipped when it would alias the fp32 parameters (fp32 training unsharded, or stage 3).
 `engine.memory_report().model_states` measures the same quantities. `deepspeed_states` reproduces
 DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
 (zero_init=True for stage 3), including their 1.5x CPU buffer factor; DeepSpeed has no estimator
@@ -52,11 +52,17 @@ OPTIONS: Final = (
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element: parameters (compute dtype), gradient accumulation, optimizer state per parameter."""
+    """Bytes per element: parameters (compute dtype), gradient accumulation, optimizer state per parameter,
+    gradient communication (None: the compute dtype, DeepSpeed's default)."""
 
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 8  # Adam/AdamW: m and v in fp32
+    comm_bytes: int | None = None
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.param_bytes if self.comm_bytes is None else self.comm_bytes
 
 
 @dataclass(frozen=True)
@@ -86,10 +92,18 @@ class ModelStates:
         return self.params + self.gradients + self.master_weights + self.optimizer_state
 
 
-def zeroshard_states(psi: int, option: Option, precision: Precision, world_size: int) -> ModelStates:
-    """Per-rank model-state bytes of `psi` trainable parameters (see [Note: two accountings])."""
+def zeroshard_states(
+    psi: int, option: Option, precision: Precision, world_size: int, gradient_accumulation_steps: int = 1
+) -> ModelStates:
+    """Per-rank model-state bytes of `psi` trainable parameters (see [Note: two accountings]).
+
+    Stage 3 without accumulation keeps its gradient shard in the communication dtype (nothing is
+    accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate.
+    """
     n = world_size
     p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
+    if option.stage == 3 and gradient_accumulation_steps == 1:
+        g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
     params = p * psi // n if option.stage == 3 else p * psi
     if option.stage == 0 or (option.stage == 1 and n == 1 and option.offload_optimizer == "none"):
@@ -98,7 +112,8 @@ def zeroshard_states(psi: int, option: Option, precision: Precision, world_size:
         grads = g * psi + g * psi // n  # full accumulator plus the reduce-scattered shard
     else:
         grads = g * psi // n
-    master_aliases = p == 4 and not sharded_states and option.stage < 3
+    # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3).
+    master_aliases = p == 4 and (option.stage == 3 or not sharded_states)
     master = 0 if master_aliases else 4 * psi // (n if option.stage >= 1 else 1)
     optim = k * psi // (n if option.stage >= 1 else 1)
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}

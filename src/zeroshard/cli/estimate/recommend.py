@@ -82,9 +82,7 @@ def recommend(params: int, rows: list[Row], cluster: Cluster, gpu_memory: int | 
         assert gpu_memory is not None
         fallback = next((row.option for row in rows if row.gpu_bytes_per_rank <= gpu_memory), None)
         if fallback is None:
-            notes.append(
-                "no option fits: lower --micro-batch or --seq-len, use --gradient-checkpointing, or add GPUs"
-            )
+            notes.append("no option fits: lower --micro-batch or --seq-len, use --gradient-checkpointing, or add GPUs")
     return Recommendation(option, zero, why, fits, fallback, notes)
 
 

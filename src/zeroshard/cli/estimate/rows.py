@@ -70,12 +70,13 @@ def estimate_row(
     micro_batch: int,
     checkpointing: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    grad_accum: int = 1,
 ) -> Row:
     n = cluster.world_size
-    states = zeroshard_states(model.params, option, precision, n)
+    states = zeroshard_states(model.params, option, precision, n, grad_accum)
     acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
     buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
-        option, model.params, bucket_numel, precision.param_bytes
+        option, model.params, bucket_numel, precision.reduce_bytes
     )
     staging = 0
     if option.offload_param == "nvme":
@@ -103,9 +104,10 @@ def estimate_rows(
     micro_batch: int,
     checkpointing: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    grad_accum: int = 1,
 ) -> list[Row]:
     """A row for every option in `OPTIONS`."""
     return [
-        estimate_row(model, option, cluster, precision, seq_len, micro_batch, checkpointing, bucket_numel)
+        estimate_row(model, option, cluster, precision, seq_len, micro_batch, checkpointing, bucket_numel, grad_accum)
         for option in OPTIONS
     ]

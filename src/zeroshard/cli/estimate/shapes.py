@@ -76,7 +76,10 @@ def from_params(params: float, vocab: int = 32000) -> ModelInfo:
     hidden = max(64, round((params * 128 / 12) ** (1 / 3) / 64) * 64)
     layers = max(1, round(params / (12 * hidden * hidden)))
     heads = max(1, hidden // 128)
-    shape = Shape(hidden, layers, heads, heads, int(math.ceil(8 * hidden / 3 / 64) * 64), vocab, True)
+    intermediate = int(math.ceil(8 * hidden / 3 / 64) * 64)  # SwiGLU's 8/3 h, rounded as Llama does
+    shape = Shape(hidden, layers, heads, heads, intermediate, vocab, True)
     largest = max(vocab * hidden, shape.intermediate * hidden)
-    note = f"Llama-like shape assumed: hidden {hidden}, {layers} layers, vocabulary {vocab}; pass --model for exact numbers"
+    note = (
+        f"Llama-like shape assumed: hidden {hidden}, {layers} layers, vocabulary {vocab}; --model gives exact numbers"
+    )
     return ModelInfo(f"{params:.3g} parameters", int(params), largest, shape, note)

@@ -25,9 +25,10 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import CollectiveMismatchError, ZeroshardError
+from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool
-from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy
+from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy, _optimizer_state_tensors
 from zeroshard.zero.stage3.gathered import OWNERS
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitPolicy, layout_unit, plan_units
@@ -47,6 +48,8 @@ class Stage3Policy:
     persistence_threshold: int
     gradient_accumulation_steps: int
     sub_group_numel: int
+    master_tier: Tier | None = None  # optimizer state and fp32 master (offload_optimizer)
+    param_tier: Tier | None = None  # compute-dtype shards (offload_param)
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
 
@@ -90,6 +93,8 @@ class Stage3Optimizer:
                 base.compute_dtype,
                 grad_dtype,
                 device,
+                policy.master_tier,
+                policy.param_tier,
             )
             unit.release()
             self.units.append(unit)
@@ -306,12 +311,12 @@ class Stage3Optimizer:
             for unit, master, grad in pieces:
                 if unit.index not in members:
                     continue
-                if grad.dtype == torch.float32:
+                if grad.dtype == torch.float32 and grad.device == master.device:
                     if scale != 1.0:
                         grad.mul_(scale)
                     master.grad = grad
-                else:
-                    master.grad = grad.float().mul_(scale)
+                else:  # another dtype or another tier (offload): a temporary for this sub-group only
+                    master.grad = grad.to(device=master.device, dtype=torch.float32).mul_(scale)
                 assigned.append(master)
         if assigned:
             self.optimizer.step()
@@ -346,6 +351,23 @@ class Stage3Optimizer:
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
 
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Full fp32 master values of every parameter, unit by unit (collective: every rank calls it)."""
+        out: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, unit.master.to(self.device), label=f"consolidate unit {unit.name!r}")
+            for slot in unit.layout.slots:
+                param = unit.params[slot.index]
+                shape = unit.views[slot.index].shape
+                out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(shape).to(dtype).clone()
+        return out
+
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        """fp32 master shards that are not also the compute shards, and optimizer state."""
+        out = [u.master for u in self.units if u.master is not u.shard]
+        return out + _optimizer_state_tensors(self.optimizer)
+
     @property
     def trainable_numel(self) -> int:
         return sum(u.trainable_numel for u in self.units)
@@ -360,11 +382,18 @@ class Stage3Optimizer:
                 state += sum(nbytes(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         persistent_full = sum(u.full.untyped_storage().nbytes() for u in self.units if u.persistent)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent)
+        masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units)
+        shards = sum(nbytes(u.shard) for u in self.units)
+        master_off = self.policy.master_tier is not None and self.policy.master_tier.offloaded
+        param_off = self.policy.param_tier is not None and self.policy.param_tier.offloaded
         return {
-            "params_trainable": sum(nbytes(u.shard) for u in self.units),
+            "params_trainable": 0 if param_off else shards,
             "gradients": sum(nbytes(u.grad_shard) for u in self.units),
-            "master_weights": sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units),
-            "optimizer_state": state,
+            "master_weights": 0 if master_off else masters,
+            "optimizer_state": 0 if master_off else state,
+            "host_params": shards if param_off else 0,
+            "host_master_weights": masters if master_off else 0,
+            "host_optimizer_state": state if master_off else 0,
             "comm_buffers": self.pool.held_bytes,
             "persistent_params": persistent_full,
             "gathered_params": gathered,

@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.tier import Tier
 from zeroshard.zero.buffers import BufferPool
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 
@@ -42,6 +43,8 @@ class ShardedUnit:
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device: torch.device,
+        master_tier: Tier | None = None,
+        param_tier: Tier | None = None,
     ):
         self.index = index
         self.name = name
@@ -58,9 +61,20 @@ class ShardedUnit:
         lo, hi = layout.owned(shard_rank)
         for view, param in zip(self.views, params, strict=True):
             view.copy_(param.detach())
-        alias = compute_dtype == torch.float32
-        self.shard = self.full[lo:hi].clone()
-        self.master = self.shard if alias else self.full[lo:hi].float()
+        master_tier = master_tier or Tier("device", device)
+        param_tier = param_tier or Tier("device", device)
+        # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the fp32 master
+        # on the optimizer tier; they are one tensor when both tiers agree and the compute dtype is fp32
+        self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
+        self.shard.copy_(self.full[lo:hi])
+        alias = compute_dtype == torch.float32 and master_tier.device == param_tier.device and not (
+            master_tier.offloaded and not param_tier.offloaded
+        )
+        if alias:
+            self.master = self.shard
+        else:
+            self.master = master_tier.zeros(layout.shard_numel)
+            self.master.copy_(self.full[lo:hi])
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
@@ -89,7 +103,12 @@ class ShardedUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
-        self._pending = comm.all_gather(self.full, self.shard, async_op=async_op, label=f"gather of unit {self.name!r}")
+        lo, hi = self.layout.owned(self.shard_rank)
+        source = self.shard
+        if source.device != self.full.device:  # offload_param: bring this rank's shard over first
+            source = self.full[lo:hi]
+            source.data.copy_(self.shard, non_blocking=True)
+        self._pending = comm.all_gather(self.full, source, async_op=async_op, label=f"gather of unit {self.name!r}")
         self.gathers += 1
         self.state = UnitState.GATHERING
 

@@ -1,0 +1,55 @@
+"""`engine.offload_states()` / `reload_states()`: move master weights and optimizer state off the
+device between phases (evaluation, generation) and back, keeping every tensor's identity.
+
+The tensors keep their Python objects and storages: the bytes are copied to host buffers and the
+device storage is resized to zero, then resized back and refilled on reload, so the optimizer's
+state dict, its parameter keys and every view (stage-3 master pieces) stay valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from zeroshard.errors import ZeroshardError
+
+
+class StateOffloader:
+    def __init__(self) -> None:
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._held)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(h.numel() * h.element_size() for _, h in self._held)
+
+    def offload(self, tensors: Iterable[torch.Tensor], device: torch.device, pin_memory: bool, non_blocking: bool) -> None:
+        if self._held:
+            raise ZeroshardError("offload_states() called twice; call reload_states() first")
+        seen: set[int] = set()
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            base = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage)
+            host = torch.empty(base.shape, dtype=base.dtype, device=device, pin_memory=pin)
+            host.copy_(base, non_blocking=non_blocking)
+            self._held.append((base, host))
+        if non_blocking and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for base, _ in self._held:
+            base.untyped_storage().resize_(0)
+
+    def reload(self, non_blocking: bool = False) -> None:
+        for base, host in self._held:
+            base.untyped_storage().resize_(host.numel() * host.element_size())
+            base.data.copy_(host, non_blocking=non_blocking)
+        if non_blocking and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._held.clear()

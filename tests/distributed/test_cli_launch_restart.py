@@ -1,0 +1,49 @@
+"""`zeroshard launch` on torchrun: a crashed rank restarts the group (--max_restarts), and the restarted
+ranks build their process group on a fresh per-attempt store (`rendezvous.init_process_group_from_env`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    from zeroshard.launcher.rendezvous import init_process_group_from_env, restart_count
+
+    init_process_group_from_env("gloo", timeout_s=60)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if restart_count() == 0 and dist.get_rank() == 1:
+        sys.exit(3)  # a crash in the first attempt; rank 0 waits in the barrier until it is stopped
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as handle:
+            handle.write(f"{restart_count()} {int(total.item())} {dist.get_world_size()}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_launch_restarts_a_crashed_group(tmp_path):
+    script, result = tmp_path / "crash_once.py", tmp_path / "result.txt"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", "--max_restarts", "1"]
+    done = subprocess.run([*command, str(script), str(result)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert result.read_text() == "1 2 2"  # second attempt, both ranks in the all-reduce
+
+
+def test_launch_reports_failed_ranks_without_a_traceback(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(5)\n")
+    command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5
+    assert "rank 0 (local rank 0" in done.stderr and "exited with 5" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,138 @@
+"""`zeroshard validate-config`, the ds_config presets, `zeroshard report`, and train's argument checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zeroshard.cli.main import main
+from zeroshard.config import parse_config, resolve_config
+from zeroshard.integrations.ds_config import TrainHyper, train_ds_config
+from zeroshard.presets import DS_CONFIG_PRESETS, fill_auto
+
+DS_CONFIGS = sorted((Path(__file__).parent / "data" / "ds_configs").glob("*.json"))
+HYPER = TrainHyper(
+    micro_batch=4,
+    grad_accum=2,
+    lr=3e-4,
+    weight_decay=0.1,
+    warmup_steps=5,
+    max_steps=50,
+    max_grad_norm=1.0,
+    dtype="bf16",
+)
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.stem)
+def test_validate_config_accepts_the_real_configs(path, capsys):
+    assert main(["validate-config", str(path), "--world-size", "2", "--hidden-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}: valid for world size 2")
+    resolved = json.loads(out[out.index("{") :])
+    assert resolved["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_validate_config_lists_unimplemented_and_deprecated_keys(capsys):
+    path = next(p for p in DS_CONFIGS if p.stem == "transformers-tests_zero3")
+    assert main(["validate-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    warnings = out[out.index("warnings:") : out.index("resolved config")]
+    assert "stage3_gather_fp16_weights_on_model_save is deprecated" in warnings
+    assert 'offload_optimizer.device="cpu" is accepted but not implemented' in warnings
+
+
+def test_validate_config_strict_and_set(capsys):
+    path = next(p for p in DS_CONFIGS if p.stem == "ms-swift_zero2_offload")
+    assert main(["validate-config", str(path), "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'optimizer.params.lr is "auto"' in err and "--set" in err
+    sets = [
+        "--set",
+        "optimizer.params.lr=1e-4",
+        "--set",
+        "scheduler.params.total_num_steps=100",
+        "--set",
+        "train_micro_batch_size_per_gpu=2",
+        "--set",
+        "gradient_accumulation_steps=4",
+    ]
+    assert main(["validate-config", str(path), "--strict", "--json", "--world-size", "2", *sets]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["train_batch_size"] == 16 and resolved["optimizer"]["params"]["lr"] == 1e-4
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            {"zero_optimization": {"stage": 2, "overlap_com": True}},
+            "overlap_com: unknown key; did you mean overlap_comm?",
+        ),
+        (
+            {"train_batch_size": 33, "train_micro_batch_size_per_gpu": 17, "gradient_accumulation_steps": 2},
+            "train_batch_size 33 != ",
+        ),
+        ("{not json", "is not valid JSON"),
+    ],
+)
+def test_validate_config_errors_exit_2_with_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "ds.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["validate-config", str(path), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert main(["validate-config", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(DS_CONFIG_PRESETS))
+def test_presets_resolve_with_train_values(name):
+    config = train_ds_config(name, HYPER, world_size=2)
+    cfg = resolve_config(parse_config(config), world_size=2, known={"hidden_size": 64})
+    assert cfg.train_batch_size == 16 and cfg.gradient_accumulation_steps == 2
+    assert cfg.optimizer.params["lr"] == 3e-4 and cfg.scheduler.params["total_num_steps"] == 50
+    assert cfg.bf16.enabled and not cfg.fp16.enabled
+    assert cfg.zero_optimization.stage == int(name[4])
+
+
+def test_fill_auto_keeps_explicit_values_and_aliases():
+    config = {"bfloat16": {"enabled": "auto"}, "train_batch_size": 32, "optimizer": {"params": {"lr": 0.1}}}
+    filled = fill_auto(config, {"bf16.enabled": True, "optimizer.params.lr": 1.0, "train_micro_batch_size_per_gpu": 4})
+    assert filled["bfloat16"]["enabled"] is True and filled["optimizer"]["params"]["lr"] == 0.1
+    assert "train_micro_batch_size_per_gpu" not in filled  # the config fixed the batch size itself
+    assert fill_auto({}, {"train_micro_batch_size_per_gpu": 4})["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_report_runs_and_checks_o_direct(tmp_path, capsys):
+    assert main(["report", "--nvme-path", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"versions", "backends", "devices", "pinned memory", "nvme / async io"}
+    names = {c["name"]: c for c in report["versions"]}
+    assert names["torch"]["ok"] and "deepspeed" in names
+    assert any(c["name"] == "backend gloo" and c["ok"] for c in report["backends"])
+    assert any(c["name"] == "O_DIRECT writes" for c in report["nvme / async io"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "./no/such/folder"], "model folder does not exist"),
+        (["--model", "no-such-model"], "is not a built-in model config"),
+        (["--data", "/no/such/data.txt"], "dataset /no/such/data.txt does not exist"),
+        (["--ds-config", "/no/such/ds.json"], "is neither a file nor a preset"),
+        (["--zero-stage", "1", "--offload"], "--offload needs --zero-stage 2 or 3"),
+        (["--micro-batch", "0"], "--micro-batch 0 must be >= 1"),
+    ],
+)
+def test_train_rejects_bad_inputs_before_starting(capsys, args, message):
+    code = main(["train", "--nproc-per-node", "2", *args])
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_train_rejects_a_bad_ds_config(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    assert main(["train", "--ds-config", str(path)]) == 2
+    assert "overlap_com: unknown key" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""`zeroshard estimate`: the ZeRO formulas, DeepSpeed's estimators, the --json schema, the decision tree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroshard.cli.estimate.formulas import OPTIONS, Cluster, Option, Precision, deepspeed_states, zeroshard_states
+from zeroshard.cli.estimate.recommend import recommend
+from zeroshard.cli.estimate.rows import estimate_rows
+from zeroshard.cli.estimate.shapes import from_model_arg, from_params
+from zeroshard.cli.main import main
+
+PSI = 1_000_000
+BF16 = Precision(param_bytes=2, grad_bytes=4, optimizer_bytes=8)
+FP32 = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+
+
+@pytest.mark.parametrize(
+    ("stage", "n", "expected"),
+    [
+        (0, 4, 18 * PSI),  # docs/design.md: 2 + 4 + 12
+        (1, 4, 6 * PSI + 16 * PSI // 4),
+        (2, 4, 2 * PSI + 16 * PSI // 4),
+        (3, 4, 16 * PSI // 4),  # 2 + 2 (bf16 gradient shard: nothing to accumulate) + 4 + 8, all sharded
+        (2, 1, 18 * PSI),  # one rank: nothing to shard
+    ],
+)
+def test_bf16_model_states_follow_the_design_table(stage, n, expected):
+    assert zeroshard_states(PSI, Option(stage), BF16, n).total == expected
+
+
+def test_stage3_accumulates_gradients_in_fp32():
+    assert zeroshard_states(PSI, Option(3), BF16, 4, gradient_accumulation_steps=2).total == 18 * PSI // 4
+
+
+def test_fp32_master_weights_alias_the_parameters_where_both_have_the_same_extent():
+    assert zeroshard_states(PSI, Option(0), FP32, 2).master_weights == 0
+    assert zeroshard_states(PSI, Option(2), FP32, 2).master_weights == 4 * PSI // 2
+    assert zeroshard_states(PSI, Option(3), FP32, 2).master_weights == 0
+    assert zeroshard_states(PSI, Option(3), FP32, 2).total == 16 * PSI // 2
+
+
+def test_offload_moves_optimizer_state_and_parameters_off_the_gpu():
+    states = zeroshard_states(PSI, Option(2, "cpu"), BF16, 4)
+    assert states.gpu == 2 * PSI and states.cpu == (4 + 4 + 8) * PSI // 4
+    states = zeroshard_states(PSI, Option(3, "cpu", "cpu"), BF16, 4)
+    assert states.gpu == 0 and states.cpu == 16 * PSI // 4
+    states = zeroshard_states(PSI, Option(3, "nvme", "nvme"), BF16, 4)
+    assert states.nvme == (2 + 12) * PSI // 4 and states.cpu == 2 * PSI // 4
+
+
+def test_deepspeed_formulas_match_its_estimators():
+    # estimate_zero2_model_states_mem_needs(total_params=1e6, num_gpus_per_node=4, cpu_offload=False) etc.
+    cluster = Cluster(gpus_per_node=4, nodes=2)
+    assert deepspeed_states(PSI, 10, Option(2), cluster) == (int(PSI * 4 * 4 * 1.5), 2 * PSI + int(18 * PSI / 8))
+    assert deepspeed_states(PSI, 10, Option(2, "cpu"), cluster) == (int(PSI * 32 * 1.5), 2 * PSI)
+    assert deepspeed_states(PSI, 10, Option(3), cluster) == (int(10 * 4 * 4 * 1.5), 40 + int(18 * PSI / 8))
+    assert deepspeed_states(PSI, 10, Option(3, "cpu"), cluster) == (int(PSI * 8 * 1.5), 40 + int(2 * PSI / 8))
+    assert deepspeed_states(PSI, 10, Option(3, "cpu", "cpu"), cluster) == (int(PSI * 9 * 1.5), 40)
+    assert deepspeed_states(PSI, 10, Option(1), cluster) is None
+
+
+def test_deepspeed_estimators_agree_when_installed():
+    stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    cluster = Cluster(gpus_per_node=8, nodes=2)
+    for offload in (True, False):
+        option = Option(2, "cpu" if offload else "none")
+        ds = stage2.estimate_zero2_model_states_mem_needs(7 * PSI, 8, 2, cpu_offload=offload)
+        assert deepspeed_states(7 * PSI, 0, option, cluster) == ds
+    for option, flags in (
+        (Option(3), (False, False)),
+        (Option(3, "cpu"), (True, False)),
+        (Option(3, "cpu", "cpu"), (True, True)),
+    ):
+        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(7 * PSI, 12345, 8, 2, *flags, zero_init=True)
+        assert deepspeed_states(7 * PSI, 12345, option, cluster) == (cpu, gpu)
+
+
+def test_model_shapes_are_counted_exactly_on_the_meta_device():
+    info = from_model_arg("llama-2-7b")
+    assert info.params == 6_738_415_616  # the published count
+    assert info.largest_layer == 32000 * 4096  # the embedding
+    assert info.shape.gated_mlp and info.shape.kv_heads == 32
+    assert from_model_arg("gpt2").params == 124_439_808  # tied embedding counted once
+
+
+def test_params_only_assumes_a_llama_like_shape():
+    info = from_params(7e9)
+    assert info.params == 7_000_000_000 and 3840 <= info.shape.hidden <= 4352 and info.assumed
+
+
+def test_decision_tree_of_seed_000():
+    def pick(params: float, gpus: int, gpu_gib: float | None):
+        model = from_params(params)
+        cluster = Cluster(gpus_per_node=gpus)
+        rows = estimate_rows(model, cluster, BF16, seq_len=2048, micro_batch=1)
+        return recommend(model.params, rows, cluster, None if gpu_gib is None else int(gpu_gib * 2**30))
+
+    assert pick(1e9, 1, 80).option == Option(0)
+    assert pick(7e9, 8, 80).option == Option(1)
+    big = pick(30e9, 8, 1000)  # plenty of GPU memory: overlap_comm
+    assert big.option == Option(2, "cpu") and big.zero_optimization["overlap_comm"] is True
+    tight = pick(30e9, 8, 40)  # tight: pin_memory instead
+    assert tight.zero_optimization["offload_optimizer"]["pin_memory"] is True
+    assert tight.zero_optimization["overlap_comm"] is False
+    huge = pick(175e9, 8, 80)
+    assert huge.option == Option(3, "nvme", "nvme") and any("3D" in note for note in huge.notes)
+
+
+def test_estimate_json_schema(capsys):
+    assert main(["estimate", "--params", "7e9", "--gpus", "8", "--nodes", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == len(OPTIONS)
+    for row in rows:
+        assert {"stage", "offload_optimizer", "offload_param", "gpu_bytes_per_rank", "cpu_bytes_per_node"} <= set(row)
+        assert isinstance(row["gpu_bytes_per_rank"], int) and row["gpu_bytes_per_rank"] > 0
+    assert sum(row["recommended"] for row in rows) == 1
+    by_option = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r for r in rows}
+    stage2 = by_option[(2, "none", "none")]
+    psi, n = 7_000_000_000, 16
+    assert stage2["model_states_bytes_per_rank"]["total"] == 2 * psi + 16 * psi // n
+    assert stage2["deepspeed_gpu_bytes_per_rank"] == 2 * psi + int(18 * psi / n)
+    # GPU bytes fall as more is sharded or offloaded
+    gpu = [
+        by_option[k]["gpu_bytes_per_rank"]
+        for k in [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none")]
+    ]
+    assert gpu == sorted(gpu, reverse=True)
+
+
+def test_estimate_text_output_names_the_recommendation(capsys):
+    assert main(["estimate", "--model", "tiny-llama", "--gpus", "2", "--seq-len", "128"]) == 0
+    text = capsys.readouterr().out
+    assert "107,200 parameters" in text and "recommended (seed-000 decision tree): stage 1" in text
+
+
+def test_estimate_errors_are_one_line(capsys):
+    assert main(["estimate", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-model" in err and "Traceback" not in err

@@ -1,0 +1,156 @@
+"""`zeroshard launch`: hostfiles, --include/--exclude, and the per-node torchrun commands (--dry-run)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from zeroshard.cli.main import main
+from zeroshard.launcher import LaunchOptions, multi_node, single_node
+from zeroshard.launcher.hostfile import LaunchError, limit_resources, parse_hostfile, read_hostfile, select_resources
+from zeroshard.launcher.plan import exported_environment
+from zeroshard.launcher.runner import thread_env
+
+HOSTFILE = """
+# a comment line
+worker-0 slots=4   # trailing comment
+
+worker-1 slots=2
+"""
+
+
+def test_hostfile_in_deepspeed_format():
+    assert parse_hostfile(HOSTFILE) == {"worker-0": 4, "worker-1": 2}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("worker-0 slots=4\nworker-1 4\n", "hosts line 2: expected 'HOST slots=N'"),
+        ("worker-0 slots=0\n", "hosts line 1: slots=0 must be a positive integer"),
+        ("worker-0 slots=x\n", "hosts line 1: slots=x"),
+        ("a slots=1\nb slots=1\na slots=2\n", "hosts line 3: host a is listed twice (first on line 1)"),
+        ("# nothing\n\n", "lists no hosts"),
+    ],
+)
+def test_hostfile_errors_name_the_file_and_line(text, message):
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        parse_hostfile(text, "hosts")
+
+
+def test_read_hostfile_missing_file(tmp_path):
+    with pytest.raises(LaunchError, match="cannot be read"):
+        read_hostfile(tmp_path / "nope")
+
+
+def test_include_exclude_filters():
+    hosts = parse_hostfile(HOSTFILE)
+    assert select_resources(hosts, include="worker-1") == {"worker-1": [0, 1]}
+    assert select_resources(hosts, include="worker-0:0,2@worker-1") == {"worker-0": [0, 2], "worker-1": [0, 1]}
+    assert select_resources(hosts, exclude="worker-0:1") == {"worker-0": [0, 2, 3], "worker-1": [0, 1]}
+    assert select_resources(hosts, exclude="worker-1") == {"worker-0": [0, 1, 2, 3]}
+    with pytest.raises(LaunchError, match="not in the hostfile"):
+        select_resources(hosts, include="worker-9")
+    with pytest.raises(LaunchError, match="slots 0-1, not \\[5\\]"):
+        select_resources(hosts, include="worker-1:5")
+    with pytest.raises(LaunchError, match="cannot be used together"):
+        select_resources(hosts, include="worker-1", exclude="worker-0")
+    assert limit_resources(select_resources(hosts), nnodes=1, nproc_per_node=2) == {"worker-0": [0, 1]}
+    with pytest.raises(LaunchError, match="--nnodes 3"):
+        limit_resources(select_resources(hosts), nnodes=3, nproc_per_node=None)
+
+
+def test_single_node_commands():
+    argv = single_node(LaunchOptions("train.py", ["--lr", "1"]), nproc=2)
+    assert argv[1:] == [
+        "-m",
+        "zeroshard.launcher.torchrun",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+        "--max_restarts",
+        "0",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    module = single_node(LaunchOptions("zeroshard.cli.train", module=True, master_port=1234), nproc=2)
+    assert module[module.index("--master_addr") + 1] == "127.0.0.1" and "--standalone" not in module
+    assert module[module.index("--master_port") + 1] == "1234" and module[-2:] == ["-m", "zeroshard.cli.train"]
+    with pytest.raises(LaunchError, match="--node_rank"):
+        single_node(LaunchOptions("t.py", nnodes=2), nproc=1)
+
+
+def test_multi_node_static_and_elastic_rendezvous():
+    resources = {"worker-0": [0, 1], "worker-1": [1, 3]}
+    static = multi_node(LaunchOptions("train.py", ["--x"]), resources, {"NCCL_DEBUG": "INFO"})
+    assert [n.node_rank for n in static] == [0, 1] and all(n.remote for n in static)
+    argv = static[1].argv
+    assert argv[argv.index("--node_rank") + 1] == "1" and argv[argv.index("--master_addr") + 1] == "worker-0"
+    assert static[1].env == {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "1,3"}
+    assert "CUDA_VISIBLE_DEVICES" not in static[0].env
+    command = static[1].full_argv("/work dir")
+    assert command[:3] == ["ssh", "-o", "BatchMode=yes"] and command[3] == "worker-1"
+    assert command[4].startswith("cd '/work dir' && env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ")
+    elastic = multi_node(LaunchOptions("train.py", max_restarts=3, master_port=7000), resources, {})
+    argv = elastic[0].argv
+    assert "--node_rank" not in argv and argv[argv.index("--rdzv_endpoint") + 1] == "worker-0:7000"
+    assert argv[argv.index("--max_restarts") + 1] == "3"
+
+
+def test_exported_environment_reads_env_files(tmp_path):
+    (tmp_path / ".deepspeed_env").write_text("# comment\nFOO=bar\nNCCL_IB_DISABLE=1\n")
+    env = exported_environment(
+        {"NCCL_DEBUG": "WARN", "HOME": "/root", "PYTHONPATH": "/x"}, str(tmp_path), "/nonexistent"
+    )
+    assert env == {"NCCL_DEBUG": "WARN", "PYTHONPATH": "/x", "FOO": "bar", "NCCL_IB_DISABLE": "1"}
+    (tmp_path / ".zeroshard_env").write_text("oops\n")
+    with pytest.raises(LaunchError, match="line 1: expected KEY=VALUE"):
+        exported_environment({}, str(tmp_path), "/nonexistent")
+
+
+def test_thread_env_splits_the_cores():
+    assert thread_env(1, {}) == {} and thread_env(2, {"OMP_NUM_THREADS": "3"}) == {}
+    assert int(thread_env(2, {})["OMP_NUM_THREADS"]) >= 1
+
+
+def test_dry_run_prints_one_command_per_node(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(HOSTFILE)
+    code = main(
+        ["launch", "--hostfile", str(hostfile), "--exclude", "worker-0:3", "--dry-run", "train.py", "--lr", "1e-4"]
+    )
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# node 0: worker-0, 3 process(es)" and lines[2] == "# node 1: worker-1, 2 process(es)"
+    node1 = shlex.split(lines[3])
+    assert node1[:4] == ["ssh", "-o", "BatchMode=yes", "worker-1"]
+    remote = shlex.split(node1[4])
+    assert remote[remote.index("--nnodes") + 1] == "2" and remote[remote.index("--node_rank") + 1] == "1"
+    assert remote[-3:] == ["train.py", "--lr", "1e-4"]
+
+
+def test_dry_run_single_node_and_module(capsys):
+    assert (
+        main(["launch", "--nproc_per_node", "2", "--dry-run", "-m", "zeroshard.cli.train", "--model", "tiny-llama"])
+        == 0
+    )
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[argv.index("--nproc_per_node") + 1] == "2" and argv[-4:] == [
+        "-m",
+        "zeroshard.cli.train",
+        "--model",
+        "tiny-llama",
+    ]
+
+
+def test_launch_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "hosts"
+    bad.write_text("worker-0 slots=2\nworker-1\n")
+    assert main(["launch", "--hostfile", str(bad), "--dry-run", "train.py"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"hostfile {bad} line 2: expected 'HOST slots=N', got 'worker-1'")
+    assert "Traceback" not in err
