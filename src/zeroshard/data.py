@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 
 def build_dataloader(
@@ -18,11 +18,24 @@ def build_dataloader(
     seed: int = 0,
 ) -> DataLoader[Any]:
     """Each rank reads its own 1/world_size of every epoch, `micro_batch_size` samples at a time
-    (DistributedSampler with shuffling, as DeepSpeed's dataloader does)."""
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    (a shuffling DistributedSampler, as DeepSpeed's dataloader has). The sampler's position is saved in
+    checkpoints, and the loader draws from its own generator, not the global torch RNG, so a resumed run
+    continues with the same batches and the same dropout as an uninterrupted one."""
+    import torch
+
+    from zeroshard.checkpoint.sampler import ResumableDistributedSampler
+
+    sampler = ResumableDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
     )
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000) -> bytes:

@@ -111,7 +111,9 @@ def _build(
     )
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta:
-        raise ConfigError("the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3")
+        raise ConfigError(
+            "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3"
+        )
     if not meta:
         model.to(topology.device)
         _broadcast_module_state(model, comm)
@@ -119,7 +121,11 @@ def _build(
         for sub in model.modules():
             for name, buf in sub.named_buffers(recurse=False):
                 if buf is not None and buf.device != topology.device:
-                    setattr(sub, name, torch.zeros_like(buf, device=topology.device) if buf.is_meta else buf.to(topology.device))
+                    setattr(
+                        sub,
+                        name,
+                        torch.zeros_like(buf, device=topology.device) if buf.is_meta else buf.to(topology.device),
+                    )
     precision = PrecisionPolicy.from_config(cfg)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
@@ -170,7 +176,7 @@ def _check_offload(cfg: ZeroshardConfig, stage: int) -> None:
     if ratio != 1.0:
         raise ConfigError(
             f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) is not supported; "
-            "use 1.0 (offload all optimizer state) or device \"none\""
+            'use 1.0 (offload all optimizer state) or device "none"'
         )
     for key, device in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", param_device)):
         if str(device) == "nvme":
@@ -178,9 +184,7 @@ def _check_offload(cfg: ZeroshardConfig, stage: int) -> None:
 
 
 def _check_nvme(cfg: ZeroshardConfig, key: str) -> None:
-    raise ConfigError(
-        f'zero_optimization.{key}.device: "nvme" is not available yet in this build; use "cpu" or "none"'
-    )
+    raise ConfigError(f'zero_optimization.{key}.device: "nvme" is not available yet in this build; use "cpu" or "none"')
 
 
 def _make_strategy(
@@ -200,11 +204,11 @@ def _make_strategy(
         base=base,
         prefetch=PrefetchPolicy(
             bucket_numel=int(z.stage3_prefetch_bucket_size),
-            max_live_numel=int(z.stage3_max_live_parameters),
+            max_live_numel=int(z.stage3_max_live_parameters or 0),
             max_reuse_distance=int(z.stage3_max_reuse_distance),
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
-        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps),
+        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
         sub_group_numel=max(int(z.sub_group_size), 1),
         master_tier=base.master_tier,
         param_tier=tier_for(str(z.offload_param.device), topology.device, bool(z.offload_param.pin_memory)),

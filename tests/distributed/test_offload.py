@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from test_parity import _check
+
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, engine_run
-from test_parity import _check
 
 CASES = [
     Case(stage=1, offload="cpu"),
@@ -49,8 +50,9 @@ def _offload_states_round_trip(rank: int, world_size: int):
         for offload_between in (False, True):
             case = Case(stage=stage, steps=4)
             model = build_model(case)
-            engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case),
-                                                   config=ds_config(case))
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+            )
             losses, freed, refused = [], None, False
             for step, batch in enumerate(global_batches(case, world_size)):
                 x, y = micro_batch(batch, 0, rank, world_size, case.micro)

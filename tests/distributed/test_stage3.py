@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from helpers.harness import run_on_ranks
-from helpers.parity import Case, engine_run
 from test_parity import _check
 
-CASES_2 = [
-    Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 3)
-] + [
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, engine_run
+
+CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 3)] + [
     Case(stage=3, persistence=10**6),  # everything persistent (stage-2-like)
     Case(stage=3, persistence=2000),  # mixed: small parameters persistent, matrices sharded
     Case(stage=3, reuse=10**9, prefetch=10**9),  # DeepSpeed's defaults: keep and prefetch everything

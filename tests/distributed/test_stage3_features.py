@@ -17,7 +17,9 @@ def _memory_and_comm(rank: int, world_size: int):
 
     case = Case(stage=3, dtype="bf16", steps=3, prefetch=6000)
     model = build_model(case)
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+    )
     per_step = []
     for batch in global_batches(case, world_size):
         before = engine.comm_stats.snapshot()
@@ -102,18 +104,29 @@ def test_stage3_state_dict_gathered_parameters_and_save(tmp_path):
 
 
 def _tiny_llama_lora(rank: int, world_size: int, out_dir: str):
-    import zeroshard
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import zeroshard
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(rank)
     losses = []
@@ -142,7 +155,9 @@ def test_stage3_peft_lora(tmp_path):
     saved = load_file(str(tmp_path / "adapter.safetensors"))
     assert len(saved) == len(gathered) == 8  # q_proj, v_proj x lora_A, lora_B x 2 layers
     for name, tensor in saved.items():
-        match = [v for n, v in gathered.items() if n.replace(".default", "").endswith(name.split("base_model.model.")[-1])]
+        match = [
+            v for n, v in gathered.items() if n.replace(".default", "").endswith(name.split("base_model.model.")[-1])
+        ]
         assert match and torch.equal(match[0], tensor), name
     assert any(float(t.abs().sum()) > 0 for n, t in saved.items() if "lora_B" in n), "lora_B never trained"
 
@@ -152,7 +167,6 @@ def _diverge(rank: int, world_size: int):
     import time
 
     import zeroshard
-
     from helpers.parity import TINY, VariantGPT
 
     case = Case(stage=3, steps=2)
@@ -200,9 +214,16 @@ def _sharded_construction(rank: int, world_size: int):
     from zeroshard.models.gpt import GPT, GPTConfig
 
     init_distributed()
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 10**6}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 10**6,
+        },
+    }
 
     def build_and_step(cfg: GPTConfig) -> tuple[bool, int]:
         torch.manual_seed(0)
@@ -232,7 +253,9 @@ def test_sharded_construction_stays_below_full_model_size(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     for growth, full_bytes, finite in run_on_ranks(_sharded_construction, 4, timeout=300):
         assert finite
-        assert growth < full_bytes, f"peak RSS grew by {growth / 2**20:.0f} MiB; the full model is {full_bytes / 2**20:.0f} MiB"
+        assert growth < full_bytes, (
+            f"peak RSS grew by {growth / 2**20:.0f} MiB; the full model is {full_bytes / 2**20:.0f} MiB"
+        )
 
 
 def _consolidated(rank: int, world_size: int):
@@ -242,14 +265,18 @@ def _consolidated(rank: int, world_size: int):
     for stage in (1, 3):
         case = Case(stage=stage, dtype="bf16", steps=2)
         model = build_model(case)
-        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
         for batch in global_batches(case, world_size):
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.backward(engine(x, y))
             engine.step()
         full = engine.consolidated_state_dict()
         compute = engine.module.state_dict()
-        out[stage] = {k: (v.dtype, tuple(v.shape), float((v - compute[k].float()).abs().max())) for k, v in full.items()}
+        out[stage] = {
+            k: (v.dtype, tuple(v.shape), float((v - compute[k].float()).abs().max())) for k, v in full.items()
+        }
         engine.destroy()
     return out
 

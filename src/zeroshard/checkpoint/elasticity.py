@@ -224,9 +224,10 @@ def elastic_batch_sizes(elasticity: Any, world_size: int) -> ElasticBatch:
 
     Example:
         >>> block = {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 3], "version": 0.1}
-        >>> elastic_batch_sizes(block, 2), elastic_batch_sizes(block, 4).gradient_accumulation_steps
-        (ElasticBatch(train_batch_size=24, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=4, valid_gpus=(1, 2, 3, 4, 6, 8, 12)), 1)
-    """  # noqa: E501
+        >>> [(b.train_micro_batch_size_per_gpu, b.gradient_accumulation_steps) for b in
+        ...  (elastic_batch_sizes(block, n) for n in (1, 2, 4))]
+        [(3, 8), (3, 4), (3, 2)]
+    """
     block = dict(elasticity) if isinstance(elasticity, Mapping) else vars(elasticity)
     result = compute_elastic_config({"elasticity": {**block, "enabled": True}}, world_size=world_size)
     batch, gpus, micro = result  # type: ignore[misc]

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -256,10 +257,21 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Register `convert` on the `zeroshard` command's sub-parsers (the cli modules' `add_parser` shape)."""
+    parser = sub.add_parser(
+        "convert", parents=parents, help="consolidate a checkpoint into safetensors shards and an index"
+    )
+    add_convert_arguments(parser).set_defaults(run=run_convert)
+
+
 def convert_main(argv: Sequence[str] | None = None) -> int:
-    """`zeroshard convert`: returns the exit status."""
+    """`python -m zeroshard.checkpoint.export CHECKPOINT OUT ...`: returns the exit status."""
     parser = add_convert_arguments(argparse.ArgumentParser(prog="zeroshard convert", description=__doc__))
-    args = parser.parse_args(argv)
+    return run_convert(parser.parse_args(argv))
+
+
+def run_convert(args: argparse.Namespace) -> int:
     files = convert_zero_checkpoint_to_state_dict(
         args.checkpoint,
         args.output,

@@ -34,9 +34,9 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
 from zeroshard.checkpoint.safetensors_io import dtype_from_name
-from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state
+from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state, full_shapes
 from zeroshard.checkpoint.state import ModelPiece, ShardedState
-from zeroshard.checkpoint.sync import RankSync, entry_timeout, write_timeout
+from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -85,8 +85,10 @@ def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: 
                 missing.append(name)
             continue
         saved = meta.tensors[ckpt].shape
-        if tuple(tensor.shape) != saved:
-            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the model, {saved} in the checkpoint")
+        info = catalog.infos.get(name)
+        shape = tuple(info.shape) if info is not None else tuple(tensor.shape)  # stage 3: full, not the placeholder
+        if shape != tuple(saved):
+            raise CheckpointError(f"{name}: shape {shape} in the model, {saved} in the checkpoint")
         mapping[name] = ckpt
     unexpected = sorted(set(meta.tensors) - set(mapping.values()))
     if missing or unexpected:
@@ -99,10 +101,11 @@ def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: 
 
 def load_module_weights(
     reader: CheckpointReader, catalog: ModuleCatalog, state: ShardedState | None, strict: bool
-) -> None:
+) -> dict[str, str]:
+    """Fill the module's tensors (this rank's ranges of sharded ones); returns engine -> checkpoint names."""
     mapping = check_module_keys(reader.metadata, catalog, strict)
     targets = state.model_targets_to_load() if state is not None else []
-    sharded = {t.name for t in targets}
+    sharded = set(state.sharded_params().values()) if state is not None else set()
     for name, tensor in catalog.tensors.items():
         if name not in sharded:
             targets.append(ModelPiece(name, 0, tensor.numel(), tensor.detach()))
@@ -117,6 +120,7 @@ def load_module_weights(
                 flat = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
                 reader.read_range(MODEL, mapping[target.name], target.begin, target.end, flat)
                 out.copy_(flat.view(out.shape))
+    return mapping
 
 
 # -- optimizer ---------------------------------------------------------------------------------------------
@@ -142,11 +146,12 @@ def load_optimizer_state(
     pieces = state.optim_pieces()
     elementwise: dict[int, dict[str, torch.Tensor]] = {}
     ckpt_group: dict[int, int] = {}
+    state.refresh_master_from_params()  # pieces the checkpoint lacks (non-strict loads) keep the module's values
     with torch.no_grad():
         for p in pieces:
             name = mapping.get(p.name)
             if name is None or not reader.has(OPTIM, name):
-                raise CheckpointError(f"{reader.tag_dir}: no optimizer state for parameter {p.name!r}")
+                continue  # its optimizer state starts from zeros
             ckpt_group.setdefault(p.group, group_of_name.get(name, p.group))
             if load_master:
                 reader.read_range(OPTIM, name, p.begin, p.end, p.view(p.param), state=MASTER)
@@ -218,13 +223,15 @@ def _restore_training_state(
 ) -> None:
     meta = reader.metadata
     rank = engine.topology.rank
-    gas_changed = adapt_batch(engine, meta)
+    adapt_batch(engine, meta)
     counters = meta.counters
     engine.global_steps = int(counters["global_steps"])
     engine.global_samples = int(counters["global_samples"])
     engine.skipped_steps = int(counters["skipped_steps"])
     gas = int(engine.config.gradient_accumulation_steps)
-    engine.micro_steps = engine.global_steps * gas if gas_changed else int(counters["micro_steps"])
+    same_windows = gas == int(meta.batch["gradient_accumulation_steps"])
+    # Another accumulation count: micro-steps restart on the boundary after the last optimizer step.
+    engine.micro_steps = int(counters["micro_steps"]) if same_windows else engine.global_steps * gas
     if load_lr_scheduler_states and engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
     sampler: Any = getattr(engine.training_dataloader, "sampler", None)
@@ -249,8 +256,10 @@ def _load_into(
     """Restore this rank's state; returns (client_state, whether parameters must be re-published)."""
     meta = reader.metadata
     state = engine_state(engine)
-    catalog = catalog_module(engine.module, state.sharded_params() if state is not None else {})
-    load_module_weights(reader, catalog, state, strict)
+    catalog = catalog_module(
+        engine.module, state.sharded_params() if state is not None else {}, shapes=full_shapes(state)
+    )
+    mapping = load_module_weights(reader, catalog, state, strict)
     blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
     master_loaded = False
     if not load_module_only:
@@ -260,7 +269,6 @@ def _load_into(
                 log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
             else:
                 from_fp32 = bool(engine.config.zero_optimization.load_from_fp32_weights)
-                mapping = check_module_keys(meta, catalog, strict=False)
                 load_optimizer_state(reader, engine.optimizer, state, mapping, load_master=from_fp32)
                 master_loaded = from_fp32
                 if engine.loss_scaler is not None and blob["loss_scaler"] is not None:
@@ -313,11 +321,10 @@ def load_checkpoint(
             )
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
-    status = {"error": None if local_error is None else f"rank {rank}: {local_error}"}
+    status = {"error": None if local_error is None else str(local_error)}
     statuses = sync.all_gather("loaded", status, write_timeout())
-    failed = [s["error"] for s in statuses if s["error"]]
-    if failed:
-        raise CheckpointError("load_checkpoint failed: " + "; ".join(failed)) from local_error
+    if any(s["error"] for s in statuses):
+        raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).
     if engine.zero is not None:
         if publish:

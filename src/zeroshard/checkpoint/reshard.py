@@ -75,7 +75,9 @@ class CheckpointReader:
                 f"{self.tag_dir}: elements [{begin}, {end}) of {name!r} are not all in the checkpoint's pieces"
             )
 
-    def read_tensor(self, store: str, name: str, dtype: torch.dtype | None = None, state: str | None = None):
+    def read_tensor(
+        self, store: str, name: str, dtype: torch.dtype | None = None, state: str | None = None
+    ) -> torch.Tensor:
         """The whole tensor `name` in its stored shape (and `dtype`, default: as stored)."""
         info = self.metadata.tensors[name]
         out = torch.empty(info.numel, dtype=dtype or self.stored_dtype(store, name, state))

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
 from zeroshard.checkpoint.state import FlatZeroState, ModelPiece, OptimPiece, ShardedState
-from zeroshard.checkpoint.sync import RankSync, entry_timeout, write_timeout
+from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.optimizer import ZeroOptimizer
 
@@ -63,8 +63,15 @@ class ModuleCatalog:
     excluded: list[str] = field(default_factory=list)
 
 
-def catalog_module(module: torch.nn.Module, sharded: dict[int, str], exclude_frozen: bool = False) -> ModuleCatalog:
-    """Canonical name per distinct tensor (the strategy's name for sharded parameters, else the first key)."""
+def catalog_module(
+    module: torch.nn.Module,
+    sharded: dict[int, str],
+    exclude_frozen: bool = False,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> ModuleCatalog:
+    """Canonical name per distinct tensor (the strategy's name for sharded parameters, else the first key).
+    `shapes` gives the full shape of parameters whose module tensor is a placeholder (stage 3)."""
+    shapes = shapes or {}
     catalog = ModuleCatalog({}, {})
     param_ids = {id(p) for p in module.parameters()}
     canonical_of: dict[int, str] = {}
@@ -84,7 +91,7 @@ def catalog_module(module: torch.nn.Module, sharded: dict[int, str], exclude_fro
             continue
         catalog.tensors[name] = tensor
         catalog.infos[name] = TensorInfo(
-            tuple(tensor.shape),
+            shapes.get(ident, tuple(tensor.shape)),
             dtype_name(tensor.dtype),
             "param" if is_param else "buffer",
             ident in sharded,
@@ -92,6 +99,12 @@ def catalog_module(module: torch.nn.Module, sharded: dict[int, str], exclude_fro
         )
     catalog.aliases = {a: c for a, c in catalog.aliases.items() if c not in catalog.excluded}
     return catalog
+
+
+def full_shapes(state: ShardedState | None) -> dict[int, tuple[int, ...]]:
+    """Full shapes of sharded parameters, for strategies whose module tensors are placeholders."""
+    provider = getattr(state, "full_shapes", None)
+    return provider() if provider is not None else {}
 
 
 def engine_state(engine: CheckpointableEngine) -> ShardedState | None:
@@ -385,29 +398,31 @@ def save_checkpoint(
         log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
 
     state = engine_state(engine)
-    catalog = catalog_module(engine.module, state.sharded_params() if state else {}, exclude_frozen_parameters)
+    catalog = catalog_module(
+        engine.module, state.sharded_params() if state else {}, exclude_frozen_parameters, full_shapes(state)
+    )
     payload: dict[str, Any] = {"error": None, "manifest": None}
     optim_info = None
     try:
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
-        manifest = write_rank_files(engine, tmp_dir, catalog, state, dict(client_state or {}))
+        with torch.profiler.record_function("zeroshard.save_checkpoint"):
+            manifest = write_rank_files(engine, tmp_dir, catalog, state, dict(client_state or {}))
         if rank == 0 and state is not None and engine.optimizer is not None:
             optim_info = optimizer_info(engine.optimizer)
-        payload["manifest"] = manifest.__dict__
+        payload["manifest"] = asdict(manifest)
         fault_point("after_rank_files", rank)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+        payload["error"] = f"{type(e).__name__}: {e}"
         local_error: Exception | None = e
     else:
         local_error = None
     manifests = sync.gather("written", payload, write_timeout())
     outcome: dict[str, Any] = {"error": None}
     if manifests is not None:  # rank 0
-        errors = [m["error"] for m in manifests if m["error"]]
         try:
-            if errors:
-                raise CheckpointError("; ".join(errors))
+            if any(m["error"] for m in manifests):
+                raise CheckpointError(describe_errors(manifests))
             meta = build_metadata(engine, tag, catalog, optim_info, [m["manifest"] for m in manifests])
             final = _commit(root, tmp_dir, tag, nonce, meta, save_latest)
             log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")

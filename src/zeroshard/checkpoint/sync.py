@@ -8,7 +8,7 @@ those that did not. The store also carries small JSON payloads (tags, per-rank m
 failure on one rank (a full disk, a corrupted file it alone reads) is reported on every rank instead of
 leaving the others waiting in the next training collective.
 
-The n-th checkpoint call of a rank uses keys under `zeroshard/checkpoint/<n>/`, with n counted per
+The n-th checkpoint call of a rank uses keys under `zeroshard/checkpoint/<n>/<op>/`, with n counted per
 rank in the store itself: ranks make their calls in the same order, so their n agree, and several
 engines in one process never reuse a key.
 """
@@ -60,7 +60,7 @@ class RankSync:
         self.prefix = ""
         if self.store is not None and world_size > 1:
             call = self.store.add(f"zeroshard/checkpoint/calls/{rank}", 1)
-            self.prefix = f"zeroshard/checkpoint/{call}"
+            self.prefix = f"zeroshard/checkpoint/{call}/{op}"
 
     def _key(self, phase: str, rank: int) -> str:
         return f"{self.prefix}/{phase}/{rank}"
@@ -115,3 +115,15 @@ class RankSync:
             return payload
         self._wait(phase, [0], timeout)
         return self._get(phase, 0)
+
+
+def describe_errors(payloads: list[dict[str, Any]]) -> str:
+    """`ranks [0, 1]: <message>; rank 3: <other message>` from per-rank payloads with an "error" entry."""
+    by_message: dict[str, list[int]] = {}
+    for rank, payload in enumerate(payloads):
+        if payload.get("error"):
+            by_message.setdefault(payload["error"], []).append(rank)
+    return "; ".join(
+        f"{'rank ' + str(ranks[0]) if len(ranks) == 1 else f'ranks {ranks}'}: {message}"
+        for message, ranks in by_message.items()
+    )

@@ -181,7 +181,8 @@ class Collectives:
             return
         labels = self._exchange_labels(label, tensor.device)
         described = "; ".join(
-            f"rank {r}: #{row[0]} {list(CollectiveKind)[row[1]].value} numel={row[2]}" + (f" ({labels[r]})" if labels[r] else "")
+            f"rank {r}: #{row[0]} {list(CollectiveKind)[row[1]].value} numel={row[2]}"
+            + (f" ({labels[r]})" if labels[r] else "")
             for r, row in enumerate(rows)
         )
         raise CollectiveMismatchError(

@@ -27,7 +27,9 @@ class StateOffloader:
     def host_bytes(self) -> int:
         return sum(h.numel() * h.element_size() for _, h in self._held)
 
-    def offload(self, tensors: Iterable[torch.Tensor], device: torch.device, pin_memory: bool, non_blocking: bool) -> None:
+    def offload(
+        self, tensors: Iterable[torch.Tensor], device: torch.device, pin_memory: bool, non_blocking: bool
+    ) -> None:
         if self._held:
             raise ZeroshardError("offload_states() called twice; call reload_states() first")
         seen: set[int] = set()

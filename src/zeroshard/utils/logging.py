@@ -13,8 +13,9 @@ class _RankFilter(logging.Filter):
     """Tags records with the rank; config messages (identical on every rank) are kept on rank 0 only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = _current_rank()
-        return not (record.name.startswith("zeroshard.config") and record.rank != 0)
+        rank = _current_rank()
+        record.rank = rank  # type: ignore[attr-defined]
+        return not (record.name.startswith("zeroshard.config") and rank != 0)
 
 
 def _current_rank() -> int:

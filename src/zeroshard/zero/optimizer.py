@@ -61,7 +61,9 @@ class ParamGroupSpec:
 def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
 
 
 class ZeroOptimizer:
@@ -141,7 +143,8 @@ class ZeroOptimizer:
         """Use `optimizer` (built over `master_param_groups()` or re-pointed at them) for the step."""
         self.optimizer = optimizer
         self._master_grads = [
-            b.grad_shard if b.grad_shard.dtype == torch.float32 and b.grad_shard.device == b.master.device
+            b.grad_shard
+            if b.grad_shard.dtype == torch.float32 and b.grad_shard.device == b.master.device
             else torch.zeros_like(b.master)
             for b in self.buffers
         ]
@@ -276,7 +279,9 @@ class ZeroOptimizer:
             for per_param in self.optimizer.state.values():
                 state += sum(nbytes(v) for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
-        copies = sum(0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True))
+        copies = sum(
+            0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True)
+        )
         offloaded = self.policy.master_tier is not None and self.policy.master_tier.offloaded
         return {
             "params_trainable": sum(nbytes(b.param_flat) for b in self.buffers),

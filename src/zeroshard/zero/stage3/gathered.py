@@ -33,7 +33,7 @@ class _Owners:
         for p in params:
             self._by_param.pop(id(p), None)
 
-    def strategy_of(self, param: nn.Parameter) -> Stage3Optimizer | None:
+    def strategy_of(self, param: torch.Tensor) -> Stage3Optimizer | None:
         entry = self._by_param.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
@@ -55,7 +55,9 @@ class GatheredParameters:
         ...         model.lm_head.weight.zero_()
     """
 
-    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True):
+    def __init__(
+        self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True
+    ):
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
@@ -64,7 +66,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        by_strategy: dict[int, tuple[Stage3Optimizer, list[nn.Parameter]]] = {}
+        by_strategy: dict[int, tuple[Stage3Optimizer, list[torch.Tensor]]] = {}
         for p in self.params:
             strategy = OWNERS.strategy_of(p)
             if strategy is not None:

@@ -62,7 +62,9 @@ class Stage3Hooks:
             for index, param in enumerate(unit.params):
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad(unit, index)))
-        self.handles.append(self.root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: s.gather_all()))
+        self.handles.append(
+            self.root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: s.on_state_dict_pre(keep_vars))
+        )
         self.handles.append(self.root.register_state_dict_post_hook(lambda m, sd, prefix, meta: s.detach_state(sd)))
 
     def _pre_forward(self, unit: ShardedUnit) -> Any:

@@ -17,7 +17,8 @@ def zero_init() -> Iterator[None]:
     Example:
         >>> with zeroshard.zero_init():  # doctest: +SKIP
         ...     model = MyModel(config)
-        >>> engine, *_ = zeroshard.initialize(model=model, config={..., "zero_optimization": {"stage": 3}})  # doctest: +SKIP
+        >>> cfg = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+        >>> engine, *_ = zeroshard.initialize(model=model, config=cfg)  # doctest: +SKIP
     """
     with torch.device("meta"):
         yield

@@ -24,11 +24,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm.collectives import Collectives, Handle
-from zeroshard.errors import CollectiveMismatchError, ZeroshardError
+from zeroshard.errors import CollectiveMismatchError
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool
 from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy, _optimizer_state_tensors
+from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.gathered import OWNERS
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitPolicy, layout_unit, plan_units
@@ -81,7 +82,10 @@ class Stage3Optimizer:
         self.units: list[ShardedUnit] = []
         for index, spec in enumerate(plan_units(module, policy.unit_policy, policy.persistence_threshold)):
             params = [named[n] for n in spec.param_names]
-            rows = [(n, p.numel(), group_of.get(id(p), frozen_group)) for n, p in zip(spec.param_names, params)]
+            rows = [
+                (n, p.numel(), group_of.get(id(p), frozen_group))
+                for n, p in zip(spec.param_names, params, strict=True)
+            ]
             _materialize(modules, spec.param_names, params, device, index)
             unit = ShardedUnit(
                 index,
@@ -104,11 +108,13 @@ class Stage3Optimizer:
         self.optimizer: torch.optim.Optimizer | None = None
         self._pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = self._build_pieces(len(groups))
         self._inflight: list[tuple[Handle, Callable[[], None], str]] = []
+        self._placeholders: list[torch.Tensor] = []
         self._forward_calls: dict[int, int] = {}
         self._in_backward = False
         self._first_window_step = True
         self._gather_log: list[int] = []
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
+        self._state_dict_gathered: list[bool] = []
         self.sync_decider: Callable[[], bool] = lambda: True
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
@@ -135,8 +141,12 @@ class Stage3Optimizer:
 
     def master_param_groups(self) -> list[dict[str, Any]]:
         groups = []
+        self._placeholders = []
         for options, pieces in zip(self.group_options, self._pieces, strict=True):
-            params = [master for _, master, _ in pieces] or [torch.zeros(0, device=self.device)]
+            params = [master for _, master, _ in pieces]
+            if not params:  # this rank owns no element of the group: an empty stand-in keeps the group
+                params = [torch.zeros(0, device=self.device)]
+                self._placeholders.append(params[0])
             groups.append({**options, "params": params})
         return groups
 
@@ -280,8 +290,14 @@ class Stage3Optimizer:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
         with torch.profiler.record_function("zeroshard.optimizer_step"):
+            # empty stand-ins are stepped with the first sub-group so every rank's optimizer counts the same
+            # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
+            for placeholder in self._placeholders:
+                placeholder.grad = torch.zeros_like(placeholder)
             for sub_group in self._sub_groups():
                 self._step_sub_group(sub_group, decided.scale)
+                for placeholder in self._placeholders:
+                    placeholder.grad = None
         with torch.profiler.record_function("zeroshard.all_gather_params"):
             for unit in self.units:
                 if unit.persistent or unit.state is not UnitState.SHARDED:
@@ -318,7 +334,7 @@ class Stage3Optimizer:
                 else:  # another dtype or another tier (offload): a temporary for this sub-group only
                     master.grad = grad.to(device=master.device, dtype=torch.float32).mul_(scale)
                 assigned.append(master)
-        if assigned:
+        if assigned or any(p.grad is not None for p in self._placeholders):
             self.optimizer.step()
         for master in assigned:
             master.grad = None
@@ -362,6 +378,10 @@ class Stage3Optimizer:
                 shape = unit.views[slot.index].shape
                 out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(shape).to(dtype).clone()
         return out
+
+    def checkpoint_state(self) -> Stage3State:
+        """This strategy in the checkpoint format's terms (see zero/stage3/checkpoint.py)."""
+        return Stage3State(self)
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
         """fp32 master shards that are not also the compute shards, and optimizer state."""
@@ -418,11 +438,20 @@ class Stage3Optimizer:
     def gather_all(self) -> None:
         self.pin(self.units)
 
+    def on_state_dict_pre(self, keep_vars: bool) -> None:
+        """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's
+        own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
+        self._state_dict_gathered.append(not keep_vars)
+        if not keep_vars:
+            self.gather_all()
+
     def release_all(self) -> None:
         self.unpin(self.units)
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""
+        if not (self._state_dict_gathered and self._state_dict_gathered.pop()):
+            return
         for key, value in list(state_dict.items()):
             if isinstance(value, torch.Tensor):
                 state_dict[key] = value.detach().clone()
@@ -436,7 +465,7 @@ class Stage3Optimizer:
         finally:
             self.release_all()
 
-    def units_of(self, params: Sequence[nn.Parameter]) -> list[ShardedUnit]:
+    def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
         return [u for u in self.units if any(id(p) in wanted for p in u.params)]
 
@@ -518,8 +547,9 @@ def _materialize(
                 continue  # initialised with an earlier unit that shares this module
             for p in own:  # the whole module, also parameters another unit will shard later
                 _make_real(p, device)
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
             init = getattr(root, "_init_weights", None)
             if callable(init):
                 init(module)

@@ -57,7 +57,9 @@ class ShardedUnit:
         self.full = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
         by_index = {slot.index: slot for slot in layout.slots}
         self._slots = [by_index[i] for i in range(len(params))]  # in parameter order
-        self.views = [self.full.narrow(0, s.offset, s.numel).view(p.shape) for s, p in zip(self._slots, params)]
+        self.views = [
+            self.full.narrow(0, s.offset, s.numel).view(p.shape) for s, p in zip(self._slots, params, strict=True)
+        ]
         lo, hi = layout.owned(shard_rank)
         for view, param in zip(self.views, params, strict=True):
             view.copy_(param.detach())
@@ -67,8 +69,10 @@ class ShardedUnit:
         # on the optimizer tier; they are one tensor when both tiers agree and the compute dtype is fp32
         self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
         self.shard.copy_(self.full[lo:hi])
-        alias = compute_dtype == torch.float32 and master_tier.device == param_tier.device and not (
-            master_tier.offloaded and not param_tier.offloaded
+        alias = (
+            compute_dtype == torch.float32
+            and master_tier.device == param_tier.device
+            and not (master_tier.offloaded and not param_tier.offloaded)
         )
         if alias:
             self.master = self.shard
@@ -146,7 +150,13 @@ class ShardedUnit:
         return len(self.seen) == len(self.trainable)
 
     def launch_reduce(
-        self, comm: Collectives, pool: BufferPool, comm_dtype: torch.dtype, prescale: float, direct: bool, async_op: bool
+        self,
+        comm: Collectives,
+        pool: BufferPool,
+        comm_dtype: torch.dtype,
+        prescale: float,
+        direct: bool,
+        async_op: bool,
     ) -> tuple[Handle, Callable[[], None]]:
         """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating)."""
         staging = self.staging if self.staging is not None else pool.acquire(self.numel, comm_dtype)

@@ -1,0 +1,92 @@
+"""Stage 3 in the checkpoint format's terms (`zeroshard.checkpoint.state.ShardedState`).
+
+Each rank owns a contiguous range of every unit's flat buffer; the pieces of parameters that fall in
+that range are what it saves and loads: compute-dtype values from the unit's shard, fp32 master values
+and elementwise optimizer state from the optimizer's per-(unit, group) master pieces. The files are the
+same as for stages 0-2, so checkpoints move between stage 3 and the others and between world sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from zeroshard.checkpoint.state import ModelPiece, OptimPiece
+from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+
+if TYPE_CHECKING:
+    from zeroshard.zero.stage3.strategy import Stage3Optimizer
+
+
+@dataclass(frozen=True)
+class _Owned:
+    unit: ShardedUnit
+    name: str
+    begin: int  # element range of the flattened parameter
+    end: int
+    shard_offset: int  # where it starts in the unit's shard
+    group: int
+
+
+class Stage3State:
+    def __init__(self, strategy: Stage3Optimizer):
+        self.strategy = strategy
+
+    @property
+    def writes_optim(self) -> bool:
+        return True  # every rank owns distinct ranges
+
+    def _owned(self) -> list[_Owned]:
+        rows = []
+        for unit in self.strategy.units:
+            lo, hi = unit.layout.owned(self.strategy.shard_rank)
+            for slot in unit.layout.slots:
+                b, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if b < e:
+                    rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, b - lo, slot.group))
+        return rows
+
+    def sharded_params(self) -> dict[int, str]:
+        return {id(u.params[s.index]): s.name for u in self.strategy.units for s in u.layout.slots}
+
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {
+            id(u.params[s.index]): tuple(u.views[s.index].shape) for u in self.strategy.units for s in u.layout.slots
+        }
+
+    def model_pieces_to_save(self) -> list[ModelPiece]:
+        return [
+            ModelPiece(o.name, o.begin, o.end, o.unit.shard.narrow(0, o.shard_offset, o.end - o.begin))
+            for o in self._owned()
+        ]
+
+    def model_targets_to_load(self) -> list[ModelPiece]:
+        return self.model_pieces_to_save()
+
+    def optim_pieces(self) -> list[OptimPiece]:
+        starts = {}  # (unit, group) -> (optimizer tensor, its offset in the unit's shard)
+        for group, pieces in enumerate(self.strategy._pieces):
+            for unit, master, _ in pieces:
+                offset = int(master.storage_offset() - unit.master.storage_offset())
+                starts[(unit.index, group)] = (master, offset)
+        out = []
+        for o in self._owned():
+            key = (o.unit.index, o.group)
+            if key not in starts:  # frozen parameters have no optimizer piece
+                continue
+            master, piece_start = starts[key]
+            out.append(OptimPiece(o.name, o.begin, o.end, master, o.shard_offset - piece_start, o.group))
+        return out
+
+    def refresh_master_from_params(self) -> None:
+        for unit in self.strategy.units:
+            if unit.master is not unit.shard:
+                unit.master.copy_(unit.shard)
+
+    def publish_params(self) -> None:
+        """Compute shards := masters, and gathered units (the persistent one) re-gathered (collective)."""
+        for unit in self.strategy.units:
+            unit.publish()
+        for unit in self.strategy.units:
+            if unit.persistent or unit.state is not UnitState.SHARDED:
+                self.strategy._refresh_gathered(unit)

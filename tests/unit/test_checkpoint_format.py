@@ -1,0 +1,164 @@
+"""Checkpoint building blocks without a process group: safetensors I/O, metadata, sampler, export planning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zeroshard.checkpoint import CheckpointError, ResumableDistributedSampler
+from zeroshard.checkpoint import safetensors_io as stio
+from zeroshard.checkpoint.export import parse_size, plan_shards
+from zeroshard.checkpoint.format import CheckpointMetadata, OptimizerInfo, PieceRef, TensorInfo
+from zeroshard.checkpoint.reshard import CheckpointReader
+from zeroshard.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter, TensorSpec
+
+
+def _write(path: str, tensors: dict[str, torch.Tensor], chunk: int | None = None) -> int:
+    writer = SafetensorsWriter(path, [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    for t in tensors.values():
+        flat = t.reshape(-1)
+        step = chunk or max(flat.numel(), 1)
+        for i in range(0, flat.numel(), step):
+            writer.write(flat[i : i + step])
+    return writer.close()
+
+
+TENSORS = {
+    "a": torch.randn(3, 5),
+    "b": torch.randn(7).to(torch.bfloat16),
+    "step": torch.tensor(4.0),
+    "empty": torch.zeros(0, 3),
+    "ids": torch.arange(10, dtype=torch.int64),
+}
+
+
+def test_roundtrip_chunks_and_safetensors_compatibility(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "x.safetensors")
+    _write(path, TENSORS, chunk=4)
+    with SafetensorsReader(path) as reader:
+        for name, t in TENSORS.items():
+            assert torch.equal(reader.read(name), t), name
+    with safe_open(path, "pt") as f:  # the reference library reads our files
+        for name, t in TENSORS.items():
+            assert torch.equal(f.get_tensor(name), t)
+    theirs = str(tmp_path / "theirs.safetensors")
+    save_file({k: v.contiguous() for k, v in TENSORS.items()}, theirs)
+    with SafetensorsReader(theirs) as reader:  # and we read theirs (no CRCs there)
+        assert torch.equal(reader.read("b"), TENSORS["b"])
+
+
+def test_partial_read_converts_dtype_and_checks_crc(tmp_path, monkeypatch):
+    monkeypatch.setattr(stio, "CHUNK_BYTES", 8)  # several chunks per tensor
+    path = str(tmp_path / "x.safetensors")
+    values = torch.randn(37)
+    _write(path, {"v": values})
+    out = torch.empty(20, dtype=torch.float64)
+    with SafetensorsReader(path) as reader:
+        reader.read_range("v", 9, 29, out)
+        assert torch.equal(out, values[9:29].double())
+        assert torch.equal(torch.cat(list(c.clone() for c in reader.stream("v"))), values)
+
+
+def test_corruption_and_truncation_name_the_file(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    size = _write(path, {"v": torch.randn(64)})
+    with open(path, "r+b") as f:  # flip one data byte
+        f.seek(size - 10)
+        byte = f.read(1)
+        f.seek(size - 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with SafetensorsReader(path) as reader, pytest.raises(CheckpointError, match="x.safetensors.*checksum mismatch"):
+        reader.read("v")
+    os.truncate(path, size - 100)
+    with pytest.raises(CheckpointError, match="x.safetensors.*truncated"):
+        SafetensorsReader(path)
+    with pytest.raises(CheckpointError, match="x.safetensors.*metadata says"):
+        SafetensorsReader(path, expected_size=size)
+
+
+def _metadata(pieces: dict[str, list[PieceRef]]) -> CheckpointMetadata:
+    return CheckpointMetadata(
+        tag="t",
+        world_size=2,
+        zero_stage=2,
+        compute_dtype="bfloat16",
+        library_version="0",
+        torch_version="0",
+        batch={"train_batch_size": 8},
+        counters={"global_steps": 1},
+        tensors={"w": TensorInfo((2, 5), "float32", "param", True, True)},
+        aliases={"w2": "w"},
+        excluded=[],
+        model_pieces=pieces,
+        optim_pieces={},
+        optimizer=OptimizerInfo("AdamW", {"exp_avg": "float32"}, [{"options": {"lr": 0.1}, "params": ["w"]}]),
+        files={f: {"bytes": 0} for f in {p.file for refs in pieces.values() for p in refs}},
+    )
+
+
+def test_metadata_json_roundtrip_and_version_check():
+    meta = _metadata({"w": [PieceRef("model/rank00001.safetensors", 4, 10), PieceRef("m0", 0, 4)]})
+    again = CheckpointMetadata.from_json(meta.to_json(), "metadata.json")
+    assert again == meta
+    newer = meta.to_json().replace('"format_version": 1', '"format_version": 99')
+    with pytest.raises(CheckpointError, match="newer"):
+        CheckpointMetadata.from_json(newer, "metadata.json")
+    with pytest.raises(CheckpointError, match="metadata.json: not valid JSON"):
+        CheckpointMetadata.from_json(meta.to_json()[:50], "metadata.json")
+
+
+def test_reader_assembles_ranges_across_pieces(tmp_path):
+    """The resharding primitive: a range spanning pieces of two files (stored in bf16, read as fp32)."""
+    values = torch.randn(10).to(torch.bfloat16)
+    os.makedirs(tmp_path / "model")
+    files = {}
+    for rel, (b, e) in {"model/r0.safetensors": (0, 4), "model/r1.safetensors": (4, 10)}.items():
+        size = _write(str(tmp_path / rel), {f"w[{b}:{e}]": values[b:e]})
+        files[rel] = {"bytes": size}
+    meta = _metadata({"w": [PieceRef("model/r1.safetensors", 4, 10), PieceRef("model/r0.safetensors", 0, 4)]})
+    meta.files = files
+    with CheckpointReader(str(tmp_path), meta) as reader:
+        out = torch.empty(6)
+        reader.read_range("model", "w", 2, 8, out)
+        assert torch.equal(out, values[2:8].float())
+        assert torch.equal(reader.read_tensor("model", "w"), values.view(2, 5))
+
+
+def test_sampler_resumes_at_any_world_size():
+    """After c global samples on N ranks, M ranks draw exactly the rest of the epoch's permutation."""
+    data = range(53)
+
+    def draw(world: int, per_rank: int | None, state=None) -> tuple[list[int], dict]:
+        samplers = [ResumableDistributedSampler(data, num_replicas=world, rank=r, seed=7) for r in range(world)]
+        drawn, iters = [], []
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+            iters.append(iter(s))
+        count = len(samplers[0]) if per_rank is None else per_rank
+        for _ in range(count):
+            drawn.extend(next(it) for it in iters)  # ranks draw in lock step
+        return drawn, samplers[0].state_dict()
+
+    plain = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, seed=7)
+    assert list(ResumableDistributedSampler(data, num_replicas=2, rank=1, seed=7)) == list(plain)
+    whole, _ = draw(1, None)
+    first, state = draw(2, 5)
+    assert state["consumed"] == 10 and first == whole[:10]
+    for world in (1, 2, 4):
+        rest, _ = draw(world, None, state)
+        unseen = whole[10:]  # then, as DistributedSampler does, padding repeats the epoch's first samples
+        assert rest[: len(unseen)] == unseen[: len(rest)] and len(rest) > len(unseen) - world
+
+
+def test_parse_size_and_shard_plan():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(100) == 100
+    with pytest.raises(ValueError):
+        parse_size("5 parsecs")
+    plan = plan_shards([("a", 40), ("b", 40), ("huge", 500), ("c", 30), ("d", 10)], 100)
+    assert plan == [["huge"], ["a", "b"], ["c", "d"]]
