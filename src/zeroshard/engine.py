@@ -43,6 +43,7 @@ class MemoryReport:
     host_master_weights: int = 0  # offload_optimizer: fp32 master weights in host memory
     host_optimizer_state: int = 0  # offload_optimizer: optimizer state in host memory
     host_gradients: int = 0  # offload_optimizer: fp32 gradient copies in host memory
+    nvme_bytes: int = 0  # offload_optimizer nvme: master weights and optimizer state in swap files
 
     @property
     def model_states(self) -> int:
@@ -310,6 +311,7 @@ class Engine(CheckpointMixin, nn.Module):
             host_master_weights=zero_bytes.get("host_master_weights", 0),
             host_optimizer_state=zero_bytes.get("host_optimizer_state", 0),
             host_gradients=zero_bytes.get("host_gradients", 0),
+            nvme_bytes=zero_bytes.get("nvme_bytes", 0),
         )
 
     def _report_progress(self) -> None:

@@ -184,7 +184,43 @@ def _check_offload(cfg: ZeroshardConfig, stage: int) -> None:
 
 
 def _check_nvme(cfg: ZeroshardConfig, key: str) -> None:
-    raise ConfigError(f'zero_optimization.{key}.device: "nvme" is not available yet in this build; use "cpu" or "none"')
+    z = cfg.zero_optimization
+    if key == "offload_param":
+        raise ConfigError(
+            'zero_optimization.offload_param.device: "nvme" (parameters on NVMe) is not available yet; use "cpu" '
+            '(offload_optimizer.device "nvme" is available)'
+        )
+    if int(z.stage) != 3:
+        raise ConfigError(
+            'zero_optimization.offload_optimizer.device: "nvme" needs zero_optimization.stage 3 in this build '
+            '(its sub_group_size bounds what is in memory); use stage 3 or device "cpu"'
+        )
+    if not z.offload_optimizer.nvme_path:
+        raise ConfigError('zero_optimization.offload_optimizer.nvme_path: required when device is "nvme"')
+
+
+def _nvme_store_factory(cfg: ZeroshardConfig, model: nn.Module, world_size: int) -> Callable[[], Any]:
+    """Preflight the path (room for fp32 master + Adam's two moments of this rank's shard, with margin)
+    and build the swapper lazily, in the strategy."""
+    from zeroshard.offload import NvmeSwapper, preflight
+    from zeroshard.offload.nvme_store import NvmeStateStore
+
+    z = cfg.zero_optimization
+    path = str(z.offload_optimizer.nvme_path)
+    numel = sum(p.numel() for p in model.parameters())
+    preflight(path, int(1.25 * 12 * numel / world_size), key="zero_optimization.offload_optimizer.nvme_path")
+    # staging for tensors the swapper cannot read/write in place: a block per request in flight (8 MiB by
+    # default), not offload_param.buffer_size (that sizes parameter buffers, 400 MB each by default)
+    aio = cfg.aio
+    buffer_bytes = max(int(aio.block_size) * int(aio.queue_depth), 1 << 20)
+
+    def build() -> NvmeStateStore:
+        swapper = NvmeSwapper(
+            path, cfg.aio, int(z.offload_optimizer.buffer_count), buffer_bytes, bool(z.offload_optimizer.pin_memory)
+        )
+        return NvmeStateStore(swapper)
+
+    return build
 
 
 def _make_strategy(
@@ -211,6 +247,9 @@ def _make_strategy(
         gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
         sub_group_numel=max(int(z.sub_group_size), 1),
         master_tier=base.master_tier,
+        nvme=(
+            _nvme_store_factory(cfg, model, topology.world_size) if str(z.offload_optimizer.device) == "nvme" else None
+        ),
         param_tier=tier_for(str(z.offload_param.device), topology.device, bool(z.offload_param.pin_memory)),
     )
     return Stage3Optimizer(model, groups, policy, comm, topology.device)

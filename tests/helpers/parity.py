@@ -14,6 +14,7 @@ gradients so the two agree by definition rather than by accident.
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class Case:
     prefetch: int = 50_000  # stage 3: stage3_prefetch_bucket_size
     offload: str = "none"  # offload_optimizer.device
     offload_param: str = "none"  # offload_param.device (stage 3)
+    sub_group: int = 10**9  # sub_group_size
 
     @property
     def name(self) -> str:
@@ -149,7 +151,8 @@ def ds_config(case: Case) -> dict:
             "stage3_param_persistence_threshold": case.persistence,
             "stage3_max_reuse_distance": case.reuse,
             "stage3_prefetch_bucket_size": case.prefetch,
-            "offload_optimizer": {"device": case.offload, "pin_memory": True},
+            "offload_optimizer": {"device": case.offload, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
+            "sub_group_size": case.sub_group,
             "offload_param": {"device": case.offload_param, "pin_memory": True},
         },
     }

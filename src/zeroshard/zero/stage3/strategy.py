@@ -50,6 +50,7 @@ class Stage3Policy:
     gradient_accumulation_steps: int
     sub_group_numel: int
     master_tier: Tier | None = None  # optimizer state and fp32 master (offload_optimizer)
+    nvme: Any = None  # NvmeStateStore factory (offload_optimizer.device "nvme"): called once, with no arguments
     param_tier: Tier | None = None  # compute-dtype shards (offload_param)
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
@@ -83,8 +84,7 @@ class Stage3Optimizer:
         for index, spec in enumerate(plan_units(module, policy.unit_policy, policy.persistence_threshold)):
             params = [named[n] for n in spec.param_names]
             rows = [
-                (n, p.numel(), group_of.get(id(p), frozen_group))
-                for n, p in zip(spec.param_names, params, strict=True)
+                (n, p.numel(), group_of.get(id(p), frozen_group)) for n, p in zip(spec.param_names, params, strict=True)
             ]
             _materialize(modules, spec.param_names, params, device, index)
             unit = ShardedUnit(
@@ -119,6 +119,11 @@ class Stage3Optimizer:
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
+        self.store = policy.nvme() if policy.nvme is not None else None
+        if self.store is not None:  # master shards go to NVMe right away; optimizer state joins after a step
+            for key, units in self._keyed_sub_groups():
+                self.store.evict(key, [u.master for u in units])
+                self.store.settle(key)
 
     # -- construction ------------------------------------------------------------------------------
     def _build_pieces(self, n_groups: int) -> list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]]:
@@ -294,10 +299,23 @@ class Stage3Optimizer:
             # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
             for placeholder in self._placeholders:
                 placeholder.grad = torch.zeros_like(placeholder)
-            for sub_group in self._sub_groups():
+            keyed = self._keyed_sub_groups()
+            if self.store is not None and keyed:
+                self.store.fetch(keyed[0][0])
+            for k, (key, sub_group) in enumerate(keyed):
+                if self.store is not None:  # free k-1 (written), read k+1 while k steps: two resident at most
+                    self.store.ready(key)
+                    if k > 0:
+                        self.store.settle(keyed[k - 1][0])
+                    if k + 1 < len(keyed):
+                        self.store.fetch(keyed[k + 1][0])
                 self._step_sub_group(sub_group, decided.scale)
                 for placeholder in self._placeholders:
                     placeholder.grad = None
+                if self.store is not None:
+                    self.store.evict(key, self._sub_group_tensors(sub_group))
+            if self.store is not None and keyed:
+                self.store.settle(keyed[-1][0])
         with torch.profiler.record_function("zeroshard.all_gather_params"):
             for unit in self.units:
                 if unit.persistent or unit.state is not UnitState.SHARDED:
@@ -318,6 +336,40 @@ class Stage3Optimizer:
                 chunk, size = [], 0
         if chunk:
             yield chunk
+
+    def _keyed_sub_groups(self) -> list[tuple[str, list[ShardedUnit]]]:
+        return [(f"subgroup{k}", units) for k, units in enumerate(self._sub_groups())]
+
+    def _sub_group_tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
+        members = {u.index for u in units}
+        out = [u.master for u in units]
+        if self.optimizer is not None:
+            for pieces in self._pieces:
+                for unit, master, _ in pieces:
+                    if unit.index in members:
+                        state = self.optimizer.state.get(master, {})
+                        out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return out
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        """Master weights and optimizer state in memory for the block (checkpoints, consolidation);
+        with NVMe offload they are read in first and written back after."""
+        if self.store is None:
+            yield
+            return
+        keyed = self._keyed_sub_groups()
+        for key, _ in keyed:
+            self.store.fetch(key)
+        for key, _ in keyed:
+            self.store.ready(key)
+        try:
+            yield
+        finally:
+            for key, units in keyed:
+                self.store.evict(key, self._sub_group_tensors(units))
+            for key, _ in keyed:
+                self.store.settle(key)
 
     def _step_sub_group(self, units: list[ShardedUnit], scale: float) -> None:
         assert self.optimizer is not None
@@ -356,6 +408,8 @@ class Stage3Optimizer:
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
         self.hooks.remove()
+        if self.store is not None:
+            self.store.close()  # removes the swap files
         OWNERS.unregister(self.tracked_params())
         for unit in self.units:
             self._wait_gathered(unit)
@@ -369,6 +423,10 @@ class Stage3Optimizer:
 
     def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """Full fp32 master values of every parameter, unit by unit (collective: every rank calls it)."""
+        with self.optimizer_state_resident():
+            return self._consolidated_params(dtype)
+
+    def _consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for unit in self.units:
             full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
@@ -412,9 +470,10 @@ class Stage3Optimizer:
             "master_weights": 0 if master_off else masters,
             "optimizer_state": 0 if master_off else state,
             "host_params": shards if param_off else 0,
-            "host_master_weights": masters if master_off else 0,
-            "host_optimizer_state": state if master_off else 0,
+            "host_master_weights": (masters if master_off else 0) if self.store is None else 0,
+            "host_optimizer_state": (state if master_off else 0) if self.store is None else self.store.resident_bytes,
             "comm_buffers": self.pool.held_bytes,
+            "nvme_bytes": self.store.disk_bytes if self.store is not None else 0,
             "persistent_params": persistent_full,
             "gathered_params": gathered,
             "peak_gathered_params": self.peak_gathered_numel * self.units[0].full.element_size() if self.units else 0,
