@@ -18,7 +18,7 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
-from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers
+from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers, cast_floating_buffers
 from zeroshard.zero.layout import FlatLayout, ParamSpec, build_layout
 from zeroshard.zero.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.stepmath import step_scale
@@ -130,10 +130,7 @@ class ZeroOptimizer:
         for param in module.parameters():
             if id(param) not in tracked and param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
-        for submodule in module.modules():
-            for name, buf in submodule.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                    setattr(submodule, name, buf.to(dtype))
+        cast_floating_buffers(module, dtype)
 
     def master_param_groups(self) -> list[dict[str, Any]]:
         """torch-style groups over the flat master shards (one tensor per group), user options kept."""

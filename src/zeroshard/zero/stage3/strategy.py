@@ -27,7 +27,7 @@ from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import CollectiveMismatchError
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
-from zeroshard.zero.buffers import BufferPool
+from zeroshard.zero.buffers import BufferPool, cast_floating_buffers
 from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy, _optimizer_state_tensors
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.gathered import OWNERS
@@ -102,7 +102,7 @@ class Stage3Optimizer:
             )
             unit.release()
             self.units.append(unit)
-        self._cast_buffers(module, base.compute_dtype)
+        cast_floating_buffers(module, base.compute_dtype)
         self.pool = BufferPool(device)
         self.trace = ExecutionTrace()
         self.optimizer: torch.optim.Optimizer | None = None
@@ -136,13 +136,6 @@ class Stage3Optimizer:
                         (unit, unit.master.narrow(0, begin, end - begin), unit.grad_shard.narrow(0, begin, end - begin))
                     )
         return pieces
-
-    @staticmethod
-    def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
-        for submodule in module.modules():
-            for name, buf in submodule.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                    setattr(submodule, name, buf.to(dtype))
 
     def master_param_groups(self) -> list[dict[str, Any]]:
         groups = []
