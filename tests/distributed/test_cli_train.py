@@ -62,13 +62,13 @@ def test_train_checkpoint_resume_export(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    _train(whole, "--zero-stage", "2", "--max-steps", "6", "--no-export")
+    _train(whole, "--zero-stage", "3", "--max-steps", "6", "--no-export")
     first = _train(
-        split, "--zero-stage", "2", "--max-steps", "6", "--save-steps", "3", "--stop-after", "3", "--no-export"
+        split, "--zero-stage", "3", "--max-steps", "6", "--save-steps", "3", "--stop-after", "3", "--no-export"
     )
     if not (split / "checkpoints" / "latest").exists():
         pytest.skip(f"this build cannot checkpoint: {first.stdout[-500:]}")
-    _train(split, "--zero-stage", "2", "--max-steps", "6", "--save-steps", "3", "--resume")
+    _train(split, "--zero-stage", "3", "--max-steps", "6", "--save-steps", "3", "--resume")
     # the resumed run continues exactly where the uninterrupted one went (fp32 on CPU)
     expected, resumed = _losses(whole), _losses(split)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]

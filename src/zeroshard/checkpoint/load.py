@@ -327,9 +327,9 @@ def load_checkpoint(
         raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).
     if engine.zero is not None:
-        if publish:
-            state = engine_state(engine)
-            assert state is not None
+        state = engine_state(engine)
+        # stage 3 loads shards only: copies gathered from them (its persistent unit) must be gathered again
+        if state is not None and (publish or getattr(state, "regather_after_load", False)):
             state.publish_params()
         engine.zero.zero_grad()
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")

@@ -29,6 +29,8 @@ class _Owned:
 
 
 class Stage3State:
+    regather_after_load = True  # loads fill shards; the persistent unit's gathered copy must be refreshed
+
     def __init__(self, strategy: Stage3Optimizer):
         self.strategy = strategy
 
