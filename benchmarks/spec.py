@@ -52,6 +52,7 @@ class TrainSettings:
 
     size: str
     micro_batch: int = 1  # samples per rank per step; the global batch is micro_batch x world_size
+    seq_len: int | None = None  # tokens per sample; None: the preset's block_size
     steps: int = 12  # warm-up + timed
     warmup: int = 2
     seed: int = 1234
@@ -59,7 +60,7 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
-    bucket_numel: int = 50_000_000  # ZeRO reduce/all-gather bucket (elements) for DeepSpeed and zeroshard
+    bucket_numel: int = 6_250_000  # ZeRO reduce/all-gather bucket (elements) for DeepSpeed and zeroshard
     threads: int = 1  # intra-op threads per rank
 
     @property

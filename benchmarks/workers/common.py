@@ -1,7 +1,7 @@
 """The part of a benchmark row every framework shares: model, data, the timed loop, the result file.
 
 A framework module provides a `Trainer` (build it, take one step, say how many bytes of model state
-this rank holds); `run_row` does everything else identically for all of them.
+this rank holds); `time_steps` and `summarize` do everything else identically for all of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from benchmarks.spec import RowSpec, TrainSettings
 from benchmarks.workers.commcount import CommCounter
 from zeroshard.data import ByteBlocks, stdlib_corpus
-from zeroshard.models.gpt import GPT, PRESETS, GPTConfig
+from zeroshard.models.gpt import GPT, PRESETS
 
 
 class NotImplementedRow(Exception):
@@ -34,7 +34,7 @@ class ModelState:
 
     total: int
     parts: dict[str, int]
-    source: str  # "measured", "theory" or "measured+theory (...)"
+    source: str  # how the numbers were obtained, e.g. "measured" or "measured, gradients theory"
 
 
 @dataclass
@@ -57,26 +57,23 @@ class Trainer(Protocol):
         ...
 
 
-def model_config(settings: TrainSettings) -> GPTConfig:
-    """The preset without biases: an attention key bias has an exactly-zero true gradient, so its
-    computed gradient is rounding noise that Adam turns into +-lr steps whose signs depend on each
-    framework's summation order, and the losses of correct runs would drift apart (see
-    tests/helpers/parity.py). Without biases the 1e-5 loss agreement is a meaningful check."""
-    return replace(PRESETS[settings.size], bias=False)
+def seq_len(settings: TrainSettings) -> int:
+    block = PRESETS[settings.size].block_size
+    return min(settings.seq_len or block, block)
 
 
 def build_model(settings: TrainSettings) -> GPT:
     """The same initial weights on every rank and in every framework."""
     torch.manual_seed(settings.seed)
-    return GPT(model_config(settings))
+    return GPT(PRESETS[settings.size])
 
 
 class Batches:
-    """Step `i`'s global batch: `world_size x micro_batch` blocks of the stdlib corpus at seeded offsets."""
+    """Step `i`'s global batch: `world_size x micro_batch` blocks of `seq_len` bytes of the stdlib corpus,
+    picked by a generator seeded with the step (the same for every framework)."""
 
     def __init__(self, settings: TrainSettings, world_size: int):
-        block = PRESETS[settings.size].block_size
-        self.data = ByteBlocks(stdlib_corpus(1_000_000), block)
+        self.data = ByteBlocks(stdlib_corpus(1_000_000), seq_len(settings))
         self.settings = settings
         self.world_size = world_size
 
@@ -150,8 +147,7 @@ def summarize(spec: RowSpec, ranks: list[RankResult], numel: int) -> dict[str, A
     """One row's JSON: step time over ranks (the slowest rank of each step), memory, bytes, loss."""
     per_step = [max(times) for times in zip(*(r.step_times for r in ranks), strict=True)]
     q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
-    cfg = PRESETS[spec.settings.size]
-    tokens = spec.world_size * spec.settings.micro_batch * cfg.block_size
+    tokens = spec.world_size * spec.settings.micro_batch * seq_len(spec.settings)
     median = statistics.median(per_step)
     losses = [statistics.fmean(step) for step in zip(*(r.losses for r in ranks), strict=True)]
     return {
@@ -180,6 +176,7 @@ def summarize(spec: RowSpec, ranks: list[RankResult], numel: int) -> dict[str, A
         "losses": losses,
         "final_loss": losses[-1],
         "threads": torch.get_num_threads(),
+        "loadavg_1min": os.getloadavg()[0],  # other work on the machine while the row ran
     }
 
 

@@ -23,10 +23,12 @@ def ds_config(spec: RowSpec) -> dict[str, Any]:
     }
     if spec.variant.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    zero.update(spec.extra.get("zero_overrides", {}))
     return {
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1_000_000,
+        "gradient_clipping": 0.0,  # DeepSpeed and zeroshard default to 1.0; DDP and FSDP2 do not clip
         "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
                                                   "weight_decay": s.weight_decay}},
         "zero_optimization": zero,
@@ -60,10 +62,14 @@ class ZeroshardTrainer:
         return float(loss.detach())
 
     def model_state(self) -> ModelState:
+        """`memory_report().model_states` plus what an offload tier holds in host memory: on a CPU-only
+        machine the host is the same RAM, and DeepSpeed's offload rows count their CPU states too."""
         report = self.engine.memory_report().to_dict()
-        parts = {k: int(report[k]) for k in ("params", "frozen_params", "gradients", "master_weights",
-                                             "optimizer_state", "comm_buffers")}
-        return ModelState(int(report["model_states"]), parts, "measured (memory_report)")
+        parts = {k: int(v) for k, v in report.items()
+                 if k not in ("rank", "world_size", "stage", "trainable_numel", "model_states") and v}
+        host = sum(v for k, v in parts.items() if k.startswith("host_"))
+        source = "measured (memory_report" + (", incl. host tier)" if host else ")")
+        return ModelState(int(report["model_states"]) + host, parts, source)
 
     def engine_comm_bytes(self) -> float | None:
         return float(self.engine.comm_stats.total_bus_bytes)
