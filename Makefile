@@ -8,7 +8,7 @@ PIP = $(PYTHON) -m pip
 
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,hf]'
 
 train: install
 	zeroshard train --nproc-per-node 2
