@@ -7,14 +7,17 @@
 - CPU Adam parameters/s: torch AdamW foreach vs fused, DeepSpeed's FusedAdam (CPU op) and
   DeepSpeedCPUAdam, against the bound memory bandwidth / 28 bytes per parameter (Adam reads
   param, grad, m, v and writes param, m, v: 7 x 4 bytes).
-- NVMe swap bandwidth is not measured yet: zeroshard has no NVMe tier.
+- NVMe swap GB/s of zeroshard's NvmeSwapper against the same disk's raw sequential bandwidth
+  (`benchmarks/nvme_swap.py`, run small here).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -99,9 +102,40 @@ def adam(numel: int = 1 << 24, thread_counts: tuple[int, ...] | None = None) -> 
     return results
 
 
+# -- NVMe swap -------------------------------------------------------------------------------------
+NVME_ARGS = ["--size-mb", "256", "--threads", "1,4", "--block-mb", "8", "--repeats", "2", "--no-buffered"]
+
+
+def nvme(results_dir: Path, timeout: float = 300) -> dict[str, Any]:
+    """`benchmarks.nvme_swap` (zeroshard's NvmeSwapper against raw sequential I/O on the same disk), small."""
+    if importlib.util.find_spec("benchmarks.nvme_swap") is None:
+        return {"error": "benchmarks/nvme_swap.py is not present"}
+    out = results_dir / "micro_nvme.json"
+    out.unlink(missing_ok=True)
+    log = results_dir / "micro_nvme.log"
+    code = launch.run([sys.executable, "-m", "benchmarks.nvme_swap", *NVME_ARGS, "--json", str(out)], log,
+                      threads=1, timeout=timeout)
+    if not out.exists():
+        return {"error": f"exit code {code}: {launch.last_error(log)}"}
+    return dict(json.loads(out.read_text()))
+
+
+def _nvme_markdown(result: dict[str, Any] | None) -> str:
+    if not result or "error" in result:
+        reason = (result or {}).get("error", "not run")
+        return f"NVMe swap bandwidth: not measured ({reason})."
+    try:
+        from benchmarks.nvme_swap import markdown as nvme_markdown
+
+        table = nvme_markdown(result)
+    except Exception as err:  # noqa: BLE001 - another module's format; the page must still render
+        return f"NVMe swap bandwidth: measured, but its table could not be rendered ({type(err).__name__}: {err})."
+    return "NVMe swap, `python -m benchmarks.nvme_swap " + " ".join(NVME_ARGS) + "`:\n\n" + table
+
+
 # -- report ----------------------------------------------------------------------------------------
 def run_all(results_dir: Path) -> dict[str, Any]:
-    return {"collectives": collectives(results_dir), "adam": adam()}
+    return {"collectives": collectives(results_dir), "adam": adam(), "nvme": nvme(results_dir)}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -141,7 +175,7 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append(f"| {t} | {name} | {rate / 1e6:.0f} | {rate / bound:.0%} |")
             for name, note in entry["notes"].items():
                 lines.append(f"| {t} | {name} | {note} | |")
-    lines += ["", "NVMe swap bandwidth: not measured (zeroshard has no NVMe tier yet)."]
+    lines += ["", _nvme_markdown(results.get("nvme"))]
     return "\n".join(lines)
 
 

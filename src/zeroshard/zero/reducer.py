@@ -25,6 +25,9 @@ from zeroshard.zero.buffers import BufferPool, GroupBuffers
 from zeroshard.zero.layout import Bucket, FlatLayout
 
 
+MAX_INFLIGHT = 2
+
+
 @dataclass(frozen=True)
 class ReducePolicy:
     partition_grads: bool  # stage 2: reduce every micro-step into the shard, keep no full gradients
@@ -172,8 +175,17 @@ class GradientReducer:
         while self._next < len(self._order) and self._missing[self._order[self._next].id] == 0:
             self._launch(self._order[self._next])
             self._next += 1
+            # finish older collectives as new ones start: their staging buffers go back to the pool during
+            # backward, so stage 2 never holds more than MAX_INFLIGHT buckets' worth of full gradients
+            while len(self._inflight) > MAX_INFLIGHT:
+                self._finish_oldest()
         if not self.policy.overlap:
             self.wait_all()
+
+    def _finish_oldest(self) -> None:
+        item = self._inflight.pop(0)
+        item.handle.wait()
+        item.finish()
 
     def _launch(self, bucket: Bucket) -> None:
         buffers = self.groups[bucket.group]
