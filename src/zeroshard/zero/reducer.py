@@ -24,7 +24,6 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.zero.buffers import BufferPool, GroupBuffers
 from zeroshard.zero.layout import Bucket, FlatLayout
 
-
 MAX_INFLIGHT = 2
 
 
