@@ -1,0 +1,398 @@
+"""Unit tests of ds_config input errors: unknown keys, types and ranges, JSON files, deprecated
+spellings, cross-key rules, warnings for unimplemented keys."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+import zeroshard.config as config_pkg
+from helpers.config_checks import error_of, warnings_of
+from zeroshard.config import (
+    UNIMPLEMENTED,
+    ConfigBlock,
+    ZeroshardConfig,
+    parse_config,
+    unimplemented_settings,
+)
+from zeroshard.config.fields import spec_of
+from zeroshard.config.resolve import canonical_path
+
+# --------------------------------------------------------------------------- unknown keys, types, ranges
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"zero_optimization": {"overlap_com": True}},
+            "zero_optimization.overlap_com: unknown key; did you mean overlap_comm?",
+        ),
+        ({"trian_batch_size": 8}, "trian_batch_size: unknown key; did you mean train_batch_size?"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}},
+            "zero_optimization.offload_optimizer.devcie: unknown key; did you mean device?",
+        ),
+        ({"fp16": {"enable": True}}, "fp16.enable: unknown key; did you mean enabled?"),
+        ({"optimizer": {"type": "Adam", "param": {}}}, "optimizer.param: unknown key; did you mean params?"),
+    ],
+)
+def test_unknown_key_names_the_path_and_the_closest_key(source: dict[str, Any], message: str) -> None:
+    assert error_of(source) == message
+
+
+def test_unknown_key_lists_valid_keys_when_nothing_is_close() -> None:
+    message = error_of({"activation_checkpointing": {"zzz": 1}})
+    assert message.startswith("activation_checkpointing.zzz: unknown key; valid keys of activation_checkpointing are:")
+    assert "partition_activations" in message and "cpu_checkpointing" in message
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"zero_optimization": {"stage": 5}},
+            "zero_optimization.stage: 5 is out of range; expected 0, 1, 2 or 3",
+        ),
+        ({"fp16": {"loss_scale_window": "abc"}}, 'fp16.loss_scale_window: "abc" is not an int'),
+        ({"fp16": {"hysteresis": True}}, "fp16.hysteresis: true is not an int"),
+        ({"fp16": {"initial_scale_power": 2.5}}, "fp16.initial_scale_power: 2.5 is not an int"),
+        ({"fp16": {"enabled": 1}}, "fp16.enabled: 1 is not a bool; use true or false"),
+        ({"bf16": {"enabled": "true"}}, 'bf16.enabled: "true" is not a bool; use true or false'),
+        ({"gradient_clipping": "abc"}, 'gradient_clipping: "abc" is not a number'),
+        ({"gradient_clipping": -1}, "gradient_clipping: -1 is out of range; expected >= 0.0"),
+        ({"fp16": {"loss_scale": True}}, "fp16.loss_scale: true is not a number"),
+        ({"train_batch_size": 0}, "train_batch_size: 0 is out of range; expected >= 1"),
+        (
+            {"zero_optimization": {"reduce_bucket_size": -5}},
+            "zero_optimization.reduce_bucket_size: -5 is out of range; expected >= 0",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+            'zero_optimization.offload_optimizer.device: "gpu" is not one of "none", "cpu", "nvme"',
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}},
+            "zero_optimization.offload_optimizer.ratio: 1.5 is out of range; expected <= 1.0",
+        ),
+        (
+            {"communication_data_type": "int8"},
+            'communication_data_type: "int8" is not a dtype; expected "fp32", "fp16" or "bf16"',
+        ),
+        (
+            {"checkpoint": {"tag_validation": "loud"}},
+            'checkpoint.tag_validation: "loud" is not one of "WARN", "IGNORE", "FAIL"',
+        ),
+        ({"fp16": 3}, "fp16: 3 is not an object (a mapping of keys to values)"),
+        ({"optimizer": {"params": {"lr": 1}}}, "optimizer.type: missing; every optimizer block needs a type"),
+        (
+            {"optimizer": {"type": "Adam", "params": [1]}},
+            "optimizer.params: [1] is not an object (a mapping of keys to values)",
+        ),
+        ({"comms_logger": {"prof_ops": "all_reduce"}}, 'comms_logger.prof_ops: "all_reduce" is not a list'),
+        (
+            {"elasticity": {"micro_batch_sizes": [2, "x"]}},
+            'elasticity.micro_batch_sizes[1]: "x" is not an int',
+        ),
+        ({"pipeline": "fast"}, 'pipeline: "fast" is not an object (a mapping of keys to values)'),
+    ],
+)
+def test_wrong_types_and_ranges_name_the_key_and_value(source: dict[str, Any], message: str) -> None:
+    assert error_of(source) == message
+
+
+def test_tag_validation_is_case_insensitive() -> None:
+    assert parse_config({"checkpoint": {"tag_validation": "Fail"}}).checkpoint.tag_validation == "FAIL"
+
+
+def test_source_of_the_wrong_type() -> None:
+    assert error_of(42) == "a ds_config is a path to a JSON file or a mapping, not a int"
+    assert error_of({1: 2}) == "ds_config: key 1 is not a string"
+
+
+# --------------------------------------------------------------------------- JSON files
+
+
+def test_missing_file_names_the_file(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nope.json"
+    assert error_of(missing) == f"ds_config file {missing} does not exist"
+
+
+def test_bad_json_names_file_line_and_column(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    message = error_of(path)
+    assert message.startswith(f"ds_config file {path} is not valid JSON: ")
+    assert "at line 3 column" in message
+
+
+def test_json_that_is_not_an_object(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    assert error_of(path) == f"ds_config file {path} holds a JSON list, not an object"
+
+
+def test_directory_is_not_a_config(tmp_path: pathlib.Path) -> None:
+    assert error_of(tmp_path).startswith(f"ds_config file {tmp_path} cannot be read")
+
+
+def test_duplicate_json_keys(tmp_path: pathlib.Path, log: pytest.LogCaptureFixture) -> None:
+    same = tmp_path / "same.json"
+    same.write_text('{"gradient_accumulation_steps": 4, "gradient_accumulation_steps": 4}')
+    assert parse_config(same).gradient_accumulation_steps == 4
+    assert warnings_of(log) == [
+        f'zeroshard: key "gradient_accumulation_steps" appears twice in {same} with the same value'
+    ]
+    different = tmp_path / "different.json"
+    different.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')
+    assert error_of(different) == f'ds_config file {different}: key "stage" appears twice, with 1 and 2; keep one'
+
+
+# --------------------------------------------------------------------------- deprecated and alternative spell
+
+
+@pytest.mark.parametrize(
+    ("source", "attribute", "value", "warning"),
+    [
+        (
+            {"zero_optimization": {"cpu_offload": True}},
+            "zero_optimization.offload_optimizer.device",
+            "cpu",
+            "zeroshard: zero_optimization.cpu_offload is deprecated; use "
+            "zero_optimization.offload_optimizer.device "
+            "instead",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+            "zero_optimization.offload_param.device",
+            "cpu",
+            "zeroshard: zero_optimization.cpu_offload_param is deprecated; use "
+            "zero_optimization.offload_param.device instead",
+        ),
+        (
+            {"zero_optimization": {"cpu_offload_use_pin_memory": False}},
+            "zero_optimization.offload_param.pin_memory",
+            False,
+            "zeroshard: zero_optimization.cpu_offload_use_pin_memory is deprecated; use "
+            "zero_optimization.offload_optimizer.pin_memory and "
+            "zero_optimization.offload_param.pin_memory instead",
+        ),
+        (
+            {"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}},
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+            True,
+            "zeroshard: zero_optimization.stage3_gather_fp16_weights_on_model_save is deprecated; use "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save instead",
+        ),
+        (
+            {"bfloat16": {"enabled": True}},
+            "bf16.enabled",
+            True,
+            "zeroshard: bfloat16 is deprecated; use bf16 instead",
+        ),
+        (
+            {"aio": {"thread_count": 4}},
+            "aio.intra_op_parallelism",
+            4,
+            "zeroshard: aio.thread_count is deprecated; use aio.intra_op_parallelism instead",
+        ),
+        (
+            {"bf16": {"check_overflow": False}},
+            "bf16.check_grad_overflow",
+            False,
+            "zeroshard: bf16.check_overflow is deprecated; use bf16.check_grad_overflow instead",
+        ),
+        (
+            {"seq_parallel_comm_data_type": "bf16"},
+            "seq_parallel_communication_data_type",
+            "bf16",
+            "zeroshard: seq_parallel_comm_data_type is deprecated; use seq_parallel_communication_data_type instead",
+        ),
+        (
+            {"zero_optimization": True, "allgather_size": 1e8},
+            "zero_optimization.allgather_bucket_size",
+            100_000_000,
+            "zeroshard: zero_optimization=true/false is deprecated; use zero_optimization.stage instead",
+        ),
+    ],
+)
+def test_deprecated_key_warns_and_sets_the_new_key(
+    log: pytest.LogCaptureFixture, source: dict[str, Any], attribute: str, value: object, warning: str
+) -> None:
+    cfg: Any = parse_config(source)
+    for part in attribute.split("."):
+        cfg = getattr(cfg, part)
+    assert cfg == value
+    assert warning in warnings_of(log)
+    assert [w for w in warnings_of(log) if "deprecated" in w] == [warning]
+
+
+def test_deprecated_and_new_key_with_different_values_is_an_error() -> None:
+    message = error_of({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "none"}}})
+    assert message == (
+        "zero_optimization.cpu_offload (deprecated) and zero_optimization.offload_optimizer.device "
+        'are both set, to different values ("cpu" and "none"); keep only '
+        "zero_optimization.offload_optimizer.device"
+    )
+    message = error_of({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    assert message.startswith("bfloat16 (deprecated) and bf16 are both set, to different values")
+    message = error_of(
+        {
+            "zero_optimization": {
+                "stage3_gather_fp16_weights_on_model_save": True,
+                "gather_16bit_weights_on_model_save": False,
+            }
+        }
+    )
+    assert message.startswith(
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save (deprecated) and "
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save are both set"
+    )
+
+
+def test_deprecated_and_new_key_with_the_same_value_is_fine() -> None:
+    cfg = parse_config(
+        {
+            "zero_optimization": {
+                "cpu_offload": True,
+                "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            }
+        }
+    )
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is False
+    assert parse_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}}).bf16.enabled is True
+
+
+def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureFixture) -> None:
+    cfg = parse_config({"zero_optimization": {"prefetch_bucket_size": 1000, "max_live_parameters": 1e9}})
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 1000
+    assert cfg.zero_optimization.stage3_max_live_parameters == 10**9
+    assert not [w for w in warnings_of(log) if "deprecated" in w]
+    assert error_of({"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}}) == (
+        "zero_optimization.prefetch_bucket_size and "
+        "zero_optimization.stage3_prefetch_bucket_size are the same "
+        "key, given different values (1 and 2); keep one"
+    )
+
+
+# --------------------------------------------------------------------------- cross-key rules
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            "fp16.enabled and bf16.enabled are both true; enable at most one of them",
+        ),
+        (
+            {"fp16": {"enabled": True, "loss_scale_window": 0}},
+            "fp16.loss_scale_window: 0 is out of range; dynamic loss scaling needs > 0",
+        ),
+        (
+            {"zero_optimization": {"stage": 0, "compute_grad_norm": False}},
+            "zero_optimization.compute_grad_norm is false, which only "
+            "stage 1 or 2 supports (zero_optimization.stage "
+            "is 0)",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+            "zero_optimization.offload_optimizer.ratio 0.5 < 1.0 (partial offload) needs stage 3 "
+            "(zero_optimization.stage is 2)",
+        ),
+        (
+            {"zero_optimization": {"stage": 3}, "gradient_allreduce_op": "sum"},
+            'gradient_allreduce_op "sum" is not supported with zero_optimization.stage 3',
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            'zero_optimization.offload_param.device is "nvme" but offload_param.nvme_path is not set',
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 1}},
+            "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true",
+        ),
+        (
+            {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+            "fp16.fp16_master_weights_and_grads is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)",
+        ),
+    ],
+)
+def test_contradicting_keys_are_errors(source: dict[str, Any], message: str) -> None:
+    assert error_of(source) == message
+
+
+def test_static_loss_scale_does_not_need_a_window() -> None:
+    assert parse_config({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale == 128
+
+
+# --------------------------------------------------------------------------- unimplemented keys
+
+
+def test_unimplemented_is_one_immutable_set_of_real_keys() -> None:
+    assert isinstance(UNIMPLEMENTED, frozenset)
+    for entry in UNIMPLEMENTED:
+        assert canonical_path(entry) == entry, entry
+        block: type[ConfigBlock] | None = ZeroshardConfig
+        for part in entry.split("."):
+            assert block is not None and part in block.key_fields(), entry
+            spec = spec_of(block.key_fields()[part])
+            block = spec.block_type if spec else None
+    for key in (
+        "zero_optimization.stage",
+        "fp16.enabled",
+        "train_batch_size",
+        "gradient_clipping",
+        "zero_optimization.reduce_bucket_size",
+        "communication_data_type",
+        "data_types.grad_accum_dtype",
+    ):
+        assert not config_pkg.is_unimplemented(key), key
+
+
+def test_non_default_unimplemented_value_warns_once(log: pytest.LogCaptureFixture) -> None:
+    parse_config({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert warnings_of(log) == [
+        "zeroshard: zero_optimization.zero_quantized_weights=true is accepted but not implemented yet; it has no effect"
+    ]
+
+
+def test_default_and_auto_values_never_warn(log: pytest.LogCaptureFixture) -> None:
+    parse_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "none", "pin_memory": True},
+                "sub_group_size": 1e9,
+                "stage3_max_live_parameters": "auto",
+                "stage3_param_persistence_threshold": "auto",
+                "zero_hpz_partition_size": 1,
+            },
+            "activation_checkpointing": {"partition_activations": False},
+            "tensorboard": {"enabled": False},
+        }
+    )
+    assert warnings_of(log) == []
+
+
+def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> None:
+    cfg = parse_config(
+        {
+            "tensorboard": {"enabled": True, "output_path": "runs"},
+            "autotuning": {"enabled": True},
+            "zero_optimization": {"zero_hpz_partition_size": 8},
+        }
+    )
+    assert list(unimplemented_settings(cfg)) == [
+        ("zero_optimization.zero_hpz_partition_size", 8),
+        ("tensorboard.enabled", True),
+        ("tensorboard.output_path", "runs"),
+        ("autotuning", {"enabled": True}),
+    ]
+    assert warnings_of(log)[-1] == (
+        'zeroshard: autotuning={"enabled": true} is accepted but not implemented yet; it has no effect'
+    )
+    assert len(warnings_of(log)) == 4
