@@ -184,41 +184,45 @@ def _check_offload(cfg: ZeroshardConfig, stage: int) -> None:
 
 
 def _check_nvme(cfg: ZeroshardConfig, key: str) -> None:
+    block = getattr(cfg.zero_optimization, key)
+    if not block.nvme_path:
+        raise ConfigError(f'zero_optimization.{key}.nvme_path: required when device is "nvme"')
+
+
+def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, compute_bytes: int) -> dict[str, int]:
+    """Swap-file bytes this rank needs per NVMe path: fp32 master + Adam's two moments of its shard
+    (offload_optimizer), the compute-dtype shard (offload_param); 25% margin; one sum when the paths agree."""
     z = cfg.zero_optimization
-    if key == "offload_param":
-        raise ConfigError(
-            'zero_optimization.offload_param.device: "nvme" (parameters on NVMe) is not available yet; use "cpu" '
-            '(offload_optimizer.device "nvme" is available)'
-        )
-    if int(z.stage) != 3:
-        raise ConfigError(
-            'zero_optimization.offload_optimizer.device: "nvme" needs zero_optimization.stage 3 in this build '
-            '(its sub_group_size bounds what is in memory); use stage 3 or device "cpu"'
-        )
-    if not z.offload_optimizer.nvme_path:
-        raise ConfigError('zero_optimization.offload_optimizer.nvme_path: required when device is "nvme"')
+    shard = sum(p.numel() for p in model.parameters()) / world_size
+    need: dict[str, int] = {}
+    if str(z.offload_optimizer.device) == "nvme":
+        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * 12 * shard)
+    if str(z.offload_param.device) == "nvme":
+        path = str(z.offload_param.nvme_path)
+        need[path] = need.get(path, 0) + int(1.25 * compute_bytes * shard)
+    return need
 
 
-def _nvme_store_factory(cfg: ZeroshardConfig, model: nn.Module, world_size: int) -> Callable[[], Any]:
-    """Preflight the path (room for fp32 master + Adam's two moments of this rank's shard, with margin)
-    and build the swapper lazily, in the strategy."""
+def _nvme_store_factory(
+    cfg: ZeroshardConfig, key: str, need: dict[str, int], buffer_count: int, pin: bool
+) -> Callable[[], Any] | None:
+    """None unless `zero_optimization.<key>.device` is "nvme"; else preflight its path now and return what
+    builds the store (and its swapper) in the strategy."""
     from zeroshard.offload import NvmeSwapper, preflight
     from zeroshard.offload.nvme_store import NvmeStateStore
 
-    z = cfg.zero_optimization
-    path = str(z.offload_optimizer.nvme_path)
-    numel = sum(p.numel() for p in model.parameters())
-    preflight(path, int(1.25 * 12 * numel / world_size), key="zero_optimization.offload_optimizer.nvme_path")
+    block = getattr(cfg.zero_optimization, key)
+    if str(block.device) != "nvme":
+        return None
+    path = str(block.nvme_path)
+    preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path")
     # staging for tensors the swapper cannot read/write in place: a block per request in flight (8 MiB by
     # default), not offload_param.buffer_size (that sizes parameter buffers, 400 MB each by default)
     aio = cfg.aio
     buffer_bytes = max(int(aio.block_size) * int(aio.queue_depth), 1 << 20)
 
     def build() -> NvmeStateStore:
-        swapper = NvmeSwapper(
-            path, cfg.aio, int(z.offload_optimizer.buffer_count), buffer_bytes, bool(z.offload_optimizer.pin_memory)
-        )
-        return NvmeStateStore(swapper)
+        return NvmeStateStore(NvmeSwapper(path, aio, buffer_count, buffer_bytes, pin))
 
     return build
 
@@ -232,10 +236,14 @@ def _make_strategy(
     comm: Collectives,
     topology: Topology,
 ) -> Strategy:
+    z = cfg.zero_optimization
+    need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
+    opt = z.offload_optimizer
+    optimizer_nvme = _nvme_store_factory(cfg, "offload_optimizer", need, int(opt.buffer_count), bool(opt.pin_memory))
     base = _zero_policy(cfg, stage, precision, topology.device)
     if stage < 3:
-        return ZeroOptimizer(model, groups, base, comm, topology.device)
-    z = cfg.zero_optimization
+        return ZeroOptimizer(model, groups, base, comm, topology.device, optimizer_nvme)
+    par = z.offload_param
     policy = Stage3Policy(
         base=base,
         prefetch=PrefetchPolicy(
@@ -247,10 +255,13 @@ def _make_strategy(
         gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
         sub_group_numel=max(int(z.sub_group_size), 1),
         master_tier=base.master_tier,
-        nvme=(
-            _nvme_store_factory(cfg, model, topology.world_size) if str(z.offload_optimizer.device) == "nvme" else None
+        nvme=optimizer_nvme,
+        param_tier=tier_for(str(par.device), topology.device, bool(par.pin_memory)),
+        param_nvme=_nvme_store_factory(cfg, "offload_param", need, int(par.buffer_count), bool(par.pin_memory)),
+        param_read_ahead=(
+            int(par.buffer_count),
+            min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
-        param_tier=tier_for(str(z.offload_param.device), topology.device, bool(z.offload_param.pin_memory)),
     )
     return Stage3Optimizer(model, groups, policy, comm, topology.device)
 

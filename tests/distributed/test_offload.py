@@ -18,6 +18,12 @@ CASES = [
     Case(stage=3, offload="cpu", offload_param="cpu", dtype="bf16"),
     Case(stage=3, offload="nvme", sub_group=4000),  # several sub-groups: prefetch k+1, write k back
     Case(stage=3, offload="nvme", sub_group=4000, gas=3, dtype="bf16"),
+    Case(stage=1, offload="nvme"),
+    Case(stage=2, offload="nvme", gas=3),  # every param group read, stepped and written back in turn
+    Case(stage=2, offload="nvme", dtype="bf16"),
+    Case(stage=3, offload_param="nvme"),  # shards read back for every gather, written after every step
+    Case(stage=3, offload="nvme", offload_param="nvme", sub_group=4000, gas=3),
+    Case(stage=3, offload="cpu", offload_param="nvme", dtype="bf16", persistence=2000),
 ]
 
 
@@ -34,7 +40,8 @@ def test_offload_parity_and_placement():
             assert report.optimizer_state == 0 and report.master_weights == 0, (case.name, report)
             assert report.host_optimizer_state == 0 and report.host_master_weights == 0, (case.name, report)
             psi_n = report.trainable_numel / 2
-            assert abs(report.nvme_bytes - 12 * psi_n) <= 0.05 * 12 * psi_n, (case.name, report)
+            shards = psi_n * (2 if case.dtype == "bf16" else 4) if case.offload_param == "nvme" else 0
+            assert abs(report.nvme_bytes - 12 * psi_n - shards) <= 0.05 * 12 * psi_n, (case.name, report)
         if case.offload == "cpu":  # the device tier holds no optimizer state or master weights
             assert report.optimizer_state == 0 and report.master_weights == 0, (case.name, report)
             psi_n = report.trainable_numel / 2
@@ -44,6 +51,14 @@ def test_offload_parity_and_placement():
             assert abs(master - 4 * psi_n) <= 0.02 * 4 * psi_n, (case.name, report)
         if case.offload_param == "cpu":
             assert report.params == 0 and report.host_params > 0, (case.name, report)
+        if case.offload_param == "nvme":  # between uses, the compute shards are on disk only
+            assert report.params == 0 and report.host_params == 0, (case.name, report)
+            shard_bytes = report.trainable_numel / 2 * (2 if case.dtype == "bf16" else 4)
+            state_bytes = 12 * report.trainable_numel / 2 if case.offload == "nvme" else 0
+            assert abs(report.nvme_bytes - shard_bytes - state_bytes) <= 0.05 * (shard_bytes + state_bytes), (
+                case.name,
+                report,
+            )
 
 
 def _offload_states_round_trip(rank: int, world_size: int):

@@ -153,7 +153,7 @@ def ds_config(case: Case) -> dict:
             "stage3_prefetch_bucket_size": case.prefetch,
             "offload_optimizer": {"device": case.offload, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
             "sub_group_size": case.sub_group,
-            "offload_param": {"device": case.offload_param, "pin_memory": True},
+            "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
         },
     }
 

@@ -43,6 +43,11 @@ def _masters_by_param(engine: Any) -> dict[int, torch.Tensor]:
     zero = getattr(engine, "zero", None)
     if zero is None or engine.zero_stage > 2 or engine.precision.compute_dtype == torch.float32:
         return {}
+    with zero.optimizer_state_resident():  # NVMe offload: read the masters in for the export
+        return _gather_masters(engine, zero)
+
+
+def _gather_masters(engine: Any, zero: Any) -> dict[int, torch.Tensor]:
     out: dict[int, torch.Tensor] = {}
     shards = zero.layout.shard_count
     for buffers in zero.buffers:

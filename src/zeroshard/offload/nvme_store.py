@@ -1,20 +1,24 @@
-"""Optimizer tensors kept on NVMe between uses (ZeRO-Infinity's optimizer offload).
+"""Tensors kept on NVMe between uses (ZeRO-Infinity): optimizer state, master weights, parameter shards.
 
-A sub-group's tensors (fp32 master shards and elementwise optimizer state) keep their Python objects
-and storages, so the optimizer's parameter keys, its state dicts and every view stay valid: `evict`
-writes the bytes to swap files and resizes the storages to zero; `fetch` resizes them back and reads
-the bytes in. The strategy fetches sub-group k+1 while it steps sub-group k and evicts k afterwards
-(`sub_group_size` bounds what is resident).
+An entry (a key and its tensors) keeps its Python objects and storages, so the optimizer's parameter
+keys, its state dicts and every view stay valid: `evict` writes the bytes to swap files and `settle`
+resizes the storages to zero; `fetch` resizes them back and reads the bytes in, `ready` waits for that.
+`drop` frees an entry whose disk copy is current (a parameter shard read for a gather), `claim` makes one
+resident without reading it (a shard about to be overwritten by the optimizer step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from zeroshard.offload.nvme import NvmeSwapper, SwapHandle
+
+T = TypeVar("T")
 
 
 def _storage_base(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,12 +39,14 @@ class _Entry:
     nbytes: list[int] = field(default_factory=list)
     pending: list[SwapHandle] = field(default_factory=list)
     resident: bool = True
+    on_disk: bool = False  # a complete copy was written (the files exist)
 
 
 class NvmeStateStore:
     def __init__(self, swapper: NvmeSwapper):
         self.swapper = swapper
         self._entries: dict[str, _Entry] = {}
+        self._holding = False
 
     def _collect(self, key: str, tensors: Sequence[torch.Tensor]) -> _Entry:
         entry = self._entries.get(key)
@@ -56,12 +62,22 @@ class NvmeStateStore:
             entry.nbytes.append(storage.nbytes())
         return entry
 
-    def evict(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
-        """Start writing `tensors` (and what was fetched under `key`) out; `settle` frees their memory."""
+    def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Write `tensors` out now and free their memory (initial placement)."""
+        self.evict(key, tensors)
+        self.settle(key)
+
+    def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Start writing `tensors` (and what was fetched under `key`) out; `settle` frees their memory.
+        An entry that is not resident is already on disk (or being written): nothing to do."""
+        existing = self._entries.get(key)
+        if existing is not None and not existing.resident:
+            return
         entry = self._collect(key, tensors)
         self._wait(entry)
         entry.pending = [self.swapper.swap_out(f"{key}/{i}", _alias(base)) for i, base in enumerate(entry.bases)]
         entry.resident = False
+        entry.on_disk = True
 
     def settle(self, key: str) -> None:
         """Wait for `key`'s writes and release its memory."""
@@ -72,22 +88,87 @@ class NvmeStateStore:
         for base in entry.bases:
             base.untyped_storage().resize_(0)
 
+    def _resize_back(self, entry: _Entry) -> None:
+        for base, nbytes in zip(entry.bases, entry.nbytes, strict=True):
+            base.untyped_storage().resize_(nbytes)
+            base.set_(base.untyped_storage())
+
     def fetch(self, key: str) -> None:
         """Start reading `key` back into its (re-sized) storages; `ready` waits for it."""
         entry = self._entries.get(key)
         if entry is None or entry.resident:
             return
         self.settle(key)
-        for base, nbytes in zip(entry.bases, entry.nbytes, strict=True):
-            base.untyped_storage().resize_(nbytes)
-            base.set_(base.untyped_storage())
+        self._resize_back(entry)
         entry.pending = [self.swapper.swap_in(f"{key}/{i}", _alias(base)) for i, base in enumerate(entry.bases)]
         entry.resident = True
+
+    def claim(self, key: str) -> None:
+        """Make `key` resident without reading it: the caller overwrites every byte before the next `evict`."""
+        entry = self._entries.get(key)
+        if entry is None or entry.resident:
+            return
+        self.settle(key)
+        self._resize_back(entry)
+        entry.resident = True
+
+    def drop(self, key: str) -> None:
+        """Free a resident entry whose bytes are unchanged since it was read: the disk copy stays current."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.resident or not entry.on_disk:
+            return
+        self._wait(entry)
+        for base in entry.bases:
+            base.untyped_storage().resize_(0)
+        entry.resident = False
 
     def ready(self, key: str) -> None:
         entry = self._entries.get(key)
         if entry is not None:
             self._wait(entry)
+
+    def is_resident(self, key: str) -> bool:
+        entry = self._entries.get(key)
+        return entry is None or entry.resident
+
+    def in_turn(self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]) -> Iterator[T]:
+        """Yield each item with its tensors resident: item k+1 is read while k is worked on, k is written back
+        when the caller moves on, k-1's memory is freed once written (at most three entries in memory)."""
+        if keyed:
+            self.fetch(keyed[0][0])
+        for k, (key, item) in enumerate(keyed):
+            self.ready(key)
+            if k > 0:
+                self.settle(keyed[k - 1][0])
+            if k + 1 < len(keyed):
+                self.fetch(keyed[k + 1][0])
+            yield item
+            self.evict(key, tensors_of(item))
+        if keyed:
+            self.settle(keyed[-1][0])
+
+    @contextmanager
+    def resident(
+        self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]
+    ) -> Iterator[None]:
+        """Every entry in memory for the block (checkpoints), written back and freed after it. Nested
+        blocks (a checkpoint load that publishes parameters) leave the outermost one in charge."""
+        if self._holding:
+            yield
+            return
+        self._holding = True
+        for key, _ in keyed:
+            self.fetch(key)
+        for key, _ in keyed:
+            self.ready(key)
+        try:
+            yield
+        finally:
+            for key, item in keyed:
+                self.evict(key, tensors_of(item))
+            for key, _ in keyed:
+                self.settle(key)
+            self._holding = False
 
     @staticmethod
     def _wait(entry: _Entry) -> None:
@@ -107,3 +188,50 @@ class NvmeStateStore:
         for key in list(self._entries):
             self.ready(key)
         self.swapper.close()
+
+
+class InMemory:
+    """The same interface for tensors that stay where they are (device or host memory): no I/O."""
+
+    resident_bytes = 0
+    disk_bytes = 0
+
+    def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
+        pass
+
+    def settle(self, key: str) -> None:
+        pass
+
+    def fetch(self, key: str) -> None:
+        pass
+
+    def claim(self, key: str) -> None:
+        pass
+
+    def drop(self, key: str) -> None:
+        pass
+
+    def ready(self, key: str) -> None:
+        pass
+
+    def is_resident(self, key: str) -> bool:
+        return True
+
+    def in_turn(self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]) -> Iterator[T]:
+        for _, item in keyed:
+            yield item
+
+    @contextmanager
+    def resident(
+        self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]
+    ) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+Residency = NvmeStateStore | InMemory

@@ -8,7 +8,8 @@ its updated shard into the parameter buffer and the buckets are all-gathered in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.offload.nvme_store import InMemory, Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers, cast_floating_buffers
@@ -76,6 +78,7 @@ class ZeroOptimizer:
         policy: ZeroPolicy,
         comm: Collectives,
         device: torch.device,
+        nvme: Callable[[], Residency] | None = None,
     ):
         self.module = module
         self.policy = policy
@@ -103,6 +106,12 @@ class ZeroOptimizer:
             for layout, g in zip(self.layout.groups, groups, strict=True)
         ]
         self._cast_untracked(module, {id(p) for g in groups for _, p in g.params})
+        # offload_optimizer.device "nvme": each group's master shard and optimizer state live in swap files
+        # between steps and are read in turn, one group ahead (nvme_store.in_turn)
+        self.store: Residency = nvme() if nvme is not None else InMemory()
+        self._keyed = [(f"group{g}", g) for g in range(len(self.buffers))]
+        for key, g in self._keyed:
+            self.store.place(key, [self.buffers[g].master])
         self.pool = BufferPool(device)
         self.reducer = GradientReducer(
             self.layout,
@@ -121,7 +130,7 @@ class ZeroOptimizer:
         )
         self.reducer.register_hooks()
         self.optimizer: torch.optim.Optimizer | None = None
-        self._master_grads: list[torch.Tensor] = []
+        self._master_grads: list[torch.Tensor | None] = []
 
     # -- construction helpers --------------------------------------------------------------------
     def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
@@ -139,9 +148,12 @@ class ZeroOptimizer:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Use `optimizer` (built over `master_param_groups()` or re-pointed at them) for the step."""
         self.optimizer = optimizer
+        on_disk = not isinstance(self.store, InMemory)  # NVMe: a temporary per group at step time instead
         self._master_grads = [
             b.grad_shard
             if b.grad_shard.dtype == torch.float32 and b.grad_shard.device == b.master.device
+            else None
+            if on_disk
             else torch.zeros_like(b.master)
             for b in self.buffers
         ]
@@ -175,40 +187,75 @@ class ZeroOptimizer:
         if decided.overflow:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
-        scale, norm = decided.scale, decided.grad_norm
         with torch.profiler.record_function("zeroshard.optimizer_step"):
-            for buffers, master_grad in zip(self.buffers, self._master_grads, strict=True):
-                if master_grad is buffers.grad_shard:
-                    if scale != 1.0:
-                        master_grad.mul_(scale)
-                else:  # another dtype, or another tier (offload): copy, then scale there
-                    master_grad.copy_(buffers.grad_shard)
-                    if scale != 1.0:
-                        master_grad.mul_(scale)
-                buffers.master.grad = master_grad
-            self.optimizer.step()
-            for buffers in self.buffers:
-                buffers.master.grad = None
+            # one group at a time (the same arithmetic as one call: the optimizers are elementwise per
+            # tensor), so that with NVMe offload only the group being stepped is in memory
+            for g in self.store.in_turn(self._keyed, self._group_tensors):
+                self._step_group(g, decided.scale)
         with torch.profiler.record_function("zeroshard.all_gather_params"):
-            self.publish_params()
+            self._gather_params()
         self.zero_grad()
-        return StepOutcome(skipped=False, grad_norm=norm)
+        return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
+
+    def _step_group(self, g: int, scale: float) -> None:
+        assert self.optimizer is not None
+        buffers, master_grad = self.buffers[g], self._master_grads[g]
+        if master_grad is buffers.grad_shard:
+            if scale != 1.0:
+                master_grad.mul_(scale)
+        else:  # another dtype, or another tier (offload): copy, then scale there
+            if master_grad is None:
+                master_grad = torch.empty_like(buffers.master)
+            master_grad.copy_(buffers.grad_shard)
+            if scale != 1.0:
+                master_grad.mul_(scale)
+        buffers.master.grad = master_grad
+        self.optimizer.step()
+        buffers.master.grad = None
+        self._write_owned(buffers)
+
+    def _group_tensors(self, g: int) -> list[torch.Tensor]:
+        master = self.buffers[g].master
+        state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
+        return [master] + [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        """Master weights and optimizer state in memory for the block (checkpoints, export); with NVMe
+        offload they are read in first and written back after."""
+        with self.store.resident(self._keyed, self._group_tensors):
+            yield
 
     def publish_params(self) -> None:
         """Write each rank's updated master shard into the parameter views and all-gather every bucket."""
+        with self.optimizer_state_resident():
+            for buffers in self.buffers:
+                self._write_owned(buffers)
+        self._gather_params()
+
+    def _write_owned(self, buffers: GroupBuffers) -> None:
+        """This rank's ranges of the parameter buffer := its master shard."""
+        if buffers.master_aliases_params:
+            return
+        if self.layout.shard_count == 1:
+            buffers.param_flat.copy_(buffers.master)
+            return
+        for bucket in buffers.layout.buckets:
+            lo, hi = bucket.owner_range(self.shard_rank)
+            buffers.param_flat[lo:hi].copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
+
+    def _gather_params(self) -> None:
+        """All-gather every bucket of the parameter buffers in place (each rank wrote its own ranges)."""
+        if self.layout.shard_count == 1:
+            return
         handles = []
         for buffers in self.buffers:
             if buffers.master_aliases_params:
                 continue
-            if self.layout.shard_count == 1:
-                buffers.param_flat.copy_(buffers.master)
-                continue
             for bucket in buffers.layout.buckets:
                 lo, hi = bucket.owner_range(self.shard_rank)
-                mine = buffers.param_flat[lo:hi]
-                mine.copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
                 out = buffers.bucket_params(bucket.start, bucket.numel)
-                handles.append(self.comm.all_gather(out, mine, async_op=True))
+                handles.append(self.comm.all_gather(out, buffers.param_flat[lo:hi], async_op=True))
         for handle in handles:
             handle.wait()
 
@@ -232,6 +279,10 @@ class ZeroOptimizer:
     def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """Full fp32 master values of every trainable parameter, keyed by id(param), on every rank
         (collective: every rank must call it)."""
+        with self.optimizer_state_resident():
+            return self._consolidated_params(dtype)
+
+    def _consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for buffers in self.buffers:
             layout = buffers.layout
@@ -250,7 +301,8 @@ class ZeroOptimizer:
     def offloadable_tensors(self) -> list[torch.Tensor]:
         """Master weights (unless they are the parameters themselves) and optimizer state."""
         out = [b.master for b in self.buffers if not b.master_aliases_params]
-        out += [g for g, b in zip(self._master_grads, self.buffers, strict=True) if g is not b.grad_shard]
+        copies = zip(self._master_grads, self.buffers, strict=True)
+        out += [g for g, b in copies if g is not None and g is not b.grad_shard]
         return out + _optimizer_state_tensors(self.optimizer)
 
     @property
@@ -259,6 +311,7 @@ class ZeroOptimizer:
 
     def destroy(self) -> None:
         self.reducer.remove_hooks()
+        self.store.close()  # removes the swap files
         self.pool.clear()
 
     # -- introspection ---------------------------------------------------------------------------
@@ -280,13 +333,15 @@ class ZeroOptimizer:
             0 if g is b.grad_shard else nbytes(g) for g, b in zip(self._master_grads, self.buffers, strict=True)
         )
         offloaded = self.policy.master_tier is not None and self.policy.master_tier.offloaded
+        on_disk = not isinstance(self.store, InMemory)  # NVMe: what is resident now (read for a step)
         return {
             "params_trainable": sum(nbytes(b.param_flat) for b in self.buffers),
             "gradients": grads,
             "master_weights": 0 if offloaded else masters,
             "optimizer_state": 0 if offloaded else state,
             "comm_buffers": self.pool.held_bytes + (0 if offloaded else copies),
-            "host_master_weights": masters if offloaded else 0,
-            "host_optimizer_state": state if offloaded else 0,
+            "host_master_weights": masters if offloaded and not on_disk else 0,
+            "host_optimizer_state": self.store.resident_bytes if on_disk else (state if offloaded else 0),
             "host_gradients": copies if offloaded else 0,
+            "nvme_bytes": self.store.disk_bytes,
         }

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import CollectiveMismatchError
+from zeroshard.offload.nvme_store import InMemory, Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, cast_floating_buffers
@@ -52,6 +53,8 @@ class Stage3Policy:
     master_tier: Tier | None = None  # optimizer state and fp32 master (offload_optimizer)
     nvme: Any = None  # NvmeStateStore factory (offload_optimizer.device "nvme"): called once, with no arguments
     param_tier: Tier | None = None  # compute-dtype shards (offload_param)
+    param_nvme: Any = None  # NvmeStateStore factory (offload_param.device "nvme")
+    param_read_ahead: tuple[int, int] = (0, 0)  # offload_param on NVMe: (units, elements) read ahead of use
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
 
@@ -80,6 +83,7 @@ class Stage3Optimizer:
         base = policy.base
         grad_dtype = base.comm_dtype if policy.gradient_accumulation_steps == 1 else base.grad_accum_dtype
         modules = dict(module.named_modules())
+        self.param_store: Residency = policy.param_nvme() if policy.param_nvme is not None else InMemory()
         self.units: list[ShardedUnit] = []
         for index, spec in enumerate(plan_units(module, policy.unit_policy, policy.persistence_threshold)):
             params = [named[n] for n in spec.param_names]
@@ -99,6 +103,7 @@ class Stage3Optimizer:
                 device,
                 policy.master_tier,
                 policy.param_tier,
+                self.param_store,
             )
             unit.release()
             self.units.append(unit)
@@ -120,11 +125,9 @@ class Stage3Optimizer:
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
-        self.store = policy.nvme() if policy.nvme is not None else None
-        if self.store is not None:  # master shards go to NVMe right away; optimizer state joins after a step
-            for key, units in self._keyed_sub_groups():
-                self.store.evict(key, [u.master for u in units])
-                self.store.settle(key)
+        self.store: Residency = policy.nvme() if policy.nvme is not None else InMemory()
+        for key, units in self._keyed_sub_groups():  # NVMe: masters go to disk now, optimizer state after a step
+            self.store.place(key, [u.master for u in units])
 
     # -- construction ------------------------------------------------------------------------------
     def _build_pieces(self, n_groups: int) -> list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]]:
@@ -210,7 +213,22 @@ class Stage3Optimizer:
         live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.persistent)
         for index in units_to_prefetch(self.trace.upcoming(), self._numels, gathered, live, self.policy.prefetch):
             self._gather(self.units[index])
+        self._read_ahead()
 
+    def _read_ahead(self) -> None:
+        """offload_param on NVMe: start reading the shards of the next units of the trace (up to
+        buffer_count units and max_in_cpu elements), so their gathers do not wait for the disk."""
+        max_units, max_numel = self.policy.param_read_ahead
+        budget, count = 0, 0
+        for index in dict.fromkeys(self.trace.upcoming()):
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            budget += unit.layout.shard_numel
+            count += 1
+            if count > max_units or budget > max_numel:
+                break
+            self.param_store.fetch(unit.key)
 
     def _gather(self, unit: ShardedUnit) -> None:
         self._gather_log.append(unit.index)
@@ -290,23 +308,17 @@ class Stage3Optimizer:
             # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
             for placeholder in self._placeholders:
                 placeholder.grad = torch.zeros_like(placeholder)
-            keyed = self._keyed_sub_groups()
-            if self.store is not None and keyed:
-                self.store.fetch(keyed[0][0])
-            for k, (key, sub_group) in enumerate(keyed):
-                if self.store is not None:  # free k-1 (written), read k+1 while k steps: two resident at most
-                    self.store.ready(key)
-                    if k > 0:
-                        self.store.settle(keyed[k - 1][0])
-                    if k + 1 < len(keyed):
-                        self.store.fetch(keyed[k + 1][0])
+            previous: list[ShardedUnit] = []
+            # NVMe: sub-group k+1 is read while k steps and k-1 is written back (nvme_store.in_turn)
+            for sub_group in self.store.in_turn(self._keyed_sub_groups(), self._sub_group_tensors):
                 self._step_sub_group(sub_group, decided.scale)
                 for placeholder in self._placeholders:
                     placeholder.grad = None
-                if self.store is not None:
-                    self.store.evict(key, self._sub_group_tensors(sub_group))
-            if self.store is not None and keyed:
-                self.store.settle(keyed[-1][0])
+                for unit in previous:  # compute shards on NVMe: the previous sub-group's writes are done
+                    unit.settle_shard()
+                previous = sub_group
+            for unit in previous:
+                unit.settle_shard()
         with torch.profiler.record_function("zeroshard.all_gather_params"):
             for unit in self.units:
                 if unit.persistent or unit.state is not UnitState.SHARDED:
@@ -346,21 +358,10 @@ class Stage3Optimizer:
     def optimizer_state_resident(self) -> Iterator[None]:
         """Master weights and optimizer state in memory for the block (checkpoints, consolidation);
         with NVMe offload they are read in first and written back after."""
-        if self.store is None:
-            yield
-            return
-        keyed = self._keyed_sub_groups()
-        for key, _ in keyed:
-            self.store.fetch(key)
-        for key, _ in keyed:
-            self.store.ready(key)
-        try:
-            yield
-        finally:
-            for key, units in keyed:
-                self.store.evict(key, self._sub_group_tensors(units))
-            for key, _ in keyed:
-                self.store.settle(key)
+        shards = [(u.key, u) for u in self.units]
+        with self.store.resident(self._keyed_sub_groups(), self._sub_group_tensors):
+            with self.param_store.resident(shards, lambda u: [u.shard]):
+                yield
 
     def _step_sub_group(self, units: list[ShardedUnit], scale: float) -> None:
         assert self.optimizer is not None
@@ -399,14 +400,14 @@ class Stage3Optimizer:
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
         self.hooks.remove()
-        if self.store is not None:
-            self.store.close()  # removes the swap files
+        self.store.close()  # removes the swap files
         OWNERS.unregister(self.tracked_params())
         for unit in self.units:
             self._wait_gathered(unit)
             if unit.state is UnitState.SHARDED:
                 unit.gather(self.comm, async_op=False)
                 unit.wait_gathered()
+        self.param_store.close()
         self.pool.clear()
 
     def tracked_params(self) -> list[nn.Parameter]:
@@ -452,19 +453,20 @@ class Stage3Optimizer:
         persistent_full = sum(u.full.untyped_storage().nbytes() for u in self.units if u.persistent)
         gathered = sum(u.full.untyped_storage().nbytes() for u in self.units if not u.persistent)
         masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units)
-        shards = sum(nbytes(u.shard) for u in self.units)
+        shards = sum(u.shard.untyped_storage().nbytes() for u in self.units)  # resident (NVMe: read ahead)
         master_off = self.policy.master_tier is not None and self.policy.master_tier.offloaded
         param_off = self.policy.param_tier is not None and self.policy.param_tier.offloaded
+        on_disk = not isinstance(self.store, InMemory)  # NVMe: what is resident now (read for a step)
         return {
             "params_trainable": 0 if param_off else shards,
             "gradients": sum(nbytes(u.grad_shard) for u in self.units),
             "master_weights": 0 if master_off else masters,
             "optimizer_state": 0 if master_off else state,
             "host_params": shards if param_off else 0,
-            "host_master_weights": (masters if master_off else 0) if self.store is None else 0,
-            "host_optimizer_state": (state if master_off else 0) if self.store is None else self.store.resident_bytes,
+            "host_master_weights": masters if master_off and not on_disk else 0,
+            "host_optimizer_state": self.store.resident_bytes if on_disk else (state if master_off else 0),
             "comm_buffers": self.pool.held_bytes,
-            "nvme_bytes": self.store.disk_bytes if self.store is not None else 0,
+            "nvme_bytes": self.store.disk_bytes + self.param_store.disk_bytes,
             "persistent_params": persistent_full,
             "gathered_params": gathered,
             "peak_gathered_params": self.peak_gathered_numel * self.units[0].full.element_size() if self.units else 0,
@@ -522,9 +524,9 @@ class Stage3Optimizer:
     def write_back(self, unit: ShardedUnit) -> None:
         """After the full parameters of a gathered unit were modified: update this rank's shards."""
         lo, hi = unit.layout.owned(self.shard_rank)
-        unit.shard.copy_(unit.full[lo:hi])
-        if unit.master is not unit.shard:
-            unit.master.copy_(unit.full[lo:hi])
+        keyed = [(k, units) for k, units in self._keyed_sub_groups() if unit in units]
+        with self.store.resident(keyed, self._sub_group_tensors):
+            unit.overwrite_shard(unit.full[lo:hi])
 
     # -- divergence --------------------------------------------------------------------------------
     def _wait_or_diagnose(self, handle: Handle | None, what: str) -> None:

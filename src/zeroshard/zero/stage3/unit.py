@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.nvme_store import InMemory, Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.buffers import BufferPool
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
@@ -45,6 +46,7 @@ class ShardedUnit:
         device: torch.device,
         master_tier: Tier | None = None,
         param_tier: Tier | None = None,
+        home: Residency | None = None,
     ):
         self.index = index
         self.name = name
@@ -73,6 +75,7 @@ class ShardedUnit:
             compute_dtype == torch.float32
             and master_tier.device == param_tier.device
             and not (master_tier.offloaded and not param_tier.offloaded)
+            and param_tier.kind != "nvme"  # the shard leaves memory between uses; the optimizer's master stays
         )
         if alias:
             self.master = self.shard
@@ -85,6 +88,11 @@ class ShardedUnit:
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         for view, param in zip(self.views, params, strict=True):
             param.data = view
+        # where the compute shard lives between uses: in memory, or on NVMe (offload_param.device "nvme"),
+        # read back for each gather and written after each optimizer step
+        self.home: Residency = home or InMemory()
+        self.key = f"param/{index}"
+        self.home.place(self.key, [self.shard])
         # backward bookkeeping
         self.staging: torch.Tensor | None = None
         self.seen: set[int] = set()
@@ -108,6 +116,8 @@ class ShardedUnit:
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
         lo, hi = self.layout.owned(self.shard_rank)
+        self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
+        self.home.ready(self.key)
         source = self.shard
         if source.device != self.full.device:  # offload_param: bring this rank's shard over first
             source = self.full[lo:hi]
@@ -121,6 +131,7 @@ class ShardedUnit:
             assert self._pending is not None
             self._pending.wait()
             self._pending = None
+            self.home.drop(self.key)  # unchanged since it was read: the disk copy is current
             for view, param in zip(self.views, self.params, strict=True):
                 param.data = view
             self.state = UnitState.GATHERED
@@ -182,6 +193,21 @@ class ShardedUnit:
 
     # -- after the optimizer step ------------------------------------------------------------------
     def publish(self) -> None:
-        """Copy the updated master shard into the compute-dtype shard (no-op when they alias)."""
+        """Copy the updated master shard into the compute-dtype shard (no-op when they alias); a shard on
+        NVMe starts being written back (`settle_shard` waits and frees it)."""
         if self.master is not self.shard:
+            self.home.claim(self.key)
             self.shard.copy_(self.master)
+            self.home.evict(self.key)
+
+    def overwrite_shard(self, values: torch.Tensor) -> None:
+        """The compute shard := `values` (and the master, when separate), written through to its home."""
+        self.home.claim(self.key)
+        self.shard.copy_(values)
+        self.home.evict(self.key)
+        self.home.settle(self.key)
+        if self.master is not self.shard:
+            self.master.copy_(values)
+
+    def settle_shard(self) -> None:
+        self.home.settle(self.key)
