@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from zeroshard.offload.host_memory import fix_mmap_threshold
 from zeroshard.offload.nvme import NvmeSwapper, SwapHandle
 
 T = TypeVar("T")
@@ -47,12 +48,13 @@ class NvmeStateStore:
         self.swapper = swapper
         self._entries: dict[str, _Entry] = {}
         self._holding = False
+        fix_mmap_threshold()  # freed entries must leave the process: [Note: glibc's mmap threshold]
 
     def _collect(self, key: str, tensors: Sequence[torch.Tensor]) -> _Entry:
         entry = self._entries.get(key)
-        seen = {b.untyped_storage().data_ptr() for b in entry.bases} if entry else set()
         if entry is None:
             entry = self._entries[key] = _Entry()
+        seen = {b.untyped_storage().data_ptr() for b in entry.bases if b.untyped_storage().nbytes()}
         for t in tensors:  # tensors created since the last eviction (optimizer state after a first step)
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
@@ -63,9 +65,18 @@ class NvmeStateStore:
         return entry
 
     def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
-        """Write `tensors` out now and free their memory (initial placement)."""
-        self.evict(key, tensors)
-        self.settle(key)
+        """Write `tensors` out now and free their memory (initial placement). Tensors may join an entry
+        already on disk one call at a time, so that construction never holds a whole entry in memory."""
+        entry = self._entries.get(key)
+        if entry is None or entry.resident:
+            self.evict(key, tensors)
+            self.settle(key)
+            return
+        first = len(entry.bases)
+        self._collect(key, tensors)
+        for i in range(first, len(entry.bases)):
+            self.swapper.swap_out(f"{key}/{i}", _alias(entry.bases[i])).wait()
+            entry.bases[i].untyped_storage().resize_(0)
 
     def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Start writing `tensors` (and what was fetched under `key`) out; `settle` frees their memory.

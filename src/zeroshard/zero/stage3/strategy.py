@@ -84,7 +84,10 @@ class Stage3Optimizer:
         grad_dtype = base.comm_dtype if policy.gradient_accumulation_steps == 1 else base.grad_accum_dtype
         modules = dict(module.named_modules())
         self.param_store: Residency = policy.param_nvme() if policy.param_nvme is not None else InMemory()
+        self.store: Residency = policy.nvme() if policy.nvme is not None else InMemory()
         self.units: list[ShardedUnit] = []
+        self._pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = [[] for _ in groups]
+        sub_group = SubGroupCounter(policy.sub_group_numel)
         for index, spec in enumerate(plan_units(module, policy.unit_policy, policy.persistence_threshold)):
             params = [named[n] for n in spec.param_names]
             rows = [
@@ -107,12 +110,14 @@ class Stage3Optimizer:
             )
             unit.release()
             self.units.append(unit)
+            self._add_pieces(unit)
+            # NVMe: each master goes to disk as soon as it exists (the optimizer state follows after a step)
+            self.store.place(f"subgroup{sub_group.add(unit.layout.shard_numel)}", [unit.master])
         cast_floating_buffers(module, base.compute_dtype)
         self._numels = [u.numel for u in self.units]  # fixed once the units exist; read on every event
         self.pool = BufferPool(device)
         self.trace = ExecutionTrace()
         self.optimizer: torch.optim.Optimizer | None = None
-        self._pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = self._build_pieces(len(groups))
         self._inflight: list[tuple[Handle, Callable[[], None], str]] = []
         self._placeholders: list[torch.Tensor] = []
         self._forward_calls: dict[int, int] = {}
@@ -125,21 +130,14 @@ class Stage3Optimizer:
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
-        self.store: Residency = policy.nvme() if policy.nvme is not None else InMemory()
-        for key, units in self._keyed_sub_groups():  # NVMe: masters go to disk now, optimizer state after a step
-            self.store.place(key, [u.master for u in units])
 
     # -- construction ------------------------------------------------------------------------------
-    def _build_pieces(self, n_groups: int) -> list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]]:
+    def _add_pieces(self, unit: ShardedUnit) -> None:
         """Per optimizer group: (unit, master view, grad view) of the owned range that is that group's."""
-        pieces: list[list[tuple[ShardedUnit, torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_groups)]
-        for unit in self.units:
-            for group, begin, end in unit.layout.group_pieces(self.shard_rank):
-                if group < n_groups:
-                    pieces[group].append(
-                        (unit, unit.master.narrow(0, begin, end - begin), unit.grad_shard.narrow(0, begin, end - begin))
-                    )
-        return pieces
+        for group, begin, end in unit.layout.group_pieces(self.shard_rank):
+            if group < len(self._pieces):
+                master, grad = unit.master.narrow(0, begin, end - begin), unit.grad_shard.narrow(0, begin, end - begin)
+                self._pieces[group].append((unit, master, grad))
 
     def master_param_groups(self) -> list[dict[str, Any]]:
         groups = []
@@ -326,22 +324,14 @@ class Stage3Optimizer:
         self.zero_grad()
         return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
 
-    def _sub_groups(self) -> Iterator[list[ShardedUnit]]:
-        """Units in chunks of about `sub_group_size` shard elements: one optimizer call (and one set of
-        fp32 gradient temporaries) per chunk, as DeepSpeed's sub-groups."""
-        chunk: list[ShardedUnit] = []
-        size = 0
-        for unit in self.units:
-            chunk.append(unit)
-            size += unit.layout.shard_numel
-            if size >= self.policy.sub_group_numel:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
-
     def _keyed_sub_groups(self) -> list[tuple[str, list[ShardedUnit]]]:
-        return [(f"subgroup{k}", units) for k, units in enumerate(self._sub_groups())]
+        """Units in chunks of about `sub_group_size` shard elements: one optimizer call (and one set of
+        fp32 gradient temporaries, one NVMe swap entry) per chunk, as DeepSpeed's sub-groups."""
+        counter = SubGroupCounter(self.policy.sub_group_numel)
+        chunks: dict[int, list[ShardedUnit]] = {}
+        for unit in self.units:
+            chunks.setdefault(counter.add(unit.layout.shard_numel), []).append(unit)
+        return [(f"subgroup{k}", units) for k, units in chunks.items()]
 
     def _sub_group_tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
         members = {u.index for u in units}
@@ -580,6 +570,22 @@ class Stage3Optimizer:
                 + "; ".join(f"rank {r}: {n} gathers (digest {d})" for r, (d, n) in enumerate(rows))
                 + ". Every rank must run the same modules in the same order."
             )
+
+
+class SubGroupCounter:
+    """Numbers consecutive units into sub-groups: a sub-group closes once it holds `limit` shard elements."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.index = 0
+        self.size = 0
+
+    def add(self, shard_numel: int) -> int:
+        """The sub-group of the next unit."""
+        if self.size >= self.limit:
+            self.index, self.size = self.index + 1, 0
+        self.size += shard_numel
+        return self.index
 
 
 def _materialize(
