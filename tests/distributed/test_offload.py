@@ -106,9 +106,14 @@ def test_offload_states_and_reload_continue_bit_identically():
             assert plain == offloaded, (stage, plain, offloaded)
 
 
-def _nvme_rss(rank: int, world_size: int, nvme_path: str):
-    import resource
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
+
+def _nvme_rss(rank: int, world_size: int, nvme_path: str, layers: int, width: int, params_on_nvme: bool):
+    """Train `layers` x `width` for two steps (bf16, stage 3, AdamW state and masters on NVMe, optionally the
+    compute shards too); returns (peak RSS before the model existed, peak RSS after, report, losses)."""
     import torch
 
     import zeroshard
@@ -116,8 +121,9 @@ def _nvme_rss(rank: int, world_size: int, nvme_path: str):
 
     def run(cfg: GPTConfig, sub_group: int):
         torch.manual_seed(0)
-        with zeroshard.zero_init():
+        with zeroshard.zero_init():  # no full copy of the model at any time
             model = GPT(cfg)
+        offload = {"device": "nvme", "nvme_path": nvme_path}
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "bf16": {"enabled": True},
@@ -128,7 +134,8 @@ def _nvme_rss(rank: int, world_size: int, nvme_path: str):
                 "sub_group_size": sub_group,
                 "stage3_max_reuse_distance": 0,
                 "stage3_prefetch_bucket_size": 1,
-                "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
+                "offload_optimizer": offload,
+                "offload_param": {**offload, "buffer_count": 2} if params_on_nvme else {"device": "none"},
             },
         }
         engine, *_ = zeroshard.initialize(model=model, config=config)
@@ -140,35 +147,156 @@ def _nvme_rss(rank: int, world_size: int, nvme_path: str):
             engine.step()
             losses.append(loss.item())
         report = engine.memory_report()
-        largest = max(u.layout.shard_numel for u in engine.zero.units)
         engine.zero.hooks.remove()  # not destroy(): that gathers the whole model on purpose
         engine.zero.store.close()
-        return report, losses, largest
+        engine.zero.param_store.close()
+        return report, losses
 
     run(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False), 1000)  # warm-up
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    report, losses, largest = run(
-        GPTConfig(vocab_size=8192, block_size=16, n_layer=14, n_head=12, n_embd=768, bias=False), 2_500_000
-    )
-    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    return growth, report, losses, largest
+    before = _vm_hwm()
+    report, losses = run(GPTConfig(vocab_size=8192, block_size=16, n_layer=layers, n_head=8, n_embd=width), 1)
+    return before, _vm_hwm(), report, losses
 
 
-def test_nvme_optimizer_offload_memory_model(tmp_path, monkeypatch):
-    """A 105M-parameter model, stage 3, bf16, AdamW with master weights and Adam moments on NVMe (12 bytes per
-    parameter, 1.2 GB). What stays in memory: the bf16 compute and gradient shards (4 B/param), at most two
-    sub-groups of optimizer state (one stepping, one being read; sub-groups are whole units, so the largest
-    unit sets the size), fp32 gradient temporaries of one sub-group, and the working set.
-    Measured: +821 MiB = 0.68 x the optimizer state. The issue's target (< 0.5 x) is NOT met yet: it needs
-    sub-groups smaller than a unit (separate master storages per chunk) - left for the offload follow-up.
-    (A fixed mmap threshold makes RSS follow live tensors, see test_stage3_features.)"""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    [(growth, report, losses, largest)] = run_on_ranks(_nvme_rss, 1, str(tmp_path), timeout=600)
+def test_zero_infinity_peak_rss_below_half_the_optimizer_state(tmp_path):
+    """A 310M-parameter model, stage 3, bf16, AdamW; master weights, Adam moments (12 B/param, 3.5 GiB) and the
+    bf16 compute shards on NVMe. What stays in memory: the bf16 gradient shard (2 B/param), two sub-groups of
+    optimizer state (one stepping, the next being read), the gathered units, activations, and the interpreter
+    with torch (~350 MiB). Measured: the process's peak RSS is 0.40 x the optimizer state (1.39 GiB)."""
+    [(_, peak, report, losses)] = run_on_ranks(_nvme_rss, 1, str(tmp_path), 24, 1024, True, timeout=600)
+    numel = report.trainable_numel
+    state_bytes = 12 * numel
+    assert numel >= 300_000_000
+    assert abs(report.nvme_bytes - 14 * numel) <= 0.02 * 14 * numel, report
+    assert report.host_optimizer_state == 0 and report.host_params == 0, "still resident after the step"
+    assert peak < 0.5 * state_bytes, f"peak RSS {peak / 2**20:.0f} MiB = {peak / state_bytes:.2f} x the state"
+    assert losses[1] < losses[0], losses
+    assert not any(tmp_path.iterdir()), "swap files must be removed when the stores close"
+
+
+def test_nvme_optimizer_offload_memory_growth(tmp_path):
+    """A 105M-parameter model, optimizer state only on NVMe (the bf16 compute shards stay in memory: 2 B/param).
+    Measured: peak RSS grows by 0.54 x the optimizer state (0.68 x before freed storages were given back to the
+    OS, [Note: glibc's mmap threshold]; 1.45 x without that fix). Sub-groups are whole units, so two units' state
+    (2 x 85 MB here) is the working set of the step; splitting units' masters into separate storages would
+    lower it further."""
+    [(before, peak, report, losses)] = run_on_ranks(_nvme_rss, 1, str(tmp_path), 14, 768, False, timeout=600)
     state_bytes = 12 * report.trainable_numel
     assert report.trainable_numel >= 100_000_000
     assert abs(report.nvme_bytes - state_bytes) <= 0.02 * state_bytes, report
     assert report.host_optimizer_state == 0, "optimizer state resident after the step"
-    # without offload the process would hold the shards (4 B/param) plus the whole state (12 B/param)
-    assert growth < state_bytes, f"RSS grew {growth / 2**20:.0f} MiB: the optimizer state is not offloaded"
+    growth = peak - before
+    assert growth < 0.6 * state_bytes, f"RSS grew {growth / 2**20:.0f} MiB = {growth / state_bytes:.2f} x the state"
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert not any(tmp_path.iterdir()), "swap files must be removed when the engine closes them"
+    assert not any(tmp_path.iterdir()), "swap files must be removed when the stores close"
+
+
+def _bad_offload_inputs(rank: int, world_size: int, root: str):
+    import os
+    import shutil
+    from collections import namedtuple
+
+    import zeroshard
+    from helpers.parity import Case, build_model, ds_config
+
+    missing = os.path.join(root, "missing")
+    readonly = os.path.join(root, "readonly")
+    os.mkdir(readonly, mode=0o555)
+    cases = {
+        "param path missing": (3, {"offload_param": {"device": "nvme", "nvme_path": missing}}),
+        "optimizer path missing": (2, {"offload_optimizer": {"device": "nvme", "nvme_path": missing}}),
+        "param path read-only": (3, {"offload_param": {"device": "nvme", "nvme_path": readonly}}),
+        "disk full": (3, {"offload_optimizer": {"device": "nvme", "nvme_path": root}}),
+        "offload_param with stage 2": (2, {"offload_param": {"device": "cpu"}}),
+        "unknown device": (3, {"offload_optimizer": {"device": "gpu"}}),
+    }
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    errors = {}
+    for name, (stage, zero) in cases.items():
+        config = ds_config(Case(stage=stage))
+        config["zero_optimization"].update(zero)
+        if name == "disk full":
+            shutil.disk_usage = lambda path: usage(1 << 40, (1 << 40) - 4096, 4096)  # type: ignore[assignment]
+        try:
+            zeroshard.initialize(model=build_model(Case(stage=stage)), config=config)
+            errors[name] = None
+        except zeroshard.ConfigError as err:
+            errors[name] = str(err)
+        finally:
+            shutil.disk_usage = real_usage
+    os.chmod(readonly, 0o755)
+    return errors, sorted(os.listdir(root)), os.access(readonly, os.W_OK) and os.geteuid() == 0
+
+
+def test_bad_offload_inputs_fail_before_training_and_leave_nothing(tmp_path):
+    [(errors, left, root_user)] = run_on_ranks(_bad_offload_inputs, 1, str(tmp_path))
+    expect = {
+        "param path missing": ["zero_optimization.offload_param.nvme_path", "does not exist"],
+        "optimizer path missing": ["zero_optimization.offload_optimizer.nvme_path", "does not exist"],
+        "param path read-only": ["zero_optimization.offload_param.nvme_path", "not writable"],
+        "disk full": ["zero_optimization.offload_optimizer.nvme_path", "free", "bytes"],
+        "offload_param with stage 2": ["offload_param", "stage 3"],
+        "unknown device": ["offload_optimizer.device", "gpu"],
+    }
+    for name, words in expect.items():
+        if name == "param path read-only" and root_user:
+            continue  # root writes to a 0555 directory; the unit tests cover a read-only mount
+        assert errors[name] is not None, f"{name}: no error"
+        assert all(w in errors[name] for w in words), (name, errors[name])
+    assert left == ["readonly"], f"files left behind: {left}"
+
+
+RESUME = [
+    Case(stage=2, offload="nvme", gas=2, steps=4),
+    Case(stage=3, offload="nvme", offload_param="nvme", sub_group=4000, gas=2, steps=4),
+    Case(stage=3, offload="cpu", offload_param="nvme", dtype="bf16", steps=4),
+]
+
+
+def _nvme_checkpoint_resume(rank: int, world_size: int, root: str):
+    import os
+
+    import zeroshard
+    from helpers.parity import build_model, ds_config, global_batches, micro_batch, param_groups
+
+    def train(engine, case, batches):
+        losses = []
+        for batch in batches:
+            for k in range(case.gas):
+                loss = engine(*micro_batch(batch, k, rank, world_size, case.micro))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses
+
+    def params(engine):
+        return torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()])
+
+    out = []
+    for i, case in enumerate(RESUME):
+        batches = global_batches(case, world_size)
+        runs = []
+        for resumed in (False, True):
+            torch.manual_seed(7 if resumed else 0)  # the resumed engine starts from other weights
+            model = build_model(case)
+            engine, *_ = zeroshard.initialize(
+                model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+            )
+            if resumed:
+                engine.load_checkpoint(os.path.join(root, str(i)))
+            else:
+                train(engine, case, batches[:2])
+                engine.save_checkpoint(os.path.join(root, str(i)))
+            runs.append((train(engine, case, batches[2:]), params(engine)))
+            engine.destroy()
+        out.append(runs)
+    return out
+
+
+def test_nvme_checkpoints_resume_bit_identically(tmp_path):
+    """Checkpoints read the offloaded state from the swap files and a load writes it back there."""
+    for per_case in run_on_ranks(_nvme_checkpoint_resume, 2, str(tmp_path)):
+        for case, ((losses, params), (resumed_losses, resumed_params)) in zip(RESUME, per_case, strict=True):
+            assert resumed_losses == losses, case.name
+            assert torch.equal(resumed_params, params), case.name

@@ -89,8 +89,9 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _buffer(data: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU uint8 tensor, without a copy."""
-    return memoryview(cast(bytes, data.numpy()))
+    """The bytes of a contiguous CPU uint8 tensor, without a copy. Through a DLPack alias: `.numpy()` marks the
+    storage it is called on non-resizable for good, and NVMe offload resizes the storages it saves."""
+    return memoryview(cast(bytes, torch.from_dlpack(data).numpy()))
 
 
 def _header_bytes(specs: Sequence[TensorSpec], metadata: Mapping[str, str], crcs: Mapping[str, str]) -> bytes:

@@ -1,0 +1,162 @@
+"""ZeRO-Infinity: train a model whose model states do not fit in this machine's RAM, with stage 3 and both the
+parameters and the optimizer state on NVMe.
+
+    python -m benchmarks.infinity --path /tmp --layers 35 --width 2048 --steps 4   # 1.76B parameters
+    python -m benchmarks.infinity --path /tmp --layers 2 --width 256 --steps 3      # a smoke run
+
+One process (world size 1: the point is the tiers, not the data-parallel split), fp32 compute (bf16 matmuls are
+~60x slower on CPUs without bf16 units), AdamW, a byte-level GPT built on the meta device (`zero_init`) so no
+full copy ever exists, trained on the bundled corpus. Reported per step: loss, step time, peak RSS (VmHWM) and
+bytes read/written by the process (/proc/self/io); once: the model states' size (16 bytes per parameter: fp32
+weights, gradients and Adam's two moments, plus the separate fp32 master the NVMe tiers keep), the swap files'
+size, and the RAM of the machine. JSON to --json, a markdown summary to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.machine import describe, total_ram_bytes
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _io() -> tuple[int, int]:
+    values = {}
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            key, value = line.split(":")
+            values[key] = int(value)
+    return values["read_bytes"], values["write_bytes"]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.data import ByteBlocks, stdlib_corpus
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 128 or 1, n_embd=args.width
+    )
+    started = time.perf_counter()
+    with zeroshard.zero_init():
+        model = GPT(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": args.sub_group,
+            "stage3_prefetch_bucket_size": 1,
+            "stage3_max_reuse_distance": 0,
+            "offload_param": {"device": "nvme", "nvme_path": args.path, "buffer_count": 2},
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.path},
+        },
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    init_s = time.perf_counter() - started
+    data = ByteBlocks(stdlib_corpus(4_000_000), args.seq)
+    steps = []
+    for step in range(args.steps):
+        rows = [data[(step * args.batch + i) * 7919 % len(data)] for i in range(args.batch)]
+        x = torch.stack([r[0] for r in rows])
+        y = torch.stack([r[1] for r in rows])
+        read0, write0 = _io()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        read1, write1 = _io()
+        steps.append(
+            {
+                "loss": loss.item(),
+                "step_s": t2 - t0,
+                "forward_backward_s": t1 - t0,
+                "optimizer_s": t2 - t1,
+                "read_bytes": read1 - read0,
+                "written_bytes": write1 - write0,
+                "peak_rss_bytes": _status("VmHWM"),
+            }
+        )
+        print(json.dumps({"step": step, **steps[-1]}), flush=True)
+    report = engine.memory_report()
+    swap_bytes = sum(f.stat().st_size for f in Path(args.path).glob("zeroshard_swap_*/**/*") if f.is_file())
+    engine.zero.hooks.remove()  # not destroy(): that gathers the whole model into memory on purpose
+    engine.zero.store.close()
+    engine.zero.param_store.close()
+    return {
+        "machine": describe(),
+        "params": numel,
+        "model_states_16_bytes_per_param": 16 * numel,
+        "ram_bytes": total_ram_bytes(),
+        "swap_file_bytes": swap_bytes,
+        "nvme_bytes_reported": report.nvme_bytes,
+        "resident_model_state_bytes": report.model_states,
+        "init_s": init_s,
+        "peak_rss_bytes": _status("VmHWM"),
+        "steps": steps,
+        "args": vars(args),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    gib = 2**30
+    lines = [
+        f"{result['params'] / 1e9:.2f}B parameters; model states 16 B/param = "
+        f"{result['model_states_16_bytes_per_param'] / gib:.1f} GiB against {result['ram_bytes'] / gib:.1f} GiB of RAM; "
+        f"swap files {result['swap_file_bytes'] / gib:.1f} GiB; peak RSS {result['peak_rss_bytes'] / gib:.2f} GiB; "
+        f"set-up (build + write the first copies) {result['init_s']:.0f} s.",
+        "",
+        "| step | loss | step s | fwd+bwd s | optimizer s | read GiB | written GiB | peak RSS GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, s in enumerate(result["steps"]):
+        lines.append(
+            f"| {i} | {s['loss']:.4f} | {s['step_s']:.1f} | {s['forward_backward_s']:.1f} | {s['optimizer_s']:.1f} | "
+            f"{s['read_bytes'] / gib:.1f} | {s['written_bytes'] / gib:.1f} | {s['peak_rss_bytes'] / gib:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", default="/tmp", help="nvme_path for parameters and optimizer state")
+    parser.add_argument("--layers", type=int, default=35)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--sub-group", type=int, default=100_000_000, help="sub_group_size")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    result = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
