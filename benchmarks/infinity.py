@@ -69,13 +69,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sub_group_size": args.sub_group,
             "stage3_prefetch_bucket_size": 1,
             "stage3_max_reuse_distance": 0,
-            "offload_param": {"device": "nvme", "nvme_path": args.path, "buffer_count": 2},
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.path},
+            "offload_param": {"device": args.offload, "nvme_path": args.path, "buffer_count": 2},
+            "offload_optimizer": {"device": args.offload, "nvme_path": args.path},
         },
     }
     engine, *_ = zeroshard.initialize(model=model, config=config)
     init_s = time.perf_counter() - started
     data = ByteBlocks(stdlib_corpus(4_000_000), args.seq)
+    held_out = [data[len(data) - 1 - i] for i in range(args.eval_batch)]  # never trained on
+    eval_x = torch.stack([r[0] for r in held_out])
+    eval_y = torch.stack([r[1] for r in held_out])
+
+    def evaluate() -> float | None:
+        if not args.eval_batch:
+            return None
+        with torch.no_grad():
+            return float(engine(eval_x, eval_y).item())
+
+    eval_before = evaluate()
     steps = []
     for step in range(args.steps):
         rows = [data[(step * args.batch + i) * 7919 % len(data)] for i in range(args.batch)]
@@ -89,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
         t2 = time.perf_counter()
         read1, write1 = _io()
+        eval_loss = evaluate()
         steps.append(
             {
                 "loss": loss.item(),
@@ -98,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "read_bytes": read1 - read0,
                 "written_bytes": write1 - write0,
                 "peak_rss_bytes": _status("VmHWM"),
+                "held_out_loss": eval_loss,
             }
         )
         print(json.dumps({"step": step, **steps[-1]}), flush=True)
@@ -115,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "nvme_bytes_reported": report.nvme_bytes,
         "resident_model_state_bytes": report.model_states,
         "init_s": init_s,
+        "held_out_loss_before": eval_before,
         "peak_rss_bytes": _status("VmHWM"),
         "steps": steps,
         "args": vars(args),
@@ -125,19 +139,60 @@ def markdown(result: dict[str, Any]) -> str:
     gib = 2**30
     lines = [
         f"{result['params'] / 1e9:.2f}B parameters; model states 16 B/param = "
-        f"{result['model_states_16_bytes_per_param'] / gib:.1f} GiB against {result['ram_bytes'] / gib:.1f} GiB of RAM; "
+        f"{result['model_states_16_bytes_per_param'] / gib:.1f} GiB against "
+        f"{result['ram_bytes'] / gib:.1f} GiB of RAM; "
         f"swap files {result['swap_file_bytes'] / gib:.1f} GiB; peak RSS {result['peak_rss_bytes'] / gib:.2f} GiB; "
         f"set-up (build + write the first copies) {result['init_s']:.0f} s.",
         "",
-        "| step | loss | step s | fwd+bwd s | optimizer s | read GiB | written GiB | peak RSS GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| step | train loss | held-out loss after | step s | fwd+bwd s | optimizer s | read GiB | written GiB "
+        "| peak RSS GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    before = result.get("held_out_loss_before")
+    if before is not None:
+        lines.append(f"| before | | {before:.4f} | | | | | | |")
     for i, s in enumerate(result["steps"]):
+        held = s.get("held_out_loss")
+        held_text = "" if held is None else f"{held:.4f}"
         lines.append(
-            f"| {i} | {s['loss']:.4f} | {s['step_s']:.1f} | {s['forward_backward_s']:.1f} | {s['optimizer_s']:.1f} | "
+            f"| {i} | {s['loss']:.4f} | {held_text} | {s['step_s']:.1f} | {s['forward_backward_s']:.1f} | "
+            f"{s['optimizer_s']:.1f} | "
             f"{s['read_bytes'] / gib:.1f} | {s['written_bytes'] / gib:.1f} | {s['peak_rss_bytes'] / gib:.2f} |"
         )
     return "\n".join(lines)
+
+
+def page_section(results_dir: Path) -> str | None:
+    """The docs/benchmarks.md section for every recorded `infinity-*.json` (None when there is none)."""
+    parts = []
+    for path in sorted(results_dir.glob("infinity-*.json")):
+        result = json.loads(path.read_text())
+        args = result["args"]
+        machine = result["machine"]
+        command = (
+            f"python -m benchmarks.infinity --path {args['path']} --layers {args['layers']} --width {args['width']} "
+            f"--seq {args['seq']} --batch {args['batch']} --steps {args['steps']} --lr {args['lr']} "
+            f"--json benchmarks/results/{path.name}"
+        )
+        parts += [
+            f"`{command}` ({machine.get('cpu', 'CPU')}, {machine.get('date', '')}):",
+            "",
+            markdown(result),
+            "",
+        ]
+    if not parts:
+        return None
+    head = [
+        "## ZeRO-Infinity: model states larger than RAM (issue 5)",
+        "",
+        "Stage 3, world size 1, fp32 compute, AdamW; parameters and optimizer state on NVMe (`/tmp`, the VM's "
+        "virtio disk), nothing else in memory but the fp32 gradient shard (4 B/param), the units in use and the "
+        "working set of one optimizer sub-group. Read/written: the process's block I/O per step "
+        "(/proc/self/io): parameters read for forward and again for backward, master + Adam moments read and "
+        "written, new parameter shards written.",
+        "",
+    ]
+    return "\n".join(head + parts).rstrip()
 
 
 def main() -> None:
@@ -150,6 +205,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--sub-group", type=int, default=100_000_000, help="sub_group_size")
+    parser.add_argument("--offload", choices=("nvme", "none"), default="nvme", help="none: the in-memory reference")
+    parser.add_argument("--eval-batch", type=int, default=4, help="held-out blocks evaluated after every step (0: off)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     result = run(args)

@@ -222,6 +222,11 @@ def publish(summary: dict[str, Any], out: Path) -> None:
         from benchmarks import micro
 
         micro_md = micro.markdown(summary["micro"])
+    from benchmarks import infinity
+
+    infinity_md = infinity.page_section(Path(__file__).parent / "results")
+    if infinity_md:  # recorded by its own, much longer, run (python -m benchmarks.infinity)
+        micro_md = "\n\n".join(part for part in (micro_md, infinity_md) if part)
     text = report.render(compared, summary["machine"], summary["command"], plot_path.name if has_plot else None,
                          micro_md, summary.get("settings", {}))
     report.write(out, text)

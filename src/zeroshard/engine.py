@@ -94,6 +94,7 @@ class Engine(CheckpointMixin, nn.Module):
         self._offloader = StateOffloader()
         if zero is not None:  # a plain loss.backward() (not engine.backward) still reduces on the right steps
             zero.set_sync_decider(self._micro_step_syncs)
+            zero.set_boundary_decider(self.is_gradient_accumulation_boundary)
 
     def _micro_step_syncs(self) -> bool:
         return self.zero_stage >= 2 or (self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0)

@@ -30,7 +30,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Offload (CPU and NVMe) and asynchronous I/O.
         "zero_optimization.round_robin_gradients",
         "zero_force_ds_cpu_optimizer",
-        "aio",
+        "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
         "zero_optimization.zero_hpz_partition_size",
         "zero_optimization.zero_quantized_weights",

@@ -21,7 +21,7 @@ from zeroshard.offload.nvme_store import InMemory, Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers, cast_floating_buffers
-from zeroshard.zero.layout import FlatLayout, ParamSpec, build_layout
+from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
 from zeroshard.zero.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.stepmath import step_scale
 
@@ -131,6 +131,16 @@ class ZeroOptimizer:
         self.reducer.register_hooks()
         self.optimizer: torch.optim.Optimizer | None = None
         self._master_grads: list[torch.Tensor | None] = []
+        # [Note: gradients to the host during backward] With optimizer offload the fp32 gradient copies live on
+        # the host; each bucket's slice is copied as soon as its reduction is final on the accumulation
+        # boundary (on CUDA on a side stream, into pinned memory), so the step finds them there. A slice
+        # updated without a copy leaves the set, and the step copies that group itself.
+        self.boundary_decider: Callable[[], bool] = lambda: True
+        self._host_ready: set[int] = set()
+        self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
+        self.reducer.on_reduced = self._grad_to_host
 
     # -- construction helpers --------------------------------------------------------------------
     def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
@@ -187,6 +197,8 @@ class ZeroOptimizer:
         if decided.overflow:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()  # the gradient copies made during backward have landed
         with torch.profiler.record_function("zeroshard.optimizer_step"):
             # one group at a time (the same arithmetic as one call: the optimizers are elementwise per
             # tensor), so that with NVMe offload only the group being stepped is in memory
@@ -197,16 +209,44 @@ class ZeroOptimizer:
         self.zero_grad()
         return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
 
+    def _grad_to_host(self, bucket: Bucket) -> None:
+        """Reducer callback: `bucket`'s slice of the gradient shard is final for this micro-step."""
+        if not self._master_grads:  # no optimizer attached yet
+            return
+        master_grad = self._master_grads[bucket.group]
+        grad_shard = self.buffers[bucket.group].grad_shard
+        if master_grad is None or master_grad is grad_shard:
+            return
+        if not self.boundary_decider():
+            self._host_ready.discard(bucket.id)
+            return
+        src = grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
+        dst = master_grad.narrow(0, bucket.shard_start, bucket.shard_numel)
+        if self._copy_stream is None:
+            dst.copy_(src)
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                dst.copy_(src, non_blocking=True)
+        self._host_ready.add(bucket.id)
+
+    def set_boundary_decider(self, decider: Callable[[], bool]) -> None:
+        """`decider()` says, during a backward, whether it is the last micro-step before the optimizer step."""
+        self.boundary_decider = decider
+
     def _step_group(self, g: int, scale: float) -> None:
         assert self.optimizer is not None
         buffers, master_grad = self.buffers[g], self._master_grads[g]
         if master_grad is buffers.grad_shard:
             if scale != 1.0:
                 master_grad.mul_(scale)
-        else:  # another dtype, or another tier (offload): copy, then scale there
+        else:  # another dtype, or another tier (offload): copy (unless backward did), then scale there
             if master_grad is None:
                 master_grad = torch.empty_like(buffers.master)
-            master_grad.copy_(buffers.grad_shard)
+            if self._group_buckets[g] <= self._host_ready:
+                self.host_copies_in_backward += 1
+            else:
+                master_grad.copy_(buffers.grad_shard)
             if scale != 1.0:
                 master_grad.mul_(scale)
         buffers.master.grad = master_grad
@@ -262,6 +302,7 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.reducer.finish_backward()
         self.reducer.reset_window()
+        self._host_ready.clear()
 
     # -- the strategy interface the engine uses (shared with stage 3) ----------------------------
     def begin_backward(self, sync: bool) -> None:

@@ -40,6 +40,7 @@ class ReducePolicy:
 class _Inflight:
     handle: Handle
     finish: Callable[[], None]
+    bucket: Bucket
 
 
 class GradientReducer:
@@ -72,6 +73,8 @@ class GradientReducer:
         self._inflight: list[_Inflight] = []
         self._staging: dict[int, torch.Tensor] = {}
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
+        # called with each bucket once its slice of the gradient shard is final for this micro-step
+        self.on_reduced: Callable[[Bucket], None] | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -137,8 +140,7 @@ class GradientReducer:
 
     def wait_all(self) -> None:
         for item in self._inflight:
-            item.handle.wait()
-            item.finish()
+            self._complete(item)
         self._inflight.clear()
 
     def reset_window(self) -> None:
@@ -182,9 +184,13 @@ class GradientReducer:
             self.wait_all()
 
     def _finish_oldest(self) -> None:
-        item = self._inflight.pop(0)
+        self._complete(self._inflight.pop(0))
+
+    def _complete(self, item: _Inflight) -> None:
         item.handle.wait()
         item.finish()
+        if self.on_reduced is not None:
+            self.on_reduced(item.bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         buffers = self.groups[bucket.group]
@@ -221,7 +227,7 @@ class GradientReducer:
                 if staged:
                     self.pool.release(send)
 
-            self._inflight.append(_Inflight(handle, finish_all_reduce))
+            self._inflight.append(_Inflight(handle, finish_all_reduce, bucket))
             return
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
         out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype)
@@ -234,7 +240,7 @@ class GradientReducer:
             if staged:
                 self.pool.release(send)
 
-        self._inflight.append(_Inflight(handle, finish_reduce_scatter))
+        self._inflight.append(_Inflight(handle, finish_reduce_scatter, bucket))
 
     def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket) -> None:
         """Stage 2: reduce-scatter the staged bucket and add this rank's slice into its gradient shard."""
@@ -252,7 +258,7 @@ class GradientReducer:
                 target.add_(staging.narrow(0, lo - bucket.start, bucket.shard_numel))
                 self.pool.release(staging)
 
-            self._inflight.append(_Inflight(handle, finish_all_reduce))
+            self._inflight.append(_Inflight(handle, finish_all_reduce, bucket))
             return
         direct = self._first_window_step and target.dtype == staging.dtype
         out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype)
@@ -264,4 +270,4 @@ class GradientReducer:
                 self.pool.release(out)
             self.pool.release(staging)
 
-        self._inflight.append(_Inflight(handle, finish_reduce_scatter))
+        self._inflight.append(_Inflight(handle, finish_reduce_scatter, bucket))

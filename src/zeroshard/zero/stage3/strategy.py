@@ -27,6 +27,7 @@ from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import CollectiveMismatchError
 from zeroshard.offload.nvme_store import InMemory, Residency
 from zeroshard.offload.tier import Tier
+from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, cast_floating_buffers
 from zeroshard.zero.optimizer import ParamGroupSpec, StepOutcome, ZeroPolicy, _optimizer_state_tensors
@@ -36,11 +37,12 @@ from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitPolicy, layout_unit, plan_units
 from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
-from zeroshard.zero.stepmath import step_scale
+from zeroshard.zero.stepmath import scale_from_norms, tensor_norms
 
 logger = get_logger(__name__)
 
 MAX_INFLIGHT_REDUCES = 2
+MAX_PENDING_GRAD_WRITES = 2
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,15 @@ class Stage3Optimizer:
                 policy.master_tier,
                 policy.param_tier,
                 self.param_store,
+                self.store,
             )
             unit.release()
             self.units.append(unit)
             self._add_pieces(unit)
             # NVMe: each master goes to disk as soon as it exists (the optimizer state follows after a step)
             self.store.place(f"subgroup{sub_group.add(unit.layout.shard_numel)}", [unit.master])
+            self.store.place(unit.grad_key, [unit.grad_shard])
+            unit.zero_grad_shard()
         cast_floating_buffers(module, base.compute_dtype)
         self._numels = [u.numel for u in self.units]  # fixed once the units exist; read on every event
         self.pool = BufferPool(device)
@@ -127,6 +132,14 @@ class Stage3Optimizer:
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
         self._state_dict_gathered: list[bool] = []
         self.sync_decider: Callable[[], bool] = lambda: True
+        self.boundary_decider: Callable[[], bool] = lambda: True
+        # [Note: gradients on NVMe] With the optimizer state on NVMe the gradient shards go there too, each
+        # written as soon as its unit's reduction finishes (at most MAX_PENDING_GRAD_WRITES in memory); their
+        # norms and inf/nan flags are taken on the accumulation boundary right before the write, so the step
+        # computes the clipping scale without reading them back, then reads them sub-group by sub-group.
+        self._grads_on_disk = policy.nvme is not None
+        self._grad_stats: dict[int, tuple[torch.Tensor | None, bool]] = {}
+        self._grad_writes: list[ShardedUnit] = []
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
@@ -247,11 +260,35 @@ class Stage3Optimizer:
         handle, finish = unit.launch_reduce(
             self.comm, self.pool, base.comm_dtype, prescale, self._first_window_step, base.overlap_comm
         )
-        self._inflight.append((handle, finish, f"reduce-scatter of unit {unit.name!r}"))
+
+        def done() -> None:
+            finish()
+            if self._grads_on_disk:
+                self._write_grad(unit)
+
+        self._inflight.append((handle, done, f"reduce-scatter of unit {unit.name!r}"))
         # finish older reductions as new ones start: staging buffers go back to the pool during backward,
         # so at most MAX_INFLIGHT_REDUCES units' full gradients exist at once
         while len(self._inflight) > MAX_INFLIGHT_REDUCES:
             self._finish_oldest_reduce()
+
+    def _write_grad(self, unit: ShardedUnit) -> None:
+        """[Note: gradients on NVMe] the unit's gradient shard is final for this micro-step: record its norm on
+        the boundary, start writing it, and free the oldest shards whose writes are done."""
+        if self.boundary_decider():
+            grad = unit.grad_shard
+            norms = tensor_norms([grad])
+            overflow = self.policy.base.check_overflow and has_inf_or_nan([grad])
+            self._grad_stats[unit.index] = (norms[0] if norms else None, overflow)
+        self.store.evict(unit.grad_key)
+        self._grad_writes.append(unit)
+        while len(self._grad_writes) > MAX_PENDING_GRAD_WRITES:
+            self.store.settle(self._grad_writes.pop(0).grad_key)
+
+    def _settle_grad_writes(self) -> None:
+        for unit in self._grad_writes:
+            self.store.settle(unit.grad_key)
+        self._grad_writes.clear()
 
     def _finish_oldest_reduce(self) -> None:
         handle, finish, what = self._inflight.pop(0)
@@ -270,6 +307,7 @@ class Stage3Optimizer:
             self._reduce(unit)
         while self._inflight:
             self._finish_oldest_reduce()
+        self._settle_grad_writes()
         for unit in self.units:
             unit.end_backward()
             unit.release()
@@ -281,6 +319,10 @@ class Stage3Optimizer:
     def set_sync_decider(self, decider: Callable[[], bool]) -> None:
         self.sync_decider = decider  # stage 3 reduces every micro-step; kept for the interface
 
+    def set_boundary_decider(self, decider: Callable[[], bool]) -> None:
+        """`decider()` says, during a backward, whether it is the last micro-step before the optimizer step."""
+        self.boundary_decider = decider
+
     def step(self, loss_scale: float = 1.0) -> StepOutcome:
         assert self.optimizer is not None, "attach() an optimizer first"
         with torch.profiler.record_function("zeroshard.reduce_wait"):
@@ -288,8 +330,10 @@ class Stage3Optimizer:
         self._check_same_gathers()
         base = self.policy.base
         post = base.gradient_predivide_factor / self.world_size if base.prescale_gradients else 1.0 / self.world_size
-        decided = step_scale(
-            [u.grad_shard for u in self.units],
+        norms, overflow = self._grad_norms()
+        decided = scale_from_norms(
+            norms,
+            overflow,
             self.comm,
             self.world_size > 1,
             post,
@@ -307,9 +351,18 @@ class Stage3Optimizer:
             for placeholder in self._placeholders:
                 placeholder.grad = torch.zeros_like(placeholder)
             previous: list[ShardedUnit] = []
-            # NVMe: sub-group k+1 is read while k steps and k-1 is written back (nvme_store.in_turn)
-            for sub_group in self.store.in_turn(self._keyed_sub_groups(), self._sub_group_tensors):
+            keyed = self._keyed_sub_groups()
+            # NVMe: sub-group k+1 (and its gradients) is read while k steps and k-1 is written back
+            for k, sub_group in enumerate(self.store.in_turn(keyed, self._sub_group_tensors)):
+                if k == 0:
+                    self._fetch_grads(sub_group)
+                if k + 1 < len(keyed):
+                    self._fetch_grads(keyed[k + 1][1])
+                for unit in sub_group:
+                    self.store.ready(unit.grad_key)
                 self._step_sub_group(sub_group, decided.scale)
+                for unit in sub_group:  # not needed after the step (zero_grad follows): freed, not written
+                    self.store.drop(unit.grad_key)
                 for placeholder in self._placeholders:
                     placeholder.grad = None
                 for unit in previous:  # compute shards on NVMe: the previous sub-group's writes are done
@@ -323,6 +376,28 @@ class Stage3Optimizer:
                     self._refresh_gathered(unit)
         self.zero_grad()
         return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
+
+    def _grad_norms(self) -> tuple[list[torch.Tensor], bool]:
+        """Per-tensor gradient norms (in unit order, as `step_scale` takes them) and this rank's overflow flag;
+        with gradients on NVMe from the boundary's records, else (or if a record is missing) from the shards."""
+        grads = [u.grad_shard for u in self.units]
+        if not self._grads_on_disk:
+            return tensor_norms(grads), self.policy.base.check_overflow and has_inf_or_nan(grads)
+        if all(u.index in self._grad_stats or not u.trainable for u in self.units):
+            norms, overflow = [], False
+            for unit in self.units:
+                norm, flag = self._grad_stats.get(unit.index, (None, False))
+                if norm is None:  # a frozen unit: its shard holds zeros
+                    norm = torch.zeros((), device=self.device) if unit.layout.shard_numel else None
+                if norm is not None:
+                    norms.append(norm)
+                overflow = overflow or flag
+            return norms, overflow
+        keyed = [(u.grad_key, u) for u in self.units]  # a backward outside the engine's accounting: read all
+        for unit in self.units:
+            unit.grad_resident()
+        with self.store.resident(keyed, lambda u: [u.grad_shard]):
+            return tensor_norms(grads), self.policy.base.check_overflow and has_inf_or_nan(grads)
 
     def _keyed_sub_groups(self) -> list[tuple[str, list[ShardedUnit]]]:
         """Units in chunks of about `sub_group_size` shard elements: one optimizer call (and one set of
@@ -352,6 +427,10 @@ class Stage3Optimizer:
         with self.store.resident(self._keyed_sub_groups(), self._sub_group_tensors):
             with self.param_store.resident(shards, lambda u: [u.shard]):
                 yield
+
+    def _fetch_grads(self, units: list[ShardedUnit]) -> None:
+        for unit in units:
+            unit.grad_resident()
 
     def _step_sub_group(self, units: list[ShardedUnit], scale: float) -> None:
         assert self.optimizer is not None
@@ -384,7 +463,8 @@ class Stage3Optimizer:
     def zero_grad(self) -> None:
         self.finish_backward()
         for unit in self.units:
-            unit.grad_shard.zero_()
+            unit.zero_grad_shard()
+        self._grad_stats.clear()
         self._first_window_step = True
 
     def destroy(self) -> None:
@@ -449,7 +529,7 @@ class Stage3Optimizer:
         on_disk = not isinstance(self.store, InMemory)  # NVMe: what is resident now (read for a step)
         return {
             "params_trainable": 0 if param_off else shards,
-            "gradients": sum(nbytes(u.grad_shard) for u in self.units),
+            "gradients": sum(u.grad_shard.untyped_storage().nbytes() for u in self.units),  # resident
             "master_weights": 0 if master_off else masters,
             "optimizer_state": 0 if master_off else state,
             "host_params": shards if param_off else 0,

@@ -47,6 +47,7 @@ class ShardedUnit:
         master_tier: Tier | None = None,
         param_tier: Tier | None = None,
         home: Residency | None = None,
+        grad_home: Residency | None = None,
     ):
         self.index = index
         self.name = name
@@ -93,6 +94,12 @@ class ShardedUnit:
         self.home: Residency = home or InMemory()
         self.key = f"param/{index}"
         self.home.place(self.key, [self.shard])
+        # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
+        # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
+        # a shard whose value is zero without being in memory (after the step)
+        self.grad_home: Residency = grad_home or InMemory()
+        self.grad_key = f"grad/{index}"
+        self.grad_zero = False
         # backward bookkeeping
         self.staging: torch.Tensor | None = None
         self.seen: set[int] = set()
@@ -176,16 +183,36 @@ class ShardedUnit:
         if prescale != 1.0:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
+        self.grad_resident(overwrite=into_shard)  # NVMe: reading the accumulated shard overlaps the collective
         out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
         handle = comm.reduce_scatter(out, staging, async_op=async_op, label=f"reduce-scatter of unit {self.name!r}")
 
         def finish() -> None:
             if not into_shard:
+                self.grad_home.ready(self.grad_key)
                 self.grad_shard.add_(out)
                 pool.release(out)
             pool.release(staging)
 
         return handle, finish
+
+    def grad_resident(self, overwrite: bool = False) -> None:
+        """Start making the gradient shard resident (`grad_home.ready` waits): a zero shard is allocated, not
+        read, and zero-filled unless every element is about to be `overwrite`n."""
+        if not self.grad_zero:
+            self.grad_home.fetch(self.grad_key)
+            return
+        self.grad_home.claim(self.grad_key)
+        if not overwrite:
+            self.grad_shard.zero_()
+        self.grad_zero = False
+
+    def zero_grad_shard(self) -> None:
+        """The gradient shard := 0: in memory by zero-filling, on NVMe by marking it (nothing is written)."""
+        if self.grad_home.is_resident(self.grad_key):
+            self.grad_shard.zero_()
+        else:
+            self.grad_zero = True
 
     def end_backward(self) -> None:
         self.seen.clear()
