@@ -86,6 +86,7 @@ class ShardedUnit:
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
+        self._copied_in: torch.cuda.Event | None = None
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         for view, param in zip(self.views, params, strict=True):
             param.data = view
@@ -129,6 +130,9 @@ class ShardedUnit:
         if source.device != self.full.device:  # offload_param: bring this rank's shard over first
             source = self.full[lo:hi]
             source.data.copy_(self.shard, non_blocking=True)
+            if source.is_cuda:  # the host shard may be freed (NVMe) only once this copy has read it
+                self._copied_in = torch.cuda.Event()
+                self._copied_in.record()
         self._pending = comm.all_gather(self.full, source, async_op=async_op, label=f"gather of unit {self.name!r}")
         self.gathers += 1
         self.state = UnitState.GATHERING
@@ -138,6 +142,9 @@ class ShardedUnit:
             assert self._pending is not None
             self._pending.wait()
             self._pending = None
+            if self._copied_in is not None:
+                self._copied_in.synchronize()
+                self._copied_in = None
             self.home.drop(self.key)  # unchanged since it was read: the disk copy is current
             for view, param in zip(self.views, self.params, strict=True):
                 param.data = view
