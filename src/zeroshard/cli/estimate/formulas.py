@@ -112,8 +112,10 @@ def zeroshard_states(
         grads = g * psi + g * psi // n  # full accumulator plus the reduce-scattered shard
     else:
         grads = g * psi // n
-    # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3).
-    master_aliases = p == 4 and (option.stage == 3 or not sharded_states)
+    # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3) and
+    # live on the same tier (stage 3: never when the parameters go to NVMe, which frees them between uses).
+    same_tier = option.stage < 3 or (option.offload_param == option.offload_optimizer != "nvme")
+    master_aliases = p == 4 and (option.stage == 3 or not sharded_states) and same_tier
     master = 0 if master_aliases else 4 * psi // (n if option.stage >= 1 else 1)
     optim = k * psi // (n if option.stage >= 1 else 1)
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
@@ -122,6 +124,8 @@ def zeroshard_states(
     # like stage 2 (DeepSpeed's one code path for both).
     tiers[_tier(option.offload_optimizer)] += master + optim
     grad_tier = "gpu" if option.offload_optimizer == "none" else "cpu"
+    if option.stage == 3 and option.offload_optimizer == "nvme":
+        grad_tier = "nvme"  # stage 3 writes each gradient shard next to the optimizer state (ZeRO-Infinity)
     tiers[grad_tier] += grads
     return ModelStates(params, grads, master, optim, tiers["gpu"], tiers["cpu"], tiers["nvme"])
 
