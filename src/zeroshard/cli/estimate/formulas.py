@@ -113,8 +113,8 @@ def zeroshard_states(
     else:
         grads = g * psi // n
     # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3) and
-    # live on the same tier (stage 3: never when the parameters go to NVMe, which frees them between uses).
-    same_tier = option.stage < 3 or (option.offload_param == option.offload_optimizer != "nvme")
+    # live on the same tier.
+    same_tier = option.stage < 3 or option.offload_param == option.offload_optimizer
     master_aliases = p == 4 and (option.stage == 3 or not sharded_states) and same_tier
     master = 0 if master_aliases else 4 * psi // (n if option.stage >= 1 else 1)
     optim = k * psi // (n if option.stage >= 1 else 1)

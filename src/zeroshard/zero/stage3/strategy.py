@@ -114,8 +114,10 @@ class Stage3Optimizer:
             unit.release()
             self.units.append(unit)
             self._add_pieces(unit)
+            unit.place_shard()
             # NVMe: each master goes to disk as soon as it exists (the optimizer state follows after a step)
-            self.store.place(f"subgroup{sub_group.add(unit.layout.shard_numel)}", [unit.master])
+            masters = [] if unit.master is unit.shard else [unit.master]
+            self.store.place(f"subgroup{sub_group.add(unit.layout.shard_numel)}", masters)
             self.store.place(unit.grad_key, [unit.grad_shard])
             unit.zero_grad_shard()
         cast_floating_buffers(module, base.compute_dtype)
@@ -410,7 +412,7 @@ class Stage3Optimizer:
 
     def _sub_group_tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
         members = {u.index for u in units}
-        out = [u.master for u in units]
+        out = [u.master for u in units if u.master is not u.shard]  # else it lives with the compute shard
         if self.optimizer is not None:
             for pieces in self._pieces:
                 for unit, master, _ in pieces:
@@ -429,12 +431,18 @@ class Stage3Optimizer:
                 yield
 
     def _fetch_grads(self, units: list[ShardedUnit]) -> None:
+        """Start reading what stepping `units` needs besides the optimizer store's entry: gradient shards, and
+        masters that are the compute shards (fp32 with both tiers on NVMe)."""
         for unit in units:
             unit.grad_resident()
+            if unit.master is unit.shard:
+                unit.home.fetch(unit.key)
 
     def _step_sub_group(self, units: list[ShardedUnit], scale: float) -> None:
         assert self.optimizer is not None
         members = {u.index for u in units}
+        for unit in units:
+            unit.master_resident()
         assigned = []
         for pieces in self._pieces:
             for unit, master, grad in pieces:

@@ -76,7 +76,8 @@ class ShardedUnit:
             compute_dtype == torch.float32
             and master_tier.device == param_tier.device
             and not (master_tier.offloaded and not param_tier.offloaded)
-            and param_tier.kind != "nvme"  # the shard leaves memory between uses; the optimizer's master stays
+            # a shard on NVMe leaves memory between uses: one tensor only if the master goes to NVMe as well
+            and (param_tier.kind != "nvme" or master_tier.kind == "nvme")
         )
         if alias:
             self.master = self.shard
@@ -93,8 +94,7 @@ class ShardedUnit:
         # where the compute shard lives between uses: in memory, or on NVMe (offload_param.device "nvme"),
         # read back for each gather and written after each optimizer step
         self.home: Residency = home or InMemory()
-        self.key = f"param/{index}"
-        self.home.place(self.key, [self.shard])
+        self.key = f"param/{index}"  # `place_shard` moves it to its home once every view of it exists
         # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
         # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
         # a shard whose value is zero without being in memory (after the step)
@@ -226,13 +226,23 @@ class ShardedUnit:
         self.reduce_launched = False
 
     # -- after the optimizer step ------------------------------------------------------------------
+    def place_shard(self) -> None:
+        self.home.place(self.key, [self.shard])
+
+    def master_resident(self) -> None:
+        """Before the optimizer steps this unit: a master that is the compute shard is read in (`settle_shard`
+        after `publish` writes it back); a separate master is the optimizer store's business."""
+        if self.master is self.shard:
+            self.home.fetch(self.key)
+            self.home.ready(self.key)
+
     def publish(self) -> None:
-        """Copy the updated master shard into the compute-dtype shard (no-op when they alias); a shard on
-        NVMe starts being written back (`settle_shard` waits and frees it)."""
+        """Copy the updated master shard into the compute-dtype shard (no copy when they are one tensor); a
+        shard on NVMe starts being written back (`settle_shard` waits and frees it)."""
         if self.master is not self.shard:
             self.home.claim(self.key)
             self.shard.copy_(self.master)
-            self.home.evict(self.key)
+        self.home.evict(self.key)
 
     def overwrite_shard(self, values: torch.Tensor) -> None:
         """The compute shard := `values` (and the master, when separate), written through to its home."""
