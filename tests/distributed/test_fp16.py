@@ -8,10 +8,10 @@ from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
 
-def _overflow(rank: int, world_size: int, stage: int):
+def _overflow(rank: int, world_size: int, stage: int, offload: str = "none"):
     import zeroshard
 
-    case = Case(stage=stage, steps=3)
+    case = Case(stage=stage, steps=3, offload=offload)
     model = build_model(case)
     config = ds_config(case)
     config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
@@ -27,7 +27,10 @@ def _overflow(rank: int, world_size: int, stage: int):
     engine.backward(engine(x, y))
     engine.step()
     assert engine.skipped_steps == 0
-    before = [p.detach().clone() for p in engine.module.parameters()]
+    def params():  # state_dict gathers stage-3 parameters (outside forward they are released)
+        return [v.detach().clone() for v in engine.module.state_dict().values()]
+
+    before = params()
     lr_before, scale_before = engine.get_lr(), engine.loss_scale
     if rank == 0:  # poison one gradient on rank 0 only
         handle = engine.module.blocks[1].mlp[0].weight.register_hook(lambda g: g * float("inf"))
@@ -36,19 +39,22 @@ def _overflow(rank: int, world_size: int, stage: int):
     engine.step()
     if rank == 0:
         handle.remove()
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, params(), strict=True))
     result = (engine.skipped_steps, unchanged, engine.loss_scale, scale_before, engine.get_lr(), lr_before)
     x, y = micro_batch(batches[2], 0, rank, world_size, case.micro)
     engine.backward(engine(x, y))
     engine.step()
-    moved = not all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+    moved = not all(torch.equal(a, b) for a, b in zip(before, params(), strict=True))
     engine.destroy()
     return result + (moved,)
 
 
 def test_inf_on_one_rank_skips_step_everywhere():
-    for stage in (1, 2):
-        for skipped, unchanged, scale, scale_before, lr, lr_before, moved in run_on_ranks(_overflow, 2, stage):
+    # stage 3 with NVMe offload decides from the norms and inf/nan flags taken before the gradients were written
+    for stage, offload in ((1, "none"), (2, "none"), (3, "none"), (3, "nvme")):
+        for skipped, unchanged, scale, scale_before, lr, lr_before, moved in run_on_ranks(
+            _overflow, 2, stage, offload
+        ):
             assert skipped == 1
             assert unchanged, "parameters changed on a skipped step"
             assert scale == scale_before / 2, (scale, scale_before)
