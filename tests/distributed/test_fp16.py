@@ -27,6 +27,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none"):
     engine.backward(engine(x, y))
     engine.step()
     assert engine.skipped_steps == 0
+
     def params():  # state_dict gathers stage-3 parameters (outside forward they are released)
         return [v.detach().clone() for v in engine.module.state_dict().values()]
 
@@ -52,9 +53,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none"):
 def test_inf_on_one_rank_skips_step_everywhere():
     # stage 3 with NVMe offload decides from the norms and inf/nan flags taken before the gradients were written
     for stage, offload in ((1, "none"), (2, "none"), (3, "none"), (3, "nvme")):
-        for skipped, unchanged, scale, scale_before, lr, lr_before, moved in run_on_ranks(
-            _overflow, 2, stage, offload
-        ):
+        for skipped, unchanged, scale, scale_before, lr, lr_before, moved in run_on_ranks(_overflow, 2, stage, offload):
             assert skipped == 1
             assert unchanged, "parameters changed on a skipped step"
             assert scale == scale_before / 2, (scale, scale_before)

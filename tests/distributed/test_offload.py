@@ -288,12 +288,13 @@ def _nvme_checkpoint_resume(rank: int, world_size: int, root: str):
             engine, *_ = zeroshard.initialize(
                 model=model, model_parameters=param_groups(model, case), config=ds_config(case)
             )
-            if resumed:
+            if resumed:  # after a step, so the load replaces optimizer state that is already on disk
+                train(engine, case, batches[:1])
                 engine.load_checkpoint(os.path.join(root, str(i)))
             else:
                 train(engine, case, batches[:2])
                 engine.save_checkpoint(os.path.join(root, str(i)))
-            runs.append((train(engine, case, batches[2:]), params(engine)))
+            runs.append((train(engine, case, batches[2:]), params(engine), engine.memory_report().nvme_bytes))
             engine.destroy()
         out.append(runs)
     return out
@@ -302,9 +303,12 @@ def _nvme_checkpoint_resume(rank: int, world_size: int, root: str):
 def test_nvme_checkpoints_resume_bit_identically(tmp_path):
     """Checkpoints read the offloaded state from the swap files and a load writes it back there."""
     for per_case in run_on_ranks(_nvme_checkpoint_resume, 2, str(tmp_path)):
-        for case, ((losses, params), (resumed_losses, resumed_params)) in zip(RESUME, per_case, strict=True):
+        for case, ((losses, params, disk), (resumed_losses, resumed_params, resumed_disk)) in zip(
+            RESUME, per_case, strict=True
+        ):
             assert resumed_losses == losses, case.name
             assert torch.equal(resumed_params, params), case.name
+            assert resumed_disk == disk, f"{case.name}: the load left replaced state in the swap files"
 
 
 def _host_copies(rank: int, world_size: int):

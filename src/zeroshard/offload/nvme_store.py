@@ -38,6 +38,8 @@ def _alias(base: torch.Tensor) -> torch.Tensor:
 class _Entry:
     bases: list[torch.Tensor] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # swap-file key of each base (stable when others leave)
+    created: int = 0
     pending: list[SwapHandle] = field(default_factory=list)
     resident: bool = True
     on_disk: bool = False  # a complete copy was written (the files exist)
@@ -50,18 +52,31 @@ class NvmeStateStore:
         self._holding = False
         fix_mmap_threshold()  # freed entries must leave the process: [Note: glibc's mmap threshold]
 
-    def _collect(self, key: str, tensors: Sequence[torch.Tensor]) -> _Entry:
+    def _collect(self, key: str, tensors: Sequence[torch.Tensor], complete: bool = False) -> _Entry:
+        """Add the storages of `tensors` the entry does not hold yet (optimizer state after a first step).
+        `complete`: `tensors` are all the entry's tensors now; storages no tensor uses any more (optimizer state
+        replaced by a checkpoint load) leave the entry and their files are deleted."""
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
+        live = {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
+        if complete:
+            keep = [i for i, b in enumerate(entry.bases) if b.untyped_storage().data_ptr() in live]
+            for i in set(range(len(entry.bases))) - set(keep):
+                self.swapper.remove(entry.files[i])
+            entry.bases = [entry.bases[i] for i in keep]
+            entry.nbytes = [entry.nbytes[i] for i in keep]
+            entry.files = [entry.files[i] for i in keep]
         seen = {b.untyped_storage().data_ptr() for b in entry.bases if b.untyped_storage().nbytes()}
-        for t in tensors:  # tensors created since the last eviction (optimizer state after a first step)
+        for t in tensors:
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
             entry.bases.append(_storage_base(t))
             entry.nbytes.append(storage.nbytes())
+            entry.files.append(f"{key}/{entry.created}")
+            entry.created += 1
         return entry
 
     def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -75,7 +90,7 @@ class NvmeStateStore:
         first = len(entry.bases)
         self._collect(key, tensors)
         for i in range(first, len(entry.bases)):
-            self.swapper.swap_out(f"{key}/{i}", _alias(entry.bases[i])).wait()
+            self.swapper.swap_out(entry.files[i], _alias(entry.bases[i])).wait()
             entry.bases[i].untyped_storage().resize_(0)
 
     def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
@@ -84,9 +99,10 @@ class NvmeStateStore:
         existing = self._entries.get(key)
         if existing is not None and not existing.resident:
             return
-        entry = self._collect(key, tensors)
-        self._wait(entry)
-        entry.pending = [self.swapper.swap_out(f"{key}/{i}", _alias(base)) for i, base in enumerate(entry.bases)]
+        if existing is not None:
+            self._wait(existing)
+        entry = self._collect(key, tensors, complete=bool(tensors))
+        entry.pending = [self.swapper.swap_out(f, _alias(b)) for f, b in zip(entry.files, entry.bases, strict=True)]
         entry.resident = False
         entry.on_disk = True
 
@@ -111,7 +127,7 @@ class NvmeStateStore:
             return
         self.settle(key)
         self._resize_back(entry)
-        entry.pending = [self.swapper.swap_in(f"{key}/{i}", _alias(base)) for i, base in enumerate(entry.bases)]
+        entry.pending = [self.swapper.swap_in(f, _alias(b)) for f, b in zip(entry.files, entry.bases, strict=True)]
         entry.resident = True
 
     def claim(self, key: str) -> None:
