@@ -316,7 +316,7 @@ def _host_copies(rank: int, world_size: int):
     from helpers.parity import build_model, ds_config, global_batches, micro_batch, param_groups
 
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         runs = []
         for offload in ("cpu", "none"):
             case = Case(stage=stage, offload=offload, dtype="bf16", gas=2, steps=3, bucket=3000)
@@ -332,16 +332,17 @@ def _host_copies(rank: int, world_size: int):
                     engine.step()
                     losses.append(loss.item())
             params = torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()])
-            runs.append((engine.zero.host_copies_in_backward, len(engine.zero.buffers), case.steps, losses, params))
+            copies = len(engine.zero.units) if stage == 3 else len(engine.zero.buffers)  # per unit / per group
+            runs.append((engine.zero.host_copies_in_backward, copies, case.steps, losses, params))
             engine.destroy()
         out[stage] = runs
     return out
 
 
 def test_offloaded_gradients_reach_the_host_during_backward():
-    """bf16 gradient shards, fp32 host copies (on CUDA: device shards, pinned host copies): every group's copy is
-    made bucket by bucket in the boundary micro-step's backward, none at the step; results equal the run without
-    offload bit for bit."""
+    """bf16 gradient shards, fp32 host copies (on CUDA: device shards, pinned host copies): in the boundary
+    micro-step's backward, stages 1-2 copy bucket by bucket and stage 3 unit by unit, none at the step; results equal
+    the run without offload bit for bit."""
     for per_stage in run_on_ranks(_host_copies, 2):
         for stage, (
             (copied, groups, steps, losses, params),

@@ -142,6 +142,8 @@ class Stage3Optimizer:
         self._grads_on_disk = policy.nvme is not None
         self._grad_stats: dict[int, tuple[torch.Tensor | None, bool]] = {}
         self._grad_writes: list[ShardedUnit] = []
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
@@ -267,6 +269,8 @@ class Stage3Optimizer:
             finish()
             if self._grads_on_disk:
                 self._write_grad(unit)
+            if unit.host_grad is not None:
+                self._grad_to_host(unit)
 
         self._inflight.append((handle, done, f"reduce-scatter of unit {unit.name!r}"))
         # finish older reductions as new ones start: staging buffers go back to the pool during backward,
@@ -286,6 +290,20 @@ class Stage3Optimizer:
         self._grad_writes.append(unit)
         while len(self._grad_writes) > MAX_PENDING_GRAD_WRITES:
             self.store.settle(self._grad_writes.pop(0).grad_key)
+
+    def _grad_to_host(self, unit: ShardedUnit) -> None:
+        """CPU optimizer offload: the unit's gradient shard is final for this micro-step; on the boundary copy it
+        into the host fp32 buffer now (a side stream on CUDA), so the step does not wait for it."""
+        assert unit.host_grad is not None
+        unit.host_grad_ready = self.boundary_decider()
+        if not unit.host_grad_ready:
+            return
+        if self._copy_stream is None:
+            unit.host_grad.copy_(unit.grad_shard)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            unit.host_grad.copy_(unit.grad_shard, non_blocking=True)
 
     def _settle_grad_writes(self) -> None:
         for unit in self._grad_writes:
@@ -347,6 +365,8 @@ class Stage3Optimizer:
         if decided.overflow:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()  # the gradient copies made during backward have landed
         with torch.profiler.record_function("zeroshard.optimizer_step"):
             # empty stand-ins are stepped with the first sub-group so every rank's optimizer counts the same
             # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
@@ -443,12 +463,17 @@ class Stage3Optimizer:
         members = {u.index for u in units}
         for unit in units:
             unit.master_resident()
+            self.host_copies_in_backward += unit.host_grad_ready
         assigned = []
         for pieces in self._pieces:
             for unit, master, grad in pieces:
                 if unit.index not in members:
                     continue
-                if grad.dtype == torch.float32 and grad.device == master.device:
+                if unit.host_grad_ready:  # copied during backward (CPU optimizer offload)
+                    assert unit.host_grad is not None
+                    offset = grad.storage_offset() - unit.grad_shard.storage_offset()
+                    master.grad = unit.host_grad.narrow(0, offset, grad.numel()).mul_(scale)
+                elif grad.dtype == torch.float32 and grad.device == master.device:
                     if scale != 1.0:
                         grad.mul_(scale)
                     master.grad = grad
@@ -472,6 +497,7 @@ class Stage3Optimizer:
         self.finish_backward()
         for unit in self.units:
             unit.zero_grad_shard()
+            unit.host_grad_ready = False
         self._grad_stats.clear()
         self._first_window_step = True
 
@@ -544,6 +570,7 @@ class Stage3Optimizer:
             "host_master_weights": masters if master_off and not on_disk else 0,
             "host_optimizer_state": self.store.resident_bytes if on_disk else (state if master_off else 0),
             "comm_buffers": self.pool.held_bytes,
+            "host_gradients": sum(nbytes(u.host_grad) for u in self.units if u.host_grad is not None),
             "nvme_bytes": self.store.disk_bytes + self.param_store.disk_bytes,
             "persistent_params": persistent_full,
             "gathered_params": gathered,

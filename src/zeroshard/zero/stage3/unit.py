@@ -85,6 +85,12 @@ class ShardedUnit:
             self.master = master_tier.zeros(layout.shard_numel)
             self.master.copy_(self.full[lo:hi])
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
+        # offload_optimizer "cpu": the optimizer's fp32 copy of the gradient shard, filled during backward as soon
+        # as the shard is final (strategy._reduce); None when the shard itself serves (fp32, same device)
+        copy_needed = grad_dtype != torch.float32 or self.grad_shard.device != self.master.device
+        wanted = master_tier.kind == "cpu" and copy_needed and bool(self.trainable)
+        self.host_grad = master_tier.zeros(layout.shard_numel) if wanted else None
+        self.host_grad_ready = False
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
         self._copied_in: torch.cuda.Event | None = None
