@@ -350,3 +350,57 @@ def test_offloaded_gradients_reach_the_host_during_backward():
         ) in per_stage.items():
             assert copied == groups * steps, (stage, copied, groups, steps)
             assert losses == plain_losses and torch.equal(params, plain_params), stage
+
+
+def _nvme_parts(rank: int, world_size: int, root: str):
+    import glob
+    import os
+
+    import zeroshard
+    from helpers.parity import build_model, ds_config, global_batches, micro_batch, param_groups
+
+    def params(engine):
+        return torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()])
+
+    case = Case(stage=3, offload="nvme", offload_param="nvme", sub_group=1000, dtype="bf16", steps=2)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    for batch in global_batches(case, world_size):
+        engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+        engine.step()
+    resident_before = engine.memory_report()
+    store, peak = engine.zero.store, [0]
+    fetch = store.fetch
+
+    def fetch_and_measure(key: str) -> None:
+        fetch(key)
+        peak[0] = max(peak[0], store.resident_bytes)
+
+    store.fetch = fetch_and_measure
+    engine.save_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    largest = max(sum(e.nbytes) for k, e in store._entries.items() if k.startswith("subgroup"))
+    resident_after = engine.memory_report()
+    saved = params(engine)
+    parts = len(engine.zero._keyed_sub_groups())
+    engine.destroy()
+    files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(root, "ckpt", "t", "optim", f"rank{rank:05d}*")))
+    plain = Case(stage=2, dtype="bf16")  # another stage, no offload: the parts are read as one rank's pieces
+    model = build_model(plain)
+    other, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, plain), config=ds_config(plain))
+    other.load_checkpoint(os.path.join(root, "ckpt"), tag="t")
+    loaded = params(other)
+    other.destroy()
+    return files, parts, saved, loaded, resident_before, resident_after, (peak[0], largest, store.disk_bytes)
+
+
+def test_nvme_checkpoints_are_written_one_sub_group_at_a_time(tmp_path):
+    """With state on NVMe a rank writes one file pair per optimizer sub-group, holding only that sub-group in
+    memory ([Note: state parts]); another stage without offload loads them."""
+    for files, parts, saved, loaded, before, after, (peak, largest, disk) in run_on_ranks(
+        _nvme_parts, 2, str(tmp_path)
+    ):
+        assert parts > 2 and len(files) == parts, (parts, files)
+        assert 0 < peak <= largest < disk / 2, (peak, largest, disk)  # one sub-group's state in memory at a time
+        assert torch.equal(saved, loaded)
+        for report in (before, after):  # nothing left in memory by the save
+            assert report.host_optimizer_state == 0 and report.host_params == 0 and report.params == 0, report

@@ -41,15 +41,14 @@ class CheckpointMixin:
             exclude_frozen_parameters: leave out parameters with `requires_grad=False`.
         Returns True. Writes are crash-safe: see docs/checkpoint.md.
         """
-        with _resident(self):
-            return _save.save_checkpoint(
-                self,  # type: ignore[arg-type]
-                save_dir,
-                tag,
-                dict(client_state or {}),
-                save_latest,
-                exclude_frozen_parameters,
-            )
+        return _save.save_checkpoint(
+            self,  # type: ignore[arg-type]
+            save_dir,
+            tag,
+            dict(client_state or {}),
+            save_latest,
+            exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,
@@ -71,22 +70,12 @@ class CheckpointMixin:
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: restore the module weights only (warm start).
         """
-        with _resident(self):
-            return _load.load_checkpoint(
-                self,  # type: ignore[arg-type]
-                load_dir,
-                tag,
-                load_module_strict,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_only,
-            )
-
-
-def _resident(engine: Any) -> Any:
-    """Master weights and optimizer state in memory while a checkpoint reads or writes them (NVMe offload
-    keeps them on disk between steps); a no-op for strategies that always hold them."""
-    import contextlib
-
-    hold = getattr(getattr(engine, "zero", None), "optimizer_state_resident", None)
-    return hold() if hold is not None else contextlib.nullcontext()
+        return _load.load_checkpoint(
+            self,  # type: ignore[arg-type]
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )

@@ -40,12 +40,13 @@ ENGINE_STATE_FILE = "engine_state.pt"
 MASTER = "master"  # the state key of fp32 master weights in optimizer files
 
 
-def model_file(rank: int) -> str:
-    return f"model/rank{rank:05d}.safetensors"
+def model_file(rank: int, part: str = "") -> str:
+    """`part`: a state part's suffix ([Note: state parts]); a rank's pieces may span several files."""
+    return f"model/rank{rank:05d}{part}.safetensors"
 
 
-def optim_file(rank: int) -> str:
-    return f"optim/rank{rank:05d}.safetensors"
+def optim_file(rank: int, part: str = "") -> str:
+    return f"optim/rank{rank:05d}{part}.safetensors"
 
 
 def rng_file(rank: int) -> str:

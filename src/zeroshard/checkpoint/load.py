@@ -35,7 +35,7 @@ from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
 from zeroshard.checkpoint.safetensors_io import dtype_from_name
 from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state, full_shapes
-from zeroshard.checkpoint.state import ModelPiece, ShardedState
+from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -102,13 +102,20 @@ def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: 
 def load_module_weights(
     reader: CheckpointReader, catalog: ModuleCatalog, state: ShardedState | None, strict: bool
 ) -> dict[str, str]:
-    """Fill the module's tensors (this rank's ranges of sharded ones); returns engine -> checkpoint names."""
+    """Fill the module's tensors no strategy shards; returns engine -> checkpoint names. The ranges of sharded
+    ones are filled part by part (`fill_targets`, [Note: state parts])."""
     mapping = check_module_keys(reader.metadata, catalog, strict)
-    targets = state.model_targets_to_load() if state is not None else []
     sharded = set(state.sharded_params().values()) if state is not None else set()
-    for name, tensor in catalog.tensors.items():
-        if name not in sharded:
-            targets.append(ModelPiece(name, 0, tensor.numel(), tensor.detach()))
+    targets = [
+        ModelPiece(name, 0, tensor.numel(), tensor.detach())
+        for name, tensor in catalog.tensors.items()
+        if name not in sharded
+    ]
+    fill_targets(reader, targets, mapping)
+    return mapping
+
+
+def fill_targets(reader: CheckpointReader, targets: list[ModelPiece], mapping: dict[str, str]) -> None:
     with torch.no_grad():
         for target in targets:
             if target.name not in mapping:
@@ -120,7 +127,6 @@ def load_module_weights(
                 flat = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
                 reader.read_range(MODEL, mapping[target.name], target.begin, target.end, flat)
                 out.copy_(flat.view(out.shape))
-    return mapping
 
 
 # -- optimizer ---------------------------------------------------------------------------------------------
@@ -135,18 +141,19 @@ def _scalar(record: dict[str, Any], like: Any, device: torch.device) -> Any:
 def load_optimizer_state(
     reader: CheckpointReader,
     optimizer: torch.optim.Optimizer,
-    state: ShardedState,
+    part: StatePart,
     mapping: dict[str, str],
     load_master: bool,
+    ckpt_group: dict[int, int],
 ) -> None:
-    """Master weights (when `load_master`) and optimizer state of this rank's pieces, scalars, group options."""
+    """Master weights (when `load_master`) and optimizer state of one part's pieces, scalars, group options.
+    `ckpt_group` (this engine's group -> the checkpoint's) grows over the parts."""
     info = reader.metadata.optimizer
     assert info is not None
     group_of_name = {name: g for g, group in enumerate(info.groups) for name in group["params"]}
-    pieces = state.optim_pieces()
+    pieces = part.optim_pieces()
     elementwise: dict[int, dict[str, torch.Tensor]] = {}
-    ckpt_group: dict[int, int] = {}
-    state.refresh_master_from_params()  # pieces the checkpoint lacks (non-strict loads) keep the module's values
+    part.refresh_master()  # pieces the checkpoint lacks (non-strict loads) keep the module's values
     with torch.no_grad():
         for p in pieces:
             name = mapping.get(p.name)
@@ -168,6 +175,8 @@ def load_optimizer_state(
         saved = info.groups[source]
         cpu_scalars = not (group.get("capturable") or group.get("fused"))
         for param in group["params"]:
+            if part.optimizer_params is not None and id(param) not in part.optimizer_params:
+                continue  # another part's
             old = optimizer.state.get(param, {})
             device = torch.device("cpu") if cpu_scalars else param.device
             new = {k: _scalar(r, old.get(k), device) for k, r in saved["scalars"].items()}
@@ -261,22 +270,28 @@ def _load_into(
     )
     mapping = load_module_weights(reader, catalog, state, strict)
     blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
-    master_loaded = False
+    optimizer_too = (
+        not load_module_only and load_optimizer_states and state is not None and engine.optimizer is not None
+    )
     if not load_module_only:
         _restore_training_state(engine, reader, blob, load_lr_scheduler_states)
-        if load_optimizer_states and state is not None and engine.optimizer is not None:
-            if meta.optimizer is None:
-                log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
-            else:
-                from_fp32 = bool(engine.config.zero_optimization.load_from_fp32_weights)
-                load_optimizer_state(reader, engine.optimizer, state, mapping, load_master=from_fp32)
-                master_loaded = from_fp32
-                if engine.loss_scaler is not None and blob["loss_scaler"] is not None:
-                    engine.loss_scaler.load_state_dict(blob["loss_scaler"])
+    if optimizer_too and meta.optimizer is None:
+        log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
+        optimizer_too = False
+    master_loaded = optimizer_too and bool(engine.config.zero_optimization.load_from_fp32_weights)
+    ckpt_group: dict[int, int] = {}
+    for part in state.parts() if state is not None else []:  # one part in memory at a time
+        with part.hold(True):
+            fill_targets(reader, part.model_targets(), mapping)
+            if optimizer_too:
+                assert engine.optimizer is not None
+                load_optimizer_state(reader, engine.optimizer, part, mapping, master_loaded, ckpt_group)
+            if engine.zero is not None and not master_loaded:
+                part.refresh_master()
+    if optimizer_too and engine.loss_scaler is not None and blob["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(blob["loss_scaler"])
     publish = False
     if state is not None and engine.zero is not None:
-        if not master_loaded:
-            state.refresh_master_from_params()
         # Module weights stored in another dtype than this engine computes in: rebuild them from fp32.
         publish = master_loaded and meta.compute_dtype != compute_dtype_name(engine)
     client_state: dict[str, Any] = blob["client_state"]

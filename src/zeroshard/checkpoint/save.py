@@ -198,10 +198,10 @@ def _write_safetensors(tmp_dir: str, rel: str, entries: list[tuple[str, torch.Te
     return {"bytes": size, "header_crc32": writer.header_crc32()}
 
 
-def write_model_file(tmp_dir: str, rank: int, pieces: list[ModelPiece], manifest: RankManifest) -> None:
+def write_model_file(tmp_dir: str, rank: int, pieces: list[ModelPiece], manifest: RankManifest, part: str = "") -> None:
     if not pieces:
         return
-    rel = model_file(rank)
+    rel = model_file(rank, part)
     entries = [(piece_key(p.name, p.begin, p.end), p.values) for p in pieces]
     manifest.files[rel] = _write_safetensors(tmp_dir, rel, entries, rank)
     for p in pieces:
@@ -209,11 +209,16 @@ def write_model_file(tmp_dir: str, rank: int, pieces: list[ModelPiece], manifest
 
 
 def write_optim_file(
-    tmp_dir: str, rank: int, optimizer: torch.optim.Optimizer, pieces: list[OptimPiece], manifest: RankManifest
+    tmp_dir: str,
+    rank: int,
+    optimizer: torch.optim.Optimizer,
+    pieces: list[OptimPiece],
+    manifest: RankManifest,
+    part: str = "",
 ) -> None:
     if not pieces:
         return
-    rel = optim_file(rank)
+    rel = optim_file(rank, part)
     entries: list[tuple[str, torch.Tensor]] = []
     for p in pieces:
         elementwise = split_optimizer_state(optimizer, p.param)[0]
@@ -248,14 +253,20 @@ def write_rank_files(
 ) -> RankManifest:
     rank = engine.topology.rank
     manifest = RankManifest()
-    model_pieces = state.model_pieces_to_save() if state is not None else []
+    replicated = []
     if rank == 0:  # tensors no strategy shards are replicated: rank 0 writes them whole
         for name, tensor in catalog.tensors.items():
             if not catalog.infos[name].trainable:
-                model_pieces.append(ModelPiece(name, 0, tensor.numel(), tensor.detach().reshape(-1)))
-    write_model_file(tmp_dir, rank, model_pieces, manifest)
-    if state is not None and engine.optimizer is not None and state.writes_optim:
-        write_optim_file(tmp_dir, rank, engine.optimizer, state.optim_pieces(), manifest)
+                replicated.append(ModelPiece(name, 0, tensor.numel(), tensor.detach().reshape(-1)))
+    parts = state.parts() if state is not None else []
+    if not parts:
+        write_model_file(tmp_dir, rank, replicated, manifest)
+    for i, part in enumerate(parts):  # one part in memory at a time ([Note: state parts])
+        with part.hold(False):
+            pieces = part.model_pieces() + (replicated if i == 0 else [])
+            write_model_file(tmp_dir, rank, pieces, manifest, part.suffix)
+            if engine.optimizer is not None and state is not None and state.writes_optim:
+                write_optim_file(tmp_dir, rank, engine.optimizer, part.optim_pieces(), manifest, part.suffix)
     manifest.files[rng_file(rank)] = write_file(
         os.path.join(tmp_dir, rng_file(rank)), json.dumps(capture_rng_state()).encode()
     )

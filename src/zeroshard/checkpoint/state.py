@@ -12,6 +12,8 @@ writes and reads are the same (see [Note: checkpoint format]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +52,26 @@ class OptimPiece:
         return tensor.view(-1).narrow(0, self.offset, self.end - self.begin)
 
 
+@dataclass(frozen=True)
+class StatePart:
+    """[Note: state parts] A slice of a rank's state that save and load handle while it is in memory.
+
+    Strategies whose state lives on NVMe between steps split it (stage 3: one part per optimizer sub-group),
+    so a checkpoint never needs the rank's whole state in memory; each part writes its own files (`suffix`).
+    Everything else is one part, suffix "", whose `hold` is a no-op unless the state is swapped.
+    `hold(changes)` keeps the part in memory for the block; `changes` says whether the block modifies it
+    (a load: written back after) or only reads it (a save: freed without writing).
+    """
+
+    suffix: str
+    hold: Callable[[bool], AbstractContextManager[None]]
+    model_pieces: Callable[[], list[ModelPiece]]  # to save
+    model_targets: Callable[[], list[ModelPiece]]  # to fill on load
+    optim_pieces: Callable[[], list[OptimPiece]]
+    refresh_master: Callable[[], None]  # master weights := module weights, for this part
+    optimizer_params: set[int] | None  # ids of the optimizer's parameters this part restores (None: all)
+
+
 class ShardedState(Protocol):
     """See [Note: strategy adapters]."""
 
@@ -80,6 +102,10 @@ class ShardedState(Protocol):
 
     def publish_params(self) -> None:
         """Module weights := master weights (collective: every rank calls it)."""
+        ...
+
+    def parts(self) -> list[StatePart]:
+        """The state in the slices save and load handle one at a time (see [Note: state parts])."""
         ...
 
 
@@ -141,3 +167,17 @@ class FlatZeroState:
 
     def publish_params(self) -> None:
         self.zero.publish_params()
+
+    def parts(self) -> list[StatePart]:
+        # NVMe offload swaps whole parameter groups here: one part, with every group read in for the block
+        return [
+            StatePart(
+                "",
+                lambda changes: self.zero.optimizer_state_resident(),
+                self.model_pieces_to_save,
+                self.model_targets_to_load,
+                self.optim_pieces,
+                self.refresh_master_from_params,
+                None,
+            )
+        ]

@@ -176,10 +176,14 @@ class NvmeStateStore:
 
     @contextmanager
     def resident(
-        self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]
+        self,
+        keyed: Sequence[tuple[str, T]],
+        tensors_of: Callable[[T], Sequence[torch.Tensor]],
+        write_back: bool = True,
     ) -> Iterator[None]:
-        """Every entry in memory for the block (checkpoints), written back and freed after it. Nested
-        blocks (a checkpoint load that publishes parameters) leave the outermost one in charge."""
+        """Every entry in memory for the block (checkpoints), written back (unless the block only reads them:
+        `write_back=False`) and freed after it. Nested blocks (a checkpoint load that publishes parameters) leave
+        the outermost one in charge."""
         if self._holding:
             yield
             return
@@ -192,7 +196,10 @@ class NvmeStateStore:
             yield
         finally:
             for key, item in keyed:
-                self.evict(key, tensors_of(item))
+                if write_back:
+                    self.evict(key, tensors_of(item))
+                else:
+                    self.drop(key)
             for key, _ in keyed:
                 self.settle(key)
             self._holding = False
@@ -253,7 +260,10 @@ class InMemory:
 
     @contextmanager
     def resident(
-        self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]
+        self,
+        keyed: Sequence[tuple[str, T]],
+        tensors_of: Callable[[T], Sequence[torch.Tensor]],
+        write_back: bool = True,
     ) -> Iterator[None]:
         yield
 

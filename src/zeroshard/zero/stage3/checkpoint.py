@@ -8,10 +8,12 @@ same as for stages 0-2, so checkpoints move between stage 3 and the others and b
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
-from zeroshard.checkpoint.state import ModelPiece, OptimPiece
+from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 
 if TYPE_CHECKING:
@@ -33,14 +35,17 @@ class Stage3State:
 
     def __init__(self, strategy: Stage3Optimizer):
         self.strategy = strategy
+        self._part_units: dict[str, frozenset[int]] = {}
 
     @property
     def writes_optim(self) -> bool:
         return True  # every rank owns distinct ranges
 
-    def _owned(self) -> list[_Owned]:
+    def _owned(self, units: Collection[int] | None = None) -> list[_Owned]:
         rows = []
         for unit in self.strategy.units:
+            if units is not None and unit.index not in units:
+                continue
             lo, hi = unit.layout.owned(self.strategy.shard_rank)
             for slot in unit.layout.slots:
                 b, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -56,23 +61,23 @@ class Stage3State:
             id(u.params[s.index]): tuple(u.views[s.index].shape) for u in self.strategy.units for s in u.layout.slots
         }
 
-    def model_pieces_to_save(self) -> list[ModelPiece]:
+    def model_pieces_to_save(self, units: Collection[int] | None = None) -> list[ModelPiece]:
         return [
             ModelPiece(o.name, o.begin, o.end, o.unit.shard.narrow(0, o.shard_offset, o.end - o.begin))
-            for o in self._owned()
+            for o in self._owned(units)
         ]
 
-    def model_targets_to_load(self) -> list[ModelPiece]:
-        return self.model_pieces_to_save()
+    def model_targets_to_load(self, units: Collection[int] | None = None) -> list[ModelPiece]:
+        return self.model_pieces_to_save(units)
 
-    def optim_pieces(self) -> list[OptimPiece]:
+    def optim_pieces(self, units: Collection[int] | None = None) -> list[OptimPiece]:
         starts = {}  # (unit, group) -> (optimizer tensor, its offset in the unit's shard)
         for group, pieces in enumerate(self.strategy._pieces):
             for unit, master, _ in pieces:
                 offset = int(master.storage_offset() - unit.master.storage_offset())
                 starts[(unit.index, group)] = (master, offset)
         out = []
-        for o in self._owned():
+        for o in self._owned(units):
             key = (o.unit.index, o.group)
             if key not in starts:  # frozen parameters have no optimizer piece
                 continue
@@ -80,15 +85,56 @@ class Stage3State:
             out.append(OptimPiece(o.name, o.begin, o.end, master, o.shard_offset - piece_start, o.group))
         return out
 
-    def refresh_master_from_params(self) -> None:
+    def refresh_master_from_params(self, units: Collection[int] | None = None) -> None:
         for unit in self.strategy.units:
-            if unit.master is not unit.shard:
+            if unit.master is not unit.shard and (units is None or unit.index in units):
                 unit.master.copy_(unit.shard)
 
     def publish_params(self) -> None:
         """Compute shards := masters, and gathered units (the persistent one) re-gathered (collective)."""
-        for unit in self.strategy.units:
-            unit.publish()
+        for part in self.parts():
+            with part.hold(True):
+                for unit in self.strategy.units:
+                    if part.optimizer_params is None or unit.index in self._part_units[part.suffix]:
+                        unit.publish()
+                        unit.settle_shard()
         for unit in self.strategy.units:
             if unit.persistent or unit.state is not UnitState.SHARDED:
                 self.strategy._refresh_gathered(unit)
+
+    def parts(self) -> list[StatePart]:
+        """One part without NVMe offload; with it, one per optimizer sub-group ([Note: state parts])."""
+        strategy = self.strategy
+        keyed = strategy._keyed_sub_groups()
+        if not strategy.swaps_state or len(keyed) < 2:
+            return [
+                StatePart(
+                    "",
+                    strategy.optimizer_state_resident,
+                    self.model_pieces_to_save,
+                    self.model_targets_to_load,
+                    self.optim_pieces,
+                    self.refresh_master_from_params,
+                    None,
+                )
+            ]
+        parts = []
+        for k, (key, units) in enumerate(keyed):
+            members = frozenset(u.index for u in units)
+            params = {id(master) for pieces in strategy._pieces for unit, master, _ in pieces if unit.index in members}
+            if k == 0:  # empty stand-ins of groups this rank owns nothing of
+                params |= {id(p) for p in strategy._placeholders}
+            suffix = f".part{k:05d}"
+            self._part_units[suffix] = members
+            parts.append(
+                StatePart(
+                    suffix,
+                    partial(strategy.units_resident, key, units),
+                    partial(self.model_pieces_to_save, members),
+                    partial(self.model_targets_to_load, members),
+                    partial(self.optim_pieces, members),
+                    partial(self.refresh_master_from_params, members),
+                    params,
+                )
+            )
+        return parts

@@ -442,13 +442,26 @@ class Stage3Optimizer:
         return out
 
     @contextmanager
-    def optimizer_state_resident(self) -> Iterator[None]:
-        """Master weights and optimizer state in memory for the block (checkpoints, consolidation);
-        with NVMe offload they are read in first and written back after."""
+    def optimizer_state_resident(self, changes: bool = True) -> Iterator[None]:
+        """Master weights and optimizer state in memory for the block (consolidation, export); with NVMe
+        offload they are read in first and written back after (`changes=False`: freed, not written)."""
         shards = [(u.key, u) for u in self.units]
-        with self.store.resident(self._keyed_sub_groups(), self._sub_group_tensors):
-            with self.param_store.resident(shards, lambda u: [u.shard]):
+        with self.store.resident(self._keyed_sub_groups(), self._sub_group_tensors, changes):
+            with self.param_store.resident(shards, lambda u: [u.shard], changes):
                 yield
+
+    @contextmanager
+    def units_resident(self, key: str, units: list[ShardedUnit], changes: bool = True) -> Iterator[None]:
+        """One sub-group's masters, optimizer state and compute shards in memory for the block (checkpoints
+        handle the state this way, one sub-group at a time: [Note: state parts])."""
+        with self.store.resident([(key, units)], self._sub_group_tensors, changes):
+            with self.param_store.resident([(u.key, u) for u in units], lambda u: [u.shard], changes):
+                yield
+
+    @property
+    def swaps_state(self) -> bool:
+        """Whether state leaves memory between steps (NVMe offload)."""
+        return not (isinstance(self.store, InMemory) and isinstance(self.param_store, InMemory))
 
     def _fetch_grads(self, units: list[ShardedUnit]) -> None:
         """Start reading what stepping `units` needs besides the optimizer store's entry: gradient shards, and
