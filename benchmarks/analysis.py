@@ -30,11 +30,17 @@ def merge_repeats(runs: list[Row]) -> Row:
     times = [t for r in good for t in r["step_times"]]
     q = statistics.quantiles(times, n=4)
     median = statistics.median(times)
-    merged.update(step_times=times, step_time_median=median, step_time_p25=q[0], step_time_p75=q[2],
-                  step_time_min=min(times), step_time_max=max(times),
-                  tokens_per_s=merged["tokens_per_step"] / median,
-                  peak_rss=[max(vals) for vals in zip(*(r["peak_rss"] for r in good), strict=True)],
-                  repeats=len(good))
+    merged.update(
+        step_times=times,
+        step_time_median=median,
+        step_time_p25=q[0],
+        step_time_p75=q[2],
+        step_time_min=min(times),
+        step_time_max=max(times),
+        tokens_per_s=merged["tokens_per_step"] / median,
+        peak_rss=[max(vals) for vals in zip(*(r["peak_rss"] for r in good), strict=True)],
+        repeats=len(good),
+    )
     return merged
 
 
@@ -84,8 +90,12 @@ def _key(row: Row) -> tuple[str, int]:
 
 def _find(rows: Iterable[Row], framework: str, stage: int | None = None, offload: bool = False) -> Row | None:
     for r in rows:
-        if ok(r) and r["framework"] == framework and (stage is None or r["stage"] == stage) \
-                and bool(r.get("offload")) == offload:
+        if (
+            ok(r)
+            and r["framework"] == framework
+            and (stage is None or r["stage"] == stage)
+            and bool(r.get("offload")) == offload
+        ):
             return r
     return None
 
@@ -105,8 +115,11 @@ def compare(rows: list[Row]) -> list[Compared | Row]:
             continue
         same = [r for r in rows if _key(r) == _key(row)]
         ddp = _find(same, "ddp")
-        ds = _find(same, "deepspeed", row["stage"], bool(row.get("offload"))) if row["framework"] != "deepspeed" \
+        ds = (
+            _find(same, "deepspeed", row["stage"], bool(row.get("offload")))
+            if row["framework"] != "deepspeed"
             else None
+        )
         fsdp2 = _find(same, "fsdp2") if row["framework"] == "zeroshard" and row["stage"] == 3 else None
         reference = ddp or next((r for r in same if ok(r)), None)
         loss_rel = None
@@ -114,8 +127,16 @@ def compare(rows: list[Row]) -> list[Compared | Row]:
             base = float(reference["final_loss"])
             loss_rel = abs(float(row["final_loss"]) - base) / max(abs(base), 1e-30)
         formula = zero_formula_bytes(row)
-        out.append(Compared(row, _ratio(row, ddp), _ratio(row, ds), _ratio(row, fsdp2), loss_rel,
-                            model_state_bytes(row) / formula - 1.0))
+        out.append(
+            Compared(
+                row,
+                _ratio(row, ddp),
+                _ratio(row, ds),
+                _ratio(row, fsdp2),
+                loss_rel,
+                model_state_bytes(row) / formula - 1.0,
+            )
+        )
     return out
 
 
@@ -146,17 +167,30 @@ def targets(compared: list[Compared | Row]) -> list[Target]:
             out.append(_bound("step time <= 0.8 x DeepSpeed same stage", where, c.vs_deepspeed, 0.8))
         if row["stage"] == 3:
             out.append(_bound("step time <= FSDP2", where, c.vs_fsdp2, 1.0))
-        ds = next((d.row for d in items if d.row["framework"] == "deepspeed" and _key(d.row) == _key(row)
-                   and d.row["stage"] == row["stage"] and bool(d.row.get("offload")) == bool(row.get("offload"))),
-                  None)
+        ds = next(
+            (
+                d.row
+                for d in items
+                if d.row["framework"] == "deepspeed"
+                and _key(d.row) == _key(row)
+                and d.row["stage"] == row["stage"]
+                and bool(d.row.get("offload")) == bool(row.get("offload"))
+            ),
+            None,
+        )
         if row["stage"] > 0:
             rss = peak_rss(row) / peak_rss(ds) if ds is not None else None
             out.append(_bound("peak RSS per rank <= DeepSpeed same stage", where, rss, 1.0))
         out.append(_formula_target(where, c.formula_rel))
     worst = max((c.loss_rel for c in items if c.loss_rel is not None), default=None)
-    out.append(Target(f"final losses of all rows agree (fp32: {LOSS_RTOL:g} relative)", "all rows",
-                      f"max {worst:.1e}" if worst is not None else "n/a",
-                      None if worst is None else worst <= LOSS_RTOL))
+    out.append(
+        Target(
+            f"final losses of all rows agree (fp32: {LOSS_RTOL:g} relative)",
+            "all rows",
+            f"max {worst:.1e}" if worst is not None else "n/a",
+            None if worst is None else worst <= LOSS_RTOL,
+        )
+    )
     return out
 
 

@@ -26,9 +26,24 @@ FRAMEWORKS = ("zeroshard", "deepspeed")
 def run_one(framework: str, args: argparse.Namespace, stage: int, root: Path) -> dict[str, Any]:
     out = root / f"{framework}-s{stage}.json"
     log = root / f"{framework}-s{stage}.log"
-    cmd = torchrun("benchmarks.checkpoint_worker", args.world_size,
-                   ["--framework", framework, "--size", args.size, "--stage", str(stage),
-                    "--repeats", str(args.repeats), "--root", str(root / "ckpt"), "--out", str(out)])
+    cmd = torchrun(
+        "benchmarks.checkpoint_worker",
+        args.world_size,
+        [
+            "--framework",
+            framework,
+            "--size",
+            args.size,
+            "--stage",
+            str(stage),
+            "--repeats",
+            str(args.repeats),
+            "--root",
+            str(root / "ckpt"),
+            "--out",
+            str(out),
+        ],
+    )
     code = run(cmd, log, threads=args.threads, timeout=args.timeout)
     if code != 0 or not out.exists():
         why = "timed out" if code is None else last_error(log)
@@ -42,14 +57,22 @@ def summarise(row: dict[str, Any]) -> dict[str, Any]:
     gb = row["disk_bytes"] / 1e9
     save, load = statistics.median(row["save_s"]), statistics.median(row["load_s"])
     restored = abs(row["loaded_loss"] - row["trained_loss"]) <= 1e-5 * max(1.0, abs(row["trained_loss"]))
-    return {**row, "save": save, "load": load, "gb": gb, "save_gbps": gb / save, "load_gbps": gb / load,
-            "restored": restored}
+    return {
+        **row,
+        "save": save,
+        "load": load,
+        "gb": gb,
+        "save_gbps": gb / save,
+        "load_gbps": gb / load,
+        "restored": restored,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| stage | framework | save s | load s | GB on disk | files | save GB/s | load GB/s | "
-             "weights restored |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stage | framework | save s | load s | GB on disk | files | save GB/s | load GB/s | weights restored |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     by_stage: dict[int, dict[str, dict[str, Any]]] = {}
     for row in rows:
         by_stage.setdefault(row["stage"], {})[row["framework"]] = row
@@ -61,13 +84,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             if "error" in r:
                 lines.append(f"| {stage} | {fw} | failed: {r['error']} | | | | | | |")
                 continue
-            lines.append(f"| {stage} | {fw} | {r['save']:.2f} | {r['load']:.2f} | {r['gb']:.3f} | {len(r['files'])} | "
-                         f"{r['save_gbps']:.2f} | {r['load_gbps']:.2f} | {'yes' if r['restored'] else 'NO'} |")
+            lines.append(
+                f"| {stage} | {fw} | {r['save']:.2f} | {r['load']:.2f} | {r['gb']:.3f} | {len(r['files'])} | "
+                f"{r['save_gbps']:.2f} | {r['load_gbps']:.2f} | {'yes' if r['restored'] else 'NO'} |"
+            )
         zs, ds = pair.get("zeroshard"), pair.get("deepspeed")
         if zs and ds and "error" not in zs and "error" not in ds:
-            lines.append(f"| {stage} | ratio zs/ds | {zs['save'] / ds['save']:.2f} | {zs['load'] / ds['load']:.2f} | "
-                         f"{zs['gb'] / ds['gb']:.2f} | | {zs['save_gbps'] / ds['save_gbps']:.2f} | "
-                         f"{zs['load_gbps'] / ds['load_gbps']:.2f} | |")
+            lines.append(
+                f"| {stage} | ratio zs/ds | {zs['save'] / ds['save']:.2f} | {zs['load'] / ds['load']:.2f} | "
+                f"{zs['gb'] / ds['gb']:.2f} | | {zs['save_gbps'] / ds['save_gbps']:.2f} | "
+                f"{zs['load_gbps'] / ds['load_gbps']:.2f} | |"
+            )
     return "\n".join(lines)
 
 

@@ -125,10 +125,21 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         allocated, apparent = disk_bytes(dirs[0])
         files = sorted(str(p.relative_to(dirs[0])) for p in dirs[0].rglob("*") if p.is_file())
-        row = {"framework": args.framework, "size": args.size, "stage": args.stage,
-               "world_size": dist.get_world_size(), "numel": numel, "save_s": save_s, "load_s": load_s,
-               "disk_bytes": allocated, "apparent_bytes": apparent, "files": files,
-               "trained_loss": trained_loss, "fresh_loss": fresh_loss, "loaded_loss": loaded_loss}
+        row = {
+            "framework": args.framework,
+            "size": args.size,
+            "stage": args.stage,
+            "world_size": dist.get_world_size(),
+            "numel": numel,
+            "save_s": save_s,
+            "load_s": load_s,
+            "disk_bytes": allocated,
+            "apparent_bytes": apparent,
+            "files": files,
+            "trained_loss": trained_loss,
+            "fresh_loss": fresh_loss,
+            "loaded_loss": loaded_loss,
+        }
         Path(args.out).write_text(json.dumps(row, indent=1))
     dist.barrier()
     dist.destroy_process_group()

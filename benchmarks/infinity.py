@@ -223,7 +223,8 @@ def page_section(results_dir: Path) -> str | None:
             f"python -m benchmarks.infinity --path {args['path']} --layers {args['layers']} --width {args['width']} "
             f"--seq {args['seq']} --batch {args['batch']} --steps {args['steps']} --lr {args['lr']} "
             f"--warmup {args.get('warmup', 0)} --sub-group {args['sub_group']} "
-            f"--json benchmarks/results/{path.name}"
+            + (f"--checkpoint {args['checkpoint']} " if args.get("checkpoint") else "")
+            + f"--json benchmarks/results/{path.name}"
         )
         parts += [
             f"`{command}` ({machine.get('cpu', 'CPU')}, {machine.get('date', '')}):",

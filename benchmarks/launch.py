@@ -13,8 +13,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def torchrun(module: str, world_size: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
-            "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(world_size),
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def env(threads: int) -> dict[str, str]:
@@ -32,8 +41,9 @@ def run(cmd: list[str], log_path: Path, threads: int, timeout: float) -> int | N
     environment = env(threads)
     environment["BENCH_LAUNCH_TIME"] = repr(time.time())
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

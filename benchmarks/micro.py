@@ -37,8 +37,12 @@ def collectives(results_dir: Path, world_size: int = 2, timeout: float = 600) ->
     out = results_dir / "micro_collectives.json"
     out.unlink(missing_ok=True)
     log = results_dir / "micro_collectives.log"
-    code = launch.run(launch.torchrun("benchmarks.workers.collectives", world_size, ["--out", str(out)]), log,
-                      threads=1, timeout=timeout)
+    code = launch.run(
+        launch.torchrun("benchmarks.workers.collectives", world_size, ["--out", str(out)]),
+        log,
+        threads=1,
+        timeout=timeout,
+    )
     if not out.exists():
         return {"error": f"exit code {code}: {launch.last_error(log)}"}
     return dict(json.loads(out.read_text()))
@@ -113,8 +117,9 @@ def nvme(results_dir: Path, timeout: float = 300) -> dict[str, Any]:
     out = results_dir / "micro_nvme.json"
     out.unlink(missing_ok=True)
     log = results_dir / "micro_nvme.log"
-    code = launch.run([sys.executable, "-m", "benchmarks.nvme_swap", *NVME_ARGS, "--json", str(out)], log,
-                      threads=1, timeout=timeout)
+    code = launch.run(
+        [sys.executable, "-m", "benchmarks.nvme_swap", *NVME_ARGS, "--json", str(out)], log, threads=1, timeout=timeout
+    )
     if not out.exists():
         return {"error": f"exit code {code}: {launch.last_error(log)}"}
     return dict(json.loads(out.read_text()))
@@ -156,17 +161,22 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for r in coll["sizes"]:
             frac = max(r["all_gather_busbw"], r["reduce_scatter_busbw"]) / coll["mem_bw_one_rank"]
-            lines.append(f"| {_size(r['bytes'])} | {r['all_gather_s'] * 1e3:.2f} | {r['all_gather_busbw'] / 1e9:.2f} "
-                         f"| {r['reduce_scatter_s'] * 1e3:.2f} | {r['reduce_scatter_busbw'] / 1e9:.2f} | {frac:.0%} |")
+            lines.append(
+                f"| {_size(r['bytes'])} | {r['all_gather_s'] * 1e3:.2f} | {r['all_gather_busbw'] / 1e9:.2f} "
+                f"| {r['reduce_scatter_s'] * 1e3:.2f} | {r['reduce_scatter_busbw'] / 1e9:.2f} | {frac:.0%} |"
+            )
     else:
         lines.append(f"Collectives: not measured ({coll.get('error', 'no result')}).")
     lines.append("")
     ad = results.get("adam", {})
     if ad:
-        lines += [f"CPU Adam, one step over a flat fp32 tensor of {ad['numel'] / 1e6:.1f} M elements "
-                  f"(bound: memory bandwidth / {ADAM_BYTES_PER_PARAM} bytes per parameter), best of 5 steps. "
-                  "The bound is approximate: Adam streams four arrays in and three out, the reference two in "
-                  "and one out, so a kernel can land somewhat above it.", ""]
+        lines += [
+            f"CPU Adam, one step over a flat fp32 tensor of {ad['numel'] / 1e6:.1f} M elements "
+            f"(bound: memory bandwidth / {ADAM_BYTES_PER_PARAM} bytes per parameter), best of 5 steps. "
+            "The bound is approximate: Adam streams four arrays in and three out, the reference two in "
+            "and one out, so a kernel can land somewhat above it.",
+            "",
+        ]
         lines += ["| threads | implementation | M params/s | % of bound |", "|---|---|---|---|"]
         for t, entry in ad["by_threads"].items():
             bound = entry["bound_params_per_s"]
@@ -184,8 +194,9 @@ def _size(nbytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.micro", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.micro", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--results-dir", default=None, help="where to keep the JSON (default: a temp dir)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -61,8 +61,9 @@ def _memory_panel(ax: Axes, group: list[Row], title: str) -> None:
     states = [model_state_bytes(r) / MiB for r in group]
     ys = list(range(len(group)))
     ax.barh([y - 0.2 for y in ys], rss, height=0.4, color=_colors(group), label="peak RSS")
-    ax.barh([y + 0.2 for y in ys], states, height=0.4, color=_colors(group), alpha=0.45,
-            hatch="//", label="model states")
+    ax.barh(
+        [y + 0.2 for y in ys], states, height=0.4, color=_colors(group), alpha=0.45, hatch="//", label="model states"
+    )
     ax.set_yticks(ys, labels)
     ax.invert_yaxis()
     ax.set_xlabel("MiB per rank (solid: peak RSS, hatched: model states)")

@@ -17,8 +17,10 @@ def _fmt_ratio(x: float | None) -> str:
 def _row_line(item: Compared | Row) -> str:
     if not isinstance(item, Compared):
         r = item
-        return (f"| {r['size']} | {r['world_size']} | {r['label']} | {r['status']}: {r.get('note', '')} "
-                "| | | | | | | | | | |")
+        return (
+            f"| {r['size']} | {r['world_size']} | {r['label']} | {r['status']}: {r.get('note', '')} "
+            "| | | | | | | | | | |"
+        )
     r = item.row
     spread = f"{r['step_time_p25']:.3f}–{r['step_time_p75']:.3f}"
     state_source = r["model_state"][0]["source"]
@@ -32,10 +34,12 @@ def _row_line(item: Compared | Row) -> str:
     if engine is not None:
         comm += f" (engine {engine / 1e6:.1f})"
     load = f"{r['loadavg_1min']:.1f}" if "loadavg_1min" in r else ""
-    return (f"| {r['size']} | {r['world_size']} | {r['label']} | {r['step_time_median']:.3f} | {spread} "
-            f"| {r['tokens_per_s']:.0f} | {_fmt_ratio(item.vs_ddp)} | {_fmt_ratio(item.vs_deepspeed)} "
-            f"| {peak_rss(r) / MiB:.0f} | {model_state_bytes(r) / MiB:.1f} ({state_source}) | {formula} "
-            f"| {comm} | {loss} | {load} |")
+    return (
+        f"| {r['size']} | {r['world_size']} | {r['label']} | {r['step_time_median']:.3f} | {spread} "
+        f"| {r['tokens_per_s']:.0f} | {_fmt_ratio(item.vs_ddp)} | {_fmt_ratio(item.vs_deepspeed)} "
+        f"| {peak_rss(r) / MiB:.0f} | {model_state_bytes(r) / MiB:.1f} ({state_source}) | {formula} "
+        f"| {comm} | {loss} | {load} |"
+    )
 
 
 _HEADER = (
@@ -71,8 +75,12 @@ def profile_table(compared: list[Compared | Row]) -> str | None:
     rows = [c.row for c in compared if isinstance(c, Compared) and c.row.get("profile")]
     if not rows:
         return None
-    lines = [_PROFILE_NOTE, "", "| row | profiled step ms | where the time goes (ms per step, share of the step) |",
-             "|---|---|---|"]
+    lines = [
+        _PROFILE_NOTE,
+        "",
+        "| row | profiled step ms | where the time goes (ms per step, share of the step) |",
+        "|---|---|---|",
+    ]
     for r in rows:
         prof = dict(r["profile"])
         step = prof.pop("bench.step", 0.0)
@@ -83,13 +91,15 @@ def profile_table(compared: list[Compared | Row]) -> str | None:
 
 
 def machine_block(machine: dict[str, Any]) -> str:
-    return "\n".join([
-        f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, {machine['os']}",
-        f"- Python {machine['python']}, torch {machine['torch']}, deepspeed {machine['deepspeed']}, "
-        f"zeroshard {machine['zeroshard']}",
-        f"- Date: {machine['date']}; the whole run took {machine.get('wall_minutes', '?')} minutes; "
-        f"1-minute load average at its end: {machine['loadavg_1min']} (the machine is shared, see `load`)",
-    ])
+    return "\n".join(
+        [
+            f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, {machine['os']}",
+            f"- Python {machine['python']}, torch {machine['torch']}, deepspeed {machine['deepspeed']}, "
+            f"zeroshard {machine['zeroshard']}",
+            f"- Date: {machine['date']}; the whole run took {machine.get('wall_minutes', '?')} minutes; "
+            f"1-minute load average at its end: {machine['loadavg_1min']} (the machine is shared, see `load`)",
+        ]
+    )
 
 
 _METHOD = """\
@@ -131,8 +141,14 @@ _METHOD = """\
 """
 
 
-def render(compared: list[Compared | Row], machine: dict[str, Any], command: str, plot_name: str | None,
-           micro: str | None, settings: dict[str, Any]) -> str:
+def render(
+    compared: list[Compared | Row],
+    machine: dict[str, Any],
+    command: str,
+    plot_name: str | None,
+    micro: str | None,
+    settings: dict[str, Any],
+) -> str:
     parts = [
         "# Benchmarks: zeroshard vs DDP, FSDP2 and DeepSpeed",
         "",

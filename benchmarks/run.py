@@ -25,38 +25,66 @@ from benchmarks.spec import FRAMEWORKS, VARIANTS, RowSpec, TrainSettings, Varian
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default=None, help="GPT presets, comma-separated (default 20m,120m; quick: tiny)")
     p.add_argument("--world-sizes", default="2", help="ranks per row, comma-separated (default 2)")
     p.add_argument("--steps", type=int, default=12, help="steps per row, warm-up included (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per rank per step (default 1)")
-    p.add_argument("--seq-len", type=int, default=32,
-                   help="tokens per sample, at most the preset's block size (default 32: keeps the default "
-                        "run under 20 minutes on 2 busy cores; the parameter count, hence ZeRO's work, is unchanged)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=32,
+        help="tokens per sample, at most the preset's block size (default 32: keeps the default "
+        "run under 20 minutes on 2 busy cores; the parameter count, hence ZeRO's work, is unchanged)",
+    )
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="subset of " + ",".join(FRAMEWORKS))
-    p.add_argument("--variants", default=None,
-                   help="explicit row keys (" + ",".join(v.key for v in VARIANTS) + "); overrides --frameworks")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="explicit row keys (" + ",".join(v.key for v in VARIANTS) + "); overrides --frameworks",
+    )
     p.add_argument("--repeats", type=int, default=1, help="run the whole row list this many times, pooled")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default cores / ranks)")
-    p.add_argument("--bucket", type=float, default=6.25e6,
-                   help="ZeRO reduce/all-gather bucket in elements, DeepSpeed and zeroshard alike (default 6.25e6: "
-                        "25 MB of fp32, DDP's default bucket, the fastest of 2e6/6.25e6/2.5e7/1e8 here)")
-    p.add_argument("--profile-steps", type=int, default=None,
-                   help="after timing, profile this many more steps of the DDP and zeroshard rows of the first "
-                        "size (<row>.profile.txt in --results-dir; default 3, 0 with --quick)")
-    p.add_argument("--zero-config", type=json.loads, default={},
-                   help="JSON merged into zero_optimization for DeepSpeed and zeroshard rows alike, "
-                        "e.g. '{\"reduce_scatter\": false}'")
+    p.add_argument(
+        "--bucket",
+        type=float,
+        default=6.25e6,
+        help="ZeRO reduce/all-gather bucket in elements, DeepSpeed and zeroshard alike (default 6.25e6: "
+        "25 MB of fp32, DDP's default bucket, the fastest of 2e6/6.25e6/2.5e7/1e8 here)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="after timing, profile this many more steps of the DDP and zeroshard rows of the first "
+        "size (<row>.profile.txt in --results-dir; default 3, 0 with --quick)",
+    )
+    p.add_argument(
+        "--zero-config",
+        type=json.loads,
+        default={},
+        help="JSON merged into zero_optimization for DeepSpeed and zeroshard rows alike, "
+        "e.g. '{\"reduce_scatter\": false}'",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, fast rows only")
-    p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the micro-benchmarks (default: on, off with --quick)")
+    p.add_argument(
+        "--micro",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the micro-benchmarks (default: on, off with --quick)",
+    )
     p.add_argument("--out", default="docs/benchmarks.md", help="results page (the plot goes next to it)")
     p.add_argument("--results-dir", default="benchmarks/results", help="row JSON files and logs")
     p.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is killed")
-    p.add_argument("--from-results", default=None, metavar="DIR",
-                   help="run nothing: render the page and plot again from DIR/summary.json")
+    p.add_argument(
+        "--from-results",
+        default=None,
+        metavar="DIR",
+        help="run nothing: render the page and plot again from DIR/summary.json",
+    )
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = "tiny" if args.quick else "20m,120m"
@@ -92,8 +120,15 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
     for n in (int(x) for x in _csv(args.world_sizes)):
         threads = args.threads or max(1, cores // n)
         for size in sizes:
-            settings = TrainSettings(size=size, micro_batch=args.micro_batch, seq_len=args.seq_len, steps=args.steps,
-                                     warmup=args.warmup, bucket_numel=int(args.bucket), threads=threads)
+            settings = TrainSettings(
+                size=size,
+                micro_batch=args.micro_batch,
+                seq_len=args.seq_len,
+                steps=args.steps,
+                warmup=args.warmup,
+                bucket_numel=int(args.bucket),
+                threads=threads,
+            )
             for v in selected_variants(args):
                 extra: dict[str, Any] = {"zero_overrides": args.zero_config} if args.zero_config else {}
                 if args.profile_steps and size == sizes[0] and v.framework in ("ddp", "zeroshard"):
@@ -129,8 +164,9 @@ def reason_not_to_launch(spec: RowSpec, quick: bool) -> tuple[str, str] | None:
             return "skipped", "deepspeed is not installed (pip install deepspeed)"
         if quick and not deepspeed_ops_built(v.offload):
             return "skipped", "--quick: DeepSpeed's JIT ops are not built yet (run a full benchmark once)"
-        twin = next((t for t in VARIANTS if t.framework == "zeroshard" and t.stage == v.stage
-                     and t.offload == v.offload), None)
+        twin = next(
+            (t for t in VARIANTS if t.framework == "zeroshard" and t.stage == v.stage and t.offload == v.offload), None
+        )
         if v.offload and twin is not None and _unimplemented(twin.needs):
             return "skipped", "runs together with zeroshard's offload row, which is not implemented yet"
     return None
@@ -138,9 +174,18 @@ def reason_not_to_launch(spec: RowSpec, quick: bool) -> tuple[str, str] | None:
 
 def stub(spec: RowSpec, status: str, note: str) -> dict[str, Any]:
     v = spec.variant
-    return {"status": status, "note": note, "row_id": spec.row_id, "variant": v.key, "label": v.label,
-            "framework": v.framework, "stage": v.stage, "offload": v.offload, "size": spec.settings.size,
-            "world_size": spec.world_size}
+    return {
+        "status": status,
+        "note": note,
+        "row_id": spec.row_id,
+        "variant": v.key,
+        "label": v.label,
+        "framework": v.framework,
+        "stage": v.stage,
+        "offload": v.offload,
+        "size": spec.settings.size,
+        "world_size": spec.world_size,
+    }
 
 
 # -- launching ------------------------------------------------------------------------------------
@@ -182,8 +227,10 @@ def run_rows(specs: list[RowSpec], args: argparse.Namespace, results_dir: Path) 
 def _one_line(row: dict[str, Any]) -> str:
     if row["status"] != "ok":
         return f"{row['status']}: {row.get('note', '')}"
-    return (f"step {row['step_time_median']:.3f} s  rss {max(row['peak_rss']) / 2**20:.0f} MiB  "
-            f"loss {row['final_loss']:.6f}")
+    return (
+        f"step {row['step_time_median']:.3f} s  rss {max(row['peak_rss']) / 2**20:.0f} MiB  "
+        f"loss {row['final_loss']:.6f}"
+    )
 
 
 def collect(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -199,14 +246,31 @@ def collect(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
         micro_results = micro.run_all(results_dir)
     s = specs[0].settings if specs else None
-    settings = {} if s is None else {
-        "micro_batch": s.micro_batch, "seq_len": s.seq_len, "steps": s.steps, "warmup": s.warmup,
-        "threads/rank": s.threads, "bucket": s.bucket_numel, "repeats": args.repeats,
-        "zero_config": json.dumps(args.zero_config), "profile_steps": args.profile_steps}
+    settings = (
+        {}
+        if s is None
+        else {
+            "micro_batch": s.micro_batch,
+            "seq_len": s.seq_len,
+            "steps": s.steps,
+            "warmup": s.warmup,
+            "threads/rank": s.threads,
+            "bucket": s.bucket_numel,
+            "repeats": args.repeats,
+            "zero_config": json.dumps(args.zero_config),
+            "profile_steps": args.profile_steps,
+        }
+    )
     wall = time.time() - started
     command = " ".join(["python -m benchmarks.run", shlex.join(argv)]).strip()
-    summary = {"machine": {**machine.describe(), "wall_minutes": round(wall / 60, 1)}, "command": command,
-               "settings": settings, "rows": rows, "micro": micro_results, "wall_s": wall}
+    summary = {
+        "machine": {**machine.describe(), "wall_minutes": round(wall / 60, 1)},
+        "command": command,
+        "settings": settings,
+        "rows": rows,
+        "micro": micro_results,
+        "wall_s": wall,
+    }
     (results_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -227,8 +291,14 @@ def publish(summary: dict[str, Any], out: Path) -> None:
     infinity_md = infinity.page_section(Path(__file__).parent / "results")
     if infinity_md:  # recorded by its own, much longer, run (python -m benchmarks.infinity)
         micro_md = "\n\n".join(part for part in (micro_md, infinity_md) if part)
-    text = report.render(compared, summary["machine"], summary["command"], plot_path.name if has_plot else None,
-                         micro_md, summary.get("settings", {}))
+    text = report.render(
+        compared,
+        summary["machine"],
+        summary["command"],
+        plot_path.name if has_plot else None,
+        micro_md,
+        summary.get("settings", {}),
+    )
     report.write(out, text)
     print(report.results_table(compared))
     print(report.targets_table(compared))

@@ -40,8 +40,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("ds3", "deepspeed", 3, "DeepSpeed ZeRO-3"),
     Variant("zs3", "zeroshard", 3, "zeroshard ZeRO-3"),
     Variant("ds2off", "deepspeed", 2, "DeepSpeed ZeRO-2 + CPU offload", offload=True),
-    Variant("zs2off", "zeroshard", 2, "zeroshard ZeRO-2 + CPU offload", offload=True,
-            needs=("zero_optimization.offload_optimizer",)),
+    Variant(
+        "zs2off",
+        "zeroshard",
+        2,
+        "zeroshard ZeRO-2 + CPU offload",
+        offload=True,
+        needs=("zero_optimization.offload_optimizer",),
+    ),
 )
 VARIANTS_BY_KEY: dict[str, Variant] = {v.key: v for v in VARIANTS}
 

@@ -45,8 +45,15 @@ def measure(comm: Collectives, sizes: list[int]) -> list[dict[str, float]]:
         gather = _time(lambda: comm.all_gather(full, part))  # noqa: B023 - called within this iteration
         scatter = _time(lambda: comm.reduce_scatter(part, full))  # noqa: B023
         ring = s * (n - 1) / n
-        rows.append({"bytes": s, "all_gather_s": gather, "reduce_scatter_s": scatter,
-                     "all_gather_busbw": ring / gather, "reduce_scatter_busbw": ring / scatter})
+        rows.append(
+            {
+                "bytes": s,
+                "all_gather_s": gather,
+                "reduce_scatter_s": scatter,
+                "all_gather_busbw": ring / gather,
+                "reduce_scatter_busbw": ring / scatter,
+            }
+        )
     return rows
 
 
@@ -70,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
         size *= 2
     rows = measure(comm, sizes)
     if rank == 0:
-        write_json(args.out, {"world_size": n, "mem_bw_one_rank": alone, "mem_bw_all_ranks": float(together.item()),
-                              "sizes": rows})
+        write_json(
+            args.out,
+            {"world_size": n, "mem_bw_one_rank": alone, "mem_bw_all_ranks": float(together.item()), "sizes": rows},
+        )
     dist.destroy_process_group()
 
 

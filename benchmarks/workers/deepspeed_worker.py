@@ -19,7 +19,8 @@ class DeepSpeedTrainer:
         self.spec = spec
         self.numel = sum(p.numel() for p in model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config(spec))
+            model=model, model_parameters=model.parameters(), config=ds_config(spec)
+        )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         loss = self.engine(x, y)

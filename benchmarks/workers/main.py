@@ -61,9 +61,18 @@ def build_trainer(spec: RowSpec, model: torch.nn.Module) -> Trainer:
 
 
 def _not_run(spec: RowSpec, status: str, note: str) -> dict[str, Any]:
-    return {"status": status, "note": note, "row_id": spec.row_id, "variant": spec.variant.key,
-            "label": spec.variant.label, "framework": spec.variant.framework, "stage": spec.variant.stage,
-            "offload": spec.variant.offload, "size": spec.settings.size, "world_size": spec.world_size}
+    return {
+        "status": status,
+        "note": note,
+        "row_id": spec.row_id,
+        "variant": spec.variant.key,
+        "label": spec.variant.label,
+        "framework": spec.variant.framework,
+        "stage": spec.variant.stage,
+        "offload": spec.variant.offload,
+        "size": spec.settings.size,
+        "world_size": spec.world_size,
+    }
 
 
 def run(spec: RowSpec, out: Path) -> None:
@@ -111,9 +120,20 @@ class Clock:
 
 
 # Ranges and operators whose time the profile summary reports (names starting with "zeroshard." are added).
-_PROFILED = ("bench.step", "aten::mm", "torch::autograd::AccumulateGrad", "aten::copy_", "aten::clone",
-             "aten::add_", "aten::zero_", "aten::_fused_adamw_", "gloo:all_reduce", "gloo:all_gather",
-             "gloo:reduce_scatter", "gloo:barrier")
+_PROFILED = (
+    "bench.step",
+    "aten::mm",
+    "torch::autograd::AccumulateGrad",
+    "aten::copy_",
+    "aten::clone",
+    "aten::add_",
+    "aten::zero_",
+    "aten::_fused_adamw_",
+    "gloo:all_reduce",
+    "gloo:all_gather",
+    "gloo:reduce_scatter",
+    "gloo:barrier",
+)
 
 
 def profile(trainer: Trainer, spec: RowSpec, rank: int, steps: int, out: Path) -> dict[str, float]:
@@ -133,8 +153,9 @@ def profile(trainer: Trainer, spec: RowSpec, rank: int, steps: int, out: Path) -
     if rank == 0:
         table = averages.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60)
         out.with_suffix(".profile.txt").write_text(str(table))
-    return {e.key: e.cpu_time_total / steps / 1e3 for e in averages
-            if e.key in _PROFILED or e.key.startswith("zeroshard.")}
+    return {
+        e.key: e.cpu_time_total / steps / 1e3 for e in averages if e.key in _PROFILED or e.key.startswith("zeroshard.")
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,9 @@ from benchmarks.workers.common import ModelState, local_bytes, optimizer_state_b
 
 def adamw(params: list[nn.Parameter], settings: TrainSettings) -> torch.optim.Optimizer:
     """torch AdamW with the fused CPU kernel: the same arithmetic zeroshard's "AdamW" config uses."""
-    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                             weight_decay=settings.weight_decay, fused=True)
+    return torch.optim.AdamW(
+        params, lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay, fused=True
+    )
 
 
 class TorchTrainer:

@@ -29,8 +29,10 @@ def ds_config(spec: RowSpec) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1_000_000,
         "gradient_clipping": 0.0,  # DeepSpeed and zeroshard default to 1.0; DDP and FSDP2 do not clip
-        "optimizer": {"type": "AdamW", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
-                                                  "weight_decay": s.weight_decay}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps, "weight_decay": s.weight_decay},
+        },
         "zero_optimization": zero,
     }
 
@@ -50,8 +52,9 @@ class ZeroshardTrainer:
         if missing:
             raise NotImplementedRow(f"zeroshard lists {', '.join(missing)} as not implemented yet")
         try:
-            self.engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=ds_config(spec))
+            self.engine, _, _, _ = zeroshard.initialize(
+                model=model, model_parameters=model.parameters(), config=ds_config(spec)
+            )
         except (ConfigError, NotImplementedError) as err:
             raise NotImplementedRow(str(err).splitlines()[0]) from err
 
@@ -65,8 +68,11 @@ class ZeroshardTrainer:
         """`memory_report().model_states` plus what an offload tier holds in host memory: on a CPU-only
         machine the host is the same RAM, and DeepSpeed's offload rows count their CPU states too."""
         report = self.engine.memory_report().to_dict()
-        parts = {k: int(v) for k, v in report.items()
-                 if k not in ("rank", "world_size", "stage", "trainable_numel", "model_states") and v}
+        parts = {
+            k: int(v)
+            for k, v in report.items()
+            if k not in ("rank", "world_size", "stage", "trainable_numel", "model_states") and v
+        }
         host = sum(v for k, v in parts.items() if k.startswith("host_"))
         source = "measured (memory_report" + (", incl. host tier)" if host else ")")
         return ModelState(int(report["model_states"]) + host, parts, source)
