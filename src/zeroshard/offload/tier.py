@@ -4,9 +4,8 @@
 The stage code allocates master shards and gradient copies through a `Tier` and never asks which tier
 it is: `Tier.device` is where the tensors sit while the optimizer works on them (the compute device, or
 the CPU for both offload tiers), `Tier.pin` says whether host tensors are page-locked for asynchronous
-copies. The NVMe tier additionally keeps the tensors on disk between steps (`offload/nvme.py`); the
-strategy brackets each sub-group's optimizer step with `Tier.load`/`Tier.store`, which are no-ops for
-the other tiers.
+copies. Whether the tensors stay in memory between uses is the business of a residency object
+(`offload/nvme_store.py`: `InMemory`, or `NvmeStateStore` for the NVMe tier), equally tier-blind.
 """
 
 from __future__ import annotations
@@ -39,3 +38,14 @@ def tier_for(kind: str, compute_device: torch.device, pin_memory: bool) -> Tier:
     if kind in ("none", "", None):
         return Tier("device", compute_device)
     return Tier(kind, torch.device("cpu"), pin=pin_memory)
+
+
+def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """dst := src; on CUDA (a `stream` given) asynchronously on that side stream, after the work already queued
+    on the current stream (`stream.synchronize()` before reading `dst` on the host)."""
+    if stream is None:
+        dst.copy_(src)
+        return
+    stream.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)

@@ -18,7 +18,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.offload.nvme_store import InMemory, Residency
-from zeroshard.offload.tier import Tier
+from zeroshard.offload.tier import Tier, copy_aside
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, GroupBuffers, build_group_buffers, cast_floating_buffers
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
@@ -221,13 +221,7 @@ class ZeroOptimizer:
             self._host_ready.discard(bucket.id)
             return
         src = grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
-        dst = master_grad.narrow(0, bucket.shard_start, bucket.shard_numel)
-        if self._copy_stream is None:
-            dst.copy_(src)
-        else:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
-                dst.copy_(src, non_blocking=True)
+        copy_aside(master_grad.narrow(0, bucket.shard_start, bucket.shard_numel), src, self._copy_stream)
         self._host_ready.add(bucket.id)
 
     def set_boundary_decider(self, decider: Callable[[], bool]) -> None:

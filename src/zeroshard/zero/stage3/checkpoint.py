@@ -35,7 +35,6 @@ class Stage3State:
 
     def __init__(self, strategy: Stage3Optimizer):
         self.strategy = strategy
-        self._part_units: dict[str, frozenset[int]] = {}
 
     @property
     def writes_optim(self) -> bool:
@@ -92,12 +91,12 @@ class Stage3State:
 
     def publish_params(self) -> None:
         """Compute shards := masters, and gathered units (the persistent one) re-gathered (collective)."""
-        for part in self.parts():
-            with part.hold(True):
-                for unit in self.strategy.units:
-                    if part.optimizer_params is None or unit.index in self._part_units[part.suffix]:
-                        unit.publish()
-                        unit.settle_shard()
+        strategy = self.strategy
+        for key, units in strategy._keyed_sub_groups():  # with NVMe offload, one sub-group in memory at a time
+            with strategy.units_resident(key, units):
+                for unit in units:
+                    unit.publish()
+                    unit.settle_shard()
         for unit in self.strategy.units:
             if unit.persistent or unit.state is not UnitState.SHARDED:
                 self.strategy._refresh_gathered(unit)
@@ -124,11 +123,9 @@ class Stage3State:
             params = {id(master) for pieces in strategy._pieces for unit, master, _ in pieces if unit.index in members}
             if k == 0:  # empty stand-ins of groups this rank owns nothing of
                 params |= {id(p) for p in strategy._placeholders}
-            suffix = f".part{k:05d}"
-            self._part_units[suffix] = members
             parts.append(
                 StatePart(
-                    suffix,
+                    f".part{k:05d}",
                     partial(strategy.units_resident, key, units),
                     partial(self.model_pieces_to_save, members),
                     partial(self.model_targets_to_load, members),

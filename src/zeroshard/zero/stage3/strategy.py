@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import CollectiveMismatchError
 from zeroshard.offload.nvme_store import InMemory, Residency
-from zeroshard.offload.tier import Tier
+from zeroshard.offload.tier import Tier, copy_aside
 from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.buffers import BufferPool, cast_floating_buffers
@@ -296,14 +296,8 @@ class Stage3Optimizer:
         into the host fp32 buffer now (a side stream on CUDA), so the step does not wait for it."""
         assert unit.host_grad is not None
         unit.host_grad_ready = self.boundary_decider()
-        if not unit.host_grad_ready:
-            return
-        if self._copy_stream is None:
-            unit.host_grad.copy_(unit.grad_shard)
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy_stream):
-            unit.host_grad.copy_(unit.grad_shard, non_blocking=True)
+        if unit.host_grad_ready:
+            copy_aside(unit.host_grad, unit.grad_shard, self._copy_stream)
 
     def _settle_grad_writes(self) -> None:
         for unit in self._grad_writes:
@@ -377,9 +371,9 @@ class Stage3Optimizer:
             # NVMe: sub-group k+1 (and its gradients) is read while k steps and k-1 is written back
             for k, sub_group in enumerate(self.store.in_turn(keyed, self._sub_group_tensors)):
                 if k == 0:
-                    self._fetch_grads(sub_group)
+                    self._start_step_reads(sub_group)
                 if k + 1 < len(keyed):
-                    self._fetch_grads(keyed[k + 1][1])
+                    self._start_step_reads(keyed[k + 1][1])
                 for unit in sub_group:
                     self.store.ready(unit.grad_key)
                 self._step_sub_group(sub_group, decided.scale)
@@ -463,7 +457,7 @@ class Stage3Optimizer:
         """Whether state leaves memory between steps (NVMe offload)."""
         return not (isinstance(self.store, InMemory) and isinstance(self.param_store, InMemory))
 
-    def _fetch_grads(self, units: list[ShardedUnit]) -> None:
+    def _start_step_reads(self, units: list[ShardedUnit]) -> None:
         """Start reading what stepping `units` needs besides the optimizer store's entry: gradient shards, and
         masters that are the compute shards (fp32 with both tiers on NVMe)."""
         for unit in units:
