@@ -142,9 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     report = engine.memory_report()
     swap_bytes = sum(f.stat().st_size for f in Path(args.path).glob("zeroshard_swap_*/**/*") if f.is_file())
-    engine.zero.hooks.remove()  # not destroy(): that gathers the whole model into memory on purpose
-    engine.zero.store.close()
-    engine.zero.param_store.close()
+    engine.strategy.hooks.remove()  # not destroy(): that gathers the whole model into memory on purpose
+    engine.strategy.stepper.store.close()
+    engine.strategy.stepper.param_store.close()
     return {
         "machine": describe(),
         "params": numel,

@@ -14,10 +14,11 @@ from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
+from zeroshard.memory import StrategyMemory
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
-from zeroshard.zero.strategy import Strategy
+from zeroshard.zero.strategy import AccumulationState, Strategy
 
 logger = get_logger(__name__)
 
@@ -68,7 +69,8 @@ class Engine(CheckpointMixin, nn.Module):
         topology: Topology,
         comm: Collectives,
         precision: PrecisionPolicy,
-        zero: Strategy | None,
+        strategy: Strategy | None,
+        accumulation: AccumulationState,
         optimizer: torch.optim.Optimizer | None,
         lr_scheduler: Any,
         loss_scaler: Any,
@@ -80,24 +82,25 @@ class Engine(CheckpointMixin, nn.Module):
         self.topology = topology
         self.comm = comm
         self.precision = precision
-        self.zero = zero
+        self.strategy = strategy
+        self.accumulation = accumulation  # shared with the strategy: [Note: strategy contract]
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
         self.training_dataloader = training_dataloader
         self.global_steps = 0
         self.global_samples = 0
-        self.micro_steps = 0
         self.skipped_steps = 0
-        self._no_sync_depth = 0
         self._last_grad_norm: float | None = None
         self._offloader = StateOffloader()
-        if zero is not None:  # a plain loss.backward() (not engine.backward) still reduces on the right steps
-            zero.set_sync_decider(self._micro_step_syncs)
-            zero.set_boundary_decider(self.is_gradient_accumulation_boundary)
 
-    def _micro_step_syncs(self) -> bool:
-        return self.zero_stage >= 2 or (self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0)
+    @property
+    def micro_steps(self) -> int:
+        return self.accumulation.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:  # checkpoint load restores it
+        self.accumulation.micro_steps = value
 
     # -- DeepSpeed-compatible accessors ----------------------------------------------------------
     @property
@@ -130,7 +133,7 @@ class Engine(CheckpointMixin, nn.Module):
         return int(self.config.train_batch_size)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.accumulation.is_boundary()
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the last step's gradients (before clipping), or None if no step was taken."""
@@ -151,24 +154,24 @@ class Engine(CheckpointMixin, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
-        zero = self._require_zero("backward")
-        zero.begin_backward(self._micro_step_syncs())
+        strategy = self._require_strategy("backward")
+        strategy.begin_backward()
         factor = self.loss_scale / self.gradient_accumulation_steps()
         with torch.profiler.record_function("zeroshard.backward"):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         with torch.profiler.record_function("zeroshard.reduce_wait"):
-            zero.finish_backward()
+            strategy.finish_backward()
         return loss
 
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary take the optimizer step on every rank."""
-        zero = self._require_zero("step")
+        strategy = self._require_strategy("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
         if self.is_gradient_accumulation_boundary():
-            if self._no_sync_depth:
+            if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
-            outcome = zero.step(self.loss_scale)
+            outcome = strategy.step(self.loss_scale)
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(outcome.skipped)
             if outcome.skipped:
@@ -176,7 +179,7 @@ class Engine(CheckpointMixin, nn.Module):
                 log_rank(
                     logger,
                     20,
-                    f"step {self.global_steps}: fp16 overflow, step skipped; loss scale now {self.loss_scale:g}",
+                    f"step {self.global_steps}: inf/nan gradients, step skipped; loss scale now {self.loss_scale:g}",
                 )
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -184,12 +187,12 @@ class Engine(CheckpointMixin, nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report_progress()
-        self.micro_steps += 1
+        self.accumulation.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""
-        if self.zero is not None:
-            self.zero.zero_grad()
+        if self.strategy is not None:
+            self.strategy.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -199,21 +202,20 @@ class Engine(CheckpointMixin, nn.Module):
                 f"no_sync() is incompatible with ZeRO stage {self.zero_stage}: gradients are partitioned "
                 "(reduce-scattered) every micro-step. Use stage 0/1, or rely on gradient_accumulation_steps."
             )
-        self._no_sync_depth += 1
+        self.accumulation.no_sync_depth += 1
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self.accumulation.no_sync_depth -= 1
 
     @contextlib.contextmanager
     def gathered_for_generation(self) -> Iterator[None]:
         """Keep the whole model gathered inside the block (stage 3), e.g. for `model.generate(...)`,
         so generation does not all-gather every layer for every token. Every rank must enter it."""
-        gather = getattr(self.zero, "gathered", None)
-        if gather is None:
+        if self.strategy is None:
             yield
             return
-        with gather():
+        with self.strategy.gathered():
             yield
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
@@ -247,7 +249,7 @@ class Engine(CheckpointMixin, nn.Module):
     def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
         `module.state_dict()` included (tied weights under each name). Every rank must call it."""
-        masters = self.zero.consolidated_params(dtype) if self.zero is not None else {}
+        masters = self.strategy.consolidated_params(dtype) if self.strategy is not None else {}
         out: dict[str, torch.Tensor] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             value = masters.get(id(param))
@@ -267,8 +269,8 @@ class Engine(CheckpointMixin, nn.Module):
     ) -> None:
         """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
         memory until `reload_states()`; training steps are refused in between."""
-        zero = self._require_zero("offload_states")
-        self._offloader.offload(zero.offloadable_tensors(), torch.device(device), pin_memory, non_blocking)
+        strategy = self._require_strategy("offload_states")
+        self._offloader.offload(strategy.offloadable_tensors(), torch.device(device), pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states()` moved."""
@@ -276,9 +278,9 @@ class Engine(CheckpointMixin, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
-        if self.zero is not None:
-            self.zero.destroy()
-            self.zero = None
+        if self.strategy is not None:
+            self.strategy.destroy()
+            self.strategy = None
         if self.optimizer is not None:
             self.optimizer.state.clear()
         self.optimizer = None
@@ -286,33 +288,17 @@ class Engine(CheckpointMixin, nn.Module):
 
     # -- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        zero_bytes = self.zero.memory_bytes() if self.zero is not None else {}
-        tracked: set[int] = set()
-        trainable = 0
-        if self.zero is not None:
-            tracked.update(id(p) for p in self.zero.tracked_params())
-            trainable = self.zero.trainable_numel
-        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in tracked)
+        memory = self.strategy.memory() if self.strategy is not None else StrategyMemory()
+        tracked = {id(p) for p in self.strategy.tracked_params()} if self.strategy is not None else set()
         # stage 3 holds frozen parameters as shards inside `params`
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in tracked)
         return MemoryReport(
             rank=self.global_rank,
             world_size=self.world_size,
             stage=self.zero_stage,
-            trainable_numel=trainable,
-            params=zero_bytes.get("params_trainable", 0),
+            trainable_numel=self.strategy.trainable_numel if self.strategy is not None else 0,
             frozen_params=frozen,
-            gradients=zero_bytes.get("gradients", 0),
-            master_weights=zero_bytes.get("master_weights", 0),
-            optimizer_state=zero_bytes.get("optimizer_state", 0),
-            comm_buffers=zero_bytes.get("comm_buffers", 0),
-            persistent_params=zero_bytes.get("persistent_params", 0),
-            gathered_params=zero_bytes.get("gathered_params", 0),
-            peak_gathered_params=zero_bytes.get("peak_gathered_params", 0),
-            host_params=zero_bytes.get("host_params", 0),
-            host_master_weights=zero_bytes.get("host_master_weights", 0),
-            host_optimizer_state=zero_bytes.get("host_optimizer_state", 0),
-            host_gradients=zero_bytes.get("host_gradients", 0),
-            nvme_bytes=zero_bytes.get("nvme_bytes", 0),
+            **memory.as_dict(),
         )
 
     def _report_progress(self) -> None:
@@ -326,10 +312,10 @@ class Engine(CheckpointMixin, nn.Module):
                 f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}",
             )
 
-    def _require_zero(self, what: str) -> Strategy:
-        if self.zero is None:
+    def _require_strategy(self, what: str) -> Strategy:
+        if self.strategy is None:
             raise ZeroshardError(
                 f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '
                 "block to the config (or the engine was destroyed)"
             )
-        return self.zero
+        return self.strategy

@@ -16,15 +16,15 @@ from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
-from zeroshard.offload.tier import tier_for
+from zeroshard.offload.tier import Tier, tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger
-from zeroshard.zero.optimizer import ParamGroupSpec, ZeroOptimizer, ZeroPolicy
+from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
-from zeroshard.zero.stage3.strategy import Stage3Optimizer, Stage3Policy
-from zeroshard.zero.strategy import Strategy
+from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, StepPolicy, Strategy
 
 logger = get_logger(__name__)
 
@@ -96,12 +96,8 @@ def _build(
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
     _check_offload(cfg, stage)
-    # [Note: divergence check] stage 3 issues many collectives from hooks, where ranks that took different
-    # code paths would otherwise hang or abort in the backend; a fingerprint exchange before each one
-    # (one tiny all-gather) turns that into an error naming each rank's unit. On by default for stage 3
-    # on gloo; on NCCL the check would sync the host with the GPU before every collective, so there the
-    # once-per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1
-    # forces the per-collective check).
+    # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
+    # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)
     verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"
     comm = Collectives(
         topology.group,
@@ -129,11 +125,12 @@ def _build(
     precision = PrecisionPolicy.from_config(cfg)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
-    zero = engine_optimizer = None
+    accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
+    strategy = engine_optimizer = None
     if has_optimizer:
-        zero = _make_strategy(cfg, stage, precision, model, groups, comm, topology)
-        engine_optimizer = _make_optimizer(cfg, optimizer, zero)
-        zero.attach(engine_optimizer)
+        strategy = _make_strategy(cfg, stage, precision, model, groups, comm, topology, accumulation)
+        engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
+        strategy.attach(engine_optimizer)
     else:
         model.to(precision.compute_dtype)
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
@@ -158,7 +155,9 @@ def _build(
             collate_fn,
             drop_last=bool(cfg.dataloader_drop_last),
         )
-    engine = Engine(model, cfg, topology, comm, precision, zero, engine_optimizer, scheduler, loss_scaler, loader)
+    engine = Engine(
+        model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler, loader
+    )
     return engine, engine_optimizer, loader, scheduler
 
 
@@ -209,7 +208,7 @@ def _nvme_store_factory(
     """None unless `zero_optimization.<key>.device` is "nvme"; else preflight its path now and return what
     builds the store (and its swapper) in the strategy."""
     from zeroshard.offload import NvmeSwapper, preflight
-    from zeroshard.offload.nvme_store import NvmeStateStore
+    from zeroshard.offload.residency import NvmeStateStore
 
     block = getattr(cfg.zero_optimization, key)
     if str(block.device) != "nvme":
@@ -235,56 +234,62 @@ def _make_strategy(
     groups: list[ParamGroupSpec],
     comm: Collectives,
     topology: Topology,
+    accumulation: AccumulationState,
 ) -> Strategy:
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
-    opt = z.offload_optimizer
-    optimizer_nvme = _nvme_store_factory(cfg, "offload_optimizer", need, int(opt.buffer_count), bool(opt.pin_memory))
-    base = _zero_policy(cfg, stage, precision, topology.device)
+    step = StepPolicy(
+        gradient_clipping=float(cfg.gradient_clipping or 0.0),
+        prescale_gradients=bool(cfg.prescale_gradients),
+        gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+        check_overflow=precision.fp16,  # MERGE: precision.check_overflow
+    )
+    master_tier = _tier(cfg, "offload_optimizer", need, topology.device)
     if stage < 3:
-        return ZeroOptimizer(model, groups, base, comm, topology.device, optimizer_nvme)
+        bucket = int(z.reduce_bucket_size)
+        if stage >= 1:
+            bucket = min(bucket, int(z.allgather_bucket_size))  # one bucket is both reduced and gathered
+        flat = FlatPolicy(
+            stage=stage,
+            compute_dtype=precision.compute_dtype,
+            grad_accum_dtype=precision.grad_accum_dtype,
+            comm_dtype=precision.comm_dtype,
+            bucket_numel=max(bucket, 1),
+            overlap_comm=bool(z.overlap_comm),
+            use_reduce_scatter=bool(z.reduce_scatter),
+            step=step,
+            master_tier=master_tier,
+        )
+        return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
     par = z.offload_param
     policy = Stage3Policy(
-        base=base,
+        compute_dtype=precision.compute_dtype,
+        grad_accum_dtype=precision.grad_accum_dtype,
+        comm_dtype=precision.comm_dtype,
+        overlap_comm=bool(z.overlap_comm),
+        step=step,
         prefetch=PrefetchPolicy(
             bucket_numel=int(z.stage3_prefetch_bucket_size),
             max_live_numel=int(z.stage3_max_live_parameters or 0),
             max_reuse_distance=int(z.stage3_max_reuse_distance),
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
-        gradient_accumulation_steps=int(cfg.gradient_accumulation_steps or 1),
         sub_group_numel=max(int(z.sub_group_size), 1),
-        master_tier=base.master_tier,
-        nvme=optimizer_nvme,
-        param_tier=tier_for(str(par.device), topology.device, bool(par.pin_memory)),
-        param_nvme=_nvme_store_factory(cfg, "offload_param", need, int(par.buffer_count), bool(par.pin_memory)),
+        master_tier=master_tier,
+        param_tier=_tier(cfg, "offload_param", need, topology.device),
         param_read_ahead=(
             int(par.buffer_count),
             min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
     )
-    return Stage3Optimizer(model, groups, policy, comm, topology.device)
+    return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
 
 
-def _zero_policy(cfg: ZeroshardConfig, stage: int, precision: PrecisionPolicy, device: torch.device) -> ZeroPolicy:
-    z = cfg.zero_optimization
-    bucket = int(z.reduce_bucket_size)
-    if stage >= 1:
-        bucket = min(bucket, int(z.allgather_bucket_size))  # one bucket is both reduced and gathered
-    return ZeroPolicy(
-        stage=stage,
-        compute_dtype=precision.compute_dtype,
-        grad_accum_dtype=precision.grad_accum_dtype,
-        comm_dtype=precision.comm_dtype,
-        bucket_numel=max(bucket, 1),
-        overlap_comm=bool(z.overlap_comm),
-        use_reduce_scatter=bool(z.reduce_scatter),
-        prescale_gradients=bool(cfg.prescale_gradients),
-        gradient_predivide_factor=float(cfg.gradient_predivide_factor),
-        gradient_clipping=float(cfg.gradient_clipping or 0.0),
-        check_overflow=precision.fp16,
-        master_tier=tier_for(str(z.offload_optimizer.device), device, bool(z.offload_optimizer.pin_memory)),
-    )
+def _tier(cfg: ZeroshardConfig, key: str, need: dict[str, int], device: torch.device) -> Tier:
+    """Where `zero_optimization.<key>` puts its state (an NVMe path is preflighted now)."""
+    block = getattr(cfg.zero_optimization, key)
+    store = _nvme_store_factory(cfg, key, need, int(block.buffer_count), bool(block.pin_memory))
+    return tier_for(str(block.device), device, bool(block.pin_memory), store)
 
 
 def _param_groups(

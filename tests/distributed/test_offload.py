@@ -89,7 +89,7 @@ def _offload_states_round_trip(rank: int, world_size: int):
                 x, y = micro_batch(batch, 0, rank, world_size, case.micro)
                 if offload_between and step == 2:
                     engine.offload_states()
-                    freed = all(t.untyped_storage().nbytes() == 0 for t in engine.zero.offloadable_tensors())
+                    freed = all(t.untyped_storage().nbytes() == 0 for t in engine.strategy.offloadable_tensors())
                     with torch.no_grad():
                         engine(x, y)  # evaluation while offloaded
                     try:
@@ -155,9 +155,9 @@ def _nvme_rss(rank: int, world_size: int, nvme_path: str, layers: int, width: in
             engine.step()
             losses.append(loss.item())
         report = engine.memory_report()
-        engine.zero.hooks.remove()  # not destroy(): that gathers the whole model on purpose
-        engine.zero.store.close()
-        engine.zero.param_store.close()
+        engine.strategy.hooks.remove()  # not destroy(): that gathers the whole model on purpose
+        engine.strategy.stepper.store.close()
+        engine.strategy.stepper.param_store.close()
         return report, losses
 
     run(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False), 1000)  # warm-up
@@ -332,8 +332,8 @@ def _host_copies(rank: int, world_size: int):
                     engine.step()
                     losses.append(loss.item())
             params = torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()])
-            copies = len(engine.zero.units) if stage == 3 else len(engine.zero.buffers)  # per unit / per group
-            runs.append((engine.zero.host_copies_in_backward, copies, case.steps, losses, params))
+            copies = len(engine.strategy.units) if stage == 3 else len(engine.strategy.buffers)  # per unit / per group
+            runs.append((engine.strategy.host_copies_in_backward, copies, case.steps, losses, params))
             engine.destroy()
         out[stage] = runs
     return out
@@ -369,7 +369,7 @@ def _nvme_parts(rank: int, world_size: int, root: str):
         engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
         engine.step()
     resident_before = engine.memory_report()
-    store, peak = engine.zero.store, [0]
+    store, peak = engine.strategy.stepper.store, [0]
     fetch = store.fetch
 
     def fetch_and_measure(key: str) -> None:
@@ -381,7 +381,7 @@ def _nvme_parts(rank: int, world_size: int, root: str):
     largest = max(sum(e.nbytes) for k, e in store._entries.items() if k.startswith("subgroup"))
     resident_after = engine.memory_report()
     saved = params(engine)
-    parts = len(engine.zero._keyed_sub_groups())
+    parts = len(engine.strategy.built.sub_groups)
     engine.destroy()
     files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(root, "ckpt", "t", "optim", f"rank{rank:05d}*")))
     plain = Case(stage=2, dtype="bf16")  # another stage, no offload: the parts are read as one rank's pieces

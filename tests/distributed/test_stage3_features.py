@@ -29,7 +29,7 @@ def _memory_and_comm(rank: int, world_size: int):
         after = engine.comm_stats.snapshot()
         per_step.append({k: after[k]["bus_bytes"] - before[k]["bus_bytes"] for k in after})
     report = engine.memory_report()
-    units = engine.zero.units
+    units = engine.strategy.units
     largest_unit = max(u.numel for u in units if u.name)
     root_unit = sum(u.numel for u in units if u.name == "")
     assert len(units) == 3, [u.name for u in units]  # the root and two blocks
@@ -236,7 +236,7 @@ def _sharded_construction(rank: int, world_size: int):
         engine.backward(loss)
         engine.step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        engine.zero.hooks.remove()  # not destroy(): that would gather the full model on purpose
+        engine.strategy.hooks.remove()  # not destroy(): that would gather the full model on purpose
         return bool(torch.isfinite(loss)), peak
 
     # warm-up on a tiny model: first-use imports and kernels are not model memory

@@ -286,12 +286,12 @@ def _load_into(
             if optimizer_too:
                 assert engine.optimizer is not None
                 load_optimizer_state(reader, engine.optimizer, part, mapping, master_loaded, ckpt_group)
-            if engine.zero is not None and not master_loaded:
+            if engine.strategy is not None and not master_loaded:
                 part.refresh_master()
     if optimizer_too and engine.loss_scaler is not None and blob["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(blob["loss_scaler"])
     publish = False
-    if state is not None and engine.zero is not None:
+    if state is not None and engine.strategy is not None:
         # Module weights stored in another dtype than this engine computes in: rebuild them from fp32.
         publish = master_loaded and meta.compute_dtype != compute_dtype_name(engine)
     client_state: dict[str, Any] = blob["client_state"]
@@ -341,11 +341,11 @@ def load_checkpoint(
     if any(s["error"] for s in statuses):
         raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).
-    if engine.zero is not None:
+    if engine.strategy is not None:
         state = engine_state(engine)
         # stage 3 loads shards only: copies gathered from them (its persistent unit) must be gathered again
-        if state is not None and (publish or getattr(state, "regather_after_load", False)):
+        if state is not None and (publish or state.regather_after_load):
             state.publish_params()
-        engine.zero.zero_grad()
+        engine.strategy.zero_grad()
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")
     return tag_dir, client_state

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -10,13 +10,16 @@ from torch import nn
 from zeroshard.comm.topology import Topology
 from zeroshard.precision.policy import PrecisionPolicy
 
+if TYPE_CHECKING:
+    from zeroshard.zero.strategy import Strategy
+
 
 class CheckpointableEngine(Protocol):
     module: nn.Module
     config: Any  # ZeroshardConfig
     topology: Topology
     precision: PrecisionPolicy
-    zero: Any  # zero.strategy.Strategy: ZeroOptimizer (stages 0-2) or the stage-3 strategy
+    strategy: Strategy | None
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     loss_scaler: Any

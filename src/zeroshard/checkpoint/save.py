@@ -45,10 +45,9 @@ from zeroshard.checkpoint.format import (
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
-from zeroshard.checkpoint.state import FlatZeroState, ModelPiece, OptimPiece, ShardedState
+from zeroshard.checkpoint.state import ModelPiece, OptimPiece, ShardedState
 from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
-from zeroshard.zero.optimizer import ZeroOptimizer
 
 logger = get_logger(__name__)
 
@@ -103,25 +102,12 @@ def catalog_module(
 
 def full_shapes(state: ShardedState | None) -> dict[int, tuple[int, ...]]:
     """Full shapes of sharded parameters, for strategies whose module tensors are placeholders."""
-    provider = getattr(state, "full_shapes", None)
-    return provider() if provider is not None else {}
+    return state.full_shapes() if state is not None else {}
 
 
 def engine_state(engine: CheckpointableEngine) -> ShardedState | None:
     """The strategy's `ShardedState` (see [Note: strategy adapters]); None without an optimizer."""
-    zero = engine.zero
-    if zero is None:
-        return None
-    if isinstance(zero, ZeroOptimizer):
-        return FlatZeroState(zero, engine.topology.rank)
-    provider = getattr(zero, "checkpoint_state", None)  # a stage-3 strategy provides its own adapter
-    if provider is None:
-        raise CheckpointError(
-            f"{type(zero).__name__} (ZeRO stage {engine.config.zero_optimization.stage}) does not support "
-            "checkpoints yet: it has no checkpoint_state()"
-        )
-    state: ShardedState = provider()
-    return state
+    return engine.strategy.checkpoint_state() if engine.strategy is not None else None
 
 
 # -- optimizer state ------------------------------------------------------------------------------------

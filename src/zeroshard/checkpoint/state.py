@@ -5,9 +5,9 @@ The save and load code never looks at buckets, shard offsets or padding. A strat
 sharded tensors through the `ShardedState` protocol: which module parameters it owns the storage of,
 the model-weight pieces this rank writes, the ranges this rank must fill on load, and the pieces of the
 optimizer's parameters (with the offset of each piece inside the optimizer's tensor, so elementwise
-optimizer state is a slice at the same offset). `FlatZeroState` implements it for stages 0-2; a
-stage-3 strategy implements the same four lists over its per-parameter partitions, and the files it
-writes and reads are the same (see [Note: checkpoint format]).
+optimizer state is a slice at the same offset). `Strategy.checkpoint_state()` returns one: `FlatState`
+(zero/flat/checkpoint.py) for stages 0-2, `Stage3State` (zero/stage3/checkpoint.py) over stage 3's per-unit
+partitions; the files they write and read are the same (see [Note: checkpoint format]).
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from zeroshard.zero.layout import owned_pieces
-from zeroshard.zero.optimizer import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -108,76 +105,11 @@ class ShardedState(Protocol):
         """The state in the slices save and load handle one at a time (see [Note: state parts])."""
         ...
 
-
-class FlatZeroState:
-    """`ShardedState` of the stage 0/1/2 flat-buffer optimizer."""
-
-    def __init__(self, zero: ZeroOptimizer, rank: int):
-        self.zero = zero
-        self.rank = rank
-
     @property
-    def writes_optim(self) -> bool:
-        # Stage 0 shards nothing (shard_count 1): every rank holds everything and rank 0 writes it.
-        return self.rank < self.zero.layout.shard_count
+    def regather_after_load(self) -> bool:
+        """Whether a load (which fills shards) must re-gather copies made from them (stage 3's persistent unit)."""
+        ...
 
-    def sharded_params(self) -> dict[int, str]:
-        return {
-            id(buffers.params[slot.index]): slot.name for buffers in self.zero.buffers for slot in buffers.layout.slots
-        }
-
-    def _owned(self) -> list[tuple[int, str, int, int, int, int]]:
-        """(group, name, begin, end, offset in the param buffer, offset in the master shard) per piece."""
-        rows = []
-        for g, buffers in enumerate(self.zero.buffers):
-            layout = buffers.layout
-            for piece in owned_pieces(layout, self.zero.shard_rank):
-                slot = layout.slots[piece.slot]
-                flat = slot.offset + piece.param_begin
-                rows.append((g, slot.name, piece.param_begin, piece.param_end, flat, piece.shard_offset))
-        return rows
-
-    def model_pieces_to_save(self) -> list[ModelPiece]:
-        if not self.writes_optim:
-            return []
-        return [
-            ModelPiece(name, begin, end, self.zero.buffers[g].param_flat.narrow(0, flat, end - begin))
-            for g, name, begin, end, flat, _ in self._owned()
-        ]
-
-    def model_targets_to_load(self) -> list[ModelPiece]:
-        # Parameters are replicated in stages 0-2: every rank fills every parameter whole.
-        return [
-            ModelPiece(slot.name, 0, slot.numel, buffers.param_flat.narrow(0, slot.offset, slot.numel))
-            for buffers in self.zero.buffers
-            for slot in buffers.layout.slots
-        ]
-
-    def optim_pieces(self) -> list[OptimPiece]:
-        return [
-            OptimPiece(name, begin, end, self.zero.buffers[g].master, offset, g)
-            for g, name, begin, end, _, offset in self._owned()
-        ]
-
-    def refresh_master_from_params(self) -> None:
-        for g, _, begin, end, flat, offset in self._owned():
-            buffers = self.zero.buffers[g]
-            if not buffers.master_aliases_params:
-                buffers.master.narrow(0, offset, end - begin).copy_(buffers.param_flat.narrow(0, flat, end - begin))
-
-    def publish_params(self) -> None:
-        self.zero.publish_params()
-
-    def parts(self) -> list[StatePart]:
-        # NVMe offload swaps whole parameter groups here: one part, with every group read in for the block
-        return [
-            StatePart(
-                "",
-                lambda changes: self.zero.optimizer_state_resident(),
-                self.model_pieces_to_save,
-                self.model_targets_to_load,
-                self.optim_pieces,
-                self.refresh_master_from_params,
-                None,
-            )
-        ]
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        """Full shapes of sharded parameters by id, where the module holds placeholders (stage 3); else empty."""
+        ...

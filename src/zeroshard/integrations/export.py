@@ -1,71 +1,30 @@
 """The end of a run: a Hugging Face folder of the fp32 weights, a logits probe, and a sample generation.
 
 [Note: where the fp32 weights come from]
-With fp32 training and stages 0-2 every rank's module holds the full fp32 parameters. With bf16/fp16
-the full-precision values are the fp32 master shards, spread over the ranks; `gathered_fp32_state_dict`
-all-gathers them (stages 1-2) using the engine's flat layout. An engine method
-`consolidated_state_dict(dtype)` takes precedence when the engine has one (the stage-3 engine should
-provide it); otherwise parameters are read from the module and upcast, with a warning if that loses
-the master weights' precision.
+With bf16/fp16 (and with stage 3 in any dtype) the full-precision values are the fp32 master shards, spread
+over the ranks: `gathered_fp32_state_dict` asks the engine to consolidate them (`Strategy.consolidated_params`,
+every stage), so the export never upcasts compute-dtype weights.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
 
 logger = get_logger(__name__)
 
 
-def gathered_fp32_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The model's full state dict in fp32 on CPU; a collective (every rank calls it)."""
-    consolidated = getattr(engine, "consolidated_state_dict", None)
-    if callable(consolidated):
-        return {k: v.detach().float().cpu() for k, v in consolidated(dtype=torch.float32).items()}
-    module: nn.Module = engine.module
-    full = _masters_by_param(engine)
-    if not full and engine.precision.compute_dtype != torch.float32:
-        log_rank(logger, 30, "no fp32 master weights to gather: exporting the compute-dtype weights upcast to fp32")
-    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu() for k, v in module.state_dict().items()}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in full and name in state:
-            state[name] = full[id(param)].view(param.shape).clone()
-    return state
-
-
-def _masters_by_param(engine: Any) -> dict[int, torch.Tensor]:
-    """id(parameter) -> its full fp32 value from the master shards (stages 1-2 with a non-fp32 compute dtype)."""
-    zero = getattr(engine, "zero", None)
-    if zero is None or engine.zero_stage > 2 or engine.precision.compute_dtype == torch.float32:
-        return {}
-    with zero.optimizer_state_resident():  # NVMe offload: read the masters in for the export
-        return _gather_masters(engine, zero)
-
-
-def _gather_masters(engine: Any, zero: Any) -> dict[int, torch.Tensor]:
-    out: dict[int, torch.Tensor] = {}
-    shards = zero.layout.shard_count
-    for buffers in zero.buffers:
-        layout = buffers.layout
-        gathered = torch.empty(layout.shard_numel * shards, dtype=torch.float32, device=buffers.master.device)
-        if shards > 1:
-            engine.comm.all_gather(gathered, buffers.master)
-        else:
-            gathered.copy_(buffers.master)
-        full = torch.empty(layout.numel, dtype=torch.float32)
-        for bucket in layout.buckets:
-            for rank in range(shards):
-                begin = bucket.start + rank * bucket.shard_numel
-                source = rank * layout.shard_numel + bucket.shard_start
-                full[begin : begin + bucket.shard_numel] = gathered[source : source + bucket.shard_numel].cpu()
-        for slot in layout.slots:
-            out[id(buffers.params[slot.index])] = full[slot.offset : slot.offset + slot.numel]
-    return out
+def gathered_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
+    """The model's full state dict in fp32 on CPU, from the master weights; a collective (every rank calls it)."""
+    return {k: v.detach().float().cpu() for k, v in engine.consolidated_state_dict(dtype=torch.float32).items()}
 
 
 def export_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], tokenizer: Any, folder: str) -> str | None:

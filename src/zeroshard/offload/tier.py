@@ -1,51 +1,147 @@
-"""Where fp32 master weights and optimizer state live: the compute device, host memory or NVMe.
+"""Where state lives: the compute device, host memory or NVMe, as objects that do the placing and the counting.
 
 [Note: one interface]
-The stage code allocates master shards and gradient copies through a `Tier` and never asks which tier
-it is: `Tier.device` is where the tensors sit while the optimizer works on them (the compute device, or
-the CPU for both offload tiers), `Tier.pin` says whether host tensors are page-locked for asynchronous
-copies. Whether the tensors stay in memory between uses is the business of a residency object
-(`offload/nvme_store.py`: `InMemory`, or `NvmeStateStore` for the NVMe tier), equally tier-blind.
+`initialize` decides once where each kind of state lives and hands the strategies a `Tier` for it: one for
+the fp32 master weights and optimizer state (`offload_optimizer`), one for stage 3's compute-dtype parameter
+shards (`offload_param`). A tier allocates (`zeros`), keeps its tensors in or out of memory between uses
+(`residency`: `InMemory`, or `NvmeStateStore` for NVMe, see offload/residency.py), answers the one placement
+rule that depends on it (`shares_shard_with`: may a master and a compute shard be one tensor), hands out the
+object that receives reduced gradients (`gradients()`, offload/gradients.py) and counts its own bytes into the
+memory report. The stage code never asks which tier it holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.residency import InMemory, NvmeStateStore, Residency
 
-@dataclass(frozen=True)
+if TYPE_CHECKING:
+    from zeroshard.offload.gradients import GradientTier
+
+
 class Tier:
-    kind: str  # "device" | "cpu" | "nvme"
-    device: torch.device
-    pin: bool = False
+    """State on the compute device: allocated there, always resident, counted as device memory."""
 
-    @property
-    def offloaded(self) -> bool:
-        return self.kind != "device"
+    offloaded = False  # the memory report's "host_*" columns (and alias rules) follow this
+
+    def __init__(self, device: torch.device, pin: bool = False):
+        self.device = device
+        self.pin = pin
+        self._residency: Residency | None = None
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         pin = self.pin and self.device.type == "cpu" and torch.cuda.is_available()
         return torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=pin)
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device
+    @property
+    def residency(self) -> Residency:
+        """Whether this tier's tensors stay in memory between uses (built once, on first use)."""
+        if self._residency is None:
+            self._residency = self._make_residency()
+        return self._residency
+
+    def _make_residency(self) -> Residency:
+        return InMemory()
+
+    def may_alias_compute(self) -> bool:
+        """Stages 0-2: whether an unsharded fp32 master may be the parameter buffer itself."""
+        return not self.offloaded
+
+    def shares_shard_with(self, param_tier: Tier) -> bool:
+        """Stage 3, fp32 compute: whether the master (on this tier) and the compute shard (on `param_tier`) can be
+        one tensor: they must sit on the same device, a master moved off the device never serves a shard that
+        stays there, and a shard that leaves memory between uses (NVMe) only aliases a master that goes too."""
+        same_device = self.device == param_tier.device
+        return same_device and (param_tier.offloaded or not self.offloaded) and param_tier.aliases_from(self)
+
+    def aliases_from(self, master_tier: Tier) -> bool:
+        return True
+
+    def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
+        """Where reduced gradients wait for the optimizer when the master lives here."""
+        from zeroshard.offload.gradients import StepTimeCopies
+
+        return StepTimeCopies(self, copy_stream, check_overflow)
+
+    # -- byte accounting ---------------------------------------------------------------------------------
+    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+        """Master weights and optimizer state held on this tier."""
+        memory.master_weights += masters
+        memory.optimizer_state += state
+
+    def count_params(self, memory: StrategyMemory, shards: int) -> None:
+        """Compute-dtype parameter shards (stage 3) held on this tier."""
+        memory.params += shards
+
+    def count_grad_copies(self, memory: StrategyMemory, copies: int) -> None:
+        """fp32 gradient copies the optimizer reads, kept on this tier."""
+        memory.comm_buffers += copies
 
 
-def tier_for(kind: str, compute_device: torch.device, pin_memory: bool) -> Tier:
-    """`kind` is the config's offload device: "none" keeps state on the compute device."""
+class HostTier(Tier):
+    """State in host memory (pinned on CUDA machines), counted in the report's host columns."""
+
+    offloaded = True
+
+    def __init__(self, pin: bool = False):
+        super().__init__(torch.device("cpu"), pin)
+
+    def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
+        from zeroshard.offload.gradients import BackwardCopies
+
+        return BackwardCopies(self, copy_stream, check_overflow)
+
+    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+        memory.host_master_weights += masters
+        memory.host_optimizer_state += state
+
+    def count_params(self, memory: StrategyMemory, shards: int) -> None:
+        memory.host_params += shards
+
+    def count_grad_copies(self, memory: StrategyMemory, copies: int) -> None:
+        memory.host_gradients += copies
+
+
+class NvmeTier(HostTier):
+    """State in swap files between uses, read into host memory for each use (ZeRO-Infinity)."""
+
+    def __init__(self, store_factory: Callable[[], NvmeStateStore], pin: bool = False):
+        super().__init__(pin)
+        self._store_factory = store_factory
+
+    def _make_residency(self) -> Residency:
+        return self._store_factory()
+
+    def aliases_from(self, master_tier: Tier) -> bool:
+        return isinstance(master_tier, NvmeTier)
+
+    def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
+        from zeroshard.offload.gradients import SwappedGradients
+
+        return SwappedGradients(self, copy_stream, check_overflow)
+
+    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+        # what is resident now (read in for a step), masters and state together; the rest is in the swap files
+        memory.host_optimizer_state += self.residency.resident_bytes
+        memory.nvme_bytes += self.residency.disk_bytes
+
+    def count_params(self, memory: StrategyMemory, shards: int) -> None:
+        memory.host_params += shards
+        memory.nvme_bytes += self.residency.disk_bytes
+
+
+def tier_for(
+    kind: str, compute_device: torch.device, pin_memory: bool, store_factory: Callable[[], NvmeStateStore] | None = None
+) -> Tier:
+    """`kind` is the config's offload device ("none", "cpu" or "nvme"; "nvme" needs `store_factory`)."""
     if kind in ("none", "", None):
-        return Tier("device", compute_device)
-    return Tier(kind, torch.device("cpu"), pin=pin_memory)
-
-
-def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-    """dst := src; on CUDA (a `stream` given) asynchronously on that side stream, after the work already queued
-    on the current stream (`stream.synchronize()` before reading `dst` on the host)."""
-    if stream is None:
-        dst.copy_(src)
-        return
-    stream.wait_stream(torch.cuda.current_stream(src.device))
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
+        return Tier(compute_device)
+    if kind == "nvme":
+        assert store_factory is not None, "an NVMe tier needs its store"
+        return NvmeTier(store_factory, pin_memory)
+    return HostTier(pin_memory)

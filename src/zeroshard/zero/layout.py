@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zeroshard.utils.chunks import greedy_chunks
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -96,22 +98,6 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _cut_into_buckets(sizes: Sequence[int], bucket_numel: int) -> list[list[int]]:
-    """Greedy: close a bucket once adding the next parameter would pass `bucket_numel`."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i, size in enumerate(sizes):
-        if current and filled + size > bucket_numel:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += size
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 def build_layout(
     groups: Sequence[Sequence[ParamSpec]], bucket_numel: int, shard_count: int, align: int = 1
 ) -> FlatLayout:
@@ -131,7 +117,7 @@ def build_layout(
         offset, shard_offset = 0, 0
         slots: list[ParamSlot] = []
         bucket_rows: list[tuple[int, int, list[int], int]] = []
-        for members in _cut_into_buckets(sizes, bucket_numel):
+        for members in greedy_chunks(sizes, bucket_numel, close="before"):
             start = offset
             slot_ids: list[int] = []
             for m in members:

@@ -1,34 +1,220 @@
-"""What the engine needs from a ZeRO strategy (stages 0-2: ZeroOptimizer; stage 3: Stage3Optimizer)."""
+"""The contract between the engine and a ZeRO strategy, and the accumulation state both read.
+
+[Note: strategy contract]
+The engine owns the training loop's counters (`AccumulationState`) and hands them to the strategy at
+construction; the strategy reads them (is this micro-step communicated? is it the last before the step?) and
+never calls back into the engine. Everything the engine, the checkpoint code and the public API need from a
+strategy is a method of `Strategy`: there is no `isinstance` or `getattr` on strategies anywhere. Two
+implement it: `FlatStrategy` (stages 0-2, zero/flat/) and `Stage3Strategy` (zero/stage3/). Both share the
+step skeleton below: finish the reductions, one norm (and inf/nan) decision for all ranks, the optimizer
+over chunks of the shards, publish the parameters.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from zeroshard.zero.optimizer import StepOutcome
+from zeroshard.comm.collectives import Collectives
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.gradients import GradientTier, GradShard
+from zeroshard.zero.stepmath import scale_from_norms
+
+if TYPE_CHECKING:
+    from zeroshard.checkpoint.state import ShardedState
 
 
-class Strategy(Protocol):
-    optimizer: torch.optim.Optimizer | None
+@dataclass
+class AccumulationState:
+    """Where the training loop is within a gradient-accumulation window (owned by the engine)."""
 
-    def begin_backward(self, sync: bool) -> None: ...
-    def finish_backward(self) -> None: ...
-    def set_sync_decider(self, decider: Callable[[], bool]) -> None: ...
-    def set_boundary_decider(self, decider: Callable[[], bool]) -> None: ...
-    def step(self, loss_scale: float = 1.0) -> StepOutcome: ...
-    def zero_grad(self) -> None: ...
-    def destroy(self) -> None: ...
-    def memory_bytes(self) -> dict[str, int]: ...
-    def tracked_params(self) -> list[nn.Parameter]: ...
-    def offloadable_tensors(self) -> list[torch.Tensor]: ...
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]: ...
-    def master_param_groups(self) -> list[dict[str, Any]]: ...
-    def attach(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def optimizer_state_resident(self) -> AbstractContextManager[None]: ...
+    gradient_accumulation_steps: int
+    communicate_every_micro_step: bool  # stages 2-3 reduce (scatter) every micro-step; stages 0-1 on the boundary
+    micro_steps: int = 0
+    no_sync_depth: int = 0  # inside engine.no_sync()
+
+    def is_boundary(self) -> bool:
+        """The current micro-step is the last before the optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def communicates(self) -> bool:
+        """The current micro-step's gradients are reduced across ranks during its backward."""
+        return self.communicate_every_micro_step or (self.is_boundary() and self.no_sync_depth == 0)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    skipped: bool
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class ParamGroupSpec:
+    """A parameter group as the user gave it: hyperparameters and its (named) parameters."""
+
+    options: dict[str, Any]
+    params: list[tuple[str, nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """How gradients become the update, decided once from the config (shared by every stage)."""
+
+    gradient_clipping: float
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    check_overflow: bool  # skip the step on every rank when any rank saw inf/nan (fp16; bf16 check_grad_overflow)
 
     @property
+    def prescale(self) -> float:
+        """Gradients are multiplied by this before they are communicated."""
+        return 1.0 / self.gradient_predivide_factor if self.prescale_gradients else 1.0
+
+    def post_scale(self, world_size: int) -> float:
+        """Turns the reduced sums into means over ranks."""
+        if self.prescale_gradients:
+            return self.gradient_predivide_factor / world_size
+        return 1.0 / world_size
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The elementwise state tensors (not scalars such as Adam's step)."""
+    if optimizer is None:
+        return []
+    return [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+
+
+def nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+class Strategy(ABC):
+    """One model's ZeRO state on one rank. See [Note: strategy contract]."""
+
+    optimizer: torch.optim.Optimizer | None
+    comm: Collectives
+    device: torch.device
+    gradients_tier: GradientTier
+    step_policy: StepPolicy
+
+    # -- construction ----------------------------------------------------------------------------------
+    @abstractmethod
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        """torch-style parameter groups over the fp32 master shards, the user's options kept."""
+
+    @abstractmethod
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use `optimizer` (built over `master_param_groups()`) for the step."""
+
+    # -- backward --------------------------------------------------------------------------------------
+    @abstractmethod
+    def begin_backward(self) -> None:
+        """A micro-step's backward starts (`engine.backward`; a plain `loss.backward()` is detected too)."""
+
+    @abstractmethod
+    def finish_backward(self) -> None:
+        """Launch what backward did not, wait for every reduction, and end the micro-step's backward."""
+
+    # -- the step ------------------------------------------------------------------------------------------
+    def step(self, loss_scale: float = 1.0) -> StepOutcome:
+        """Finish reductions, decide overflow and the global norm on every rank, step every chunk, publish."""
+        assert self.optimizer is not None, "attach() an optimizer first"
+        with torch.profiler.record_function("zeroshard.reduce_wait"):
+            self.finish_backward()
+        self._before_step()
+        norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident)
+        policy = self.step_policy
+        decided = scale_from_norms(
+            norms,
+            overflow,
+            self.comm,
+            self._sharded,
+            policy.post_scale(self.comm.world_size),
+            loss_scale,
+            policy.gradient_clipping,
+            policy.check_overflow,
+            self.device,
+        )
+        if decided.overflow:
+            self.zero_grad()
+            return StepOutcome(skipped=True, grad_norm=None)
+        self.gradients_tier.landed()
+        with torch.profiler.record_function("zeroshard.optimizer_step"):
+            self._step_chunks(decided.scale)
+        with torch.profiler.record_function("zeroshard.all_gather_params"):
+            self._publish()
+        self.zero_grad()
+        return StepOutcome(skipped=False, grad_norm=decided.grad_norm)
+
+    @property
+    @abstractmethod
+    def _sharded(self) -> bool:
+        """Whether gradient shards differ across ranks (the norm needs an all-reduce)."""
+
+    def _before_step(self) -> None:
+        """Checks that must pass before any rank steps (none by default)."""
+        return None
+
+    @abstractmethod
+    def _grad_slots(self) -> list[GradShard]:
+        """Every gradient shard, in the order the norm sums them."""
+
+    def _make_grads_resident(self) -> None:
+        """Gradient shards that left memory are about to be read back (nothing to do by default)."""
+        return None
+
+    @abstractmethod
+    def _step_chunks(self, scale: float) -> None:
+        """The optimizer over the shards, chunk by chunk (groups, sub-groups), gradients times `scale`."""
+
+    @abstractmethod
+    def _publish(self) -> None:
+        """Every rank's updated shards become the parameters the next forward uses."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step."""
+
+    # -- state, checkpoints, gathering -------------------------------------------------------------------
+    @abstractmethod
+    def checkpoint_state(self) -> ShardedState:
+        """This strategy in the checkpoint format's terms ([Note: strategy adapters])."""
+
+    @abstractmethod
+    def gathered(self) -> AbstractContextManager[None]:
+        """Full parameters for the block (stage 3 gathers every unit; others are always whole)."""
+
+    @abstractmethod
+    def optimizer_state_resident(self) -> AbstractContextManager[None]:
+        """Master weights and optimizer state in memory for the block (NVMe: read in, written back after)."""
+
+    @abstractmethod
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Full fp32 master values of every trainable parameter by id(param) (collective)."""
+
+    @abstractmethod
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        """What `engine.offload_states()` moves: masters that are not parameters, and optimizer state."""
+
+    @abstractmethod
+    def tracked_params(self) -> list[nn.Parameter]:
+        """Parameters whose storage the strategy manages."""
+
+    @property
+    @abstractmethod
     def trainable_numel(self) -> int: ...
+
+    @abstractmethod
+    def memory(self) -> StrategyMemory:
+        """Bytes held on this rank, by kind."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Remove every hook, close the swap files, release buffers."""

@@ -14,10 +14,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
-from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+from zeroshard.zero.stage3.unit import ShardedUnit
 
 if TYPE_CHECKING:
-    from zeroshard.zero.stage3.strategy import Stage3Optimizer
+    from zeroshard.zero.stage3.strategy import Stage3Strategy
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class _Owned:
 class Stage3State:
     regather_after_load = True  # loads fill shards; the persistent unit's gathered copy must be refreshed
 
-    def __init__(self, strategy: Stage3Optimizer):
+    def __init__(self, strategy: Stage3Strategy):
         self.strategy = strategy
 
     @property
@@ -55,11 +55,6 @@ class Stage3State:
     def sharded_params(self) -> dict[int, str]:
         return {id(u.params[s.index]): s.name for u in self.strategy.units for s in u.layout.slots}
 
-    def full_shapes(self) -> dict[int, tuple[int, ...]]:
-        return {
-            id(u.params[s.index]): tuple(u.views[s.index].shape) for u in self.strategy.units for s in u.layout.slots
-        }
-
     def model_pieces_to_save(self, units: Collection[int] | None = None) -> list[ModelPiece]:
         return [
             ModelPiece(o.name, o.begin, o.end, o.unit.shard.narrow(0, o.shard_offset, o.end - o.begin))
@@ -71,10 +66,9 @@ class Stage3State:
 
     def optim_pieces(self, units: Collection[int] | None = None) -> list[OptimPiece]:
         starts = {}  # (unit, group) -> (optimizer tensor, its offset in the unit's shard)
-        for group, pieces in enumerate(self.strategy._pieces):
-            for unit, master, _ in pieces:
-                offset = int(master.storage_offset() - unit.master.storage_offset())
-                starts[(unit.index, group)] = (master, offset)
+        for group, pieces in enumerate(self.strategy.built.pieces):
+            for piece in pieces:
+                starts[(piece.unit.index, group)] = (piece.master, piece.offset)
         out = []
         for o in self._owned(units):
             key = (o.unit.index, o.group)
@@ -89,27 +83,32 @@ class Stage3State:
             if unit.master is not unit.shard and (units is None or unit.index in units):
                 unit.master.copy_(unit.shard)
 
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {
+            id(u.params[s.index]): tuple(u.views[s.index].shape) for u in self.strategy.units for s in u.layout.slots
+        }
+
     def publish_params(self) -> None:
         """Compute shards := masters, and gathered units (the persistent one) re-gathered (collective)."""
         strategy = self.strategy
-        for key, units in strategy._keyed_sub_groups():  # with NVMe offload, one sub-group in memory at a time
-            with strategy.units_resident(key, units):
-                for unit in units:
+        for sub_group in strategy.built.sub_groups:  # with NVMe offload, one sub-group in memory at a time
+            with strategy.stepper.resident(sub_group):
+                for unit in sub_group.units:
                     unit.publish()
                     unit.settle_shard()
-        for unit in self.strategy.units:
-            if unit.persistent or unit.state is not UnitState.SHARDED:
-                self.strategy._refresh_gathered(unit)
+        strategy.refresh_gathered()
 
     def parts(self) -> list[StatePart]:
-        """One part without NVMe offload; with it, one per optimizer sub-group ([Note: state parts])."""
+        """One part unless state leaves memory between steps (NVMe); then one per sub-group ([Note: state parts])."""
         strategy = self.strategy
-        keyed = strategy._keyed_sub_groups()
-        if not strategy.swaps_state or len(keyed) < 2:
+        stepper = strategy.stepper
+        sub_groups = strategy.built.sub_groups
+        swaps = stepper.store.leaves_memory or stepper.param_store.leaves_memory
+        if not swaps or len(sub_groups) < 2:
             return [
                 StatePart(
                     "",
-                    strategy.optimizer_state_resident,
+                    stepper.all_resident,
                     self.model_pieces_to_save,
                     self.model_targets_to_load,
                     self.optim_pieces,
@@ -118,15 +117,16 @@ class Stage3State:
                 )
             ]
         parts = []
-        for k, (key, units) in enumerate(keyed):
-            members = frozenset(u.index for u in units)
-            params = {id(master) for pieces in strategy._pieces for unit, master, _ in pieces if unit.index in members}
+        for k, sub_group in enumerate(sub_groups):
+            members = frozenset(u.index for u in sub_group.units)
+            pieces = strategy.built.pieces
+            params = {id(piece.master) for group in pieces for piece in group if piece.unit.index in members}
             if k == 0:  # empty stand-ins of groups this rank owns nothing of
-                params |= {id(p) for p in strategy._placeholders}
+                params |= {id(p) for p in strategy.built.placeholders}
             parts.append(
                 StatePart(
                     f".part{k:05d}",
-                    partial(strategy.units_resident, key, units),
+                    partial(stepper.resident, sub_group),
                     partial(self.model_pieces_to_save, members),
                     partial(self.model_targets_to_load, members),
                     partial(self.optim_pieces, members),

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from zeroshard.zero.stage3.strategy import Stage3Optimizer
+    from zeroshard.zero.stage3.strategy import Stage3Strategy
 
 
 class _Owners:
     def __init__(self) -> None:
-        self._by_param: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[Stage3Optimizer]]] = {}
+        self._by_param: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[Stage3Strategy]]] = {}
 
-    def register(self, strategy: Stage3Optimizer, params: Iterable[nn.Parameter]) -> None:
+    def register(self, strategy: Stage3Strategy, params: Iterable[nn.Parameter]) -> None:
         ref = weakref.ref(strategy)
         for p in params:
             self._by_param[id(p)] = (weakref.ref(p), ref)
@@ -33,7 +33,7 @@ class _Owners:
         for p in params:
             self._by_param.pop(id(p), None)
 
-    def strategy_of(self, param: torch.Tensor) -> Stage3Optimizer | None:
+    def strategy_of(self, param: torch.Tensor) -> Stage3Strategy | None:
         entry = self._by_param.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
@@ -61,19 +61,19 @@ class GatheredParameters:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._plan: list[tuple[Stage3Optimizer, list[Any]]] = []
+        self._plan: list[tuple[Stage3Strategy, list[Any]]] = []
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        by_strategy: dict[int, tuple[Stage3Optimizer, list[torch.Tensor]]] = {}
+        by_strategy: dict[int, tuple[Stage3Strategy, list[torch.Tensor]]] = {}
         for p in self.params:
             strategy = OWNERS.strategy_of(p)
             if strategy is not None:
                 by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
         for strategy, params in by_strategy.values():
             units = strategy.units_of(params)
-            strategy.pin(units)
+            strategy.schedule.pin(units)
             self._plan.append((strategy, units))
         return self
 
@@ -84,5 +84,5 @@ class GatheredParameters:
                     for unit in units:
                         strategy.comm.broadcast(unit.full.data, src=self.modifier_rank)
                         strategy.write_back(unit)
-            strategy.unpin(units)
+            strategy.schedule.unpin(units)
         self._plan.clear()

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 if TYPE_CHECKING:
-    from zeroshard.zero.stage3.strategy import Stage3Optimizer
+    from zeroshard.zero.stage3.strategy import Stage3Strategy
     from zeroshard.zero.stage3.unit import ShardedUnit
 
 
@@ -25,7 +25,7 @@ class _PostBackward(torch.autograd.Function):
     """Identity in forward; in backward, tells the strategy a unit's backward has run."""
 
     @staticmethod
-    def forward(ctx: Any, strategy: Stage3Optimizer, unit: ShardedUnit, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, strategy: Stage3Strategy, unit: ShardedUnit, *tensors: torch.Tensor) -> Any:
         ctx.strategy, ctx.unit = strategy, unit
         return tensors if len(tensors) > 1 else tensors[0]
 
@@ -35,7 +35,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def route_inputs_through_post_backward(strategy: Stage3Optimizer, unit: ShardedUnit, args: Any, kwargs: Any) -> Any:
+def route_inputs_through_post_backward(strategy: Stage3Strategy, unit: ShardedUnit, args: Any, kwargs: Any) -> Any:
     flat, _ = tree_flatten((args, kwargs))
     needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     if not needs or not torch.is_grad_enabled():
@@ -47,7 +47,7 @@ def route_inputs_through_post_backward(strategy: Stage3Optimizer, unit: ShardedU
 
 
 class Stage3Hooks:
-    def __init__(self, strategy: Stage3Optimizer, root: nn.Module):
+    def __init__(self, strategy: Stage3Strategy, root: nn.Module):
         self.strategy = strategy
         self.root = root
         self.handles: list[Any] = []

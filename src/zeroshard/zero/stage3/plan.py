@@ -114,9 +114,6 @@ class UnitLayout:
     slots: tuple[Slot, ...]
     group_ranges: tuple[tuple[int, int, int], ...]  # (group, begin, end) in the flat buffer
 
-    def slot_of(self, index: int) -> Slot:
-        return next(s for s in self.slots if s.index == index)
-
     def owned(self, shard_rank: int) -> tuple[int, int]:
         begin = shard_rank * self.shard_numel
         return begin, begin + self.shard_numel

@@ -18,9 +18,9 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
-from zeroshard.offload.nvme_store import InMemory, Residency
+from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
-from zeroshard.zero.buffers import BufferPool
+from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 
 
@@ -44,10 +44,8 @@ class ShardedUnit:
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device: torch.device,
-        master_tier: Tier | None = None,
-        param_tier: Tier | None = None,
-        home: Residency | None = None,
-        grad_home: Residency | None = None,
+        master_tier: Tier,
+        param_tier: Tier,
     ):
         self.index = index
         self.name = name
@@ -66,31 +64,20 @@ class ShardedUnit:
         lo, hi = layout.owned(shard_rank)
         for view, param in zip(self.views, params, strict=True):
             view.copy_(param.detach())
-        master_tier = master_tier or Tier("device", device)
-        param_tier = param_tier or Tier("device", device)
         # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the fp32 master
-        # on the optimizer tier; they are one tensor when both tiers agree and the compute dtype is fp32
+        # on the optimizer tier; they are one tensor when the tiers allow it and the compute dtype is fp32
         self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
         self.shard.copy_(self.full[lo:hi])
-        alias = (
-            compute_dtype == torch.float32
-            and master_tier.device == param_tier.device
-            and not (master_tier.offloaded and not param_tier.offloaded)
-            # a shard on NVMe leaves memory between uses: one tensor only if the master goes to NVMe as well
-            and (param_tier.kind != "nvme" or master_tier.kind == "nvme")
-        )
-        if alias:
+        if compute_dtype == torch.float32 and master_tier.shares_shard_with(param_tier):
             self.master = self.shard
         else:
             self.master = master_tier.zeros(layout.shard_numel)
             self.master.copy_(self.full[lo:hi])
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
-        # offload_optimizer "cpu": the optimizer's fp32 copy of the gradient shard, filled during backward as soon
-        # as the shard is final (strategy._reduce); None when the shard itself serves (fp32, same device)
-        copy_needed = grad_dtype != torch.float32 or self.grad_shard.device != self.master.device
-        wanted = master_tier.kind == "cpu" and copy_needed and bool(self.trainable)
-        self.host_grad = master_tier.zeros(layout.shard_numel) if wanted else None
-        self.host_grad_ready = False
+        # the fp32 gradient the optimizer reads, from the gradient tier (offload/gradients.py): the shard itself, a
+        # host copy refreshed during backward (`grad_copy_ready`), or None (a temporary at the step)
+        self.grad_copy: torch.Tensor | None = None
+        self.grad_copy_ready = False
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
         self._copied_in: torch.cuda.Event | None = None
@@ -99,12 +86,12 @@ class ShardedUnit:
             param.data = view
         # where the compute shard lives between uses: in memory, or on NVMe (offload_param.device "nvme"),
         # read back for each gather and written after each optimizer step
-        self.home: Residency = home or InMemory()
+        self.home: Residency = param_tier.residency
         self.key = f"param/{index}"  # `place_shard` moves it to its home once every view of it exists
         # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
         # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
         # a shard whose value is zero without being in memory (after the step)
-        self.grad_home: Residency = grad_home or InMemory()
+        self.grad_home: Residency = master_tier.residency
         self.grad_key = f"grad/{index}"
         self.grad_zero = False
         # backward bookkeeping

@@ -47,13 +47,13 @@ def build_group_buffers(
     grad_accum_dtype: torch.dtype,
     keep_full_grads: bool,
     device: torch.device,
-    master_tier: Tier | None = None,
+    master_tier: Tier,
 ) -> GroupBuffers:
     """Allocate a group's buffers, copy the current parameter values in, and rebind the parameters.
     Master weights live on `master_tier` (the compute device unless optimizer state is offloaded)."""
-    tier = master_tier or Tier("device", device)
+    tier = master_tier
     param_flat = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
-    alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32 and not tier.offloaded
+    alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32 and tier.may_alias_compute()
     master = param_flat if alias else tier.zeros(layout.shard_numel)
     if not alias:
         for piece in owned_pieces(layout, shard_rank):
@@ -75,40 +75,3 @@ def build_group_buffers(
     if grad_full is not None:
         buffers.grad_views = [grad_full.narrow(0, s.offset, s.numel) for s in layout.slots]
     return buffers
-
-
-class BufferPool:
-    """Reusable communication buffers keyed by (numel, dtype): no allocator round trip per bucket."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self._in_use_bytes = 0
-        self.peak_bytes = 0
-
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        stack = self._free.get((numel, dtype))
-        tensor = stack.pop() if stack else torch.empty(numel, dtype=dtype, device=self.device)
-        self._in_use_bytes += tensor.numel() * tensor.element_size()
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        return tensor.zero_()
-
-    def release(self, tensor: torch.Tensor) -> None:
-        self._in_use_bytes -= tensor.numel() * tensor.element_size()
-        self._free.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
-
-    @property
-    def held_bytes(self) -> int:
-        free = sum(t.numel() * t.element_size() for stack in self._free.values() for t in stack)
-        return free + self._in_use_bytes
-
-    def clear(self) -> None:
-        self._free.clear()
-
-
-def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
-    """Floating-point buffers follow the compute dtype, as DeepSpeed's module cast does."""
-    for submodule in module.modules():
-        for name, buf in submodule.named_buffers(recurse=False):
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                setattr(submodule, name, buf.to(dtype))

@@ -13,16 +13,16 @@ gradients are staged in a pooled buffer only while that bucket is being filled a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
-from zeroshard.zero.buffers import BufferPool, GroupBuffers
+from zeroshard.zero.flat.group_buffers import GroupBuffers
 from zeroshard.zero.layout import Bucket, FlatLayout
+from zeroshard.zero.pool import BufferPool, InflightQueue, wait_plain
 
 MAX_INFLIGHT = 2
 
@@ -36,15 +36,9 @@ class ReducePolicy:
     prescale: float  # multiply gradients by this before communicating (1 / gradient_predivide_factor)
 
 
-@dataclass
-class _Inflight:
-    handle: Handle
-    finish: Callable[[], None]
-    bucket: Bucket
-
-
 class GradientReducer:
-    """Owns the gradient hooks of one ZeRO optimizer and the collectives they trigger."""
+    """The collectives a flat strategy's gradients trigger. Each call returns the buckets whose slice of the
+    gradient shard became final for this micro-step, for the strategy to hand to its gradient tier."""
 
     def __init__(
         self,
@@ -54,7 +48,6 @@ class GradientReducer:
         policy: ReducePolicy,
         pool: BufferPool,
         shard_rank: int,
-        sync_decider: Callable[[], bool],
     ):
         self.layout = layout
         self.groups = groups
@@ -62,54 +55,31 @@ class GradientReducer:
         self.policy = policy
         self.pool = pool
         self.shard_rank = shard_rank
-        self.sync_decider = sync_decider  # used when a backward starts without begin_backward()
         self._order = layout.buckets_in_launch_order
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._active = False
+        self.active = False
         self._sync = False
         self._missing: dict[int, int] = {}
         self._seen: set[tuple[int, int]] = set()
         self._next = 0
-        self._inflight: list[_Inflight] = []
+        self._inflight: InflightQueue[Bucket] = InflightQueue(MAX_INFLIGHT if policy.overlap else 0, wait_plain)
         self._staging: dict[int, torch.Tensor] = {}
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
-        # called with each bucket once its slice of the gradient shard is final for this micro-step
-        self.on_reduced: Callable[[Bucket], None] | None = None
-
-    # -- hooks -----------------------------------------------------------------------------------
-    def register_hooks(self) -> None:
-        for g, buffers in enumerate(self.groups):
-            for s, slot in enumerate(buffers.layout.slots):
-                param = buffers.params[slot.index]
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(g, s)))
-
-    def _make_hook(self, group: int, slot: int) -> Callable[[nn.Parameter], None]:
-        def hook(param: nn.Parameter) -> None:
-            self.on_grad_ready(group, slot, param)
-
-        return hook
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
 
     # -- one backward pass -----------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
         """Start a micro-step's backward; `sync` says whether its gradients are communicated."""
-        self._active = True
+        self.active = True
         self._sync = sync
         self._missing = {b.id: len(b.slots) for b in self._order}
         self._seen.clear()
         self._next = 0
 
-    def on_grad_ready(self, group: int, slot_index: int, param: nn.Parameter) -> None:
-        if not self._active:
-            self.begin_backward(self.sync_decider())
+    def on_grad_ready(self, group: int, slot_index: int, param: nn.Parameter) -> list[Bucket]:
+        """A parameter's gradient was accumulated (its post-accumulate-grad hook)."""
         grad = param.grad
         param.grad = None
         if grad is None:
-            return
+            return []
         buffers = self.groups[group]
         slot = buffers.layout.slots[slot_index]
         bucket = self._bucket(group, slot.bucket)
@@ -123,25 +93,23 @@ class GradientReducer:
         if first_time and self._sync:
             self._seen.add((group, slot_index))
             self._missing[bucket.id] -= 1
-            self._launch_ready()
+            return self._launch_ready()
+        return []
 
-    def finish_backward(self) -> None:
+    def finish_backward(self) -> list[Bucket]:
         """Launch what the hooks did not, wait for every collective, and finish the micro-step."""
-        if not self._active:
-            return
+        if not self.active:
+            return []
+        done: list[Bucket] = []
         if self._sync:
             while self._next < len(self._order):
-                self._launch(self._order[self._next])
+                done += self._launch(self._order[self._next])
                 self._next += 1
-            self.wait_all()
+            done += self._inflight.drain()
             if self.policy.partition_grads:
                 self._first_window_step = False
-        self._active = False
-
-    def wait_all(self) -> None:
-        for item in self._inflight:
-            self._complete(item)
-        self._inflight.clear()
+        self.active = False
+        return done
 
     def reset_window(self) -> None:
         """After an optimizer step (or zero_grad): gradient accumulators start again from zero."""
@@ -172,32 +140,20 @@ class GradientReducer:
             self._staging[bucket.id] = staging
         staging.narrow(0, offset - bucket.start, numel).add_(flat_grad)
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self) -> list[Bucket]:
+        done: list[Bucket] = []
         while self._next < len(self._order) and self._missing[self._order[self._next].id] == 0:
-            self._launch(self._order[self._next])
+            done += self._launch(self._order[self._next])
             self._next += 1
-            # finish older collectives as new ones start: their staging buffers go back to the pool during
-            # backward, so stage 2 never holds more than MAX_INFLIGHT buckets' worth of full gradients
-            while len(self._inflight) > MAX_INFLIGHT:
-                self._finish_oldest()
-        if not self.policy.overlap:
-            self.wait_all()
+        return done
 
-    def _finish_oldest(self) -> None:
-        self._complete(self._inflight.pop(0))
-
-    def _complete(self, item: _Inflight) -> None:
-        item.handle.wait()
-        item.finish()
-        if self.on_reduced is not None:
-            self.on_reduced(item.bucket)
-
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> list[Bucket]:
+        """Start `bucket`'s collective; returns the buckets finished to keep [Note: bounded in-flight reductions]
+        (all of them without overlap_comm, which waits for each collective in launch order)."""
         buffers = self.groups[bucket.group]
         if self.policy.partition_grads:
-            self._launch_partitioned(buffers, bucket)
-        else:
-            self._launch_full(buffers, bucket)
+            return self._launch_partitioned(buffers, bucket)
+        return self._launch_full(buffers, bucket)
 
     def _source_in_comm_dtype(self, source: torch.Tensor) -> tuple[torch.Tensor, bool]:
         if source.dtype == self.policy.comm_dtype:
@@ -206,7 +162,7 @@ class GradientReducer:
         staged.copy_(source)
         return staged, True
 
-    def _launch_full(self, buffers: GroupBuffers, bucket: Bucket) -> None:
+    def _launch_full(self, buffers: GroupBuffers, bucket: Bucket) -> list[Bucket]:
         """Stage 0/1: the bucket's accumulated full gradients are reduced (into the shard for stage 1)."""
         assert buffers.grad_full is not None
         source = buffers.grad_full.narrow(0, bucket.start, bucket.numel)
@@ -227,8 +183,7 @@ class GradientReducer:
                 if staged:
                     self.pool.release(send)
 
-            self._inflight.append(_Inflight(handle, finish_all_reduce, bucket))
-            return
+            return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
         out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype)
         handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap)
@@ -240,9 +195,9 @@ class GradientReducer:
             if staged:
                 self.pool.release(send)
 
-        self._inflight.append(_Inflight(handle, finish_reduce_scatter, bucket))
+        return self._inflight.push(handle, finish_reduce_scatter, bucket, "reduce-scatter")
 
-    def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket) -> None:
+    def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket) -> list[Bucket]:
         """Stage 2: reduce-scatter the staged bucket and add this rank's slice into its gradient shard."""
         staging = self._staging.pop(bucket.id, None)
         if staging is None:  # no parameter of this bucket got a gradient on this rank
@@ -258,8 +213,7 @@ class GradientReducer:
                 target.add_(staging.narrow(0, lo - bucket.start, bucket.shard_numel))
                 self.pool.release(staging)
 
-            self._inflight.append(_Inflight(handle, finish_all_reduce, bucket))
-            return
+            return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         direct = self._first_window_step and target.dtype == staging.dtype
         out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype)
         handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap)
@@ -270,4 +224,4 @@ class GradientReducer:
                 self.pool.release(out)
             self.pool.release(staging)
 
-        self._inflight.append(_Inflight(handle, finish_reduce_scatter, bucket))
+        return self._inflight.push(handle, finish_reduce_scatter, bucket, "reduce-scatter")

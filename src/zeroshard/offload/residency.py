@@ -1,4 +1,5 @@
-"""Tensors kept on NVMe between uses (ZeRO-Infinity): optimizer state, master weights, parameter shards.
+"""Whether tensors stay in memory between uses: `InMemory`, or `NvmeStateStore` (ZeRO-Infinity): optimizer state,
+master weights, gradient and parameter shards kept in swap files.
 
 An entry (a key and its tensors) keeps its Python objects and storages, so the optimizer's parameter
 keys, its state dicts and every view stay valid: `evict` writes the bytes to swap files and `settle`
@@ -46,6 +47,8 @@ class _Entry:
 
 
 class NvmeStateStore:
+    leaves_memory = True  # entries live in swap files between uses: checkpoints handle them part by part
+
     def __init__(self, swapper: NvmeSwapper):
         self.swapper = swapper
         self._entries: dict[str, _Entry] = {}
@@ -229,6 +232,7 @@ class InMemory:
 
     resident_bytes = 0
     disk_bytes = 0
+    leaves_memory = False
 
     def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
         pass

@@ -1,0 +1,185 @@
+"""Where a reduced gradient shard waits for the optimizer step: one object per strategy, from the master's tier.
+
+[Note: gradients to the host during backward]
+The optimizer steps fp32 masters on the master tier. A gradient shard that is already fp32 on that device is
+used in place. Otherwise, with the master in host memory (`offload_optimizer.device: "cpu"`), each shard's
+fp32 host copy is filled as soon as its reduction is final on the accumulation boundary (on CUDA on a side
+stream, into pinned memory), so the step finds it there; a copy that was not refreshed in backward is made at
+the step. On the device, and with NVMe, a temporary is made per step chunk instead (no resident copy).
+
+[Note: gradients on NVMe]
+With the optimizer state on NVMe, stage 3's gradient shards go there too, each written as soon as its unit's
+reduction finishes (at most MAX_PENDING_WRITES in memory); their norms and inf/nan flags are taken on the
+accumulation boundary right before the write, so the step computes the clipping scale without reading them
+back, then reads them chunk by chunk with the optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.residency import Residency
+from zeroshard.offload.tier import Tier
+from zeroshard.precision.loss_scaler import has_inf_or_nan
+from zeroshard.zero.stepmath import tensor_norms
+
+MAX_PENDING_WRITES = 2
+
+
+@dataclass(frozen=True)
+class GradShard:
+    """A strategy's gradient shard as the tier sees it: its swap key, the tensor, whether it gets gradients."""
+
+    key: str
+    shard: torch.Tensor
+    trainable: bool = True
+
+
+def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """dst := src; on CUDA (a `stream` given) asynchronously on that side stream, after the work already queued
+    on the current stream (`landed()` before the host reads `dst`)."""
+    if stream is None:
+        dst.copy_(src)
+        return
+    stream.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+
+
+class GradientTier:
+    """Gradients kept in memory; the optimizer gets the shard itself or a per-step fp32 temporary."""
+
+    def __init__(self, tier: Tier, copy_stream: torch.cuda.Stream | None, check_overflow: bool):
+        self.tier = tier
+        self.copy_stream = copy_stream
+        self.check_overflow = check_overflow  # fp16 (and bf16 with check_grad_overflow): inf/nan flags wanted
+
+    def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 tensor the optimizer reads `shard`'s gradients from: the shard itself when it is fp32 on the
+        master's device, else a resident copy on this tier, or None (a temporary at each step)."""
+        if shard.dtype == torch.float32 and shard.device == master.device:
+            return shard
+        return None
+
+    def place(self, slot: GradShard) -> None:
+        """`slot.shard` is a gradient shard this tier keeps between its reduction and the step (stage 3)."""
+
+    def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
+        """`slot.shard` (or a slice of it) is final for this micro-step; returns whether `copy` now holds it."""
+        return False
+
+    def finish_backward(self) -> None:
+        """Every shard of this backward was `received`: nothing is left in flight to the tier."""
+
+    def landed(self) -> None:
+        """Before the step reads the copies: those made during backward have arrived."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def reset(self) -> None:
+        """After the step (or zero_grad): no boundary statistics are kept."""
+
+    @staticmethod
+    def for_step(
+        shard: torch.Tensor, master: torch.Tensor, copy: torch.Tensor | None, ready: bool, scale: float
+    ) -> torch.Tensor:
+        """The fp32 gradient the optimizer applies to `master`: `shard` times `scale`, in `copy` when there is one
+        (refreshed here unless backward did), else in place (fp32 on the master's device) or in a temporary."""
+        if copy is shard:
+            if scale != 1.0:
+                shard.mul_(scale)
+            return shard
+        if copy is None:
+            copy = shard.to(device=master.device, dtype=torch.float32)
+        elif not ready:
+            copy.copy_(shard)
+        if scale != 1.0:
+            copy.mul_(scale)
+        return copy
+
+    def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
+        """Per-shard fp32 norms (in `slots` order, empty shards left out) and this rank's inf/nan flag."""
+        grads = [s.shard for s in slots]
+        return tensor_norms(grads), self.check_overflow and has_inf_or_nan(grads)
+
+    def count(self, memory: StrategyMemory, copies: int) -> None:
+        self.tier.count_grad_copies(memory, copies)
+
+
+class StepTimeCopies(GradientTier):
+    """The compute device: gradients stay where they were reduced (see the base class)."""
+
+
+class BackwardCopies(GradientTier):
+    """Host memory: each shard's fp32 host copy is refreshed as soon as the shard is final on the boundary."""
+
+    def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
+        same = super().copy_for(shard, master)
+        return same if same is not None else self.tier.zeros(master.numel())
+
+    def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
+        if copy is None or copy is slot.shard or not boundary:
+            return False
+        copy_aside(copy, slot.shard, self.copy_stream)
+        return True
+
+
+class SwappedGradients(GradientTier):
+    """NVMe: shards `place`d here are written to the optimizer's swap files after each reduction, with their
+    norms recorded on the boundary ([Note: gradients on NVMe]); the step reads them back chunk by chunk."""
+
+    def __init__(self, tier: Tier, copy_stream: torch.cuda.Stream | None, check_overflow: bool):
+        super().__init__(tier, copy_stream, check_overflow)
+        self.store: Residency = tier.residency
+        self._placed: set[str] = set()
+        self._stats: dict[str, tuple[torch.Tensor | None, bool]] = {}
+        self._writes: list[str] = []
+
+    def place(self, slot: GradShard) -> None:
+        """`slot.shard` lives in the swap files between its reduction and the step."""
+        self._placed.add(slot.key)
+        self.store.place(slot.key, [slot.shard])
+
+    def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
+        if slot.key not in self._placed:
+            return False
+        if boundary:
+            norms = tensor_norms([slot.shard])
+            overflow = self.check_overflow and has_inf_or_nan([slot.shard])
+            self._stats[slot.key] = (norms[0] if norms else None, overflow)
+        self.store.evict(slot.key)
+        self._writes.append(slot.key)
+        while len(self._writes) > MAX_PENDING_WRITES:
+            self.store.settle(self._writes.pop(0))
+        return False
+
+    def finish_backward(self) -> None:
+        for key in self._writes:
+            self.store.settle(key)
+        self._writes.clear()
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+    def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
+        """From the boundary's records; if one is missing (a backward outside the engine's accounting), every
+        placed shard is read back (`prepare` makes them resident first)."""
+        if not any(s.key in self._placed for s in slots):
+            return super().norms(slots, prepare)
+        if all(s.key in self._stats or not s.trainable for s in slots):
+            norms, overflow = [], False
+            for s in slots:
+                norm, flag = self._stats.get(s.key, (None, False))
+                if norm is None:  # a frozen shard holds zeros
+                    norm = torch.zeros((), device=s.shard.device) if s.shard.numel() else None
+                if norm is not None:
+                    norms.append(norm)
+                overflow = overflow or flag
+            return norms, overflow
+        prepare()
+        with self.store.resident([(s.key, s) for s in slots], lambda s: [s.shard]):
+            return super().norms(slots, prepare)

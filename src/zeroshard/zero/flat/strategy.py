@@ -1,0 +1,316 @@
+"""ZeRO stages 0/1/2 on flat buffers: sharded master weights, reduced gradients, one step.
+
+Stage 0 keeps everything replicated and all-reduces gradients; stage 1 shards master weights and
+optimizer state (gradients still accumulate in full, then are reduce-scattered); stage 2 also
+shards gradients, reduce-scattering them during every backward. After the step each rank writes
+its updated shard into the parameter buffer and the buckets are all-gathered in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint.state import ShardedState
+from zeroshard.comm.collectives import Collectives
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.gradients import GradShard
+from zeroshard.offload.residency import Residency
+from zeroshard.offload.tier import Tier
+from zeroshard.precision.cast import cast_floating_buffers
+from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
+from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
+from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
+from zeroshard.zero.pool import BufferPool
+from zeroshard.zero.strategy import (
+    AccumulationState,
+    ParamGroupSpec,
+    StepPolicy,
+    Strategy,
+    nbytes,
+    optimizer_state_tensors,
+)
+
+
+@dataclass(frozen=True)
+class FlatPolicy:
+    """Everything the stage 0/1/2 strategy needs to know, decided once from the config."""
+
+    stage: int
+    compute_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    bucket_numel: int
+    overlap_comm: bool
+    use_reduce_scatter: bool
+    step: StepPolicy
+    master_tier: Tier  # where master weights and optimizer state live
+
+
+class FlatStrategy(Strategy):
+    """Stage 0/1/2 state of one model on one rank."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        policy: FlatPolicy,
+        comm: Collectives,
+        device: torch.device,
+        accumulation: AccumulationState,
+    ):
+        self.module = module
+        self.policy = policy
+        self.step_policy = policy.step
+        self.comm = comm
+        self.device = device
+        self.accumulation = accumulation
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        shard_count = self.world_size if policy.stage >= 1 else 1
+        self.shard_rank = self.rank if shard_count > 1 else 0  # which slice of every bucket this rank owns
+        order = {id(p): i for i, p in enumerate(module.parameters())}
+        specs = [[ParamSpec(name, p.numel(), order[id(p)]) for name, p in g.params] for g in groups]
+        self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
+        self.group_options = [dict(g.options) for g in groups]
+        self.buffers: list[GroupBuffers] = [
+            build_group_buffers(
+                layout,
+                [p for _, p in g.params],
+                self.shard_rank,
+                policy.compute_dtype,
+                policy.grad_accum_dtype,
+                keep_full_grads=policy.stage < 2,
+                device=device,
+                master_tier=policy.master_tier,
+            )
+            for layout, g in zip(self.layout.groups, groups, strict=True)
+        ]
+        self._cast_untracked(module, {id(p) for g in groups for _, p in g.params})
+        # NVMe: each group's master shard and optimizer state live in swap files between steps and are read in
+        # turn, one group ahead (Residency.in_turn)
+        self.store: Residency = policy.master_tier.residency
+        self._keyed = [(f"group{g}", g) for g in range(len(self.buffers))]
+        for key, g in self._keyed:
+            self.store.place(key, [self.buffers[g].master])
+        self.pool = BufferPool(device)
+        self.reducer = GradientReducer(
+            self.layout,
+            self.buffers,
+            comm,
+            ReducePolicy(
+                partition_grads=policy.stage >= 2,
+                comm_dtype=policy.comm_dtype,
+                overlap=policy.overlap_comm,
+                use_reduce_scatter=policy.use_reduce_scatter,
+                prescale=policy.step.prescale,
+            ),
+            self.pool,
+            self.shard_rank,
+        )
+        self._hooks = [
+            buffers.params[slot.index].register_post_accumulate_grad_hook(self._grad_hook(g, s))
+            for g, buffers in enumerate(self.buffers)
+            for s, slot in enumerate(buffers.layout.slots)
+        ]
+        self.optimizer: torch.optim.Optimizer | None = None
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.gradients_tier = policy.master_tier.gradients(copy_stream, policy.step.check_overflow)
+        # per group: the fp32 gradient the optimizer reads (the shard itself, a copy on the master tier, or None
+        # for a temporary at the step); buckets whose slice of a copy backward already refreshed
+        self._grad_copies: list[torch.Tensor | None] = []
+        self._copied: set[int] = set()
+        self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
+        self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
+
+    # -- construction helpers --------------------------------------------------------------------
+    def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
+        """Frozen parameters and floating buffers follow the compute dtype, as DeepSpeed's module cast does."""
+        dtype = self.policy.compute_dtype
+        for param in module.parameters():
+            if id(param) not in tracked and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        cast_floating_buffers(module, dtype)
+
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        return [{**opts, "params": [b.master]} for opts, b in zip(self.group_options, self.buffers, strict=True)]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._grad_copies = [self.gradients_tier.copy_for(b.grad_shard, b.master) for b in self.buffers]
+
+    # -- backward --------------------------------------------------------------------------------
+    def _grad_hook(self, group: int, slot: int) -> Any:
+        def hook(param: nn.Parameter) -> None:
+            self._on_grad(group, slot, param)
+
+        return hook
+
+    def _on_grad(self, group: int, slot: int, param: nn.Parameter) -> None:
+        if not self.reducer.active:  # a plain loss.backward(): the accumulation state says what this step does
+            self.begin_backward()
+        self._received(self.reducer.on_grad_ready(group, slot, param))
+
+    def begin_backward(self) -> None:
+        self.reducer.begin_backward(self.accumulation.communicates())
+
+    def finish_backward(self) -> None:
+        self._received(self.reducer.finish_backward())
+
+    def _received(self, buckets: list[Bucket]) -> None:
+        """`buckets`' slices of the gradient shards are final for this micro-step: hand them to the gradient tier
+        ([Note: gradients to the host during backward])."""
+        if not self._grad_copies:  # no optimizer attached yet
+            return
+        boundary = self.accumulation.is_boundary()
+        for bucket in buckets:
+            copy = self._grad_copies[bucket.group]
+            shard = self.buffers[bucket.group].grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
+            target = None if copy is None else copy.narrow(0, bucket.shard_start, bucket.shard_numel)
+            if self.gradients_tier.received(GradShard(f"group{bucket.group}", shard), target, boundary):
+                self._copied.add(bucket.id)
+            else:
+                self._copied.discard(bucket.id)
+
+    # -- the step (skeleton in Strategy.step) ------------------------------------------------------
+    @property
+    def _sharded(self) -> bool:
+        return self.layout.shard_count > 1
+
+    def _grad_slots(self) -> list[GradShard]:
+        return [GradShard(f"group{g}", b.grad_shard) for g, b in enumerate(self.buffers)]
+
+    def _step_chunks(self, scale: float) -> None:
+        # one group at a time (the same arithmetic as one call: the optimizers are elementwise per tensor), so
+        # that with NVMe offload only the group being stepped is in memory
+        for g in self.store.in_turn(self._keyed, self._group_tensors):
+            self._step_group(g, scale)
+
+    def _step_group(self, g: int, scale: float) -> None:
+        assert self.optimizer is not None
+        buffers, copy = self.buffers[g], self._grad_copies[g]
+        ready = copy is not None and copy is not buffers.grad_shard and self._group_buckets[g] <= self._copied
+        self.host_copies_in_backward += ready
+        buffers.master.grad = self.gradients_tier.for_step(buffers.grad_shard, buffers.master, copy, ready, scale)
+        self.optimizer.step()
+        buffers.master.grad = None
+        self._write_owned(buffers)
+
+    def _publish(self) -> None:
+        self._gather_params()
+
+    def _group_tensors(self, g: int) -> list[torch.Tensor]:
+        master = self.buffers[g].master
+        state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
+        return [master] + [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        with self.store.resident(self._keyed, self._group_tensors):
+            yield
+
+    def publish_params(self) -> None:
+        """Write each rank's updated master shard into the parameter views and all-gather every bucket."""
+        with self.optimizer_state_resident():
+            for buffers in self.buffers:
+                self._write_owned(buffers)
+        self._gather_params()
+
+    def _write_owned(self, buffers: GroupBuffers) -> None:
+        """This rank's ranges of the parameter buffer := its master shard."""
+        if buffers.master_aliases_params:
+            return
+        if self.layout.shard_count == 1:
+            buffers.param_flat.copy_(buffers.master)
+            return
+        for bucket in buffers.layout.buckets:
+            lo, hi = bucket.owner_range(self.shard_rank)
+            buffers.param_flat[lo:hi].copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
+
+    def _gather_params(self) -> None:
+        """All-gather every bucket of the parameter buffers in place (each rank wrote its own ranges)."""
+        if self.layout.shard_count == 1:
+            return
+        handles = []
+        for buffers in self.buffers:
+            if buffers.master_aliases_params:
+                continue
+            for bucket in buffers.layout.buckets:
+                lo, hi = bucket.owner_range(self.shard_rank)
+                out = buffers.bucket_params(bucket.start, bucket.numel)
+                handles.append(self.comm.all_gather(out, buffers.param_flat[lo:hi], async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self) -> None:
+        self.finish_backward()
+        self.reducer.reset_window()
+        self._copied.clear()
+        self.gradients_tier.reset()
+
+    # -- state -----------------------------------------------------------------------------------
+    def checkpoint_state(self) -> ShardedState:
+        from zeroshard.zero.flat.checkpoint import FlatState
+
+        return FlatState(self)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield  # parameters are always whole in stages 0-2
+
+    def tracked_params(self) -> list[nn.Parameter]:
+        return [p for b in self.buffers for p in b.params]
+
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        with self.optimizer_state_resident():
+            out: dict[int, torch.Tensor] = {}
+            for buffers in self.buffers:
+                full = self._full_master(buffers)
+                for slot in buffers.layout.slots:
+                    param = buffers.params[slot.index]
+                    out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(param.shape).to(dtype).clone()
+            return out
+
+    def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:
+        layout = buffers.layout
+        if layout.numel == layout.shard_numel:
+            return buffers.master.to(self.device)
+        full = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+        for bucket in layout.buckets:
+            mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device)
+            self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
+        return full
+
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        out = [b.master for b in self.buffers if not b.master_aliases_params]
+        copies = zip(self._grad_copies, self.buffers, strict=True)
+        out += [g for g, b in copies if g is not None and g is not b.grad_shard]
+        return out + optimizer_state_tensors(self.optimizer)
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.layout.unpadded_numel
+
+    def destroy(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.store.close()  # removes the swap files
+        self.pool.clear()
+
+    def memory(self) -> StrategyMemory:
+        memory = StrategyMemory(comm_buffers=self.pool.held_bytes)
+        for b in self.buffers:
+            memory.params += nbytes(b.param_flat)
+            memory.gradients += nbytes(b.grad_full) + (0 if b.grad_shard is b.grad_full else nbytes(b.grad_shard))
+        masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
+        state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
+        self.policy.master_tier.count_state(memory, masters, state)
+        copies = zip(self._grad_copies, self.buffers, strict=True)
+        self.gradients_tier.count(memory, sum(0 if g is b.grad_shard else nbytes(g) for g, b in copies))
+        return memory

@@ -1,0 +1,90 @@
+"""Reusable communication buffers, and the queue of collectives in flight (shared by every stage)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from zeroshard.comm.collectives import Handle
+
+T = TypeVar("T")
+
+
+class BufferPool:
+    """Reusable communication buffers keyed by (numel, dtype): no allocator round trip per bucket."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._in_use_bytes = 0
+        self.peak_bytes = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        stack = self._free.get((numel, dtype))
+        tensor = stack.pop() if stack else torch.empty(numel, dtype=dtype, device=self.device)
+        self._in_use_bytes += tensor.numel() * tensor.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return tensor.zero_()
+
+    def release(self, tensor: torch.Tensor) -> None:
+        self._in_use_bytes -= tensor.numel() * tensor.element_size()
+        self._free.setdefault((tensor.numel(), tensor.dtype), []).append(tensor)
+
+    @property
+    def held_bytes(self) -> int:
+        free = sum(t.numel() * t.element_size() for stack in self._free.values() for t in stack)
+        return free + self._in_use_bytes
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+@dataclass
+class _Inflight(Generic[T]):
+    handle: Handle | None
+    finish: Callable[[], None]
+    item: T
+    label: str
+
+
+class InflightQueue(Generic[T]):
+    """Reductions in flight, finished oldest first. [Note: bounded in-flight reductions] Finishing older
+    collectives as new ones start returns their staging buffers to the pool during backward, so at most `limit`
+    buckets' (units') worth of full gradients exist at once."""
+
+    def __init__(self, limit: int, wait: Callable[[Handle | None, str], None]):
+        self.limit = limit
+        self._wait = wait
+        self._items: list[_Inflight[T]] = []
+
+    def push(self, handle: Handle | None, finish: Callable[[], None], item: T, label: str) -> list[T]:
+        """Add a launched collective; returns the items finished to stay within the limit."""
+        self._items.append(_Inflight(handle, finish, item, label))
+        done = []
+        while len(self._items) > self.limit:
+            done.append(self._finish_oldest())
+        return done
+
+    def drain(self) -> list[T]:
+        """Finish every collective in flight; returns their items in launch order."""
+        done = []
+        while self._items:
+            done.append(self._finish_oldest())
+        return done
+
+    def _finish_oldest(self) -> T:
+        entry = self._items.pop(0)
+        self._wait(entry.handle, entry.label)
+        entry.finish()
+        return entry.item
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def wait_plain(handle: Handle | None, label: str) -> None:
+    if handle is not None:
+        handle.wait()

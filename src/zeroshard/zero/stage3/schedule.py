@@ -1,0 +1,168 @@
+"""When stage-3 units are gathered and released: the mechanism that carries out the prefetch policy.
+
+Forward: a unit's pre-forward gathers it (waiting for a prefetch if one is in flight) and starts gathering the
+next units of the recorded trace; its post-forward releases it unless the trace says it is reused soon. Backward:
+a hook on the unit's outputs gathers it again. The policy (what to prefetch, what to keep) is in prefetch.py.
+
+[Note: live parameter limit]
+`stage3_max_live_parameters` bounds the gathered (non-persistent) elements: prefetching stops below it, a unit
+is kept gathered for reuse only if that stays within it, and before a gather would pass it the kept units whose
+next use is farthest are released. Units in use (between their pre- and post-hooks), pinned or persistent are
+never released early, so a unit larger than the limit still runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.divergence import DivergenceWatch
+from zeroshard.offload.residency import Residency
+from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
+from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+
+
+class GatherSchedule:
+    def __init__(
+        self,
+        units: list[ShardedUnit],
+        comm: Collectives,
+        policy: PrefetchPolicy,
+        watch: DivergenceWatch,
+        param_store: Residency,
+        read_ahead: tuple[int, int],
+        overlap: bool,
+    ):
+        self.units = units
+        self.comm = comm
+        self.policy = policy
+        self.watch = watch
+        self.param_store = param_store
+        self.read_ahead = read_ahead  # offload_param on NVMe: (units, elements) read ahead of use
+        self.overlap = overlap
+        self.trace = ExecutionTrace()
+        self._numels = [u.numel for u in units]  # fixed once the units exist; read on every event
+        self.forward_calls: dict[int, int] = {}
+        self.in_backward = False
+        self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
+        self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
+
+    # -- events ----------------------------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        """A new forward: close the previous trace (a forward without backward, e.g. evaluation)."""
+        if self.in_backward or not self.trace.current:
+            return
+        self.trace.end_step()
+        for unit in self.units:
+            unit.release()
+        self._kept.clear()
+        self.forward_calls.clear()
+
+    def pre_forward(self, unit: ShardedUnit) -> None:
+        self.trace.record(unit.index)
+        self.forward_calls[unit.index] = self.forward_calls.get(unit.index, 0) + 1
+        self._use(unit)
+
+    def post_forward(self, unit: ShardedUnit) -> None:
+        if reused_soon(unit.index, self.trace.upcoming(), self._numels, self.policy):
+            if self._live_numel() <= self.policy.max_live_numel:
+                self._kept.add(unit.index)
+                return
+        unit.release()
+
+    def pre_backward(self, unit: ShardedUnit) -> None:
+        self.in_backward = True
+        self.trace.record(unit.index)
+        self._use(unit)
+
+    def last_backward(self, unit: ShardedUnit) -> bool:
+        """The unit's backward ran for one of its forward calls; True after the last."""
+        remaining = self.forward_calls.get(unit.index, 1) - 1
+        self.forward_calls[unit.index] = remaining
+        return remaining <= 0
+
+    def end_backward(self) -> None:
+        """Everything is released after a backward; the step's trace is complete."""
+        for unit in self.units:
+            unit.end_backward()
+            unit.release()
+        self._kept.clear()
+        self.forward_calls.clear()
+        self.in_backward = False
+        self.trace.end_step()
+
+    # -- mechanism -------------------------------------------------------------------------------------
+    def _use(self, unit: ShardedUnit) -> None:
+        self._kept.discard(unit.index)
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit.numel, exclude=unit.index)
+            self.gather(unit)
+        self.wait_gathered(unit)
+        gathered = {u.index for u in self.units if u.state is not UnitState.SHARDED}
+        for index in units_to_prefetch(self.trace.upcoming(), self._numels, gathered, self._live_numel(), self.policy):
+            self.gather(self.units[index])
+        self._read_ahead()
+
+    def _live_numel(self) -> int:
+        return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.persistent)
+
+    def _make_room(self, numel: int, exclude: int) -> None:
+        """[Note: live parameter limit] release kept units, farthest next use first, until `numel` more fits."""
+        if not self._kept or self._live_numel() + numel <= self.policy.max_live_numel:
+            return
+        upcoming = list(self.trace.upcoming())
+
+        def next_use(index: int) -> int:
+            return upcoming.index(index) if index in upcoming else len(upcoming)
+
+        for index in sorted(self._kept - {exclude}, key=next_use, reverse=True):
+            if self._live_numel() + numel <= self.policy.max_live_numel:
+                break
+            self._kept.discard(index)
+            self.units[index].release()
+
+    def _read_ahead(self) -> None:
+        """offload_param on NVMe: start reading the shards of the next units of the trace (up to
+        buffer_count units and max_in_cpu elements), so their gathers do not wait for the disk."""
+        max_units, max_numel = self.read_ahead
+        budget, count = 0, 0
+        for index in dict.fromkeys(self.trace.upcoming()):
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            budget += unit.layout.shard_numel
+            count += 1
+            if count > max_units or budget > max_numel:
+                break
+            self.param_store.fetch(unit.key)
+
+    def gather(self, unit: ShardedUnit) -> None:
+        self.watch.gather_log.append(unit.index)
+        unit.gather(self.comm, async_op=self.overlap)
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
+
+    def wait_gathered(self, unit: ShardedUnit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self.watch.wait(unit._pending, f"all-gather of unit {unit.name!r}")
+            unit.wait_gathered()
+
+    def refresh(self, unit: ShardedUnit) -> None:
+        """A gathered unit (the persistent one) gets its shards' new values (after a step or a load)."""
+        unit.state = UnitState.SHARDED
+        unit.gather(self.comm, async_op=False)
+        unit.wait_gathered()
+
+    # -- whole-model gathering -------------------------------------------------------------------------
+    def pin(self, units: Sequence[ShardedUnit]) -> None:
+        """Gather `units` (every rank must call this) and keep them gathered until `unpin`."""
+        for unit in units:
+            unit.pins += 1
+            if unit.state is UnitState.SHARDED:
+                self.gather(unit)
+        for unit in units:
+            self.wait_gathered(unit)
+
+    def unpin(self, units: Sequence[ShardedUnit]) -> None:
+        for unit in units:
+            unit.pins = max(0, unit.pins - 1)
+            unit.release()

@@ -1,0 +1,124 @@
+"""The stage-3 optimizer step, one sub-group at a time, and the state each sub-group holds in memory.
+
+With NVMe offload sub-group k+1 (its master, optimizer state and gradient shards) is read while k steps and
+k-1 is written back, so at most three sub-groups are in memory; without it the same loop runs over memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from zeroshard.offload.gradients import GradientTier
+from zeroshard.offload.residency import Residency
+from zeroshard.zero.stage3.build import BuiltUnits, Piece, SubGroup
+from zeroshard.zero.stage3.unit import ShardedUnit
+
+
+class SubGroupStepper:
+    def __init__(self, built: BuiltUnits, store: Residency, param_store: Residency, gradients: GradientTier):
+        self.units = built.units
+        self.pieces = built.pieces
+        self.sub_groups = built.sub_groups
+        self.placeholders = built.placeholders
+        self.store = store  # masters and optimizer state (and NVMe gradients): one entry per sub-group
+        self.param_store = param_store  # compute shards: one entry per unit
+        self.gradients = gradients
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
+
+    def step(self, scale: float) -> None:
+        # empty stand-ins are stepped with the first sub-group so every rank's optimizer counts the same
+        # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
+        for placeholder in self.placeholders:
+            placeholder.grad = torch.zeros_like(placeholder)
+        previous: list[ShardedUnit] = []
+        keyed = self._keyed()
+        for k, units in enumerate(self.store.in_turn(keyed, self.tensors)):
+            if k == 0:
+                self._start_reads(units)
+            if k + 1 < len(keyed):
+                self._start_reads(keyed[k + 1][1])
+            for unit in units:
+                self.store.ready(unit.grad_key)
+            self._step(units, scale)
+            for unit in units:  # not needed after the step (zero_grad follows): freed, not written
+                self.store.drop(unit.grad_key)
+            for placeholder in self.placeholders:
+                placeholder.grad = None
+            for unit in previous:  # compute shards on NVMe: the previous sub-group's writes are done
+                unit.settle_shard()
+            previous = units
+        for unit in previous:
+            unit.settle_shard()
+
+    def _keyed(self) -> list[tuple[str, list[ShardedUnit]]]:
+        return [(g.key, g.units) for g in self.sub_groups]
+
+    def _start_reads(self, units: list[ShardedUnit]) -> None:
+        """Start reading what stepping `units` needs besides the optimizer store's entry: gradient shards, and
+        masters that are the compute shards (fp32 with both tiers on NVMe)."""
+        for unit in units:
+            unit.grad_resident()
+            if unit.master is unit.shard:
+                unit.home.fetch(unit.key)
+
+    def _step(self, units: list[ShardedUnit], scale: float) -> None:
+        assert self.optimizer is not None
+        members = {u.index for u in units}
+        for unit in units:
+            unit.master_resident()
+            self.host_copies_in_backward += unit.grad_copy_ready
+        assigned = []
+        for piece in self._pieces_of(members):
+            unit = piece.unit
+            copy = unit.grad_copy
+            if copy is not None and copy is not unit.grad_shard:
+                copy = copy.narrow(0, piece.offset, piece.grad.numel())
+            elif copy is not None:
+                copy = piece.grad  # the shard itself serves (fp32 on the master's device)
+            piece.master.grad = self.gradients.for_step(piece.grad, piece.master, copy, unit.grad_copy_ready, scale)
+            assigned.append(piece.master)
+        if assigned or any(p.grad is not None for p in self.placeholders):
+            self.optimizer.step()
+        for master in assigned:
+            master.grad = None
+        for unit in units:
+            unit.publish()
+
+    def _pieces_of(self, members: set[int]) -> Iterator[Piece]:
+        for pieces in self.pieces:
+            for piece in pieces:
+                if piece.unit.index in members:
+                    yield piece
+
+    def tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
+        """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state."""
+        out = [u.master for u in units if u.master is not u.shard]  # else it lives with the compute shard
+        if self.optimizer is not None:
+            for piece in self._pieces_of({u.index for u in units}):
+                state = self.optimizer.state.get(piece.master, {})
+                out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return out
+
+    @contextmanager
+    def all_resident(self, changes: bool = True) -> Iterator[None]:
+        """Master weights and optimizer state in memory for the block (consolidation, export); with NVMe
+        offload they are read in first and written back after (`changes=False`: freed, not written)."""
+        shards = [(u.key, u) for u in self.units]
+        with self.store.resident(self._keyed(), self.tensors, changes):
+            with self.param_store.resident(shards, lambda u: [u.shard], changes):
+                yield
+
+    @contextmanager
+    def resident(self, sub_group: SubGroup, changes: bool = True) -> Iterator[None]:
+        """One sub-group's masters, optimizer state and compute shards in memory for the block (checkpoints
+        handle the state this way, one sub-group at a time: [Note: state parts])."""
+        with self.store.resident([(sub_group.key, sub_group.units)], self.tensors, changes):
+            with self.param_store.resident([(u.key, u) for u in sub_group.units], lambda u: [u.shard], changes):
+                yield
+
+    def sub_group_of(self, unit: ShardedUnit) -> SubGroup:
+        return next(g for g in self.sub_groups if unit in g.units)
