@@ -23,28 +23,16 @@ from zeroshard.zero.strategy import AccumulationState, Strategy
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes held by this rank, by kind. `model_states` is the sum ZeRO's formulas describe."""
+@dataclass
+class MemoryReport(StrategyMemory):
+    """Bytes held by this rank, by kind (the strategy's columns, `StrategyMemory`, plus who and what).
+    `model_states` is the sum ZeRO's formulas describe; stage 3 holds frozen parameters as shards in `params`."""
 
-    rank: int
-    world_size: int
-    stage: int
-    trainable_numel: int
-    params: int
-    frozen_params: int
-    gradients: int
-    master_weights: int
-    optimizer_state: int
-    comm_buffers: int
-    persistent_params: int = 0  # stage 3: small parameters kept whole on every rank
-    gathered_params: int = 0  # stage 3: full units gathered right now
-    peak_gathered_params: int = 0  # stage 3: largest gathered working set so far
-    host_params: int = 0  # offload_param: compute-dtype shards in host memory
-    host_master_weights: int = 0  # offload_optimizer: fp32 master weights in host memory
-    host_optimizer_state: int = 0  # offload_optimizer: optimizer state in host memory
-    host_gradients: int = 0  # offload_optimizer: fp32 gradient copies in host memory
-    nvme_bytes: int = 0  # offload_optimizer nvme: master weights and optimizer state in swap files
+    rank: int = 0
+    world_size: int = 1
+    stage: int = 0
+    trainable_numel: int = 0
+    frozen_params: int = 0
 
     @property
     def model_states(self) -> int:
@@ -127,7 +115,7 @@ class Engine(CheckpointMixin, nn.Module):
         return int(self.config.train_micro_batch_size_per_gpu)
 
     def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps)
+        return self.accumulation.gradient_accumulation_steps
 
     def train_batch_size(self) -> int:
         return int(self.config.train_batch_size)

@@ -1,4 +1,5 @@
-"""fp16: an inf on one rank's gradient skips the step on every rank and leaves parameters unchanged."""
+"""fp16, and bf16 with `check_grad_overflow` (DeepSpeed's default): an inf on one rank's gradient skips the step
+on every rank and leaves parameters unchanged."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
 
-def _overflow(rank: int, world_size: int, stage: int, offload: str = "none"):
+def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", precision: str = "fp16"):
     import zeroshard
 
-    case = Case(stage=stage, steps=3, offload=offload)
+    case = Case(stage=stage, steps=3, offload=offload, dtype="bf16" if precision.startswith("bf16") else "fp32")
     model = build_model(case)
     config = ds_config(case)
-    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
+    else:  # "bf16" (check_grad_overflow left at its default) or "bf16-unchecked"
+        config["bf16"] = {"enabled": True} if precision == "bf16" else {"enabled": True, "check_grad_overflow": False}
     config["scheduler"] = {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10},
@@ -59,3 +63,17 @@ def test_inf_on_one_rank_skips_step_everywhere():
             assert scale == scale_before / 2, (scale, scale_before)
             assert lr == lr_before, "the lr scheduler must not advance on a skipped step"
             assert moved, "the step after the overflow must update parameters"
+
+
+def test_bf16_inf_gradient_skips_step_unless_unchecked():
+    # bf16 has no loss scale to lower: the skip is the whole effect, as DeepSpeed's bf16 check_grad_overflow
+    for stage in (2, 3):
+        for skipped, unchanged, scale, scale_before, lr, lr_before, moved in run_on_ranks(
+            _overflow, 2, stage, "none", "bf16"
+        ):
+            assert skipped == 1 and unchanged, (stage, skipped)
+            assert scale == scale_before == 1.0 and lr == lr_before and moved
+    # check_grad_overflow false: the inf goes into the update (every rank steps: the norm is inf, clipping makes
+    # every gradient nan), as DeepSpeed does with the check off
+    for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 2, "none", "bf16-unchecked"):
+        assert skipped == 0 and not unchanged

@@ -5,12 +5,16 @@ from __future__ import annotations
 from test_parity import _check
 
 from helpers.harness import run_on_ranks
-from helpers.parity import Case, engine_run
+from helpers.parity import Case, build_model, ds_config, engine_run, global_batches, micro_batch, param_groups
 
+# keep and prefetch everything, but at most 25k gathered elements: the root unit (2.6k) and one block (12.4k) fit,
+# two blocks do not, so a block kept for its backward is released when the other is gathered
+LIVE_LIMITED = Case(stage=3, reuse=10**9, prefetch=10**9, max_live=25_000)
 CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 3)] + [
     Case(stage=3, persistence=10**6),  # everything persistent (stage-2-like)
     Case(stage=3, persistence=2000),  # mixed: small parameters persistent, matrices sharded
     Case(stage=3, reuse=10**9, prefetch=10**9),  # DeepSpeed's defaults: keep and prefetch everything
+    LIVE_LIMITED,
     Case(stage=3, variant="frozen"),
     Case(stage=3, variant="unused"),
     Case(stage=3, variant="twice"),
@@ -27,6 +31,30 @@ def _run_cases(rank: int, world_size: int, cases: list[Case]):
 
 def test_stage3_parity_two_ranks():
     _check(CASES_2, run_on_ranks(_run_cases, 2, CASES_2), 2)
+
+
+def _peak_gathered(rank: int, world_size: int, cases: list[Case]) -> list[int]:
+    import zeroshard
+
+    peaks = []
+    for case in cases:
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
+        for batch in global_batches(case, world_size)[:3]:
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+        peaks.append(engine.memory_report().peak_gathered_params)
+        engine.destroy()
+    return peaks
+
+
+def test_max_live_parameters_bounds_the_gathered_working_set():
+    # [Note: live parameter limit]: without the limit every unit stays gathered for its backward
+    unlimited = Case(stage=3, reuse=10**9, prefetch=10**9)
+    for limited_peak, unlimited_peak in run_on_ranks(_peak_gathered, 2, [LIVE_LIMITED, unlimited]):
+        assert limited_peak <= 4 * LIVE_LIMITED.max_live < unlimited_peak, (limited_peak, unlimited_peak)
 
 
 def test_stage3_parity_four_ranks():

@@ -46,6 +46,7 @@ class Case:
     persistence: int = 0  # stage 3: stage3_param_persistence_threshold
     reuse: int = 0  # stage 3: stage3_max_reuse_distance
     prefetch: int = 50_000  # stage 3: stage3_prefetch_bucket_size
+    max_live: int = 10**9  # stage 3: stage3_max_live_parameters
     offload: str = "none"  # offload_optimizer.device
     offload_param: str = "none"  # offload_param.device (stage 3)
     sub_group: int = 10**9  # sub_group_size
@@ -53,6 +54,7 @@ class Case:
     @property
     def name(self) -> str:
         extra = f"-persist{self.persistence}-reuse{self.reuse}" if self.stage == 3 else ""
+        extra += f"-live{self.max_live}" if self.max_live != 10**9 else ""
         extra += f"-offload_{self.offload}" if self.offload != "none" else ""
         extra += f"-offload_param_{self.offload_param}" if self.offload_param != "none" else ""
         return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}{extra}"
@@ -151,6 +153,7 @@ def ds_config(case: Case) -> dict:
             "stage3_param_persistence_threshold": case.persistence,
             "stage3_max_reuse_distance": case.reuse,
             "stage3_prefetch_bucket_size": case.prefetch,
+            "stage3_max_live_parameters": case.max_live,
             "offload_optimizer": {"device": case.offload, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
             "sub_group_size": case.sub_group,
             "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},

@@ -217,6 +217,7 @@ def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
         return False
     gas = saved // (micro * world)
     engine.config = dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
+    engine.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
     log_rank(
         logger,
         30,

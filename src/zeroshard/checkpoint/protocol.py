@@ -11,7 +11,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.precision.policy import PrecisionPolicy
 
 if TYPE_CHECKING:
-    from zeroshard.zero.strategy import Strategy
+    from zeroshard.zero.strategy import AccumulationState, Strategy
 
 
 class CheckpointableEngine(Protocol):
@@ -20,6 +20,7 @@ class CheckpointableEngine(Protocol):
     topology: Topology
     precision: PrecisionPolicy
     strategy: Strategy | None
+    accumulation: AccumulationState
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     loss_scaler: Any

@@ -81,9 +81,6 @@ class CommStats:
             k.calls, k.payload_bytes, k.bus_bytes = 0, 0, 0.0
 
 
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5}
-
-
 class Collectives:
     """Collectives over one process group, counted and (optionally) verified across ranks."""
 
@@ -170,7 +167,7 @@ class Collectives:
             return
         code = zlib.crc32(label.encode())
         mine = torch.tensor(
-            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), _DTYPE_CODES.get(tensor.dtype, 0), code],
+            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code],
             dtype=torch.int64,
             device=tensor.device,
         )

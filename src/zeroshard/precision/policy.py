@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from zeroshard.precision.dtypes import dtype_of
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class PrecisionPolicy:
         comm_name = cfg.communication_data_type
         return cls(
             compute_dtype=compute,
-            grad_accum_dtype=_DTYPES[accum_name] if accum_name else torch.float32,
-            comm_dtype=_DTYPES[comm_name] if comm_name else compute,
+            grad_accum_dtype=dtype_of(accum_name) if accum_name else torch.float32,
+            comm_dtype=dtype_of(comm_name) if comm_name else compute,
             fp16=bool(cfg.fp16.enabled),
         )

@@ -13,6 +13,7 @@ over chunks of the shards, publish the parameters.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradientTier, GradShard
+from zeroshard.offload.tier import Tier
 from zeroshard.zero.stepmath import scale_from_norms
 
 if TYPE_CHECKING:
@@ -98,11 +100,26 @@ def nbytes(tensor: torch.Tensor | None) -> int:
 class Strategy(ABC):
     """One model's ZeRO state on one rank. See [Note: strategy contract]."""
 
-    optimizer: torch.optim.Optimizer | None
-    comm: Collectives
-    device: torch.device
-    gradients_tier: GradientTier
-    step_policy: StepPolicy
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        step_policy: StepPolicy,
+        master_tier: Tier,
+        comm: Collectives,
+        device: torch.device,
+        accumulation: AccumulationState,
+    ):
+        self.module = module
+        self.group_options = [dict(g.options) for g in groups]
+        self.step_policy = step_policy
+        self.comm = comm
+        self.device = device
+        self.accumulation = accumulation  # the engine's: [Note: strategy contract]
+        self.optimizer: torch.optim.Optimizer | None = None
+        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # where reduced gradients wait for the step, decided by the master's tier
+        self.gradients_tier: GradientTier = master_tier.gradients(copy_stream, step_policy.check_overflow)
 
     # -- construction ----------------------------------------------------------------------------------
     @abstractmethod

@@ -11,9 +11,9 @@ from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.recommend import Recommendation, recommend
 from zeroshard.cli.estimate.rows import DEFAULT_BUCKET_NUMEL, Row, estimate_rows
 from zeroshard.cli.estimate.shapes import ModelInfo, from_model_arg, from_params
+from zeroshard.precision.dtypes import DTYPES, bytes_of
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4, "sgd-nomomentum": 0}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_GPU_GIB = 80.0
 
 
@@ -33,8 +33,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank for the activation estimate")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (stage 3's gradient dtype)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
-    p.add_argument("--grad-dtype", choices=sorted(DTYPE_BYTES), default="fp32", help="gradient accumulation dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="training dtype (default bf16)")
+    p.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation dtype")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
     p.add_argument("--bucket-size", type=float, default=DEFAULT_BUCKET_NUMEL, help="reduce_bucket_size (elements)")
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
     model = from_model_arg(args.model) if args.model else from_params(args.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
-    precision = Precision(DTYPE_BYTES[args.dtype], DTYPE_BYTES[args.grad_dtype], OPTIMIZER_STATE_BYTES[args.optimizer])
+    precision = Precision(bytes_of(args.dtype), bytes_of(args.grad_dtype), OPTIMIZER_STATE_BYTES[args.optimizer])
     rows = estimate_rows(
         model,
         cluster,

@@ -64,12 +64,8 @@ class FlatStrategy(Strategy):
         device: torch.device,
         accumulation: AccumulationState,
     ):
-        self.module = module
+        super().__init__(module, groups, policy.step, policy.master_tier, comm, device, accumulation)
         self.policy = policy
-        self.step_policy = policy.step
-        self.comm = comm
-        self.device = device
-        self.accumulation = accumulation
         self.rank = comm.rank
         self.world_size = comm.world_size
         shard_count = self.world_size if policy.stage >= 1 else 1
@@ -77,7 +73,6 @@ class FlatStrategy(Strategy):
         order = {id(p): i for i, p in enumerate(module.parameters())}
         specs = [[ParamSpec(name, p.numel(), order[id(p)]) for name, p in g.params] for g in groups]
         self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
-        self.group_options = [dict(g.options) for g in groups]
         self.buffers: list[GroupBuffers] = [
             build_group_buffers(
                 layout,
@@ -118,9 +113,6 @@ class FlatStrategy(Strategy):
             for g, buffers in enumerate(self.buffers)
             for s, slot in enumerate(buffers.layout.slots)
         ]
-        self.optimizer: torch.optim.Optimizer | None = None
-        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.gradients_tier = policy.master_tier.gradients(copy_stream, policy.step.check_overflow)
         # per group: the fp32 gradient the optimizer reads (the shard itself, a copy on the master tier, or None
         # for a temporary at the step); buckets whose slice of a copy backward already refreshed
         self._grad_copies: list[torch.Tensor | None] = []

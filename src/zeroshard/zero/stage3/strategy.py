@@ -75,16 +75,9 @@ class Stage3Strategy(Strategy):
         device: torch.device,
         accumulation: AccumulationState,
     ):
-        self.module = module
+        super().__init__(module, groups, policy.step, policy.master_tier, comm, device, accumulation)
         self.policy = policy
-        self.step_policy = policy.step
-        self.comm = comm
-        self.device = device
-        self.accumulation = accumulation
         self.shard_rank = comm.rank
-        self.group_options = [dict(g.options) for g in groups]
-        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.gradients_tier = policy.master_tier.gradients(copy_stream, policy.step.check_overflow)
         # gradients stay in the reduction's dtype with one micro-step per step, else they accumulate
         grad_dtype = policy.comm_dtype if accumulation.gradient_accumulation_steps == 1 else policy.grad_accum_dtype
         build = BuildPolicy(
@@ -115,7 +108,6 @@ class Stage3Strategy(Strategy):
             self.watch,
         )
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
-        self.optimizer: torch.optim.Optimizer | None = None
         self._state_dict_gathered: list[bool] = []
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
