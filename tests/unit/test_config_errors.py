@@ -157,7 +157,7 @@ def test_duplicate_json_keys(tmp_path: pathlib.Path, log: pytest.LogCaptureFixtu
     ("source", "attribute", "value", "warning"),
     [
         (
-            {"zero_optimization": {"cpu_offload": True}},
+            {"zero_optimization": {"stage": 2, "cpu_offload": True}},
             "zero_optimization.offload_optimizer.device",
             "cpu",
             "zeroshard: zero_optimization.cpu_offload is deprecated; use "
@@ -256,6 +256,7 @@ def test_deprecated_and_new_key_with_the_same_value_is_fine() -> None:
     cfg = parse_config(
         {
             "zero_optimization": {
+                "stage": 2,
                 "cpu_offload": True,
                 "offload_optimizer": {"device": "cpu", "pin_memory": False},
             }
@@ -300,8 +301,8 @@ def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureF
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-            "zero_optimization.offload_optimizer.ratio 0.5 < 1.0 (partial offload) needs stage 3 "
-            "(zero_optimization.stage is 2)",
+            "zero_optimization.offload_optimizer.ratio: 0.5 (partial offload) is not supported; "
+            "use 1.0 (offload all optimizer state)",
         ),
         (
             {"zero_optimization": {"stage": 3}, "gradient_allreduce_op": "sum"},

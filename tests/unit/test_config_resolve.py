@@ -240,7 +240,7 @@ def test_any_key_path_can_come_from_known() -> None:
         {
             "train_batch_size": 4,
             "zero_optimization": {"stage3_max_live_parameters": "auto"},
-            "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": "auto"}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": "auto"}},
         }
     )
     out = resolve_config(

@@ -155,8 +155,10 @@ def test_adagrad_amsgrad_false_is_consumed_true_is_refused() -> None:
 
 
 def test_invalid_value_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="optimizer.params is invalid"):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr: -1\.0 is out of range"):
         build_optimizer("SGD", {"lr": -1.0}, _groups(4))
+    with pytest.raises(ConfigError, match="optimizer.params is invalid"):  # a rule only the constructor knows
+        build_optimizer("SGD", {"nesterov": True}, _groups(4))
 
 
 @pytest.mark.parametrize("name", supported_optimizer_names())

@@ -5,6 +5,9 @@ warning the parser gives (deprecated spellings, keys accepted but not implemente
 that only a training run knows (learning rate, batch sizes, total steps, ...) are filled the way
 `zeroshard train` fills them with its defaults, and listed; `--set KEY=VALUE` gives them other values,
 `--strict` leaves them unfilled (an error, as plain DeepSpeed would raise). Exit code 2 on any error.
+
+Every rule `initialize` applies to a config lives in `zeroshard.config` and runs inside `resolve_config`, which
+both call, so a config this command accepts is one `initialize` accepts (the model aside).
 """
 
 from __future__ import annotations

@@ -42,15 +42,52 @@ def _check_zero(cfg: ZeroshardConfig) -> None:
             f"zero_optimization.compute_grad_norm is false, which only stage 1 or 2 supports "
             f"(zero_optimization.stage is {stage})"
         )
-    ratio = zero.offload_optimizer.ratio
-    if isinstance(ratio, float) and ratio < 1.0 and stage != 3:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio {ratio} < 1.0 (partial offload) needs stage 3 "
-            f"(zero_optimization.stage is {stage})"
-        )
+    if zero.compute_grad_norm is False:
+        _check_no_grad_norm(cfg)
     if cfg.gradient_allreduce_op == "sum" and stage == 3:
         raise ConfigError('gradient_allreduce_op "sum" is not supported with zero_optimization.stage 3')
+    _check_offload(cfg)
+
+
+def _check_no_grad_norm(cfg: ZeroshardConfig) -> None:
+    """DeepSpeed's stage 1-2 optimizer refuses compute_grad_norm=false with clipping or optimizer offload."""
+    clipping = cfg.gradient_clipping
+    if isinstance(clipping, float) and clipping > 0:
+        raise ConfigError(
+            f"zero_optimization.compute_grad_norm is false, which needs gradient_clipping 0 (gradient_clipping is "
+            f"{clipping})"
+        )
+    device = cfg.zero_optimization.offload_optimizer.device
+    if isinstance(device, str) and device != "none":
+        raise ConfigError(
+            f"zero_optimization.compute_grad_norm is false, which does not work with optimizer offload "
+            f'(zero_optimization.offload_optimizer.device is "{device}")'
+        )
+
+
+def _check_offload(cfg: ZeroshardConfig) -> None:
+    """Where zeroshard can offload: parameters at stage 3, optimizer state at stages 1-3, all of it, and NVMe
+    only with a path. DeepSpeed ignores offload_param below stage 3 and offload_optimizer at stage 0; zeroshard
+    refuses them so a config never looks offloaded while it is not."""
+    zero = cfg.zero_optimization
+    stage = zero.stage
+    param_device = zero.offload_param.device
+    if isinstance(param_device, str) and param_device != "none" and stage < 3:
+        raise ConfigError(
+            f'zero_optimization.offload_param.device: "{param_device}" needs zero_optimization.stage 3 '
+            "(stages 0-2 keep whole parameters on every rank); use offload_optimizer for stages 1-2"
+        )
+    optimizer_device = zero.offload_optimizer.device
+    if isinstance(optimizer_device, str) and optimizer_device != "none" and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
+    # support.ONLY_DEFAULT: DeepSpeed allows ratio < 1.0 at stage 3 (partial offload); zeroshard does not.
+    ratio = zero.offload_optimizer.ratio
+    if isinstance(ratio, float) and ratio != 1.0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) is not supported; "
+            "use 1.0 (offload all optimizer state)"
+        )
     for name in ("offload_param", "offload_optimizer"):
         offload = getattr(zero, name)
-        if offload.device == "nvme" and offload.nvme_path is None:
+        if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f'zero_optimization.{name}.device is "nvme" but {name}.nvme_path is not set')

@@ -37,3 +37,29 @@ class SchedulerConfig(ConfigBlock):
     params: dict[str, Any] = params(
         'Keyword arguments (warmup_min_lr, warmup_max_lr, warmup_num_steps, total_num_steps, ...); may be "auto".'
     )
+
+
+def check_buildable(optimizer: OptimizerConfig | None, scheduler: SchedulerConfig | None) -> None:
+    """Raise the ConfigError that building these blocks for a model would raise, before any model exists.
+
+    [Note: probing the optimizer] The keys and values an optimizer takes are its constructor's (torch's
+    signature for torch.optim classes), and a scheduler's are its own class's. Rather than a copy of those
+    rules here, which would drift from the installed torch, the optimizer is built over one throwaway
+    parameter, and the scheduler over it, by the very code initialize uses (zeroshard.optim). The import is
+    inside the function: zeroshard.optim depends on the config checkers, and the schema modules on nothing
+    but the config package.
+    """
+    from zeroshard.optim import build_lr_scheduler, probe_optimizer
+
+    probe = probe_optimizer(optimizer.type, optimizer.params) if optimizer is not None else None
+    if scheduler is None:
+        return
+    if probe is None:  # the client passes the optimizer; any optimizer with an lr serves the schedule
+        probe = probe_optimizer("AdamW", {})
+    try:
+        build_lr_scheduler(scheduler.type, scheduler.params, probe)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError) as err:
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"scheduler.params is invalid for scheduler.type={scheduler.type!r}: {detail}") from None

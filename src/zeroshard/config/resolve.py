@@ -39,6 +39,7 @@ from zeroshard.config.fields import (
     show,
     spec_of,
 )
+from zeroshard.config.optimizer import check_buildable
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.errors import ConfigError
 from zeroshard.utils.logging import get_logger
@@ -130,6 +131,7 @@ def resolve_config(
     out = _resolve_batch(out, world_size, ctx)
     out = dataclasses.replace(out, resolved=True)
     check_consistency(out)
+    check_buildable(out.optimizer, out.scheduler)
     if filled:
         get_logger("zeroshard.config").info(f'zeroshard: resolved "auto": {", ".join(filled)}')
     return out

@@ -1,17 +1,126 @@
-"""Keys zeroshard accepts but does not act on yet, in one editable list.
+"""What zeroshard does with each ds_config key, in four editable lists.
 
-A config that sets one of these keys to a value other than the DeepSpeed default gets one warning
-per key at parse time; default values and "auto" never warn. An entry names a key or a whole block
-(then every key under it counts). When a feature lands, delete its lines here.
+[Note: config truth] Every key of the schema is in exactly one bucket, and
+tests/unit/test_config_coverage.py walks the schema to keep it so:
+- IMPLEMENTED: the code reads the key (the test finds an attribute of its name read outside config/).
+- ONLY_DEFAULT: zeroshard supports only the DeepSpeed default; checks.check_supported refuses any other value.
+- NO_OP_BY_DESIGN: the key has nothing to change in zeroshard's implementation; the reason says why.
+- UNIMPLEMENTED: accepted, not acted on yet. A config that sets one of these keys to a value other than
+  the DeepSpeed default gets one warning per key at parse time; default values and "auto" never warn.
+  An entry names a key or a whole block (then every key under it counts).
+When a feature lands, move its lines from UNIMPLEMENTED to IMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Final
 
 from zeroshard.config.fields import AUTO, ConfigBlock, default_of, join, show, to_json
+
+IMPLEMENTED: Final[frozenset[str]] = frozenset(
+    [
+        # Batch and optimization.
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer.type",
+        "optimizer.params",
+        "scheduler.type",
+        "scheduler.params",
+        "gradient_clipping",
+        # ZeRO.
+        "zero_optimization.stage",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.load_from_fp32_weights",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        # Offload.
+        "zero_optimization.offload_param.device",
+        "zero_optimization.offload_param.nvme_path",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_param.pin_memory",
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "aio.block_size",
+        "aio.queue_depth",
+        "aio.intra_op_parallelism",
+        "aio.overlap_events",
+        # Precision and communication.
+        "fp16.enabled",
+        "fp16.loss_scale",
+        "fp16.initial_scale_power",
+        "fp16.loss_scale_window",
+        "fp16.hysteresis",
+        "fp16.consecutive_hysteresis",
+        "fp16.min_loss_scale",
+        "bf16.enabled",
+        "bf16.check_grad_overflow",
+        "data_types.grad_accum_dtype",
+        "communication_data_type",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        # Logging, checkpointing and data.
+        "steps_per_print",
+        "checkpoint.tag_validation",
+        "dataloader_drop_last",
+    ]
+)
+
+ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "zero_optimization.offload_optimizer.ratio": (
+            "partial optimizer offload is not implemented: optimizer state is offloaded whole or not at all"
+        ),
+    }
+)
+
+NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "optimizer.legacy_fusion": (
+            "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
+        ),
+        "zero_allow_untested_optimizer": (
+            "DeepSpeed's permission to leave its tested-optimizer list; zeroshard has no such list "
+            "(config optimizers are checked by name in optim/optimizers.py), so it always allows"
+        ),
+        "zero_optimization.contiguous_gradients": (
+            "gradients always land in flat bucket buffers (zero/buffers.py, stage-3 unit staging); "
+            "there is no per-tensor gradient path to switch to"
+        ),
+        "zero_optimization.allgather_partitions": (
+            "DeepSpeed 0.19.8 declares it but never reads it; stages 1-2 always all-gather, in both"
+        ),
+        "zero_optimization.offload_optimizer.pipeline_read": (
+            "NVMe sub-groups are always read one ahead of the step (offload/nvme_store.py in_turn)"
+        ),
+        "zero_optimization.offload_optimizer.pipeline_write": (
+            "NVMe sub-groups are always written back while the next one steps (offload/nvme_store.py in_turn)"
+        ),
+        "zero_optimization.offload_optimizer.fast_init": (
+            "only changes how DeepSpeed first writes fp32 masters to NVMe; zeroshard writes each once as its "
+            "unit is built and creates optimizer state at the first step (docs/offload_nvme.md)"
+        ),
+        "bf16.immediate_grad_update": (
+            "when DeepSpeed's BF16_Optimizer adds a gradient into its fp32 copy (in the hook or after backward), "
+            "the same additions; zeroshard always adds in the gradient hook"
+        ),
+        "vocabulary_size": "DeepSpeed only logs a tensor-core hint when it is not a multiple of 8",
+    }
+)
 
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
@@ -27,10 +136,20 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.enable_sanity_checks",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         "zero_optimization.leaf_module",
+        # ZeRO 1-2: false would raise on parameters without a gradient; they are always zero-filled instead.
+        "zero_optimization.ignore_unused_parameters",
+        # ZeRO 1-2: the norm is always computed, the flat buffers never padded per parameter.
+        "zero_optimization.compute_grad_norm",
+        "zero_optimization.parameter_alignment",
+        # reduce_scatter false always all-reduces each bucket; false here would reduce to each owner instead.
+        "zero_optimization.use_multi_rank_bucket_allreduce",
         # Offload (CPU and NVMe) and asynchronous I/O.
         "zero_optimization.round_robin_gradients",
         "zero_force_ds_cpu_optimizer",
+        "zero_optimization.offload_optimizer.super_offload",
+        "zero_optimization.offload_optimizer.cpuadam_cores_perc",  # tunes super_offload's CPU-Adam worker
         "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
+        "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
         "zero_optimization.zero_hpz_partition_size",
         "zero_optimization.zero_quantized_weights",
@@ -43,6 +162,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.legacy_stage1",
         "zero_optimization.elastic_checkpoint",
         # Precision extras.
+        "fp16.auto_cast",
         "fp16.fp16_master_weights_and_grads",
         "bf16.bf16_master_weights_and_grads",
         "bf16.bf16_optimizer_states",
@@ -67,6 +187,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "comet",
         "comms_logger",
         "flops_profiler",
+        "wall_clock_breakdown",
         "memory_breakdown",
         "dump_state",
         "log_level",

@@ -74,7 +74,11 @@ class OffloadOptimizerConfig(ConfigBlock):
     pipeline_read: bool = option(False, "Overlap reading the next NVMe tile with the current step.", Bool())
     pipeline_write: bool = option(False, "Overlap writing the previous NVMe tile with the current step.", Bool())
     fast_init: bool = option(False, "Fast optimizer initialisation when offloading to NVMe.", Bool())
-    ratio: float = option(1.0, "Fraction of optimizer states offloaded (< 1.0 needs stage 3).", Float(0.0, 1.0))
+    ratio: float = option(
+        1.0,
+        "Fraction of optimizer states offloaded (DeepSpeed: < 1.0 needs stage 3; zeroshard: 1.0 only).",
+        Float(0.0, 1.0),
+    )
     super_offload: bool = option(False, "High-performance CPU offload for superchips (stage 3).", Bool())
     cpuadam_cores_perc: float = option(0.8, "Fraction of CPU cores used by CPU Adam.", Float(0.0, 1.0))
 
@@ -191,7 +195,9 @@ class ZeroConfig(ConfigBlock):
         Bool(),
         aliases=("allgather_sequential",),
     )
-    ignore_unused_parameters: bool = option(True, "Tolerate parameters that get no gradient (stage 2).", Bool())
+    ignore_unused_parameters: bool = option(
+        True, "Tolerate parameters that get no gradient (false: DeepSpeed's stage 1-2 offload norm raises).", Bool()
+    )
     legacy_stage1: bool = option(False, "The old ZeRO stage 1 implementation.", Bool())
     round_robin_gradients: bool = option(
         False, "Parallelise gradient copies to CPU across ranks (stage 1/2 with offload).", Bool()

@@ -21,11 +21,13 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from zeroshard.config.fields import Bool, Check, Float, Nullable, show
 from zeroshard.errors import ConfigError
 from zeroshard.optim.lion import Lion
 
@@ -67,8 +69,10 @@ _DS_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none"
 _DS_IGNORED_KEYS = ("set_grad_none", "fp32_optimizer_states")
 # FusedAdam's defaults where they differ from torch's (torch AdamW defaults weight_decay to 0.01).
 _FUSED_ADAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({"weight_decay": 0.0})
-# Keys whose JSON list value torch wants as a tuple.
+# Keys whose JSON list value torch wants as a tuple of floats.
 _TUPLE_KEYS = ("betas", "etas", "step_sizes")
+# Ranges of the keys torch optimizers share; other keys are checked by the type of their default.
+_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
 
 def supported_optimizer_names() -> list[str]:
@@ -104,13 +108,29 @@ def build_optimizer(
         cls = _resolve_class(type_name)
         kwargs = _drop_ds_only_keys(cls, kwargs)
     _check_keys(cls, kwargs)
+    _check_values(cls, kwargs)
     for name in _TUPLE_KEYS:
-        if isinstance(kwargs.get(name), list):
-            kwargs[name] = tuple(kwargs[name])
+        if isinstance(kwargs.get(name), list | tuple):
+            # torch wants a tuple, and refuses betas that mix ints and floats: JSON's 0 is an int.
+            kwargs[name] = tuple(float(value) for value in kwargs[name])
     try:
         return cls(param_groups, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"optimizer.params is invalid for optimizer.type={type_name!r}: {err}") from err
+
+
+def probe_optimizer(type_name: str, params: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """`build_optimizer` over one throwaway parameter: raises what building it for a model would raise (the
+    ConfigError naming `optimizer.type` or `optimizer.params.<key>`), before any model exists.
+
+    Example:
+        >>> probe_optimizer("AdamW", {"lr": "fast"})
+        Traceback (most recent call last):
+        ...
+        zeroshard.errors.ConfigError: optimizer.params.lr: "fast" is not a number
+    """
+    probe = torch.zeros(1, requires_grad=True)
+    return build_optimizer(type_name, params, [{"params": [probe]}])
 
 
 def optimizer_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -236,6 +256,51 @@ def _check_keys(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> 
             raise ConfigError(
                 f"optimizer.params.{name} is not a parameter of {cls.__name__}.{hint} Accepted: {', '.join(accepted)}."
             )
+
+
+def _check_values(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> None:
+    """ConfigError naming the first value of the wrong type or range, judged by the constructor's default."""
+    signature = inspect.signature(cls.__init__)
+    for name, value in kwargs.items():
+        parameter = signature.parameters[name]  # _check_keys let only constructor parameters through
+        check = _value_check(name, parameter.default, parameter.annotation)
+        if check is not None:
+            check(value, f"optimizer.params.{name}")
+
+
+def _value_check(name: str, default: object, annotation: object) -> Check | None:
+    """The check of one constructor argument: a named range, else the type of its default (None: the
+    constructor's own checks decide)."""
+    if name == "betas":
+        return _Numbers(2, below_one=True)
+    if name in _NON_NEGATIVE:
+        return Float(minimum=0.0)
+    if isinstance(default, bool):
+        return Bool()
+    if isinstance(default, int | float):
+        return Float()
+    if isinstance(default, tuple) and all(isinstance(v, int | float) for v in default):
+        return _Numbers(len(default))
+    if default is None and "bool" in str(annotation):  # foreach, fused: Optional[bool]
+        return Nullable(Bool())
+    return None
+
+
+@dataclass(frozen=True)
+class _Numbers:
+    """A JSON list of `count` finite numbers (betas, etas, step_sizes), each in [0, 1) with `below_one`."""
+
+    count: int
+    below_one: bool = False
+
+    def __call__(self, value: object, path: str) -> object:
+        if isinstance(value, str) or not isinstance(value, list | tuple) or len(value) != self.count:
+            raise ConfigError(f"{path}: {show(value)} is not a list of {self.count} numbers")
+        for index, entry in enumerate(value):
+            number = Float(minimum=0.0 if self.below_one else None)(entry, f"{path}[{index}]")
+            if self.below_one and number >= 1.0:
+                raise ConfigError(f"{path}[{index}]: {show(entry)} is out of range; expected >= 0 and < 1")
+        return value
 
 
 def _fused_kernels_available(param_groups: list[dict[str, Any]]) -> bool:

@@ -13,12 +13,19 @@ from zeroshard.precision.dtypes import dtype_of
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """compute: parameters and activations; grad_accum: gradient accumulation and shards;
-    comm: gradient reduction (DeepSpeed's default: the compute dtype); master weights are fp32."""
+    comm: gradient reduction (DeepSpeed's default: the compute dtype); master weights are fp32.
+
+    check_overflow: skip the optimizer step when a gradient holds inf/nan. Always with fp16 (the loss
+    scaler needs it); with bf16 when `bf16.check_grad_overflow` (DeepSpeed's default: true; DeepSpeed 0.19.8
+    reads it in its stage 1-2 optimizer, while its stage-3 and stage-0 bf16 paths always skip); not in fp32
+    (DeepSpeed's ZeRO 1-3 do skip an inf/nan global norm in fp32).
+    """
 
     compute_dtype: torch.dtype
     grad_accum_dtype: torch.dtype
     comm_dtype: torch.dtype
     fp16: bool
+    check_overflow: bool
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrecisionPolicy:
@@ -35,4 +42,5 @@ class PrecisionPolicy:
             grad_accum_dtype=dtype_of(accum_name) if accum_name else torch.float32,
             comm_dtype=dtype_of(comm_name) if comm_name else compute,
             fp16=bool(cfg.fp16.enabled),
+            check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)),
         )
