@@ -17,7 +17,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
     config = ds_config(case)
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
-    else:  # "bf16" (check_grad_overflow left at its default) or "bf16-unchecked"
+    elif precision != "fp32":  # "bf16" (check_grad_overflow left at its default) or "bf16-unchecked"
         config["bf16"] = {"enabled": True} if precision == "bf16" else {"enabled": True, "check_grad_overflow": False}
     config["scheduler"] = {
         "type": "WarmupLR",
@@ -73,7 +73,18 @@ def test_bf16_inf_gradient_skips_step_unless_unchecked():
         ):
             assert skipped == 1 and unchanged, (stage, skipped)
             assert scale == scale_before == 1.0 and lr == lr_before and moved
-    # check_grad_overflow false: the inf goes into the update (every rank steps: the norm is inf, clipping makes
-    # every gradient nan), as DeepSpeed does with the check off
+    # check_grad_overflow false at stage 2: the inf goes into the update (the norm is inf, clipping makes every
+    # gradient nan), as DeepSpeed's stage 1-2 optimizer does with the check off; stage 3 skips whatever the key
     for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 2, "none", "bf16-unchecked"):
+        assert skipped == 0 and not unchanged
+    for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 3, "none", "bf16-unchecked"):
+        assert skipped == 1 and unchanged
+
+
+def test_fp32_nonfinite_norm_skips_step_except_stage_0():
+    # [Note: skipped steps]: DeepSpeed's ZeRO optimizers skip an inf/nan global norm in fp32; stage 0 is DDP
+    for stage in (1, 3):
+        for skipped, unchanged, _, _, lr, lr_before, moved in run_on_ranks(_overflow, 2, stage, "none", "fp32"):
+            assert skipped == 1 and unchanged and lr == lr_before and moved, stage
+    for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 0, "none", "fp32"):
         assert skipped == 0 and not unchanged

@@ -8,7 +8,37 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm.collectives import Collectives
-from zeroshard.precision.loss_scaler import has_inf_or_nan
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """How gradients become the update, decided once from the config (shared by every stage).
+
+    [Note: skipped steps]
+    `check_overflow` (fp16; bf16 with `check_grad_overflow`, DeepSpeed's default) exchanges every rank's inf/nan
+    flag before the norm, as DeepSpeed's loss-scaled and bf16 optimizers do. `skip_nonfinite_norm` also skips a
+    step whose global norm is inf/nan, which costs no collective (the norm is all-reduced anyway): DeepSpeed's
+    ZeRO optimizers do that in fp32, and in bf16 everywhere but stage 2 whatever `check_grad_overflow` says
+    (DeepSpeed 0.19.8's bf16 optimizer and stage 3 always skip); only bf16 at stage 2 with
+    `check_grad_overflow: false` and stage 0 in fp32 (DDP's semantics) apply such a step.
+    """
+
+    gradient_clipping: float
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    check_overflow: bool
+    skip_nonfinite_norm: bool = False
+
+    @property
+    def prescale(self) -> float:
+        """Gradients are multiplied by this before they are communicated."""
+        return 1.0 / self.gradient_predivide_factor if self.prescale_gradients else 1.0
+
+    def post_scale(self, world_size: int) -> float:
+        """Turns the reduced sums into means over ranks."""
+        if self.prescale_gradients:
+            return self.gradient_predivide_factor / world_size
+        return 1.0 / world_size
 
 
 @dataclass(frozen=True)
@@ -16,23 +46,6 @@ class StepScale:
     overflow: bool
     grad_norm: float | None  # of the true (averaged, unscaled) gradients, before clipping
     scale: float  # multiply the raw gradient shards by this before the optimizer step
-
-
-def step_scale(
-    grads: list[torch.Tensor],
-    comm: Collectives,
-    sharded: bool,
-    post_scale: float,
-    loss_scale: float,
-    clip: float,
-    check_overflow: bool,
-    device: torch.device,
-) -> StepScale:
-    """`grads` hold sums over ranks (of pre-scaled, loss-scaled gradients); `post_scale` makes them means."""
-    overflow = check_overflow and has_inf_or_nan(grads)
-    return scale_from_norms(
-        tensor_norms(grads), overflow, comm, sharded, post_scale, loss_scale, clip, check_overflow, device
-    )
 
 
 def tensor_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -46,26 +59,23 @@ def scale_from_norms(
     overflow: bool,
     comm: Collectives,
     sharded: bool,
-    post_scale: float,
     loss_scale: float,
-    clip: float,
-    check_overflow: bool,
+    policy: StepPolicy,
     device: torch.device,
 ) -> StepScale:
-    """`step_scale` from the gradients' per-tensor norms and this rank's overflow flag."""
-    if check_overflow and comm.any_true(overflow, device):
+    """The step's decision from the gradients' per-tensor norms (summed over ranks, of pre-scaled, loss-scaled
+    gradients) and this rank's inf/nan flag."""
+    if policy.check_overflow and comm.any_true(overflow, device):
         return StepScale(True, None, 0.0)
-    scale = post_scale / loss_scale
+    scale = policy.post_scale(comm.world_size) / loss_scale
     norm = _global_norm(norms, comm, sharded, device) * scale
-    if clip > 0:
-        clip_coef = clip / (norm + 1e-6)
+    if policy.skip_nonfinite_norm and not math.isfinite(norm):
+        return StepScale(True, None, 0.0)
+    if policy.gradient_clipping > 0:
+        clip_coef = policy.gradient_clipping / (norm + 1e-6)
         if clip_coef < 1.0:
             scale *= clip_coef
     return StepScale(False, norm, scale)
-
-
-def global_norm(grads: list[torch.Tensor], comm: Collectives, sharded: bool, device: torch.device) -> float:
-    return _global_norm(tensor_norms(grads), comm, sharded, device)
 
 
 def _global_norm(norms: list[torch.Tensor], comm: Collectives, sharded: bool, device: torch.device) -> float:

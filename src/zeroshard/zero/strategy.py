@@ -25,7 +25,7 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
-from zeroshard.zero.stepmath import scale_from_norms
+from zeroshard.zero.stepmath import StepPolicy, scale_from_norms
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import ShardedState
@@ -61,27 +61,6 @@ class ParamGroupSpec:
 
     options: dict[str, Any]
     params: list[tuple[str, nn.Parameter]]
-
-
-@dataclass(frozen=True)
-class StepPolicy:
-    """How gradients become the update, decided once from the config (shared by every stage)."""
-
-    gradient_clipping: float
-    prescale_gradients: bool
-    gradient_predivide_factor: float
-    check_overflow: bool  # skip the step on every rank when any rank saw inf/nan (fp16; bf16 check_grad_overflow)
-
-    @property
-    def prescale(self) -> float:
-        """Gradients are multiplied by this before they are communicated."""
-        return 1.0 / self.gradient_predivide_factor if self.prescale_gradients else 1.0
-
-    def post_scale(self, world_size: int) -> float:
-        """Turns the reduced sums into means over ranks."""
-        if self.prescale_gradients:
-            return self.gradient_predivide_factor / world_size
-        return 1.0 / world_size
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -147,18 +126,7 @@ class Strategy(ABC):
             self.finish_backward()
         self._before_step()
         norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident)
-        policy = self.step_policy
-        decided = scale_from_norms(
-            norms,
-            overflow,
-            self.comm,
-            self._sharded,
-            policy.post_scale(self.comm.world_size),
-            loss_scale,
-            policy.gradient_clipping,
-            policy.check_overflow,
-            self.device,
-        )
+        decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)

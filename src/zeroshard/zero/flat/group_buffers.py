@@ -9,7 +9,7 @@ into those views: there is no copy-out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,11 +29,6 @@ class GroupBuffers:
     grad_shard: torch.Tensor  # this rank's reduced gradients, grad-accumulation dtype
     grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients
     master_aliases_params: bool = False
-    grad_views: list[torch.Tensor] = field(default_factory=list)  # per slot, into grad_full
-
-    def param_view(self, slot_index: int) -> torch.Tensor:
-        slot = self.layout.slots[slot_index]
-        return self.param_flat.narrow(0, slot.offset, slot.numel)
 
     def bucket_params(self, start: int, numel: int) -> torch.Tensor:
         return self.param_flat.narrow(0, start, numel)
@@ -71,7 +66,4 @@ def build_group_buffers(
         grad_shard = grad_full  # unsharded (stage 0): the reduced full gradient is the shard
     else:
         grad_shard = torch.zeros(layout.shard_numel, dtype=grad_accum_dtype, device=device)
-    buffers = GroupBuffers(layout, params, param_flat, master, grad_shard, grad_full, alias)
-    if grad_full is not None:
-        buffers.grad_views = [grad_full.narrow(0, s.offset, s.numel) for s in layout.slots]
-    return buffers
+    return GroupBuffers(layout, params, param_flat, master, grad_shard, grad_full, alias)

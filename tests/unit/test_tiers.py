@@ -1,0 +1,141 @@
+"""Tiers as objects: placement rules, where gradients wait, byte accounting, and the one chunker (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.gradients import BackwardCopies, GradShard, StepTimeCopies, SwappedGradients
+from zeroshard.offload.residency import InMemory
+from zeroshard.offload.tier import HostTier, NvmeTier, Tier, tier_for
+from zeroshard.utils.chunks import greedy_chunks
+
+CPU = torch.device("cpu")
+
+
+class _FakeStore(InMemory):
+    """Records what a swapping store was asked to do."""
+
+    leaves_memory = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.resident_bytes = 7
+        self.disk_bytes = 100
+
+    def place(self, key: str, tensors: object) -> None:
+        self.calls.append(("place", key))
+
+    def evict(self, key: str, tensors: object = ()) -> None:
+        self.calls.append(("evict", key))
+
+    def settle(self, key: str) -> None:
+        self.calls.append(("settle", key))
+
+
+def _nvme() -> NvmeTier:
+    return NvmeTier(_FakeStore)  # type: ignore[arg-type]
+
+
+def test_tier_for_maps_the_config_devices():
+    assert type(tier_for("none", CPU, True)) is Tier
+    assert type(tier_for("cpu", CPU, True)) is HostTier
+    assert type(tier_for("nvme", CPU, True, _FakeStore)) is NvmeTier  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):
+        tier_for("nvme", CPU, True)
+
+
+@pytest.mark.parametrize(
+    ("master", "param", "shared"),
+    [
+        ("device", "device", True),
+        ("cpu", "cpu", True),
+        ("nvme", "nvme", True),
+        ("cpu", "device", False),  # a master moved off the device never serves a shard that stays there
+        ("cpu", "nvme", False),  # a shard that leaves memory only aliases a master that goes too
+        ("nvme", "cpu", True),
+        ("device", "cpu", True),  # on a CPU machine both live in host memory
+    ],
+)
+def test_master_and_compute_shard_share_one_tensor_when_tiers_allow(master: str, param: str, shared: bool):
+    tiers = {"device": lambda: Tier(CPU), "cpu": lambda: HostTier(), "nvme": _nvme}
+    assert tiers[master]().shares_shard_with(tiers[param]()) is shared
+
+
+def test_only_the_device_tier_lets_a_master_alias_the_parameter_buffer():
+    assert Tier(CPU).may_alias_compute() and not HostTier().may_alias_compute() and not _nvme().may_alias_compute()
+
+
+def test_each_tier_counts_its_bytes_in_its_own_columns():
+    device, host, nvme = StrategyMemory(), StrategyMemory(), StrategyMemory()
+    for tier, memory in ((Tier(CPU), device), (HostTier(), host), (_nvme(), nvme)):
+        tier.count_state(memory, masters=40, state=80)
+        tier.count_grad_copies(memory, 16)
+    assert (device.master_weights, device.optimizer_state, device.comm_buffers) == (40, 80, 16)
+    assert (host.host_master_weights, host.host_optimizer_state, host.host_gradients) == (40, 80, 16)
+    assert host.master_weights == host.optimizer_state == 0
+    # NVMe: what is resident now (read in for a step) and what is in the swap files
+    assert (nvme.host_optimizer_state, nvme.nvme_bytes, nvme.master_weights) == (7, 100, 0)
+
+
+def test_gradient_tiers_follow_the_master_tier():
+    assert type(Tier(CPU).gradients(None, False)) is StepTimeCopies
+    assert type(HostTier().gradients(None, False)) is BackwardCopies
+    assert type(_nvme().gradients(None, False)) is SwappedGradients
+
+
+def test_the_optimizer_reads_an_fp32_shard_in_place_and_copies_others():
+    master = torch.zeros(4)
+    fp32 = torch.full((4,), 2.0)
+    for tier in (Tier(CPU), HostTier(), _nvme()):
+        grads = tier.gradients(None, False)
+        assert grads.copy_for(fp32, master) is fp32
+        assert grads.for_step(fp32, master, fp32, False, 0.5) is fp32 and fp32[0] == 1.0
+        fp32.fill_(2.0)
+    bf16 = torch.full((4,), 2.0, dtype=torch.bfloat16)
+    assert Tier(CPU).gradients(None, False).copy_for(bf16, master) is None  # a temporary at the step
+    temp = StepTimeCopies.for_step(bf16, master, None, False, 0.5)
+    assert temp.dtype == torch.float32 and temp[0] == 1.0 and bf16[0] == 2.0
+
+
+def test_host_copies_are_refreshed_in_backward_on_the_boundary_only():
+    grads = HostTier().gradients(None, False)
+    shard = torch.full((4,), 3.0, dtype=torch.bfloat16)
+    copy = grads.copy_for(shard, torch.zeros(4))
+    assert copy is not None and copy.dtype == torch.float32 and copy is not shard
+    assert not grads.received(GradShard("g", shard), copy, boundary=False) and copy[0] == 0.0
+    assert grads.received(GradShard("g", shard), copy, boundary=True) and copy[0] == 3.0
+    shard.fill_(5.0)  # not refreshed in backward: the step copies it itself
+    assert grads.for_step(shard, torch.zeros(4), copy, False, 1.0)[0] == 5.0
+
+
+def test_swapped_gradients_record_the_norm_before_writing_and_bound_pending_writes():
+    tier = _nvme()
+    grads = tier.gradients(None, True)
+    store = tier.residency
+    shards = [GradShard(f"grad/{i}", torch.full((4,), float(i + 1))) for i in range(4)]
+    for slot in shards:
+        grads.place(slot)
+    shards[1].shard[0] = float("inf")
+    for slot in shards:
+        grads.received(slot, None, boundary=True)
+    grads.finish_backward()
+    assert store.calls[:4] == [("place", s.key) for s in shards]
+    evicts = [c for c in store.calls if c[0] == "evict"]
+    settles = [c for c in store.calls if c[0] == "settle"]
+    assert len(evicts) == len(settles) == 4  # at most MAX_PENDING_WRITES unsettled at any time
+    assert store.calls.index(("settle", "grad/0")) < store.calls.index(("evict", "grad/3"))
+    norms, overflow = grads.norms(shards, prepare=lambda: None)  # from the records: nothing is read back
+    assert overflow and len(norms) == 4 and float(norms[0]) == 2.0
+    grads.reset()
+    unplaced = tier.gradients(None, False)  # stages 1-2: gradients stay in memory, norms from the shards
+    assert float(unplaced.norms([GradShard("group0", torch.full((4,), 1.0))], lambda: None)[0][0]) == 2.0
+
+
+def test_one_greedy_chunker_for_buckets_sub_groups_and_shards():
+    sizes = [4, 4, 9, 1, 1]
+    assert greedy_chunks(sizes, 8, "before") == [[0, 1], [2], [3, 4]]  # a chunk passes the limit only alone
+    assert greedy_chunks(sizes, 5, "after") == [[0, 1], [2], [3, 4]]  # DeepSpeed's sub-groups close at the limit
+    assert greedy_chunks(sizes, 8, "before", oversize_alone=True) == [[2], [0, 1], [3, 4]]
+    assert greedy_chunks([], 8, "after") == []
