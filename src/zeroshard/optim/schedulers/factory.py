@@ -16,28 +16,19 @@ from typing import Any, cast
 import torch
 
 from zeroshard.errors import ConfigError
+from zeroshard.optim.schedulers import one_cycle, range_test, warmup
 from zeroshard.optim.schedulers.base import BatchLRScheduler, LRSchedulerLike
 from zeroshard.optim.schedulers.checks import check_int
-from zeroshard.optim.schedulers.one_cycle import OneCycle, OneCycleParams
-from zeroshard.optim.schedulers.range_test import LRRangeTest, LRRangeTestParams
-from zeroshard.optim.schedulers.warmup import (
-    WarmupCosineLR,
-    WarmupCosineLRParams,
-    WarmupDecayLR,
-    WarmupDecayLRParams,
-    WarmupLR,
-    WarmupLRParams,
-)
 
 _ScheduleFactory = Callable[[torch.optim.Optimizer, Any, int], BatchLRScheduler]
 
 _SCHEDULES: Mapping[str, tuple[_ScheduleFactory, type[Any]]] = MappingProxyType(
     {
-        "WarmupLR": (WarmupLR, WarmupLRParams),
-        "WarmupDecayLR": (WarmupDecayLR, WarmupDecayLRParams),
-        "WarmupCosineLR": (WarmupCosineLR, WarmupCosineLRParams),
-        "OneCycle": (OneCycle, OneCycleParams),
-        "LRRangeTest": (LRRangeTest, LRRangeTestParams),
+        "WarmupLR": (warmup.WarmupLR, warmup.WarmupLRParams),
+        "WarmupDecayLR": (warmup.WarmupDecayLR, warmup.WarmupDecayLRParams),
+        "WarmupCosineLR": (warmup.WarmupCosineLR, warmup.WarmupCosineLRParams),
+        "OneCycle": (one_cycle.OneCycle, one_cycle.OneCycleParams),
+        "LRRangeTest": (range_test.LRRangeTest, range_test.LRRangeTestParams),
     }
 )
 
