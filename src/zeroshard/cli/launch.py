@@ -16,16 +16,16 @@ import os
 import shlex
 from typing import Any
 
-from zeroshard.cli.common import EXIT_CONFIG, CLIError, out
+from zeroshard.cli.common import EXIT_CONFIG, CLIError, add_subcommand, out
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    p = add_subcommand(
+        sub,
         "launch",
-        parents=parents,
-        help="start a training script on torchrun (one node, or every host of a hostfile over ssh)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents,
+        "start a training script on torchrun (one node, or every host of a hostfile over ssh)",
+        __doc__,
     )
     p.add_argument("--nproc_per_node", "--nproc-per-node", "--num_gpus", type=int, help="processes per node")
     p.add_argument("--nnodes", "--num_nodes", type=int, help="number of nodes (the first K hosts of the hostfile)")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from zeroshard.cli.common import EXIT_CONFIG, EXIT_FAILURE, CLIError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from zeroshard import __version__
+    from zeroshard.checkpoint import export as convert  # `zeroshard convert` lives with the checkpoint format
     from zeroshard.cli import launch, report, train, validate
     from zeroshard.cli.estimate import command as estimate
 
@@ -28,12 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (validate, report, estimate, launch, train):
+    for module in (validate, report, estimate, launch, train, convert):
         module.add_parser(sub, [common])
-    from zeroshard.checkpoint import export as convert  # `zeroshard convert` lives with the checkpoint format
-
-    if hasattr(convert, "add_parser"):
-        convert.add_parser(sub, [common])
     return parser
 
 
@@ -44,15 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_guarded(args.run, args, f"zeroshard {args.command}")
 
 
-def run_guarded(run: object, args: argparse.Namespace, prog: str) -> int:
+def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog: str) -> int:
     """Call `run(args)`; turn expected errors into one line on stderr and an exit code."""
     from zeroshard.errors import ConfigError, ZeroshardError
 
-    assert callable(run)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         prog = f"{prog} [rank {os.environ['RANK']}]"  # every rank of a failed job reports
     try:
-        return int(run(args) or 0)
+        return run(args)
     except KeyboardInterrupt:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
@@ -66,10 +62,6 @@ def run_guarded(run: object, args: argparse.Namespace, prog: str) -> int:
         message = str(err) if isinstance(err, CLIError | ZeroshardError) else f"{type(err).__name__}: {err}"
         sys.stderr.write(f"{prog}: error: {message}\n")
         return code
-
-
-def console_main() -> None:
-    sys.exit(main())
 
 
 if __name__ == "__main__":

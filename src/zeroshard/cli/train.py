@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from zeroshard.cli.common import EXIT_CONFIG, CLIError
+from zeroshard.cli.common import EXIT_CONFIG, CLIError, add_subcommand
 
 DEFAULT_MODEL = "small-llama"
 DEFAULT_STAGE = 3
@@ -80,12 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "train",
-        parents=parents,
-        help="train a Hugging Face causal LM with ZeRO (model folder or built-in config)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_subcommand(
+        sub, "train", parents, "train a Hugging Face causal LM with ZeRO (model folder or built-in config)", __doc__
     )
     add_arguments(p)
     p.set_defaults(run=run)

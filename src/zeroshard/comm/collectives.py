@@ -94,56 +94,39 @@ class Collectives:
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str = "") -> Handle:
-        nbytes = _nbytes(tensor)
         self._check(CollectiveKind.ALL_REDUCE, tensor, label)
         if self.world_size == 1:
             return _Done()
-        self.stats.record(CollectiveKind.ALL_REDUCE, nbytes, 2 * nbytes * self._ring_fraction)
-        work = dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        self._count(CollectiveKind.ALL_REDUCE, tensor, rounds=2)
+        return _issued(dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op), async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
     ) -> Handle:
         """Sum `input` (N equal chunks) over ranks; this rank's chunk lands in `output`."""
-        if input.numel() != output.numel() * self.world_size:
-            raise ValueError(
-                f"reduce_scatter: input has {input.numel()} elements, expected {self.world_size} x {output.numel()}"
-            )
+        _check_chunks("reduce_scatter", "input", input, output, self.world_size)
         self._check(CollectiveKind.REDUCE_SCATTER, input, label)
         if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.data.copy_(input)
-            return _Done()
-        nbytes = _nbytes(input)
-        self.stats.record(CollectiveKind.REDUCE_SCATTER, nbytes, nbytes * self._ring_fraction)
+            return _alone(output, input)
+        self._count(CollectiveKind.REDUCE_SCATTER, input)
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        return _issued(work, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
-        if output.numel() != input.numel() * self.world_size:
-            raise ValueError(
-                f"all_gather: output has {output.numel()} elements, expected {self.world_size} x {input.numel()}"
-            )
+        _check_chunks("all_gather", "output", output, input, self.world_size)
         self._check(CollectiveKind.ALL_GATHER, output, label)
         if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.data.copy_(input)  # .data: no version bump on buffers autograd saved views of
-            return _Done()
-        nbytes = _nbytes(output)
-        self.stats.record(CollectiveKind.ALL_GATHER, nbytes, nbytes * self._ring_fraction)
-        work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+            return _alone(output, input)
+        self._count(CollectiveKind.ALL_GATHER, output)
+        return _issued(_all_gather_single(output, input, group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, label: str = "") -> Handle:
         self._check(CollectiveKind.BROADCAST, tensor, label)
         if self.world_size == 1:
             return _Done()
-        nbytes = _nbytes(tensor)
-        self.stats.record(CollectiveKind.BROADCAST, nbytes, nbytes * self._ring_fraction)
-        work = dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        self._count(CollectiveKind.BROADCAST, tensor)
+        return _issued(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if `flag` is true on any rank (one tiny MAX all-reduce)."""
@@ -157,6 +140,11 @@ class Collectives:
     @property
     def _ring_fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
+
+    def _count(self, kind: CollectiveKind, tensor: torch.Tensor, rounds: int = 1) -> None:
+        """Count a collective over `tensor`: its bytes, and `rounds` ring passes of bus bytes (module docstring)."""
+        nbytes = _nbytes(tensor)
+        self.stats.record(kind, nbytes, rounds * nbytes * self._ring_fraction)
 
     def _check(self, kind: CollectiveKind, tensor: torch.Tensor, label: str = "") -> None:
         """With `verify`, all-gather a fixed-size fingerprint (seq, kind, numel, dtype, label hash) and
@@ -203,6 +191,24 @@ def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in ops:
         raise ValueError(f"unsupported reduce op {op!r}; expected one of {sorted(ops)}")
     return ops[op]
+
+
+def _check_chunks(op: str, role: str, whole: torch.Tensor, chunk: torch.Tensor, world_size: int) -> None:
+    """ValueError unless `whole` holds exactly one `chunk` per rank."""
+    if whole.numel() != chunk.numel() * world_size:
+        raise ValueError(f"{op}: {role} has {whole.numel()} elements, expected {world_size} x {chunk.numel()}")
+
+
+def _alone(output: torch.Tensor, input: torch.Tensor) -> Handle:
+    """A reduce-scatter or all-gather over one rank: `input` is the result (nothing to do when it is `output`)."""
+    if output.data_ptr() != input.data_ptr():
+        output.data.copy_(input)  # .data: no version bump on buffers autograd saved views of
+    return _Done()
+
+
+def _issued(work: Any, async_op: bool) -> Handle:
+    """The handle of a collective just issued (a synchronous one has already finished)."""
+    return work if async_op else _Done()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -58,6 +58,11 @@ def _gpt2(hidden: int, layers: int, heads: int, positions: int) -> dict[str, Any
     return {"n_embd": hidden, "n_layer": layers, "n_head": heads, "n_positions": positions}
 
 
+def _published(name: str, model_type: str, settings: dict[str, Any], summary: str, vocab_size: int) -> ModelPreset:
+    """A published architecture: its own vocabulary, and too large to train on a laptop CPU."""
+    return ModelPreset(name, model_type, settings, summary, vocab_size=vocab_size, trainable_here=False)
+
+
 _ALL: Final = (
     ModelPreset("tiny-llama", "llama", _llama(64, 128, 2, 4, 2, 512), "Llama, 2 layers, hidden 64 (tests)"),
     ModelPreset(
@@ -68,62 +73,23 @@ _ALL: Final = (
     ModelPreset("small-qwen2", "qwen2", _llama(256, 688, 4, 4, 2, 1024, tie_word_embeddings=True), "Qwen2, ~3M"),
     ModelPreset("small-gpt2", "gpt2", _gpt2(256, 4, 4, 1024), "GPT-2, 4 layers, hidden 256"),
     # Published shapes (random weights if trained); mostly for `zeroshard estimate`.
-    ModelPreset("gpt2", "gpt2", _gpt2(768, 12, 12, 1024), "GPT-2 124M", vocab_size=50257, trainable_here=False),
-    ModelPreset(
-        "qwen2-0.5b",
-        "qwen2",
-        _llama(896, 4864, 24, 14, 2, 32768, tie_word_embeddings=True),
-        "Qwen2-0.5B",
-        vocab_size=151936,
-        trainable_here=False,
+    _published("gpt2", "gpt2", _gpt2(768, 12, 12, 1024), "GPT-2 124M", 50257),
+    _published(
+        "qwen2-0.5b", "qwen2", _llama(896, 4864, 24, 14, 2, 32768, tie_word_embeddings=True), "Qwen2-0.5B", 151936
     ),
-    ModelPreset(
-        "qwen2-7b",
-        "qwen2",
-        _llama(3584, 18944, 28, 28, 4, 32768, tie_word_embeddings=False),
-        "Qwen2-7B",
-        vocab_size=152064,
-        trainable_here=False,
+    _published(
+        "qwen2-7b", "qwen2", _llama(3584, 18944, 28, 28, 4, 32768, tie_word_embeddings=False), "Qwen2-7B", 152064
     ),
-    ModelPreset(
-        "llama-2-7b",
-        "llama",
-        _llama(4096, 11008, 32, 32, 32, 4096),
-        "Llama-2 7B",
-        vocab_size=32000,
-        trainable_here=False,
-    ),
-    ModelPreset(
-        "llama-2-13b",
-        "llama",
-        _llama(5120, 13824, 40, 40, 40, 4096),
-        "Llama-2 13B",
-        vocab_size=32000,
-        trainable_here=False,
-    ),
-    ModelPreset(
-        "llama-2-70b",
-        "llama",
-        _llama(8192, 28672, 80, 64, 8, 4096),
-        "Llama-2 70B",
-        vocab_size=32000,
-        trainable_here=False,
-    ),
-    ModelPreset(
-        "llama-3-8b",
-        "llama",
-        _llama(4096, 14336, 32, 32, 8, 8192, rope_theta=500000.0),
-        "Llama-3 8B",
-        vocab_size=128256,
-        trainable_here=False,
-    ),
-    ModelPreset(
+    _published("llama-2-7b", "llama", _llama(4096, 11008, 32, 32, 32, 4096), "Llama-2 7B", 32000),
+    _published("llama-2-13b", "llama", _llama(5120, 13824, 40, 40, 40, 4096), "Llama-2 13B", 32000),
+    _published("llama-2-70b", "llama", _llama(8192, 28672, 80, 64, 8, 4096), "Llama-2 70B", 32000),
+    _published("llama-3-8b", "llama", _llama(4096, 14336, 32, 32, 8, 8192, rope_theta=500000.0), "Llama-3 8B", 128256),
+    _published(
         "llama-3.1-405b",
         "llama",
         _llama(16384, 53248, 126, 128, 8, 131072, rope_theta=500000.0),
         "Llama-3.1 405B",
-        vocab_size=128256,
-        trainable_here=False,
+        128256,
     ),
 )
 

@@ -13,7 +13,7 @@ for stages 0 and 1 and for NVMe, so those are None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 OFFLOAD_CHOICES: Final = ("none", "cpu", "nvme")
 ADDITIONAL_BUFFER_FACTOR: Final = 1.5  # DeepSpeed's default
@@ -26,6 +26,9 @@ class Option:
     stage: int
     offload_optimizer: str = "none"
     offload_param: str = "none"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param}
 
     def label(self) -> str:
         parts = [f"stage {self.stage}"]

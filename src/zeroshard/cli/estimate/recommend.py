@@ -34,9 +34,7 @@ class Recommendation:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "stage": self.option.stage,
-            "offload_optimizer": self.option.offload_optimizer,
-            "offload_param": self.option.offload_param,
+            **self.option.to_json(),
             "zero_optimization": self.zero_optimization,
             "reasons": self.reasons,
             "fits": self.fits,

@@ -38,9 +38,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "stage": self.option.stage,
-            "offload_optimizer": self.option.offload_optimizer,
-            "offload_param": self.option.offload_param,
+            **self.option.to_json(),
             "gpu_bytes_per_rank": self.gpu_bytes_per_rank,
             "cpu_bytes_per_node": self.cpu_bytes_per_node,
             "nvme_bytes_per_node": self.nvme_bytes_per_node,
@@ -61,9 +59,8 @@ class Row:
         }
 
 
-def estimate_row(
+def estimate_rows(
     model: ModelInfo,
-    option: Option,
     cluster: Cluster,
     precision: Precision,
     seq_len: int,
@@ -71,10 +68,24 @@ def estimate_row(
     checkpointing: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     grad_accum: int = 1,
+) -> list[Row]:
+    """A row for every option in `OPTIONS`."""
+    acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
+    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum) for option in OPTIONS]
+
+
+def _row(
+    model: ModelInfo,
+    option: Option,
+    cluster: Cluster,
+    precision: Precision,
+    acts: int,
+    bucket_numel: int,
+    grad_accum: int,
 ) -> Row:
+    """The row of `option`, given the activation bytes per rank (the same for every option)."""
     n = cluster.world_size
     states = zeroshard_states(model.params, option, precision, n, grad_accum)
-    acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
     buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
         option, model.params, bucket_numel, precision.reduce_bytes
     )
@@ -94,20 +105,3 @@ def estimate_row(
         nvme_bytes_per_node=states.nvme * cluster.gpus_per_node,
         deepspeed=deepspeed_states(model.params, model.largest_layer, option, cluster),
     )
-
-
-def estimate_rows(
-    model: ModelInfo,
-    cluster: Cluster,
-    precision: Precision,
-    seq_len: int,
-    micro_batch: int,
-    checkpointing: bool = False,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-    grad_accum: int = 1,
-) -> list[Row]:
-    """A row for every option in `OPTIONS`."""
-    return [
-        estimate_row(model, option, cluster, precision, seq_len, micro_batch, checkpointing, bucket_numel, grad_accum)
-        for option in OPTIONS
-    ]

@@ -1,0 +1,80 @@
+"""What every schedule shares: the engine's view of a scheduler and DeepSpeed's batch-iteration convention."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class LRSchedulerLike(Protocol):
+    """What the engine needs from a scheduler: ours and torch's both qualify."""
+
+    def step(self) -> None: ...
+
+    def get_last_lr(self) -> list[float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class BatchLRScheduler:
+    """Base of the DeepSpeed-style schedules: the lr is a pure function of the batch iteration."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr: list[float] = [as_float(g["lr"]) for g in optimizer.param_groups]
+
+    def _start(self) -> None:
+        """Apply the initial values; subclasses call it at the end of their constructor."""
+        if self.last_batch_iteration == -1:
+            self._apply_initial()
+
+    def _apply_initial(self) -> None:
+        """Write the lr before the first step into the optimizer (DeepSpeed: the iteration -1 lr)."""
+        self._last_lr = write_lrs(self.optimizer, self.get_lr())
+
+    def lr_at(self, iteration: int) -> list[float]:
+        """The lr of every param group at batch `iteration`."""
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:
+        """The lr of every param group at the current iteration."""
+        return self.lr_at(self.last_batch_iteration)
+
+    def get_last_lr(self) -> list[float]:
+        """The lrs last written into the optimizer."""
+        return list(self._last_lr)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance to the next batch (or to `last_batch_iteration`) and write its lr into every group."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = write_lrs(self.optimizer, self.get_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        """`last_batch_iteration`: all of DeepSpeed's state (so a DeepSpeed dict loads too)."""
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the iteration saved by state_dict(); the next step() continues the sequence."""
+        self.last_batch_iteration = int(state_dict["last_batch_iteration"])
+
+
+def write_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[float]:
+    """Write one lr per group (in place when a group holds its lr as a tensor); return the lrs written."""
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    return [as_float(group["lr"]) for group in optimizer.param_groups]
+
+
+def as_float(value: Any) -> float:
+    """An lr held as a float or a one-element tensor, as a float."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
