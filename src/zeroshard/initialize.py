@@ -218,30 +218,23 @@ def _make_strategy(
         check_overflow=precision.check_overflow,
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
     )
-    master_tier = _tier(cfg, "offload_optimizer", need, topology.device)
+    common: dict[str, Any] = {
+        "compute_dtype": precision.compute_dtype,
+        "grad_accum_dtype": precision.grad_accum_dtype,
+        "comm_dtype": precision.comm_dtype,
+        "overlap_comm": bool(z.overlap_comm),
+        "step": step,
+        "master_tier": _tier(cfg, "offload_optimizer", need, topology.device),
+    }
     if stage < 3:
         bucket = int(z.reduce_bucket_size)
         if stage >= 1:
             bucket = min(bucket, int(z.allgather_bucket_size))  # one bucket is both reduced and gathered
-        flat = FlatPolicy(
-            stage=stage,
-            compute_dtype=precision.compute_dtype,
-            grad_accum_dtype=precision.grad_accum_dtype,
-            comm_dtype=precision.comm_dtype,
-            bucket_numel=max(bucket, 1),
-            overlap_comm=bool(z.overlap_comm),
-            use_reduce_scatter=bool(z.reduce_scatter),
-            step=step,
-            master_tier=master_tier,
-        )
+        flat = FlatPolicy(**common, stage=stage, bucket_numel=max(bucket, 1), use_reduce_scatter=bool(z.reduce_scatter))
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
     par = z.offload_param
     policy = Stage3Policy(
-        compute_dtype=precision.compute_dtype,
-        grad_accum_dtype=precision.grad_accum_dtype,
-        comm_dtype=precision.comm_dtype,
-        overlap_comm=bool(z.overlap_comm),
-        step=step,
+        **common,
         prefetch=PrefetchPolicy(
             bucket_numel=int(z.stage3_prefetch_bucket_size),
             max_live_numel=int(z.stage3_max_live_parameters or 0),
@@ -249,7 +242,6 @@ def _make_strategy(
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         sub_group_numel=max(int(z.sub_group_size), 1),
-        master_tier=master_tier,
         param_tier=_tier(cfg, "offload_param", need, topology.device),
         param_read_ahead=(
             int(par.buffer_count),

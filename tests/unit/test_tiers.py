@@ -19,10 +19,11 @@ class _FakeStore(InMemory):
 
     leaves_memory = True
 
+    resident_bytes = 7  # type: ignore[assignment]
+    disk_bytes = 100  # type: ignore[assignment]
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
-        self.resident_bytes = 7
-        self.disk_bytes = 100
 
     def place(self, key: str, tensors: object) -> None:
         self.calls.append(("place", key))

@@ -30,8 +30,8 @@ from zeroshard.checkpoint.format import MASTER, METADATA_FILE, CheckpointMetadat
 from zeroshard.checkpoint.load import resolve_tag_dir
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_from_name
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from zeroshard.precision.dtypes import DTYPES
+from zeroshard.utils.chunks import greedy_chunks
 
 
 def resolve_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> str:
@@ -126,21 +126,8 @@ def parse_size(size: int | str) -> int:
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Hugging Face's split: fill shards in order; a tensor larger than a shard gets one of its own."""
-    shards: list[list[str]] = []
-    current: list[str] = []
-    filled = 0
-    for name, nbytes in sizes:
-        if nbytes > max_bytes:
-            shards.append([name])
-            continue
-        if current and filled + nbytes > max_bytes:
-            shards.append(current)
-            current, filled = [], 0
-        current.append(name)
-        filled += nbytes
-    if current:
-        shards.append(current)
-    return shards
+    chunks = greedy_chunks([nbytes for _, nbytes in sizes], max_bytes, close="before", oversize_alone=True)
+    return [[sizes[i][0] for i in chunk] for chunk in chunks]
 
 
 def _shard_names(count: int, safetensors: bool) -> tuple[list[str], str]:

@@ -134,7 +134,7 @@ def ds_config_source(args: argparse.Namespace) -> str:
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    from zeroshard.integrations.models import LoraSpec, ModelSpec
+    from zeroshard.integrations.hf_models import LoraSpec, ModelSpec
     from zeroshard.integrations.text_data import DataSpec
     from zeroshard.integrations.trainer import TrainOptions
 
@@ -183,7 +183,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> Any:
     """Check model, data and ds_config before starting any process; returns the TrainOptions."""
     from zeroshard.config import parse_config, resolve_config
     from zeroshard.integrations.ds_config import train_ds_config
-    from zeroshard.integrations.models import check_model
+    from zeroshard.integrations.hf_models import check_model
     from zeroshard.integrations.text_data import check_readable
 
     opts = options_from_args(args)

@@ -28,8 +28,8 @@ from zeroshard.integrations.export import (
     probe_logits,
     sample,
 )
+from zeroshard.integrations.hf_models import ModelSpec, build_model, tokenizer_source
 from zeroshard.integrations.metrics import MetricsWriter, Progress, rss_bytes
-from zeroshard.integrations.models import ModelSpec, build_model, tokenizer_source
 from zeroshard.integrations.text_data import DataSpec, TokenBlocks, read_documents, split_blocks
 from zeroshard.integrations.tokenizer import encode_documents, load_tokenizer
 from zeroshard.utils.logging import get_logger

@@ -46,8 +46,104 @@ class _Entry:
     on_disk: bool = False  # a complete copy was written (the files exist)
 
 
-class NvmeStateStore:
-    leaves_memory = True  # entries live in swap files between uses: checkpoints handle them part by part
+class Residency:
+    """Whether an entry's tensors stay in memory between uses. This base keeps them where they are (every call is
+    a no-op); `NvmeStateStore` swaps them. The stepping and holding patterns (`in_turn`, `resident`) are written
+    once, here, in terms of the calls."""
+
+    leaves_memory = False  # entries live in swap files between uses: checkpoints handle them part by part
+    _holding = False
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of entries in memory now (that would otherwise be on disk)."""
+        return 0
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes in swap files."""
+        return 0
+
+    def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Put `tensors` under `key` and out of memory (construction)."""
+
+    def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Start moving `key` (and `tensors` joining it) out of memory; `settle` finishes."""
+
+    def settle(self, key: str) -> None:
+        """Wait for `key`'s writes and release its memory."""
+
+    def fetch(self, key: str) -> None:
+        """Start bringing `key` back; `ready` waits for it."""
+
+    def claim(self, key: str) -> None:
+        """Make `key` resident without reading it (the caller overwrites every byte)."""
+
+    def drop(self, key: str) -> None:
+        """Free `key`, whose bytes are unchanged since it was read."""
+
+    def ready(self, key: str) -> None:
+        """Wait until `key` is in memory."""
+
+    def is_resident(self, key: str) -> bool:
+        return True
+
+    def in_turn(self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]) -> Iterator[T]:
+        """Yield each item with its tensors resident: item k+1 is read while k is worked on, k is written back
+        when the caller moves on, k-1's memory is freed once written (at most three entries in memory)."""
+        if keyed:
+            self.fetch(keyed[0][0])
+        for k, (key, item) in enumerate(keyed):
+            self.ready(key)
+            if k > 0:
+                self.settle(keyed[k - 1][0])
+            if k + 1 < len(keyed):
+                self.fetch(keyed[k + 1][0])
+            yield item
+            self.evict(key, tensors_of(item))
+        if keyed:
+            self.settle(keyed[-1][0])
+
+    @contextmanager
+    def resident(
+        self,
+        keyed: Sequence[tuple[str, T]],
+        tensors_of: Callable[[T], Sequence[torch.Tensor]],
+        write_back: bool = True,
+    ) -> Iterator[None]:
+        """Every entry in memory for the block (checkpoints), written back (unless the block only reads them:
+        `write_back=False`) and freed after it. Nested blocks (a checkpoint load that publishes parameters) leave
+        the outermost one in charge."""
+        if self._holding:
+            yield
+            return
+        self._holding = True
+        for key, _ in keyed:
+            self.fetch(key)
+        for key, _ in keyed:
+            self.ready(key)
+        try:
+            yield
+        finally:
+            for key, item in keyed:
+                if write_back:
+                    self.evict(key, tensors_of(item))
+                else:
+                    self.drop(key)
+            for key, _ in keyed:
+                self.settle(key)
+            self._holding = False
+
+    def close(self) -> None:
+        """Release what the residency holds (swap files)."""
+
+
+class InMemory(Residency):
+    """Tensors that stay where they are (device or host memory): no I/O."""
+
+
+class NvmeStateStore(Residency):
+    leaves_memory = True
 
     def __init__(self, swapper: NvmeSwapper):
         self.swapper = swapper
@@ -161,52 +257,6 @@ class NvmeStateStore:
         entry = self._entries.get(key)
         return entry is None or entry.resident
 
-    def in_turn(self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]) -> Iterator[T]:
-        """Yield each item with its tensors resident: item k+1 is read while k is worked on, k is written back
-        when the caller moves on, k-1's memory is freed once written (at most three entries in memory)."""
-        if keyed:
-            self.fetch(keyed[0][0])
-        for k, (key, item) in enumerate(keyed):
-            self.ready(key)
-            if k > 0:
-                self.settle(keyed[k - 1][0])
-            if k + 1 < len(keyed):
-                self.fetch(keyed[k + 1][0])
-            yield item
-            self.evict(key, tensors_of(item))
-        if keyed:
-            self.settle(keyed[-1][0])
-
-    @contextmanager
-    def resident(
-        self,
-        keyed: Sequence[tuple[str, T]],
-        tensors_of: Callable[[T], Sequence[torch.Tensor]],
-        write_back: bool = True,
-    ) -> Iterator[None]:
-        """Every entry in memory for the block (checkpoints), written back (unless the block only reads them:
-        `write_back=False`) and freed after it. Nested blocks (a checkpoint load that publishes parameters) leave
-        the outermost one in charge."""
-        if self._holding:
-            yield
-            return
-        self._holding = True
-        for key, _ in keyed:
-            self.fetch(key)
-        for key, _ in keyed:
-            self.ready(key)
-        try:
-            yield
-        finally:
-            for key, item in keyed:
-                if write_back:
-                    self.evict(key, tensors_of(item))
-                else:
-                    self.drop(key)
-            for key, _ in keyed:
-                self.settle(key)
-            self._holding = False
-
     @staticmethod
     def _wait(entry: _Entry) -> None:
         for handle in entry.pending:
@@ -225,54 +275,3 @@ class NvmeStateStore:
         for key in list(self._entries):
             self.ready(key)
         self.swapper.close()
-
-
-class InMemory:
-    """The same interface for tensors that stay where they are (device or host memory): no I/O."""
-
-    resident_bytes = 0
-    disk_bytes = 0
-    leaves_memory = False
-
-    def place(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
-        pass
-
-    def evict(self, key: str, tensors: Sequence[torch.Tensor] = ()) -> None:
-        pass
-
-    def settle(self, key: str) -> None:
-        pass
-
-    def fetch(self, key: str) -> None:
-        pass
-
-    def claim(self, key: str) -> None:
-        pass
-
-    def drop(self, key: str) -> None:
-        pass
-
-    def ready(self, key: str) -> None:
-        pass
-
-    def is_resident(self, key: str) -> bool:
-        return True
-
-    def in_turn(self, keyed: Sequence[tuple[str, T]], tensors_of: Callable[[T], Sequence[torch.Tensor]]) -> Iterator[T]:
-        for _, item in keyed:
-            yield item
-
-    @contextmanager
-    def resident(
-        self,
-        keyed: Sequence[tuple[str, T]],
-        tensors_of: Callable[[T], Sequence[torch.Tensor]],
-        write_back: bool = True,
-    ) -> Iterator[None]:
-        yield
-
-    def close(self) -> None:
-        pass
-
-
-Residency = NvmeStateStore | InMemory

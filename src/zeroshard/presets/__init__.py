@@ -6,8 +6,8 @@
 (4, 2)
 """
 
+from zeroshard.presets.architectures import MODEL_PRESETS, ModelPreset, model_preset
 from zeroshard.presets.ds_configs import DS_CONFIG_PRESETS, ds_config_preset, fill_auto, load_ds_config
-from zeroshard.presets.models import MODEL_PRESETS, ModelPreset, model_preset
 
 __all__ = [
     "DS_CONFIG_PRESETS",

@@ -63,6 +63,18 @@ class ParamGroupSpec:
     params: list[tuple[str, nn.Parameter]]
 
 
+@dataclass(frozen=True)
+class StrategyPolicy:
+    """What every stage needs to know, decided once from the config (each stage's policy adds its own)."""
+
+    compute_dtype: torch.dtype
+    grad_accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    overlap_comm: bool
+    step: StepPolicy
+    master_tier: Tier  # where master weights and optimizer state live (offload_optimizer)
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The elementwise state tensors (not scalars such as Adam's step)."""
     if optimizer is None:
@@ -83,22 +95,21 @@ class Strategy(ABC):
         self,
         module: nn.Module,
         groups: Sequence[ParamGroupSpec],
-        step_policy: StepPolicy,
-        master_tier: Tier,
+        policy: StrategyPolicy,
         comm: Collectives,
         device: torch.device,
         accumulation: AccumulationState,
     ):
         self.module = module
         self.group_options = [dict(g.options) for g in groups]
-        self.step_policy = step_policy
+        self.step_policy = policy.step
         self.comm = comm
         self.device = device
         self.accumulation = accumulation  # the engine's: [Note: strategy contract]
         self.optimizer: torch.optim.Optimizer | None = None
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # where reduced gradients wait for the step, decided by the master's tier
-        self.gradients_tier: GradientTier = master_tier.gradients(copy_stream, step_policy.check_overflow)
+        self.gradients_tier: GradientTier = policy.master_tier.gradients(copy_stream, policy.step.check_overflow)
 
     # -- construction ----------------------------------------------------------------------------------
     @abstractmethod

@@ -21,7 +21,6 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.residency import Residency
-from zeroshard.offload.tier import Tier
 from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
@@ -30,26 +29,20 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
-    StepPolicy,
     Strategy,
+    StrategyPolicy,
     nbytes,
     optimizer_state_tensors,
 )
 
 
 @dataclass(frozen=True)
-class FlatPolicy:
-    """Everything the stage 0/1/2 strategy needs to know, decided once from the config."""
+class FlatPolicy(StrategyPolicy):
+    """Stages 0-2: which stage, and how gradients are bucketed and reduced."""
 
     stage: int
-    compute_dtype: torch.dtype
-    grad_accum_dtype: torch.dtype
-    comm_dtype: torch.dtype
     bucket_numel: int
-    overlap_comm: bool
     use_reduce_scatter: bool
-    step: StepPolicy
-    master_tier: Tier  # where master weights and optimizer state live
 
 
 class FlatStrategy(Strategy):
@@ -64,7 +57,7 @@ class FlatStrategy(Strategy):
         device: torch.device,
         accumulation: AccumulationState,
     ):
-        super().__init__(module, groups, policy.step, policy.master_tier, comm, device, accumulation)
+        super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.rank = comm.rank
         self.world_size = comm.world_size

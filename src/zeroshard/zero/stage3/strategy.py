@@ -39,24 +39,20 @@ from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
-    StepPolicy,
     Strategy,
+    StrategyPolicy,
     nbytes,
     optimizer_state_tensors,
 )
 
 
 @dataclass(frozen=True)
-class Stage3Policy:
-    compute_dtype: torch.dtype
-    grad_accum_dtype: torch.dtype
-    comm_dtype: torch.dtype
-    overlap_comm: bool
-    step: StepPolicy
+class Stage3Policy(StrategyPolicy):
+    """Stage 3: prefetch and persistence, sub-groups, and where compute shards live."""
+
     prefetch: PrefetchPolicy
     persistence_threshold: int
     sub_group_numel: int
-    master_tier: Tier  # optimizer state and fp32 master (offload_optimizer)
     param_tier: Tier  # compute-dtype shards (offload_param)
     param_read_ahead: tuple[int, int] = (0, 0)  # offload_param on NVMe: (units, elements) read ahead of use
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
@@ -75,7 +71,7 @@ class Stage3Strategy(Strategy):
         device: torch.device,
         accumulation: AccumulationState,
     ):
-        super().__init__(module, groups, policy.step, policy.master_tier, comm, device, accumulation)
+        super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.shard_rank = comm.rank
         # gradients stay in the reduction's dtype with one micro-step per step, else they accumulate
