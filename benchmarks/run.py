@@ -161,7 +161,7 @@ def reason_not_to_launch(spec: RowSpec, quick: bool) -> tuple[str, str] | None:
         return "not implemented", f"zeroshard lists {', '.join(_unimplemented(v.needs))} as not implemented yet"
     if v.framework == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:
-            return "skipped", "deepspeed is not installed (pip install deepspeed)"
+            return "skipped", "deepspeed is not installed (make install-compat)"
         if quick and not deepspeed_ops_built(v.offload):
             return "skipped", "--quick: DeepSpeed's JIT ops are not built yet (run a full benchmark once)"
         twin = next(

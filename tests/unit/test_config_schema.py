@@ -15,6 +15,7 @@ import pytest
 
 import zeroshard.config as config_pkg
 from helpers.config_checks import CONFIG_DIR
+from helpers.deepspeed_reference import import_deepspeed
 from zeroshard.config import (
     AUTO,
     ConfigBlock,
@@ -223,18 +224,12 @@ def test_every_deepspeed_top_level_key_is_accepted() -> None:
     assert not [key for key in keys if key not in accepted]
 
 
-# --------------------------------------------------------------------------- DeepSpeed parity (optional)
-
-
-def _deepspeed() -> Any:
-    return pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is not installed")
+# --------------------------------------------------------------------------- DeepSpeed parity
 
 
 def test_zero_keys_and_defaults_match_deepspeed() -> None:
-    _deepspeed()
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    theirs = DeepSpeedZeroConfig().model_dump(by_alias=True)
+    theirs_class = import_deepspeed("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
+    theirs = theirs_class().model_dump(by_alias=True)
     ours = parse_config({}).zero_optimization.to_dict()
     deprecated = {
         "cpu_offload",
@@ -249,7 +244,7 @@ def test_zero_keys_and_defaults_match_deepspeed() -> None:
         expected = list(value.values()) if key == "leaf_module" else value
         got = list(ours[key].values()) if key == "leaf_module" else ours[key]
         assert got == expected, key
-    assert set(DeepSpeedZeroConfig.model_fields) <= set(ZeroshardConfig().zero_optimization.spellings()) | deprecated
+    assert set(theirs_class.model_fields) <= set(ZeroshardConfig().zero_optimization.spellings()) | deprecated
 
 
 @pytest.mark.parametrize(
@@ -278,10 +273,7 @@ def test_zero_keys_and_defaults_match_deepspeed() -> None:
     ],
 )
 def test_pydantic_blocks_match_deepspeed(ours: str, module: str, name: str) -> None:
-    _deepspeed()
-    import importlib
-
-    theirs = getattr(importlib.import_module(module), name)().model_dump()
+    theirs = getattr(import_deepspeed(module), name)().model_dump()
     block: Any = parse_config({})
     for part in ours.split("."):
         block = getattr(block, part)
@@ -292,7 +284,7 @@ def test_pydantic_blocks_match_deepspeed(ours: str, module: str, name: str) -> N
 
 
 def test_top_level_defaults_match_deepspeed() -> None:
-    constants = pytest.importorskip("deepspeed.runtime.constants")
+    constants = import_deepspeed("deepspeed.runtime.constants")
     cfg = parse_config({})
     pairs = {
         "gradient_clipping": constants.GRADIENT_CLIPPING_DEFAULT,
@@ -314,7 +306,7 @@ def test_top_level_defaults_match_deepspeed() -> None:
 
 
 def test_batch_rules_match_deepspeed() -> None:
-    ds_config = _deepspeed()
+    ds_config = import_deepspeed("deepspeed.runtime.config")
     from types import SimpleNamespace
 
     for train, micro, accum, world in itertools.product(

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.deepspeed_reference import import_deepspeed
 from zeroshard.errors import ConfigError, LossScaleError
 from zeroshard.precision import DynamicLossScaler, StaticLossScaler, build_loss_scaler, has_inf_or_nan
 
@@ -180,7 +181,7 @@ PARITY_CASES = [
 
 @pytest.mark.parametrize("index", range(len(PARITY_CASES)))
 def test_matches_deepspeed_dynamic_loss_scaler(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    ds_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    ds_scaler = import_deepspeed("deepspeed.runtime.fp16.loss_scaler")
     monkeypatch.setattr(ds_scaler, "dist", _RankZero)
     power, window, hysteresis, consecutive, min_scale, p_overflow, dies = PARITY_CASES[index]
     theirs = ds_scaler.DynamicLossScaler(

@@ -1,8 +1,8 @@
 """The five DeepSpeed LR schedules: closed-form sequences, DeepSpeed parity, state round trip, config errors.
 
 Each schedule is checked over 50 steps against a formula written out here, independently of the
-implementation (relative tolerance 1e-12), and, when deepspeed imports, against deepspeed.runtime.lr_schedules
-bit for bit. Sequences hold the lr after construction followed by the lr after each of 50 step() calls.
+implementation (relative tolerance 1e-12), and against deepspeed.runtime.lr_schedules (the reference) bit for
+bit. Sequences hold the lr after construction followed by the lr after each of 50 step() calls.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.deepspeed_reference import import_deepspeed
 from zeroshard.errors import ConfigError
 from zeroshard.optim import build_lr_scheduler
 
@@ -230,7 +231,7 @@ def test_sequence_matches_closed_form(
 
 @pytest.mark.parametrize(("name", "label", "params", "formula"), CASES, ids=IDS)
 def test_sequence_matches_deepspeed(name: str, label: str, params: dict[str, Any], formula: Any) -> None:
-    ds_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    ds_schedules = import_deepspeed("deepspeed.runtime.lr_schedules")
     ours_opt, ds_opt = _optimizer(), _optimizer()
     ours = _trace(build_lr_scheduler(name, params, ours_opt), ours_opt)
     theirs = _trace(getattr(ds_schedules, name)(ds_opt, **params), ds_opt)
