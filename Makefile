@@ -4,7 +4,7 @@
 PYTHON ?= python
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-compat train example test test-all lint bench
+.PHONY: install install-compat train example test test-all lint
 
 install:
 	$(PIP) install -q torch==2.13.0

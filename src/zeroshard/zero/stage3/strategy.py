@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,8 +204,8 @@ class Stage3Strategy(Strategy):
     def checkpoint_state(self) -> ShardedState:
         return Stage3State(self)
 
-    def optimizer_state_resident(self, changes: bool = True) -> Any:
-        return self.stepper.all_resident(changes)
+    def optimizer_state_resident(self) -> AbstractContextManager[None]:
+        return self.stepper.all_resident()
 
     def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """Full fp32 master values of every parameter, unit by unit (collective: every rank calls it)."""
