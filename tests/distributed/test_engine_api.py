@@ -137,3 +137,67 @@ def test_engine_api():
     for r in results:
         assert r[2] < 1e-6, f"no_sync result differs from accumulation by {r[2]}"
         assert r[3] and "no_sync" in r[3] and "stage 2" in r[3]
+
+
+# -- two backward calls before one step (a GAN's discriminator) -----------------------------------------------
+GAN_ITERS = 3
+
+
+def _gan_data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)) for _ in range(GAN_ITERS)]
+
+
+def _gan_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1), torch.nn.Linear(2, 4)
+
+
+def _gan(rank: int, world_size: int, zero: dict) -> list[torch.Tensor]:
+    """DeepSpeedExamples' GAN pattern: the discriminator engine runs two backward passes (real, fake) before its
+    step, the raw modules' zero_grad() is called between steps, and each engine owns one module."""
+    import zeroshard
+
+    D, G = _gan_models()
+    config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "zero_optimization": zero}
+    eD, *_ = zeroshard.initialize(model=D, model_parameters=D.parameters(), config=config)
+    eG, *_ = zeroshard.initialize(model=G, model_parameters=G.parameters(), config=config)
+    for x, z in _gan_data(rank):
+        D.zero_grad()
+        eD.backward(D(x).sum())
+        eD.backward(D(G(z).detach()).pow(2).sum())
+        eD.step()
+        G.zero_grad()
+        eG.backward(-G(z).sum())
+        eG.step()
+    with eD.gathered_for_generation(), eG.gathered_for_generation():
+        return [p.detach().clone() for p in [*D.parameters(), *G.parameters()]]
+
+
+def _gan_reference(world_size: int) -> list[torch.Tensor]:
+    """One process: the same losses, averaged over the ranks' batches, each model's gradients clipped to 1."""
+    D, G = _gan_models()
+    opt_d, opt_g = torch.optim.Adam(D.parameters(), lr=0.1), torch.optim.Adam(G.parameters(), lr=0.1)
+    data = [_gan_data(r) for r in range(world_size)]
+    for it in range(GAN_ITERS):
+        opt_d.zero_grad()
+        for x, z in (d[it] for d in data):
+            ((D(x).sum() + D(G(z).detach()).pow(2).sum()) / world_size).backward()
+        torch.nn.utils.clip_grad_norm_(D.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+        opt_d.step()
+        opt_g.zero_grad()
+        for _, z in (d[it] for d in data):
+            (-G(z).sum() / world_size).backward()
+        torch.nn.utils.clip_grad_norm_(G.parameters(), 1.0)
+        opt_g.step()
+    return [p.detach().clone() for p in [*D.parameters(), *G.parameters()]]
+
+
+def test_two_backwards_before_one_step_add_up_on_every_stage():
+    """[Note: a second backward]: the second backward's gradients add to the first's (before the fix, stage 0
+    counted the first backward once per rank)."""
+    reference = _gan_reference(2)
+    for zero in ({"stage": 0}, {"stage": 1}, {"stage": 1, "reduce_scatter": False}, {"stage": 2}, {"stage": 3}):
+        for params in run_on_ranks(_gan, 2, zero):
+            for got, want in zip(params, reference, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")

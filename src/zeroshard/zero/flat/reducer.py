@@ -9,6 +9,14 @@ simply waits for `finish_backward`, which launches what is left with the missing
 Stage 0/1 accumulate full gradients locally and reduce only on the accumulation boundary; stage 2
 reduces every micro-step into the rank's gradient shard and keeps no full gradient: a bucket's
 gradients are staged in a pooled buffer only while that bucket is being filled and communicated.
+
+[Note: a second backward]
+A training loop may call `engine.backward` twice before one `engine.step` (a GAN's discriminator: real and
+fake losses). The second backward's gradients add to the first's, as plain PyTorch and DeepSpeed's stage 0 do.
+Stage 0 (and stage 1 without reduce-scatter) reduces the full accumulator in place, so after a window's first
+reduction it holds the sum over ranks: reducing it again would count the first backward N times. Once a
+window has been reduced, later gradients in it are therefore staged and reduced on their own, and the result is
+added into the gradient shard, as stage 2 does every micro-step.
 """
 
 from __future__ import annotations
@@ -64,12 +72,13 @@ class GradientReducer:
         self._inflight: InflightQueue[Bucket] = InflightQueue(MAX_INFLIGHT if policy.overlap else 0, wait_plain)
         self._staging: dict[int, torch.Tensor] = {}
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
+        self._window_reduced = False  # stage 0/1: this window's gradients were reduced ([Note: a second backward])
 
     # -- one backward pass -----------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
         """Start a micro-step's backward; `sync` says whether its gradients are communicated."""
         self.active = True
-        self._sync = sync
+        self._sync = sync or self._window_reduced  # gradients added after a reduction are reduced too
         self._missing = {b.id: len(b.slots) for b in self._order}
         self._seen.clear()
         self._next = 0
@@ -108,6 +117,8 @@ class GradientReducer:
             done += self._inflight.drain()
             if self.policy.partition_grads:
                 self._first_window_step = False
+            else:
+                self._window_reduced = True
         self.active = False
         return done
 
@@ -119,6 +130,7 @@ class GradientReducer:
             if buffers.grad_shard is not buffers.grad_full:
                 buffers.grad_shard.zero_()
         self._first_window_step = True
+        self._window_reduced = False
 
     # -- internals -------------------------------------------------------------------------------
     def _bucket(self, group: int, bucket_id: int) -> Bucket:
@@ -131,7 +143,7 @@ class GradientReducer:
 
     def _accumulate(self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor) -> None:
         flat_grad = grad.reshape(-1)
-        if buffers.grad_full is not None:
+        if buffers.grad_full is not None and not self._window_reduced:
             buffers.grad_full.narrow(0, offset, numel).add_(flat_grad)
             return
         staging = self._staging.get(bucket.id)
@@ -151,7 +163,7 @@ class GradientReducer:
         """Start `bucket`'s collective; returns the buckets finished to keep [Note: bounded in-flight reductions]
         (all of them without overlap_comm, which waits for each collective in launch order)."""
         buffers = self.groups[bucket.group]
-        if self.policy.partition_grads:
+        if self.policy.partition_grads or self._window_reduced:
             return self._launch_partitioned(buffers, bucket)
         return self._launch_full(buffers, bucket)
 
@@ -198,14 +210,15 @@ class GradientReducer:
         return self._inflight.push(handle, finish_reduce_scatter, bucket, "reduce-scatter")
 
     def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket) -> list[Bucket]:
-        """Stage 2: reduce-scatter the staged bucket and add this rank's slice into its gradient shard."""
+        """Stage 2 (and stage 0/1 after a window's first reduction: [Note: a second backward]): reduce the staged
+        bucket and add this rank's slice into its gradient shard."""
         staging = self._staging.pop(bucket.id, None)
         if staging is None:  # no parameter of this bucket got a gradient on this rank
             staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype)
         if self.policy.prescale != 1.0:
             staging.mul_(self.policy.prescale)
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
-        if not self.policy.use_reduce_scatter:
+        if not self.policy.use_reduce_scatter or self.layout.shard_count == 1:
             handle = self.comm.all_reduce(staging, async_op=self.policy.overlap)
             lo, _ = bucket.owner_range(self.shard_rank)
 
@@ -214,7 +227,7 @@ class GradientReducer:
                 self.pool.release(staging)
 
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
-        direct = self._first_window_step and target.dtype == staging.dtype
+        direct = self.policy.partition_grads and self._first_window_step and target.dtype == staging.dtype
         out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype)
         handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap)
 
