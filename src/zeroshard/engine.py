@@ -142,7 +142,7 @@ class Engine(CheckpointMixin, nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
-        strategy = self._require_strategy("backward")
+        strategy = self._require_optimizer("backward")
         strategy.begin_backward()
         factor = self.loss_scale / self.gradient_accumulation_steps()
         with torch.profiler.record_function("zeroshard.backward"):
@@ -153,7 +153,7 @@ class Engine(CheckpointMixin, nn.Module):
 
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary take the optimizer step on every rank."""
-        strategy = self._require_strategy("step")
+        strategy = self._require_optimizer("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
         if self.is_gradient_accumulation_boundary():
@@ -257,7 +257,7 @@ class Engine(CheckpointMixin, nn.Module):
     ) -> None:
         """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
         memory until `reload_states()`; training steps are refused in between."""
-        strategy = self._require_strategy("offload_states")
+        strategy = self._require_optimizer("offload_states")
         self._offloader.offload(strategy.offloadable_tensors(), torch.device(device), pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -300,8 +300,8 @@ class Engine(CheckpointMixin, nn.Module):
                 f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}",
             )
 
-    def _require_strategy(self, what: str) -> Strategy:
-        if self.strategy is None:
+    def _require_optimizer(self, what: str) -> Strategy:
+        if self.strategy is None or self.optimizer is None:
             raise ZeroshardError(
                 f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '
                 "block to the config (or the engine was destroyed)"

@@ -131,6 +131,8 @@ def _build(
         strategy = _make_strategy(cfg, stage, precision, model, groups, comm, topology, accumulation)
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         strategy.attach(engine_optimizer)
+    elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
+        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation)
     else:
         model.to(precision.compute_dtype)
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)

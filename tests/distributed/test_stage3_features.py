@@ -290,3 +290,40 @@ def test_consolidated_state_dict_gives_fp32_masters():
                 assert dtype == torch.float32 and len(shape) >= 1, (stage, name)
                 assert diff < 1e-2, (stage, name, diff)  # the bf16 compute copy is the master rounded
             assert any(d > 0 for _, _, d in entries.values()), "masters should keep bits bf16 drops"
+
+
+def _inference_only(rank: int, world_size: int):
+    """zero_init + initialize without an optimizer: sharded inference, as DeepSpeed allows at stage 3."""
+    import zeroshard
+    from helpers.parity import TINY
+    from zeroshard.errors import ZeroshardError
+    from zeroshard.models.gpt import GPT
+
+    torch.manual_seed(0)
+    with zeroshard.zero_init():
+        model = GPT(TINY)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=config)
+    x = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        logits = engine(x)
+    report = engine.memory_report()
+    full = engine.module.state_dict()  # gathered copies
+    plain = GPT(TINY)
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        expected = plain(x)
+    try:
+        engine.step()
+        refused = ""
+    except ZeroshardError as e:
+        refused = str(e)
+    full_bytes = sum(v.numel() * v.element_size() for v in full.values())
+    return optimizer, float((logits - expected).abs().max()), report.params, full_bytes, refused
+
+
+def test_zero_init_inference_without_an_optimizer():
+    for optimizer, diff, params, full_bytes, refused in run_on_ranks(_inference_only, 2):
+        assert optimizer is None and diff == 0.0
+        assert params < 0.75 * full_bytes, (params, full_bytes)  # each rank holds shards, not the model
+        assert "needs an optimizer" in refused
