@@ -327,3 +327,38 @@ def test_zero_init_inference_without_an_optimizer():
         assert optimizer is None and diff == 0.0
         assert params < 0.75 * full_bytes, (params, full_bytes)  # each rank holds shards, not the model
         assert "needs an optimizer" in refused
+
+
+def _diverge_persistent(rank: int, world_size: int, verify: str):
+    """Width-128 blocks: every parameter is below DeepSpeed's default persistence threshold (1e5 elements), so the
+    blocks are gathered once and never again: a block skipped on one rank changes no collective."""
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = verify  # gloo's fingerprints, or NCCL's default (off)
+    import zeroshard
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=128, bias=False))
+    if rank == 1:
+        model.forward = lambda idx, targets=None: _forward_skipping(model, idx, targets)  # type: ignore[method-assign]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},  # stage3_param_persistence_threshold left at its default
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    persistent_only = [u.name for u in engine.strategy.units] == ["<persistent>"]
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    try:
+        engine.backward(engine(x, x))
+        engine.step()
+    except zeroshard.ZeroshardError as err:
+        return persistent_only, type(err).__name__, str(err)
+    return persistent_only, None, None
+
+
+def test_divergence_caught_when_no_collective_differs():
+    for verify in ("1", "0"):
+        for persistent_only, name, message in run_on_ranks(_diverge_persistent, 2, verify, timeout=120):
+            assert persistent_only  # the premise: no block has a unit of its own
+            assert name == "CollectiveMismatchError", (verify, name, message)
+            assert "2 block forwards" in message and "1 block forwards" in message, message

@@ -4,9 +4,10 @@
 Stage 3 issues many collectives from hooks, where ranks that ran different modules would otherwise hang or
 abort in the backend. Three layers catch it: on gloo a fingerprint exchange before each collective (`Collectives`
 with `verify=True`); a wait that times out asks every rank, through the rendezvous store, what it is waiting on
-(`DivergenceWatch.wait`); and once per step a digest of the units each rank gathered is compared (`check_step`),
-which catches what equal-sized units would hide when collectives are not fingerprinted (NCCL, where a per-
-collective check would sync the host with the GPU).
+(`DivergenceWatch.wait`); and once per step a digest of the modules each rank ran, and (when collectives are not
+fingerprinted: NCCL, where a per-collective check would sync the host with the GPU) of the units it gathered, is
+compared (`check_step`). The module digest catches what no collective shows: a block skipped on one rank whose
+parameters are all persistent (gathered once, never again) changes no collective at all.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class DivergenceWatch:
         self.timeout_s = timeout_s
         self._name_of = name_of  # unit index -> name, for the message
         self.gather_log: list[int] = []
+        self.run_log: list[int] = []  # unit modules (blocks) each forward ran, by index
 
     def wait(self, handle: Handle | None, what: str) -> None:
         """Wait for `handle`; on gloo, a wait longer than the timeout becomes a `CollectiveMismatchError`."""
@@ -65,21 +67,26 @@ class DivergenceWatch:
         )
 
     def check_step(self) -> None:
-        """Once per step: every rank gathered the same units in the same order. Redundant when every collective
-        is fingerprinted."""
+        """Once per step: every rank ran the same unit modules, and gathered the same units, in the same order
+        (the gathers only when collectives are not fingerprinted: then they are checked one by one)."""
         world_size = self.comm.world_size
-        if world_size == 1 or self.comm.verify:
-            self.gather_log.clear()
+        gathers = [] if self.comm.verify else self.gather_log
+        logs = (self.run_log, gathers)
+        self.run_log, self.gather_log = [], []
+        if world_size == 1:
             return
-        digest = zlib.crc32(bytes(str(self.gather_log), "ascii"))
-        mine = torch.tensor([digest, len(self.gather_log)], dtype=torch.int64, device=self.device)
-        everyone = torch.zeros(2 * world_size, dtype=torch.int64, device=self.device)
-        self.comm.all_gather(everyone, mine)
-        rows = everyone.view(world_size, 2).tolist()
-        self.gather_log.clear()
+        digest = zlib.crc32(bytes(str(logs), "ascii"))
+        mine = torch.tensor([digest, len(logs[0]), len(logs[1])], dtype=torch.int64, device=self.device)
+        everyone = torch.zeros(3 * world_size, dtype=torch.int64, device=self.device)
+        self.comm.all_gather(everyone, mine, label="per-step divergence digest")
+        rows = everyone.view(world_size, 3).tolist()
         if any(row != rows[0] for row in rows):
             raise CollectiveMismatchError(
-                "ranks gathered different units in this step "
-                + "; ".join(f"rank {r}: {n} gathers (digest {d})" for r, (d, n) in enumerate(rows))
-                + ". Every rank must run the same modules in the same order."
+                "ranks ran different modules in this step: "
+                + "; ".join(
+                    f"rank {r}: {runs} block forwards, {gathers} gathers (digest {d})"
+                    for r, (d, runs, gathers) in enumerate(rows)
+                )
+                + ". Every rank must run the same modules in the same order (a block skipped or added on some "
+                "ranks only)."
             )

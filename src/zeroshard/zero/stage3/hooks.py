@@ -5,6 +5,7 @@ Hook bodies only route the event to a named method of the strategy:
   an identity whose backward reports that the unit's backward has finished (`on_post_backward`);
 - unit module post-forward: `on_post_forward(unit, output)` (registers the pre-backward hook on outputs);
 - parameter post-accumulate-grad: `on_grad(unit, index, param)`;
+- pre-forward of a block without a unit (all its parameters persistent): `on_block_ran(index)`;
 - root state_dict pre/post: gather everything / copy out full tensors and release.
 """
 
@@ -62,6 +63,8 @@ class Stage3Hooks:
             for index, param in enumerate(unit.params):
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad(unit, index)))
+        for index, block in s.parameterless_blocks:
+            self.handles.append(block.register_forward_pre_hook(self._block_ran(index)))
         self.handles.append(
             self.root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: s.on_state_dict_pre(keep_vars))
         )
@@ -71,6 +74,12 @@ class Stage3Hooks:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self.strategy.on_pre_forward(unit)
             return route_inputs_through_post_backward(self.strategy, unit, args, kwargs)
+
+        return hook
+
+    def _block_ran(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.strategy.on_block_ran(index)
 
         return hook
 

@@ -51,14 +51,26 @@ def default_unit_policy(root: nn.Module) -> UnitPolicy:
     return policy
 
 
-def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold: int) -> list[UnitSpec]:
-    """Units in registration order (root first, persistent last); every parameter is in exactly one."""
+def _unit_of_module(root: nn.Module, policy: UnitPolicy | None) -> dict[str, str]:
+    """Every module's name -> the name of the unit module it belongs to ("" for the root)."""
     wants_unit = policy or default_unit_policy(root)
     unit_of_module: dict[str, str] = {}
     for name, module in root.named_modules():
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         inherited = unit_of_module.get(parent, "") if name else ""
         unit_of_module[name] = name if name and wants_unit(name, module) else inherited
+    return unit_of_module
+
+
+def unit_module_names(root: nn.Module, policy: UnitPolicy | None) -> list[str]:
+    """The modules the policy makes units (blocks), in registration order, also those left without a unit of their
+    own because every parameter is persistent: the per-step divergence digest follows them all."""
+    return list(dict.fromkeys(n for n in _unit_of_module(root, policy).values() if n))
+
+
+def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold: int) -> list[UnitSpec]:
+    """Units in registration order (root first, persistent last); every parameter is in exactly one."""
+    unit_of_module = _unit_of_module(root, policy)
 
     owners: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}

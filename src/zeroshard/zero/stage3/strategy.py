@@ -30,7 +30,7 @@ from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.gathered import OWNERS
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.plan import UnitPolicy
+from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.schedule import GatherSchedule
@@ -105,6 +105,14 @@ class Stage3Strategy(Strategy):
         )
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
         self._state_dict_gathered: list[bool] = []
+        # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
+        # still follows them ([Note: divergence check])
+        unit_names = {u.name for u in self.units}
+        modules = dict(module.named_modules())
+        self.parameterless_blocks = [
+            (len(self.units) + k, modules[name])
+            for k, name in enumerate(n for n in unit_module_names(module, policy.unit_policy) if n not in unit_names)
+        ]
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
@@ -130,7 +138,12 @@ class Stage3Strategy(Strategy):
         self.schedule.root_pre_forward()
 
     def on_pre_forward(self, unit: ShardedUnit) -> None:
+        self.watch.run_log.append(unit.index)
         self.schedule.pre_forward(unit)
+
+    def on_block_ran(self, index: int) -> None:
+        """A block without a unit of its own (all its parameters persistent) ran: only the digest records it."""
+        self.watch.run_log.append(index)
 
     def on_post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if torch.is_grad_enabled():
