@@ -105,11 +105,26 @@ def test_metadata_json_roundtrip_and_version_check():
     meta = _metadata({"w": [PieceRef("model/rank00001.safetensors", 4, 10), PieceRef("m0", 0, 4)]})
     again = CheckpointMetadata.from_json(meta.to_json(), "metadata.json")
     assert again == meta
-    newer = meta.to_json().replace('"format_version": 1', '"format_version": 99')
+    unchecked = "\n".join(line for line in meta.to_json().splitlines() if "metadata_crc32" not in line)
+    assert CheckpointMetadata.from_json(unchecked, "metadata.json") == meta  # written before the checksum existed
+    newer = unchecked.replace('"format_version": 1', '"format_version": 99')
     with pytest.raises(CheckpointError, match="newer"):
         CheckpointMetadata.from_json(newer, "metadata.json")
     with pytest.raises(CheckpointError, match="metadata.json: not valid JSON"):
         CheckpointMetadata.from_json(meta.to_json()[:50], "metadata.json")
+
+
+def test_changed_metadata_is_refused_by_its_checksum(tmp_path):
+    """[Note: metadata checksum]: one changed byte (an lr) or random bytes are refused, naming the file."""
+    from zeroshard.checkpoint.format import read_metadata
+
+    text = _metadata({"w": [PieceRef("m0", 0, 10)]}).to_json()
+    assert '"lr": 0.1' in text
+    with pytest.raises(CheckpointError, match="metadata.json: checksum mismatch"):
+        CheckpointMetadata.from_json(text.replace('"lr": 0.1', '"lr": 0.9'), "metadata.json")
+    (tmp_path / "metadata.json").write_bytes(os.urandom(64) + b"\xff\xfe")
+    with pytest.raises(CheckpointError, match=r"metadata\.json: (not UTF-8|not valid JSON)"):
+        read_metadata(str(tmp_path))
 
 
 def test_reader_assembles_ranges_across_pieces(tmp_path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +37,10 @@ from zeroshard.checkpoint.errors import CheckpointError
 FORMAT_NAME = "zeroshard-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+# [Note: metadata checksum] metadata.json carries a CRC-32 of its own text without this key (its first entry), so a
+# changed byte (an lr, a shape) is refused at load by name instead of loading silently; checkpoints written before
+# the checksum existed load unverified.
+_CHECKSUM_KEY = "metadata_crc32"
 LATEST_FILE = "latest"
 ENGINE_STATE_FILE = "engine_state.pt"
 MASTER = "master"  # the state key of fp32 master weights in optimizer files
@@ -115,13 +120,15 @@ class CheckpointMetadata:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
+        """The document, with a CRC-32 of its own text ([Note: metadata checksum])."""
         doc: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         body = asdict(self)
         body["tensors"] = {n: {**asdict(t), "shape": list(t.shape)} for n, t in self.tensors.items()}
         body["model_pieces"] = _pieces_to_json(self.model_pieces)
         body["optim_pieces"] = _pieces_to_json(self.optim_pieces)
         doc.update(body)
-        return _readable_json(doc)
+        checksum = f"{zlib.crc32(_readable_json(doc).encode()):08x}"
+        return _readable_json({_CHECKSUM_KEY: checksum, **doc})
 
     @classmethod
     def from_json(cls, text: str, path: str) -> CheckpointMetadata:
@@ -129,6 +136,13 @@ class CheckpointMetadata:
             doc = json.loads(text)
         except ValueError as e:
             raise CheckpointError(f"{path}: not valid JSON ({e}); the file is corrupted") from None
+        if isinstance(doc, dict) and _CHECKSUM_KEY in doc:
+            stored = doc.pop(_CHECKSUM_KEY)
+            if stored != f"{zlib.crc32(_readable_json(doc).encode()):08x}":
+                raise CheckpointError(
+                    f"{path}: checksum mismatch (the metadata was changed or damaged after the save); "
+                    "load another checkpoint"
+                )
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointError(f'{path}: not a zeroshard checkpoint (no "format": "{FORMAT_NAME}")')
         version = doc.get("format_version")
@@ -186,6 +200,8 @@ def read_metadata(tag_dir: str) -> CheckpointMetadata:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); the file is corrupted") from None
     except FileNotFoundError:
         raise CheckpointError(
             f"{path}: missing; {tag_dir} is not a complete zeroshard checkpoint (a save that was interrupted "
