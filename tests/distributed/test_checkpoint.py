@@ -331,3 +331,37 @@ def test_export_load_options_and_one_rank_calls(tmp_path):
     assert all(results[0].values()), results[0]
     assert all(results[1].values()), results[1]
     assert not os.path.exists(tmp_path / "only-rank-0")
+
+
+def _full_disk_save(rank: int, world_size: int, root: str):
+    import errno
+
+    import zeroshard.checkpoint.save as save_module
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = _reshard_engine(2, 1)
+    _run_steps(engine, rank, world_size, 0, 1)
+    real = save_module.write_model_file
+
+    def disk_full(*args, **kwargs):  # rank 1's disk fills up while it writes its model file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 1:
+        save_module.write_model_file = disk_full
+    try:
+        engine.save_checkpoint(root, tag="full")
+        message = ""
+    except CheckpointError as e:
+        message = str(e)
+    save_module.write_model_file = real
+    left = sorted(os.listdir(root))
+    engine.save_checkpoint(root, tag="later")  # the next save works
+    return message, left, sorted(os.listdir(root))
+
+
+def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tmp_path):
+    for message, left, after in run_on_ranks(_full_disk_save, 2, str(tmp_path)):
+        assert "rank 1: no space left on the device of " + str(tmp_path) in message, message
+        assert "MiB are free" in message and "nothing was committed" in message
+        assert left == [], left  # no .tmp.full.* directory keeps the disk full
+        assert after == ["later", "latest"], after

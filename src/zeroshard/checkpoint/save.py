@@ -11,9 +11,11 @@ The phases (see [Note: collective calls with a deadline] and [Note: crash safety
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -410,7 +412,7 @@ def save_checkpoint(
         payload["manifest"] = asdict(manifest)
         fault_point("after_rank_files", rank)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        payload["error"] = f"{type(e).__name__}: {e}"
+        payload["error"] = _describe_write_error(e, tmp_dir, state)
         local_error: Exception | None = e
     else:
         local_error = None
@@ -426,7 +428,33 @@ def save_checkpoint(
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
             local_error = local_error or e
+            # every rank is past its writes (they reported): the partial save must not keep the disk full
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     outcome = sync.broadcast("committed", outcome, write_timeout())
     if outcome["error"]:
         raise CheckpointError(outcome["error"]) from local_error
     return True
+
+
+def _describe_write_error(error: Exception, tmp_dir: str, state: ShardedState | None) -> str:
+    """One line; a full disk names the directory, the bytes this rank writes and what is free."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        need = _rank_bytes(state)
+        free = shutil.disk_usage(os.path.dirname(tmp_dir)).free
+        return (
+            f"no space left on the device of {os.path.dirname(tmp_dir)}: this rank writes about {need / 2**20:.1f} "
+            f"MiB and {free / 2**20:.1f} MiB are free; free space or save elsewhere"
+        )
+    return f"{type(error).__name__}: {error}"
+
+
+def _rank_bytes(state: ShardedState | None) -> int:
+    """What this rank's checkpoint files hold: its model pieces, its master pieces (and as much again per
+    elementwise optimizer state tensor, Adam's two)."""
+    if state is None:
+        return 0
+    total = 0
+    for part in state.parts():
+        total += sum(p.values.numel() * p.values.element_size() for p in part.model_pieces())
+        total += 3 * sum((p.end - p.begin) * 4 for p in part.optim_pieces())
+    return total
