@@ -136,3 +136,12 @@ def test_train_rejects_a_bad_ds_config(tmp_path, capsys):
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
     assert main(["train", "--ds-config", str(path)]) == 2
     assert "overlap_com: unknown key" in capsys.readouterr().err
+
+
+def test_train_refuses_an_unwritable_output_dir_before_starting(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code = main(["train", "--nproc-per-node", "2", "--output-dir", str(blocker / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"--output-dir {blocker / 'out'}: cannot write there" in err[0]

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -189,12 +190,25 @@ def preflight(args: argparse.Namespace, world_size: int) -> Any:
     opts = options_from_args(args)
     check_model(opts.model)
     check_readable(opts.data)
+    _check_writable(opts.output_dir)
     hidden = _hidden_size(opts.model.name)
     known = {"hidden_size": hidden} if hidden else {}
     config = train_ds_config(opts.ds_config, opts.hyper, world_size)
     with _quiet_config_logger():  # the run itself logs the same warnings once, from initialize
         resolve_config(parse_config(config), world_size=world_size, known=known)
     return opts
+
+
+def _check_writable(output_dir: str) -> None:
+    """The output directory (metrics, checkpoints, the export) can be created and written, before any rank starts."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".zeroshard-write-check-"):
+            pass
+    except OSError as err:
+        raise CLIError(
+            f"--output-dir {output_dir}: cannot write there ({err.strerror}); choose a writable directory", EXIT_CONFIG
+        ) from None
 
 
 @contextlib.contextmanager

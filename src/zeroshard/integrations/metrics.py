@@ -32,9 +32,10 @@ COLUMNS: Final = (
 
 
 class MetricsWriter:
-    """Appends rows to `metrics.csv` (kept across `--resume`) and mirrors scalars to TensorBoard."""
+    """Appends rows to `metrics.csv` and mirrors scalars to TensorBoard. A run resumed at step `resumed_at` keeps
+    the file's rows up to that step and drops later ones (they are trained again), so no step appears twice."""
 
-    def __init__(self, output_dir: str, enabled: bool, append: bool):
+    def __init__(self, output_dir: str, enabled: bool, resumed_at: int):
         self.enabled = enabled
         self.path = os.path.join(output_dir, "metrics.csv")
         self._file: TextIO | None = None
@@ -43,7 +44,9 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        existing = append and os.path.exists(self.path)
+        existing = resumed_at > 0 and os.path.exists(self.path)
+        if existing:
+            _truncate_after(self.path, resumed_at)
         self._file = open(self.path, "a" if existing else "w", newline="", encoding="utf-8")  # noqa: SIM115
         self._writer = csv.DictWriter(self._file, fieldnames=list(COLUMNS), extrasaction="ignore")
         if not existing:
@@ -68,6 +71,19 @@ class MetricsWriter:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrite `path` (atomically) without the rows of steps after `step`."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    kept = [row for row in rows if not row.get("step") or int(float(row["step"])) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(kept)
+    os.replace(tmp, path)
 
 
 def _fmt(value: Any) -> Any:

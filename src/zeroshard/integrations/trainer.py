@@ -118,7 +118,7 @@ def train(opts: TrainOptions) -> TrainResult:
     checkpointer = Checkpointer(engine, os.path.join(opts.output_dir, "checkpoints"))
     position = checkpointer.resume(opts.resume, restarted=restart_count() > 0) or LoopPosition()
     result = TrainResult(checkpoints=checkpointer.available)
-    metrics = MetricsWriter(opts.output_dir, enabled=rank0, append=engine.global_steps > 0)
+    metrics = MetricsWriter(opts.output_dir, enabled=rank0, resumed_at=engine.global_steps)
     progress = Progress(opts.hyper.max_steps, engine.global_steps, enabled=rank0, bar=opts.progress_bar)
     progress.line(_banner(engine, counts, train_set, eval_set, opts))
     try:
