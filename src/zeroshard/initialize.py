@@ -189,7 +189,9 @@ def _nvme_store_factory(
     if str(block.device) != "nvme":
         return None
     path = str(block.nvme_path)
-    preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path")
+    # every rank of this node writes its own swap files under the path (same filesystem)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path", sharing_ranks=local_ranks)
     # staging for tensors the swapper cannot read/write in place: a block per request in flight (8 MiB by
     # default), not offload_param.buffer_size (that sizes parameter buffers, 400 MB each by default)
     aio = cfg.aio

@@ -355,3 +355,34 @@ def test_preflight_rejects_too_little_free_space(tmp_path: Path) -> None:
         preflight(tmp_path, free + (1 << 40), key=KEY)
     text = str(info.value)
     assert KEY in text and str(tmp_path) in text and str(free + (1 << 40)) in text
+
+
+def test_preflight_counts_every_rank_of_the_node_and_removes_stale_swap_directories(tmp_path):
+    """[Note: stale swap directories]: a killed rank's files are removed at the next start, others' are kept."""
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from zeroshard.errors import ConfigError
+    from zeroshard.offload import preflight
+    from zeroshard.offload.nvme_files import make_swap_directory
+
+    free = shutil.disk_usage(tmp_path).free
+    preflight(tmp_path, free // 3, sharing_ranks=2)
+    with pytest.raises(ConfigError, match="for each of the 4 ranks of this node"):
+        preflight(tmp_path, free // 3, sharing_ranks=4)
+    # a process that made its directory and died without cleaning up (as under SIGKILL)
+    code = "import sys, os; from zeroshard.offload.nvme_files import make_swap_directory as m; d = m(sys.argv[1]);"
+    code += "(d / '000000_k.swp').write_bytes(b'x' * 8192); os._exit(0)"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+    mine = make_swap_directory(tmp_path)  # alive: kept
+    elsewhere = tmp_path / "zeroshard_swap_1_abcdef01"  # another host's process (a shared filesystem): kept
+    elsewhere.mkdir()
+    record = {"host": socket.gethostname() + "-other", "pid": 1}
+    (tmp_path / "zeroshard_swap_1_abcdef01.owner").write_text(json.dumps(record))
+    assert len([d for d in tmp_path.glob("zeroshard_swap_*") if d.is_dir()]) == 3
+    preflight(tmp_path, 1 << 20)
+    assert sorted(d for d in tmp_path.glob("zeroshard_swap_*") if d.is_dir()) == sorted([mine, elsewhere])
+    assert len(list(tmp_path.glob("zeroshard_swap_*.owner"))) == 2  # the dead process's record went with it

@@ -4,14 +4,18 @@
 tensor's bytes padded with zeros to a multiple of 4096 (O_DIRECT lengths must be). Reading checks the file
 is exactly that size, so a truncated or overwritten file fails with its name rather than returning garbage.
 The directory is removed by `close()`, when the swapper is garbage collected, and at interpreter exit; a
-SIGKILL leaves it behind (delete `zeroshard_swap_*` directories of processes that no longer run).
+SIGKILL leaves it behind. [Note: stale swap directories] Beside each directory, `<directory>.owner` records the
+host, the pid and the process's start time (so a reused pid is not mistaken for its owner); the next run's
+preflight removes the directories of processes of this host that no longer run, and says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -23,11 +27,56 @@ def make_swap_directory(path: str | Path) -> Path:
     """A new directory for this process's swap files under `path` (readable by its owner only)."""
     directory = Path(path) / f"zeroshard_swap_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     directory.mkdir(mode=0o700)
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    _owner_file(directory).write_text(json.dumps(owner), encoding="utf-8")
     return directory
+
+
+def _owner_file(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".owner")
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc), None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name in parentheses may hold spaces
+
+
+def remove_stale_swap_directories(path: str | Path) -> list[tuple[Path, int]]:
+    """Remove the swap directories under `path` of this host's processes that no longer run ([Note: stale swap
+    directories]); returns each removed directory and the bytes it held. Others' directories are left alone."""
+    removed = []
+    host = socket.gethostname()
+    for record in Path(path).glob("zeroshard_swap_*.owner"):
+        directory = record.with_name(record.name.removesuffix(".owner"))
+        try:
+            owner = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # not ours to judge
+        if owner.get("host") != host or _alive(int(owner["pid"]), owner.get("start")):
+            continue
+        size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file()) if directory.is_dir() else 0
+        remove_swap_directory(directory)
+        removed.append((directory, size))
+    return removed
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return start is None or _start_time(pid) == start  # the same pid, a new process: the owner is gone
 
 
 def remove_swap_directory(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+    _owner_file(directory).unlink(missing_ok=True)
 
 
 def swap_file_path(directory: Path, serial: int, key: str) -> Path:
