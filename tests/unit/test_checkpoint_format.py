@@ -177,3 +177,16 @@ def test_parse_size_and_shard_plan():
         parse_size("5 parsecs")
     plan = plan_shards([("a", 40), ("b", 40), ("huge", 500), ("c", 30), ("d", 10)], 100)
     assert plan == [["huge"], ["a", "b"], ["c", "d"]]
+
+
+def test_convert_of_a_refused_checkpoint_leaves_nothing_behind(tmp_path, capsys):
+    from zeroshard.cli.main import main
+
+    bad = tmp_path / "ckpt" / "t"
+    bad.mkdir(parents=True)
+    (bad / "metadata.json").write_text('{"format": "something else"}')
+    out = tmp_path / "hf"
+    assert main(["convert", str(bad), str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "metadata.json" in err and "not a zeroshard checkpoint" in err, err
+    assert not out.exists()

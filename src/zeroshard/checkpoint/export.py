@@ -15,9 +15,11 @@ exception: torch.save needs each shard in memory, so it is bounded by `max_shard
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -185,17 +187,28 @@ def convert_zero_checkpoint_to_state_dict(
     """
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     out = os.fspath(output_dir)
-    os.makedirs(out, exist_ok=True)
-    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
-        meta = reader.metadata
-        names = _exported_names(meta, exclude_frozen_parameters)
-        dtypes = {n: _out_dtype(meta.tensors[n].dtype, out_dtype) for n in names}
-        sizes = [(n, meta.tensors[n].numel * dtypes[n].itemsize) for n in names]
-        shards = plan_shards(sizes, parse_size(max_shard_size))
-        files, index_name = _shard_names(len(shards), safe_serialization)
-        write = _write_safetensors_shard if safe_serialization else _write_bin_shard
-        for file, shard in zip(files, shards, strict=True):
-            write(reader, os.path.join(out, file), shard, dtypes)
+    created = not os.path.isdir(out)
+    started: list[str] = []
+    try:  # a refused checkpoint fails before anything is created; a failed write leaves nothing behind
+        with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+            meta = reader.metadata
+            names = _exported_names(meta, exclude_frozen_parameters)
+            dtypes = {n: _out_dtype(meta.tensors[n].dtype, out_dtype) for n in names}
+            sizes = [(n, meta.tensors[n].numel * dtypes[n].itemsize) for n in names]
+            shards = plan_shards(sizes, parse_size(max_shard_size))
+            files, index_name = _shard_names(len(shards), safe_serialization)
+            write = _write_safetensors_shard if safe_serialization else _write_bin_shard
+            os.makedirs(out, exist_ok=True)
+            for file, shard in zip(files, shards, strict=True):
+                started.append(os.path.join(out, file))
+                write(reader, started[-1], shard, dtypes)
+    except BaseException:
+        for path in started:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     written = list(files)
     index_path = os.path.join(out, index_name)
     if len(files) > 1:
