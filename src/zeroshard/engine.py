@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.comm.collectives import Collectives, CommStats
+from zeroshard.comm.divergence import named_on_timeout
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.memory import StrategyMemory
@@ -138,16 +140,20 @@ class Engine(CheckpointMixin, nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self._deadline("the forward"):  # stage 3 gathers parameters here
+            return self.module(*args, **kwargs)
+
+    def _deadline(self, what: str) -> AbstractContextManager[None]:
+        return named_on_timeout(self.comm, what, float(self.config.zeroshard.collective_timeout_s))
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
         strategy = self._require_optimizer("backward")
         strategy.begin_backward()
         factor = self.loss_scale / self.gradient_accumulation_steps()
-        with torch.profiler.record_function("zeroshard.backward"):
+        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        with torch.profiler.record_function("zeroshard.reduce_wait"):
+        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
             strategy.finish_backward()
         return loss
 
@@ -159,7 +165,8 @@ class Engine(CheckpointMixin, nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
-            outcome = strategy.step(self.loss_scale)
+            with self._deadline(f"engine.step (step {self.global_steps})"):
+                outcome = strategy.step(self.loss_scale)
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(outcome.skipped)
             if outcome.skipped:

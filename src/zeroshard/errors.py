@@ -15,3 +15,7 @@ class LossScaleError(ZeroshardError):
 
 class CollectiveMismatchError(ZeroshardError):
     """Ranks were about to issue collectives that do not match; raised instead of hanging."""
+
+
+class CollectiveTimeoutError(ZeroshardError):
+    """A collective waited longer than `zeroshard.collective_timeout_s` for some rank (stalled or gone)."""

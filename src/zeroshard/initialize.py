@@ -13,6 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.topology import Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
+from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
@@ -68,9 +69,20 @@ def initialize(
         source = getattr(args, "deepspeed_config", None) or getattr(args, "zeroshard_config", None)
     if source is None:
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
-    topology = init_distributed()
-    cfg = resolve_config(parse_config(source), world_size=topology.world_size, known=_known_values(model, optimizer))
+    parsed = parse_config(source)
+    topology = init_distributed(timeout_s=_collective_timeout(parsed))
+    cfg = resolve_config(parsed, world_size=topology.world_size, known=_known_values(model, optimizer))
     return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
+
+
+def _collective_timeout(cfg: ZeroshardConfig) -> float:
+    """`zeroshard.collective_timeout_s`; DeepSpeed's DEEPSPEED_TIMEOUT (minutes) when the config leaves it unset. It
+    becomes the process group's timeout, so it applies when initialize creates the group."""
+    timeout = float(cfg.zeroshard.collective_timeout_s)
+    legacy = os.environ.get("DEEPSPEED_TIMEOUT")
+    if legacy and timeout == ZeroshardExtrasConfig().collective_timeout_s:
+        return 60.0 * float(legacy)
+    return timeout
 
 
 def _known_values(model: nn.Module, optimizer: OptimizerArg) -> dict[str, Any]:

@@ -201,3 +201,34 @@ def test_two_backwards_before_one_step_add_up_on_every_stage():
         for params in run_on_ranks(_gan, 2, zero):
             for got, want in zip(params, reference, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
+
+
+# -- a stalled rank ---------------------------------------------------------------------------------------------
+def _stalled(rank: int, world_size: int):
+    import time
+
+    import zeroshard
+
+    case = Case(stage=2, steps=2)
+    model = build_model(case)
+    config = ds_config(case)
+    config["zeroshard"] = {"collective_timeout_s": 4}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    batches = global_batches(case, world_size)
+    engine.backward(engine(*micro_batch(batches[0], 0, rank, world_size, case.micro)))
+    engine.step()
+    if rank == 1:
+        time.sleep(12)  # stalls (as under SIGSTOP): never answers while rank 0 waits
+    start = time.time()
+    try:
+        engine.backward(engine(*micro_batch(batches[1], 0, rank, world_size, case.micro)))
+        engine.step()
+    except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+        return type(err).__name__, str(err), time.time() - start
+    return None, None, time.time() - start
+
+
+def test_a_stalled_rank_fails_the_job_by_the_deadline_naming_it():
+    name, message, seconds = run_on_ranks(_stalled, 2, timeout=120)[0]
+    assert name == "CollectiveTimeoutError" and seconds < 30, (name, message, seconds)
+    assert "engine.backward" in message and "rank 1: did not answer" in message and "rank 0: in" in message, message

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import datetime
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives, Handle
-from zeroshard.errors import CollectiveMismatchError
+from zeroshard.errors import CollectiveMismatchError, CollectiveTimeoutError, ZeroshardError
 
 
 class DivergenceWatch:
@@ -49,19 +50,12 @@ class DivergenceWatch:
             raise CollectiveMismatchError(self._diagnose(what)) from err
 
     def _diagnose(self, what: str) -> str:
-        store = dist.distributed_c10d._get_default_store()
-        rank, world_size = self.comm.rank, self.comm.world_size
         recent = [self._name_of(i) for i in self.gather_log[-3:]]
-        store.set(f"zeroshard/diag/{rank}", f"waiting on {what}; last gathered units {recent}")
-        lines = []
-        for other in range(world_size):
-            try:
-                store.wait([f"zeroshard/diag/{other}"], datetime.timedelta(seconds=5))
-                lines.append(f"rank {other}: {store.get(f'zeroshard/diag/{other}').decode()}")
-            except RuntimeError:
-                lines.append(f"rank {other}: did not answer (busy elsewhere or hung)")
+        lines = ask_every_rank(
+            "diag", self.comm.rank, self.comm.world_size, f"waiting on {what}; last gathered units {recent}"
+        )
         return (
-            f"ranks diverged: rank {rank} waited {self.timeout_s:.0f}s on {what}, which not "
+            f"ranks diverged: rank {self.comm.rank} waited {self.timeout_s:.0f}s on {what}, which not "
             "every rank issued. " + "; ".join(lines) + ". Every rank must run the same modules in the same order "
             "(a module skipped or added on some ranks only)."
         )
@@ -90,3 +84,36 @@ class DivergenceWatch:
                 + ". Every rank must run the same modules in the same order (a block skipped or added on some "
                 "ranks only)."
             )
+
+
+def ask_every_rank(topic: str, rank: int, world_size: int, mine: str, answer_s: float = 5.0) -> list[str]:
+    """Post what this rank is doing under `topic` on the rendezvous store and read every rank's post: a rank that
+    does not post within `answer_s` (stalled, or blocked where it cannot notice) is named as not answering."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"zeroshard/{topic}/{rank}", mine)
+    lines = []
+    for other in range(world_size):
+        try:
+            store.wait([f"zeroshard/{topic}/{other}"], datetime.timedelta(seconds=answer_s))
+            lines.append(f"rank {other}: {store.get(f'zeroshard/{topic}/{other}').decode()}")
+        except RuntimeError:
+            lines.append(f"rank {other}: did not answer (stalled, or busy elsewhere)")
+    return lines
+
+
+@contextmanager
+def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator[None]:
+    """A collective inside the block that passes the process group's deadline (`zeroshard.collective_timeout_s`)
+    becomes a `CollectiveTimeoutError` naming what each rank is doing, instead of a backend message."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, ZeroshardError) or comm.world_size == 1 or "timed out" not in str(err).lower():
+            raise
+        lines = ask_every_rank("deadline", comm.rank, comm.world_size, f"in {what}")
+        raise CollectiveTimeoutError(
+            f"a collective in {what} waited longer than {timeout_s:.0f}s (zeroshard.collective_timeout_s): "
+            + "; ".join(lines)
+            + ". A rank that did not answer is stalled (stopped, swapping, deadlocked) or never reached this "
+            "collective; the job stops here rather than hang."
+        ) from err

@@ -169,3 +169,15 @@ class TimersConfig(ConfigBlock):
     AUTO_POLICY = AutoPolicy.DEFAULT
 
     throughput: ThroughputTimerConfig = block(ThroughputTimerConfig, "The throughput timer.")
+
+
+@dataclass(frozen=True)
+class ZeroshardExtrasConfig(ConfigBlock):
+    """`zeroshard`: settings of ours that DeepSpeed has no key for (DeepSpeed ignores the block)."""
+
+    collective_timeout_s: float = option(
+        300.0,
+        "Seconds a collective may wait for every rank before the job fails, naming the ranks that did not arrive "
+        "(the process group's timeout; DeepSpeed's DEEPSPEED_TIMEOUT, in minutes, is read when this is unset).",
+        Float(minimum=1.0),
+    )

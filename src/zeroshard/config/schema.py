@@ -20,6 +20,7 @@ from zeroshard.config.features import (
     ElasticityConfig,
     HybridEngineConfig,
     TimersConfig,
+    ZeroshardExtrasConfig,
 )
 from zeroshard.config.fields import (
     AutoPolicy,
@@ -170,6 +171,7 @@ class ZeroshardConfig(ConfigBlock):
     )
     aio: AioConfig = block(AioConfig, "Asynchronous I/O for NVMe offload.")
     checkpoint: CheckpointConfig = block(CheckpointConfig, "Checkpoint validation and writing.")
+    zeroshard: ZeroshardExtrasConfig = block(ZeroshardExtrasConfig, "Settings DeepSpeed has no key for.")
     datastates_ckpt: Any = opaque("DataStates asynchronous checkpointing settings.", any_json=True)
     disable_python_gc: bool = option(False, "Disable Python's automatic cyclic garbage collector.", Bool())
     dataloader_drop_last: bool = option(False, "Drop the last incomplete batch of the engine's dataloader.", Bool())

@@ -76,6 +76,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Logging, checkpointing and data.
         "steps_per_print",
         "checkpoint.tag_validation",
+        "zeroshard.collective_timeout_s",
         "dataloader_drop_last",
     ]
 )
