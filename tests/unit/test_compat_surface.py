@@ -188,7 +188,7 @@ def test_lr_schedules_follow_deepspeeds(name, params):
         return seen
 
     assert lrs(getattr(lr_schedules, name)) == pytest.approx(lrs(getattr(ds_schedules, name)), rel=1e-12)
-    assert getattr(lr_schedules, "VALID_LR_SCHEDULES") == ds_schedules.VALID_LR_SCHEDULES
+    assert lr_schedules.VALID_LR_SCHEDULES == ds_schedules.VALID_LR_SCHEDULES
 
 
 def test_runtime_constants_equal_deepspeeds():
@@ -237,7 +237,9 @@ def test_register_external_parameter():
         zeroshard.zero.register_external_parameter(user, owner.weight)
 
 
-@pytest.mark.parametrize(("module", "issue"), [("pipe", "issue 18"), ("moe", "issue 18"), ("checkpointing", "issue 17")])
+@pytest.mark.parametrize(
+    ("module", "issue"), [("pipe", "issue 18"), ("moe", "issue 18"), ("checkpointing", "issue 17")]
+)
 def test_absent_modules_name_the_issue(module, issue):
     import importlib
 
