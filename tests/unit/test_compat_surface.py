@@ -245,3 +245,15 @@ def test_absent_modules_name_the_issue(module, issue):
 
     with pytest.raises(ImportError, match=issue):
         importlib.import_module(f"zeroshard.{module}")
+
+
+@pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])
+def test_safe_get_full_names_refuse_with_the_alternative(name):
+    import zeroshard.utils
+
+    ds_utils = import_deepspeed("deepspeed.utils")
+    ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    args = [torch.nn.Parameter(torch.zeros(1))] + (["exp_avg"] if name.endswith("state") else [])
+    with pytest.raises(NotImplementedError, match="consolidated_state_dict"):
+        ours(*args)
