@@ -4,8 +4,14 @@ Example:
     >>> import zeroshard
     >>> engine, optimizer, dataloader, lr_scheduler = zeroshard.initialize(  # doctest: +SKIP
     ...     model=model, model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
+
+`import zeroshard as deepspeed` gives a DeepSpeed script the names it uses (`add_config_arguments`,
+`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`); docs/compat.md lists them.
 """
 
+from zeroshard import accelerator, comm, ops, runtime, utils, zero
+from zeroshard.arguments import add_config_arguments
+from zeroshard.comm.api import init_distributed
 from zeroshard.engine import Engine, MemoryReport
 from zeroshard.errors import CollectiveMismatchError, ConfigError, LossScaleError, ZeroshardError
 from zeroshard.initialize import initialize
@@ -22,7 +28,15 @@ __all__ = [
     "LossScaleError",
     "MemoryReport",
     "ZeroshardError",
+    "accelerator",
+    "add_config_arguments",
+    "comm",
+    "init_distributed",
     "initialize",
+    "ops",
+    "runtime",
+    "utils",
+    "zero",
     "zero_init",
     "__version__",
 ]

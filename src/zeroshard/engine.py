@@ -24,6 +24,18 @@ from zeroshard.zero.strategy import AccumulationState, Strategy
 
 logger = get_logger(__name__)
 
+# DeepSpeed lower-cases optimizer.type for these names in `optimizer_name()` (its DEEPSPEED_OPTIMIZERS).
+_DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+
+
+class DisabledMonitor:
+    """DeepSpeed's `engine.monitor` when no monitor is configured: `enabled` is False, events are dropped."""
+
+    enabled = False
+
+    def write_events(self, event_list: list[Any]) -> None:
+        """Drop the events: zeroshard has no TensorBoard/CSV/W&B writers."""
+
 
 @dataclass
 class MemoryReport(StrategyMemory):
@@ -82,6 +94,7 @@ class Engine(CheckpointMixin, nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
+        self._step_applied = False
         self._offloader = StateOffloader()
 
     @property
@@ -129,6 +142,49 @@ class Engine(CheckpointMixin, nn.Module):
         """Norm of the last step's gradients (before clipping), or None if no step was taken."""
         return self._last_grad_norm
 
+    # DeepSpeed's names for what the config and topology already say (DeepSpeed's return types).
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group: all of them (zeroshard has no model parallelism yet)."""
+        return self.topology.world_size
+
+    @property
+    def monitor(self) -> DisabledMonitor:
+        """DeepSpeed's MonitorMaster; zeroshard writes no TensorBoard/CSV/W&B events, so it is disabled."""
+        return DisabledMonitor()
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage > 0), as DeepSpeed's `zero_optimization()`."""
+        return self.zero_stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def optimizer_name(self) -> str | None:
+        """ds_config `optimizer.type` (lower-cased for DeepSpeed's own optimizer names, as DeepSpeed does), or
+        the client optimizer's class name when the config names none."""
+        if self.config.optimizer is not None:
+            name = str(self.config.optimizer.type)
+            return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZER_NAMES else name
+        return type(self.optimizer).__name__ if self.optimizer is not None else None
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest `step()` updated the parameters (False off the boundary or when it was skipped)."""
+        return self._step_applied
+
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
             return []
@@ -162,6 +218,7 @@ class Engine(CheckpointMixin, nn.Module):
         strategy = self._require_optimizer("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
@@ -179,6 +236,7 @@ class Engine(CheckpointMixin, nn.Module):
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self._last_grad_norm = outcome.grad_norm
+            self._step_applied = not outcome.skipped
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report_progress()

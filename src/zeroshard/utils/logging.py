@@ -44,3 +44,24 @@ def log_rank(logger: logging.Logger, level: int, msg: str, ranks: Iterable[int] 
     """Log `msg` on the given ranks only (all ranks when `ranks` is None)."""
     if ranks is None or _current_rank() in set(ranks):
         logger.log(level, msg)
+
+
+# DeepSpeed scripts import `logger` from `deepspeed.utils` / `deepspeed.utils.logging` and log through it.
+logger = get_logger("zeroshard")
+
+
+def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """DeepSpeed's `log_dist`: log on the listed ranks (`[-1]`: all ranks; None or []: none once
+    torch.distributed is initialised, all before), prefixed with the rank as DeepSpeed does.
+
+    Example:
+        >>> from zeroshard.utils import log_dist
+        >>> log_dist("step 10", ranks=[0])
+    """
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else -1
+    wanted = list(ranks or [])
+    if not initialized or (wanted and (wanted[0] == -1 or rank in wanted)):
+        logger.log(level, "[Rank %d] %s", rank, message)

@@ -1,0 +1,172 @@
+"""`deepspeed.comm`'s torch.distributed-style functions, for the user's own collectives.
+
+[Note: user collectives] `collectives.py` is the one place the strategies call torch.distributed, so their
+bytes are counted and their order fingerprinted. The functions here are for the training script's own
+calls (averaging a loss for logging, a barrier before saving), as DeepSpeed scripts make them through
+`deepspeed.comm`; they call torch.distributed directly and are not counted in `engine.comm_stats`.
+DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and ignored: our communication
+report is `engine.comm_stats`, not a per-call log.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from zeroshard.comm import topology
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_PROFILING_KEYWORDS = ("prof", "log_name", "debug")
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's constant, which scripts pass as distributed_port
+
+
+def _user_collective(fn: _F) -> _F:
+    """torch.distributed's `fn`, accepting DeepSpeed's profiling keywords (see [Note: user collectives])."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for name in _PROFILING_KEYWORDS:
+            kwargs.pop(name, None)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+all_reduce = _user_collective(dist.all_reduce)
+broadcast = _user_collective(dist.broadcast)
+all_gather = _user_collective(dist.all_gather)
+all_gather_into_tensor = _user_collective(dist.all_gather_into_tensor)
+reduce = _user_collective(dist.reduce)
+reduce_scatter = _user_collective(dist.reduce_scatter)
+reduce_scatter_tensor = _user_collective(dist.reduce_scatter_tensor)
+all_to_all_single = _user_collective(dist.all_to_all_single)
+gather = _user_collective(dist.gather)
+scatter = _user_collective(dist.scatter)
+send = _user_collective(dist.send)
+recv = _user_collective(dist.recv)
+isend = _user_collective(dist.isend)
+irecv = _user_collective(dist.irecv)
+barrier = _user_collective(dist.barrier)
+monitored_barrier = _user_collective(dist.monitored_barrier)
+broadcast_object_list = dist.broadcast_object_list
+all_gather_object = dist.all_gather_object
+new_group = dist.new_group
+is_available = dist.is_available
+is_initialized = dist.is_initialized
+destroy_process_group = dist.destroy_process_group
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (the default group when None); torch.distributed must be initialised."""
+    return dist.get_rank(group)
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """The number of processes in `group` (the default group when None)."""
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """The rank on this node, from the launcher's LOCAL_RANK (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group: dist.ProcessGroup | None = None, group_rank: int = 0) -> int:
+    """The global rank of `group_rank` in `group` (itself for the default group)."""
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_world_group() -> dist.ProcessGroup:
+    """The default (world) process group."""
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict[str, Any] | None:
+    """No-op: DeepSpeed's comms logger has no counterpart here; `engine.comm_stats` counts the engine's bytes."""
+    logger.debug("log_summary: use engine.comm_stats for the engine's communication volume")
+    return {} if return_dict else None
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """DeepSpeed's `init_distributed` over `comm.topology.init_distributed`.
+
+    As in DeepSpeed, nothing happens when torch.distributed is already initialised (unless
+    `dist_init_required=True`, which torch refuses). An explicit `init_method`, `rank` or `world_size` is
+    passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read (or a
+    one-process group is made). MPI discovery is not done: launch with torchrun or `zeroshard` instead of
+    mpirun (`auto_mpi_discovery`, `distributed_port`, `config` are accepted for compatibility and unused).
+
+    Example:
+        >>> import zeroshard
+        >>> zeroshard.init_distributed(dist_backend="gloo")  # doctest: +SKIP
+    """
+    if dist_init_required is None:
+        dist_init_required = not dist.is_initialized()
+    if not dist_init_required:
+        return
+    timeout_s = timeout.total_seconds() if timeout is not None else None
+    if init_method is not None or rank >= 0 or world_size >= 0:
+        kwargs: dict[str, Any] = {"init_method": init_method, "rank": rank, "world_size": world_size}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        dist.init_process_group(dist_backend, **kwargs)
+    topo = topology.init_distributed(dist_backend, timeout_s)
+    if verbose:
+        logger.info("initialised torch.distributed: rank %d of %d, %s", topo.rank, topo.world_size, topo.backend)
+
+
+__all__ = [
+    "ReduceOp",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "init_distributed",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "log_summary",
+    "monitored_barrier",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+]

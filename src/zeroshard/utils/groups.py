@@ -1,0 +1,50 @@
+"""`deepspeed.utils.groups`: the process groups scripts ask for, over zeroshard's one data-parallel group.
+
+zeroshard is pure data parallelism (no tensor, pipeline, sequence or expert parallelism yet), so the
+data-parallel group is the whole world and every model-parallel group has one rank.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_data_parallel_group() -> dist.ProcessGroup | None:
+    """The data-parallel group: the world group (None before torch.distributed is initialised)."""
+    return dist.group.WORLD if _initialized() else None  # type: ignore[return-value]
+
+
+def get_data_parallel_world_size() -> int:
+    """Ranks in the data-parallel group (1 before torch.distributed is initialised)."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def get_data_parallel_rank() -> int:
+    """This process's rank in the data-parallel group (0 before torch.distributed is initialised)."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def get_model_parallel_world_size() -> int:
+    """1: zeroshard has no model parallelism yet."""
+    return 1
+
+
+def get_model_parallel_rank() -> int:
+    """0: zeroshard has no model parallelism yet."""
+    return 0
+
+
+# DeepSpeed's underscored spellings, which its own examples and tests call.
+_get_data_parallel_group = get_data_parallel_group
+_get_data_parallel_world_size = get_data_parallel_world_size
+_get_data_parallel_rank = get_data_parallel_rank
+_get_model_parallel_world_size = get_model_parallel_world_size
+_get_sequence_parallel_world_size = get_model_parallel_world_size
+_get_sequence_parallel_rank = get_model_parallel_rank
+_get_expert_model_parallel_world_size = get_model_parallel_world_size
+get_tensor_model_parallel_world_size = get_model_parallel_world_size
+get_tensor_model_parallel_rank = get_model_parallel_rank

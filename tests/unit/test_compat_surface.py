@@ -1,0 +1,259 @@
+"""`import zeroshard as deepspeed`: the public names DeepSpeed scripts use, compared with DeepSpeed's own where
+that is cheap. No process group: the names that need one are tested in tests/distributed/test_compat_engine.py."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+
+import pytest
+import torch
+
+from helpers.deepspeed_reference import import_deepspeed
+
+
+def _arguments(parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    return {a.dest: (tuple(a.option_strings), a.default, a.type, a.nargs, a.const) for a in parser._actions}
+
+
+def test_add_config_arguments_matches_deepspeed():
+    import zeroshard
+
+    ds = import_deepspeed()
+    ours = zeroshard.add_config_arguments(argparse.ArgumentParser())
+    theirs = ds.add_config_arguments(argparse.ArgumentParser())
+    assert _arguments(ours) == _arguments(theirs)
+    argv = ["--deepspeed", "--deepspeed_config", "ds.json", "--deepscale", "--deepscale_config", "old.json"]
+    assert vars(ours.parse_args(argv)) == vars(theirs.parse_args(argv))
+    assert vars(ours.parse_args([])) == vars(theirs.parse_args([]))
+
+
+def test_init_distributed_takes_deepspeeds_arguments():
+    import zeroshard
+
+    ds = import_deepspeed()
+    ours = inspect.signature(zeroshard.init_distributed).parameters
+    theirs = inspect.signature(ds.init_distributed).parameters
+    assert list(ours) == list(theirs)
+    for name in ("dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "init_method", "rank"):
+        assert ours[name].default == theirs[name].default, name
+
+
+def test_init_distributed_not_required_does_nothing():
+    import torch.distributed as dist
+
+    import zeroshard
+
+    zeroshard.init_distributed(dist_init_required=False)
+    assert not dist.is_initialized()
+
+
+def test_cpu_accelerator_answers_as_deepspeeds():
+    from zeroshard.accelerator import Accelerator, get_accelerator
+
+    ds_acc = import_deepspeed("deepspeed.accelerator").get_accelerator()
+    assert ds_acc.device_name() == "cpu", "the test runs with DS_ACCELERATOR=cpu"
+    ours = Accelerator("cpu")
+    for name in (
+        "device_name",
+        "current_device_name",
+        "communication_backend_name",
+        "is_available",
+        "is_bf16_supported",
+        "is_fp16_supported",
+        "is_synchronized_device",
+    ):
+        mine, theirs = getattr(ours, name)(), getattr(ds_acc, name)()
+        if isinstance(mine, bool):
+            theirs = bool(theirs)  # DeepSpeed's CPU is_fp16_supported returns None where oneDNN lacks fp16
+        assert mine == theirs, name
+    assert ours.Stream is None and ours.Event is None and ds_acc.Stream is None and ds_acc.Event is None
+    t = torch.ones(2)
+    assert ours.on_accelerator(t) and ours.pin_memory(t) is t
+    assert ours.memory_allocated() > 0 and ours.max_memory_allocated() >= ours.memory_allocated()
+    assert (get_accelerator() is get_accelerator()) and isinstance(get_accelerator(), Accelerator)
+
+
+def test_accelerator_methods_exist_in_deepspeed():
+    from zeroshard.accelerator import Accelerator
+
+    ds_acc = import_deepspeed("deepspeed.accelerator").get_accelerator()
+    public = [name for name in dir(Accelerator) if not name.startswith("_")]
+    assert [name for name in public if not hasattr(ds_acc, name)] == []
+
+
+def test_cpu_accelerator_seeds_and_names_devices():
+    from zeroshard.accelerator import Accelerator
+
+    acc = Accelerator("cpu")
+    acc.manual_seed(7)
+    a = torch.rand(3)
+    acc.manual_seed_all(7)
+    assert torch.equal(a, torch.rand(3))
+    assert acc.device_name(1) == "cpu" and Accelerator("cuda").device_name(1) == "cuda:1"
+    assert Accelerator("cuda").communication_backend_name() == "nccl"
+    with pytest.raises(ValueError):
+        Accelerator("xpu")
+
+
+def test_comm_names_are_deepspeeds(monkeypatch):
+    import zeroshard.comm as comm
+    from zeroshard.comm.api import __all__ as names
+
+    ds_comm = import_deepspeed("deepspeed.comm")
+    assert [name for name in names if not hasattr(ds_comm, name)] == []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert comm.get_local_rank() == 3
+    assert comm.get_global_rank(None, 5) == 5
+    assert comm.ReduceOp.SUM == torch.distributed.ReduceOp.SUM
+    assert comm.log_summary() is None and comm.log_summary(return_dict=True) == {}
+    assert not comm.is_initialized()
+
+
+def test_utils_logger_log_dist_and_groups():
+    from zeroshard.utils import RepeatingLoader, groups, log_dist, logger
+    from zeroshard.utils.logging import logger as same_logger
+
+    assert logger is same_logger
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        log_dist("hello", ranks=[0])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # DeepSpeed logs on every process before torch.distributed is initialised, with rank -1.
+    assert [r.getMessage() for r in records] == ["[Rank -1] hello"]
+    assert (groups._get_data_parallel_world_size(), groups._get_data_parallel_rank()) == (1, 0)
+    assert groups.get_data_parallel_group() is None and groups._get_model_parallel_world_size() == 1
+    it = RepeatingLoader([1, 2, 3])
+    assert [next(it) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
+    from zeroshard.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from zeroshard.optim import build_optimizer
+
+    ds_adam = import_deepspeed("deepspeed.ops.adam")
+    for ours, theirs in ((FusedAdam, ds_adam.FusedAdam), (DeepSpeedCPUAdam, ds_adam.DeepSpeedCPUAdam)):
+        mine = {k: p.default for k, p in inspect.signature(ours).parameters.items()}
+        ref = {k: p.default for k, p in inspect.signature(theirs.__init__).parameters.items() if k != "self"}
+        assert mine == ref, ours.__name__
+    w = torch.zeros(4, requires_grad=True)
+    opt = FusedAdam([w], lr=1e-4, weight_decay=0.1)
+    expected = build_optimizer("Adam", {"lr": 1e-4, "weight_decay": 0.1}, [{"params": [w]}])
+    assert type(opt) is type(expected) is torch.optim.AdamW
+    assert opt.defaults == expected.defaults and opt.param_groups[0]["params"] == [w]
+    assert type(FusedAdam([w], adam_w_mode=False)) is torch.optim.Adam
+    assert type(DeepSpeedCPUAdam([{"params": [w], "lr": 0.5}], adamw_mode=False)) is torch.optim.Adam
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam([w], amsgrad=True)
+
+
+def test_fused_lamb_is_refused_with_the_reason():
+    from zeroshard.errors import ConfigError
+    from zeroshard.ops.lamb import FusedLamb
+
+    with pytest.raises(ConfigError, match="trust ratio"):
+        FusedLamb([torch.zeros(2, requires_grad=True)], lr=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 5}),
+        ("WarmupDecayLR", {"total_num_steps": 10, "warmup_max_lr": 0.1, "warmup_num_steps": 3}),
+        ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3}),
+        ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3}),
+        ("LRRangeTest", {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 2}),
+    ],
+)
+def test_lr_schedules_follow_deepspeeds(name, params):
+    from zeroshard.runtime import lr_schedules
+
+    ds_schedules = import_deepspeed("deepspeed.runtime.lr_schedules")
+
+    def lrs(factory):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
+        sched = factory(opt, **params)
+        seen = []
+        for _ in range(8):
+            sched.step()
+            seen.append(opt.param_groups[0]["lr"])
+        return seen
+
+    assert lrs(getattr(lr_schedules, name)) == pytest.approx(lrs(getattr(ds_schedules, name)), rel=1e-12)
+    assert lr_schedules.VALID_LR_SCHEDULES == ds_schedules.VALID_LR_SCHEDULES
+
+
+def test_runtime_constants_equal_deepspeeds():
+    from zeroshard.runtime import constants
+
+    ds_constants = import_deepspeed("deepspeed.runtime.constants")
+    names = [name for name in dir(constants) if name.isupper()]
+    assert names and {name: getattr(constants, name) for name in names} == {
+        name: getattr(ds_constants, name) for name in names
+    }
+
+
+def test_set_random_seed_and_see_memory_usage():
+    from zeroshard.runtime.utils import see_memory_usage, set_random_seed
+
+    set_random_seed(3)
+    a = torch.rand(2)
+    set_random_seed(3)
+    assert torch.equal(a, torch.rand(2))
+    see_memory_usage("not forced")  # returns without touching the accelerator
+    see_memory_usage("forced", force=True)
+
+
+def test_zero_init_builds_on_meta_and_takes_deepspeeds_arguments():
+    import zeroshard
+
+    with zeroshard.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16, config_dict_or_path={}):
+        built = torch.nn.Linear(2, 2)
+    assert built.weight.device.type == "meta"
+    with zeroshard.zero.Init(enabled=False):
+        plain = torch.nn.Linear(2, 2)
+    assert plain.weight.device.type == "cpu"
+    with zeroshard.zero.Init(module=plain):
+        assert torch.empty(1).device.type == "cpu"
+    with pytest.raises(zeroshard.ConfigError, match="mpu"):
+        zeroshard.zero.Init(mpu=object())
+    assert zeroshard.zero.GatheredParameters is zeroshard.GatheredParameters
+
+
+def test_register_external_parameter():
+    import zeroshard
+
+    owner, user = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    zeroshard.zero.register_external_parameter(owner, owner.weight)  # its own: gathered with its unit
+    with pytest.raises(NotImplementedError, match="GatheredParameters"):
+        zeroshard.zero.register_external_parameter(user, owner.weight)
+
+
+@pytest.mark.parametrize(
+    ("module", "issue"), [("pipe", "issue 18"), ("moe", "issue 18"), ("checkpointing", "issue 17")]
+)
+def test_absent_modules_name_the_issue(module, issue):
+    import importlib
+
+    with pytest.raises(ImportError, match=issue):
+        importlib.import_module(f"zeroshard.{module}")
+
+
+@pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])
+def test_safe_get_full_names_refuse_with_the_alternative(name):
+    import zeroshard.utils
+
+    ds_utils = import_deepspeed("deepspeed.utils")
+    ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    args = [torch.nn.Parameter(torch.zeros(1))] + (["exp_avg"] if name.endswith("state") else [])
+    with pytest.raises(NotImplementedError, match="consolidated_state_dict"):
+        ours(*args)
