@@ -65,8 +65,16 @@ def initialize(
     if mpu is not None:
         raise ConfigError("initialize(mpu=...): model parallelism is not supported yet; pass mpu=None")
     source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "zeroshard_config", None)
+    from_args = None
+    if args is not None:  # --deepspeed_config (or the deprecated --deepscale_config) from add_config_arguments
+        names = ("deepspeed_config", "deepscale_config", "zeroshard_config")
+        from_args = next((getattr(args, n) for n in names if getattr(args, n, None)), None)
+    if source is not None and from_args is not None:
+        raise ConfigError(
+            f"initialize(): a config came both from args ({from_args}) and from config=; pass only one, as "
+            "DeepSpeed requires"
+        )
+    source = source if source is not None else from_args
     if source is None:
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = parse_config(source)

@@ -257,3 +257,17 @@ def test_safe_get_full_names_refuse_with_the_alternative(name):
     args = [torch.nn.Parameter(torch.zeros(1))] + (["exp_avg"] if name.endswith("state") else [])
     with pytest.raises(NotImplementedError, match="consolidated_state_dict"):
         ours(*args)
+
+
+def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_configs(tmp_path):
+    """As DeepSpeed: `--deepscale_config` still names the config; a config both in args and config= is refused."""
+    import argparse
+
+    import zeroshard
+    from zeroshard.errors import ConfigError
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1}')
+    args = zeroshard.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    with pytest.raises(ConfigError, match="both from args .* and from config="):
+        zeroshard.initialize(args=args, model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1})
