@@ -1,0 +1,125 @@
+"""DeepSpeed's engine accessors: what the config, the topology and the last step say, under DeepSpeed's names and
+return types. A mixin of `Engine` (`class Engine(CheckpointMixin, EngineAccessors, nn.Module)`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroshard.comm.collectives import Collectives, CommStats
+from zeroshard.comm.topology import Topology
+from zeroshard.zero.strategy import AccumulationState
+
+# DeepSpeed lower-cases optimizer.type for these names in `optimizer_name()` (its DEEPSPEED_OPTIMIZERS).
+_DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+
+
+class DisabledMonitor:
+    """DeepSpeed's `engine.monitor` when no monitor is configured: `enabled` is False, events are dropped."""
+
+    enabled = False
+
+    def write_events(self, event_list: list[Any]) -> None:
+        """Drop the events: zeroshard has no TensorBoard/CSV/W&B writers."""
+
+
+class EngineAccessors:
+    """Read-only views of the engine's state; every value comes from the attributes below."""
+
+    config: Any  # ZeroshardConfig
+    topology: Topology
+    comm: Collectives
+    accumulation: AccumulationState
+    optimizer: torch.optim.Optimizer | None
+    loss_scaler: Any
+    _last_grad_norm: float | None
+    _step_applied: bool
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    @property
+    def comm_stats(self) -> CommStats:
+        return self.comm.stats
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.accumulation.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.accumulation.is_boundary()
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients (before clipping), or None if no step was taken."""
+        return self._last_grad_norm
+
+    # DeepSpeed's names for what the config and topology already say (DeepSpeed's return types).
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group: all of them (zeroshard has no model parallelism yet)."""
+        return self.topology.world_size
+
+    @property
+    def monitor(self) -> DisabledMonitor:
+        """DeepSpeed's MonitorMaster; zeroshard writes no TensorBoard/CSV/W&B events, so it is disabled."""
+        return DisabledMonitor()
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage > 0), as DeepSpeed's `zero_optimization()`."""
+        return self.zero_stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def optimizer_name(self) -> str | None:
+        """ds_config `optimizer.type` (lower-cased for DeepSpeed's own optimizer names, as DeepSpeed does), or
+        the client optimizer's class name when the config names none."""
+        if self.config.optimizer is not None:
+            name = str(self.config.optimizer.type)
+            return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZER_NAMES else name
+        return type(self.optimizer).__name__ if self.optimizer is not None else None
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest `step()` updated the parameters (False off the boundary or when it was skipped)."""
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
