@@ -77,12 +77,15 @@ CASES = [
         rtol=BF16_RTOL,
         missing=(ACCELERATOR,),
     ),
+    # With the names filled in by a throwaway shim (2026-11-22), this case ran and differed from DeepSpeed from the
+    # second iteration on (generator loss 0.67933 vs 0.68423; max relative difference 2.3e-2): see the report.
     Case(
         "gan_fp32_stage0",
         "gan_deepspeed_train.py",
         ds_config={"train_batch_size": 16, "steps_per_print": 10},
         missing=(ADD_CONFIG_ARGUMENTS,),
     ),
+    # With a shim: losses within 2.0e-6 relative of DeepSpeed's (steps 4 and 7 of 8), just outside FP32_RTOL.
     Case(
         "bing_bert_fp32_resume",
         "bing_bert_deepspeed_train.py",
@@ -118,6 +121,8 @@ CASES = [
             "zeroshard.zero.Init",
         ),
     ),
+    # With a shim: zeroshard trains through an unused parameter with ignore_unused_parameters=false where
+    # DeepSpeed raises the AssertionError naming the option.
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py", missing=(ACCELERATOR,)),
     Case(
         "unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",), missing=(INIT_DISTRIBUTED,)

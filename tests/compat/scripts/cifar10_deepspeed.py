@@ -4,7 +4,8 @@ Re-created (trimmed, rewritten) from DeepSpeedExamples `training/cifar/cifar10_d
 commit 45b4b7156c8794a3452a5a7d03dbd8d797068569. Kept as upstream: `add_config_arguments`, `init_distributed`,
 `get_accelerator().set_device/device_name`, `initialize(args=, model=, model_parameters=, training_data=,
 config=)` with the returned data loader, `bfloat16_enabled()/fp16_enabled()`, `backward`/`step`, `local_rank`.
-Dropped: the MoE variant (`deepspeed.moe`, out of scope), torchvision download, the test pass.
+Dropped: the MoE variant (`deepspeed.moe`, out of scope), torchvision download, the test pass, the fp16
+loss-scale details. Changed: synthetic images; `torch_adam: true` so that DeepSpeed does not JIT-build FusedAdam.
 The library is a switch: COMPAT_LIB=deepspeed (default) or COMPAT_LIB=zeroshard.
 """
 
