@@ -1,0 +1,208 @@
+"""DeepSpeed scripts run with only the import swapped (issue 22 item 2).
+
+Each program in `scripts/` is a trimmed re-creation of a public DeepSpeed script or unit test (its header names
+the upstream file and commit) that picks its library from `COMPAT_LIB` and prints, on rank 0, one line
+`COMPAT_RESULT {"losses": ...}`. Here each runs on 2 gloo ranks under `torch.distributed.run`:
+
+- `test_zeroshard_matches_deepspeed` runs it with zeroshard and compares the losses with DeepSpeed 0.19.8's,
+  recorded in `reference_losses.json` (fp32 to 1e-6 relative; bf16 runs to 1e-2, about two bf16 ulps).
+- `test_reference_is_deepspeed` (slow) runs the same script with DeepSpeed and checks the recorded losses, so
+  the reference cannot drift from what DeepSpeed does; `python tests/compat/test_scripts.py` rewrites the file.
+- The pipeline script needs `deepspeed.pipe`, which zeroshard does not have (issue 18): under zeroshard it must
+  stop at that import with an ImportError naming `pipe`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+SCRIPTS = HERE / "scripts"
+REFERENCE = HERE / "reference_losses.json"
+MARKER = "COMPAT_RESULT "
+FP32_RTOL = 1e-6
+BF16_RTOL = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One script run: its arguments ({tmp} is a fresh directory) and the ds_config passed as --deepspeed_config."""
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+    ds_config: dict[str, Any] | None = None
+    rtol: float = FP32_RTOL
+    missing: tuple[str, ...] = field(default=())  # public names zeroshard lacks until the ds-surface work lands
+
+
+SURFACE = "from the ds-surface work (issue 22 item 1)"
+BING_BERT_CONFIG = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+    "steps_per_print": 1000,
+    "prescale_gradients": True,
+    "gradient_predivide_factor": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+    "gradient_clipping": 1.0,
+}
+
+CASES = [
+    Case("cifar_fp32_stage0", "cifar10_deepspeed.py", ("--stage", "0", "--dtype", "fp32")),
+    Case("cifar_fp32_stage3", "cifar10_deepspeed.py", ("--stage", "3", "--dtype", "fp32")),
+    Case("cifar_bf16_stage2", "cifar10_deepspeed.py", ("--stage", "2", "--dtype", "bf16"), rtol=BF16_RTOL),
+    Case(
+        "hello_deepspeed_bf16_zero1_offload_resume",
+        "train_bert_ds.py",
+        ("--checkpoint_dir", "{tmp}/exp"),
+        rtol=BF16_RTOL,
+    ),
+    # Issue 22 item 3 at stage 0: the generator loss departs from DeepSpeed's in the second iteration
+    # (0.67933 vs 0.68423); zeroshard's stages 1 and 2 run the same script to DeepSpeed stage 0's losses exactly.
+    Case("gan_fp32_stage0", "gan_deepspeed_train.py", ds_config={"train_batch_size": 16, "steps_per_print": 10}),
+    # With the module filled in by hand, the losses came within 2.0e-6 relative of DeepSpeed's (steps 4 and 7
+    # of 8): just outside FP32_RTOL, to be explained before the skip goes.
+    Case(
+        "bing_bert_fp32_resume",
+        "bing_bert_deepspeed_train.py",
+        ("--output_dir", "{tmp}/saved_models"),
+        ds_config=BING_BERT_CONFIG,
+        missing=("zeroshard.runtime.config (LAMB_OPTIMIZER, imported by zeroshard.runtime as DeepSpeed's is)",),
+    ),
+    Case(
+        "unit_test_ds_initialize",
+        "test_ds_initialize.py",
+        missing=(
+            "zeroshard.runtime.config.ADAM_OPTIMIZER",
+            "zeroshard.runtime.lr_schedules.WarmupLR as a class (the test checks isinstance)",
+            "offload_param at stages 0-2 ignored as DeepSpeed does, not refused",
+        ),
+    ),
+    # zeroshard trains through an unused parameter with ignore_unused_parameters=false, where DeepSpeed raises
+    # the AssertionError that names the option.
+    Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
+    Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
+]
+PIPELINE = Case(
+    "pipeline_2_stages",
+    "pipeline_train.py",
+    ds_config={
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 100,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
+    },
+)
+
+
+def run_script(case: Case, lib: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """Launch `case` on 2 local gloo ranks with COMPAT_LIB=`lib`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = [a.replace("{tmp}", str(tmp)) for a in case.args]
+    if case.ds_config is not None:
+        config = tmp / "ds_config.json"
+        config.write_text(json.dumps(case.ds_config))
+        args += ["--deepspeed_config", str(config)]
+    env = {**os.environ, "COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    src = str(HERE.parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return subprocess.run(
+        [*command, str(SCRIPTS / case.script), *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def losses_of(done: subprocess.CompletedProcess[str], what: str) -> Any:
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+    if done.returncode != 0 or len(lines) != 1:
+        output = (done.stdout + done.stderr).splitlines()
+        errors = [line for line in output if line.startswith("[rank") and "Error" in line]  # the ranks' own errors
+        tail = "\n".join(output[-30:])
+        raise AssertionError(f"{what} exited {done.returncode} with {len(lines)} result lines: {errors}\n{tail}")
+    return json.loads(lines[0][len(MARKER) :])["losses"]
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, float]:
+    """{"a": [1, [2, 3]]} -> {"a/0": 1, "a/1/0": 2, "a/1/1": 3}: every loss under a readable key."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}/").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}/").items()}
+    return {prefix.rstrip("/"): float(value)}
+
+
+def assert_losses_match(actual: Any, expected: Any, rtol: float) -> None:
+    got, want = flatten(actual), flatten(expected)
+    assert got.keys() == want.keys(), f"different steps: {sorted(got.keys() ^ want.keys())}"
+    bad = {k: (got[k], want[k]) for k in want if not math.isclose(got[k], want[k], rel_tol=rtol, abs_tol=0.0)}
+    assert not bad, f"{len(bad)} of {len(want)} losses differ beyond rtol {rtol} (zeroshard, deepspeed): {bad}"
+
+
+def reference() -> dict[str, Any]:
+    return json.loads(REFERENCE.read_text())
+
+
+def _param(case: Case) -> Any:
+    marks = [pytest.mark.skip(reason=f"needs {', '.join(case.missing)} {SURFACE}")] if case.missing else []
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_zeroshard_matches_deepspeed(case: Case, tmp_path: Path) -> None:
+    actual = losses_of(run_script(case, "zeroshard", tmp_path), f"{case.script} under zeroshard")
+    assert_losses_match(actual, reference()[case.name], case.rtol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_reference_is_deepspeed(case: Case, tmp_path: Path) -> None:
+    from helpers.deepspeed_reference import import_deepspeed
+
+    import_deepspeed()
+    actual = losses_of(run_script(case, "deepspeed", tmp_path), f"{case.script} under DeepSpeed")
+    assert_losses_match(actual, reference()[case.name], FP32_RTOL)
+
+
+def test_pipeline_script_stops_at_deepspeed_pipe(tmp_path: Path) -> None:
+    done = run_script(PIPELINE, "zeroshard", tmp_path)
+    assert done.returncode != 0, "the pipeline script ran under zeroshard, which has no pipeline parallelism"
+    errors = [line for line in done.stderr.splitlines() if "Error:" in line and "pipe" in line]
+    assert errors and ("ImportError" in errors[0] or "ModuleNotFoundError" in errors[0]), done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_pipeline_script_runs_under_deepspeed(tmp_path: Path) -> None:
+    from helpers.deepspeed_reference import import_deepspeed
+
+    import_deepspeed()
+    losses = losses_of(run_script(PIPELINE, "deepspeed", tmp_path), "pipeline_train.py under DeepSpeed")
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+
+
+def write_reference() -> None:
+    """Record DeepSpeed's losses for every case (run by hand after changing a script)."""
+    import tempfile
+
+    results = {}
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            done = run_script(case, "deepspeed", Path(tmp))
+        lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+        if done.returncode != 0 or len(lines) != 1:
+            raise SystemExit(f"{case.name} failed under DeepSpeed:\n{done.stderr[-3000:]}")
+        results[case.name] = json.loads(lines[0][len(MARKER) :])["losses"]
+        print(case.name, "recorded", flush=True)
+    REFERENCE.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    write_reference()
