@@ -19,3 +19,8 @@ class CollectiveMismatchError(ZeroshardError):
 
 class CollectiveTimeoutError(ZeroshardError):
     """A collective waited longer than `zeroshard.collective_timeout_s` for some rank (stalled or gone)."""
+
+
+class UnusedParameterError(ZeroshardError, AssertionError):
+    """A trainable parameter got no gradient with `ignore_unused_parameters: false` (an AssertionError, as in
+    DeepSpeed, so scripts that catch DeepSpeed's assertion catch it)."""

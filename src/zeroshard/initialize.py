@@ -254,7 +254,13 @@ def _make_strategy(
         bucket = int(z.reduce_bucket_size)
         if stage >= 1:
             bucket = min(bucket, int(z.allgather_bucket_size))  # one bucket is both reduced and gathered
-        flat = FlatPolicy(**common, stage=stage, bucket_numel=max(bucket, 1), use_reduce_scatter=bool(z.reduce_scatter))
+        flat = FlatPolicy(
+            **common,
+            stage=stage,
+            bucket_numel=max(bucket, 1),
+            use_reduce_scatter=bool(z.reduce_scatter),
+            ignore_unused_parameters=bool(z.ignore_unused_parameters),
+        )
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
     par = z.offload_param
     policy = Stage3Policy(

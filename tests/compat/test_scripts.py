@@ -66,8 +66,8 @@ CASES = [
         ("--checkpoint_dir", "{tmp}/exp"),
         rtol=BF16_RTOL,
     ),
-    # Issue 22 item 3 at stage 0: the generator loss departs from DeepSpeed's in the second iteration
-    # (0.67933 vs 0.68423); zeroshard's stages 1 and 2 run the same script to DeepSpeed stage 0's losses exactly.
+    # the GAN pattern: two backward passes before one step, the generator's loss flowing through D (issue 22
+    # item 3; [Note: a second backward], [Note: gradients outside engine.backward])
     Case("gan_fp32_stage0", "gan_deepspeed_train.py", ds_config={"train_batch_size": 16, "steps_per_print": 10}),
     # With the module filled in by hand, the losses came within 2.0e-6 relative of DeepSpeed's (steps 4 and 7
     # of 8): just outside FP32_RTOL, to be explained before the skip goes.
@@ -87,8 +87,7 @@ CASES = [
             "offload_param at stages 0-2 ignored as DeepSpeed does, not refused",
         ),
     ),
-    # zeroshard trains through an unused parameter with ignore_unused_parameters=false, where DeepSpeed raises
-    # the AssertionError that names the option.
+    # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
 ]

@@ -153,7 +153,7 @@ def _gan_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     return torch.nn.Linear(4, 1), torch.nn.Linear(2, 4)
 
 
-def _gan(rank: int, world_size: int, zero: dict) -> list[torch.Tensor]:
+def _gan(rank: int, world_size: int, zero: dict, through_d: bool = False) -> list[torch.Tensor]:
     """DeepSpeedExamples' GAN pattern: the discriminator engine runs two backward passes (real, fake) before its
     step, the raw modules' zero_grad() is called between steps, and each engine owns one module."""
     import zeroshard
@@ -168,13 +168,13 @@ def _gan(rank: int, world_size: int, zero: dict) -> list[torch.Tensor]:
         eD.backward(D(G(z).detach()).pow(2).sum())
         eD.step()
         G.zero_grad()
-        eG.backward(-G(z).sum())
+        eG.backward(-(D(G(z)).sum() if through_d else G(z).sum()))  # through_d: gradients land on D too
         eG.step()
     with eD.gathered_for_generation(), eG.gathered_for_generation():
         return [p.detach().clone() for p in [*D.parameters(), *G.parameters()]]
 
 
-def _gan_reference(world_size: int) -> list[torch.Tensor]:
+def _gan_reference(world_size: int, through_d: bool = False) -> list[torch.Tensor]:
     """One process: the same losses, averaged over the ranks' batches, each model's gradients clipped to 1."""
     D, G = _gan_models()
     opt_d, opt_g = torch.optim.Adam(D.parameters(), lr=0.1), torch.optim.Adam(G.parameters(), lr=0.1)
@@ -187,10 +187,21 @@ def _gan_reference(world_size: int) -> list[torch.Tensor]:
         opt_d.step()
         opt_g.zero_grad()
         for _, z in (d[it] for d in data):
-            (-G(z).sum() / world_size).backward()
+            (-(D(G(z)).sum() if through_d else G(z).sum()) / world_size).backward()
         torch.nn.utils.clip_grad_norm_(G.parameters(), 1.0)
         opt_g.step()
     return [p.detach().clone() for p in [*D.parameters(), *G.parameters()]]
+
+
+def test_another_engines_gradients_stay_in_grad_until_zero_grad():
+    """[Note: gradients outside engine.backward]: G's loss flows through D (DeepSpeedExamples' GAN); D's gradients
+    from it stay in .grad and D.zero_grad() clears them, as in DeepSpeed's stage 0 (stages 0-2; stage 3 reduces
+    them into its shards, as DeepSpeed's stage 3 does)."""
+    reference = _gan_reference(2, through_d=True)
+    for zero in ({"stage": 0}, {"stage": 1}, {"stage": 2}):
+        for params in run_on_ranks(_gan, 2, zero, True):
+            for got, want in zip(params, reference, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
 
 
 def test_two_backwards_before_one_step_add_up_on_every_stage():

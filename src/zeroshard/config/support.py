@@ -76,6 +76,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Logging, checkpointing and data.
         "steps_per_print",
         "checkpoint.tag_validation",
+        "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
         "dataloader_drop_last",
     ]
@@ -137,8 +138,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.enable_sanity_checks",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         "zero_optimization.leaf_module",
-        # ZeRO 1-2: false would raise on parameters without a gradient; they are always zero-filled instead.
-        "zero_optimization.ignore_unused_parameters",
         # ZeRO 1-2: the norm is always computed, the flat buffers never padded per parameter.
         "zero_optimization.compute_grad_norm",
         "zero_optimization.parameter_alignment",

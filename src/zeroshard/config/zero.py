@@ -196,7 +196,7 @@ class ZeroConfig(ConfigBlock):
         aliases=("allgather_sequential",),
     )
     ignore_unused_parameters: bool = option(
-        True, "Tolerate parameters that get no gradient (false: DeepSpeed's stage 1-2 offload norm raises).", Bool()
+        True, "Tolerate parameters that get no gradient (false: stages 1-2 raise at the step, naming them).", Bool()
     )
     legacy_stage1: bool = option(False, "The old ZeRO stage 1 implementation.", Bool())
     round_robin_gradients: bool = option(

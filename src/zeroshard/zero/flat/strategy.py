@@ -4,6 +4,13 @@ Stage 0 keeps everything replicated and all-reduces gradients; stage 1 shards ma
 optimizer state (gradients still accumulate in full, then are reduce-scattered); stage 2 also
 shards gradients, reduce-scattering them during every backward. After the step each rank writes
 its updated shard into the parameter buffer and the buckets are all-gathered in place.
+
+[Note: gradients outside engine.backward]
+Gradients from a backward that `engine.backward` did not start (another engine's loss flowing through this
+module, as in a GAN; or a plain `loss.backward()`) stay in `.grad`, as in plain PyTorch and DeepSpeed's stage 0:
+`module.zero_grad()` clears them, a later `engine.backward` adds to them (autograd accumulates into `.grad` before
+the hook moves it), and `engine.step()` reduces what is left (`_collect_loose_grads`). Stage 3 reduces every
+gradient its hooks see into its shards, as DeepSpeed's stage 3 does.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.residency import Residency
@@ -43,6 +51,7 @@ class FlatPolicy(StrategyPolicy):
     stage: int
     bucket_numel: int
     use_reduce_scatter: bool
+    ignore_unused_parameters: bool = True  # false: a trainable parameter without a gradient fails the step
 
 
 class FlatStrategy(Strategy):
@@ -110,6 +119,7 @@ class FlatStrategy(Strategy):
         # for a temporary at the step); buckets whose slice of a copy backward already refreshed
         self._grad_copies: list[torch.Tensor | None] = []
         self._copied: set[int] = set()
+        self._got_grad: set[tuple[int, int]] = set()  # (group, slot) with a gradient in this window
         self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
         self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
 
@@ -137,8 +147,9 @@ class FlatStrategy(Strategy):
         return hook
 
     def _on_grad(self, group: int, slot: int, param: nn.Parameter) -> None:
-        if not self.reducer.active:  # a plain loss.backward(): the accumulation state says what this step does
-            self.begin_backward()
+        if not self.reducer.active:  # [Note: gradients outside engine.backward]: left in .grad
+            return
+        self._got_grad.add((group, slot))
         self._received(self.reducer.on_grad_ready(group, slot, param))
 
     def begin_backward(self) -> None:
@@ -146,6 +157,41 @@ class FlatStrategy(Strategy):
 
     def finish_backward(self) -> None:
         self._received(self.reducer.finish_backward())
+
+    def _collect_loose_grads(self) -> None:
+        """[Note: gradients outside engine.backward] Before the step, `.grad`s that a backward this engine did not
+        run left on its parameters (a plain `loss.backward()`) are reduced as one more backward would be."""
+        loose = [
+            (g, s, buffers.params[slot.index])
+            for g, buffers in enumerate(self.buffers)
+            for s, slot in enumerate(buffers.layout.slots)
+            if buffers.params[slot.index].grad is not None
+        ]
+        if not loose:
+            return
+        self.begin_backward()
+        for g, s, param in loose:
+            self._got_grad.add((g, s))
+            self._received(self.reducer.on_grad_ready(g, s, param))
+        self.finish_backward()
+
+    def _check_unused(self) -> None:
+        """`ignore_unused_parameters: false`: every trainable parameter must have had a gradient in this window."""
+        if self.policy.ignore_unused_parameters or self.policy.stage == 0:
+            return
+        unused = [
+            slot.name
+            for g, buffers in enumerate(self.buffers)
+            for s, slot in enumerate(buffers.layout.slots)
+            if (g, s) not in self._got_grad
+        ]
+        if unused:
+            raise UnusedParameterError(
+                f"parameters got no gradient in this step: {', '.join(unused[:8])}"
+                + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+                + "; set zero_optimization.ignore_unused_parameters true (their gradient is then zero), or make "
+                "them take part in the loss"
+            )
 
     def _received(self, buckets: list[Bucket]) -> None:
         """`buckets`' slices of the gradient shards are final for this micro-step: hand them to the gradient tier
@@ -166,6 +212,10 @@ class FlatStrategy(Strategy):
     @property
     def _sharded(self) -> bool:
         return self.layout.shard_count > 1
+
+    def _before_step(self) -> None:
+        self._collect_loose_grads()
+        self._check_unused()
 
     def _grad_slots(self) -> list[GradShard]:
         return [GradShard(f"group{g}", b.grad_shard) for g, b in enumerate(self.buffers)]
@@ -234,8 +284,11 @@ class FlatStrategy(Strategy):
 
     def zero_grad(self) -> None:
         self.finish_backward()
+        for param in self.tracked_params():  # gradients left in .grad ([Note: gradients outside engine.backward])
+            param.grad = None
         self.reducer.reset_window()
         self._copied.clear()
+        self._got_grad.clear()
         self.gradients_tier.reset()
 
     # -- state -----------------------------------------------------------------------------------
