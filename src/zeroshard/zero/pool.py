@@ -81,9 +81,6 @@ class InflightQueue(Generic[T]):
         entry.finish()
         return entry.item
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 def wait_plain(handle: Handle | None, label: str) -> None:
     if handle is not None:
