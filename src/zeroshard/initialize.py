@@ -17,6 +17,8 @@ from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.loading.materialize import materialize_buffers, materialize_parameters
+from zeroshard.loading.weights import StreamedWeights, release, weights_for
 from zeroshard.offload.tier import Tier, tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.precision.loss_scaler import build_loss_scaler
@@ -125,36 +127,35 @@ def _build(
         topology.rank,
         verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES", verify_default) == "1",
     )
+    weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
-    if stage < 3 and meta:
+    if stage < 3 and meta and weights is None:
         raise ConfigError(
-            "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3"
+            "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3 "
+            "(at stages 0-2 build it from a checkpoint: with zeroshard.zero_init(): from_pretrained(folder))"
         )
+    if meta:  # buffers are small and become real now; stage 3 materialises parameters unit by unit
+        materialize_buffers(model, weights, topology.device)
+    if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
+        materialize_parameters(model, weights, topology.device)
+        meta = False
     if not meta:
         model.to(topology.device)
         _broadcast_module_state(model, comm)
-    else:  # stage 3 materialises parameters unit by unit; buffers are small and move now
-        for sub in model.modules():
-            for name, buf in sub.named_buffers(recurse=False):
-                if buf is not None and buf.device != topology.device:
-                    setattr(
-                        sub,
-                        name,
-                        torch.zeros_like(buf, device=topology.device) if buf.is_meta else buf.to(topology.device),
-                    )
     precision = PrecisionPolicy.from_config(cfg)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
     strategy = engine_optimizer = None
     if has_optimizer:
-        strategy = _make_strategy(cfg, stage, precision, model, groups, comm, topology, accumulation)
+        strategy = _make_strategy(cfg, stage, precision, model, groups, comm, topology, accumulation, weights)
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
-        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation)
+        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights)
     else:
         model.to(precision.compute_dtype)
+    release(model)
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
     fp16 = cfg.fp16
     loss_scaler = None
@@ -232,6 +233,7 @@ def _make_strategy(
     comm: Collectives,
     topology: Topology,
     accumulation: AccumulationState,
+    weights: StreamedWeights | None,
 ) -> Strategy:
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
@@ -277,6 +279,7 @@ def _make_strategy(
             int(par.buffer_count),
             min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
+        weights=weights,
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
 

@@ -288,12 +288,15 @@ class SafetensorsReader:
     def read_range(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements [start, stop) of the flattened tensor into `out` (1-D, any dtype, any device).
 
-        The whole stored tensor is streamed so that its CRC is always checked; memory beyond `out` is
-        one chunk of CHUNK_BYTES.
+        A tensor with a CRC is streamed whole so that its CRC is always checked; one without (files other
+        libraries wrote) is read only in [start, stop). Memory beyond `out` is one chunk of CHUNK_BYTES.
         """
         entry = self.entry(name)
         if not 0 <= start <= stop <= entry.numel or out.numel() != stop - start:
             raise ValueError(f"{self.path}: bad range [{start}, {stop}) of {name} ({entry.numel} elements)")
+        if entry.crc32 is None:
+            self._read_slice(entry, start, stop, out)
+            return
         whole = start == 0 and stop == entry.numel
         if whole and out.dtype == entry.dtype and out.device.type == "cpu" and out.is_contiguous():
             data = _byte_view(out)
@@ -308,6 +311,29 @@ class SafetensorsReader:
             if lo < hi:
                 out[lo - start : hi - start].copy_(values[lo - first : hi - first])
         self._check_crc(entry, crc)
+
+    def _read_slice(self, entry: Entry, start: int, stop: int, out: torch.Tensor) -> None:
+        """Only the bytes of [start, stop), with positional reads: threads may share this reader."""
+        item = entry.dtype.itemsize
+        if out.dtype == entry.dtype and out.device.type == "cpu" and out.is_contiguous():
+            self._pread(entry.begin + start * item, _byte_view(out))
+            return
+        step = max(1, CHUNK_BYTES // item)
+        buffer = torch.empty(min(step, stop - start), dtype=entry.dtype)
+        for first in range(start, stop, step):
+            n = min(step, stop - first)
+            chunk = buffer[:n]
+            self._pread(entry.begin + first * item, _byte_view(chunk))
+            out[first - start : first - start + n].copy_(chunk)
+
+    def _pread(self, offset: int, data: torch.Tensor) -> None:
+        view = _buffer(data)
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._file.fileno(), [view[got:]], offset + got)
+            if not n:
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + got}; truncated")
+            got += n
 
     def stream(self, name: str) -> Iterator[torch.Tensor]:
         """The tensor's elements in chunks (stored dtype, reused buffer: copy before the next chunk);

@@ -2,17 +2,20 @@
 
 No rank ever holds the whole model: a meta-device model is materialised unit by unit, each unit's full
 parameters are copied into its shard and released before the next unit exists, and with NVMe offload each
-master and shard goes to disk as soon as its unit is built.
+master and shard goes to disk as soon as its unit is built. A model `zero_init` built from a checkpoint is read
+straight into the shards ([Note: streaming load]): a unit the checkpoint covers is never materialised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from zeroshard.loading.materialize import initialise, load_parameters, make_real
+from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
 from zeroshard.precision.cast import cast_floating_buffers
@@ -62,6 +65,7 @@ class BuildPolicy:
     unit_policy: UnitPolicy | None
     master_tier: Tier
     param_tier: Tier
+    weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
 
 
 def build_units(
@@ -88,7 +92,10 @@ def build_units(
     built = BuiltUnits([], [[] for _ in groups], [SubGroup(f"subgroup{k}", []) for k in range(len(chunks))])
     for index, (spec, layout) in enumerate(zip(specs, layouts, strict=True)):
         params = [named[n] for n in spec.param_names]
-        _materialize(modules, spec.param_names, params, device, index)
+        fill = _fill_from(policy.weights, spec.param_names, params, layout, device)
+        if fill is None:
+            initialise(modules, spec.param_names, params, device, index)
+            load_parameters(spec.param_names, params, policy.weights)
         unit = ShardedUnit(
             index,
             spec.name,
@@ -101,6 +108,7 @@ def build_units(
             device,
             policy.master_tier,
             policy.param_tier,
+            fill,
         )
         unit.release()
         unit.grad_copy = gradients.copy_for(unit.grad_shard, unit.master) if unit.trainable else None
@@ -119,38 +127,19 @@ def build_units(
     return built
 
 
-def _materialize(
-    modules: dict[str, nn.Module], names: Sequence[str], params: list[nn.Parameter], device: torch.device, seed: int
-) -> None:
-    """Meta-device parameters become real, one unit at a time, initialised by their modules' own
-    reset_parameters() under a per-unit seed shared by every rank: no rank ever holds the full model."""
-    if not any(p.is_meta for p in params):
-        return
-    owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
-    root = modules[""]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch.initial_seed() + seed)
-        for owner in owners:
-            module = modules[owner]
-            own = list(module.parameters(recurse=False))
-            if not all(p.is_meta for p in own):
-                continue  # initialised with an earlier unit that shares this module
-            for p in own:  # the whole module, also parameters another unit will shard later
-                _make_real(p, device)
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            init = getattr(root, "_init_weights", None)
-            if callable(init):
-                init(module)
+def _fill_from(
+    weights: StreamedWeights | None,
+    names: Sequence[str],
+    params: list[nn.Parameter],
+    layout: UnitLayout,
+    device: torch.device,
+) -> Callable[[torch.Tensor, int, int], None] | None:
+    """For a unit the checkpoint covers whole: the read of a range of its flat buffer from the file, its parameters
+    given untouched storage (never written: the shard is read directly). None: initialise, then load what it has."""
+    if weights is None or not all(weights.covers(n) for n in names):
+        return None
     for p in params:
         if p.is_meta:
-            _make_real(p, device, zero=True)
-
-
-def _make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:
-    """Give a meta parameter real storage in place: the Python object (and every reference to it,
-    tied weights included) stays the same; `.data =` cannot change a tensor's device type."""
-    alloc = torch.zeros if zero else torch.empty
-    real = nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
-    torch.utils.swap_tensors(param, real)
+            make_real(p, device)
+    slots = [(s.name, s.offset, s.numel) for s in layout.slots]
+    return lambda out, lo, hi: weights.read_flat(slots, out, lo, hi)

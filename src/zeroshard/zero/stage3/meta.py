@@ -7,18 +7,22 @@ from contextlib import contextmanager
 
 import torch
 
+from zeroshard.loading.hf import streaming_from_pretrained
+
 
 @contextmanager
 def zero_init() -> Iterator[None]:
     """Construct modules on the meta device; `initialize` (stage 3) materialises them unit by unit,
     each rank keeping only its shards. No torch constructor or nn.Module is patched: this is
-    `torch.device("meta")` as a context.
+    `torch.device("meta")` as a context. A Hugging Face `from_pretrained(folder)` inside it builds the model
+    on the meta device too, and `initialize` reads the folder's safetensors straight into each rank's shards
+    (stage 3) or parameters (stages 0-2): [Note: from_pretrained under zero_init].
 
     Example:
         >>> with zeroshard.zero_init():  # doctest: +SKIP
-        ...     model = MyModel(config)
+        ...     model = AutoModelForCausalLM.from_pretrained("path/to/llama")  # or MyModel(config): random init
         >>> cfg = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
         >>> engine, *_ = zeroshard.initialize(model=model, config=cfg)  # doctest: +SKIP
     """
-    with torch.device("meta"):
+    with torch.device("meta"), streaming_from_pretrained():
         yield

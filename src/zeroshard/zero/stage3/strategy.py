@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
+from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.tier import Tier
@@ -57,6 +58,7 @@ class Stage3Policy(StrategyPolicy):
     param_read_ahead: tuple[int, int] = (0, 0)  # offload_param on NVMe: (units, elements) read ahead of use
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
+    weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
 
 
 class Stage3Strategy(Strategy):
@@ -84,6 +86,7 @@ class Stage3Strategy(Strategy):
             policy.unit_policy,
             policy.master_tier,
             policy.param_tier,
+            policy.weights,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units

@@ -46,7 +46,10 @@ class ShardedUnit:
         device: torch.device,
         master_tier: Tier,
         param_tier: Tier,
+        fill: Callable[[torch.Tensor, int, int], None] | None = None,
     ):
+        """`fill(out, lo, hi)`, when given, writes elements [lo, hi) of the flat buffer into `out` (a checkpoint
+        read, [Note: streaming load]); otherwise the shard is copied from the parameters' values."""
         self.index = index
         self.name = name
         self.module = module
@@ -62,17 +65,24 @@ class ShardedUnit:
             self.full.narrow(0, s.offset, s.numel).view(p.shape) for s, p in zip(self._slots, params, strict=True)
         ]
         lo, hi = layout.owned(shard_rank)
-        for view, param in zip(self.views, params, strict=True):
-            view.copy_(param.detach())
+        if fill is None:
+            for view, param in zip(self.views, params, strict=True):
+                view.copy_(param.detach())
+        elif self.persistent:  # it stays gathered: every rank reads all of it (parameters below the threshold)
+            fill(self.full, 0, layout.numel)
+        from_full = fill is None or self.persistent
         # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the fp32 master
         # on the optimizer tier; they are one tensor when the tiers allow it and the compute dtype is fp32
         self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
-        self.shard.copy_(self.full[lo:hi])
+        if from_full:
+            self.shard.copy_(self.full[lo:hi])
+        else:
+            fill(self.shard, lo, hi)  # type: ignore[misc]  # not None here
         if compute_dtype == torch.float32 and master_tier.shares_shard_with(param_tier):
             self.master = self.shard
-        else:
+        else:  # from the compute-dtype values, as a model loaded in that dtype would give
             self.master = master_tier.zeros(layout.shard_numel)
-            self.master.copy_(self.full[lo:hi])
+            self.master.copy_(self.full[lo:hi] if from_full else self.shard)
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
         # the fp32 gradient the optimizer reads, from the gradient tier (offload/gradients.py): the shard itself, a
         # host copy refreshed during backward (`grad_copy_ready`), or None (a temporary at the step)

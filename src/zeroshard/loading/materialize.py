@@ -1,0 +1,97 @@
+"""Meta-device parameters and buffers made real: read from a checkpoint, or initialised by their modules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zeroshard.loading.weights import StreamedWeights
+
+
+def initialise(
+    modules: dict[str, nn.Module], names: Sequence[str], params: Sequence[nn.Parameter], device: torch.device, seed: int
+) -> None:
+    """Meta-device parameters become real, initialised by their modules' own reset_parameters() (and a Hugging Face
+    root's `_init_weights`) under a seed shared by every rank; stage 3 calls this one unit at a time."""
+    if not any(p.is_meta for p in params):
+        return
+    owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
+    root = modules[""]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + seed)
+        for owner in owners:
+            module = modules[owner]
+            own = list(module.parameters(recurse=False))
+            if not all(p.is_meta for p in own):
+                continue  # initialised with an earlier unit that shares this module
+            for p in own:  # the whole module, also parameters another unit will shard later
+                make_real(p, device)
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            init = getattr(root, "_init_weights", None)
+            if callable(init):
+                init(module)
+    for p in params:
+        if p.is_meta:
+            make_real(p, device, zero=True)
+
+
+def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:
+    """Give a meta parameter real storage in place: the Python object (and every reference to it,
+    tied weights included) stays the same; `.data =` cannot change a tensor's device type. Without `zero` the
+    memory is not touched (a large allocation costs no resident memory until written)."""
+    alloc = torch.zeros if zero else torch.empty
+    real = nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, real)
+
+
+def load_parameters(names: Sequence[str], params: Sequence[nn.Parameter], weights: StreamedWeights | None) -> None:
+    """Real parameters the checkpoint has are overwritten with its values (after `initialise`: those it lacks
+    keep their initialisation, as transformers does for missing keys)."""
+    if weights is not None:
+        weights.read_whole([(n, p) for n, p in zip(names, params, strict=True) if weights.covers(n)])
+
+
+def materialize_parameters(root: nn.Module, weights: StreamedWeights | None, device: torch.device) -> None:
+    """Stages 0-2 keep every parameter: each rank reads the whole checkpoint into real parameters; those the
+    checkpoint lacks are initialised as `initialise` does (every rank alike)."""
+    named = [(n, p) for n, p in root.named_parameters() if p.is_meta]
+    loaded = [(n, p) for n, p in named if weights is not None and weights.covers(n)]
+    for _, p in loaded:
+        make_real(p, device)
+    if weights is not None:
+        weights.read_whole(loaded)
+    rest = [(n, p) for n, p in named if p.is_meta]
+    if rest:
+        initialise(dict(root.named_modules()), [n for n, _ in rest], [p for _, p in rest], device, 0)
+
+
+def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device: torch.device) -> None:
+    """Buffers are small: real now, on every rank. From the checkpoint when it has them; a parameter-less module's
+    buffers the checkpoint lacks (a rotary embedding's `inv_freq`) computed by its init; others are zeros until
+    their unit's `initialise`."""
+    computed: list[nn.Module] = []
+    for module_name, module in root.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or buf.device == device:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            if not buf.is_meta:
+                setattr(module, name, buf.to(device))
+                continue
+            real = torch.zeros_like(buf, device=device)
+            if weights is not None and weights.covers(full_name):
+                weights.read_whole([(full_name, real)])
+            elif not any(True for _ in module.parameters(recurse=False)) and module not in computed:
+                computed.append(module)
+            setattr(module, name, real)
+    init = getattr(root, "_init_weights", None)
+    for module in computed:
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        elif callable(init):
+            init(module)

@@ -1,0 +1,178 @@
+"""Weights read from a safetensors checkpoint straight into the memory that keeps them.
+
+[Note: streaming load]
+A sharded rank keeps a contiguous range of each unit's flat buffer, and a safetensors file stores each tensor's
+elements contiguously, row-major: the part of a parameter a rank keeps is one byte range of one file. So each
+rank reads exactly its ranges with positional reads (no mmap: touched mapped pages would count in the
+process's resident memory for as long as the file stays mapped) into its shard, converting the stored dtype
+in chunks. No rank materialises a full parameter it does not keep, and the bytes of the checkpoint are read
+once over all ranks. Stages 0-2 keep every parameter, so there each rank reads the whole checkpoint into its
+parameters.
+
+[Note: weights of a meta model]
+`zero_init()` builds the model on the meta device; which checkpoint its weights come from must reach
+`initialize`, which the user calls with the model alone (as with DeepSpeed's `zero.Init`). The model is the key
+of a weak map here (`attach` / `weights_for`): nothing is added to the user's module or its parameters, and
+the entry goes away with the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.safetensors_io import Entry, SafetensorsReader
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+READ_THREADS = 4  # positional reads release the GIL: pieces of one unit (often in different files) overlap
+
+
+class SafetensorsFolder:
+    """The tensors of a Hugging Face checkpoint folder: `model.safetensors`, or the shards that
+    `model.safetensors.index.json` lists. Any problem is a `CheckpointError` naming the file."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = os.fspath(folder)
+        index = os.path.join(self.folder, INDEX_FILE)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map: Mapping[str, str] = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e!r}); it needs a 'weight_map'") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
+            weight_map, files = {}, [SINGLE_FILE]
+        else:
+            raise CheckpointError(
+                f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE}; streaming load reads safetensors checkpoints "
+                "(save the model with save_pretrained(..., safe_serialization=True))"
+            )
+        self.readers: list[SafetensorsReader] = []
+        self.entries: dict[str, tuple[SafetensorsReader, Entry]] = {}
+        try:
+            for name in files:
+                reader = SafetensorsReader(os.path.join(self.folder, name))
+                self.readers.append(reader)
+                for key, entry in reader.entries.items():
+                    self.entries[key] = (reader, entry)
+        except BaseException:
+            self.close()
+            raise
+        for key, name in weight_map.items():
+            if key not in self.entries:
+                raise CheckpointError(f"{index}: lists {key!r} in {name}, but that file does not hold it")
+
+    def entry(self, key: str) -> Entry:
+        return self.entries[key][1]
+
+    def read(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements [start, stop) of the flattened tensor `key` into `out`, cast to out's dtype."""
+        reader, _ = self.entries[key]
+        reader.read_range(key, start, stop, out)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.end - e.begin for _, e in self.entries.values())
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+        self.readers = []
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did not match, in transformers' terms (`output_loading_info`)."""
+
+    missing_keys: tuple[str, ...]  # the model's, left to their initialisation
+    unexpected_keys: tuple[str, ...]  # the checkpoint's, unused
+    mismatched_keys: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # (key, checkpoint, model shape)
+
+    def as_dict(self) -> dict[str, list[object]]:
+        return {
+            "missing_keys": list(self.missing_keys),
+            "unexpected_keys": list(self.unexpected_keys),
+            "mismatched_keys": list(self.mismatched_keys),
+            "error_msgs": [],
+        }
+
+
+class StreamedWeights:
+    """Which checkpoint tensor gives each parameter and buffer of a model, by every name it has there
+    (tied weights have several), and the reads that fill them."""
+
+    def __init__(self, folder: SafetensorsFolder, key_of: Mapping[str, str], report: LoadReport):
+        self.folder = folder
+        self.key_of = dict(key_of)
+        self.report = report
+
+    def covers(self, name: str) -> bool:
+        return name in self.key_of
+
+    def under(self, prefix: str) -> StreamedWeights:
+        """The same weights for a model that wraps this one as submodule `prefix` (a PEFT wrapper, say)."""
+        if not prefix:
+            return self
+        return StreamedWeights(self.folder, {f"{prefix}.{n}": k for n, k in self.key_of.items()}, self.report)
+
+    def read(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        self.folder.read(self.key_of[name], start, stop, out)
+
+    def read_whole(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each named tensor (a real, contiguous parameter or buffer) filled from the checkpoint, in parallel."""
+        jobs = [(name, 0, t.numel(), t.detach().view(-1)) for name, t in items]
+        self._run(jobs)
+
+    def read_flat(self, slots: Sequence[tuple[str, int, int]], out: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of a flat buffer laid out as `slots` (name, offset, numel) into `out` (hi - lo long):
+        each parameter's part of the range is read from the file, padding is left as it is."""
+        jobs = []
+        for name, offset, numel in slots:
+            begin, end = max(lo, offset), min(hi, offset + numel)
+            if begin < end:
+                jobs.append((name, begin - offset, end - offset, out[begin - lo : end - lo]))
+        self._run(jobs)
+
+    def _run(self, jobs: Sequence[tuple[str, int, int, torch.Tensor]]) -> None:
+        if len(jobs) <= 1:
+            for name, start, stop, out in jobs:
+                self.read(name, start, stop, out)
+            return
+        with ThreadPoolExecutor(min(READ_THREADS, len(jobs)), thread_name_prefix="zeroshard-load") as pool:
+            for future in [pool.submit(self.read, *job) for job in jobs]:
+                future.result()
+
+
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, StreamedWeights] = weakref.WeakKeyDictionary()
+
+
+def attach(model: nn.Module, weights: StreamedWeights) -> None:
+    """[Note: weights of a meta model] remember where `model`'s weights are until `initialize` reads them."""
+    _ATTACHED[model] = weights
+
+
+def weights_for(root: nn.Module) -> StreamedWeights | None:
+    """The checkpoint a meta model (or the module that wraps it) was built from by `zero_init`, named as in `root`."""
+    for name, module in root.named_modules():
+        weights = _ATTACHED.get(module)
+        if weights is not None:
+            return weights.under(name)
+    return None
+
+
+def release(root: nn.Module) -> None:
+    """The files are closed and forgotten once every parameter is loaded."""
+    for module in root.modules():
+        weights = _ATTACHED.pop(module, None)
+        if weights is not None:
+            weights.folder.close()
