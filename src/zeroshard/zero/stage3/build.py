@@ -66,6 +66,7 @@ class BuildPolicy:
     master_tier: Tier
     param_tier: Tier
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    keeps_gradients: bool = True  # False: inference without an optimizer
 
 
 def build_units(
@@ -109,6 +110,7 @@ def build_units(
             policy.master_tier,
             policy.param_tier,
             fill,
+            policy.keeps_gradients,
         )
         unit.release()
         unit.grad_copy = gradients.copy_for(unit.grad_shard, unit.master) if unit.trainable else None

@@ -87,6 +87,7 @@ class Stage3Strategy(Strategy):
             policy.master_tier,
             policy.param_tier,
             policy.weights,
+            keeps_gradients=bool(groups),
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units

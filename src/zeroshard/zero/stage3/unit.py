@@ -47,9 +47,11 @@ class ShardedUnit:
         master_tier: Tier,
         param_tier: Tier,
         fill: Callable[[torch.Tensor, int, int], None] | None = None,
+        keeps_gradients: bool = True,
     ):
         """`fill(out, lo, hi)`, when given, writes elements [lo, hi) of the flat buffer into `out` (a checkpoint
-        read, [Note: streaming load]); otherwise the shard is copied from the parameters' values."""
+        read, [Note: streaming load]); otherwise the shard is copied from the parameters' values. Without
+        `keeps_gradients` (inference: no optimizer) no parameter is trainable and no gradient memory is held."""
         self.index = index
         self.name = name
         self.module = module
@@ -57,8 +59,10 @@ class ShardedUnit:
         self.params = params
         self.shard_rank = shard_rank
         self.persistent = name == PERSISTENT
-        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        self.full = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad and keeps_gradients]
+        # a streamed unit's full buffer is not written before its first gather: untouched, it costs no memory
+        alloc = torch.empty if fill is not None and not self.persistent else torch.zeros
+        self.full = alloc(layout.numel, dtype=compute_dtype, device=device)
         by_index = {slot.index: slot for slot in layout.slots}
         self._slots = [by_index[i] for i in range(len(params))]  # in parameter order
         self.views = [
@@ -83,7 +87,8 @@ class ShardedUnit:
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
             self.master = master_tier.zeros(layout.shard_numel)
             self.master.copy_(self.full[lo:hi] if from_full else self.shard)
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
+        # frozen units (a LoRA base model, inference) hold no gradient shard
+        self.grad_shard = torch.zeros(layout.shard_numel if self.trainable else 0, dtype=grad_dtype, device=device)
         # the fp32 gradient the optimizer reads, from the gradient tier (offload/gradients.py): the shard itself, a
         # host copy refreshed during backward (`grad_copy_ready`), or None (a temporary at the step)
         self.grad_copy: torch.Tensor | None = None
