@@ -105,3 +105,35 @@ def test_lora_stage3_trains_and_saves_an_adapter_peft_loads(tmp_path):
     with torch.no_grad():
         logits = merged(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)  # merged W + BA
+
+
+def test_a_model_folder_streams_into_shards_and_lora_leaves_the_base_weights_as_stored(tmp_path):
+    """`--model DIR` builds the model on the meta device and each rank reads its shards from DIR's safetensors; LoRA
+    adapters wrap the streamed base. The exported merged model keeps every base weight LoRA does not target exactly
+    as stored, and the targeted ones moved only by the trained B·A."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from zeroshard.integrations.tokenizer import load_tokenizer
+    from zeroshard.presets import model_preset
+
+    tokenizer = load_tokenizer(None)
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = model_preset("tiny-llama").hf_config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, **ids)
+    torch.manual_seed(3)
+    folder = tmp_path / "my-llama"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder, max_shard_size="300KB")
+    stored = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            stored.update(load_file(folder / name))
+    _train(tmp_path / "run", "--model", str(folder), "--max-steps", "3", "--lora-rank", "4", "--lr", "1e-2")
+    exported = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    targeted = [k for k in stored if ".q_proj." in k or ".v_proj." in k]  # peft's default targets for Llama
+    assert targeted and set(exported) >= set(stored)
+    for key, value in stored.items():
+        if key in targeted:
+            assert (exported[key] - value).abs().max() < 0.1, key  # base + the small trained B·A
+        else:
+            assert torch.equal(exported[key], value), key
+    assert any(not torch.equal(exported[k], stored[k]) for k in targeted)  # the adapters trained

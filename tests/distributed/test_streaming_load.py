@@ -51,8 +51,9 @@ def _plain_logits(folder: str) -> torch.Tensor:
 
 
 def _streamed(rank: int, world_size: int, folder: str, stage: int):
-    import zeroshard
     from transformers import AutoModelForCausalLM
+
+    import zeroshard
 
     with zeroshard.zero_init():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -93,12 +94,16 @@ def test_streamed_logits_equal_plain_from_pretrained(tmp_path, stage, dtype, sha
 
 
 def _missing_and_unexpected(rank: int, world_size: int, folder: str):
-    import zeroshard
     from transformers import AutoModelForCausalLM
+
+    import zeroshard
 
     with zeroshard.zero_init():
         model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+    }
     engine, *_ = zeroshard.initialize(model=model, config=config)
     with torch.no_grad():
         logits = engine(_batch()).logits
@@ -123,9 +128,10 @@ def test_missing_and_unexpected_keys_are_reported_like_transformers(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_fit_the_config_is_refused_by_name(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     import zeroshard
     from zeroshard.checkpoint.errors import CheckpointError
-    from transformers import AutoModelForCausalLM
 
     folder = str(tmp_path / "llama")
     _save_llama(folder)
@@ -145,8 +151,9 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_refused_by_name(tmp_path):
 
 
 def test_zero_init_restores_from_pretrained(tmp_path):
-    import zeroshard
     from transformers import PreTrainedModel
+
+    import zeroshard
 
     before = PreTrainedModel.__dict__["from_pretrained"]
     with zeroshard.zero_init():

@@ -1,7 +1,9 @@
 """Hugging Face causal LMs for `zeroshard train`: a local folder, or a built-in config with random weights.
 
-Weights are built in fp32 (the engine casts to the compute dtype); LoRA wraps the model with peft
-(frozen base, trainable adapters); activation checkpointing uses transformers' non-reentrant mode,
+A folder's model is built on the meta device and `initialize` reads each rank's part of its safetensors
+straight into the shards (zeroshard.loading). Weights are fp32 (the engine casts to the compute dtype); LoRA
+wraps the model with peft (frozen base, trainable adapters); activation checkpointing uses transformers'
+non-reentrant mode,
 whose recomputation runs inside autograd, so the engine's gradient hooks fire as usual.
 """
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
+from zeroshard.loading.hf import load_pretrained
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -71,8 +74,8 @@ def build_model(spec: ModelSpec, tokenizer: Any, seq_len: int) -> nn.Module:
     """The model in fp32 on CPU, with checkpointing and LoRA applied as `spec` asks."""
     from transformers import AutoModelForCausalLM
 
-    if spec.is_folder:
-        model: Any = AutoModelForCausalLM.from_pretrained(spec.name, dtype=torch.float32)
+    if spec.is_folder:  # a meta model: initialize streams each rank's part of the checkpoint ([Note: streaming load])
+        model: Any = load_pretrained(AutoModelForCausalLM, spec.name, dtype=torch.float32)
     else:
         from zeroshard.presets import model_preset
 
@@ -114,7 +117,28 @@ def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)  # type: ignore[arg-type]
+    _materialize_adapters(peft_model)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     log_rank(logger, 20, f"LoRA rank {lora.rank}: {trainable:,} trainable of {total:,} parameters")
     return peft_model
+
+
+def _materialize_adapters(model: nn.Module) -> None:
+    """On a meta base model peft creates the adapters on the meta device too; they are small, so they become real
+    now with peft's own initialisation (lora_B zero: training starts from the base model), the same on every
+    rank (the seed is shared); `initialize` then streams the base weights around them."""
+    from zeroshard.loading.materialize import make_real
+
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        adapters = getattr(module, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            continue
+        for name in adapters:
+            fresh = [p for p in (*module.lora_A[name].parameters(), *module.lora_B[name].parameters()) if p.is_meta]
+            if fresh:
+                device = torch.device("cpu")
+                for p in fresh:
+                    make_real(p, device)
+                reset(name, True)

@@ -129,7 +129,7 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
         names_of.setdefault(id(tensor), []).append(name)
         tensors[id(tensor)] = tensor
-    key_of: dict[str, str] = {}
+    keys: dict[int, str] = {}
     missing: list[str] = []
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     used: set[str] = set()
@@ -150,8 +150,7 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
             mismatched.append((key, stored, shape))
             missing.append(names[0])
             continue
-        for name in names:
-            key_of[name] = key
+        keys[ident] = key
     unexpected = [k for k in folder.entries if k not in used]
     _refuse_converted_layouts(model, missing, unexpected)
     report = LoadReport(
@@ -159,13 +158,13 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
         tuple(_unignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))),
         tuple(mismatched),
     )
-    return StreamedWeights(folder, key_of, report)
+    return StreamedWeights(folder, keys, tensors.values(), report)
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for module_name, module in model.named_modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in skip:
                 out.append((f"{module_name}.{name}" if module_name else name, buf))
@@ -232,4 +231,3 @@ def _log_report(model_name: str, path: str, report: LoadReport) -> None:
             f"Some weights of {model_name} were not initialized from the checkpoint at {path} and are newly "
             f"initialized: {list(report.missing_keys)}",
         )
-

@@ -48,22 +48,22 @@ def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> 
     torch.utils.swap_tensors(param, real)
 
 
-def load_parameters(names: Sequence[str], params: Sequence[nn.Parameter], weights: StreamedWeights | None) -> None:
+def load_parameters(params: Sequence[nn.Parameter], weights: StreamedWeights | None) -> None:
     """Real parameters the checkpoint has are overwritten with its values (after `initialise`: those it lacks
     keep their initialisation, as transformers does for missing keys)."""
     if weights is not None:
-        weights.read_whole([(n, p) for n, p in zip(names, params, strict=True) if weights.covers(n)])
+        weights.read_whole([(p, p) for p in params if weights.covers(p)])
 
 
 def materialize_parameters(root: nn.Module, weights: StreamedWeights | None, device: torch.device) -> None:
     """Stages 0-2 keep every parameter: each rank reads the whole checkpoint into real parameters; those the
     checkpoint lacks are initialised as `initialise` does (every rank alike)."""
     named = [(n, p) for n, p in root.named_parameters() if p.is_meta]
-    loaded = [(n, p) for n, p in named if weights is not None and weights.covers(n)]
-    for _, p in loaded:
+    loaded = [p for _, p in named if weights is not None and weights.covers(p)]
+    for p in loaded:
         make_real(p, device)
     if weights is not None:
-        weights.read_whole(loaded)
+        weights.read_whole([(p, p) for p in loaded])
     rest = [(n, p) for n, p in named if p.is_meta]
     if rest:
         initialise(dict(root.named_modules()), [n for n, _ in rest], [p for _, p in rest], device, 0)
@@ -74,17 +74,16 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
     buffers the checkpoint lacks (a rotary embedding's `inv_freq`) computed by its init; others are zeros until
     their unit's `initialise`."""
     computed: list[nn.Module] = []
-    for module_name, module in root.named_modules():
+    for module in root.modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf is None or buf.device == device:
                 continue
-            full_name = f"{module_name}.{name}" if module_name else name
             if not buf.is_meta:
                 setattr(module, name, buf.to(device))
                 continue
             real = torch.zeros_like(buf, device=device)
-            if weights is not None and weights.covers(full_name):
-                weights.read_whole([(full_name, real)])
+            if weights is not None and weights.covers(buf):
+                weights.read_whole([(buf, real)])
             elif not any(True for _ in module.parameters(recurse=False)) and module not in computed:
                 computed.append(module)
             setattr(module, name, real)

@@ -108,49 +108,51 @@ class LoadReport:
 
 
 class StreamedWeights:
-    """Which checkpoint tensor gives each parameter and buffer of a model, by every name it has there
-    (tied weights have several), and the reads that fill them."""
+    """Which checkpoint tensor gives each parameter and buffer of a model, and the reads that fill them. Tensors
+    are known by identity, not by name: a wrapper (PEFT's `base_layer`) renames them, tied weights have several
+    names, and turning a meta parameter real keeps its Python object (`make_real`)."""
 
-    def __init__(self, folder: SafetensorsFolder, key_of: Mapping[str, str], report: LoadReport):
+    def __init__(
+        self, folder: SafetensorsFolder, keys: Mapping[int, str], tensors: Iterable[torch.Tensor], report: LoadReport
+    ):
         self.folder = folder
-        self.key_of = dict(key_of)
+        self._keys = dict(keys)  # id(tensor) -> checkpoint key
+        self._tensors = list(tensors)  # the ids stay theirs while the weights are attached
         self.report = report
 
-    def covers(self, name: str) -> bool:
-        return name in self.key_of
+    def covers(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._keys
 
-    def under(self, prefix: str) -> StreamedWeights:
-        """The same weights for a model that wraps this one as submodule `prefix` (a PEFT wrapper, say)."""
-        if not prefix:
-            return self
-        return StreamedWeights(self.folder, {f"{prefix}.{n}": k for n, k in self.key_of.items()}, self.report)
+    def read(self, tensor: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+        self.folder.read(self._keys[id(tensor)], start, stop, out)
 
-    def read(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
-        self.folder.read(self.key_of[name], start, stop, out)
+    def read_whole(self, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """For each (model tensor, contiguous real destination): the destination filled from the checkpoint,
+        in parallel."""
+        self._run([(t, 0, out.numel(), out.detach().view(-1)) for t, out in items])
 
-    def read_whole(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Each named tensor (a real, contiguous parameter or buffer) filled from the checkpoint, in parallel."""
-        jobs = [(name, 0, t.numel(), t.detach().view(-1)) for name, t in items]
-        self._run(jobs)
-
-    def read_flat(self, slots: Sequence[tuple[str, int, int]], out: torch.Tensor, lo: int, hi: int) -> None:
-        """Elements [lo, hi) of a flat buffer laid out as `slots` (name, offset, numel) into `out` (hi - lo long):
-        each parameter's part of the range is read from the file, padding is left as it is."""
+    def read_flat(self, slots: Sequence[tuple[torch.Tensor, int, int]], out: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of a flat buffer laid out as `slots` (tensor, offset, numel) into `out` (hi - lo long):
+        each tensor's part of the range is read from the file, padding is left as it is."""
         jobs = []
-        for name, offset, numel in slots:
+        for tensor, offset, numel in slots:
             begin, end = max(lo, offset), min(hi, offset + numel)
             if begin < end:
-                jobs.append((name, begin - offset, end - offset, out[begin - lo : end - lo]))
+                jobs.append((tensor, begin - offset, end - offset, out[begin - lo : end - lo]))
         self._run(jobs)
 
-    def _run(self, jobs: Sequence[tuple[str, int, int, torch.Tensor]]) -> None:
+    def _run(self, jobs: Sequence[tuple[torch.Tensor, int, int, torch.Tensor]]) -> None:
         if len(jobs) <= 1:
-            for name, start, stop, out in jobs:
-                self.read(name, start, stop, out)
+            for tensor, start, stop, out in jobs:
+                self.read(tensor, start, stop, out)
             return
         with ThreadPoolExecutor(min(READ_THREADS, len(jobs)), thread_name_prefix="zeroshard-load") as pool:
             for future in [pool.submit(self.read, *job) for job in jobs]:
                 future.result()
+
+    def close(self) -> None:
+        self.folder.close()
+        self._tensors = []
 
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, StreamedWeights] = weakref.WeakKeyDictionary()
@@ -162,11 +164,11 @@ def attach(model: nn.Module, weights: StreamedWeights) -> None:
 
 
 def weights_for(root: nn.Module) -> StreamedWeights | None:
-    """The checkpoint a meta model (or the module that wraps it) was built from by `zero_init`, named as in `root`."""
-    for name, module in root.named_modules():
+    """The checkpoint a meta model (or the module that wraps it) was built from by `zero_init`."""
+    for module in root.modules():
         weights = _ATTACHED.get(module)
         if weights is not None:
-            return weights.under(name)
+            return weights
     return None
 
 
@@ -175,4 +177,4 @@ def release(root: nn.Module) -> None:
     for module in root.modules():
         weights = _ATTACHED.pop(module, None)
         if weights is not None:
-            weights.folder.close()
+            weights.close()

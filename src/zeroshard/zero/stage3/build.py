@@ -93,10 +93,10 @@ def build_units(
     built = BuiltUnits([], [[] for _ in groups], [SubGroup(f"subgroup{k}", []) for k in range(len(chunks))])
     for index, (spec, layout) in enumerate(zip(specs, layouts, strict=True)):
         params = [named[n] for n in spec.param_names]
-        fill = _fill_from(policy.weights, spec.param_names, params, layout, device)
+        fill = _fill_from(policy.weights, params, layout, device)
         if fill is None:
             initialise(modules, spec.param_names, params, device, index)
-            load_parameters(spec.param_names, params, policy.weights)
+            load_parameters(params, policy.weights)
         unit = ShardedUnit(
             index,
             spec.name,
@@ -131,17 +131,16 @@ def build_units(
 
 def _fill_from(
     weights: StreamedWeights | None,
-    names: Sequence[str],
     params: list[nn.Parameter],
     layout: UnitLayout,
     device: torch.device,
 ) -> Callable[[torch.Tensor, int, int], None] | None:
     """For a unit the checkpoint covers whole: the read of a range of its flat buffer from the file, its parameters
     given untouched storage (never written: the shard is read directly). None: initialise, then load what it has."""
-    if weights is None or not all(weights.covers(n) for n in names):
+    if weights is None or not all(weights.covers(p) for p in params):
         return None
     for p in params:
         if p.is_meta:
             make_real(p, device)
-    slots = [(s.name, s.offset, s.numel) for s in layout.slots]
+    slots = [(params[s.index], s.offset, s.numel) for s in layout.slots]
     return lambda out, lo, hi: weights.read_flat(slots, out, lo, hi)
