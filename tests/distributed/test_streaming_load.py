@@ -75,11 +75,10 @@ def _streamed(rank: int, world_size: int, folder: str, stage: int):
     return meta, logits, float(loss), report.params
 
 
-@pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize(
-    ("dtype", "shard_size", "tied"),
-    [(torch.float32, None, False), (torch.bfloat16, "40KB", True)],
-    ids=["fp32-single-file", "bf16-sharded-tied"],
+    ("stage", "dtype", "shard_size", "tied"),
+    [(3, torch.bfloat16, "40KB", True), (0, torch.float32, None, False)],
+    ids=["stage3-bf16-sharded-tied", "stage0-fp32-single-file"],
 )
 def test_streamed_logits_equal_plain_from_pretrained(tmp_path, stage, dtype, shard_size, tied):
     folder = str(tmp_path / "llama")
@@ -159,3 +158,23 @@ def test_zero_init_restores_from_pretrained(tmp_path):
     with zeroshard.zero_init():
         assert PreTrainedModel.__dict__["from_pretrained"] is not before
     assert PreTrainedModel.__dict__["from_pretrained"] is before
+
+
+def test_meta_model_has_the_dtypes_transformers_gives(tmp_path):
+    """`_keep_in_fp32_modules_strict` stays fp32 in a bf16 load; the configuration's dtype is the "auto" default."""
+    from transformers import LlamaForCausalLM
+
+    from zeroshard.loading.hf import load_pretrained
+
+    class KeepHeadLlama(LlamaForCausalLM):
+        _keep_in_fp32_modules_strict = ["lm_head"]
+
+    folder = str(tmp_path / "llama")
+    _save_llama(folder, torch.bfloat16)
+    for kwargs in ({"dtype": torch.bfloat16}, {}):
+        streamed = load_pretrained(KeepHeadLlama, folder, **kwargs)
+        plain = KeepHeadLlama.from_pretrained(folder, **kwargs)
+        dtypes = {n: p.dtype for n, p in plain.named_parameters()}
+        assert {n: p.dtype for n, p in streamed.named_parameters()} == dtypes
+        assert dtypes["lm_head.weight"] == torch.float32 and dtypes["model.norm.weight"] == torch.bfloat16
+        assert not streamed.training and all(p.is_meta for p in streamed.parameters())

@@ -112,6 +112,7 @@ def meta_from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *model_ar
     model_dtype = _resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = cls._from_config(config, dtype=model_dtype, **build_kwargs)
+    _keep_in_fp32(model, model_dtype)
     model.eval()  # as transformers' from_pretrained leaves it
     if model.can_generate() and os.path.exists(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -159,6 +160,16 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
         tuple(mismatched),
     )
     return StreamedWeights(folder, keys, tensors.values(), report)
+
+
+def _keep_in_fp32(model: Any, dtype: torch.dtype) -> None:
+    """The modules transformers keeps in fp32 at this dtype (`_keep_in_fp32_modules` for fp16, `..._strict` for
+    fp16 and bf16) are fp32 here too; the engine then computes in its compute dtype as for every parameter."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    patterns = [re.compile(rf"(^|\.){re.escape(name)}(\.|$)") for name in plan]
+    for name, param in model.named_parameters():
+        if any(p.search(name) for p in patterns):
+            param.data = torch.empty_like(param, dtype=torch.float32)
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
