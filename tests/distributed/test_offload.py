@@ -166,6 +166,7 @@ def _nvme_rss(rank: int, world_size: int, nvme_path: str, layers: int, width: in
     return before, _vm_hwm(), report, losses
 
 
+@pytest.mark.slow  # ~85 s each: a model large enough that RSS measures the shards
 def test_nvme_optimizer_offload_peak_rss_below_half_the_optimizer_state(tmp_path):
     """A 310M-parameter model, stage 3, bf16, AdamW; master weights and Adam moments (12 B/param, 3.5 GiB) on NVMe,
     and with them the gradient shards (as DeepSpeed's ZeRO-Infinity). What stays in memory: the bf16 compute shards
@@ -183,6 +184,7 @@ def test_nvme_optimizer_offload_peak_rss_below_half_the_optimizer_state(tmp_path
     assert not any(tmp_path.iterdir()), "swap files must be removed when the stores close"
 
 
+@pytest.mark.slow  # ~85 s each: a model large enough that RSS measures the shards
 def test_zero_infinity_keeps_the_compute_shards_on_nvme_too(tmp_path):
     """The same model with the bf16 compute shards on NVMe as well (read ahead of each gather, written after each
     step): what remains is the working set. Measured: peak RSS 0.23 x the optimizer state (816 MiB)."""
