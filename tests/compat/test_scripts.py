@@ -69,14 +69,13 @@ CASES = [
     # the GAN pattern: two backward passes before one step, the generator's loss flowing through D (issue 22
     # item 3; [Note: a second backward], [Note: gradients outside engine.backward])
     Case("gan_fp32_stage0", "gan_deepspeed_train.py", ds_config={"train_batch_size": 16, "steps_per_print": 10}),
-    # With the module filled in by hand, the losses came within 2.0e-6 relative of DeepSpeed's (steps 4 and 7
-    # of 8): just outside FP32_RTOL, to be explained before the skip goes.
+    # The pooler is left out of the optimizer: DeepSpeed's fp32 stage 0 still counts its gradient in the clipping
+    # norm ([Note: clipping over the whole module at stage 0]); without that the losses moved 2e-6 relative.
     Case(
         "bing_bert_fp32_resume",
         "bing_bert_deepspeed_train.py",
         ("--output_dir", "{tmp}/saved_models"),
         ds_config=BING_BERT_CONFIG,
-        missing=("zeroshard.runtime.config (LAMB_OPTIMIZER, imported by zeroshard.runtime as DeepSpeed's is)",),
     ),
     Case(
         "unit_test_ds_initialize",

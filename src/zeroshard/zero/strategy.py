@@ -137,6 +137,7 @@ class Strategy(ABC):
             self.finish_backward()
         self._before_step()
         norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident)
+        norms += self._extra_norms()
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
             self.zero_grad()
@@ -157,6 +158,11 @@ class Strategy(ABC):
     def _before_step(self) -> None:
         """Checks that must pass before any rank steps (none by default)."""
         return None
+
+    def _extra_norms(self) -> list[torch.Tensor]:
+        """Norms of gradients outside the shards that count in the global norm, in the same terms (summed over
+        ranks, prescaled); none by default."""
+        return []
 
     @abstractmethod
     def _grad_slots(self) -> list[GradShard]:
