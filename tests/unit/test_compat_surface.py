@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+from importlib import import_module
 
 import pytest
 import torch
@@ -189,6 +190,35 @@ def test_lr_schedules_follow_deepspeeds(name, params):
 
     assert lrs(getattr(lr_schedules, name)) == pytest.approx(lrs(getattr(ds_schedules, name)), rel=1e-12)
     assert lr_schedules.VALID_LR_SCHEDULES == ds_schedules.VALID_LR_SCHEDULES
+    ours = inspect.signature(getattr(lr_schedules, name)).parameters
+    theirs = inspect.signature(getattr(ds_schedules, name)).parameters
+    assert list(ours) == list(theirs)  # positional calls mean the same
+    assert {k: p.default for k, p in ours.items() if k != "warmup_max_lr"} == {
+        k: p.default for k, p in theirs.items() if k != "warmup_max_lr"
+    }
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
+def test_config_scheduler_is_an_instance_of_the_lr_schedules_class(name):
+    from zeroshard.optim import build_lr_scheduler
+    from zeroshard.runtime import lr_schedules
+
+    params = {"WarmupDecayLR": {"total_num_steps": 2000}, "WarmupCosineLR": {"total_num_steps": 2000}}.get(name, {})
+    if name == "OneCycle":
+        params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.05)
+    assert isinstance(build_lr_scheduler(name, params, opt), getattr(lr_schedules, name))
+    assert getattr(lr_schedules, name) is getattr(import_module("zeroshard.optim.schedulers"), name)
+
+
+def test_runtime_config_constants_equal_deepspeeds():
+    from zeroshard.runtime import config
+
+    ds_config = import_deepspeed("deepspeed.runtime.config")
+    assert "LAMB_OPTIMIZER" in config.__all__ and "TRAIN_BATCH_SIZE" in config.__all__
+    for name in config.__all__:
+        theirs = getattr(ds_config, name)
+        assert getattr(config, name) == (tuple(theirs) if isinstance(theirs, list) else theirs), name
 
 
 def test_runtime_constants_equal_deepspeeds():
