@@ -13,7 +13,6 @@ from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
 from zeroshard.zero.strategy import AccumulationState
 
 
-
 class DisabledMonitor:
     """DeepSpeed's `engine.monitor` when no monitor is configured: `enabled` is False, events are dropped."""
 

@@ -16,8 +16,8 @@ from zeroshard.config.optimizer import (
     MUON_OPTIMIZER,
     MUSGD_OPTIMIZER,
 )
-from zeroshard.runtime.constants import *  # noqa: F403 - DeepSpeed's runtime.config does the same
 from zeroshard.runtime import constants as _constants
+from zeroshard.runtime.constants import *  # noqa: F403 - DeepSpeed's runtime.config does the same
 
 # ds_config `optimizer.params` keys of Adam/AdamW that torch's Adam lacks (read by optim.build_optimizer)
 TORCH_ADAM_PARAM = "torch_adam"
