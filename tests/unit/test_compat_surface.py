@@ -154,6 +154,11 @@ def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
     assert type(DeepSpeedCPUAdam([{"params": [w], "lr": 0.5}], adamw_mode=False)) is torch.optim.Adam
     with pytest.raises(RuntimeError, match="AMSGrad"):
         FusedAdam([w], amsgrad=True)
+    from zeroshard.optim.adam import UncorrectedAdam
+
+    uncorrected = DeepSpeedCPUAdam([w], bias_correction=False, adamw_mode=False)
+    assert type(uncorrected) is UncorrectedAdam and uncorrected.defaults["adam_w_mode"] is False
+    assert type(FusedAdam([w], bias_correction=False)) is UncorrectedAdam
 
 
 def test_fused_lamb_is_refused_with_the_reason():
