@@ -48,7 +48,13 @@ class UncorrectedAdam(torch.optim.Optimizer):
             raise ValueError(f"UncorrectedAdam: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"UncorrectedAdam: betas must be two values in [0, 1), got {betas}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "adam_w_mode": adam_w_mode}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adam_w_mode": adam_w_mode,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
