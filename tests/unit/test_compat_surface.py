@@ -283,15 +283,20 @@ def test_absent_modules_name_the_issue(module, issue):
 
 
 @pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])
-def test_safe_get_full_names_refuse_with_the_alternative(name):
+def test_safe_get_full_takes_deepspeeds_arguments(name):
+    """DeepSpeed's signatures; a parameter no engine trains gives None (its `.grad` for the gradient), as in
+    DeepSpeed. The values are tested on 2 ranks at every stage: tests/distributed/test_safe_get_full.py."""
     import zeroshard.utils
 
     ds_utils = import_deepspeed("deepspeed.utils")
     ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
     assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
-    args = [torch.nn.Parameter(torch.zeros(1))] + (["exp_avg"] if name.endswith("state") else [])
-    with pytest.raises(NotImplementedError, match="consolidated_state_dict"):
-        ours(*args)
+    stranger = torch.nn.Parameter(torch.zeros(1))
+    args = [stranger] + (["exp_avg"] if name.endswith("state") else [])
+    assert ours(*args) is None and theirs(*args) is None
+    stranger.grad = torch.ones(1)
+    if name == "safe_get_full_grad":
+        assert ours(stranger) is stranger.grad and theirs(stranger) is stranger.grad
 
 
 def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_configs(tmp_path):

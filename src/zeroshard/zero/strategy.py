@@ -39,6 +39,7 @@ class AccumulationState:
     communicate_every_micro_step: bool  # stages 2-3 reduce (scatter) every micro-step; stages 0-1 on the boundary
     micro_steps: int = 0
     no_sync_depth: int = 0  # inside engine.no_sync()
+    loss_scale: float = 1.0  # the fp16 loss scale of the last engine.backward: the accumulated gradients carry it
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""
@@ -183,6 +184,38 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
+
+    # -- one parameter's full values: DeepSpeed's safe_get_full_* (collective: every rank, same parameter) ---------
+    @abstractmethod
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s fp32 master value, whole, on the compute device."""
+
+    @abstractmethod
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s gradient averaged over ranks (unscaled, not yet clipped), whole, in fp32; valid after the
+        accumulation boundary's backward and before `step()`. None when there is none to read."""
+
+    @abstractmethod
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        """`param`'s slice of the optimizer state `key` (e.g. "exp_avg"), whole; None before the optimizer made it."""
+
+    def _grad_scale(self) -> float:
+        """Turns a reduced gradient shard into the true mean gradient (as the step's scale, without clipping)."""
+        return self.step_policy.post_scale(self.comm.world_size) / self.accumulation.loss_scale
+
+    def _has_state(self, key: str) -> bool:
+        """Whether the optimizer holds state `key` on any rank (decided together, so every rank gathers or none)."""
+        here = self.optimizer is not None and any(key in state for state in self.optimizer.state.values())
+        return self.comm.any_true(here, self.device)
+
+    # -- gathering (GatheredParameters) ------------------------------------------------------------------
+    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        """Make `params` whole until `gather_end` (collective); returns what to release. Stages 0-2: nothing."""
+        return []
+
+    def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
+        """Release what `gather_begin` returned; with `modifier_rank`, that rank's values become everyone's."""
+        return None
 
     # -- state, checkpoints, gathering -------------------------------------------------------------------
     @abstractmethod

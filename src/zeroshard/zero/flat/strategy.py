@@ -23,7 +23,7 @@ global norm, and the step clears them. Without it bing_bert's losses moved 2e-6 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,7 @@ from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
+from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import (
@@ -137,6 +138,7 @@ class FlatStrategy(Strategy):
         self._got_grad: set[tuple[int, int]] = set()  # (group, slot) with a gradient in this window
         self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
         self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
+        OWNERS.register(self, self.tracked_params())  # [Note: parameter registry]
 
     # -- construction helpers --------------------------------------------------------------------
     def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
@@ -358,6 +360,47 @@ class FlatStrategy(Strategy):
             self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
         return full
 
+    # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, lambda buffers: buffers.master)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        scale = self._grad_scale()
+        return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * scale)
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        if not self._has_state(key):
+            return None
+        assert self.optimizer is not None
+        state = self.optimizer.state
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, lambda buffers: state[buffers.master][key])
+
+    def _gather_slot(self, param: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]) -> torch.Tensor:
+        """`param`'s part of a group-wide flat tensor of which `local(buffers)` is this rank's shard: all-gathers
+        the buckets that hold the parameter (none at stage 0)."""
+        g, slot = next(
+            (g, slot)
+            for g, buffers in enumerate(self.buffers)
+            for slot in buffers.layout.slots
+            if buffers.params[slot.index] is param
+        )
+        buffers = self.buffers[g]
+        shard = local(buffers).to(self.device, torch.float32)
+        if self.layout.shard_count == 1:
+            return shard.narrow(0, slot.offset, slot.numel).view(param.shape).clone()
+        lo, hi = slot.offset, slot.offset + slot.numel
+        out = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+        for bucket in buffers.layout.buckets:
+            start, end = bucket.start, bucket.start + bucket.numel
+            if end <= lo or start >= hi:
+                continue
+            full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, shard.narrow(0, bucket.shard_start, bucket.shard_numel), label="full value")
+            out[max(lo, start) - lo : min(hi, end) - lo].copy_(full[max(lo, start) - start : min(hi, end) - start])
+        return out.view(param.shape)
+
     def offloadable_tensors(self) -> list[torch.Tensor]:
         out = [b.master for b in self.buffers if not b.master_aliases_params]
         copies = zip(self._grad_copies, self.buffers, strict=True)
@@ -369,6 +412,7 @@ class FlatStrategy(Strategy):
         return self.layout.unpadded_numel
 
     def destroy(self) -> None:
+        OWNERS.unregister(self.tracked_params())
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

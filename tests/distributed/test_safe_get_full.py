@@ -1,0 +1,111 @@
+"""`zeroshard.utils.safe_get_full_fp32_param` / `safe_get_full_grad` / `safe_get_full_optimizer_state` on 2 gloo
+ranks at stages 0-3, each step against a single-process torch reference (one spawn for the whole grid)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helpers.harness import run_on_ranks
+
+STAGES = (0, 1, 2, 3)
+STEPS = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # odd sizes, and buckets of 16 elements: parameters straddle buckets and shard boundaries
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _config(stage: int) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 16, "allgather_bucket_size": 16}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05, "weight_decay": 0.1}},
+        "zero_optimization": zero,
+    }
+
+
+def _reference() -> list[dict[str, list[torch.Tensor]]]:
+    """Per step: the full gradient before the step, then parameters and Adam moments after it."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
+    seen = []
+    for step in range(STEPS):
+        model(_batch(step)).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        seen.append(
+            {
+                "grad": grads,
+                "param": [p.detach().clone() for p in model.parameters()],
+                "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()],
+                "exp_avg_sq": [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()],
+            }
+        )
+    return seen
+
+
+def _grid(rank: int, world_size: int) -> dict:
+    import zeroshard
+    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    out: dict = {}
+    for stage in STAGES:
+        model = _model()
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
+        params = list(model.parameters())
+        before = {
+            "param": [safe_get_full_fp32_param(p) for p in params],
+            "exp_avg": [safe_get_full_optimizer_state(p, "exp_avg") for p in params],
+        }
+        steps = []
+        for step in range(STEPS):
+            x = _batch(step)[2 * rank : 2 * rank + 2]
+            engine.backward(engine(x).pow(2).mean())
+            grads = [safe_get_full_grad(p) for p in params]
+            engine.step()
+            steps.append(
+                {
+                    "grad": grads,
+                    "param": [safe_get_full_fp32_param(p) for p in params],
+                    "exp_avg": [safe_get_full_optimizer_state(p, "exp_avg") for p in params],
+                    "exp_avg_sq": [safe_get_full_optimizer_state(p, "exp_avg_sq") for p in params],
+                }
+            )
+        stranger = nn.Parameter(torch.ones(2))
+        out[stage] = {
+            "before": before,
+            "steps": steps,
+            "stranger": (safe_get_full_fp32_param(stranger), safe_get_full_optimizer_state(stranger, "exp_avg")),
+        }
+        engine.destroy()
+        assert safe_get_full_fp32_param(params[0]) is None  # destroy unregisters
+    return out
+
+
+def test_safe_get_full_matches_a_single_process_reference_at_every_stage():
+    reference = _reference()
+    init = [p.detach().clone() for p in _model().parameters()]
+    for rank, result in enumerate(run_on_ranks(_grid, 2)):
+        for stage in STAGES:
+            got = result[stage]
+            where = f"rank {rank} stage {stage}"
+            for mine, want in zip(got["before"]["param"], init, strict=True):
+                torch.testing.assert_close(mine, want, rtol=0, atol=0, msg=where)
+            assert got["before"]["exp_avg"] == [None] * len(init), where  # no state before the first step
+            for step, (mine, want) in enumerate(zip(got["steps"], reference, strict=True)):
+                for key, tensors in want.items():
+                    for i, (a, b) in enumerate(zip(mine[key], tensors, strict=True)):
+                        assert a is not None and a.dtype == torch.float32 and a.shape == b.shape, (where, key)
+                        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{where} step {step} {key}[{i}]")
+            assert got["stranger"] == (None, None), where
