@@ -285,7 +285,7 @@ def test_absent_modules_name_the_issue(module, issue):
 @pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])
 def test_safe_get_full_takes_deepspeeds_arguments(name):
     """DeepSpeed's signatures; a parameter no engine trains gives None (its `.grad` for the gradient), as in
-    DeepSpeed. The values are tested on 2 ranks at every stage: tests/distributed/test_safe_get_full.py."""
+    DeepSpeed. The values are tested on 2 ranks at every stage: tests/distributed/test_compat_engine.py."""
     import zeroshard.utils
 
     ds_utils = import_deepspeed("deepspeed.utils")

@@ -1,12 +1,11 @@
 """`zeroshard.utils.safe_get_full_fp32_param` / `safe_get_full_grad` / `safe_get_full_optimizer_state` on 2 gloo
-ranks at stages 0-3, each step against a single-process torch reference (one spawn for the whole grid)."""
+ranks at stages 0-3, each step against a single-process torch reference. `run_grid` runs on every rank inside the
+spawn of tests/distributed/test_compat_engine.py; `check_grid` compares what the ranks returned."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from helpers.harness import run_on_ranks
 
 STAGES = (0, 1, 2, 3)
 STEPS = 2
@@ -55,7 +54,7 @@ def _reference() -> list[dict[str, list[torch.Tensor]]]:
     return seen
 
 
-def _grid(rank: int, world_size: int) -> dict:
+def run_grid(rank: int, world_size: int) -> dict:
     import zeroshard
     from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 
@@ -93,10 +92,10 @@ def _grid(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_safe_get_full_matches_a_single_process_reference_at_every_stage():
+def check_grid(results: list[dict]) -> None:
     reference = _reference()
     init = [p.detach().clone() for p in _model().parameters()]
-    for rank, result in enumerate(run_on_ranks(_grid, 2)):
+    for rank, result in enumerate(results):
         for stage in STAGES:
             got = result[stage]
             where = f"rank {rank} stage {stage}"
