@@ -121,7 +121,7 @@ class FlatStrategy(Strategy):
                 comm_dtype=policy.comm_dtype,
                 overlap=policy.overlap_comm,
                 use_reduce_scatter=policy.use_reduce_scatter,
-                prescale=policy.step.prescale,
+                prescale=policy.step.prescale(comm.world_size),
             ),
             self.pool,
             self.shard_rank,
@@ -242,8 +242,9 @@ class FlatStrategy(Strategy):
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._bystanders]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        if self.step_policy.prescale != 1.0:
-            flat.mul_(self.step_policy.prescale)
+        prescale = self.step_policy.prescale(self.world_size)
+        if prescale != 1.0:
+            flat.mul_(prescale)
         self.comm.all_reduce(flat, label="stage0.bystander_grads")
         for param, part in zip(self._bystanders, flat.split([p.numel() for p in self._bystanders]), strict=True):
             param.grad = part.view(param.shape).to(param.dtype)

@@ -97,7 +97,7 @@ class Stage3Strategy(Strategy):
             comm,
             self.pool,
             policy.comm_dtype,
-            policy.step.prescale,
+            policy.step.prescale(comm.world_size),
             policy.overlap_comm,
             self.gradients_tier,
             accumulation,
