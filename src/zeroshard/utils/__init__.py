@@ -1,5 +1,5 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
-`logger`, `log_dist`, `RepeatingLoader`, `groups`, and `safe_get_full_*` (refused, naming the alternative)."""
+`logger`, `log_dist`, `RepeatingLoader`, `groups`, and `safe_get_full_*` (every stage)."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.logging import log_dist, logger
