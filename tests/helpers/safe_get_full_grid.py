@@ -33,12 +33,25 @@ def _config(stage: int) -> dict:
     }
 
 
+def _new_values(params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the test sets after STEPS steps: the first weight, and the last bias's exp_avg."""
+    first, last = params[0], params[-1]
+    return torch.linspace(-1, 1, first.numel()).view(first.shape), torch.full(last.shape, 0.25)
+
+
 def _reference() -> list[dict[str, list[torch.Tensor]]]:
-    """Per step: the full gradient before the step, then parameters and Adam moments after it."""
+    """Per step: the full gradient before the step, then parameters and Adam moments after it. After STEPS steps
+    the values of `_new_values` are set, then one more step is taken."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
     seen = []
-    for step in range(STEPS):
+    for step in range(STEPS + 1):
+        if step == STEPS:
+            params = list(model.parameters())
+            weight, exp_avg = _new_values(params)
+            with torch.no_grad():
+                params[0].copy_(weight)
+            opt.state[params[-1]]["exp_avg"].copy_(exp_avg)
         model(_batch(step)).pow(2).mean().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
@@ -56,7 +69,13 @@ def _reference() -> list[dict[str, list[torch.Tensor]]]:
 
 def run_grid(rank: int, world_size: int) -> dict:
     import zeroshard
-    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+    from zeroshard.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+    )
 
     out: dict = {}
     for stage in STAGES:
@@ -68,7 +87,12 @@ def run_grid(rank: int, world_size: int) -> dict:
             "exp_avg": [safe_get_full_optimizer_state(p, "exp_avg") for p in params],
         }
         steps = []
-        for step in range(STEPS):
+        for step in range(STEPS + 1):
+            if step == STEPS:
+                weight, exp_avg = _new_values(list(_model().parameters()))  # stage 3 parameters hold no shape
+                safe_set_full_fp32_param(params[0], weight)
+                safe_set_full_optimizer_state(params[-1], exp_avg, "exp_avg")
+                was_set = (safe_get_full_fp32_param(params[0]), safe_get_full_optimizer_state(params[-1], "exp_avg"))
             x = _batch(step)[2 * rank : 2 * rank + 2]
             engine.backward(engine(x).pow(2).mean())
             grads = [safe_get_full_grad(p) for p in params]
@@ -83,6 +107,7 @@ def run_grid(rank: int, world_size: int) -> dict:
             )
         stranger = nn.Parameter(torch.ones(2))
         out[stage] = {
+            "was_set": was_set,
             "before": before,
             "steps": steps,
             "stranger": (safe_get_full_fp32_param(stranger), safe_get_full_optimizer_state(stranger, "exp_avg")),
@@ -102,6 +127,8 @@ def check_grid(results: list[dict]) -> None:
             for mine, want in zip(got["before"]["param"], init, strict=True):
                 torch.testing.assert_close(mine, want, rtol=0, atol=0, msg=where)
             assert got["before"]["exp_avg"] == [None] * len(init), where  # no state before the first step
+            for mine, want in zip(got["was_set"], _new_values(init), strict=True):
+                torch.testing.assert_close(mine, want, rtol=0, atol=0, msg=f"{where} safe_set_full_*")
             for step, (mine, want) in enumerate(zip(got["steps"], reference, strict=True)):
                 for key, tensors in want.items():
                     for i, (a, b) in enumerate(zip(mine[key], tensors, strict=True)):

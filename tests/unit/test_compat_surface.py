@@ -299,6 +299,20 @@ def test_safe_get_full_takes_deepspeeds_arguments(name):
         assert ours(stranger) is stranger.grad and theirs(stranger) is stranger.grad
 
 
+@pytest.mark.parametrize("name", ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"])
+def test_safe_set_full_takes_deepspeeds_arguments(name):
+    import zeroshard.utils
+
+    ds_utils = import_deepspeed("deepspeed.utils")
+    ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    stranger = torch.nn.Parameter(torch.zeros(2))
+    args = [stranger, torch.ones(2)] + (["exp_avg"] if name.endswith("state") else [])
+    ours(*args)  # a parameter no engine trains is left alone, as in DeepSpeed
+    theirs(*args)
+    assert torch.equal(stranger, torch.zeros(2))
+
+
 def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_configs(tmp_path):
     """As DeepSpeed: `--deepscale_config` still names the config; a config both in args and config= is refused."""
     import argparse

@@ -7,7 +7,9 @@ for the same parameters in the same order. They return new fp32 tensors on the c
 
 Where zeroshard differs: at fp32 stage 0 DeepSpeed has no fp32 copy and returns None from
 `safe_get_full_fp32_param` / `safe_get_full_optimizer_state`; we return the master value and the state, as at
-the other stages. The `safe_set_full_*` functions are not provided (docs/compat.md).
+the other stages. `safe_set_full_fp32_param` also updates the parameter the next forward uses (DeepSpeed
+updates its low-precision copy at the next step). `safe_set_full_grad` and the `safe_*_local_*` functions are not
+provided (docs/compat.md).
 """
 
 from __future__ import annotations
@@ -46,3 +48,19 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     the first step made it, or for a parameter no engine trains (collective)."""
     strategy = OWNERS.strategy_of(param)
     return None if strategy is None else strategy.full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param` := `value`, its whole new value (the same on every rank; collective at stage 3): the fp32 master,
+    and the parameter the next forward uses. Nothing for a parameter no engine trains, as in DeepSpeed."""
+    strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.set_full_fp32_param(param, value)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """`param`'s optimizer state `optim_state_key` := `value` (whole, the same on every rank). A KeyError names
+    the key before the optimizer created it (its first step)."""
+    strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.set_full_optimizer_state(param, value, optim_state_key)

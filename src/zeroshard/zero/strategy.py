@@ -199,6 +199,23 @@ class Strategy(ABC):
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         """`param`'s slice of the optimizer state `key` (e.g. "exp_avg"), whole; None before the optimizer made it."""
 
+    @abstractmethod
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """`param` := `value` (its whole value, the same on every rank): the fp32 master and the parameter the
+        next forward uses (collective at stage 3)."""
+
+    @abstractmethod
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        """`param`'s slice of the optimizer state `key` := `value` (whole, the same on every rank)."""
+
+    def _state_of(self, master: torch.Tensor, key: str) -> torch.Tensor:
+        """Optimizer state `key` of a master tensor, or an error naming the key when the optimizer has none."""
+        state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
+        if key not in state:
+            raise KeyError(f"optimizer state {key!r} does not exist (yet): the optimizer creates it at its first step")
+        value: torch.Tensor = state[key]
+        return value
+
     def _grad_scale(self) -> float:
         """Turns a reduced gradient shard into the true mean gradient (as the step's scale, without clipping)."""
         return self.step_policy.post_scale(self.comm.world_size) / self.accumulation.loss_scale

@@ -373,21 +373,46 @@ class FlatStrategy(Strategy):
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         if not self._has_state(key):
             return None
-        assert self.optimizer is not None
-        state = self.optimizer.state
         with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda buffers: state[buffers.master][key])
+            return self._gather_slot(param, lambda buffers: self._state_of(buffers.master, key))
+
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        with self.optimizer_state_resident():
+            self._scatter_slot(param, value, lambda buffers: buffers.master)
+        with torch.no_grad():
+            param.copy_(value)  # whole on every rank: the compute copy (the master itself when they alias)
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        with self.optimizer_state_resident():
+            self._scatter_slot(param, value, lambda buffers: self._state_of(buffers.master, key))
+
+    def _slot_of(self, param: torch.Tensor) -> tuple[GroupBuffers, Any]:
+        return next(
+            (buffers, slot)
+            for buffers in self.buffers
+            for slot in buffers.layout.slots
+            if buffers.params[slot.index] is param
+        )
+
+    def _scatter_slot(
+        self, param: torch.Tensor, value: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]
+    ) -> None:
+        """This rank's ranges of `local(buffers)` := the matching elements of `param`'s whole `value`."""
+        buffers, slot = self._slot_of(param)
+        target, flat = local(buffers), value.detach().reshape(-1)
+        for bucket in buffers.layout.buckets:
+            lo, hi = (
+                bucket.owner_range(self.shard_rank) if self._sharded else (bucket.start, bucket.start + bucket.numel)
+            )
+            begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if begin < end:
+                start = (bucket.shard_start if self._sharded else bucket.start) + begin - lo
+                target.narrow(0, start, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])
 
     def _gather_slot(self, param: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]) -> torch.Tensor:
         """`param`'s part of a group-wide flat tensor of which `local(buffers)` is this rank's shard: all-gathers
         the buckets that hold the parameter (none at stage 0)."""
-        g, slot = next(
-            (g, slot)
-            for g, buffers in enumerate(self.buffers)
-            for slot in buffers.layout.slots
-            if buffers.params[slot.index] is param
-        )
-        buffers = self.buffers[g]
+        buffers, slot = self._slot_of(param)
         shard = local(buffers).to(self.device, torch.float32)
         if self.layout.shard_count == 1:
             return shard.narrow(0, slot.offset, slot.numel).view(param.shape).clone()
