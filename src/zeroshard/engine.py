@@ -106,6 +106,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
         strategy = self._require_optimizer("backward")
         strategy.begin_backward()
+        self.accumulation.loss_scale = self.loss_scale
         factor = self.loss_scale / self.gradient_accumulation_steps()
         with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)

@@ -9,10 +9,8 @@ import torch
 
 from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.topology import Topology
+from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
 from zeroshard.zero.strategy import AccumulationState
-
-# DeepSpeed lower-cases optimizer.type for these names in `optimizer_name()` (its DEEPSPEED_OPTIMIZERS).
-_DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 
 class DisabledMonitor:
@@ -108,7 +106,7 @@ class EngineAccessors:
         the client optimizer's class name when the config names none."""
         if self.config.optimizer is not None:
             name = str(self.config.optimizer.type)
-            return name.lower() if name.lower() in _DEEPSPEED_OPTIMIZER_NAMES else name
+            return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
     def was_step_applied(self) -> bool:

@@ -192,7 +192,7 @@ def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, compute
     need: dict[str, int] = {}
     if str(z.offload_optimizer.device) == "nvme":
         need[str(z.offload_optimizer.nvme_path)] = int(1.25 * 12 * shard)
-    if str(z.offload_param.device) == "nvme":
+    if str(z.offload_param.device) == "nvme" and z.stage == 3:  # ignored below stage 3 (config.checks.warn_ignored)
         path = str(z.offload_param.nvme_path)
         need[path] = need.get(path, 0) + int(1.25 * compute_bytes * shard)
     return need

@@ -1,11 +1,13 @@
 """`import zeroshard as deepspeed` on 2 gloo ranks: a script's argument parsing, `init_distributed`,
-`deepspeed.comm` collectives and the engine accessors DeepSpeed scripts read, in one spawn."""
+`deepspeed.comm` collectives and the engine accessors DeepSpeed scripts read, and `utils.safe_get_full_*` at every
+stage (tests/helpers/safe_get_full_grid.py), in one spawn."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -50,7 +52,15 @@ def _script(rank: int, world_size: int, config_path: str):
     return facts
 
 
-def test_deepspeed_script_surface_on_two_ranks(tmp_path):
+def _spawn(rank: int, world_size: int, config_path: str) -> dict:
+    from helpers.safe_get_full_grid import run_grid
+
+    return {"surface": _script(rank, world_size, config_path), "safe_get_full": run_grid(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One spawn of 2 ranks for both tests below (start-up dominates their cost)."""
     config = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
@@ -59,11 +69,14 @@ def test_deepspeed_script_surface_on_two_ranks(tmp_path):
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 2},
     }
-    path = tmp_path / "ds_config.json"
+    path = tmp_path_factory.mktemp("compat") / "ds_config.json"
     path.write_text(json.dumps(config))
-    results = run_on_ranks(_script, 2, str(path))
-    for rank, facts in enumerate(results):
-        assert facts == {
+    return run_on_ranks(_spawn, 2, str(path))
+
+
+def test_deepspeed_script_surface_on_two_ranks(ranks: list[dict]) -> None:
+    for rank, result in enumerate(ranks):
+        assert result["surface"] == {
             "sum": 3.0,
             "ranks": (2, 2, 2),
             "local_rank": rank,
@@ -76,3 +89,9 @@ def test_deepspeed_script_surface_on_two_ranks(tmp_path):
             "applied": [False, True, False, True],  # gradient_accumulation_steps = 8 / (2 * 2) = 2
             "batch": 8,
         }
+
+
+def test_safe_get_full_matches_a_single_process_reference_at_every_stage(ranks: list[dict]) -> None:
+    from helpers.safe_get_full_grid import check_grid
+
+    check_grid([result["safe_get_full"] for result in ranks])

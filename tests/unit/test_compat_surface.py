@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+from importlib import import_module
 
 import pytest
 import torch
@@ -153,6 +154,11 @@ def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
     assert type(DeepSpeedCPUAdam([{"params": [w], "lr": 0.5}], adamw_mode=False)) is torch.optim.Adam
     with pytest.raises(RuntimeError, match="AMSGrad"):
         FusedAdam([w], amsgrad=True)
+    from zeroshard.optim.adam import UncorrectedAdam
+
+    uncorrected = DeepSpeedCPUAdam([w], bias_correction=False, adamw_mode=False)
+    assert type(uncorrected) is UncorrectedAdam and uncorrected.defaults["adam_w_mode"] is False
+    assert type(FusedAdam([w], bias_correction=False)) is UncorrectedAdam
 
 
 def test_fused_lamb_is_refused_with_the_reason():
@@ -189,6 +195,35 @@ def test_lr_schedules_follow_deepspeeds(name, params):
 
     assert lrs(getattr(lr_schedules, name)) == pytest.approx(lrs(getattr(ds_schedules, name)), rel=1e-12)
     assert lr_schedules.VALID_LR_SCHEDULES == ds_schedules.VALID_LR_SCHEDULES
+    ours = inspect.signature(getattr(lr_schedules, name)).parameters
+    theirs = inspect.signature(getattr(ds_schedules, name)).parameters
+    assert list(ours) == list(theirs)  # positional calls mean the same
+    assert {k: p.default for k, p in ours.items() if k != "warmup_max_lr"} == {
+        k: p.default for k, p in theirs.items() if k != "warmup_max_lr"
+    }
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
+def test_config_scheduler_is_an_instance_of_the_lr_schedules_class(name):
+    from zeroshard.optim import build_lr_scheduler
+    from zeroshard.runtime import lr_schedules
+
+    params = {"WarmupDecayLR": {"total_num_steps": 2000}, "WarmupCosineLR": {"total_num_steps": 2000}}.get(name, {})
+    if name == "OneCycle":
+        params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.05)
+    assert isinstance(build_lr_scheduler(name, params, opt), getattr(lr_schedules, name))
+    assert getattr(lr_schedules, name) is getattr(import_module("zeroshard.optim.schedulers"), name)
+
+
+def test_runtime_config_constants_equal_deepspeeds():
+    from zeroshard.runtime import config
+
+    ds_config = import_deepspeed("deepspeed.runtime.config")
+    assert "LAMB_OPTIMIZER" in config.__all__ and "TRAIN_BATCH_SIZE" in config.__all__
+    for name in config.__all__:
+        theirs = getattr(ds_config, name)
+        assert getattr(config, name) == (tuple(theirs) if isinstance(theirs, list) else theirs), name
 
 
 def test_runtime_constants_equal_deepspeeds():
@@ -248,15 +283,34 @@ def test_absent_modules_name_the_issue(module, issue):
 
 
 @pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])
-def test_safe_get_full_names_refuse_with_the_alternative(name):
+def test_safe_get_full_takes_deepspeeds_arguments(name):
+    """DeepSpeed's signatures; a parameter no engine trains gives None (its `.grad` for the gradient), as in
+    DeepSpeed. The values are tested on 2 ranks at every stage: tests/distributed/test_compat_engine.py."""
     import zeroshard.utils
 
     ds_utils = import_deepspeed("deepspeed.utils")
     ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
     assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
-    args = [torch.nn.Parameter(torch.zeros(1))] + (["exp_avg"] if name.endswith("state") else [])
-    with pytest.raises(NotImplementedError, match="consolidated_state_dict"):
-        ours(*args)
+    stranger = torch.nn.Parameter(torch.zeros(1))
+    args = [stranger] + (["exp_avg"] if name.endswith("state") else [])
+    assert ours(*args) is None and theirs(*args) is None
+    stranger.grad = torch.ones(1)
+    if name == "safe_get_full_grad":
+        assert ours(stranger) is stranger.grad and theirs(stranger) is stranger.grad
+
+
+@pytest.mark.parametrize("name", ["safe_set_full_fp32_param", "safe_set_full_optimizer_state"])
+def test_safe_set_full_takes_deepspeeds_arguments(name):
+    import zeroshard.utils
+
+    ds_utils = import_deepspeed("deepspeed.utils")
+    ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    stranger = torch.nn.Parameter(torch.zeros(2))
+    args = [stranger, torch.ones(2)] + (["exp_avg"] if name.endswith("state") else [])
+    ours(*args)  # a parameter no engine trains is left alone, as in DeepSpeed
+    theirs(*args)
+    assert torch.equal(stranger, torch.zeros(2))
 
 
 def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_configs(tmp_path):

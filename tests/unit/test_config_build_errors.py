@@ -1,6 +1,7 @@
 """Rules about what zeroshard can build run in resolve_config, the path `zeroshard validate-config` and
 `initialize` share: offload placement by stage, and optimizer/scheduler params judged by their real
-constructors. Each error is one line that names the key."""
+constructors. Each error is one line that names the key; a key DeepSpeed ignores (offload_param below
+stage 3) is one warning line, the same from both."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pathlib
 from typing import Any
 
 import pytest
+import torch
 
+from helpers.config_checks import warnings_of
 from zeroshard.cli.main import main
 from zeroshard.config import parse_config, resolve_config
 from zeroshard.errors import ConfigError
@@ -40,11 +43,6 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("params-key", _optimizer(lrr=1e-3), "optimizer.params.lrr is not a parameter of AdamW. Did you mean 'lr'?"),
     ("warmup-steps", _scheduler(warmup_num_steps="ten"), "scheduler.params.warmup_num_steps must be an integer"),
     ("scheduler-key", _scheduler(warmup_steps=10), "scheduler.params.warmup_steps is not a parameter of WarmupLR"),
-    (
-        "offload-param-stage",
-        {"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-        'zero_optimization.offload_param.device: "cpu" needs zero_optimization.stage 3',
-    ),
     (
         "offload-optimizer-stage",
         {"train_batch_size": 2, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -106,3 +104,45 @@ def test_valid_optimizer_and_scheduler_still_resolve() -> None:
     )
     assert cfg.optimizer is not None and cfg.optimizer.params["momentum"] == 0.9
     resolve_config(parse_config({**_optimizer(betas=[0, 0.5], adam_w_mode=False), "train_batch_size": 2}), world_size=1)
+
+
+OFFLOAD_PARAM_WARNING = 'zero_optimization.offload_param.device="cpu" is ignored at zero_optimization.stage'
+
+
+def _offload_param(stage: int) -> dict[str, Any]:
+    return {
+        **_optimizer("Adam", lr=0.1),
+        "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}},
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_stage_3_is_ignored_with_one_warning(stage: int, log: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed ignores offload_param below stage 3; so do we, saying so once, and training still works."""
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config=_offload_param(stage)
+    )
+    warnings = [line for line in warnings_of(log) if "offload_param" in line]
+    assert len(warnings) == 1 and f"{OFFLOAD_PARAM_WARNING} {stage}" in warnings[0], warnings
+    assert "\n" not in warnings[0]
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    assert engine.was_step_applied() and not torch.equal(before, model.weight)
+    assert model.weight.device.type == "cpu" and engine.zero_optimization_stage() == stage
+    engine.destroy()
+
+
+def test_validate_config_shows_the_offload_param_warning(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_offload_param(1)))
+    assert main(["validate-config", str(path), "--strict"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.out.splitlines() if "offload_param" in line and "ignored" in line]
+    assert len(lines) == 1 and f"{OFFLOAD_PARAM_WARNING} 1" in lines[0], captured.out

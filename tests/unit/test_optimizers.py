@@ -55,8 +55,10 @@ def test_ds_only_adam_keys_are_consumed() -> None:
     )
     assert opt.defaults["betas"] == (0.8, 0.95)
     assert opt.defaults["amsgrad"] is True
-    with pytest.raises(ConfigError, match="bias_correction"):
-        build_optimizer("Adam", {"bias_correction": False}, _groups(4))
+    with pytest.raises(ConfigError, match="torch_adam"):
+        build_optimizer("Adam", {"bias_correction": False, "torch_adam": True}, _groups(4))
+    with pytest.raises(ConfigError, match="amsgrad"):
+        build_optimizer("Adam", {"bias_correction": False, "amsgrad": True}, _groups(4))
     with pytest.raises(ConfigError, match="adam_w_mode"):
         build_optimizer("Adam", {"adam_w_mode": "yes"}, _groups(4))
 
@@ -84,6 +86,92 @@ def test_adam_matches_reference_adamw() -> None:
         ref.step()
     for g, r in zip(groups, ref_groups, strict=True):
         torch.testing.assert_close(g["params"][0], r["params"][0], rtol=1e-6, atol=1e-7)
+
+
+def _deepspeed_adam_reference(
+    init: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, adamw: bool, bias_correction: bool
+) -> torch.Tensor:
+    """DeepSpeed's CPU Adam kernel (csrc/adam/cpu_adam_impl.cpp) in float64: corrections of 1 without the flag."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    p, m, v = init.double(), torch.zeros_like(init, dtype=torch.float64), torch.zeros_like(init, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        bc1 = 1 - b1**t if bias_correction else 1.0
+        bc2 = 1 / (1 - b2**t) ** 0.5 if bias_correction else 1.0
+        if adamw:
+            p = p - lr * wd * p
+        else:
+            g = g + wd * p
+        m = m * b1 + g * (1 - b1)
+        v = v * b2 + g * g * (1 - b2)
+        p = p - lr / bc1 * m / (v.sqrt() * bc2 + eps)
+    return p
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_bias_correction_false_matches_deepspeeds_kernel(adam_w_mode: bool) -> None:
+    """`bias_correction: false` (FusedAdam / DeepSpeedCPUAdam's flag) against DeepSpeed's kernel arithmetic."""
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(3000, generator=gen)
+    grads = [torch.randn(3000, generator=gen) * 10**-k for k in range(6)]  # down to the scale of eps
+    params = {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": adam_w_mode}
+    results = {}
+    for flag in (True, False):
+        w = init.clone().requires_grad_()
+        opt = build_optimizer("Adam", {**params, "bias_correction": flag}, [{"params": [w]}])
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        expected = _deepspeed_adam_reference(init, grads, 1e-2, 0.1, adam_w_mode, bias_correction=flag)
+        torch.testing.assert_close(w.detach().double(), expected, rtol=1e-6, atol=1e-7)
+        results[flag] = w.detach()
+    assert (results[True] - results[False]).abs().max() > 1e-3  # the flag changes the update
+
+
+@pytest.mark.slow  # builds DeepSpeed's CPU Adam extension (JIT, 75-150 s the first time)
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_bias_correction_false_against_deepspeed_cpu_adam(adam_w_mode: bool) -> None:
+    """DeepSpeedCPUAdam(bias_correction=False) itself. Its fp32 kernel rounds in its own order (AVX, step size
+    folded in): over 6 steps it lands up to ~2e-6 (a few ulps of values ~2-4) from the float64 evaluation of its
+    own formula, where ours lands within 1e-6; torch's bias-corrected AdamW shows the same spread against it. So
+    the comparison bounds both by their distance to the float64 reference, which is only fp32 rounding."""
+    from helpers.deepspeed_reference import import_deepspeed
+
+    ds_cpu_adam = import_deepspeed("deepspeed.ops.adam").DeepSpeedCPUAdam
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(3000, generator=gen)
+    grads = [torch.randn(3000, generator=gen) * 10**-k for k in range(6)]
+    theirs, ours = init.clone().requires_grad_(), init.clone().requires_grad_()
+    ds_opt = ds_cpu_adam([theirs], lr=1e-2, weight_decay=0.1, bias_correction=False, adamw_mode=adam_w_mode)
+    params = {"lr": 1e-2, "weight_decay": 0.1, "bias_correction": False, "adam_w_mode": adam_w_mode}
+    our_opt = build_optimizer("Adam", params, [{"params": [ours]}])
+    for g in grads:
+        theirs.grad, ours.grad = g.clone(), g.clone()
+        ds_opt.step()
+        our_opt.step()
+    expected = _deepspeed_adam_reference(init, grads, 1e-2, 0.1, adam_w_mode, bias_correction=False)
+    torch.testing.assert_close(ours.detach().double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(theirs.detach().double(), expected, rtol=1e-6, atol=4e-6)
+    assert float((theirs - ours).norm() / ours.norm()) < 2e-6
+
+
+def test_bias_correction_false_is_elementwise() -> None:
+    sizes = (5, 3, 8)
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    pieces = [t.clone().requires_grad_() for t in init]
+    flat = torch.cat(init).requires_grad_()
+    params = {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False}
+    split_opt = build_optimizer("Adam", params, [{"params": pieces}])
+    flat_opt = build_optimizer("Adam", params, [{"params": [flat]}])
+    for _ in range(3):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p, g in zip(pieces, grads, strict=True):
+            p.grad = g.clone()
+        flat.grad = torch.cat(grads)
+        split_opt.step()
+        flat_opt.step()
+    torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ rules again once every value is known."""
 
 from __future__ import annotations
 
+import logging
+
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.errors import ConfigError
 
@@ -66,17 +68,10 @@ def _check_no_grad_norm(cfg: ZeroshardConfig) -> None:
 
 
 def _check_offload(cfg: ZeroshardConfig) -> None:
-    """Where zeroshard can offload: parameters at stage 3, optimizer state at stages 1-3, all of it, and NVMe
-    only with a path. DeepSpeed ignores offload_param below stage 3 and offload_optimizer at stage 0; zeroshard
-    refuses them so a config never looks offloaded while it is not."""
+    """Where zeroshard can offload: optimizer state at stages 1-3, all of it, and NVMe only with a path.
+    offload_param below stage 3 is ignored with a warning, as DeepSpeed ignores it (`warn_ignored`)."""
     zero = cfg.zero_optimization
     stage = zero.stage
-    param_device = zero.offload_param.device
-    if isinstance(param_device, str) and param_device != "none" and stage < 3:
-        raise ConfigError(
-            f'zero_optimization.offload_param.device: "{param_device}" needs zero_optimization.stage 3 '
-            "(stages 0-2 keep whole parameters on every rank); use offload_optimizer for stages 1-2"
-        )
     optimizer_device = zero.offload_optimizer.device
     if isinstance(optimizer_device, str) and optimizer_device != "none" and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
@@ -87,7 +82,20 @@ def _check_offload(cfg: ZeroshardConfig) -> None:
             f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) is not supported; "
             "use 1.0 (offload all optimizer state)"
         )
-    for name in ("offload_param", "offload_optimizer"):
+    for name in ("offload_param", "offload_optimizer") if stage == 3 else ("offload_optimizer",):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f'zero_optimization.{name}.device is "nvme" but {name}.nvme_path is not set')
+
+
+def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
+    """One warning per key DeepSpeed accepts and ignores in this config, and so do we (`parse_config` calls it;
+    `zeroshard validate-config` shows the same line)."""
+    zero = cfg.zero_optimization
+    device = zero.offload_param.device
+    if isinstance(device, str) and device != "none" and zero.stage < 3:
+        logger.warning(
+            f'zeroshard: zero_optimization.offload_param.device="{device}" is ignored at zero_optimization.stage '
+            f"{zero.stage}, as DeepSpeed ignores it: stages 0-2 keep whole parameters on every rank (offload_param "
+            "needs stage 3; offload_optimizer offloads optimizer state at stages 1-2)"
+        )

@@ -8,6 +8,29 @@ from typing import Any
 from zeroshard.config.fields import Bool, ConfigBlock, Str, option, params
 from zeroshard.errors import ConfigError
 
+# DeepSpeed's own optimizer names (its runtime.config constants, same values): `engine.optimizer_name()`
+# lower-cases optimizer.type when it is one of them, as DeepSpeed does.
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUSGD_OPTIMIZER = "musgd"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+DEEPSPEED_OPTIMIZERS = (
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUON_OPTIMIZER,
+)
+
 
 def _type_name(value: object, path: str) -> str:
     name = Str()(value, path)

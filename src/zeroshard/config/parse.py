@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from zeroshard.config.checks import check_consistency
+from zeroshard.config.checks import check_consistency, warn_ignored
 from zeroshard.config.fields import (
     AUTO,
     AutoPolicy,
@@ -39,7 +39,8 @@ def parse_config(source: ConfigSource | ZeroshardConfig) -> ZeroshardConfig:
 
     `source` is a path to a JSON file or a mapping (a ZeroshardConfig is returned as it is).
     Raises ConfigError naming the key for unknown keys, wrong types, out-of-range values and
-    contradictions; logs one warning per deprecated key and per set-but-unimplemented key.
+    contradictions; logs one warning per deprecated key, per key ignored as DeepSpeed ignores it (offload_param
+    below stage 3) and per set-but-unimplemented key.
 
     Example:
         >>> from zeroshard.config import parse_config
@@ -55,6 +56,7 @@ def parse_config(source: ConfigSource | ZeroshardConfig) -> ZeroshardConfig:
     cfg = build_block(ZeroshardConfig, working, "", logger)
     cfg = dataclasses.replace(cfg, raw=copy.deepcopy(dict(user)))
     check_consistency(cfg)
+    warn_ignored(cfg, logger)
     warn_unimplemented(cfg, logger)
     return cfg
 

@@ -1,7 +1,8 @@
 """`deepspeed.ops.adam`: FusedAdam and DeepSpeedCPUAdam as the Adam/AdamW zeroshard builds from ds_config.
 
 These are functions with DeepSpeed's class names and signatures; they return a `torch.optim.AdamW` (or
-`Adam` when `adam_w_mode=False`) built by `optim.build_optimizer`, so `isinstance(opt, FusedAdam)` does not
+`Adam` when `adam_w_mode=False`, or `optim.adam.UncorrectedAdam` when `bias_correction=False`) built by
+`optim.build_optimizer`, so `isinstance(opt, FusedAdam)` does not
 hold. With ZeRO offload the engine steps on CPU with the same torch optimizer, so DeepSpeedCPUAdam is the
 same optimizer.
 """
@@ -30,8 +31,8 @@ def FusedAdam(  # noqa: N802 - DeepSpeed's class name
 ) -> torch.optim.Optimizer:
     """The optimizer ds_config `{"type": "Adam", "params": {...}}` builds, with FusedAdam's defaults.
 
-    `bias_correction=False` is refused (torch's Adam always corrects) and `amsgrad=True` raises as in
-    DeepSpeed's FusedAdam.
+    `bias_correction=False` returns `optim.adam.UncorrectedAdam` (torch's Adam always corrects), and
+    `amsgrad=True` raises as in DeepSpeed's FusedAdam.
 
     Example:
         >>> import torch

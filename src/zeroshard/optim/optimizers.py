@@ -8,7 +8,8 @@ Adafactor's row/column factors, muP's shape-dependent scaling, 1-bit compression
 silently compute something else, so those names are refused.
 
 [Note: Adam implementation] DeepSpeed maps "Adam"/"AdamW" to its FusedAdam (weight_decay default 0.0,
-decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW with the same defaults and
+decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW (or, for `bias_correction: false`,
+which torch's lack, `optim.adam.UncorrectedAdam`) with the same defaults and
 `fused=True` when every tensor is on a device with fused kernels, else `foreach=True`. One step of AdamW
 (weight_decay=0.01) on a single 10M-element fp32 tensor, torch 2.13 CPU, 2 threads (best of 3 x 20 steps):
 
@@ -29,6 +30,7 @@ import torch
 
 from zeroshard.config.fields import Bool, Check, Float, Nullable, show
 from zeroshard.errors import ConfigError
+from zeroshard.optim.adam import UncorrectedAdam
 from zeroshard.optim.lion import Lion
 
 # torch.optim classes whose update is elementwise, by their exact names.
@@ -190,18 +192,25 @@ def _adam_kwargs(
     """Map DeepSpeed's Adam/AdamW keys onto torch's Adam/AdamW (see [Note: Adam implementation])."""
     adam_w_mode = _bool_param(kwargs, "adam_w_mode", True)
     torch_adam = _bool_param(kwargs, "torch_adam", False)
-    if not _bool_param(kwargs, "bias_correction", True):
+    bias_correction = _bool_param(kwargs, "bias_correction", True)
+    if torch_adam and not bias_correction:
         raise ConfigError(
-            "optimizer.params.bias_correction=False is not supported: torch's Adam always applies bias "
-            "correction. Remove the key or set it to true."
+            "optimizer.params.bias_correction=false needs DeepSpeed's Adam, but optimizer.params.torch_adam=true "
+            "selects torch's, which always corrects (DeepSpeed passes the key to torch, which refuses it)"
         )
     for name in _DS_ADAM_KEYS:
         kwargs.pop(name, None)
-    cls = torch.optim.AdamW if (key == "adamw" or adam_w_mode) else torch.optim.Adam
+    decoupled = key == "adamw" or adam_w_mode
     if not torch_adam:
         # DeepSpeed's default path is FusedAdam, whose defaults we keep; torch_adam selects torch's own.
         for name, value in _FUSED_ADAM_DEFAULTS.items():
             kwargs.setdefault(name, value)
+    if not bias_correction:  # FusedAdam / DeepSpeedCPUAdam's flag: optim/adam.py
+        if _bool_param(kwargs, "amsgrad", False):
+            raise ConfigError("optimizer.params.amsgrad=true does not work with bias_correction=false (no AMSGrad)")
+        kwargs.pop("amsgrad", None)
+        return UncorrectedAdam, {**kwargs, "adam_w_mode": decoupled}
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     if "fused" not in kwargs and "foreach" not in kwargs:
         if _fused_kernels_available(param_groups):
             kwargs["fused"] = True

@@ -1,33 +1,66 @@
-"""`deepspeed.utils.safe_get_full_fp32_param` and friends: named, and refused with the alternative.
+"""`deepspeed.utils.safe_get_full_fp32_param`, `safe_get_full_grad`, `safe_get_full_optimizer_state`.
 
-DeepSpeed finds a parameter's optimizer from the `ds_*` attributes it bolts onto every `nn.Parameter`; we
-keep no such attributes, and only stage 3 registers its parameters ([Note: parameter registry]). Rather
-than a second registry, or a per-parameter call that gathers the whole model, these refuse and name the
-engine call that returns every full fp32 parameter at once.
+DeepSpeed finds a parameter's optimizer from the `ds_*` attributes it bolts onto every `nn.Parameter`; we find
+the strategy that holds it in the registry every strategy fills ([Note: parameter registry]), at every stage.
+As in DeepSpeed these are collectives at stages 1-3 (the shards are all-gathered): every rank must call them,
+for the same parameters in the same order. They return new fp32 tensors on the compute device.
+
+Where zeroshard differs: at fp32 stage 0 DeepSpeed has no fp32 copy and returns None from
+`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`; we return the master value and the state, as at
+the other stages. `safe_set_full_fp32_param` also updates the parameter the next forward uses (DeepSpeed
+updates its low-precision copy at the next step). `safe_set_full_grad` and the `safe_*_local_*` functions are not
+provided (docs/compat.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
-
 import torch
 
-_ALTERNATIVE = (
-    "is not provided yet (issue 22): call engine.consolidated_state_dict() on every rank, which returns every "
-    "parameter's full fp32 master value by name"
-)
+from zeroshard.zero.owners import OWNERS
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> NoReturn:
-    """Refused; `engine.consolidated_state_dict()` returns every full fp32 parameter."""
-    raise NotImplementedError(f"safe_get_full_fp32_param {_ALTERNATIVE}.")
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole fp32 master value of `param`; None for a parameter no engine trains (collective).
+
+    Example:
+        >>> full = safe_get_full_fp32_param(model.fc.weight)  # doctest: +SKIP
+    """
+    strategy = OWNERS.strategy_of(param)
+    return None if strategy is None else strategy.full_fp32_param(param)
 
 
-def safe_get_full_grad(param: torch.Tensor) -> NoReturn:
-    """Refused; gradients are reduced into shards and not kept whole."""
-    raise NotImplementedError(f"safe_get_full_grad {_ALTERNATIVE}; full gradients are not kept.")
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The whole gradient of `param`, averaged over ranks and unscaled, before clipping (collective). Read it
+    between the backward of the accumulation boundary and `engine.step()` (the step consumes it); a parameter no
+    engine trains returns its `.grad`, as in DeepSpeed.
+
+    Example:
+        >>> engine.backward(loss)  # doctest: +SKIP
+        >>> grad = safe_get_full_grad(model.fc.weight)  # doctest: +SKIP
+        >>> engine.step()  # doctest: +SKIP
+    """
+    strategy = OWNERS.strategy_of(param)
+    return param.grad if strategy is None else strategy.full_grad(param)
 
 
-def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Any:
-    """Refused; engine.save_checkpoint() with zeroshard's export gives full optimizer state."""
-    raise NotImplementedError(f"safe_get_full_optimizer_state {_ALTERNATIVE}; optimizer state is in checkpoints.")
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """The whole fp32 optimizer state `optim_state_key` (e.g. "exp_avg", "exp_avg_sq") of `param`; None before
+    the first step made it, or for a parameter no engine trains (collective)."""
+    strategy = OWNERS.strategy_of(param)
+    return None if strategy is None else strategy.full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param` := `value`, its whole new value (the same on every rank; collective at stage 3): the fp32 master,
+    and the parameter the next forward uses. Nothing for a parameter no engine trains, as in DeepSpeed."""
+    strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.set_full_fp32_param(param, value)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """`param`'s optimizer state `optim_state_key` := `value` (whole, the same on every rank). A KeyError names
+    the key before the optimizer created it (its first step)."""
+    strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.set_full_optimizer_state(param, value, optim_state_key)

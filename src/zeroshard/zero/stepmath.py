@@ -29,16 +29,16 @@ class StepPolicy:
     check_overflow: bool
     skip_nonfinite_norm: bool = False
 
-    @property
-    def prescale(self) -> float:
-        """Gradients are multiplied by this before they are communicated."""
-        return 1.0 / self.gradient_predivide_factor if self.prescale_gradients else 1.0
+    # [Note: pre- and post-scaling] As DeepSpeed's engine (stage 0) and ZeRO optimizers: `prescale_gradients`
+    # divides by the world size before the reduction (and ignores gradient_predivide_factor); otherwise the
+    # gradients are divided by gradient_predivide_factor before it and by world_size / factor after it.
+    def prescale(self, world_size: int) -> float:
+        """Gradients are multiplied by this before they are communicated ([Note: pre- and post-scaling])."""
+        return 1.0 / world_size if self.prescale_gradients else 1.0 / self.gradient_predivide_factor
 
     def post_scale(self, world_size: int) -> float:
-        """Turns the reduced sums into means over ranks."""
-        if self.prescale_gradients:
-            return self.gradient_predivide_factor / world_size
-        return 1.0 / world_size
+        """Turns the reduced sums into means over ranks ([Note: pre- and post-scaling])."""
+        return 1.0 if self.prescale_gradients else self.gradient_predivide_factor / world_size
 
 
 @dataclass(frozen=True)

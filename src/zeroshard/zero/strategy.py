@@ -39,6 +39,7 @@ class AccumulationState:
     communicate_every_micro_step: bool  # stages 2-3 reduce (scatter) every micro-step; stages 0-1 on the boundary
     micro_steps: int = 0
     no_sync_depth: int = 0  # inside engine.no_sync()
+    loss_scale: float = 1.0  # the fp16 loss scale of the last engine.backward: the accumulated gradients carry it
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""
@@ -137,6 +138,7 @@ class Strategy(ABC):
             self.finish_backward()
         self._before_step()
         norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident)
+        norms += self._extra_norms()
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
             self.zero_grad()
@@ -158,6 +160,11 @@ class Strategy(ABC):
         """Checks that must pass before any rank steps (none by default)."""
         return None
 
+    def _extra_norms(self) -> list[torch.Tensor]:
+        """Norms of gradients outside the shards that count in the global norm, in the same terms (summed over
+        ranks, prescaled); none by default."""
+        return []
+
     @abstractmethod
     def _grad_slots(self) -> list[GradShard]:
         """Every gradient shard, in the order the norm sums them."""
@@ -177,6 +184,55 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
+
+    # -- one parameter's full values: DeepSpeed's safe_get_full_* (collective: every rank, same parameter) ---------
+    @abstractmethod
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s fp32 master value, whole, on the compute device."""
+
+    @abstractmethod
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s gradient averaged over ranks (unscaled, not yet clipped), whole, in fp32; valid after the
+        accumulation boundary's backward and before `step()`. None when there is none to read."""
+
+    @abstractmethod
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        """`param`'s slice of the optimizer state `key` (e.g. "exp_avg"), whole; None before the optimizer made it."""
+
+    @abstractmethod
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """`param` := `value` (its whole value, the same on every rank): the fp32 master and the parameter the
+        next forward uses (collective at stage 3)."""
+
+    @abstractmethod
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        """`param`'s slice of the optimizer state `key` := `value` (whole, the same on every rank)."""
+
+    def _state_of(self, master: torch.Tensor, key: str) -> torch.Tensor:
+        """Optimizer state `key` of a master tensor, or an error naming the key when the optimizer has none."""
+        state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
+        if key not in state:
+            raise KeyError(f"optimizer state {key!r} does not exist (yet): the optimizer creates it at its first step")
+        value: torch.Tensor = state[key]
+        return value
+
+    def _grad_scale(self) -> float:
+        """Turns a reduced gradient shard into the true mean gradient (as the step's scale, without clipping)."""
+        return self.step_policy.post_scale(self.comm.world_size) / self.accumulation.loss_scale
+
+    def _has_state(self, key: str) -> bool:
+        """Whether the optimizer holds state `key` on any rank (decided together, so every rank gathers or none)."""
+        here = self.optimizer is not None and any(key in state for state in self.optimizer.state.values())
+        return self.comm.any_true(here, self.device)
+
+    # -- gathering (GatheredParameters) ------------------------------------------------------------------
+    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        """Make `params` whole until `gather_end` (collective); returns what to release. Stages 0-2: nothing."""
+        return []
+
+    def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
+        """Release what `gather_begin` returned; with `modifier_rank`, that rank's values become everyone's."""
+        return None
 
     # -- state, checkpoints, gathering -------------------------------------------------------------------
     @abstractmethod

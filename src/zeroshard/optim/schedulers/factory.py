@@ -20,7 +20,7 @@ from zeroshard.optim.schedulers import one_cycle, range_test, warmup
 from zeroshard.optim.schedulers.base import BatchLRScheduler, LRSchedulerLike
 from zeroshard.optim.schedulers.checks import check_int
 
-_ScheduleFactory = Callable[[torch.optim.Optimizer, Any, int], BatchLRScheduler]
+_ScheduleFactory = Callable[..., BatchLRScheduler]  # DeepSpeed's signature: (optimizer, **params, last_batch_iteration)
 
 _SCHEDULES: Mapping[str, tuple[_ScheduleFactory, type[Any]]] = MappingProxyType(
     {
@@ -113,7 +113,8 @@ def _build_deepspeed_schedule(name: str, kwargs: dict[str, Any], optimizer: torc
     ]
     if missing:
         raise ConfigError(f"scheduler.params.{missing[0]} is required by {name}")
-    return scheduler_cls(optimizer, params_cls(**kwargs), last_batch_iteration)
+    # the names and required keys are checked above, so the constructor's own errors are the values' ConfigErrors
+    return scheduler_cls(optimizer, **kwargs, last_batch_iteration=last_batch_iteration)
 
 
 def _check_param_names(name: str, kwargs: Mapping[str, Any], accepted: list[str]) -> None:

@@ -67,8 +67,36 @@ class OneCycle(BatchLRScheduler):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, params: OneCycleParams, last_batch_iteration: int = -1
+        self,
+        optimizer: torch.optim.Optimizer,
+        cycle_min_lr: PerGroup,
+        cycle_max_lr: PerGroup,
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: PerGroup = 0.8,
+        cycle_max_mom: PerGroup = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
     ) -> None:
+        params = OneCycleParams(
+            cycle_min_lr=cycle_min_lr,
+            cycle_max_lr=cycle_max_lr,
+            decay_lr_rate=decay_lr_rate,
+            cycle_first_step_size=cycle_first_step_size,
+            cycle_second_step_size=cycle_second_step_size,
+            cycle_first_stair_count=cycle_first_stair_count,
+            cycle_second_stair_count=cycle_second_stair_count,
+            decay_step_size=decay_step_size,
+            cycle_momentum=cycle_momentum,
+            cycle_min_mom=cycle_min_mom,
+            cycle_max_mom=cycle_max_mom,
+            decay_mom_rate=decay_mom_rate,
+        )
         super().__init__(optimizer, last_batch_iteration)
         groups = len(optimizer.param_groups)
         self.first_step_size = float(params.cycle_first_step_size)

@@ -35,8 +35,20 @@ class LRRangeTest(BatchLRScheduler):
     """Grow the lr from lr_range_test_min_lr linearly (or in stairs) to find the largest stable lr."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, params: LRRangeTestParams, last_batch_iteration: int = -1
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_range_test_min_lr: PerGroup = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
     ) -> None:
+        params = LRRangeTestParams(
+            lr_range_test_min_lr=lr_range_test_min_lr,
+            lr_range_test_step_size=lr_range_test_step_size,
+            lr_range_test_step_rate=lr_range_test_step_rate,
+            lr_range_test_staircase=lr_range_test_staircase,
+        )
         super().__init__(optimizer, last_batch_iteration)
         self.min_lrs = per_group("lr_range_test_min_lr", params.lr_range_test_min_lr, len(optimizer.param_groups))
         self.step_size = params.lr_range_test_step_size

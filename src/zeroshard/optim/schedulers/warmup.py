@@ -87,8 +87,7 @@ class WarmupLR(BatchLRScheduler):
     Example:
         >>> import torch
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        >>> params = WarmupLRParams(warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
-        >>> sched = WarmupLR(opt, params)
+        >>> sched = WarmupLR(opt, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
         >>> for _ in range(6):
         ...     sched.step()
         >>> round(opt.param_groups[0]["lr"], 6)
@@ -96,9 +95,25 @@ class WarmupLR(BatchLRScheduler):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, params: WarmupLRParams, last_batch_iteration: int = -1
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = LOG_WARMUP,
+        last_batch_iteration: int = -1,
     ) -> None:
-        super().__init__(optimizer, last_batch_iteration)
+        params = WarmupLRParams(
+            warmup_min_lr=warmup_min_lr,
+            warmup_max_lr=warmup_max_lr,
+            warmup_num_steps=warmup_num_steps,
+            warmup_type=warmup_type,
+        )
+        self._setup(optimizer, params, last_batch_iteration)
+
+    def _setup(self, optimizer: torch.optim.Optimizer, params: WarmupLRParams, last_batch_iteration: int) -> None:
+        """The constructor's work once the keywords are validated (WarmupDecayLR validates its own first)."""
+        BatchLRScheduler.__init__(self, optimizer, last_batch_iteration)
         groups = len(optimizer.param_groups)
         max_lr = params.warmup_max_lr
         if max_lr is None:
@@ -146,10 +161,24 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then a linear decay from warmup_max_lr to 0 at total_num_steps."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, params: WarmupDecayLRParams, last_batch_iteration: int = -1
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup | None = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = LOG_WARMUP,
+        last_batch_iteration: int = -1,
     ) -> None:
+        params = WarmupDecayLRParams(
+            total_num_steps=total_num_steps,
+            warmup_min_lr=warmup_min_lr,
+            warmup_max_lr=warmup_max_lr,
+            warmup_num_steps=warmup_num_steps,
+            warmup_type=warmup_type,
+        )
         self.total_num_steps = params.total_num_steps
-        super().__init__(optimizer, params, last_batch_iteration)
+        self._setup(optimizer, params, last_batch_iteration)
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -165,8 +194,22 @@ class WarmupCosineLR(BatchLRScheduler):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, params: WarmupCosineLRParams, last_batch_iteration: int = -1
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = LOG_WARMUP,
+        last_batch_iteration: int = -1,
     ) -> None:
+        params = WarmupCosineLRParams(
+            total_num_steps=total_num_steps,
+            warmup_min_ratio=warmup_min_ratio,
+            warmup_num_steps=warmup_num_steps,
+            cos_min_ratio=cos_min_ratio,
+            warmup_type=warmup_type,
+        )
         super().__init__(optimizer, last_batch_iteration)
         self.total_num_steps = params.total_num_steps
         self.warmup_min_ratio = params.warmup_min_ratio

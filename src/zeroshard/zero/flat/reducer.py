@@ -41,7 +41,7 @@ class ReducePolicy:
     comm_dtype: torch.dtype
     overlap: bool  # launch asynchronously from the hooks (otherwise synchronously, still in bucket order)
     use_reduce_scatter: bool  # false: all-reduce and keep the owned slice (DeepSpeed's `reduce_scatter: false`)
-    prescale: float  # multiply gradients by this before communicating (1 / gradient_predivide_factor)
+    prescale: float  # multiply gradients by this before communicating (StepPolicy.prescale)
 
 
 class GradientReducer:

@@ -10,7 +10,7 @@ the loss) happens when backward returns.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +26,10 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.tier import Tier
+from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
-from zeroshard.zero.stage3.gathered import OWNERS
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
@@ -101,7 +101,7 @@ class Stage3Strategy(Strategy):
             comm,
             self.pool,
             policy.comm_dtype,
-            policy.step.prescale,
+            policy.step.prescale(comm.world_size),
             policy.overlap_comm,
             self.gradients_tier,
             accumulation,
@@ -306,6 +306,93 @@ class Stage3Strategy(Strategy):
             if isinstance(value, torch.Tensor):
                 state_dict[key] = value.detach().clone()
         self.schedule.unpin(self.units)
+
+    # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, lambda unit: unit.master)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        if not param.requires_grad:
+            return None
+        scale = self._grad_scale()
+
+        def local(unit: ShardedUnit) -> torch.Tensor:
+            unit.grad_resident()
+            unit.grad_home.ready(unit.grad_key)
+            return unit.grad_shard.float() * scale
+
+        return self._gather_slot(param, local)
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        if not self._has_state(key):
+            return None
+
+        def local(unit: ShardedUnit) -> torch.Tensor:
+            out = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=self.device)
+            for piece in self._pieces_of(unit):
+                out.narrow(0, piece.offset, piece.master.numel()).copy_(self._state_of(piece.master, key))
+            return out
+
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, local)
+
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        held = self.gather_begin([param])
+        unit, index, slot = self._slot_of(param)
+        with torch.no_grad():
+            unit.views[index].copy_(value)
+        self.write_back(unit)  # the shards := the gathered values (compute dtype)
+        if unit.master is not unit.shard:  # the master gets the fp32 value itself
+            with self.optimizer_state_resident():
+                self._scatter_slot(unit, slot, value, unit.master)
+        self.gather_end(held, None)
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        unit, _, slot = self._slot_of(param)
+        with self.optimizer_state_resident():
+            for piece in self._pieces_of(unit):
+                state = self._state_of(piece.master, key)
+                whole = torch.zeros(unit.layout.shard_numel, dtype=state.dtype, device=state.device)
+                whole.narrow(0, piece.offset, piece.master.numel()).copy_(state)
+                self._scatter_slot(unit, slot, value, whole)
+                state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
+
+    def _scatter_slot(self, unit: ShardedUnit, slot: Any, value: torch.Tensor, shard: torch.Tensor) -> None:
+        """This rank's range of `slot` in `shard` (a tensor shaped as the unit's shard) := `value`'s elements."""
+        lo, hi = unit.layout.owned(self.shard_rank)
+        begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if begin < end:
+            flat = value.detach().reshape(-1).to(shard.device, shard.dtype)
+            shard.narrow(0, begin - lo, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])
+
+    def _pieces_of(self, unit: ShardedUnit) -> list[Any]:
+        return [piece for pieces in self.built.pieces for piece in pieces if piece.unit is unit]
+
+    def _slot_of(self, param: torch.Tensor) -> tuple[ShardedUnit, int, Any]:
+        unit, index = next((u, i) for u in self.units for i, p in enumerate(u.params) if p is param)
+        return unit, index, next(s for s in unit.layout.slots if s.index == index)
+
+    def _gather_slot(self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor]) -> torch.Tensor:
+        """All-gather `local(unit)` (this rank's fp32 shard of the unit holding `param`), return `param`'s part."""
+        unit, index, slot = self._slot_of(param)
+        full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, local(unit).to(self.device, torch.float32), label=f"full value in {unit.name!r}")
+        return full.narrow(0, slot.offset, slot.numel).view(unit.views[index].shape).clone()
+
+    # -- gathering (GatheredParameters) ------------------------------------------------------------------
+    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        units = self.units_of(params)
+        self.schedule.pin(units)
+        return units
+
+    def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for unit in held:
+                    self.comm.broadcast(unit.full.data, src=modifier_rank)
+                    self.write_back(unit)
+        self.schedule.unpin(held)
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
