@@ -132,11 +132,11 @@ def _materialize_adapters(model: nn.Module) -> None:
 
     for module in model.modules():
         reset = getattr(module, "reset_lora_parameters", None)
-        adapters = getattr(module, "lora_A", None)
-        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+        a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if not callable(reset) or not isinstance(a, nn.ModuleDict) or not isinstance(b, nn.ModuleDict):
             continue
-        for name in adapters:
-            fresh = [p for p in (*module.lora_A[name].parameters(), *module.lora_B[name].parameters()) if p.is_meta]
+        for name in a:
+            fresh = [p for p in (*a[name].parameters(), *b[name].parameters()) if p.is_meta]
             if fresh:
                 device = torch.device("cpu")
                 for p in fresh:
