@@ -1,0 +1,157 @@
+"""Loading a Hugging Face checkpoint into shards: seconds and peak RSS per rank, zeroshard next to transformers
+and DeepSpeed, on the same synthetic checkpoint (issue 12).
+
+    python -m benchmarks.load --layers 16 --hidden 1536 --world-size 2 --json benchmarks/results/load.json
+
+Saves a synthetic Llama (`LlamaConfig`, seeded random weights, fp32, sharded safetensors) into a temporary
+folder, then runs each variant as its own `torchrun --standalone` process group of `benchmarks.load_worker`
+(fresh processes, so each rank's VmHWM belongs to that variant alone):
+
+- zeroshard: `with zeroshard.zero_init(): from_pretrained(folder)` + `zeroshard.initialize`, stage 3, no optimizer;
+- zeroshard+AdamW: the same with an AdamW optimizer in the config;
+- transformers: `from_pretrained(folder, dtype=float32)` on every rank, no engine;
+- deepspeed: `HfDeepSpeedConfig` (stage 3) alive during `from_pretrained`, then `deepspeed.initialize`.
+
+Seconds: from a barrier after all imports to a barrier after the load (and `initialize`), on rank 0, so the
+slowest rank counts. Peak RSS: each rank's VmHWM from /proc/self/status at that point, shown as the growth
+over its VmHWM right after the imports and as the absolute value; the worst rank is in the table, every rank
+in the JSON. Logits of every variant on a fixed batch are compared with transformers' (1e-6 relative to the
+largest logit). The checkpoint is deleted at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.launch import REPO_ROOT, env, last_error, run, torchrun
+from benchmarks.load_worker import VARIANTS
+
+LABELS = {
+    "zeroshard": "zeroshard stage 3",
+    "zeroshard-adamw": "zeroshard stage 3 + AdamW",
+    "transformers": "transformers from_pretrained",
+    "deepspeed": "DeepSpeed stage 3 (HfDeepSpeedConfig)",
+}
+REFERENCE = "transformers"
+TOLERANCE = 1e-6
+
+
+def make_checkpoint(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.load_worker", "make", "--folder", str(folder)]
+    cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate)]
+    cmd += ["--vocab", str(args.vocab), "--shard-size", args.shard_size]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env(args.threads), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the checkpoint failed:\n{done.stderr[-3000:]}")
+    files = sorted(folder.glob("*.safetensors"))
+    return {
+        "numel": json.loads((folder / "numel.json").read_text())["numel"],
+        "bytes": sum(f.stat().st_size for f in files),
+        "files": len(files),
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+    }
+
+
+def run_variant(variant: str, args: argparse.Namespace, folder: Path, root: Path) -> dict[str, Any]:
+    out = root / "rows"
+    out.mkdir(exist_ok=True)
+    log = root / f"{variant}.log"
+    cmd = torchrun(
+        "benchmarks.load_worker",
+        args.world_size,
+        ["load", "--variant", variant, "--folder", str(folder), "--out", str(out)],
+    )
+    code = run(cmd, log, threads=args.threads, timeout=args.timeout)
+    ranks = [out / f"{variant}-rank{r}.json" for r in range(args.world_size)]
+    if code != 0 or not all(p.exists() for p in ranks):
+        return {"variant": variant, "error": "timed out" if code is None else last_error(log)}
+    per_rank = [json.loads(p.read_text()) for p in ranks]
+    return {
+        "variant": variant,
+        "seconds": per_rank[0]["seconds"],
+        "peak_growth": max(r["vmhwm_peak"] - r["vmhwm_after_imports"] for r in per_rank),
+        "peak": max(r["vmhwm_peak"] for r in per_rank),
+        "ranks": per_rank,
+        "logits": str(out / f"{variant}-logits.pt"),
+    }
+
+
+def compare_logits(rows: list[dict[str, Any]]) -> None:
+    """Each row's logits against transformers': max |difference| over max |logit|."""
+    import torch
+
+    ref = next((r for r in rows if r["variant"] == REFERENCE and "error" not in r), None)
+    expected = torch.load(ref["logits"]) if ref else None
+    for row in rows:
+        if "error" in row:
+            continue
+        got = torch.load(row.pop("logits"))  # the file goes with the temporary folder
+        if expected is None:
+            continue
+        row["logits_rel_diff"] = float((got - expected).abs().max() / expected.abs().max())
+        row["logits_match"] = row["logits_rel_diff"] <= TOLERANCE
+
+
+def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
+    gb = ckpt["bytes"] / 1e9
+    ref = next((r for r in rows if r["variant"] == REFERENCE and "error" not in r), None)
+    lines = [
+        f"Checkpoint: {ckpt['numel'] / 1e6:.0f}M parameters, fp32, {gb:.2f} GB in {ckpt['files']} safetensors files.",
+        "",
+        "| variant | load s | vs transformers | peak RSS growth / rank GB | vs checkpoint | "
+        "peak RSS / rank GB (absolute) | logits vs transformers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {LABELS[r['variant']]} | failed: {r['error']} | | | | | |")
+            continue
+        speed = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
+        match = "" if "logits_match" not in r else ("equal" if r["logits_match"] else "**DIFFER**")
+        match += f" ({r['logits_rel_diff']:.1e})" if "logits_rel_diff" in r else ""
+        lines.append(
+            f"| {LABELS[r['variant']]} | {r['seconds']:.1f} | {speed} | {r['peak_growth'] / 1e9:.2f} | "
+            f"{r['peak_growth'] / ckpt['bytes']:.2f}x | {r['peak'] / 1e9:.2f} | {match} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=1536, help="a multiple of 128 (heads of 128)")
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP width; 0: 8/3 of hidden, rounded to 256")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process group")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--keep", help="save the checkpoint here and keep it (default: a temporary folder)")
+    parser.add_argument("--json", help="also write the machine, checkpoint and raw rows here")
+    args = parser.parse_args(argv)
+
+    from benchmarks.machine import describe
+
+    with tempfile.TemporaryDirectory(prefix="zeroshard-load-bench-") as tmp:
+        folder = Path(args.keep) if args.keep else Path(tmp) / "checkpoint"
+        ckpt = make_checkpoint(args, folder)
+        rows = [run_variant(v, args, folder, Path(tmp)) for v in args.variants]
+        compare_logits(rows)
+    result = {"machine": describe(), "checkpoint": ckpt, "world_size": args.world_size, "rows": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(table(rows, ckpt))  # noqa: T201 - the table is this command's output
+
+
+if __name__ == "__main__":
+    main()
