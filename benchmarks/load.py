@@ -15,8 +15,10 @@ folder, then runs each variant as its own `torchrun --standalone` process group 
 Seconds: from a barrier after all imports to a barrier after the load (and `initialize`), on rank 0, so the
 slowest rank counts. Peak RSS: each rank's VmHWM from /proc/self/status at that point, shown as the growth
 over its VmHWM right after the imports and as the absolute value; the worst rank is in the table, every rank
-in the JSON. Logits of every variant on a fixed batch are compared with transformers' (1e-6 relative to the
-largest logit). The checkpoint is deleted at the end unless --keep.
+in the JSON, with RssAnon and RssFile. The fixed batch's first forward is timed and measured the same way after
+the load: transformers' fp32 parameters can be views of the memory-mapped files, read on first touch, so for it
+the load only finishes there. Logits of every variant on the fixed batch are compared with transformers'
+(1e-6 relative to the largest logit). The checkpoint is deleted at the end unless --keep.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def run_variant(variant: str, args: argparse.Namespace, folder: Path, root: Path
         "seconds": per_rank[0]["seconds"],
         "peak_growth": max(r["vmhwm_peak"] - r["vmhwm_after_imports"] for r in per_rank),
         "peak": max(r["vmhwm_peak"] for r in per_rank),
+        "forward_seconds": per_rank[0]["forward_seconds"],
+        "forward_peak_growth": max(r["after_forward"]["VmHWM"] - r["vmhwm_after_imports"] for r in per_rank),
+        "file_backed_growth": max(r["after_load"]["RssFile"] - r["after_imports"]["RssFile"] for r in per_rank),
         "ranks": per_rank,
         "logits": str(out / f"{variant}-logits.pt"),
     }
@@ -107,19 +112,22 @@ def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
         f"Checkpoint: {ckpt['numel'] / 1e6:.0f}M parameters, fp32, {gb:.2f} GB in {ckpt['files']} safetensors files.",
         "",
         "| variant | load s | vs transformers | peak RSS growth / rank GB | vs checkpoint | "
-        "peak RSS / rank GB (absolute) | logits vs transformers |",
-        "|---|---|---|---|---|---|---|",
+        "peak RSS / rank GB (absolute) | file-backed RSS growth at end GB | first forward s | "
+        "peak RSS growth after first forward GB | vs checkpoint | logits vs transformers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {LABELS[r['variant']]} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {LABELS[r['variant']]} | failed: {r['error']} |" + " |" * 10)
             continue
         speed = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
         match = "" if "logits_match" not in r else ("equal" if r["logits_match"] else "**DIFFER**")
         match += f" ({r['logits_rel_diff']:.1e})" if "logits_rel_diff" in r else ""
         lines.append(
             f"| {LABELS[r['variant']]} | {r['seconds']:.1f} | {speed} | {r['peak_growth'] / 1e9:.2f} | "
-            f"{r['peak_growth'] / ckpt['bytes']:.2f}x | {r['peak'] / 1e9:.2f} | {match} |"
+            f"{r['peak_growth'] / ckpt['bytes']:.2f}x | {r['peak'] / 1e9:.2f} | {r['file_backed_growth'] / 1e9:.2f} | "
+            f"{r['forward_seconds']:.1f} | {r['forward_peak_growth'] / 1e9:.2f} | "
+            f"{r['forward_peak_growth'] / ckpt['bytes']:.2f}x | {match} |"
         )
     return "\n".join(lines)
 

@@ -17,8 +17,10 @@ so the slowest rank) the load of one variant:
   `from_pretrained` (which then builds and loads under `deepspeed.zero.Init`), then `deepspeed.initialize`.
 
 After the timed part each rank reads its VmHWM again (peak resident set as the OS counts it, file-backed pages
-of memory-mapped checkpoint files included), and all ranks run the fixed batch; rank 0 saves the logits so
-the driver can compare variants. Each rank writes `<variant>-rank<r>.json` into --out.
+of memory-mapped checkpoint files included, with RssAnon and RssFile at that moment), then all ranks run the
+fixed batch, timed and measured the same way (transformers' parameters can be views of the mapped files, read
+on first touch: the first forward is where such a load finishes); rank 0 saves the logits so the driver can
+compare variants. Each rank writes `<variant>-rank<r>.json` into --out.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def load(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     keep: list[Any] = []
-    after_imports = status("VmHWM")
+    fields = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    imported = {field: status(field) for field in fields}
     dist.barrier()
     start = time.perf_counter()
     if args.variant == "transformers":
@@ -151,12 +154,18 @@ def load(args: argparse.Namespace) -> None:
     own_seconds = time.perf_counter() - start
     dist.barrier()
     seconds = time.perf_counter() - start
-    peak = status("VmHWM")
-    rss_end = status("VmRSS")
+    loaded = {field: status(field) for field in fields}
 
+    # transformers maps the safetensors files and its fp32 parameters can be views of the mapping: pages are
+    # read on first touch, so the first forward is where such a load finishes; timed and measured apart
     vocab = json.loads(Path(args.folder, "numel.json").read_text())["vocab"]
+    dist.barrier()
+    start = time.perf_counter()
     with torch.no_grad():
         logits = model(batch(vocab)).logits
+    dist.barrier()
+    forward_seconds = time.perf_counter() - start
+    forwarded = {field: status(field) for field in fields}
     out = Path(args.out)
     if rank == 0:
         torch.save(logits.detach().clone(), out / f"{args.variant}-logits.pt")
@@ -166,9 +175,12 @@ def load(args: argparse.Namespace) -> None:
         "world_size": dist.get_world_size(),
         "seconds": seconds,
         "own_seconds": own_seconds,
-        "vmhwm_after_imports": after_imports,
-        "vmhwm_peak": peak,
-        "vmrss_end": rss_end,
+        "forward_seconds": forward_seconds,
+        "vmhwm_after_imports": imported["VmHWM"],
+        "after_imports": imported,
+        "vmhwm_peak": loaded["VmHWM"],
+        "after_load": loaded,
+        "after_forward": forwarded,
         "pid": os.getpid(),
         "deepspeed_partitioned": keep[-1] if args.variant == "deepspeed" else None,
     }
