@@ -17,8 +17,9 @@ slowest rank counts. Peak RSS: each rank's VmHWM from /proc/self/status at that 
 over its VmHWM right after the imports and as the absolute value; the worst rank is in the table, every rank
 in the JSON, with RssAnon and RssFile. The fixed batch's first forward is timed and measured the same way after
 the load: transformers' fp32 parameters can be views of the memory-mapped files, read on first touch, so for it
-the load only finishes there. Logits of every variant on the fixed batch are compared with transformers'
-(1e-6 relative to the largest logit). The checkpoint is deleted at the end unless --keep.
+the load only finishes there; a second forward gives the steady state to compare with. Logits of every variant
+on the fixed batch are compared with transformers' (1e-6 relative to the largest logit). The checkpoint is
+deleted at the end unless --keep.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def run_variant(variant: str, args: argparse.Namespace, folder: Path, root: Path
         "peak_growth": max(r["vmhwm_peak"] - r["vmhwm_after_imports"] for r in per_rank),
         "peak": max(r["vmhwm_peak"] for r in per_rank),
         "forward_seconds": per_rank[0]["forward_seconds"],
+        "second_forward_seconds": per_rank[0]["second_forward_seconds"],
         "forward_peak_growth": max(r["after_forward"]["VmHWM"] - r["vmhwm_after_imports"] for r in per_rank),
         "file_backed_growth": max(r["after_load"]["RssFile"] - r["after_imports"]["RssFile"] for r in per_rank),
         "ranks": per_rank,
@@ -113,12 +115,12 @@ def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
         "",
         "| variant | load s | vs transformers | peak RSS growth / rank GB | vs checkpoint | "
         "peak RSS / rank GB (absolute) | file-backed RSS growth at end GB | first forward s | "
-        "peak RSS growth after first forward GB | vs checkpoint | logits vs transformers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak RSS growth after first forward GB | vs checkpoint | second forward s | logits vs transformers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {LABELS[r['variant']]} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {LABELS[r['variant']]} | failed: {r['error']} |" + " |" * 11)
             continue
         speed = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
         match = "" if "logits_match" not in r else ("equal" if r["logits_match"] else "**DIFFER**")
@@ -127,7 +129,7 @@ def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
             f"| {LABELS[r['variant']]} | {r['seconds']:.1f} | {speed} | {r['peak_growth'] / 1e9:.2f} | "
             f"{r['peak_growth'] / ckpt['bytes']:.2f}x | {r['peak'] / 1e9:.2f} | {r['file_backed_growth'] / 1e9:.2f} | "
             f"{r['forward_seconds']:.1f} | {r['forward_peak_growth'] / 1e9:.2f} | "
-            f"{r['forward_peak_growth'] / ckpt['bytes']:.2f}x | {match} |"
+            f"{r['forward_peak_growth'] / ckpt['bytes']:.2f}x | {r['second_forward_seconds']:.1f} | {match} |"
         )
     return "\n".join(lines)
 

@@ -19,8 +19,9 @@ so the slowest rank) the load of one variant:
 After the timed part each rank reads its VmHWM again (peak resident set as the OS counts it, file-backed pages
 of memory-mapped checkpoint files included, with RssAnon and RssFile at that moment), then all ranks run the
 fixed batch, timed and measured the same way (transformers' parameters can be views of the mapped files, read
-on first touch: the first forward is where such a load finishes); rank 0 saves the logits so the driver can
-compare variants. Each rank writes `<variant>-rank<r>.json` into --out.
+on first touch: the first forward is where such a load finishes), then once more (the steady state, for
+comparison). Rank 0 saves the first logits so the driver can compare variants. Each rank writes
+`<variant>-rank<r>.json` into --out.
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def load(args: argparse.Namespace) -> None:
     dist.barrier()
     forward_seconds = time.perf_counter() - start
     forwarded = {field: status(field) for field in fields}
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():  # the steady state, to tell what the first forward paid for the load
+        model(batch(vocab))
+    dist.barrier()
+    second_forward_seconds = time.perf_counter() - start
     out = Path(args.out)
     if rank == 0:
         torch.save(logits.detach().clone(), out / f"{args.variant}-logits.pt")
@@ -176,6 +183,7 @@ def load(args: argparse.Namespace) -> None:
         "seconds": seconds,
         "own_seconds": own_seconds,
         "forward_seconds": forward_seconds,
+        "second_forward_seconds": second_forward_seconds,
         "vmhwm_after_imports": imported["VmHWM"],
         "after_imports": imported,
         "vmhwm_peak": loaded["VmHWM"],
