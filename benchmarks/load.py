@@ -1,7 +1,7 @@
 """Loading a Hugging Face checkpoint into shards: seconds and peak RSS per rank, zeroshard next to transformers
 and DeepSpeed, on the same synthetic checkpoint (issue 12).
 
-    python -m benchmarks.load --layers 16 --hidden 1536 --world-size 2 --json benchmarks/results/load.json
+    python -m benchmarks.load --layers 16 --hidden 1536 --world-size 2 --repeats 3 --json benchmarks/results/load.json
 
 Saves a synthetic Llama (`LlamaConfig`, seeded random weights, fp32, sharded safetensors) into a temporary
 folder, then runs each variant as its own `torchrun --standalone` process group of `benchmarks.load_worker`
@@ -18,14 +18,16 @@ over its VmHWM right after the imports and as the absolute value; the worst rank
 in the JSON, with RssAnon and RssFile. The fixed batch's first forward is timed and measured the same way after
 the load: transformers' fp32 parameters can be views of the memory-mapped files, read on first touch, so for it
 the load only finishes there; a second forward gives the steady state to compare with. Logits of every variant
-on the fixed batch are compared with transformers' (1e-6 relative to the largest logit). The checkpoint is
-deleted at the end unless --keep.
+on the fixed batch are compared with transformers' (1e-6 relative to the largest logit). With --repeats, each
+variant runs that many times (the order of the variants turning each time): seconds are medians, peaks the
+worst run. The checkpoint is deleted at the end unless --keep.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,10 +65,10 @@ def make_checkpoint(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     }
 
 
-def run_variant(variant: str, args: argparse.Namespace, folder: Path, root: Path) -> dict[str, Any]:
-    out = root / "rows"
+def run_variant(variant: str, args: argparse.Namespace, folder: Path, root: Path, repeat: int) -> dict[str, Any]:
+    out = root / f"rows{repeat}"
     out.mkdir(exist_ok=True)
-    log = root / f"{variant}.log"
+    log = root / f"{variant}-{repeat}.log"
     cmd = torchrun(
         "benchmarks.load_worker",
         args.world_size,
@@ -107,11 +109,31 @@ def compare_logits(rows: list[dict[str, Any]]) -> None:
         row["logits_match"] = row["logits_rel_diff"] <= TOLERANCE
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's repeats: median times, worst peaks, the largest logit difference; every run kept."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {**failed[0], "runs": runs}
+    out: dict[str, Any] = {"variant": runs[0]["variant"], "repeats": len(runs)}
+    for key in ("seconds", "forward_seconds", "second_forward_seconds"):
+        out[key] = statistics.median(r[key] for r in runs)
+    for key in ("peak_growth", "peak", "forward_peak_growth", "file_backed_growth"):
+        out[key] = max(r[key] for r in runs)
+    if all("logits_rel_diff" in r for r in runs):
+        out["logits_rel_diff"] = max(r["logits_rel_diff"] for r in runs)
+        out["logits_match"] = all(r["logits_match"] for r in runs)
+    out["runs"] = runs
+    return out
+
+
 def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
     gb = ckpt["bytes"] / 1e9
     ref = next((r for r in rows if r["variant"] == REFERENCE and "error" not in r), None)
     lines = [
         f"Checkpoint: {ckpt['numel'] / 1e6:.0f}M parameters, fp32, {gb:.2f} GB in {ckpt['files']} safetensors files.",
+        "",
+        f"Seconds: median of {rows[0].get('repeats', 1)} process groups per variant; peaks: the worst rank "
+        "of the worst run.",
         "",
         "| variant | load s | vs transformers | peak RSS growth / rank GB | vs checkpoint | "
         "peak RSS / rank GB (absolute) | file-backed RSS growth at end GB | first forward s | "
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process group")
+    parser.add_argument("--repeats", type=int, default=1, help="process groups per variant; median seconds")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--keep", help="save the checkpoint here and keep it (default: a temporary folder)")
     parser.add_argument("--json", help="also write the machine, checkpoint and raw rows here")
@@ -154,9 +177,22 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="zeroshard-load-bench-") as tmp:
         folder = Path(args.keep) if args.keep else Path(tmp) / "checkpoint"
         ckpt = make_checkpoint(args, folder)
-        rows = [run_variant(v, args, folder, Path(tmp)) for v in args.variants]
-        compare_logits(rows)
-    result = {"machine": describe(), "checkpoint": ckpt, "world_size": args.world_size, "rows": rows}
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+        for repeat in range(args.repeats):  # the order turns each time: no variant always runs first
+            turn = args.variants[repeat % len(args.variants) :] + args.variants[: repeat % len(args.variants)]
+            rows = [run_variant(v, args, folder, Path(tmp), repeat) for v in turn]
+            compare_logits(rows)
+            for row in rows:
+                runs[row["variant"]].append(row)
+        rows = [combine(runs[v]) for v in args.variants]
+    result = {
+        "machine": describe(),
+        "command": "python -m benchmarks.load " + " ".join(sys.argv[1:] if argv is None else argv),
+        "checkpoint": ckpt,
+        "world_size": args.world_size,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
