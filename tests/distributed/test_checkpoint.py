@@ -365,3 +365,33 @@ def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tmp_path
         assert "MiB are free" in message and "nothing was committed" in message
         assert left == [], left  # no .tmp.full.* directory keeps the disk full
         assert after == ["later", "latest"], after
+
+
+def _save_on_rank_0_only(rank: int, world_size: int, root: str):
+    """A classic mistake: `if rank == 0: engine.save_checkpoint(...)` while rank 1 trains on."""
+    import time
+
+    engine = _reshard_engine(2, 1)
+    _run_steps(engine, rank, world_size, 0, 1)
+    engine.save_checkpoint(root, tag="everyone")  # a save on every rank is not disturbed
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            engine.save_checkpoint(root, tag="rank-0-only")
+        _run_steps(engine, rank, world_size, 1, 3)
+    except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+        return type(err).__name__, str(err), time.monotonic() - start, sorted(os.listdir(root))
+    return None, None, time.monotonic() - start, sorted(os.listdir(root))
+
+
+def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(tmp_path):
+    (name0, message0, seconds0, left), (name1, message1, seconds1, _) = run_on_ranks(
+        _save_on_rank_0_only, 2, str(tmp_path), timeout=120
+    )
+    assert name0 == name1 == "CheckpointError", (message0, message1)
+    assert "save_checkpoint was called on rank(s) [0] only: rank 1 has been in engine." in message0, message0
+    assert "not on this rank (1), which has been in engine." in message1, message1
+    for message in (message0, message1):
+        assert "call it on every rank, not only under `if rank == 0`" in message, message
+    assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
+    assert left == ["everyone", "latest"], left  # the refused save wrote nothing

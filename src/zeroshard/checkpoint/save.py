@@ -48,7 +48,7 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, ShardedState
-from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -388,7 +388,7 @@ def save_checkpoint(
     root = os.path.abspath(os.fspath(save_dir))
     tag = _validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     sync = RankSync("save_checkpoint", rank, world_size)
-    hello = sync.all_gather("start", {"tag": tag, "dir": root, "nonce": uuid.uuid4().hex[:12]}, entry_timeout())
+    hello = sync.all_gather(ENTRY_PHASE, {"tag": tag, "dir": root, "nonce": uuid.uuid4().hex[:12]}, entry_timeout())
     _agree_on_tag(hello, str(engine.config.checkpoint.tag_validation).upper())
     tag, nonce = hello[0]["tag"], hello[0]["nonce"]
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")

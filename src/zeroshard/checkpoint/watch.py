@@ -1,0 +1,133 @@
+"""A rank that skips a checkpoint call the others made (`if rank == 0: engine.save_checkpoint(...)`): named in
+seconds on every rank, instead of after the entry timeout.
+
+[Note: one-rank checkpoint calls]
+A rank that does not call `save_checkpoint` while the others do goes on training, and its next collective
+waits for ranks that are busy saving: neither side can finish. Telling that apart from a rank that is merely
+late costs something per step if every rank posts what it does to the store, so this is kept in memory:
+`Activity` records which engine call (forward, backward, step) the main thread is in, a few attribute writes
+per call. A daemon thread per engine (`AbsenceWatch`) reads that record twice a second and touches the store
+only while one engine call has lasted `CHECK_AFTER_S` (a training call that long is where a rank waits for
+ranks that are elsewhere): it asks whether a checkpoint call this rank has not made is open. If the same
+engine call is still running `ZEROSHARD_CHECKPOINT_GRACE` seconds (default 5) after it saw one, the thread
+posts what the rank is doing as the rank's arrival at the call (`{"absent": ...}`); the saving ranks' wait
+ends at once and they raise a `CheckpointError` naming it. This rank's own collective then fails (the saving
+ranks exit, or at the latest at the collective deadline) and the engine raises the same named error instead
+of the backend's. A rank that is late but then arrives finds its arrival taken and fails at once too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from zeroshard.checkpoint.sync import ENTRY_PHASE, call_counter_key, default_store, grace_s, open_key, phase_key
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+CHECK_AFTER_S = 2.0  # an engine call shorter than this is never a reason to ask the store
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One engine call in progress on the main thread."""
+
+    what: str
+    step: int
+    seq: int
+    since: float
+
+
+class Activity:
+    """What this rank's main thread is doing, in memory only; `verdict` is set when the watch found the rank
+    absent from a checkpoint call the others made."""
+
+    def __init__(self) -> None:
+        self.current: EngineCall | None = None
+        self.verdict: str | None = None
+        self._seq = 0
+
+    @contextlib.contextmanager
+    def inside(self, what: str, step: int) -> Iterator[None]:
+        outer = self.current
+        self._seq += 1
+        self.current = EngineCall(what, step, self._seq, time.monotonic())
+        try:
+            yield
+        finally:
+            self.current = outer
+
+
+class AbsenceWatch:
+    """The daemon thread of [Note: one-rank checkpoint calls]; `start` returns None where there is nothing to
+    watch (one rank) or no store it can open a second connection to."""
+
+    def __init__(self, activity: Activity, rank: int, world_size: int, store: dist.Store):
+        self.activity = activity
+        self.rank = rank
+        self.world_size = world_size
+        self._store = store
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"zeroshard-checkpoint-watch-{rank}", daemon=True)
+
+    @classmethod
+    def start(cls, activity: Activity, rank: int, world_size: int) -> AbsenceWatch | None:
+        store = default_store() if world_size > 1 else None
+        if store is None:
+            return None
+        try:
+            own = store.clone()  # type: ignore[attr-defined]  # torch >= 2.4; the main connection may be busy
+        except (RuntimeError, NotImplementedError):
+            return None
+        watch = cls(activity, rank, world_size, own)
+        watch._thread.start()
+        return watch
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        seen: tuple[int, int, float] | None = None  # (engine call seq, checkpoint call, when first seen)
+        while not self._stop.wait(POLL_S):
+            call, now = self.activity.current, time.monotonic()
+            if call is None or now - call.since < CHECK_AFTER_S:
+                seen = None
+                continue
+            try:
+                opened = self._open_call()
+                if opened is None:
+                    seen = None
+                elif seen is None or seen[:2] != (call.seq, opened[0]):
+                    seen = (call.seq, opened[0], now)
+                elif now - seen[2] >= grace_s():
+                    self._report(opened[0], opened[1], call, now)
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending, nothing left to watch
+                return
+
+    def _open_call(self) -> tuple[int, dict[str, Any]] | None:
+        """The next checkpoint call of this rank when some rank has already entered it."""
+        call = int(self._store.add(call_counter_key(self.rank), 0)) + 1
+        if not self._store.check([open_key(call)]):
+            return None
+        return call, json.loads(self._store.get(open_key(call)))
+
+    def _report(self, call: int, opened: dict[str, Any], engine_call: EngineCall, now: float) -> None:
+        op = opened["op"]
+        doing = f"in {engine_call.what} (step {engine_call.step}) for {now - engine_call.since:.0f}s"
+        present = [r for r in range(self.world_size) if self._store.check([phase_key(call, op, ENTRY_PHASE, r)])]
+        self.activity.verdict = (
+            f"{op} was called on rank(s) {present} but not on this rank ({self.rank}), which has been "
+            f"{doing} instead. {op} is collective: call it on every rank, not only under "
+            "`if rank == 0`."
+        )
+        self._store.set(phase_key(call, op, ENTRY_PHASE, self.rank), json.dumps({"absent": doing}))
