@@ -395,3 +395,37 @@ def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(tm
         assert "call it on every rank, not only under `if rank == 0`" in message, message
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
     assert left == ["everyone", "latest"], left  # the refused save wrote nothing
+
+
+def _two_ranks_fill_the_disk(rank: int, world_size: int, root: str):
+    """Each rank's shards fit in the free space, both ranks' together do not: refused before any write."""
+    import torch.distributed as dist
+
+    import zeroshard.checkpoint.save as save_module
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = _reshard_engine(2, 1)
+    _run_steps(engine, rank, world_size, 0, 1)
+    mine = save_module._bytes_to_write(engine, save_module.engine_state(engine))
+    everyone: list[int] = [0] * world_size
+    dist.all_gather_object(everyone, mine)
+    real = save_module.free_bytes
+    save_module.free_bytes = lambda path: max(everyone) * 3 // 2  # as a small tmpfs would report
+    try:
+        engine.save_checkpoint(root, tag="too-big")
+        message = ""
+    except CheckpointError as e:
+        message = str(e)
+    save_module.free_bytes = real
+    left = sorted(os.listdir(root))
+    engine.save_checkpoint(root, tag="later")  # with the real free space it is written
+    return message, everyone, left, sorted(os.listdir(root))
+
+
+def test_a_save_is_refused_up_front_when_the_ranks_together_need_more_than_the_free_space(tmp_path):
+    for message, everyone, left, after in run_on_ranks(_two_ranks_fill_the_disk, 2, str(tmp_path)):
+        need = sum(everyone)
+        assert f"not enough space in {tmp_path}" in message and "rank(s) [0, 1]" in message, message
+        assert f"({need} bytes)" in message and "nothing was written" in message, message
+        assert left == [], left  # not even a temporary directory
+        assert after == ["later", "latest"], after
