@@ -44,5 +44,6 @@ def _how(exitcode: int) -> str:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
 
+
 if __name__ == "__main__":
     sys.exit(main())
