@@ -4,16 +4,20 @@ seconds on every rank, instead of after the entry timeout.
 [Note: one-rank checkpoint calls]
 A rank that does not call `save_checkpoint` while the others do goes on training, and its next collective
 waits for ranks that are busy saving: neither side can finish. Telling that apart from a rank that is merely
-late costs something per step if every rank posts what it does to the store, so this is kept in memory:
-`Activity` records which engine call (forward, backward, step) the main thread is in, a few attribute writes
-per call. A daemon thread per engine (`AbsenceWatch`) reads that record twice a second and touches the store
-only while one engine call has lasted `CHECK_AFTER_S` (a training call that long is where a rank waits for
-ranks that are elsewhere): it asks whether a checkpoint call this rank has not made is open. If the same
-engine call is still running `ZEROSHARD_CHECKPOINT_GRACE` seconds (default 5) after it saw one, the thread
-posts what the rank is doing as the rank's arrival at the call (`{"absent": ...}`); the saving ranks' wait
-ends at once and they raise a `CheckpointError` naming it. This rank's own collective then fails (the saving
-ranks exit, or at the latest at the collective deadline) and the engine raises the same named error instead
-of the backend's. A rank that is late but then arrives finds its arrival taken and fails at once too.
+late would cost a store write per step if every rank posted what it does, so it is kept in memory: `Activity`
+records which engine call (forward, backward, step) the main thread is in, a few attribute writes per call
+(about 2 us). A daemon thread per engine (`AbsenceWatch`) reads that record twice a second and touches the
+store only while one engine call has lasted `CHECK_AFTER_S` (a training call that long is where a rank waits
+for ranks that are elsewhere): every `CHECK_AFTER_S` it asks, in two small requests on its own connection,
+whether a checkpoint call this rank has not made is open. If the same engine call is still running
+`ZEROSHARD_CHECKPOINT_GRACE` seconds (default 5) after it saw one, the thread posts what the rank is doing as
+the rank's arrival at the call (`{"absent": ...}`): the waiting ranks' store wait ends at once and they raise a
+`CheckpointError` naming it. This rank's own collective then fails when they exit (gloo: at once; NCCL: the
+launcher stops it, or the collective deadline) and the engine raises the same named error instead of the
+backend's. The price is a false alarm for a rank that really is still inside one engine call more than the
+grace after the others entered the call (local work after its last collective): it fails at once when it
+arrives, saying so and naming the variable to raise. Ranks blocked outside engine calls (the script's own
+collectives) are not seen: the entry timeout still names them.
 """
 
 from __future__ import annotations
@@ -97,11 +101,15 @@ class AbsenceWatch:
 
     def _run(self) -> None:
         seen: tuple[int, int, float] | None = None  # (engine call seq, checkpoint call, when first seen)
+        asked = 0.0
         while not self._stop.wait(POLL_S):
             call, now = self.activity.current, time.monotonic()
             if call is None or now - call.since < CHECK_AFTER_S:
                 seen = None
                 continue
+            if seen is None and now - asked < CHECK_AFTER_S:
+                continue  # a long call of a correct job: ask the store every CHECK_AFTER_S at most
+            asked = now
             try:
                 opened = self._open_call()
                 if opened is None:
