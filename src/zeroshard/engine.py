@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
-from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.watch import AbsenceWatch, Activity
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import named_on_timeout
@@ -109,15 +108,12 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     def _deadline(self, what: str) -> Iterator[None]:
         """An engine call that communicates: its collectives have the deadline, and it is the activity a rank
         that skipped a checkpoint call is found in ([Note: one-rank checkpoint calls])."""
-        with self._activity.inside(what, self.global_steps):
-            try:
-                timeout = float(self.config.zeroshard.collective_timeout_s)
-                with named_on_timeout(self.comm, f"{what} (step {self.global_steps})", timeout):
-                    yield
-            except RuntimeError as err:
-                if self._activity.verdict is None:
-                    raise
-                raise CheckpointError(self._activity.verdict) from err
+        timeout = float(self.config.zeroshard.collective_timeout_s)
+        with (
+            named_on_timeout(self.comm, f"{what} (step {self.global_steps})", timeout),
+            self._activity.call(what, self.global_steps),
+        ):
+            yield
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""

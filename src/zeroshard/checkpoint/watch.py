@@ -6,7 +6,7 @@ A rank that does not call `save_checkpoint` while the others do goes on training
 waits for ranks that are busy saving: neither side can finish. Telling that apart from a rank that is merely
 late would cost a store write per step if every rank posted what it does, so it is kept in memory: `Activity`
 records which engine call (forward, backward, step) the main thread is in, a few attribute writes per call
-(about 2 us). A daemon thread per engine (`AbsenceWatch`) reads that record twice a second and touches the
+(about 3 us). A daemon thread per engine (`AbsenceWatch`) reads that record twice a second and touches the
 store only while one engine call has lasted `CHECK_AFTER_S` (a training call that long is where a rank waits
 for ranks that are elsewhere): every `CHECK_AFTER_S` it asks, in two small requests on its own connection,
 whether a checkpoint call this rank has not made is open. If the same engine call is still running
@@ -22,16 +22,15 @@ collectives) are not seen: the entry timeout still names them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.sync import ENTRY_PHASE, call_counter_key, default_store, grace_s, open_key, phase_key
 from zeroshard.utils.logging import get_logger
 
@@ -41,9 +40,8 @@ CHECK_AFTER_S = 2.0  # an engine call shorter than this is never a reason to ask
 POLL_S = 0.5
 
 
-@dataclass(frozen=True)
-class EngineCall:
-    """One engine call in progress on the main thread."""
+class EngineCall(NamedTuple):
+    """One engine call in progress on the main thread (a tuple: built on every call, so kept cheap)."""
 
     what: str
     step: int
@@ -60,15 +58,33 @@ class Activity:
         self.verdict: str | None = None
         self._seq = 0
 
-    @contextlib.contextmanager
-    def inside(self, what: str, step: int) -> Iterator[None]:
-        outer = self.current
-        self._seq += 1
-        self.current = EngineCall(what, step, self._seq, time.monotonic())
-        try:
-            yield
-        finally:
-            self.current = outer
+    def call(self, what: str, step: int) -> InsideCall:
+        """`with activity.call("engine.backward", step):` records the call for the watch; a RuntimeError out of
+        it (the collective that failed once the other ranks gave up) becomes the named `CheckpointError`
+        when the watch found this rank absent."""
+        return InsideCall(self, what, step)
+
+
+class InsideCall:
+    """The context manager `Activity.call` returns (a class, not a generator: it runs on every engine call)."""
+
+    __slots__ = ("_activity", "_outer", "_step", "_what")
+
+    def __init__(self, activity: Activity, what: str, step: int):
+        self._activity, self._what, self._step = activity, what, step
+        self._outer: EngineCall | None = None
+
+    def __enter__(self) -> None:
+        activity = self._activity
+        self._outer = activity.current
+        activity._seq += 1
+        activity.current = EngineCall(self._what, self._step, activity._seq, time.monotonic())
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        activity = self._activity
+        activity.current = self._outer
+        if isinstance(error, RuntimeError) and activity.verdict is not None and not isinstance(error, CheckpointError):
+            raise CheckpointError(activity.verdict) from error
 
 
 class AbsenceWatch:
