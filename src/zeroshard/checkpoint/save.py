@@ -418,7 +418,7 @@ def save_checkpoint(
         payload["manifest"] = asdict(manifest)
         fault_point("after_rank_files", rank)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        payload["error"] = _describe_write_error(e, tmp_dir, state)
+        payload["error"] = _describe_write_error(e, tmp_dir, _rank_bytes(state, engine.optimizer))
         local_error: Exception | None = e
     else:
         local_error = None
@@ -442,10 +442,9 @@ def save_checkpoint(
     return True
 
 
-def _describe_write_error(error: Exception, tmp_dir: str, state: ShardedState | None) -> str:
+def _describe_write_error(error: Exception, tmp_dir: str, need: int) -> str:
     """One line; a full disk names the directory, the bytes this rank writes and what is free."""
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        need = _rank_bytes(state)
         free = free_bytes(os.path.dirname(tmp_dir))
         return (
             f"no space left on the device of {os.path.dirname(tmp_dir)}: this rank writes about {need / 2**20:.1f} "
@@ -454,17 +453,28 @@ def _describe_write_error(error: Exception, tmp_dir: str, state: ShardedState | 
     return f"{type(error).__name__}: {error}"
 
 
-def _rank_bytes(state: ShardedState | None) -> int:
-    """What this rank's checkpoint files hold: its model pieces, its master pieces (and as much again per
-    elementwise optimizer state tensor, Adam's two)."""
+def _rank_bytes(state: ShardedState | None, optimizer: torch.optim.Optimizer | None) -> int:
+    """What this rank's checkpoint files hold: its model pieces, and its optimizer pieces in fp32 (the master and
+    each elementwise optimizer state tensor: Adam's two once it has stepped). From shapes only: nothing is read
+    in from NVMe."""
     if state is None:
         return 0
-    total = 0
-    for part in state.parts():
-        total += sum(p.values.numel() * p.values.element_size() for p in part.model_pieces())
-        if state.writes_optim:
-            total += 3 * sum((p.end - p.begin) * 4 for p in part.optim_pieces())
+    total = state.model_bytes_to_save()
+    if optimizer is not None and state.writes_optim:
+        tensors_per_element = 1 + max(
+            (_elementwise_count(optimizer, p) for p in _optimizer_params(optimizer)), default=0
+        )
+        total += 4 * tensors_per_element * sum(p.end - p.begin for p in state.optim_pieces())
     return total
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _elementwise_count(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
+    state = optimizer.state.get(param, {})
+    return sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel())
 
 
 # -- space, before anything is written ([Note: checkpoint space]) ---------------------------------------
@@ -481,7 +491,7 @@ def _existing_ancestor(path: str) -> str:
 
 def _bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None) -> int:
     """This rank's shard files, plus (rank 0) the tensors no strategy shards, which rank 0 writes whole."""
-    total = _rank_bytes(state)
+    total = _rank_bytes(state, engine.optimizer)
     if engine.topology.rank == 0:
         sharded = state.sharded_params() if state is not None else {}
         frozen = [p for p in engine.module.parameters() if id(p) not in sharded and not p.requires_grad]
