@@ -50,16 +50,3 @@ def test_the_launcher_line_names_a_signal():
     from zeroshard.launcher.torchrun import _how
 
     assert (_how(5), _how(-9)) == ("exit code 5", "killed by SIGKILL")
-
-
-def test_a_rank_arriving_after_the_others_gave_up_on_it_fails_at_once():
-    """[Note: one-rank checkpoint calls]: its arrival was taken as absent; waiting would hang."""
-    import json
-
-    from zeroshard.checkpoint.sync import RankSync, phase_key
-
-    store = dist.HashStore()
-    store.set(phase_key(1, "save_checkpoint", "start", 1), json.dumps({"absent": "in engine.step (step 3)"}))
-    with pytest.raises(CheckpointError, match="the other ranks stopped waiting for this rank .1.*GRACE"):
-        RankSync("save_checkpoint", 1, 2, store)
-    RankSync("save_checkpoint", 0, 2, store)  # rank 0's first call is not affected

@@ -80,23 +80,21 @@ class RankSync:
         self.call = 0
         if self.store is not None and world_size > 1:
             self.call = int(self.store.add(call_counter_key(rank), 1))
-            self._refuse_if_given_up()
             self.store.set(open_key(self.call), json.dumps({"op": op, "rank": rank}))
 
     def _key(self, phase: str, rank: int) -> str:
         return phase_key(self.call, self.op, phase, rank)
 
-    def _refuse_if_given_up(self) -> None:
-        """This rank arrives after the others decided it went on without the call ([Note: one-rank checkpoint
-        calls]): they have raised already, so waiting for them would hang."""
+    def _arrive(self, payload: Any) -> None:
+        """Post this rank's entry, unless the others already took it as absent ([Note: one-rank checkpoint
+        calls]): they have raised, so waiting for them would hang."""
         assert self.store is not None
-        mine = self._key(ENTRY_PHASE, self.rank)
-        if self.store.check([mine]) and "absent" in json.loads(self.store.get(mine)):
+        mine = json.dumps(payload)
+        if self.store.compare_set(self._key(ENTRY_PHASE, self.rank), "", mine).decode() != mine:
             raise CheckpointError(
                 f"{self.op}: the other ranks stopped waiting for this rank ({self.rank}), which reached the call "
-                f"more than {grace_s():.0f}s after them while inside an engine "
-                "call; call it at the same point on every rank (raise ZEROSHARD_CHECKPOINT_GRACE if this rank is "
-                "just that slow)"
+                f"more than {grace_s():.0f}s after them while inside an engine call; call it at the same point on "
+                "every rank (raise ZEROSHARD_CHECKPOINT_GRACE if this rank is just that slow)"
             )
 
     def _raise_if_absent(self, payloads: list[Any]) -> None:
@@ -135,7 +133,10 @@ class RankSync:
         """Every rank's JSON `payload`, on every rank."""
         if self.store is None or self.world_size == 1:
             return [payload]
-        self.store.set(self._key(phase, self.rank), json.dumps(payload))
+        if phase == ENTRY_PHASE:
+            self._arrive(payload)
+        else:
+            self.store.set(self._key(phase, self.rank), json.dumps(payload))
         self._wait(phase, list(range(self.world_size)), timeout)
         payloads = [self._get(phase, r) for r in range(self.world_size)]
         self._raise_if_absent(payloads)

@@ -148,10 +148,14 @@ class AbsenceWatch:
     def _report(self, call: int, opened: dict[str, Any], engine_call: EngineCall, now: float) -> None:
         op = opened["op"]
         doing = f"in {engine_call.what} (step {engine_call.step}) for {now - engine_call.since:.0f}s"
+        absent = json.dumps({"absent": doing})
+        # compare-and-set: if the main thread arrived after all, its own entry stands and nothing is reported
+        if self._store.compare_set(phase_key(call, op, ENTRY_PHASE, self.rank), "", absent).decode() != absent:
+            return
         present = [r for r in range(self.world_size) if self._store.check([phase_key(call, op, ENTRY_PHASE, r)])]
+        present.remove(self.rank)
         self.activity.verdict = (
             f"{op} was called on rank(s) {present} but not on this rank ({self.rank}), which has been "
             f"{doing} instead. {op} is collective: call it on every rank, not only under "
             "`if rank == 0`."
         )
-        self._store.set(phase_key(call, op, ENTRY_PHASE, self.rank), json.dumps({"absent": doing}))
