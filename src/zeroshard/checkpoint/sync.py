@@ -103,10 +103,10 @@ class RankSync:
             return
         present = [r for r, p in enumerate(payloads) if not (isinstance(p, dict) and "absent" in p)]
         doing = "; ".join(f"rank {r} has been {what} instead" for r, what in absent)
+        why = " (rank 0 writes the shared files itself)" if self.op == "save_checkpoint" else ""
         raise CheckpointError(
-            f"{self.op} was called on rank(s) {present} only: {doing}. {self.op} is "
-            "collective: call it on every rank, not only under `if rank == 0` (rank 0 writes the shared files "
-            "itself)."
+            f"{self.op} was called on rank(s) {present} only: {doing}. {self.op} is collective: call it on every "
+            f"rank, not only under `if rank == 0`{why}."
         )
 
     def _wait(self, phase: str, ranks: list[int], timeout: float) -> None:
