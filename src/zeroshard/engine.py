@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
+from zeroshard.checkpoint.watch import AbsenceWatch, Activity
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import named_on_timeout
 from zeroshard.comm.topology import Topology
@@ -85,6 +86,10 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         self._last_grad_norm: float | None = None
         self._step_applied = False
         self._offloader = StateOffloader()
+        self._activity = Activity()  # [Note: one-rank checkpoint calls]
+        self._watch = AbsenceWatch.start(self._activity, topology.rank, topology.world_size)
+        if self._watch is not None:
+            weakref.finalize(self, self._watch.stop)
 
     @property
     def micro_steps(self) -> int:
@@ -96,11 +101,19 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._deadline("the forward"):  # stage 3 gathers parameters here
+        with self._deadline("engine.forward"):  # stage 3 gathers parameters here
             return self.module(*args, **kwargs)
 
-    def _deadline(self, what: str) -> AbstractContextManager[None]:
-        return named_on_timeout(self.comm, what, float(self.config.zeroshard.collective_timeout_s))
+    @contextlib.contextmanager
+    def _deadline(self, what: str) -> Iterator[None]:
+        """An engine call that communicates: its collectives have the deadline, and it is the activity a rank
+        that skipped a checkpoint call is found in ([Note: one-rank checkpoint calls])."""
+        timeout = float(self.config.zeroshard.collective_timeout_s)
+        with (
+            named_on_timeout(self.comm, f"{what} (step {self.global_steps})", timeout),
+            self._activity.call(what, self.global_steps),
+        ):
+            yield
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
@@ -123,7 +136,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if self.is_gradient_accumulation_boundary():
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
-            with self._deadline(f"engine.step (step {self.global_steps})"):
+            with self._deadline("engine.step"):
                 outcome = strategy.step(self.loss_scale)
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(outcome.skipped)
@@ -232,6 +245,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
+        if self._watch is not None:
+            self._watch.stop()
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None

@@ -365,3 +365,66 @@ def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tmp_path
         assert "MiB are free" in message and "nothing was committed" in message
         assert left == [], left  # no .tmp.full.* directory keeps the disk full
         assert after == ["later", "latest"], after
+
+
+# -- saves that cannot work: refused up front, in seconds (one spawn for both) ----------------------------------
+def _refused_saves(rank: int, world_size: int, root: str):
+    """First a save whose ranks' shards each fit the free space but together do not ([Note: checkpoint space]),
+    then the classic mistake `if rank == 0: engine.save_checkpoint(...)` while rank 1 trains on ([Note: one-rank
+    checkpoint calls]); a save on every rank in between is not disturbed."""
+    import time
+
+    import torch.distributed as dist
+
+    import zeroshard.checkpoint.save as save_module
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = _reshard_engine(2, 1)
+    _run_steps(engine, rank, world_size, 0, 1)
+    result = {}
+    mine = save_module._bytes_to_write(engine, save_module.engine_state(engine))
+    everyone: list[int] = [0] * world_size
+    dist.all_gather_object(everyone, mine)
+    real = save_module.free_bytes
+    save_module.free_bytes = lambda path: max(everyone) * 3 // 2  # as a small tmpfs would report
+    with pytest.raises(CheckpointError) as refused:
+        engine.save_checkpoint(root, tag="too-big")
+    save_module.free_bytes = real
+    result["space"] = str(refused.value), sum(everyone), sorted(os.listdir(root))
+    engine.save_checkpoint(root, tag="everyone")  # with the real free space it is written
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            engine.save_checkpoint(root, tag="rank-0-only")
+        _run_steps(engine, rank, world_size, 1, 3)
+        result["one rank"] = None, None, time.monotonic() - start, sorted(os.listdir(root))
+    except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+        result["one rank"] = type(err).__name__, str(err), time.monotonic() - start, sorted(os.listdir(root))
+    return result
+
+
+@pytest.fixture(scope="module")
+def refused_saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refused")
+    return root, run_on_ranks(_refused_saves, 2, str(root), timeout=120)
+
+
+def test_a_save_is_refused_up_front_when_the_ranks_together_need_more_than_the_free_space(refused_saves):
+    root, results = refused_saves
+    for result in results:
+        message, need, left = result["space"]
+        assert f"not enough space in {root}" in message and "rank(s) [0, 1]" in message, message
+        assert f"({need} bytes)" in message and "nothing was written" in message, message
+        assert left == [], left  # not even a temporary directory
+
+
+def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(refused_saves):
+    _, results = refused_saves
+    (name0, message0, seconds0, left), (name1, message1, seconds1, _) = (r["one rank"] for r in results)
+    assert name0 == name1 == "CheckpointError", (message0, message1)
+    assert "save_checkpoint was called on rank(s) [0] only: rank 1 has been in engine." in message0, message0
+    assert "not on this rank (1), which has been in engine." in message1, message1
+    for message in (message0, message1):
+        assert "call it on every rank, not only under `if rank == 0`" in message, message
+    assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
+    assert left == ["everyone", "latest"], left  # the refused saves wrote nothing

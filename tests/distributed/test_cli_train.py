@@ -31,7 +31,7 @@ TINY = [
 ]
 
 
-def _train(output_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _train(output_dir: Path, *args: str, succeed: bool = True) -> subprocess.CompletedProcess[str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -49,7 +49,7 @@ def _train(output_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
         str(output_dir),
     ]
     done = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 or not succeed, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -137,3 +137,17 @@ def test_a_model_folder_streams_into_shards_and_lora_leaves_the_base_weights_as_
         else:
             assert torch.equal(exported[key], value), key
     assert any(not torch.equal(exported[k], stored[k]) for k in targeted)  # the adapters trained
+
+
+def test_a_failure_on_the_ranks_is_reported_once_without_tracebacks(tmp_path):
+    """Both ranks refuse the checkpoint --resume names ([Note: one failure report]): one rank prints the error,
+    the other one line pointing at it, the launcher one line; no traceback."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("global_step7")  # names a checkpoint that is not there
+    done = _train(tmp_path, "--max-steps", "2", "--resume", succeed=False)
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if "[rank" in line and ": error: " in line]
+    pointers = [line for line in lines if "[rank" in line and "stopped, see rank" in line]
+    assert done.returncode == 1 and len(errors) == 1 and len(pointers) == 1, done.stderr
+    assert "global_step7" in errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 4, done.stderr  # the error, the pointer, the launcher's line, the command's line

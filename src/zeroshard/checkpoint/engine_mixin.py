@@ -14,7 +14,8 @@ class CheckpointMixin:
     """Adds `save_checkpoint` and `load_checkpoint` to the engine (`class Engine(CheckpointMixin, nn.Module)`).
 
     Both are collective: call them on every rank. A call on some ranks only raises a `CheckpointError`
-    naming the missing ranks after `ZEROSHARD_CHECKPOINT_TIMEOUT` seconds (default 300) instead of hanging.
+    naming the missing ranks instead of hanging: within seconds when they went on training
+    (`ZEROSHARD_CHECKPOINT_GRACE`, default 5), else after `ZEROSHARD_CHECKPOINT_TIMEOUT` (default 300).
 
     Example:
         >>> engine.save_checkpoint("ckpt", client_state={"epoch": 3})  # doctest: +SKIP

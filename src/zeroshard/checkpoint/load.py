@@ -36,7 +36,7 @@ from zeroshard.checkpoint.rng import restore_rng_state
 from zeroshard.checkpoint.safetensors_io import dtype_from_name
 from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state, full_shapes
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
-from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout, write_timeout
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -317,7 +317,7 @@ def load_checkpoint(
         resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag))
     except CheckpointError as e:
         resolved["error"] = str(e)
-    hello = sync.all_gather("start", resolved, entry_timeout())
+    hello = sync.all_gather(ENTRY_PHASE, resolved, entry_timeout())
     errors = sorted({h["error"] for h in hello if h["error"]})
     if errors:
         raise CheckpointError("; ".join(errors))

@@ -80,6 +80,10 @@ class ShardedState(Protocol):
         """Pieces of sharded parameters that this rank writes (every element written by exactly one rank)."""
         ...
 
+    def model_bytes_to_save(self) -> int:
+        """Bytes of `model_pieces_to_save`, read from shapes only (the shards may be on NVMe)."""
+        ...
+
     def model_targets_to_load(self) -> list[ModelPiece]:
         """Ranges of sharded parameters this rank fills from the checkpoint's model weights."""
         ...

@@ -10,7 +10,8 @@ leaving the others waiting in the next training collective.
 
 The n-th checkpoint call of a rank uses keys under `zeroshard/checkpoint/<n>/<op>/`, with n counted per
 rank in the store itself: ranks make their calls in the same order, so their n agree, and several
-engines in one process never reuse a key.
+engines in one process never reuse a key. Entering call n also sets `zeroshard/checkpoint/<n>/open`,
+which a rank that went on training instead finds: see [Note: one-rank checkpoint calls] (watch.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ ENTRY_TIMEOUT_ENV = "ZEROSHARD_CHECKPOINT_TIMEOUT"
 WRITE_TIMEOUT_ENV = "ZEROSHARD_CHECKPOINT_WRITE_TIMEOUT"
 DEFAULT_ENTRY_TIMEOUT_S = 300.0  # how long ranks may arrive apart at a save/load call
 DEFAULT_WRITE_TIMEOUT_S = 3600.0  # how long the slowest rank may take to write or read its files
+GRACE_ENV = "ZEROSHARD_CHECKPOINT_GRACE"
+DEFAULT_GRACE_S = 5.0  # how long a rank may stay in one engine call after others entered a checkpoint call
+ENTRY_PHASE = "start"  # the first phase of every call: where ranks arrive
+
+
+def call_counter_key(rank: int) -> str:
+    return f"zeroshard/checkpoint/calls/{rank}"
+
+
+def open_key(call: int) -> str:
+    return f"zeroshard/checkpoint/{call}/open"
+
+
+def phase_key(call: int, op: str, phase: str, rank: int) -> str:
+    return f"zeroshard/checkpoint/{call}/{op}/{phase}/{rank}"
 
 
 def entry_timeout() -> float:
@@ -38,7 +54,11 @@ def write_timeout() -> float:
     return float(os.environ.get(WRITE_TIMEOUT_ENV, DEFAULT_WRITE_TIMEOUT_S))
 
 
-def _default_store() -> dist.Store | None:
+def grace_s() -> float:
+    return float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+
+
+def default_store() -> dist.Store | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     # The default group's store is not public API, but it is the rendezvous every rank already shares.
@@ -54,16 +74,40 @@ class RankSync:
         self.op = op
         self.rank = rank
         self.world_size = world_size
-        self.store = store if store is not None or world_size == 1 else _default_store()
+        self.store = store if store is not None or world_size == 1 else default_store()
         if self.world_size > 1 and self.store is None:
             raise CheckpointError(f"{op}: world size {world_size} but torch.distributed is not initialised")
-        self.prefix = ""
+        self.call = 0
         if self.store is not None and world_size > 1:
-            call = self.store.add(f"zeroshard/checkpoint/calls/{rank}", 1)
-            self.prefix = f"zeroshard/checkpoint/{call}/{op}"
+            self.call = int(self.store.add(call_counter_key(rank), 1))
+            self.store.set(open_key(self.call), json.dumps({"op": op, "rank": rank}))
 
     def _key(self, phase: str, rank: int) -> str:
-        return f"{self.prefix}/{phase}/{rank}"
+        return phase_key(self.call, self.op, phase, rank)
+
+    def _arrive(self, payload: Any) -> None:
+        """Post this rank's entry, unless the others already took it as absent ([Note: one-rank checkpoint
+        calls]): they have raised, so waiting for them would hang."""
+        assert self.store is not None
+        mine = json.dumps(payload)
+        if self.store.compare_set(self._key(ENTRY_PHASE, self.rank), "", mine).decode() != mine:
+            raise CheckpointError(
+                f"{self.op}: the other ranks stopped waiting for this rank ({self.rank}), which reached the call "
+                f"more than {grace_s():.0f}s after them while inside an engine call; call it at the same point on "
+                "every rank (raise ZEROSHARD_CHECKPOINT_GRACE if this rank is just that slow)"
+            )
+
+    def _raise_if_absent(self, payloads: list[Any]) -> None:
+        absent = [(r, p["absent"]) for r, p in enumerate(payloads) if isinstance(p, dict) and "absent" in p]
+        if not absent:
+            return
+        present = [r for r, p in enumerate(payloads) if not (isinstance(p, dict) and "absent" in p)]
+        doing = "; ".join(f"rank {r} has been {what} instead" for r, what in absent)
+        why = " (rank 0 writes the shared files itself)" if self.op == "save_checkpoint" else ""
+        raise CheckpointError(
+            f"{self.op} was called on rank(s) {present} only: {doing}. {self.op} is collective: call it on every "
+            f"rank, not only under `if rank == 0`{why}."
+        )
 
     def _wait(self, phase: str, ranks: list[int], timeout: float) -> None:
         assert self.store is not None
@@ -89,9 +133,14 @@ class RankSync:
         """Every rank's JSON `payload`, on every rank."""
         if self.store is None or self.world_size == 1:
             return [payload]
-        self.store.set(self._key(phase, self.rank), json.dumps(payload))
+        if phase == ENTRY_PHASE:
+            self._arrive(payload)
+        else:
+            self.store.set(self._key(phase, self.rank), json.dumps(payload))
         self._wait(phase, list(range(self.world_size)), timeout)
-        return [self._get(phase, r) for r in range(self.world_size)]
+        payloads = [self._get(phase, r) for r in range(self.world_size)]
+        self._raise_if_absent(payloads)
+        return payloads
 
     def gather(self, phase: str, payload: Any, timeout: float) -> list[Any] | None:
         """Every rank's payload on rank 0 (None elsewhere)."""

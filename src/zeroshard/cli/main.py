@@ -42,11 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog: str) -> int:
-    """Call `run(args)`; turn expected errors into one line on stderr and an exit code."""
+    """Call `run(args)`; turn expected errors into one line on stderr and an exit code. With several ranks,
+    only the rank that failed first reports ([Note: one failure report])."""
+    from zeroshard.cli.failures import first_failed_rank, job_rank, lost_a_peer
     from zeroshard.errors import ConfigError, ZeroshardError
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        prog = f"{prog} [rank {os.environ['RANK']}]"  # every rank of a failed job reports
+    rank = job_rank()
+    if rank is not None:
+        prog = f"{prog} [rank {rank}]"
     try:
         return run(args)
     except KeyboardInterrupt:
@@ -55,10 +58,24 @@ def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
     except BrokenPipeError:  # `zeroshard ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (CLIError, ZeroshardError, OSError, ValueError, ImportError) as err:
+    except Exception as err:
         if getattr(args, "debug", False):
             raise
+        expected = isinstance(err, CLIError | ZeroshardError | OSError | ValueError | ImportError)
         code = err.code if isinstance(err, CLIError) else EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_FAILURE
+        first = first_failed_rank(rank) if rank is not None else None
+        if first is not None and first != rank:
+            sys.stderr.write(f"{prog}: stopped, see rank {first}'s error\n")
+            return code
+        peer = lost_a_peer(err)
+        if peer is not None:
+            sys.stderr.write(
+                f"{prog}: error: another rank left the job (the backend says: {peer}); it was killed or "
+                "crashed without a report: see the launcher's lines below\n"
+            )
+            return code
+        if not expected:
+            raise
         message = str(err) if isinstance(err, CLIError | ZeroshardError) else f"{type(err).__name__}: {err}"
         sys.stderr.write(f"{prog}: error: {message}\n")
         return code

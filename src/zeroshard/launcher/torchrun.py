@@ -1,13 +1,15 @@
 """`python -m zeroshard.launcher.torchrun ARGS`: torch.distributed.run with the same arguments, quieter failures.
 
-torchrun ends a failed job with a Python traceback of its own ChildFailedError and a table of the
-failed ranks. The workers have already printed their one-line errors, so this wrapper replaces the
-traceback with one line per failed rank and exits with the first failure's exit code (so a
-configuration error in the workers still exits with 2).
+torchrun ends a failed job with an error log line per failed worker, a Python traceback of its own
+ChildFailedError and a table of the failed ranks. The workers have already printed their error (once:
+[Note: one failure report]), so this wrapper replaces all of that with one line naming the rank that
+failed first and exits with its exit code (so a configuration error in the workers still exits with 2).
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -17,18 +19,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    # its "failed (exitcode: 1) local_rank: 0 ..." lines say what the one line below says
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as err:
         first_rank, first = err.get_first_failure()
-        for rank, failure in sorted(err.failures.items()):
-            sys.stderr.write(
-                f"zeroshard launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-                f"exited with {failure.exitcode}\n"
-            )
+        others = sorted(r for r in err.failures if r != first_rank)
+        also = f"; rank(s) {others} stopped too" if others else ""
+        sys.stderr.write(
+            f"zeroshard launch: rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) failed first, "
+            f"{_how(first.exitcode)}{also}\n"
+        )
         code = first.exitcode
         return code if 0 < code < 256 else 1
     return 0
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 if __name__ == "__main__":

@@ -59,6 +59,12 @@ class FlatState:
             for g, name, begin, end, flat, _ in self._owned()
         ]
 
+    def model_bytes_to_save(self) -> int:
+        if not self.writes_optim:
+            return 0
+        buffers = self.strategy.buffers
+        return sum((end - begin) * buffers[g].param_flat.element_size() for g, _, begin, end, _, _ in self._owned())
+
     def model_targets_to_load(self) -> list[ModelPiece]:
         # Parameters are replicated in stages 0-2: every rank fills every parameter whole.
         return [

@@ -61,6 +61,9 @@ class Stage3State:
             for o in self._owned(units)
         ]
 
+    def model_bytes_to_save(self) -> int:
+        return sum((o.end - o.begin) * o.unit.shard.element_size() for o in self._owned())
+
     def model_targets_to_load(self, units: Collection[int] | None = None) -> list[ModelPiece]:
         return self.model_pieces_to_save(units)
 
