@@ -17,6 +17,7 @@ from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.offload.tier import Tier, tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.precision.loss_scaler import build_loss_scaler
@@ -116,6 +117,7 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    apply_host_policy(topology.device)  # before the model is copied and sharded: [Note: glibc's mmap threshold]
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
     # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)
     verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"
