@@ -3,8 +3,9 @@
 
 Each case runs in its own pair of gloo ranks (benchmarks/resident_memory.py's `measure`): a 25M-parameter GPT,
 fp32, AdamW; each rank reads VmHWM from /proc/self/status before building the engine (after a warm-up through the
-same engine) and after training. glibc's default dynamic mmap threshold gives 1.20x and 1.09x and a stage-3 RSS that
-rises step after step, so both assertions fail without the allocator policy.
+same engine) and after training. With glibc's default dynamic mmap threshold (ZEROSHARD_HOST_ALLOC=glibc) stage 3 peaks
+at 1.13x (one block live) and 1.04x (DeepSpeed's defaults) stage 0's growth and its RSS rises step after step, so
+these assertions fail without the allocator policy (at 81bc8e9: 1.23x and 1.19x).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_stage3_peak_rss_below_stage0_and_flat() -> None:
     stage0, _ = _growth("stage 0", 2)
     stage3, rss = _growth("stage 3, one block live", 5)
     # measured 0.75 (issue 12 asks for 0.65: the root unit and the in-flight reductions are the rest, see
-    # docs/benchmarks.md); glibc's default threshold gives 1.20
+    # docs/benchmarks.md); glibc's default threshold gives 1.13
     assert stage3 <= 0.8 * stage0, (stage3 / MiB, stage0 / MiB)
     for per_step in rss:
         assert abs(per_step[4] - per_step[1]) <= 4 * MiB, [r / MiB for r in per_step]  # step 5 against step 2
