@@ -51,7 +51,6 @@ while engine.global_steps < args.steps:
 if rank0:
     report = engine.memory_report()
     print(
-        f"done: {engine.global_steps} steps, final loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, "
-        f"model states {report.model_states / 2**20:.1f} MiB/rank (stage {report.stage})"
+        f"done: {engine.global_steps} steps, final loss {sum(losses[-10:]) / len(losses[-10:]):.4f}, {report.summary()}"
     )
 engine.destroy()

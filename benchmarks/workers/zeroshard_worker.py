@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from benchmarks.spec import RowSpec
 from benchmarks.workers.common import ModelState, NotImplementedRow
+from zeroshard.memory import ProcessMemory
 
 
 def ds_config(spec: RowSpec) -> dict[str, Any]:
@@ -71,7 +73,9 @@ class ZeroshardTrainer:
         parts = {
             k: int(v)
             for k, v in report.items()
-            if k not in ("rank", "world_size", "stage", "trainable_numel", "model_states") and v
+            if k not in ("rank", "world_size", "stage", "trainable_numel", "model_states")
+            and k not in asdict(ProcessMemory())
+            and v
         }
         host = sum(v for k, v in parts.items() if k.startswith("host_"))
         source = "measured (memory_report" + (", incl. host tier)" if host else ")")

@@ -18,19 +18,22 @@ from zeroshard.comm.divergence import named_on_timeout
 from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.errors import ZeroshardError
-from zeroshard.memory import StrategyMemory
+from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.strategy import AccumulationState, Strategy
 
 logger = get_logger(__name__)
+MiB = 1 << 20
 
 
 @dataclass
-class MemoryReport(StrategyMemory):
-    """Bytes held by this rank, by kind (the strategy's columns, `StrategyMemory`, plus who and what).
-    `model_states` is the sum ZeRO's formulas describe; stage 3 holds frozen parameters as shards in `params`."""
+class MemoryReport(StrategyMemory, ProcessMemory):
+    """Bytes held by this rank, by kind (the strategy's columns, `StrategyMemory`, plus who and what), next to the
+    process's resident set and its peak as the OS counts them (`ProcessMemory`; on CUDA also the caching
+    allocator's). `model_states` is the sum ZeRO's formulas describe; stage 3 holds frozen parameters as shards in
+    `params`. `summary()` is the one-line form the trainer and the examples print."""
 
     rank: int = 0
     world_size: int = 1
@@ -44,6 +47,19 @@ class MemoryReport(StrategyMemory):
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "model_states": self.model_states}
+
+    def summary(self) -> str:
+        """E.g. "model states 193.0 MiB/rank (stage 3), gathered 12.0 MiB, comm buffers 0.0 MiB; process RSS 518
+        MiB, peak 676 MiB" (and the CUDA allocator's bytes on CUDA)."""
+        line = (
+            f"model states {self.model_states / MiB:.1f} MiB/rank (stage {self.stage}), gathered "
+            f"{self.gathered_params / MiB:.1f} MiB, comm buffers {self.comm_buffers / MiB:.1f} MiB; process RSS "
+            f"{self.process_rss / MiB:.0f} MiB, peak {self.process_peak_rss / MiB:.0f} MiB"
+        )
+        if self.device_peak_allocated:
+            allocated, peak = self.device_allocated / MiB, self.device_peak_allocated / MiB
+            line += f"; CUDA allocated {allocated:.0f} MiB, peak {peak:.0f} MiB"
+        return line
 
 
 class Engine(CheckpointMixin, EngineAccessors, nn.Module):
@@ -268,6 +284,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             trainable_numel=self.strategy.trainable_numel if self.strategy is not None else 0,
             frozen_params=frozen,
             **memory.as_dict(),
+            **asdict(process_memory(self.device)),
         )
 
     def _report_progress(self) -> None:

@@ -19,6 +19,7 @@ from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.loading.materialize import materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import StreamedWeights, release, weights_for
+from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.offload.tier import Tier, tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.precision.loss_scaler import build_loss_scaler
@@ -118,6 +119,7 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    apply_host_policy(topology.device)  # before the model is copied and sharded: [Note: glibc's mmap threshold]
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
     # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)
     verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"

@@ -129,7 +129,9 @@ def train(opts: TrainOptions) -> TrainResult:
         progress.line(f"final eval loss {_fmt(result.eval_loss)}")
         if opts.save_steps > 0 and engine.global_steps % opts.save_steps:
             checkpointer.save(position)
-        result.memory = engine.memory_report().to_dict()
+        report = engine.memory_report()
+        result.memory = report.to_dict()
+        progress.line(f"rank {report.rank} memory: {report.summary()}")
         if opts.export:
             _finish(engine, model, tokenizer, eval_set, opts, result, progress)
     finally:

@@ -1,4 +1,4 @@
-"""Give the memory of freed swap entries back to the operating system.
+"""Give freed host memory back to the operating system: the allocator policy of every CPU run and NVMe store.
 
 [Note: glibc's mmap threshold]
 glibc serves allocations above its mmap threshold (128 KiB at start) with mmap and unmaps them on free;
@@ -6,8 +6,11 @@ but each such free raises the threshold to the freed size (up to 32 MiB on 64-bi
 allocations of that size come from the heap, where freed memory stays in the process. NVMe offload frees
 and re-allocates the same storages every step, so the heap would grow to hold all of them and the
 process's RSS would approach what the offload was meant to save (measured: 1.45x the optimizer state
-instead of 0.68x on a 105M-parameter model). Fixing the threshold (which disables the adjustment) keeps
-large storages on mmap. A MALLOC_MMAP_THRESHOLD_ set by the user wins.
+instead of 0.68x on a 105M-parameter model). Training on the CPU does the same with stage 3's gathered
+units, reduction buffers and autograd's gradients: a 25M-parameter model's stage-3 RSS rose step after step
+and ended above stage 0's (benchmarks/resident_memory.py, docs/benchmarks.md). Fixing the threshold (which
+disables the adjustment) keeps large storages on mmap, so RSS follows the live tensors. A
+MALLOC_MMAP_THRESHOLD_ set by the user wins; ZEROSHARD_HOST_ALLOC=glibc leaves glibc's default alone.
 """
 
 from __future__ import annotations
@@ -16,23 +19,50 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from functools import cache
+
+import torch
 
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-DEFAULT_THRESHOLD = 4 << 20
+DEFAULT_THRESHOLD = 256 << 10
 
 
 def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
-    """Set glibc's mmap threshold to `threshold` bytes; False where that is not possible (not glibc) or the
-    user chose one with MALLOC_MMAP_THRESHOLD_."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    """Set glibc's mmap threshold to `threshold` bytes, once per process: [Note: glibc's mmap threshold].
+    False where that is not possible (not glibc) or not wanted (MALLOC_MMAP_THRESHOLD_ set by the user,
+    ZEROSHARD_HOST_ALLOC=glibc); the outcome is logged once at debug level."""
+    return _fix_once(threshold)
+
+
+def apply_host_policy(device: torch.device) -> bool:
+    """The allocator policy for a run on `device`: host memory is what training uses on the CPU."""
+    return device.type == "cpu" and fix_mmap_threshold()
+
+
+@cache
+def _fix_once(threshold: int) -> bool:
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        logger.debug(
+            "glibc mmap threshold: MALLOC_MMAP_THRESHOLD_=%s (set by the user) kept",
+            os.environ["MALLOC_MMAP_THRESHOLD_"],
+        )
         return False
+    if os.environ.get("ZEROSHARD_HOST_ALLOC", "").lower() == "glibc":
+        logger.debug("glibc mmap threshold: left dynamic (ZEROSHARD_HOST_ALLOC=glibc)")
+        return False
+    done = sys.platform.startswith("linux") and _mallopt(_M_MMAP_THRESHOLD, threshold)
+    logger.debug("glibc mmap threshold: %s", f"fixed at {threshold} bytes" if done else "not changed (no mallopt)")
+    return done
+
+
+def _mallopt(param: int, value: int) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and others: no mallopt
         return False
-    return bool(mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(threshold)))
+    return bool(mallopt(ctypes.c_int(param), ctypes.c_int(value)))

@@ -14,10 +14,20 @@ T = TypeVar("T")
 
 
 class BufferPool:
-    """Reusable communication buffers keyed by (numel, dtype): no allocator round trip per bucket."""
+    """Reusable communication buffers keyed by (numel, dtype): no allocator round trip per bucket.
 
-    def __init__(self, device: torch.device):
+    [Note: pooled buffers between passes]
+    Within a backward the same few sizes are acquired and released over and over, so free buffers are kept for
+    reuse. Between backwards they are idle through the forward and the optimizer step, which is when activations
+    and optimizer temporaries peak. The CUDA caching allocator keeps freed blocks for reuse anyway, so there the
+    pool keeps them; host memory (`keep_between_passes=False`, a CPU run) hands them back at `end_pass`, and the
+    allocator policy ([Note: glibc's mmap threshold]) returns them to the operating system, so the resident set
+    follows what a pass uses instead of the largest buffer of every size.
+    """
+
+    def __init__(self, device: torch.device, keep_between_passes: bool | None = None):
         self.device = device
+        self.keep_between_passes = device.type != "cpu" if keep_between_passes is None else keep_between_passes
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._in_use_bytes = 0
         self.peak_bytes = 0
@@ -37,6 +47,11 @@ class BufferPool:
     def held_bytes(self) -> int:
         free = sum(t.numel() * t.element_size() for stack in self._free.values() for t in stack)
         return free + self._in_use_bytes
+
+    def end_pass(self) -> None:
+        """A backward is over: free buffers are released, unless kept ([Note: pooled buffers between passes])."""
+        if not self.keep_between_passes:
+            self._free.clear()
 
     def clear(self) -> None:
         self._free.clear()

@@ -177,6 +177,7 @@ class Stage3Strategy(Strategy):
             return
         self.reducer.finish(self.units)
         self.schedule.end_backward()
+        self.pool.end_pass()
 
     # -- the step (skeleton in Strategy.step) --------------------------------------------------------
     @property
