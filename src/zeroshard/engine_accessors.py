@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from zeroshard.comm.collectives import Collectives, CommStats
+from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology
 from zeroshard.zero.strategy import AccumulationState
 
@@ -43,6 +44,11 @@ class EngineAccessors:
     @property
     def comm_stats(self) -> CommStats:
         return self.comm.stats
+
+    @property
+    def comms_logger(self) -> CommsLogger:
+        """The `comms_logger` block's records of the engine's collectives: `engine.comms_logger.log_all()`."""
+        return self.comm.logger
 
     @property
     def device(self) -> torch.device:

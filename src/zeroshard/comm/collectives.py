@@ -17,6 +17,7 @@ each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.comms_logger import CommsLogger
+from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import CollectiveMismatchError
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,12 +87,21 @@ class CommStats:
 class Collectives:
     """Collectives over one process group, counted and (optionally) verified across ranks."""
 
-    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int, verify: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
+        verify: bool = False,
+        logger: CommsLogger | None = None,
+    ):
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.verify = verify
         self.stats = CommStats()
+        self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
+        self.logger.min_across_ranks = lambda t: self.all_reduce(t, op="min", label="comms_logger stragglers")
         self._seq = 0
 
     # -- collectives -------------------------------------------------------------------------------
@@ -98,7 +110,12 @@ class Collectives:
         if self.world_size == 1:
             return _Done()
         self._count(CollectiveKind.ALL_REDUCE, tensor, rounds=2)
-        return _issued(dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "all_reduce",
+            tensor,
+            lambda a: dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=a),
+            async_op,
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
@@ -109,8 +126,12 @@ class Collectives:
         if self.world_size == 1:
             return _alone(output, input)
         self._count(CollectiveKind.REDUCE_SCATTER, input)
-        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return _issued(work, async_op)
+        return self._issue(
+            "reduce_scatter_tensor",
+            input,
+            lambda a: _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            async_op,
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
@@ -119,14 +140,21 @@ class Collectives:
         if self.world_size == 1:
             return _alone(output, input)
         self._count(CollectiveKind.ALL_GATHER, output)
-        return _issued(_all_gather_single(output, input, group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "all_gather_into_tensor",
+            input,
+            lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, label: str = "") -> Handle:
         self._check(CollectiveKind.BROADCAST, tensor, label)
         if self.world_size == 1:
             return _Done()
         self._count(CollectiveKind.BROADCAST, tensor)
-        return _issued(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "broadcast", tensor, lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
+        )
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if `flag` is true on any rank (one tiny MAX all-reduce)."""
@@ -140,6 +168,20 @@ class Collectives:
     @property
     def _ring_fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
+
+    def _issue(self, name: str, message: torch.Tensor, call: Callable[[bool], Any], async_op: bool) -> Handle:
+        """Issue `call(async_op)`; when the comms logger profiles `name`, wait for it and record its wall time
+        and the bytes of `message` ([Note: comms logger])."""
+        if not self.logger.should_profile(name):
+            return _issued(call(async_op), async_op)
+        start = time.perf_counter()
+        work = call(async_op)
+        if async_op:
+            work.wait()
+        if message.device.type != "cpu":
+            torch.accelerator.synchronize(message.device)
+        self.logger.append(name, (time.perf_counter() - start) * 1e3, _nbytes(message))
+        return _Done()
 
     def _count(self, kind: CollectiveKind, tensor: torch.Tensor, rounds: int = 1) -> None:
         """Count a collective over `tensor`: its bytes, and `rounds` ring passes of bus bytes (module docstring)."""
