@@ -49,7 +49,7 @@ class Handle(Protocol):
 class _Done:
     """Handle of a collective that completed synchronously (or had nothing to do)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Any = None) -> bool:  # takes Work.wait's timeout (comm/divergence.py passes one)
         return True
 
 
