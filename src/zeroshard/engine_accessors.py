@@ -10,19 +10,11 @@ import torch
 from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology
+from zeroshard.monitor import Telemetry
 from zeroshard.zero.strategy import AccumulationState
 
 # DeepSpeed lower-cases optimizer.type for these names in `optimizer_name()` (its DEEPSPEED_OPTIMIZERS).
 _DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
-
-
-class DisabledMonitor:
-    """DeepSpeed's `engine.monitor` when no monitor is configured: `enabled` is False, events are dropped."""
-
-    enabled = False
-
-    def write_events(self, event_list: list[Any]) -> None:
-        """Drop the events: zeroshard has no TensorBoard/CSV/W&B writers."""
 
 
 class EngineAccessors:
@@ -35,6 +27,7 @@ class EngineAccessors:
     optimizer: torch.optim.Optimizer | None
     loss_scaler: Any
     _last_grad_norm: float | None
+    telemetry: Telemetry
     _step_applied: bool
 
     @property
@@ -89,9 +82,9 @@ class EngineAccessors:
         return self.topology.world_size
 
     @property
-    def monitor(self) -> DisabledMonitor:
-        """DeepSpeed's MonitorMaster; zeroshard writes no TensorBoard/CSV/W&B events, so it is disabled."""
-        return DisabledMonitor()
+    def monitor(self) -> Telemetry:
+        """DeepSpeed's MonitorMaster: `enabled` when a monitor block is, `write_events` for the script's own events."""
+        return self.telemetry
 
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)

@@ -87,7 +87,10 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
         flops_profiler={"enabled": True, "profile_step": 1, "output_file": str(tmp_path / "flops.txt")},
     )
     engine, losses, lrs, scales, samples = _train(cfg)
+    assert engine.monitor.enabled
+    engine.monitor.write_events([("Eval/Samples/accuracy", 0.5, 7)])  # DeepSpeed scripts log their own events
     engine.destroy()
+    assert _read_csv(tmp_path / "csv" / "Eval_Samples_accuracy.csv") == (["step", "accuracy"], [(7, 0.5)])
     before = [0, *samples[:-1]]  # train_loss is written at the boundary backward, before the step counts
 
     header, rows = _read_csv(tmp_path / "csv" / "Train_Samples_train_loss.csv")
@@ -104,7 +107,7 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
 
         events = EventAccumulator(str(tmp_path / "tb"))
         events.Reload()
-        assert set(events.Tags()["scalars"]) == {
+        assert set(events.Tags()["scalars"]) - {"Eval/Samples/accuracy"} == {
             "Train/Samples/train_loss",
             "Train/Samples/lr",
             "Train/Samples/loss_scale",

@@ -56,7 +56,8 @@ def build_monitors(config: Any) -> list[Monitor]:
 class Telemetry:
     """The engine's one contact with monitors and the FLOPs profiler: it reports, this decides what to write."""
 
-    def __init__(self, monitors: list[Monitor], profiler: FlopsProfiler | None):
+    def __init__(self, monitors: list[Monitor], profiler: FlopsProfiler | None, enabled: bool = False):
+        self.enabled = enabled  # DeepSpeed's monitor.enabled: a monitor block is on (on every rank)
         self.monitors = monitors
         self.profiler = profiler
         self._loss_sum: torch.Tensor | None = None
@@ -73,8 +74,9 @@ class Telemetry:
     ) -> Telemetry:
         """Monitors and profiler on rank 0 (DeepSpeed builds and profiles there only); nothing elsewhere."""
         check_packages(config)
+        enabled = any(getattr(config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb"))
         if rank != 0:
-            return cls([], None)
+            return cls([], None, enabled)
         profiler = None
         if config.flops_profiler.enabled:
             micro = int(config.train_micro_batch_size_per_gpu or 1)
@@ -83,7 +85,7 @@ class Telemetry:
                 return strategy.checkpoint_state().full_shapes() if strategy is not None else {}
 
             profiler = FlopsProfiler(config.flops_profiler, model, shapes, world_size, micro)
-        return cls(build_monitors(config), profiler)
+        return cls(build_monitors(config), profiler, enabled)
 
     def forward(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Around the module's forward: the FLOPs profiler counts at its step."""
@@ -111,6 +113,11 @@ class Telemetry:
             text = self.profiler.report(step)
             if text is not None:
                 logger.info(text)
+
+    def write_events(self, event_list: list[Event]) -> None:
+        """DeepSpeed's `engine.monitor.write_events([(name, value, samples), ...])`: the script's own events,
+        written on rank 0 (dropped elsewhere, as DeepSpeed does)."""
+        self._write([(name, float(value), int(step)) for name, value, step in event_list])
 
     def close(self) -> None:
         for m in self.monitors:
