@@ -211,3 +211,6 @@ def test_comms_logger_bandwidth_and_bad_prof_ops() -> None:
     assert out is not None
     row = out["summary"]["all_reduce"][1024]
     assert row["count"] == 2 and row["total_latency_ms"] == 6.0 and row["msg_size_str"] == "1.0 KB"
+    debug = CommsLogger(CommsLoggerConfig(enabled=True, debug=True), 2, 0)
+    debug.append("broadcast", 1.0, 8)
+    assert debug.get_operation_names() == ["broadcast | [Caller Func: test_comms_logger_bandwidth_and_bad_prof_ops]"]
