@@ -1,12 +1,12 @@
 """What the engine tells its monitors and FLOPs profiler, at the points DeepSpeed's engine does.
 
-[Note: monitor events] DeepSpeed 0.19.8 writes, on rank 0, with global samples as the x-axis:
+[Note: monitor events] Written on rank 0, with global samples as the x-axis:
 - `Train/Samples/lr` (the first parameter group's) and, with fp16, `Train/Samples/loss_scale` at the end of
-  `engine.step()` on an accumulation boundary, after the step (samples counted with this step);
-- `Train/Samples/train_loss`: the mean of the micro-batch losses of the step, written at the boundary's
-  `engine.backward()`, before the step (samples not yet counted with this step). DeepSpeed's engine wrote this
-  until its pipeline engine kept it alone; we keep the event as DeepSpeed users' dashboards expect it, at the
-  point DeepSpeed wrote it, so a step's loss sits at the samples seen before it.
+  `engine.step()` on an accumulation boundary, after the step (samples counted with this step), whether the step
+  was applied or skipped: DeepSpeed 0.19.8's `engine.step()`;
+- `Train/Samples/train_loss`: the mean of the step's micro-batch losses, written at the boundary's
+  `engine.backward()`, before the step (samples not yet counted with this step). DeepSpeed's engine wrote it there
+  in earlier releases; 0.19.8 writes it from its pipeline engine only. We keep it where users' dashboards had it.
 The loss is this rank's (not averaged over ranks), as DeepSpeed logs it.
 """
 
