@@ -33,8 +33,15 @@ from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
 
-# The names DeepSpeed's deepspeed.comm logs collectives under (and prof_ops selects by).
+# The names the engine's collectives are logged under, DeepSpeed's (prof_ops selects by them).
 OP_NAMES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+# Every name deepspeed.comm logs under: prof_ops may list any (the engine issues only OP_NAMES).
+DEEPSPEED_OP_NAMES = frozenset(
+    OP_NAMES
+    + ("all_gather", "reduce_scatter", "all_to_all_single", "all_to_all", "reduce", "gather", "scatter")
+    + ("send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier")
+    + ("broadcast_object_list", "all_gather_object", "all_reduce_coalesced", "inference_all_reduce")
+)
 _COLUMNS = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)")
 
 
@@ -102,9 +109,11 @@ class CommsLogger:
     """
 
     def __init__(self, config: CommsLoggerConfig, world_size: int, rank: int):
-        unknown = sorted(set(config.prof_ops) - set(OP_NAMES))
+        unknown = sorted(set(config.prof_ops) - DEEPSPEED_OP_NAMES)
         if unknown:
-            raise ConfigError(f"comms_logger.prof_ops: unknown collective(s) {unknown}; expected some of {OP_NAMES}")
+            raise ConfigError(
+                f"comms_logger.prof_ops: unknown collective(s) {unknown}; the engine issues {', '.join(OP_NAMES)}"
+            )
         self.enabled = bool(config.enabled)
         self.verbose = bool(config.verbose)
         self.debug = bool(config.debug)
