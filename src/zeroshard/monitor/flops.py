@@ -92,7 +92,7 @@ class FlopsProfiler:
         finally:
             for h in handles:
                 h.remove()
-        self._accumulate(counter, durations)
+        self._record(counter, durations)
 
     def report(self, step: int) -> str | None:
         """At `profile_step`'s boundary: the report text, written to `output_file` or returned for the log."""
@@ -107,7 +107,7 @@ class FlopsProfiler:
             return None
         return text
 
-    def _accumulate(self, counter: FlopCounterMode, durations: dict[str, float]) -> None:
+    def _record(self, counter: FlopCounterMode, durations: dict[str, float]) -> None:
         assert self.profile is not None
         root = type(self.model).__name__
         counts = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
@@ -120,16 +120,23 @@ class FlopsProfiler:
             )
 
 
+def _now() -> float:
+    """Wall time after the device's queued work (DeepSpeed synchronizes in its timing hooks too)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+    return time.perf_counter()
+
+
 def _start(started: dict[str, list[float]], name: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: object) -> None:
-        started.setdefault(name, []).append(time.perf_counter())
+        started.setdefault(name, []).append(_now())
 
     return hook
 
 
 def _stop(started: dict[str, list[float]], durations: dict[str, float], name: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: object, output: object) -> None:
-        durations[name] = durations.get(name, 0.0) + time.perf_counter() - started[name].pop()
+        durations[name] = durations.get(name, 0.0) + _now() - started[name].pop()
 
     return hook
 
