@@ -219,3 +219,25 @@ def test_comms_logger_bandwidth_and_bad_prof_ops() -> None:
     debug = CommsLogger(CommsLoggerConfig(enabled=True, debug=True), 2, 0)
     debug.append("broadcast", 1.0, 8)
     assert debug.get_operation_names() == ["broadcast | [Caller Func: test_comms_logger_bandwidth_and_bad_prof_ops]"]
+
+
+def test_csv_files_equal_deepspeeds_csv_monitor(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers.deepspeed_reference import import_deepspeed
+    from zeroshard.config.monitor import CSVMonitorConfig
+    from zeroshard.monitor.csv_monitor import CSVMonitor
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    theirs = import_deepspeed("deepspeed.monitor.csv_monitor")
+    monkeypatch.setattr(theirs.dist, "get_rank", lambda group=None: 0)  # their monitor writes on rank 0 only
+    events = [("Train/Samples/train_loss", 0.25, 0), ("Train/Samples/lr", 1e-3, 8), ("Train/Samples/lr", 2e-3, 16)]
+    their_config = import_deepspeed("deepspeed.monitor.config")
+    ds = theirs.csvMonitor(their_config.CSVConfig(enabled=True, output_path=str(tmp_path / "ds"), job_name="job"))
+    ours = CSVMonitor(CSVMonitorConfig(enabled=True, output_path=str(tmp_path / "zs"), job_name="job"))
+    for batch in (events[:2], events[2:]):
+        ds.write_events(batch)
+        ours.write_events(batch)
+    names = sorted(p.name for p in (tmp_path / "ds" / "job").iterdir())
+    assert names == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv"]
+    assert sorted(p.name for p in (tmp_path / "zs" / "job").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "zs" / "job" / name).read_bytes() == (tmp_path / "ds" / "job" / name).read_bytes()
