@@ -39,10 +39,19 @@ def _run(rank: int, world_size: int, out: str) -> dict:
     summary = log_summary(return_dict=True)
     calls = {k: v["calls"] for k, v in engine.comm_stats.snapshot().items()}
     monitors = len(engine.telemetry.monitors)
+    with_stragglers = engine.comms_logger.log_all(print_log=False, show_straggler=True, return_dict=True)
+    assert with_stragglers is not None
+    stragglers = with_stragglers["straggler_analysis"]
     engine.destroy()
     assert table is not None
     counts = {op: sum(row["count"] for row in sizes.values()) for op, sizes in table["summary"].items()}
-    return {"counts": counts, "calls": calls, "monitors": monitors, "same": summary["summary"] == table["summary"]}
+    return {
+        "counts": counts,
+        "calls": calls,
+        "monitors": monitors,
+        "same": summary["summary"] == table["summary"],
+        "stragglers": {op: sum(row["count"] for row in sizes.values()) for op, sizes in stragglers.items()},
+    }
 
 
 def test_comms_logger_counts_and_stage3_flops_profile(tmp_path: pathlib.Path) -> None:
@@ -57,6 +66,7 @@ def test_comms_logger_counts_and_stage3_flops_profile(tmp_path: pathlib.Path) ->
         assert r["calls"]["all_gather"] > 0 and r["calls"]["reduce_scatter"] > 0
         assert {names[k]: v for k, v in r["calls"].items() if v} == r["counts"]
         assert r["same"]
+        assert r["stragglers"] == r["counts"]  # the minimum latency over ranks, per collective and size
     assert [r["monitors"] for r in results] == [1, 0]
     profile = (tmp_path / "flops.txt").read_text()
     params = profile.split("params per GPU:")[1].splitlines()[0].strip()

@@ -18,6 +18,7 @@ each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class Collectives:
         self.verify = verify
         self.stats = CommStats()
         self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
-        self.logger.min_across_ranks = lambda t: self.all_reduce(t, op="min", label="comms_logger stragglers")
+        self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
         self._seq = 0
 
     # -- collectives -------------------------------------------------------------------------------
@@ -226,6 +227,18 @@ class Collectives:
         _all_gather_single(everyone, mine, group=self.group)
         rows = everyone.view(self.world_size, width).tolist()
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
+
+
+def _min_across_ranks(ref: weakref.ref[Collectives]) -> Callable[[torch.Tensor], None]:
+    """The comms logger's straggler reduction; weak, so a logger alive in comms_logger.LIVE keeps no engine alive."""
+
+    def reduce(t: torch.Tensor) -> None:
+        comm = ref()
+        if comm is None:
+            raise RuntimeError("comms logger: its engine's collectives are gone (the engine was destroyed)")
+        comm.all_reduce(t, op="min", label="comms_logger stragglers")
+
+    return reduce
 
 
 def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:

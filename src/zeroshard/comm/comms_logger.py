@@ -230,16 +230,20 @@ class CommsLogger:
             ),
         ]
         out: dict[str, dict[int, dict[str, Any]]] = {}
-        for op, sizes in self.comms_dict.items():
+        # a copy: the reductions below are collectives this logger records too
+        snapshot = {
+            op: {size: list(r.latencies_ms) for size, r in sorted(d.items())} for op, d in self.comms_dict.items()
+        }
+        for op, sizes in snapshot.items():
             lines.append(op)
             out[op] = {}
-            for size, r in sorted(sizes.items()):
-                lats = torch.tensor(r.latencies_ms, dtype=torch.float64)
+            for size, latencies in sizes.items():
+                lats = torch.tensor(latencies, dtype=torch.float64)
                 mins = lats.clone()
                 self.min_across_ranks(mins)
                 straggle = (lats - mins).tolist()
                 entry = {
-                    "count": r.count,
+                    "count": len(latencies),
                     "total_comm_lat_ms": float(mins.sum()),
                     "total_straggler_ms": float(sum(straggle)),
                     "avg_comm_lat_ms": trim_mean(mins.tolist()),
@@ -249,7 +253,7 @@ class CommsLogger:
                 }
                 out[op][size] = entry
                 lines.append(
-                    f"{' ': <20}{entry['msg_size_str']: <20}{r.count: <20}{entry['total_comm_lat_ms']: <20.2f}"
+                    f"{' ': <20}{entry['msg_size_str']: <20}{len(latencies): <20}{entry['total_comm_lat_ms']: <20.2f}"
                     f"{entry['total_straggler_ms']: <20.2f}{entry['avg_comm_lat_ms']: <20.2f}"
                     f"{entry['avg_straggler_ms']: <20.2f}"
                 )
