@@ -7,6 +7,7 @@ Every collective goes through `Collectives`, which
   the caller, folded into one multiply at step time);
 - counts what each rank sends, per collective kind, so tests and benchmarks read communication
   volume from one counter (`CommStats`);
+- optionally times each collective for DeepSpeed's comms logger ([Note: comms logger] in comms_logger.py);
 - optionally checks, before each collective, that every rank is about to issue the same one
   (`verify=True`): a mismatch raises `CollectiveMismatchError` naming the ranks instead of hanging.
 
@@ -175,11 +176,14 @@ class Collectives:
         and the bytes of `message` ([Note: comms logger])."""
         if not self.logger.should_profile(name):
             return _issued(call(async_op), async_op)
+        on_device = message.device.type != "cpu"
+        if on_device:  # time the collective, not the work queued before it
+            torch.accelerator.synchronize(message.device)
         start = time.perf_counter()
         work = call(async_op)
         if async_op:
             work.wait()
-        if message.device.type != "cpu":
+        if on_device:
             torch.accelerator.synchronize(message.device)
         self.logger.append(name, (time.perf_counter() - start) * 1e3, _nbytes(message))
         return _Done()
