@@ -12,8 +12,9 @@ install:
 
 # DeepSpeed, the reference of the parity tests (tests only), goes in after torch so pip keeps that torch;
 # DS_BUILD_OPS=0 leaves its C++/CUDA ops unbuilt (DeepSpeed JIT-builds one on first use; no test uses one).
+# The monitor extra (tensorboard, wandb) lets the tests read back what those config blocks write.
 install-compat: install
-	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat]'
+	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat,monitor]'
 
 train: install
 	zeroshard train --nproc-per-node 2

@@ -19,6 +19,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.errors import ZeroshardError
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
+from zeroshard.monitor import Telemetry
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
@@ -106,6 +107,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         self._watch = AbsenceWatch.start(self._activity, topology.rank, topology.world_size)
         if self._watch is not None:
             weakref.finalize(self, self._watch.stop)
+        self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)
 
     @property
     def micro_steps(self) -> int:
@@ -117,7 +119,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._deadline("engine.forward"):  # stage 3 gathers parameters here
+        with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -141,6 +143,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
             strategy.finish_backward()
+        self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
         return loss
 
     def step(self) -> None:
@@ -170,6 +173,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report_progress()
+            scale = self.loss_scale if self.loss_scaler is not None else None
+            self.telemetry.after_step(self.global_steps - 1, self.global_samples, self.get_lr()[0], scale)
         self.accumulation.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -266,6 +271,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None
+        self.telemetry.close()
         if self.optimizer is not None:
             self.optimizer.state.clear()
         self.optimizer = None

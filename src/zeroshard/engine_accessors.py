@@ -8,18 +8,11 @@ from typing import Any
 import torch
 
 from zeroshard.comm.collectives import Collectives, CommStats
+from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology
 from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
+from zeroshard.monitor import Telemetry
 from zeroshard.zero.strategy import AccumulationState
-
-
-class DisabledMonitor:
-    """DeepSpeed's `engine.monitor` when no monitor is configured: `enabled` is False, events are dropped."""
-
-    enabled = False
-
-    def write_events(self, event_list: list[Any]) -> None:
-        """Drop the events: zeroshard has no TensorBoard/CSV/W&B writers."""
 
 
 class EngineAccessors:
@@ -32,6 +25,7 @@ class EngineAccessors:
     optimizer: torch.optim.Optimizer | None
     loss_scaler: Any
     _last_grad_norm: float | None
+    telemetry: Telemetry
     _step_applied: bool
 
     @property
@@ -41,6 +35,11 @@ class EngineAccessors:
     @property
     def comm_stats(self) -> CommStats:
         return self.comm.stats
+
+    @property
+    def comms_logger(self) -> CommsLogger:
+        """The `comms_logger` block's records of the engine's collectives: `engine.comms_logger.log_all()`."""
+        return self.comm.logger
 
     @property
     def device(self) -> torch.device:
@@ -81,9 +80,9 @@ class EngineAccessors:
         return self.topology.world_size
 
     @property
-    def monitor(self) -> DisabledMonitor:
-        """DeepSpeed's MonitorMaster; zeroshard writes no TensorBoard/CSV/W&B events, so it is disabled."""
-        return DisabledMonitor()
+    def monitor(self) -> Telemetry:
+        """DeepSpeed's MonitorMaster: `enabled` when a monitor block is, `write_events` for the script's own events."""
+        return self.telemetry
 
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)

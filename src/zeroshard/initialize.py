@@ -11,6 +11,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.config.features import ZeroshardExtrasConfig
@@ -128,6 +129,7 @@ def _build(
         topology.world_size,
         topology.rank,
         verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES", verify_default) == "1",
+        logger=CommsLogger(cfg.comms_logger, topology.world_size, topology.rank),
     )
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())

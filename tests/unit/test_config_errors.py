@@ -382,15 +382,15 @@ def test_default_and_auto_values_never_warn(log: pytest.LogCaptureFixture) -> No
 def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> None:
     cfg = parse_config(
         {
-            "tensorboard": {"enabled": True, "output_path": "runs"},
+            "comet": {"enabled": True, "project": "runs"},
             "autotuning": {"enabled": True},
             "zero_optimization": {"zero_hpz_partition_size": 8},
         }
     )
     assert list(unimplemented_settings(cfg)) == [
         ("zero_optimization.zero_hpz_partition_size", 8),
-        ("tensorboard.enabled", True),
-        ("tensorboard.output_path", "runs"),
+        ("comet.enabled", True),
+        ("comet.project", "runs"),
         ("autotuning", {"enabled": True}),
     ]
     assert warnings_of(log)[-1] == (

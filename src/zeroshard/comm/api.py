@@ -4,8 +4,8 @@
 bytes are counted and their order fingerprinted. The functions here are for the training script's own
 calls (averaging a loss for logging, a barrier before saving), as DeepSpeed scripts make them through
 `deepspeed.comm`; they call torch.distributed directly and are not counted in `engine.comm_stats`.
-DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and ignored: our communication
-report is `engine.comm_stats`, not a per-call log.
+DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and ignored: the `comms_logger` block
+logs the engine's collectives (`engine.comms_logger`, `log_summary()` here), not these.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zeroshard.comm import topology
+from zeroshard.comm.comms_logger import LIVE
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -93,9 +94,23 @@ def get_world_group() -> dist.ProcessGroup:
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict[str, Any] | None:
-    """No-op: DeepSpeed's comms logger has no counterpart here; `engine.comm_stats` counts the engine's bytes."""
-    logger.debug("log_summary: use engine.comm_stats for the engine's communication volume")
-    return {} if return_dict else None
+    """DeepSpeed's `deepspeed.comm.log_summary()`: a barrier, then rank 0 logs the `comms_logger` table of the
+    engine's collectives (each live engine with `comms_logger.enabled`); every rank must call it.
+    `return_dict` returns the table as DeepSpeed's dict (of the latest engine; {} when none logs).
+
+    Example:
+        >>> zeroshard.comm.log_summary()  # doctest: +SKIP
+    """
+    loggers = LIVE.alive()
+    if dist.is_initialized():
+        dist.barrier()
+    result: dict[str, Any] | None = None
+    for comms in loggers:
+        print_log = comms.rank == 0
+        result = comms.log_all(print_log=print_log, show_straggler=show_straggler, return_dict=return_dict)
+    if not return_dict:
+        return None
+    return result if result is not None else {}
 
 
 def init_distributed(

@@ -7,6 +7,7 @@ Every collective goes through `Collectives`, which
   the caller, folded into one multiply at step time);
 - counts what each rank sends, per collective kind, so tests and benchmarks read communication
   volume from one counter (`CommStats`);
+- optionally times each collective for DeepSpeed's comms logger ([Note: comms logger] in comms_logger.py);
 - optionally checks, before each collective, that every rank is about to issue the same one
   (`verify=True`): a mismatch raises `CollectiveMismatchError` naming the ranks instead of hanging.
 
@@ -17,6 +18,8 @@ each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
 
 from __future__ import annotations
 
+import time
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.comms_logger import CommsLogger
+from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import CollectiveMismatchError
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,7 +51,7 @@ class Handle(Protocol):
 class _Done:
     """Handle of a collective that completed synchronously (or had nothing to do)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Any = None) -> bool:  # takes Work.wait's timeout (comm/divergence.py passes one)
         return True
 
 
@@ -84,12 +89,21 @@ class CommStats:
 class Collectives:
     """Collectives over one process group, counted and (optionally) verified across ranks."""
 
-    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int, verify: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
+        verify: bool = False,
+        logger: CommsLogger | None = None,
+    ):
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.verify = verify
         self.stats = CommStats()
+        self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
+        self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
         self._seq = 0
 
     # -- collectives -------------------------------------------------------------------------------
@@ -98,7 +112,12 @@ class Collectives:
         if self.world_size == 1:
             return _Done()
         self._count(CollectiveKind.ALL_REDUCE, tensor, rounds=2)
-        return _issued(dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "all_reduce",
+            tensor,
+            lambda a: dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=a),
+            async_op,
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
@@ -109,8 +128,12 @@ class Collectives:
         if self.world_size == 1:
             return _alone(output, input)
         self._count(CollectiveKind.REDUCE_SCATTER, input)
-        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return _issued(work, async_op)
+        return self._issue(
+            "reduce_scatter_tensor",
+            input,
+            lambda a: _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+            async_op,
+        )
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
@@ -119,14 +142,21 @@ class Collectives:
         if self.world_size == 1:
             return _alone(output, input)
         self._count(CollectiveKind.ALL_GATHER, output)
-        return _issued(_all_gather_single(output, input, group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "all_gather_into_tensor",
+            input,
+            lambda a: _all_gather_single(output, input, group=self.group, async_op=a),
+            async_op,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, label: str = "") -> Handle:
         self._check(CollectiveKind.BROADCAST, tensor, label)
         if self.world_size == 1:
             return _Done()
         self._count(CollectiveKind.BROADCAST, tensor)
-        return _issued(dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+        return self._issue(
+            "broadcast", tensor, lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
+        )
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if `flag` is true on any rank (one tiny MAX all-reduce)."""
@@ -140,6 +170,23 @@ class Collectives:
     @property
     def _ring_fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
+
+    def _issue(self, name: str, message: torch.Tensor, call: Callable[[bool], Any], async_op: bool) -> Handle:
+        """Issue `call(async_op)`; when the comms logger profiles `name`, wait for it and record its wall time
+        and the bytes of `message` ([Note: comms logger])."""
+        if not self.logger.should_profile(name):
+            return _issued(call(async_op), async_op)
+        on_device = message.device.type != "cpu"
+        if on_device:  # time the collective, not the work queued before it
+            torch.accelerator.synchronize(message.device)
+        start = time.perf_counter()
+        work = call(async_op)
+        if async_op:
+            work.wait()
+        if on_device:
+            torch.accelerator.synchronize(message.device)
+        self.logger.append(name, (time.perf_counter() - start) * 1e3, _nbytes(message))
+        return _Done()
 
     def _count(self, kind: CollectiveKind, tensor: torch.Tensor, rounds: int = 1) -> None:
         """Count a collective over `tensor`: its bytes, and `rounds` ring passes of bus bytes (module docstring)."""
@@ -184,6 +231,18 @@ class Collectives:
         _all_gather_single(everyone, mine, group=self.group)
         rows = everyone.view(self.world_size, width).tolist()
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
+
+
+def _min_across_ranks(ref: weakref.ref[Collectives]) -> Callable[[torch.Tensor], None]:
+    """The comms logger's straggler reduction; weak, so a logger alive in comms_logger.LIVE keeps no engine alive."""
+
+    def reduce(t: torch.Tensor) -> None:
+        comm = ref()
+        if comm is None:
+            raise RuntimeError("comms logger: its engine's collectives are gone (the engine was destroyed)")
+        comm.all_reduce(t, op="min", label="comms_logger stragglers")
+
+    return reduce
 
 
 def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:

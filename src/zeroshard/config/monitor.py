@@ -77,7 +77,12 @@ class CommsLoggerConfig(ConfigBlock):
 
     enabled: bool = option(False, "Log communication operations.", Bool())
     prof_all: bool = option(True, "Profile every collective (else only prof_ops).", Bool())
-    prof_ops: tuple[str, ...] = option((), "Names of the collectives to profile.", ListOf(Str()))
+    prof_ops: tuple[str, ...] = option(
+        (),
+        "Collectives to profile, by DeepSpeed's names; the engine issues all_reduce, reduce_scatter_tensor, "
+        "all_gather_into_tensor and broadcast.",
+        ListOf(Str()),
+    )
     verbose: bool = option(False, "Log every operation as it happens.", Bool())
     debug: bool = option(False, "Add the calling function to each record.", Bool())
 

@@ -79,6 +79,28 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
         "dataloader_drop_last",
+        # Monitors, comms logger and FLOPs profiler (monitor/, comm/comms_logger.py).
+        "tensorboard.enabled",
+        "tensorboard.output_path",
+        "tensorboard.job_name",
+        "csv_monitor.enabled",
+        "csv_monitor.output_path",
+        "csv_monitor.job_name",
+        "wandb.enabled",
+        "wandb.group",
+        "wandb.team",
+        "wandb.project",
+        "comms_logger.enabled",
+        "comms_logger.prof_all",
+        "comms_logger.prof_ops",
+        "comms_logger.verbose",
+        "comms_logger.debug",
+        "flops_profiler.enabled",
+        "flops_profiler.profile_step",
+        "flops_profiler.module_depth",
+        "flops_profiler.top_modules",
+        "flops_profiler.detailed",
+        "flops_profiler.output_file",
     ]
 )
 
@@ -181,12 +203,8 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "sparse_gradients",
         "managed_gradient_accumulation",
         # Monitoring, profiling and logging.
-        "tensorboard",
-        "csv_monitor",
-        "wandb",
         "comet",
-        "comms_logger",
-        "flops_profiler",
+        "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
         "wall_clock_breakdown",
         "memory_breakdown",
         "dump_state",

@@ -1,0 +1,129 @@
+"""What the engine tells its monitors and FLOPs profiler, at the points DeepSpeed's engine does.
+
+[Note: monitor events] Written on rank 0, with global samples as the x-axis:
+- `Train/Samples/lr` (the first parameter group's) and, with fp16, `Train/Samples/loss_scale` at the end of
+  `engine.step()` on an accumulation boundary, after the step (samples counted with this step), whether the step
+  was applied or skipped: DeepSpeed 0.19.8's `engine.step()`;
+- `Train/Samples/train_loss`: the mean of the step's micro-batch losses, written at the boundary's
+  `engine.backward()`, before the step (samples not yet counted with this step). DeepSpeed's engine wrote it there
+  in earlier releases; 0.19.8 writes it from its pipeline engine only. We keep it where users' dashboards had it.
+The loss is this rank's (not averaged over ranks), as DeepSpeed logs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.errors import ConfigError
+from zeroshard.monitor.base import Event, Monitor
+from zeroshard.monitor.csv_monitor import CSVMonitor
+from zeroshard.monitor.flops import FlopsProfiler
+from zeroshard.monitor.tensorboard import TensorBoardMonitor
+from zeroshard.monitor.wandb import WandbMonitor
+from zeroshard.utils.logging import get_logger
+from zeroshard.zero.strategy import Strategy
+
+logger = get_logger(__name__)
+
+
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # block -> the package it needs
+
+
+def check_packages(config: Any) -> None:
+    """On every rank, before training: one line naming the block and the package it needs."""
+    for block, package in _PACKAGES.items():
+        if getattr(config, block).enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{block}.enabled needs the {package} package: pip install {package}")
+
+
+def build_monitors(config: Any) -> list[Monitor]:
+    """The enabled backends of `config` (a ZeroshardConfig); call on rank 0 only."""
+    monitors: list[Monitor] = []
+    if config.tensorboard.enabled:
+        monitors.append(TensorBoardMonitor(config.tensorboard))
+    if config.csv_monitor.enabled:
+        monitors.append(CSVMonitor(config.csv_monitor))
+    if config.wandb.enabled:
+        monitors.append(WandbMonitor(config.wandb))
+    return monitors
+
+
+class Telemetry:
+    """The engine's one contact with monitors and the FLOPs profiler: it reports, this decides what to write."""
+
+    def __init__(self, monitors: list[Monitor], profiler: FlopsProfiler | None, enabled: bool = False):
+        self.enabled = enabled  # DeepSpeed's monitor.enabled: a monitor block is on (on every rank)
+        self.monitors = monitors
+        self.profiler = profiler
+        self._loss_sum: torch.Tensor | None = None
+        self._losses = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        strategy: Strategy | None,
+    ) -> Telemetry:
+        """Monitors and profiler on rank 0 (DeepSpeed builds and profiles there only); nothing elsewhere."""
+        check_packages(config)
+        enabled = any(getattr(config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb"))
+        if rank != 0:
+            return cls([], None, enabled)
+        profiler = None
+        if config.flops_profiler.enabled:
+            micro = int(config.train_micro_batch_size_per_gpu or 1)
+
+            def shapes() -> dict[int, tuple[int, ...]]:  # stage 3's full shapes: [Note: flops profile]
+                return strategy.checkpoint_state().full_shapes() if strategy is not None else {}
+
+            profiler = FlopsProfiler(config.flops_profiler, model, shapes, world_size, micro)
+        return cls(build_monitors(config), profiler, enabled)
+
+    def forward(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """Around the module's forward: the FLOPs profiler counts at its step."""
+        return self.profiler.forward(step) if self.profiler is not None else contextlib.nullcontext()
+
+    def after_backward(self, loss: torch.Tensor, boundary: bool, samples: int) -> None:
+        """Add the micro-batch loss; on the boundary write the step's mean loss ([Note: monitor events])."""
+        if not self.monitors:
+            return
+        mean = loss.detach().float().mean()
+        self._loss_sum = mean if self._loss_sum is None else self._loss_sum + mean
+        self._losses += 1
+        if boundary:
+            value = float(self._loss_sum.item()) / self._losses
+            self._loss_sum, self._losses = None, 0
+            self._write([("Train/Samples/train_loss", value, samples)])
+
+    def after_step(self, step: int, samples: int, lr: float, loss_scale: float | None) -> None:
+        """After an optimizer step (`step` counted before it): lr, loss scale, and the FLOPs profile at its step."""
+        events: list[Event] = [("Train/Samples/lr", lr, samples)]
+        if loss_scale is not None:
+            events.append(("Train/Samples/loss_scale", loss_scale, samples))
+        self._write(events)
+        if self.profiler is not None:
+            text = self.profiler.report(step)
+            if text is not None:
+                logger.info(text)
+
+    def write_events(self, event_list: list[Event]) -> None:
+        """DeepSpeed's `engine.monitor.write_events([(name, value, samples), ...])`: the script's own events,
+        written on rank 0 (dropped elsewhere, as DeepSpeed does)."""
+        self._write([(name, float(value), int(step)) for name, value, step in event_list])
+
+    def close(self) -> None:
+        for m in self.monitors:
+            m.close()
+        self.monitors = []
+
+    def _write(self, events: list[Event]) -> None:
+        for m in self.monitors:
+            m.write_events(events)
