@@ -215,7 +215,7 @@ def _bad_offload_inputs(rank: int, world_size: int, root: str):
         "optimizer path missing": (2, {"offload_optimizer": {"device": "nvme", "nvme_path": missing}}),
         "param path read-only": (3, {"offload_param": {"device": "nvme", "nvme_path": readonly}}),
         "disk full": (3, {"offload_optimizer": {"device": "nvme", "nvme_path": root}}),
-        "offload_param with stage 2": (2, {"offload_param": {"device": "cpu"}}),
+        "offload_optimizer with stage 0": (0, {"offload_optimizer": {"device": "cpu"}}),
         "unknown device": (3, {"offload_optimizer": {"device": "gpu"}}),
     }
     usage = namedtuple("usage", "total used free")
@@ -244,7 +244,7 @@ def test_bad_offload_inputs_fail_before_training_and_leave_nothing(tmp_path):
         "optimizer path missing": ["zero_optimization.offload_optimizer.nvme_path", "does not exist"],
         "param path read-only": ["zero_optimization.offload_param.nvme_path", "not writable"],
         "disk full": ["zero_optimization.offload_optimizer.nvme_path", "free", "bytes"],
-        "offload_param with stage 2": ["offload_param", "stage 3"],
+        "offload_optimizer with stage 0": ["offload_optimizer", "stage >= 1"],
         "unknown device": ["offload_optimizer.device", "gpu"],
     }
     for name, words in expect.items():
