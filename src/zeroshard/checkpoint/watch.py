@@ -113,7 +113,11 @@ class AbsenceWatch:
         return watch
 
     def stop(self) -> None:
+        """Also at interpreter exit (the engine's finalizer): the thread is joined, so it is never inside a store
+        call while the process tears its connections down (a C++ exception there aborts the process)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=POLL_S + 5.0)
 
     def _run(self) -> None:
         seen: tuple[int, int, float] | None = None  # (engine call seq, checkpoint call, when first seen)
