@@ -377,19 +377,20 @@ def _refused_saves(rank: int, world_size: int, root: str):
     import torch.distributed as dist
 
     import zeroshard.checkpoint.save as save_module
+    import zeroshard.checkpoint.space as space_module
     from zeroshard.checkpoint import CheckpointError
 
     engine = _reshard_engine(2, 1)
     _run_steps(engine, rank, world_size, 0, 1)
     result = {}
-    mine = save_module._bytes_to_write(engine, save_module.engine_state(engine))
+    mine = space_module.bytes_to_write(engine, save_module.engine_state(engine))
     everyone: list[int] = [0] * world_size
     dist.all_gather_object(everyone, mine)
-    real = save_module.free_bytes
-    save_module.free_bytes = lambda path: max(everyone) * 3 // 2  # as a small tmpfs would report
+    real = space_module.free_bytes
+    space_module.free_bytes = lambda path: max(everyone) * 3 // 2  # as a small tmpfs would report
     with pytest.raises(CheckpointError) as refused:
         engine.save_checkpoint(root, tag="too-big")
-    save_module.free_bytes = real
+    space_module.free_bytes = real
     result["space"] = str(refused.value), sum(everyone), sorted(os.listdir(root))
     engine.save_checkpoint(root, tag="everyone")  # with the real free space it is written
     start = time.monotonic()

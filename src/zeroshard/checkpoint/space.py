@@ -1,0 +1,100 @@
+"""How many bytes a checkpoint save writes and whether the filesystems hold them: checked on every rank before
+anything is written ([Note: checkpoint space]), and named in the error when a write still fills the disk."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.protocol import CheckpointableEngine
+from zeroshard.checkpoint.state import ShardedState
+
+
+def describe_write_error(error: Exception, tmp_dir: str, need: int) -> str:
+    """One line; a full disk names the directory, the bytes this rank writes and what is free."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        free = free_bytes(os.path.dirname(tmp_dir))
+        return (
+            f"no space left on the device of {os.path.dirname(tmp_dir)}: this rank writes about {need / 2**20:.1f} "
+            f"MiB and {free / 2**20:.1f} MiB are free; free space or save elsewhere"
+        )
+    return f"{type(error).__name__}: {error}"
+
+
+def rank_bytes(state: ShardedState | None, optimizer: torch.optim.Optimizer | None) -> int:
+    """What this rank's checkpoint files hold: its model pieces, and its optimizer pieces in fp32 (the master and
+    each elementwise optimizer state tensor: Adam's two once it has stepped). From shapes only: nothing is read
+    in from NVMe."""
+    if state is None:
+        return 0
+    total = state.model_bytes_to_save()
+    if optimizer is not None and state.writes_optim:
+        tensors_per_element = 1 + max(
+            (_elementwise_count(optimizer, p) for p in _optimizer_params(optimizer)), default=0
+        )
+        total += 4 * tensors_per_element * sum(p.end - p.begin for p in state.optim_pieces())
+    return total
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _elementwise_count(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
+    state = optimizer.state.get(param, {})
+    return sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel())
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged process can still write on `path`'s filesystem (the tests replace it)."""
+    return shutil.disk_usage(path).free
+
+
+def _existing_ancestor(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None) -> int:
+    """This rank's shard files, plus (rank 0) the tensors no strategy shards, which rank 0 writes whole."""
+    total = rank_bytes(state, engine.optimizer)
+    if engine.topology.rank == 0:
+        sharded = state.sharded_params() if state is not None else {}
+        frozen = [p for p in engine.module.parameters() if id(p) not in sharded and not p.requires_grad]
+        total += sum(t.numel() * t.element_size() for t in [*frozen, *engine.module.buffers()])
+    return total
+
+
+def space_report(root: str, need: int) -> dict[str, Any]:
+    """What the start phase tells the other ranks about this rank's writes: bytes, filesystem, free bytes."""
+    probe = _existing_ancestor(root)
+    return {"bytes": need, "fs": f"{socket.gethostname()}:{os.stat(probe).st_dev}", "free": free_bytes(probe)}
+
+
+def check_space(hello: list[dict[str, Any]], root: str) -> None:
+    """[Note: checkpoint space]
+    Every rank writes its shards at the same time, so a filesystem the ranks of a node share must hold all of
+    their bytes, not one rank's: each rank posts its bytes, filesystem (host, device) and free bytes in the
+    start phase, and every rank refuses the save the same way, before anything is written, when a
+    filesystem's ranks need more than it has free. (Without it, two ranks whose shards each fit but together
+    do not fill the disk halfway through the save.)"""
+    groups: dict[str, list[int]] = {}
+    for rank, h in enumerate(hello):
+        groups.setdefault(h["fs"], []).append(rank)
+    for fs, ranks in groups.items():
+        need = sum(hello[r]["bytes"] for r in ranks)
+        free = min(hello[r]["free"] for r in ranks)
+        if need > free:
+            host = fs.rsplit(":", 1)[0]
+            raise CheckpointError(
+                f"save_checkpoint: not enough space in {root} (host {host}): rank(s) {ranks} write about "
+                f"{need / 2**20:.1f} MiB ({need} bytes) to that filesystem at once and {free / 2**20:.1f} MiB are "
+                f"free; nothing was written. Free {(need - free) / 2**20:.1f} MiB or save elsewhere."
+            )
