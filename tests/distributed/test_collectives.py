@@ -50,3 +50,48 @@ def test_single_rank_is_a_no_op():
     assert out.tolist() == [1.0, 2.0, 3.0] and comm.stats.total_bus_bytes == 0
     with pytest.raises(ValueError, match="expected 1 x 2"):
         comm.reduce_scatter(torch.empty(2), torch.empty(3))
+
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+
+
+def _in_place_on_gloo(rank: int, world_size: int):
+    """[Note: gloo in place]: the chunked paths give the fused collectives' results, in the caller's buffers."""
+    from zeroshard.comm import Collectives, init_distributed
+    from zeroshard.offload.host_memory import apply_host_policy
+
+    init_distributed()
+    apply_host_policy(torch.device("cpu"))  # freed temporaries go back to the OS: VmHWM shows each call's own
+    comm = Collectives(None, world_size, rank)
+    numel = world_size * (1 << 20)  # 4 MiB of fp32 per chunk
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    scratch, whole, in_place, fused_input = values.clone(), torch.zeros(numel), torch.zeros(numel), values.clone()
+    fused_out, fused_whole = torch.zeros(numel // world_size), torch.zeros(numel)
+    chunked = in_place.view(world_size, -1)[rank]
+    comm.all_reduce(torch.ones(1))  # connections up before measuring
+    before = _peak_rss()
+    comm.reduce_scatter(chunked, scratch, async_op=True, input_is_scratch=True).wait()
+    comm.all_gather(whole, chunked.clone())  # input not a view of the output: copied into this rank's chunk
+    comm.all_gather(in_place, chunked, async_op=True).wait()  # input is this rank's chunk of the output
+    chunked_growth = _peak_rss() - before
+    before = _peak_rss()
+    torch.distributed.reduce_scatter_tensor(fused_out, fused_input)
+    torch.distributed.all_gather_into_tensor(fused_whole, fused_out)
+    fused_growth = _peak_rss() - before
+    return fused_out, fused_whole, whole, in_place, chunked_growth, fused_growth, comm.stats.snapshot()
+
+
+def test_gloo_chunked_collectives_match_the_fused_ones_in_place():
+    world_size = 3  # not a power of two: gloo's reduce and broadcast trees are uneven
+    results = run_on_ranks(_in_place_on_gloo, world_size, timeout=120)
+    for rank, (fused_out, fused_whole, whole, in_place, chunked_growth, fused_growth, stats) in enumerate(results):
+        mine = in_place.view(world_size, -1)[rank]
+        torch.testing.assert_close(mine, fused_out, rtol=1e-6, atol=1e-6)  # gloo's reduce adds in another order
+        torch.testing.assert_close(whole, fused_whole, rtol=1e-6, atol=1e-6)
+        assert torch.equal(whole, in_place)
+        # the fused calls copy the 12 MiB message into temporaries of its size; the chunked ones work in place
+        assert fused_growth > 8 * (1 << 20) and chunked_growth < 6 * (1 << 20), (fused_growth, chunked_growth)
+        assert stats["reduce_scatter"]["calls"] == 1 and stats["all_gather"]["calls"] == 2

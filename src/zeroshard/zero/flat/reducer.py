@@ -198,7 +198,7 @@ class GradientReducer:
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
         out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype)
-        handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap)
+        handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap, input_is_scratch=staged)
 
         def finish_reduce_scatter() -> None:
             if out is not target:
@@ -229,7 +229,7 @@ class GradientReducer:
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         direct = self.policy.partition_grads and self._first_window_step and target.dtype == staging.dtype
         out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype)
-        handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap)
+        handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap, input_is_scratch=True)
 
         def finish_reduce_scatter() -> None:
             if not direct:

@@ -200,7 +200,9 @@ class ShardedUnit:
         into_shard = direct and self.grad_shard.dtype == staging.dtype
         self.grad_resident(overwrite=into_shard)  # NVMe: reading the accumulated shard overlaps the collective
         out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
-        handle = comm.reduce_scatter(out, staging, async_op=async_op, label=f"reduce-scatter of unit {self.name!r}")
+        handle = comm.reduce_scatter(
+            out, staging, async_op=async_op, label=f"reduce-scatter of unit {self.name!r}", input_is_scratch=True
+        )
 
         def finish() -> None:
             if not into_shard:
