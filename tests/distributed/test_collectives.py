@@ -52,7 +52,6 @@ def test_single_rank_is_a_no_op():
         comm.reduce_scatter(torch.empty(2), torch.empty(3))
 
 
-
 def _peak_rss() -> int:
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
