@@ -92,9 +92,31 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
         try:
             codes.append(p.wait(max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_node(p)
             codes.append(-9)
     return codes
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL a "node": its launcher and every process under it (torchrun runs in its own session)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = stat.read_text().rsplit(")", 1)[0].split()[0], stat.read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(ppid), []).append(int(pid))
+    todo, tree = [proc.pid], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def log_of(out: Path, node: int) -> str:
@@ -124,7 +146,7 @@ def test_a_killed_node_is_named_and_the_other_stops(tmp_path):
         while not (tmp_path / "losses.txt").exists() or len(losses(tmp_path)) < 2:
             assert time.monotonic() < deadline and nodes[0].poll() is None, log_of(tmp_path, 0)[-3000:]
             time.sleep(0.5)
-        os.killpg(nodes[1].pid, signal.SIGKILL)
+        kill_node(nodes[1])
         killed_at = time.monotonic()
         code = nodes[0].wait(60)
         assert time.monotonic() - killed_at < 60
@@ -140,22 +162,21 @@ def test_a_lost_node_rejoins_under_max_restarts(tmp_path):
     config = write_config(tmp_path, {**CONFIG, "train_micro_batch_size_per_gpu": 4})
     port = free_port_pair()
     restarts = ("--max_restarts", "2")
-    nodes = [start_node(n, 1, port, tmp_path, config, 6, *restarts, sleep_s=0.5) for n in (0, 1)]
+    nodes = [start_node(n, 1, port, tmp_path, config, 8, *restarts, sleep_s=2) for n in (0, 1)]
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "losses.txt").exists() or len(losses(tmp_path)) < 2:
             assert time.monotonic() < deadline and nodes[0].poll() is None, log_of(tmp_path, 0)[-3000:]
             time.sleep(0.5)
-        os.killpg(nodes[1].pid, signal.SIGKILL)
-        nodes[1].wait()
+        kill_node(nodes[1])
         time.sleep(2)
         (tmp_path / "node1.log").rename(tmp_path / "node1-first.log")
-        nodes[1] = start_node(1, 1, port, tmp_path, config, 6, *restarts, sleep_s=0.5)
+        nodes[1] = start_node(1, 1, port, tmp_path, config, 8, *restarts, sleep_s=2)
         assert wait_all(nodes, 240) == [0, 0], log_of(tmp_path, 0)[-3000:] + log_of(tmp_path, 1)[-3000:]
     finally:
         wait_all(nodes, 5)
     steps = [s for s, _, _ in losses(tmp_path)]
-    assert steps[-1] == 5 and sorted(set(steps)) == list(range(6))  # a step may repeat; none is skipped
+    assert steps[-1] == 7 and sorted(set(steps)) == list(range(8))  # a step may repeat; none is skipped
     assert "lost node 1 (" in log_of(tmp_path, 0)
 
 
@@ -188,3 +209,39 @@ def test_elastic_restart_two_to_one_rank(tmp_path):
     assert [(s, w) for s, _, w in losses(elastic)] == [(0, 2), (1, 2), (2, 1)]
     got, want = [v for _, v, _ in losses(elastic)], [v for _, v, _ in losses(reference)]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+FAKE_SSH = """#!/bin/bash
+# ssh [-o OPT]... [-p PORT] HOST COMMAND: record the host, run COMMAND here (what sshd would do)
+while [[ "$1" == -* ]]; do shift 2; done
+echo "$1" >> "$(dirname "$0")/hosts_reached"
+exec bash -c "$2"
+"""
+
+ALL_REDUCE = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(f"{int(total.item())} {dist.get_world_size()}")
+dist.destroy_process_group()
+"""
+
+
+def test_hostfile_fan_out_runs_through_ssh(tmp_path):
+    """The hostfile's two remote hosts are started over `ssh` (a fake one on PATH that runs locally)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
+    env = {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    port, result = free_port_pair(), tmp_path / "result.txt"
+    command = [*LAUNCH, "--hostfile", str(tmp_path / "hosts"), "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(port), str(tmp_path / "all_reduce.py"), str(result)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted((bin_dir / "hosts_reached").read_text().split()) == ["node-a", "node-b"]
+    assert result.read_text() == "3 2"  # ranks 0 and 1 on the two "hosts" in one all-reduce

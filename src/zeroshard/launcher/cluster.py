@@ -179,6 +179,8 @@ def _kubernetes(environ: Mapping[str, str]) -> ClusterEnv | None:
         rank = _int(environ, "RANK") if rank is None else rank
     if nnodes is None and rank is not None:
         nnodes = _int(environ, "NNODES")  # an Indexed Job / JobSet names it in the manifest
+    if nnodes is not None and rank is None and "LOCAL_RANK" not in environ:
+        rank = _int(environ, "RANK")  # PyTorchJob sets the pod's index as RANK next to PET_NNODES
     if nnodes is None:
         return None
     if rank is None:

@@ -111,6 +111,11 @@ class NodeWatch:
 
     def _connect(self) -> dist.TCPStore:
         if self._store is None:
+            if self.rank != 0:  # a plain probe first: a failed TCPStore connect logs a C++ stack trace
+                try:
+                    socket.create_connection((self.addr, self.port), timeout=self.interval_s).close()
+                except OSError as err:
+                    raise RuntimeError(f"node 0's heartbeat store at {self.addr}:{self.port}: {err}") from None
             self._store = dist.TCPStore(
                 self.addr,
                 self.port,
