@@ -169,7 +169,10 @@ def test_a_lost_node_rejoins_under_max_restarts(tmp_path):
             assert time.monotonic() < deadline and nodes[0].poll() is None, log_of(tmp_path, 0)[-3000:]
             time.sleep(0.5)
         kill_node(nodes[1])
-        time.sleep(2)
+        deadline = time.monotonic() + 60  # node 0 names the loss, and waits for the node to come back
+        while "lost node 1 (" not in log_of(tmp_path, 0):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, log_of(tmp_path, 0)[-3000:]
+            time.sleep(0.5)
         (tmp_path / "node1.log").rename(tmp_path / "node1-first.log")
         nodes[1] = start_node(1, 1, port, tmp_path, config, 8, *restarts, sleep_s=2)
         assert wait_all(nodes, 240) == [0, 0], log_of(tmp_path, 0)[-3000:] + log_of(tmp_path, 1)[-3000:]
@@ -177,7 +180,7 @@ def test_a_lost_node_rejoins_under_max_restarts(tmp_path):
         wait_all(nodes, 5)
     steps = [s for s, _, _ in losses(tmp_path)]
     assert steps[-1] == 7 and sorted(set(steps)) == list(range(8))  # a step may repeat; none is skipped
-    assert "lost node 1 (" in log_of(tmp_path, 0)
+    assert "torchrun restarts the group when it rejoins" in log_of(tmp_path, 0)
 
 
 ELASTIC = {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [1, 2], "max_gpus": 4, "version": 0.1}

@@ -59,7 +59,9 @@ def _terminate(procs: list[tuple[NodeCommand, subprocess.Popen[bytes]]]) -> None
 
 def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int, poll_s: float = 0.5) -> int:
     """Run this node's torchrun while `watch` follows the other nodes ([Note: naming a lost node])."""
-    proc = subprocess.Popen(argv, env={**os.environ, **thread_env(nproc, os.environ)}, start_new_session=True)
+    # a fresh worker store per rendezvous round: see [Note: one store namespace per restart attempt]
+    env = {**os.environ, **thread_env(nproc, os.environ), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     code: int | None = None
     try:
         while (code := proc.poll()) is None:
