@@ -148,7 +148,10 @@ def _local_slots() -> int:
 
 
 def _with_cluster(opts: LaunchOptions, wanted: str) -> LaunchOptions:
-    """Fill what the options leave open from the scheduler's environment ([Note: one launcher per node ...])."""
+    """Fill what the options leave open from the scheduler's environment.
+
+    See [Note: one launcher per node under a scheduler].
+    """
     from zeroshard.launcher.cluster import detect
 
     found = detect(os.environ, wanted)

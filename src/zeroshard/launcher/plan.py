@@ -40,7 +40,8 @@ class LaunchOptions:
     no_python: bool = False
     rdzv_id: str = "zeroshard"
     ssh_port: int | None = None
-    c10d: bool = False  # c10d rendezvous even without restarts (under a scheduler: [Note: one launcher per node ...])
+    # c10d rendezvous even without restarts: [Note: one launcher per node under a scheduler]
+    c10d: bool = False
 
 
 @dataclass(frozen=True)
