@@ -248,3 +248,35 @@ def test_hostfile_fan_out_runs_through_ssh(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted((bin_dir / "hosts_reached").read_text().split()) == ["node-a", "node-b"]
     assert result.read_text() == "3 2"  # ranks 0 and 1 on the two "hosts" in one all-reduce
+
+
+def _scheduler_env(scheduler: str, node: int, port: int) -> dict[str, str]:
+    """What mpirun (OpenMPI, one process per node) or an Indexed Job sets for node `node` of 2."""
+    if scheduler == "mpi":
+        ompi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(node), "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+        return {**base_env(), **ompi, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    indexed = {"JOB_COMPLETION_INDEX": str(node), "NNODES": "2"}
+    return {**base_env(), **indexed, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.mark.parametrize("scheduler", ["mpi", "kubernetes"])
+def test_mpi_and_kubernetes_variables_form_one_group(tmp_path, scheduler):
+    """The MPI and Kubernetes recipes for real: two launchers with those variables join one c10d group."""
+    (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
+    port, result = free_port_pair(), tmp_path / "result.txt"
+    command = [*LAUNCH, "--nproc_per_node", "1", str(tmp_path / "all_reduce.py"), str(result)]
+    nodes = [
+        subprocess.Popen(
+            command,
+            env=_scheduler_env(scheduler, n, port),
+            cwd=tmp_path,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for n in (0, 1)
+    ]
+    codes = wait_all(nodes, 120)
+    assert codes == [0, 0], "".join(p.stdout.read() for p in nodes if p.stdout)[-3000:]
+    assert result.read_text() == "3 2"

@@ -6,9 +6,10 @@ hang in it (NCCL), and torchrun's own report names only local ranks. So every la
 job beats into a small TCPStore that node 0's launcher hosts at the rendezvous port + 1 (not torchrun's:
 it must outlive the local torchrun, which exits with its workers). A peer whose counter has not moved
 for `lost_after_s` (measured on the watcher's own clock: no clock sync needed), or node 0 when its store
-stops answering, is lost. A launcher that ends writes its exit code first, so a peer that finished or
-failed on its own is never called lost. Without restarts the launcher stops its workers and exits naming
-the lost node; with --max_restarts it logs the loss and leaves the re-rendezvous to torchrun.
+stops answering, is lost, but only once it was seen: a node that starts late is torchrun's join timeout's
+business. A launcher that ends writes its exit code first, so a peer that finished or failed on its own
+is never called lost. Without restarts the launcher stops its workers and exits naming the lost node;
+with --max_restarts it logs the loss and leaves the re-rendezvous to torchrun.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class NodeWatch:
                 self._store = None
                 self._store_failing_since = self._store_failing_since or time.monotonic()
                 if time.monotonic() - self._store_failing_since > self.lost_after_s and self._lost is None:
-                    if self.rank != 0 and not self._peers[0].exited:
+                    # before the first contact node 0 may just start late (torchrun's join timeout covers that)
+                    if self.rank != 0 and self._peers[0].beat and not self._peers[0].exited:
                         self._lost = f"node 0 ({self._peers[0].host}, {self.addr}): its launcher stopped answering"
             self._judge()
 
