@@ -75,7 +75,9 @@ def start_node(node: int, nproc: int, port: int, out: Path, config: Path, steps:
 
 
 def run_single(nproc: int, out: Path, config: Path, steps: int, timeout: float = 240) -> None:
-    command = [*LAUNCH, "--nproc_per_node", str(nproc), str(SCRIPT), str(out), str(config), str(steps)]
+    """One launch of `nproc` ranks (one rank runs without a launcher: the same single-process group)."""
+    launch = [*LAUNCH, "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+    command = [*launch, str(SCRIPT), str(out), str(config), str(steps)]
     done = subprocess.run(command, env=base_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
 
