@@ -56,11 +56,15 @@ def test_lists_name_real_keys() -> None:
         assert key in LEAF_KEYS, key
 
 
+# config modules that act on a block rather than describe it (elasticity sets the batch triple at resolve time)
+CONFIG_APPLIERS = frozenset({"elasticity.py"})
+
+
 def _attributes_read_outside_config() -> set[str]:
     """Attribute names read (not assigned) anywhere in src/zeroshard outside config/, plus getattr names."""
     names: set[str] = set()
     for source in SRC.rglob("*.py"):
-        if source.relative_to(SRC).parts[0] == "config":
+        if source.relative_to(SRC).parts[0] == "config" and source.name not in CONFIG_APPLIERS:
             continue
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):

@@ -7,16 +7,29 @@
 Multi-node starts one torchrun per host over ssh (`--dry-run` prints the per-node commands instead).
 `--max_restarts R` restarts the whole group after a failure (torchrun's elastic agent); `zeroshard
 train` then resumes from the latest checkpoint.
+
+Under Slurm (srun), mpirun or Kubernetes (PyTorchJob, Indexed Job/JobSet) one launcher runs per node
+and reads its node rank, the node count and the rendezvous host from the scheduler's variables
+(launcher/cluster.py; `--cluster none` ignores them). `--print-sbatch` prints a batch script for
+`--nnodes` nodes. A node lost mid-run is named by the others, which stop within the heartbeat timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zeroshard.cli.common import EXIT_CONFIG, CLIError, add_subcommand, out
+from zeroshard.launcher.plan import DEFAULT_MASTER_PORT
+from zeroshard.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from zeroshard.launcher.plan import LaunchOptions
+
+logger = get_logger(__name__)
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -41,6 +54,20 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("-m", "--module", action="store_true", help="the script is a Python module name (python -m)")
     p.add_argument("--no_python", "--no-python", action="store_true", help="run the script as an executable")
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the commands instead of running them")
+    p.add_argument(
+        "--cluster",
+        choices=("auto", "none", "slurm", "mpi", "kubernetes"),
+        default="auto",
+        help="read node rank/count/master from this scheduler's environment (default: detect it)",
+    )
+    p.add_argument("--print-sbatch", "--print_sbatch", action="store_true", help="print a Slurm batch script")
+    p.add_argument(
+        "--heartbeat-timeout",
+        "--heartbeat_timeout",
+        type=float,
+        default=15.0,
+        help="seconds without a heartbeat after which another node counts as lost (multi-node)",
+    )
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     p.set_defaults(run=run)
@@ -72,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         rdzv_id=args.rdzv_id,
         ssh_port=args.ssh_port,
     )
+    if args.print_sbatch:
+        return _print_sbatch(args)
+    if args.hostfile is None:
+        opts = _with_cluster(opts, args.cluster)
     if args.hostfile is not None and args.node_rank is not None:
         raise CLIError("--node_rank is for multi-node runs without a hostfile; with --hostfile, ranks follow its order")
     if args.hostfile is None and (args.include or args.exclude):
@@ -79,11 +110,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         hosts = read_hostfile(args.hostfile) if args.hostfile else None
     if hosts is None:
-        nproc = args.nproc_per_node or _local_slots()
+        nproc = opts.nproc_per_node or _local_slots()
         argv = single_node(opts, nproc)
         if args.dry_run:
             out(shlex.join(argv))
             return 0
+        if (opts.nnodes or 1) > 1 and opts.master_addr:
+            return _run_node(opts, argv, nproc, args.heartbeat_timeout)
         return run_local(argv, nproc)
     resources = limit_resources(select_resources(hosts, args.include, args.exclude), args.nnodes, args.nproc_per_node)
     cwd = os.getcwd()
@@ -112,3 +145,60 @@ def _local_slots() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def _with_cluster(opts: LaunchOptions, wanted: str) -> LaunchOptions:
+    """Fill what the options leave open from the scheduler's environment.
+
+    See [Note: one launcher per node under a scheduler].
+    """
+    from zeroshard.launcher.cluster import detect
+
+    found = detect(os.environ, wanted)
+    if found is None:
+        return opts
+    nnodes = opts.nnodes or found.nnodes
+    master = opts.master_addr or found.master_addr
+    if nnodes > 1 and not master:
+        raise CLIError(
+            f"{found.scheduler}: {nnodes} nodes but no rendezvous host; export MASTER_ADDR (the first node's "
+            "address) or pass --master_addr",
+            EXIT_CONFIG,
+        )
+    node_rank = opts.node_rank if opts.node_rank is not None else found.node_rank
+    logger.info(
+        f"zeroshard launch: {found.scheduler} job {found.job_id or '-'}: node {node_rank} of {nnodes}, "
+        f"rendezvous at {master}:{opts.master_port or found.master_port or DEFAULT_MASTER_PORT}"
+    )
+    return dataclasses.replace(
+        opts,
+        nnodes=nnodes,
+        node_rank=node_rank if nnodes > 1 else None,
+        master_addr=master,
+        master_port=opts.master_port or found.master_port,
+        nproc_per_node=opts.nproc_per_node or found.nproc_per_node,
+        rdzv_id=opts.rdzv_id if opts.rdzv_id != "zeroshard" or not found.job_id else f"zeroshard-{found.job_id}",
+        c10d=True,
+    )
+
+
+def _run_node(opts: LaunchOptions, argv: list[str], nproc: int, heartbeat_timeout: float) -> int:
+    """One node of a multi-node job: torchrun here while the launchers watch each other ([Note: naming a lost node])."""
+    from zeroshard.launcher.node_watch import NodeWatch
+    from zeroshard.launcher.runner import run_watched
+
+    assert opts.master_addr is not None and opts.nnodes is not None and opts.node_rank is not None
+    port = (opts.master_port or DEFAULT_MASTER_PORT) + 1
+    watch = NodeWatch(opts.master_addr, port, opts.node_rank, opts.nnodes, lost_after_s=heartbeat_timeout)
+    return run_watched(argv, nproc, watch.start(), opts.max_restarts)
+
+
+def _print_sbatch(args: argparse.Namespace) -> int:
+    from zeroshard.launcher.sbatch import sbatch_script
+
+    nnodes = args.nnodes or 1
+    nproc = args.nproc_per_node or _local_slots()
+    rest = ["--max_restarts", str(args.max_restarts)] if args.max_restarts else []
+    rest += ["-m"] if args.module else ["--no_python"] if args.no_python else []
+    out(sbatch_script([*rest, args.script, *args.script_args], nnodes, nproc).rstrip("\n"))
+    return 0

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar
 
 from zeroshard.config.batch import ACCUM, BATCH_KEYS, MICRO, TRAIN, complete_batch
 from zeroshard.config.checks import check_consistency
+from zeroshard.config.elasticity import apply_elasticity
 from zeroshard.config.fields import (
     AUTO,
     AutoPolicy,
@@ -128,6 +129,7 @@ def resolve_config(
     ctx = _Context(cfg, _canonical_known(known or {}))
     filled: list[str] = []
     out = _resolve_block(cfg, "", ctx, filled)
+    out = _apply_elasticity(out, world_size)
     out = _resolve_batch(out, world_size, ctx)
     out = dataclasses.replace(out, resolved=True)
     check_consistency(out)
@@ -221,6 +223,21 @@ def _unresolved(key: str, check: object) -> ConfigError:
         check = check.inner
     what = "true or false" if isinstance(check, Bool) else "a number" if isinstance(check, Int | Float) else "a value"
     return ConfigError(f'{key} is "auto" and nothing resolved it; set {what} in the config or pass it to initialize')
+
+
+def _apply_elasticity(cfg: ZeroshardConfig, world_size: int) -> ZeroshardConfig:
+    """An enabled `elasticity` block sets the batch triple ([Note: elasticity at initialize])."""
+    if not cfg.elasticity.enabled:
+        return cfg
+    raw = cfg.raw if "elasticity" in cfg.raw else {**cfg.raw, "elasticity": cfg.elasticity.to_dict()}
+    sizes = apply_elasticity(raw, world_size)
+    assert sizes is not None
+    return dataclasses.replace(
+        cfg,
+        train_batch_size=sizes.train_batch_size,
+        train_micro_batch_size_per_gpu=sizes.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=sizes.gradient_accumulation_steps,
+    )
 
 
 def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> ZeroshardConfig:

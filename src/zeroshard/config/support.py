@@ -31,6 +31,17 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "scheduler.type",
         "scheduler.params",
         "gradient_clipping",
+        # elasticity: resolve_config sets the batch triple through checkpoint/elasticity.apply_elasticity.
+        "elasticity.enabled",
+        "elasticity.max_train_batch_size",
+        "elasticity.micro_batch_sizes",
+        "elasticity.min_gpus",
+        "elasticity.max_gpus",
+        "elasticity.num_gpus_per_node",
+        "elasticity.model_parallel_size",
+        "elasticity.prefer_larger_batch",
+        "elasticity.ignore_non_elastic_batch_info",
+        "elasticity.version",
         # ZeRO.
         "zero_optimization.stage",
         "zero_optimization.reduce_scatter",
@@ -114,6 +125,9 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType(
 
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
+        "elasticity.min_time": (
+            "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
+        ),
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
         ),
@@ -220,7 +234,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "datastates_ckpt",
         "disable_python_gc",
         # Other engines and features.
-        "elasticity",
         "hybrid_engine",
         "compile",
         "pipeline",

@@ -4,8 +4,10 @@
 Without restarts every node gets a static rendezvous (`--node_rank i --master_addr --master_port`), the
 exact shape DeepSpeed's launcher produces. With `--max_restarts > 0` the nodes use torchrun's c10d
 rendezvous (`--rdzv_backend c10d --rdzv_endpoint A:P --rdzv_id ID`), which re-forms the group after a
-failure; a single node without an address uses `--standalone`. Workers of a restarted group must not
-read the previous attempt's keys from the shared store: see `rendezvous.attempt_store`.
+failure; a single node without an address uses `--standalone`. Under a scheduler (cluster.py) every node
+uses c10d, restarts or not, and node 0 is told it hosts the store (`--rdzv_conf is_host=1`). Workers of a
+restarted group must not read the previous attempt's keys from the shared store: see
+`rendezvous.attempt_store`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class LaunchOptions:
     no_python: bool = False
     rdzv_id: str = "zeroshard"
     ssh_port: int | None = None
+    # c10d rendezvous even without restarts: [Note: one launcher per node under a scheduler]
+    c10d: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,9 @@ def single_node(opts: LaunchOptions, nproc: int) -> list[str]:
 
 def _rendezvous(opts: LaunchOptions, nnodes: int | None, node_rank: int, master_addr: str) -> list[str]:
     port = opts.master_port or DEFAULT_MASTER_PORT
-    if opts.max_restarts > 0:
+    if opts.max_restarts > 0 or opts.c10d:
+        # node 0 hosts the rendezvous store: on one machine (tests) no other node can take its port first
+        host = ["--rdzv_conf", f"is_host={int(node_rank == 0)}"] if opts.c10d else []
         return [
             "--nnodes",
             str(nnodes),
@@ -103,6 +109,7 @@ def _rendezvous(opts: LaunchOptions, nnodes: int | None, node_rank: int, master_
             f"{master_addr}:{port}",
             "--rdzv_id",
             opts.rdzv_id,
+            *host,
             "--max_restarts",
             str(opts.max_restarts),
         ]

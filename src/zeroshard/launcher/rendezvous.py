@@ -9,6 +9,11 @@ The fix is to give every attempt its own namespace, `PrefixStore(f"attempt_{TORC
 store)`, and to build the process group on that store. `init_process_group_from_env` does it;
 `zeroshard.comm.topology.init_distributed` should call it (or `attempt_store`) instead of
 `init_method="env://"` when TORCHELASTIC_RESTART_COUNT is set.
+
+The restart count is per agent, so across nodes it only agrees while no node is replaced: a node whose
+launcher was started again counts from 0 while the survivors count on. Multi-node launches therefore set
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (runner.run_watched): every rendezvous round then gets a fresh store
+of its own (hosted by global rank 0 on a free port), nothing stale can be read, and no prefix is used.
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ def init_process_group_from_env(backend: str, timeout_s: float = 1800.0) -> None
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world_size = env_store(timeout)
-    dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world_size, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        store = attempt_store(store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def under_torchrun() -> bool:

@@ -1,4 +1,5 @@
-"""Start the planned node commands and wait: one local torchrun, or one per host over ssh."""
+"""Start the planned node commands and wait: one local torchrun, one per host over ssh, or this node's
+torchrun of a scheduler's multi-node job while a NodeWatch follows the other nodes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 
+from zeroshard.launcher.node_watch import NodeWatch
 from zeroshard.launcher.plan import NodeCommand
 from zeroshard.utils.logging import get_logger
 
@@ -53,3 +55,44 @@ def _terminate(procs: list[tuple[NodeCommand, subprocess.Popen[bytes]]]) -> None
     for _, p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
+
+
+def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int, poll_s: float = 0.5) -> int:
+    """Run this node's torchrun while `watch` follows the other nodes ([Note: naming a lost node])."""
+    # a fresh worker store per rendezvous round: see [Note: one store namespace per restart attempt]
+    env = {**os.environ, **thread_env(nproc, os.environ), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    code: int | None = None
+    try:
+        while (code := proc.poll()) is None:
+            lost = watch.lost()
+            if lost is not None and max_restarts == 0:
+                logger.error(f"zeroshard launch: lost {lost}; stopping this node's workers")
+                _stop_group(proc)
+                code = 1
+                break
+            if lost is not None:
+                logger.warning(f"zeroshard launch: lost {lost}; torchrun restarts the group when it rejoins")
+                watch.forget()
+            time.sleep(poll_s)
+        else:
+            if code != 0 and (lost := watch.wait_verdict(watch.lost_after_s + 5)) is not None:
+                logger.error(f"zeroshard launch: lost {lost}; this node's workers failed with it")
+    except KeyboardInterrupt:
+        _stop_group(proc)
+        raise
+    finally:
+        watch.stop(1 if code is None else code)
+    return code
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM torchrun's process group (it forwards to its workers), SIGKILL what is left after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
