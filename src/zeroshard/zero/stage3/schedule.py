@@ -14,12 +14,16 @@ never released early, so a unit larger than the limit still runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.residency import Residency
 from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+
+if TYPE_CHECKING:
+    from zeroshard.zero.zeropp.weights import UnitGathers
 
 
 class GatherSchedule:
@@ -46,6 +50,7 @@ class GatherSchedule:
         self.in_backward = False
         self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
+        self.zeropp: UnitGathers | None = None  # ZeRO++ qwZ/hpZ gathers for forward and backward (zero/zeropp/)
 
     # -- events ----------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
@@ -138,7 +143,8 @@ class GatherSchedule:
 
     def gather(self, unit: ShardedUnit) -> None:
         self.watch.gather_log.append(unit.index)
-        unit.gather(self.comm, async_op=self.overlap)
+        collect = self.zeropp.collect(unit, self.in_backward) if self.zeropp is not None else None
+        unit.gather(self.comm, async_op=self.overlap, collect=collect)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
 
     def wait_gathered(self, unit: ShardedUnit) -> None:
