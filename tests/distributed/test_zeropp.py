@@ -90,11 +90,9 @@ def test_zeropp_bytes_per_scope_and_secondary_memory(dtype: str) -> None:
     for result in run_on_ranks(_byte_grid, WORLD, dtype, timeout=300):
         off, qwz, hpz, qgz, both = (result[k] for k in ("off", "qwZ", "hpZ", "qgZ", "all"))
         inter, intra = "inter_node", "intra_node"
-        # (a) qwZ: the forward weight gathers send int8 codes + fp32 block scales
-        fwd_off = off["forward"][inter]["all_gather"]
-        assert fwd_off > 0 and qwz["forward"][inter]["all_gather"] <= 0.3 * fwd_off, (qwz["forward"], fwd_off)
-        if dtype == "fp32":  # 1 + 4/256 bytes per 4-byte element (bf16: per 2-byte element, 0.51x)
-            assert qwz["forward"][inter]["all_gather"] <= 0.26 * fwd_off
+        # (a) qwZ: the forward weight gathers send int8 codes + fp32 block scales, 1 + 4/256 bytes per element
+        fwd_fp32 = off["forward"][inter]["all_gather"] * (4 / 2 if dtype == "bf16" else 1)
+        assert fwd_fp32 > 0 and qwz["forward"][inter]["all_gather"] <= 0.26 * fwd_fp32, (qwz["forward"], fwd_fp32)
         # (b) hpZ: no backward gather byte leaves the node; the extra memory is the secondary shard (1/2 per unit)
         assert off["backward"][inter]["all_gather"] > 0
         for run in (hpz, both):
@@ -141,7 +139,8 @@ def _losses(rank: int, world_size: int, steps: int, every: int) -> dict[str, lis
 
 
 def _learnable_batches(case: Case, world_size: int) -> list[tuple[Any, Any]]:
-    """Sequences with structure (each token a fixed function of the previous), so the loss falls as it learns."""
+    """Each token a fixed function of the previous one, or (30% of the time) uniformly random: the loss falls as the
+    model learns the function, to a floor near 1.9 nats, so a 2% band stays meaningful to the end."""
     import torch
 
     from helpers.parity import TINY
@@ -154,15 +153,17 @@ def _learnable_batches(case: Case, world_size: int) -> list[tuple[Any, Any]]:
         first = torch.randint(0, TINY.vocab_size, (size, 1), generator=g)
         seq = [first]
         for _ in range(case.seq):
-            seq.append(table[seq[-1]])
+            noise = torch.randint(0, TINY.vocab_size, (size, 1), generator=g)
+            seq.append(torch.where(torch.rand(size, 1, generator=g) < 0.3, noise, table[seq[-1]]))
         tokens = torch.cat(seq, dim=1)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 
 
 def _assert_close(results: list[dict[str, list[float]]]) -> None:
     off, on = results[0]["off"], results[0]["all"]
-    assert off[-1] < 0.7 * off[0], off  # it learned
+    print(f"losses unquantized {off}\nlosses with qwZ+hpZ+qgZ {on}")  # shown with -s: the numbers docs cite
+    assert off[-1] < 0.8 * off[0], off  # it learned
     for a, b in zip(on, off, strict=True):
         assert abs(a - b) <= 0.02 * b, (on, off)
 
