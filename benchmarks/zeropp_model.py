@@ -141,9 +141,11 @@ def model_rows(coef: dict[str, float], flops: float, quant_bps: float | None) ->
             for network, bandwidth in NETWORKS.items():
                 base = base_inter / bandwidth
                 plus = pp_inter / bandwidth + pp_intra / NVLINK + quant
+                serial = f"{compute + base:.2f} / {max(compute, base):.2f}"
+                overlapped = f"{compute + plus:.2f} / {max(compute, plus):.2f}"
                 rows.append(
                     f"| {shape} | {nodes} x {PER_NODE} | {network} | {compute:.2f} | {base:.2f} | {plus:.2f} | "
-                    f"{compute + base:.2f} / {max(compute, base):.2f} | {compute + plus:.2f} / {max(compute, plus):.2f} |"
+                    f"{serial} | {overlapped} |"
                 )
     return rows
 
