@@ -100,6 +100,11 @@ def test_zeropp_bytes_per_scope_and_secondary_memory(dtype: str) -> None:
             assert run["backward"][intra]["all_gather"] > 0
             assert run["secondary"] == run["secondary_expected"] > 0
         assert off["secondary"] == 0 and hpz["params"] == off["params"]
+        # ... and counting prefetches for backward issued while forward runs: over a whole step, only the first
+        # (forward) gather of each unit crosses nodes, half of ZeRO-3's two gathers
+        step_off = off["forward"][inter]["all_gather"] + off["backward"][inter]["all_gather"]
+        step_hpz = hpz["forward"][inter]["all_gather"] + hpz["backward"][inter]["all_gather"]
+        assert abs(step_hpz - step_off / 2) <= 1e-9 * step_off, (step_hpz, step_off)
         # (c) qgZ: gradient bytes between nodes (the reduction's all-to-all hop 2) against fp32/bf16 reduce-scatter
         rs_off = off["backward"][inter]["reduce_scatter"]
         for run in (qgz, both):
@@ -180,7 +185,8 @@ def test_zeropp_loss_closeness_200_steps() -> None:
 
 
 def _checkpoints(rank: int, world_size: int, root: str) -> list[bool]:
-    """Saved with ZeRO++ on, loaded with it off, and the other way round: the same fp32 masters come back."""
+    """Saved with ZeRO++ on, loaded with it off, and the other way round: the same fp32 masters come back; and
+    state_dict under qwZ holds exact values."""
     import torch
 
     case = Case(stage=3, steps=2)
@@ -191,6 +197,10 @@ def _checkpoints(rank: int, world_size: int, root: str) -> list[bool]:
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.backward(engine(x, y))
             engine.step()
+        if save_with:  # a pinned gather (state_dict) returns the exact values under qwZ, never the quantized ones
+            state = engine.module.state_dict()
+            named = engine.module.named_parameters()
+            same.append(all(torch.equal(state[n], engine.strategy.full_fp32_param(p)) for n, p in named if n in state))
         path = os.path.join(root, "on" if save_with else "off")
         engine.save_checkpoint(path, tag="t")
         masters = [u.master.clone() for u in engine.strategy.units]
@@ -207,7 +217,7 @@ def _checkpoints(rank: int, world_size: int, root: str) -> list[bool]:
 
 def test_zeropp_checkpoints_load_with_it_off_and_on(tmp_path: Any) -> None:
     for same in run_on_ranks(_checkpoints, WORLD, str(tmp_path), timeout=300):
-        assert same == [True, True]
+        assert same == [True, True, True]
 
 
 def _feature_grid(rank: int, world_size: int) -> list[tuple[str, list[float], list[float]]]:
@@ -245,3 +255,4 @@ def test_zeropp_with_other_stage3_features() -> None:
         for name, off, on in rank_result:
             for a, b in zip(on, off, strict=True):
                 assert abs(a - b) <= 0.02 * b, (name, on, off)
+

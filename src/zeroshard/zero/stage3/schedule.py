@@ -50,7 +50,7 @@ class GatherSchedule:
         self.in_backward = False
         self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
-        self.zeropp: UnitGathers | None = None  # ZeRO++ qwZ/hpZ gathers for forward and backward (zero/zeropp/)
+        self.zeropp: UnitGathers | None = None  # ZeRO++ qwZ/hpZ gathers (zero/zeropp/weights.py)
 
     # -- events ----------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
@@ -141,9 +141,10 @@ class GatherSchedule:
                 break
             self.param_store.fetch(unit.key)
 
-    def gather(self, unit: ShardedUnit) -> None:
+    def gather(self, unit: ShardedUnit, exact: bool = False) -> None:
+        """`exact`: full-precision values whatever ZeRO++ does for training gathers (state_dict, GatheredParameters)."""
         self.watch.gather_log.append(unit.index)
-        collect = self.zeropp.collect(unit, self.in_backward) if self.zeropp is not None else None
+        collect = self.zeropp.collect(unit) if self.zeropp is not None and not exact else None
         unit.gather(self.comm, async_op=self.overlap, collect=collect)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
 
@@ -164,7 +165,7 @@ class GatherSchedule:
         for unit in units:
             unit.pins += 1
             if unit.state is UnitState.SHARDED:
-                self.gather(unit)
+                self.gather(unit, exact=True)
         for unit in units:
             self.wait_gathered(unit)
 

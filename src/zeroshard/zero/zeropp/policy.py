@@ -10,9 +10,11 @@ Three independent switches, each usable alone or with the others (stage 3):
   (compute dtype), partitioned over consecutive blocks of H ranks (one node when H = ranks per node). It is filled
   from the forward gather's result (a copy, no communication), and backward gathers from it within the block,
   so with H dividing the node no backward gather byte leaves the node. Cost: numel/H compute-dtype elements per
-  unit per rank (`memory_report().secondary_params`). A unit with no fresh secondary (not gathered in this
-  step's forward) gathers as usual. Unlike DeepSpeed, the secondary is kept in the compute dtype, not int8: the
-  backward all-gather is intra-node, and backward then uses the very values forward did.
+  unit per rank (`memory_report().secondary_params`). Every gather of a unit after its first since the root
+  forward began (backward, prefetches for backward issued during forward, recompute) uses the secondary; a unit
+  not gathered in this forward gathers as usual. Unlike DeepSpeed, the secondary is kept in the compute dtype,
+  not int8: the backward all-gather is intra-node, and backward then uses the very values forward did.
+- Gathers that hand parameters to the user (state_dict, GatheredParameters, consolidation) are never quantized.
 - qgZ, `zero_quantized_gradients`: a unit's gradients are reduce-scattered in two all-to-all hops, first within
   the node (each rank receives, quantized, the chunks every node's rank with its local index owns, and sums them),
   then between nodes among the ranks with the same local index (quantized partial sums, summed into this rank's

@@ -1,9 +1,12 @@
 """qwZ and hpZ: how a stage-3 unit's full parameters are gathered in forward and backward ([Note: ZeRO++]).
 
-`UnitGathers.collect(unit, backward)` returns the gather to use in place of the plain all-gather (None: the plain
-one): qwZ packs this rank's shard into 8-bit blocks, all-gathers the packed bytes and dequantizes every rank's part
-into the unit's full buffer when the handle is waited on; with hpZ a forward gather then copies this rank's part of
-the secondary partition out of the result, and a backward gather all-gathers the secondaries within the hpZ block.
+`UnitGathers.collect(unit)` returns the gather to use in place of the plain all-gather (None: the plain one): qwZ
+packs this rank's shard into 8-bit blocks, all-gathers the packed bytes and dequantizes every rank's part into the
+unit's full buffer when the handle is waited on. With hpZ the first gather of a unit after a root forward begins
+copies this rank's part of the secondary partition out of its result; every later gather of the unit before the
+next forward (backward, a prefetch for backward issued while forward still runs, activation-checkpoint recompute,
+a second forward call) all-gathers the secondaries within the hpZ block. "Fresh" is decided by the same sequence of
+events on every rank, so all ranks of a group pick the same collective.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ class UnitGathers:
         """A new forward: the secondaries are stale (a step, a load may have changed the shards since)."""
         self.fresh.clear()
 
-    def collect(self, unit: ShardedUnit, backward: bool) -> Collect | None:
+    def collect(self, unit: ShardedUnit) -> Collect | None:
         if unit.persistent:
             return None
-        if backward and unit.index in self.fresh:
+        if unit.index in self.fresh:
             return lambda full, source, async_op=False, label="": self._from_secondary(unit, async_op, label)
-        fill = unit.index in self.secondary and not backward
+        fill = unit.index in self.secondary
         if self.policy.quantized_weights:
             return lambda full, source, async_op=False, label="": self._quantized(unit, source, fill, async_op, label)
         if fill:
