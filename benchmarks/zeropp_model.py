@@ -9,10 +9,10 @@ trainable parameter per ring fraction (the coefficients below); (2) the quantize
 zero/quant.py on this machine's device; (3) on CUDA, a bf16 GEMM's achieved FLOP/s. What is modeled: a step of a
 7B and a 70B model on M nodes of L = 8 GPUs, bf16, T tokens per GPU per step:
 
-    inter = c_fwd * P * (N-1)/N  +  c_bwd * P * (N-1)/N  +  c_grad * P * (N-1)/N            (ZeRO-3)
-    inter = q_fwd * P * (N-1)/N  +  0                   +  q_grad * P * (M-1)/(M*L)         (ZeRO++)
+    inter = c_gather * P * (N-1)/N  +  c_grad * P * (N-1)/N                                 (ZeRO-3)
+    inter = q_gather * P * (N-1)/N  +  q_grad * P * (M-1)/(M*L)                             (ZeRO++)
     intra = 0                                                                               (ZeRO-3)
-    intra = h_bwd * P * (L-1)/L  +  q_grad * P * (L-1)/L                                    (ZeRO++)
+    intra = h_gather * P * (L-1)/L  +  q_grad * P * (L-1)/L                                 (ZeRO++)
     t_comm = inter / B_inter + intra / B_intra (+ quantized bytes / quantizer throughput, when measured on a GPU)
     t_compute = 6 * P * T / F;    step = t_compute + t_comm (no overlap)  and  max(t_compute, t_comm) (full overlap)
 
@@ -45,7 +45,7 @@ PER_NODE = 8
 TOKENS_PER_GPU = 8 * 4096
 ASSUMED_FLOPS = 400e12  # bf16 FLOP/s when no GPU is at hand: about 40% of an H100's dense peak
 ALL_THREE = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
-FORMULA = {"c_fwd": 2.0, "c_bwd": 2.0, "c_grad": 2.0, "q_fwd": 1 + 4 / 256, "h_bwd": 2.0, "q_grad": 1 + 4 / 256}
+FORMULA = {"c_gather": 4.0, "c_grad": 2.0, "q_gather": 1 + 4 / 256, "h_gather": 2.0, "q_grad": 1 + 4 / 256}
 
 
 def _measure_rank(rank: int, world_size: int) -> dict[str, float]:
@@ -65,23 +65,19 @@ def _measure_rank(rank: int, world_size: int) -> dict[str, float]:
         for batch in global_batches(case, world_size):  # the last step is measured (the first records the trace)
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.comm_stats.reset()
-            loss = engine(x, y)
-            fwd = engine.comm_stats.scope_snapshot()
-            engine.comm_stats.reset()
-            engine.backward(loss)
-            bwd = engine.comm_stats.scope_snapshot()
+            engine.backward(engine(x, y))
+            step = engine.comm_stats.scope_snapshot()
             engine.step()
         engine.destroy()
         world_fraction, node_fraction, peer_fraction = 3 / 4, 1 / 2, 1 / 4  # (N-1)/N, (L-1)/L, (M-1)/(M*L)
+        inter, intra = step["inter_node"], step["intra_node"]
         if name == "off":
-            out["c_fwd"] = fwd["inter_node"]["all_gather"]["bus_bytes"] / psi / world_fraction
-            out["c_bwd"] = bwd["inter_node"]["all_gather"]["bus_bytes"] / psi / world_fraction
-            out["c_grad"] = bwd["inter_node"]["reduce_scatter"]["bus_bytes"] / psi / world_fraction
+            out["c_gather"] = inter["all_gather"]["bus_bytes"] / psi / world_fraction
+            out["c_grad"] = inter["reduce_scatter"]["bus_bytes"] / psi / world_fraction
         else:
-            out["q_fwd"] = fwd["inter_node"]["all_gather"]["bus_bytes"] / psi / world_fraction
-            out["h_bwd"] = bwd["intra_node"]["all_gather"]["bus_bytes"] / psi / node_fraction
-            out["q_grad"] = bwd["inter_node"]["all_to_all"]["bus_bytes"] / psi / peer_fraction
-            out["bwd_inter_gather"] = bwd["inter_node"]["all_gather"]["bus_bytes"]
+            out["q_gather"] = inter["all_gather"]["bus_bytes"] / psi / world_fraction
+            out["h_gather"] = intra["all_gather"]["bus_bytes"] / psi / node_fraction
+            out["q_grad"] = inter["all_to_all"]["bus_bytes"] / psi / peer_fraction
     return out
 
 
@@ -134,18 +130,18 @@ def model_rows(coef: dict[str, float], flops: float, quant_bps: float | None) ->
         for nodes in NODES:
             ranks = nodes * PER_NODE
             world, node, peer = (ranks - 1) / ranks, (PER_NODE - 1) / PER_NODE, (nodes - 1) / ranks
-            base_inter = (coef["c_fwd"] + coef["c_bwd"] + coef["c_grad"]) * params * world
-            pp_inter = coef["q_fwd"] * params * world + coef["q_grad"] * params * peer
-            pp_intra = coef["h_bwd"] * params * node + coef["q_grad"] * params * node
+            base_inter = (coef["c_gather"] + coef["c_grad"]) * params * world
+            pp_inter = coef["q_gather"] * params * world + coef["q_grad"] * params * peer
+            pp_intra = coef["h_gather"] * params * node + coef["q_grad"] * params * node
             quant = 0.0 if quant_bps is None else 3 * 2 * params / quant_bps  # pack+unpack of weights, grads twice
             for network, bandwidth in NETWORKS.items():
                 base = base_inter / bandwidth
                 plus = pp_inter / bandwidth + pp_intra / NVLINK + quant
-                serial = f"{compute + base:.2f} / {max(compute, base):.2f}"
-                overlapped = f"{compute + plus:.2f} / {max(compute, plus):.2f}"
+                base_step = f"{compute + base:.2f} / {max(compute, base):.2f}"
+                plus_step = f"{compute + plus:.2f} / {max(compute, plus):.2f}"
                 rows.append(
                     f"| {shape} | {nodes} x {PER_NODE} | {network} | {compute:.2f} | {base:.2f} | {plus:.2f} | "
-                    f"{serial} | {overlapped} |"
+                    f"{base_step} | {plus_step} |"
                 )
     return rows
 
@@ -172,7 +168,7 @@ def main() -> None:
         "A model, not a multi-node measurement: bytes per parameter are measured on 4 gloo ranks acting as",
         "2 nodes x 2, and scaled to N = M x 8 ranks with the ring fractions.",
         "",
-        "Bytes per parameter per unit ring fraction (bf16 step; formula in brackets):",
+        "Bytes per parameter per unit ring fraction, measured over a whole bf16 step (formula in brackets):",
         "",
         *[f"- `{k}` = {v:.4f} ({FORMULA[k]:.4f})" for k, v in coef.items()],
         "",

@@ -255,4 +255,3 @@ def test_zeropp_with_other_stage3_features() -> None:
         for name, off, on in rank_result:
             for a, b in zip(on, off, strict=True):
                 assert abs(a - b) <= 0.02 * b, (name, on, off)
-
