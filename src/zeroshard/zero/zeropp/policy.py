@@ -21,7 +21,8 @@ Three independent switches, each usable alone or with the others (stage 3):
   shard). Only 1/(ranks per node) of the gradient crosses nodes, at 8 bits. Sums are formed in fp32. DeepSpeed
   applies qgZ at stage 3 only (its stage3.py), and so does zeroshard: at stages 1-2 the key is ignored with a
   warning. DeepSpeed's kernels send 4-bit codes; zeroshard sends 8-bit codes (plain torch ops have no int4 type).
-The quantized collectives are synchronous (the dequantize follows the wait); overlap_comm overlaps the others.
+qwZ's gathers overlap as plain ones do (overlap_comm; the dequantize runs when the gather is waited on); qgZ's two
+hops run to completion before the reduction returns.
 """
 
 from __future__ import annotations
