@@ -167,7 +167,6 @@ def _learnable_batches(case: Case, world_size: int) -> list[tuple[Any, Any]]:
 
 def _assert_close(results: list[dict[str, list[float]]]) -> None:
     off, on = results[0]["off"], results[0]["all"]
-    print(f"losses unquantized {off}\nlosses with qwZ+hpZ+qgZ {on}")  # shown with -s: the numbers docs cite
     assert off[-1] < 0.8 * off[0], off  # it learned
     for a, b in zip(on, off, strict=True):
         assert abs(a - b) <= 0.02 * b, (on, off)
