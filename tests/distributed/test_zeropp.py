@@ -16,10 +16,10 @@ PER_NODE = 2
 ALL_THREE = {"zero_quantized_weights": True, "zero_hpz_partition_size": PER_NODE, "zero_quantized_gradients": True}
 
 
-def _engine(case: Case, zeropp: dict[str, Any]) -> Any:
+def _engine(case: Case, zeropp: dict[str, Any], per_node: int = PER_NODE) -> Any:
     import zeroshard
 
-    os.environ["ZEROSHARD_RANKS_PER_NODE"] = str(PER_NODE)
+    os.environ["ZEROSHARD_RANKS_PER_NODE"] = str(per_node)
     model = build_model(case)
     cfg = ds_config(case)
     cfg["zero_optimization"].update(zeropp)
@@ -220,19 +220,22 @@ def test_zeropp_checkpoints_load_with_it_off_and_on(tmp_path: Any) -> None:
 
 
 def _feature_grid(rank: int, world_size: int) -> list[tuple[str, list[float], list[float]]]:
-    """ZeRO++ with the other stage-3 features: accumulation, a persistent unit, offload, kept units, wider hpZ."""
+    """ZeRO++ with the other stage-3 features (accumulation, a persistent unit, offload, kept units), hpZ across
+    nodes, and other node shapes: one node of 4 (qgZ's second hop has no peer), 4 nodes of 1 (its first has none)."""
     cases = [
-        (Case(stage=3, gas=2, persistence=2000, steps=3), ALL_THREE),
-        (Case(stage=3, dtype="bf16", offload="cpu", offload_param="cpu", steps=3), ALL_THREE),
-        (Case(stage=3, reuse=10**9, prefetch=10**9, steps=3), ALL_THREE),
-        (Case(stage=3, dtype="bf16", gas=3, steps=3), {"zero_quantized_gradients": True}),
-        (Case(stage=3, steps=3), {"zero_hpz_partition_size": WORLD, "zero_quantized_weights": True}),
+        (Case(stage=3, gas=2, persistence=2000, steps=3), ALL_THREE, PER_NODE),
+        (Case(stage=3, dtype="bf16", offload="cpu", offload_param="cpu", steps=3), ALL_THREE, PER_NODE),
+        (Case(stage=3, reuse=10**9, prefetch=10**9, steps=3), ALL_THREE, PER_NODE),
+        (Case(stage=3, dtype="bf16", gas=3, steps=3), {"zero_quantized_gradients": True}, PER_NODE),
+        (Case(stage=3, steps=3), {"zero_hpz_partition_size": WORLD, "zero_quantized_weights": True}, PER_NODE),
+        (Case(stage=3, steps=2), {**ALL_THREE, "zero_hpz_partition_size": WORLD}, WORLD),
+        (Case(stage=3, steps=2), {"zero_quantized_gradients": True}, 1),
     ]
     out = []
-    for case, zeropp in cases:
+    for case, zeropp, per_node in cases:
         losses = []
         for extra in ({}, zeropp):
-            engine = _engine(case, extra)
+            engine = _engine(case, extra, per_node)
             run = []
             for batch in global_batches(case, world_size):
                 step_loss = 0.0
