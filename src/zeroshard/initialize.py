@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
-from zeroshard.comm.topology import Topology, init_distributed
+from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
@@ -31,6 +31,7 @@ from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
+from zeroshard.zero.zeropp import ZeroPPPolicy
 
 logger = get_logger(__name__)
 
@@ -124,12 +125,14 @@ def _build(
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
     # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)
     verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"
+    nodes = NodeLayout.from_env(topology.world_size)  # [Note: nodes]
     comm = Collectives(
         topology.group,
         topology.world_size,
         topology.rank,
         verify=os.environ.get("ZEROSHARD_VERIFY_COLLECTIVES", verify_default) == "1",
         logger=CommsLogger(cfg.comms_logger, topology.world_size, topology.rank),
+        scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
@@ -284,6 +287,12 @@ def _make_strategy(
             min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
         weights=weights,
+        zeropp=ZeroPPPolicy(
+            quantized_weights=bool(z.zero_quantized_weights),
+            hpz_partition_size=int(z.zero_hpz_partition_size or 1),
+            quantized_gradients=bool(z.zero_quantized_gradients),
+            nodes=NodeLayout.from_env(topology.world_size),
+        ),
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
 

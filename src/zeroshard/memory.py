@@ -20,6 +20,7 @@ class StrategyMemory:
     persistent_params: int = 0  # stage 3: small parameters kept whole on every rank
     gathered_params: int = 0  # stage 3: full units gathered right now
     peak_gathered_params: int = 0  # stage 3: largest gathered working set so far
+    secondary_params: int = 0  # stage 3 with ZeRO++ hpZ: this rank's secondary (node-local) parameter shards
     host_params: int = 0  # offload_param: compute-dtype shards in host memory
     host_master_weights: int = 0  # offload_optimizer: fp32 master weights in host memory
     host_optimizer_state: int = 0  # offload_optimizer: optimizer state in host memory

@@ -355,9 +355,10 @@ def test_unimplemented_is_one_immutable_set_of_real_keys() -> None:
 
 
 def test_non_default_unimplemented_value_warns_once(log: pytest.LogCaptureFixture) -> None:
-    parse_config({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    parse_config({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
     assert warnings_of(log) == [
-        "zeroshard: zero_optimization.zero_quantized_weights=true is accepted but not implemented yet; it has no effect"
+        "zeroshard: zero_optimization.zero_quantized_nontrainable_weights=true is accepted but not implemented yet; "
+        "it has no effect"
     ]
 
 
@@ -384,11 +385,11 @@ def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> Non
         {
             "comet": {"enabled": True, "project": "runs"},
             "autotuning": {"enabled": True},
-            "zero_optimization": {"zero_hpz_partition_size": 8},
+            "zero_optimization": {"mics_shard_size": 8},
         }
     )
     assert list(unimplemented_settings(cfg)) == [
-        ("zero_optimization.zero_hpz_partition_size", 8),
+        ("zero_optimization.mics_shard_size", 8),
         ("comet.enabled", True),
         ("comet.project", "runs"),
         ("autotuning", {"enabled": True}),

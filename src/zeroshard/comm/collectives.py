@@ -13,7 +13,16 @@ Every collective goes through `Collectives`, which
 
 Bytes are counted with the ring model nccl-tests calls "bus bytes": an all-reduce of S bytes sends
 2·S·(N-1)/N per rank, a reduce-scatter of an S-byte input and an all-gather of an S-byte output
-each send S·(N-1)/N. With one rank nothing is sent and nothing is called.
+each send S·(N-1)/N, an all-to-all of an S-byte input S·(N-1)/N (a rank keeps its own chunk). With one rank
+nothing is sent and nothing is called.
+
+[Note: scopes]
+Each `Collectives` has a scope, where its group's ranks sit: `intra_node` when they are all on one node,
+`inter_node` when the group spans nodes (comm/topology.py's `NodeLayout` says which ranks share a node). Its
+bytes count under its kind and under its scope (`CommStats.scopes`), so "the backward gathers send no byte
+between nodes" is read from one counter. A collective over a group that spans nodes counts whole as inter-node:
+the ring model has no notion of which links cross, so this is the bound the ZeRO++ claims are checked against.
+Sub-group collectives (`Collectives.subgroup`) share the world's counters and comms logger.
 """
 
 from __future__ import annotations
@@ -42,6 +51,14 @@ class CollectiveKind(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+
+
+class Scope(StrEnum):
+    """[Note: scopes] where a collective's group sits."""
+
+    INTRA_NODE = "intra_node"
+    INTER_NODE = "inter_node"
 
 
 class Handle(Protocol):
@@ -64,15 +81,25 @@ class KindStats:
 
 @dataclass
 class CommStats:
-    """Per-kind counters; `snapshot()`/`since()` give the volume of one step."""
+    """Per-kind counters, and the same per scope ([Note: scopes]); `snapshot()` gives the volume of one step."""
 
     kinds: dict[str, KindStats] = field(default_factory=lambda: {k.value: KindStats() for k in CollectiveKind})
+    scopes: dict[str, dict[str, KindStats]] = field(
+        default_factory=lambda: {s.value: {k.value: KindStats() for k in CollectiveKind} for s in Scope}
+    )
 
-    def record(self, kind: CollectiveKind, payload_bytes: int, bus_bytes: float) -> None:
-        entry = self.kinds[kind.value]
-        entry.calls += 1
-        entry.payload_bytes += payload_bytes
-        entry.bus_bytes += bus_bytes
+    def record(
+        self, kind: CollectiveKind, payload_bytes: int, bus_bytes: float, scope: Scope = Scope.INTRA_NODE
+    ) -> None:
+        for entry in (self.kinds[kind.value], self.scopes[scope.value][kind.value]):
+            entry.calls += 1
+            entry.payload_bytes += payload_bytes
+            entry.bus_bytes += bus_bytes
+
+    def scope_bus_bytes(self, scope: Scope | str, kind: CollectiveKind | str | None = None) -> float:
+        """Bus bytes sent within `scope`, of one `kind` or of all."""
+        entries = self.scopes[str(scope)]
+        return entries[str(kind)].bus_bytes if kind is not None else sum(k.bus_bytes for k in entries.values())
 
     @property
     def total_bus_bytes(self) -> float:
@@ -81,8 +108,11 @@ class CommStats:
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {name: dict(vars(k)) for name, k in self.kinds.items()}
 
+    def scope_snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {scope: {name: dict(vars(k)) for name, k in kinds.items()} for scope, kinds in self.scopes.items()}
+
     def reset(self) -> None:
-        for k in self.kinds.values():
+        for k in [*self.kinds.values(), *(e for kinds in self.scopes.values() for e in kinds.values())]:
             k.calls, k.payload_bytes, k.bus_bytes = 0, 0, 0.0
 
 
@@ -96,15 +126,24 @@ class Collectives:
         rank: int,
         verify: bool = False,
         logger: CommsLogger | None = None,
+        scope: Scope = Scope.INTRA_NODE,
+        stats: CommStats | None = None,
     ):
+        """`stats` given: a sub-group's collectives counting into its parent's counters (`subgroup`)."""
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.verify = verify
-        self.stats = CommStats()
+        self.scope = scope
+        self.stats = stats if stats is not None else CommStats()
         self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
-        self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
+        if stats is None:  # a sub-group leaves the straggler reduction to the world's collectives
+            self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
         self._seq = 0
+
+    def subgroup(self, group: dist.ProcessGroup | None, world_size: int, rank: int, scope: Scope) -> Collectives:
+        """Collectives over a sub-group (`rank` within it), counted in this object's `stats` under `scope`."""
+        return Collectives(group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats)
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str = "") -> Handle:
@@ -162,6 +201,21 @@ class Collectives:
         self._count(CollectiveKind.BROADCAST, tensor)
         return self._issue(
             "broadcast", tensor, lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
+        )
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
+        """Equal splits: chunk j of `input` goes to rank j, chunk i of `output` comes from rank i."""
+        if output.numel() != input.numel() or input.numel() % self.world_size:
+            raise ValueError(f"all_to_all: {input.numel()} elements in, {output.numel()} out, over {self.world_size}")
+        self._check(CollectiveKind.ALL_TO_ALL, input, label)
+        if self.world_size == 1:
+            return _alone(output, input)
+        self._count(CollectiveKind.ALL_TO_ALL, input)
+        return self._issue(
+            "all_to_all_single",
+            input,
+            lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a),
+            async_op,
         )
 
     def any_true(self, flag: bool, device: torch.device) -> bool:
@@ -229,7 +283,7 @@ class Collectives:
     def _count(self, kind: CollectiveKind, tensor: torch.Tensor, rounds: int = 1) -> None:
         """Count a collective over `tensor`: its bytes, and `rounds` ring passes of bus bytes (module docstring)."""
         nbytes = _nbytes(tensor)
-        self.stats.record(kind, nbytes, rounds * nbytes * self._ring_fraction)
+        self.stats.record(kind, nbytes, rounds * nbytes * self._ring_fraction, self.scope)
 
     def _check(self, kind: CollectiveKind, tensor: torch.Tensor, label: str = "") -> None:
         """With `verify`, all-gather a fixed-size fingerprint (seq, kind, numel, dtype, label hash) and

@@ -72,3 +72,67 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     )
     logger.debug("initialised %s", topo)
     return topo
+
+
+RANKS_PER_NODE_ENV = "ZEROSHARD_RANKS_PER_NODE"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which ranks share a node: consecutive blocks of `ranks_per_node` ranks, as torchrun numbers them. Pure.
+
+    [Note: nodes]
+    A node is LOCAL_WORLD_SIZE ranks (torchrun's --nproc-per-node). ZEROSHARD_RANKS_PER_NODE overrides it, so a
+    test can run 4 gloo ranks on one machine as 2 nodes x 2 and read intra- and inter-node bytes apart
+    ([Note: scopes] in collectives.py). ZeRO++ builds its groups from this layout (zero/zeropp/groups.py).
+    """
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"{self.world_size} ranks do not split into nodes of {self.ranks_per_node} "
+                f"(LOCAL_WORLD_SIZE or {RANKS_PER_NODE_ENV})"
+            )
+
+    @classmethod
+    def from_env(cls, world_size: int) -> NodeLayout:
+        per_node = os.environ.get(RANKS_PER_NODE_ENV) or os.environ.get("LOCAL_WORLD_SIZE") or str(world_size)
+        per_node_int = min(int(per_node), world_size)
+        if world_size % per_node_int:  # an odd launch: count the whole job as one node rather than refuse
+            logger.warning("%d ranks do not split into nodes of %d: one node assumed", world_size, per_node_int)
+            per_node_int = world_size
+        return cls(world_size, per_node_int)
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local: int) -> list[int]:
+        """The ranks with local index `local` on every node (one per node): qgZ's second hop."""
+        return list(range(local, self.world_size, self.ranks_per_node))
+
+    def spans_nodes(self, ranks: list[int]) -> bool:
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def blocks(self, size: int) -> list[list[int]]:
+        """Consecutive blocks of `size` ranks (hpZ's partition groups, as DeepSpeed's zero_param_intra groups)."""
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    """A process group over `ranks` (every rank of the world must call this, in the same order; None alone)."""
+    if dist.get_world_size() == 1:
+        return None
+    return dist.new_group(ranks)

@@ -99,3 +99,18 @@ def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
             f"{zero.stage}, as DeepSpeed ignores it: stages 0-2 keep whole parameters on every rank (offload_param "
             "needs stage 3; offload_optimizer offloads optimizer state at stages 1-2)"
         )
+    zeropp = [
+        key
+        for key, on in (
+            ("zero_quantized_weights", zero.zero_quantized_weights is True),
+            ("zero_hpz_partition_size", int(zero.zero_hpz_partition_size or 1) > 1),
+            ("zero_quantized_gradients", zero.zero_quantized_gradients is True),
+        )
+        if on
+    ]
+    if zeropp and zero.stage < 3:
+        logger.warning(
+            f"zeroshard: zero_optimization.{', '.join(zeropp)} (ZeRO++) is ignored at zero_optimization.stage "
+            f"{zero.stage}, as DeepSpeed ignores it: ZeRO++ works on stage 3's parameter gathers and gradient "
+            "reduction"
+        )

@@ -49,6 +49,9 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.allgather_bucket_size",
         "zero_optimization.overlap_comm",
         "zero_optimization.load_from_fp32_weights",
+        "zero_optimization.zero_hpz_partition_size",  # ZeRO++ hpZ (zero/zeropp/)
+        "zero_optimization.zero_quantized_weights",  # ZeRO++ qwZ
+        "zero_optimization.zero_quantized_gradients",  # ZeRO++ qgZ
         "zero_optimization.sub_group_size",
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
@@ -187,10 +190,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
-        "zero_optimization.zero_hpz_partition_size",
-        "zero_optimization.zero_quantized_weights",
         "zero_optimization.zero_quantized_nontrainable_weights",
-        "zero_optimization.zero_quantized_gradients",
         "zero_optimization.zeropp_loco_param",
         "zero_optimization.mics_shard_size",
         "zero_optimization.mics_hierarchical_params_gather",

@@ -8,10 +8,12 @@ MAX_INFLIGHT_REDUCES reductions are in flight ([Note: bounded in-flight reductio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.zero.pool import BufferPool, InflightQueue
@@ -42,6 +44,7 @@ class UnitReducer:
         self.accumulation = accumulation
         self._inflight: InflightQueue[ShardedUnit] = InflightQueue(MAX_INFLIGHT_REDUCES, watch.wait)
         self.first_window_step = True  # the shards still hold zeros: reduce straight into them
+        self.scatter: Callable[..., Handle] | None = None  # ZeRO++ qgZ's reduce-scatter (zero/zeropp/grads.py)
 
     def stage(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         """A parameter's gradient was accumulated: move it into the unit's staging buffer."""
@@ -54,7 +57,7 @@ class UnitReducer:
         if unit.reduce_launched or not unit.trainable:
             return
         handle, finish = unit.launch_reduce(
-            self.comm, self.pool, self.comm_dtype, self.prescale, self.first_window_step, self.overlap
+            self.comm, self.pool, self.comm_dtype, self.prescale, self.first_window_step, self.overlap, self.scatter
         )
         self._delivered(self._inflight.push(handle, finish, unit, f"reduce-scatter of unit {unit.name!r}"))
 

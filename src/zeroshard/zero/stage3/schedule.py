@@ -14,12 +14,16 @@ never released early, so a unit larger than the limit still runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.residency import Residency
 from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+
+if TYPE_CHECKING:
+    from zeroshard.zero.zeropp.weights import UnitGathers
 
 
 class GatherSchedule:
@@ -46,6 +50,7 @@ class GatherSchedule:
         self.in_backward = False
         self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
+        self.zeropp: UnitGathers | None = None  # ZeRO++ qwZ/hpZ gathers (zero/zeropp/weights.py)
 
     # -- events ----------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
@@ -136,9 +141,11 @@ class GatherSchedule:
                 break
             self.param_store.fetch(unit.key)
 
-    def gather(self, unit: ShardedUnit) -> None:
+    def gather(self, unit: ShardedUnit, exact: bool = False) -> None:
+        """`exact`: full-precision values whatever ZeRO++ does for training gathers (state_dict, GatheredParameters)."""
         self.watch.gather_log.append(unit.index)
-        unit.gather(self.comm, async_op=self.overlap)
+        collect = self.zeropp.collect(unit) if self.zeropp is not None and not exact else None
+        unit.gather(self.comm, async_op=self.overlap, collect=collect)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
 
     def wait_gathered(self, unit: ShardedUnit) -> None:
@@ -158,7 +165,7 @@ class GatherSchedule:
         for unit in units:
             unit.pins += 1
             if unit.state is UnitState.SHARDED:
-                self.gather(unit)
+                self.gather(unit, exact=True)
         for unit in units:
             self.wait_gathered(unit)
 

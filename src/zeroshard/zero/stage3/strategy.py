@@ -45,6 +45,8 @@ from zeroshard.zero.strategy import (
     nbytes,
     optimizer_state_tensors,
 )
+from zeroshard.zero.zeropp.policy import ZeroPPPolicy
+from zeroshard.zero.zeropp.stage3 import attach_zeropp
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Stage3Policy(StrategyPolicy):
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
 
 
 class Stage3Strategy(Strategy):
@@ -107,6 +110,7 @@ class Stage3Strategy(Strategy):
             accumulation,
             self.watch,
         )
+        self.zeropp = attach_zeropp(policy.zeropp, comm, self.units, self.schedule, self.reducer)
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
         self._state_dict_gathered: list[bool] = []
         # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
@@ -139,6 +143,8 @@ class Stage3Strategy(Strategy):
 
     # -- hook events (hooks.py) --------------------------------------------------------------------
     def on_root_pre_forward(self) -> None:
+        if self.zeropp is not None and not self.schedule.in_backward:
+            self.zeropp.new_forward()
         self.schedule.root_pre_forward()
 
     def on_pre_forward(self, unit: ShardedUnit) -> None:
@@ -261,6 +267,7 @@ class Stage3Strategy(Strategy):
             peak_gathered_params=self.schedule.peak_gathered_numel * self.units[0].full.element_size()
             if self.units
             else 0,
+            secondary_params=self.zeropp.secondary_bytes if self.zeropp is not None else 0,
         )
         self.policy.param_tier.count_params(memory, sum(held(u.shard) for u in self.units))
         masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units)

@@ -125,8 +125,9 @@ class ShardedUnit:
         return sum(self._slots[i].numel for i in self.trainable)
 
     # -- gather / release --------------------------------------------------------------------------
-    def gather(self, comm: Collectives, async_op: bool) -> None:
-        """Start (or finish) bringing the full parameters back; no-op when already gathered."""
+    def gather(self, comm: Collectives, async_op: bool, collect: Callable[..., Handle] | None = None) -> None:
+        """Start (or finish) bringing the full parameters back; no-op when already gathered. `collect`, when
+        given, replaces `comm.all_gather` (ZeRO++'s quantized or secondary-partition gathers, zero/zeropp/)."""
         if self.state is not UnitState.SHARDED:
             return
         storage = self.full.untyped_storage()
@@ -141,7 +142,8 @@ class ShardedUnit:
             if source.is_cuda:  # the host shard may be freed (NVMe) only once this copy has read it
                 self._copied_in = torch.cuda.Event()
                 self._copied_in.record()
-        self._pending = comm.all_gather(self.full, source, async_op=async_op, label=f"gather of unit {self.name!r}")
+        gather = collect or comm.all_gather
+        self._pending = gather(self.full, source, async_op=async_op, label=f"gather of unit {self.name!r}")
         self.gathers += 1
         self.state = UnitState.GATHERING
 
@@ -190,8 +192,10 @@ class ShardedUnit:
         prescale: float,
         direct: bool,
         async_op: bool,
+        scatter: Callable[..., Handle] | None = None,
     ) -> tuple[Handle, Callable[[], None]]:
-        """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating)."""
+        """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating); `scatter`, when
+        given, replaces `comm.reduce_scatter` (ZeRO++ qgZ, zero/zeropp/grads.py)."""
         staging = self.staging if self.staging is not None else pool.acquire(self.numel, comm_dtype)
         self.staging = None
         self.reduce_launched = True
@@ -200,9 +204,11 @@ class ShardedUnit:
         into_shard = direct and self.grad_shard.dtype == staging.dtype
         self.grad_resident(overwrite=into_shard)  # NVMe: reading the accumulated shard overlaps the collective
         out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
-        handle = comm.reduce_scatter(
-            out, staging, async_op=async_op, label=f"reduce-scatter of unit {self.name!r}", input_is_scratch=True
-        )
+        label = f"reduce-scatter of unit {self.name!r}"
+        if scatter is not None:  # ZeRO++'s quantized reduction (zero/zeropp/grads.py)
+            handle = scatter(out, staging, async_op=async_op, label=label)
+        else:
+            handle = comm.reduce_scatter(out, staging, async_op=async_op, label=label, input_is_scratch=True)
 
         def finish() -> None:
             if not into_shard:

@@ -1,0 +1,91 @@
+"""qwZ and hpZ: how a stage-3 unit's full parameters are gathered in forward and backward ([Note: ZeRO++]).
+
+`UnitGathers.collect(unit)` returns the gather to use in place of the plain all-gather (None: the plain one): qwZ
+packs this rank's shard into 8-bit blocks, all-gathers the packed bytes and dequantizes every rank's part into the
+unit's full buffer when the handle is waited on. With hpZ the first gather of a unit after a root forward begins
+copies this rank's part of the secondary partition out of its result; every later gather of the unit before the
+next forward (backward, a prefetch for backward issued while forward still runs, activation-checkpoint recompute,
+a second forward call) all-gathers the secondaries within the hpZ block. "Fresh" is decided by the same sequence of
+events on every rank, so all ranks of a group pick the same collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.zero.stage3.unit import ShardedUnit
+from zeroshard.zero.zeropp.handles import Then
+from zeroshard.zero.zeropp.policy import ZeroPPGroups, ZeroPPPolicy
+
+Collect = Callable[..., Handle]  # comm.all_gather's signature: (output, input, async_op=..., label=...)
+
+
+class UnitGathers:
+    def __init__(self, policy: ZeroPPPolicy, comm: Collectives, groups: ZeroPPGroups, units: list[ShardedUnit]):
+        self.policy = policy
+        self.comm = comm
+        self.groups = groups
+        self.secondary: dict[int, torch.Tensor] = {}
+        if policy.hpz:
+            size = policy.hpz_partition_size
+            for unit in units:
+                if not unit.persistent:  # it stays gathered: backward never gathers it
+                    self.secondary[unit.index] = torch.zeros(
+                        unit.numel // size, dtype=unit.full.dtype, device=unit.full.device
+                    )
+        self.fresh: set[int] = set()  # units whose secondary holds this step's forward values
+
+    @property
+    def secondary_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.secondary.values())
+
+    def new_forward(self) -> None:
+        """A new forward: the secondaries are stale (a step, a load may have changed the shards since)."""
+        self.fresh.clear()
+
+    def collect(self, unit: ShardedUnit) -> Collect | None:
+        if unit.persistent:
+            return None
+        if unit.index in self.fresh:
+            return lambda full, source, async_op=False, label="": self._from_secondary(unit, async_op, label)
+        fill = unit.index in self.secondary
+        if self.policy.quantized_weights:
+            return lambda full, source, async_op=False, label="": self._quantized(unit, source, fill, async_op, label)
+        if fill:
+            return lambda full, source, async_op=False, label="": Then(
+                self.comm.all_gather(full, source, async_op=async_op, label=label), lambda: self._fill(unit)
+            )
+        return None
+
+    def _quantized(self, unit: ShardedUnit, source: torch.Tensor, fill: bool, async_op: bool, label: str) -> Handle:
+        quantizer, world = self.policy.quantizer, self.comm.world_size
+        shard_numel = unit.layout.shard_numel
+        width = quantizer.packed_bytes(shard_numel)
+        packed = torch.empty(world, width, dtype=torch.uint8, device=unit.full.device)
+        mine = packed[self.comm.rank]
+        quantizer.pack(source, mine)
+        handle = self.comm.all_gather(packed.view(-1), mine, async_op=async_op, label=f"qwZ {label}")
+
+        def finish() -> None:
+            values = quantizer.unpack(packed, shard_numel, unit.full.dtype)
+            unit.full.data.view(world, shard_numel).copy_(values)  # .data: [Note: gathered storage]
+            if fill:
+                self._fill(unit)
+
+        return Then(handle, finish)
+
+    def _fill(self, unit: ShardedUnit) -> None:
+        """This rank's part of the secondary partition := the forward gather's result (no communication)."""
+        secondary = self.secondary[unit.index]
+        assert self.groups.hpz is not None
+        begin = self.groups.hpz.rank * secondary.numel()
+        secondary.copy_(unit.full.data.narrow(0, begin, secondary.numel()))
+        self.fresh.add(unit.index)
+
+    def _from_secondary(self, unit: ShardedUnit, async_op: bool, label: str) -> Handle:
+        assert self.groups.hpz is not None
+        secondary = self.secondary[unit.index]
+        return self.groups.hpz.all_gather(unit.full.data, secondary, async_op=async_op, label=f"hpZ {label}")
