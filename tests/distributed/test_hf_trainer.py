@@ -1,0 +1,161 @@
+"""`zeroshard.hf.Trainer` against the plain `transformers.Trainer`, and its save / resume / load on 2 ranks.
+
+Each body runs in spawned ranks (`run_on_ranks`), so no process group outlives a test in the pytest process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.hf_trainer import Tokens, arguments, ds_config, loss_recorder, tiny_llama, with_lora
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+REL = 1e-5
+
+
+def _plain_losses(out: str, model: Any, data: Any, **overrides: Any) -> list[float]:
+    import transformers
+
+    record = loss_recorder()
+    args = transformers.TrainingArguments(**arguments(out, **overrides))
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[record]).train()
+    return list(record.losses)
+
+
+def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any], **overrides: Any) -> list[float]:
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    record = loss_recorder()
+    args = TrainingArguments(**arguments(out, deepspeed=config, **overrides))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[record])
+    trainer.train()
+    assert trainer.engine is not None
+    trainer.engine.destroy()
+    return list(record.losses)
+
+
+# 36 samples, 4 per batch, 2 per window: 9 batches an epoch, so each epoch ends on a one-batch window
+WS1_CASES = {
+    "stage3-config-optimizer": (3, True, False, {}),
+    "stage3-trainer-optimizer": (3, False, False, {"weight_decay": 0.1}),
+    "stage3-lora": (3, True, True, {}),
+}
+SLOW_WS1_CASES = {"stage2-config-optimizer": (2, True, False, {}), "stage1-lora": (1, True, True, {})}
+
+
+def _ws1_parity(rank: int, world_size: int, tmp: str, slow: bool) -> dict[str, tuple[list[float], list[float]]]:
+    torch.set_num_threads(2)
+    out = {}
+    for name, (stage, optimizer, lora, overrides) in (SLOW_WS1_CASES if slow else WS1_CASES).items():
+        data = Tokens(36)
+        build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
+        plain = _plain_losses(os.path.join(tmp, name, "plain"), build(), data, num_train_epochs=2, **overrides)
+        ours = _zeroshard_losses(
+            os.path.join(tmp, name, "zs"), build(), data, ds_config(stage, optimizer), num_train_epochs=2, **overrides
+        )
+        out[name] = (plain, ours)
+    return out
+
+
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["stage3", "stages1-2"])
+def test_world_size_1_losses_equal_the_plain_trainer(tmp_path, slow):
+    results = run_on_ranks(_ws1_parity, 1, str(tmp_path), slow)[0]
+    for name, (plain, ours) in results.items():
+        assert len(plain) == len(ours) == 10, name
+        assert plain[-1] < plain[0], name  # it learns
+        for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
+            assert math.isclose(a, b, rel_tol=REL), f"{name} step {step}: plain {a} zeroshard {b}"
+
+
+def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict[str, Any]:
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    def build() -> Any:
+        return with_lora(tiny_llama()) if lora else tiny_llama()
+
+    config = ds_config(3, zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
+    out = os.path.join(tmp, "run")
+    kwargs = arguments(
+        out, deepspeed=config, per_device_train_batch_size=2, num_train_epochs=2, save_strategy="steps", save_steps=3
+    )
+    data, evaluation = Tokens(32), Tokens(8, seed=2)
+
+    def trainer(record: Any) -> Any:
+        args = TrainingArguments(**kwargs)
+        return Trainer(model=build(), args=args, train_dataset=data, eval_dataset=evaluation, callbacks=[record])
+
+    full = loss_recorder()
+    first = trainer(full)
+    first.train()
+    resumed_record = loss_recorder()
+    second = trainer(resumed_record)
+    second.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+
+    final = os.path.join(tmp, "final")
+    second.save_model(final)
+    engine = second.engine
+    weights = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    eval_loss = second.evaluate()["eval_loss"]
+    predictions = second.predict(evaluation).predictions
+    prompt = evaluation.ids[:2, :6]
+    generated = second.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    return {
+        "full": full.losses,
+        "resumed": resumed_record.losses,
+        "weights": weights if rank == 0 else None,
+        "eval_loss": eval_loss,
+        "predictions_shape": tuple(predictions.shape),
+        "generated": generated,
+        "checkpoint": sorted(os.listdir(os.path.join(out, "checkpoint-3"))),
+    }
+
+
+def _load_saved(folder: str, lora: bool) -> Any:
+    from transformers import LlamaForCausalLM
+
+    if lora:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(tiny_llama(), folder)
+    return LlamaForCausalLM.from_pretrained(folder)
+
+
+def _eval_loss(model: Any) -> float:
+    data = Tokens(8, seed=2)
+    with torch.no_grad():
+        losses = [model(input_ids=data.ids[i : i + 2], labels=data.ids[i : i + 2]).loss for i in range(0, 8, 2)]
+    return float(torch.stack(losses).mean())
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
+    results = run_on_ranks(_train_save_resume, 2, str(tmp_path), lora)
+    ours = results[0]
+    assert len(ours["full"]) == 8 and ours["full"][-1] < ours["full"][0]
+    assert len(ours["resumed"]) == 5  # steps 4..8 after checkpoint-3
+    for step, (a, b) in enumerate(zip(ours["full"][3:], ours["resumed"], strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step + 4}: uninterrupted {a} resumed {b}"
+    assert "latest" in ours["checkpoint"] and "global_step3" in ours["checkpoint"]
+    assert "trainer_state.json" in ours["checkpoint"]
+
+    model = _load_saved(str(tmp_path / "final"), lora).eval()
+    loaded = model.state_dict()
+    for name, value in ours["weights"].items():
+        if lora and "lora_" not in name:
+            continue
+        key = name if not lora else name.replace(".default.", ".default.")
+        assert torch.equal(loaded[key], value), name
+    assert math.isclose(ours["eval_loss"], _eval_loss(model), rel_tol=REL)
+    assert results[1]["eval_loss"] == ours["eval_loss"]
+    assert ours["predictions_shape"] == (8, 16, 128)
+    expected = model.generate(input_ids=Tokens(8, seed=2).ids[:2, :6], max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours["generated"], expected)
+    assert torch.equal(results[1]["generated"], expected)
