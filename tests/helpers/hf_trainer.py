@@ -34,11 +34,13 @@ def with_lora(model: Any) -> Any:
 
 
 class Tokens(torch.utils.data.Dataset):
-    """`n` random sequences; labels are the inputs (causal LM)."""
+    """`n` learnable sequences (a random start counting up by a random stride of 1-3); labels are the inputs."""
 
     def __init__(self, n: int = 32, seed: int = 1):
         generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+        start = torch.randint(0, VOCAB, (n, 1), generator=generator)
+        stride = torch.randint(1, 4, (n, 1), generator=generator)
+        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
 
     def __len__(self) -> int:
         return len(self.ids)
