@@ -158,3 +158,37 @@ def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
     expected = model.generate(input_ids=Tokens(8, seed=2).ids[:2, :6], max_new_tokens=4, do_sample=False)
     assert torch.equal(ours["generated"], expected)
     assert torch.equal(results[1]["generated"], expected)
+
+
+def _sft_parity(rank: int, world_size: int, tmp: str) -> tuple[list[float], list[float]]:
+    from datasets import Dataset
+    from transformers import ByT5Tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from zeroshard.hf import TrainerMixin, TrainingArgumentsMixin
+
+    class SFT(TrainerMixin, SFTTrainer):
+        pass
+
+    class Config(TrainingArgumentsMixin, SFTConfig):
+        pass
+
+    torch.set_num_threads(2)
+    data = Dataset.from_dict({"input_ids": Tokens(36).ids.tolist()})
+    tokenizer = ByT5Tokenizer(extra_ids=0)  # SFTTrainer wants one; the data is already tokenized
+    kwargs = arguments(os.path.join(tmp, "sft"), num_train_epochs=2, bf16=False)  # SFTConfig defaults to bf16
+    plain, ours = loss_recorder(), loss_recorder()
+    args = SFTConfig(**kwargs)
+    SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[plain]).train()
+    args = Config(deepspeed=ds_config(3), **kwargs)
+    SFT(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[ours]).train()
+    return plain.losses, ours.losses
+
+
+def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    plain, ours = run_on_ranks(_sft_parity, 1, str(tmp_path))[0]
+    assert len(plain) == len(ours) == 10 and plain[-1] < plain[0]
+    for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step}: SFTTrainer {a} zeroshard {b}"

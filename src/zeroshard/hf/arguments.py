@@ -31,13 +31,14 @@ class TrainingArgumentsMixin:
         'ds_config.json'
     """
 
-    deepspeed: Any
+    # no annotation for `deepspeed`: HfArgumentParser reads the field's type from the class's type hints
     zeroshard_config: Any = None
 
     def __post_init__(self) -> None:
-        if self.deepspeed:
-            self.zeroshard_config = self.deepspeed
-            self.deepspeed = None
+        source = getattr(self, "deepspeed", None)
+        if source:
+            self.zeroshard_config = source
+            setattr(self, "deepspeed", None)  # noqa: B010 - the partner dataclass's field
         super().__post_init__()  # type: ignore[misc]
 
 

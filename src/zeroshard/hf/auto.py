@@ -21,8 +21,9 @@ same mismatch check on the user's dict, so a ds_config behaves here as it does u
     reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold
                                      h*h, 0.9*h*h, 10*h for the model's hidden size h (never checked)
 
-A key the config leaves out stays out (as under DeepSpeed: no `gradient_clipping` means no clipping, whatever
-`max_grad_norm` says), except the batch keys, which `resolve_config` completes from these values.
+A key the config leaves out keeps the ds_config default (as under DeepSpeed: no `gradient_clipping` means
+DeepSpeed's default, whatever `max_grad_norm` says), except the batch keys, which `resolve_config` completes from
+these values.
 """
 
 from __future__ import annotations
