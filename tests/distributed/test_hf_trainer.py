@@ -192,3 +192,37 @@ def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
     assert len(plain) == len(ours) == 10 and plain[-1] < plain[0]
     for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
         assert math.isclose(a, b, rel_tol=REL), f"step {step}: SFTTrainer {a} zeroshard {b}"
+
+
+def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    import zeroshard
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    def losses(model: Any = None, model_init: Any = None) -> tuple[list[float], Any]:
+        record = loss_recorder()
+        args = TrainingArguments(**arguments(os.path.join(tmp, "out"), deepspeed=ds_config(3), max_steps=4))
+        trainer = Trainer(model=model, model_init=model_init, args=args, train_dataset=Tokens(32), callbacks=[record])
+        built = trainer.model
+        trainer.train()
+        trainer.engine.destroy()
+        return record.losses, built
+
+    whole, _ = losses(LlamaForCausalLM.from_pretrained(folder))
+    with zeroshard.zero_init():
+        meta = LlamaForCausalLM.from_pretrained(folder)
+    streamed, _ = losses(meta)
+    from_init, built = losses(model_init=lambda: LlamaForCausalLM.from_pretrained(folder))
+    return {"whole": whole, "streamed": streamed, "model_init": from_init, "meta": built.lm_head.weight.is_meta}
+
+
+def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
+    folder = str(tmp_path / "llama")
+    tiny_llama().save_pretrained(folder)
+    out = run_on_ranks(_streamed_model, 2, str(tmp_path), folder)[0]
+    assert out["meta"]  # model_init ran under zero_init at stage 3
+    assert len(out["whole"]) == 4
+    for name in ("streamed", "model_init"):
+        for step, (a, b) in enumerate(zip(out["whole"], out[name], strict=True)):
+            assert math.isclose(a, b, rel_tol=REL), f"{name} step {step}: {a} vs {b}"
