@@ -37,7 +37,7 @@ class Blocks(torch.utils.data.Dataset):  # byte tokens in blocks of 128; the mod
 
 
 corpus = stdlib_corpus(1_000_000)
-train, held_out = Blocks(corpus[:-50_000]), Blocks(corpus[-50_000:])
+train, held_out = Blocks(corpus[:-20_000]), Blocks(corpus[-20_000:])
 
 
 def build_model():  # at ZeRO-3 the Trainer calls this under zeroshard.zero_init(): each rank builds only its shards

@@ -226,3 +226,20 @@ def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
     for name in ("streamed", "model_init"):
         for step, (a, b) in enumerate(zip(out["whole"], out[name], strict=True)):
             assert math.isclose(a, b, rel_tol=REL), f"{name} step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_the_example_runs_under_zeroshard_launch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", "examples/hf_trainer.py"]
+    flags = ["--deepspeed", "examples/ds_config_hf.json", "--max_steps", "4", "--save_steps", "2", "--eval_steps", "4"]
+    flags += ["--use_cpu", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
+    out = subprocess.run(command + flags, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sample: 'def " in out.stdout
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "checkpoint-2" / "latest").exists()
