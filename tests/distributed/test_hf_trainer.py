@@ -43,36 +43,34 @@ def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any], *
 
 
 # 36 samples, 4 per batch, 2 per window: 9 batches an epoch, so each epoch ends on a one-batch window
-WS1_CASES = {
+CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
     "stage3-config-optimizer": (3, True, False, {}),
     "stage3-trainer-optimizer": (3, False, False, {"weight_decay": 0.1}),
     "stage3-lora": (3, True, True, {}),
+    "stage2-config-optimizer": (2, True, False, {}),
+    "stage1-lora": (1, True, True, {}),
 }
-SLOW_WS1_CASES = {"stage2-config-optimizer": (2, True, False, {}), "stage1-lora": (1, True, True, {})}
+SLOW = {"stage2-config-optimizer", "stage1-lora"}
 
 
-def _ws1_parity(rank: int, world_size: int, tmp: str, slow: bool) -> dict[str, tuple[list[float], list[float]]]:
+def _ws1_parity(rank: int, world_size: int, tmp: str, name: str) -> tuple[list[float], list[float]]:
     torch.set_num_threads(2)
-    out = {}
-    for name, (stage, optimizer, lora, overrides) in (SLOW_WS1_CASES if slow else WS1_CASES).items():
-        data = Tokens(36)
-        build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
-        plain = _plain_losses(os.path.join(tmp, name, "plain"), build(), data, num_train_epochs=2, **overrides)
-        ours = _zeroshard_losses(
-            os.path.join(tmp, name, "zs"), build(), data, ds_config(stage, optimizer), num_train_epochs=2, **overrides
-        )
-        out[name] = (plain, ours)
-    return out
+    stage, optimizer, lora, overrides = CASES[name]
+    data = Tokens(36)
+    build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
+    plain = _plain_losses(os.path.join(tmp, "plain"), build(), data, num_train_epochs=2, **overrides)
+    config = ds_config(stage, optimizer)
+    ours = _zeroshard_losses(os.path.join(tmp, "zs"), build(), data, config, num_train_epochs=2, **overrides)
+    return plain, ours
 
 
-@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["stage3", "stages1-2"])
-def test_world_size_1_losses_equal_the_plain_trainer(tmp_path, slow):
-    results = run_on_ranks(_ws1_parity, 1, str(tmp_path), slow)[0]
-    for name, (plain, ours) in results.items():
-        assert len(plain) == len(ours) == 10, name
-        assert plain[-1] < plain[0], name  # it learns
-        for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
-            assert math.isclose(a, b, rel_tol=REL), f"{name} step {step}: plain {a} zeroshard {b}"
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES])
+def test_world_size_1_losses_equal_the_plain_trainer(tmp_path, name):
+    plain, ours = run_on_ranks(_ws1_parity, 1, str(tmp_path), name)[0]
+    assert len(plain) == len(ours) == 10
+    assert plain[-1] < plain[0]  # it learns
+    for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step}: plain {a} zeroshard {b}"
 
 
 def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict[str, Any]:
