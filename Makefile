@@ -12,9 +12,10 @@ install:
 
 # DeepSpeed, the reference of the parity tests (tests only), goes in after torch so pip keeps that torch;
 # DS_BUILD_OPS=0 leaves its C++/CUDA ops unbuilt (DeepSpeed JIT-builds one on first use; no test uses one).
-# The monitor extra (tensorboard, wandb) lets the tests read back what those config blocks write.
+# The monitor extra (tensorboard, wandb) lets the tests read back what those config blocks write; the trl extra
+# lets the SFTTrainer test run.
 install-compat: install
-	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat,monitor]'
+	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat,monitor,trl]'
 
 train: install
 	zeroshard train --nproc-per-node 2

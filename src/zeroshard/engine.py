@@ -133,12 +133,13 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         ):
             yield
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
+        `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
         strategy = self._require_optimizer("backward")
         strategy.begin_backward()
         self.accumulation.loss_scale = self.loss_scale
-        factor = self.loss_scale / self.gradient_accumulation_steps()
+        factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):

@@ -1,0 +1,148 @@
+"""What the Trainer's loop holds in place of its accelerator, optimizer and scheduler once the engine exists.
+
+[Note: the Trainer's loop over the engine]
+transformers' inner loop, per micro-batch: `training_step` (forward, `accelerator.backward(loss)` with the loss
+already divided by the window's micro-batch count); on the window's last micro-batch: `_clip_grad_norm`
+(`accelerator.clip_grad_norm_`), `optimizer.step()`, `lr_scheduler.step()` unless
+`accelerator.optimizer_step_was_skipped`, `model.zero_grad()`. Under DeepSpeed, accelerate turns
+`backward` into `engine.backward(loss, scale_wrt_gas=False)` plus `engine.step()` on the boundary and makes the
+optimizer's and scheduler's `step` no-ops. We do the same with three small objects sharing one `EngineLink`:
+
+- `EngineAccelerator` wraps the Trainer's accelerator (every other call passes through) and owns `backward`,
+  `clip_grad_norm_` (the norm the engine measured; the engine clips by `gradient_clipping`), `no_sync` (the engine
+  decides when to communicate) and `optimizer_step_was_skipped`.
+- `EngineOptimizer` / `EngineScheduler`: `step()` does nothing (the engine stepped), the rest reads the engine's.
+
+The engine counts its own accumulation window. When the Trainer ends a window early (the last, shorter window of
+an epoch) `backward` moves the engine's micro-step count to that window's last slot, so both agree on where the
+optimizer step falls. `get_last_lr()` reports the lr the step just taken used, as the plain Trainer logs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+
+
+@dataclass
+class EngineLink:
+    """The engine the Trainer drives and what its last step left behind."""
+
+    engine: Engine | None = None
+    last_lr: list[float] = field(default_factory=lambda: [0.0])
+
+    def require(self) -> Engine:
+        assert self.engine is not None, "the zeroshard engine is built when training starts"
+        return self.engine
+
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        engine = self.require()
+        if boundary and not engine.is_gradient_accumulation_boundary():
+            accum = engine.gradient_accumulation_steps()
+            engine.micro_steps = (engine.micro_steps // accum + 1) * accum - 1  # a window the Trainer ends early
+        engine.backward(loss, scale_wrt_gas=False)
+        if engine.is_gradient_accumulation_boundary():
+            self.last_lr = engine.get_lr()
+        engine.step()
+
+
+class EngineAccelerator:
+    """The Trainer's accelerator with `backward` and gradient clipping handed to the engine
+    ([Note: the Trainer's loop over the engine]); anything else is the wrapped accelerator's."""
+
+    def __init__(self, accelerator: Any, link: EngineLink):
+        self._accelerator = accelerator
+        self._link = link
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self._link.engine is None:
+            self._accelerator.backward(loss, **kwargs)
+            return
+        self._link.backward(loss, boundary=bool(self._accelerator.sync_gradients))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        if self._link.engine is None:
+            return self._accelerator.clip_grad_norm_(parameters, max_norm, norm_type)
+        return self._link.engine.get_global_grad_norm()
+
+    @contextlib.contextmanager
+    def no_sync(self, model: Any) -> Iterator[None]:
+        yield
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        engine = self._link.engine
+        return engine is not None and not engine.was_step_applied()
+
+    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        engine = self._link.engine
+        if engine is not None and model is engine:
+            model = engine.module
+        return self._accelerator.unwrap_model(
+            model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
+        )
+
+
+class EngineOptimizer:
+    """`trainer.optimizer` while the engine trains: the engine's optimizer, stepped by the engine."""
+
+    def __init__(self, link: EngineLink):
+        self._link = link
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        optimizer = self._link.require().optimizer
+        assert optimizer is not None
+        return optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> None:
+        pass  # engine.step() ran in backward: [Note: the Trainer's loop over the engine]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine's step leaves its gradient buffers empty
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+class EngineScheduler:
+    """`trainer.lr_scheduler` while the engine trains: the engine steps the real one on every applied step."""
+
+    def __init__(self, link: EngineLink):
+        self._link = link
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass  # [Note: the Trainer's loop over the engine]
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._link.last_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        scheduler = self._link.require().lr_scheduler
+        return scheduler.state_dict() if scheduler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        scheduler = self._link.require().lr_scheduler
+        if scheduler is not None:
+            scheduler.load_state_dict(state_dict)

@@ -1,0 +1,236 @@
+"""`Trainer` and `TrainerMixin`: the Hugging Face Trainer's loop with the zeroshard engine under it.
+
+[Note: which Trainer methods we override]
+transformers' own loop (`_inner_training_loop`, `_run_epoch`, `training_step`, logging, callbacks, evaluation)
+runs unchanged; what DeepSpeed changes in it, we change at the same points, and nothing else:
+
+- `create_accelerator_and_postprocess`: the accelerator is wrapped by `EngineAccelerator`, which hands
+  `backward` and clipping to the engine ([Note: the Trainer's loop over the engine]).
+- `_prepare_for_training` (where transformers calls `deepspeed_init` and `accelerator.prepare`): build the engine
+  once (`zeroshard.initialize` with the config resolved from the arguments, [Note: the Trainer's "auto" rules]),
+  and on `resume_from_checkpoint` load its checkpoint from the `checkpoint-N` folder.
+- `_wrap_model`: the engine is the wrapped model, for evaluation and prediction too.
+- `call_model_init` / `_move_model_to_device`: at stage 3 a `model_init` runs under `zeroshard.zero_init()`, and
+  the engine, not the Trainer, places (and shards) the model.
+- `_save_optimizer_and_scheduler` / `_load_from_checkpoint` / `_load_best_model`: the engine's sharded checkpoint
+  (`checkpoint-N/global_stepN`, DeepSpeed's layout) holds weights, optimizer, scheduler and loss scale.
+- `save_model`: the consolidated weights through transformers' own `_save`, so the folder loads with
+  `from_pretrained` (a PEFT model writes its adapter, as the plain Trainer does).
+
+The optimizer and scheduler come from the config's `optimizer` / `scheduler` blocks when present, else from the
+Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_type` schedule), as under DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from zeroshard.config import ZeroshardConfig, parse_config
+from zeroshard.engine import Engine
+from zeroshard.errors import ConfigError
+from zeroshard.hf.arguments import TrainingArgumentsMixin
+from zeroshard.hf.auto import trainer_config
+from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer, EngineScheduler
+from zeroshard.initialize import initialize
+from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.stage3.meta import zero_init
+
+logger = get_logger(__name__)
+
+
+class TrainerMixin:
+    """Put in front of a `transformers.Trainer` subclass (e.g. TRL's) to train it with zeroshard.
+
+    The ds_config is `args.deepspeed` of `zeroshard.hf.TrainingArguments` (or of a config class with
+    `TrainingArgumentsMixin` in front), or the `zeroshard_config=` argument (a path or a dict).
+
+    Example:
+        >>> from trl import SFTTrainer  # doctest: +SKIP
+        >>> class SFT(TrainerMixin, SFTTrainer):  # doctest: +SKIP
+        ...     pass
+        >>> SFT(model=model, args=args, train_dataset=data, zeroshard_config="ds_config.json").train()  # doctest: +SKIP
+    """
+
+    # what transformers.Trainer provides (the mixin's partner class)
+    args: Any
+    model: Any
+    model_wrapped: Any
+    optimizer: Any
+    lr_scheduler: Any
+    accelerator: Any
+    callback_handler: Any
+    state: Any
+
+    def __init__(self, *args: Any, zeroshard_config: Any = None, **kwargs: Any):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.zeroshard_link = EngineLink()
+        self._zeroshard_source = _config_source(training_args, zeroshard_config)
+        self._zeroshard_steps: int | None = None
+        super().__init__(*args, **kwargs)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The zeroshard engine, once training (or evaluation) has started."""
+        return self.zeroshard_link.engine
+
+    # -- building -----------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        self.accelerator = EngineAccelerator(self.accelerator, self.zeroshard_link)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        if int(self._zeroshard_source.zero_optimization.stage) == 3:
+            with zero_init():  # each rank keeps only its shards: [Note: streaming load]
+                return super().call_model_init(trial)  # type: ignore[misc,no-any-return]
+        return super().call_model_init(trial)  # type: ignore[misc,no-any-return]
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        pass  # initialize places the model (and at stage 3 shards it)
+
+    def _build_engine(self, num_training_steps: int) -> Engine:
+        """The engine, built once: [Note: which Trainer methods we override]."""
+        if self.engine is not None:
+            if num_training_steps != self._zeroshard_steps:
+                log_rank(
+                    logger,
+                    30,
+                    f"the engine was built for {self._zeroshard_steps} steps; training runs "
+                    f"{num_training_steps} (the scheduler keeps the first)",
+                )
+            return self.engine
+        cfg = trainer_config(self._zeroshard_source, self.args, self.model, num_training_steps, self.args.world_size)
+        optimizer = self.create_optimizer() if cfg.optimizer is None else None  # type: ignore[attr-defined]
+        scheduler: Any = None
+        if cfg.scheduler is None:
+            self.lr_scheduler = None  # create_scheduler builds one only where there is none
+            scheduler = functools.partial(self._trainer_scheduler, num_training_steps)
+
+        # initialize parses its config with parse_config, which takes a ZeroshardConfig as it is
+        engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)  # type: ignore[arg-type]
+        self.zeroshard_link.engine = engine
+        self._zeroshard_steps = num_training_steps
+        self.model_wrapped = engine
+        self.optimizer = EngineOptimizer(self.zeroshard_link)
+        self.lr_scheduler = EngineScheduler(self.zeroshard_link)
+        return engine
+
+    def _trainer_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
+        return self.create_scheduler(num_training_steps, optimizer=optimizer)  # type: ignore[attr-defined]
+
+    def _planned_steps(self) -> int:
+        """The run's optimizer steps, for an engine built by `evaluate()` before `train()`."""
+        if self.args.max_steps > 0 or getattr(self, "train_dataset", None) is None:
+            return max(int(self.args.max_steps), 0)
+        values = self.set_initial_training_values(self.args, self.get_train_dataloader())  # type: ignore[attr-defined]
+        return int(values[-1])
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
+        engine = self._build_engine(max_steps)
+        if resume_from_checkpoint is not None:
+            path, _ = engine.load_checkpoint(resume_from_checkpoint, load_module_strict=not _is_peft(self.model))
+            if path is None:
+                raise ConfigError(f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint}")
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return engine, train_dataloader
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        steps = self._zeroshard_steps
+        return self._build_engine(steps if steps is not None else self._planned_steps())
+
+    # -- saving and loading -------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write a `from_pretrained` folder of the trained weights (every rank must call it; rank 0 writes)."""
+        engine = self.engine
+        if engine is None:
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        gather = engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if _internal_call and engine.zero_stage == 3 and not gather:
+            log_rank(
+                logger,
+                20,
+                "checkpoint: weights stay sharded in the engine checkpoint (set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save to also write model.safetensors)",
+            )
+            return
+        dtype = engine.precision.compute_dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in engine.consolidated_state_dict().items()}
+        self._save(output_dir or self.args.output_dir, state_dict=state)  # type: ignore[attr-defined]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self.engine
+        if engine is None:
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+            return
+        engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft(self.model))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        pass  # the engine loads its checkpoint in _prepare_for_training
+
+    def _load_best_model(self) -> None:
+        engine = self.engine
+        if engine is None:
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        best = self.state.best_model_checkpoint
+        log_rank(logger, 20, f"loading the best model from {best}")
+        engine.load_checkpoint(best, load_module_strict=not _is_peft(self.model), load_module_only=True)
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """`model.generate(...)` with the parameters gathered once for the whole call (stage 3), not per token.
+        Every rank must call it."""
+        engine = self.engine
+        model: Any = engine.module if engine is not None else self.model
+        with torch.no_grad():
+            if engine is None:
+                return model.generate(*args, **kwargs)
+            was_training = model.training
+            model.eval()
+            try:
+                with engine.gathered_for_generation():
+                    return model.generate(*args, **kwargs)
+            finally:
+                model.train(was_training)
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` trained by zeroshard: the same script, with `deepspeed=` (or `--deepspeed`) read by
+    `zeroshard.hf.TrainingArguments`. Launch with `zeroshard launch` or `torchrun`; DeepSpeed is not needed.
+
+    Example:
+        >>> from zeroshard.hf import Trainer, TrainingArguments
+        >>> args = TrainingArguments("out", deepspeed="ds_config.json", per_device_train_batch_size=4)  # doctest: +SKIP
+        >>> Trainer(model=model, args=args, train_dataset=data).train()  # doctest: +SKIP
+    """
+
+
+def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
+    """The parsed ds_config, from `args` (zeroshard's TrainingArguments) or `zeroshard_config=`."""
+    if getattr(args, "deepspeed", None):
+        raise ConfigError(
+            "the TrainingArguments carry deepspeed=, which transformers has already handed to DeepSpeed; use "
+            "zeroshard.hf.TrainingArguments (or put zeroshard.hf.TrainingArgumentsMixin in front of your config "
+            "class), or leave deepspeed unset and pass zeroshard_config= to the Trainer"
+        )
+    from_args = getattr(args, "zeroshard_config", None) if isinstance(args, TrainingArgumentsMixin) else None
+    if from_args is not None and zeroshard_config is not None:
+        raise ConfigError("a ds_config came from both TrainingArguments(deepspeed=...) and zeroshard_config=")
+    source = zeroshard_config if zeroshard_config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no ds_config: pass deepspeed= (or --deepspeed) to zeroshard.hf.TrainingArguments, or "
+            "zeroshard_config= to the Trainer"
+        )
+    return parse_config(source)
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")

@@ -1,0 +1,243 @@
+"""`zeroshard.hf.Trainer` against the plain `transformers.Trainer`, and its save / resume / load on 2 ranks.
+
+Each body runs in spawned ranks (`run_on_ranks`), so no process group outlives a test in the pytest process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.hf_trainer import Tokens, arguments, ds_config, loss_recorder, tiny_llama, with_lora
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+REL = 1e-5
+
+
+def _plain_losses(out: str, model: Any, data: Any, **overrides: Any) -> list[float]:
+    import transformers
+
+    record = loss_recorder()
+    args = transformers.TrainingArguments(**arguments(out, **overrides))
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[record]).train()
+    return list(record.losses)
+
+
+def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any], **overrides: Any) -> list[float]:
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    record = loss_recorder()
+    args = TrainingArguments(**arguments(out, deepspeed=config, **overrides))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[record])
+    trainer.train()
+    assert trainer.engine is not None
+    trainer.engine.destroy()
+    return list(record.losses)
+
+
+# 36 samples, 4 per batch, 2 per window: 9 batches an epoch, so each epoch ends on a one-batch window
+CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
+    "stage3-config-optimizer": (3, True, False, {}),
+    "stage3-trainer-optimizer": (3, False, False, {"weight_decay": 0.1}),
+    "stage3-lora": (3, True, True, {}),
+    "stage2-config-optimizer": (2, True, False, {}),
+    "stage1-lora": (1, True, True, {}),
+}
+SLOW = {"stage2-config-optimizer", "stage1-lora"}
+
+
+def _ws1_parity(rank: int, world_size: int, tmp: str, name: str) -> tuple[list[float], list[float]]:
+    torch.set_num_threads(2)
+    stage, optimizer, lora, overrides = CASES[name]
+    data = Tokens(36)
+    build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
+    plain = _plain_losses(os.path.join(tmp, "plain"), build(), data, num_train_epochs=2, **overrides)
+    config = ds_config(stage, optimizer)
+    ours = _zeroshard_losses(os.path.join(tmp, "zs"), build(), data, config, num_train_epochs=2, **overrides)
+    return plain, ours
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES])
+def test_world_size_1_losses_equal_the_plain_trainer(tmp_path, name):
+    plain, ours = run_on_ranks(_ws1_parity, 1, str(tmp_path), name)[0]
+    assert len(plain) == len(ours) == 10
+    assert plain[-1] < plain[0]  # it learns
+    for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step}: plain {a} zeroshard {b}"
+
+
+def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict[str, Any]:
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    def build() -> Any:
+        return with_lora(tiny_llama()) if lora else tiny_llama()
+
+    config = ds_config(3, zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
+    out = os.path.join(tmp, "run")
+    kwargs = arguments(
+        out, deepspeed=config, per_device_train_batch_size=2, num_train_epochs=2, save_strategy="steps", save_steps=3
+    )
+    data, evaluation = Tokens(32), Tokens(8, seed=2)
+
+    def trainer(record: Any) -> Any:
+        args = TrainingArguments(**kwargs)
+        return Trainer(model=build(), args=args, train_dataset=data, eval_dataset=evaluation, callbacks=[record])
+
+    full = loss_recorder()
+    first = trainer(full)
+    first.train()
+    resumed_record = loss_recorder()
+    second = trainer(resumed_record)
+    second.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+
+    final = os.path.join(tmp, "final")
+    second.save_model(final)
+    engine = second.engine
+    weights = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    eval_loss = second.evaluate()["eval_loss"]
+    predictions = second.predict(evaluation).predictions
+    prompt = evaluation.ids[:2, :6]
+    generated = second.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+    return {
+        "full": full.losses,
+        "resumed": resumed_record.losses,
+        "weights": weights if rank == 0 else None,
+        "eval_loss": eval_loss,
+        "predictions_shape": tuple(predictions.shape),
+        "generated": generated,
+        "checkpoint": sorted(os.listdir(os.path.join(out, "checkpoint-3"))),
+    }
+
+
+def _load_saved(folder: str, lora: bool) -> Any:
+    from transformers import LlamaForCausalLM
+
+    if lora:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(tiny_llama(), folder)
+    return LlamaForCausalLM.from_pretrained(folder)
+
+
+def _eval_loss(model: Any) -> float:
+    data = Tokens(8, seed=2)
+    with torch.no_grad():
+        losses = [model(input_ids=data.ids[i : i + 2], labels=data.ids[i : i + 2]).loss for i in range(0, 8, 2)]
+    return float(torch.stack(losses).mean())
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
+    results = run_on_ranks(_train_save_resume, 2, str(tmp_path), lora)
+    ours = results[0]
+    assert len(ours["full"]) == 8 and ours["full"][-1] < ours["full"][0]
+    assert len(ours["resumed"]) == 5  # steps 4..8 after checkpoint-3
+    for step, (a, b) in enumerate(zip(ours["full"][3:], ours["resumed"], strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step + 4}: uninterrupted {a} resumed {b}"
+    assert "latest" in ours["checkpoint"] and "global_step3" in ours["checkpoint"]
+    assert "trainer_state.json" in ours["checkpoint"]
+
+    model = _load_saved(str(tmp_path / "final"), lora).eval()
+    loaded = model.state_dict()
+    for name, value in ours["weights"].items():
+        if lora and "lora_" not in name:
+            continue
+        assert torch.equal(loaded[name], value), name
+    assert math.isclose(ours["eval_loss"], _eval_loss(model), rel_tol=REL)
+    assert results[1]["eval_loss"] == ours["eval_loss"]
+    assert ours["predictions_shape"] == (8, 16, 128)
+    expected = model.generate(input_ids=Tokens(8, seed=2).ids[:2, :6], max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours["generated"], expected)
+    assert torch.equal(results[1]["generated"], expected)
+
+
+def _sft_parity(rank: int, world_size: int, tmp: str) -> tuple[list[float], list[float]]:
+    from datasets import Dataset
+    from transformers import ByT5Tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from zeroshard.hf import TrainerMixin, TrainingArgumentsMixin
+
+    class SFT(TrainerMixin, SFTTrainer):
+        pass
+
+    class Config(TrainingArgumentsMixin, SFTConfig):
+        pass
+
+    torch.set_num_threads(2)
+    data = Dataset.from_dict({"input_ids": Tokens(36).ids.tolist()})
+    tokenizer = ByT5Tokenizer(extra_ids=0)  # SFTTrainer wants one; the data is already tokenized
+    kwargs = arguments(os.path.join(tmp, "sft"), num_train_epochs=2, bf16=False)  # SFTConfig defaults to bf16
+    plain, ours = loss_recorder(), loss_recorder()
+    args = SFTConfig(**kwargs)
+    SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[plain]).train()
+    args = Config(deepspeed=ds_config(3), **kwargs)
+    SFT(model=tiny_llama(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[ours]).train()
+    return plain.losses, ours.losses
+
+
+def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    plain, ours = run_on_ranks(_sft_parity, 1, str(tmp_path))[0]
+    assert len(plain) == len(ours) == 10 and plain[-1] < plain[0]
+    for step, (a, b) in enumerate(zip(plain, ours, strict=True)):
+        assert math.isclose(a, b, rel_tol=REL), f"step {step}: SFTTrainer {a} zeroshard {b}"
+
+
+def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    import zeroshard
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    def losses(model: Any = None, model_init: Any = None) -> tuple[list[float], Any]:
+        record = loss_recorder()
+        args = TrainingArguments(**arguments(os.path.join(tmp, "out"), deepspeed=ds_config(3), max_steps=4))
+        trainer = Trainer(model=model, model_init=model_init, args=args, train_dataset=Tokens(32), callbacks=[record])
+        built = trainer.model
+        trainer.train()
+        trainer.engine.destroy()
+        return record.losses, built
+
+    whole, _ = losses(LlamaForCausalLM.from_pretrained(folder))
+    with zeroshard.zero_init():
+        meta = LlamaForCausalLM.from_pretrained(folder)
+    streamed, _ = losses(meta)
+    from_init, built = losses(model_init=lambda: LlamaForCausalLM.from_pretrained(folder))
+    return {"whole": whole, "streamed": streamed, "model_init": from_init, "meta": built.lm_head.weight.is_meta}
+
+
+def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
+    folder = str(tmp_path / "llama")
+    tiny_llama().save_pretrained(folder)
+    out = run_on_ranks(_streamed_model, 2, str(tmp_path), folder)[0]
+    assert out["meta"]  # model_init ran under zero_init at stage 3
+    assert len(out["whole"]) == 4
+    for name in ("streamed", "model_init"):
+        for step, (a, b) in enumerate(zip(out["whole"], out[name], strict=True)):
+            assert math.isclose(a, b, rel_tol=REL), f"{name} step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_the_example_runs_under_zeroshard_launch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", "examples/hf_trainer.py"]
+    flags = ["--deepspeed", "examples/ds_config_hf.json", "--max_steps", "4", "--save_steps", "2", "--eval_steps", "4"]
+    flags += ["--use_cpu", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
+    out = subprocess.run(command + flags, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sample: 'def " in out.stdout
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "checkpoint-2" / "latest").exists()
