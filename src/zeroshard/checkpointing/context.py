@@ -69,20 +69,30 @@ class ContiguousBuffers:
 
 @dataclass
 class CheckpointStats:
-    """Counters a test or a profile reads: bytes of inputs kept now and at most, and time per phase."""
+    """Counters a test or a profile reads: bytes of checkpointed inputs kept now and at most, on the compute
+    device and in host memory (cpu_checkpointing), and with `profile` the time of each phase."""
 
-    kept_bytes: int = 0
-    peak_kept_bytes: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    peak_device_bytes: int = 0
+    peak_host_bytes: int = 0
     forward_s: float = 0.0
     backward_s: float = 0.0
     calls: int = 0
 
-    def keep(self, nbytes: int) -> None:
-        self.kept_bytes += nbytes
-        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+    def keep(self, nbytes: int, on_host: bool) -> None:
+        if on_host:
+            self.host_bytes += nbytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        else:
+            self.device_bytes += nbytes
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
-    def drop(self, nbytes: int) -> None:
-        self.kept_bytes -= nbytes
+    def drop(self, nbytes: int, on_host: bool) -> None:
+        if on_host:
+            self.host_bytes -= nbytes
+        else:
+            self.device_bytes -= nbytes
 
 
 @dataclass

@@ -64,7 +64,7 @@ def keep(tensor: torch.Tensor, position: int, ctx: CheckpointingContext) -> Kept
     elif partitioned:
         data = data.clone()  # the piece alone: the whole input can be freed
     kept = Kept(data, tensor.shape, tensor.device, tensor.requires_grad, partitioned, s.cpu_checkpointing)
-    ctx.stats.keep(kept.nbytes)
+    ctx.stats.keep(kept.nbytes, kept.on_host)
     return kept
 
 
@@ -84,7 +84,7 @@ def restore(kept: Kept, ctx: CheckpointingContext) -> torch.Tensor:
     out = data.reshape(-1).narrow(0, 0, numel).view(kept.shape).detach()
     if kept.data.data_ptr() == out.data_ptr():  # a preallocated buffer is reused by a later forward
         out = out.clone()
-    ctx.stats.drop(kept.nbytes)
+    ctx.stats.drop(kept.nbytes, kept.on_host)
     return out.requires_grad_(kept.requires_grad)
 
 
