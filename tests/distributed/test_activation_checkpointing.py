@@ -211,6 +211,16 @@ def _keeping(rank: int, world_size: int) -> dict[str, tuple]:
         stats = checkpointing.stats()
         assert stats.device_bytes == 0 and stats.host_bytes == 0, name  # all restored in backward
         out[name] = (grads, saved, stats.peak_device_bytes, stats.peak_host_bytes)
+    # initialize configures checkpointing from the config's block (without an mpu: initialize refuses one)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "activation_checkpointing": {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True},
+    }
+    zeroshard.initialize(model=nn.Linear(2, 2), config=config)
+    settings = checkpointing.settings()
+    assert settings.cpu_checkpointing and settings.synchronize_checkpoint_boundary
+    assert not settings.partition_activations
     return out
 
 
