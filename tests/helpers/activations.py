@@ -59,7 +59,9 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             # a fresh allocation: not a view, not an input written in place (a parameter, an existing .grad)
             if isinstance(t, torch.Tensor) and not t._is_view() and t.untyped_storage().data_ptr() not in inputs:
