@@ -120,9 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _nothing_fits(cap: int | None, label: str, need: int, how: str) -> str:
-    limit = "the memory available" if cap is None else f"the cap of {human_bytes(cap)} per rank"
+    if cap is None:
+        return f"no trial finished (each one's reason is in results.csv); the smallest-memory option is {label}"
     return (
-        f"no configuration fits under {limit}; the smallest-memory option, {label}, needs {human_bytes(need)} ({how})"
+        f"no configuration fits under the cap of {human_bytes(cap)} per rank; the smallest-memory option, {label}, "
+        f"needs {human_bytes(need)} ({how})"
     )
 
 
