@@ -80,6 +80,8 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "activation_checkpointing.cpu_checkpointing",
         "activation_checkpointing.synchronize_checkpoint_boundary",
         "activation_checkpointing.profile",
+        # Autotuning (zeroshard autotune reads the block; zeroshard.autotuning).
+        "autotuning",
         # Logging, checkpointing and data.
         "steps_per_print",
         "checkpoint.tag_validation",
@@ -233,7 +235,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "tensor_parallel",
         "expert_parallel",
         "weight_quantization",
-        "autotuning",
         "data_efficiency",
         "curriculum_learning",
         "compression_training",
