@@ -71,7 +71,9 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
             ax.text(i, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)), names, rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("samples / s")
-    ax.set_title("zeroshard autotune: measured throughput per trial (orange: over the memory cap, red: failed)")
+    ax.set_title(
+        "zeroshard autotune: measured throughput per trial\n(orange: over the memory cap, red: failed)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
