@@ -27,7 +27,7 @@ logger = get_logger(__name__)
 class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: Callable[..., Any], outputs: list[Any], *args: Any) -> Any:  # type: ignore[override]
-        state: CheckpointingContext = ctx_state()
+        state = CONTEXT
         with _boundary(state, "forward"), record_function("zeroshard.checkpoint.forward"):
             ctx.run = run
             ctx.rng = rng.capture(state.rng_tracker, _uses_cuda(args))
@@ -41,7 +41,7 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        state = ctx_state()
+        state = CONTEXT
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("zeroshard.checkpointing.checkpoint works with .backward(), not torch.autograd.grad()")
         if state.settings.contiguous_memory_optimization:
@@ -77,10 +77,6 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     outputs: list[Any] = []
     tensors = CheckpointFunction.apply(function, outputs, *args)
     return _merge(outputs[0], tensors)
-
-
-def ctx_state() -> CheckpointingContext:
-    return CONTEXT
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:
