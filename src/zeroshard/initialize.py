@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from zeroshard import checkpointing
 from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
@@ -85,6 +86,7 @@ def initialize(
     parsed = parse_config(source)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
     cfg = resolve_config(parsed, world_size=topology.world_size, known=_known_values(model, optimizer))
+    checkpointing.configure_from_config(cfg)
     return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from helpers.deepspeed_reference import import_deepspeed
+from zeroshard.cli.estimate.activations import activation_bytes
 from zeroshard.cli.estimate.formulas import OPTIONS, Cluster, Option, Precision, deepspeed_states, zeroshard_states
-from zeroshard.cli.estimate.recommend import recommend
+from zeroshard.cli.estimate.recommend import HEADROOM, recommend
 from zeroshard.cli.estimate.rows import estimate_rows
 from zeroshard.cli.estimate.shapes import from_model_arg, from_params
 from zeroshard.cli.main import main
@@ -101,14 +102,52 @@ def test_decision_tree_of_seed_000():
         return recommend(model.params, rows, cluster, None if gpu_gib is None else int(gpu_gib * 2**30))
 
     assert pick(1e9, 1, 80).option == Option(0)
-    assert pick(7e9, 8, 80).option == Option(1)
+    assert pick(7e9, 8, 1000).option == Option(1)
+    assert pick(7e9, 8, 80).tree_option == Option(1)  # 6Ψ + 16Ψ/8 and activations: over 80% of 80 GiB
     big = pick(30e9, 8, 1000)  # plenty of GPU memory: overlap_comm
     assert big.option == Option(2, "cpu") and big.zero_optimization["overlap_comm"] is True
-    tight = pick(30e9, 8, 40)  # tight: pin_memory instead
-    assert tight.zero_optimization["offload_optimizer"]["pin_memory"] is True
-    assert tight.zero_optimization["overlap_comm"] is False
-    huge = pick(175e9, 8, 80)
+    assert big.tree_option is None and big.fits is True
+    unknown = pick(30e9, 8, None)  # GPU memory unknown: the tree, with pin_memory for a tight GPU
+    assert unknown.option == Option(2, "cpu") and unknown.fits is None
+    assert unknown.zero_optimization["offload_optimizer"]["pin_memory"] is True
+    assert unknown.zero_optimization["overlap_comm"] is False
+    huge = pick(175e9, 8, 1000)
     assert huge.option == Option(3, "nvme", "nvme") and any("3D" in note for note in huge.notes)
+
+
+def _levers(params: float, gpus: int, nodes: int, gpu_gib: float, micro_batch: int = 1, checkpointing: bool = False):
+    model = from_params(params) if isinstance(params, float) else from_model_arg(params)
+    cluster = Cluster(gpus_per_node=gpus, nodes=nodes)
+    rows = estimate_rows(model, cluster, BF16, 2048, micro_batch, checkpointing)
+
+    def acts(ckpt: bool, mb: int) -> int:
+        return activation_bytes(model.shape, 2048, mb, BF16.param_bytes, ckpt)
+
+    return recommend(model.params, rows, cluster, int(gpu_gib * 2**30), acts, checkpointing, micro_batch), rows
+
+
+def test_recommendation_is_an_option_that_fits():
+    """Issue 17: llama-2-70b on 2 x 8 GPUs of 80 GiB; the tree's stage 2 + CPU offload needs ~187 GiB per GPU."""
+    rec, rows = _levers("llama-2-70b", 8, 2, 80)
+    assert rec.fits is True and rec.tree_option == Option(2, "cpu")
+    assert rec.gpu_bytes is not None and rec.gpu_bytes <= HEADROOM * 80 * 2**30
+    # without parameter offload, checkpointing is the cheaper lever: stage 3 + CPU optimizer offload with it
+    assert rec.option == Option(3, "cpu") and rec.checkpointing and rec.micro_batch == 1
+    by_option = {row.option: row for row in rows}
+    assert by_option[Option(3, "cpu")].gpu_bytes_per_rank > HEADROOM * 80 * 2**30  # not without checkpointing
+    assert rec.zero_optimization["stage"] == 3 and rec.zero_optimization["offload_optimizer"]["device"] == "cpu"
+
+
+def test_micro_batch_is_the_last_lever_and_nothing_fitting_is_said_plainly(capsys):
+    rec, _ = _levers(7e9, 8, 1, 80, micro_batch=64)
+    assert rec.fits and rec.micro_batch < 64 and rec.checkpointing  # checkpointing before a smaller micro-batch
+    assert any("gradient_accumulation_steps" in note for note in rec.notes)
+    rec, _ = _levers("llama-2-70b", 8, 2, 2)
+    assert rec.fits is False and rec.option == Option(3, "cpu", "cpu") and rec.micro_batch == 1
+    assert any(reason.startswith("nothing fits") for reason in rec.reasons)
+    assert main(["estimate", "--model", "llama-2-70b", "--gpus", "8", "--nodes", "2", "--gpu-memory", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "NOTHING FITS in 2.0 GiB per GPU" in text and "ds_config (does not fit)" in text
 
 
 def test_estimate_json_schema(capsys):

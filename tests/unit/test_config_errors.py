@@ -384,7 +384,7 @@ def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> Non
     cfg = parse_config(
         {
             "comet": {"enabled": True, "project": "runs"},
-            "autotuning": {"enabled": True},
+            "datastates_ckpt": {"enabled": True},
             "zero_optimization": {"mics_shard_size": 8},
         }
     )
@@ -392,9 +392,9 @@ def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> Non
         ("zero_optimization.mics_shard_size", 8),
         ("comet.enabled", True),
         ("comet.project", "runs"),
-        ("autotuning", {"enabled": True}),
+        ("datastates_ckpt", {"enabled": True}),
     ]
     assert warnings_of(log)[-1] == (
-        'zeroshard: autotuning={"enabled": true} is accepted but not implemented yet; it has no effect'
+        'zeroshard: datastates_ckpt={"enabled": true} is accepted but not implemented yet; it has no effect'
     )
     assert len(warnings_of(log)) == 4

@@ -19,7 +19,7 @@ from zeroshard.cli.common import EXIT_CONFIG, EXIT_FAILURE, CLIError
 def build_parser() -> argparse.ArgumentParser:
     from zeroshard import __version__
     from zeroshard.checkpoint import export as convert  # `zeroshard convert` lives with the checkpoint format
-    from zeroshard.cli import launch, report, train, validate
+    from zeroshard.cli import autotune, launch, report, train, validate
     from zeroshard.cli.estimate import command as estimate
 
     common = argparse.ArgumentParser(add_help=False)
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (validate, report, estimate, launch, train, convert):
+    for module in (validate, report, estimate, autotune, launch, train, convert):
         module.add_parser(sub, [common])
     return parser
 

@@ -87,6 +87,15 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "communication_data_type",
         "prescale_gradients",
         "gradient_predivide_factor",
+        # Activation checkpointing (zeroshard.checkpointing; configured by initialize when the block is given).
+        "activation_checkpointing.partition_activations",
+        "activation_checkpointing.contiguous_memory_optimization",
+        "activation_checkpointing.number_checkpoints",
+        "activation_checkpointing.cpu_checkpointing",
+        "activation_checkpointing.synchronize_checkpoint_boundary",
+        "activation_checkpointing.profile",
+        # Autotuning (zeroshard autotune reads the block; zeroshard.autotuning).
+        "autotuning",
         # Logging, checkpointing and data.
         "steps_per_print",
         "checkpoint.tag_validation",
@@ -225,7 +234,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "log_level",
         "timers",
         # Memory, checkpointing and data.
-        "activation_checkpointing",
         "checkpoint.load_universal",
         "checkpoint.use_node_local_storage",
         "checkpoint.parallel_write",
@@ -240,7 +248,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "tensor_parallel",
         "expert_parallel",
         "weight_quantization",
-        "autotuning",
         "data_efficiency",
         "curriculum_learning",
         "compression_training",

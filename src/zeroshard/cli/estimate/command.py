@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from zeroshard.cli.common import CLIError, human_bytes, out
+from zeroshard.cli.estimate.activations import activation_bytes
 from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.recommend import Recommendation, recommend
 from zeroshard.cli.estimate.rows import DEFAULT_BUCKET_NUMEL, Row, estimate_rows
@@ -64,7 +65,15 @@ def run(args: argparse.Namespace) -> int:
     gpu_memory = (
         int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
     )
-    rec = recommend(model.params, rows, cluster, gpu_memory)
+    rec = recommend(
+        model.params,
+        rows,
+        cluster,
+        gpu_memory,
+        lambda ckpt, mb: activation_bytes(model.shape, args.seq_len, mb, precision.param_bytes, ckpt),
+        args.gradient_checkpointing,
+        args.micro_batch,
+    )
     if args.json:
         out(json.dumps([_json_row(row, rec) for row in rows], indent=2))
     else:
@@ -100,8 +109,9 @@ def render(
         f"{'option':<54}{'GPU/rank':>11}{'states':>11}{'activ.':>11}{'buffers':>11}"
         f"{'CPU/node':>11}{'NVMe/node':>11}  | DeepSpeed GPU/rank, CPU/node",
     ]
+    same_levers = rec.checkpointing == args.gradient_checkpointing and rec.micro_batch == args.micro_batch
     for row in rows:
-        mark = "*" if row.option == rec.option else " "
+        mark = (" *" if same_levers else " +")[1] if row.option == rec.option else " "
         ds = "-" if row.deepspeed is None else f"{human_bytes(row.deepspeed[1])}, {human_bytes(row.deepspeed[0])}"
         lines.append(
             f"{mark} {row.option.label():<52}{human_bytes(row.gpu_bytes_per_rank):>11}"
@@ -109,14 +119,21 @@ def render(
             f"{human_bytes(row.buffer_bytes):>11}{human_bytes(row.cpu_bytes_per_node):>11}"
             f"{human_bytes(row.nvme_bytes_per_node):>11}  | {ds}"
         )
-    lines += ["", f"recommended (seed-000 decision tree): {rec.option.label()}"]
+    if not same_levers:
+        lines.append("+ recommended with other levers (checkpointing, micro-batch): its GPU bytes are below")
+    what = f"{rec.option.label()} (micro-batch {rec.micro_batch}" + (
+        ", activation checkpointing)" if rec.checkpointing else ")"
+    )
+    if rec.tree_option is None:
+        lines += ["", f"recommended (seed-000 decision tree): {what}"]
+    elif rec.fits:
+        lines += ["", f"recommended (fits; the seed-000 decision tree's {rec.tree_option.label()} does not): {what}"]
+    else:
+        lines += ["", f"NOTHING FITS in {human_bytes(gpu_memory)} per GPU; the smallest: {what}"]
     lines += [f"  - {reason}" for reason in rec.reasons]
-    if rec.fits is False:
-        lines.append(f"  - does not fit in {human_bytes(gpu_memory)} per GPU")
-        if rec.fallback is not None:
-            lines.append(f"  - first option that fits: {rec.fallback.label()}")
     lines += [f"  - {note}" for note in rec.notes]
-    lines.append(f"  ds_config: {json.dumps({'zero_optimization': rec.zero_optimization})}")
+    config = {"train_micro_batch_size_per_gpu": rec.micro_batch, "zero_optimization": rec.zero_optimization}
+    lines.append(f"  ds_config{'' if rec.fits is not False else ' (does not fit)'}: {json.dumps(config)}")
     return "\n".join(lines)
 
 

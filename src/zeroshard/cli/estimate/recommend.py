@@ -1,26 +1,31 @@
-"""The recommendation: the decision tree of seed 000 (a ZeRO tuning guide), then a check that it fits.
+"""The recommendation: the decision tree of seed 000 (a ZeRO tuning guide) as the starting point, then a
+configuration that fits ([Note: levers] in levers.py).
 
     parameters < 10B         -> stage 0/1 (stage 1 when there is more than one rank)
     10B <= parameters <= 100B -> stage 2 + CPU optimizer offload
                                  GPU memory sufficient? yes -> overlap_comm; no -> pin_memory
     parameters > 100B        -> stage 3 + NVMe offload (combine with 3D parallelism)
 
-"Sufficient" means the option's per-rank GPU bytes stay under `HEADROOM` of the GPU's memory. When
-the tree's choice does not fit at all, the first option (in `OPTIONS` order: least sharding and
-offload first) that does is named as well.
+"Fits" and "sufficient" both mean the per-rank GPU bytes stay under `HEADROOM` of the GPU's memory. When the
+tree's choice fits at the micro-batch asked for, it is the recommendation. Otherwise the recommendation is the
+cheapest candidate that fits, its ds_config is printed, and the tree's choice is named as not fitting; when no
+candidate fits, the recommendation says so and names the one that needs the least memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from zeroshard.cli.estimate.formulas import Cluster, Option
+from zeroshard.cli.estimate.levers import HEADROOM, Plan, candidates, first_fit, fits
 from zeroshard.cli.estimate.rows import Row
 
 SMALL: Final = 10e9
 LARGE: Final = 100e9
-HEADROOM: Final = 0.8  # allocator fragmentation, CUDA context, framework workspace
+
+__all__ = ["HEADROOM", "Recommendation", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -29,59 +34,123 @@ class Recommendation:
     zero_optimization: dict[str, Any]
     reasons: list[str]
     fits: bool | None  # None: GPU memory unknown
-    fallback: Option | None = None  # the first option that fits, when `option` does not
+    checkpointing: bool = False
+    micro_batch: int = 1
+    gpu_bytes: int | None = None  # per rank, with the levers above
+    tree_option: Option | None = None  # the decision tree's choice, when it is not the recommendation
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.option.to_json(),
             "zero_optimization": self.zero_optimization,
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "activation_checkpointing": self.checkpointing,
+            "gpu_bytes_per_rank": self.gpu_bytes,
             "reasons": self.reasons,
             "fits": self.fits,
-            "fallback": None if self.fallback is None else self.fallback.label(),
+            "decision_tree": None if self.tree_option is None else self.tree_option.label(),
             "notes": self.notes,
         }
 
 
-def recommend(params: int, rows: list[Row], cluster: Cluster, gpu_memory: int | None) -> Recommendation:
+def recommend(
+    params: int,
+    rows: list[Row],
+    cluster: Cluster,
+    gpu_memory: int | None,
+    activations: Callable[[bool, int], int] | None = None,
+    checkpointing: bool = False,
+    micro_batch: int = 1,
+) -> Recommendation:
+    """The tree's choice if it fits, else the cheapest configuration that does ([Note: levers]).
+    `activations(checkpointing, micro_batch)` gives activation bytes per rank for the levers; without it only
+    the rows as given (the micro-batch and checkpointing they were computed with) are considered."""
     by_option = {row.option: row for row in rows}
+    tree, why, notes = _tree(params, cluster)
+    need = by_option[tree].gpu_bytes_per_rank
+    sufficient = gpu_memory is not None and fits(need, gpu_memory)
+    if params >= SMALL and params <= LARGE:
+        budget = "unknown" if gpu_memory is None else f"{_gib(need)} of {_gib(gpu_memory)}"
+        why.append(
+            f"GPU memory sufficient ({budget}): overlap_comm on (its extra buckets fit)"
+            if sufficient
+            else f"GPU memory tight ({budget}): pin_memory on for faster host transfers, overlap_comm off"
+        )
+    if gpu_memory is None:
+        zero = _zero_config(tree, sufficient)
+        return Recommendation(tree, zero, why, None, checkpointing, micro_batch, need, None, notes)
+    if sufficient:
+        zero = _zero_config(tree, sufficient)
+        return Recommendation(tree, zero, why, True, checkpointing, micro_batch, need, None, notes)
+    if activations is None:  # no levers: the options at the rows' own activations
+        plans: Iterator[Plan] = _as_given(rows, checkpointing, micro_batch)
+    else:
+        plans = candidates(rows, activations, checkpointing, micro_batch)
+    chosen, smallest = first_fit(plans, gpu_memory)
+    limit = f"{_gib(int(HEADROOM * gpu_memory))} ({HEADROOM:.0%} of {_gib(gpu_memory)})"
+    why.append(f"the decision tree's {tree.label()} needs {_gib(need)} per GPU: more than {limit}")
+    if chosen is None:
+        why.append(
+            f"nothing fits: the smallest, {smallest.label()}, needs {_gib(smallest.gpu_bytes)} per GPU; add GPUs "
+            "or nodes, shorten --seq-len, or add tensor/pipeline parallelism"
+        )
+        return _from_plan(smallest, False, why, tree, notes)
+    why.append(
+        f"fits: {chosen.label()} needs {_gib(chosen.gpu_bytes)} per GPU, at most {limit}; "
+        f"and {_gib(chosen.cpu_bytes_per_node)} of CPU memory per node"
+    )
+    if chosen.checkpointing and not checkpointing:
+        notes.append(
+            "activation checkpointing: model.gradient_checkpointing_enable() (Hugging Face), `zeroshard train "
+            "--gradient-checkpointing`, or zeroshard.checkpointing.checkpoint around each layer"
+        )
+    if chosen.micro_batch < micro_batch:
+        notes.append(
+            f"micro-batch {micro_batch} -> {chosen.micro_batch}: raise gradient_accumulation_steps to keep "
+            "the global batch"
+        )
+    return _from_plan(chosen, True, why, tree, notes)
+
+
+def _tree(params: int, cluster: Cluster) -> tuple[Option, list[str], list[str]]:
     billions = params / 1e9
-    notes: list[str] = []
     if params < SMALL:
         option = Option(1) if cluster.world_size > 1 else Option(0)
         why = [f"{billions:.3g}B parameters < 10B: stage 0/1"]
         why.append("stage 1: optimizer states sharded over the ranks" if option.stage else "one rank: stage 0")
-        zero: dict[str, Any] = {"stage": option.stage}
-    elif params <= LARGE:
-        option = Option(2, "cpu")
-        why = [f"{billions:.3g}B parameters in 10B-100B: stage 2 + CPU optimizer offload"]
-        need = by_option[option].gpu_bytes_per_rank
-        sufficient = gpu_memory is not None and need <= HEADROOM * gpu_memory
-        budget = "unknown" if gpu_memory is None else f"{_gib(need)} of {_gib(gpu_memory)}"
-        if sufficient:
-            why.append(f"GPU memory sufficient ({budget}): overlap_comm on (its extra buckets fit)")
-        else:
-            why.append(f"GPU memory tight ({budget}): pin_memory on for faster host transfers, overlap_comm off")
-        zero = {
-            "stage": 2,
-            "offload_optimizer": {"device": "cpu", "pin_memory": not sufficient},
-            "overlap_comm": sufficient,
-            "contiguous_gradients": True,
-        }
-    else:
-        option = Option(3, "nvme", "nvme")
-        why = [f"{billions:.3g}B parameters > 100B: stage 3 + NVMe offload (ZeRO-Infinity)"]
-        nvme = {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
-        zero = {"stage": 3, "offload_optimizer": dict(nvme), "offload_param": dict(nvme), "overlap_comm": True}
-        notes.append("combine with tensor/pipeline parallelism (3D parallelism); zeroshard itself is data-parallel")
-    fits = None if gpu_memory is None else by_option[option].gpu_bytes_per_rank <= gpu_memory
-    fallback = None
-    if fits is False:
-        assert gpu_memory is not None
-        fallback = next((row.option for row in rows if row.gpu_bytes_per_rank <= gpu_memory), None)
-        if fallback is None:
-            notes.append("no option fits: lower --micro-batch or --seq-len, use --gradient-checkpointing, or add GPUs")
-    return Recommendation(option, zero, why, fits, fallback, notes)
+        return option, why, []
+    if params <= LARGE:
+        return Option(2, "cpu"), [f"{billions:.3g}B parameters in 10B-100B: stage 2 + CPU optimizer offload"], []
+    why = [f"{billions:.3g}B parameters > 100B: stage 3 + NVMe offload (ZeRO-Infinity)"]
+    return (
+        Option(3, "nvme", "nvme"),
+        why,
+        ["combine with tensor/pipeline parallelism (3D parallelism); zeroshard itself is data-parallel"],
+    )
+
+
+def _zero_config(option: Option, sufficient: bool) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": option.stage}
+    for key, device in (("offload_optimizer", option.offload_optimizer), ("offload_param", option.offload_param)):
+        if device == "cpu":
+            zero[key] = {"device": "cpu", "pin_memory": not sufficient}
+        elif device == "nvme":
+            zero[key] = {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
+    if option.stage >= 2:
+        zero["overlap_comm"] = sufficient or option.offload_param == "nvme"
+        zero["contiguous_gradients"] = True
+    return zero
+
+
+def _as_given(rows: list[Row], checkpointing: bool, micro_batch: int) -> Iterator[Plan]:
+    for row in rows:
+        yield Plan(row.option, checkpointing, micro_batch, row.gpu_bytes_per_rank, row.cpu_bytes_per_node)
+
+
+def _from_plan(plan: Plan, ok: bool, why: list[str], tree: Option, notes: list[str]) -> Recommendation:
+    zero = _zero_config(plan.option, ok)
+    return Recommendation(plan.option, zero, why, ok, plan.checkpointing, plan.micro_batch, plan.gpu_bytes, tree, notes)
 
 
 def _gib(n: int) -> str:

@@ -9,12 +9,24 @@ a hook on the unit's outputs gathers it again. The policy (what to prefetch, wha
 is kept gathered for reuse only if that stays within it, and before a gather would pass it the kept units whose
 next use is farthest are released. Units in use (between their pre- and post-hooks), pinned or persistent are
 never released early, so a unit larger than the limit still runs.
+
+[Note: recompute]
+Activation checkpointing runs a unit's forward again inside backward (a forward while the autograd engine
+executes a graph task). Such a recompute uses the unit for its own backward, which follows at once: it is
+left gathered after its forward (its backward releases it; no release-then-regather) and is recorded in the
+trace like any event, so the next step's prefetch brings it in ahead of the recompute. Only forwards whose
+backward will run are counted for `last_backward`: not a forward under no_grad (a reentrant checkpoint's
+first pass), not a recompute at its forward. A reentrant recompute is backwarded (its own graph), so it is
+counted when that backward starts (`pre_backward(recomputed=True)`); a non-reentrant recompute's graph is
+discarded, so its hooks never fire and the original forward's count stands.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
@@ -65,18 +77,23 @@ class GatherSchedule:
 
     def pre_forward(self, unit: ShardedUnit) -> None:
         self.trace.record(unit.index)
-        self.forward_calls[unit.index] = self.forward_calls.get(unit.index, 0) + 1
+        if torch.is_grad_enabled() and not recomputing():  # [Note: recompute]
+            self._count_forward(unit)
         self._use(unit)
 
     def post_forward(self, unit: ShardedUnit) -> None:
+        if recomputing():  # [Note: recompute] its backward follows and releases it
+            return
         if reused_soon(unit.index, self.trace.upcoming(), self._numels, self.policy):
             if self._live_numel() <= self.policy.max_live_numel:
                 self._kept.add(unit.index)
                 return
         unit.release()
 
-    def pre_backward(self, unit: ShardedUnit) -> None:
+    def pre_backward(self, unit: ShardedUnit, recomputed: bool = False) -> None:
         self.in_backward = True
+        if recomputed:  # [Note: recompute] a reentrant recompute's own backward
+            self._count_forward(unit)
         self.trace.record(unit.index)
         self._use(unit)
 
@@ -97,6 +114,9 @@ class GatherSchedule:
         self.trace.end_step()
 
     # -- mechanism -------------------------------------------------------------------------------------
+    def _count_forward(self, unit: ShardedUnit) -> None:
+        self.forward_calls[unit.index] = self.forward_calls.get(unit.index, 0) + 1
+
     def _use(self, unit: ShardedUnit) -> None:
         self._kept.discard(unit.index)
         if unit.state is UnitState.SHARDED:
@@ -173,3 +193,9 @@ class GatherSchedule:
         for unit in units:
             unit.pins = max(0, unit.pins - 1)
             unit.release()
+
+
+def recomputing() -> bool:
+    """True while the autograd engine runs a backward on this thread: a forward now is a recompute
+    ([Note: recompute]); torch.utils.checkpoint tells its own recomputation apart the same way."""
+    return bool(torch._C._current_graph_task_id() != -1)

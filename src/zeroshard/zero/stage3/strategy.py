@@ -34,7 +34,7 @@ from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
-from zeroshard.zero.stage3.schedule import GatherSchedule
+from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 from zeroshard.zero.strategy import (
@@ -160,8 +160,9 @@ class Stage3Strategy(Strategy):
             flat, _ = tree_flatten(output)
             needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if needs:
+                recomputed = recomputing()  # [Note: recompute]
                 torch.autograd.graph.register_multi_grad_hook(
-                    needs, lambda grads: self.schedule.pre_backward(unit), mode="any"
+                    needs, lambda grads: self.schedule.pre_backward(unit, recomputed), mode="any"
                 )
         self.schedule.post_forward(unit)
 

@@ -1,0 +1,54 @@
+"""The `autotuning` block, with DeepSpeed's keys and defaults (deepspeed/autotuning/constants.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from zeroshard.errors import ConfigError
+
+METRICS = ("throughput", "latency")
+TUNERS = ("gridsearch", "random", "model_based")
+
+
+@dataclass(frozen=True)
+class AutotuningSettings:
+    enabled: bool = False
+    metric: str = "throughput"  # samples per second (higher is better) or step latency (lower is better)
+    start_profile_step: int = 3  # steps before this one are warm-up, not timed
+    end_profile_step: int = 5  # the trial stops after this step
+    max_train_batch_size: int | None = None  # global batch bound: micro-batch x ranks
+    mp_size: int = 1  # model parallelism: zeroshard has none, only 1 is accepted
+    tuner_type: str = "gridsearch"
+    tuner_num_trials: int = 50
+    tuner_early_stopping: int = 5  # stop after this many finished trials without a better one
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True  # False: a rerun keeps finished trials (resume)
+    fast: bool = True  # accepted for DeepSpeed configs; the search here is always the fast one
+
+    def validate(self) -> AutotuningSettings:
+        if self.metric not in METRICS:
+            raise ConfigError(f"autotuning.metric {self.metric!r}: one of {', '.join(METRICS)}")
+        if self.tuner_type not in TUNERS:
+            raise ConfigError(f"autotuning.tuner_type {self.tuner_type!r}: one of {', '.join(TUNERS)}")
+        if self.mp_size != 1:
+            raise ConfigError("autotuning.mp_size: zeroshard has no model parallelism; only 1 is accepted")
+        if not 0 <= self.start_profile_step < self.end_profile_step:
+            raise ConfigError("autotuning: start_profile_step must be below end_profile_step (and >= 0)")
+        return self
+
+
+def from_block(block: Mapping[str, Any] | None, **overrides: Any) -> AutotuningSettings:
+    """The settings of a ds_config's `autotuning` block (unknown keys are an error naming the valid ones),
+    then `overrides` that are not None (command-line options)."""
+    known = {f.name for f in fields(AutotuningSettings)}
+    values = dict(block or {})
+    for key in ("arg_mappings", "metric_path", "model_info", "model_info_path"):  # DeepSpeed launcher plumbing
+        values.pop(key, None)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"autotuning.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return AutotuningSettings(**values).validate()

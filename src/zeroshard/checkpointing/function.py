@@ -1,0 +1,147 @@
+"""`checkpoint(fn, *args)`: run `fn` without keeping its activations, recompute them in backward.
+
+[Note: reentrant checkpoint] As DeepSpeed's `CheckpointFunction` (itself torch's reentrant checkpoint): forward
+runs `fn` under no_grad and keeps only the inputs (storage.py decides how); backward restores the inputs and the
+RNG states, runs `fn` again with grad and back-propagates through that recomputed graph. Stage 3 sees the
+recompute as a forward inside backward ([Note: recompute] in zero/stage3/schedule.py). Under no_grad (evaluation)
+`fn` just runs. Outputs that are not tensors are passed through; non-floating-point outputs get no gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from zeroshard.checkpointing import rng
+from zeroshard.checkpointing.context import CONTEXT, CheckpointingContext
+from zeroshard.checkpointing.storage import Kept, is_activation, keep, restore
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], outputs: list[Any], *args: Any) -> Any:  # type: ignore[override]
+        state = CONTEXT
+        with _boundary(state, "forward"), record_function("zeroshard.checkpoint.forward"):
+            ctx.run = run
+            ctx.rng = rng.capture(state.rng_tracker, _uses_cuda(args))
+            with torch.no_grad():
+                result = run(*args)
+            ctx.kept = [keep(a, i, state) if is_activation(a, state) else a for i, a in enumerate(args)]
+        outputs.append(result)
+        tensors = _tensors(result)
+        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        state = CONTEXT
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("zeroshard.checkpointing.checkpoint works with .backward(), not torch.autograd.grad()")
+        if state.settings.contiguous_memory_optimization:
+            state.buffers.rewind()
+        with _boundary(state, "backward"), record_function("zeroshard.checkpoint.recompute"):
+            inputs = [restore(a, state) if isinstance(a, Kept) else _detached(a) for a in ctx.kept]
+            ctx.kept = None
+            with _rng_restored(state, ctx.rng):
+                with torch.enable_grad():
+                    result = ctx.run(*inputs)
+            pairs = [(o, g) for o, g in zip(_tensors(result), grads, strict=True) if o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in inputs])
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Run `function(*args)` keeping only its inputs; recompute it in backward (DeepSpeed's
+    `deepspeed.checkpointing.checkpoint`). The inputs are kept as `configure` / the `activation_checkpointing`
+    block say: partitioned over the model-parallel group, in host memory, in contiguous buffers.
+
+    Example:
+        >>> import torch
+        >>> from zeroshard import checkpointing
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> checkpointing.checkpoint(layer, x).sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 4])
+    """
+    if not torch.is_grad_enabled():
+        return function(*args)
+    outputs: list[Any] = []
+    tensors = CheckpointFunction.apply(function, outputs, *args)
+    return _merge(outputs[0], tensors)
+
+
+def _tensors(result: Any) -> list[torch.Tensor]:
+    items = result if isinstance(result, tuple | list) else (result,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _merge(result: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
+    """`result` with its tensors replaced by the autograd-connected ones `CheckpointFunction` returned."""
+    if isinstance(result, torch.Tensor):
+        return tensors[0]
+    produced = iter(tensors)
+    merged = [next(produced) if isinstance(t, torch.Tensor) else t for t in result]
+    return type(result)(merged) if isinstance(result, tuple) else merged
+
+
+def _detached(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.detach().requires_grad_(arg.requires_grad)
+    return arg
+
+
+def _uses_cuda(args: tuple[Any, ...]) -> bool:
+    return torch.cuda.is_available() and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+
+
+class _rng_restored:  # noqa: N801 - a context manager read as a phrase
+    def __init__(self, state: CheckpointingContext, saved: tuple[Any, ...]) -> None:
+        self.state, self.saved = state, saved
+
+    def __enter__(self) -> None:
+        self.current = rng.capture(self.state.rng_tracker, self.saved[1] is not None)
+        rng.restore(self.state.rng_tracker, self.saved)
+
+    def __exit__(self, *exc: object) -> None:
+        rng.restore(self.state.rng_tracker, self.current)
+
+
+class _boundary:  # noqa: N801 - a context manager read as a phrase
+    """synchronize_checkpoint_boundary and profile: synchronize at both ends, time the phase."""
+
+    def __init__(self, state: CheckpointingContext, phase: str) -> None:
+        self.state, self.phase = state, phase
+
+    def __enter__(self) -> None:
+        if self.state.settings.synchronize_checkpoint_boundary or self.state.settings.profile:
+            _synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        settings = self.state.settings
+        if settings.synchronize_checkpoint_boundary or settings.profile:
+            _synchronize()
+        if not settings.profile:
+            return
+        elapsed = time.perf_counter() - self.start
+        stats = self.state.stats
+        if self.phase == "forward":
+            stats.forward_s += elapsed
+            stats.calls += 1
+        else:
+            stats.backward_s += elapsed
+        logger.info(f"checkpoint {self.phase}: {elapsed * 1e3:.2f} ms")
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -1,0 +1,46 @@
+"""`zeroshard autotune` for real on this machine: trials in fresh 2-rank processes under a memory cap; the
+winner fits under the cap and is the fastest finished trial; a rerun with --resume runs nothing again."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from zeroshard.cli.main import main
+
+CAP = 2**30  # bytes per rank; on CPU a rank's peak RSS above its RSS before the model is built
+
+
+@pytest.mark.slow
+def test_autotune_picks_the_fastest_trial_under_the_cap(tmp_path, capsys, monkeypatch):
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    argv = ["autotune", "--model", "model", "--nproc-per-node", "2", "--max-memory-per-rank", str(CAP)]
+    argv += ["--max-train-batch-size", "4", "--tuner-num-trials", "3", "--start-profile-step", "1"]
+    argv += ["--end-profile-step", "2", "--seq-len", "32"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    with open(tmp_path / "autotuning_results" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["name"] == "baseline" and len(rows) == 4
+    finished = [r for r in rows[1:] if r["status"] == "ok"]
+    assert finished, rows
+    best = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    winner = max(finished, key=lambda r: float(r["samples_per_s"]))
+    assert int(winner["peak_bytes"]) <= CAP
+    assert best["train_micro_batch_size_per_gpu"] == int(winner["micro_batch"])
+    assert best["zero_optimization"]["stage"] == int(winner["stage"])
+    assert f"best (throughput): {winner['name']}" in text and "x the baseline" in text
+    assert main([*argv, "--resume"]) == 0
+    assert capsys.readouterr().out.count("(reused)") == 4

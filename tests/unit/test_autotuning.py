@@ -1,0 +1,113 @@
+"""Autotuning without running trials: the block's keys and defaults, the estimator-pruned space, the search's
+bookkeeping (failures recorded, the memory cap, early stopping, resume) with a stand-in runner, and the message
+for a cap nothing meets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zeroshard.autotuning import build_space, from_block, run_search
+from zeroshard.autotuning.report import write
+from zeroshard.autotuning.space import Experiment
+from zeroshard.cli.estimate.formulas import Cluster, Precision
+from zeroshard.cli.estimate.shapes import from_model_arg
+from zeroshard.cli.main import main
+from zeroshard.errors import ConfigError
+
+FP32 = Precision(4, 4, 8)
+
+
+def test_block_has_deepspeeds_keys_and_defaults():
+    s = from_block(None)
+    assert (s.metric, s.start_profile_step, s.end_profile_step, s.tuner_type) == ("throughput", 3, 5, "gridsearch")
+    assert (s.tuner_num_trials, s.tuner_early_stopping, s.overwrite) == (50, 5, True)
+    assert (s.results_dir, s.exps_dir, s.mp_size, s.max_train_batch_size) == (
+        "autotuning_results",
+        "autotuning_exps",
+        1,
+        None,
+    )
+    assert from_block({"enabled": True, "metric": "latency"}, tuner_type="random").tuner_type == "random"
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_block({"tuner": "x"})
+    with pytest.raises(ConfigError, match="mp_size"):
+        from_block({"mp_size": 2})
+
+
+def test_space_is_pruned_by_the_estimate_and_the_batch_bound():
+    model = from_model_arg("tiny-llama")
+    cluster = Cluster(gpus_per_node=2)
+    full, _ = build_space(model, cluster, FP32, 128, None, 16, "gridsearch")
+    assert max(e.micro_batch for e in full) == 8  # 8 x 2 ranks = max_train_batch_size
+    cap = sorted({e.estimated_bytes for e in full})[len(full) // 4]
+    pruned, smallest = build_space(model, cluster, FP32, 128, cap, 16, "gridsearch")
+    assert pruned and len(pruned) < len(full) and all(e.estimated_bytes <= cap for e in pruned)
+    assert smallest[0].estimated_bytes == min(e.estimated_bytes for e in smallest)
+    ranked, _ = build_space(model, cluster, FP32, 128, None, 16, "model_based")
+    assert ranked[0].micro_batch == 8 and sorted(map(str, ranked)) == sorted(map(str, full))
+
+
+def _experiments(n: int) -> list[Experiment]:
+    return [Experiment(n % 4, "none", "none", 2**i, 50_000_000, 1000 * i) for i in range(n)]
+
+
+class _Runner:
+    """Samples/s rise with the micro-batch; memory too; micro-batch 4 fails (as an OOM would)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(folder.name)
+        mb = config["train_micro_batch_size_per_gpu"]
+        if mb == 4:
+            return {"status": "failed", "error": "torch.OutOfMemoryError: CUDA out of memory"}
+        return {"status": "ok", "step_s": 1.0, "samples_per_s": float(mb), "peak_bytes": 100 * mb}
+
+
+def test_search_records_failures_respects_the_cap_and_resumes(tmp_path):
+    space = _experiments(6)  # micro-batch 1 .. 32
+    settings = from_block({"exps_dir": str(tmp_path / "exps"), "results_dir": str(tmp_path / "res")})
+    runner = _Runner()
+    search = run_search(space, space[0], {}, runner, settings, cap=1000)
+    status = {t.experiment.micro_batch: t.result["status"] for t in search.trials}
+    assert status == {1: "ok", 2: "ok", 4: "failed", 8: "ok", 16: "over_cap", 32: "over_cap"}
+    assert search.best is not None and search.best.experiment.micro_batch == 8  # fastest that fits
+    assert all(t.score("throughput") <= search.best.score("throughput") for t in search.trials if t.ok)
+    written = write(search, {}, tmp_path / "res")
+    rows = (tmp_path / "res" / "results.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 6 and "OutOfMemoryError" in rows[4]  # header, baseline, trials
+    assert json.loads(written["ds_config"].read_text())["train_micro_batch_size_per_gpu"] == 8
+    again = _Runner()
+    resumed = run_search(space, space[0], {}, again, from_block({**settings.__dict__, "overwrite": False}), cap=1000)
+    assert again.calls == [] and all(t.reused for t in resumed.trials)
+    assert resumed.best is not None and resumed.best.experiment.micro_batch == 8
+
+
+def test_early_stopping_and_trial_budget(tmp_path):
+    space = _experiments(6)
+    settings = from_block({"exps_dir": str(tmp_path), "tuner_early_stopping": 1, "tuner_num_trials": 50})
+    search = run_search(space, space[0], {}, _Runner(), settings, cap=1000)
+    assert search.stopped_early and [t.experiment.micro_batch for t in search.trials] == [1, 2, 4]
+    settings = from_block({"exps_dir": str(tmp_path / "b"), "tuner_num_trials": 2})
+    assert len(run_search(space, space[0], {}, _Runner(), settings, cap=None).trials) == 2
+
+
+def test_an_impossible_cap_names_the_smallest_memory_option(tmp_path, capsys):
+    config = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "model_type": "llama",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = main(["autotune", "--model", str(tmp_path), "--nproc-per-node", "2", "--max-memory-per-rank", "1000"])
+    err = capsys.readouterr().err
+    assert code == 3 and "no configuration fits under the cap of 1000 B per rank" in err
+    assert "stage 3, offload_optimizer=cpu, offload_param=cpu" in err and "(estimated)" in err

@@ -1,0 +1,91 @@
+"""`zeroshard.checkpointing` without a process group: configure's precedence and checks, the config block,
+RNG replay in the recompute, outputs that are not tensors, evaluation under no_grad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard import checkpointing
+from zeroshard.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _defaults():
+    checkpointing.configure(None)
+    yield
+    checkpointing.configure(None)
+    checkpointing.reset()
+
+
+def test_configure_applies_the_block_then_the_keywords():
+    config = {"activation_checkpointing": {"cpu_checkpointing": True, "profile": True, "number_checkpoints": 3}}
+    checkpointing.configure(None, deepspeed_config=config, profile=False)
+    s = checkpointing.settings()
+    assert checkpointing.is_configured()
+    assert (s.cpu_checkpointing, s.profile, s.number_checkpoints, s.partition_activations) == (True, False, 3, False)
+    checkpointing.configure(None)  # back to the defaults, as DeepSpeed's configure starts from them
+    assert checkpointing.settings().cpu_checkpointing is False
+
+
+@pytest.mark.parametrize(
+    ("options", "needs"),
+    [
+        ({"contiguous_checkpointing": True, "num_checkpoints": 2}, "partition_activations"),
+        ({"contiguous_checkpointing": True, "partition_activations": True}, "number_checkpoints"),
+    ],
+)
+def test_contiguous_checkpointing_needs_partitioning_and_a_count(options, needs):
+    with pytest.raises(ConfigError, match=needs):
+        checkpointing.configure(None, **options)
+
+
+def test_dropout_is_replayed_and_non_tensor_outputs_pass_through():
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, str, torch.Tensor]:
+        y = layer(x)
+        return y, "tag", y.argmax(-1)
+
+    checkpointing.configure(None, synchronize=True, profile=True)
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(3)
+        x = torch.randn(4, 8, requires_grad=True)
+        layer.zero_grad()
+        y, tag, index = checkpointing.checkpoint(fn, x) if use_checkpoint else fn(x)
+        assert tag == "tag" and index.dtype == torch.int64 and not index.requires_grad
+        (y * torch.arange(8.0)).sum().backward()
+        grads.append((x.grad.clone(), layer[0].weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    stats = checkpointing.stats()
+    assert stats.calls == 1 and stats.forward_s > 0 and stats.backward_s > 0
+
+
+def test_cpu_checkpointing_keeps_the_input_off_the_device_until_backward():
+    checkpointing.configure(None, checkpoint_in_cpu=True)
+    x = torch.randn(16, 8, requires_grad=True)
+    y = checkpointing.checkpoint(nn.Linear(8, 8), x)
+    assert checkpointing.stats().host_bytes == x.numel() * 4 and checkpointing.stats().device_bytes == 0
+    y.sum().backward()
+    assert checkpointing.stats().host_bytes == 0 and x.grad is not None
+
+
+def test_under_no_grad_the_function_just_runs():
+    with torch.no_grad():
+        y = checkpointing.checkpoint(nn.Linear(4, 4), torch.randn(2, 4))
+    assert y.grad_fn is None and checkpointing.stats().peak_device_bytes == 0
+
+
+def test_rng_tracker_forks_a_named_stream():
+    tracker = checkpointing.get_cuda_rng_tracker()
+    checkpointing.model_parallel_cuda_manual_seed(11)
+    with tracker.fork():
+        a = torch.rand(3)
+    with tracker.fork():
+        b = torch.rand(3)
+    assert not torch.equal(a, b)  # the named stream advances between forks
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("model-parallel-rng", 99)
+    tracker.reset()

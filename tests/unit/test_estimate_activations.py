@@ -1,0 +1,75 @@
+"""`zeroshard estimate --model DIR`'s activation bytes against a measurement, for three small Llama shapes, with
+and without activation checkpointing. Measured as [Note: measuring activation memory] in helpers/activations.py
+says: the peak of bytes allocated during one forward and backward and alive at once, parameter gradients left out
+(model states), every op's output tracked with its lifetime on CPU. Acceptance: within 15%."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.activations import peak_activation_bytes
+from zeroshard.cli.main import main
+
+SHAPES = {
+    "gqa": dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "wide": dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+    ),
+    "deep": dict(
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ),
+}
+SEQ, MICRO = 128, 2
+
+
+def _estimate(folder: str, dtype: str, checkpointing: bool, capsys: pytest.CaptureFixture[str]) -> int:
+    argv = ["estimate", "--model", folder, "--json", "--gpus", "1", "--seq-len", str(SEQ), "--micro-batch", str(MICRO)]
+    argv += ["--dtype", dtype] + (["--gradient-checkpointing"] if checkpointing else [])
+    assert main(argv) == 0
+    return int(json.loads(capsys.readouterr().out)[0]["activation_bytes_per_rank"])
+
+
+def _measure(config: object, dtype: torch.dtype, checkpointing: bool) -> int:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))  # type: ignore[attr-defined]
+    with peak_activation_bytes(model) as measured:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return measured.peak
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("gqa", "fp32"), ("wide", "fp32"), ("deep", "fp32"), ("deep", "bf16")])
+def test_estimated_activations_are_within_15_percent_of_the_measured_peak(name, dtype, tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(max_position_embeddings=SEQ, **SHAPES[name])
+    config.save_pretrained(tmp_path)
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    for checkpointing in (False, True):
+        estimated = _estimate(str(tmp_path), dtype, checkpointing, capsys)
+        measured = _measure(config, torch_dtype, checkpointing)
+        assert abs(estimated - measured) <= 0.15 * measured, (name, dtype, checkpointing, estimated, measured)
