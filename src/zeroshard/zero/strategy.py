@@ -239,6 +239,11 @@ class Strategy(ABC):
     def checkpoint_state(self) -> ShardedState:
         """This strategy in the checkpoint format's terms ([Note: strategy adapters])."""
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state_dict with whole tensors in the compute dtype (collective; `save_16bit_model`). The
+        zero stages' module already gives that (stage 3's state_dict hooks gather)."""
+        return self.module.state_dict()
+
     @abstractmethod
     def gathered(self) -> AbstractContextManager[None]:
         """Full parameters for the block (stage 3 gathers every unit; others are always whole)."""

@@ -1,0 +1,47 @@
+"""The fsdp2 backend: the same config, engine API and checkpoints on PyTorch FSDP2 (`"zeroshard": {"backend":
+"fsdp2"}`). See docs/fsdp2.md and [Note: fsdp2 mapping]."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.fsdp2.plan import Fsdp2Plan, plan_from_config
+from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
+from zeroshard.loading.materialize import materialize_parameters
+from zeroshard.loading.weights import StreamedWeights
+from zeroshard.offload.tier import Tier
+from zeroshard.zero.stepmath import StepPolicy
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
+
+__all__ = ["Fsdp2Plan", "Fsdp2Policy", "Fsdp2Strategy", "build_fsdp2_strategy", "plan_from_config"]
+
+
+def build_fsdp2_strategy(
+    cfg: Any,
+    compute_dtype: torch.dtype,
+    model: nn.Module,
+    groups: list[ParamGroupSpec],
+    comm: Collectives,
+    device: torch.device,
+    accumulation: AccumulationState,
+    step: StepPolicy,
+    weights: StreamedWeights | None,
+) -> Fsdp2Strategy:
+    """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping])."""
+    plan = plan_from_config(cfg, compute_dtype)
+    if any(p.is_meta for p in model.parameters()):  # zero_init: every rank reads the checkpoint, then shards
+        materialize_parameters(model, weights, device)
+    policy = Fsdp2Policy(
+        compute_dtype=compute_dtype,
+        grad_accum_dtype=torch.float32,
+        comm_dtype=plan.reduce_dtype,
+        overlap_comm=True,
+        step=step,
+        master_tier=Tier(torch.device("cpu") if plan.cpu_offload else device),
+        plan=plan,
+    )
+    return Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
