@@ -262,8 +262,8 @@ def _make_strategy(
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
     )
     if str(cfg.zeroshard.backend) == "fsdp2":
-        device = topology.device
-        return build_fsdp2_strategy(cfg, precision.compute_dtype, model, groups, comm, device, accumulation, step, weights)
+        dtype, device = precision.compute_dtype, topology.device
+        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights)
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
         "grad_accum_dtype": precision.grad_accum_dtype,

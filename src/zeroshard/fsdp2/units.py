@@ -50,15 +50,22 @@ def shard_units(
 ) -> list[Fsdp2Unit]:
     """`fully_shard` every unit, root last ([Note: fsdp2 units]); gradients are summed then divided by
     `divide_factor` ([Note: fsdp2 mapping])."""
-    mesh = DeviceMesh.from_group(comm.group or dist.group.WORLD, device.type)
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialised"
+    mesh = DeviceMesh.from_group(group, device.type)
     mixed = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
     modules = dict(root.named_modules())
     names = [n for n in unit_module_names(root, unit_policy) if any(True for _ in modules[n].parameters())]
-    owner = {id(p): "" for p in root.parameters()}
+    # by name, since fully_shard replaces the parameter objects; the innermost unit holding a parameter owns it
+    param_names = {id(p): n for n, p in root.named_parameters()}
+    owner = dict.fromkeys(param_names.values(), "")
+    for name in sorted(names, key=lambda n: n.count(".")):  # outermost first: inner units overwrite
+        inside = {id(p) for p in modules[name].parameters()}
+        for n, p in root.named_parameters(remove_duplicate=False):
+            if id(p) in inside and n.startswith(name + "."):
+                owner[param_names[id(p)]] = name
     for name in sorted(names, key=lambda n: n.count("."), reverse=True):  # innermost first
-        for p in modules[name].parameters():
-            owner[id(p)] = name
         fully_shard(
             modules[name],
             mesh=mesh,
@@ -66,8 +73,9 @@ def shard_units(
             mp_policy=mixed,
             offload_policy=offload,
         )
-    fully_shard(root, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed, offload_policy=offload)
-    param_names = {id(p): n for n, p in root.named_parameters()}
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed, offload_policy=offload
+    )
     units = []
     for name in [*names, ""]:
         module = modules[name] if name else root
@@ -76,19 +84,15 @@ def shard_units(
         module.set_force_sum_reduction_for_comms(True)
         module.set_custom_all_gather(CountedAllGather(comm.stats, comm.world_size))
         module.set_custom_reduce_scatter(CountedReduceScatter(comm.stats, comm.world_size))
-        owned = tuple(param_names[i] for i, o in owner.items() if o == name and i in param_names)
+        owned = tuple(n for n, o in owner.items() if o == name)
         units.append(Fsdp2Unit(name, module, owned))
     return units
 
 
-def unsharded_views(unit: Fsdp2Unit) -> list[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of a gathered unit's parameters ([Note: fsdp2 units])."""
+def unsharded_views(unit: Fsdp2Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(sharded parameter, full tensor) of each parameter of a gathered unit ([Note: fsdp2 units])."""
     state = unit.module._get_fsdp_state()
-    out: list[tuple[str, torch.Tensor]] = []
-    for group in state._fsdp_param_groups:
-        for fsdp_param in group.fsdp_params:
-            out.append((fsdp_param._param_fqn or "", fsdp_param.unsharded_param))
-    return out
+    return [(p.sharded_param, p.unsharded_param) for group in state._fsdp_param_groups for p in group.fsdp_params]
 
 
 @contextmanager
