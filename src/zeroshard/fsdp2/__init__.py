@@ -11,7 +11,6 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives
 from zeroshard.fsdp2.plan import Fsdp2Plan, plan_from_config
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
-from zeroshard.loading.materialize import materialize_parameters
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.stepmath import StepPolicy
@@ -33,8 +32,6 @@ def build_fsdp2_strategy(
 ) -> Fsdp2Strategy:
     """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping])."""
     plan = plan_from_config(cfg, compute_dtype)
-    if any(p.is_meta for p in model.parameters()):  # zero_init: every rank reads the checkpoint, then shards
-        materialize_parameters(model, weights, device)
     policy = Fsdp2Policy(
         compute_dtype=compute_dtype,
         grad_accum_dtype=torch.float32,
@@ -43,5 +40,6 @@ def build_fsdp2_strategy(
         step=step,
         master_tier=Tier(torch.device("cpu") if plan.cpu_offload else device),
         plan=plan,
+        weights=weights,
     )
     return Fsdp2Strategy(model, groups, policy, comm, device, accumulation)

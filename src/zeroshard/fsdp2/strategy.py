@@ -19,9 +19,11 @@ from torch import nn
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
+from zeroshard.fsdp2.load import fill_shards, masters_in_fp32, streams_shards
 from zeroshard.fsdp2.params import ShardedParam, gather_full, own_rows, sharded_param
 from zeroshard.fsdp2.plan import Fsdp2Plan
 from zeroshard.fsdp2.units import Fsdp2Unit, held_gathered, shard_units, unsharded_views
+from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, StepTimeCopies
 from zeroshard.offload.tier import Tier
@@ -43,6 +45,7 @@ class Fsdp2Policy(StrategyPolicy):
 
     plan: Fsdp2Plan
     unit_policy: UnitPolicy | None = None
+    weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
 
 
 class _NormsOnDevice(StepTimeCopies):
@@ -76,7 +79,12 @@ class Fsdp2Strategy(Strategy):
         group_of = {name: g for g, spec in enumerate(groups) for name, _ in spec.params}
         # FSDP2 sums; the step turns sums into means exactly as for the zero stages ([Note: pre- and post-scaling])
         divide = 1.0 / policy.step.prescale(comm.world_size)
+        streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
+        masters_in_fp32(module)
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, policy.unit_policy, comm, device, divide)
+        if streamed is not None:
+            assert policy.weights is not None
+            fill_shards(module, streamed, policy.weights, device, comm.rank, comm.world_size)
         self.params: list[ShardedParam] = [
             sharded_param(name, p, group_of.get(name, -1), comm.rank, comm.world_size)
             for name, p in module.named_parameters()
