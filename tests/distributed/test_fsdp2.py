@@ -196,3 +196,29 @@ def test_fsdp2_single_process():
 
 def _one_case(rank: int, world_size: int, case: Case):
     return engine_run(rank, world_size, case, fsdp2)[:2]
+
+
+def fsdp2_cpu_offload(config: dict) -> dict:
+    config = fsdp2(config)
+    for key in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][key]["device"] = "cpu"
+    return config
+
+
+def _offloaded(rank: int, world_size: int, case: Case):
+    return engine_run(rank, world_size, case, fsdp2_cpu_offload)
+
+
+def test_fsdp2_cpu_offload_parity():
+    """offload_param + offload_optimizer on "cpu" -> CPUOffloadPolicy: the same training, state in host columns."""
+    case = Case(stage=3, gas=2)
+    results = run_on_ranks(_offloaded, 2, case)
+    ref_losses, ref_params = reference_run(case, 2)
+    mean_losses = [sum(r[0][step] for r in results) / 2 for step in range(case.steps)]
+    for step, loss in enumerate(mean_losses):
+        assert abs(loss - ref_losses[step]) / abs(ref_losses[step]) <= FP32_TOL, step
+    for _, params, report in results:
+        for step in range(case.steps):
+            assert relative_difference(params[step], ref_params[step]) <= FP32_TOL, step
+        assert report.host_master_weights > 0 and report.host_optimizer_state > 0
+        assert report.params == report.optimizer_state == 0

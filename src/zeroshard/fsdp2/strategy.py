@@ -100,7 +100,7 @@ class Fsdp2Strategy(Strategy):
         for g, options in enumerate(self.group_options):
             params = [sp.master for sp in self.params if sp.group == g]
             if not params:  # an empty group keeps its place (and its options) in the optimizer
-                params = [torch.zeros(0, device=self.device)]
+                params = [torch.zeros(0, device=self.policy.master_tier.device)]
                 self._placeholders.append(params[0])
             groups.append({**options, "params": params})
         return groups

@@ -54,7 +54,9 @@ def shard_units(
     assert group is not None, "torch.distributed is not initialised"
     mesh = DeviceMesh.from_group(group, device.type)
     mixed = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    offload = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.cpu_offload else OffloadPolicy()
+    # pinning needs an accelerator (a CPU-only run "offloads" to where it already is)
+    pin = plan.pin_memory and device.type != "cpu"
+    offload = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
     modules = dict(root.named_modules())
     names = [n for n in unit_module_names(root, unit_policy) if any(True for _ in modules[n].parameters())]
     # by name, since fully_shard replaces the parameter objects; the innermost unit holding a parameter owns it
