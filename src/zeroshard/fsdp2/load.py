@@ -55,13 +55,13 @@ def fill_shards(
     rank: int,
     world_size: int,
 ) -> None:
-    """Storage for this rank's rows of every sharded meta parameter, read from the checkpoint (buffers, already
-    real, are kept)."""
-    buffers = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+    """Storage for this rank's rows of every sharded meta parameter on `device` (the host under CPU offload), read
+    from the checkpoint; buffers, already real where they belong, are kept as they are."""
+    buffers = [(mod, name, buf) for mod in module.modules() for name, buf in mod.named_buffers(recurse=False)]
     module.to_empty(device=device)  # FSDP2 re-pads its sharded storage after this (FSDPParam.reset_sharded_param)
+    for mod, name, buf in buffers:
+        setattr(mod, name, buf)
     with torch.no_grad():
-        for name, buf in module.named_buffers():
-            buf.copy_(buffers[name])
         for name, param in module.named_parameters():
             local = param.to_local() if hasattr(param, "to_local") else param
             shape = tuple(param.shape)

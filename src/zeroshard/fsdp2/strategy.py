@@ -84,7 +84,8 @@ class Fsdp2Strategy(Strategy):
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, policy.unit_policy, comm, device, divide)
         if streamed is not None:
             assert policy.weights is not None
-            fill_shards(module, streamed, policy.weights, device, comm.rank, comm.world_size)
+            home = policy.master_tier.device  # the host under CPUOffloadPolicy
+            fill_shards(module, streamed, policy.weights, home, comm.rank, comm.world_size)
         self.params: list[ShardedParam] = [
             sharded_param(name, p, group_of.get(name, -1), comm.rank, comm.world_size)
             for name, p in module.named_parameters()
