@@ -27,6 +27,7 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, StepTimeCopies
 from zeroshard.offload.tier import Tier
+from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.stage3.plan import UnitPolicy
 from zeroshard.zero.strategy import (
@@ -57,8 +58,10 @@ class _NormsOnDevice(StepTimeCopies):
         self.device = device
 
     def norms(self, slots: Sequence[GradShard], prepare: Any) -> tuple[list[torch.Tensor], bool]:
-        norms, overflow = super().norms(slots, prepare)
-        return [n.to(self.device) for n in norms], overflow
+        grads = [s.shard for s in slots if s.shard.numel() > 0]
+        norms = list(torch._foreach_norm(grads)) if grads else []  # one multi-tensor kernel, not one per shard
+        overflow = self.check_overflow and has_inf_or_nan(grads)
+        return [n.to(self.device, torch.float32) for n in norms], overflow
 
 
 class Fsdp2Strategy(Strategy):
@@ -134,15 +137,15 @@ class Fsdp2Strategy(Strategy):
 
     def _step_chunks(self, scale: float) -> None:
         assert self.optimizer is not None
-        tier = self.gradients_tier
+        grads = []
         for sp in self._trainable():
-            grad = sp.local_grad()
+            grad = sp.local_grad()  # FSDP2's: fp32 (the parameter's dtype) where the master lives
             # a parameter without a gradient this step gets zeros, as the zero stages' flat shards do
-            sp.master.grad = (
-                torch.zeros_like(sp.master)
-                if grad is None
-                else tier.for_step(grad, sp.master, tier.copy_for(grad, sp.master), False, scale)
-            )
+            sp.master.grad = torch.zeros_like(sp.master) if grad is None else grad
+            if grad is not None and grad.numel() > 0:
+                grads.append(grad)
+        if grads and scale != 1.0:
+            torch._foreach_mul_(grads, scale)
         for placeholder in self._placeholders:
             placeholder.grad = torch.zeros_like(placeholder)
         self.optimizer.step()
