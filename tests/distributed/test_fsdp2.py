@@ -51,10 +51,10 @@ def _mean_losses(per_rank: list, i: int, world_size: int) -> list[float]:
     return [sum(per_rank[r][i][0][s] for r in range(world_size)) / world_size for s in range(steps)]
 
 
-def _parity_failures(cases: list[Case], fsdp: list, world_size: int) -> list[str]:
+def _parity_failures(cases: list[Case], fsdp: list, world_size: int, fp32_tol: float = FP32_TOL) -> list[str]:
     failures = []
     for i, case in enumerate(cases):
-        tol = FP32_TOL if case.dtype == "fp32" else BF16_TOL
+        tol = fp32_tol if case.dtype == "fp32" else BF16_TOL
         ref_losses, ref_params = reference_run(case, world_size)
         for step, loss in enumerate(_mean_losses(fsdp, i, world_size)):
             rel = abs(loss - ref_losses[step]) / abs(ref_losses[step])
@@ -83,6 +83,15 @@ def test_fsdp2_parity_stages_2_3_with_accumulation_and_clipping():
     assert not failures, "\n".join(failures[:20])
 
 
+def test_fsdp2_parity_three_ranks_uneven_shards():
+    """3 ranks: FSDP2 splits 32- and 16-row parameters 11/11/10 and 6/6/4 (padded shards, a short last one)."""
+    case = Case(stage=3, gas=2, steps=6)
+    results = run_on_ranks(_fsdp2_only, 3, [case])
+    # 1/3 is inexact in binary: the zero backend is 1.9e-6 from the reference at 3 ranks on this case too
+    failures = _parity_failures([case], [r[0] for r in results], 3, fp32_tol=4e-6)
+    assert not failures, "\n".join(failures[:20])
+
+
 def test_fsdp2_parity_frozen_unused_eval_bf16():
     results = run_on_ranks(_fsdp2_only, 2, VARIANTS)
     failures = _parity_failures(VARIANTS, [r[0] for r in results], 2)
@@ -91,7 +100,12 @@ def test_fsdp2_parity_frozen_unused_eval_bf16():
 
 def _api(rank: int, world_size: int, out_dir: str):
     import zeroshard
-    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+    from zeroshard.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_set_full_fp32_param,
+    )
 
     case = Case(stage=3, steps=2)
     model = build_model(case)
@@ -117,6 +131,8 @@ def _api(rank: int, world_size: int, out_dir: str):
             with torch.no_grad():
                 engine.module.blocks[1].attn.proj.weight.fill_(0.5)
     out["modified"] = bool((engine.consolidated_state_dict()["blocks.1.attn.proj.weight"] == 0.5).all())
+    safe_set_full_fp32_param(weight, torch.full(tuple(weight.shape), 0.25))
+    out["set"] = bool((engine.consolidated_state_dict()["blocks.0.mlp.0.weight"] == 0.25).all())
     with engine.gathered_for_generation(), torch.no_grad():
         bytes_before = engine.comm_stats.total_bus_bytes
         engine(x, y)
@@ -141,6 +157,7 @@ def test_fsdp2_engine_api(tmp_path):
     shapes = {n: tuple(p.shape) for n, p in reference.named_parameters()}
     for out in results:
         assert out["modified"], "GatheredParameters(modifier_rank=0) change lost"
+        assert out["set"], "safe_set_full_fp32_param lost"
         assert out["generation_bytes"] == 0
         assert out["gathered_shapes"] == shapes
         assert out["grad_shape"] == shapes["blocks.0.mlp.0.weight"]
