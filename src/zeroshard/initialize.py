@@ -19,7 +19,7 @@ from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
-from zeroshard.fsdp2 import build_fsdp2_strategy
+from zeroshard.fsdp2 import build_fsdp2_strategy, plan_from_config
 from zeroshard.loading.materialize import materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import StreamedWeights, release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
@@ -133,6 +133,8 @@ def _build(
     collate_fn: Callable[..., Any] | None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
+        plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     apply_host_policy(topology.device)  # before the model is copied and sharded: [Note: glibc's mmap threshold]
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
     # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)

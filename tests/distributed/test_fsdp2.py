@@ -253,3 +253,31 @@ def test_fsdp2_cpu_offload_parity():
             assert relative_difference(params[step], ref_params[step]) <= FP32_TOL, step
         assert report.host_master_weights > 0 and report.host_optimizer_state > 0
         assert report.params == report.optimizer_state == 0
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    import zeroshard
+
+    messages = []
+    for stage, zero, with_optimizer in (
+        (1, {}, True),
+        (0, {}, False),
+        (3, {"offload_optimizer": {"device": "cpu"}}, True),
+        (2, {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, True),
+    ):
+        config = fsdp2(ds_config(Case(stage=stage)))
+        config["zero_optimization"] = {"stage": stage, **zero}
+        if not with_optimizer:
+            config.pop("optimizer")
+        with pytest.raises(zeroshard.ConfigError) as err:
+            zeroshard.initialize(model=build_model(Case(stage=stage)), config=config)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_unsupported_combinations_are_refused_by_name():
+    stage1, stage0, offload, nvme = run_on_ranks(_refusals, 1)[0]
+    assert "stage 2" in stage1 and '"zero" backend' in stage1 and "is 1" in stage1
+    assert "is 0" in stage0  # refused also without an optimizer
+    assert "zero_optimization.offload_param.device" in offload and "offload_optimizer.device" in offload
+    assert "NVMe" in nvme
