@@ -13,8 +13,11 @@ from zeroshard.fsdp2.plan import Fsdp2Plan, plan_from_config
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.tier import Tier
+from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
+
+logger = get_logger(__name__)
 
 __all__ = ["Fsdp2Plan", "Fsdp2Policy", "Fsdp2Strategy", "build_fsdp2_strategy", "plan_from_config"]
 
@@ -42,4 +45,12 @@ def build_fsdp2_strategy(
         plan=plan,
         weights=weights,
     )
-    return Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
+    strategy = Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
+    log_rank(
+        logger,
+        20,
+        f"fsdp2 backend: fully_shard on {len(strategy.units)} units, reshard_after_forward="
+        f"{plan.reshard_after_forward}, param_dtype={plan.param_dtype}, reduce_dtype={plan.reduce_dtype}, "
+        f"cpu_offload={plan.cpu_offload}",
+    )
+    return strategy

@@ -10,7 +10,7 @@ checkpoint format ([Note: strategy adapters]). See [Note: fsdp2 mapping] for the
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +94,13 @@ class Fsdp2Strategy(Strategy):
             for name, p in module.named_parameters()
         ]
         self._by_id = {id(sp.param): sp for sp in self.params}
-        self._unit_of = {name: unit for unit in self.units for name in unit.param_names}
         self._placeholders: list[torch.Tensor] = []
         OWNERS.register(self, self.tracked_params())
 
     # -- construction ------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
         groups = []
+        self._placeholders.clear()
         for g, options in enumerate(self.group_options):
             params = [sp.master for sp in self.params if sp.group == g]
             if not params:  # an empty group keeps its place (and its options) in the optimizer
@@ -205,8 +205,8 @@ class Fsdp2Strategy(Strategy):
     def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
         names = {self._record(p).name for p in params if id(p) in self._by_id}
         units = [u for u in self.units if any(n in names for n in u.param_names)]
-        block = held_gathered(units)
-        block.__enter__()
+        block = ExitStack()
+        block.enter_context(held_gathered(units))
         return [block, units]
 
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
@@ -220,7 +220,7 @@ class Fsdp2Strategy(Strategy):
                             sp = self._by_id[id(sharded)]
                             sp.master.copy_(own_rows(sp, full))
         finally:
-            block.__exit__(None, None, None)
+            block.close()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
