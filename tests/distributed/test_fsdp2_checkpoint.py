@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -91,6 +93,8 @@ def _load(rank: int, world_size: int, folder: str, backend: str, stage: int):
 
 
 def test_fsdp2_checkpoint_reshards_onto_other_world_sizes_and_backends_and_exports(tmp_path):
+    from safetensors.torch import load_file
+
     from zeroshard.checkpoint.export import get_fp32_state_dict_from_zero_checkpoint
 
     folder = str(tmp_path / "ckpt")
@@ -105,4 +109,14 @@ def test_fsdp2_checkpoint_reshards_onto_other_world_sizes_and_backends_and_expor
             assert torch.equal(values[name], tensor), f"{label}: {name}"
     exported = get_fp32_state_dict_from_zero_checkpoint(folder)
     for name, tensor in exported.items():
+        assert torch.equal(tensor, saved[name]), name
+    # `zeroshard convert` writes the same values as safetensors
+    out = tmp_path / "converted"
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli.main", "convert", folder, str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    converted = load_file(str(out / "model.safetensors"))
+    assert set(converted) == set(exported) - {"lm_head.weight"}  # tied to wte.weight: stored once
+    for name, tensor in converted.items():
         assert torch.equal(tensor, saved[name]), name
