@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.fsdp2.params import row_range
+from zeroshard.fsdp2.params import sharded_param
 from zeroshard.loading.materialize import materialize_parameters
 from zeroshard.loading.weights import StreamedWeights
 
@@ -63,16 +63,6 @@ def fill_shards(
         setattr(mod, name, buf)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            shape = tuple(param.shape)
-            row = _tail_numel(shape)
-            lo, hi = row_range(shape[0] if shape else 1, world_size, rank)
-            if hi > lo:
-                weights.read(originals[name], lo * row, hi * row, local.detach().view(-1))
-
-
-def _tail_numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n
+            sp = sharded_param(name, param, -1, rank, world_size)
+            if sp.numel > 0:
+                weights.read(originals[name], sp.begin, sp.end, sp.master.view(-1))

@@ -30,6 +30,14 @@ def row_range(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
     return begin, min(begin + chunk, dim0)
 
 
+def row_numel(shape: tuple[int, ...]) -> int:
+    """Elements per dim-0 row of a tensor of `shape`. Pure."""
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class ShardedParam:
     """A parameter `fully_shard` turned into a DTensor, and this rank's part of it."""
@@ -51,11 +59,12 @@ class ShardedParam:
         return self.end - self.begin
 
     @property
+    def row_numel(self) -> int:
+        return row_numel(self.full_shape)
+
+    @property
     def full_numel(self) -> int:
-        n = 1
-        for d in self.full_shape:
-            n *= d
-        return n
+        return self.full_shape[0] * self.row_numel if self.full_shape else 1
 
     def local_grad(self) -> torch.Tensor | None:
         """This rank's rows of the reduced gradient (FSDP2 keeps it as a DTensor on the parameter)."""
@@ -70,11 +79,9 @@ def sharded_param(name: str, param: nn.Parameter, group: int, rank: int, world_s
     assert isinstance(param, DTensor), f"{name} is not sharded by fully_shard"
     assert tuple(param.placements) == (Shard(0),), f"{name}: expected Shard(0), got {param.placements}"
     shape = tuple(param.shape)
-    row = 1
-    for d in shape[1:]:
-        row *= d
     lo, hi = row_range(shape[0] if shape else 1, world_size, rank)
     local = param.to_local().detach()
+    row = row_numel(shape)
     assert local.numel() == (hi - lo) * row, f"{name}: local shard {tuple(local.shape)} is not rows [{lo}, {hi})"
     return ShardedParam(name, param, local, shape, lo * row, hi * row, group)
 
@@ -83,8 +90,8 @@ def gather_full(sp: ShardedParam, local: torch.Tensor, comm: Collectives, device
     """The whole tensor from every rank's rows `local` (shaped like `sp.master`), in fp32 on `device`
     (collective: every rank calls it for the same parameter)."""
     world = comm.world_size
-    lo_rows, hi_rows = row_range(sp.full_shape[0] if sp.full_shape else 1, world, 0)
-    chunk = (hi_rows - lo_rows) * (sp.full_numel // max(sp.full_shape[0], 1) if sp.full_shape else 1)
+    first, last = row_range(sp.full_shape[0] if sp.full_shape else 1, world, 0)
+    chunk = (last - first) * sp.row_numel  # every rank's rows, padded to rank 0's count (the most)
     mine = torch.zeros(chunk, dtype=torch.float32, device=device)
     mine[: local.numel()].copy_(local.reshape(-1))
     everyone = torch.zeros(chunk * world, dtype=torch.float32, device=device)
