@@ -27,6 +27,7 @@ class Variant:
     label: str
     offload: bool = False
     needs: tuple[str, ...] = ()  # zeroshard config keys that must be implemented for the row to run
+    backend: str = "zero"  # zeroshard rows: "zeroshard": {"backend": ...} (docs/fsdp2.md)
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -36,9 +37,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zs1", "zeroshard", 1, "zeroshard ZeRO-1"),
     Variant("ds2", "deepspeed", 2, "DeepSpeed ZeRO-2"),
     Variant("zs2", "zeroshard", 2, "zeroshard ZeRO-2"),
+    Variant("zs2f", "zeroshard", 2, "zeroshard ZeRO-2 on FSDP2", backend="fsdp2"),
     Variant("fsdp2", "fsdp2", 3, "FSDP2"),
     Variant("ds3", "deepspeed", 3, "DeepSpeed ZeRO-3"),
     Variant("zs3", "zeroshard", 3, "zeroshard ZeRO-3"),
+    Variant("zs3f", "zeroshard", 3, "zeroshard ZeRO-3 on FSDP2", backend="fsdp2"),
     Variant("ds2off", "deepspeed", 2, "DeepSpeed ZeRO-2 + CPU offload", offload=True),
     Variant(
         "zs2off",

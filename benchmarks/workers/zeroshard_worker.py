@@ -26,7 +26,9 @@ def ds_config(spec: RowSpec) -> dict[str, Any]:
     if spec.variant.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     zero.update(spec.extra.get("zero_overrides", {}))
+    backend = {"zeroshard": {"backend": spec.variant.backend}} if spec.variant.backend != "zero" else {}
     return {
+        **backend,
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1_000_000,

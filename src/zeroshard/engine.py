@@ -221,7 +221,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 "save_16bit_model under stage 3 gathers the whole model; set "
                 '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
             )
-        state = self.module.state_dict()  # stage 3: hooks gather and copy out full tensors
+        state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             seen: set[int] = set()

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     z.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help=f"preset stage (default {DEFAULT_STAGE})")
     z.add_argument("--offload", action="store_true", help="use the *_offload preset of the stage")
     z.add_argument(
+        "--backend", choices=("zero", "fsdp2"), help='engine: "zero" (default) or "fsdp2" (PyTorch FSDP2, stages 2-3)'
+    )
+    z.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on CUDA, else fp32"
     )
     r = p.add_argument_group("output")
@@ -116,6 +119,7 @@ def hyper_from_args(args: argparse.Namespace) -> Any:
         max_steps=args.max_steps,
         max_grad_norm=args.max_grad_norm,
         dtype=dtype,
+        backend=args.backend,
     )
 
 

@@ -181,3 +181,9 @@ class ZeroshardExtrasConfig(ConfigBlock):
         "(the process group's timeout; DeepSpeed's DEEPSPEED_TIMEOUT, in minutes, is read when this is unset).",
         Float(minimum=1.0),
     )
+    backend: str = option(
+        "zero",
+        'The engine under the same API and config: "zero" (zeroshard\'s own ZeRO stages) or "fsdp2" (PyTorch '
+        "FSDP2's fully_shard; stages 2 and 3 only, see docs/fsdp2.md). initialize(backend=...) overrides it.",
+        Str(choices=("zero", "fsdp2")),
+    )

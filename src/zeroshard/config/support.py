@@ -101,6 +101,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "checkpoint.tag_validation",
         "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
+        "zeroshard.backend",
         "dataloader_drop_last",
         # Monitors, comms logger and FLOPs profiler (monitor/, comm/comms_logger.py).
         "tensorboard.enabled",

@@ -28,6 +28,7 @@ class TrainHyper:
     max_steps: int
     max_grad_norm: float
     dtype: str  # fp32, bf16 or fp16
+    backend: str | None = None  # --backend: "zeroshard": {"backend": ...} (None: as the config says)
 
     def known(self, world_size: int) -> dict[str, object]:
         """Dotted ds_config paths and their values, as `fill_auto` and `resolve_config` take them."""
@@ -58,6 +59,8 @@ def train_ds_config(source: str, hyper: TrainHyper, world_size: int) -> dict[str
     for block in ("optimizer", "scheduler"):
         if block not in config:
             config[block] = preset[block]
+    if hyper.backend is not None:
+        config["zeroshard"] = {**config.get("zeroshard", {}), "backend": hyper.backend}
     return fill_auto(config, hyper.known(world_size))
 
 

@@ -326,9 +326,10 @@ def _banner(
 ) -> str:
     total, trainable = counts
     dtype = str(engine.precision.compute_dtype).removeprefix("torch.")
+    backend = " on FSDP2" if engine.config.zeroshard.backend == "fsdp2" else ""
     return (
         f"zeroshard train: {opts.model.name} ({total:,} parameters, {trainable:,} trainable), ZeRO stage "
-        f"{engine.zero_stage}, {dtype}, {engine.world_size} rank(s) on {engine.device.type}; "
+        f"{engine.zero_stage}{backend}, {dtype}, {engine.world_size} rank(s) on {engine.device.type}; "
         f"{len(train_set)} train / {len(eval_set)} eval blocks of {opts.seq_len} tokens; "
         f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
         f"{engine.gradient_accumulation_steps()} x {engine.world_size}; {opts.hyper.max_steps} steps"

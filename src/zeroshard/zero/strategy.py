@@ -4,10 +4,11 @@
 The engine owns the training loop's counters (`AccumulationState`) and hands them to the strategy at
 construction; the strategy reads them (is this micro-step communicated? is it the last before the step?) and
 never calls back into the engine. Everything the engine, the checkpoint code and the public API need from a
-strategy is a method of `Strategy`: there is no `isinstance` or `getattr` on strategies anywhere. Two
-implement it: `FlatStrategy` (stages 0-2, zero/flat/) and `Stage3Strategy` (zero/stage3/). Both share the
-step skeleton below: finish the reductions, one norm (and inf/nan) decision for all ranks, the optimizer
-over chunks of the shards, publish the parameters.
+strategy is a method of `Strategy`: there is no `isinstance` or `getattr` on strategies anywhere. Three
+implement it: `FlatStrategy` (stages 0-2, zero/flat/), `Stage3Strategy` (zero/stage3/) and `Fsdp2Strategy`
+(the fsdp2 backend over PyTorch's fully_shard, fsdp2/). All share the step skeleton below: finish the
+reductions, one norm (and inf/nan) decision for all ranks, the optimizer over chunks of the shards, publish the
+parameters.
 """
 
 from __future__ import annotations
@@ -238,6 +239,11 @@ class Strategy(ABC):
     @abstractmethod
     def checkpoint_state(self) -> ShardedState:
         """This strategy in the checkpoint format's terms ([Note: strategy adapters])."""
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state_dict with whole tensors in the compute dtype (collective; `save_16bit_model`). The
+        zero stages' module already gives that (stage 3's state_dict hooks gather)."""
+        return self.module.state_dict()
 
     @abstractmethod
     def gathered(self) -> AbstractContextManager[None]:

@@ -1,0 +1,56 @@
+"""FSDP2's all-gathers and reduce-scatters, counted in the engine's `comm_stats` like the zero backend's.
+
+FSDP2 calls torch.distributed itself; its `set_custom_all_gather`/`set_custom_reduce_scatter` hooks let the same
+collectives be issued through these wrappers, which add each one's bytes to `Collectives.stats` (payload, and the
+ring's bus bytes) and otherwise do exactly what FSDP2's defaults do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from zeroshard.comm.collectives import CollectiveKind, CommStats
+
+
+def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    stats.record(kind, nbytes, nbytes * (world_size - 1) / world_size)
+
+
+class CountedAllGather(AllGather):
+    def __init__(self, stats: CommStats, world_size: int):
+        self.stats = stats
+        self.world_size = world_size
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountedReduceScatter(ReduceScatter):
+    def __init__(self, stats: CommStats, world_size: int):
+        self.stats = stats
+        self.world_size = world_size
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        _record(self.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, self.world_size)
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -1,0 +1,115 @@
+"""`fully_shard` applied on zeroshard's units, and the few FSDP2 module calls the strategy makes on them.
+
+[Note: fsdp2 units]
+The units are those of zeroshard's stage 3 ([Note: units]): every block the unit policy names gets its own
+`fully_shard` (innermost first, as FSDP2 requires), then the root takes every parameter no block owns (embeddings,
+final norm, head, tied weights). FSDP2 has no persistent unit: `stage3_param_persistence_threshold` does not
+apply. Gathering a unit for a block (`gathered()`, `GatheredParameters`) is FSDP2's own `unshard()` with
+`reshard_after_forward` switched off meanwhile, so a forward inside the block (generation) does not release it.
+
+FSDP2's private state is read in this file only: the unsharded tensors of a gathered unit (`FSDPParam.
+unsharded_param`, to broadcast a modification under `modifier_rank`), and each parameter group's
+`post_forward_mesh_info` (what `set_reshard_after_forward` sets), saved and restored around a gathered block
+because the public setter cannot restore the root's special "not after forward" default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.fsdp2.comms import CountedAllGather, CountedReduceScatter
+from zeroshard.fsdp2.plan import Fsdp2Plan
+from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
+
+
+@dataclass(frozen=True)
+class Fsdp2Unit:
+    """One `fully_shard`ed module and the names (in the root's namespace) of the parameters it owns."""
+
+    name: str  # "" for the root
+    module: FSDPModule
+    param_names: tuple[str, ...]
+
+
+def shard_units(
+    root: nn.Module,
+    plan: Fsdp2Plan,
+    unit_policy: UnitPolicy | None,
+    comm: Collectives,
+    device: torch.device,
+    divide_factor: float,
+) -> list[Fsdp2Unit]:
+    """`fully_shard` every unit, root last ([Note: fsdp2 units]); gradients are summed then divided by
+    `divide_factor` ([Note: fsdp2 mapping])."""
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialised"
+    mesh = DeviceMesh.from_group(group, device.type)
+    mixed = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    # pinning needs an accelerator (a CPU-only run "offloads" to where it already is)
+    pin = plan.pin_memory and device.type != "cpu"
+    offload = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
+    modules = dict(root.named_modules())
+    names = [n for n in unit_module_names(root, unit_policy) if any(True for _ in modules[n].parameters())]
+    # by name, since fully_shard replaces the parameter objects; the innermost unit holding a parameter owns it
+    param_names = {id(p): n for n, p in root.named_parameters()}
+    owner = dict.fromkeys(param_names.values(), "")
+    for name in sorted(names, key=lambda n: n.count(".")):  # outermost first: inner units overwrite
+        inside = {id(p) for p in modules[name].parameters()}
+        for n, p in root.named_parameters(remove_duplicate=False):
+            if id(p) in inside and n.startswith(name + "."):
+                owner[param_names[id(p)]] = name
+    for name in sorted(names, key=lambda n: n.count("."), reverse=True):  # innermost first
+        fully_shard(
+            modules[name],
+            mesh=mesh,
+            reshard_after_forward=plan.reshard_after_forward,
+            mp_policy=mixed,
+            offload_policy=offload,
+        )
+    fully_shard(
+        root, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed, offload_policy=offload
+    )
+    units = []
+    for name in [*names, ""]:
+        module = modules[name] if name else root
+        assert isinstance(module, FSDPModule)
+        module.set_gradient_divide_factor(divide_factor)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_custom_all_gather(CountedAllGather(comm.stats, comm.world_size))
+        module.set_custom_reduce_scatter(CountedReduceScatter(comm.stats, comm.world_size))
+        owned = tuple(n for n, o in owner.items() if o == name)
+        units.append(Fsdp2Unit(name, module, owned))
+    return units
+
+
+def unsharded_views(unit: Fsdp2Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(sharded parameter, full tensor) of each parameter of a gathered unit ([Note: fsdp2 units])."""
+    state = unit.module._get_fsdp_state()
+    return [(p.sharded_param, p.unsharded_param) for group in state._fsdp_param_groups for p in group.fsdp_params]
+
+
+@contextmanager
+def held_gathered(units: Sequence[Fsdp2Unit]) -> Iterator[None]:
+    """`units` unsharded for the block (collective), released after it ([Note: fsdp2 units])."""
+    saved = []
+    for unit in units:
+        unit.module.unshard()
+        for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+            saved.append((group, group.post_forward_mesh_info))
+            group.post_forward_mesh_info = None  # a forward inside the block keeps the unit gathered
+    try:
+        yield
+    finally:
+        for group, info in saved:
+            group.post_forward_mesh_info = info
+        for unit in units:
+            unit.module.reshard()
