@@ -20,7 +20,7 @@ from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
-from zeroshard.fsdp2 import build_fsdp2_strategy, plan_from_config
+from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.materialize import materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import StreamedWeights, release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
@@ -269,6 +269,8 @@ def _make_strategy(
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
     )
     if str(cfg.zeroshard.backend) == "fsdp2":
+        from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
+
         dtype, device = precision.compute_dtype, topology.device
         return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights)
     common: dict[str, Any] = {

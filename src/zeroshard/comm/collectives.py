@@ -44,6 +44,9 @@ from zeroshard.errors import CollectiveMismatchError
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the same two under one name in every supported torch, for FSDP2's custom-collective hooks (fsdp2/comms.py)
+all_gather_single = _all_gather_single
+reduce_scatter_single = _reduce_scatter_single
 
 
 class CollectiveKind(StrEnum):

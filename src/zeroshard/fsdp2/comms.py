@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from zeroshard.comm.collectives import CollectiveKind, CommStats
+from zeroshard.comm.collectives import CollectiveKind, CommStats, all_gather_single, reduce_scatter_single
 
 
 def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int) -> None:
@@ -33,7 +33,9 @@ class CountedAllGather(AllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather_single(  # type: ignore[no-any-return]
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
 
 
 class CountedReduceScatter(ReduceScatter):
@@ -53,4 +55,6 @@ class CountedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         _record(self.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, self.world_size)
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return reduce_scatter_single(  # type: ignore[no-any-return]
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )

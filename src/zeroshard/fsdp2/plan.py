@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from zeroshard.errors import ConfigError
 from zeroshard.precision.dtypes import dtype_of
@@ -44,6 +45,11 @@ def plan_from_config(cfg: Any, compute_dtype: torch.dtype) -> Fsdp2Plan:
     """[Note: fsdp2 mapping] from a resolved config; a `ConfigError` for what FSDP2 cannot do."""
     z = cfg.zero_optimization
     stage = int(z.stage)
+    if not hasattr(FSDPModule, "set_custom_all_gather"):
+        raise ConfigError(
+            f'"zeroshard": {{"backend": "fsdp2"}} needs torch >= 2.8 (FSDP2\'s custom collectives, which count its '
+            f'bytes); this is torch {torch.__version__}. Upgrade torch or use the "zero" backend.'
+        )
     if stage < 2:
         raise ConfigError(
             f'"zeroshard": {{"backend": "fsdp2"}} runs ZeRO stages 2 and 3 (FSDP2 always shards gradients); '

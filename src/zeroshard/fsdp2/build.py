@@ -1,0 +1,53 @@
+"""Build the fsdp2 backend's strategy from a resolved config ([Note: fsdp2 mapping])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.fsdp2.plan import plan_from_config
+from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
+from zeroshard.loading.weights import StreamedWeights
+from zeroshard.offload.tier import Tier
+from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.stepmath import StepPolicy
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
+
+logger = get_logger(__name__)
+
+
+def build_fsdp2_strategy(
+    cfg: Any,
+    compute_dtype: torch.dtype,
+    model: nn.Module,
+    groups: list[ParamGroupSpec],
+    comm: Collectives,
+    device: torch.device,
+    accumulation: AccumulationState,
+    step: StepPolicy,
+    weights: StreamedWeights | None,
+) -> Fsdp2Strategy:
+    """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping])."""
+    plan = plan_from_config(cfg, compute_dtype)
+    policy = Fsdp2Policy(
+        compute_dtype=compute_dtype,
+        grad_accum_dtype=torch.float32,
+        comm_dtype=plan.reduce_dtype,
+        overlap_comm=True,
+        step=step,
+        master_tier=Tier(torch.device("cpu") if plan.cpu_offload else device),
+        plan=plan,
+        weights=weights,
+    )
+    strategy = Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
+    log_rank(
+        logger,
+        20,
+        f"fsdp2 backend: fully_shard on {len(strategy.units)} units, reshard_after_forward="
+        f"{plan.reshard_after_forward}, param_dtype={plan.param_dtype}, reduce_dtype={plan.reduce_dtype}, "
+        f"cpu_offload={plan.cpu_offload}",
+    )
+    return strategy
