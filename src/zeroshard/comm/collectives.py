@@ -243,10 +243,14 @@ class Collectives:
         keep the fused collectives."""
         return whole.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
 
+    def _global(self, group_rank: int) -> int:
+        """The global rank of `group_rank` in this group (`src`/`dst` take global ranks in every torch)."""
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
     def _reduce_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
         chunks = input.view(self.world_size, -1)
         works = [
-            dist.reduce(chunks[owner], group_dst=owner, group=self.group, async_op=True)
+            dist.reduce(chunks[owner], dst=self._global(owner), group=self.group, async_op=True)
             for owner in range(self.world_size)
         ]
         mine = chunks[self.rank]
@@ -257,7 +261,7 @@ class Collectives:
         if chunks[self.rank].data_ptr() != input.data_ptr():
             chunks[self.rank].data.copy_(input.reshape(-1))  # .data: [Note: gathered storage] views
         works = [
-            dist.broadcast(chunks[owner], group_src=owner, group=self.group, async_op=True)
+            dist.broadcast(chunks[owner], src=self._global(owner), group=self.group, async_op=True)
             for owner in range(self.world_size)
         ]
         return _Joined(works, lambda: None, async_op)
