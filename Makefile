@@ -4,7 +4,7 @@
 PYTHON ?= python
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-compat train example test test-all lint
+.PHONY: install install-compat train example test test-all test-gpu overlap-gpu lint
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -28,6 +28,15 @@ test: install-compat
 
 test-all: install-compat
 	$(PYTHON) -m pytest -q -m ''
+
+# The GPU suite (issue 13) on a CUDA machine, at world size 1 (and 2 with two GPUs). No install step: GPU machines
+# here have torch, transformers and peft but no package registry, so the tree runs from src/ as it is.
+test-gpu:
+	PYTHONPATH=src $(PYTHON) -m pytest tests/gpu -m cuda -q -p no:cacheprovider
+
+# Issue 13 item 4: one stage-3 step and one offloaded step profiled; exposed-communication fractions in one call.
+overlap-gpu:
+	PYTHONPATH=src:. $(PYTHON) -m benchmarks.overlap --json overlap.json
 
 lint:
 	ruff check src tests benchmarks examples

@@ -15,3 +15,16 @@ def pytest_report_header() -> str:
     except importlib.metadata.PackageNotFoundError:
         version = "not installed (the DeepSpeed-parity tests fail; see tests/helpers/deepspeed_reference.py)"
     return f"deepspeed reference: {version}"
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest's hook signature
+    """Tests marked `cuda` (the GPU suite, tests/gpu) are skipped on a machine without CUDA."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make test-gpu` on a GPU machine (issue 13)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

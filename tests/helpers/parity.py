@@ -162,12 +162,16 @@ def ds_config(case: Case) -> dict:
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    """On the host: results cross process boundaries by value, and are compared there."""
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu()
 
 
-def reference_run(case: Case, world_size: int) -> tuple[list[float], list[torch.Tensor]]:
-    """Per-step mean loss and per-step flat parameters of the single-process reference."""
-    master_model = build_model(case)
+def reference_run(
+    case: Case, world_size: int, device: torch.device | str = "cpu"
+) -> tuple[list[float], list[torch.Tensor]]:
+    """Per-step mean loss and per-step flat parameters of the single-process reference (on `device`: the GPU suite
+    compares a CUDA engine with a CUDA reference)."""
+    master_model = build_model(case).to(device)
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     work = copy.deepcopy(master_model).to(dtype)
     groups = param_groups(master_model, case)
@@ -182,7 +186,7 @@ def reference_run(case: Case, world_size: int) -> tuple[list[float], list[torch.
             m.grad = torch.zeros_like(m)
         for k in range(case.gas):
             for r in range(world_size):
-                x, y = micro_batch(batch, k, r, world_size, case.micro)
+                x, y = (t.to(device) for t in micro_batch(batch, k, r, world_size, case.micro))
                 loss = work(x, y)
                 step_losses.append(loss.item())
                 (loss / n_micro).backward()
@@ -213,9 +217,9 @@ def engine_run(rank: int, world_size: int, case: Case, configure: Callable[[dict
         step_losses = []
         if case.variant == "eval":  # an evaluation forward between steps must not disturb training
             with torch.no_grad():
-                engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+                engine(*(t.to(engine.device) for t in micro_batch(batch, 0, rank, world_size, case.micro)))
         for k in range(case.gas):
-            x, y = micro_batch(batch, k, rank, world_size, case.micro)
+            x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, world_size, case.micro))
             loss = engine(x, y)
             step_losses.append(loss.item())
             engine.backward(loss)
