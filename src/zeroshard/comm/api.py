@@ -129,9 +129,10 @@ def init_distributed(
 
     As in DeepSpeed, nothing happens when torch.distributed is already initialised (unless
     `dist_init_required=True`, which torch refuses). An explicit `init_method`, `rank` or `world_size` is
-    passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read (or a
-    one-process group is made). MPI discovery is not done: launch with torchrun or `zeroshard` instead of
-    mpirun (`auto_mpi_discovery`, `distributed_port`, `config` are accepted for compatibility and unused).
+    passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read, or under
+    `mpirun -np N python train.py` the MPI variables with `distributed_port` as the default MASTER_PORT
+    (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. `config`
+    is accepted for compatibility and unused.
 
     Example:
         >>> import zeroshard
@@ -147,7 +148,7 @@ def init_distributed(
         if timeout is not None:
             kwargs["timeout"] = timeout
         dist.init_process_group(dist_backend, **kwargs)
-    topo = topology.init_distributed(dist_backend, timeout_s)
+    topo = topology.init_distributed(dist_backend, timeout_s, auto_mpi_discovery, distributed_port)
     if verbose:
         logger.info("initialised torch.distributed: rank %d of %d, %s", topo.rank, topo.world_size, topo.backend)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +38,18 @@ def _pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> Topology:
+def init_distributed(
+    backend: str | None = None, timeout_s: float | None = None, mpi_discovery: bool = True, mpi_port: int = 29500
+) -> Topology:
     """Initialise torch.distributed once and describe the result.
 
-    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) the env:// rendezvous is used. With no
+    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) the env:// rendezvous is used; under mpirun without a
+    launcher the MPI variables are read first ([Note: MPI discovery]). With no
     variables at all a one-process group is created on an in-memory store, so `python train.py`
     runs the same code path as a multi-process job. NCCL is chosen on CUDA and gloo on CPU.
     """
+    if mpi_discovery:  # `mpirun -np N python train.py`: [Note: MPI discovery]
+        os.environ.update(mpi_rank_env(os.environ, mpi_port))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, default_backend = _pick_device(local_rank)
     chosen = backend or default_backend
@@ -72,6 +78,41 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     )
     logger.debug("initialised %s", topo)
     return topo
+
+
+def mpi_rank_env(environ: Mapping[str, str], port: int = 29500) -> dict[str, str]:
+    """torchrun's variables for a process that OpenMPI or MPICH started as one rank ({} when RANK is already set or
+    no MPI launcher is seen). Pure.
+
+    [Note: MPI discovery]
+    DeepSpeed's `init_distributed` (auto_mpi_discovery) lets `mpirun -np 8 python train.py` run without a
+    launcher: each MPI process is a rank. Its rank, world size and local rank come from OMPI_COMM_WORLD_* (OpenMPI)
+    or PMI_* / MPI_LOCALRANKID (MPICH/Hydra). DeepSpeed asks mpi4py for rank 0's address; zeroshard does not depend
+    on mpi4py, so MASTER_ADDR must be exported (`mpirun -x MASTER_ADDR=node0`, `-genv` for MPICH); MASTER_PORT
+    defaults to `port` (DeepSpeed's `distributed_port`, 29500). One process per node that runs `zeroshard launch`
+    is the other way (docs/cli.md, Clusters)."""
+    if "RANK" in environ:
+        return {}
+    if "OMPI_COMM_WORLD_RANK" in environ:
+        rank, size = environ["OMPI_COMM_WORLD_RANK"], environ["OMPI_COMM_WORLD_SIZE"]
+        local = environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        local_size = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)
+    elif "PMI_RANK" in environ and "PMI_SIZE" in environ:
+        rank, size = environ["PMI_RANK"], environ["PMI_SIZE"]
+        local = environ.get("MPI_LOCALRANKID", environ.get("PMI_LOCAL_RANK", "0"))
+        local_size = environ.get("MPI_LOCALNRANKS", environ.get("PMI_LOCAL_SIZE", size))
+    else:
+        return {}
+    if int(size) > 1 and "MASTER_ADDR" not in environ:
+        raise RuntimeError(
+            f"started by mpirun as rank {rank} of {size}, but MASTER_ADDR is not set: export rank 0's host "
+            "(mpirun -x MASTER_ADDR=<host of rank 0> for OpenMPI, -genv MASTER_ADDR <host> for MPICH), or run "
+            "`zeroshard launch` once per node (docs/cli.md, Clusters)"
+        )
+    out = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": local_size}
+    out.setdefault("MASTER_ADDR", environ.get("MASTER_ADDR", "127.0.0.1"))
+    out["MASTER_PORT"] = environ.get("MASTER_PORT", str(port))
+    return out
 
 
 RANKS_PER_NODE_ENV = "ZEROSHARD_RANKS_PER_NODE"
