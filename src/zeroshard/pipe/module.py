@@ -1,0 +1,157 @@
+"""DeepSpeed's `PipelineModule`: a sequence of layers split into stages, each rank building and running its own.
+
+[Note: tied layers]
+A `TiedLayerSpec` key used on several stages gives each of those stages its own copy of the module (in
+`tied_modules`, one per key, so a stage that uses the key twice shares one copy). The copies start from the
+lowest stage's values (broadcast at initialize) and the engine sums their gradients over the tie group (the
+stages holding the key, same data-parallel replica) before each step, so every copy takes the same update, as
+DeepSpeed's `allreduce_tied_weight_gradients`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zeroshard.errors import ConfigError
+from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
+from zeroshard.pipe.mesh import PipeGrid
+from zeroshard.pipe.partition import partition
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+Layer = nn.Module | LayerSpec | Callable[..., Any]
+
+
+class PipelineModule(nn.Module):
+    """Layers run in sequence, split over `num_stages` pipeline stages; this rank builds only its stage's layers
+    (DeepSpeed's `deepspeed.pipe.PipelineModule`). Pass it to `zeroshard.initialize` and train with
+    `engine.train_batch()`; the last stage applies `loss_fn(output, labels)`.
+
+    Example:
+        >>> net = PipelineModule(layers=[nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)], num_stages=2,
+        ...                      loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
+        >>> engine, _, _, _ = zeroshard.initialize(model=net, config=cfg)  # doctest: +SKIP
+        >>> loss = engine.train_batch(data_iter=batches)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        num_stages: int | None = None,
+        topology: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if topology is not None:
+            raise ConfigError("PipelineModule(topology=...): pass num_stages= (the pp x dp mesh is built from it)")
+        if num_stages is None:
+            raise ConfigError("PipelineModule needs num_stages=")
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        self.grid = PipeGrid(int(num_stages), world)
+        self.num_stages = int(num_stages)
+        self.stage_id = self.grid.stage_of(rank)
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self._checkpoint_func = activation_checkpoint_func
+        self._specs = list(layers)
+        self.parts = partition(
+            partition_method, [_count_params(s) for s in self._specs], _names(self._specs), self.num_stages
+        )
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.forward_funcs: list[Callable[..., Any]] = []
+        self._build(seed_fn if seed_layers else None, base_seed)
+        log_rank(logger, 20, f"pipeline stages at layers {self.parts} ({partition_method}); stage {self.stage_id}")
+
+    def _build(self, seed_fn: Callable[[int], None] | None, base_seed: int) -> None:
+        for index in range(self._local_start, self._local_stop):
+            spec = self._specs[index]
+            if seed_fn is not None:
+                seed_fn(base_seed + index)
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+                module = self.tied_modules[spec.key]
+                fn = functools.partial(spec.forward_fn, module) if spec.forward_fn is not None else module
+                self.forward_funcs.append(fn)
+            elif isinstance(spec, LayerSpec):
+                module = spec.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif isinstance(spec, nn.Module):
+                self.add_module(str(index), spec)
+                self.forward_funcs.append(spec)
+            elif callable(spec):
+                self.forward_funcs.append(spec)
+            else:
+                raise ConfigError(
+                    f"PipelineModule layer {index} is {type(spec).__name__}: not a module, spec or function"
+                )
+
+    def tied_stages(self) -> dict[str, list[int]]:
+        """Every tie key and the stages that use it (the same on every rank: computed from the specs)."""
+        ties: dict[str, list[int]] = {}
+        for stage in range(self.num_stages):
+            for spec in self._specs[self.parts[stage] : self.parts[stage + 1]]:
+                if isinstance(spec, TiedLayerSpec) and stage not in ties.setdefault(spec.key, []):
+                    ties[spec.key].append(stage)
+        return ties
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        module = self.tied_modules[key]
+        return [functools.reduce(getattr, attr.split("."), module) for attr in self.tied_weight_attrs[key]]
+
+    def forward(self, *inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not torch.is_grad_enabled():
+            return _run(self.forward_funcs, x)
+        for start in range(0, len(self.forward_funcs), interval):
+            funcs = self.forward_funcs[start : start + interval]
+            if self._checkpoint_func is not None:
+                x = self._checkpoint_func(functools.partial(_run, funcs), x)
+            else:
+                x = checkpoint(functools.partial(_run, funcs), x, use_reentrant=False)
+        return x
+
+    def topology(self) -> PipeGrid:
+        return self.grid
+
+
+def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:
+    for fn in funcs:
+        x = fn(*x) if isinstance(x, tuple) else fn(x)
+    return x
+
+
+def _count_params(spec: Layer) -> int:
+    """Trainable elements of a layer, as DeepSpeed counts them for `partition_method="parameters"` (a spec is
+    built on the CPU to count it, then dropped)."""
+    module = spec.build() if isinstance(spec, LayerSpec) else spec
+    if not isinstance(module, nn.Module):
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def _names(specs: Sequence[Layer]) -> list[str]:
+    return [
+        s.typename.__name__ if isinstance(s, LayerSpec) else type(s).__name__ if isinstance(s, nn.Module) else ""
+        for s in specs
+    ]
