@@ -245,7 +245,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Other engines and features.
         "hybrid_engine",
         "compile",
-        "pipeline",
         "tensor_parallel",
         "expert_parallel",
         "weight_quantization",

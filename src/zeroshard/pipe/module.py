@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zeroshard.comm.topology import init_distributed
 from zeroshard.errors import ConfigError
 from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
 from zeroshard.pipe.mesh import PipeGrid
@@ -61,7 +62,9 @@ class PipelineModule(nn.Module):
             raise ConfigError("PipelineModule(topology=...): pass num_stages= (the pp x dp mesh is built from it)")
         if num_stages is None:
             raise ConfigError("PipelineModule needs num_stages=")
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        if not dist.is_initialized():  # DeepSpeed needs init_distributed() first; from the environment here
+            init_distributed()
+        world, rank = dist.get_world_size(), dist.get_rank()
         self.grid = PipeGrid(int(num_stages), world)
         self.num_stages = int(num_stages)
         self.stage_id = self.grid.stage_of(rank)
