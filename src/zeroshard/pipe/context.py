@@ -72,6 +72,7 @@ class PipeContext:
     """This rank's place in the pp x dp mesh and the collectives over its groups."""
 
     groups: PipeGroups
+    world: Collectives
     dp_comm: Collectives
     pp_comm: Collectives
     tie_comms: dict[str, tuple[Collectives, int]]  # key -> (collectives, global rank of the lowest stage)
@@ -87,7 +88,7 @@ class PipeContext:
             key: (world.subgroup(group, len(ranks), ranks.index(world.rank), Scope.INTRA_NODE), ranks[0])
             for key, (group, ranks) in groups.tie_groups.items()
         }
-        return cls(groups, dp_comm, pp_comm, ties, schedule)
+        return cls(groups, world, dp_comm, pp_comm, ties, schedule)
 
     @property
     def is_first(self) -> bool:

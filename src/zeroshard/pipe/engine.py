@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
+from zeroshard.pipe.checkpoint import PipelineCheckpointMixin
 from zeroshard.pipe.context import PipeContext
 from zeroshard.pipe.module import PipelineModule
 from zeroshard.utils.repeating import RepeatingLoader
@@ -29,7 +30,7 @@ from zeroshard.utils.repeating import RepeatingLoader
 _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(PipelineCheckpointMixin, Engine):
     """What `zeroshard.initialize(model=PipelineModule(...))` returns: `train_batch()` / `eval_batch()`.
 
     Example:
