@@ -35,7 +35,11 @@ def _check(cases: list[PipeCase], per_rank: list[list[list[float]]], world_size:
         want = reference(case, world_size // case.stages)
         for rank in range(world_size):
             got = per_rank[rank][i]
-            bad = [(s, g, w) for s, (g, w) in enumerate(zip(got, want, strict=True)) if not math.isclose(g, w, rel_tol=RTOL)]
+            bad = [
+                (s, g, w)
+                for s, (g, w) in enumerate(zip(got, want, strict=True))
+                if not math.isclose(g, w, rel_tol=RTOL)
+            ]
             if bad:
                 failures.append(f"{case.name} rank {rank}: (step, got, reference) {bad}")
     assert not failures, "\n".join(failures)

@@ -107,8 +107,9 @@ class PipeContext:
     def dp_root(self) -> int:
         return self.groups.grid.dp_ranks(self.groups.stage)[0]
 
-    def sync_tied(self, module: PipelineModule) -> None:
+    def sync_tied(self, module: nn.Module) -> None:
         """[Note: tied layers] every copy starts from the lowest stage's values."""
+        assert isinstance(module, PipelineModule)
         for key, (comm, root) in self.tie_comms.items():
             for param in module.tied_parameters(key):
                 comm.broadcast(param.data, src=root, label=f"pipe.tie.{key}")

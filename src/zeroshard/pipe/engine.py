@@ -34,7 +34,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
     """What `zeroshard.initialize(model=PipelineModule(...))` returns: `train_batch()` / `eval_batch()`.
 
     Example:
-        >>> engine, _, _, _ = zeroshard.initialize(model=pipeline_module, config=cfg, training_data=ds)  # doctest: +SKIP
+        >>> engine, _, _, _ = zeroshard.initialize(model=net, config=cfg, training_data=ds)  # doctest: +SKIP
         >>> for _ in range(steps): loss = engine.train_batch()  # doctest: +SKIP
     """
 

@@ -119,7 +119,7 @@ class PipelineModule(nn.Module):
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         module = self.tied_modules[key]
-        return [functools.reduce(getattr, attr.split("."), module) for attr in self.tied_weight_attrs[key]]
+        return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
 
     def forward(self, *inputs: Any) -> Any:
         x: Any = inputs[0] if len(inputs) == 1 else inputs

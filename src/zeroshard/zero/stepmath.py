@@ -86,7 +86,11 @@ def scale_from_norms(
 
 
 def _global_norm(
-    norms: list[torch.Tensor], comm: Collectives, sharded: bool, device: torch.device, model_parallel: Collectives | None
+    norms: list[torch.Tensor],
+    comm: Collectives,
+    sharded: bool,
+    device: torch.device,
+    model_parallel: Collectives | None,
 ) -> float:
     if norms:
         total_sq = torch.stack(norms).pow(2).sum().reshape(1)
