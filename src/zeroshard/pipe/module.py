@@ -56,6 +56,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         activation_checkpoint_func: Callable[..., Any] | None = None,
         checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
     ) -> None:
         super().__init__()
         if topology is not None:
