@@ -10,13 +10,20 @@ import math
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from helpers.harness import run_on_ranks
-from helpers.pipeline import PipeCase, build, reference, train
+from helpers.pipeline import PipeCase, build, config, layers, reference, train
+from zeroshard.errors import ConfigError
 
 RTOL = 1e-5
 
-CASES_2 = [PipeCase(2, "gpipe"), PipeCase(2, "1f1b"), PipeCase(2, "1f1b", zero=1, clip=0.05)]
+CASES_2 = [
+    PipeCase(2, "gpipe"),
+    PipeCase(2, "1f1b"),
+    PipeCase(2, "1f1b", zero=1, clip=0.05),
+    PipeCase(2, "1f1b", tied=True),
+]
 CASES_4 = [PipeCase(2, "gpipe", zero=1), PipeCase(2, "1f1b", zero=0), PipeCase(2, "1f1b", zero=1, clip=0.05)]
 
 
@@ -73,3 +80,33 @@ def test_pipeline_checkpoint_resume(world_size: int, tmp_path: Path) -> None:
     for straight, resumed in per_rank:
         assert straight == resumed, (straight, resumed)
         assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(straight, want, strict=True)), (straight, want)
+
+
+REFUSALS = [
+    ({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
+    ({"pipeline": {"schedule": "interleaved"}}, "virtual stages"),
+    ({"pipeline": {"stages": 3}}, "num_stages=1"),
+    ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
+]
+
+
+def _refused(rank: int, world_size: int) -> list[str]:
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    messages = []
+    for change, _ in REFUSALS:
+        net = PipelineModule(layers=layers(), num_stages=1, loss_fn=nn.functional.mse_loss)
+        try:
+            zeroshard.initialize(model=net, config={**config(PipeCase(1)), **change})
+            messages.append("accepted")
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_pipeline_refusals() -> None:
+    """What the pipeline engine does not do is refused at initialize (one process)."""
+    (messages,) = run_on_ranks(_refused, 1)
+    for (change, expected), message in zip(REFUSALS, messages, strict=True):
+        assert expected in message, (change, message)

@@ -26,10 +26,12 @@ class PipeCase:
     micro: int = 2
     steps: int = 4
     clip: float = 0.0
+    tied: bool = False  # first and last layer one TiedLayerSpec (the last applies its transpose)
 
     @property
     def name(self) -> str:
-        return f"pp{self.stages}_{self.schedule}_zero{self.zero}_gas{self.gas}_clip{self.clip}"
+        tied = "_tied" if self.tied else ""
+        return f"pp{self.stages}_{self.schedule}_zero{self.zero}_gas{self.gas}_clip{self.clip}{tied}"
 
 
 def layers() -> list[nn.Module]:
@@ -38,6 +40,48 @@ def layers() -> list[nn.Module]:
     for _ in range(DEPTH):
         out += [nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh()]
     return out
+
+
+def _transposed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight.t()
+
+
+def tied_specs() -> list[Any]:
+    """Built layer by layer from seed SEED + index (seed_layers=True); the key "tied" at both ends."""
+    from zeroshard.pipe import LayerSpec, TiedLayerSpec
+
+    specs: list[Any] = [TiedLayerSpec("tied", nn.Linear, WIDTH, WIDTH, bias=False), LayerSpec(nn.Tanh)]
+    for _ in range(DEPTH - 2):
+        specs += [LayerSpec(nn.Linear, WIDTH, WIDTH, bias=False), LayerSpec(nn.Tanh)]
+    specs.append(TiedLayerSpec("tied", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_transposed))
+    return specs
+
+
+def tied_reference_model() -> nn.Module:
+    from zeroshard.pipe import TiedLayerSpec
+
+    built: dict[str, nn.Module] = {}
+    funcs: list[Any] = []
+    for index, spec in enumerate(tied_specs()):
+        torch.manual_seed(SEED + index)
+        if isinstance(spec, TiedLayerSpec):
+            first = spec.key not in built
+            module = built.setdefault(spec.key, spec.build())
+            funcs.append(module if first else (lambda x, m=module: _transposed(m, x)))
+        else:
+            funcs.append(spec.build())
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mods = nn.ModuleList([f for f in funcs if isinstance(f, nn.Module)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for f in funcs:
+                x = f(x)
+            return x
+
+    return Tied()
 
 
 def batches(case: PipeCase, dp: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -63,7 +107,7 @@ def config(case: PipeCase) -> dict[str, Any]:
 
 def reference(case: PipeCase, dp: int) -> list[float]:
     """Plain PyTorch on one process: the whole global batch per step, gradients averaged over it."""
-    model = nn.Sequential(*layers())
+    model = tied_reference_model() if case.tied else nn.Sequential(*layers())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses = []
     for step in batches(case, dp):
@@ -91,7 +135,13 @@ def build(case: PipeCase) -> Any:
     from zeroshard.pipe import PipelineModule
 
     net = PipelineModule(
-        layers=layers(), num_stages=case.stages, loss_fn=nn.functional.mse_loss, partition_method="uniform"
+        layers=tied_specs() if case.tied else layers(),
+        num_stages=case.stages,
+        loss_fn=nn.functional.mse_loss,
+        partition_method="uniform",
+        seed_layers=case.tied,
+        seed_fn=torch.manual_seed,
+        base_seed=SEED,
     )
     engine, _, _, _ = zeroshard.initialize(model=net, config=config(case))
     return engine

@@ -24,6 +24,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
 from zeroshard.pipe.mesh import PipeGrid
 from zeroshard.pipe.partition import partition
+from zeroshard.runtime.utils import set_random_seed
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -80,7 +81,7 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.forward_funcs: list[Callable[..., Any]] = []
-        self._build(seed_fn if seed_layers else None, base_seed)
+        self._build((seed_fn or set_random_seed) if seed_layers else None, base_seed)
         log_rank(logger, 20, f"pipeline stages at layers {self.parts} ({partition_method}); stage {self.stage_id}")
 
     def _build(self, seed_fn: Callable[[int], None] | None, base_seed: int) -> None:
