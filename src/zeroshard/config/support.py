@@ -31,6 +31,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "scheduler.type",
         "scheduler.params",
         "gradient_clipping",
+        "pipeline",  # with a PipelineModule: pipe/context.py ([Note: pipeline config])
         # elasticity: resolve_config sets the batch triple through checkpoint/elasticity.apply_elasticity.
         "elasticity.enabled",
         "elasticity.max_train_batch_size",
