@@ -24,6 +24,7 @@ CASES_2 = [
     PipeCase(2, "1f1b"),
     PipeCase(2, "1f1b", zero=1, clip=0.05),
     PipeCase(2, "1f1b", tied=True),
+    PipeCase(2, "gpipe", checkpoint_every=2),
 ]
 CASES_4 = [PipeCase(2, "gpipe", zero=1), PipeCase(2, "1f1b", zero=0), PipeCase(2, "1f1b", zero=1, clip=0.05)]
 

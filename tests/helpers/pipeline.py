@@ -27,11 +27,12 @@ class PipeCase:
     steps: int = 4
     clip: float = 0.0
     tied: bool = False  # first and last layer one TiedLayerSpec (the last applies its transpose)
+    checkpoint_every: int = 0  # activation_checkpoint_interval
 
     @property
     def name(self) -> str:
-        tied = "_tied" if self.tied else ""
-        return f"pp{self.stages}_{self.schedule}_zero{self.zero}_gas{self.gas}_clip{self.clip}{tied}"
+        extras = ("_tied" if self.tied else "") + (f"_ac{self.checkpoint_every}" if self.checkpoint_every else "")
+        return f"pp{self.stages}_{self.schedule}_zero{self.zero}_gas{self.gas}_clip{self.clip}{extras}"
 
 
 def layers() -> list[nn.Module]:
@@ -144,6 +145,7 @@ def build(case: PipeCase) -> Any:
         seed_layers=case.tied,
         seed_fn=torch.manual_seed,
         base_seed=SEED,
+        activation_checkpoint_interval=case.checkpoint_every,
     )
     engine, _, _, _ = zeroshard.initialize(model=net, config=config(case))
     return engine
