@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
 
 from helpers.harness import run_on_ranks
-from helpers.pipeline import PipeCase, build, config, evaluate, layers, reference, train
+from helpers.pipeline import PipeCase, build, config, evaluate, reference, tied_specs, train
 from zeroshard.errors import ConfigError
 
 RTOL = 1e-5
@@ -92,15 +93,15 @@ REFUSALS = [
 ]
 
 
-def _refused(rank: int, world_size: int) -> list[str]:
+def _refused(rank: int, world_size: int, stages: int, refusals: list[tuple[dict[str, Any], str]]) -> list[str]:
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
     messages = []
-    for change, _ in REFUSALS:
-        net = PipelineModule(layers=layers(), num_stages=1, loss_fn=nn.functional.mse_loss)
+    for change, _ in refusals:
+        net = PipelineModule(layers=tied_specs(), num_stages=stages, loss_fn=nn.functional.mse_loss)
         try:
-            zeroshard.initialize(model=net, config={**config(PipeCase(1)), **change})
+            zeroshard.initialize(model=net, config={**config(PipeCase(stages)), **change})
             messages.append("accepted")
         except ConfigError as e:
             messages.append(str(e))
@@ -108,7 +109,13 @@ def _refused(rank: int, world_size: int) -> list[str]:
 
 
 def test_pipeline_refusals() -> None:
-    """What the pipeline engine does not do is refused at initialize (one process)."""
-    (messages,) = run_on_ranks(_refused, 1)
+    """What the pipeline engine does not do is refused at initialize (one process, one stage)."""
+    (messages,) = run_on_ranks(_refused, 1, 1, REFUSALS)
     for (change, expected), message in zip(REFUSALS, messages, strict=True):
         assert expected in message, (change, message)
+
+
+def test_pipeline_refuses_clipping_with_weights_tied_across_stages() -> None:
+    refusal = [({"gradient_clipping": 1.0}, "counts it once")]
+    for messages in run_on_ranks(_refused, 2, 2, refusal):
+        assert refusal[0][1] in messages[0], messages

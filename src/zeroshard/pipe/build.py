@@ -19,7 +19,9 @@ def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives) -> Pi
     creates every group, in the same order)."""
     if not isinstance(model, PipelineModule):
         return None
-    refuse_unsupported(int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend))
+    refuse_unsupported(
+        int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend), float(cfg.gradient_clipping or 0.0), model
+    )
     schedule = pipeline_schedule(cfg.pipeline, model)
     return PipeContext.create(world, model, schedule)
 

@@ -56,12 +56,19 @@ def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -
     return schedule
 
 
-def refuse_unsupported(stage: int, backend: str) -> None:
+def refuse_unsupported(stage: int, backend: str, clipping: float, module: PipelineModule) -> None:
     if stage >= 2:
         raise ConfigError(
             f"zero_optimization.stage {stage} with a PipelineModule: pipeline parallelism works with ZeRO stages 0 "
             "and 1 only (as DeepSpeed: gradients are reduced once after all micro-batches, which stages 2 and 3 "
             'cannot do); set "zero_optimization": {"stage": 1}'
+        )
+    shared = sorted(key for key, stages in module.tied_stages().items() if len(stages) > 1)
+    if clipping > 0 and shared:
+        raise ConfigError(
+            f"gradient_clipping with TiedLayerSpec keys {shared} on several stages: the global norm would count "
+            "each stage's copy of a tied weight (DeepSpeed counts it once); this is not implemented yet: set "
+            "gradient_clipping to 0 or keep each tied key on one stage"
         )
     if backend != "zero":
         raise ConfigError(f'zeroshard.backend "{backend}" with a PipelineModule: use the "zero" backend')
