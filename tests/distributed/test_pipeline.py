@@ -26,8 +26,14 @@ CASES_2 = [
     PipeCase(2, "1f1b", zero=1, clip=0.05),
     PipeCase(2, "1f1b", tied=True),
     PipeCase(2, "gpipe", checkpoint_every=2),
+    PipeCase(2, "interleaved", tied=True),
 ]
-CASES_4 = [PipeCase(2, "gpipe", zero=1), PipeCase(2, "1f1b", zero=0), PipeCase(2, "1f1b", zero=1, clip=0.05)]
+CASES_4 = [
+    PipeCase(2, "gpipe", zero=1),
+    PipeCase(2, "1f1b", zero=0),
+    PipeCase(2, "1f1b", zero=1, clip=0.05),
+    PipeCase(2, "interleaved", zero=1, clip=0.05),
+]
 
 
 def _run(rank: int, world_size: int, cases: list[PipeCase]) -> list[list[float]]:
@@ -87,7 +93,7 @@ def test_pipeline_checkpoint_resume(world_size: int, tmp_path: Path) -> None:
 
 REFUSALS = [
     ({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
-    ({"pipeline": {"schedule": "interleaved"}}, "virtual stages"),
+    ({"pipeline": {"schedule": "gpipe", "virtual_stages": 2}}, "only with"),
     ({"pipeline": {"stages": 3}}, "num_stages=1"),
     ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
 ]

@@ -22,7 +22,8 @@ def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives) -> Pi
     refuse_unsupported(
         int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend), float(cfg.gradient_clipping or 0.0), model
     )
-    schedule = pipeline_schedule(cfg.pipeline, model)
+    schedule, virtual = pipeline_schedule(cfg.pipeline, model)
+    model.interleave(virtual)  # before the groups: which stages hold a tied key depends on the chunks
     return PipeContext.create(world, model, schedule)
 
 

@@ -3,10 +3,12 @@
 [Note: pipeline config]
 DeepSpeed 0.19.8's `pipeline` block has stages ("auto"), partition ("best"), seed_layers,
 activation_checkpoint_interval, pipe_partitioned and grad_partitioned; its PipelineModule's arguments decide the
-split, and the block is informational. zeroshard checks the same keys (`stages`, if an int, must equal the
-module's num_stages) and reads one of its own, `schedule` ("1f1b", DeepSpeed's TrainSchedule and the default, or
-"gpipe"), which DeepSpeed ignores. ZeRO stages 2 and 3 are refused as DeepSpeed refuses them with a pipeline:
-gradients are accumulated over all micro-batches of the schedule before the data-parallel reduction.
+split, and the block is informational. zeroshard checks the same keys (`stages`, if an int, must equal the module's
+num_stages) and reads two of its own, which DeepSpeed ignores: `schedule` ("1f1b", DeepSpeed's TrainSchedule and the
+default; "gpipe"; or "interleaved", torch's interleaved 1F1B) and `virtual_stages` (chunks per rank with
+"interleaved", default 2: [Note: interleaved chunks]). ZeRO stages 2 and 3 are refused as DeepSpeed refuses them
+with a pipeline: gradients are accumulated over all micro-batches of the schedule before the data-parallel
+reduction.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.pipe.mesh import PipeGroups
 from zeroshard.pipe.module import PipelineModule
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DEEPSPEED_KEYS = {
     "stages",
     "partition",
@@ -36,24 +38,29 @@ DEEPSPEED_KEYS = {
 }
 
 
-def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -> str:
-    """The schedule named by the `pipeline` block, after checking it against the module ([Note: pipeline config])."""
+OURS = {"schedule", "virtual_stages"}
+
+
+def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -> tuple[str, int]:
+    """The schedule named by the `pipeline` block and the chunks per rank, after checking them against the module
+    ([Note: pipeline config])."""
     block = dict(block or {})
-    unknown = set(block) - DEEPSPEED_KEYS - {"schedule"}
+    unknown = set(block) - DEEPSPEED_KEYS - OURS
     if unknown:
-        raise ConfigError(f"pipeline: unknown keys {sorted(unknown)}; expected {sorted(DEEPSPEED_KEYS | {'schedule'})}")
+        raise ConfigError(f"pipeline: unknown keys {sorted(unknown)}; expected {sorted(DEEPSPEED_KEYS | OURS)}")
     stages = block.get("stages", "auto")
     if stages != "auto" and int(stages) != module.num_stages:
         raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
     schedule = str(block.get("schedule", "1f1b")).lower()
-    if schedule == "interleaved":
-        raise ConfigError(
-            'pipeline.schedule="interleaved" needs several model chunks per rank (virtual stages), which '
-            'PipelineModule does not describe; use "1f1b" or "gpipe"'
-        )
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r}: expected one of {SCHEDULES}")
-    return schedule
+    virtual = block.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+    if not isinstance(virtual, int) or virtual < 1 or (schedule == "interleaved") != (virtual > 1):
+        raise ConfigError(
+            f"pipeline.virtual_stages={virtual!r}: chunks per rank, at least 2 and only with "
+            '"schedule": "interleaved" (default 2 there)'
+        )
+    return schedule, virtual
 
 
 def refuse_unsupported(stage: int, backend: str, clipping: float, module: PipelineModule) -> None:

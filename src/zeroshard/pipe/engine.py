@@ -1,15 +1,15 @@
 """DeepSpeed's `PipelineEngine`: `train_batch()` runs one optimizer step over a pipeline schedule of micro-batches.
 
 [Note: pipeline step]
-One `train_batch` pulls `gradient_accumulation_steps` micro-batches from the data iterator (on the first stage
-for inputs, on the last for labels, as DeepSpeed) and hands them, concatenated, to a
-`torch.distributed.pipelining` schedule (1F1B or GPipe) over this replica's pipeline group, which splits them
-back into the same micro-batches. The schedule's loss function returns `loss / gas` (DeepSpeed's
-`_scale_loss_by_gas`), so the `.grad`s the schedule accumulates are DeepSpeed's; the ZeRO strategy is not
-involved during the schedule and collects those `.grad`s at the step as one backward ([Note: gradients outside
-engine.backward]), reducing them over the stage's data-parallel group. The clipping norm adds up every stage's
-share (`StepPolicy.model_parallel`). The reported loss is the mean over micro-batches and replicas, broadcast
-from the last stage to the whole pipeline, as DeepSpeed's `_aggregate_total_loss`.
+One `train_batch` pulls `gradient_accumulation_steps` micro-batches from the data iterator (on the first stage for
+inputs, on the last for labels, as DeepSpeed) and hands them, concatenated, to a `torch.distributed.pipelining`
+schedule (1F1B, GPipe or interleaved 1F1B) over this replica's pipeline group, which splits them back into the same
+micro-batches. The schedule's loss function returns `loss / gas` (DeepSpeed's `_scale_loss_by_gas`), so the `.grad`s
+the schedule accumulates are DeepSpeed's; the ZeRO strategy is not involved during the schedule and collects those
+`.grad`s at the step as one backward ([Note: gradients outside engine.backward]), reducing them over the stage's
+data-parallel group. The clipping norm adds up every stage's share (`StepPolicy.model_parallel`). The reported loss
+is the mean over micro-batches and replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's
+`_aggregate_total_loss`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
@@ -134,13 +134,18 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
     def _schedule(self, train: bool) -> Any:
         key = (self.pipe.schedule, train)
         if key not in self._schedules:
-            stage = PipelineStage(
-                self.module, self.stage_id, self.num_stages, self.device, group=self.pipe.pp_comm.group
-            )
-            schedule_cls = _SCHEDULES[self.pipe.schedule]
-            self._schedules[key] = schedule_cls(
-                stage, self.gradient_accumulation_steps(), loss_fn=self._micro_loss, scale_grads=False
-            )
+            module, group, gas = self.pipeline_module, self.pipe.pp_comm.group, self.gradient_accumulation_steps()
+            if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
+                total = self.num_stages * module.virtual_stages
+                stages: list[Any] = [
+                    PipelineStage(chunk, index, total, self.device, group=group)
+                    for chunk, index in zip(module.chunk_modules(), module.local_chunks(), strict=True)
+                ]
+                schedule: Any = ScheduleInterleaved1F1B(stages, gas, loss_fn=self._micro_loss, scale_grads=False)
+            else:
+                stage = PipelineStage(module, self.stage_id, self.num_stages, self.device, group=group)
+                schedule = _SCHEDULES[self.pipe.schedule](stage, gas, loss_fn=self._micro_loss, scale_grads=False)
+            self._schedules[key] = schedule
         return self._schedules[key]
 
     def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:

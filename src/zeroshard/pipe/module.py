@@ -6,6 +6,11 @@ A `TiedLayerSpec` key used on several stages gives each of those stages its own 
 lowest stage's values (broadcast at initialize) and the engine sums their gradients over the tie group (the
 stages holding the key, same data-parallel replica) before each step, so every copy takes the same update, as
 DeepSpeed's `allreduce_tied_weight_gradients`.
+
+[Note: interleaved chunks]
+The interleaved schedule (zeroshard's `"pipeline": {"schedule": "interleaved", "virtual_stages": v}`) splits
+the layers into num_stages * v chunks with the same partition method; chunk k runs on stage k % num_stages,
+so each rank holds v chunks, each a PipelineStage of torch's ScheduleInterleaved1F1B.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class PipelineModule(nn.Module):
         >>> loss = engine.train_batch(data_iter=batches)  # doctest: +SKIP
     """
 
+    grid: PipeGrid
+
     def __init__(
         self,
         layers: Sequence[Layer],
@@ -74,70 +81,120 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self._checkpoint_func = activation_checkpoint_func
         self._specs = list(layers)
-        self.parts = partition(
-            partition_method, [_count_params(s) for s in self._specs], _names(self._specs), self.num_stages
-        )
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self._partition_method = partition_method
+        self._seed_fn = (seed_fn or set_random_seed) if seed_layers else None
+        self._base_seed = base_seed
+        self.virtual_stages = 1
+        self.parts = self._partition(1)
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable[..., Any]] = []
-        self._build((seed_fn or set_random_seed) if seed_layers else None, base_seed)
+        self.chunk_funcs: list[list[Callable[..., Any]]] = []
+        self._build()
         log_rank(logger, 20, f"pipeline stages at layers {self.parts} ({partition_method}); stage {self.stage_id}")
 
-    def _build(self, seed_fn: Callable[[int], None] | None, base_seed: int) -> None:
-        for index in range(self._local_start, self._local_stop):
-            spec = self._specs[index]
-            if seed_fn is not None:
-                seed_fn(base_seed + index)
-            if isinstance(spec, TiedLayerSpec):
-                if spec.key not in self.tied_modules:
-                    self.tied_modules[spec.key] = spec.build()
-                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
-                module = self.tied_modules[spec.key]
-                fn = functools.partial(spec.forward_fn, module) if spec.forward_fn is not None else module
-                self.forward_funcs.append(fn)
-            elif isinstance(spec, LayerSpec):
-                module = spec.build()
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
-            elif isinstance(spec, nn.Module):
-                self.add_module(str(index), spec)
-                self.forward_funcs.append(spec)
-            elif callable(spec):
-                self.forward_funcs.append(spec)
-            else:
-                raise ConfigError(
-                    f"PipelineModule layer {index} is {type(spec).__name__}: not a module, spec or function"
-                )
+    def _partition(self, virtual: int) -> list[int]:
+        counts, names = [_count_params(s) for s in self._specs], _names(self._specs)
+        return partition(self._partition_method, counts, names, self.num_stages * virtual)
+
+    def interleave(self, virtual: int) -> None:
+        """[Note: interleaved chunks] Re-split into `num_stages * virtual` chunks; this rank keeps chunks
+        stage, stage + num_stages, ... (torch's ScheduleInterleaved1F1B layout). Layers given as modules are
+        reused; specs are built again (with seed_layers, from the same seeds)."""
+        if virtual == self.virtual_stages:
+            return
+        for name, _ in list(self.named_children()):
+            delattr(self, name)
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs = {}
+        self.virtual_stages = virtual
+        self.parts = self._partition(virtual)
+        self._build()
+        log_rank(logger, 20, f"interleaved pipeline: {virtual} chunks per rank at layers {self.parts}")
+
+    @property
+    def forward_funcs(self) -> list[Callable[..., Any]]:
+        return [fn for chunk in self.chunk_funcs for fn in chunk]
+
+    def local_chunks(self) -> list[int]:
+        """Global chunk indices this rank holds (its stage index when not interleaved)."""
+        return [c * self.num_stages + self.stage_id for c in range(self.virtual_stages)]
+
+    def chunk_modules(self) -> list[nn.Module]:
+        """One module per local chunk, for torch's PipelineStage (sharing this module's parameters)."""
+        return [_Chunk(funcs, self._run_checkpointed) for funcs in self.chunk_funcs]
+
+    def _build(self) -> None:
+        self.chunk_funcs = []
+        for chunk in self.local_chunks():
+            self.chunk_funcs.append([self._build_layer(i) for i in range(self.parts[chunk], self.parts[chunk + 1])])
+
+    def _build_layer(self, index: int) -> Callable[..., Any]:
+        spec = self._specs[index]
+        if self._seed_fn is not None:
+            self._seed_fn(self._base_seed + index)
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
+                self.tied_modules[spec.key] = spec.build()
+                self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+            module = self.tied_modules[spec.key]
+            return functools.partial(spec.forward_fn, module) if spec.forward_fn is not None else module
+        if isinstance(spec, LayerSpec):
+            built = spec.build()
+            self.add_module(str(index), built)
+            return built
+        if isinstance(spec, nn.Module):
+            self.add_module(str(index), spec)
+            return spec
+        if callable(spec):
+            return spec
+        raise ConfigError(f"PipelineModule layer {index} is {type(spec).__name__}: not a module, spec or function")
 
     def tied_stages(self) -> dict[str, list[int]]:
         """Every tie key and the stages that use it (the same on every rank: computed from the specs)."""
         ties: dict[str, list[int]] = {}
-        for stage in range(self.num_stages):
-            for spec in self._specs[self.parts[stage] : self.parts[stage + 1]]:
+        for chunk in range(len(self.parts) - 1):
+            stage = chunk % self.num_stages
+            for spec in self._specs[self.parts[chunk] : self.parts[chunk + 1]]:
                 if isinstance(spec, TiedLayerSpec) and stage not in ties.setdefault(spec.key, []):
                     ties[spec.key].append(stage)
-        return ties
+        return {key: sorted(stages) for key, stages in ties.items()}
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         module = self.tied_modules[key]
         return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
 
     def forward(self, *inputs: Any) -> Any:
-        x: Any = inputs[0] if len(inputs) == 1 else inputs
-        interval = self.activation_checkpoint_interval
-        if interval <= 0 or not torch.is_grad_enabled():
-            return _run(self.forward_funcs, x)
-        for start in range(0, len(self.forward_funcs), interval):
-            funcs = self.forward_funcs[start : start + interval]
-            if self._checkpoint_func is not None:
-                x = self._checkpoint_func(functools.partial(_run, funcs), x)
-            else:
-                x = checkpoint(functools.partial(_run, funcs), x, use_reentrant=False)
-        return x
+        return self._run_checkpointed(self.forward_funcs, *inputs)
 
     def topology(self) -> PipeGrid:
         return self.grid
+
+    def _run_checkpointed(self, funcs: list[Callable[..., Any]], *inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not torch.is_grad_enabled():
+            return _run(funcs, x)
+        for start in range(0, len(funcs), interval):
+            run = functools.partial(_run, funcs[start : start + interval])
+            if self._checkpoint_func is not None:
+                x = self._checkpoint_func(run, x)
+            else:
+                x = checkpoint(run, x, use_reentrant=False)
+        return x
+
+
+class _Chunk(nn.Module):
+    """A chunk of an interleaved PipelineModule as torch's PipelineStage wants it: a module (its layers are
+    registered here too, the same parameter objects) whose forward runs the chunk's functions."""
+
+    def __init__(self, funcs: list[Callable[..., Any]], run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([f for f in funcs if isinstance(f, nn.Module)])
+        self._funcs = funcs
+        self._run = run
+
+    def forward(self, *inputs: Any) -> Any:
+        return self._run(self._funcs, *inputs)
 
 
 def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:
