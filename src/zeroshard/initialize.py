@@ -26,6 +26,8 @@ from zeroshard.loading.weights import StreamedWeights, release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.offload.tier import Tier, tier_for
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
+from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
+from zeroshard.pipe.context import dp_size
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger
@@ -89,7 +91,8 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
-    cfg = resolve_config(parsed, world_size=topology.world_size, known=_known_values(model, optimizer))
+    # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule
+    cfg = resolve_config(parsed, world_size=dp_size(model, topology.world_size), known=_known_values(model, optimizer))
     checkpointing.configure_from_config(cfg)
     return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
 
@@ -151,6 +154,9 @@ def _build(
         logger=CommsLogger(cfg.comms_logger, topology.world_size, topology.rank),
         scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
+    pipe = build_pipe(cfg, model, comm)  # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh])
+    if pipe is not None:
+        comm = pipe.dp_comm
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta and weights is None:
@@ -165,14 +171,19 @@ def _build(
         meta = False
     if not meta:
         model.to(topology.device)
-        _broadcast_module_state(model, comm)
+        _broadcast_module_state(model, comm, src=pipe.dp_root if pipe is not None else 0)
+        if pipe is not None:
+            pipe.sync_tied(model)
     precision = PrecisionPolicy.from_config(cfg)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
     strategy = engine_optimizer = None
     if has_optimizer:
-        strategy = _make_strategy(cfg, stage, precision, model, groups, comm, topology, accumulation, weights)
+        model_parallel = pipe.pp_comm if pipe is not None else None
+        strategy = _make_strategy(
+            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel
+        )
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
@@ -193,7 +204,9 @@ def _build(
             min_loss_scale=fp16.min_loss_scale,
         )
     loader = None
-    if training_data is not None:
+    if training_data is not None and pipe is not None:
+        loader = pipe_dataloader(training_data, cfg, pipe, collate_fn)
+    elif training_data is not None:
         loader = build_dataloader(
             training_data,
             int(cfg.train_micro_batch_size_per_gpu or 1),
@@ -202,9 +215,8 @@ def _build(
             collate_fn,
             drop_last=bool(cfg.dataloader_drop_last),
         )
-    engine = Engine(
-        model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler, loader
-    )
+    parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
+    engine = Engine(*parts, loader) if pipe is None else _pipeline_engine(parts, loader, pipe)
     return engine, engine_optimizer, loader, scheduler
 
 
@@ -258,6 +270,7 @@ def _make_strategy(
     topology: Topology,
     accumulation: AccumulationState,
     weights: StreamedWeights | None,
+    model_parallel: Collectives | None = None,
 ) -> Strategy:
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
@@ -267,6 +280,7 @@ def _make_strategy(
         gradient_predivide_factor=float(cfg.gradient_predivide_factor),
         check_overflow=precision.check_overflow,
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
+        model_parallel=model_parallel,
     )
     if str(cfg.zeroshard.backend) == "fsdp2":
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
@@ -398,8 +412,15 @@ def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.op
     return None
 
 
-def _broadcast_module_state(module: nn.Module, comm: Collectives) -> None:
-    """Every rank starts from rank 0's parameters and buffers (as DDP and DeepSpeed do)."""
+def _pipeline_engine(parts: tuple[Any, ...], loader: Any, pipe: PipeContext) -> Engine:
+    from zeroshard.pipe.engine import PipelineEngine  # torch.distributed.pipelining loads only for a pipeline
+
+    return PipelineEngine(*parts, loader, pipe=pipe)
+
+
+def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) -> None:
+    """Every rank starts from the group's first rank's (global rank `src`) parameters and buffers (as DDP and
+    DeepSpeed do)."""
     if comm.world_size == 1:
         return
     tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
@@ -409,6 +430,6 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives) -> None:
     for dtype in sorted(by_dtype, key=str):
         group = by_dtype[dtype]
         flat = _flatten_dense_tensors(group)
-        comm.broadcast(flat, src=0)
+        comm.broadcast(flat, src=src)
         for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             t.copy_(synced)

@@ -8,8 +8,8 @@ the upstream file and commit) that picks its library from `COMPAT_LIB` and print
   recorded in `reference_losses.json` (fp32 to 1e-6 relative; bf16 runs to 1e-2, about two bf16 ulps).
 - `test_reference_is_deepspeed` (slow) runs the same script with DeepSpeed and checks the recorded losses, so
   the reference cannot drift from what DeepSpeed does; `python tests/compat/test_scripts.py` rewrites the file.
-- The pipeline script needs `deepspeed.pipe`, which zeroshard does not have (issue 18): under zeroshard it must
-  stop at that import with an ImportError naming `pipe`.
+- The pipeline script (`deepspeed.pipe.PipelineModule`, `engine.train_batch()`, issue 18) runs the same way; its
+  losses are compared at `PIPE_RTOL` ([Note: pipeline compat tolerance]).
 """
 
 from __future__ import annotations
@@ -80,6 +80,18 @@ CASES = [
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
 ]
+# [Note: pipeline compat tolerance]
+# Measured by dumping parameters and gradients at every optimizer step on both stages under both libraries: the
+# first step's gradients are bitwise DeepSpeed's, and so is the second step's loss. zeroshard's default AdamW is
+# torch's fused CPU kernel, DeepSpeed 0.19.8's (torch_adam) the for-loop one: after the first step a few weights
+# differ by 1 ulp (with "fused": false in the optimizer params they are bitwise equal, and so are the second
+# step's gradients). The second update still differs from DeepSpeed's by up to 1e-4 absolute; a hand-run torch
+# AdamW on the dumped gradients reproduces neither library's second step, so the dumps miss something: not
+# explained yet. This convnet on random labels has
+# many near-zero gradients, which Adam's early sign-like steps turn into +-lr moves, so steps 3-4 differ by 5e-5
+# and 2e-4 relative (the script's data-parallel path, -p 0, stays within 1.1e-7). The pipeline's own arithmetic is
+# checked at 1e-5 against a single-process reference in tests/distributed/test_pipeline.py.
+PIPE_RTOL = 1e-3
 PIPELINE = Case(
     "pipeline_2_stages",
     "pipeline_train.py",
@@ -89,6 +101,7 @@ PIPELINE = Case(
         "steps_per_print": 100,
         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
     },
+    rtol=PIPE_RTOL,
 )
 
 
@@ -155,11 +168,9 @@ def test_reference_is_deepspeed(case: Case, tmp_path: Path) -> None:
     assert_losses_match(actual, reference()[case.name], FP32_RTOL)
 
 
-def test_pipeline_script_stops_at_deepspeed_pipe(tmp_path: Path) -> None:
-    done = run_script(PIPELINE, "zeroshard", tmp_path)
-    assert done.returncode != 0, "the pipeline script ran under zeroshard, which has no pipeline parallelism"
-    errors = [line for line in done.stderr.splitlines() if "Error:" in line and "pipe" in line]
-    assert errors and ("ImportError" in errors[0] or "ModuleNotFoundError" in errors[0]), done.stderr[-3000:]
+def test_pipeline_script_matches_deepspeed(tmp_path: Path) -> None:
+    actual = losses_of(run_script(PIPELINE, "zeroshard", tmp_path), "pipeline_train.py under zeroshard")
+    assert_losses_match(actual, reference()[PIPELINE.name], PIPELINE.rtol)
 
 
 @pytest.mark.slow
@@ -168,7 +179,7 @@ def test_pipeline_script_runs_under_deepspeed(tmp_path: Path) -> None:
 
     import_deepspeed()
     losses = losses_of(run_script(PIPELINE, "deepspeed", tmp_path), "pipeline_train.py under DeepSpeed")
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert_losses_match(losses, reference()[PIPELINE.name], FP32_RTOL)
 
 
 def write_reference() -> None:
@@ -176,7 +187,7 @@ def write_reference() -> None:
     import tempfile
 
     results = {}
-    for case in CASES:
+    for case in [*CASES, PIPELINE]:
         with tempfile.TemporaryDirectory() as tmp:
             done = run_script(case, "deepspeed", Path(tmp))
         lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]

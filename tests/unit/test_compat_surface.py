@@ -272,12 +272,23 @@ def test_register_external_parameter():
         zeroshard.zero.register_external_parameter(user, owner.weight)
 
 
-@pytest.mark.parametrize(("module", "issue"), [("pipe", "issue 18"), ("moe", "issue 18")])
+@pytest.mark.parametrize(("module", "issue"), [("moe", "issue 18")])
 def test_absent_modules_name_the_issue(module, issue):
     import importlib
 
     with pytest.raises(ImportError, match=issue):
         importlib.import_module(f"zeroshard.{module}")
+
+
+@pytest.mark.parametrize("name", ["PipelineModule", "LayerSpec", "TiedLayerSpec"])
+def test_pipe_takes_deepspeeds_arguments(name):
+    """`deepspeed.pipe`'s classes take the same arguments, in the same order (behaviour: tests/distributed/
+    test_pipeline.py and the compat script tests/compat/scripts/pipeline_train.py)."""
+    import zeroshard.pipe
+
+    theirs = getattr(import_deepspeed("deepspeed.pipe"), name)
+    ours = getattr(zeroshard.pipe, name)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
 
 
 @pytest.mark.parametrize("name", ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state"])

@@ -31,6 +31,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "scheduler.type",
         "scheduler.params",
         "gradient_clipping",
+        "pipeline",  # with a PipelineModule: pipe/context.py ([Note: pipeline config])
         # elasticity: resolve_config sets the batch triple through checkpoint/elasticity.apply_elasticity.
         "elasticity.enabled",
         "elasticity.max_train_batch_size",
@@ -245,7 +246,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Other engines and features.
         "hybrid_engine",
         "compile",
-        "pipeline",
         "tensor_parallel",
         "expert_parallel",
         "weight_quantization",

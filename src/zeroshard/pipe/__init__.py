@@ -1,7 +1,12 @@
-"""`deepspeed.pipe` is not provided yet: importing it says which issue brings it."""
+"""Pipeline parallelism with DeepSpeed's API (`deepspeed.pipe`), on `torch.distributed.pipelining`.
 
-raise ImportError(
-    "zeroshard.pipe: pipeline parallelism (PipelineModule, LayerSpec) is not implemented yet; it comes with issue 18 "
-    "(tensor, pipeline and expert parallelism composed with ZeRO). zeroshard trains with ZeRO data parallelism only "
-    "(docs/compat.md)."
-)
+`PipelineModule` splits a list of layers into stages; `zeroshard.initialize(model=PipelineModule(...))` returns a
+`PipelineEngine` (zeroshard.pipe.engine) whose `train_batch()` runs one optimizer step over
+`gradient_accumulation_steps` micro-batches (README, "When data parallelism is not enough").
+"""
+
+from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
+from zeroshard.pipe.mesh import PipeGrid
+from zeroshard.pipe.module import PipelineModule
+
+__all__ = ["LayerSpec", "PipeGrid", "PipelineModule", "TiedLayerSpec"]

@@ -28,6 +28,9 @@ class StepPolicy:
     gradient_predivide_factor: float
     check_overflow: bool
     skip_nonfinite_norm: bool = False
+    # the ranks across which the model itself is split (pipeline stages): the squared norm and the inf/nan flag
+    # are also summed over them, so clipping sees the whole model's norm ([Note: pipeline step])
+    model_parallel: Collectives | None = None
 
     # [Note: pre- and post-scaling] As DeepSpeed's engine (stage 0) and ZeRO optimizers: `prescale_gradients`
     # divides by the world size before the reduction (and ignores gradient_predivide_factor); otherwise the
@@ -65,10 +68,14 @@ def scale_from_norms(
 ) -> StepScale:
     """The step's decision from the gradients' per-tensor norms (summed over ranks, of pre-scaled, loss-scaled
     gradients) and this rank's inf/nan flag."""
-    if policy.check_overflow and comm.any_true(overflow, device):
-        return StepScale(True, None, 0.0)
+    if policy.check_overflow:
+        overflow = comm.any_true(overflow, device)
+        if policy.model_parallel is not None:  # every stage takes the same decision
+            overflow = policy.model_parallel.any_true(overflow, device)
+        if overflow:
+            return StepScale(True, None, 0.0)
     scale = policy.post_scale(comm.world_size) / loss_scale
-    norm = _global_norm(norms, comm, sharded, device) * scale
+    norm = _global_norm(norms, comm, sharded, device, policy.model_parallel) * scale
     if policy.skip_nonfinite_norm and not math.isfinite(norm):
         return StepScale(True, None, 0.0)
     if policy.gradient_clipping > 0:
@@ -78,11 +85,19 @@ def scale_from_norms(
     return StepScale(False, norm, scale)
 
 
-def _global_norm(norms: list[torch.Tensor], comm: Collectives, sharded: bool, device: torch.device) -> float:
+def _global_norm(
+    norms: list[torch.Tensor],
+    comm: Collectives,
+    sharded: bool,
+    device: torch.device,
+    model_parallel: Collectives | None,
+) -> float:
     if norms:
         total_sq = torch.stack(norms).pow(2).sum().reshape(1)
     else:
         total_sq = torch.zeros(1, device=device)
     if sharded:
         comm.all_reduce(total_sq)
+    if model_parallel is not None:
+        model_parallel.all_reduce(total_sq, label="step.norm_across_stages")
     return math.sqrt(float(total_sq.item()))

@@ -7,7 +7,6 @@ commit 45b4b7156c8794a3452a5a7d03dbd8d797068569. Kept as upstream: `add_config_a
 `initialize(args=, model=, model_parameters=, training_data=)`, `train_batch()`; and the data-parallel path
 (`-p 0`) with `RepeatingLoader` and `gradient_accumulation_steps()`. Changed: a small convnet instead of
 AlexNet, synthetic 16x16 images instead of CIFAR-10, gloo instead of nccl, no `torch.cuda` calls.
-zeroshard has no `pipe` module (pipeline parallelism is issue 18): under COMPAT_LIB=zeroshard the import fails.
 The library is a switch: COMPAT_LIB=deepspeed (default) or COMPAT_LIB=zeroshard.
 """
 

@@ -1,0 +1,48 @@
+"""`initialize`'s pipeline path: the mesh's groups for a `PipelineModule`, and its data loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.config import ZeroshardConfig
+from zeroshard.pipe.context import PipeContext, pipeline_schedule, refuse_unsupported
+from zeroshard.pipe.module import PipelineModule
+
+
+def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives) -> PipeContext | None:
+    """None unless `model` is a PipelineModule; else its checked config and this rank's groups (every rank
+    creates every group, in the same order)."""
+    if not isinstance(model, PipelineModule):
+        return None
+    refuse_unsupported(
+        int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend), float(cfg.gradient_clipping or 0.0), model
+    )
+    schedule, virtual = pipeline_schedule(cfg.pipeline, model)
+    model.interleave(virtual)  # before the groups: which stages hold a tied key depends on the chunks
+    return PipeContext.create(world, model, schedule)
+
+
+def pipe_dataloader(
+    dataset: Any, cfg: ZeroshardConfig, pipe: PipeContext, collate_fn: Callable[..., Any] | None
+) -> DataLoader[Any]:
+    """DeepSpeed's pipeline loader: the replica's 1/dp of the data in order (a DistributedSampler without
+    shuffling), one micro-batch at a time; the engine wraps it in a RepeatingLoader."""
+    from zeroshard.checkpoint.sampler import ResumableDistributedSampler
+
+    groups = pipe.groups
+    sampler = ResumableDistributedSampler(
+        dataset,
+        num_replicas=groups.grid.dp,
+        rank=groups.replica,
+        shuffle=False,
+        drop_last=bool(cfg.dataloader_drop_last),
+    )
+    batch = int(cfg.train_micro_batch_size_per_gpu or 1)
+    return DataLoader(
+        dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn, drop_last=bool(cfg.dataloader_drop_last)
+    )

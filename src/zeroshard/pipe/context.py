@@ -1,0 +1,144 @@
+"""What the pipeline engine needs beyond a ZeRO engine: the mesh's groups, their collectives, the schedule kind.
+
+[Note: pipeline config]
+DeepSpeed 0.19.8's `pipeline` block has stages ("auto"), partition ("best"), seed_layers,
+activation_checkpoint_interval, pipe_partitioned and grad_partitioned; its PipelineModule's arguments decide the
+split, and the block is informational. zeroshard checks the same keys (`stages`, if an int, must equal the module's
+num_stages) and reads two of its own, which DeepSpeed ignores: `schedule` ("1f1b", DeepSpeed's TrainSchedule and the
+default; "gpipe"; or "interleaved", torch's interleaved 1F1B) and `virtual_stages` (chunks per rank with
+"interleaved", default 2: [Note: interleaved chunks]). ZeRO stages 2 and 3 are refused as DeepSpeed refuses them
+with a pipeline: gradients are accumulated over all micro-batches of the schedule before the data-parallel
+reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from zeroshard.comm.collectives import Collectives, Scope
+from zeroshard.errors import ConfigError
+from zeroshard.pipe.mesh import PipeGroups
+from zeroshard.pipe.module import PipelineModule
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+DEEPSPEED_KEYS = {
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+    "use_reentrant",
+}
+
+
+OURS = {"schedule", "virtual_stages"}
+
+
+def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -> tuple[str, int]:
+    """The schedule named by the `pipeline` block and the chunks per rank, after checking them against the module
+    ([Note: pipeline config])."""
+    block = dict(block or {})
+    unknown = set(block) - DEEPSPEED_KEYS - OURS
+    if unknown:
+        raise ConfigError(f"pipeline: unknown keys {sorted(unknown)}; expected {sorted(DEEPSPEED_KEYS | OURS)}")
+    stages = block.get("stages", "auto")
+    if stages != "auto" and int(stages) != module.num_stages:
+        raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
+    schedule = str(block.get("schedule", "1f1b")).lower()
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={schedule!r}: expected one of {SCHEDULES}")
+    virtual = block.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+    if not isinstance(virtual, int) or virtual < 1 or (schedule == "interleaved") != (virtual > 1):
+        raise ConfigError(
+            f"pipeline.virtual_stages={virtual!r}: chunks per rank, at least 2 and only with "
+            '"schedule": "interleaved" (default 2 there)'
+        )
+    return schedule, virtual
+
+
+def refuse_unsupported(stage: int, backend: str, clipping: float, module: PipelineModule) -> None:
+    if stage >= 2:
+        raise ConfigError(
+            f"zero_optimization.stage {stage} with a PipelineModule: pipeline parallelism works with ZeRO stages 0 "
+            "and 1 only (as DeepSpeed: gradients are reduced once after all micro-batches, which stages 2 and 3 "
+            'cannot do); set "zero_optimization": {"stage": 1}'
+        )
+    shared = sorted(key for key, stages in module.tied_stages().items() if len(stages) > 1)
+    if clipping > 0 and shared:
+        raise ConfigError(
+            f"gradient_clipping with TiedLayerSpec keys {shared} on several stages: the global norm would count "
+            "each stage's copy of a tied weight (DeepSpeed counts it once); this is not implemented yet: set "
+            "gradient_clipping to 0 or keep each tied key on one stage"
+        )
+    if backend != "zero":
+        raise ConfigError(f'zeroshard.backend "{backend}" with a PipelineModule: use the "zero" backend')
+
+
+@dataclass
+class PipeContext:
+    """This rank's place in the pp x dp mesh and the collectives over its groups."""
+
+    groups: PipeGroups
+    world: Collectives
+    dp_comm: Collectives
+    pp_comm: Collectives
+    tie_comms: dict[str, tuple[Collectives, int]]  # key -> (collectives, global rank of the lowest stage)
+    schedule: str
+
+    @classmethod
+    def create(cls, world: Collectives, module: PipelineModule, schedule: str) -> PipeContext:
+        groups = PipeGroups.create(module.grid, world.rank, module.tied_stages())
+        grid = module.grid
+        dp_comm = world.subgroup(groups.dp_group, grid.dp, groups.replica, Scope.INTRA_NODE)
+        pp_comm = world.subgroup(groups.pp_group, grid.stages, groups.stage, Scope.INTRA_NODE)
+        ties = {
+            key: (world.subgroup(group, len(ranks), ranks.index(world.rank), Scope.INTRA_NODE), ranks[0])
+            for key, (group, ranks) in groups.tie_groups.items()
+        }
+        return cls(groups, world, dp_comm, pp_comm, ties, schedule)
+
+    @property
+    def is_first(self) -> bool:
+        return self.groups.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.groups.stage == self.groups.grid.stages - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank of this pipeline's last stage (where the loss is)."""
+        return self.groups.grid.pp_ranks(self.groups.replica)[-1]
+
+    @property
+    def dp_root(self) -> int:
+        return self.groups.grid.dp_ranks(self.groups.stage)[0]
+
+    def sync_tied(self, module: nn.Module) -> None:
+        """[Note: tied layers] every copy starts from the lowest stage's values."""
+        assert isinstance(module, PipelineModule)
+        for key, (comm, root) in self.tie_comms.items():
+            for param in module.tied_parameters(key):
+                comm.broadcast(param.data, src=root, label=f"pipe.tie.{key}")
+
+    def reduce_tied_grads(self, module: PipelineModule) -> None:
+        """[Note: tied layers] sum the copies' gradients (held in `.grad` until the step collects them)."""
+        for key, (comm, _root) in self.tie_comms.items():
+            params = module.tied_parameters(key)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = _flatten_dense_tensors(grads)
+            comm.all_reduce(flat, label=f"pipe.tie_grads.{key}")
+            for param, synced in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
+                param.grad = synced.clone()
+
+
+def dp_size(model: nn.Module, world_size: int) -> int:
+    """The data-parallel degree the batch arithmetic uses."""
+    return model.grid.dp if isinstance(model, PipelineModule) else world_size

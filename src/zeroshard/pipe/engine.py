@@ -1,0 +1,175 @@
+"""DeepSpeed's `PipelineEngine`: `train_batch()` runs one optimizer step over a pipeline schedule of micro-batches.
+
+[Note: pipeline step]
+One `train_batch` pulls `gradient_accumulation_steps` micro-batches from the data iterator (on the first stage for
+inputs, on the last for labels, as DeepSpeed) and hands them, concatenated, to a `torch.distributed.pipelining`
+schedule (1F1B, GPipe or interleaved 1F1B) over this replica's pipeline group, which splits them back into the same
+micro-batches. The schedule's loss function returns `loss / gas` (DeepSpeed's `_scale_loss_by_gas`), so the `.grad`s
+the schedule accumulates are DeepSpeed's; the ZeRO strategy is not involved during the schedule and collects those
+`.grad`s at the step as one backward ([Note: gradients outside engine.backward]), reducing them over the stage's
+data-parallel group. The clipping norm adds up every stage's share (`StepPolicy.model_parallel`). The reported loss
+is the mean over micro-batches and replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's
+`_aggregate_total_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from zeroshard.engine import Engine
+from zeroshard.errors import ZeroshardError
+from zeroshard.pipe.checkpoint import PipelineCheckpointMixin
+from zeroshard.pipe.context import PipeContext
+from zeroshard.pipe.module import PipelineModule
+from zeroshard.utils.repeating import RepeatingLoader
+
+_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+class PipelineEngine(PipelineCheckpointMixin, Engine):
+    """What `zeroshard.initialize(model=PipelineModule(...))` returns: `train_batch()` / `eval_batch()`.
+
+    Example:
+        >>> engine, _, _, _ = zeroshard.initialize(model=net, config=cfg, training_data=ds)  # doctest: +SKIP
+        >>> for _ in range(steps): loss = engine.train_batch()  # doctest: +SKIP
+    """
+
+    def __init__(self, *engine_args: Any, pipe: PipeContext) -> None:
+        super().__init__(*engine_args)
+        self.pipe = pipe
+        self.data_iterator: Iterator[Any] | None = (
+            RepeatingLoader(self.training_dataloader) if self.training_dataloader is not None else None
+        )
+        self._schedules: dict[tuple[str, bool], Any] = {}
+        self._micro_losses: list[torch.Tensor] = []
+        self.agg_train_loss: torch.Tensor | None = None
+
+    @property
+    def pipeline_module(self) -> PipelineModule:
+        assert isinstance(self.module, PipelineModule)
+        return self.module
+
+    def is_first_stage(self) -> bool:
+        return self.pipe.is_first
+
+    def is_last_stage(self) -> bool:
+        return self.pipe.is_last
+
+    @property
+    def stage_id(self) -> int:
+        return self.pipe.groups.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipe.groups.grid.stages
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.pipe.groups.grid.dp
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        self.data_iterator = iterator
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ZeroshardError("a pipeline engine trains with engine.train_batch() and evaluates with eval_batch()")
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches ([Note: pipeline step]); returns
+        the mean loss (on every rank)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        self._require_optimizer("train_batch")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.accumulation.loss_scale = self.loss_scale
+        with self._deadline("engine.train_batch"), torch.profiler.record_function("zeroshard.pipeline_schedule"):
+            self._run(train=True)
+            self.pipe.reduce_tied_grads(self.pipeline_module)
+        self.accumulation.micro_steps += self.gradient_accumulation_steps() - 1
+        self.step()  # the boundary: the strategy collects the .grads ([Note: pipeline step])
+        self.agg_train_loss = self._aggregate_loss()
+        return self.agg_train_loss
+
+    def eval_batch(
+        self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True, **_: Any
+    ) -> Any:
+        """Forward only over `gradient_accumulation_steps` micro-batches; returns the mean loss on every rank
+        (and the last stage's outputs with `return_logits=True`)."""
+        if not compute_loss:
+            raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        with self._deadline("engine.eval_batch"), torch.no_grad():
+            outputs = self._run(train=False)
+        loss = self._aggregate_loss()
+        self.module.train()
+        return (loss, outputs) if return_logits else loss
+
+    def _run(self, train: bool) -> Any:
+        gas = self.gradient_accumulation_steps()
+        self._micro_losses = []
+        inputs: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        if self.pipe.is_first or self.pipe.is_last:
+            if self.data_iterator is None:
+                raise ZeroshardError("train_batch()/eval_batch() need data: pass data_iter= or training_data=")
+            batches = [next(self.data_iterator) for _ in range(gas)]
+            if self.pipe.is_first:
+                inputs = _concat([b[0] for b in batches], self.device)
+            if self.pipe.is_last:
+                kwargs["target"] = _concat([b[1] for b in batches], self.device)[0]
+                kwargs["losses"] = []
+        schedule = self._schedule(train)
+        outputs = schedule.step(*inputs, **kwargs) if train else schedule.eval(*inputs, **kwargs)
+        # the first step's metadata inference also calls the loss function, on placeholder tensors: keep the
+        # micro-batches' own losses, the last `gas`
+        self._micro_losses = self._micro_losses[-gas:]
+        return outputs
+
+    def _schedule(self, train: bool) -> Any:
+        key = (self.pipe.schedule, train)
+        if key not in self._schedules:
+            module, group, gas = self.pipeline_module, self.pipe.pp_comm.group, self.gradient_accumulation_steps()
+            if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
+                total = self.num_stages * module.virtual_stages
+                stages: list[Any] = [
+                    PipelineStage(chunk, index, total, self.device, group=group)
+                    for chunk, index in zip(module.chunk_modules(), module.local_chunks(), strict=True)
+                ]
+                schedule: Any = ScheduleInterleaved1F1B(stages, gas, loss_fn=self._micro_loss, scale_grads=False)
+            else:
+                stage = PipelineStage(module, self.stage_id, self.num_stages, self.device, group=group)
+                schedule = _SCHEDULES[self.pipe.schedule](stage, gas, loss_fn=self._micro_loss, scale_grads=False)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss_fn = self.pipeline_module.loss_fn
+        loss = loss_fn(output, target) if loss_fn is not None else output
+        self._micro_losses.append(loss.detach())
+        scale = self.loss_scale if self.loss_scaler is not None else 1.0
+        scaled: torch.Tensor = loss / self.gradient_accumulation_steps()
+        return scaled * scale if scale != 1.0 else scaled
+
+    def _aggregate_loss(self) -> torch.Tensor:
+        """The mean loss over micro-batches and replicas, on every rank ([Note: pipeline step])."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.pipe.is_last:
+            total = torch.stack([x.float() for x in self._micro_losses]).sum() / self.gradient_accumulation_steps()
+            if self.pipe.dp_comm.world_size > 1:
+                self.pipe.dp_comm.all_reduce(total, label="pipe.loss")
+                total /= self.pipe.dp_comm.world_size
+        self.pipe.pp_comm.broadcast(total, src=self.pipe.last_stage_rank, label="pipe.loss")
+        return total
+
+
+def _concat(parts: list[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Micro-batches (a tensor or a tuple of tensors each) joined along the batch dimension."""
+    if isinstance(parts[0], torch.Tensor):
+        return (torch.cat(parts).to(device),)
+    return tuple(torch.cat([p[i] for p in parts]).to(device) for i in range(len(parts[0])))

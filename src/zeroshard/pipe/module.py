@@ -1,0 +1,219 @@
+"""DeepSpeed's `PipelineModule`: a sequence of layers split into stages, each rank building and running its own.
+
+[Note: tied layers]
+A `TiedLayerSpec` key used on several stages gives each of those stages its own copy of the module (in
+`tied_modules`, one per key, so a stage that uses the key twice shares one copy). The copies start from the
+lowest stage's values (broadcast at initialize) and the engine sums their gradients over the tie group (the
+stages holding the key, same data-parallel replica) before each step, so every copy takes the same update, as
+DeepSpeed's `allreduce_tied_weight_gradients`.
+
+[Note: interleaved chunks]
+The interleaved schedule (zeroshard's `"pipeline": {"schedule": "interleaved", "virtual_stages": v}`) splits
+the layers into num_stages * v chunks with the same partition method; chunk k runs on stage k % num_stages,
+so each rank holds v chunks, each a PipelineStage of torch's ScheduleInterleaved1F1B.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zeroshard.comm.topology import init_distributed
+from zeroshard.errors import ConfigError
+from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
+from zeroshard.pipe.mesh import PipeGrid
+from zeroshard.pipe.partition import partition
+from zeroshard.runtime.utils import set_random_seed
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+Layer = nn.Module | LayerSpec | Callable[..., Any]
+
+
+class PipelineModule(nn.Module):
+    """Layers run in sequence, split over `num_stages` pipeline stages; this rank builds only its stage's layers
+    (DeepSpeed's `deepspeed.pipe.PipelineModule`). Pass it to `zeroshard.initialize` and train with
+    `engine.train_batch()`; the last stage applies `loss_fn(output, labels)`.
+
+    Example:
+        >>> net = PipelineModule(layers=[nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)], num_stages=2,
+        ...                      loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
+        >>> engine, _, _, _ = zeroshard.initialize(model=net, config=cfg)  # doctest: +SKIP
+        >>> loss = engine.train_batch(data_iter=batches)  # doctest: +SKIP
+    """
+
+    grid: PipeGrid
+
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        num_stages: int | None = None,
+        topology: Any = None,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
+        checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
+    ) -> None:
+        super().__init__()
+        if topology is not None:
+            raise ConfigError("PipelineModule(topology=...): pass num_stages= (the pp x dp mesh is built from it)")
+        if num_stages is None:
+            raise ConfigError("PipelineModule needs num_stages=")
+        if not dist.is_initialized():  # DeepSpeed needs init_distributed() first; from the environment here
+            init_distributed()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.grid = PipeGrid(int(num_stages), world)
+        self.num_stages = int(num_stages)
+        self.stage_id = self.grid.stage_of(rank)
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
+        self._checkpoint_func = activation_checkpoint_func
+        self._specs = list(layers)
+        self._partition_method = partition_method
+        self._seed_fn = (seed_fn or set_random_seed) if seed_layers else None
+        self._base_seed = base_seed
+        self.virtual_stages = 1
+        self.parts = self._partition(1)
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.chunk_funcs: list[list[Callable[..., Any]]] = []
+        self._build()
+        log_rank(logger, 20, f"pipeline stages at layers {self.parts} ({partition_method}); stage {self.stage_id}")
+
+    def _partition(self, virtual: int) -> list[int]:
+        counts, names = [_count_params(s) for s in self._specs], _names(self._specs)
+        return partition(self._partition_method, counts, names, self.num_stages * virtual)
+
+    def interleave(self, virtual: int) -> None:
+        """[Note: interleaved chunks] Re-split into `num_stages * virtual` chunks; this rank keeps chunks
+        stage, stage + num_stages, ... (torch's ScheduleInterleaved1F1B layout). Layers given as modules are
+        reused; specs are built again (with seed_layers, from the same seeds)."""
+        if virtual == self.virtual_stages:
+            return
+        for name, _ in list(self.named_children()):
+            delattr(self, name)
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs = {}
+        self.virtual_stages = virtual
+        self.parts = self._partition(virtual)
+        self._build()
+        log_rank(logger, 20, f"interleaved pipeline: {virtual} chunks per rank at layers {self.parts}")
+
+    @property
+    def forward_funcs(self) -> list[Callable[..., Any]]:
+        return [fn for chunk in self.chunk_funcs for fn in chunk]
+
+    def local_chunks(self) -> list[int]:
+        """Global chunk indices this rank holds (its stage index when not interleaved)."""
+        return [c * self.num_stages + self.stage_id for c in range(self.virtual_stages)]
+
+    def chunk_modules(self) -> list[nn.Module]:
+        """One module per local chunk, for torch's PipelineStage (sharing this module's parameters)."""
+        return [_Chunk(funcs, self._run_checkpointed) for funcs in self.chunk_funcs]
+
+    def _build(self) -> None:
+        self.chunk_funcs = []
+        for chunk in self.local_chunks():
+            self.chunk_funcs.append([self._build_layer(i) for i in range(self.parts[chunk], self.parts[chunk + 1])])
+
+    def _build_layer(self, index: int) -> Callable[..., Any]:
+        spec = self._specs[index]
+        if self._seed_fn is not None:
+            self._seed_fn(self._base_seed + index)
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied_modules:
+                self.tied_modules[spec.key] = spec.build()
+                self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+            module = self.tied_modules[spec.key]
+            return functools.partial(spec.forward_fn, module) if spec.forward_fn is not None else module
+        if isinstance(spec, LayerSpec):
+            built = spec.build()
+            self.add_module(str(index), built)
+            return built
+        if isinstance(spec, nn.Module):
+            self.add_module(str(index), spec)
+            return spec
+        if callable(spec):
+            return spec
+        raise ConfigError(f"PipelineModule layer {index} is {type(spec).__name__}: not a module, spec or function")
+
+    def tied_stages(self) -> dict[str, list[int]]:
+        """Every tie key and the stages that use it (the same on every rank: computed from the specs)."""
+        ties: dict[str, list[int]] = {}
+        for chunk in range(len(self.parts) - 1):
+            stage = chunk % self.num_stages
+            for spec in self._specs[self.parts[chunk] : self.parts[chunk + 1]]:
+                if isinstance(spec, TiedLayerSpec) and stage not in ties.setdefault(spec.key, []):
+                    ties[spec.key].append(stage)
+        return {key: sorted(stages) for key, stages in ties.items()}
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        module = self.tied_modules[key]
+        return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
+
+    def forward(self, *inputs: Any) -> Any:
+        return self._run_checkpointed(self.forward_funcs, *inputs)
+
+    def topology(self) -> PipeGrid:
+        return self.grid
+
+    def _run_checkpointed(self, funcs: list[Callable[..., Any]], *inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        interval = self.activation_checkpoint_interval
+        if interval <= 0 or not torch.is_grad_enabled():
+            return _run(funcs, x)
+        for start in range(0, len(funcs), interval):
+            run = functools.partial(_run, funcs[start : start + interval])
+            if self._checkpoint_func is not None:
+                x = self._checkpoint_func(run, x)
+            else:
+                x = checkpoint(run, x, use_reentrant=False)
+        return x
+
+
+class _Chunk(nn.Module):
+    """A chunk of an interleaved PipelineModule as torch's PipelineStage wants it: a module (its layers are
+    registered here too, the same parameter objects) whose forward runs the chunk's functions."""
+
+    def __init__(self, funcs: list[Callable[..., Any]], run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([f for f in funcs if isinstance(f, nn.Module)])
+        self._funcs = funcs
+        self._run = run
+
+    def forward(self, *inputs: Any) -> Any:
+        return self._run(self._funcs, *inputs)
+
+
+def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:
+    for fn in funcs:
+        x = fn(*x) if isinstance(x, tuple) else fn(x)
+    return x
+
+
+def _count_params(spec: Layer) -> int:
+    """Trainable elements of a layer, as DeepSpeed counts them for `partition_method="parameters"` (a spec is
+    built on the CPU to count it, then dropped)."""
+    module = spec.build() if isinstance(spec, LayerSpec) else spec
+    if not isinstance(module, nn.Module):
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def _names(specs: Sequence[Layer]) -> list[str]:
+    return [
+        s.typename.__name__ if isinstance(s, LayerSpec) else type(s).__name__ if isinstance(s, nn.Module) else ""
+        for s in specs
+    ]

@@ -1,0 +1,127 @@
+"""Pipeline parallelism (pp2 on 2 ranks, pp2 x dp2 on 4) against a single-process reference, every step and
+an eval_batch after the last.
+
+GPipe and 1F1B, ZeRO 0 and 1 over the data-parallel dimension, clipping over the global norm of all stages
+(a clip small enough to act every step), and a checkpoint saved and loaded within the same mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import nn
+
+from helpers.harness import run_on_ranks
+from helpers.pipeline import PipeCase, build, config, evaluate, reference, tied_specs, train
+from zeroshard.errors import ConfigError
+
+RTOL = 1e-5
+
+CASES_2 = [
+    PipeCase(2, "gpipe"),
+    PipeCase(2, "1f1b"),
+    PipeCase(2, "1f1b", zero=1, clip=0.05),
+    PipeCase(2, "1f1b", tied=True),
+    PipeCase(2, "gpipe", checkpoint_every=2),
+    PipeCase(2, "interleaved", tied=True),
+]
+CASES_4 = [
+    PipeCase(2, "gpipe", zero=1),
+    PipeCase(2, "1f1b", zero=0),
+    PipeCase(2, "1f1b", zero=1, clip=0.05),
+    PipeCase(2, "interleaved", zero=1, clip=0.05),
+]
+
+
+def _run(rank: int, world_size: int, cases: list[PipeCase]) -> list[list[float]]:
+    out = []
+    for case in cases:
+        engine = build(case)
+        out.append(train(engine, case, range(case.steps)) + [evaluate(engine, case)])
+        engine.destroy()
+    return out
+
+
+def _check(cases: list[PipeCase], per_rank: list[list[list[float]]], world_size: int) -> None:
+    failures = []
+    for i, case in enumerate(cases):
+        want = reference(case, world_size // case.stages)
+        for rank in range(world_size):
+            got = per_rank[rank][i]
+            bad = [
+                (s, g, w)
+                for s, (g, w) in enumerate(zip(got, want, strict=True))
+                if not math.isclose(g, w, rel_tol=RTOL)
+            ]
+            if bad:
+                failures.append(f"{case.name} rank {rank}: (step, got, reference) {bad}")
+    assert not failures, "\n".join(failures)
+
+
+def test_pipeline_two_ranks() -> None:
+    _check(CASES_2, run_on_ranks(_run, 2, CASES_2), 2)
+
+
+def test_pipeline_four_ranks_pp2_dp2() -> None:
+    _check(CASES_4, run_on_ranks(_run, 4, CASES_4), 4)
+
+
+def _resume(rank: int, world_size: int, case: PipeCase, folder: str) -> tuple[list[float], list[float]]:
+    engine = build(case)
+    first = train(engine, case, range(2))
+    engine.save_checkpoint(folder, tag="two")
+    straight = train(engine, case, range(2, case.steps))
+    engine.destroy()
+    resumed_engine = build(case)
+    resumed_engine.load_checkpoint(folder, tag="two")
+    resumed = train(resumed_engine, case, range(2, case.steps))
+    return first + straight, first + resumed
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipeline_checkpoint_resume(world_size: int, tmp_path: Path) -> None:
+    case = PipeCase(2, "1f1b", zero=1)
+    per_rank = run_on_ranks(_resume, world_size, case, str(tmp_path))
+    want = reference(case, world_size // case.stages)[:-1]
+    for straight, resumed in per_rank:
+        assert straight == resumed, (straight, resumed)
+        assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(straight, want, strict=True)), (straight, want)
+
+
+REFUSALS = [
+    ({"zero_optimization": {"stage": 2}}, "stages 0 and 1 only"),
+    ({"pipeline": {"schedule": "gpipe", "virtual_stages": 2}}, "only with"),
+    ({"pipeline": {"stages": 3}}, "num_stages=1"),
+    ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
+]
+
+
+def _refused(rank: int, world_size: int, stages: int, refusals: list[tuple[dict[str, Any], str]]) -> list[str]:
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    messages = []
+    for change, _ in refusals:
+        net = PipelineModule(layers=tied_specs(), num_stages=stages, loss_fn=nn.functional.mse_loss)
+        try:
+            zeroshard.initialize(model=net, config={**config(PipeCase(stages)), **change})
+            messages.append("accepted")
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_pipeline_refusals() -> None:
+    """What the pipeline engine does not do is refused at initialize (one process, one stage)."""
+    (messages,) = run_on_ranks(_refused, 1, 1, REFUSALS)
+    for (change, expected), message in zip(REFUSALS, messages, strict=True):
+        assert expected in message, (change, message)
+
+
+def test_pipeline_refuses_clipping_with_weights_tied_across_stages() -> None:
+    refusal = [({"gradient_clipping": 1.0}, "counts it once")]
+    for messages in run_on_ranks(_refused, 2, 2, refusal):
+        assert refusal[0][1] in messages[0], messages
