@@ -268,7 +268,12 @@ def _make_strategy(
         check_overflow=precision.check_overflow,
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
     )
+    from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
+
+    expert_groups = expert_groups_of(model, stage, comm)  # None without MoE layers; refuses stages 0 and 3
     if str(cfg.zeroshard.backend) == "fsdp2":
+        if expert_groups is not None:
+            raise ConfigError("MoE layers train with the flat ZeRO backend (stages 1-2), not zeroshard.backend fsdp2")
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
 
         dtype, device = precision.compute_dtype, topology.device
@@ -292,6 +297,8 @@ def _make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
+        if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
+            return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
     par = z.offload_param
     policy = Stage3Policy(
@@ -399,10 +406,18 @@ def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.op
 
 
 def _broadcast_module_state(module: nn.Module, comm: Collectives) -> None:
-    """Every rank starts from rank 0's parameters and buffers (as DDP and DeepSpeed do)."""
+    """Every rank starts from rank 0's parameters and buffers (as DDP and DeepSpeed do); MoE experts from the
+    first rank of their expert-data-parallel group ([Note: expert groups] in moe/groups.py)."""
     if comm.world_size == 1:
         return
-    tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
+    from zeroshard.moe.zero import moe_layers
+
+    experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
+    for layer in moe_layers(module):
+        edp = layer.groups.edp
+        for param in layer.expert_parameters():
+            edp.broadcast(param.data, src=edp._global(0), label="moe.expert_broadcast")
+    tensors = [t.data for t in module.parameters() if id(t) not in experts] + [b for b in module.buffers()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -1,0 +1,120 @@
+"""A small MoE model, its single-process reference (all experts local) and the engine-side runner.
+
+The reference holds all `E` experts and runs each rank's micro-batch through the model separately (gating
+capacity is counted on each rank's tokens, [Note: gating]), averaging the per-rank losses as the engine's
+gradient mean does; torch's AdamW steps it. Expert g starts from a seed of its own on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+D, T, B = 8, 6, 2  # hidden size, tokens per sequence, sequences per rank
+LR = 1e-2
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    k: int = 1
+    num_experts: int = 4
+    drop_tokens: bool = True
+    capacity_factor: float = 1.0
+    uneven: bool = False  # rank 0 sends every token to expert 0
+    stage: int = 1
+    steps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"k{self.k}-E{self.num_experts}-drop{int(self.drop_tokens)}-uneven{int(self.uneven)}-s{self.stage}"
+
+
+class MoeNet(nn.Module):
+    def __init__(self, case: MoeCase, ep_size: int, expert_groups: object | None = None):
+        from zeroshard.moe import MoE
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(D, D)
+        expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+        self.moe = MoE(
+            D, expert, num_experts=case.num_experts, ep_size=ep_size, k=case.k, capacity_factor=case.capacity_factor,
+            eval_capacity_factor=case.capacity_factor, min_capacity=1, drop_tokens=case.drop_tokens, use_rts=False,
+            top2_2nd_expert_sampling=False, expert_groups=expert_groups,  # type: ignore[arg-type]
+        )
+        self.head = nn.Linear(D, 1)
+        if case.uneven:  # [Note: expert exchange]: a positive first feature routes to expert 0
+            with torch.no_grad():
+                self.moe.gate.wg.weight.zero_()
+                self.moe.gate.wg.weight[0, 0] = 20.0
+        first = (ep_rank(ep_size)) * self.moe.num_local_experts
+        for local, module in enumerate(self.moe.experts.deepspeed_experts):
+            seed_expert(module, first + local)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        out, l_aux, _ = self.moe(h)
+        return torch.nn.functional.mse_loss(self.head(h + out).squeeze(-1), y) + 0.01 * l_aux
+
+
+def ep_rank(ep_size: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() % ep_size if dist.is_initialized() and ep_size > 1 else 0
+
+
+def seed_expert(module: nn.Module, global_id: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + global_id)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def batch(case: MoeCase, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    x = torch.randn(B, T, D, generator=gen)
+    if case.uneven:
+        x[..., 0] = x[..., 0].abs() + 0.5 if rank == 0 else -x[..., 0].abs() - 0.5
+    return x, torch.randn(B, T, generator=gen)
+
+
+def config(case: MoeCase) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
+    }
+
+
+def reference_losses(case: MoeCase, world_size: int) -> list[list[float]]:
+    """Per step, every rank's loss, from one process holding all experts."""
+    model = MoeNet(case, ep_size=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    out = []
+    for step in range(case.steps):
+        losses = [model(*batch(case, step, r)) for r in range(world_size)]
+        opt.zero_grad()
+        (torch.stack(losses).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        out.append([float(v.detach()) for v in losses])
+    return out
+
+
+def engine_losses(rank: int, case: MoeCase, ep_size: int) -> list[float]:
+    import zeroshard
+
+    model = MoeNet(case, ep_size)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    out = []
+    for step in range(case.steps):
+        loss = engine(*batch(case, step, rank))
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss))
+    engine.destroy()
+    return out
