@@ -40,9 +40,18 @@ class MoeNet(nn.Module):
         self.inp = nn.Linear(D, D)
         expert = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
         self.moe = MoE(
-            D, expert, num_experts=case.num_experts, ep_size=ep_size, k=case.k, capacity_factor=case.capacity_factor,
-            eval_capacity_factor=case.capacity_factor, min_capacity=1, drop_tokens=case.drop_tokens, use_rts=False,
-            top2_2nd_expert_sampling=False, expert_groups=expert_groups,  # type: ignore[arg-type]
+            D,
+            expert,
+            num_experts=case.num_experts,
+            ep_size=ep_size,
+            k=case.k,
+            capacity_factor=case.capacity_factor,
+            eval_capacity_factor=case.capacity_factor,
+            min_capacity=1,
+            drop_tokens=case.drop_tokens,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+            expert_groups=expert_groups,  # type: ignore[arg-type]
         )
         self.head = nn.Linear(D, 1)
         if case.uneven:  # [Note: expert exchange]: a positive first feature routes to expert 0

@@ -244,7 +244,11 @@ class Collectives:
             "all_to_all_single",
             input,
             lambda a: dist.all_to_all_single(
-                output, input, output_split_sizes=output_splits, input_split_sizes=input_splits, group=self.group,
+                output,
+                input,
+                output_split_sizes=output_splits,
+                input_split_sizes=input_splits,
+                group=self.group,
                 async_op=a,
             ),
             False,

@@ -29,7 +29,9 @@ from zeroshard.moe.groups import ExpertGroups
 _NOISY = (None, "None", "Jitter", "RSample")
 
 
-def _refuse(hidden_size: int, num_experts: int, ep_size: int, k: int, noisy: str | None, tutel: bool, etp: bool) -> None:
+def _refuse(
+    hidden_size: int, num_experts: int, ep_size: int, k: int, noisy: str | None, tutel: bool, etp: bool
+) -> None:
     if tutel:
         raise ValueError("MoE(use_tutel=True): zeroshard has no Tutel kernels; use_tutel=False gives the same math")
     if etp:
@@ -122,12 +124,14 @@ class MoE(nn.Module):
 
     @property
     def gate(self) -> TopKGate:
-        gate: TopKGate = self.deepspeed_moe.gate
+        gate = self.deepspeed_moe.gate
+        assert isinstance(gate, TopKGate)
         return gate
 
     @property
     def experts(self) -> Experts:
-        experts: Experts = self.deepspeed_moe.experts
+        experts = self.deepspeed_moe.experts
+        assert isinstance(experts, Experts)
         return experts
 
     def expert_parameters(self) -> list[nn.Parameter]:
