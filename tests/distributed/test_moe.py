@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.harness import run_on_ranks
-from helpers.moe_parity import MoeCase, engine_losses, reference_losses
+from helpers.moe_parity import MoeCase, engine_losses, reference_losses, resume_losses
 
 GRID = [
     MoeCase(k=1, stage=1),
@@ -38,3 +38,16 @@ def _check(results: list[dict[str, list[float]]], world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [4, 2])
 def test_moe_losses_match_reference(world_size: int) -> None:
     _check(run_on_ranks(_grid, world_size, 2, timeout=300), world_size)
+
+
+def _resume(rank: int, world_size: int, ep_size: int, save_dir: str) -> tuple[list[float], list[float]]:
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    return resume_losses(rank, MoeCase(k=2, stage=2, steps=5), ep_size, save_dir, save_at=2)
+
+
+def test_moe_checkpoint_resumes_with_equal_losses(tmp_path) -> None:
+    """ep2 x dp2: the experts (under their global names) and their optimizer shards come back exactly."""
+    for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), timeout=300):
+        assert resumed == straight[2:]

@@ -127,3 +127,36 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> list[float]:
         out.append(float(loss))
     engine.destroy()
     return out
+
+
+def resume_losses(
+    rank: int, case: MoeCase, ep_size: int, save_dir: str, save_at: int
+) -> tuple[list[float], list[float]]:
+    """Losses of `case.steps` uninterrupted steps, and of a second engine loading the checkpoint the first saved
+    after `save_at` steps and running the rest (from a differently seeded start, so the load must restore)."""
+    import zeroshard
+
+    def run(engine: object, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            loss = engine(*batch(case, step, rank))  # type: ignore[operator]
+            engine.backward(loss)  # type: ignore[attr-defined]
+            engine.step()  # type: ignore[attr-defined]
+            out.append(float(loss))
+        return out
+
+    model = MoeNet(case, ep_size)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    straight = run(engine, range(save_at))
+    engine.save_checkpoint(save_dir, tag="mid")
+    straight += run(engine, range(save_at, case.steps))
+    engine.destroy()
+    fresh = MoeNet(case, ep_size)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(0.5)
+    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case))
+    engine.load_checkpoint(save_dir, tag="mid")
+    resumed = run(engine, range(save_at, case.steps))
+    engine.destroy()
+    return straight, resumed

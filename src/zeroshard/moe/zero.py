@@ -138,6 +138,11 @@ class ExpertSplitStrategy(Strategy):
         for part in self.parts:
             part.zero_grad()
 
+    def publish_params(self) -> None:
+        """Every rank's master shards become the module's weights (after a checkpoint load)."""
+        for part in self.parts:
+            part.publish_params()
+
     # -- one parameter ---------------------------------------------------------------------------------------
     def _owner(self, param: torch.Tensor) -> FlatStrategy:
         return next(p for p in self.parts if any(t is param for t in p.tracked_params()))

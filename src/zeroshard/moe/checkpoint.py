@@ -1,0 +1,114 @@
+"""Checkpoints of a model with MoE layers (`ExpertSplitStrategy`) in the ordinary checkpoint format.
+
+[Note: expert checkpoints]
+Every expert-parallel rank's module calls its local experts `...deepspeed_experts.0`, `...1`, ...: the same
+state_dict keys name different experts on different ranks. In the checkpoint each expert is named by its global
+index (DeepSpeed's files do the same): local expert l of expert-parallel rank j is
+`...deepspeed_experts.{j * L + l}`. The expert part's pieces (sharded over the expert-data-parallel group, as its
+optimizer state is) are written under those names, every rank lists the other ranks' experts as
+`peer_tensors` (known to the checkpoint, absent from its module) and loads only its own. The checkpoint loads
+into the same mesh (world size and ep_size); loading into another one is not supported yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zeroshard.checkpoint.format import TensorInfo
+from zeroshard.checkpoint.safetensors_io import dtype_name
+from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
+from zeroshard.zero.flat.checkpoint import FlatState
+
+if TYPE_CHECKING:
+    from zeroshard.moe.zero import ExpertSplitStrategy
+
+
+def global_expert_names(strategy: ExpertSplitStrategy) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """[Note: expert checkpoints] local name -> global name of this rank's experts; infos of the others'."""
+    from zeroshard.moe.layer import MoE
+
+    renamed: dict[str, str] = {}
+    peers: dict[str, TensorInfo] = {}
+    for prefix, layer in strategy.module.named_modules():
+        if not isinstance(layer, MoE):
+            continue
+        mesh, local = layer.groups.mesh, layer.num_local_experts
+        first = mesh.ep_rank(layer.groups.rank) * local
+        base = (
+            f"{prefix}.deepspeed_moe.experts.deepspeed_experts" if prefix else "deepspeed_moe.experts.deepspeed_experts"
+        )
+        for index, expert in enumerate(layer.experts.deepspeed_experts):
+            for name, param in expert.named_parameters():
+                renamed[f"{base}.{index}.{name}"] = f"{base}.{first + index}.{name}"
+                info = TensorInfo(tuple(param.shape), dtype_name(param.dtype), "param", True, param.requires_grad)
+                for ep_rank in range(mesh.ep_size):
+                    if ep_rank * local != first:
+                        peers[f"{base}.{ep_rank * local + index}.{name}"] = info
+    return renamed, peers
+
+
+class ExpertSplitState:
+    """`ShardedState` of `ExpertSplitStrategy`: the two parts' `FlatState`s, experts under global names."""
+
+    regather_after_load = False
+
+    def __init__(self, strategy: ExpertSplitStrategy):
+        dense, experts = strategy.parts
+        self.dense, self.experts = FlatState(dense), FlatState(experts)
+        self.renamed, self.peers = global_expert_names(strategy)
+        self.group_offset = len(dense.buffers)  # the expert part's groups follow the dense ones in the optimizer
+        self.strategy = strategy
+
+    def _model(self, pieces: list[ModelPiece]) -> list[ModelPiece]:
+        return [ModelPiece(self.renamed[p.name], p.begin, p.end, p.values) for p in pieces]
+
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {}
+
+    def peer_tensors(self) -> dict[str, TensorInfo]:
+        return self.peers
+
+    @property
+    def writes_optim(self) -> bool:
+        assert self.dense.writes_optim == self.experts.writes_optim, "stages 1-2 shard both parts"
+        return self.dense.writes_optim
+
+    def sharded_params(self) -> dict[int, str]:
+        experts = {ident: self.renamed[name] for ident, name in self.experts.sharded_params().items()}
+        return {**self.dense.sharded_params(), **experts}
+
+    def model_pieces_to_save(self) -> list[ModelPiece]:
+        return self.dense.model_pieces_to_save() + self._model(self.experts.model_pieces_to_save())
+
+    def model_bytes_to_save(self) -> int:
+        return self.dense.model_bytes_to_save() + self.experts.model_bytes_to_save()
+
+    def model_targets_to_load(self) -> list[ModelPiece]:
+        return self.dense.model_targets_to_load() + self._model(self.experts.model_targets_to_load())
+
+    def optim_pieces(self) -> list[OptimPiece]:
+        experts = [
+            OptimPiece(self.renamed[p.name], p.begin, p.end, p.param, p.offset, p.group + self.group_offset)
+            for p in self.experts.optim_pieces()
+        ]
+        return self.dense.optim_pieces() + experts
+
+    def refresh_master_from_params(self) -> None:
+        self.dense.refresh_master_from_params()
+        self.experts.refresh_master_from_params()
+
+    def publish_params(self) -> None:
+        self.strategy.publish_params()
+
+    def parts(self) -> list[StatePart]:
+        return [
+            StatePart(
+                "",
+                lambda changes: self.strategy.optimizer_state_resident(),
+                self.model_pieces_to_save,
+                self.model_targets_to_load,
+                self.optim_pieces,
+                self.refresh_master_from_params,
+                None,
+            )
+        ]
