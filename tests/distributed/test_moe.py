@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.harness import run_on_ranks
-from helpers.moe_parity import MoeCase, engine_losses, reference_losses, resume_losses
+from helpers.moe_parity import B, MoeCase, T, engine_losses, reference_losses, resume_losses
 
 GRID = [
     MoeCase(k=1, stage=1),
@@ -19,25 +19,30 @@ GRID = [
 ]
 
 
-def _grid(rank: int, world_size: int, ep_size: int) -> dict[str, list[float]]:
+def _grid(rank: int, world_size: int, ep_size: int) -> dict[str, dict[str, list[float]]]:
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()
     return {case.name: engine_losses(rank, case, ep_size) for case in GRID}
 
 
-def _check(results: list[dict[str, list[float]]], world_size: int) -> None:
+def _check(results: list[dict[str, dict[str, list[float]]]], world_size: int, ep_size: int) -> None:
     for case in GRID:
         ref = reference_losses(case, world_size)
         for rank, got in enumerate(results):
-            for step, value in enumerate(got[case.name]):
+            # the experts' master weights, gradients and optimizer state are sharded over their edp group
+            assert got[case.name]["expert_sharding"] == [world_size // ep_size] * 2
+            if case.uneven and rank == 0:  # every token's first choice is expert 0 (top-2: second expert 1)
+                counts = got[case.name]["counts"]
+                assert counts[0] == B * T and counts[case.k :] == [0.0] * (case.num_experts - case.k), counts
+            for step, value in enumerate(got[case.name]["losses"]):
                 want = ref[step][rank]
                 assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (case.name, rank, step, value, want)
 
 
 @pytest.mark.parametrize("world_size", [4, 2])
 def test_moe_losses_match_reference(world_size: int) -> None:
-    _check(run_on_ranks(_grid, world_size, 2, timeout=300), world_size)
+    _check(run_on_ranks(_grid, world_size, 2, timeout=300), world_size, 2)
 
 
 def _resume(rank: int, world_size: int, ep_size: int, save_dir: str) -> tuple[list[float], list[float]]:

@@ -56,6 +56,8 @@ class MoeNet(nn.Module):
         self.head = nn.Linear(D, 1)
         if case.uneven:  # [Note: expert exchange]: a positive first feature routes to expert 0
             with torch.no_grad():
+                self.inp.weight[0].zero_()  # the gate's input keeps the first feature
+                self.inp.weight[0, 0], self.inp.bias[0] = 1.0, 0.0
                 self.moe.gate.wg.weight.zero_()
                 self.moe.gate.wg.weight[0, 0] = 20.0
         first = (ep_rank(ep_size)) * self.moe.num_local_experts
@@ -114,17 +116,24 @@ def reference_losses(case: MoeCase, world_size: int) -> list[list[float]]:
     return out
 
 
-def engine_losses(rank: int, case: MoeCase, ep_size: int) -> list[float]:
+def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[float]]:
+    """Per-step losses, this rank's first-step expert loads, and how the expert part is sharded."""
     import zeroshard
 
     model = MoeNet(case, ep_size)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
-    out = []
+    out: dict[str, list[float]] = {"losses": []}
     for step in range(case.steps):
-        loss = engine(*batch(case, step, rank))
+        x, y = batch(case, step, rank)
+        if step == 0:
+            with torch.no_grad():
+                out["counts"] = [float(c) for c in model.moe(model.inp(x))[2]]
+        loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        out.append(float(loss))
+        out["losses"].append(float(loss.detach()))
+    experts = engine.strategy.parts[1]
+    out["expert_sharding"] = [float(experts.comm.world_size), float(experts.layout.shard_count)]
     engine.destroy()
     return out
 
