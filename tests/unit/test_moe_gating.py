@@ -133,3 +133,13 @@ def test_deepspeed_import_path():
     from zeroshard.moe.layer import MoE as LayerMoE
 
     assert LayerMoE is MoE
+
+
+def test_split_params_helper_keeps_the_groups():
+    from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    layer = MoE(4, nn.Linear(4, 4), num_experts=2)
+    group = {"params": list(layer.parameters()), "lr": 0.1}
+    assert split_params_into_different_moe_groups_for_optimizer(group) == [group]
+    assert is_moe_param(layer.experts.deepspeed_experts[1].weight, layer)
+    assert not is_moe_param(layer.gate.wg.weight, layer)
