@@ -11,6 +11,9 @@ state sharded `W/ep` ways, as DeepSpeed's ZeRO 1/2 shards them). The step is the
 norm (each shard counts once when the per-rank squares are summed over the world: the world's ranks hold
 disjoint shards of the non-expert buffer, and of each expert group's buffer), one scale, then each part steps
 its own groups. Stage 0 (replicated copies would be counted more than once) and stage 3 are refused.
+DeepSpeed's ZeRO 1/2 divide an expert's gradient by the expert-data-parallel size instead (`average_tensor`
+in stage_1_and_2.py), which makes it `ep_size` times the gradient of the mean loss; we keep the true gradient
+(the single-process reference's), which Adam barely notices but gradient clipping and SGD do.
 """
 
 from __future__ import annotations
