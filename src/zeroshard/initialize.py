@@ -414,9 +414,7 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives) -> None:
 
     experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
     for layer in moe_layers(module):
-        edp = layer.groups.edp
-        for param in layer.expert_parameters():
-            edp.broadcast(param.data, src=edp._global(0), label="moe.expert_broadcast")
+        layer.groups.broadcast_experts(layer.expert_parameters())
     tensors = [t.data for t in module.parameters() if id(t) not in experts] + [b for b in module.buffers()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 
 from helpers.harness import run_on_ranks
-from helpers.moe_parity import B, MoeCase, T, engine_losses, reference_losses, resume_losses
+from helpers.moe_parity import B, MoeCase, MoeNet, T, config, engine_losses, reference_losses, resume_losses
 
 GRID = [
     MoeCase(k=1, stage=1),
     MoeCase(k=2, stage=2),
     MoeCase(k=1, drop_tokens=False, uneven=True, stage=2),
     MoeCase(k=2, capacity_factor=0.5, uneven=True, stage=1),
+    MoeCase(k=1, stage=2, gas=2, steps=2),
 ]
 
 
@@ -35,9 +36,10 @@ def _check(results: list[dict[str, dict[str, list[float]]]], world_size: int, ep
             if case.uneven and rank == 0:  # every token's first choice is expert 0 (top-2: second expert 1)
                 counts = got[case.name]["counts"]
                 assert counts[0] == B * T and counts[case.k :] == [0.0] * (case.num_experts - case.k), counts
-            for step, value in enumerate(got[case.name]["losses"]):
-                want = ref[step][rank]
-                assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (case.name, rank, step, value, want)
+            for micro, value in enumerate(got[case.name]["losses"]):
+                step, m = divmod(micro, case.gas)
+                want = ref[step][m * world_size + rank]
+                assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (case.name, rank, micro, value, want)
 
 
 @pytest.mark.parametrize("world_size", [4, 2])
@@ -56,3 +58,23 @@ def test_moe_checkpoint_resumes_with_equal_losses(tmp_path) -> None:
     """ep2 x dp2: the experts (under their global names) and their optimizer shards come back exactly."""
     for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), timeout=300):
         assert resumed == straight[2:]
+
+
+def _refused(rank: int, world_size: int) -> list[str]:
+    import zeroshard
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    messages = []
+    for stage in (0, 3):
+        model = MoeNet(MoeCase(stage=stage), ep_size=1)
+        try:
+            zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(MoeCase(stage=stage)))
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_moe_refuses_stages_0_and_3() -> None:
+    (messages,) = run_on_ranks(_refused, 1)
+    assert len(messages) == 2 and all("stage 1 or 2" in m for m in messages)

@@ -25,10 +25,12 @@ class MoeCase:
     uneven: bool = False  # rank 0 sends every token to expert 0
     stage: int = 1
     steps: int = 4
+    gas: int = 1
 
     @property
     def name(self) -> str:
-        return f"k{self.k}-E{self.num_experts}-drop{int(self.drop_tokens)}-uneven{int(self.uneven)}-s{self.stage}"
+        drop, uneven = int(self.drop_tokens), int(self.uneven)
+        return f"k{self.k}-E{self.num_experts}-drop{drop}-uneven{uneven}-s{self.stage}-gas{self.gas}"
 
 
 class MoeNet(nn.Module):
@@ -94,7 +96,7 @@ def batch(case: MoeCase, step: int, rank: int) -> tuple[torch.Tensor, torch.Tens
 def config(case: MoeCase) -> dict:
     return {
         "train_micro_batch_size_per_gpu": B,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": case.gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
@@ -107,7 +109,8 @@ def reference_losses(case: MoeCase, world_size: int) -> list[list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     out = []
     for step in range(case.steps):
-        losses = [model(*batch(case, step, r)) for r in range(world_size)]
+        micro = range(step * case.gas, (step + 1) * case.gas)
+        losses = [model(*batch(case, m, r)) for m in micro for r in range(world_size)]
         opt.zero_grad()
         (torch.stack(losses).mean()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -123,7 +126,7 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
     model = MoeNet(case, ep_size)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
     out: dict[str, list[float]] = {"losses": []}
-    for step in range(case.steps):
+    for step in range(case.steps * case.gas):  # one micro-step each; the engine steps on the boundary
         x, y = batch(case, step, rank)
         if step == 0:
             with torch.no_grad():

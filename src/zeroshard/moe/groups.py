@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives, Scope
@@ -73,6 +74,12 @@ class ExpertGroups:
             return Collectives(None, len(mine), mine.index(self.rank), scope=scope)
         made = {tuple(g): dist.new_group(g) for g in all_groups}  # every rank creates every group
         return Collectives(made[tuple(mine)], len(mine), mine.index(self.rank), scope=scope)
+
+    def broadcast_experts(self, params: list[torch.Tensor]) -> None:
+        """The experts start from the first rank of their expert-data-parallel group (the world's rank 0 holds
+        only its own experts), as DeepSpeed's engine broadcasts them."""
+        for param in params:
+            self.edp.broadcast(param.data, src=self.mesh.ep_rank(self.rank), label="moe.expert_broadcast")
 
     def counted_by(self, world: Collectives) -> None:
         """Count this mesh's collectives in `world`'s counters (the engine's), as its sub-groups do."""

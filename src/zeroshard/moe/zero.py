@@ -28,6 +28,7 @@ from torch import nn
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ConfigError
 from zeroshard.memory import StrategyMemory
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
@@ -47,14 +48,14 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives) -> Exper
     if not layers:
         return None
     if stage not in (1, 2):
-        raise ValueError(
+        raise ConfigError(
             f"MoE layers train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does not partition "
             "expert parameters over their expert-data-parallel group yet, and stage 0 would count replicated "
             "expert gradients more than once in the norm; use stage 1 for the same math as stage 0"
         )
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
-        raise ValueError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
+        raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
     for layer in layers:
         layer.groups.counted_by(world)
     return layers[0].groups
