@@ -10,6 +10,7 @@ reduced and their optimizer state is sharded. Non-expert parameters stay data-pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,7 @@ class ExpertGroups:
         made = {tuple(g): dist.new_group(g) for g in all_groups}  # every rank creates every group
         return Collectives(made[tuple(mine)], len(mine), mine.index(self.rank), scope=scope)
 
-    def broadcast_experts(self, params: list[torch.Tensor]) -> None:
+    def broadcast_experts(self, params: Sequence[torch.Tensor]) -> None:
         """The experts start from the first rank of their expert-data-parallel group (the world's rank 0 holds
         only its own experts), as DeepSpeed's engine broadcasts them."""
         for param in params:
