@@ -60,21 +60,31 @@ def test_moe_checkpoint_resumes_with_equal_losses(tmp_path) -> None:
         assert resumed == straight[2:]
 
 
-def _refused(rank: int, world_size: int) -> list[str]:
+def _stages(rank: int, world_size: int) -> tuple[list[str], dict[str, dict[str, list[float]]]]:
     import zeroshard
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()
     messages = []
-    for stage in (0, 3):
-        model = MoeNet(MoeCase(stage=stage), ep_size=1)
+    for stage in (0, 3):  # ep_size 2: refused
+        model = MoeNet(MoeCase(stage=stage), ep_size=2)
         try:
             zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(MoeCase(stage=stage)))
         except ValueError as e:
             messages.append(str(e))
-    return messages
+    # ep_size 1: the experts are ordinary data-parallel parameters, at every stage
+    return messages, {case.name: engine_losses(rank, case, 1) for case in EP1}
 
 
-def test_moe_refuses_stages_0_and_3() -> None:
-    (messages,) = run_on_ranks(_refused, 1)
-    assert len(messages) == 2 and all("stage 1 or 2" in m for m in messages)
+EP1 = [MoeCase(k=2, stage=0, steps=3), MoeCase(k=1, stage=3, steps=3)]
+
+
+def test_moe_stages_0_and_3_with_ep1_only() -> None:
+    results = run_on_ranks(_stages, 2, timeout=300)
+    for messages, _ in results:
+        assert len(messages) == 2 and all("stage 1 or 2" in m for m in messages)
+    for case in EP1:
+        ref = reference_losses(case, 2)
+        for rank, (_, got) in enumerate(results):
+            for step, value in enumerate(got[case.name]["losses"]):
+                assert abs(value - ref[step][rank]) <= 1e-5 * abs(ref[step][rank]) + 1e-7, (case.name, rank, step)

@@ -135,8 +135,9 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
         engine.backward(loss)
         engine.step()
         out["losses"].append(float(loss.detach()))
-    experts = engine.strategy.parts[1]
-    out["expert_sharding"] = [float(experts.comm.world_size), float(experts.layout.shard_count)]
+    if ep_size > 1:
+        experts = engine.strategy.parts[1]
+        out["expert_sharding"] = [float(experts.comm.world_size), float(experts.layout.shard_count)]
     engine.destroy()
     return out
 

@@ -43,21 +43,23 @@ def moe_layers(module: nn.Module) -> list[MoE]:
 
 
 def expert_groups_of(module: nn.Module, stage: int, world: Collectives) -> ExpertGroups | None:
-    """The expert groups of `module`'s MoE layers (None without any), counted in `world`'s counters."""
+    """The expert groups of `module`'s MoE layers, counted in `world`'s counters; None without any, or when every
+    layer has ep_size 1 (its experts are then ordinary data-parallel parameters, at any stage)."""
     layers = moe_layers(module)
-    if not layers:
+    for layer in layers:
+        layer.groups.counted_by(world)
+    if all(layer.ep_size == 1 for layer in layers):
         return None
     if stage not in (1, 2):
         raise ConfigError(
-            f"MoE layers train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does not partition "
-            "expert parameters over their expert-data-parallel group yet, and stage 0 would count replicated "
-            "expert gradients more than once in the norm; use stage 1 for the same math as stage 0"
+            f"MoE layers with ep_size > 1 train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does "
+            "not partition expert parameters over their expert-data-parallel group yet, and stage 0 would count "
+            "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
+            "(ep_size 1 trains at every stage)"
         )
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
-    for layer in layers:
-        layer.groups.counted_by(world)
     return layers[0].groups
 
 
