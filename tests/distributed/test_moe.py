@@ -88,3 +88,13 @@ def test_moe_stages_0_and_3_with_ep1_only() -> None:
         for rank, (_, got) in enumerate(results):
             for step, value in enumerate(got[case.name]["losses"]):
                 assert abs(value - ref[step][rank]) <= 1e-5 * abs(ref[step][rank]) + 1e-7, (case.name, rank, step)
+
+
+def test_moe_bytes_by_scope() -> None:
+    """2 nodes x 2: the expert exchange stays inside a node; fewer bytes cross nodes than with pure ZeRO-3."""
+    from benchmarks.moe_bytes import measure
+
+    result = run_on_ranks(measure, 4, timeout=300)[0]
+    ep = result["ep2 x dp2, ZeRO-2"]
+    assert ep["intra_node"].get("all_to_all", 0) > 0 and "all_to_all" not in ep["inter_node"]
+    assert sum(ep["inter_node"].values()) < sum(result["ep1, ZeRO-3"]["inter_node"].values())
