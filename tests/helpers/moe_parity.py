@@ -163,6 +163,12 @@ def resume_losses(
     straight = run(engine, range(save_at))
     engine.save_checkpoint(save_dir, tag="mid")
     straight += run(engine, range(save_at, case.steps))
+    whole = engine.strategy.full_state_dict()  # every expert of every rank, under global names
+    experts = sorted({k.split("deepspeed_experts.")[1].split(".")[0] for k in whole if "deepspeed_experts." in k})
+    assert experts == [str(e) for e in range(case.num_experts)], experts
+    mine = ep_rank(ep_size) * model.moe.num_local_experts
+    first = model.moe.experts.deepspeed_experts[0]
+    assert torch.equal(whole[f"moe.deepspeed_moe.experts.deepspeed_experts.{mine}.0.weight"], first[0].weight)
     engine.destroy()
     fresh = MoeNet(case, ep_size)
     with torch.no_grad():

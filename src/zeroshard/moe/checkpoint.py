@@ -14,36 +14,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
+from zeroshard.comm.collectives import Collectives
 from zeroshard.zero.flat.checkpoint import FlatState
 
 if TYPE_CHECKING:
     from zeroshard.moe.zero import ExpertSplitStrategy
 
 
-def global_expert_names(strategy: ExpertSplitStrategy) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-    """[Note: expert checkpoints] local name -> global name of this rank's experts; infos of the others'."""
+def expert_keys(module: nn.Module) -> list[tuple[str, list[str], nn.Parameter, Collectives]]:
+    """Per local expert parameter: its state_dict key, the global keys of it and its peers on every
+    expert-parallel rank (in rank order, its own among them), and the expert-parallel group."""
     from zeroshard.moe.layer import MoE
 
-    renamed: dict[str, str] = {}
-    peers: dict[str, TensorInfo] = {}
-    for prefix, layer in strategy.module.named_modules():
+    rows = []
+    for prefix, layer in module.named_modules():
         if not isinstance(layer, MoE):
             continue
-        mesh, local = layer.groups.mesh, layer.num_local_experts
-        first = mesh.ep_rank(layer.groups.rank) * local
-        base = (
-            f"{prefix}.deepspeed_moe.experts.deepspeed_experts" if prefix else "deepspeed_moe.experts.deepspeed_experts"
-        )
+        local = layer.num_local_experts
+        base = f"{prefix}." if prefix else ""
+        base += "deepspeed_moe.experts.deepspeed_experts"
         for index, expert in enumerate(layer.experts.deepspeed_experts):
             for name, param in expert.named_parameters():
-                renamed[f"{base}.{index}.{name}"] = f"{base}.{first + index}.{name}"
-                info = TensorInfo(tuple(param.shape), dtype_name(param.dtype), "param", True, param.requires_grad)
-                for ep_rank in range(mesh.ep_size):
-                    if ep_rank * local != first:
-                        peers[f"{base}.{ep_rank * local + index}.{name}"] = info
+                everyone = [f"{base}.{j * local + index}.{name}" for j in range(layer.ep_size)]
+                rows.append((f"{base}.{index}.{name}", everyone, param, layer.groups.ep))
+    return rows
+
+
+def global_expert_names(strategy: ExpertSplitStrategy) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """[Note: expert checkpoints] local name -> global name of this rank's experts; infos of the others'."""
+    renamed: dict[str, str] = {}
+    peers: dict[str, TensorInfo] = {}
+    for local_key, everyone, param, ep in expert_keys(strategy.module):
+        mine = everyone[ep.rank]
+        renamed[local_key] = mine
+        info = TensorInfo(tuple(param.shape), dtype_name(param.dtype), "param", True, param.requires_grad)
+        peers.update({key: info for key in everyone if key != mine})
     return renamed, peers
 
 

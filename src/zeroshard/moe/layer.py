@@ -17,6 +17,8 @@ class Block(nn.Module):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,27 +51,39 @@ def _refuse(
         raise ValueError(f"MoE: hidden_size={hidden_size} must be positive")
 
 
+@dataclass(frozen=True)
+class GatePolicy:
+    """How the gate routes ([Note: gating]); DeepSpeed's `MoE` arguments of the same names."""
+
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    noisy_gate_policy: str | None = None
+    drop_tokens: bool = True
+    use_rts: bool = True
+    top2_2nd_expert_sampling: bool = True
+
+
 class TopKGate(nn.Module):
     """The gate: a bias-free fp32 linear scoring tokens against experts, then [Note: gating]."""
 
-    def __init__(self, policy: MoE, hidden_size: int, num_experts: int):
+    def __init__(self, policy: GatePolicy, hidden_size: int, num_experts: int):
         super().__init__()
         self.wg = nn.Linear(hidden_size, num_experts, bias=False).float()
-        self.k, self.noisy_gate_policy = policy.k, policy.noisy_gate_policy
-        self.capacity_factor, self.eval_capacity_factor = policy.capacity_factor, policy.eval_capacity_factor
-        self.min_capacity, self.drop_tokens, self.use_rts = policy.min_capacity, policy.drop_tokens, policy.use_rts
-        self.top2_2nd_expert_sampling = policy.top2_2nd_expert_sampling
+        self.policy = policy
 
     def forward(self, tokens: torch.Tensor) -> GateOutput:
+        p = self.policy
         x = tokens.float()
-        if self.noisy_gate_policy == "Jitter" and self.training:  # DeepSpeed's multiplicative jitter, eps 1e-2
+        if p.noisy_gate_policy == "Jitter" and self.training:  # DeepSpeed's multiplicative jitter, eps 1e-2
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
         logits = F.linear(x, self.wg.weight.float())
-        factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        if self.k == 1:
-            noisy = self.noisy_gate_policy if self.training else None
-            return top1gating(logits, factor, self.min_capacity, noisy, self.drop_tokens, self.use_rts)
-        return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.top2_2nd_expert_sampling)
+        factor = p.capacity_factor if self.training else p.eval_capacity_factor
+        if p.k == 1:
+            noisy = p.noisy_gate_policy if self.training else None
+            return top1gating(logits, factor, p.min_capacity, noisy, p.drop_tokens, p.use_rts)
+        return top2gating(logits, factor, p.min_capacity, p.drop_tokens, p.top2_2nd_expert_sampling)
 
 
 class MoE(nn.Module):
@@ -103,10 +117,16 @@ class MoE(nn.Module):
     ):
         super().__init__()
         _refuse(hidden_size, num_experts, ep_size, k, noisy_gate_policy, use_tutel, enable_expert_tensor_parallelism)
-        self.k, self.noisy_gate_policy = k, noisy_gate_policy
-        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
-        self.min_capacity, self.drop_tokens, self.use_rts = min_capacity, drop_tokens, use_rts
-        self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        policy = GatePolicy(
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            top2_2nd_expert_sampling,
+        )
         self.use_residual = use_residual
         self.ep_size, self.num_experts = ep_size, num_experts
         self.num_local_experts = num_experts // ep_size
@@ -116,7 +136,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: expert_groups are for ep_size={self.groups.mesh.ep_size}, not {ep_size}")
         # DeepSpeed's module tree, so that state_dict keys match (deepspeed_moe.gate.wg.weight, ...)
         self.deepspeed_moe = nn.Module()
-        self.deepspeed_moe.gate = TopKGate(self, hidden_size, num_experts)
+        self.deepspeed_moe.gate = TopKGate(policy, hidden_size, num_experts)
         self.deepspeed_moe.experts = Experts(expert, self.num_local_experts)
         if use_residual:
             self.mlp = expert

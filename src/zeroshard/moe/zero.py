@@ -35,14 +35,20 @@ from zeroshard.moe.layer import MoE
 from zeroshard.offload.gradients import GradShard
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stepmath import StepPolicy
-from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
+from zeroshard.zero.strategy import (
+    AccumulationState,
+    ParamGroupSpec,
+    Strategy,
+    nbytes,
+    optimizer_state_tensors,
+)
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def expert_groups_of(module: nn.Module, stage: int, world: Collectives) -> ExpertGroups | None:
+def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload: bool) -> ExpertGroups | None:
     """The expert groups of `module`'s MoE layers, counted in `world`'s counters; None without any, or when every
     layer has ep_size 1 (its experts are then ordinary data-parallel parameters, at any stage)."""
     layers = moe_layers(module)
@@ -57,6 +63,8 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives) -> Exper
             "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
             "(ep_size 1 trains at every stage)"
         )
+    if offload:
+        raise ConfigError("MoE layers with ep_size > 1 do not combine with offload_optimizer yet")
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
@@ -158,8 +166,8 @@ class ExpertSplitStrategy(Strategy):
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         part = self._owner(param)
-        grad = part.full_grad(param)  # its scale assumes its own group's mean: turn it into the world's
-        return None if grad is None else grad * (part.comm.world_size / self.comm.world_size)
+        grad = part.full_grad(param)  # scaled by the part's own post-scale: the world's is the true one
+        return None if grad is None else grad * (self._grad_scale() / part._grad_scale())
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         return self._owner(param).full_optimizer_state(param, key)
@@ -171,6 +179,20 @@ class ExpertSplitStrategy(Strategy):
         self._owner(param).set_full_optimizer_state(param, value, key)
 
     # -- state ---------------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state_dict with every expert of every expert-parallel rank, under its global name
+        ([Note: expert checkpoints]); collective over each expert-parallel group."""
+        from zeroshard.moe.checkpoint import expert_keys
+
+        state = dict(self.module.state_dict())
+        for local_key, global_keys, param, ep in expert_keys(self.module):
+            gathered = torch.empty(len(global_keys) * param.numel(), dtype=param.dtype, device=param.device)
+            ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
+            del state[local_key]
+            for key, value in zip(global_keys, gathered.view(len(global_keys), *param.shape), strict=True):
+                state[key] = value
+        return state
+
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.moe.checkpoint import ExpertSplitState
 
@@ -209,7 +231,7 @@ class ExpertSplitStrategy(Strategy):
         for part in self.parts:
             for name, value in part.memory().as_dict().items():
                 setattr(total, name, getattr(total, name) + value)
-        total.optimizer_state //= 2  # each part counted the shared optimizer's state
+        total.optimizer_state -= sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))  # counted twice
         return total
 
     def destroy(self) -> None:
