@@ -24,10 +24,32 @@ def _grid(rank: int, world_size: int, ep_size: int) -> dict[str, dict[str, list[
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()
-    return {case.name: engine_losses(rank, case, ep_size) for case in GRID}
+    out = {case.name: engine_losses(rank, case, ep_size) for case in GRID}
+    out["uneven_all_to_all"] = {"received": _uneven_all_to_all(rank, world_size)}
+    return out
+
+
+def _uneven_all_to_all(rank: int, world_size: int) -> list[float]:
+    """Rank i sends i + j rows to rank j except rank 0, which sends none (zero splits, verified fingerprints)."""
+    import torch
+
+    from zeroshard.comm.collectives import Collectives
+
+    comm = Collectives(None, world_size, rank, verify=True)
+    send = [0 if rank == 0 else rank + j for j in range(world_size)]
+    receive = [0 if i == 0 else i + rank for i in range(world_size)]
+    rows = torch.cat([torch.full((n, 2), float(10 * rank + j)) for j, n in enumerate(send)])
+    out = torch.empty(sum(receive), 2)
+    comm.all_to_all_uneven(out, rows, receive, send, label="test")
+    sent = comm.stats.kinds["all_to_all"].bus_bytes
+    assert sent == 8 * (sum(send) - send[rank]), sent
+    return out[:, 0].tolist()
 
 
 def _check(results: list[dict[str, dict[str, list[float]]]], world_size: int, ep_size: int) -> None:
+    for rank, got in enumerate(results):
+        want = [float(10 * i + rank) for i in range(1, world_size) for _ in range(i + rank)]
+        assert got["uneven_all_to_all"]["received"] == want
     for case in GRID:
         ref = reference_losses(case, world_size)
         for rank, got in enumerate(results):
