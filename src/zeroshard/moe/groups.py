@@ -32,6 +32,7 @@ class ExpertMesh:
             raise ValueError(
                 f"ep_size={self.ep_size} must divide the number of ranks ({self.world_size}): the experts are split "
                 "over ep_size ranks and replicated world_size / ep_size times"
+                + ("; build MoE layers after zeroshard.init_distributed()" if self.world_size == 1 else "")
             )
 
     @property

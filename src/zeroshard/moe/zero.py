@@ -33,6 +33,7 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
 from zeroshard.offload.gradients import GradShard
+from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import (
@@ -42,6 +43,8 @@ from zeroshard.zero.strategy import (
     nbytes,
     optimizer_state_tensors,
 )
+
+logger = get_logger(__name__)
 
 
 def moe_layers(module: nn.Module) -> list[MoE]:
@@ -68,7 +71,14 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload:
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
-    return layers[0].groups
+    groups = layers[0].groups
+    log_rank(
+        logger,
+        20,
+        f"MoE: {len(layers)} layer(s), ep_size {groups.mesh.ep_size}: experts' ZeRO-{stage} state sharded over "
+        f"their {groups.mesh.edp_size} expert-data-parallel ranks",
+    )
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)
