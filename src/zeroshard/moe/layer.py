@@ -154,6 +154,10 @@ class MoE(nn.Module):
         assert isinstance(experts, Experts)
         return experts
 
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """DeepSpeed's engine calls this to build the groups; here they are built at construction (a no-op)."""
+        return None
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters that differ across the expert-parallel group ([Note: expert groups])."""
         return list(self.experts.parameters())
