@@ -7,9 +7,21 @@ uneven routing (rank 0 sends every token to one expert: the others get none from
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.harness import run_on_ranks
-from helpers.moe_parity import B, MoeCase, MoeNet, T, config, engine_losses, reference_losses, resume_losses
+from helpers.moe_parity import (
+    B,
+    MoeCase,
+    MoeNet,
+    T,
+    config,
+    engine_losses,
+    loaded_states,
+    reference_losses,
+    resume_losses,
+    saved_states,
+)
 
 GRID = [
     MoeCase(k=1, stage=1),
@@ -120,3 +132,31 @@ def test_moe_bytes_by_scope() -> None:
     ep = result["ep2 x dp2, ZeRO-2"]
     assert ep["intra_node"].get("all_to_all", 0) > 0 and "all_to_all" not in ep["inter_node"]
     assert sum(ep["inter_node"].values()) < sum(result["ep1, ZeRO-3"]["inter_node"].values())
+
+
+def _saved(rank: int, world_size: int, save_dir: str) -> dict:
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    return saved_states(rank, MoeCase(k=2, stage=2), 2, save_dir)
+
+
+def _loaded(rank: int, world_size: int, save_dir: str, ep_size: int) -> dict:
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    return loaded_states(rank, MoeCase(k=2, stage=1), ep_size, save_dir)
+
+
+def test_moe_checkpoint_reshards_across_dp_and_ep(tmp_path) -> None:
+    """Saved by ep2 x dp2 at stage 2, loaded by 2 ranks as ep2 (dp1) and as ep1 (dp2, every expert on each rank),
+    at stage 1: every expert's weights and Adam moments come back exactly, under the same global names."""
+    saved: dict = {}
+    for states in run_on_ranks(_saved, 4, str(tmp_path)):
+        saved.update(states)
+    for ep_size in (2, 1):
+        loaded: dict = {}
+        for states in run_on_ranks(_loaded, 2, str(tmp_path), ep_size):
+            loaded.update(states)
+        assert set(loaded) == set(saved)
+        assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == [], ep_size

@@ -179,3 +179,44 @@ def resume_losses(
     resumed = run(engine, range(save_at, case.steps))
     engine.destroy()
     return straight, resumed
+
+
+def full_states(engine: object, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights and Adam moments of every parameter this rank holds, experts under their global names."""
+    from zeroshard.moe.checkpoint import global_expert_names
+    from zeroshard.moe.zero import ExpertSplitStrategy
+
+    strategy = engine.strategy  # type: ignore[attr-defined]
+    split = isinstance(strategy, ExpertSplitStrategy)
+    out = {k: v.clone() for k, v in (strategy.full_state_dict() if split else model.state_dict()).items()}
+    names = global_expert_names(strategy)[0] if split else {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, param in model.named_parameters():
+            out[f"{key}:{names.get(name, name)}"] = strategy.full_optimizer_state(param, key).clone()
+    return out
+
+
+def saved_states(rank: int, case: MoeCase, ep_size: int, save_dir: str) -> dict[str, torch.Tensor]:
+    import zeroshard
+
+    model = MoeNet(case, ep_size)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    for step in range(2):
+        loss = engine(*batch(case, step, rank))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    return full_states(engine, model)
+
+
+def loaded_states(rank: int, case: MoeCase, ep_size: int, save_dir: str) -> dict[str, torch.Tensor]:
+    import zeroshard
+
+    model = MoeNet(case, ep_size)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    engine.load_checkpoint(save_dir, tag="t")
+    states = full_states(engine, model)
+    loss = engine(*batch(case, 5, rank))  # and it trains on
+    engine.backward(loss)
+    engine.step()
+    return states

@@ -6,8 +6,9 @@ state_dict keys name different experts on different ranks. In the checkpoint eac
 index (DeepSpeed's files do the same): local expert l of expert-parallel rank j is
 `...deepspeed_experts.{j * L + l}`. The expert part's pieces (sharded over the expert-data-parallel group, as its
 optimizer state is) are written under those names, every rank lists the other ranks' experts as
-`peer_tensors` (known to the checkpoint, absent from its module) and loads only its own. The checkpoint loads
-into the same mesh (world size and ep_size); loading into another one is not supported yet.
+`peer_tensors` (known to the checkpoint, absent from its module) and loads only its own. Since the names do not
+depend on the mesh, a checkpoint also loads into another world size, stage (1-2) or `ep_size` (ep_size 1 calls
+every expert by its global index already), optimizer state included (tests/distributed/test_moe.py).
 """
 
 from __future__ import annotations
