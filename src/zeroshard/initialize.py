@@ -282,7 +282,13 @@ def _make_strategy(
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
         model_parallel=model_parallel,
     )
+    from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
+
+    offload = str(z.offload_optimizer.device) != "none"
+    expert_groups = expert_groups_of(model, stage, comm, offload)  # None unless MoE with ep_size > 1
     if str(cfg.zeroshard.backend) == "fsdp2":
+        if expert_groups is not None:
+            raise ConfigError("MoE layers train with the flat ZeRO backend (stages 1-2), not zeroshard.backend fsdp2")
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
 
         dtype, device = precision.compute_dtype, topology.device
@@ -306,6 +312,8 @@ def _make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
+        if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
+            return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
     par = z.offload_param
     policy = Stage3Policy(
@@ -420,10 +428,16 @@ def _pipeline_engine(parts: tuple[Any, ...], loader: Any, pipe: PipeContext) -> 
 
 def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) -> None:
     """Every rank starts from the group's first rank's (global rank `src`) parameters and buffers (as DDP and
-    DeepSpeed do)."""
+    DeepSpeed do); MoE experts from the first rank of their expert-data-parallel group ([Note: expert groups] in
+    moe/groups.py)."""
     if comm.world_size == 1:
         return
-    tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
+    from zeroshard.moe.zero import moe_layers
+
+    experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
+    for layer in moe_layers(module):
+        layer.groups.broadcast_experts(layer.expert_parameters())
+    tensors = [t.data for t in module.parameters() if id(t) not in experts] + [b for b in module.buffers()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

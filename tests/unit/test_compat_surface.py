@@ -272,14 +272,6 @@ def test_register_external_parameter():
         zeroshard.zero.register_external_parameter(user, owner.weight)
 
 
-@pytest.mark.parametrize(("module", "issue"), [("moe", "issue 18")])
-def test_absent_modules_name_the_issue(module, issue):
-    import importlib
-
-    with pytest.raises(ImportError, match=issue):
-        importlib.import_module(f"zeroshard.{module}")
-
-
 @pytest.mark.parametrize("name", ["PipelineModule", "LayerSpec", "TiedLayerSpec"])
 def test_pipe_takes_deepspeeds_arguments(name):
     """`deepspeed.pipe`'s classes take the same arguments, in the same order (behaviour: tests/distributed/

@@ -34,7 +34,14 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
 from zeroshard.checkpoint.safetensors_io import dtype_from_name
-from zeroshard.checkpoint.save import ModuleCatalog, catalog_module, compute_dtype_name, engine_state, full_shapes
+from zeroshard.checkpoint.save import (
+    ModuleCatalog,
+    catalog_module,
+    compute_dtype_name,
+    engine_state,
+    full_shapes,
+    peer_tensors,
+)
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
@@ -90,7 +97,8 @@ def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: 
         if shape != tuple(saved):
             raise CheckpointError(f"{name}: shape {shape} in the model, {saved} in the checkpoint")
         mapping[name] = ckpt
-    unexpected = sorted(set(meta.tensors) - set(mapping.values()))
+    held_by_peers = set(catalog.infos) - set(catalog.tensors)  # ShardedState.peer_tensors
+    unexpected = sorted(set(meta.tensors) - set(mapping.values()) - held_by_peers)
     if missing or unexpected:
         message = f"module keys differ from the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}"
         if strict:
@@ -267,7 +275,10 @@ def _load_into(
     meta = reader.metadata
     state = engine_state(engine)
     catalog = catalog_module(
-        engine.module, state.sharded_params() if state is not None else {}, shapes=full_shapes(state)
+        engine.module,
+        state.sharded_params() if state is not None else {},
+        shapes=full_shapes(state),
+        peers=peer_tensors(state),
     )
     mapping = load_module_weights(reader, catalog, state, strict)
     blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)

@@ -69,9 +69,11 @@ def catalog_module(
     sharded: dict[int, str],
     exclude_frozen: bool = False,
     shapes: dict[int, tuple[int, ...]] | None = None,
+    peers: dict[str, TensorInfo] | None = None,
 ) -> ModuleCatalog:
     """Canonical name per distinct tensor (the strategy's name for sharded parameters, else the first key).
-    `shapes` gives the full shape of parameters whose module tensor is a placeholder (stage 3)."""
+    `shapes` gives the full shape of parameters whose module tensor is a placeholder (stage 3); `peers` the
+    tensors other ranks hold and this module does not (`ShardedState.peer_tensors`): in `infos`, not `tensors`."""
     shapes = shapes or {}
     catalog = ModuleCatalog({}, {})
     param_ids = {id(p) for p in module.parameters()}
@@ -99,12 +101,18 @@ def catalog_module(
             requires_grad,
         )
     catalog.aliases = {a: c for a, c in catalog.aliases.items() if c not in catalog.excluded}
+    for name, info in (peers or {}).items():
+        catalog.infos.setdefault(name, info)
     return catalog
 
 
 def full_shapes(state: ShardedState | None) -> dict[int, tuple[int, ...]]:
     """Full shapes of sharded parameters, for strategies whose module tensors are placeholders."""
     return state.full_shapes() if state is not None else {}
+
+
+def peer_tensors(state: ShardedState | None) -> dict[str, TensorInfo]:
+    return state.peer_tensors() if state is not None else {}
 
 
 def engine_state(engine: CheckpointableEngine) -> ShardedState | None:
@@ -403,7 +411,11 @@ def save_checkpoint(
         log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
 
     catalog = catalog_module(
-        engine.module, state.sharded_params() if state else {}, exclude_frozen_parameters, full_shapes(state)
+        engine.module,
+        state.sharded_params() if state else {},
+        exclude_frozen_parameters,
+        full_shapes(state),
+        peer_tensors(state),
     )
     payload: dict[str, Any] = {"error": None, "manifest": None}
     optim_info = None

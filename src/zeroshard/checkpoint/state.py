@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from zeroshard.checkpoint.format import TensorInfo
+
 
 @dataclass(frozen=True)
 class ModelPiece:
@@ -116,4 +118,10 @@ class ShardedState(Protocol):
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         """Full shapes of sharded parameters by id, where the module holds placeholders (stage 3); else empty."""
+        ...
+
+    def peer_tensors(self) -> dict[str, TensorInfo]:
+        """Trainable tensors other ranks hold and this rank's module does not (MoE experts of other
+        expert-parallel ranks, [Note: expert checkpoints] in moe/checkpoint.py): named in the checkpoint, never
+        expected in this rank's module. Empty for data-parallel strategies."""
         ...

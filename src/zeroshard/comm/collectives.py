@@ -221,6 +221,39 @@ class Collectives:
             async_op,
         )
 
+    def all_to_all_uneven(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        label: str = "",
+    ) -> Handle:
+        """Rows (dim 0) `input_splits[j]` of `input` go to rank j; `output_splits[i]` rows come from rank i (an
+        MoE exchange: the split sizes differ by rank, zero included). Synchronous."""
+        if sum(input_splits) != input.shape[0] or sum(output_splits) != output.shape[0]:
+            raise ValueError(f"all_to_all_uneven: splits {input_splits}/{output_splits} do not match the rows")
+        # the fingerprint carries no numel: ranks legitimately send different amounts
+        self._check(CollectiveKind.ALL_TO_ALL, input.new_empty(0), label)
+        if self.world_size == 1:
+            return _alone(output, input)
+        row_bytes = _nbytes(input) // max(1, input.shape[0])
+        sent = row_bytes * (input.shape[0] - input_splits[self.rank])
+        self.stats.record(CollectiveKind.ALL_TO_ALL, _nbytes(input), float(sent), self.scope)
+        return self._issue(
+            "all_to_all_single",
+            input,
+            lambda a: dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=output_splits,
+                input_split_sizes=input_splits,
+                group=self.group,
+                async_op=a,
+            ),
+            False,
+        )
+
     def any_true(self, flag: bool, device: torch.device) -> bool:
         """True on every rank if `flag` is true on any rank (one tiny MAX all-reduce)."""
         if self.world_size == 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
+from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ class Fsdp2State:
 
     def publish_params(self) -> None:
         self.strategy._publish()
+
+    def peer_tensors(self) -> dict[str, TensorInfo]:
+        return {}  # every rank's module holds every tensor
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         return {id(sp.param): sp.full_shape for sp in self.strategy.params}

@@ -1,6 +1,7 @@
-"""`deepspeed.moe` is not provided yet: importing it says which issue brings it."""
+"""Mixture of experts: `MoE` (DeepSpeed's `deepspeed.moe.layer.MoE`), top-1/top-2 gating, expert parallelism."""
 
-raise ImportError(
-    "zeroshard.moe: mixture-of-experts layers are not implemented yet; they come with issue 18 (tensor, pipeline "
-    "and expert parallelism composed with ZeRO). zeroshard trains with ZeRO data parallelism only (docs/compat.md)."
-)
+from zeroshard.moe.gating import top1gating, top2gating
+from zeroshard.moe.groups import ExpertGroups, ExpertMesh
+from zeroshard.moe.layer import MoE
+
+__all__ = ["ExpertGroups", "ExpertMesh", "MoE", "top1gating", "top2gating"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.zero.layout import owned_pieces
 
@@ -24,6 +25,9 @@ class FlatState:
         self.rank = strategy.rank
 
     regather_after_load = False  # parameters are filled whole on every rank
+
+    def peer_tensors(self) -> dict[str, TensorInfo]:
+        return {}  # every rank's module holds every tensor
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         return {}  # the module's own tensors have their full shapes

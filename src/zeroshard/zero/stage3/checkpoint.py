@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.zero.stage3.unit import ShardedUnit
 
@@ -85,6 +86,9 @@ class Stage3State:
         for unit in self.strategy.units:
             if unit.master is not unit.shard and (units is None or unit.index in units):
                 unit.master.copy_(unit.shard)
+
+    def peer_tensors(self) -> dict[str, TensorInfo]:
+        return {}  # every rank's module holds every tensor
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         return {

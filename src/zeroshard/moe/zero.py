@@ -1,0 +1,249 @@
+"""ZeRO stages 1/2 for a model with MoE layers: non-expert parameters over all ranks, experts over their own
+expert-data-parallel group.
+
+[Note: experts under ZeRO]
+An expert's gradient on one rank already sums the losses of its whole expert-parallel group (the exchange's
+backward brings them); summing it over the expert-data-parallel group therefore sums over every rank, and the
+same post-scale as the other parameters (the mean over all `W` ranks) gives the true gradient of the global
+batch's mean loss. So the model splits into two `FlatStrategy`s sharing one optimizer: the non-expert part over
+the world, the expert part over the expert-data-parallel group (its master weights, gradients and optimizer
+state sharded `W/ep` ways, as DeepSpeed's ZeRO 1/2 shards them). The step is the common skeleton: one global
+norm (each shard counts once when the per-rank squares are summed over the world: the world's ranks hold
+disjoint shards of the non-expert buffer, and of each expert group's buffer), one scale, then each part steps
+its own groups. Stage 0 (replicated copies would be counted more than once) and stage 3 are refused.
+DeepSpeed's ZeRO 1/2 divide an expert's gradient by the expert-data-parallel size instead (`average_tensor`
+in stage_1_and_2.py), which makes it `ep_size` times the gradient of the mean loss; we keep the true gradient
+(the single-process reference's), which Adam barely notices but gradient clipping and SGD do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint.state import ShardedState
+from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ConfigError
+from zeroshard.memory import StrategyMemory
+from zeroshard.moe.groups import ExpertGroups
+from zeroshard.moe.layer import MoE
+from zeroshard.offload.gradients import GradShard
+from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.stepmath import StepPolicy
+from zeroshard.zero.strategy import (
+    AccumulationState,
+    ParamGroupSpec,
+    Strategy,
+    nbytes,
+    optimizer_state_tensors,
+)
+
+logger = get_logger(__name__)
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload: bool) -> ExpertGroups | None:
+    """The expert groups of `module`'s MoE layers, counted in `world`'s counters; None without any, or when every
+    layer has ep_size 1 (its experts are then ordinary data-parallel parameters, at any stage)."""
+    layers = moe_layers(module)
+    for layer in layers:
+        layer.groups.counted_by(world)
+    if all(layer.ep_size == 1 for layer in layers):
+        return None
+    if stage not in (1, 2):
+        raise ConfigError(
+            f"MoE layers with ep_size > 1 train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does "
+            "not partition expert parameters over their expert-data-parallel group yet, and stage 0 would count "
+            "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
+            "(ep_size 1 trains at every stage)"
+        )
+    if offload:
+        raise ConfigError("MoE layers with ep_size > 1 do not combine with offload_optimizer yet")
+    sizes = {m.ep_size for m in layers}
+    if len(sizes) > 1:
+        raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
+    groups = layers[0].groups
+    log_rank(
+        logger,
+        20,
+        f"MoE: {len(layers)} layer(s), ep_size {groups.mesh.ep_size}: experts' ZeRO-{stage} state sharded over "
+        f"their {groups.mesh.edp_size} expert-data-parallel ranks",
+    )
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorldPrescale(StepPolicy):
+    """An expert part's step policy: `prescale_gradients` divides by the world, not the group it reduces over."""
+
+    world_size: int = 1
+
+    def prescale(self, world_size: int) -> float:
+        return super().prescale(self.world_size)
+
+
+def _split(groups: Sequence[ParamGroupSpec], experts: set[int]) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+    dense = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) not in experts]) for g in groups]
+    expert = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) in experts]) for g in groups]
+    return [g for g in dense if g.params], [g for g in expert if g.params]
+
+
+class ExpertSplitStrategy(Strategy):
+    """[Note: experts under ZeRO] a `FlatStrategy` over the world and one over the expert-data-parallel group."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        policy: FlatPolicy,
+        comm: Collectives,
+        device: torch.device,
+        accumulation: AccumulationState,
+        expert_groups: ExpertGroups,
+    ):
+        super().__init__(module, groups, policy, comm, device, accumulation)
+        experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
+        dense_groups, expert_param_groups = _split(groups, experts)
+        expert_policy = dataclasses.replace(
+            policy, step=_WorldPrescale(**dataclasses.asdict(policy.step), world_size=comm.world_size)
+        )
+        self.parts = [
+            FlatStrategy(module, dense_groups, policy, comm, device, accumulation),
+            FlatStrategy(module, expert_param_groups, expert_policy, expert_groups.edp, device, accumulation),
+        ]
+
+    # -- construction ----------------------------------------------------------------------------------
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        return [g for part in self.parts for g in part.master_param_groups()]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        for part in self.parts:  # each steps its own groups: the others' masters have no .grad then
+            part.attach(optimizer)
+
+    # -- backward and step -------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for part in self.parts:
+            part.begin_backward()
+
+    def finish_backward(self) -> None:
+        for part in self.parts:
+            part.finish_backward()
+
+    @property
+    def _sharded(self) -> bool:
+        return self.comm.world_size > 1
+
+    def _before_step(self) -> None:
+        for part in self.parts:
+            part._before_step()
+
+    def _grad_slots(self) -> list[GradShard]:
+        return [slot for part in self.parts for slot in part._grad_slots()]
+
+    def _step_chunks(self, scale: float) -> None:
+        for part in self.parts:
+            part._step_chunks(scale)
+
+    def _publish(self) -> None:
+        for part in self.parts:
+            part._publish()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def publish_params(self) -> None:
+        """Every rank's master shards become the module's weights (after a checkpoint load)."""
+        for part in self.parts:
+            part.publish_params()
+
+    # -- one parameter ---------------------------------------------------------------------------------------
+    def _owner(self, param: torch.Tensor) -> FlatStrategy:
+        return next(p for p in self.parts if any(t is param for t in p.tracked_params()))
+
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        return self._owner(param).full_fp32_param(param)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        part = self._owner(param)
+        grad = part.full_grad(param)  # scaled by the part's own post-scale: the world's is the true one
+        return None if grad is None else grad * (self._grad_scale() / part._grad_scale())
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        return self._owner(param).full_optimizer_state(param, key)
+
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        self._owner(param).set_full_fp32_param(param, value)
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        self._owner(param).set_full_optimizer_state(param, value, key)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state_dict with every expert of every expert-parallel rank, under its global name
+        ([Note: expert checkpoints]); collective over each expert-parallel group."""
+        from zeroshard.moe.checkpoint import expert_keys
+
+        state = dict(self.module.state_dict())
+        for local_key, global_keys, param, ep in expert_keys(self.module):
+            gathered = torch.empty(len(global_keys) * param.numel(), dtype=param.dtype, device=param.device)
+            ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
+            del state[local_key]
+            for key, value in zip(global_keys, gathered.view(len(global_keys), *param.shape), strict=True):
+                state[key] = value
+        return state
+
+    def checkpoint_state(self) -> ShardedState:
+        from zeroshard.moe.checkpoint import ExpertSplitState
+
+        return ExpertSplitState(self)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.optimizer_state_resident())
+            yield
+
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Every trainable parameter this rank holds (its experts: the ones of its expert-parallel position)."""
+        return {k: v for part in self.parts for k, v in part.consolidated_params(dtype).items()}
+
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for part in self.parts:
+            seen.update({id(t): t for t in part.offloadable_tensors()})
+        return list(seen.values())
+
+    def tracked_params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.tracked_params()]
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(part.trainable_numel for part in self.parts)
+
+    def memory(self) -> StrategyMemory:
+        total = StrategyMemory()
+        for part in self.parts:
+            for name, value in part.memory().as_dict().items():
+                setattr(total, name, getattr(total, name) + value)
+        total.optimizer_state -= sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))  # counted twice
+        return total
+
+    def destroy(self) -> None:
+        for part in self.parts:
+            part.destroy()
