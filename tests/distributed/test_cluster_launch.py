@@ -203,6 +203,7 @@ def test_elastic_restart_four_to_two_ranks_keeps_the_global_batch(tmp_path):
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow  # CI budget: the elasticity math is in tests/unit/test_elasticity.py
 def test_elastic_restart_two_to_one_rank(tmp_path):
     """The default-suite variant of the 4 -> 2 test: 2 ranks, then 1 rank with twice the accumulation."""
     config = write_config(tmp_path, {**CONFIG, "elasticity": ELASTIC})
@@ -261,6 +262,7 @@ def _scheduler_env(scheduler: str, node: int, port: int) -> dict[str, str]:
     return {**base_env(), **indexed, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
+@pytest.mark.slow  # CI budget: each scheduler's variables are checked in tests/unit/test_cli_cluster.py
 @pytest.mark.parametrize("scheduler", ["mpi", "kubernetes"])
 def test_mpi_and_kubernetes_variables_form_one_group(tmp_path, scheduler):
     """The MPI and Kubernetes recipes for real: two launchers with those variables join one c10d group."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -92,6 +93,7 @@ def _load(rank: int, world_size: int, folder: str, backend: str, stage: int):
     return values
 
 
+@pytest.mark.slow  # CI budget: cross-backend resume at the same world size stays in the default suite
 def test_fsdp2_checkpoint_reshards_onto_other_world_sizes_and_backends_and_exports(tmp_path):
     from safetensors.torch import load_file
 

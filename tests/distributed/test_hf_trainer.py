@@ -133,7 +133,8 @@ def _eval_loss(model: Any) -> float:
     return float(torch.stack(losses).mean())
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# LoRA on 2 ranks is slow-marked (CI budget); LoRA parity at world size 1 stays in the default suite
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
     results = run_on_ranks(_train_save_resume, 2, str(tmp_path), lora)
     ours = results[0]

@@ -60,6 +60,7 @@ def _both(rank: int, world_size: int) -> list[tuple[dict, dict]]:
     return [(_run(MoE, case, world_size, rank), _run(DsMoE, case, world_size, rank)) for case in CASES]
 
 
+@pytest.mark.slow  # CI budget: the single-process reference parity stays in test_moe.py
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_moe_layer_matches_deepspeed(world_size: int) -> None:
     for results in run_on_ranks(_both, world_size, timeout=300):

@@ -85,7 +85,7 @@ def _byte_grid(rank: int, world_size: int, dtype: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])  # CI budget
 def test_zeropp_bytes_per_scope_and_secondary_memory(dtype: str) -> None:
     for result in run_on_ranks(_byte_grid, WORLD, dtype, timeout=300):
         off, qwz, hpz, qgz, both = (result[k] for k in ("off", "qwZ", "hpZ", "qgZ", "all"))
@@ -252,6 +252,7 @@ def _feature_grid(rank: int, world_size: int) -> list[tuple[str, list[float], li
     return out
 
 
+@pytest.mark.slow  # CI budget: ZeRO++ combined with the other stage-3 options
 def test_zeropp_with_other_stage3_features() -> None:
     for rank_result in run_on_ranks(_feature_grid, WORLD, timeout=300):
         for name, off, on in rank_result:

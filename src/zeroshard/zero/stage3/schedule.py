@@ -23,6 +23,7 @@ discarded, so its hooks never fire and the original forward's count stands.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -199,3 +200,21 @@ def recomputing() -> bool:
     """True while the autograd engine runs a backward on this thread: a forward now is a recompute
     ([Note: recompute]); torch.utils.checkpoint tells its own recomputation apart the same way."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def settle_gathers(units: Sequence[ShardedUnit], timeout_s: float = 60.0) -> None:
+    """[Note: nothing in flight at exit]
+    A forward that no backward follows (evaluation, generation, a script's last test pass) leaves the prefetches
+    the recorded trace asked for in flight: the next forward would wait for them, but a process may end first.
+    Exiting with a collective pending aborts the rank in the backend's teardown (gloo: "terminate called without
+    an active exception", SIGABRT) while its peers finish normally. Every rank issued the same prefetches, so
+    each waits for its own at exit (bounded: a peer that died makes the wait fail, which is ignored there)."""
+    for unit in units:
+        pending = unit._pending
+        if unit.state is not UnitState.GATHERING or pending is None:
+            continue
+        try:
+            pending.wait(datetime.timedelta(seconds=timeout_s))  # type: ignore[call-arg]
+            unit.wait_gathered()  # done: only the bookkeeping is left
+        except Exception:  # noqa: BLE001 - at exit a failed wait (a peer gone) has nobody to report to
+            return

@@ -10,6 +10,7 @@ the loss) happens when backward returns.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
-from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing
+from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_gathers
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 from zeroshard.zero.strategy import (
@@ -124,6 +125,8 @@ class Stage3Strategy(Strategy):
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
+        # [Note: nothing in flight at exit] runs at interpreter exit unless `destroy` ran it first
+        self._settle_at_exit = weakref.finalize(self, settle_gathers, self.units)
 
     # -- construction ------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -281,6 +284,7 @@ class Stage3Strategy(Strategy):
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
         self.hooks.remove()
+        self._settle_at_exit.detach()  # every pending gather is waited for below
         self.stepper.store.close()  # removes the swap files
         OWNERS.unregister(self.tracked_params())
         for unit in self.units:
