@@ -290,14 +290,7 @@ class Collectives:
         return _Joined(works, lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, async_op)
 
     def _gather_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
-        chunks = output.view(self.world_size, -1)
-        if chunks[self.rank].data_ptr() != input.data_ptr():
-            chunks[self.rank].data.copy_(input.reshape(-1))  # .data: [Note: gathered storage] views
-        works = [
-            dist.broadcast(chunks[owner], src=self._global(owner), group=self.group, async_op=True)
-            for owner in range(self.world_size)
-        ]
-        return _Joined(works, lambda: None, async_op)
+        return gather_in_place(output, input, self.group, self.rank, self.world_size, async_op)
 
     @property
     def _ring_fraction(self) -> float:
@@ -395,6 +388,26 @@ def _alone(output: torch.Tensor, input: torch.Tensor) -> Handle:
     if output.data_ptr() != input.data_ptr():
         output.data.copy_(input)  # .data: no version bump on buffers autograd saved views of
     return _Done()
+
+
+def gather_in_place(
+    output: torch.Tensor, input: torch.Tensor, group: Any, rank: int, world_size: int, async_op: bool
+) -> Any:
+    """All-gather as one broadcast of each rank's chunk of `output`, from that rank ([Note: gloo in place]); `rank`
+    is this process's rank in `group`. Also FSDP2's all-gather on gloo (fsdp2/comms.py)."""
+    chunks = output.view(world_size, -1)
+    if chunks[rank].data_ptr() != input.data_ptr():
+        chunks[rank].data.copy_(input.reshape(-1))  # .data: [Note: gathered storage] views
+    works = [
+        dist.broadcast(
+            chunks[owner],
+            src=owner if group is None else dist.get_global_rank(group, owner),
+            group=group,
+            async_op=True,
+        )  # fmt: skip
+        for owner in range(world_size)
+    ]
+    return _Joined(works, lambda: None, async_op)
 
 
 class _Joined:

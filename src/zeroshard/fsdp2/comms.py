@@ -13,7 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from zeroshard.comm.collectives import CollectiveKind, CommStats, all_gather_single, reduce_scatter_single
+from zeroshard.comm.collectives import (
+    CollectiveKind,
+    CommStats,
+    all_gather_single,
+    gather_in_place,
+    reduce_scatter_single,
+)
 
 
 def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int) -> None:
@@ -33,6 +39,9 @@ class CountedAllGather(AllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size)
+        if output_tensor.device.type == "cpu" and dist.get_backend(group) == "gloo":  # [Note: gloo in place]
+            rank = dist.get_rank(group)
+            return gather_in_place(output_tensor, input_tensor, group, rank, self.world_size, async_op)  # type: ignore[no-any-return]
         return all_gather_single(  # type: ignore[no-any-return]
             output_tensor, input_tensor, group=group, async_op=async_op
         )
