@@ -276,14 +276,10 @@ class Collectives:
         keep the fused collectives."""
         return whole.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
 
-    def _global(self, group_rank: int) -> int:
-        """The global rank of `group_rank` in this group (`src`/`dst` take global ranks in every torch)."""
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
     def _reduce_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
         chunks = input.view(self.world_size, -1)
         works = [
-            dist.reduce(chunks[owner], dst=self._global(owner), group=self.group, async_op=True)
+            dist.reduce(chunks[owner], dst=_global_rank(self.group, owner), group=self.group, async_op=True)
             for owner in range(self.world_size)
         ]
         mine = chunks[self.rank]
@@ -390,6 +386,11 @@ def _alone(output: torch.Tensor, input: torch.Tensor) -> Handle:
     return _Done()
 
 
+def _global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of `group_rank` in `group` (`src`/`dst` take global ranks in every supported torch)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def gather_in_place(
     output: torch.Tensor, input: torch.Tensor, group: Any, rank: int, world_size: int, async_op: bool
 ) -> Any:
@@ -401,7 +402,7 @@ def gather_in_place(
     works = [
         dist.broadcast(
             chunks[owner],
-            src=owner if group is None else dist.get_global_rank(group, owner),
+            src=_global_rank(group, owner),
             group=group,
             async_op=True,
         )  # fmt: skip
