@@ -163,28 +163,29 @@ def test_stage3_peft_lora(tmp_path):
     assert any(float(t.abs().sum()) > 0 for n, t in saved.items() if "lora_B" in n), "lora_B never trained"
 
 
-def _diverge(rank: int, world_size: int):
+def _diverge(rank: int, world_size: int, skip_from: int = 0):
     os.environ["ZEROSHARD_DIVERGENCE_TIMEOUT_S"] = "10"
     import time
 
     import zeroshard
     from helpers.parity import TINY, VariantGPT
 
-    case = Case(stage=3, steps=2)
+    case = Case(stage=3, steps=3)
     torch.manual_seed(0)
     model = VariantGPT(TINY, "order")
-    if rank == 1:  # rank 1 never calls the second block: its collectives no longer match rank 0's
-        model.forward = lambda idx, targets=None: _forward_skipping(model, idx, targets)  # type: ignore[method-assign]
     engine, _, _, _ = zeroshard.initialize(model=model, config=ds_config(case))
-    start = time.time()
+    start, applied = time.time(), 0
     try:
-        for batch in global_batches(case, world_size):
+        for step, batch in enumerate(global_batches(case, world_size)):
+            if rank == 1 and step == skip_from:  # rank 1 stops calling the second block: collectives differ
+                model.forward = lambda idx, targets=None: _forward_skipping(model, idx, targets)  # type: ignore
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.backward(engine(x, y))
             engine.step()
+            applied += 1
     except zeroshard.ZeroshardError as err:
-        return type(err).__name__, str(err), time.time() - start
-    return None, None, time.time() - start
+        return type(err).__name__, str(err), time.time() - start, applied
+    return None, None, time.time() - start, applied
 
 
 def _forward_skipping(model, idx, targets):
@@ -202,9 +203,18 @@ def test_divergent_rank_raises_named_error_quickly():
         pytest.fail(f"a rank crashed instead of raising the divergence error: {err}")
     raised = [o for o in outcomes if o[0]]
     assert raised, outcomes
-    name, message, seconds = raised[0]
+    name, message, seconds, _ = raised[0]
     assert name == "CollectiveMismatchError" and seconds < 60, raised[0]
     assert "rank 0" in message and "rank 1" in message and "blocks" in message, message
+
+
+def test_divergence_after_the_first_step_raises_before_the_step_applies():
+    """A rank that diverges at a later step (data-dependent control flow) fails with the named error too
+    ([Note: deferred fingerprints]), and the diverged step's update is applied on no rank."""
+    outcomes = run_on_ranks(_diverge, 2, 1, timeout=120)
+    assert all(o[0] == "CollectiveMismatchError" for o in outcomes), outcomes
+    assert all(o[3] == 1 for o in outcomes), outcomes  # step 0 applied, step 1 refused
+    assert all(o[2] < 60 for o in outcomes), outcomes
 
 
 def _sharded_construction(rank: int, world_size: int):

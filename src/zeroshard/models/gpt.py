@@ -27,6 +27,7 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32),
     "small": GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    "5m": GPTConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=4, n_embd=256),
     "20m": GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=448),
     "120m": GPTConfig(vocab_size=50304, block_size=256, n_layer=12, n_head=12, n_embd=768),
 }

@@ -32,12 +32,14 @@ class BufferPool:
         self._in_use_bytes = 0
         self.peak_bytes = 0
 
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+        """A buffer of `numel` elements, zero-filled unless the caller overwrites all of it (`zero=False`:
+        [Note: staged gradients are copied, not added to zeros])."""
         stack = self._free.get((numel, dtype))
         tensor = stack.pop() if stack else torch.empty(numel, dtype=dtype, device=self.device)
         self._in_use_bytes += tensor.numel() * tensor.element_size()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        return tensor.zero_()
+        return tensor.zero_() if zero else tensor
 
     def release(self, tensor: torch.Tensor) -> None:
         self._in_use_bytes -= tensor.numel() * tensor.element_size()
@@ -55,6 +57,23 @@ class BufferPool:
 
     def clear(self) -> None:
         self._free.clear()
+
+
+def zero_unwritten(buffer: torch.Tensor, written: list[tuple[int, int]]) -> None:
+    """[Note: staged gradients are copied, not added to zeros]
+    A gradient staging buffer (a stage-2 bucket, a stage-3 unit) used to be zero-filled when acquired and each
+    gradient added into it: a write of the whole buffer, then a read-add-write of every gradient, per bucket and
+    per micro-step (on a 5.3M-parameter GPT at stage 3, 10 ms of fills per 0.2 s step on 2 ranks, issue 21). Now a
+    gradient's first arrival is copied into its slot (later arrivals in the same staging add), and just before the
+    collective the elements no gradient wrote (padding, parameters without a gradient on this rank) are zeroed.
+    `written` are the (offset, numel) ranges the copies covered; everything else in `buffer` becomes 0."""
+    position = 0
+    for offset, numel in sorted(written):
+        if offset > position:
+            buffer.narrow(0, position, offset - position).zero_()
+        position = max(position, offset + numel)
+    if position < buffer.numel():
+        buffer.narrow(0, position, buffer.numel() - position).zero_()
 
 
 @dataclass

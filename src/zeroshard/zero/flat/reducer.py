@@ -30,7 +30,7 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.zero.flat.group_buffers import GroupBuffers
 from zeroshard.zero.layout import Bucket, FlatLayout
-from zeroshard.zero.pool import BufferPool, InflightQueue, wait_plain
+from zeroshard.zero.pool import BufferPool, InflightQueue, wait_plain, zero_unwritten
 
 MAX_INFLIGHT = 2
 
@@ -71,6 +71,7 @@ class GradientReducer:
         self._next = 0
         self._inflight: InflightQueue[Bucket] = InflightQueue(MAX_INFLIGHT if policy.overlap else 0, wait_plain)
         self._staging: dict[int, torch.Tensor] = {}
+        self._written: dict[int, set[tuple[int, int]]] = {}  # per staged bucket: the (offset, numel) copied in
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
         self._window_reduced = False  # stage 0/1: this window's gradients were reduced ([Note: a second backward])
 
@@ -147,10 +148,14 @@ class GradientReducer:
             buffers.grad_full.narrow(0, offset, numel).add_(flat_grad)
             return
         staging = self._staging.get(bucket.id)
-        if staging is None:
-            staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype)
+        if staging is None:  # [Note: staged gradients are copied, not added to zeros]
+            staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype, zero=False)
             self._staging[bucket.id] = staging
-        staging.narrow(0, offset - bucket.start, numel).add_(flat_grad)
+            self._written[bucket.id] = set()
+        written = self._written[bucket.id]
+        target = staging.narrow(0, offset - bucket.start, numel)
+        target.add_(flat_grad) if (offset, numel) in written else target.copy_(flat_grad)
+        written.add((offset, numel))
 
     def _launch_ready(self) -> list[Bucket]:
         done: list[Bucket] = []
@@ -170,7 +175,7 @@ class GradientReducer:
     def _source_in_comm_dtype(self, source: torch.Tensor) -> tuple[torch.Tensor, bool]:
         if source.dtype == self.policy.comm_dtype:
             return source, False
-        staged = self.pool.acquire(source.numel(), self.policy.comm_dtype)
+        staged = self.pool.acquire(source.numel(), self.policy.comm_dtype, zero=False)
         staged.copy_(source)
         return staged, True
 
@@ -197,8 +202,10 @@ class GradientReducer:
 
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
-        out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype)
-        handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap, input_is_scratch=staged)
+        out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype, zero=False)
+        # the full accumulator is scratch once reduced: later gradients of the window are staged ([Note: a second
+        # backward]) and `reset_window` zeroes it, so gloo may reduce in place (no copy of the whole bucket)
+        handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap, input_is_scratch=True)
 
         def finish_reduce_scatter() -> None:
             if out is not target:
@@ -215,6 +222,8 @@ class GradientReducer:
         staging = self._staging.pop(bucket.id, None)
         if staging is None:  # no parameter of this bucket got a gradient on this rank
             staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype)
+        else:
+            zero_unwritten(staging, [(offset - bucket.start, n) for offset, n in self._written.pop(bucket.id)])
         if self.policy.prescale != 1.0:
             staging.mul_(self.policy.prescale)
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
@@ -228,7 +237,7 @@ class GradientReducer:
 
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         direct = self.policy.partition_grads and self._first_window_step and target.dtype == staging.dtype
-        out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype)
+        out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype, zero=False)
         handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap, input_is_scratch=True)
 
         def finish_reduce_scatter() -> None:

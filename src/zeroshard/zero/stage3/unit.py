@@ -20,7 +20,7 @@ from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
-from zeroshard.zero.pool import BufferPool
+from zeroshard.zero.pool import BufferPool, zero_unwritten
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 
 
@@ -177,10 +177,11 @@ class ShardedUnit:
                 f"a gradient for {self._slots[param_index].name!r} arrived after unit {self.name!r} was "
                 "reduced in this backward; call engine.backward once per micro-step (non-reentrant checkpointing)"
             )
-        if self.staging is None:
-            self.staging = pool.acquire(self.numel, comm_dtype)
+        if self.staging is None:  # [Note: staged gradients are copied, not added to zeros]
+            self.staging = pool.acquire(self.numel, comm_dtype, zero=False)
         slot = self._slots[param_index]
-        self.staging.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1))
+        target = self.staging.narrow(0, slot.offset, slot.numel)
+        target.add_(grad.reshape(-1)) if param_index in self.seen else target.copy_(grad.reshape(-1))
         self.seen.add(param_index)
         return len(self.seen) == len(self.trainable)
 
@@ -196,14 +197,18 @@ class ShardedUnit:
     ) -> tuple[Handle, Callable[[], None]]:
         """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating); `scatter`, when
         given, replaces `comm.reduce_scatter` (ZeRO++ qgZ, zero/zeropp/grads.py)."""
-        staging = self.staging if self.staging is not None else pool.acquire(self.numel, comm_dtype)
+        if self.staging is None:  # no gradient arrived on this rank
+            staging = pool.acquire(self.numel, comm_dtype)
+        else:
+            staging = self.staging
+            zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.seen])
         self.staging = None
         self.reduce_launched = True
         if prescale != 1.0:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
         self.grad_resident(overwrite=into_shard)  # NVMe: reading the accumulated shard overlaps the collective
-        out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype)
+        out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype, zero=False)
         label = f"reduce-scatter of unit {self.name!r}"
         if scatter is not None:  # ZeRO++'s quantized reduction (zero/zeropp/grads.py)
             handle = scatter(out, staging, async_op=async_op, label=label)
