@@ -3,6 +3,7 @@
     python -m benchmarks.run                                  # default: 20m and 120m, 2 ranks (< 20 min here)
     python -m benchmarks.run --quick --out /tmp/b/bench.md    # tiny model, fast rows only (~1 min)
     python -m benchmarks.run --sizes 20m --world-sizes 2,4 --frameworks ddp,zeroshard --steps 14
+    python -m benchmarks.run --preset overhead                # issue 21's per-step overhead table (~10 min)
 
 Each row (framework x stage x size x ranks) runs in its own `torchrun` process group; its rank 0
 writes a JSON file into --results-dir, which this process aggregates into the page and plot.
@@ -24,7 +25,31 @@ from benchmarks import analysis, launch, machine, plot, report
 from benchmarks.spec import FRAMEWORKS, VARIANTS, RowSpec, TrainSettings, Variant
 
 
+# Named row sets: their options go before the command line's, so an explicit option still wins.
+PRESETS: dict[str, list[str]] = {
+    # per-step overhead where compute is small (issue 21): a 5.3M-parameter GPT at its 128-token block and the 20m
+    # preset at its 256-token block, micro-batch 2 per rank, every framework and stage side by side
+    "overhead": [
+        "--sizes=5m,20m",
+        "--seq-len=0",
+        "--micro-batch=2",
+        "--steps=22",
+        "--warmup=2",
+        "--variants=ddp,zs0,ds1,zs1,ds2,zs2,fsdp2,ds3,zs3",
+        "--no-micro",
+    ],
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preset = next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), None)
+    if "--preset" in argv and argv.index("--preset") + 1 < len(argv):
+        preset = argv[argv.index("--preset") + 1]
+    if preset is not None and preset not in PRESETS:
+        raise SystemExit(f"unknown --preset {preset!r}; presets: {', '.join(PRESETS)}")
+    if preset is not None:
+        argv = PRESETS[preset] + argv
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -37,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--seq-len",
         type=int,
         default=32,
-        help="tokens per sample, at most the preset's block size (default 32: keeps the default "
+        help="tokens per sample, at most the preset's block size, 0 for the block size (default 32: keeps the default "
         "run under 20 minutes on 2 busy cores; the parameter count, hence ZeRO's work, is unchanged)",
     )
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="subset of " + ",".join(FRAMEWORKS))
@@ -68,6 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default={},
         help="JSON merged into zero_optimization for DeepSpeed and zeroshard rows alike, "
         "e.g. '{\"reduce_scatter\": false}'",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named set of options (overhead: issue 21's small-model table, 5m at 128 tokens and 20m at 256, "
+        "micro-batch 2, 20 timed steps, DDP/FSDP2/DeepSpeed/zeroshard stages 0-3); later options override it",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, fast rows only")
     p.add_argument(
