@@ -74,6 +74,9 @@ class GradientReducer:
         self._written: dict[int, set[tuple[int, int]]] = {}  # per staged bucket: the (offset, numel) copied in
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
         self._window_reduced = False  # stage 0/1: this window's gradients were reduced ([Note: a second backward])
+        # stage 0/1: per bucket, the (offset, numel) of the full accumulator written in this window
+        # ([Note: the full accumulator is not zero-filled per window])
+        self._full_written: dict[int, set[tuple[int, int]]] = {b.id: set() for b in self._order}
 
     # -- one backward pass -----------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -124,14 +127,38 @@ class GradientReducer:
         return done
 
     def reset_window(self) -> None:
-        """After an optimizer step (or zero_grad): gradient accumulators start again from zero."""
+        """After an optimizer step (or zero_grad): gradient accumulators start again from zero (stages 0/1 lazily:
+        [Note: the full accumulator is not zero-filled per window])."""
         for buffers in self.groups:
-            if buffers.grad_full is not None:
-                buffers.grad_full.zero_()
-            if buffers.grad_shard is not buffers.grad_full:
-                buffers.grad_shard.zero_()
+            if buffers.grad_full is None:
+                buffers.grad_shard.zero_()  # stage 2 adds every micro-step's reduction into it
+        for written in self._full_written.values():
+            written.clear()
         self._first_window_step = True
         self._window_reduced = False
+
+    def settle(self) -> None:
+        """[Note: the full accumulator is not zero-filled per window]
+        Stages 0/1 used to zero their full gradient accumulator (and stage 1 its gradient shard) after every step:
+        a write of the whole model's gradients, and every first gradient then added to zeros. Now a gradient's first
+        arrival in a window is copied into the accumulator, a bucket's ranges no gradient wrote are zeroed right
+        before its reduction, and the stage-1 shard is overwritten by the window's first reduce-scatter. Before
+        anything reads the buffers outside a reduction (the optimizer step, `full_grad`), this makes a window that
+        reduced nothing read as zeros, as it did when they were zero-filled."""
+        if self.active or self._window_reduced:
+            return
+        for bucket in self._order:
+            buffers = self.groups[bucket.group]
+            if buffers.grad_full is None:
+                continue
+            self._zero_unwritten_full(buffers, bucket)
+            if buffers.grad_shard is not buffers.grad_full:
+                buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel).zero_()
+
+    def _zero_unwritten_full(self, buffers: GroupBuffers, bucket: Bucket) -> None:
+        assert buffers.grad_full is not None
+        written = [(offset - bucket.start, numel) for offset, numel in self._full_written[bucket.id]]
+        zero_unwritten(buffers.grad_full.narrow(0, bucket.start, bucket.numel), written)
 
     # -- internals -------------------------------------------------------------------------------
     def _bucket(self, group: int, bucket_id: int) -> Bucket:
@@ -145,7 +172,10 @@ class GradientReducer:
     def _accumulate(self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor) -> None:
         flat_grad = grad.reshape(-1)
         if buffers.grad_full is not None and not self._window_reduced:
-            buffers.grad_full.narrow(0, offset, numel).add_(flat_grad)
+            written = self._full_written[bucket.id]
+            target = buffers.grad_full.narrow(0, offset, numel)
+            target.add_(flat_grad) if (offset, numel) in written else target.copy_(flat_grad)
+            written.add((offset, numel))
             return
         staging = self._staging.get(bucket.id)
         if staging is None:  # [Note: staged gradients are copied, not added to zeros]
@@ -182,6 +212,7 @@ class GradientReducer:
     def _launch_full(self, buffers: GroupBuffers, bucket: Bucket) -> list[Bucket]:
         """Stage 0/1: the bucket's accumulated full gradients are reduced (into the shard for stage 1)."""
         assert buffers.grad_full is not None
+        self._zero_unwritten_full(buffers, bucket)
         source = buffers.grad_full.narrow(0, bucket.start, bucket.numel)
         send, staged = self._source_in_comm_dtype(source)
         if self.policy.prescale != 1.0:
@@ -204,7 +235,7 @@ class GradientReducer:
         target = buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel)
         out = target if target.dtype == send.dtype else self.pool.acquire(bucket.shard_numel, send.dtype, zero=False)
         # the full accumulator is scratch once reduced: later gradients of the window are staged ([Note: a second
-        # backward]) and `reset_window` zeroes it, so gloo may reduce in place (no copy of the whole bucket)
+        # backward]) and the next window overwrites it, so gloo may reduce in place (no copy of the whole bucket)
         handle = self.comm.reduce_scatter(out, send, async_op=self.policy.overlap, input_is_scratch=True)
 
         def finish_reduce_scatter() -> None:

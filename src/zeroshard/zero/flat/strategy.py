@@ -232,6 +232,7 @@ class FlatStrategy(Strategy):
 
     def _before_step(self) -> None:
         self._collect_loose_grads()
+        self.reducer.settle()  # [Note: the full accumulator is not zero-filled per window]
         self._check_unused()
         self._reduce_bystanders()
 
@@ -367,6 +368,7 @@ class FlatStrategy(Strategy):
             return self._gather_slot(param, lambda buffers: buffers.master)
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        self.reducer.settle()
         scale = self._grad_scale()
         return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * scale)
 
