@@ -10,8 +10,9 @@ engine (the baseline), then
 builds the model and the engine and trains; `growth` is the final VmHWM minus the baseline, `rss` the VmRSS after
 each step. Rows: stage 0; stage 3 with `stage3_max_live_parameters` and `stage3_max_reuse_distance` of about one
 block (as users set them to save memory); stage 3 with DeepSpeed's defaults (1e9 each: this small model stays
-gathered, as in DeepSpeed). `--without-fix` (or ZEROSHARD_HOST_ALLOC=glibc) leaves glibc's dynamic mmap
-threshold alone; the policy is not applied either when MALLOC_MMAP_THRESHOLD_ is set.
+gathered, as in DeepSpeed). Every row runs with the policy (ZEROSHARD_HOST_ALLOC=fixed: stage 0 too, which
+by default leaves glibc alone); `--without-fix` (ZEROSHARD_HOST_ALLOC=glibc) leaves glibc's dynamic mmap
+threshold alone everywhere; the policy is not applied either when MALLOC_MMAP_THRESHOLD_ is set.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def measure(rank: int, world_size: int, zero: dict[str, Any], steps: int, micro:
 def run_case(name: str, steps: int, micro: int, without_fix: bool) -> list[dict[str, Any]]:
     """Every rank's `measure` for CASES[name], in a fresh pair of processes (they inherit the environment)."""
     previous = os.environ.get("ZEROSHARD_HOST_ALLOC")
-    if without_fix:
-        os.environ["ZEROSHARD_HOST_ALLOC"] = "glibc"
+    # one policy for every row: by default stages 0-2 leave glibc alone ([Note: glibc's mmap threshold]), so the
+    # policy rows force it (`fixed`) for stage 0 too; stage 0 under the library's default is the glibc row
+    os.environ["ZEROSHARD_HOST_ALLOC"] = "glibc" if without_fix else "fixed"
     try:
         return run_on_ranks(measure, WORLD_SIZE, CASES[name], steps, micro)
     finally:

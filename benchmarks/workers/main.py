@@ -132,6 +132,8 @@ _PROFILED = (
     "gloo:all_reduce",
     "gloo:all_gather",
     "gloo:reduce_scatter",
+    "gloo:broadcast",  # the in-place all-gather's pieces ([Note: gloo in place])
+    "gloo:reduce",  # the in-place reduce-scatter's pieces
     "gloo:barrier",
 )
 

@@ -141,7 +141,10 @@ def _build(
     stage = int(cfg.zero_optimization.stage)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
-    apply_host_policy(topology.device)  # before the model is copied and sharded: [Note: glibc's mmap threshold]
+    z = cfg.zero_optimization
+    offloads = str(z.offload_optimizer.device) != "none" or (stage == 3 and str(z.offload_param.device) != "none")
+    # before the model is copied and sharded: [Note: glibc's mmap threshold]
+    apply_host_policy(topology.device, churns=stage == 3 or offloads)
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
     # the per-step gather digest and NCCL's watchdog catch divergence (ZEROSHARD_VERIFY_COLLECTIVES=1 forces it)
     verify_default = "1" if stage == 3 and topology.backend == "gloo" else "0"
