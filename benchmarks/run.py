@@ -24,7 +24,6 @@ from typing import Any
 from benchmarks import analysis, launch, machine, plot, report
 from benchmarks.spec import FRAMEWORKS, VARIANTS, RowSpec, TrainSettings, Variant
 
-
 # Named row sets: their options go before the command line's, so an explicit option still wins.
 PRESETS: dict[str, list[str]] = {
     # per-step overhead where compute is small (issue 21): a 5.3M-parameter GPT at its 128-token block and the 20m

@@ -63,7 +63,8 @@ def _in_place_on_gloo(rank: int, world_size: int):
     from zeroshard.offload.host_memory import apply_host_policy
 
     init_distributed()
-    apply_host_policy(torch.device("cpu"), churns=True)  # freed temporaries go back to the OS: VmHWM shows each call's own
+    # freed temporaries go back to the OS: VmHWM shows each call's own
+    apply_host_policy(torch.device("cpu"), churns=True)
     comm = Collectives(None, world_size, rank)
     numel = world_size * (1 << 20)  # 4 MiB of fp32 per chunk
     values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.run --preset overhead` (issue 21 item 4): the named small-model table plans the rows it says."""
+"""`python -m benchmarks.run --preset overhead` (issue 21 item 4): the small-model table plans the rows it says."""
 
 from __future__ import annotations
 
