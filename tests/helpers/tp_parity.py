@@ -106,29 +106,32 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     return out
 
 
-def resume(rank: int, case: TpCase, save_dir: str, save_at: int, tp: int = 2) -> dict[str, Any]:
-    """Losses of uninterrupted steps, and of a second engine (differently seeded) loading the checkpoint saved
-    after `save_at` steps and running the rest; then a load into autotp_size 1 must be refused by name."""
+def resume(rank: int, case: TpCase, save_dir: str, save_at: int, other_tp: int | None = None) -> dict[str, Any]:
+    """Losses and norms of uninterrupted steps, and losses of a second engine (differently seeded) loading the
+    checkpoint saved after `save_at` steps and running the rest; with `other_tp`, the message of a load into that
+    autotp_size (refused by name)."""
     import zeroshard
 
-    replica = rank // tp
+    replica = rank // 2
     model = llama()
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case, tp))
-    straight = run(engine, replica, range(save_at))[0]
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    straight, norms = run(engine, replica, range(save_at))
     engine.save_checkpoint(save_dir, tag="mid")
-    straight += run(engine, replica, range(save_at, case.steps))[0]
+    more = run(engine, replica, range(save_at, case.steps))
     engine.destroy()
     fresh = llama(seed=7)
-    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case, tp))
+    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case))
     engine.load_checkpoint(save_dir, tag="mid")
     resumed = run(engine, replica, range(save_at, case.steps))[0]
     engine.destroy()
-    other = llama()
-    engine, _, _, _ = zeroshard.initialize(model=other, model_parameters=other.parameters(), config=config(case, 1))
-    try:
-        engine.load_checkpoint(save_dir, tag="mid")
-        refused = ""
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        refused = str(e)
-    engine.destroy()
-    return {"straight": straight, "resumed": resumed, "refused": refused}
+    out = {"straight": straight + more[0], "norms": norms + more[1], "resumed": resumed, "refused": ""}
+    if other_tp is not None:
+        other = llama()
+        cfg = config(case, other_tp)
+        engine, _, _, _ = zeroshard.initialize(model=other, model_parameters=other.parameters(), config=cfg)
+        try:
+            engine.load_checkpoint(save_dir, tag="mid")
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["refused"] = str(e)
+        engine.destroy()
+    return out
