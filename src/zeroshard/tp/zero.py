@@ -57,8 +57,8 @@ class TensorParallelStrategy(SplitStrategy):
         sharded = {id(p) for g in groups for _, p in g.params if is_tp_sharded(p)}
         replicated_groups, sharded_groups = split_groups(groups, sharded)
         self.tp_comm = tp_comm
-        self.sharded = FlatStrategy(module, sharded_groups, policy, comm, device, accumulation)
-        self.replicated = FlatStrategy(module, replicated_groups, policy, comm, device, accumulation)
+        self.sharded = FlatStrategy(module, sharded_groups, policy, comm, device, accumulation, replicated_groups)
+        self.replicated = FlatStrategy(module, replicated_groups, policy, comm, device, accumulation, sharded_groups)
         self.parts = [self.sharded, self.replicated]
 
     def _grad_slots(self) -> list[GradShard]:

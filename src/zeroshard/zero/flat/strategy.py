@@ -76,7 +76,10 @@ class FlatStrategy(Strategy):
         comm: Collectives,
         device: torch.device,
         accumulation: AccumulationState,
+        siblings: Sequence[ParamGroupSpec] = (),
     ):
+        """`siblings`: the groups other parts of a split strategy own ([Note: split flat strategies]): neither
+        tracked here nor bystanders."""
         super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.rank = comm.rank
@@ -104,8 +107,9 @@ class FlatStrategy(Strategy):
         self._cast_untracked(module, tracked)
         # [Note: clipping over the whole module at stage 0]
         whole_module_norm = policy.stage == 0 and policy.compute_dtype == torch.float32
+        owned = tracked | {id(p) for g in siblings for _, p in g.params}
         self._bystanders = [
-            p for p in module.parameters() if whole_module_norm and p.requires_grad and id(p) not in tracked
+            p for p in module.parameters() if whole_module_norm and p.requires_grad and id(p) not in owned
         ]
         # NVMe: each group's master shard and optimizer state live in swap files between steps and are read in
         # turn, one group ahead (Residency.in_turn)
