@@ -5,7 +5,7 @@
 4 gloo ranks acting as 2 nodes x 2 (ZEROSHARD_RANKS_PER_NODE=2, [Note: nodes]) train the tensor-parallel parity
 tests' Llama-shaped model (tests/helpers/tp_parity.py: hidden 64, 2 layers, vocabulary 128) and count what one
 step sends ([Note: scopes]):
-- `tp2 x dp2, ZeRO-1/2`: each layer split over the 2 ranks of a node ([Note: tensor-parallel mesh]), ZeRO over the
+- `tp2 x dp2, ZeRO-1/2` (and ZeRO-2 with the vocab-parallel loss): each layer split over the 2 ranks of a node ([Note: tensor-parallel mesh]), ZeRO over the
   2 nodes; DTensor's own collectives (the row-parallel all-reduces, the gathered logits, ...) are counted by a
   dispatch mode over torch's functional collectives (`DTensorComm`), ZeRO's by our Collectives' counters;
 - `dp4, ZeRO-3` (pure ZeRO-3) and `dp4, ZeRO-2` for reference.
@@ -28,7 +28,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-VARIANTS = {"tp2 x dp2, ZeRO-1": (2, 1), "tp2 x dp2, ZeRO-2": (2, 2), "dp4, ZeRO-3": (1, 3), "dp4, ZeRO-2": (1, 2)}
+VARIANTS = {  # name -> (autotp_size, stage, vocab-parallel loss)
+    "tp2 x dp2, ZeRO-1": (2, 1, False),
+    "tp2 x dp2, ZeRO-2": (2, 2, False),
+    "tp2 x dp2, ZeRO-2, loss_parallel": (2, 2, True),
+    "dp4, ZeRO-3": (1, 3, False),
+    "dp4, ZeRO-2": (1, 2, False),
+}
 WARMUP, MEASURED = 1, 2
 # functional collective -> (kind, ring factor, bytes of the full message S from the arguments and the group size)
 _FUNCTIONAL = {
@@ -88,8 +94,8 @@ def measure(rank: int, world_size: int) -> dict[str, dict[str, dict[str, float]]
         return "inter_node" if nodes.spans_nodes(dist.get_process_group_ranks(group)) else "intra_node"
 
     out = {}
-    for name, (tp, stage) in VARIANTS.items():
-        case = TpCase(stage=stage)
+    for name, (tp, stage, vocab_parallel) in VARIANTS.items():
+        case = TpCase(stage=stage, loss_parallel=vocab_parallel)
         model = llama()
         cfg = config(case, tp)
         engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -225,7 +225,8 @@ def _build(
             drop_last=bool(cfg.dataloader_drop_last),
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
-    engine = Engine(*parts, loader) if pipe is None else _pipeline_engine(parts, loader, pipe)
+    compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
+    engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     return engine, engine_optimizer, loader, scheduler
 
 

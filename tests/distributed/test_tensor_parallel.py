@@ -1,7 +1,8 @@
 """Tensor parallelism composed with ZeRO on 4 gloo ranks (tp2 x dp2): per-step losses and gradient norms equal the
-single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 and 2; a checkpoint
-resumes within the mesh and is refused by name under another autotp_size; initialize(mpu=...) with a fake
-Megatron-style mpu built from new_group trains the same model the caller split itself.
+single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 (vocab-parallel
+loss) and 2 (logits gathered); a checkpoint resumes exactly within the mesh; initialize(mpu=...) with a fake
+Megatron-style mpu built from new_group trains the same model the caller split itself. Slow: stage 0, gradient
+accumulation, no clipping, and a load under another autotp_size refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from helpers.harness import run_on_ranks
 from helpers.tp_parity import TpCase, config, engine_losses, llama, reference, resume, run
 
 TP, DP = 2, 2
-GRID = [TpCase(stage=1)]  # stage 2 runs in the resume case (the same reference)
+GRID = [TpCase(stage=1, loss_parallel=True)]  # stage 2 (gathered logits) runs in the resume case
 SLOW_GRID = [TpCase(stage=0), TpCase(stage=2, gas=2, steps=2), TpCase(stage=1, clip=0.0)]
 RESUME = TpCase(stage=2, steps=3)
 

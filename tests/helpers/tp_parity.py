@@ -22,10 +22,11 @@ class TpCase:
     steps: int = 3
     gas: int = 1
     clip: float = CLIP
+    loss_parallel: bool = False  # [Note: vocab-parallel loss]: the loss a DTensor, logits vocab-sharded
 
     @property
     def name(self) -> str:
-        return f"s{self.stage}-gas{self.gas}-clip{self.clip:g}"
+        return f"s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{int(self.loss_parallel)}"
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -58,7 +59,7 @@ def config(case: TpCase, tp: int = 2) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": case.clip,
         "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
-        "tensor_parallel": {"autotp_size": tp},
+        "tensor_parallel": {"autotp_size": tp, "loss_parallel": case.loss_parallel},
     }
 
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
-from zeroshard.tp.build import autotp_size, refuse_unsupported
+from zeroshard.tp.build import autotp_size, loss_parallel_of, refuse_unsupported
 from zeroshard.tp.checkpoint import check_mesh, slice_name
 from zeroshard.tp.mesh import TensorParallelGrid
 from zeroshard.tp.plan import check_divisible, hf_plan
@@ -35,6 +36,9 @@ def test_block_keys_and_size() -> None:
         autotp_size({"autotp_size": 2, "tp_overlap_comm": True})
     with pytest.raises(ConfigError, match="autotp_size='2'"):
         autotp_size({"autotp_size": "2"})
+    assert loss_parallel_of({"autotp_size": 2, "loss_parallel": True}) and not loss_parallel_of(None)
+    with pytest.raises(ConfigError, match="tensor_parallel.loss_parallel=1"):
+        loss_parallel_of({"loss_parallel": 1})
 
 
 def test_grid_lays_tp_ranks_consecutively() -> None:
@@ -64,6 +68,7 @@ def test_plan_maps_the_config_and_the_vocabulary() -> None:
     assert type(plan["model.layers.*.self_attn.q_proj"]).__name__ == "ColwiseParallel"
     assert type(plan["model.layers.*.mlp.down_proj"]).__name__ == "RowwiseParallel"
     assert {"model.embed_tokens", "lm_head"} <= set(plan)
+    assert hf_plan(_llama(), 2, vocab_parallel_loss=True)["lm_head"].output_layouts == (Shard(-1),)
     with pytest.raises(ConfigError, match="not a Hugging Face model whose config has base_model_tp_plan"):
         hf_plan(torch.nn.Linear(2, 2), 2)
     check_divisible(object(), 2)  # no sizes: nothing to check

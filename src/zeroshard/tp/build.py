@@ -2,11 +2,12 @@
 
 [Note: tensor_parallel config]
 DeepSpeed's AutoTP training block is `"tensor_parallel": {"autotp_size": N}`: N ranks split each layer, the
-world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zeroshard reads `autotp_size` and accepts
-DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection); other
-keys are refused by name. Tensor parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the
-data-parallel dimension, [Note: tensor-parallel norm]); stage 3, the fsdp2 backend, optimizer offload, a
-PipelineModule and MoE layers with ep_size > 1 are refused before any work, each in one line.
+world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zeroshard reads `autotp_size`, accepts
+DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection), and
+reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py); other keys are refused by name. Tensor
+parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
+[Note: tensor-parallel norm]); stage 3, the fsdp2 backend, optimizer offload, a PipelineModule and MoE layers with
+ep_size > 1 are refused before any work, each in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from zeroshard.config import ZeroshardConfig
 from zeroshard.errors import ConfigError
 from zeroshard.tp.mesh import TensorParallelContext
 
-KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host"}
+KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host", "loss_parallel"}
 
 
 def autotp_size(block: Mapping[str, Any] | None) -> int:
@@ -37,6 +38,14 @@ def autotp_size(block: Mapping[str, Any] | None) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ConfigError(f"tensor_parallel.autotp_size={size!r}: expected a positive int (the ranks per layer)")
     return max(size, 1)  # DeepSpeed's default 0 means no tensor parallelism
+
+
+def loss_parallel_of(block: Mapping[str, Any] | None) -> bool:
+    """`tensor_parallel.loss_parallel` (ours, default false): [Note: vocab-parallel loss]."""
+    value = dict(block or {}).get("loss_parallel", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"tensor_parallel.loss_parallel={value!r}: expected true or false")
+    return value
 
 
 def tp_degree(cfg: ZeroshardConfig, mpu: Any) -> int:
@@ -93,8 +102,9 @@ def build_tp(
         return context_from_mpu(mpu, world)
     from zeroshard.tp.plan import apply_tensor_parallel, hf_plan
 
-    hf_plan(model, tp)  # refuses an unsplittable model before the mesh exists
-    context = TensorParallelContext.create(world, tp, device)
+    vocab_parallel = loss_parallel_of(cfg.tensor_parallel)
+    hf_plan(model, tp, vocab_parallel)  # refuses an unsplittable model before the mesh exists
+    context = TensorParallelContext.create(world, tp, device, vocab_parallel)
     assert context.tp_mesh is not None
-    apply_tensor_parallel(model, context.tp_mesh)
+    apply_tensor_parallel(model, context.tp_mesh, vocab_parallel)
     return context

@@ -11,7 +11,10 @@ Megatron-style `mpu` (`initialize(mpu=...)`) the groups are the mpu's instead ([
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -60,6 +63,16 @@ class TensorParallelContext:
     dp_comm: Collectives
     tp_comm: Collectives
     dp_root: int  # global rank of this data-parallel group's first rank (initial weights come from it)
+    loss_parallel: bool = False  # [Note: vocab-parallel loss] in tp/plan.py
+
+    def compute_context(self) -> AbstractContextManager[Any]:
+        """Entered around the engine's forward and backward: torch's `loss_parallel` when the loss is
+        vocab-parallel."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     @property
     def tp_size(self) -> int:
@@ -70,7 +83,9 @@ class TensorParallelContext:
         return self.tp_comm.rank
 
     @classmethod
-    def create(cls, world: Collectives, tp: int, device: torch.device) -> TensorParallelContext:
+    def create(
+        cls, world: Collectives, tp: int, device: torch.device, loss_parallel: bool = False
+    ) -> TensorParallelContext:
         """Collective: every rank calls it with the same `tp`."""
         grid = TensorParallelGrid(tp, world.world_size)
         mesh = init_device_mesh(device.type, (grid.dp, grid.tp), mesh_dim_names=("dp", "tp"))
@@ -78,7 +93,7 @@ class TensorParallelContext:
         dp_ranks, tp_ranks = grid.dp_ranks(grid.tp_index(rank)), grid.tp_ranks(grid.dp_index(rank))
         dp_comm = world.subgroup(mesh.get_group("dp"), grid.dp, grid.dp_index(rank), scope_of(nodes, dp_ranks))
         tp_comm = world.subgroup(mesh.get_group("tp"), grid.tp, grid.tp_index(rank), scope_of(nodes, tp_ranks))
-        return cls(mesh["tp"], dp_comm, tp_comm, dp_ranks[0])
+        return cls(mesh["tp"], dp_comm, tp_comm, dp_ranks[0], loss_parallel)
 
 
 def scope_of(nodes: NodeLayout, ranks: list[int]) -> Scope:

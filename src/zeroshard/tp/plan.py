@@ -11,6 +11,14 @@ range, the partial embeddings all-reduced) and `lm_head` column-parallel over th
 (`output_layouts=Replicate()`) so the model's own loss runs unchanged. Attention reads its shapes from the
 projections' outputs (`view(*input_shape, -1, head_dim)` in transformers 5), so local heads need no change. The
 split needs every sharded size divisible by tp; anything else is refused before the model is touched.
+
+[Note: vocab-parallel loss]
+With `"tensor_parallel": {"loss_parallel": true}` (ours; DeepSpeed has no such key) `lm_head` keeps its logits
+sharded over the vocabulary (`output_layouts=Shard(-1)`, DTensors) and the engine enters torch's `loss_parallel()`
+around every forward and backward, so the model's own cross-entropy runs on the local vocabulary slice (a max and
+a sum all-reduced over tp instead of all-gathering batch x sequence x vocabulary logits). The loss and the logits
+the model returns are then DTensors (`loss.item()` works; `logits.full_tensor()` gathers them). Off by default:
+code that reads the logits as plain tensors keeps working.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from zeroshard.errors import ConfigError
@@ -28,7 +36,7 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
-def hf_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+def hf_plan(model: nn.Module, tp: int, vocab_parallel_loss: bool = False) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of a Hugging Face causal LM ([Note: autotp plan]); refuses what it cannot
     split."""
     config = getattr(model, "config", None)
@@ -56,8 +64,9 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {f"{head}{key}": STYLES[style]() for key, style in base_plan.items()}
     if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
         plan[f"{head}embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
-    if isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):  # logits gathered, or vocab-sharded DTensors
+        layout = Shard(-1) if vocab_parallel_loss else Replicate()
+        plan["lm_head"] = ColwiseParallel(output_layouts=layout, use_local_output=not vocab_parallel_loss)
     return plan
 
 
@@ -72,6 +81,6 @@ def check_divisible(config: Any, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel_loss: bool = False) -> None:
     """Split `model`'s parameters into DTensors over `tp_mesh` in place ([Note: autotp plan])."""
-    parallelize_module(model, tp_mesh, hf_plan(model, tp_mesh.size()))
+    parallelize_module(model, tp_mesh, hf_plan(model, tp_mesh.size(), vocab_parallel_loss))
