@@ -5,9 +5,10 @@
 4 gloo ranks acting as 2 nodes x 2 (ZEROSHARD_RANKS_PER_NODE=2, [Note: nodes]) train the tensor-parallel parity
 tests' Llama-shaped model (tests/helpers/tp_parity.py: hidden 64, 2 layers, vocabulary 128) and count what one
 step sends ([Note: scopes]):
-- `tp2 x dp2, ZeRO-1/2` (and ZeRO-2 with the vocab-parallel loss): each layer split over the 2 ranks of a node ([Note: tensor-parallel mesh]), ZeRO over the
-  2 nodes; DTensor's own collectives (the row-parallel all-reduces, the gathered logits, ...) are counted by a
-  dispatch mode over torch's functional collectives (`DTensorComm`), ZeRO's by our Collectives' counters;
+- `tp2 x dp2, ZeRO-1/2` (and ZeRO-2 with the vocab-parallel loss): each layer split over the 2 ranks of a node
+  ([Note: tensor-parallel mesh]), ZeRO over the 2 nodes; DTensor's own collectives (the row-parallel all-reduces,
+  the gathered logits, ...) are counted by a dispatch mode over torch's functional collectives (`DTensorComm`),
+  ZeRO's by our Collectives' counters;
 - `dp4, ZeRO-3` (pure ZeRO-3) and `dp4, ZeRO-2` for reference.
 Bytes are the ring model's bus bytes per rank (comm/collectives.py; a collective over N ranks of S bytes counts
 S(N-1)/N, twice for an all-reduce); the model is tiny, so the point is where the bytes go, not their size.
