@@ -31,6 +31,7 @@ from zeroshard.pipe.context import dp_size
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.tp.build import build_tp, tp_degree
+from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
@@ -191,12 +192,12 @@ def _build(
     if has_optimizer:
         model_parallel = pipe.pp_comm if pipe is not None else tp.tp_comm if tp is not None else None
         strategy = _make_strategy(
-            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp is not None
+            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp
         )
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
-        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights)
+        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp)
     else:
         model.to(precision.compute_dtype)
     release(model)
@@ -281,7 +282,7 @@ def _make_strategy(
     accumulation: AccumulationState,
     weights: StreamedWeights | None,
     model_parallel: Collectives | None = None,
-    tensor_parallel: bool = False,
+    tp: TensorParallelContext | None = None,
 ) -> Strategy:
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
@@ -303,7 +304,7 @@ def _make_strategy(
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
 
         dtype, device = precision.compute_dtype, topology.device
-        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights)
+        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp)
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
         "grad_accum_dtype": precision.grad_accum_dtype,
@@ -323,10 +324,10 @@ def _make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
-        if tensor_parallel and model_parallel is not None:  # [Note: tensor-parallel norm] in tp/zero.py
+        if tp is not None:  # [Note: tensor-parallel norm] in tp/zero.py
             from zeroshard.tp.zero import TensorParallelStrategy
 
-            return TensorParallelStrategy(model, groups, flat, comm, topology.device, accumulation, model_parallel)
+            return TensorParallelStrategy(model, groups, flat, comm, topology.device, accumulation, tp.tp_comm)
         if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
             return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)

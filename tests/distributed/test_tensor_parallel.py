@@ -1,8 +1,9 @@
 """Tensor parallelism composed with ZeRO on 4 gloo ranks (tp2 x dp2): per-step losses and gradient norms equal the
 single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 (vocab-parallel
-loss) and 2 (logits gathered); a checkpoint resumes exactly within the mesh; initialize(mpu=...) with a fake
-Megatron-style mpu built from new_group trains the same model the caller split itself. Slow: stage 0, gradient
-accumulation, no clipping, and a load under another autotp_size refused by name.
+loss) and 2 (logits gathered), and stage 3 on the fsdp2 backend; a checkpoint resumes exactly within the mesh;
+initialize(mpu=...) with a fake Megatron-style mpu built from new_group trains the same model the caller split
+itself. Slow: stage 0, gradient accumulation, no clipping, an fsdp2 stage-3 checkpoint resumed, the checkpoint
+loaded into tp2 x dp1 (ZeRO shards resharded over dp), and a load under another autotp_size refused by name.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from typing import Any
 import pytest
 
 from helpers.harness import run_on_ranks
-from helpers.tp_parity import TpCase, config, engine_losses, llama, reference, resume, run
+from helpers.tp_parity import TpCase, batch, config, engine_losses, llama, reference, resume, run
 
 TP, DP = 2, 2
-GRID = [TpCase(stage=1, loss_parallel=True)]  # stage 2 (gathered logits) runs in the resume case
+# stage 2 (gathered logits) runs in the resume case; stage 3 on the fsdp2 backend (torch's 2-D composition)
+GRID = [TpCase(stage=1, loss_parallel=True), TpCase(stage=3, backend="fsdp2")]
 SLOW_GRID = [TpCase(stage=0), TpCase(stage=2, gas=2, steps=2), TpCase(stage=1, clip=0.0)]
 RESUME = TpCase(stage=2, steps=3)
+RESUME_FSDP2 = TpCase(stage=3, steps=3, backend="fsdp2")
 
 
 class FakeMpu:
@@ -75,6 +78,8 @@ def _grid(rank: int, world_size: int, cases: list[TpCase], save_dir: str | None,
     out: dict[str, Any] = {case.name: engine_losses(rank, case) for case in cases}
     if save_dir is not None:
         out["resume"] = resume(rank, RESUME, save_dir, save_at=1, other_tp=1 if slow else None)
+    if save_dir is not None and slow:
+        out["resume_fsdp2"] = resume(rank, RESUME_FSDP2, f"{save_dir}/fsdp2", save_at=1)
     if not slow:
         out["mpu"] = _mpu_losses(rank)
     return out
@@ -93,7 +98,8 @@ def _check(cases: list[TpCase], results: list[dict[str, Any]]) -> None:
             want = [step[m * DP + replica] for step in ref_losses for m in range(case.gas)]
             assert _close(got["losses"], want), (case.name, rank, got["losses"], want)
             assert _close(got["norms"], ref_norms), (case.name, got["norms"], ref_norms)
-            assert got["q_local"] == [32, 64] and got["dp"] == DP  # q_proj split over tp, ZeRO over dp
+            rows = 16 if case.backend == "fsdp2" else 32  # q_proj's 64 rows split over tp (fsdp2: and over dp)
+            assert got["q_local"] == [rows, 64] and got["dp"] == DP, (case.name, got["q_local"])
 
 
 def test_tp2_dp2_matches_reference_and_resumes(tmp_path) -> None:
@@ -108,9 +114,32 @@ def test_tp2_dp2_matches_reference_and_resumes(tmp_path) -> None:
         assert _close(result["mpu"], want), (rank, result["mpu"])  # stage 2 over the mpu's groups
 
 
+def _first_loss_after_load(rank: int, world_size: int, save_dir: str) -> float:
+    """tp2 x dp1: load the tp2 x dp2 checkpoint (its ZeRO shards resharded over one data-parallel rank) and
+    return the loss of replica 0's next batch before any step."""
+    import zeroshard
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    model = llama(seed=7)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(RESUME))
+    engine.load_checkpoint(save_dir, tag="mid")
+    ids = batch(1, 0)
+    loss = float(engine(input_ids=ids, labels=ids).loss)
+    engine.destroy()
+    return loss
+
+
 @pytest.mark.slow  # CI budget: stages 1-2 with clipping, resume and mpu stay in the default suite
-def test_tp2_dp2_stage0_accumulation_no_clipping_and_other_tp_refused(tmp_path) -> None:
+def test_tp2_dp2_stage0_accumulation_no_clipping_dp_reshard_and_other_tp_refused(tmp_path) -> None:
     results = run_on_ranks(_grid, 4, SLOW_GRID, str(tmp_path), True)
     _check(SLOW_GRID, results)
     for result in results:
         assert "autotp_size=2, this engine has 1" in result["resume"]["refused"], result["resume"]["refused"]
+    on_two = run_on_ranks(_first_loss_after_load, 2, str(tmp_path))
+    assert on_two == [results[0]["resume"]["resumed"][0]] * 2  # the same weights, exactly, on another dp size
+    ref_losses = reference(RESUME_FSDP2, DP)[0]
+    for rank, result in enumerate(results):  # fsdp2 stage 3: resumes exactly too
+        got = result["resume_fsdp2"]
+        assert _close(got["straight"], [step[rank // TP] for step in ref_losses]), (rank, got)
+        assert got["resumed"] == got["straight"][1:], (rank, got)

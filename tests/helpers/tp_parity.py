@@ -23,10 +23,11 @@ class TpCase:
     gas: int = 1
     clip: float = CLIP
     loss_parallel: bool = False  # [Note: vocab-parallel loss]: the loss a DTensor, logits vocab-sharded
+    backend: str = "zero"  # "fsdp2": [Note: tensor parallelism on fsdp2]
 
     @property
     def name(self) -> str:
-        return f"s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{int(self.loss_parallel)}"
+        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{int(self.loss_parallel)}"
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -60,6 +61,7 @@ def config(case: TpCase, tp: int = 2) -> dict[str, Any]:
         "gradient_clipping": case.clip,
         "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
         "tensor_parallel": {"autotp_size": tp, "loss_parallel": case.loss_parallel},
+        "zeroshard": {"backend": case.backend},
     }
 
 

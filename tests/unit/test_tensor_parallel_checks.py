@@ -77,8 +77,7 @@ def test_plan_maps_the_config_and_the_vocabulary() -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"zero_optimization": {"stage": 3}}, "autotp_size=2 with zero_optimization.stage 3"),
-        ({"zeroshard": {"backend": "fsdp2"}}, 'zeroshard.backend "fsdp2"'),
+        ({"zero_optimization": {"stage": 3}}, 'autotp_size=2 with zero_optimization.stage 3 on the "zero" backend'),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
     ],
 )
@@ -88,10 +87,18 @@ def test_refused_combinations(extra: dict[str, Any], match: str) -> None:
         refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, None)
 
 
-def test_mpu_and_autotp_together_refused() -> None:
+def test_mpu_with_autotp_or_fsdp2_refused() -> None:
     cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}})
     with pytest.raises(ConfigError, match="pass one of them"):
         refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, object())
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "zeroshard": {"backend": "fsdp2"}})
+    with pytest.raises(ConfigError, match='mpu=...\\) with zeroshard.backend "fsdp2"'):
+        refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, object())
+    fsdp2 = parse_config({"train_micro_batch_size_per_gpu": 1, "zeroshard": {"backend": "fsdp2"}, **_STAGE3})
+    refuse_unsupported(fsdp2, torch.nn.Linear(2, 2), 2, None)  # ZeRO-3 with tp: FSDP2 over dp
+
+
+_STAGE3 = {"zero_optimization": {"stage": 3}}
 
 
 def test_checkpoint_of_another_tp_size_refused() -> None:

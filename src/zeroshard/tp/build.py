@@ -6,8 +6,9 @@ world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zerosha
 DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection), and
 reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py); other keys are refused by name. Tensor
 parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
-[Note: tensor-parallel norm]); stage 3, the fsdp2 backend, optimizer offload, a PipelineModule and MoE layers with
-ep_size > 1 are refused before any work, each in one line.
+[Note: tensor-parallel norm]) and with the fsdp2 backend at its stages ([Note: tensor parallelism on fsdp2]);
+stage 3 on the zero backend, offload, a PipelineModule and MoE layers with ep_size > 1 are refused before any
+work, each in one line.
 """
 
 from __future__ import annotations
@@ -67,14 +68,17 @@ def refuse_unsupported(cfg: ZeroshardConfig, model: nn.Module, tp: int, mpu: Any
             "initialize(mpu=...) with tensor_parallel.autotp_size > 1: pass one of them (the mpu's model is "
             "already split; autotp_size splits a Hugging Face model itself)"
         )
-    if stage == 3:
+    fsdp2 = str(cfg.zeroshard.backend) == "fsdp2"
+    if stage == 3 and not fsdp2:
         raise ConfigError(
-            f"{what} with zero_optimization.stage 3: ZeRO-3 over the data-parallel dimension of a tensor-parallel "
-            "model is not implemented; use zero_optimization.stage 1 or 2 (optimizer state and gradients are "
-            "still sharded over the data-parallel ranks) or autotp_size 1"
+            f'{what} with zero_optimization.stage 3 on the "zero" backend: not implemented; set "zeroshard": '
+            '{"backend": "fsdp2"} (FSDP2 over the data-parallel dimension) or use stage 1 or 2'
         )
-    if str(cfg.zeroshard.backend) != "zero":
-        raise ConfigError(f'{what} with zeroshard.backend "{cfg.zeroshard.backend}": use the "zero" backend')
+    if fsdp2 and mpu is not None:
+        raise ConfigError(
+            'initialize(mpu=...) with zeroshard.backend "fsdp2": FSDP2 needs the tensor-parallel device mesh; use '
+            'tensor_parallel.autotp_size, or the "zero" backend with the mpu'
+        )
     z = cfg.zero_optimization
     if str(z.offload_optimizer.device) != "none" or str(z.offload_param.device) != "none":
         raise ConfigError(f"{what} does not combine with offload_optimizer / offload_param yet; set their device none")

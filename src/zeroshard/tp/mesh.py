@@ -64,6 +64,7 @@ class TensorParallelContext:
     tp_comm: Collectives
     dp_root: int  # global rank of this data-parallel group's first rank (initial weights come from it)
     loss_parallel: bool = False  # [Note: vocab-parallel loss] in tp/plan.py
+    dp_mesh: DeviceMesh | None = None  # the mesh's dp dimension, for FSDP2 ([Note: tensor parallelism on fsdp2])
 
     def compute_context(self) -> AbstractContextManager[Any]:
         """Entered around the engine's forward and backward: torch's `loss_parallel` when the loss is
@@ -93,7 +94,7 @@ class TensorParallelContext:
         dp_ranks, tp_ranks = grid.dp_ranks(grid.tp_index(rank)), grid.tp_ranks(grid.dp_index(rank))
         dp_comm = world.subgroup(mesh.get_group("dp"), grid.dp, grid.dp_index(rank), scope_of(nodes, dp_ranks))
         tp_comm = world.subgroup(mesh.get_group("tp"), grid.tp, grid.tp_index(rank), scope_of(nodes, tp_ranks))
-        return cls(mesh["tp"], dp_comm, tp_comm, dp_ranks[0], loss_parallel)
+        return cls(mesh["tp"], dp_comm, tp_comm, dp_ranks[0], loss_parallel, mesh["dp"])
 
 
 def scope_of(nodes: NodeLayout, ranks: list[int]) -> Scope:
