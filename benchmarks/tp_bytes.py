@@ -1,12 +1,13 @@
 """Bytes per step, per scope and kind, of tensor parallelism composed with ZeRO against pure ZeRO-3.
 
-    python -m benchmarks.tp_bytes [--out docs/tensor_parallel_bytes.md]
+    python -m benchmarks.tp_bytes [--out FILE]   (the table of docs/tensor_parallel.md)
 
 4 gloo ranks acting as 2 nodes x 2 (ZEROSHARD_RANKS_PER_NODE=2, [Note: nodes]) train the tensor-parallel parity
 tests' Llama-shaped model (tests/helpers/tp_parity.py: hidden 64, 2 layers, vocabulary 128) and count what one
 step sends ([Note: scopes]):
-- `tp2 x dp2, ZeRO-1/2` (and ZeRO-2 with the vocab-parallel loss): each layer split over the 2 ranks of a node
-  ([Note: tensor-parallel mesh]), ZeRO over the 2 nodes; DTensor's own collectives (the row-parallel all-reduces,
+- `tp2 x dp2, ZeRO-1/2` (ZeRO-2 also with the vocab-parallel loss; ZeRO-3 on the fsdp2 backend, whose
+  all-gathers and reduce-scatters our counters count too: fsdp2/comms.py): each layer split over the 2 ranks of
+  a node ([Note: tensor-parallel mesh]), ZeRO over the 2 nodes; DTensor's own collectives (the row-parallel all-reduces,
   the gathered logits, ...) are counted by a dispatch mode over torch's functional collectives (`DTensorComm`),
   ZeRO's by our Collectives' counters;
 - `dp4, ZeRO-3` (pure ZeRO-3) and `dp4, ZeRO-2` for reference.
@@ -29,12 +30,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-VARIANTS = {  # name -> (autotp_size, stage, vocab-parallel loss)
-    "tp2 x dp2, ZeRO-1": (2, 1, False),
-    "tp2 x dp2, ZeRO-2": (2, 2, False),
-    "tp2 x dp2, ZeRO-2, loss_parallel": (2, 2, True),
-    "dp4, ZeRO-3": (1, 3, False),
-    "dp4, ZeRO-2": (1, 2, False),
+VARIANTS = {  # name -> (autotp_size, stage, vocab-parallel loss, backend)
+    "tp2 x dp2, ZeRO-1": (2, 1, False, "zero"),
+    "tp2 x dp2, ZeRO-2": (2, 2, False, "zero"),
+    "tp2 x dp2, ZeRO-2, loss_parallel": (2, 2, True, "zero"),
+    "tp2 x dp2, fsdp2 ZeRO-3": (2, 3, False, "fsdp2"),
+    "dp4, ZeRO-3": (1, 3, False, "zero"),
+    "dp4, ZeRO-2": (1, 2, False, "zero"),
 }
 WARMUP, MEASURED = 1, 2
 # functional collective -> (kind, ring factor, bytes of the full message S from the arguments and the group size)
@@ -95,8 +97,8 @@ def measure(rank: int, world_size: int) -> dict[str, dict[str, dict[str, float]]
         return "inter_node" if nodes.spans_nodes(dist.get_process_group_ranks(group)) else "intra_node"
 
     out = {}
-    for name, (tp, stage, vocab_parallel) in VARIANTS.items():
-        case = TpCase(stage=stage, loss_parallel=vocab_parallel)
+    for name, (tp, stage, vocab_parallel, backend) in VARIANTS.items():
+        case = TpCase(stage=stage, loss_parallel=vocab_parallel, backend=backend)
         model = llama()
         cfg = config(case, tp)
         engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
