@@ -87,6 +87,14 @@ def test_refused_combinations(extra: dict[str, Any], match: str) -> None:
         refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, None)
 
 
+def test_meta_model_refused() -> None:
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}})
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="meta device"):
+        refuse_unsupported(cfg, model, 2, None)
+
+
 def test_mpu_with_autotp_or_fsdp2_refused() -> None:
     cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}})
     with pytest.raises(ConfigError, match="pass one of them"):

@@ -85,6 +85,11 @@ def refuse_unsupported(cfg: ZeroshardConfig, model: nn.Module, tp: int, mpu: Any
     from zeroshard.moe.zero import moe_layers
     from zeroshard.pipe.module import PipelineModule
 
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            f"{what} with a model on the meta device (built under zeroshard.zero_init()): build it with real "
+            "weights (from_pretrained without zero_init) so the tensor-parallel plan can split them"
+        )
     if isinstance(model, PipelineModule):
         raise ConfigError(f"{what} with a PipelineModule: tp x pp is not implemented; use one of them")
     if any(layer.ep_size > 1 for layer in moe_layers(model)):
