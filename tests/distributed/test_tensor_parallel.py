@@ -18,7 +18,7 @@ from helpers.tp_parity import TpCase, batch, config, engine_losses, llama, refer
 
 TP, DP = 2, 2
 # stage 2 (gathered logits) runs in the resume case; stage 3 on the fsdp2 backend (torch's 2-D composition)
-GRID = [TpCase(stage=1, loss_parallel=True), TpCase(stage=3, backend="fsdp2")]
+GRID = [TpCase(stage=1, steps=2, loss_parallel=True), TpCase(stage=3, steps=2, backend="fsdp2")]
 SLOW_GRID = [TpCase(stage=0), TpCase(stage=2, gas=2, steps=2), TpCase(stage=1, clip=0.0)]
 RESUME = TpCase(stage=2, steps=3)
 RESUME_FSDP2 = TpCase(stage=3, steps=3, backend="fsdp2")
