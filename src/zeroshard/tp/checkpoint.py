@@ -63,8 +63,9 @@ class TensorParallelState:
         self.renamed: dict[str, str] = {}
         self.peers: dict[str, TensorInfo] = {}
         self.shapes: dict[int, tuple[int, ...]] = {}
+        params = {id(p): p for p in strategy.sharded.tracked_params()}
         for param_id, key in self.sharded.sharded_params().items():
-            param = next(p for p in strategy.sharded.tracked_params() if id(p) == param_id)
+            param = params[param_id]
             local = local_of(param)
             self.renamed[key] = slice_name(key, position, tp)
             self.shapes[param_id] = tuple(local.shape)
