@@ -30,7 +30,7 @@ from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
-from zeroshard.tp.build import build_tp, tp_degree
+from zeroshard.tp.build import build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
@@ -164,9 +164,11 @@ def _build(
     pipe = build_pipe(cfg, model, comm)  # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh])
     if pipe is not None:
         comm = pipe.dp_comm
+    names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them
     tp = build_tp(cfg, model, comm, topology.device, mpu)  # the model split in place: [Note: tensor-parallel mesh]
     if tp is not None:
         comm = tp.dp_comm
+        model_parameters = follow_split(model, names, optimizer, model_parameters)
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta and weights is None:
@@ -416,8 +418,13 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
                 "the client optimizer already has state; pass a freshly constructed optimizer "
                 "(load optimizer state with engine.load_checkpoint)"
             )
-        for target, group in zip(optimizer.param_groups, groups, strict=True):
-            target["params"] = group["params"]
+        if len(groups) == len(optimizer.param_groups):
+            for target, group in zip(optimizer.param_groups, groups, strict=True):
+                target["params"] = group["params"]
+        else:  # a split strategy has each user group once per part, options kept ([Note: split flat strategies])
+            optimizer.param_groups.clear()
+            for group in groups:
+                optimizer.add_param_group(dict(group))
         optimizer.state.clear()
         return optimizer
     if callable(optimizer):

@@ -2,8 +2,9 @@
 single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 (vocab-parallel
 loss) and 2 (logits gathered), and stage 3 on the fsdp2 backend; a checkpoint resumes exactly within the mesh;
 initialize(mpu=...) with a fake Megatron-style mpu built from new_group trains the same model the caller split
-itself. Slow: stage 0, gradient accumulation, no clipping, an fsdp2 stage-3 checkpoint resumed, the checkpoint
-loaded into tp2 x dp1 (ZeRO shards resharded over dp), and a load under another autotp_size refused by name.
+itself. Slow: stage 0, gradient accumulation, no clipping with a client optimizer (built before the split), an
+fsdp2 stage-3 checkpoint resumed, the checkpoint loaded into tp2 x dp1 (ZeRO shards resharded over dp), and a load
+under another autotp_size refused by name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from helpers.tp_parity import TpCase, batch, config, engine_losses, llama, refer
 TP, DP = 2, 2
 # stage 2 (gathered logits) runs in the resume case; stage 3 on the fsdp2 backend (torch's 2-D composition)
 GRID = [TpCase(stage=1, steps=2, loss_parallel=True), TpCase(stage=3, steps=2, backend="fsdp2")]
-SLOW_GRID = [TpCase(stage=0), TpCase(stage=2, gas=2, steps=2), TpCase(stage=1, clip=0.0)]
+SLOW_GRID = [TpCase(stage=0), TpCase(stage=2, gas=2, steps=2), TpCase(stage=1, clip=0.0, client_optimizer=True)]
 RESUME = TpCase(stage=2, steps=3)
 RESUME_FSDP2 = TpCase(stage=3, steps=3, backend="fsdp2")
 

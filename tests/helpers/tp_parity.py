@@ -24,10 +24,12 @@ class TpCase:
     clip: float = CLIP
     loss_parallel: bool = False  # [Note: vocab-parallel loss]: the loss a DTensor, logits vocab-sharded
     backend: str = "zero"  # "fsdp2": [Note: tensor parallelism on fsdp2]
+    client_optimizer: bool = False  # torch's AdamW passed to initialize instead of the config's
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{int(self.loss_parallel)}"
+        lp, client = int(self.loss_parallel), int(self.client_optimizer)
+        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}"
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -100,7 +102,13 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     import zeroshard
 
     model = llama()
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case, tp))
+    cfg = config(case, tp)
+    if case.client_optimizer:
+        del cfg["optimizer"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, config=cfg)
+    else:
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     replica = rank // tp
     losses, norms = run(engine, replica, range(case.steps), case.gas)
     q = model.model.layers[0].self_attn.q_proj.weight

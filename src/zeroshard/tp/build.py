@@ -13,7 +13,7 @@ work, each in one line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -117,3 +117,26 @@ def build_tp(
     assert context.tp_mesh is not None
     apply_tensor_parallel(model, context.tp_mesh, vocab_parallel)
     return context
+
+
+def follow_split(
+    model: nn.Module, names: dict[int, str], optimizer: Any, model_parameters: Iterable[Any] | None
+) -> Iterable[Any] | None:
+    """`parallelize_module` replaced the model's parameter objects with DTensors: a client optimizer's groups and
+    `model_parameters` that hold the old objects (`names`: id -> name before the split) now hold the new ones.
+    Returns `model_parameters` remapped (the optimizer is remapped in place)."""
+    current = dict(model.named_parameters())
+
+    def new(params: Any) -> list[Any]:
+        items = [params] if isinstance(params, torch.Tensor) else list(params)
+        return [current[names[id(p)]] if id(p) in names else p for p in items]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = new(group["params"])
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and all(isinstance(item, Mapping) for item in items):
+        return [{**item, "params": new(item["params"])} for item in items]
+    return new(items)
