@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,7 +85,10 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         lr_scheduler: Any,
         loss_scaler: Any,
         training_dataloader: Any,
+        compute_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ):
+        """`compute_context`: entered around every forward and backward (tensor parallelism's vocab-parallel loss,
+        [Note: vocab-parallel loss] in tp/plan.py)."""
         super().__init__()
         self.module = module
         self.config = config
@@ -97,6 +101,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
         self.training_dataloader = training_dataloader
+        self._compute = compute_context or contextlib.nullcontext
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -120,7 +125,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
-            return self.module(*args, **kwargs)
+            with self._compute():
+                return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def _deadline(self, what: str) -> Iterator[None]:
@@ -140,7 +146,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         strategy.begin_backward()
         self.accumulation.loss_scale = self.loss_scale
         factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
-        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
+        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"), self._compute():
             (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
             strategy.finish_backward()

@@ -30,7 +30,10 @@ from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.tp.build import build_tp, follow_split, tp_degree
+from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger
+from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
@@ -62,7 +65,9 @@ def initialize(
 
     Runs as a single process (`python train.py`) or under `torchrun`; sets up torch.distributed
     itself (NCCL on CUDA, gloo on CPU). `backend` ("zero" or "fsdp2") overrides the config's
-    `"zeroshard": {"backend": ...}` (docs/fsdp2.md).
+    `"zeroshard": {"backend": ...}` (docs/fsdp2.md). `"tensor_parallel": {"autotp_size": N}` splits a Hugging Face
+    Llama/Qwen/Mistral-shaped model over N ranks with ZeRO over the rest; `mpu` (DeepSpeed's Megatron-style
+    model-parallel unit) gives the groups of a model the caller split itself (docs/tensor_parallel.md).
 
     Example:
         >>> import torch, zeroshard
@@ -74,8 +79,6 @@ def initialize(
     """
     if model is None:
         raise ConfigError("initialize(): model= is required")
-    if mpu is not None:
-        raise ConfigError("initialize(mpu=...): model parallelism is not supported yet; pass mpu=None")
     source = config if config is not None else config_params
     from_args = None
     if args is not None:  # --deepspeed_config (or the deprecated --deepscale_config) from add_config_arguments
@@ -92,9 +95,12 @@ def initialize(
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule
-    cfg = resolve_config(parsed, world_size=dp_size(model, topology.world_size), known=_known_values(model, optimizer))
+    # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the
+    # tensor-parallel size ([Note: tensor-parallel mesh])
+    dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu)
+    cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
     checkpointing.configure_from_config(cfg)
-    return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
+    return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, mpu)
 
 
 def _with_backend(cfg: ZeroshardConfig, backend: str | None) -> ZeroshardConfig:
@@ -137,6 +143,7 @@ def _build(
     training_data: Any,
     lr_scheduler: Any,
     collate_fn: Callable[..., Any] | None,
+    mpu: Any = None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
@@ -160,6 +167,11 @@ def _build(
     pipe = build_pipe(cfg, model, comm)  # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh])
     if pipe is not None:
         comm = pipe.dp_comm
+    names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them
+    tp = build_tp(cfg, model, comm, topology.device, mpu)  # the model split in place: [Note: tensor-parallel mesh]
+    if tp is not None:
+        comm = tp.dp_comm
+        model_parameters = follow_split(model, names, optimizer, model_parameters)
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta and weights is None:
@@ -174,7 +186,7 @@ def _build(
         meta = False
     if not meta:
         model.to(topology.device)
-        _broadcast_module_state(model, comm, src=pipe.dp_root if pipe is not None else 0)
+        _broadcast_module_state(model, comm, src=pipe.dp_root if pipe is not None else tp.dp_root if tp else 0)
         if pipe is not None:
             pipe.sync_tied(model)
     precision = PrecisionPolicy.from_config(cfg)
@@ -183,14 +195,14 @@ def _build(
     accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
     strategy = engine_optimizer = None
     if has_optimizer:
-        model_parallel = pipe.pp_comm if pipe is not None else None
+        model_parallel = pipe.pp_comm if pipe is not None else tp.tp_comm if tp is not None else None
         strategy = _make_strategy(
-            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel
+            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp
         )
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
-        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights)
+        strategy = _make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp)
     else:
         model.to(precision.compute_dtype)
     release(model)
@@ -210,16 +222,17 @@ def _build(
     if training_data is not None and pipe is not None:
         loader = pipe_dataloader(training_data, cfg, pipe, collate_fn)
     elif training_data is not None:
-        loader = build_dataloader(
+        loader = build_dataloader(  # a data-parallel replica's ranks read the same batches
             training_data,
             int(cfg.train_micro_batch_size_per_gpu or 1),
-            topology.rank,
-            topology.world_size,
+            comm.rank if tp is not None else topology.rank,
+            comm.world_size if tp is not None else topology.world_size,
             collate_fn,
             drop_last=bool(cfg.dataloader_drop_last),
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
-    engine = Engine(*parts, loader) if pipe is None else _pipeline_engine(parts, loader, pipe)
+    compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
+    engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     return engine, engine_optimizer, loader, scheduler
 
 
@@ -274,6 +287,7 @@ def _make_strategy(
     accumulation: AccumulationState,
     weights: StreamedWeights | None,
     model_parallel: Collectives | None = None,
+    tp: TensorParallelContext | None = None,
 ) -> Strategy:
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
@@ -295,7 +309,7 @@ def _make_strategy(
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
 
         dtype, device = precision.compute_dtype, topology.device
-        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights)
+        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp)
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
         "grad_accum_dtype": precision.grad_accum_dtype,
@@ -315,6 +329,10 @@ def _make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
+        if tp is not None:  # [Note: tensor-parallel norm] in tp/zero.py
+            from zeroshard.tp.zero import TensorParallelStrategy
+
+            return TensorParallelStrategy(model, groups, flat, comm, topology.device, accumulation, tp.tp_comm)
         if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
             return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
@@ -403,8 +421,13 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
                 "the client optimizer already has state; pass a freshly constructed optimizer "
                 "(load optimizer state with engine.load_checkpoint)"
             )
-        for target, group in zip(optimizer.param_groups, groups, strict=True):
-            target["params"] = group["params"]
+        if len(groups) == len(optimizer.param_groups):
+            for target, group in zip(optimizer.param_groups, groups, strict=True):
+                target["params"] = group["params"]
+        else:  # a split strategy has each user group once per part, options kept ([Note: split flat strategies])
+            optimizer.param_groups.clear()
+            for group in groups:
+                optimizer.add_param_group(dict(group))
         optimizer.state.clear()
         return optimizer
     if callable(optimizer):
@@ -440,7 +463,8 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) 
     experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
     for layer in moe_layers(module):
         layer.groups.broadcast_experts(layer.expert_parameters())
-    tensors = [t.data for t in module.parameters() if id(t) not in experts] + [b for b in module.buffers()]
+    # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters])
+    tensors = [local_of(t).data for t in module.parameters() if id(t) not in experts] + list(module.buffers())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -83,6 +83,9 @@ def _ckpt_name(meta: CheckpointMetadata, name: str, aliases: dict[str, str]) -> 
 
 def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: bool) -> dict[str, str]:
     """engine canonical name -> checkpoint name; missing/unexpected keys are errors when `strict`."""
+    from zeroshard.tp.checkpoint import check_mesh
+
+    check_mesh(list(meta.tensors), list(catalog.infos))  # [Note: tensor-parallel checkpoints]
     mapping: dict[str, str] = {}
     missing = []
     for name, tensor in catalog.tensors.items():

@@ -262,7 +262,8 @@ def write_rank_files(
             pieces = part.model_pieces() + (replicated if i == 0 else [])
             write_model_file(tmp_dir, rank, pieces, manifest, part.suffix)
             if engine.optimizer is not None and state is not None and state.writes_optim:
-                write_optim_file(tmp_dir, rank, engine.optimizer, part.optim_pieces(), manifest, part.suffix)
+                owned = (part.optim_pieces_to_save or part.optim_pieces)()
+                write_optim_file(tmp_dir, rank, engine.optimizer, owned, manifest, part.suffix)
     manifest.files[rng_file(rank)] = write_file(
         os.path.join(tmp_dir, rng_file(rank)), json.dumps(capture_rng_state()).encode()
     )

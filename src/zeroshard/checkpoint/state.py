@@ -69,6 +69,9 @@ class StatePart:
     optim_pieces: Callable[[], list[OptimPiece]]
     refresh_master: Callable[[], None]  # master weights := module weights, for this part
     optimizer_params: set[int] | None  # ids of the optimizer's parameters this part restores (None: all)
+    # the pieces this rank writes, where they are fewer than those it restores (None: `optim_pieces`): a rank
+    # holding a copy that a peer writes ([Note: tensor-parallel checkpoints] in tp/checkpoint.py)
+    optim_pieces_to_save: Callable[[], list[OptimPiece]] | None = None
 
 
 class ShardedState(Protocol):

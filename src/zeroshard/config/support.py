@@ -32,6 +32,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "scheduler.params",
         "gradient_clipping",
         "pipeline",  # with a PipelineModule: pipe/context.py ([Note: pipeline config])
+        "tensor_parallel",  # tp/build.py ([Note: tensor_parallel config])
         # elasticity: resolve_config sets the batch triple through checkpoint/elasticity.apply_elasticity.
         "elasticity.enabled",
         "elasticity.max_train_batch_size",
@@ -246,7 +247,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Other engines and features.
         "hybrid_engine",
         "compile",
-        "tensor_parallel",
         "expert_parallel",
         "weight_quantization",
         "data_efficiency",

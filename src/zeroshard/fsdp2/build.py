@@ -12,6 +12,7 @@ from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.tier import Tier
+from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
@@ -29,8 +30,10 @@ def build_fsdp2_strategy(
     accumulation: AccumulationState,
     step: StepPolicy,
     weights: StreamedWeights | None,
+    tp: TensorParallelContext | None = None,
 ) -> Fsdp2Strategy:
-    """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping])."""
+    """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping]); with
+    `tp`, FSDP2 over its data-parallel mesh dimension ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py)."""
     plan = plan_from_config(cfg, compute_dtype)
     policy = Fsdp2Policy(
         compute_dtype=compute_dtype,
@@ -41,8 +44,14 @@ def build_fsdp2_strategy(
         master_tier=Tier(torch.device("cpu") if plan.cpu_offload else device),
         plan=plan,
         weights=weights,
+        mesh=tp.dp_mesh if tp is not None else None,
     )
-    strategy = Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
+    if tp is not None:
+        from zeroshard.tp.fsdp2 import TensorParallelFsdp2Strategy
+
+        strategy: Fsdp2Strategy = TensorParallelFsdp2Strategy(model, groups, policy, comm, device, accumulation, tp)
+    else:
+        strategy = Fsdp2Strategy(model, groups, policy, comm, device, accumulation)
     log_rank(
         logger,
         20,

@@ -16,21 +16,23 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from zeroshard.comm.collectives import (
     CollectiveKind,
     CommStats,
+    Scope,
     all_gather_single,
     gather_in_place,
     reduce_scatter_single,
 )
 
 
-def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int) -> None:
+def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int, scope: Scope) -> None:
     nbytes = tensor.numel() * tensor.element_size()
-    stats.record(kind, nbytes, nbytes * (world_size - 1) / world_size)
+    stats.record(kind, nbytes, nbytes * (world_size - 1) / world_size, scope)
 
 
 class CountedAllGather(AllGather):
-    def __init__(self, stats: CommStats, world_size: int):
+    def __init__(self, stats: CommStats, world_size: int, scope: Scope):
         self.stats = stats
         self.world_size = world_size
+        self.scope = scope  # [Note: scopes]: where the group FSDP2 communicates over sits
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -38,7 +40,7 @@ class CountedAllGather(AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size)
+        _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size, self.scope)
         if output_tensor.device.type == "cpu" and dist.get_backend(group) == "gloo":  # [Note: gloo in place]
             rank = dist.get_rank(group)
             return gather_in_place(output_tensor, input_tensor, group, rank, self.world_size, async_op)  # type: ignore[no-any-return]
@@ -48,9 +50,10 @@ class CountedAllGather(AllGather):
 
 
 class CountedReduceScatter(ReduceScatter):
-    def __init__(self, stats: CommStats, world_size: int):
+    def __init__(self, stats: CommStats, world_size: int, scope: Scope):
         self.stats = stats
         self.world_size = world_size
+        self.scope = scope  # [Note: scopes]: where the group FSDP2 communicates over sits
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -63,7 +66,7 @@ class CountedReduceScatter(ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        _record(self.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, self.world_size)
+        _record(self.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, self.world_size, self.scope)
         return reduce_scatter_single(  # type: ignore[no-any-return]
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from zeroshard.comm.collectives import Collectives
 
@@ -75,10 +76,19 @@ class ShardedParam:
 
 
 def sharded_param(name: str, param: nn.Parameter, group: int, rank: int, world_size: int) -> ShardedParam:
-    """The record of one parameter after `fully_shard` (asserting FSDP2's default `Shard(0)` placement)."""
+    """The record of one parameter after `fully_shard` (asserting FSDP2's default `Shard(0)` placement). On a
+    dp x tp mesh ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py) the "full" tensor is this rank's
+    tensor-parallel slice, whose rows FSDP2 shards over dp (`_StridedShard(0)` when tp also splits dim 0)."""
     assert isinstance(param, DTensor), f"{name} is not sharded by fully_shard"
-    assert tuple(param.placements) == (Shard(0),), f"{name}: expected Shard(0), got {param.placements}"
-    shape = tuple(param.shape)
+    placements = tuple(param.placements)
+    assert isinstance(placements[0], Shard | _StridedShard) and placements[0].dim == 0, (
+        f"{name}: expected rows sharded over dp, got {placements}"
+    )
+    dims = list(param.shape)
+    for mesh_dim, placement in enumerate(placements[1:], start=1):  # tensor-parallel dims: the local slice's shape
+        if isinstance(placement, Shard):
+            dims[placement.dim] //= param.device_mesh.size(mesh_dim)
+    shape = tuple(dims)
     lo, hi = row_range(shape[0] if shape else 1, world_size, rank)
     local = param.to_local().detach()
     row = row_numel(shape)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
@@ -47,6 +48,7 @@ class Fsdp2Policy(StrategyPolicy):
     plan: Fsdp2Plan
     unit_policy: UnitPolicy | None = None
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    mesh: DeviceMesh | None = None  # a dp x tp mesh's dp dimension ([Note: tensor parallelism on fsdp2])
 
 
 class _NormsOnDevice(StepTimeCopies):
@@ -84,7 +86,8 @@ class Fsdp2Strategy(Strategy):
         divide = 1.0 / policy.step.prescale(comm.world_size)
         streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
         masters_in_fp32(module)
-        self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, policy.unit_policy, comm, device, divide)
+        unit_policy = policy.unit_policy
+        self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, unit_policy, comm, device, divide, policy.mesh)
         if streamed is not None:
             assert policy.weights is not None
             home = policy.master_tier.device  # the host under CPUOffloadPolicy

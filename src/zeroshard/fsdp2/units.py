@@ -47,12 +47,15 @@ def shard_units(
     comm: Collectives,
     device: torch.device,
     divide_factor: float,
+    mesh: DeviceMesh | None = None,
 ) -> list[Fsdp2Unit]:
     """`fully_shard` every unit, root last ([Note: fsdp2 units]); gradients are summed then divided by
-    `divide_factor` ([Note: fsdp2 mapping])."""
-    group = comm.group if comm.group is not None else dist.group.WORLD
-    assert group is not None, "torch.distributed is not initialised"
-    mesh = DeviceMesh.from_group(group, device.type)
+    `divide_factor` ([Note: fsdp2 mapping]). `mesh`: the data-parallel dimension of a dp x tp mesh (torch's 2-D
+    composition: [Note: tensor parallelism on fsdp2] in tp/fsdp2.py); else one over `comm`'s group."""
+    if mesh is None:
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialised"
+        mesh = DeviceMesh.from_group(group, device.type)
     mixed = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     # pinning needs an accelerator (a CPU-only run "offloads" to where it already is)
     pin = plan.pin_memory and device.type != "cpu"
@@ -84,8 +87,8 @@ def shard_units(
         assert isinstance(module, FSDPModule)
         module.set_gradient_divide_factor(divide_factor)
         module.set_force_sum_reduction_for_comms(True)
-        module.set_custom_all_gather(CountedAllGather(comm.stats, comm.world_size))
-        module.set_custom_reduce_scatter(CountedReduceScatter(comm.stats, comm.world_size))
+        module.set_custom_all_gather(CountedAllGather(comm.stats, comm.world_size, comm.scope))
+        module.set_custom_reduce_scatter(CountedReduceScatter(comm.stats, comm.world_size, comm.scope))
         owned = tuple(n for n, o in owner.items() if o == name)
         units.append(Fsdp2Unit(name, module, owned))
     return units

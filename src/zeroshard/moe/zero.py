@@ -19,8 +19,7 @@ in stage_1_and_2.py), which makes it `ep_size` times the gradient of the mean lo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,19 +28,15 @@ from torch import nn
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
-from zeroshard.memory import StrategyMemory
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
-from zeroshard.offload.gradients import GradShard
 from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.flat.split import SplitStrategy, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
-    Strategy,
-    nbytes,
-    optimizer_state_tensors,
 )
 
 logger = get_logger(__name__)
@@ -91,14 +86,9 @@ class _WorldPrescale(StepPolicy):
         return super().prescale(self.world_size)
 
 
-def _split(groups: Sequence[ParamGroupSpec], experts: set[int]) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
-    dense = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) not in experts]) for g in groups]
-    expert = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) in experts]) for g in groups]
-    return [g for g in dense if g.params], [g for g in expert if g.params]
-
-
-class ExpertSplitStrategy(Strategy):
-    """[Note: experts under ZeRO] a `FlatStrategy` over the world and one over the expert-data-parallel group."""
+class ExpertSplitStrategy(SplitStrategy):
+    """[Note: experts under ZeRO] a `FlatStrategy` over the world and one over the expert-data-parallel group
+    ([Note: split flat strategies])."""
 
     def __init__(
         self,
@@ -112,7 +102,7 @@ class ExpertSplitStrategy(Strategy):
     ):
         super().__init__(module, groups, policy, comm, device, accumulation)
         experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
-        dense_groups, expert_param_groups = _split(groups, experts)
+        dense_groups, expert_param_groups = split_groups(groups, experts)
         expert_policy = dataclasses.replace(
             policy, step=_WorldPrescale(**dataclasses.asdict(policy.step), world_size=comm.world_size)
         )
@@ -121,72 +111,14 @@ class ExpertSplitStrategy(Strategy):
             FlatStrategy(module, expert_param_groups, expert_policy, expert_groups.edp, device, accumulation),
         ]
 
-    # -- construction ----------------------------------------------------------------------------------
-    def master_param_groups(self) -> list[dict[str, Any]]:
-        return [g for part in self.parts for g in part.master_param_groups()]
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        for part in self.parts:  # each steps its own groups: the others' masters have no .grad then
-            part.attach(optimizer)
-
-    # -- backward and step -------------------------------------------------------------------------------
-    def begin_backward(self) -> None:
-        for part in self.parts:
-            part.begin_backward()
-
-    def finish_backward(self) -> None:
-        for part in self.parts:
-            part.finish_backward()
-
     @property
     def _sharded(self) -> bool:
         return self.comm.world_size > 1
-
-    def _before_step(self) -> None:
-        for part in self.parts:
-            part._before_step()
-
-    def _grad_slots(self) -> list[GradShard]:
-        return [slot for part in self.parts for slot in part._grad_slots()]
-
-    def _step_chunks(self, scale: float) -> None:
-        for part in self.parts:
-            part._step_chunks(scale)
-
-    def _publish(self) -> None:
-        for part in self.parts:
-            part._publish()
-
-    def zero_grad(self) -> None:
-        for part in self.parts:
-            part.zero_grad()
-
-    def publish_params(self) -> None:
-        """Every rank's master shards become the module's weights (after a checkpoint load)."""
-        for part in self.parts:
-            part.publish_params()
-
-    # -- one parameter ---------------------------------------------------------------------------------------
-    def _owner(self, param: torch.Tensor) -> FlatStrategy:
-        return next(p for p in self.parts if any(t is param for t in p.tracked_params()))
-
-    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
-        return self._owner(param).full_fp32_param(param)
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         part = self._owner(param)
         grad = part.full_grad(param)  # scaled by the part's own post-scale: the world's is the true one
         return None if grad is None else grad * (self._grad_scale() / part._grad_scale())
-
-    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
-        return self._owner(param).full_optimizer_state(param, key)
-
-    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        self._owner(param).set_full_fp32_param(param, value)
-
-    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
-        self._owner(param).set_full_optimizer_state(param, value, key)
 
     # -- state ---------------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Any]:
@@ -207,43 +139,3 @@ class ExpertSplitStrategy(Strategy):
         from zeroshard.moe.checkpoint import ExpertSplitState
 
         return ExpertSplitState(self)
-
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        yield
-
-    @contextmanager
-    def optimizer_state_resident(self) -> Iterator[None]:
-        with ExitStack() as stack:
-            for part in self.parts:
-                stack.enter_context(part.optimizer_state_resident())
-            yield
-
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        """Every trainable parameter this rank holds (its experts: the ones of its expert-parallel position)."""
-        return {k: v for part in self.parts for k, v in part.consolidated_params(dtype).items()}
-
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        seen: dict[int, torch.Tensor] = {}
-        for part in self.parts:
-            seen.update({id(t): t for t in part.offloadable_tensors()})
-        return list(seen.values())
-
-    def tracked_params(self) -> list[nn.Parameter]:
-        return [p for part in self.parts for p in part.tracked_params()]
-
-    @property
-    def trainable_numel(self) -> int:
-        return sum(part.trainable_numel for part in self.parts)
-
-    def memory(self) -> StrategyMemory:
-        total = StrategyMemory()
-        for part in self.parts:
-            for name, value in part.memory().as_dict().items():
-                setattr(total, name, getattr(total, name) + value)
-        total.optimizer_state -= sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))  # counted twice
-        return total
-
-    def destroy(self) -> None:
-        for part in self.parts:
-            part.destroy()

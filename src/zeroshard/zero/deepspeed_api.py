@@ -30,7 +30,7 @@ class Init:
     - `remote_device`, `pin_memory`, `dtype`, `config_dict_or_path`, `config`, `mem_efficient_linear`,
       `data_parallel_group`: accepted and unused; the ds_config passed to `initialize` decides placement
       (`offload_param`) and dtype (`bf16`/`fp16`).
-    - `mpu=`: refused, as `initialize(mpu=...)` is (no model parallelism yet).
+    - `mpu=`: refused (ZeRO-3 does not compose with model parallelism here; `initialize(mpu=...)` does at stages 0-2).
 
     Example:
         >>> import torch, zeroshard
@@ -55,7 +55,7 @@ class Init:
         **unused: Any,
     ) -> None:
         if mpu is not None:
-            raise ConfigError("zero.Init(mpu=...): model parallelism is not supported yet; pass mpu=None")
+            raise ConfigError("zero.Init(mpu=...): ZeRO-3 with model parallelism is not supported; pass mpu=None")
         if unused:
             logger.debug("zero.Init: ignoring %s", ", ".join(sorted(unused)))
         # A built module needs nothing here: initialize() shards whatever module it is given at stage 3.

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard.offload.tier import Tier
+from zeroshard.zero.flat.local import local_of, rebind
 from zeroshard.zero.layout import GroupLayout, owned_pieces
 
 
@@ -52,15 +53,16 @@ def build_group_buffers(
     master = param_flat if alias else tier.zeros(layout.shard_numel)
     if not alias:
         for piece in owned_pieces(layout, shard_rank):
-            source = params[layout.slots[piece.slot].index].detach().reshape(-1)
+            source = local_of(params[layout.slots[piece.slot].index]).detach().reshape(-1)
             master.narrow(0, piece.shard_offset, piece.param_end - piece.param_begin).copy_(
                 source[piece.param_begin : piece.param_end]
             )
     for slot in layout.slots:
         param = params[slot.index]
+        local = local_of(param)  # [Note: DTensor parameters]
         view = param_flat.narrow(0, slot.offset, slot.numel)
-        view.copy_(param.detach().reshape(-1))
-        param.data = view.view(param.shape)
+        view.copy_(local.detach().reshape(-1))
+        rebind(param, view.view(local.shape))
     grad_full = torch.zeros(layout.numel, dtype=grad_accum_dtype, device=device) if keep_full_grads else None
     if grad_full is not None and layout.numel == layout.shard_numel:
         grad_shard = grad_full  # unsharded (stage 0): the reduced full gradient is the shard

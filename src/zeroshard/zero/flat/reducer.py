@@ -29,6 +29,7 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.zero.flat.group_buffers import GroupBuffers
+from zeroshard.zero.flat.local import local_grad
 from zeroshard.zero.layout import Bucket, FlatLayout
 from zeroshard.zero.pool import BufferPool, InflightQueue, wait_plain, zero_unwritten
 
@@ -93,6 +94,7 @@ class GradientReducer:
         param.grad = None
         if grad is None:
             return []
+        grad = local_grad(param, grad)  # [Note: DTensor parameters]
         buffers = self.groups[group]
         slot = buffers.layout.slots[slot_index]
         bucket = self._bucket(group, slot.bucket)

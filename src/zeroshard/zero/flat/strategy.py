@@ -39,6 +39,7 @@ from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.residency import Residency
 from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
+from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
 from zeroshard.zero.owners import OWNERS
@@ -75,7 +76,10 @@ class FlatStrategy(Strategy):
         comm: Collectives,
         device: torch.device,
         accumulation: AccumulationState,
+        siblings: Sequence[ParamGroupSpec] = (),
     ):
+        """`siblings`: the groups other parts of a split strategy own ([Note: split flat strategies]): neither
+        tracked here nor bystanders."""
         super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.rank = comm.rank
@@ -83,7 +87,8 @@ class FlatStrategy(Strategy):
         shard_count = self.world_size if policy.stage >= 1 else 1
         self.shard_rank = self.rank if shard_count > 1 else 0  # which slice of every bucket this rank owns
         order = {id(p): i for i, p in enumerate(module.parameters())}
-        specs = [[ParamSpec(name, p.numel(), order[id(p)]) for name, p in g.params] for g in groups]
+        # [Note: DTensor parameters] a tensor-parallel parameter is its local shard here
+        specs = [[ParamSpec(name, local_of(p).numel(), order[id(p)]) for name, p in g.params] for g in groups]
         self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
         self.buffers: list[GroupBuffers] = [
             build_group_buffers(
@@ -102,8 +107,9 @@ class FlatStrategy(Strategy):
         self._cast_untracked(module, tracked)
         # [Note: clipping over the whole module at stage 0]
         whole_module_norm = policy.stage == 0 and policy.compute_dtype == torch.float32
+        owned = tracked | {id(p) for g in siblings for _, p in g.params}
         self._bystanders = [
-            p for p in module.parameters() if whole_module_norm and p.requires_grad and id(p) not in tracked
+            p for p in module.parameters() if whole_module_norm and p.requires_grad and id(p) not in owned
         ]
         # NVMe: each group's master shard and optimizer state live in swap files between steps and are read in
         # turn, one group ahead (Residency.in_turn)
@@ -349,7 +355,8 @@ class FlatStrategy(Strategy):
                 full = self._full_master(buffers)
                 for slot in buffers.layout.slots:
                     param = buffers.params[slot.index]
-                    out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(param.shape).to(dtype).clone()
+                    shape = local_of(param).shape
+                    out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(shape).to(dtype).clone()
             return out
 
     def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:
@@ -382,7 +389,7 @@ class FlatStrategy(Strategy):
         with self.optimizer_state_resident():
             self._scatter_slot(param, value, lambda buffers: buffers.master)
         with torch.no_grad():
-            param.copy_(value)  # whole on every rank: the compute copy (the master itself when they alias)
+            local_of(param).copy_(value)  # whole on every rank: the compute copy (the master itself when they alias)
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
         with self.optimizer_state_resident():
@@ -417,7 +424,7 @@ class FlatStrategy(Strategy):
         buffers, slot = self._slot_of(param)
         shard = local(buffers).to(self.device, torch.float32)
         if self.layout.shard_count == 1:
-            return shard.narrow(0, slot.offset, slot.numel).view(param.shape).clone()
+            return shard.narrow(0, slot.offset, slot.numel).view(local_of(param).shape).clone()
         lo, hi = slot.offset, slot.offset + slot.numel
         out = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
         for bucket in buffers.layout.buckets:
@@ -427,7 +434,7 @@ class FlatStrategy(Strategy):
             full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
             self.comm.all_gather(full, shard.narrow(0, bucket.shard_start, bucket.shard_numel), label="full value")
             out[max(lo, start) - lo : min(hi, end) - lo].copy_(full[max(lo, start) - start : min(hi, end) - start])
-        return out.view(param.shape)
+        return out.view(local_of(param).shape)
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
         out = [b.master for b in self.buffers if not b.master_aliases_params]

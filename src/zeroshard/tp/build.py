@@ -1,0 +1,142 @@
+"""`initialize`'s tensor-parallel path: the `tensor_parallel` block, the refusals, the mesh, the split model.
+
+[Note: tensor_parallel config]
+DeepSpeed's AutoTP training block is `"tensor_parallel": {"autotp_size": N}`: N ranks split each layer, the
+world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zeroshard reads `autotp_size`, accepts
+DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection), and
+reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py); other keys are refused by name. Tensor
+parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
+[Note: tensor-parallel norm]) and with the fsdp2 backend at its stages ([Note: tensor parallelism on fsdp2]);
+stage 3 on the zero backend, offload, a PipelineModule and MoE layers with ep_size > 1 are refused before any
+work, each in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.config import ZeroshardConfig
+from zeroshard.errors import ConfigError
+from zeroshard.tp.mesh import TensorParallelContext
+
+KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host", "loss_parallel"}
+
+
+def autotp_size(block: Mapping[str, Any] | None) -> int:
+    """`tensor_parallel.autotp_size` (1 without the block), after checking the block's keys."""
+    block = dict(block or {})
+    unknown = sorted(set(block) - KEYS)
+    if unknown:
+        raise ConfigError(f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size only")
+    if block.get("tp_overlap_comm"):
+        raise ConfigError("tensor_parallel.tp_overlap_comm=true is not supported; set it to false")
+    size = block.get("autotp_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ConfigError(f"tensor_parallel.autotp_size={size!r}: expected a positive int (the ranks per layer)")
+    return max(size, 1)  # DeepSpeed's default 0 means no tensor parallelism
+
+
+def loss_parallel_of(block: Mapping[str, Any] | None) -> bool:
+    """`tensor_parallel.loss_parallel` (ours, default false): [Note: vocab-parallel loss]."""
+    value = dict(block or {}).get("loss_parallel", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"tensor_parallel.loss_parallel={value!r}: expected true or false")
+    return value
+
+
+def tp_degree(cfg: ZeroshardConfig, mpu: Any) -> int:
+    """The model-parallel degree the batch arithmetic divides the world by."""
+    if mpu is not None:
+        from zeroshard.tp.mpu import check_mpu
+
+        check_mpu(mpu)
+        return int(mpu.get_model_parallel_world_size())
+    return autotp_size(cfg.tensor_parallel)
+
+
+def refuse_unsupported(cfg: ZeroshardConfig, model: nn.Module, tp: int, mpu: Any) -> None:
+    """[Note: tensor_parallel config] one line per combination not implemented, before any work."""
+    stage, what = int(cfg.zero_optimization.stage), ("initialize(mpu=...)" if mpu is not None else "")
+    what = what or f"tensor_parallel.autotp_size={tp}"
+    if mpu is not None and autotp_size(cfg.tensor_parallel) > 1:
+        raise ConfigError(
+            "initialize(mpu=...) with tensor_parallel.autotp_size > 1: pass one of them (the mpu's model is "
+            "already split; autotp_size splits a Hugging Face model itself)"
+        )
+    fsdp2 = str(cfg.zeroshard.backend) == "fsdp2"
+    if stage == 3 and not fsdp2:
+        raise ConfigError(
+            f'{what} with zero_optimization.stage 3 on the "zero" backend: not implemented; set "zeroshard": '
+            '{"backend": "fsdp2"} (FSDP2 over the data-parallel dimension) or use stage 1 or 2'
+        )
+    if fsdp2 and mpu is not None:
+        raise ConfigError(
+            'initialize(mpu=...) with zeroshard.backend "fsdp2": FSDP2 needs the tensor-parallel device mesh; use '
+            'tensor_parallel.autotp_size, or the "zero" backend with the mpu'
+        )
+    z = cfg.zero_optimization
+    if str(z.offload_optimizer.device) != "none" or str(z.offload_param.device) != "none":
+        raise ConfigError(f"{what} does not combine with offload_optimizer / offload_param yet; set their device none")
+    from zeroshard.moe.zero import moe_layers
+    from zeroshard.pipe.module import PipelineModule
+
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            f"{what} with a model on the meta device (built under zeroshard.zero_init()): build it with real "
+            "weights (from_pretrained without zero_init) so the tensor-parallel plan can split them"
+        )
+    if isinstance(model, PipelineModule):
+        raise ConfigError(f"{what} with a PipelineModule: tp x pp is not implemented; use one of them")
+    if any(layer.ep_size > 1 for layer in moe_layers(model)):
+        raise ConfigError(f"{what} with MoE layers of ep_size > 1: tp x ep is not implemented; use one of them")
+
+
+def build_tp(
+    cfg: ZeroshardConfig, model: nn.Module, world: Collectives, device: torch.device, mpu: Any
+) -> TensorParallelContext | None:
+    """None without tensor parallelism; else this rank's mesh context, the model split in place (autotp) or
+    taken as the mpu split it ([Note: mpu groups]). Collective: every rank, the same config."""
+    tp = tp_degree(cfg, mpu)
+    if mpu is None and tp == 1:
+        return None
+    refuse_unsupported(cfg, model, tp, mpu)
+    if mpu is not None:
+        from zeroshard.tp.mpu import context_from_mpu
+
+        return context_from_mpu(mpu, world)
+    from zeroshard.tp.plan import apply_tensor_parallel, hf_plan
+
+    vocab_parallel = loss_parallel_of(cfg.tensor_parallel)
+    hf_plan(model, tp, vocab_parallel)  # refuses an unsplittable model before the mesh exists
+    context = TensorParallelContext.create(world, tp, device, vocab_parallel)
+    assert context.tp_mesh is not None
+    apply_tensor_parallel(model, context.tp_mesh, vocab_parallel)
+    return context
+
+
+def follow_split(
+    model: nn.Module, names: dict[int, str], optimizer: Any, model_parameters: Iterable[Any] | None
+) -> Iterable[Any] | None:
+    """`parallelize_module` replaced the model's parameter objects with DTensors: a client optimizer's groups and
+    `model_parameters` that hold the old objects (`names`: id -> name before the split) now hold the new ones.
+    Returns `model_parameters` remapped (the optimizer is remapped in place)."""
+    current = dict(model.named_parameters())
+
+    def new(params: Any) -> list[Any]:
+        items = [params] if isinstance(params, torch.Tensor) else list(params)
+        return [current[names[id(p)]] if id(p) in names else p for p in items]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = new(group["params"])
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and all(isinstance(item, Mapping) for item in items):
+        return [{**item, "params": new(item["params"])} for item in items]
+    return new(items)

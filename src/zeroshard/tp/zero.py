@@ -1,0 +1,77 @@
+"""ZeRO stages 0-2 over the data-parallel dimension of a dp x tp mesh.
+
+[Note: tensor-parallel norm]
+Each rank's flat buffers hold its tensor-parallel slice of every parameter ([Note: DTensor parameters]); ZeRO
+reduces and shards them over the data-parallel group only, so its per-rank squared norms summed over that group
+give the norm of this tensor-parallel rank's slice. Summing once more over the tensor-parallel group (the step
+policy's `model_parallel`) gives the whole model's norm for the sharded parameters, but would count `tp` times
+those every tensor-parallel rank holds whole (RMSNorm weights, row-parallel biases: their gradients are equal on
+every tensor-parallel rank, since the activations around them are replicated). So the model splits into two
+`FlatStrategy`s ([Note: split flat strategies]): the tensor-parallel shards, whose squares count as they are,
+and the replicated parameters, whose squares are divided by `tp` before that sum (DeepSpeed counts them on
+tensor-parallel rank 0 only; the sum is the same). Clipping then sees the global norm over dp and tp, as DeepSpeed's
+and Megatron's does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from zeroshard.checkpoint.state import ShardedState
+from zeroshard.comm.collectives import Collectives
+from zeroshard.offload.gradients import GradShard
+from zeroshard.zero.flat.split import SplitStrategy, split_groups
+from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.stepmath import tensor_norms
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """Whether `param` holds a different slice on each tensor-parallel rank: a DTensor with a Shard placement, or
+    a Megatron parameter marked `tensor_model_parallel` / `model_parallel` (DeepSpeed's test for an mpu's model)."""
+    if isinstance(param, DTensor):
+        return any(isinstance(p, Shard) for p in param.placements)
+    return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False))
+
+
+class TensorParallelStrategy(SplitStrategy):
+    """[Note: tensor-parallel norm] ZeRO over `comm` (the data-parallel group) for tensor-parallel shards and for
+    replicated parameters, one optimizer."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[ParamGroupSpec],
+        policy: FlatPolicy,
+        comm: Collectives,
+        device: torch.device,
+        accumulation: AccumulationState,
+        tp_comm: Collectives,
+    ):
+        super().__init__(module, groups, policy, comm, device, accumulation)
+        sharded = {id(p) for g in groups for _, p in g.params if is_tp_sharded(p)}
+        replicated_groups, sharded_groups = split_groups(groups, sharded)
+        self.tp_comm = tp_comm
+        self.sharded = FlatStrategy(module, sharded_groups, policy, comm, device, accumulation, replicated_groups)
+        self.replicated = FlatStrategy(module, replicated_groups, policy, comm, device, accumulation, sharded_groups)
+        self.parts = [self.sharded, self.replicated]
+
+    def _grad_slots(self) -> list[GradShard]:
+        return self.sharded._grad_slots()
+
+    def _extra_norms(self) -> list[torch.Tensor]:
+        """The replicated parameters' norms, weighted to count once in the sum over tp ([Note: tensor-parallel
+        norm]); then each part's own extras."""
+        weight = 1.0 / math.sqrt(self.tp_comm.world_size)
+        replicated = [n * weight for n in tensor_norms([s.shard for s in self.replicated._grad_slots()])]
+        return replicated + super()._extra_norms()
+
+    def checkpoint_state(self) -> ShardedState:
+        from zeroshard.tp.checkpoint import TensorParallelState
+
+        return TensorParallelState(self)

@@ -1,0 +1,148 @@
+"""A model's parameters in several `FlatStrategy` parts sharing one optimizer.
+
+[Note: split flat strategies]
+Some compositions need different parameters treated differently at the same ZeRO stage: MoE experts reduce over
+their expert-data-parallel group ([Note: experts under ZeRO] in moe/zero.py), tensor-parallel shards count in the
+norm differently from the parameters every tensor-parallel rank holds whole ([Note: tensor-parallel norm] in
+tp/zero.py). Each part is an ordinary `FlatStrategy` over its own parameter groups; this base runs the common step
+skeleton over all of them (one norm, one scale) and forwards everything else to the part that owns a parameter.
+Subclasses build `self.parts` and say how their norms and checkpoints combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.memory import StrategyMemory
+from zeroshard.offload.gradients import GradShard
+from zeroshard.zero.flat.strategy import FlatStrategy
+from zeroshard.zero.strategy import ParamGroupSpec, Strategy, nbytes, optimizer_state_tensors
+
+
+def split_groups(
+    groups: Sequence[ParamGroupSpec], chosen: set[int]
+) -> tuple[list[ParamGroupSpec], list[ParamGroupSpec]]:
+    """(the groups without the parameters in `chosen`, the groups of only those); empty groups dropped."""
+    rest = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) not in chosen]) for g in groups]
+    picked = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) in chosen]) for g in groups]
+    return [g for g in rest if g.params], [g for g in picked if g.params]
+
+
+class SplitStrategy(Strategy):
+    """[Note: split flat strategies] the delegation to `self.parts` (built by the subclass)."""
+
+    parts: list[FlatStrategy]
+
+    # -- construction ----------------------------------------------------------------------------------
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        return [g for part in self.parts for g in part.master_param_groups()]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        for part in self.parts:  # each steps its own groups: the others' masters have no .grad then
+            part.attach(optimizer)
+
+    # -- backward and step -------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for part in self.parts:
+            part.begin_backward()
+
+    def finish_backward(self) -> None:
+        for part in self.parts:
+            part.finish_backward()
+
+    @property
+    def _sharded(self) -> bool:
+        return any(part._sharded for part in self.parts)
+
+    def _before_step(self) -> None:
+        for part in self.parts:
+            part._before_step()
+
+    def _grad_slots(self) -> list[GradShard]:
+        return [slot for part in self.parts for slot in part._grad_slots()]
+
+    def _extra_norms(self) -> list[torch.Tensor]:
+        return [n for part in self.parts for n in part._extra_norms()]
+
+    def _step_chunks(self, scale: float) -> None:
+        for part in self.parts:
+            part._step_chunks(scale)
+
+    def _publish(self) -> None:
+        for part in self.parts:
+            part._publish()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def publish_params(self) -> None:
+        """Every rank's master shards become the module's weights (after a checkpoint load)."""
+        for part in self.parts:
+            part.publish_params()
+
+    # -- one parameter ---------------------------------------------------------------------------------------
+    def _owner(self, param: torch.Tensor) -> FlatStrategy:
+        return next(p for p in self.parts if any(t is param for t in p.tracked_params()))
+
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+        return self._owner(param).full_fp32_param(param)
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        return self._owner(param).full_grad(param)
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        return self._owner(param).full_optimizer_state(param, key)
+
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        self._owner(param).set_full_fp32_param(param, value)
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        self._owner(param).set_full_optimizer_state(param, value, key)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def optimizer_state_resident(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.optimizer_state_resident())
+            yield
+
+    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        return {k: v for part in self.parts for k, v in part.consolidated_params(dtype).items()}
+
+    def offloadable_tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for part in self.parts:
+            seen.update({id(t): t for t in part.offloadable_tensors()})
+        return list(seen.values())
+
+    def tracked_params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.tracked_params()]
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(part.trainable_numel for part in self.parts)
+
+    def memory(self) -> StrategyMemory:
+        total = StrategyMemory()
+        for part in self.parts:
+            for name, value in part.memory().as_dict().items():
+                setattr(total, name, getattr(total, name) + value)
+        extra = (len(self.parts) - 1) * sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
+        total.optimizer_state -= extra  # every part counted the shared optimizer's state
+        return total
+
+    def destroy(self) -> None:
+        for part in self.parts:
+            part.destroy()

@@ -1,0 +1,148 @@
+"""A tiny Llama-shaped Hugging Face model, its single-process reference and the tensor-parallel engine runner.
+
+The reference runs each data-parallel replica's micro-batch through one whole model and averages the replicas'
+losses (the engine's gradient mean over dp); torch's AdamW and clip_grad_norm_ step it. Both sides build the model
+from the same seed; the engine splits it over the tp ranks ([Note: autotp plan]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VOCAB, SEQ, B = 128, 16, 2  # vocabulary, tokens per sequence, sequences per replica
+LR, CLIP = 1e-2, 0.5  # the clip is below the first steps' norms (~1-3): clipping is active
+
+
+@dataclass(frozen=True)
+class TpCase:
+    stage: int = 1
+    steps: int = 3
+    gas: int = 1
+    clip: float = CLIP
+    loss_parallel: bool = False  # [Note: vocab-parallel loss]: the loss a DTensor, logits vocab-sharded
+    backend: str = "zero"  # "fsdp2": [Note: tensor parallelism on fsdp2]
+    client_optimizer: bool = False  # torch's AdamW passed to initialize instead of the config's
+
+    @property
+    def name(self) -> str:
+        lp, client = int(self.loss_parallel), int(self.client_optimizer)
+        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}"
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def batch(step: int, replica: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + replica)
+    return torch.randint(0, VOCAB, (B, SEQ), generator=gen)
+
+
+def config(case: TpCase, tp: int = 2) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": case.gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": case.clip,
+        "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
+        "tensor_parallel": {"autotp_size": tp, "loss_parallel": case.loss_parallel},
+        "zeroshard": {"backend": case.backend},
+    }
+
+
+def reference(case: TpCase, dp: int) -> tuple[list[list[float]], list[float]]:
+    """Per step, every replica's loss; and each step's gradient norm before clipping."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(case.steps):
+        micro = range(step * case.gas, (step + 1) * case.gas)
+        per = [model(input_ids=ids, labels=ids).loss for m in micro for ids in (batch(m, r) for r in range(dp))]
+        opt.zero_grad()
+        torch.stack(per).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip if case.clip > 0 else float("inf"))
+        opt.step()
+        losses.append([float(v.detach()) for v in per])
+        norms.append(float(norm))
+    return losses, norms
+
+
+def run(engine: Any, replica: int, steps: range, gas: int = 1) -> tuple[list[float], list[float]]:
+    """This replica's loss per micro-step, and the engine's gradient norm per optimizer step."""
+    losses, norms = [], []
+    for step in steps:
+        for m in range(step * gas, (step + 1) * gas):
+            ids = batch(m, replica)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        norms.append(float(engine.get_global_grad_norm()))
+    return losses, norms
+
+
+def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
+    import zeroshard
+
+    model = llama()
+    cfg = config(case, tp)
+    if case.client_optimizer:
+        del cfg["optimizer"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, config=cfg)
+    else:
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    replica = rank // tp
+    losses, norms = run(engine, replica, range(case.steps), case.gas)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.strategy.comm.world_size}
+    engine.destroy()
+    return out
+
+
+def resume(rank: int, case: TpCase, save_dir: str, save_at: int, other_tp: int | None = None) -> dict[str, Any]:
+    """Losses and norms of uninterrupted steps, and losses of a second engine (differently seeded) loading the
+    checkpoint saved after `save_at` steps and running the rest; with `other_tp`, the message of a load into that
+    autotp_size (refused by name)."""
+    import zeroshard
+
+    replica = rank // 2
+    model = llama()
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    straight, norms = run(engine, replica, range(save_at))
+    engine.save_checkpoint(save_dir, tag="mid")
+    more = run(engine, replica, range(save_at, case.steps))
+    engine.destroy()
+    fresh = llama(seed=7)
+    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case))
+    engine.load_checkpoint(save_dir, tag="mid")
+    resumed = run(engine, replica, range(save_at, case.steps))[0]
+    engine.destroy()
+    out = {"straight": straight + more[0], "norms": norms + more[1], "resumed": resumed, "refused": ""}
+    if other_tp is not None:
+        other = llama()
+        cfg = config(case, other_tp)
+        engine, _, _, _ = zeroshard.initialize(model=other, model_parameters=other.parameters(), config=cfg)
+        try:
+            engine.load_checkpoint(save_dir, tag="mid")
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["refused"] = str(e)
+        engine.destroy()
+    return out
