@@ -260,7 +260,7 @@ def _one_line(row: dict[str, Any]) -> str:
         return f"{row['status']}: {row.get('note', '')}"
     return (
         f"step {row['step_time_median']:.3f} s  rss {max(row['peak_rss']) / 2**20:.0f} MiB  "
-        f"loss {row['final_loss']:.6f}"
+        f"faults/step {max(row.get('minor_faults_per_step', [0])):.0f}  loss {row['final_loss']:.6f}"
     )
 
 

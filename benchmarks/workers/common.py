@@ -45,6 +45,7 @@ class RankResult:
     model_state: dict[str, Any] = field(default_factory=dict)
     comm_counted: dict[str, float] = field(default_factory=dict)
     comm_engine: float | None = None
+    minor_faults: float = 0.0  # per timed step (getrusage): fresh pages the allocator asked the kernel for
 
 
 class Trainer(Protocol):
@@ -128,11 +129,14 @@ def time_steps(trainer: Trainer, spec: RowSpec, rank: int) -> RankResult:
             result.comm_counted = {**counter.bus_bytes, "total": counter.total_bus_bytes}
             engine_before = trainer.engine_comm_bytes()
         else:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             loss = trainer.train_step(x, y)
             elapsed = time.perf_counter() - start
             if step >= settings.warmup:
                 result.step_times.append(elapsed)
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                result.minor_faults += faults / settings.timed_steps
         result.losses.append(loss)
     engine_after = trainer.engine_comm_bytes()
     if engine_after is not None and engine_before is not None:
@@ -170,6 +174,7 @@ def summarize(spec: RowSpec, ranks: list[RankResult], numel: int) -> dict[str, A
         "step_time_max": max(per_step),
         "tokens_per_s": tokens / median,
         "peak_rss": [r.peak_rss for r in ranks],
+        "minor_faults_per_step": [r.minor_faults for r in ranks],
         "model_state": [r.model_state for r in ranks],
         "comm_counted": ranks[0].comm_counted,
         "comm_engine": ranks[0].comm_engine,
