@@ -34,7 +34,7 @@ PRESETS: dict[str, list[str]] = {
         "--micro-batch=2",
         "--steps=22",
         "--warmup=2",
-        "--variants=ddp,zs0,ds1,zs1,ds2,zs2,fsdp2,ds3,zs3",
+        "--variants=ddp,zs0,ds1,zs1,ds2,zs2,fsdp2,ds3,zs3,zs3g",
         "--no-micro",
     ],
 }

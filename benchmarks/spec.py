@@ -28,6 +28,7 @@ class Variant:
     offload: bool = False
     needs: tuple[str, ...] = ()  # zeroshard config keys that must be implemented for the row to run
     backend: str = "zero"  # zeroshard rows: "zeroshard": {"backend": ...} (docs/fsdp2.md)
+    host_alloc: str = ""  # zeroshard rows: ZEROSHARD_HOST_ALLOC for the row ([Note: glibc's mmap threshold])
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -42,6 +43,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("ds3", "deepspeed", 3, "DeepSpeed ZeRO-3"),
     Variant("zs3", "zeroshard", 3, "zeroshard ZeRO-3"),
     Variant("zs3f", "zeroshard", 3, "zeroshard ZeRO-3 on FSDP2", backend="fsdp2"),
+    Variant("zs3g", "zeroshard", 3, "zeroshard ZeRO-3, glibc's allocator", host_alloc="glibc"),
     Variant("ds2off", "deepspeed", 2, "DeepSpeed ZeRO-2 + CPU offload", offload=True),
     Variant(
         "zs2off",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -52,6 +53,8 @@ class ZeroshardTrainer:
         import zeroshard
         from zeroshard.errors import ConfigError
 
+        if spec.variant.host_alloc:  # read by initialize ([Note: glibc's mmap threshold])
+            os.environ["ZEROSHARD_HOST_ALLOC"] = spec.variant.host_alloc
         missing = _unimplemented(spec.variant.needs)
         if missing:
             raise NotImplementedRow(f"zeroshard lists {', '.join(missing)} as not implemented yet")
