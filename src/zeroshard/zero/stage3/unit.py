@@ -172,8 +172,8 @@ class ShardedUnit:
     def lend_shape(self, index: int) -> None:
         """A gradient arrives for a released parameter (an embedding's, [Note: root unit by module]): autograd
         accumulates it against the parameter's shape and strides, so until `return_shape` the parameter shows its
-        view, whose storage holds no memory (nothing reads it)."""
-        if self.state is UnitState.SHARDED:
+        view, whose storage holds no memory or is being gathered into (nothing reads it)."""
+        if self.state is not UnitState.GATHERED:
             self.params[index].data = self.views[index]
 
     def return_shape(self, index: int) -> None:
