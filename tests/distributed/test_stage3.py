@@ -21,6 +21,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, variant="unused_unit"),
     Case(stage=3, variant="order"),
     Case(stage=3, variant="eval"),
+    Case(stage=3, variant="outside"),  # the root unit kept whole ([Note: root unit by module])
 ]
 CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000)]
 
@@ -33,7 +34,8 @@ def test_stage3_parity_two_ranks():
     _check(CASES_2, run_on_ranks(_run_cases, 2, CASES_2), 2)
 
 
-def _peak_gathered(rank: int, world_size: int, cases: list[Case]) -> list[int]:
+def _peak_gathered(rank: int, world_size: int, cases: list[Case]) -> list[tuple[int, str]]:
+    """Per case: `peak_gathered_params` after three steps and how the root unit was gathered."""
     import zeroshard
 
     peaks = []
@@ -45,7 +47,8 @@ def _peak_gathered(rank: int, world_size: int, cases: list[Case]) -> list[int]:
         for batch in global_batches(case, world_size)[:3]:
             engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
             engine.step()
-        peaks.append(engine.memory_report().peak_gathered_params)
+        root = engine.strategy.root_unit
+        peaks.append((engine.memory_report().peak_gathered_params, root.scope.name if root else "none"))
         engine.destroy()
     return peaks
 
@@ -53,8 +56,11 @@ def _peak_gathered(rank: int, world_size: int, cases: list[Case]) -> list[int]:
 def test_max_live_parameters_bounds_the_gathered_working_set():
     # [Note: live parameter limit]: without the limit every unit stays gathered for its backward
     unlimited = Case(stage=3, reuse=10**9, prefetch=10**9)
-    for limited_peak, unlimited_peak in run_on_ranks(_peak_gathered, 2, [LIVE_LIMITED, unlimited]):
-        assert limited_peak <= 4 * LIVE_LIMITED.max_live < unlimited_peak, (limited_peak, unlimited_peak)
+    # [Note: root unit by module]: gathered by its modules, unless the forward reads the tied weight outside them
+    outside = Case(stage=3, variant="outside", reuse=10**9, prefetch=10**9, max_live=25_000)
+    for limited, unlimited_run, outside_run in run_on_ranks(_peak_gathered, 2, [LIVE_LIMITED, unlimited, outside]):
+        assert limited[0] <= 4 * LIVE_LIMITED.max_live < unlimited_run[0], (limited, unlimited_run)
+        assert limited[1] == unlimited_run[1] == "SPLIT" and outside_run[1] == "WHOLE", (limited, outside_run)
 
 
 def test_stage3_parity_four_ranks():

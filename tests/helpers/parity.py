@@ -75,7 +75,8 @@ class WithUnused(nn.Module):
 
 class VariantGPT(GPT):
     """Control flow stage 3 must survive: a block called twice (`twice`), blocks whose output is
-    dropped (`unused_unit`), a block order that flips every other step (`order`, via `flip`)."""
+    dropped (`unused_unit`), a block order that flips every other step (`order`, via `flip`), the tied
+    embedding read as the head's weight in this forward, outside any module's (`outside`)."""
 
     def __init__(self, cfg: GPTConfig, variant: str):
         super().__init__(cfg)
@@ -97,14 +98,17 @@ class VariantGPT(GPT):
                 extra(x)
         for block in blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        if self.variant == "outside":
+            logits = torch.nn.functional.linear(self.ln_f(x), self.wte.weight)
+        else:
+            logits = self.lm_head(self.ln_f(x))
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
 def build_model(case: Case) -> nn.Module:
     torch.manual_seed(1234)
     model: nn.Module
-    if case.variant in ("twice", "unused_unit", "order"):
+    if case.variant in ("twice", "unused_unit", "order", "outside"):
         model = VariantGPT(TINY, case.variant)
     else:
         model = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)

@@ -1,9 +1,11 @@
 """Every hook stage 3 puts on the user's module, registered in one place and removable.
 
-Hook bodies only route the event to a named method of the strategy:
+Hook bodies only route the event to a named method of the strategy (or of the root unit, root.py):
 - unit module pre-forward:  `on_pre_forward(unit)`; its tensor inputs pass through `_PostBackward`,
   an identity whose backward reports that the unit's backward has finished (`on_post_backward`);
 - unit module post-forward: `on_post_forward(unit, output)` (registers the pre-backward hook on outputs);
+- the root unit split by module ([Note: root unit by module]): the root's pre/post-forward and its entries'
+  (`RootUnit`'s methods, which call the strategy's);
 - parameter post-accumulate-grad: `on_grad(unit, index, param)`;
 - pre-forward of a block without a unit (all its parameters persistent): `on_block_ran(index)`;
 - root state_dict pre/post: gather everything / copy out full tensors and release.
@@ -11,6 +13,7 @@ Hook bodies only route the event to a named method of the strategy:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,30 +21,31 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 if TYPE_CHECKING:
+    from zeroshard.zero.stage3.root import RootUnit
     from zeroshard.zero.stage3.strategy import Stage3Strategy
     from zeroshard.zero.stage3.unit import ShardedUnit
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity in forward; in backward, tells the strategy a unit's backward has run."""
+    """Identity in forward; in backward, calls `on_done` (a unit's backward has run)."""
 
     @staticmethod
-    def forward(ctx: Any, strategy: Stage3Strategy, unit: ShardedUnit, *tensors: torch.Tensor) -> Any:
-        ctx.strategy, ctx.unit = strategy, unit
+    def forward(ctx: Any, on_done: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.on_done = on_done
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.strategy.on_post_backward(ctx.unit)
-        return (None, None, *grads)
+        ctx.on_done()
+        return (None, *grads)
 
 
-def route_inputs_through_post_backward(strategy: Stage3Strategy, unit: ShardedUnit, args: Any, kwargs: Any) -> Any:
+def route_inputs_through_post_backward(on_done: Callable[[], None], args: Any, kwargs: Any) -> Any:
     flat, _ = tree_flatten((args, kwargs))
     needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     if not needs or not torch.is_grad_enabled():
         return None
-    wrapped = _PostBackward.apply(strategy, unit, *needs)
+    wrapped = _PostBackward.apply(on_done, *needs)
     wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
     replacement = {id(t): w for t, w in zip(needs, wrapped, strict=True)}
     return tree_map(lambda t: replacement.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -57,7 +61,9 @@ class Stage3Hooks:
         s = self.strategy
         self.handles.append(self.root.register_forward_pre_hook(lambda m, a: s.on_root_pre_forward()))
         for unit in s.units:
-            if unit.module is not None:
+            if s.root_unit is not None and unit is s.root_unit.unit:
+                self._register_root(s.root_unit)
+            elif unit.module is not None:
                 self.handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
                 self.handles.append(unit.module.register_forward_hook(self._post_forward(unit)))
             for index, param in enumerate(unit.params):
@@ -70,10 +76,24 @@ class Stage3Hooks:
         )
         self.handles.append(self.root.register_state_dict_post_hook(lambda m, sd, prefix, meta: s.detach_state(sd)))
 
+    def _register_root(self, root: RootUnit) -> None:
+        """[Note: root unit by module]; the always-called hook leaves the probe also when the forward raised."""
+        self.handles.append(
+            self.root.register_forward_pre_hook(lambda m, a, k: root.root_pre_forward(a, k), with_kwargs=True)
+        )
+        self.handles.append(self.root.register_forward_hook(lambda m, a, out: root.root_post_forward(out)))
+        self.handles.append(self.root.register_forward_hook(lambda m, a, out: root.end_probe(), always_call=True))
+        for entry in root.entries:
+            self.handles.append(entry.register_forward_pre_hook(root.entry_pre_forward, with_kwargs=True))
+            self.handles.append(entry.register_forward_hook(lambda m, a, out: root.entry_post_forward(m, out)))
+        for index, param in enumerate(root.unit.params):
+            if param.requires_grad:  # before autograd accumulates it; `on_grad` returns the placeholder
+                self.handles.append(param.register_hook(self._grad_arriving(root.unit, index)))
+
     def _pre_forward(self, unit: ShardedUnit) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self.strategy.on_pre_forward(unit)
-            return route_inputs_through_post_backward(self.strategy, unit, args, kwargs)
+            return route_inputs_through_post_backward(lambda: self.strategy.on_post_backward(unit), args, kwargs)
 
         return hook
 
@@ -86,6 +106,12 @@ class Stage3Hooks:
     def _post_forward(self, unit: ShardedUnit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.strategy.on_post_forward(unit, output)
+
+        return hook
+
+    def _grad_arriving(self, unit: ShardedUnit, index: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            unit.lend_shape(index)
 
         return hook
 

@@ -96,6 +96,25 @@ def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold
     return specs
 
 
+def root_entries(root: nn.Module, policy: UnitPolicy | None, param_names: Sequence[str]) -> list[str] | None:
+    """The modules whose forward uses the root unit's parameters `param_names` ([Note: root unit by module] in
+    root.py): the modules outside every block that own one directly, in registration order. None when one is the
+    root's own or is shared with a module inside a block: then only the root's whole forward covers its uses."""
+    unit_of_module = _unit_of_module(root, policy)
+    wanted = set(param_names)
+    entries: list[str] = []
+    seen: set[int] = set()
+    for mod_name, module in root.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or (f"{mod_name}.{p_name}" if mod_name else p_name) in wanted:
+                seen.add(id(param))
+                if not mod_name or unit_of_module[mod_name]:
+                    return None
+                if mod_name not in entries:
+                    entries.append(mod_name)
+    return entries
+
+
 def _common_ancestor(unit_names: Sequence[str]) -> str:
     parts = [n.split(".") if n else [] for n in unit_names]
     common: list[str] = []

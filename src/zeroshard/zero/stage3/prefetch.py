@@ -70,12 +70,13 @@ def units_to_prefetch(
 
 
 def reused_soon(unit: int, upcoming: Sequence[int], numel: Sequence[int], policy: PrefetchPolicy) -> bool:
-    """True when `unit` is used again before more than `max_reuse_distance` other elements are gathered."""
+    """True when `unit` is used again before more than `max_reuse_distance` other elements are gathered, or next (a
+    root unit's consecutive entries, [Note: root unit by module]: releasing to gather again at once saves nothing)."""
     distance = 0
     seen: set[int] = set()
     for other in upcoming:
         if other == unit:
-            return distance < policy.max_reuse_distance
+            return distance == 0 or distance < policy.max_reuse_distance
         if other not in seen:
             seen.add(other)
             distance += numel[other]

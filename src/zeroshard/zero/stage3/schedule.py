@@ -76,10 +76,14 @@ class GatherSchedule:
         self._kept.clear()
         self.forward_calls.clear()
 
-    def pre_forward(self, unit: ShardedUnit) -> None:
+    def pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
         self.trace.record(unit.index)
-        if torch.is_grad_enabled() and not recomputing():  # [Note: recompute]
+        if counted and torch.is_grad_enabled() and not recomputing():  # [Note: recompute]
             self._count_forward(unit)
+        self._use(unit)
+
+    def hold(self, unit: ShardedUnit) -> None:
+        """Gather `unit` outside the trace: the root unit around a probing forward ([Note: root unit by module])."""
         self._use(unit)
 
     def post_forward(self, unit: ShardedUnit) -> None:

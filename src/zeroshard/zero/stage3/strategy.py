@@ -32,9 +32,10 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
+from zeroshard.zero.stage3.plan import UnitPolicy, root_entries, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
+from zeroshard.zero.stage3.root import RootUnit
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_gathers
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
@@ -122,6 +123,7 @@ class Stage3Strategy(Strategy):
             (len(self.units) + k, modules[name])
             for k, name in enumerate(n for n in unit_module_names(module, policy.unit_policy) if n not in unit_names)
         ]
+        self.root_unit = _root_unit(self, module, policy.unit_policy)  # [Note: root unit by module]
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
@@ -150,32 +152,49 @@ class Stage3Strategy(Strategy):
             self.zeropp.new_forward()
         self.schedule.root_pre_forward()
 
-    def on_pre_forward(self, unit: ShardedUnit) -> None:
+    def on_pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
+        """`counted`: this forward call's backward reports back (`on_post_backward`), [Note: root unit by module]."""
         self.watch.run_log.append(unit.index)
-        self.schedule.pre_forward(unit)
+        self.schedule.pre_forward(unit, counted)
 
     def on_block_ran(self, index: int) -> None:
         """A block without a unit of its own (all its parameters persistent) ran: only the digest records it."""
         self.watch.run_log.append(index)
 
-    def on_post_forward(self, unit: ShardedUnit, output: Any) -> None:
-        if torch.is_grad_enabled():
+    def on_post_forward(
+        self,
+        unit: ShardedUnit,
+        output: Any,
+        backward: Callable[[], bool] | None = lambda: True,
+        release: bool = True,
+    ) -> None:
+        """The gradient of `output` gathers the unit again while `backward()` says so (None: its backward does not
+        read the parameters); `release`: the unit may be released now ([Note: root unit by module])."""
+        if torch.is_grad_enabled() and backward is not None:
             flat, _ = tree_flatten(output)
             needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if needs:
                 recomputed = recomputing()  # [Note: recompute]
-                torch.autograd.graph.register_multi_grad_hook(
-                    needs, lambda grads: self.schedule.pre_backward(unit, recomputed), mode="any"
-                )
-        self.schedule.post_forward(unit)
+                wanted = backward
+
+                def pre_backward(grads: Any) -> None:
+                    if wanted():
+                        self.schedule.pre_backward(unit, recomputed)
+
+                torch.autograd.graph.register_multi_grad_hook(needs, pre_backward, mode="any")
+        if release:
+            self.schedule.post_forward(unit)
 
     def on_grad(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         self.reducer.stage(unit, index, param)
+        unit.return_shape(index)  # [Note: root unit by module]: lent while autograd accumulated it
 
-    def on_post_backward(self, unit: ShardedUnit) -> None:
-        """The unit's backward has run for one of its forward calls; after the last, reduce and release."""
+    def on_post_backward(self, unit: ShardedUnit, reduce: bool = True) -> None:
+        """The unit's backward has run for one of its forward calls; after the last, reduce (unless gradients are
+        still to come, [Note: root unit by module]: then when backward ends) and release."""
         if self.schedule.last_backward(unit):
-            self.reducer.reduce(unit)
+            if reduce:
+                self.reducer.reduce(unit)
             unit.release()
 
     # -- backward ----------------------------------------------------------------------------------
@@ -417,3 +436,15 @@ class Stage3Strategy(Strategy):
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
             unit.overwrite_shard(unit.full[lo:hi])
+
+
+def _root_unit(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None) -> RootUnit | None:
+    """The root unit gathered by its entries, when its parameters have some ([Note: root unit by module])."""
+    unit = next((u for u in strategy.units if u.name == "" and u.module is module), None)
+    if unit is None:
+        return None
+    names = root_entries(module, policy, [slot.name for slot in unit.layout.slots])
+    if not names:
+        return None
+    modules = dict(module.named_modules())
+    return RootUnit(strategy, unit, [modules[name] for name in names])

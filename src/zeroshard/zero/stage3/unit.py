@@ -169,6 +169,17 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
+    def lend_shape(self, index: int) -> None:
+        """A gradient arrives for a released parameter (an embedding's, [Note: root unit by module]): autograd
+        accumulates it against the parameter's shape and strides, so until `return_shape` the parameter shows its
+        view, whose storage holds no memory or is being gathered into (nothing reads it)."""
+        if self.state is not UnitState.GATHERED:
+            self.params[index].data = self.views[index]
+
+    def return_shape(self, index: int) -> None:
+        if self.state is UnitState.SHARDED:
+            self.params[index].data = self._placeholders[index]
+
     # -- gradients ---------------------------------------------------------------------------------
     def stage_grad(self, param_index: int, grad: torch.Tensor, pool: BufferPool, comm_dtype: torch.dtype) -> bool:
         """Add a parameter's gradient into the unit's staging buffer; True once all have arrived."""
