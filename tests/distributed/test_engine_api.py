@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -193,25 +194,38 @@ def _gan_reference(world_size: int, through_d: bool = False) -> list[torch.Tenso
     return [p.detach().clone() for p in [*D.parameters(), *G.parameters()]]
 
 
-def test_another_engines_gradients_stay_in_grad_until_zero_grad():
+# slow: stage 1, a secondary variant of stage 2 (the same reducer; stage 0 is the DeepSpeed behaviour matched)
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2])
+def test_another_engines_gradients_stay_in_grad_until_zero_grad(stage):
     """[Note: gradients outside engine.backward]: G's loss flows through D (DeepSpeedExamples' GAN); D's gradients
     from it stay in .grad and D.zero_grad() clears them, as in DeepSpeed's stage 0 (stages 0-2; stage 3 reduces
     them into its shards, as DeepSpeed's stage 3 does)."""
     reference = _gan_reference(2, through_d=True)
-    for zero in ({"stage": 0}, {"stage": 1}, {"stage": 2}):
-        for params in run_on_ranks(_gan, 2, zero, True):
-            for got, want in zip(params, reference, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
+    zero = {"stage": stage}
+    for params in run_on_ranks(_gan, 2, zero, True):
+        for got, want in zip(params, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
 
 
-def test_two_backwards_before_one_step_add_up_on_every_stage():
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"stage": 0},
+        {"stage": 1},
+        # slow: secondary variant of {"stage": 1} (the all-reduce path instead of reduce-scatter)
+        pytest.param({"stage": 1, "reduce_scatter": False}, marks=pytest.mark.slow),
+        {"stage": 2},
+        {"stage": 3},
+    ],
+    ids=["stage0", "stage1", "stage1-no-reduce-scatter", "stage2", "stage3"],
+)
+def test_two_backwards_before_one_step_add_up_on_every_stage(zero):
     """[Note: a second backward]: the second backward's gradients add to the first's (before the fix, stage 0
     counted the first backward once per rank)."""
     reference = _gan_reference(2)
-    for zero in ({"stage": 0}, {"stage": 1}, {"stage": 1, "reduce_scatter": False}, {"stage": 2}, {"stage": 3}):
-        for params in run_on_ranks(_gan, 2, zero):
-            for got, want in zip(params, reference, strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
+    for params in run_on_ranks(_gan, 2, zero):
+        for got, want in zip(params, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, z=zero: f"{z}: {m}")
 
 
 # -- a stalled rank ---------------------------------------------------------------------------------------------

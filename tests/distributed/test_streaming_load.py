@@ -77,7 +77,11 @@ def _streamed(rank: int, world_size: int, folder: str, stage: int):
 
 @pytest.mark.parametrize(
     ("stage", "dtype", "shard_size", "tied"),
-    [(3, torch.bfloat16, "40KB", True), (0, torch.float32, None, False)],
+    [
+        (3, torch.bfloat16, "40KB", True),
+        # slow: secondary variant of stage3-bf16-sharded-tied (single-file folders load in the tests below)
+        pytest.param(0, torch.float32, None, False, marks=pytest.mark.slow),
+    ],
     ids=["stage3-bf16-sharded-tied", "stage0-fp32-single-file"],
 )
 def test_streamed_logits_equal_plain_from_pretrained(tmp_path, stage, dtype, shard_size, tied):
