@@ -212,7 +212,7 @@ def test_divergent_rank_raises_named_error_quickly():
 
 def test_divergence_after_the_first_step_raises_before_the_step_applies():
     """A rank that diverges at a later step (data-dependent control flow) fails with the named error too
-    ([Note: deferred fingerprints]), and the diverged step's update is applied on no rank."""
+    ([Note: divergence check]), and the diverged step's update is applied on no rank."""
     outcomes = run_on_ranks(_diverge, 2, 1, timeout=120)
     assert all(o[0] == "CollectiveMismatchError" for o in outcomes), outcomes
     assert all(o[3] == 1 for o in outcomes), outcomes  # step 0 applied, step 1 refused

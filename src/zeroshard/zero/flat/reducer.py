@@ -172,20 +172,18 @@ class GradientReducer:
         return bucket.id < self._next
 
     def _accumulate(self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor) -> None:
-        flat_grad = grad.reshape(-1)
         if buffers.grad_full is not None and not self._window_reduced:
             written = self._full_written[bucket.id]
             target = buffers.grad_full.narrow(0, offset, numel)
-            target.add_(flat_grad) if (offset, numel) in written else target.copy_(flat_grad)
-            written.add((offset, numel))
-            return
-        staging = self._staging.get(bucket.id)
-        if staging is None:  # [Note: staged gradients are copied, not added to zeros]
-            staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype, zero=False)
-            self._staging[bucket.id] = staging
-            self._written[bucket.id] = set()
-        written = self._written[bucket.id]
-        target = staging.narrow(0, offset - bucket.start, numel)
+        else:
+            staging = self._staging.get(bucket.id)
+            if staging is None:  # [Note: staged gradients are copied, not added to zeros]
+                staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype, zero=False)
+                self._staging[bucket.id] = staging
+                self._written[bucket.id] = set()
+            written = self._written[bucket.id]
+            target = staging.narrow(0, offset - bucket.start, numel)
+        flat_grad = grad.reshape(-1)
         target.add_(flat_grad) if (offset, numel) in written else target.copy_(flat_grad)
         written.add((offset, numel))
 
