@@ -102,7 +102,9 @@ def exposed(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _profiled_step(rank: int, world_size: int, shape: dict[str, int], zero: dict[str, Any], trace_dir: str):
+def _profiled_step(
+    rank: int, world_size: int, shape: dict[str, int], zero: dict[str, Any], trace_dir: str, ops_rows: int = 0
+):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,7 +137,8 @@ def _profiled_step(rank: int, world_size: int, shape: dict[str, int], zero: dict
         seconds = time.perf_counter() - start
     path = Path(trace_dir) / f"{'-'.join(f'{k}{v}' for k, v in sorted(zero.items()) if k != 'stage')}-rank{rank}.json"
     prof.export_chrome_trace(str(path))
-    return {"step_s": seconds, "trace": str(path), **exposed(json.loads(path.read_text()))}
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ops_rows) if ops_rows else ""
+    return {"step_s": seconds, "trace": str(path), "ops": ops, **exposed(json.loads(path.read_text()))}
 
 
 def main() -> None:
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="120m")
     parser.add_argument("--trace-dir", type=Path, default=None, help="keep the chrome traces here")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--ops", type=int, default=0, help="print the N host ops with the most self CPU time")
     args = parser.parse_args()
     import torch
 
@@ -159,13 +163,13 @@ def main() -> None:
         rows.append(
             {"case": f"stage 3, {gpus} GPUs", "ranks": run_on_ranks(_profiled_step, gpus, shape, zero, str(trace_dir))}
         )
-    offload = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
-    rows.append(
-        {
-            "case": "stage 3, params+optimizer on CPU, 1 GPU",
-            "ranks": run_on_ranks(_profiled_step, 1, shape, offload, str(trace_dir)),
-        }
-    )
+    pinned = {"device": "cpu", "pin_memory": True}  # pageable memory makes every H2D copy synchronous
+    offload = {"stage": 3, "offload_param": pinned, "offload_optimizer": pinned}
+    for case, zero in (
+        ("stage 3, params+optimizer on CPU, 1 GPU", offload),
+        ("stage 3, optimizer on CPU, 1 GPU", {"stage": 3, "offload_optimizer": pinned}),
+    ):
+        rows.append({"case": case, "ranks": run_on_ranks(_profiled_step, 1, shape, zero, str(trace_dir), args.ops)})
     result = {"machine": describe(), "size": args.size, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
@@ -177,6 +181,9 @@ def main() -> None:
         exposed_us = sum(r[k]["exposed_us"] for k in ("comm", "h2d", "d2h"))
         cells = [f"{r[k]['busy_us'] / 1e3:.1f} | {r[k]['exposed_fraction']:.2f}" for k in ("comm", "h2d", "d2h")]
         print(f"| {row['case']} | {r['step_s']:.3f} | {' | '.join(cells)} | {exposed_us / 1e6 / r['step_s']:.2f} |")
+    for row in rows:
+        if row["ranks"][0]["ops"]:
+            print(f"\n{row['case']}, rank 0, host ops by self CPU time:\n{row['ranks'][0]['ops']}")
     print(f"\ntraces: {trace_dir}")
 
 

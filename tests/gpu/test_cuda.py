@@ -88,17 +88,19 @@ def test_offload_parity_on_cuda(world_size: int, tmp_path, monkeypatch: pytest.M
 
 
 def _fp16(rank: int, world_size: int, stage: int):
-    """fp16 with the dynamic loss scaler on CUDA: the scale starts at 2**16 and overflows skip steps until it fits;
-    the loss falls and the parameters stay finite."""
+    """fp16 with the dynamic loss scaler on CUDA: the scale starts at 2**32, far above what fp16 gradients hold, so
+    the first steps overflow, are skipped and halve the scale until it fits (2**16 already fits this model: no step
+    overflowed at that start); then the loss falls and the parameters stay finite."""
     import zeroshard
 
-    case = Case(stage=stage, steps=12)
+    case = Case(stage=stage, steps=30)
     model = build_model(case)
     config = ds_config(case)
-    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 1}
+    config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 32, "hysteresis": 1}
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     losses = []
-    for batch in global_batches(case, world_size):
+    batch = global_batches(case, world_size)[0]  # one batch throughout: the loss falls step by step once unskipped
+    for _ in range(case.steps):
         x, y = (t.to(engine.device) for t in micro_batch(batch, 0, rank, world_size, case.micro))
         loss = engine(x, y)
         engine.backward(loss)
@@ -112,8 +114,9 @@ def _fp16(rank: int, world_size: int, stage: int):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_fp16_loss_scaler_on_cuda(stage: int) -> None:
     for losses, skipped, scale, finite in run_on_ranks(_fp16, WORLD_SIZES[-1], stage):
-        assert finite and skipped < len(losses) and scale < 2**16, (skipped, scale)
-        assert losses[-1] < losses[skipped], losses
+        assert finite and 0 < skipped < len(losses) - 5 and scale < 2**32, (skipped, scale)
+        assert losses[:skipped] == [losses[0]] * skipped, losses  # a skipped step leaves the parameters alone
+        assert losses[-1] < losses[skipped] - 0.1, losses
 
 
 def _resume(rank: int, world_size: int, stage: int, root: str):
@@ -164,13 +167,21 @@ def _stage3_features(rank: int, world_size: int, root: str):
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=4, n_head=8, n_embd=512))
+    with zeroshard.zero_init():  # no full copy on the GPU while sharding (that transient is not the training peak)
+        model = GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=4, n_head=8, n_embd=512))
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
     }
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
+    init_peak = torch.cuda.max_memory_allocated() - baseline
+    torch.cuda.reset_peak_memory_stats()  # the training steps' peak: the model states stay allocated across it
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randint(0, 4096, (1, 4), generator=generator).to(engine.device)
@@ -186,11 +197,11 @@ def _stage3_features(rank: int, world_size: int, root: str):
     with zeroshard.GatheredParameters([head]):
         filled = bool((head == 0.5).all())
     engine.save_16bit_model(root)
-    return accounted, measured, filled
+    return accounted, measured, init_peak, filled
 
 
 def test_stage3_features_and_allocator_peak_on_cuda(tmp_path) -> None:
-    for accounted, measured, filled in run_on_ranks(_stage3_features, WORLD_SIZES[-1], str(tmp_path)):
+    for accounted, measured, init_peak, filled in run_on_ranks(_stage3_features, WORLD_SIZES[-1], str(tmp_path)):
         assert filled
-        assert abs(measured - accounted) <= 0.1 * accounted, (measured, accounted)
+        assert abs(measured - accounted) <= 0.1 * accounted, (measured, accounted, init_peak)
     assert any(p.name.endswith((".bin", ".safetensors")) for p in tmp_path.iterdir())

@@ -6,6 +6,18 @@ unit is released and back when it is gathered again, always the same storage obj
 tensors that view the parameters (e.g. `weight.t()`) therefore stay valid: backward re-gathers into
 the very memory they point to. While released, each parameter's `.data` is an empty placeholder, so
 reading a released parameter gives an empty tensor rather than freed memory.
+
+[Note: host-to-device copies on a side stream]
+With offload_param the unit's shard lives on the host and is copied into its slice of the full buffer before the
+all-gather. On the compute stream that copy would wait for every kernel queued before it and hold up every kernel
+queued after it: a prefetched unit's copy could never run during the current unit's compute (issue 13 measured 100%
+of H2D time exposed). It runs on one copy stream per device instead: that stream first waits for the work already
+queued on the compute stream (the full buffer may reuse memory those kernels still read), the all-gather is issued
+from it (NCCL orders its own stream after the copy), and the compute stream waits for the copy's event only in
+`wait_gathered`, when the unit is about to be used (the event is recorded after the gather is issued, so it also
+covers a synchronous gather, whose wait orders the copy stream after NCCL's). Only a swapped-out (NVMe) home also
+blocks the host there, before it lets the host buffer go. (On the one H100 run so far, a host-bound 120M step, the
+exposed share only went from 1.00 to 0.98: docs/benchmarks_gpu.md.)
 """
 
 from __future__ import annotations
@@ -22,6 +34,16 @@ from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream for host-to-device shard copies on `device` ([Note: host-to-device copies on a side
+    stream])."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 class UnitState(Enum):
@@ -136,14 +158,22 @@ class ShardedUnit:
         self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
         self.home.ready(self.key)
         source = self.shard
-        if source.device != self.full.device:  # offload_param: bring this rank's shard over first
-            source = self.full[lo:hi]
-            source.data.copy_(self.shard, non_blocking=True)
-            if source.is_cuda:  # the host shard may be freed (NVMe) only once this copy has read it
-                self._copied_in = torch.cuda.Event()
-                self._copied_in.record()
         gather = collect or comm.all_gather
-        self._pending = gather(self.full, source, async_op=async_op, label=f"gather of unit {self.name!r}")
+        label = f"gather of unit {self.name!r}"
+        if source.device != self.full.device and self.full.is_cuda:  # offload_param: copy this rank's shard over
+            source = self.full[lo:hi]
+            stream = copy_stream(self.full.device)
+            stream.wait_stream(torch.cuda.current_stream(self.full.device))
+            with torch.cuda.stream(stream):
+                source.copy_(self.shard, non_blocking=True)
+                self._pending = gather(self.full, source, async_op=async_op, label=label)
+                self._copied_in = torch.cuda.Event()  # after the gather: covers a synchronous one's wait too
+                self._copied_in.record(stream)
+        else:
+            if source.device != self.full.device:
+                source = self.full[lo:hi]
+                source.copy_(self.shard)
+            self._pending = gather(self.full, source, async_op=async_op, label=label)
         self.gathers += 1
         self.state = UnitState.GATHERING
 
@@ -153,7 +183,9 @@ class ShardedUnit:
             self._pending.wait()
             self._pending = None
             if self._copied_in is not None:
-                self._copied_in.synchronize()
+                torch.cuda.current_stream(self.full.device).wait_event(self._copied_in)
+                if self.home.leaves_memory:  # the host buffer goes back to the swapper below
+                    self._copied_in.synchronize()
                 self._copied_in = None
             self.home.drop(self.key)  # unchanged since it was read: the disk copy is current
             for view, param in zip(self.views, self.params, strict=True):
