@@ -102,6 +102,7 @@ class Stage3State:
             with strategy.stepper.resident(sub_group):
                 for unit in sub_group.units:
                     unit.publish()
+                    unit.wait_published()
                     unit.settle_shard()
         strategy.refresh_gathered()
 

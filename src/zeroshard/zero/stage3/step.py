@@ -45,6 +45,8 @@ class SubGroupStepper:
                 self.store.ready(unit.grad_key)
             self._step(units, scale)
             for unit in units:  # not needed after the step (zero_grad follows): freed, not written
+                if self.store.leaves_memory:  # the masters go to the swapper: let their copies finish first
+                    unit.wait_published()
                 self.store.drop(unit.grad_key)
             for placeholder in self.placeholders:
                 placeholder.grad = None
@@ -53,6 +55,8 @@ class SubGroupStepper:
             previous = units
         for unit in previous:
             unit.settle_shard()
+        for unit in self.units:  # [Note: publishing a host master to the GPU]: no copy outlives the step
+            unit.wait_published()
 
     def _keyed(self) -> list[tuple[str, list[ShardedUnit]]]:
         return [(g.key, g.units) for g in self.sub_groups]
