@@ -12,6 +12,17 @@ With the optimizer state on NVMe, stage 3's gradient shards go there too, each w
 reduction finishes (at most MAX_PENDING_WRITES in memory); their norms and inf/nan flags are taken on the
 accumulation boundary right before the write, so the step computes the clipping scale without reading them
 back, then reads them chunk by chunk with the optimizer state.
+
+[Note: publishing a host master to the GPU]
+With the optimizer offloaded and the compute parameters on the GPU, `param.copy_(master)` (fp32 host -> bf16
+device) makes torch cast on the host into a pageable temporary and copy that synchronously: an extra pass
+over host memory and a slow, blocking transfer per unit or bucket (issue 13's optimizer-offload row spent ~1.6 s of
+a 3.9 s step outside Adam and the gradient copies). From a pinned master the fp32 values go over
+asynchronously instead and are cast on the GPU (twice the bytes over PCIe at full DMA speed, no host
+pass, nothing blocks; one unit's fp32 temporary on the GPU). Rounding to bf16 is the same on either side.
+The host must not write the master again before that copy has read it: the returned event is waited on before
+the step returns (stage 3: `ShardedUnit.wait_published`, a sub-group's copies running while the next sub-group's
+Adam does; stages 1-2: after all buckets are queued), so no copy outlives the step.
 """
 
 from __future__ import annotations
@@ -48,6 +59,24 @@ def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream |
     stream.wait_stream(torch.cuda.current_stream(src.device))
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    """dst (the compute parameters) := src (an updated master): from pinned host memory to the GPU asynchronously,
+    cast on the GPU, returning the event to wait on before `src` is written again ([Note: publishing a host
+    master to the GPU]); any other pair of devices copies at once and returns None."""
+    if not (dst.is_cuda and src.device.type == "cpu" and src.is_pinned()):
+        dst.copy_(src)
+        return None
+    if src.dtype == dst.dtype:
+        dst.copy_(src, non_blocking=True)
+    else:
+        staged = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+        staged.copy_(src, non_blocking=True)
+        dst.copy_(staged)  # the cast, on the GPU, in stream order after the copy
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class GradientTier:

@@ -35,7 +35,7 @@ from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
-from zeroshard.offload.gradients import GradShard
+from zeroshard.offload.gradients import GradShard, copy_from_host
 from zeroshard.offload.residency import Residency
 from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
@@ -303,11 +303,16 @@ class FlatStrategy(Strategy):
         if buffers.master_aliases_params:
             return
         if self.layout.shard_count == 1:
-            buffers.param_flat.copy_(buffers.master)
-            return
-        for bucket in buffers.layout.buckets:
-            lo, hi = bucket.owner_range(self.shard_rank)
-            buffers.param_flat[lo:hi].copy_(buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel))
+            pending = [copy_from_host(buffers.param_flat, buffers.master)]
+        else:
+            pending = []
+            for bucket in buffers.layout.buckets:
+                lo, hi = bucket.owner_range(self.shard_rank)
+                master = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel)
+                pending.append(copy_from_host(buffers.param_flat[lo:hi], master))
+        for event in pending:  # [Note: publishing a host master to the GPU]: none outlives the step
+            if event is not None:
+                event.synchronize()
 
     def _gather_params(self) -> None:
         """All-gather every bucket of the parameter buffers in place (each rank wrote its own ranges)."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.gradients import copy_from_host
 from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
@@ -118,7 +119,7 @@ class ShardedUnit:
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
         self._copied_in: torch.cuda.Event | None = None
-        self._published: torch.cuda.Event | None = None  # [Note: publishing a host master to the GPU]
+        self._published: torch.cuda.Event | None = None  # copy_from_host's, until the copy has read the master
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         for view, param in zip(self.views, params, strict=True):
             param.data = view
@@ -303,31 +304,11 @@ class ShardedUnit:
 
     def publish(self) -> None:
         """Copy the updated master shard into the compute-dtype shard (no copy when they are one tensor); a
-        shard on NVMe starts being written back (`settle_shard` waits and frees it).
-
-        [Note: publishing a host master to the GPU]
-        With the optimizer offloaded and the compute shard on the GPU, `shard.copy_(master)` (fp32 host -> bf16
-        device) makes torch cast on the host into a pageable temporary and copy that synchronously: an extra pass
-        over host memory and a slow, blocking transfer per unit (issue 13's optimizer-offload row spent ~1.6 s of
-        a 3.9 s step outside Adam and the gradient copies). From a pinned master the fp32 values go over
-        asynchronously instead and are cast on the GPU (twice the bytes over PCIe at full DMA speed, no host
-        pass, nothing blocks; one unit's fp32 temporary on the GPU). Rounding to bf16 is the same on either side.
-        The host must not write the master again before that copy has read it: `wait_published`, which the
-        stepper calls at the end of the step (a sub-group's copies run while the next sub-group's Adam does), and
-        per sub-group when the optimizer state leaves memory (NVMe), so no copy outlives the step."""
+        shard on NVMe starts being written back (`settle_shard` waits and frees it). From a pinned host master the
+        copy is asynchronous: [Note: publishing a host master to the GPU] in offload/gradients.py."""
         if self.master is not self.shard:
             self.home.claim(self.key)
-            if self.shard.is_cuda and not self.master.is_cuda and self.master.is_pinned():
-                if self.master.dtype == self.shard.dtype:
-                    self.shard.copy_(self.master, non_blocking=True)
-                else:
-                    staged = torch.empty(self.master.shape, dtype=self.master.dtype, device=self.shard.device)
-                    staged.copy_(self.master, non_blocking=True)
-                    self.shard.copy_(staged)  # the cast, on the GPU, in stream order after the copy
-                self._published = torch.cuda.Event()
-                self._published.record()
-            else:
-                self.shard.copy_(self.master)
+            self._published = copy_from_host(self.shard, self.master)
         self.home.evict(self.key)
 
     def wait_published(self) -> None:
