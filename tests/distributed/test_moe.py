@@ -130,8 +130,8 @@ def test_moe_bytes_by_scope() -> None:
 
     result = run_on_ranks(measure, 4, timeout=300)[0]
     ep = result["ep2 x dp2, ZeRO-2"]
-    assert ep["intra_node"].get("all_to_all", 0) > 0 and "all_to_all" not in ep["inter_node"]
-    assert sum(ep["inter_node"].values()) < sum(result["ep1, ZeRO-3"]["inter_node"].values())
+    assert ep["ZeRO intra_node"].get("all_to_all", 0) > 0 and "all_to_all" not in ep["ZeRO inter_node"]
+    assert sum(ep["ZeRO inter_node"].values()) < sum(result["ep1, ZeRO-3"]["ZeRO inter_node"].values())
 
 
 def _saved(rank: int, world_size: int, save_dir: str) -> dict:
