@@ -64,6 +64,11 @@ class Scope(StrEnum):
     INTER_NODE = "inter_node"
 
 
+def scope_of(nodes: Any, ranks: list[int]) -> Scope:
+    """The scope of a group of global `ranks` under a `NodeLayout` (comm/topology.py)."""
+    return Scope.INTER_NODE if nodes.spans_nodes(ranks) else Scope.INTRA_NODE
+
+
 class Handle(Protocol):
     def wait(self) -> Any: ...
 

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from zeroshard.comm.collectives import Collectives, Scope
+from zeroshard.comm.collectives import Collectives, scope_of
+from zeroshard.comm.topology import NodeLayout
 from zeroshard.errors import ConfigError
 from zeroshard.pipe.mesh import PipeGroups
 from zeroshard.pipe.module import PipelineModule
@@ -95,11 +96,12 @@ class PipeContext:
     @classmethod
     def create(cls, world: Collectives, module: PipelineModule, schedule: str) -> PipeContext:
         groups = PipeGroups.create(module.grid, world.rank, module.tied_stages())
-        grid = module.grid
-        dp_comm = world.subgroup(groups.dp_group, grid.dp, groups.replica, Scope.INTRA_NODE)
-        pp_comm = world.subgroup(groups.pp_group, grid.stages, groups.stage, Scope.INTRA_NODE)
+        grid, nodes = module.grid, NodeLayout.from_env(world.world_size)
+        dp_ranks, pp_ranks = grid.dp_ranks(groups.stage), grid.pp_ranks(groups.replica)
+        dp_comm = world.subgroup(groups.dp_group, grid.dp, groups.replica, scope_of(nodes, dp_ranks))
+        pp_comm = world.subgroup(groups.pp_group, grid.stages, groups.stage, scope_of(nodes, pp_ranks))
         ties = {
-            key: (world.subgroup(group, len(ranks), ranks.index(world.rank), Scope.INTRA_NODE), ranks[0])
+            key: (world.subgroup(group, len(ranks), ranks.index(world.rank), scope_of(nodes, ranks)), ranks[0])
             for key, (group, ranks) in groups.tie_groups.items()
         }
         return cls(groups, world, dp_comm, pp_comm, ties, schedule)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zeroshard.comm.collectives import Collectives, Scope
+from zeroshard.comm.collectives import Collectives, scope_of
 from zeroshard.comm.topology import NodeLayout
 from zeroshard.errors import ConfigError
 
@@ -95,7 +95,3 @@ class TensorParallelContext:
         dp_comm = world.subgroup(mesh.get_group("dp"), grid.dp, grid.dp_index(rank), scope_of(nodes, dp_ranks))
         tp_comm = world.subgroup(mesh.get_group("tp"), grid.tp, grid.tp_index(rank), scope_of(nodes, tp_ranks))
         return cls(mesh["tp"], dp_comm, tp_comm, dp_ranks[0], loss_parallel, mesh["dp"])
-
-
-def scope_of(nodes: NodeLayout, ranks: list[int]) -> Scope:
-    return Scope.INTER_NODE if nodes.spans_nodes(ranks) else Scope.INTRA_NODE

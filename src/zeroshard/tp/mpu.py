@@ -16,10 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.collectives import Collectives, scope_of
 from zeroshard.comm.topology import NodeLayout
 from zeroshard.errors import ConfigError
-from zeroshard.tp.mesh import TensorParallelContext, scope_of
+from zeroshard.tp.mesh import TensorParallelContext
 
 METHODS = (
     "get_model_parallel_rank",
