@@ -352,6 +352,7 @@ def _make_strategy(
             min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
         weights=weights,
+        root_by_module=bool(cfg.zeroshard.stage3_root_by_module),
         zeropp=ZeroPPPolicy(
             quantized_weights=bool(z.zero_quantized_weights),
             hpz_partition_size=int(z.zero_hpz_partition_size or 1),

@@ -22,6 +22,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, variant="order"),
     Case(stage=3, variant="eval"),
     Case(stage=3, variant="outside"),  # the root unit kept whole ([Note: root unit by module])
+    Case(stage=3, variant="outside_later"),  # ... kept whole by zeroshard.stage3_root_by_module: false
 ]
 CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000)]
 
@@ -65,3 +66,31 @@ def test_max_live_parameters_bounds_the_gathered_working_set():
 
 def test_stage3_parity_four_ranks():
     _check(CASES_4, run_on_ranks(_run_cases, 4, CASES_4), 4)
+
+
+def _outside_later_by_default(rank: int, world_size: int) -> str:
+    """`outside_later` without the config switch: the second forward reads the released tied weight."""
+    import zeroshard
+
+    case = Case(stage=3, variant="outside_later", steps=2, prefetch=0)  # prefetching may gather it in time
+    model = build_model(case)
+    config = ds_config(case)
+    del config["zeroshard"]
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    for step, batch in enumerate(global_batches(case, world_size)):
+        engine.module.flip = step % 2 == 1
+        x, y = micro_batch(batch, 0, rank, world_size, case.micro)
+        try:
+            engine.backward(engine(x, y))
+        except RuntimeError as exc:
+            return f"step {step}: {exc}"
+        engine.step()
+    return "trained"
+
+
+def test_a_root_parameter_read_later_outside_its_modules_fails_loudly_by_default():
+    """The gap `stage3_root_by_module: false` closes (the parity case above): by default the probe of the first
+    forward saw no outside read, so the second step's read finds the empty placeholder and raises, never
+    computing with wrong values (without prefetching: a prefetch of the root unit can make the read find it)."""
+    for result in run_on_ranks(_outside_later_by_default, 2):
+        assert result.startswith("step 1:"), result

@@ -76,7 +76,9 @@ class WithUnused(nn.Module):
 class VariantGPT(GPT):
     """Control flow stage 3 must survive: a block called twice (`twice`), blocks whose output is
     dropped (`unused_unit`), a block order that flips every other step (`order`, via `flip`), the tied
-    embedding read as the head's weight in this forward, outside any module's (`outside`)."""
+    embedding read as the head's weight in this forward, outside any module's (`outside`), or looked up outside the
+    embedding module from the second step on, a path the first forward did not take (`outside_later`, with the
+    root kept whole by config)."""
 
     def __init__(self, cfg: GPTConfig, variant: str):
         super().__init__(cfg)
@@ -87,7 +89,11 @@ class VariantGPT(GPT):
             self.extras.apply(self._init_weights)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        if self.variant == "outside_later" and self.flip:  # the same lookup, outside the embedding module
+            tokens = torch.nn.functional.embedding(idx, self.wte.weight)
+        else:
+            tokens = self.wte(idx)
+        x = tokens + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         blocks = list(self.blocks)
         if self.variant == "twice":
             blocks = [blocks[0], *blocks]
@@ -108,7 +114,7 @@ class VariantGPT(GPT):
 def build_model(case: Case) -> nn.Module:
     torch.manual_seed(1234)
     model: nn.Module
-    if case.variant in ("twice", "unused_unit", "order", "outside"):
+    if case.variant in ("twice", "unused_unit", "order", "outside", "outside_later"):
         model = VariantGPT(TINY, case.variant)
     else:
         model = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)
@@ -143,7 +149,7 @@ def micro_batch(batch: tuple[torch.Tensor, torch.Tensor], k: int, rank: int, wor
 
 
 def ds_config(case: Case) -> dict:
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.gas,
         "gradient_clipping": case.clip,
@@ -163,6 +169,9 @@ def ds_config(case: Case) -> dict:
             "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
         },
     }
+    if case.variant == "outside_later":  # [Note: root unit by module]: the probe cannot see a later path
+        config["zeroshard"] = {"stage3_root_by_module": False}
+    return config
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:

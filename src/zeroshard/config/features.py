@@ -187,3 +187,10 @@ class ZeroshardExtrasConfig(ConfigBlock):
         "FSDP2's fully_shard; stages 2 and 3 only, see docs/fsdp2.md). initialize(backend=...) overrides it.",
         Str(choices=("zero", "fsdp2")),
     )
+    stage3_root_by_module: bool = option(
+        True,
+        "Stage 3 gathers the root unit (embeddings, final norm, head) in the modules that own its parameters "
+        "([Note: root unit by module]); false gathers it for the root's whole forward and backward, for a model "
+        "that reads a root parameter outside those modules only on paths its first forward does not take.",
+        Bool(),
+    )

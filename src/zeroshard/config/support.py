@@ -104,6 +104,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
         "zeroshard.backend",
+        "zeroshard.stage3_root_by_module",
         "dataloader_drop_last",
         # Monitors, comms logger and FLOPs profiler (monitor/, comm/comms_logger.py).
         "tensorboard.enabled",

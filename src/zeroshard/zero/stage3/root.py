@@ -20,7 +20,8 @@ root's whole forward, as before, while a TorchFunctionMode watches the calls tha
 while no entry runs (metadata reads aside, which a released parameter's placeholder answers alike: dtype,
 device, ...) keeps the root *whole* from then on (gathered by the root's forward, released when backward ends);
 otherwise the probe's own backward is already split. A read outside the entries on a later, different path only
-finds the empty placeholder and fails loudly (a shape error), never silently.
+finds the empty placeholder and fails loudly (a shape error), never silently; `"zeroshard":
+{"stage3_root_by_module": false}` keeps the root whole from the start for such a model.
 """
 
 from __future__ import annotations

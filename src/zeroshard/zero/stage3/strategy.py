@@ -64,6 +64,7 @@ class Stage3Policy(StrategyPolicy):
     unit_policy: UnitPolicy | None = None
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
     zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
+    root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
 
 
 class Stage3Strategy(Strategy):
@@ -123,7 +124,7 @@ class Stage3Strategy(Strategy):
             (len(self.units) + k, modules[name])
             for k, name in enumerate(n for n in unit_module_names(module, policy.unit_policy) if n not in unit_names)
         ]
-        self.root_unit = _root_unit(self, module, policy.unit_policy)  # [Note: root unit by module]
+        self.root_unit = _root_unit(self, module, policy.unit_policy) if policy.root_by_module else None
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
