@@ -6,12 +6,13 @@ on one GPU with each placement of the model states, and its speed.
 Rows: (a) ZeRO-3 with everything in GPU memory, (b) the optimizer (fp32 master weights, Adam moments, fp32
 gradients) offloaded to the CPU, (c) optimizer and parameters on the CPU, (d) both on NVMe (ZeRO-Infinity; swap
 files under --nvme-path), and `fsdp2`: plain PyTorch FSDP2 (`fully_shard` per decoder layer, bf16 compute with fp32
-reduction, `CPUOffloadPolicy`, torch's AdamW on the host). `ROW:L1,L2,...` tries each depth (decoder layers of a
-Llama-2-7B-wide model: hidden 4096, 32 heads, MLP 11008, 32k vocabulary, untied head; 32 layers are Llama-2-7B's
-6.74B parameters) in order and stops at the first that trains: list them largest first and the row reports the
-largest that fits; `ROW:=a` takes the depth row a trained at. Each try is a fresh process (world size 1), so a
-failure (CUDA out of memory, the kernel's OOM killer, a full disk) costs only that try and is reported with its
-cause.
+reduction, `CPUOffloadPolicy`, torch's AdamW on the host), and `ds`: DeepSpeed's ZeRO-Offload with row (b)'s config
+(needs DeepSpeed installed; its CPU Adam is JIT-built on first use). `ROW:L1,L2,...` tries each depth (decoder
+layers of a Llama-2-7B-wide model: hidden 4096, 32 heads, MLP 11008, 32k vocabulary, untied head; 32 layers are
+Llama-2-7B's 6.74B parameters) in order and stops at the first that trains: list them largest first and the row
+reports the largest that fits; `ROW:=a` takes the depth row a trained at. Each try is a fresh process (world size
+1), so a failure (CUDA out of memory, the kernel's OOM killer, a full disk) costs only that try and is reported with
+its cause.
 
 Every try: bf16, activation checkpointing (Hugging Face `gradient_checkpointing_enable`, non-reentrant), AdamW
 (lr 1e-4), gradient clipping 1.0, micro-batch --micro x --seq tokens of the bundled byte corpus (a new batch each
@@ -41,6 +42,7 @@ ROWS = {
     "c": "ZeRO-3, optimizer + parameters offloaded to CPU",
     "d": "ZeRO-Infinity: optimizer + parameters on NVMe",
     "fsdp2": "PyTorch FSDP2, CPUOffloadPolicy",
+    "ds": "DeepSpeed ZeRO-3, optimizer offloaded to CPU (DeepSpeedCPUAdam)",
 }
 
 
@@ -131,6 +133,29 @@ def _zeroshard_row(row: str, args: argparse.Namespace, device: Any):
     return engine.module, step
 
 
+def _deepspeed_row(args: argparse.Namespace, device: Any):
+    """DeepSpeed's ZeRO-Offload on the same model and config as row (b): `deepspeed.zero.Init` construction, its
+    CPU Adam (JIT-built on first use), the same step."""
+    import deepspeed
+    import torch._dynamo  # noqa: F401 - imported inside zero.Init (by transformers) it trips on DeepSpeed's patches
+    from transformers import AutoModelForCausalLM
+
+    config = zero_config("b", args)
+    AutoModelForCausalLM.from_config(llama_config(1, 64, 8))  # the model code's lazy imports, outside zero.Init
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = AutoModelForCausalLM.from_config(llama_config(args.layers, args.hidden, args.seq))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return engine.module, step
+
+
 def _fsdp2_row(args: argparse.Namespace, device: Any):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -180,7 +205,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)
     started = time.perf_counter()
-    module, step = _fsdp2_row(args, device) if args.row == "fsdp2" else _zeroshard_row(args.row, args, device)
+    if args.row == "fsdp2":
+        module, step = _fsdp2_row(args, device)
+    elif args.row == "ds":
+        module, step = _deepspeed_row(args, device)
+    else:
+        module, step = _zeroshard_row(args.row, args, device)
     params = count_parameters(args)
     init_s = time.perf_counter() - started
     losses, times = [], []

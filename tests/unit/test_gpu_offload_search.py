@@ -1,9 +1,11 @@
 """benchmarks/gpu_offload.py (issue 13 item 3): the largest-model search and its failure causes, without a GPU.
-`-m slow` runs the real rows on the CPU (`--device cpu`, a 2-layer 256-wide Llama) as a smoke test."""
+`-m slow` runs the real rows on the CPU (`--device cpu`, a 2-layer 256-wide Llama) as a smoke test, DeepSpeed's
+too where it is installed (its CPU Adam JIT-builds on first use)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -59,11 +61,13 @@ def test_every_row_trains_on_the_cpu(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     command = [sys.executable, "-m", "benchmarks.gpu_offload", "--device", "cpu", "--hidden", "256", "--seq", "32"]
     command += ["--micro", "2", "--steps", "3", "--warmup", "1", "--nvme-path", str(tmp_path / "nvme")]
-    command += ["--try", "a:2", "b:=a", "c:2", "d:2", "fsdp2:2", "--json", str(report)]
+    rows = ["a", "b", "c", "d", "fsdp2"] + (["ds"] if importlib.util.find_spec("deepspeed") else [])
+    command += ["--try", "a:2", "b:=a", "c:2", "d:2", "fsdp2:2", *(["ds:2"] if "ds" in rows else [])]
+    command += ["--json", str(report)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     subprocess.run(command, check=True, cwd=ROOT, env=env, timeout=600)
     tries = json.loads(report.read_text())["tries"]
-    assert [t["row"] for t in tries] == ["a", "b", "c", "d", "fsdp2"] and all(t["ok"] for t in tries), tries
+    assert [t["row"] for t in tries] == rows and all(t["ok"] for t in tries), tries
     for t in tries:
         assert t["losses"][-1] < t["losses"][0] and t["params"] > 0
     assert tries[0]["losses"] == pytest.approx(tries[1]["losses"], rel=1e-5)  # offloading changes no number
