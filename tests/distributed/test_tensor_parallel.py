@@ -3,8 +3,9 @@ single-process reference (fp32, 1e-5 relative) with gradient clipping active, at
 loss) and 2 (logits gathered), and stage 3 on the fsdp2 backend; a checkpoint resumes exactly within the mesh;
 initialize(mpu=...) with a fake Megatron-style mpu built from new_group trains the same model the caller split
 itself. Slow: stage 0, gradient accumulation, no clipping with a client optimizer (built before the split), an
-fsdp2 stage-3 checkpoint resumed, the checkpoint loaded into tp2 x dp1 (ZeRO shards resharded over dp), and a load
-under another autotp_size refused by name.
+fsdp2 stage-3 checkpoint resumed, the checkpoint loaded into tp2 x dp1 (ZeRO shards resharded over dp) and into
+tp1 x dp4 (the tp slices concatenated), the fsdp2 checkpoint continued on fsdp2 without tp (tp1 x dp2);
+test_tensor_parallel_reshard.py continues training across tp sizes on the zero backend.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from helpers.harness import run_on_ranks
-from helpers.tp_parity import TpCase, batch, config, engine_losses, llama, reference, resume, run
+from helpers.tp_parity import TpCase, batch, config, continue_from, engine_losses, llama, reference, resume, run
 
 TP, DP = 2, 2
 # stage 2 (gathered logits) runs in the resume case; stage 3 on the fsdp2 backend (torch's 2-D composition)
@@ -131,12 +132,20 @@ def _first_loss_after_load(rank: int, world_size: int, save_dir: str) -> float:
     return loss
 
 
+def _fsdp2_into_tp1(rank: int, world_size: int, save_dir: str) -> list[float]:
+    """fsdp2 ZeRO-3 without tensor parallelism on 2 ranks, continuing from the tp2 x dp2 fsdp2 checkpoint."""
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    return continue_from(rank, RESUME_FSDP2, f"{save_dir}/fsdp2", 1, tp=1)
+
+
 @pytest.mark.slow  # CI budget: stages 1-2 with clipping, resume and mpu stay in the default suite
-def test_tp2_dp2_stage0_accumulation_no_clipping_dp_reshard_and_other_tp_refused(tmp_path) -> None:
+def test_tp2_dp2_stage0_accumulation_no_clipping_dp_reshard_and_tp1_dp4_load(tmp_path) -> None:
     results = run_on_ranks(_grid, 4, SLOW_GRID, str(tmp_path), True)
     _check(SLOW_GRID, results)
-    for result in results:
-        assert "autotp_size=2, this engine has 1" in result["resume"]["refused"], result["resume"]["refused"]
+    for result in results:  # tp1 x dp4: the tp2 slices concatenated ([Note: tensor-parallel resharding])
+        assert math.isclose(result["resume"]["other_tp_loss"], result["resume"]["resumed"][0], rel_tol=1e-6), result
     on_two = run_on_ranks(_first_loss_after_load, 2, str(tmp_path))
     assert on_two == [results[0]["resume"]["resumed"][0]] * 2  # the same weights, exactly, on another dp size
     ref_losses = reference(RESUME_FSDP2, DP)[0]
@@ -144,3 +153,6 @@ def test_tp2_dp2_stage0_accumulation_no_clipping_dp_reshard_and_other_tp_refused
         got = result["resume_fsdp2"]
         assert _close(got["straight"], [step[rank // TP] for step in ref_losses]), (rank, got)
         assert got["resumed"] == got["straight"][1:], (rank, got)
+    for rank, got in enumerate(run_on_ranks(_fsdp2_into_tp1, 2, str(tmp_path))):  # fsdp2 slices: the same names
+        want = results[2 * rank]["resume_fsdp2"]["straight"][1:]
+        assert all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want, strict=True)), (rank, got, want)

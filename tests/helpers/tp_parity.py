@@ -117,32 +117,43 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     return out
 
 
-def resume(rank: int, case: TpCase, save_dir: str, save_at: int, other_tp: int | None = None) -> dict[str, Any]:
-    """Losses and norms of uninterrupted steps, and losses of a second engine (differently seeded) loading the
-    checkpoint saved after `save_at` steps and running the rest; with `other_tp`, the message of a load into that
-    autotp_size (refused by name)."""
+def resume(
+    rank: int, case: TpCase, save_dir: str, save_at: int, other_tp: int | None = None, tp: int = 2
+) -> dict[str, Any]:
+    """Losses and norms of uninterrupted steps (autotp_size `tp`), and losses of a second engine (differently
+    seeded) loading the checkpoint saved after `save_at` steps and running the rest; with `other_tp`, the loss of
+    this replica's next batch in an engine of that autotp_size loading the checkpoint ([Note: tensor-parallel
+    resharding])."""
     import zeroshard
 
-    replica = rank // 2
+    replica = rank // tp
     model = llama()
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case, tp))
     straight, norms = run(engine, replica, range(save_at))
     engine.save_checkpoint(save_dir, tag="mid")
     more = run(engine, replica, range(save_at, case.steps))
     engine.destroy()
-    fresh = llama(seed=7)
-    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case))
-    engine.load_checkpoint(save_dir, tag="mid")
-    resumed = run(engine, replica, range(save_at, case.steps))[0]
-    engine.destroy()
-    out = {"straight": straight + more[0], "norms": norms + more[1], "resumed": resumed, "refused": ""}
+    out = {"straight": straight + more[0], "norms": norms + more[1]}
+    out["resumed"] = continue_from(rank, case, save_dir, save_at, tp)
     if other_tp is not None:
-        other = llama()
+        other = llama(seed=7)
         cfg = config(case, other_tp)
         engine, _, _, _ = zeroshard.initialize(model=other, model_parameters=other.parameters(), config=cfg)
-        try:
-            engine.load_checkpoint(save_dir, tag="mid")
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            out["refused"] = str(e)
+        engine.load_checkpoint(save_dir, tag="mid")
+        ids = batch(save_at, replica)
+        out["other_tp_loss"] = float(engine(input_ids=ids, labels=ids).loss)
         engine.destroy()
     return out
+
+
+def continue_from(rank: int, case: TpCase, load_dir: str, save_at: int, tp: int) -> list[float]:
+    """This replica's losses of steps `save_at`.. in an engine of autotp_size `tp` (differently seeded) that loaded
+    the checkpoint `load_dir`/mid, whatever autotp_size wrote it."""
+    import zeroshard
+
+    fresh = llama(seed=7)
+    engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case, tp))
+    engine.load_checkpoint(load_dir, tag="mid")
+    losses = run(engine, rank // tp, range(save_at, case.steps))[0]
+    engine.destroy()
+    return losses

@@ -1,5 +1,6 @@
 """Tensor parallelism's refusals and pure pieces, without a process group: the tensor_parallel block, the mesh
-arithmetic, the Hugging Face plan's checks, the combinations refused before any work, the checkpoint mesh check."""
+arithmetic, the Hugging Face plan's checks, the combinations refused before any work
+(checkpoints across tp sizes: test_tensor_parallel_reslice.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
 from zeroshard.tp.build import autotp_size, loss_parallel_of, refuse_unsupported
-from zeroshard.tp.checkpoint import check_mesh, slice_name
 from zeroshard.tp.mesh import TensorParallelGrid
 from zeroshard.tp.plan import check_divisible, hf_plan
 from zeroshard.tp.zero import is_tp_sharded
@@ -107,15 +106,6 @@ def test_mpu_with_autotp_or_fsdp2_refused() -> None:
 
 
 _STAGE3 = {"zero_optimization": {"stage": 3}}
-
-
-def test_checkpoint_of_another_tp_size_refused() -> None:
-    saved = [slice_name("w", j, 2) for j in range(2)] + ["norm"]
-    check_mesh(saved, [slice_name("w", 0, 2), "norm"])
-    with pytest.raises(CheckpointError, match="saved with tensor_parallel.autotp_size=2, this engine has 4"):
-        check_mesh(saved, [slice_name("w", 0, 4)])
-    with pytest.raises(CheckpointError, match="autotp_size=1, this engine has 2"):
-        check_mesh(["w", "norm"], [slice_name("w", 1, 2)])
 
 
 def test_megatron_marked_parameters_count_as_sharded() -> None:

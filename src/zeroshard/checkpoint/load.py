@@ -83,9 +83,6 @@ def _ckpt_name(meta: CheckpointMetadata, name: str, aliases: dict[str, str]) -> 
 
 def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: bool) -> dict[str, str]:
     """engine canonical name -> checkpoint name; missing/unexpected keys are errors when `strict`."""
-    from zeroshard.tp.checkpoint import check_mesh
-
-    check_mesh(list(meta.tensors), list(catalog.infos))  # [Note: tensor-parallel checkpoints]
     mapping: dict[str, str] = {}
     missing = []
     for name, tensor in catalog.tensors.items():
@@ -275,7 +272,8 @@ def _load_into(
     load_module_only: bool,
 ) -> tuple[dict[str, Any], bool]:
     """Restore this rank's state; returns (client_state, whether parameters must be re-published)."""
-    meta = reader.metadata
+    from zeroshard.tp.reshard import tensor_parallel_reader
+
     state = engine_state(engine)
     catalog = catalog_module(
         engine.module,
@@ -283,6 +281,9 @@ def _load_into(
         shapes=full_shapes(state),
         peers=peer_tensors(state),
     )
+    caller_split = bool(getattr(state, "caller_split", False))  # [Note: tensor-parallel checkpoints]
+    reader = tensor_parallel_reader(reader, catalog.infos, caller_split)  # [Note: tensor-parallel resharding]
+    meta = reader.metadata
     mapping = load_module_weights(reader, catalog, state, strict)
     blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
     optimizer_too = (

@@ -441,6 +441,8 @@ def save_checkpoint(
             if any(m["error"] for m in manifests):
                 raise CheckpointError(describe_errors(manifests))
             meta = build_metadata(engine, tag, catalog, optim_info, [m["manifest"] for m in manifests])
+            if getattr(state, "caller_split", False):  # [Note: tensor-parallel checkpoints] in tp/checkpoint.py
+                meta.extra["tensor_parallel_caller_split"] = True
             final = _commit(root, tmp_dir, tag, nonce, meta, save_latest)
             log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")
         except Exception as e:  # noqa: BLE001 - reported to every rank below

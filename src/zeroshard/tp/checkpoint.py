@@ -7,8 +7,11 @@ written (sharded over the data-parallel group, as its optimizer state is) by the
 position `j`; every rank lists the other positions' slices as `peer_tensors`. Parameters every tensor-parallel rank
 holds whole keep their key and are written by tensor-parallel rank 0's data-parallel group only (each element
 once), and read back by every rank. Within the same `tp` a checkpoint therefore loads into any data-parallel size
-and ZeRO stage 0-2 (pieces are ranges of named tensors); a different `tp` finds other slice names and is refused
-before anything is read (`check_mesh`), since resharding a slice across tensor-parallel sizes is not implemented.
+and ZeRO stage 0-2 (pieces are ranges of named tensors); into another `tp` (1 included: no tensor_parallel block,
+and from a checkpoint saved without one) the slices are concatenated and split at read time ([Note:
+tensor-parallel resharding] in tp/reshard.py). Nothing beyond the slice names is recorded (the split dimension
+follows from the shapes) except `extra["tensor_parallel_caller_split"]` when the slices are not DTensors (an
+mpu's Megatron-marked model, whose slices need not be plain splits: such a checkpoint is not resharded).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from zeroshard.checkpoint.errors import CheckpointError
+from torch.distributed.tensor import DTensor
+
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
@@ -33,21 +37,15 @@ def slice_name(key: str, position: int, tp: int) -> str:
     return f"{key}.tp{position}of{tp}"
 
 
-def _tp_size(names: list[str]) -> int | list[int]:
+def base_of(name: str) -> str:
+    """The full tensor's key of a slice name (`name` itself for a whole tensor)."""
+    return _SLICE.sub("", name)
+
+
+def tp_size_of(names: list[str]) -> int | list[int]:
+    """The tensor-parallel size the slice names among `names` were written with (1: none; a list: several)."""
     sizes = sorted({int(m.group(2)) for m in map(_SLICE.search, names) if m})
     return 1 if not sizes else sizes[0] if len(sizes) == 1 else sizes
-
-
-def check_mesh(saved: list[str], engine: list[str]) -> None:
-    """Refuse a checkpoint written with another tensor-parallel size than the engine's ([Note: tensor-parallel
-    checkpoints]); `saved` and `engine` are the tensor names of each."""
-    before, now = _tp_size(saved), _tp_size(engine)
-    if before != now:
-        raise CheckpointError(
-            f"the checkpoint was saved with tensor_parallel.autotp_size={before}, this engine has {now}: resharding "
-            f"across tensor-parallel sizes is not supported; load it with autotp_size={before} (any data-parallel "
-            "size and ZeRO stage 0-2 work)"
-        )
 
 
 class TensorParallelState:
@@ -64,6 +62,8 @@ class TensorParallelState:
         self.peers: dict[str, TensorInfo] = {}
         self.shapes: dict[int, tuple[int, ...]] = {}
         params = {id(p): p for p in strategy.sharded.tracked_params()}
+        # Megatron-marked tensors of an mpu's model: their layout (fused qkv, ...) is the caller's, not a plain split
+        self.caller_split = not all(isinstance(params[i], DTensor) for i in self.sharded.sharded_params())
         for param_id, key in self.sharded.sharded_params().items():
             param = params[param_id]
             local = local_of(param)
