@@ -114,6 +114,18 @@ def _batches(args: argparse.Namespace):
         yield tokens[start : start + per_step].view(args.micro, args.seq)
 
 
+def _engine_step(engine: Any):
+    """One training step of a zeroshard or DeepSpeed engine (the same API) on a batch of token ids."""
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
+
+
 def _zeroshard_row(row: str, args: argparse.Namespace, device: Any):
     from transformers import AutoModelForCausalLM
 
@@ -124,13 +136,7 @@ def _zeroshard_row(row: str, args: argparse.Namespace, device: Any):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = zeroshard.initialize(model=model, config=zero_config(row, args))
 
-    def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return engine.module, step
+    return engine.module, _engine_step(engine)
 
 
 def _deepspeed_row(args: argparse.Namespace, device: Any):
@@ -147,13 +153,7 @@ def _deepspeed_row(args: argparse.Namespace, device: Any):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return engine.module, step
+    return engine.module, _engine_step(engine)
 
 
 def _fsdp2_row(args: argparse.Namespace, device: Any):
