@@ -94,7 +94,6 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
-    # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the
     # tensor-parallel size ([Note: tensor-parallel mesh])
     dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu)
@@ -164,14 +163,21 @@ def _build(
         logger=CommsLogger(cfg.comms_logger, topology.world_size, topology.rank),
         scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
-    pipe = build_pipe(cfg, model, comm)  # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh])
+    world = comm
+    # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh]), the mpu's with tp ([Note: 3D mesh])
+    pipe = build_pipe(cfg, model, comm, mpu)
     if pipe is not None:
         comm = pipe.dp_comm
     names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them
-    tp = build_tp(cfg, model, comm, topology.device, mpu)  # the model split in place: [Note: tensor-parallel mesh]
+    stages = pipe.groups.grid.stages if pipe is not None else 1
+    tp = build_tp(cfg, model, world, topology.device, mpu, stages)  # split in place: [Note: tensor-parallel mesh]
     if tp is not None:
         comm = tp.dp_comm
         model_parameters = follow_split(model, names, optimizer, model_parameters)
+    if pipe is not None and tp is not None:  # an mpu's split layers in a pipeline: [Note: 3D mesh]
+        from zeroshard.pipe.three_d import compose
+
+        compose(pipe, tp, mpu, model, topology.device)
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta and weights is None:
@@ -186,7 +192,7 @@ def _build(
         meta = False
     if not meta:
         model.to(topology.device)
-        _broadcast_module_state(model, comm, src=pipe.dp_root if pipe is not None else tp.dp_root if tp else 0)
+        _broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)
         if pipe is not None:
             pipe.sync_tied(model)
     precision = PrecisionPolicy.from_config(cfg)
@@ -195,7 +201,7 @@ def _build(
     accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
     strategy = engine_optimizer = None
     if has_optimizer:
-        model_parallel = pipe.pp_comm if pipe is not None else tp.tp_comm if tp is not None else None
+        model_parallel = pipe.model_parallel if pipe is not None else tp.tp_comm if tp is not None else None
         strategy = _make_strategy(
             cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp
         )

@@ -10,15 +10,21 @@ from torch.utils.data import DataLoader
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.config import ZeroshardConfig
+from zeroshard.errors import ConfigError
 from zeroshard.pipe.context import PipeContext, pipeline_schedule, refuse_unsupported
 from zeroshard.pipe.module import PipelineModule
 
 
-def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives) -> PipeContext | None:
+def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives, mpu: Any = None) -> PipeContext | None:
     """None unless `model` is a PipelineModule; else its checked config and this rank's groups (every rank
     creates every group, in the same order)."""
     if not isinstance(model, PipelineModule):
         return None
+    if model.model_parallel_size > 1 and mpu is None:
+        raise ConfigError(
+            f"PipelineModule(topology=...) with model dimension {model.model_parallel_size} needs the layers' "
+            "groups: pass initialize(mpu=...) ([Note: 3D mesh] in pipe/three_d.py)"
+        )
     refuse_unsupported(
         int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend), float(cfg.gradient_clipping or 0.0), model
     )
@@ -31,14 +37,14 @@ def pipe_dataloader(
     dataset: Any, cfg: ZeroshardConfig, pipe: PipeContext, collate_fn: Callable[..., Any] | None
 ) -> DataLoader[Any]:
     """DeepSpeed's pipeline loader: the replica's 1/dp of the data in order (a DistributedSampler without
-    shuffling), one micro-batch at a time; the engine wraps it in a RepeatingLoader."""
+    shuffling), one micro-batch at a time; the engine wraps it in a RepeatingLoader. The tensor-parallel ranks of
+    a replica read the same data ([Note: 3D mesh])."""
     from zeroshard.checkpoint.sampler import ResumableDistributedSampler
 
-    groups = pipe.groups
     sampler = ResumableDistributedSampler(
         dataset,
-        num_replicas=groups.grid.dp,
-        rank=groups.replica,
+        num_replicas=pipe.data_parallel_size,
+        rank=pipe.data_parallel_rank,
         shuffle=False,
         drop_last=bool(cfg.dataloader_drop_last),
     )

@@ -6,7 +6,9 @@ ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, wit
 crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
 rank of the group it is given; the stages take turns (a barrier over the whole world between turns) so that the
 dp ranks of one stage are the only ones in a call at a time and every rank counts the same calls. Loading needs
-the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint.
+the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint. With an
+mpu's tensor-parallel layers ([Note: 3D mesh]) the tp ranks of a stage would write their different slices into the
+same folder: save and load are refused there until the checkpoint holds a tensor-parallel dimension.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.comm.topology import Topology
+from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
 
 T = TypeVar("T")
@@ -44,6 +47,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
+        self._refuse_three_d("save_checkpoint")
         folder = stage_dir(save_dir, self.pipe.groups.stage)
         return self._stagewise(
             lambda: CheckpointMixin.save_checkpoint(
@@ -60,6 +64,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
+        self._refuse_three_d("load_checkpoint")
         folder = stage_dir(load_dir, self.pipe.groups.stage)
         return self._stagewise(
             lambda: CheckpointMixin.load_checkpoint(
@@ -72,6 +77,13 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 load_module_only,
             )
         )
+
+    def _refuse_three_d(self, what: str) -> None:
+        if self.pipe.tp_size > 1:
+            raise ZeroshardError(
+                f"{what} with a PipelineModule and an mpu's tensor-parallel layers (pp x tp) is not implemented; "
+                "train without checkpoints or drop one of the two dimensions"
+            )
 
     def _stagewise(self, call: Callable[[], T]) -> T:
         result: T | None = None

@@ -92,6 +92,8 @@ class PipeContext:
     pp_comm: Collectives
     tie_comms: dict[str, tuple[Collectives, int]]  # key -> (collectives, global rank of the lowest stage)
     schedule: str
+    tp_size: int = 1  # > 1 with an mpu's tensor-parallel layers ([Note: 3D mesh] in pipe/three_d.py)
+    norm_comm: Collectives | None = None  # the pp x tp group there; the pipeline group otherwise
 
     @classmethod
     def create(cls, world: Collectives, module: PipelineModule, schedule: str) -> PipeContext:
@@ -118,6 +120,21 @@ class PipeContext:
     def last_stage_rank(self) -> int:
         """The global rank of this pipeline's last stage (where the loss is)."""
         return self.groups.grid.pp_ranks(self.groups.replica)[-1]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The replicas the data is split over: the lanes of a stage, less the tensor-parallel ones ([Note: 3D
+        mesh])."""
+        return self.groups.grid.dp // self.tp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.groups.replica // self.tp_size
+
+    @property
+    def model_parallel(self) -> Collectives:
+        """The group the clipping norm and the overflow flag are summed over."""
+        return self.norm_comm if self.norm_comm is not None else self.pp_comm
 
     @property
     def dp_root(self) -> int:

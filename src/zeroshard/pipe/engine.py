@@ -69,7 +69,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
 
     @property
     def dp_world_size(self) -> int:
-        return self.pipe.groups.grid.dp
+        return self.pipe.data_parallel_size
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         self.data_iterator = iterator

@@ -4,7 +4,9 @@
 Ranks are laid out as DeepSpeed's `PipeDataParallelTopology` (axes pipe, data): rank = stage * dp + replica, so
 the ranks of one stage are consecutive (one data-parallel group per stage, where ZeRO shards) and a pipeline is
 every dp-th rank (one pipeline group per replica, where activations travel). The arithmetic is pure (`PipeGrid`);
-`PipeGroups` holds the process groups, created in the same order on every rank.
+`PipeGroups` holds the process groups, created in the same order on every rank. With an mpu's tensor-parallel
+layers a "replica" is a (data-parallel, tensor-parallel) lane and ZeRO shards over the mpu's group instead
+([Note: 3D mesh] in pipe/three_d.py).
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ class PipelineModule(nn.Module):
         dynamic_shape: bool = False,
     ) -> None:
         super().__init__()
+        self.model_parallel_size = 1
         if topology is not None:
-            raise ConfigError("PipelineModule(topology=...): pass num_stages= (the pp x dp mesh is built from it)")
+            num_stages, self.model_parallel_size = _from_topology(topology, num_stages)
         if num_stages is None:
             raise ConfigError("PipelineModule needs num_stages=")
         if not dist.is_initialized():  # DeepSpeed needs init_distributed() first; from the environment here
@@ -195,6 +196,21 @@ class _Chunk(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         return self._run(self._funcs, *inputs)
+
+
+def _from_topology(topology: Any, num_stages: int | None) -> tuple[int, int]:
+    """(stages, model-parallel size) of DeepSpeed's PipeDataParallelTopology / PipeModelDataParallelTopology,
+    whose rank layout is the mesh's ([Note: pipeline mesh], [Note: 3D mesh] in pipe/three_d.py)."""
+    axes = list(getattr(topology, "axes", []))
+    if axes not in (["pipe", "data"], ["pipe", "data", "model"]) or not callable(getattr(topology, "get_dim", None)):
+        raise ConfigError(
+            f"PipelineModule(topology=...) with axes {axes}: expected DeepSpeed's PipeDataParallelTopology or "
+            "PipeModelDataParallelTopology (axes pipe, data[, model]); or pass num_stages="
+        )
+    stages = int(topology.get_dim("pipe"))
+    if num_stages is not None and int(num_stages) != stages:
+        raise ConfigError(f"PipelineModule(num_stages={num_stages}, topology=...) with {stages} pipe stages: pass one")
+    return stages, int(topology.get_dim("model")) if "model" in axes else 1
 
 
 def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:

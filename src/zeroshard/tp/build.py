@@ -7,8 +7,9 @@ DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affec
 reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py); other keys are refused by name. Tensor
 parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
 [Note: tensor-parallel norm]) and with the fsdp2 backend at its stages ([Note: tensor parallelism on fsdp2]);
-stage 3 on the zero backend, offload, a PipelineModule and MoE layers with ep_size > 1 are refused before any
-work, each in one line.
+stage 3 on the zero backend, offload, autotp_size with a PipelineModule (an mpu's split layers in one are
+3D parallelism: [Note: 3D mesh] in pipe/three_d.py) and MoE layers with ep_size > 1 are refused before any work,
+each in one line.
 """
 
 from __future__ import annotations
@@ -90,17 +91,21 @@ def refuse_unsupported(cfg: ZeroshardConfig, model: nn.Module, tp: int, mpu: Any
             f"{what} with a model on the meta device (built under zeroshard.zero_init()): build it with real "
             "weights (from_pretrained without zero_init) so the tensor-parallel plan can split them"
         )
-    if isinstance(model, PipelineModule):
-        raise ConfigError(f"{what} with a PipelineModule: tp x pp is not implemented; use one of them")
+    if isinstance(model, PipelineModule) and mpu is None:
+        raise ConfigError(
+            f"{what} with a PipelineModule: autotp x pp is not implemented; split the layers yourself and pass "
+            "initialize(mpu=...) ([Note: 3D mesh]), or use one of them"
+        )
     if any(layer.ep_size > 1 for layer in moe_layers(model)):
         raise ConfigError(f"{what} with MoE layers of ep_size > 1: tp x ep is not implemented; use one of them")
 
 
 def build_tp(
-    cfg: ZeroshardConfig, model: nn.Module, world: Collectives, device: torch.device, mpu: Any
+    cfg: ZeroshardConfig, model: nn.Module, world: Collectives, device: torch.device, mpu: Any, stages: int = 1
 ) -> TensorParallelContext | None:
     """None without tensor parallelism; else this rank's mesh context, the model split in place (autotp) or
-    taken as the mpu split it ([Note: mpu groups]). Collective: every rank, the same config."""
+    taken as the mpu split it ([Note: mpu groups]; `stages` > 1 with a PipelineModule: [Note: 3D mesh]).
+    Collective: every rank, the same config."""
     tp = tp_degree(cfg, mpu)
     if mpu is None and tp == 1:
         return None
@@ -108,7 +113,7 @@ def build_tp(
     if mpu is not None:
         from zeroshard.tp.mpu import context_from_mpu
 
-        return context_from_mpu(mpu, world)
+        return context_from_mpu(mpu, world, stages)
     from zeroshard.tp.plan import apply_tensor_parallel, hf_plan
 
     vocab_parallel = loss_parallel_of(cfg.tensor_parallel)

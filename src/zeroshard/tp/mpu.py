@@ -40,15 +40,16 @@ def check_mpu(mpu: Any) -> None:
         )
 
 
-def context_from_mpu(mpu: Any, world: Collectives) -> TensorParallelContext:
-    """[Note: mpu groups] this rank's collectives over the mpu's groups (counted in `world`'s counters)."""
+def context_from_mpu(mpu: Any, world: Collectives, stages: int = 1) -> TensorParallelContext:
+    """[Note: mpu groups] this rank's collectives over the mpu's groups (counted in `world`'s counters);
+    `stages` pipeline stages beside them with a PipelineModule ([Note: 3D mesh] in pipe/three_d.py)."""
     check_mpu(mpu)
     tp, dp = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
-    if tp * dp != world.world_size:
+    if tp * dp * stages != world.world_size:
         raise ConfigError(
-            f"initialize(mpu=...): model-parallel size {tp} x data-parallel size {dp} != world size "
-            f"{world.world_size}; zeroshard composes ZeRO with one model-parallel dimension (pass an mpu whose "
-            "sizes multiply to the world size)"
+            f"initialize(mpu=...): model-parallel size {tp} x data-parallel size {dp} x pipeline stages {stages} "
+            f"!= world size {world.world_size}; pass an mpu whose sizes multiply (with the PipelineModule's "
+            "num_stages) to the world size"
         )
     dp_group, tp_group = mpu.get_data_parallel_group(), mpu.get_model_parallel_group()
     nodes = NodeLayout.from_env(world.world_size)
