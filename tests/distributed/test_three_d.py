@@ -1,6 +1,6 @@
 """3D parallelism (pp2 x tp2 x dp2 on 8 gloo ranks): a PipelineModule whose blocks are Megatron-style column- then
 row-parallel linear pairs over a fake mpu's tensor-parallel groups, ZeRO stage 1 over its data-parallel groups,
-gradient clipping active every step (1F1B fed by data_iter, GPipe by the engine's own loader over
+gradient clipping active every step (1F1B and interleaved 1F1B fed by data_iter, GPipe by the engine's loader over
 training_data, its PipelineModule split by a PipeModelDataParallelTopology-shaped topology); every rank's loss
 equals a single-process reference (the same full weights, the same global batch, torch AdamW) within 1e-5 relative
 at every step and in an eval_batch after the last. Then, in the same spawn, initialize
@@ -207,7 +207,7 @@ def _train(rank: int, world_size: int, schedules: list[str], save_dir: str) -> d
         assert engine.dp_world_size == DP, engine.dp_world_size
         d = engine.pipe.data_parallel_rank
         it = iter([mb for step in batches() for mb in step[d]])
-        out[schedule] = [float(engine.train_batch(data_iter=it if schedule == "1f1b" else None)) for _ in range(STEPS)]
+        out[schedule] = [float(engine.train_batch(data_iter=it if schedule != "gpipe" else None)) for _ in range(STEPS)]
         out[schedule].append(float(engine.eval_batch(data_iter=iter(batches()[0][d]))))
         try:
             engine.save_checkpoint(save_dir)
@@ -265,7 +265,7 @@ def reference() -> list[float]:
 
 
 def test_pp2_tp2_dp2_matches_reference_and_refuses_inconsistent_mpu(tmp_path: Path) -> None:
-    schedules = ["1f1b", "gpipe"]
+    schedules = ["1f1b", "gpipe", "interleaved"]
     per_rank = run_on_ranks(_train, PP * TP * DP, schedules, str(tmp_path))
     want = reference()
     for rank, result in enumerate(per_rank):
