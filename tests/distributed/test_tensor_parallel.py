@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from helpers.harness import run_on_ranks
+from helpers.mpu import GroupsMpu
 from helpers.tp_parity import TpCase, batch, config, continue_from, engine_losses, llama, reference, resume, run
 
 TP, DP = 2, 2
@@ -26,7 +27,7 @@ RESUME = TpCase(stage=2, steps=3)
 RESUME_FSDP2 = TpCase(stage=3, steps=3, backend="fsdp2")
 
 
-class FakeMpu:
+class FakeMpu(GroupsMpu):
     """DeepSpeed's mpu methods over groups from new_group: tp groups {0,1},{2,3}, dp groups {0,2},{1,3}."""
 
     def __init__(self, rank: int):
@@ -35,25 +36,8 @@ class FakeMpu:
         tp_groups = [dist.new_group([d * TP + t for t in range(TP)]) for d in range(DP)]
         dp_groups = [dist.new_group([d * TP + t for d in range(DP)]) for t in range(TP)]
         self.tp_rank, self.dp_rank = rank % TP, rank // TP
+        self.tp_size, self.dp_size = TP, DP
         self.tp_group, self.dp_group = tp_groups[self.dp_rank], dp_groups[self.tp_rank]
-
-    def get_model_parallel_rank(self) -> int:
-        return self.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return TP
-
-    def get_model_parallel_group(self) -> Any:
-        return self.tp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return DP
-
-    def get_data_parallel_group(self) -> Any:
-        return self.dp_group
 
 
 def _mpu_losses(rank: int) -> list[float]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from helpers.harness import run_on_ranks
+from helpers.mpu import GroupsMpu
 
 PP, TP, DP = 2, 2, 2
 WIDTH, HIDDEN, BLOCKS, SEED = 8, 16, 4, 5
@@ -112,7 +113,7 @@ class Topology:
         return {"pipe": PP, "data": DP, "model": TP}[axis]
 
 
-class FakeMpu:
+class FakeMpu(GroupsMpu):
     """DeepSpeed's mpu methods over groups laid out as PipeModelDataParallelTopology (`tp_stride` 1) or, with
     `tp_stride` DP, a layout whose tp ranks are not consecutive; `pipe` is the pipeline size it reports."""
 
@@ -121,6 +122,7 @@ class FakeMpu:
         dp_stride = TP if tp_stride == 1 else 1
         stage, lane = divmod(rank, lanes)
         self.tp_rank, self.dp_rank = (lane % TP, lane // TP) if tp_stride == 1 else (lane // DP, lane % DP)
+        self.tp_size, self.dp_size = TP, DP
         self.pipe = pipe
         for s in range(PP):
             for d in range(DP):
@@ -131,24 +133,6 @@ class FakeMpu:
                 group = dist.new_group([s * lanes + d * dp_stride + t * tp_stride for d in range(DP)])
                 if (s, t) == (stage, self.tp_rank):
                     self.dp_group = group
-
-    def get_model_parallel_rank(self) -> int:
-        return self.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return TP
-
-    def get_model_parallel_group(self) -> Any:
-        return self.tp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return DP
-
-    def get_data_parallel_group(self) -> Any:
-        return self.dp_group
 
     def get_pipe_parallel_world_size(self) -> int:
         return self.pipe
