@@ -8,5 +8,14 @@
 from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec
 from zeroshard.pipe.mesh import PipeGrid
 from zeroshard.pipe.module import PipelineModule
+from zeroshard.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
-__all__ = ["LayerSpec", "PipeGrid", "PipelineModule", "TiedLayerSpec"]
+__all__ = [
+    "LayerSpec",
+    "PipeDataParallelTopology",
+    "PipeGrid",
+    "PipeModelDataParallelTopology",
+    "PipelineModule",
+    "ProcessTopology",
+    "TiedLayerSpec",
+]
