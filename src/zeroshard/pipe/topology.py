@@ -21,8 +21,9 @@ class ProcessTopology:
             raise ValueError(f"ProcessTopology(axes={list(axes)}, dims={list(dims)}): one positive size per axis name")
         self.axes = list(axes)
         self.dims = [int(d) for d in dims]
-        self.ProcessCoord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
-        self._coords: list[Any] = [self.ProcessCoord(*c) for c in product(*(range(d) for d in self.dims))]
+        coord_type: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
+        self.ProcessCoord = coord_type
+        self._coords: list[Any] = [coord_type._make(c) for c in product(*(range(d) for d in self.dims))]
         self.mapping = {coord: rank for rank, coord in enumerate(self._coords)}
 
     def world_size(self) -> int:
