@@ -1,7 +1,7 @@
 """3D parallelism (pp2 x tp2 x dp2 on 8 gloo ranks): a PipelineModule whose blocks are Megatron-style column- then
 row-parallel linear pairs over a fake mpu's tensor-parallel groups, ZeRO stage 1 over its data-parallel groups,
 gradient clipping active every step (1F1B and interleaved 1F1B fed by data_iter, GPipe by the engine's loader over
-training_data, its PipelineModule split by a PipeModelDataParallelTopology-shaped topology); every rank's loss
+training_data, its PipelineModule split by zeroshard.pipe's PipeModelDataParallelTopology); every rank's loss
 equals a single-process reference (the same full weights, the same global batch, torch AdamW) within 1e-5 relative
 at every step and in an eval_batch after the last. Then, in the same spawn, initialize
 refuses an mpu whose pipeline size is not num_stages, and one whose groups are not laid out as DeepSpeed's
@@ -104,15 +104,6 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
-class Topology:
-    """What PipelineModule reads of DeepSpeed's PipeModelDataParallelTopology(num_pp, num_mp, num_dp)."""
-
-    axes = ["pipe", "data", "model"]
-
-    def get_dim(self, axis: str) -> int:
-        return {"pipe": PP, "data": DP, "model": TP}[axis]
-
-
 class FakeMpu(GroupsMpu):
     """DeepSpeed's mpu methods over groups laid out as PipeModelDataParallelTopology (`tp_stride` 1) or, with
     `tp_stride` DP, a layout whose tp ranks are not consecutive; `pipe` is the pipeline size it reports."""
@@ -168,12 +159,13 @@ def dataset() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _engine(rank: int, mpu: FakeMpu, schedule: str, extra: dict[str, Any] | None = None, mpu_given: bool = True) -> Any:
     import zeroshard
-    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe import PipelineModule, PipeModelDataParallelTopology
 
     w = Weights.make()
     blocks = [ParallelBlock(b, mpu.tp_rank, mpu.tp_group) for b in w.blocks]
     layers = [_linear(w.embed), nn.Tanh(), *blocks, _linear(w.head)]
-    split: dict[str, Any] = {"num_stages": PP} if schedule == "1f1b" else {"topology": Topology()}
+    topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=DP)
+    split: dict[str, Any] = {"num_stages": PP} if schedule == "1f1b" else {"topology": topology}
     net = PipelineModule(layers=layers, loss_fn=nn.functional.mse_loss, partition_method="uniform", **split)
     data = dataset() if schedule == "gpipe" else None  # gpipe reads through the engine's loader
     cfg = {**config(schedule), **(extra or {})}
