@@ -5,8 +5,8 @@ training_data, its PipelineModule split by zeroshard.pipe's PipeModelDataParalle
 equals a single-process reference (the same full weights, the same global batch, torch AdamW) within 1e-5 relative
 at every step and in an eval_batch after the last. Then, in the same spawn, initialize
 refuses an mpu whose pipeline size is not num_stages, and one whose groups are not laid out as DeepSpeed's
-PipeModelDataParallelTopology ([Note: 3D mesh] in pipe/three_d.py); save_checkpoint of the 3D engine and
-autotp_size with a PipelineModule are refused.
+PipeModelDataParallelTopology ([Note: 3D mesh] in pipe/three_d.py) and autotp_size with a PipelineModule; a 3D
+checkpoint resumes with the losses of the uninterrupted run exactly, and a pp2 x dp4 engine refuses to load it.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _engine(rank: int, mpu: FakeMpu, schedule: str, extra: dict[str, Any] | None
 
 def _train(rank: int, world_size: int, schedules: list[str], save_dir: str) -> dict[str, Any]:
     from zeroshard.comm.topology import init_distributed
-    from zeroshard.errors import ConfigError, ZeroshardError
+    from zeroshard.errors import ConfigError
 
     init_distributed()  # the mpu's groups come first, as Megatron's initialize_model_parallel
     out: dict[str, Any] = {}
@@ -185,12 +185,8 @@ def _train(rank: int, world_size: int, schedules: list[str], save_dir: str) -> d
         it = iter([mb for step in batches() for mb in step[d]])
         out[schedule] = [float(engine.train_batch(data_iter=it if schedule != "gpipe" else None)) for _ in range(STEPS)]
         out[schedule].append(float(engine.eval_batch(data_iter=iter(batches()[0][d]))))
-        try:
-            engine.save_checkpoint(save_dir)
-            out["checkpoint"] = "accepted"
-        except ZeroshardError as e:
-            out["checkpoint"] = str(e)
         engine.destroy()
+    out.update(_resume(rank, save_dir))
     for name, mpu in (("pipe", FakeMpu(rank, pipe=4)), ("layout", FakeMpu(rank, tp_stride=DP))):
         try:
             _engine(rank, mpu, "1f1b")
@@ -202,6 +198,37 @@ def _train(rank: int, world_size: int, schedules: list[str], save_dir: str) -> d
         out["autotp"] = "accepted"
     except ConfigError as e:
         out["autotp"] = str(e)
+    return out
+
+
+def _steps(engine: Any, steps: list[list[list[tuple[torch.Tensor, torch.Tensor]]]]) -> list[float]:
+    d = engine.pipe.data_parallel_rank
+    it = iter([mb for step in steps for mb in step[d]])
+    return [float(engine.train_batch(data_iter=it)) for _ in steps]
+
+
+def _resume(rank: int, save_dir: str) -> dict[str, Any]:
+    """[Note: 3D checkpoints]: 2 steps, save, 2 more; a fresh engine loads and trains the same 2 steps. Then a
+    pp2 x dp4 engine (no mpu) refuses the checkpoint."""
+    from zeroshard.errors import ZeroshardError
+
+    stream = batches()
+    engine = _engine(rank, FakeMpu(rank), "1f1b")
+    _steps(engine, stream[:2])
+    engine.save_checkpoint(save_dir)
+    out: dict[str, Any] = {"straight": _steps(engine, stream[2:4])}
+    engine.destroy()
+    engine = _engine(rank, FakeMpu(rank), "1f1b")
+    engine.load_checkpoint(save_dir)
+    out["resumed"] = _steps(engine, stream[2:4])
+    engine.destroy()
+    engine = _engine(rank, FakeMpu(rank), "1f1b", mpu_given=False)
+    try:
+        engine.load_checkpoint(save_dir)
+        out["checkpoint"] = "accepted"
+    except ZeroshardError as e:
+        out["checkpoint"] = str(e)
+    engine.destroy()
     return out
 
 
@@ -255,5 +282,7 @@ def test_pp2_tp2_dp2_matches_reference_and_refuses_inconsistent_mpu(tmp_path: Pa
             )
         assert "pipeline size 4 != the PipelineModule's num_stages 2" in result["pipe"], result["pipe"]
         assert "PipeModelDataParallelTopology" in result["layout"], result["layout"]
-        assert "pp x tp) is not implemented" in result["checkpoint"], result["checkpoint"]
+        assert result["resumed"] == result["straight"], (rank, result["resumed"], result["straight"])
+        assert "saved with num_stages 2 and tensor_parallel 2" in result["checkpoint"], result["checkpoint"]
+        assert "\n" not in result["checkpoint"]
         assert "autotp x pp is not implemented" in result["autotp"], result["autotp"]

@@ -6,15 +6,24 @@ ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, wit
 crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
 rank of the group it is given; the stages take turns (a barrier over the whole world between turns) so that the
 dp ranks of one stage are the only ones in a call at a time and every rank counts the same calls. Loading needs
-the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint. With an
-mpu's tensor-parallel layers ([Note: 3D mesh]) the tp ranks of a stage would write their different slices into the
-same folder: save and load are refused there until the checkpoint holds a tensor-parallel dimension.
+the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint.
+
+[Note: 3D checkpoints]
+With an mpu's tensor-parallel layers ([Note: 3D mesh]) the "world" a stage's checkpoint sees is its lane group
+(every (d, t) of the stage, rank = lane = d * tp + t), the same shape as a 2D tp x dp world, and the stage's state
+is `TensorParallelState` ([Note: tensor-parallel checkpoints]): each slice is `<key>.tp<j>of<tp>`, written once by
+the dp group of position j, replicated parameters once by position 0's dp group, optimizer state with them. Global
+rank 0 records the mesh (`pipe_mesh.json`: num_stages, tp) at the root; every rank reads it before a stage folder is
+opened and refuses another num_stages or tp (a pp x dp engine included) in one line, as it refuses a 3D load from a
+folder without that record. The data-parallel degree is not checked, as in 2D (a 3D load into another dp is
+untested); the slices are caller-split (Megatron-marked), so a different tp is never resharded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -33,6 +42,37 @@ def stage_dir(root: str | os.PathLike[str], stage: int) -> str:
     return os.path.join(os.fspath(root), f"pipe_stage_{stage:02d}")
 
 
+MESH_FILE = "pipe_mesh.json"
+
+
+def write_mesh(root: str | os.PathLike[str], mesh: dict[str, int]) -> None:
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(os.fspath(root), MESH_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(mesh, f)
+    os.replace(path + ".tmp", path)
+
+
+def check_mesh(root: str | os.PathLike[str], mesh: dict[str, int]) -> None:
+    """[Note: 3D checkpoints] refuse another num_stages or tp before anything else is read."""
+    path = os.path.join(os.fspath(root), MESH_FILE)
+    if not os.path.exists(path):
+        if mesh["tensor_parallel"] > 1:
+            raise ZeroshardError(
+                f"load_checkpoint({os.fspath(root)!r}): no {MESH_FILE}, so not a pp x tp checkpoint; a 3D engine "
+                f"(tensor_parallel {mesh['tensor_parallel']}) loads only what a 3D engine of the same mesh saved"
+            )
+        return  # a pp x dp checkpoint saved before the record existed
+    with open(path) as f:
+        saved = json.load(f)
+    if saved != mesh:
+        raise ZeroshardError(
+            f"load_checkpoint({os.fspath(root)!r}): saved with num_stages {saved.get('num_stages')} and "
+            f"tensor_parallel {saved.get('tensor_parallel')}, this engine has num_stages {mesh['num_stages']} "
+            f"and tensor_parallel {mesh['tensor_parallel']}; load it into an engine of the saved mesh"
+        )
+
+
 class PipelineCheckpointMixin(CheckpointMixin):
     """save_checkpoint / load_checkpoint per stage ([Note: pipeline checkpoints])."""
 
@@ -47,8 +87,9 @@ class PipelineCheckpointMixin(CheckpointMixin):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        self._refuse_three_d("save_checkpoint")
         folder = stage_dir(save_dir, self.pipe.groups.stage)
+        if self.pipe.world.rank == 0:  # the engine's mesh, not its data: [Note: 3D checkpoints]
+            write_mesh(save_dir, self._mesh())
         return self._stagewise(
             lambda: CheckpointMixin.save_checkpoint(
                 self, folder, tag, client_state, save_latest, exclude_frozen_parameters
@@ -64,7 +105,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
-        self._refuse_three_d("load_checkpoint")
+        check_mesh(load_dir, self._mesh())
         folder = stage_dir(load_dir, self.pipe.groups.stage)
         return self._stagewise(
             lambda: CheckpointMixin.load_checkpoint(
@@ -78,12 +119,8 @@ class PipelineCheckpointMixin(CheckpointMixin):
             )
         )
 
-    def _refuse_three_d(self, what: str) -> None:
-        if self.pipe.tp_size > 1:
-            raise ZeroshardError(
-                f"{what} with a PipelineModule and an mpu's tensor-parallel layers (pp x tp) is not implemented; "
-                "train without checkpoints or drop one of the two dimensions"
-            )
+    def _mesh(self) -> dict[str, int]:
+        return {"num_stages": self.pipe.groups.grid.stages, "tensor_parallel": self.pipe.tp_size}
 
     def _stagewise(self, call: Callable[[], T]) -> T:
         result: T | None = None

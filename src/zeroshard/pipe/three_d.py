@@ -11,7 +11,8 @@ micro-batches; the clipping norm and the overflow flag are summed over the pp x 
 (each rank's share already counts its replicated parameters 1/tp: [Note: tensor-parallel norm]); the initial
 weights are broadcast over the data-parallel group from its first rank. The mpu must lay its groups out this way
 (tensor-parallel ranks consecutive): `check_layout` refuses any other layout before a group is created. The
-reported loss stays the mean over the lanes: every t of a lane computes the same loss.
+reported loss stays the mean over the lanes: every t of a lane computes the same loss. Checkpoints: [Note: 3D
+checkpoints] in pipe/checkpoint.py.
 """
 
 from __future__ import annotations
