@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 WIDTH, DEPTH, SEED = 16, 6, 7
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+SGD_LR = 0.5
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,12 @@ class PipeCase:
     clip: float = 0.0
     tied: bool = False  # first and last layer one TiedLayerSpec (the last applies its transpose)
     checkpoint_every: int = 0  # activation_checkpoint_interval
+    sgd: bool = False  # SGD instead of AdamW: the update follows the clipping norm (Adam's hardly does)
 
     @property
     def name(self) -> str:
         extras = ("_tied" if self.tied else "") + (f"_ac{self.checkpoint_every}" if self.checkpoint_every else "")
+        extras += "_sgd" if self.sgd else ""
         return f"pp{self.stages}_{self.schedule}_zero{self.zero}_gas{self.gas}_clip{self.clip}{extras}"
 
 
@@ -99,7 +103,7 @@ def config(case: PipeCase) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}} if case.sgd else ADAMW,
         "zero_optimization": {"stage": case.zero},
         "gradient_clipping": case.clip,
         "pipeline": {"stages": case.stages, "schedule": case.schedule},
@@ -109,7 +113,8 @@ def config(case: PipeCase) -> dict[str, Any]:
 def reference(case: PipeCase, dp: int) -> list[float]:
     """Plain PyTorch on one process: the whole global batch per step, gradients averaged over it."""
     model = tied_reference_model() if case.tied else nn.Sequential(*layers())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=SGD_LR) if case.sgd else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     losses = []
     for step in batches(case, dp):
         total = 0.0

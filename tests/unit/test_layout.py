@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zeroshard.zero.layout import ParamSpec, build_layout, owned_pieces
+from zeroshard.zero.layout import ParamSpec, build_layout, counted_ranges, owned_pieces
 
 
 def _random_groups(seed: int) -> list[list[ParamSpec]]:
@@ -79,3 +79,27 @@ def test_launch_order_interleaves_groups_by_backward_position():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="bucket_numel"):
         build_layout([[ParamSpec("p", 1, 0)]], bucket_numel=0, shard_count=1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("shard_count", [1, 2, 3])
+def test_counted_ranges_cover_the_shard_less_the_excluded_pieces(seed, shard_count):
+    """[Note: tied copies in the norm]: the ranges are disjoint, sorted, and hold exactly the shard's elements
+    outside the excluded parameters' pieces (padding included: it is zero and counts nothing)."""
+    rng = random.Random(seed)
+    specs = [ParamSpec(f"p{i}", rng.randint(1, 40), i) for i in range(rng.randint(1, 8))]
+    group = build_layout([specs], rng.randint(5, 60), shard_count).groups[0]
+    excluded = {s for s in range(len(group.slots)) if rng.random() < 0.4}
+    for rank in range(shard_count):
+        ranges = counted_ranges(group, rank, excluded)
+        kept = [i for lo, hi in ranges for i in range(lo, hi)]
+        assert kept == sorted(set(kept)) and all(lo < hi for lo, hi in ranges)
+        dropped = {
+            p.shard_offset + k
+            for p in owned_pieces(group, rank)
+            if p.slot in excluded
+            for k in range(p.param_end - p.param_begin)
+        }
+        assert set(kept) == set(range(group.shard_numel)) - dropped
+        if not excluded:
+            assert ranges == [(0, group.shard_numel)]

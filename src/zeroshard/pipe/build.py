@@ -25,9 +25,7 @@ def build_pipe(cfg: ZeroshardConfig, model: nn.Module, world: Collectives, mpu: 
             f"PipelineModule(topology=...) with model dimension {model.model_parallel_size} needs the layers' "
             "groups: pass initialize(mpu=...) ([Note: 3D mesh] in pipe/three_d.py)"
         )
-    refuse_unsupported(
-        int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend), float(cfg.gradient_clipping or 0.0), model
-    )
+    refuse_unsupported(int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend))
     schedule, virtual = pipeline_schedule(cfg.pipeline, model)
     model.interleave(virtual)  # before the groups: which stages hold a tied key depends on the chunks
     return PipeContext.create(world, model, schedule)

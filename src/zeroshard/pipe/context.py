@@ -26,6 +26,7 @@ from zeroshard.comm.topology import NodeLayout
 from zeroshard.errors import ConfigError
 from zeroshard.pipe.mesh import PipeGroups
 from zeroshard.pipe.module import PipelineModule
+from zeroshard.zero.flat.strategy import PIPE_REPLICATED
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DEEPSPEED_KEYS = {
@@ -64,19 +65,12 @@ def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -
     return schedule, virtual
 
 
-def refuse_unsupported(stage: int, backend: str, clipping: float, module: PipelineModule) -> None:
+def refuse_unsupported(stage: int, backend: str) -> None:
     if stage >= 2:
         raise ConfigError(
             f"zero_optimization.stage {stage} with a PipelineModule: pipeline parallelism works with ZeRO stages 0 "
             "and 1 only (as DeepSpeed: gradients are reduced once after all micro-batches, which stages 2 and 3 "
             'cannot do); set "zero_optimization": {"stage": 1}'
-        )
-    shared = sorted(key for key, stages in module.tied_stages().items() if len(stages) > 1)
-    if clipping > 0 and shared:
-        raise ConfigError(
-            f"gradient_clipping with TiedLayerSpec keys {shared} on several stages: the global norm would count "
-            "each stage's copy of a tied weight (DeepSpeed counts it once); this is not implemented yet: set "
-            "gradient_clipping to 0 or keep each tied key on one stage"
         )
     if backend != "zero":
         raise ConfigError(f'zeroshard.backend "{backend}" with a PipelineModule: use the "zero" backend')
@@ -106,6 +100,7 @@ class PipeContext:
             key: (world.subgroup(group, len(ranks), ranks.index(world.rank), scope_of(nodes, ranks)), ranks[0])
             for key, (group, ranks) in groups.tie_groups.items()
         }
+        mark_tied_copies(module, {key: root != world.rank for key, (_, root) in ties.items()})
         return cls(groups, world, dp_comm, pp_comm, ties, schedule)
 
     @property
@@ -156,6 +151,27 @@ class PipeContext:
             comm.all_reduce(flat, label=f"pipe.tie_grads.{key}")
             for param, synced in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
                 param.grad = synced.clone()
+
+
+def mark_tied_copies(module: PipelineModule, copy: dict[str, bool]) -> None:
+    """[Note: tied copies in the norm]
+
+    A weight tied across pipeline stages (a `TiedLayerSpec` key on several stages: the embedding and the output
+    layer of a GPT) has one copy per stage, synchronised ([Note: tied layers]): after `reduce_tied_grads` every
+    copy holds the same summed gradient. The clipping norm adds every stage's share over the pipeline group, so
+    it would count that gradient once per copy; DeepSpeed counts it once: its PipelineModule sets
+    `ds_pipe_replicated` on every parameter (True on the copies of ranks other than the lowest stage of the tie
+    group, False elsewhere) and its optimizers leave the True ones out of the norm. zeroshard sets the same
+    attribute the same way (code written for DeepSpeed may read it) and the flat strategy (stages 0 and 1, the
+    ones a pipeline runs) gives the norm only the ranges of its gradient shards outside those copies
+    (`counted_ranges` in zero/layout.py); the copies still step with the clipped gradient, so they stay equal.
+    Only the tied weights themselves (`tied_weight_attr`) are synchronised and marked: DeepSpeed also marks the
+    other parameters of a tied module (a bias), which it does not synchronise."""
+    for param in module.parameters():
+        setattr(param, PIPE_REPLICATED, False)
+    for key, is_copy in copy.items():
+        for param in module.tied_parameters(key):
+            setattr(param, PIPE_REPLICATED, is_copy)
 
 
 def dp_size(model: nn.Module, world_size: int) -> int:

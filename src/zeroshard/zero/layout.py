@@ -176,3 +176,18 @@ def owned_pieces(group: GroupLayout, rank: int) -> list[OwnedPiece]:
             if begin < end:
                 pieces.append(OwnedPiece(s, begin - slot.offset, end - slot.offset, bucket.shard_start + begin - lo))
     return pieces
+
+
+def counted_ranges(group: GroupLayout, rank: int, excluded: set[int]) -> list[tuple[int, int]]:
+    """[begin, end) ranges of `rank`'s group shard left when the pieces of the slots in `excluded` are taken out
+    (all of it, as one range, when none is): what the gradient norm counts ([Note: tied copies in the norm] in
+    pipe/context.py)."""
+    out, at = [], 0
+    for piece in owned_pieces(group, rank):
+        if piece.slot in excluded:
+            if piece.shard_offset > at:
+                out.append((at, piece.shard_offset))
+            at = piece.shard_offset + piece.param_end - piece.param_begin
+    if group.shard_numel > at:
+        out.append((at, group.shard_numel))
+    return out

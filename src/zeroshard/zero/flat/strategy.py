@@ -41,7 +41,7 @@ from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
-from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout
+from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stepmath import tensor_norms
@@ -144,6 +144,10 @@ class FlatStrategy(Strategy):
         self._got_grad: set[tuple[int, int]] = set()  # (group, slot) with a gradient in this window
         self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
         self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
+        # [Note: tied copies in the norm] (pipe/context.py): per group, the ranges of the shard the norm counts
+        copies = [{s for s, slot in enumerate(b.layout.slots) if _tied_copy(b, slot)} for b in self.buffers]
+        rank = self.shard_rank
+        self._counted = [counted_ranges(b.layout, rank, c) for b, c in zip(self.buffers, copies, strict=True)]
         OWNERS.register(self, self.tracked_params())  # [Note: parameter registry]
 
     # -- construction helpers --------------------------------------------------------------------
@@ -260,7 +264,13 @@ class FlatStrategy(Strategy):
         return tensor_norms([p.grad for p in self._bystanders if p.grad is not None])
 
     def _grad_slots(self) -> list[GradShard]:
-        return [GradShard(f"group{g}", b.grad_shard) for g, b in enumerate(self.buffers)]
+        """Each group's gradient shard; only the ranges the norm counts where a group holds a tied weight's
+        copy ([Note: tied copies in the norm])."""
+        return [
+            GradShard(f"group{g}", b.grad_shard if ranges == [(0, b.layout.shard_numel)] else b.grad_shard[lo:hi])
+            for g, (b, ranges) in enumerate(zip(self.buffers, self._counted, strict=True))
+            for lo, hi in ranges
+        ]
 
     def _step_chunks(self, scale: float) -> None:
         # one group at a time (the same arithmetic as one call: the optimizers are elementwise per tensor), so
@@ -470,3 +480,11 @@ class FlatStrategy(Strategy):
         copies = zip(self._grad_copies, self.buffers, strict=True)
         self.gradients_tier.count(memory, sum(0 if g is b.grad_shard else nbytes(g) for g, b in copies))
         return memory
+
+
+PIPE_REPLICATED = "ds_pipe_replicated"  # DeepSpeed's mark of those copies (deepspeed.runtime.constants)
+
+
+def _tied_copy(buffers: GroupBuffers, slot: Any) -> bool:
+    """A pipeline stage's copy of a weight tied to a lower stage's ([Note: tied copies in the norm])."""
+    return bool(getattr(buffers.params[slot.index], PIPE_REPLICATED, False))
