@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from helpers.harness import run_on_ranks
 from helpers.pipeline import PipeCase, batches, build, reference
 
@@ -91,3 +93,38 @@ def test_pipeline_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
     for rank, result in enumerate(b["load"] for b in both):  # pp2 x dp1 -> pp2 x dp2: gas 8 -> 4
         assert result["gas"] == 4, result
         assert _close(result["losses"], want[SAVED:]), ("dp1 -> dp2", rank, result["losses"], want[SAVED:])
+
+
+def _three_d(rank: int, world_size: int, folder: str, save: bool) -> dict[str, Any]:
+    """pp2 x tp2 x dp2 trains SAVED steps and saves (`save`), or pp2 x tp2 x dp1 (the same config) loads and
+    trains the rest and an eval_batch."""
+    from helpers.three_d import STEPS, FakeMpu, build_engine, replica_stream
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()  # the mpu's groups come first, as Megatron's initialize_model_parallel
+    engine = build_engine(rank, FakeMpu(rank, dp=world_size // 4), "1f1b")
+    dp, d = engine.dp_world_size, engine.pipe.data_parallel_rank
+    if not save:
+        engine.load_checkpoint(folder, tag="saved")
+    steps = range(SAVED) if save else range(SAVED, STEPS)
+    it = replica_stream(dp, d, steps)
+    losses = [float(engine.train_batch(data_iter=it)) for _ in steps]
+    if save:
+        engine.save_checkpoint(folder, tag="saved")
+    else:
+        losses.append(float(engine.eval_batch(data_iter=replica_stream(dp, d, range(1)))))
+    out = {"losses": losses, "gas": engine.gradient_accumulation_steps()}
+    engine.destroy()
+    return out
+
+
+def test_three_d_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
+    """pp2 x tp2 x dp2 (8 ranks) -> pp2 x tp2 x dp1 (4 ranks): gas 4 -> 8, the reference's losses."""
+    from helpers.three_d import reference as three_d_reference
+
+    want = three_d_reference()
+    for rank, result in enumerate(run_on_ranks(_three_d, 8, str(tmp_path), True)):
+        assert _close(result["losses"], want[:SAVED]), (rank, result, want)
+    for rank, result in enumerate(run_on_ranks(_three_d, 4, str(tmp_path), False)):
+        assert result["gas"] == 8, result
+        assert _close(result["losses"], want[SAVED:]), ("dp2 -> dp1", rank, result["losses"], want[SAVED:])
