@@ -7,6 +7,8 @@ at every step and in an eval_batch after the last. Then, in the same spawn, init
 refuses an mpu whose pipeline size is not num_stages, and one whose groups are not laid out as DeepSpeed's
 PipeModelDataParallelTopology ([Note: 3D mesh] in pipe/three_d.py) and autotp_size with a PipelineModule; a 3D
 checkpoint resumes with the losses of the uninterrupted run exactly, and a pp2 x dp4 engine refuses to load it.
+The model, mpu, data and reference are in helpers/three_d.py (test_pipeline_reshard.py loads this mesh's checkpoint
+into pp2 x tp2 x dp1).
 """
 
 from __future__ import annotations
