@@ -20,6 +20,8 @@ from typing import Any
 
 from helpers.harness import run_on_ranks
 from helpers.pipeline import PipeCase, batches, build, reference
+from helpers.three_d import PP, STEPS, TP, FakeMpu, build_engine, replica_stream
+from helpers.three_d import reference as three_d_reference
 
 RTOL = 1e-5
 REF_DP = 2  # the reference's replicas: the global batch of a step is REF_DP x gas micro-batches
@@ -99,11 +101,10 @@ def test_pipeline_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
 def _three_d(rank: int, world_size: int, folder: str, save: bool) -> dict[str, Any]:
     """pp2 x tp2 x dp2 trains SAVED steps and saves (`save`), or pp2 x tp2 x dp1 (the same config) loads and
     trains the rest and an eval_batch."""
-    from helpers.three_d import STEPS, FakeMpu, build_engine, replica_stream
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()  # the mpu's groups come first, as Megatron's initialize_model_parallel
-    engine = build_engine(rank, FakeMpu(rank, dp=world_size // 4), "1f1b")
+    engine = build_engine(rank, FakeMpu(rank, dp=world_size // (PP * TP)), "1f1b")
     dp, d = engine.dp_world_size, engine.pipe.data_parallel_rank
     if not save:
         engine.load_checkpoint(folder, tag="saved")
@@ -121,8 +122,6 @@ def _three_d(rank: int, world_size: int, folder: str, save: bool) -> dict[str, A
 
 def test_three_d_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
     """pp2 x tp2 x dp2 (8 ranks) -> pp2 x tp2 x dp1 (4 ranks): gas 4 -> 8, the reference's losses."""
-    from helpers.three_d import reference as three_d_reference
-
     want = three_d_reference()
     for rank, result in enumerate(run_on_ranks(_three_d, 8, str(tmp_path), True)):
         assert _close(result["losses"], want[:SAVED]), (rank, result, want)
