@@ -207,29 +207,34 @@ def load_optimizer_state(
 
 # -- batch ---------------------------------------------------------------------------------------------------
 def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
-    """Keep the checkpoint's global batch on a new world size by changing gradient accumulation.
+    """Keep the checkpoint's global batch on a new data-parallel degree by changing gradient accumulation.
 
     Returns whether gradient_accumulation_steps changed. Not done when the config pins train_batch_size
-    (the user asked for that batch) or when the micro-batch times the world size does not divide it.
+    (the user asked for that batch) or when the micro-batch times the replicas does not divide it. The replicas
+    are those the config's batch counts (train_batch_size / (micro x accumulation)), not the ranks of the
+    checkpoint's world: a tensor-parallel or pp x tp lane group holds tp ranks per replica.
     """
     cfg = engine.config
     saved = int(meta.batch["train_batch_size"])
     current = int(cfg.train_batch_size)
     if saved == current:
         return False
-    micro, world = int(cfg.train_micro_batch_size_per_gpu), engine.topology.world_size
+    micro = int(cfg.train_micro_batch_size_per_gpu)
+    replicas = current // (micro * int(cfg.gradient_accumulation_steps))
     pinned = cfg.raw.get("train_batch_size") not in (None, "auto")
-    if pinned or saved % (micro * world):
-        why = "train_batch_size is set in the config" if pinned else f"{micro} x {world} ranks does not divide it"
+    if pinned or saved % (micro * replicas):
+        why = "train_batch_size is set in the config" if pinned else f"{micro} x {replicas} replicas does not divide it"
         log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {why}")
         return False
-    gas = saved // (micro * world)
+    gas = saved // (micro * replicas)
     engine.config = dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
     engine.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
+    batch = meta.batch
+    before = saved // (int(batch["train_micro_batch_size_per_gpu"]) * int(batch["gradient_accumulation_steps"]))
     log_rank(
         logger,
         30,
-        f"world size {meta.world_size} -> {world}: gradient_accumulation_steps "
+        f"data-parallel replicas {before} -> {replicas}: gradient_accumulation_steps "
         f"{cfg.gradient_accumulation_steps} -> {gas} keeps the global batch at {saved}",
     )
     return True

@@ -1,4 +1,4 @@
-"""Checkpoints of a pipeline engine: one zeroshard checkpoint per stage, saved and loaded within the same mesh.
+"""Checkpoints of a pipeline engine: one zeroshard checkpoint per stage, loaded with the same stages and tp, any dp.
 
 [Note: pipeline checkpoints]
 Each stage holds different layers, so each stage writes a complete zeroshard checkpoint of its own module (its
@@ -6,7 +6,13 @@ ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, wit
 crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
 rank of the group it is given; the stages take turns (a barrier over the whole world between turns) so that the
 dp ranks of one stage are the only ones in a call at a time and every rank counts the same calls. Loading needs
-the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint.
+the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
+reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
+batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
+that ran a schedule before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2
+-> pp2 x dp1 and pp2 x dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last
+within 1e-5 relative of the single-process reference for the same global batch. Untested across dp: GPipe and
+interleaved, ZeRO-0, and the engine's own loader over training_data (its sampler position).
 
 [Note: 3D checkpoints]
 With an mpu's tensor-parallel layers ([Note: 3D mesh]) the "world" a stage's checkpoint sees is its lane group
@@ -15,8 +21,11 @@ is `TensorParallelState` ([Note: tensor-parallel checkpoints]): each slice is `<
 the dp group of position j, replicated parameters once by position 0's dp group, optimizer state with them. Global
 rank 0 records the mesh (`pipe_mesh.json`: num_stages, tp) at the root; every rank reads it before a stage folder is
 opened and refuses another num_stages or tp (a pp x dp engine included) in one line, as it refuses a 3D load from a
-folder without that record. The data-parallel degree is not checked, as in 2D (a 3D load into another dp is
-untested); the slices are caller-split (Megatron-marked), so a different tp is never resharded.
+folder without that record. The data-parallel degree may differ, as in 2D: the replicas `adapt_batch` divides the
+global batch by are the config's (train_batch_size / (micro x accumulation)), not the tp x dp ranks of the lane
+group. Tested: pp2 x tp2 x dp2 -> pp2 x tp2 x dp1 (accumulation 4 -> 8), ZeRO-1, clipping, every step and an
+eval_batch within 1e-5 of the reference (tests/distributed/test_pipeline_reshard.py); dp1 -> dp2 is not. The slices
+are caller-split (Megatron-marked), so a different tp is never resharded.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.data_iterator: Iterator[Any] | None = (
             RepeatingLoader(self.training_dataloader) if self.training_dataloader is not None else None
         )
-        self._schedules: dict[tuple[str, bool], Any] = {}
+        self._schedules: dict[tuple[str, bool, int], Any] = {}
         self._micro_losses: list[torch.Tensor] = []
         self.agg_train_loss: torch.Tensor | None = None
 
@@ -132,9 +132,10 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         return outputs
 
     def _schedule(self, train: bool) -> Any:
-        key = (self.pipe.schedule, train)
+        gas = self.gradient_accumulation_steps()
+        key = (self.pipe.schedule, train, gas)  # a load into another dp changes gas: [Note: pipeline checkpoints]
         if key not in self._schedules:
-            module, group, gas = self.pipeline_module, self.pipe.pp_comm.group, self.gradient_accumulation_steps()
+            module, group = self.pipeline_module, self.pipe.pp_comm.group
             if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
                 total = self.num_stages * module.virtual_stages
                 stages: list[Any] = [
