@@ -1,7 +1,8 @@
 """3D parallelism (pp2 x tp2 x dp2 on 8 gloo ranks): a PipelineModule whose blocks are Megatron-style column- then
 row-parallel linear pairs over a fake mpu's tensor-parallel groups, ZeRO stage 1 over its data-parallel groups,
 gradient clipping active every step (1F1B and interleaved 1F1B fed by data_iter, GPipe by the engine's loader over
-training_data, its PipelineModule split by zeroshard.pipe's PipeModelDataParallelTopology); every rank's loss
+training_data, its PipelineModule split by zeroshard.pipe's PipeModelDataParallelTopology; and, with SGD, 1F1B with
+the input projection tied to the output layer across the stages, as Megatron-DeepSpeed's GPT); every rank's loss
 equals a single-process reference (the same full weights, the same global batch, torch AdamW) within 1e-5 relative
 at every step and in an eval_batch after the last. Then, in the same spawn, initialize
 refuses an mpu whose pipeline size is not num_stages, and one whose groups are not laid out as DeepSpeed's
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from helpers.harness import run_on_ranks
-from helpers.three_d import DP, PP, STEPS, TP, FakeMpu, batches, build_engine, reference
+from helpers.three_d import DP, PP, SGD, STEPS, TP, FakeMpu, batches, build_engine, reference
 
 RTOL = 1e-5
 
@@ -39,6 +40,10 @@ def _train(rank: int, world_size: int, schedules: list[str], save_dir: str) -> d
         out[schedule] = [float(engine.train_batch(data_iter=it if schedule != "gpipe" else None)) for _ in range(STEPS)]
         out[schedule].append(float(engine.eval_batch(data_iter=iter(batches()[0][d]))))
         engine.destroy()
+    engine = build_engine(rank, FakeMpu(rank), "1f1b", SGD, tied=True)  # [Note: tied copies in the norm]
+    it = iter([mb for step in batches() for mb in step[engine.pipe.data_parallel_rank]])
+    out["tied"] = [float(engine.train_batch(data_iter=it)) for _ in range(STEPS)]
+    engine.destroy()
     out.update(_resume(rank, save_dir))
     for name, mpu in (("pipe", FakeMpu(rank, pipe=4)), ("layout", FakeMpu(rank, tp_stride=DP))):
         try:
@@ -88,7 +93,7 @@ def _resume(rank: int, save_dir: str) -> dict[str, Any]:
 def test_pp2_tp2_dp2_matches_reference_and_refuses_inconsistent_mpu(tmp_path: Path) -> None:
     schedules = ["1f1b", "gpipe", "interleaved"]
     per_rank = run_on_ranks(_train, PP * TP * DP, schedules, str(tmp_path))
-    want = reference()
+    want, tied = reference(), reference(tied=True, sgd=True)[:-1]
     for rank, result in enumerate(per_rank):
         for schedule in schedules:
             got = result[schedule]
@@ -98,6 +103,13 @@ def test_pp2_tp2_dp2_matches_reference_and_refuses_inconsistent_mpu(tmp_path: Pa
                 got,
                 want,
             )
+        # the tied input/output weight: replicated over tp (counted 1/tp per rank) and a copy on the last stage
+        # (not counted there); SGD, so a norm counting it twice moves the losses
+        assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(result["tied"], tied, strict=True)), (
+            rank,
+            result["tied"],
+            tied,
+        )
         assert "pipeline size 4 != the PipelineModule's num_stages 2" in result["pipe"], result["pipe"]
         assert "PipeModelDataParallelTopology" in result["layout"], result["layout"]
         assert result["resumed"] == result["straight"], (rank, result["resumed"], result["straight"])

@@ -161,15 +161,40 @@ def dataset() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [streams[d][i] for i in range(len(streams[0])) for d in range(DP)]
 
 
+class Projection(nn.Linear):
+    """`_linear` as a class, for a LayerSpec."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(WIDTH, WIDTH, bias=False)
+        self.weight.data.copy_(weight)
+
+
+def _transposed(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight
+
+
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}}  # the update follows the clipping norm
+
+
 def build_engine(
-    rank: int, mpu: FakeMpu, schedule: str, extra: dict[str, Any] | None = None, mpu_given: bool = True
+    rank: int,
+    mpu: FakeMpu,
+    schedule: str,
+    extra: dict[str, Any] | None = None,
+    mpu_given: bool = True,
+    tied: bool = False,
 ) -> Any:
+    """`tied`: the head is the input projection's weight transposed, a TiedLayerSpec on both stages (as
+    Megatron-DeepSpeed's GPT ties its embedding and output layer)."""
     import zeroshard
-    from zeroshard.pipe import PipelineModule, PipeModelDataParallelTopology
+    from zeroshard.pipe import PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
 
     w = Weights.make()
     blocks = [ParallelBlock(b, mpu.tp_rank, mpu.tp_group) for b in w.blocks]
-    layers = [_linear(w.embed), nn.Tanh(), *blocks, _linear(w.head)]
+    layers: list[Any] = [_linear(w.embed), nn.Tanh(), *blocks, _linear(w.head)]
+    if tied:
+        layers[0] = TiedLayerSpec("embed", Projection, w.embed)
+        layers[-1] = TiedLayerSpec("embed", Projection, w.embed, forward_fn=_transposed)
     topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=mpu.dp_size)
     split: dict[str, Any] = {"num_stages": PP} if schedule == "1f1b" else {"topology": topology}
     net = PipelineModule(layers=layers, loss_fn=nn.functional.mse_loss, partition_method="uniform", **split)
@@ -179,9 +204,10 @@ def build_engine(
 
 
 class Reference(nn.Module):
-    def __init__(self, w: Weights) -> None:
+    def __init__(self, w: Weights, tied: bool = False) -> None:
         super().__init__()
         self.embed, self.head = _linear(w.embed), _linear(w.head)
+        self.tied = tied
         self.blocks = nn.ParameterList([nn.Parameter(t.clone()) for b in w.blocks for t in b])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,13 +215,15 @@ class Reference(nn.Module):
         for i in range(BLOCKS):
             w1, b1, w2, b2 = self.blocks[4 * i : 4 * i + 4]
             x = x + nn.functional.linear(torch.tanh(nn.functional.linear(x, w1, b1)), w2) + b2
-        return self.head(x)
+        return _transposed(self.embed, x) if self.tied else self.head(x)
 
 
-def reference() -> list[float]:
+def reference(tied: bool = False, sgd: bool = False) -> list[float]:
     """Plain PyTorch on one process: the whole global batch per step, gradients averaged over it."""
-    model = Reference(Weights.make())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model = Reference(Weights.make(), tied)
+    params = [p for name, p in model.named_parameters() if not (tied and name.startswith("head"))]
+    lr = SGD["optimizer"]["params"]["lr"]
+    opt = torch.optim.SGD(params, lr=lr) if sgd else torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     losses = []
     for step in batches():
         total = 0.0
@@ -204,7 +232,7 @@ def reference() -> list[float]:
                 loss = nn.functional.mse_loss(model(x), y)
                 (loss / (GAS * DP)).backward()
                 total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(total / (GAS * DP))
