@@ -165,7 +165,7 @@ def _build(
     )
     world = comm
     # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh]), the mpu's with tp ([Note: 3D mesh])
-    pipe = build_pipe(cfg, model, comm, mpu)
+    pipe = build_pipe(cfg, model, comm, topology.device, mpu)
     if pipe is not None:
         comm = pipe.dp_comm
     names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them

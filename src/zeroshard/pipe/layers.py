@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
+
+_STAGES_BUILT: ContextVar[int] = ContextVar("zeroshard_pipe_stages_built", default=0)
+
+
+@contextmanager
+def building_stage_layers(num_stages: int) -> Iterator[None]:
+    """While a PipelineModule of `num_stages` stages builds its layers (on their stage's ranks only)."""
+    token = _STAGES_BUILT.set(num_stages)
+    try:
+        yield
+    finally:
+        _STAGES_BUILT.reset(token)
+
+
+def stages_being_built() -> int:
+    """The num_stages of the PipelineModule building layers now; 0 outside one (a layer that makes process
+    groups over the world, as MoE(ep_size > 1) does, cannot be built on one stage's ranks only)."""
+    return _STAGES_BUILT.get()
 
 
 class LayerSpec:
