@@ -16,7 +16,7 @@ import pytest
 from torch import nn
 
 from helpers.harness import run_on_ranks
-from helpers.pipeline import WIDTH, PipeCase, build, config, evaluate, reference, tied_specs, train
+from helpers.pipeline import PipeCase, build, config, evaluate, reference, tied_specs, train
 from zeroshard.errors import ConfigError
 
 RTOL = 1e-5
@@ -123,34 +123,3 @@ def test_pipeline_refusals() -> None:
     for (change, expected), message in zip(REFUSALS, messages, strict=True):
         assert expected in message, (change, message)
 
-
-def _moe_in_pipeline(rank: int, world_size: int) -> list[str]:
-    import zeroshard
-    from zeroshard.moe.layer import MoE
-    from zeroshard.pipe import LayerSpec, PipelineModule
-
-    zeroshard.init_distributed()
-    outcomes = []
-    expert_spec = LayerSpec(MoE, hidden_size=WIDTH, expert=nn.Linear(WIDTH, WIDTH), num_experts=2, ep_size=2)
-    try:  # built on stage 0's rank only: that rank refuses before making a group
-        PipelineModule(layers=[expert_spec, LayerSpec(nn.Linear, WIDTH, WIDTH)], num_stages=2)
-        outcomes.append("built")
-    except ConfigError as e:
-        outcomes.append(str(e))
-    moe = MoE(hidden_size=WIDTH, expert=nn.Linear(WIDTH, WIDTH), num_experts=2, ep_size=2)  # on every rank
-    net = PipelineModule(layers=[moe, nn.Linear(WIDTH, WIDTH)], num_stages=2, loss_fn=nn.functional.mse_loss)
-    try:
-        zeroshard.initialize(model=net, config=config(PipeCase(2)))
-        outcomes.append("accepted")
-    except ConfigError as e:
-        outcomes.append(str(e))
-    return outcomes
-
-
-def test_pipeline_refuses_expert_parallel_moe() -> None:
-    """pp x ep is refused in one line: a MoE(ep_size > 1) built by a PipelineModule of 2 stages (on the rank that
-    builds it, before its groups are made) and one built outside it (by initialize, on every rank)."""
-    (spec0, init0), (spec1, init1) = run_on_ranks(_moe_in_pipeline, 2)
-    assert "pp x ep" in spec0 and spec1 == "built", (spec0, spec1)
-    for message in (init0, init1):
-        assert "pp x ep" in message and "\n" not in message, message

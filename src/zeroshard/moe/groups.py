@@ -6,6 +6,14 @@ them out: the expert-parallel groups are consecutive blocks `[0..ep)`, `[ep..2ep
 each, inside a node when `ep` divides the node), and the expert-data-parallel groups are the strided sets
 `{r, r+ep, r+2ep, ...}`: the `W/ep` ranks holding the same experts, over which those experts' gradients are
 reduced and their optimizer state is sharded. Non-expert parameters stay data-parallel over all `W` ranks.
+
+[Note: expert groups in a pipeline]
+In a PipelineModule of several stages the same layout holds within each stage's data-parallel ranks (`W` = dp,
+counted from the stage's first rank `base`), as DeepSpeed lays out its expert groups per stage for pipeline models.
+A MoE layer is built by its stage's ranks only (`LayerSpec`), so it cannot make groups then (every rank of the world
+takes part in a group's creation): it takes the stage's mesh and leaves its groups pending, and
+`initialize` makes every stage's pending groups on every rank, in one order (`make_stage_groups`), before the
+engine uses them. A layer built outside the PipelineModule has groups over the whole world and is refused there.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.topology import NodeLayout
+from zeroshard.pipe.layers import stage_being_built
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class ExpertMesh:
 
     world_size: int
     ep_size: int
+    base: int = 0  # the global rank of the mesh's first rank ([Note: expert groups in a pipeline])
 
     def __post_init__(self) -> None:
         if self.ep_size < 1 or self.world_size % self.ep_size:
@@ -40,16 +50,19 @@ class ExpertMesh:
         return self.world_size // self.ep_size
 
     def ep_groups(self) -> list[list[int]]:
-        return [list(range(s, s + self.ep_size)) for s in range(0, self.world_size, self.ep_size)]
+        """Global ranks of each expert-parallel group."""
+        return [[self.base + r for r in range(s, s + self.ep_size)] for s in range(0, self.world_size, self.ep_size)]
 
     def edp_groups(self) -> list[list[int]]:
-        return [list(range(r, self.world_size, self.ep_size)) for r in range(self.ep_size)]
+        """Global ranks of each expert-data-parallel group."""
+        return [[self.base + r for r in range(e, self.world_size, self.ep_size)] for e in range(self.ep_size)]
 
     def ep_rank(self, rank: int) -> int:
-        return rank % self.ep_size
+        """Global `rank`'s position in its expert-parallel group (which experts it holds)."""
+        return (rank - self.base) % self.ep_size
 
     def edp_rank(self, rank: int) -> int:
-        return rank // self.ep_size
+        return (rank - self.base) // self.ep_size
 
 
 class ExpertGroups:
@@ -61,29 +74,64 @@ class ExpertGroups:
 
     def __init__(self, ep_size: int):
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-        self.mesh = ExpertMesh(world, ep_size)
         self.rank = rank
-        nodes = NodeLayout.from_env(world)
-        self.ep = self._build(self.mesh.ep_groups(), nodes)
-        self.edp = self._build(self.mesh.edp_groups(), nodes)
-
-    def _build(self, all_groups: list[list[int]], nodes: NodeLayout) -> Collectives:
-        mine = next(g for g in all_groups if self.rank in g)
-        scope = Scope.INTER_NODE if nodes.spans_nodes(mine) else Scope.INTRA_NODE
-        if len(mine) == 1:
-            return Collectives(None, 1, 0, scope=scope)
-        if len(mine) == self.mesh.world_size:
-            return Collectives(None, len(mine), mine.index(self.rank), scope=scope)
-        made = {tuple(g): dist.new_group(g) for g in all_groups}  # every rank creates every group
-        return Collectives(made[tuple(mine)], len(mine), mine.index(self.rank), scope=scope)
+        stage = stage_being_built()
+        # [Note: expert groups in a pipeline]: the stage's mesh, its groups made later by make_stage_groups
+        self.staged = self.pending = ep_size > 1 and stage is not None and stage.num_stages > 1
+        if self.pending:
+            assert stage is not None
+            self.mesh = ExpertMesh(stage.size, ep_size, stage.first)
+            return
+        self.mesh = ExpertMesh(world, ep_size)
+        self.ep, self.edp = build_collectives(self.mesh, rank, world)
 
     def broadcast_experts(self, params: Sequence[torch.Tensor]) -> None:
         """The experts start from the first rank of their expert-data-parallel group (the world's rank 0 holds
         only its own experts), as DeepSpeed's engine broadcasts them."""
         for param in params:
-            self.edp.broadcast(param.data, src=self.mesh.ep_rank(self.rank), label="moe.expert_broadcast")
+            src = self.mesh.base + self.mesh.ep_rank(self.rank)
+            self.edp.broadcast(param.data, src=src, label="moe.expert_broadcast")
 
     def counted_by(self, world: Collectives) -> None:
         """Count this mesh's collectives in `world`'s counters (the engine's), as its sub-groups do."""
         self.ep = world.subgroup(self.ep.group, self.ep.world_size, self.ep.rank, self.ep.scope)
         self.edp = world.subgroup(self.edp.group, self.edp.world_size, self.edp.rank, self.edp.scope)
+
+
+def build_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collectives, Collectives]:
+    """`rank`'s (expert-parallel, expert-data-parallel) collectives of `mesh`. Every rank of the world calls it
+    for every mesh, in one order (a mesh of other ranks gives placeholders of size 1)."""
+    nodes = NodeLayout.from_env(world)
+
+    def group(all_groups: list[list[int]]) -> Collectives:
+        mine = next((g for g in all_groups if rank in g), [rank])
+        scope = Scope.INTER_NODE if nodes.spans_nodes(mine) else Scope.INTRA_NODE
+        if len(all_groups[0]) == 1:
+            return Collectives(None, 1, 0, scope=scope)
+        if len(all_groups[0]) == world:
+            return Collectives(None, world, mine.index(rank), scope=scope)
+        made = {tuple(g): dist.new_group(g) for g in all_groups}  # every rank creates every group
+        return Collectives(made.get(tuple(mine)), len(mine), mine.index(rank), scope=scope)
+
+    return group(mesh.ep_groups()), group(mesh.edp_groups())
+
+
+def make_stage_groups(layers: Sequence[ExpertGroups], world: Collectives, device: torch.device) -> None:
+    """[Note: expert groups in a pipeline] Make the pending groups of every stage's MoE layers, on every rank:
+    each rank reports the (first rank, size, ep_size) meshes it holds, all ranks make the union's groups in one
+    order, and each pending `ExpertGroups` takes its mesh's. Groups of one mesh are shared by its layers (as one
+    `expert_groups=` object would be). Collective over the world."""
+    mine = sorted({(g.mesh.base, g.mesh.world_size, g.mesh.ep_size) for g in layers if g.pending})
+    every: list[list[tuple[int, int, int]]] = [[] for _ in range(world.world_size)]
+    if world.world_size > 1:
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    made = {
+        (base, size, ep_size): build_collectives(ExpertMesh(size, ep_size, base), world.rank, world.world_size)
+        for base, size, ep_size in sorted({mesh for rank_meshes in every for mesh in rank_meshes})
+    }
+    for groups in layers:
+        if groups.pending:
+            groups.ep, groups.edp = made[(groups.mesh.base, groups.mesh.world_size, groups.mesh.ep_size)]
+            groups.pending = False

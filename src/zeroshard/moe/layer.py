@@ -23,12 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard.errors import ConfigError
 from zeroshard.moe.exchange import exchange_capacities, from_experts, to_experts
 from zeroshard.moe.experts import Experts
 from zeroshard.moe.gating import GateOutput, top1gating, top2gating
 from zeroshard.moe.groups import ExpertGroups
-from zeroshard.pipe.layers import stages_being_built
 
 _NOISY = (None, "None", "Jitter", "RSample")
 
@@ -88,17 +86,6 @@ class TopKGate(nn.Module):
         return top2gating(logits, factor, p.min_capacity, p.drop_tokens, p.top2_2nd_expert_sampling)
 
 
-def refuse_pipeline_experts(ep_size: int, num_stages: int) -> None:
-    """Expert parallelism inside a pipeline of several stages (pp x ep) is refused before any group is made: the
-    expert groups would span the stages, and building them on one stage's ranks would leave the others out."""
-    if ep_size > 1 and num_stages > 1:
-        raise ConfigError(
-            f"MoE(ep_size={ep_size}) in a PipelineModule of {num_stages} stages: expert parallelism with pipeline "
-            "parallelism (pp x ep) is not implemented; use ep_size=1 in a pipeline, or train the MoE model "
-            "without a PipelineModule (ep x dp with ZeRO 1/2)"
-        )
-
-
 class MoE(nn.Module):
     """A mixture-of-experts layer with expert parallelism over `ep_size` ranks ([Note: expert groups]).
 
@@ -130,7 +117,6 @@ class MoE(nn.Module):
     ):
         super().__init__()
         _refuse(hidden_size, num_experts, ep_size, k, noisy_gate_policy, use_tutel, enable_expert_tensor_parallelism)
-        refuse_pipeline_experts(ep_size, stages_being_built())
         policy = GatePolicy(
             k,
             capacity_factor,

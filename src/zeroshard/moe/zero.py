@@ -86,6 +86,11 @@ class _WorldPrescale(StepPolicy):
         return super().prescale(self.world_size)
 
 
+def _fields(step: StepPolicy) -> dict[str, Any]:
+    """The policy's fields as they are (`dataclasses.asdict` would deep-copy a pipeline's `model_parallel`)."""
+    return {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+
+
 class ExpertSplitStrategy(SplitStrategy):
     """[Note: experts under ZeRO] a `FlatStrategy` over the world and one over the expert-data-parallel group
     ([Note: split flat strategies])."""
@@ -104,7 +109,7 @@ class ExpertSplitStrategy(SplitStrategy):
         experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
         dense_groups, expert_param_groups = split_groups(groups, experts)
         expert_policy = dataclasses.replace(
-            policy, step=_WorldPrescale(**dataclasses.asdict(policy.step), world_size=comm.world_size)
+            policy, step=_WorldPrescale(**_fields(policy.step), world_size=comm.world_size)
         )
         self.parts = [
             FlatStrategy(module, dense_groups, policy, comm, device, accumulation),

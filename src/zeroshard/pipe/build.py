@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from zeroshard.comm.collectives import Collectives
 from zeroshard.config import ZeroshardConfig
 from zeroshard.errors import ConfigError
-from zeroshard.moe.layer import refuse_pipeline_experts
+from zeroshard.moe.groups import make_stage_groups
 from zeroshard.moe.zero import moe_layers
 from zeroshard.pipe.context import PipeContext, pipeline_schedule, refuse_unsupported
 from zeroshard.pipe.module import PipelineModule
@@ -31,26 +31,35 @@ def build_pipe(
             "groups: pass initialize(mpu=...) ([Note: 3D mesh] in pipe/three_d.py)"
         )
     refuse_unsupported(int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend))
-    _refuse_experts(model, world, device)
     schedule, virtual = pipeline_schedule(cfg.pipeline, model)
     model.interleave(virtual)  # before the groups: which stages hold a tied key depends on the chunks
+    _stage_experts(model, world, device, mpu)
     return PipeContext.create(world, model, schedule)
 
 
-def _refuse_experts(model: PipelineModule, world: Collectives, device: torch.device) -> None:
-    """MoE layers built outside the PipelineModule (on every rank, so their groups exist) are held by their stage
-    only: that stage's ranks find them and every rank refuses, none waits in a group's creation. Collective."""
-    try:
-        for layer in moe_layers(model):
-            refuse_pipeline_experts(layer.ep_size, model.num_stages)
-        refused = None
-    except ConfigError as e:
-        refused = e
+def _stage_experts(model: PipelineModule, world: Collectives, device: torch.device, mpu: Any) -> None:
+    """[Note: expert groups in a pipeline] make the groups of the MoE layers the stages built; refuse, on every
+    rank (none waits in a group's creation), a MoE layer built outside the module (its groups span the world) in
+    a pipeline of several stages, and experts with an mpu's tensor parallelism. Collective."""
+    refused = None
+    for layer in moe_layers(model):
+        if layer.ep_size > 1 and mpu is not None:
+            refused = ConfigError(
+                f"MoE(ep_size={layer.ep_size}) with initialize(mpu=...): tp x ep is not implemented; use ep_size=1 "
+                "with an mpu, or no mpu"
+            )
+        elif layer.ep_size > 1 and model.num_stages > 1 and not layer.groups.staged:
+            refused = ConfigError(
+                f"MoE(ep_size={layer.ep_size}) built outside the PipelineModule of {model.num_stages} stages: its "
+                "expert groups span the stages; give it to the PipelineModule as a LayerSpec (or inside one) so "
+                "that its groups are its stage's"
+            )
     if world.any_true(refused is not None, device):
         raise refused or ConfigError(
-            "MoE(ep_size > 1) in a PipelineModule of several stages (on another stage): expert parallelism with "
-            "pipeline parallelism (pp x ep) is not implemented; use ep_size=1 in a pipeline"
+            "MoE(ep_size > 1) on another stage cannot train in this pipeline (see that rank's error: built outside "
+            "the PipelineModule, or with an mpu)"
         )
+    make_stage_groups([layer.groups for layer in moe_layers(model)], world, device)
 
 
 def pipe_dataloader(

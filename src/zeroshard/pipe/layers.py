@@ -5,27 +5,40 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-_STAGES_BUILT: ContextVar[int] = ContextVar("zeroshard_pipe_stages_built", default=0)
+
+@dataclass(frozen=True)
+class StageSpan:
+    """The PipelineModule building layers now: its num_stages and this stage's data-parallel ranks (the global
+    ranks first .. first + size - 1)."""
+
+    num_stages: int
+    first: int
+    size: int
+
+
+_BUILDING: ContextVar[StageSpan | None] = ContextVar("zeroshard_pipe_stage_build", default=None)
 
 
 @contextmanager
-def building_stage_layers(num_stages: int) -> Iterator[None]:
-    """While a PipelineModule of `num_stages` stages builds its layers (on their stage's ranks only)."""
-    token = _STAGES_BUILT.set(num_stages)
+def building_stage_layers(span: StageSpan) -> Iterator[None]:
+    """While a PipelineModule builds its stage's layers (on that stage's ranks only)."""
+    token = _BUILDING.set(span)
     try:
         yield
     finally:
-        _STAGES_BUILT.reset(token)
+        _BUILDING.reset(token)
 
 
-def stages_being_built() -> int:
-    """The num_stages of the PipelineModule building layers now; 0 outside one (a layer that makes process
-    groups over the world, as MoE(ep_size > 1) does, cannot be built on one stage's ranks only)."""
-    return _STAGES_BUILT.get()
+def stage_being_built() -> StageSpan | None:
+    """The stage whose layers are being built now; None outside a PipelineModule. A layer that needs process
+    groups (MoE with ep_size > 1) cannot make them then: the other stages' ranks are not building it
+    ([Note: expert groups in a pipeline] in moe/groups.py)."""
+    return _BUILDING.get()
 
 
 class LayerSpec:

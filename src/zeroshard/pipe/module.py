@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zeroshard.comm.topology import init_distributed
 from zeroshard.errors import ConfigError
-from zeroshard.pipe.layers import LayerSpec, TiedLayerSpec, building_stage_layers
+from zeroshard.pipe.layers import LayerSpec, StageSpan, TiedLayerSpec, building_stage_layers
 from zeroshard.pipe.mesh import PipeGrid
 from zeroshard.pipe.partition import partition
 from zeroshard.runtime.utils import set_random_seed
@@ -126,7 +126,8 @@ class PipelineModule(nn.Module):
 
     def _build(self) -> None:
         self.chunk_funcs = []
-        with building_stage_layers(self.num_stages):
+        ranks = self.grid.dp_ranks(self.stage_id)
+        with building_stage_layers(StageSpan(self.num_stages, ranks[0], len(ranks))):
             for chunk in self.local_chunks():
                 layers = range(self.parts[chunk], self.parts[chunk + 1])
                 self.chunk_funcs.append([self._build_layer(i) for i in layers])
