@@ -1,5 +1,6 @@
 """Expert parallelism inside a pipeline (pp2 x dp2, ep2 within each stage, 4 gloo ranks) against a single-process
-reference holding every expert: every step's loss within 1e-5 relative, with AdamW, and with SGD and clipping
+reference holding every expert (and pp2 x dp4 with ep2 on 8, the experts' state sharded over pairs): every step's
+loss within 1e-5 relative, with AdamW, and with SGD and clipping
 active (the experts' norm counted once across their expert-data-parallel and pipeline groups); a checkpoint
 resumes with the uninterrupted run's losses. The MoE layers are LayerSpecs, built by their stage's ranks only, with
 their groups made at initialize ([Note: expert groups in a pipeline] in moe/groups.py). A MoE layer built outside
@@ -20,7 +21,7 @@ from torch import nn
 from helpers.harness import run_on_ranks
 from helpers.moe_parity import seed_expert
 
-W, EXPERTS, MICRO, GAS, STEPS, SEED, DP = 8, 4, 4, 2, 4, 3, 2
+W, EXPERTS, MICRO, GAS, STEPS, SEED = 8, 4, 4, 2, 4, 3
 RTOL = 1e-5
 
 
@@ -57,13 +58,13 @@ def specs(ep_size: int) -> list[Any]:
     ]
 
 
-def batches() -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+def batches(dp: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """[step][replica][micro] -> (inputs, targets)."""
     g = torch.Generator().manual_seed(11)
     return [
         [
             [(torch.randn(MICRO, W, generator=g), torch.randn(MICRO, W, generator=g)) for _ in range(GAS)]
-            for _ in range(DP)
+            for _ in range(dp)
         ]
         for _ in range(STEPS)
     ]
@@ -77,7 +78,7 @@ def optimizer(sgd: bool) -> dict[str, Any]:
     )
 
 
-def reference(sgd: bool, clip: float) -> list[float]:
+def reference(sgd: bool, clip: float, dp: int) -> list[float]:
     layers = []
     for index, spec in enumerate(specs(1)):
         torch.manual_seed(SEED + index)
@@ -86,18 +87,18 @@ def reference(sgd: bool, clip: float) -> list[float]:
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.5) if sgd else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     losses = []
-    for step in batches():
+    for step in batches(dp):
         total = 0.0
         for replica in step:
             for x, y in replica:  # gating capacity per micro-batch of a replica, as on the ranks
                 loss = nn.functional.mse_loss(model(x), y)
-                (loss / (GAS * DP)).backward()
+                (loss / (GAS * dp)).backward()
                 total += loss.item()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad()
-        losses.append(total / (GAS * DP))
+        losses.append(total / (GAS * dp))
     return losses
 
 
@@ -126,7 +127,7 @@ def build(sgd: bool, clip: float) -> Any:
 
 def _train(engine: Any, steps: range) -> list[float]:
     d = engine.pipe.groups.replica
-    it = iter([mb for s in steps for mb in batches()[s][d]])
+    it = iter([mb for s in steps for mb in batches(engine.dp_world_size)[s][d]])
     return [float(engine.train_batch(data_iter=it)) for _ in steps]
 
 
@@ -160,12 +161,9 @@ def _run(rank: int, world_size: int, cases: list[tuple[bool, float]], folder: st
     return out
 
 
-@pytest.mark.timeout(300)
-def test_pp2_dp2_ep2_matches_reference_and_resumes(tmp_path: Path) -> None:
-    cases = [(False, 0.0), (True, 0.05)]
-    per_rank = run_on_ranks(_run, 4, cases, str(tmp_path))
+def _check(per_rank: list[dict[str, Any]], cases: list[tuple[bool, float]], dp: int) -> None:
     for sgd, clip in cases:
-        want = reference(sgd, clip)
+        want = reference(sgd, clip, dp)
         for rank, result in enumerate(per_rank):
             got = result[f"{sgd}-{clip}"]
             assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(got, want, strict=True)), (rank, sgd, got, want)
@@ -173,3 +171,17 @@ def test_pp2_dp2_ep2_matches_reference_and_resumes(tmp_path: Path) -> None:
         assert result["resumed"] == result["straight"], (rank, result["resumed"], result["straight"])
         assert "built outside the PipelineModule" in result["outside"] or "another stage" in result["outside"]
         assert "\n" not in result["outside"], result["outside"]
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_ep2_matches_reference_and_resumes(tmp_path: Path) -> None:
+    cases = [(False, 0.0), (True, 0.05)]
+    _check(run_on_ranks(_run, 4, cases, str(tmp_path)), cases, 2)
+
+
+@pytest.mark.timeout(600)
+def test_pp2_dp4_ep2_shards_experts_over_their_data_parallel_pair(tmp_path: Path) -> None:
+    """8 ranks: each stage's 4 data-parallel ranks hold the experts twice (ep2), so ZeRO-1 shards the experts'
+    optimizer state over an expert-data-parallel pair."""
+    cases = [(True, 0.05)]
+    _check(run_on_ranks(_run, 8, cases, str(tmp_path)), cases, 4)
