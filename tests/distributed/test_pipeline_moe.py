@@ -133,11 +133,18 @@ def _train(engine: Any, steps: range) -> list[float]:
 
 def _run(rank: int, world_size: int, cases: list[tuple[bool, float]], folder: str) -> dict[str, Any]:
     import zeroshard
-    from zeroshard.errors import ConfigError
+    from zeroshard.errors import ConfigError, ZeroshardError
+    from zeroshard.moe.layer import MoE
     from zeroshard.pipe import PipelineModule
 
     zeroshard.init_distributed()
     out: dict[str, Any] = {}
+    early = next(m for m in PipelineModule(layers=specs(2), num_stages=2).modules() if isinstance(m, MoE))
+    try:  # its groups are made by initialize: a forward before it fails in one line, not in a collective
+        early(torch.zeros(MICRO, W))
+        out["early"] = "ran"
+    except ZeroshardError as e:
+        out["early"] = str(e)
     for sgd, clip in cases:
         engine = build(sgd, clip)
         out[f"{sgd}-{clip}"] = _train(engine, range(STEPS))
@@ -171,6 +178,7 @@ def _check(per_rank: list[dict[str, Any]], cases: list[tuple[bool, float]], dp: 
         assert result["resumed"] == result["straight"], (rank, result["resumed"], result["straight"])
         assert "built outside the PipelineModule" in result["outside"] or "another stage" in result["outside"]
         assert "\n" not in result["outside"], result["outside"]
+        assert "made by zeroshard.initialize" in result["early"], result["early"]
 
 
 @pytest.mark.timeout(300)

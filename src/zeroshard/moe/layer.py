@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeroshard.errors import ZeroshardError
 from zeroshard.moe.exchange import exchange_capacities, from_experts, to_experts
 from zeroshard.moe.experts import Experts
 from zeroshard.moe.gating import GateOutput, top1gating, top2gating
@@ -155,7 +156,8 @@ class MoE(nn.Module):
         return experts
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed's engine calls this to build the groups; here they are built at construction (a no-op)."""
+        """DeepSpeed's engine calls this to build the groups; here they are built at construction, or by initialize
+        in a pipeline (a no-op)."""
         return None
 
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -167,6 +169,11 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if used_token is not None:
             raise ValueError("MoE.forward(used_token=...) is not supported")
+        if self.groups.pending:
+            raise ZeroshardError(
+                "MoE built by a PipelineModule stage: its expert groups are made by zeroshard.initialize; run the "
+                "model through the engine it returns ([Note: expert groups in a pipeline])"
+            )
         model = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model)
         gate: GateOutput = self.gate(tokens)
