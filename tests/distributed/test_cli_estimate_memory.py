@@ -37,6 +37,9 @@ def _measure(rank: int, world_size: int, dtypes: list[str]) -> dict[tuple[int | 
             x, y = (t.unsqueeze(0).repeat(2, 1) for t in data[rank])
             engine.backward(engine(x, y))
             engine.step()  # Adam's moments exist after the first step
+            # stage 3's gradient shards exist from backward to the step ([Note: gradient shards exist from
+            # reduction to step]): the states the estimate describes are there after the next backward
+            engine.backward(engine(x, y))
             out[(stage, dtype)] = (engine.memory_report().model_states, psi)
             engine.destroy()
         # ZeRO-Infinity: what the estimate puts on NVMe is what the swap files hold

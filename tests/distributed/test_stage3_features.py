@@ -25,6 +25,7 @@ def _memory_and_comm(rank: int, world_size: int):
         before = engine.comm_stats.snapshot()
         x, y = micro_batch(batch, 0, rank, world_size, case.micro)
         engine.backward(engine(x, y))
+        after_backward = engine.memory_report()
         engine.step()
         after = engine.comm_stats.snapshot()
         per_step.append({k: after[k]["bus_bytes"] - before[k]["bus_bytes"] for k in after})
@@ -34,15 +35,19 @@ def _memory_and_comm(rank: int, world_size: int):
     root_unit = sum(u.numel for u in units if u.name == "")
     assert len(units) == 3, [u.name for u in units]  # the root and two blocks
     engine.destroy()
-    return report, per_step, largest_unit + root_unit, case.prefetch
+    return report, after_backward, per_step, largest_unit + root_unit, case.prefetch
 
 
 def test_stage3_memory_and_communication():
     world_size = 2
-    for report, per_step, largest_unit, prefetch in run_on_ranks(_memory_and_comm, world_size):
+    for report, after_backward, per_step, largest_unit, prefetch in run_on_ranks(_memory_and_comm, world_size):
         psi = report.trainable_numel
-        states = report.params + report.gradients + report.master_weights + report.optimizer_state
+        # ZeRO's 16 bytes per parameter hold from backward to the step: the gradient shards are freed after it
+        # ([Note: gradient shards exist from reduction to step])
+        b = after_backward
+        states = b.params + b.gradients + b.master_weights + b.optimizer_state
         assert abs(states - 16 * psi / world_size) <= 0.05 * 16 * psi / world_size, (states, psi)
+        assert report.gradients == 0 and report.model_states == b.model_states - b.gradients, (report, b)
         # the working set never exceeded the root unit (gathered by its modules: embeddings, final norm, head), the
         # block in use and the prefetch bucket (reuse distance 0: nothing is kept for later)
         bf16_bytes = 2

@@ -186,8 +186,8 @@ def _stage3_features(rank: int, world_size: int, root: str):
     for _ in range(3):
         x = torch.randint(0, 4096, (1, 4), generator=generator).to(engine.device)
         engine.backward(engine(x, x))
-        engine.step()
-    report = engine.memory_report()
+        report = engine.memory_report()  # with the gradient shards, which the step frees ([Note: gradient shards
+        engine.step()  # exist from reduction to step])
     accounted = report.model_states + report.peak_gathered_params + report.persistent_params + report.comm_buffers
     measured = torch.cuda.max_memory_allocated() - baseline
     head = engine.module.lm_head.weight

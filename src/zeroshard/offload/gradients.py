@@ -82,6 +82,10 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | N
 class GradientTier:
     """Gradients kept in memory; the optimizer gets the shard itself or a per-step fp32 temporary."""
 
+    # whether this tier works on gradient shards outside backward-to-step (host copies refreshed during backward,
+    # swap files): if not, stage 3 frees them between steps ([Note: gradient shards exist from reduction to step])
+    holds_shards = False
+
     def __init__(self, tier: Tier, copy_stream: torch.cuda.Stream | None, check_overflow: bool):
         self.tier = tier
         self.copy_stream = copy_stream
@@ -146,6 +150,8 @@ class StepTimeCopies(GradientTier):
 class BackwardCopies(GradientTier):
     """Host memory: each shard's fp32 host copy is refreshed as soon as the shard is final on the boundary."""
 
+    holds_shards = True  # read on a side stream during backward: the buffers stay for the run
+
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
         same = super().copy_for(shard, master)
         return same if same is not None else self.tier.zeros(master.numel())
@@ -160,6 +166,8 @@ class BackwardCopies(GradientTier):
 class SwappedGradients(GradientTier):
     """NVMe: shards `place`d here are written to the optimizer's swap files after each reduction, with their
     norms recorded on the boundary ([Note: gradients on NVMe]); the step reads them back chunk by chunk."""
+
+    holds_shards = True  # their memory is the swap store's business
 
     def __init__(self, tier: Tier, copy_stream: torch.cuda.Stream | None, check_overflow: bool):
         super().__init__(tier, copy_stream, check_overflow)

@@ -114,6 +114,7 @@ def build_units(
         )
         unit.release()
         unit.grad_copy = gradients.copy_for(unit.grad_shard, unit.master) if unit.trainable else None
+        unit.grad_transient = bool(unit.trainable) and not gradients.holds_shards
         built.units.append(unit)
         built.sub_groups[chunk_of[index]].units.append(unit)
         for group, begin, end in layout.group_pieces(shard_rank):

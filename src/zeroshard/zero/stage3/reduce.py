@@ -43,7 +43,9 @@ class UnitReducer:
         self.gradients = gradients
         self.accumulation = accumulation
         self._inflight: InflightQueue[ShardedUnit] = InflightQueue(MAX_INFLIGHT_REDUCES, watch.wait)
-        self.first_window_step = True  # the shards still hold zeros: reduce straight into them
+        # the window's first micro-step: the shards hold zeros or no memory yet ([Note: gradient shards exist from
+        # reduction to step]): reduce straight into them
+        self.first_window_step = True
         self.scatter: Callable[..., Handle] | None = None  # ZeRO++ qgZ's reduce-scatter (zero/zeropp/grads.py)
 
     def stage(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:

@@ -216,6 +216,9 @@ class Stage3Strategy(Strategy):
 
     def _before_step(self) -> None:
         self.watch.check_step()
+        for unit in self.units:  # no backward in this window: transient shards read as zeros from here on
+            if unit.grad_transient and unit.grad_zero:
+                unit.grad_resident()
 
     def _grad_slots(self) -> list[GradShard]:
         return [GradShard(u.grad_key, u.grad_shard, bool(u.trainable)) for u in self.units]

@@ -18,6 +18,23 @@ from it (NCCL orders its own stream after the copy), and the compute stream wait
 covers a synchronous gather, whose wait orders the copy stream after NCCL's). Only a swapped-out (NVMe) home also
 blocks the host there, before it lets the host buffer go. (On the one H100 run so far, a host-bound 120M step, the
 exposed share only went from 1.00 to 0.98: docs/benchmarks_gpu.md.)
+
+[Note: gradient shards exist from reduction to step]
+A unit's gradient shard is read only from its first reduction in an accumulation window to the optimizer step.
+Kept for the whole run (fp32: 4 bytes per parameter / N, 48 MiB per rank for the 25M-parameter GPT on 2 ranks)
+it is resident at the start of backward, where stage 3's peak is (the head's backward: activations, the gathered
+tied weight and its full gradient; issue 12, docs/benchmarks.md). So, as FSDP2's sharded gradients that
+`zero_grad(set_to_none=True)` frees, a transient shard's storage is resized to zero by `zero_grad` (after every
+step) and back by the window's first reduction, whose reduce-scatter then writes straight into it; the window's
+later micro-steps add into it as before. The tensor and its storage object stay the same, so the step's views of
+it (`Piece.grad`, the shard serving as the optimizer's copy) stay valid, as the full buffer's do ([Note: gathered
+storage]). Between steps a freed shard reads as zeros (`grad_zero`): `grad_resident` allocates it zero-filled
+for whoever reads it first (a step with no backward in its window, `full_grad`), and `memory_report()` counts
+what is allocated now (no gradients between steps: the ZeRO formulas describe the states after backward).
+On CUDA the storage is freed and allocated on the compute stream, after the reduce-scatter's `wait` has ordered
+that stream after the collective. Shards the gradient tier works on outside that window
+(`GradientTier.holds_shards`: host copies refreshed on a side stream during backward, swap files) keep their
+buffers; the NVMe tier frees its own ([Note: gradients on NVMe]).
 """
 
 from __future__ import annotations
@@ -110,8 +127,10 @@ class ShardedUnit:
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
             self.master = master_tier.zeros(layout.shard_numel)
             self.master.copy_(self.full[lo:hi] if from_full else self.shard)
-        # frozen units (a LoRA base model, inference) hold no gradient shard
+        # frozen units (a LoRA base model, inference) hold no gradient shard; a transient one holds memory only
+        # from a window's first reduction to its step ([Note: gradient shards exist from reduction to step])
         self.grad_shard = torch.zeros(layout.shard_numel if self.trainable else 0, dtype=grad_dtype, device=device)
+        self.grad_transient = False  # set by build_units from the gradient tier (`GradientTier.holds_shards`)
         # the fp32 gradient the optimizer reads, from the gradient tier (offload/gradients.py): the shard itself, a
         # host copy refreshed during backward (`grad_copy_ready`), or None (a temporary at the step)
         self.grad_copy: torch.Tensor | None = None
@@ -129,7 +148,7 @@ class ShardedUnit:
         self.key = f"param/{index}"  # `place_shard` moves it to its home once every view of it exists
         # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
         # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
-        # a shard whose value is zero without being in memory (after the step)
+        # a shard whose value is zero without being in memory (after the step: on NVMe, or transient)
         self.grad_home: Residency = master_tier.residency
         self.grad_key = f"grad/{index}"
         self.grad_zero = False
@@ -276,13 +295,20 @@ class ShardedUnit:
             self.grad_home.fetch(self.grad_key)
             return
         self.grad_home.claim(self.grad_key)
+        if self.grad_transient:  # [Note: gradient shards exist from reduction to step]
+            storage = self.grad_shard.untyped_storage()
+            storage.resize_(self.grad_shard.numel() * self.grad_shard.element_size())
         if not overwrite:
             self.grad_shard.zero_()
         self.grad_zero = False
 
     def zero_grad_shard(self) -> None:
-        """The gradient shard := 0: in memory by zero-filling, on NVMe by marking it (nothing is written)."""
-        if self.grad_home.is_resident(self.grad_key):
+        """The gradient shard := 0: a transient shard by freeing its memory, on NVMe by marking it (nothing is
+        written), otherwise by zero-filling it."""
+        if self.grad_transient:  # [Note: gradient shards exist from reduction to step]
+            self.grad_shard.untyped_storage().resize_(0)
+            self.grad_zero = True
+        elif self.grad_home.is_resident(self.grad_key):
             self.grad_shard.zero_()
         else:
             self.grad_zero = True
