@@ -54,6 +54,22 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload:
         layer.groups.counted_by(world)
     if all(layer.ep_size == 1 for layer in layers):
         return None
+    refuse_expert_settings(layers, stage, offload)
+    groups = layers[0].groups
+    log_rank(
+        logger,
+        20,
+        f"MoE: {len(layers)} layer(s), ep_size {groups.mesh.ep_size}: experts' ZeRO-{stage} state sharded over "
+        f"their {groups.mesh.edp_size} expert-data-parallel ranks",
+    )
+    return groups
+
+
+def refuse_expert_settings(layers: list[MoE], stage: int, offload: bool) -> None:
+    """What MoE layers with ep_size > 1 do not train with, in one line (pure: the caller makes every rank agree
+    where the layers differ across ranks, as a pipeline's stages do)."""
+    if all(layer.ep_size == 1 for layer in layers):
+        return
     if stage not in (1, 2):
         raise ConfigError(
             f"MoE layers with ep_size > 1 train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does "
@@ -66,14 +82,6 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload:
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
-    groups = layers[0].groups
-    log_rank(
-        logger,
-        20,
-        f"MoE: {len(layers)} layer(s), ep_size {groups.mesh.ep_size}: experts' ZeRO-{stage} state sharded over "
-        f"their {groups.mesh.edp_size} expert-data-parallel ranks",
-    )
-    return groups
 
 
 @dataclasses.dataclass(frozen=True)

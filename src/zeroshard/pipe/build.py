@@ -13,7 +13,7 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.config import ZeroshardConfig
 from zeroshard.errors import ConfigError
 from zeroshard.moe.groups import make_stage_groups
-from zeroshard.moe.zero import moe_layers
+from zeroshard.moe.zero import moe_layers, refuse_expert_settings
 from zeroshard.pipe.context import PipeContext, pipeline_schedule, refuse_unsupported
 from zeroshard.pipe.module import PipelineModule
 
@@ -33,15 +33,23 @@ def build_pipe(
     refuse_unsupported(int(cfg.zero_optimization.stage), str(cfg.zeroshard.backend))
     schedule, virtual = pipeline_schedule(cfg.pipeline, model)
     model.interleave(virtual)  # before the groups: which stages hold a tied key depends on the chunks
-    _stage_experts(model, world, device, mpu)
+    _stage_experts(model, world, device, mpu, cfg)
     return PipeContext.create(world, model, schedule)
 
 
-def _stage_experts(model: PipelineModule, world: Collectives, device: torch.device, mpu: Any) -> None:
+def _stage_experts(
+    model: PipelineModule, world: Collectives, device: torch.device, mpu: Any, cfg: ZeroshardConfig
+) -> None:
     """[Note: expert groups in a pipeline] make the groups of the MoE layers the stages built; refuse, on every
-    rank (none waits in a group's creation), a MoE layer built outside the module (its groups span the world) in
-    a pipeline of several stages, and experts with an mpu's tensor parallelism. Collective."""
+    rank (none waits in a group's creation or in the schedule), a MoE layer built outside the module (its groups
+    span the world) in a pipeline of several stages, experts with an mpu's tensor parallelism, and what experts
+    do not train with (`refuse_expert_settings`): only some stages hold MoE layers. Collective."""
     refused = None
+    offload = str(cfg.zero_optimization.offload_optimizer.device) != "none"
+    try:
+        refuse_expert_settings(moe_layers(model), int(cfg.zero_optimization.stage), offload)
+    except ConfigError as e:
+        refused = e
     for layer in moe_layers(model):
         if layer.ep_size > 1 and mpu is not None:
             refused = ConfigError(
@@ -57,9 +65,11 @@ def _stage_experts(model: PipelineModule, world: Collectives, device: torch.devi
     if world.any_true(refused is not None, device):
         raise refused or ConfigError(
             "MoE(ep_size > 1) on another stage cannot train in this pipeline (see that rank's error: built outside "
-            "the PipelineModule, or with an mpu)"
+            "the PipelineModule, with an mpu, or a setting experts do not train with)"
         )
-    make_stage_groups([layer.groups for layer in moe_layers(model)], world, device)
+    pending = [layer.groups for layer in moe_layers(model) if layer.groups.pending]
+    if world.any_true(bool(pending), device):  # most pipelines have no experts: no group exchange then
+        make_stage_groups(pending, world, device)
 
 
 def pipe_dataloader(

@@ -135,6 +135,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         gas = self.gradient_accumulation_steps()
         key = (self.pipe.schedule, train, gas)  # a load into another dp changes gas: [Note: pipeline checkpoints]
         if key not in self._schedules:
+            self._schedules = {k: v for k, v in self._schedules.items() if k[2] == gas}  # the old ones go
             module, group = self.pipeline_module, self.pipe.pp_comm.group
             if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
                 total = self.num_stages * module.virtual_stages

@@ -109,7 +109,9 @@ class FlatStrategy(Strategy):
         whole_module_norm = policy.stage == 0 and policy.compute_dtype == torch.float32
         owned = tracked | {id(p) for g in siblings for _, p in g.params}
         self._bystanders = [
-            p for p in module.parameters() if whole_module_norm and p.requires_grad and id(p) not in owned
+            p
+            for p in module.parameters()
+            if whole_module_norm and p.requires_grad and id(p) not in owned and not getattr(p, PIPE_REPLICATED, False)
         ]
         # NVMe: each group's master shard and optimizer state live in swap files between steps and are read in
         # turn, one group ahead (Residency.in_turn)
