@@ -34,6 +34,13 @@ def _memory_and_comm(rank: int, world_size: int):
     largest_unit = max(u.numel for u in units if u.name)
     root_unit = sum(u.numel for u in units if u.name == "")
     assert len(units) == 3, [u.name for u in units]  # the root and two blocks
+    # between steps the freed gradient shards read as zeros ([Note: gradient shards exist from reduction to step]):
+    # a full gradient, and a step whose window had no backward
+    freed = all(u.grad_shard.untyped_storage().nbytes() == 0 for u in units)
+    zeros = float(engine.strategy.full_grad(next(engine.module.parameters())).abs().sum()) == 0.0
+    empty_step = engine.strategy.step()
+    freed = freed and all(u.grad_shard.untyped_storage().nbytes() == 0 for u in units)
+    assert freed and zeros and empty_step.grad_norm == 0.0, (freed, zeros, empty_step)
     engine.destroy()
     return report, after_backward, per_step, largest_unit + root_unit, case.prefetch
 
