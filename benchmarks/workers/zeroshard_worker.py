@@ -53,6 +53,7 @@ class ZeroshardTrainer:
         import zeroshard
         from zeroshard.errors import ConfigError
 
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch model_state() runs again
         if spec.variant.host_alloc:  # read by initialize ([Note: glibc's mmap threshold])
             os.environ["ZEROSHARD_HOST_ALLOC"] = spec.variant.host_alloc
         missing = _unimplemented(spec.variant.needs)
@@ -66,6 +67,7 @@ class ZeroshardTrainer:
             raise NotImplementedRow(str(err).splitlines()[0]) from err
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self._last = (x, y)
         loss = self.engine(x, y)
         self.engine.backward(loss)
         self.engine.step()
@@ -73,7 +75,11 @@ class ZeroshardTrainer:
 
     def model_state(self) -> ModelState:
         """`memory_report().model_states` plus what an offload tier holds in host memory: on a CPU-only
-        machine the host is the same RAM, and DeepSpeed's offload rows count their CPU states too."""
+        machine the host is the same RAM, and DeepSpeed's offload rows count their CPU states too. Read after one
+        more backward (after the timed steps and the peak RSS): stage 3's gradient shards exist from backward to
+        the step ([Note: gradient shards exist from reduction to step])."""
+        assert self._last is not None, "model_state() after a train_step"
+        self.engine.backward(self.engine(*self._last))
         report = self.engine.memory_report().to_dict()
         parts = {
             k: int(v)
