@@ -34,8 +34,10 @@ MiB = 1 << 20
 class MemoryReport(StrategyMemory, ProcessMemory):
     """Bytes held by this rank, by kind (the strategy's columns, `StrategyMemory`, plus who and what), next to the
     process's resident set and its peak as the OS counts them (`ProcessMemory`; on CUDA also the caching
-    allocator's). `model_states` is the sum ZeRO's formulas describe; stage 3 holds frozen parameters as shards in
-    `params`. `summary()` is the one-line form the trainer and the examples print."""
+    allocator's). `model_states` is the sum ZeRO's formulas describe, as held now: stage 3 holds frozen parameters
+    as shards in `params`, and its gradient shards only from an accumulation window's first reduction to the step
+    (read after a step, `gradients` is 0 there: [Note: gradient shards exist from reduction to step]). `summary()` is
+    the one-line form the trainer and the examples print."""
 
     rank: int = 0
     world_size: int = 1
