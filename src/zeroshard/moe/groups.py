@@ -116,7 +116,7 @@ def build_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collecti
     return group(mesh.ep_groups()), group(mesh.edp_groups())
 
 
-def make_stage_groups(layers: Sequence[ExpertGroups], world: Collectives, device: torch.device) -> None:
+def make_stage_groups(layers: Sequence[ExpertGroups], world: Collectives) -> None:
     """[Note: expert groups in a pipeline] Make the pending groups of every stage's MoE layers, on every rank:
     each rank reports the (first rank, size, ep_size) meshes it holds, all ranks make the union's groups in one
     order, and each pending `ExpertGroups` takes its mesh's. Groups of one mesh are shared by its layers (as one

@@ -44,13 +44,13 @@ def _stage_experts(
     rank (none waits in a group's creation or in the schedule), a MoE layer built outside the module (its groups
     span the world) in a pipeline of several stages, experts with an mpu's tensor parallelism, and what experts
     do not train with (`refuse_expert_settings`): only some stages hold MoE layers. Collective."""
-    refused = None
+    refused, layers = None, moe_layers(model)
     offload = str(cfg.zero_optimization.offload_optimizer.device) != "none"
     try:
-        refuse_expert_settings(moe_layers(model), int(cfg.zero_optimization.stage), offload)
+        refuse_expert_settings(layers, int(cfg.zero_optimization.stage), offload)
     except ConfigError as e:
         refused = e
-    for layer in moe_layers(model):
+    for layer in layers:
         if layer.ep_size > 1 and mpu is not None:
             refused = ConfigError(
                 f"MoE(ep_size={layer.ep_size}) with initialize(mpu=...): tp x ep is not implemented; use ep_size=1 "
@@ -67,9 +67,9 @@ def _stage_experts(
             "MoE(ep_size > 1) on another stage cannot train in this pipeline (see that rank's error: built outside "
             "the PipelineModule, with an mpu, or a setting experts do not train with)"
         )
-    pending = [layer.groups for layer in moe_layers(model) if layer.groups.pending]
+    pending = [layer.groups for layer in layers if layer.groups.pending]
     if world.any_true(bool(pending), device):  # most pipelines have no experts: no group exchange then
-        make_stage_groups(pending, world, device)
+        make_stage_groups(pending, world)
 
 
 def pipe_dataloader(

@@ -54,6 +54,8 @@ from zeroshard.zero.strategy import (
     optimizer_state_tensors,
 )
 
+PIPE_REPLICATED = "ds_pipe_replicated"  # [Note: tied copies in the norm] in pipe/context.py
+
 
 @dataclass(frozen=True)
 class FlatPolicy(StrategyPolicy):
@@ -484,9 +486,7 @@ class FlatStrategy(Strategy):
         return memory
 
 
-PIPE_REPLICATED = "ds_pipe_replicated"  # DeepSpeed's mark of those copies (deepspeed.runtime.constants)
-
-
 def _tied_copy(buffers: GroupBuffers, slot: Any) -> bool:
-    """A pipeline stage's copy of a weight tied to a lower stage's ([Note: tied copies in the norm])."""
+    """A pipeline stage's copy of a weight tied to a lower stage's ([Note: tied copies in the norm]): marked
+    with DeepSpeed's attribute (deepspeed.runtime.constants.PIPE_REPLICATED)."""
     return bool(getattr(buffers.params[slot.index], PIPE_REPLICATED, False))
