@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.comms_logger import CommsLogger
+from zeroshard.comm.in_flight import InFlight
 from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import CollectiveMismatchError
 
@@ -136,14 +137,17 @@ class Collectives:
         logger: CommsLogger | None = None,
         scope: Scope = Scope.INTRA_NODE,
         stats: CommStats | None = None,
+        in_flight: InFlight | None = None,
     ):
-        """`stats` given: a sub-group's collectives counting into its parent's counters (`subgroup`)."""
+        """`stats` given: a sub-group's collectives counting into its parent's counters (`subgroup`), and sharing
+        its `in_flight` ([Note: nothing held by a collective at exit])."""
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.verify = verify
         self.scope = scope
         self.stats = stats if stats is not None else CommStats()
+        self.in_flight = in_flight if in_flight is not None else InFlight()
         self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
         if stats is None:  # a sub-group leaves the straggler reduction to the world's collectives
             self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
@@ -151,7 +155,9 @@ class Collectives:
 
     def subgroup(self, group: dist.ProcessGroup | None, world_size: int, rank: int, scope: Scope) -> Collectives:
         """Collectives over a sub-group (`rank` within it), counted in this object's `stats` under `scope`."""
-        return Collectives(group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats)
+        return Collectives(
+            group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats, in_flight=self.in_flight
+        )
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str = "") -> Handle:
@@ -161,7 +167,7 @@ class Collectives:
         self._count(CollectiveKind.ALL_REDUCE, tensor, rounds=2)
         return self._issue(
             "all_reduce",
-            tensor,
+            (tensor,),
             lambda a: dist.all_reduce(tensor, op=_reduce_op(op), group=self.group, async_op=a),
             async_op,
         )
@@ -183,11 +189,11 @@ class Collectives:
         self._count(CollectiveKind.REDUCE_SCATTER, input)
         if input_is_scratch and self._in_place_on_host(input):
             call: Callable[[bool], Any] = lambda a: self._reduce_in_place(output, input, a)  # noqa: E731
-        else:
-            call = lambda a: _reduce_scatter_single(  # noqa: E731
-                output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=a
-            )
-        return self._issue("reduce_scatter_tensor", input, call, async_op)
+            return self._issue("reduce_scatter_tensor", (input,), call, async_op, tracked=False)
+        call = lambda a: _reduce_scatter_single(  # noqa: E731
+            output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=a
+        )
+        return self._issue("reduce_scatter_tensor", (input, output), call, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of `output`."""
@@ -198,9 +204,9 @@ class Collectives:
         self._count(CollectiveKind.ALL_GATHER, output)
         if self._in_place_on_host(output):
             call: Callable[[bool], Any] = lambda a: self._gather_in_place(output, input, a)  # noqa: E731
-        else:
-            call = lambda a: _all_gather_single(output, input, group=self.group, async_op=a)  # noqa: E731
-        return self._issue("all_gather_into_tensor", input, call, async_op)
+            return self._issue("all_gather_into_tensor", (input,), call, async_op, tracked=False)
+        call = lambda a: _all_gather_single(output, input, group=self.group, async_op=a)  # noqa: E731
+        return self._issue("all_gather_into_tensor", (input, output), call, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, label: str = "") -> Handle:
         self._check(CollectiveKind.BROADCAST, tensor, label)
@@ -208,7 +214,7 @@ class Collectives:
             return _Done()
         self._count(CollectiveKind.BROADCAST, tensor)
         return self._issue(
-            "broadcast", tensor, lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
+            "broadcast", (tensor,), lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
         )
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
@@ -221,7 +227,7 @@ class Collectives:
         self._count(CollectiveKind.ALL_TO_ALL, input)
         return self._issue(
             "all_to_all_single",
-            input,
+            (input, output),
             lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a),
             async_op,
         )
@@ -247,7 +253,7 @@ class Collectives:
         self.stats.record(CollectiveKind.ALL_TO_ALL, _nbytes(input), float(sent), self.scope)
         return self._issue(
             "all_to_all_single",
-            input,
+            (input, output),
             lambda a: dist.all_to_all_single(
                 output,
                 input,
@@ -282,31 +288,46 @@ class Collectives:
         return whole.device.type == "cpu" and dist.get_backend(self.group) == "gloo"
 
     def _reduce_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
-        chunks = input.view(self.world_size, -1)
+        chunks = list(input.view(self.world_size, -1))  # the very views handed to the backend
+        sole = self.in_flight.sole_owned(chunks)
         works = [
             dist.reduce(chunks[owner], dst=_global_rank(self.group, owner), group=self.group, async_op=True)
             for owner in range(self.world_size)
         ]
+        self.in_flight.track(sole, works)
         mine = chunks[self.rank]
         return _Joined(works, lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, async_op)
 
     def _gather_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
-        return gather_in_place(output, input, self.group, self.rank, self.world_size, async_op)
+        return gather_in_place(output, input, self.group, self.rank, self.world_size, async_op, self.in_flight)
 
     @property
     def _ring_fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
 
-    def _issue(self, name: str, message: torch.Tensor, call: Callable[[bool], Any], async_op: bool) -> Handle:
-        """Issue `call(async_op)`; when the comms logger profiles `name`, wait for it and record its wall time
-        and the bytes of `message` ([Note: comms logger])."""
+    def _issue(
+        self,
+        name: str,
+        tensors: tuple[torch.Tensor, ...],
+        call: Callable[[bool], Any],
+        async_op: bool,
+        tracked: bool = True,
+    ) -> Handle:
+        """Issue `call(async_op)` over `tensors` (the message first); when the comms logger profiles `name`, wait
+        for it and record its wall time and the message's bytes ([Note: comms logger]). Unless `call` follows its
+        own (`tracked=False`), `tensors` are followed to exit ([Note: nothing held by a collective at exit])."""
+        sole = self.in_flight.sole_owned(tensors) if tracked else []
+        message = tensors[0]
         if not self.logger.should_profile(name):
-            return _issued(call(async_op), async_op)
+            work = call(async_op)
+            self.in_flight.track(sole, [work] if async_op else [])
+            return _issued(work, async_op)
         on_device = message.device.type != "cpu"
         if on_device:  # time the collective, not the work queued before it
             torch.accelerator.synchronize(message.device)
         start = time.perf_counter()
         work = call(async_op)
+        self.in_flight.track(sole)  # waited for below: Python lets its work go
         if async_op:
             work.wait()
         if on_device:
@@ -398,13 +419,20 @@ def _global_rank(group: Any, group_rank: int) -> int:
 
 
 def gather_in_place(
-    output: torch.Tensor, input: torch.Tensor, group: Any, rank: int, world_size: int, async_op: bool
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any,
+    rank: int,
+    world_size: int,
+    async_op: bool,
+    in_flight: InFlight,
 ) -> Any:
     """All-gather as one broadcast of each rank's chunk of `output`, from that rank ([Note: gloo in place]); `rank`
     is this process's rank in `group`. Also FSDP2's all-gather on gloo (fsdp2/comms.py)."""
-    chunks = output.view(world_size, -1)
+    chunks = list(output.view(world_size, -1))  # the very views handed to the backend
     if chunks[rank].data_ptr() != input.data_ptr():
         chunks[rank].data.copy_(input.reshape(-1))  # .data: [Note: gathered storage] views
+    sole = in_flight.sole_owned(chunks)
     works = [
         dist.broadcast(
             chunks[owner],
@@ -414,6 +442,7 @@ def gather_in_place(
         )  # fmt: skip
         for owner in range(world_size)
     ]
+    in_flight.track(sole, works)
     return _Joined(works, lambda: None, async_op)
 
 

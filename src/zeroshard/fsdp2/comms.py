@@ -15,6 +15,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from zeroshard.comm.collectives import (
     CollectiveKind,
+    Collectives,
     CommStats,
     Scope,
     all_gather_single,
@@ -28,36 +29,34 @@ def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_
     stats.record(kind, nbytes, nbytes * (world_size - 1) / world_size, scope)
 
 
-class CountedAllGather(AllGather):
-    def __init__(self, stats: CommStats, world_size: int, scope: Scope):
-        self.stats = stats
-        self.world_size = world_size
-        self.scope = scope  # [Note: scopes]: where the group FSDP2 communicates over sits
+class _Counted:
+    """What both wrappers share: the engine's collectives (their counters, scope and in-flight tensors)."""
+
+    def __init__(self, comm: Collectives):
+        self.comm = comm  # [Note: scopes]: comm.scope is where the group FSDP2 communicates over sits
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class CountedAllGather(_Counted, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        _record(self.stats, CollectiveKind.ALL_GATHER, output_tensor, self.world_size, self.scope)
+        comm = self.comm
+        _record(comm.stats, CollectiveKind.ALL_GATHER, output_tensor, comm.world_size, comm.scope)
         if output_tensor.device.type == "cpu" and dist.get_backend(group) == "gloo":  # [Note: gloo in place]
             rank = dist.get_rank(group)
-            return gather_in_place(output_tensor, input_tensor, group, rank, self.world_size, async_op)  # type: ignore[no-any-return]
-        return all_gather_single(  # type: ignore[no-any-return]
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
+            return gather_in_place(  # type: ignore[no-any-return]
+                output_tensor, input_tensor, group, rank, comm.world_size, async_op, comm.in_flight
+            )
+        sole = comm.in_flight.sole_owned((input_tensor, output_tensor))  # [Note: nothing held by a collective at exit]
+        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        comm.in_flight.track(sole, [work] if async_op else [])
+        return work  # type: ignore[no-any-return]
 
 
-class CountedReduceScatter(ReduceScatter):
-    def __init__(self, stats: CommStats, world_size: int, scope: Scope):
-        self.stats = stats
-        self.world_size = world_size
-        self.scope = scope  # [Note: scopes]: where the group FSDP2 communicates over sits
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class CountedReduceScatter(_Counted, ReduceScatter):
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -66,7 +65,9 @@ class CountedReduceScatter(ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        _record(self.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, self.world_size, self.scope)
-        return reduce_scatter_single(  # type: ignore[no-any-return]
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
+        comm = self.comm
+        _record(comm.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, comm.world_size, comm.scope)
+        sole = comm.in_flight.sole_owned((input_tensor, output_tensor))  # [Note: nothing held by a collective at exit]
+        work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        comm.in_flight.track(sole, [work] if async_op else [])
+        return work  # type: ignore[no-any-return]

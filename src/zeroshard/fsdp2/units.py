@@ -87,8 +87,8 @@ def shard_units(
         assert isinstance(module, FSDPModule)
         module.set_gradient_divide_factor(divide_factor)
         module.set_force_sum_reduction_for_comms(True)
-        module.set_custom_all_gather(CountedAllGather(comm.stats, comm.world_size, comm.scope))
-        module.set_custom_reduce_scatter(CountedReduceScatter(comm.stats, comm.world_size, comm.scope))
+        module.set_custom_all_gather(CountedAllGather(comm))
+        module.set_custom_reduce_scatter(CountedReduceScatter(comm))
         owned = tuple(n for n, o in owner.items() if o == name)
         units.append(Fsdp2Unit(name, module, owned))
     return units

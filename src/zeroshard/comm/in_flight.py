@@ -1,0 +1,92 @@
+"""Tensors a collective may still hold, drained before the interpreter finalizes.
+
+[Note: nothing held by a collective at exit]
+A backend's worker thread (gloo's `runLoop`, NCCL's watchdog) keeps the work object of a collective, and with it
+the tensors it was handed, until slightly after the work completes: `wait()` returns on the caller's thread while
+the worker has yet to drop its reference. Since torch's PyObject preservation (2.10), dropping the reference that
+takes a tensor with a Python wrapper from two owners to one releases the wrapper, which takes the GIL. If the main
+thread has begun finalizing the interpreter by then, `take_gil` ends the worker thread with `pthread_exit`, the
+forced unwind meets a `noexcept` destructor, and the process dies in `std::terminate` ("terminate called without
+an active exception", SIGABRT) after the script itself succeeded. Measured: `cifar10_deepspeed.py --stage 3` on 2
+gloo ranks aborted in 2-4 runs of 20 this way (core dump: `~AsyncBroadcastWork` -> `TensorImpl::decref_pyobject`
+-> `gil_scoped_acquire` in a gloo worker while `Py_FinalizeEx` collected garbage), usually after the last step's
+gather of the persistent parameters. Known upstream (pytorch/pytorch#190489; an atexit `destroy_process_group`,
+#179291, was abandoned): no torch release avoids it.
+
+Only a tensor that nothing but its Python wrapper held when it was handed over can take that path (otherwise the
+worker's drop leaves two owners and touches no wrapper), so `sole_owned` picks those (chunk views made for the call,
+scratch buffers, small tensors built for one all-reduce) and `track` keeps weak references to them and to the
+call's work objects. At exit, `drain` waits (without the GIL, so a worker that needs it gets it) for every entry:
+- while Python still holds an entry's works (a pending prefetch's handle), until they complete: the worker's drop is
+  then not the last one, and Python's own, on the main thread, is harmless;
+- once Python let them go (a synchronous collective, a dropped handle), until each tensor is dead or its only owner
+  is its wrapper again, i.e. the worker has let go.
+Pending collectives finish first, as every rank drains. The wait is bounded (a peer that died leaves its collectives
+pending) and costs nothing when nothing is held. Collectives issued by user code outside zeroshard are not seen.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DRAIN_TIMEOUT_S = 10.0
+_POLL_S = 0.001
+
+
+@dataclass
+class _Entry:
+    tensors: list[weakref.ref[torch.Tensor]]
+    works: list[weakref.ref[Any]]
+
+    def settled(self) -> bool:
+        works = [w for ref in self.works if (w := ref()) is not None]
+        if works:
+            return all(w.is_completed() for w in works)
+        return all((t := ref()) is None or _owners(t) == 1 for ref in self.tensors)
+
+
+class InFlight:
+    """Recent collectives' sole-owned tensors and works, weakly; `drain` runs at exit."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        # older entries belong to collectives that completed long ago: a bounded window is enough
+        self._entries: deque[_Entry] = deque(maxlen=capacity)
+        atexit.register(self.drain)
+
+    @staticmethod
+    def sole_owned(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The `tensors` only their Python wrapper owns: call right before handing them to a collective."""
+        return [t for t in tensors if _owners(t) == 1]
+
+    def track(self, sole: list[torch.Tensor], works: Iterable[Any] = ()) -> None:
+        """Follow the `sole_owned` tensors of a collective just issued, and its works when Python holds them."""
+        if sole:
+            self._entries.append(_Entry([weakref.ref(t) for t in sole], [weakref.ref(w) for w in works]))
+
+    def held(self) -> int:
+        """How many tracked collectives a backend may still drop a wrapped tensor of."""
+        return sum(1 for entry in self._entries if not entry.settled())
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+        """Wait until every tracked collective is settled (True), or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.held():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)  # releases the GIL: a worker dropping its work may need it
+        self._entries.clear()
+        return True
+
+
+def _owners(tensor: torch.Tensor) -> int:
+    """C++ owners of `tensor`'s TensorImpl (its Python wrapper is one); 1 where torch cannot say."""
+    use_count = getattr(tensor, "_use_count", None)
+    return int(use_count()) if use_count is not None else 1

@@ -1,0 +1,59 @@
+"""[Note: nothing held by a collective at exit]: `InFlight` follows a collective's tensors by their owner count and
+its works by completion; here a view stands in for the backend's reference (a view owns its base, as a work owns
+its tensors) and a small object with `is_completed` for a work Python still holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from zeroshard.comm.in_flight import InFlight
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_dropped_work_is_waited_for_until_the_backend_lets_its_tensor_go():
+    in_flight = InFlight()
+    message = torch.zeros(8)
+    in_flight.track(in_flight.sole_owned([message]))  # a synchronous collective: Python kept no work
+    assert in_flight.held() == 0
+    holder = [message[:4]]  # the backend's reference, dropped by its worker a little later
+    assert in_flight.held() == 1
+    assert in_flight.drain(timeout_s=0.05) is False  # bounded: a peer that never comes is not waited for forever
+    threading.Timer(0.2, holder.clear).start()
+    start = time.monotonic()
+    assert in_flight.drain(timeout_s=5.0) is True
+    assert 0.15 < time.monotonic() - start < 4.0
+    assert in_flight.held() == 0
+
+
+def test_a_work_python_holds_is_waited_for_until_it_completes():
+    in_flight = InFlight()
+    message, work = torch.zeros(8), _Work()
+    in_flight.track(in_flight.sole_owned([message]), [work])
+    holder = message[:4]  # held by the work until Python drops the work, on the main thread: harmless
+    assert in_flight.held() == 1
+    threading.Timer(0.2, lambda: setattr(work, "done", True)).start()
+    assert in_flight.drain(timeout_s=5.0) is True
+    assert holder.numel() == 4
+
+
+def test_a_dead_tensor_is_settled_and_a_shared_one_is_not_followed():
+    in_flight = InFlight()
+    scratch = torch.zeros(8)
+    in_flight.track(in_flight.sole_owned([scratch]))
+    del scratch  # the collective's views died with their work
+    shared = torch.zeros(8)
+    view = shared[:2]  # owned elsewhere already: the work's drop can never leave the wrapper as the last owner
+    assert in_flight.sole_owned([shared]) == []
+    assert in_flight.held() == 0
+    assert in_flight.drain(timeout_s=0.05) is True
+    assert view.numel() == 2
