@@ -187,6 +187,7 @@ def test_pp2_dp2_ep2_matches_reference_and_resumes(tmp_path: Path) -> None:
     _check(run_on_ranks(_run, 4, cases, str(tmp_path)), cases, 2)
 
 
+@pytest.mark.slow  # CI budget: 8 ranks; pp2 x dp2 x ep2 above stays in the default suite
 @pytest.mark.timeout(600)
 def test_pp2_dp4_ep2_shards_experts_over_their_data_parallel_pair(tmp_path: Path) -> None:
     """8 ranks: each stage's 4 data-parallel ranks hold the experts twice (ep2), so ZeRO-1 shards the experts'

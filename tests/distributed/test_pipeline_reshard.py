@@ -18,6 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from helpers.harness import run_on_ranks
 from helpers.pipeline import PipeCase, batches, build, reference
 from helpers.three_d import PP, STEPS, TP, FakeMpu, build_engine, replica_stream
@@ -120,6 +122,7 @@ def _three_d(rank: int, world_size: int, folder: str, save: bool) -> dict[str, A
     return out
 
 
+@pytest.mark.slow  # CI budget: 8 ranks; the pp2 x dp2 -> dp1 case above stays in the default suite
 def test_three_d_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
     """pp2 x tp2 x dp2 (8 ranks) -> pp2 x tp2 x dp1 (4 ranks): gas 4 -> 8, the reference's losses."""
     want = three_d_reference()
