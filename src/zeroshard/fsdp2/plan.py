@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from zeroshard.errors import ConfigError
 from zeroshard.precision.dtypes import dtype_of
@@ -43,6 +42,8 @@ class Fsdp2Plan:
 
 def plan_from_config(cfg: Any, compute_dtype: torch.dtype) -> Fsdp2Plan:
     """[Note: fsdp2 mapping] from a resolved config; a `ConfigError` for what FSDP2 cannot do."""
+    from torch.distributed.fsdp import FSDPModule  # 0.8 s of imports: only for the fsdp2 backend
+
     z = cfg.zero_optimization
     stage = int(z.stage)
     if not hasattr(FSDPModule, "set_custom_all_gather"):
