@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.harness import run_on_ranks
+
 SRC = Path(__file__).parents[2] / "src"
 CIFAR = Path(__file__).parents[1] / "compat" / "scripts" / "cifar10_deepspeed.py"
 
@@ -70,3 +72,27 @@ def test_stage3_script_ends_cleanly_every_time(tmp_path):
             assert done.returncode == 0 and "terminate called" not in output, (run, output[-3000:])
     finally:
         os.environ.pop("COMPAT_LIB", None)
+
+
+def _user_collectives(rank: int, world_size: int):
+    import torch
+
+    from zeroshard.comm import api
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    before = len(api.USER_IN_FLIGHT._entries)
+    total = torch.ones(4)
+    api.all_reduce(total)  # a script's own collective, as DeepSpeed scripts make them through deepspeed.comm
+    work = api.all_reduce(torch.ones(4), async_op=True)
+    gathered = [torch.zeros(2), torch.zeros(2)]
+    api.all_gather(gathered, torch.full((2,), float(rank)))
+    tracked = len(api.USER_IN_FLIGHT._entries) - before
+    work.wait()
+    return float(total.sum()), [g.tolist() for g in gathered], tracked, api.USER_IN_FLIGHT.drain(timeout_s=10)
+
+
+def test_the_scripts_own_collectives_are_followed_to_exit_too():
+    for total, gathered, tracked, drained in run_on_ranks(_user_collectives, 2):
+        assert total == 8.0 and gathered == [[0.0, 0.0], [1.0, 1.0]]
+        assert tracked == 3 and drained is True

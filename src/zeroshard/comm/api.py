@@ -3,7 +3,10 @@
 [Note: user collectives] `collectives.py` is the one place the strategies call torch.distributed, so their
 bytes are counted and their order fingerprinted. The functions here are for the training script's own
 calls (averaging a loss for logging, a barrier before saving), as DeepSpeed scripts make them through
-`deepspeed.comm`; they call torch.distributed directly and are not counted in `engine.comm_stats`.
+`deepspeed.comm`; they call torch.distributed directly and are not counted in `engine.comm_stats`. Their tensors
+are followed to exit like the engine's (`USER_IN_FLIGHT`, [Note: nothing held by a collective at exit]): a script's
+last `all_reduce` of its loss is as likely as the engine's last gather to be dropped by a backend worker while the
+interpreter finalizes.
 DeepSpeed's profiling keywords (`prof`, `log_name`, `debug`) are accepted and ignored: the `comms_logger` block
 logs the engine's collectives (`engine.comms_logger`, `log_summary()` here), not these.
 """
@@ -16,11 +19,13 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zeroshard.comm import topology
 from zeroshard.comm.comms_logger import LIVE
+from zeroshard.comm.in_flight import InFlight
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -30,6 +35,10 @@ _PROFILING_KEYWORDS = ("prof", "log_name", "debug")
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # DeepSpeed's constant, which scripts pass as distributed_port
 
 
+# one per process, as torch.distributed's own default group: these functions name no engine
+USER_IN_FLIGHT = InFlight()
+
+
 def _user_collective(fn: _F) -> _F:
     """torch.distributed's `fn`, accepting DeepSpeed's profiling keywords (see [Note: user collectives])."""
 
@@ -37,9 +46,23 @@ def _user_collective(fn: _F) -> _F:
     def call(*args: Any, **kwargs: Any) -> Any:
         for name in _PROFILING_KEYWORDS:
             kwargs.pop(name, None)
-        return fn(*args, **kwargs)
+        sole = USER_IN_FLIGHT.sole_owned(_tensors_in([*args, *kwargs.values()]))
+        result = fn(*args, **kwargs)
+        USER_IN_FLIGHT.track(sole, [result] if hasattr(result, "is_completed") else [])
+        return result
 
     return call  # type: ignore[return-value]
+
+
+def _tensors_in(values: list[Any]) -> list[torch.Tensor]:
+    """The tensors among a collective's arguments, and in its tensor lists (all_gather's output, scatter's input)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
 all_reduce = _user_collective(dist.all_reduce)

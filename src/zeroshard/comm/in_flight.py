@@ -22,7 +22,9 @@ call's work objects. At exit, `drain` waits (without the GIL, so a worker that n
 - once Python let them go (a synchronous collective, a dropped handle), until each tensor is dead or its only owner
   is its wrapper again, i.e. the worker has let go.
 Pending collectives finish first, as every rank drains. The wait is bounded (a peer that died leaves its collectives
-pending) and costs nothing when nothing is held. Collectives issued by user code outside zeroshard are not seen.
+pending) and costs nothing when nothing is held. The engine's collectives are followed (`Collectives.in_flight`, FSDP2's
+custom collectives included), and a script's own through `zeroshard.comm` (`USER_IN_FLIGHT` in comm/api.py); direct
+`torch.distributed` calls are not seen.
 """
 
 from __future__ import annotations
