@@ -122,4 +122,3 @@ def test_pipeline_refusals() -> None:
     (messages,) = run_on_ranks(_refused, 1, 1, REFUSALS)
     for (change, expected), message in zip(REFUSALS, messages, strict=True):
         assert expected in message, (change, message)
-
