@@ -40,4 +40,5 @@ overlap-gpu:
 
 lint:
 	ruff check src tests benchmarks examples
+	ruff format --check src tests benchmarks examples
 	mypy src
