@@ -23,7 +23,7 @@ class _Work:
 def test_a_dropped_work_is_waited_for_until_the_backend_lets_its_tensor_go():
     in_flight = InFlight()
     message = torch.zeros(8)
-    in_flight.track(in_flight.sole_owned([message]))  # a synchronous collective: Python kept no work
+    in_flight.issue([message], lambda: None)  # a synchronous collective: Python kept no work
     assert in_flight.held() == 0
     holder = [message[:4]]  # the backend's reference, dropped by its worker a little later
     assert in_flight.held() == 1
@@ -38,7 +38,7 @@ def test_a_dropped_work_is_waited_for_until_the_backend_lets_its_tensor_go():
 def test_a_work_python_holds_is_waited_for_until_it_completes():
     in_flight = InFlight()
     message, work = torch.zeros(8), _Work()
-    in_flight.track(in_flight.sole_owned([message]), [work])
+    in_flight.issue([message], lambda: work)
     holder = message[:4]  # held by the work until Python drops the work, on the main thread: harmless
     assert in_flight.held() == 1
     threading.Timer(0.2, lambda: setattr(work, "done", True)).start()
@@ -49,11 +49,11 @@ def test_a_work_python_holds_is_waited_for_until_it_completes():
 def test_a_dead_tensor_is_settled_and_a_shared_one_is_not_followed():
     in_flight = InFlight()
     scratch = torch.zeros(8)
-    in_flight.track(in_flight.sole_owned([scratch]))
+    in_flight.issue([scratch], lambda: None)
     del scratch  # the collective's views died with their work
     shared = torch.zeros(8)
     view = shared[:2]  # owned elsewhere already: the work's drop can never leave the wrapper as the last owner
-    assert in_flight.sole_owned([shared]) == []
+    in_flight.issue([shared], lambda: None)  # not followed: held below would count it
     assert in_flight.held() == 0
     assert in_flight.drain(timeout_s=0.05) is True
     assert view.numel() == 2

@@ -46,10 +46,7 @@ def _user_collective(fn: _F) -> _F:
     def call(*args: Any, **kwargs: Any) -> Any:
         for name in _PROFILING_KEYWORDS:
             kwargs.pop(name, None)
-        sole = USER_IN_FLIGHT.sole_owned(_tensors_in([*args, *kwargs.values()]))
-        result = fn(*args, **kwargs)
-        USER_IN_FLIGHT.track(sole, [result] if hasattr(result, "is_completed") else [])
-        return result
+        return USER_IN_FLIGHT.issue(_tensors_in([*args, *kwargs.values()]), lambda: fn(*args, **kwargs))
 
     return call  # type: ignore[return-value]
 

@@ -289,12 +289,13 @@ class Collectives:
 
     def _reduce_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
         chunks = list(input.view(self.world_size, -1))  # the very views handed to the backend
-        sole = self.in_flight.sole_owned(chunks)
-        works = [
-            dist.reduce(chunks[owner], dst=_global_rank(self.group, owner), group=self.group, async_op=True)
-            for owner in range(self.world_size)
-        ]
-        self.in_flight.track(sole, works)
+        works = self.in_flight.issue(
+            chunks,
+            lambda: [
+                dist.reduce(chunks[owner], dst=_global_rank(self.group, owner), group=self.group, async_op=True)
+                for owner in range(self.world_size)
+            ],
+        )
         mine = chunks[self.rank]
         return _Joined(works, lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, async_op)
 
@@ -316,18 +317,15 @@ class Collectives:
         """Issue `call(async_op)` over `tensors` (the message first); when the comms logger profiles `name`, wait
         for it and record its wall time and the message's bytes ([Note: comms logger]). Unless `call` follows its
         own (`tracked=False`), `tensors` are followed to exit ([Note: nothing held by a collective at exit])."""
-        sole = self.in_flight.sole_owned(tensors) if tracked else []
+        followed = tensors if tracked else ()
         message = tensors[0]
         if not self.logger.should_profile(name):
-            work = call(async_op)
-            self.in_flight.track(sole, [work] if async_op else [])
-            return _issued(work, async_op)
+            return _issued(self.in_flight.issue(followed, lambda: call(async_op)), async_op)
         on_device = message.device.type != "cpu"
         if on_device:  # time the collective, not the work queued before it
             torch.accelerator.synchronize(message.device)
         start = time.perf_counter()
-        work = call(async_op)
-        self.in_flight.track(sole)  # waited for below: Python lets its work go
+        work = self.in_flight.issue(followed, lambda: call(async_op))
         if async_op:
             work.wait()
         if on_device:
@@ -432,17 +430,13 @@ def gather_in_place(
     chunks = list(output.view(world_size, -1))  # the very views handed to the backend
     if chunks[rank].data_ptr() != input.data_ptr():
         chunks[rank].data.copy_(input.reshape(-1))  # .data: [Note: gathered storage] views
-    sole = in_flight.sole_owned(chunks)
-    works = [
-        dist.broadcast(
-            chunks[owner],
-            src=_global_rank(group, owner),
-            group=group,
-            async_op=True,
-        )  # fmt: skip
-        for owner in range(world_size)
-    ]
-    in_flight.track(sole, works)
+    works = in_flight.issue(
+        chunks,
+        lambda: [
+            dist.broadcast(chunks[owner], src=_global_rank(group, owner), group=group, async_op=True)
+            for owner in range(world_size)
+        ],
+    )
     return _Joined(works, lambda: None, async_op)
 
 

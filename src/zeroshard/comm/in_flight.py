@@ -14,9 +14,9 @@ gather of the persistent parameters. Known upstream (pytorch/pytorch#190489; an 
 #179291, was abandoned): no torch release avoids it.
 
 Only a tensor that nothing but its Python wrapper held when it was handed over can take that path (otherwise the
-worker's drop leaves two owners and touches no wrapper), so `sole_owned` picks those (chunk views made for the call,
-scratch buffers, small tensors built for one all-reduce) and `track` keeps weak references to them and to the
-call's work objects. At exit, `drain` waits (without the GIL, so a worker that needs it gets it) for every entry:
+worker's drop leaves two owners and touches no wrapper), so `issue` keeps weak references to those (chunk views made
+for the call, scratch buffers, small tensors built for one all-reduce) and to the call's work objects. At exit,
+`drain` waits (without the GIL, so a worker that needs it gets it) for every entry:
 - while Python still holds an entry's works (a pending prefetch's handle), until they complete: the worker's drop is
   then not the last one, and Python's own, on the main thread, is harmless;
 - once Python let them go (a synchronous collective, a dropped handle), until each tensor is dead or its only owner
@@ -33,14 +33,15 @@ import atexit
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 DRAIN_TIMEOUT_S = 10.0
 _POLL_S = 0.001
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -63,15 +64,15 @@ class InFlight:
         self._entries: deque[_Entry] = deque(maxlen=capacity)
         atexit.register(self.drain)
 
-    @staticmethod
-    def sole_owned(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """The `tensors` only their Python wrapper owns: call right before handing them to a collective."""
-        return [t for t in tensors if _owners(t) == 1]
-
-    def track(self, sole: list[torch.Tensor], works: Iterable[Any] = ()) -> None:
-        """Follow the `sole_owned` tensors of a collective just issued, and its works when Python holds them."""
+    def issue(self, tensors: Iterable[torch.Tensor], call: Callable[[], _R]) -> _R:
+        """`call()`, the collective handed `tensors`, followed to exit: those only their Python wrapper owned before
+        the call, and what it returns when that is a work (or a list of works) Python may keep."""
+        sole = [t for t in tensors if _owners(t) == 1]
+        result = call()
         if sole:
+            works = result if isinstance(result, list) else [result] if hasattr(result, "is_completed") else []
             self._entries.append(_Entry([weakref.ref(t) for t in sole], [weakref.ref(w) for w in works]))
+        return result
 
     def held(self) -> int:
         """How many tracked collectives a backend may still drop a wrapped tensor of."""

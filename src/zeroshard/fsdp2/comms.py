@@ -50,10 +50,10 @@ class CountedAllGather(_Counted, AllGather):
             return gather_in_place(  # type: ignore[no-any-return]
                 output_tensor, input_tensor, group, rank, comm.world_size, async_op, comm.in_flight
             )
-        sole = comm.in_flight.sole_owned((input_tensor, output_tensor))  # [Note: nothing held by a collective at exit]
-        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        comm.in_flight.track(sole, [work] if async_op else [])
-        return work  # type: ignore[no-any-return]
+        return comm.in_flight.issue(  # type: ignore[no-any-return]  # [Note: nothing held by a collective at exit]
+            (input_tensor, output_tensor),
+            lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op),
+        )
 
 
 class CountedReduceScatter(_Counted, ReduceScatter):
@@ -67,7 +67,7 @@ class CountedReduceScatter(_Counted, ReduceScatter):
     ) -> dist.Work | None:
         comm = self.comm
         _record(comm.stats, CollectiveKind.REDUCE_SCATTER, input_tensor, comm.world_size, comm.scope)
-        sole = comm.in_flight.sole_owned((input_tensor, output_tensor))  # [Note: nothing held by a collective at exit]
-        work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        comm.in_flight.track(sole, [work] if async_op else [])
-        return work  # type: ignore[no-any-return]
+        return comm.in_flight.issue(  # type: ignore[no-any-return]  # [Note: nothing held by a collective at exit]
+            (input_tensor, output_tensor),
+            lambda: reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op),
+        )
