@@ -6,7 +6,9 @@ on one GPU with each placement of the model states, and its speed.
 Rows: (a) ZeRO-3 with everything in GPU memory, (b) the optimizer (fp32 master weights, Adam moments, fp32
 gradients) offloaded to the CPU, (c) optimizer and parameters on the CPU, (d) both on NVMe (ZeRO-Infinity; swap
 files under --nvme-path), and `fsdp2`: plain PyTorch FSDP2 (`fully_shard` per decoder layer, bf16 compute with fp32
-reduction, `CPUOffloadPolicy`, torch's AdamW on the host), and `ds`: DeepSpeed's ZeRO-Offload with row (b)'s config
+reduction, `CPUOffloadPolicy`, torch's AdamW on the host), `b+`/`c+`: rows (b)/(c) with `--ratio` of the optimizer
+state on the CPU and the rest on the GPU (DeepSpeed's ZeRO-Offload++ `offload_optimizer.ratio`, split by sub-groups of
+`--sub-group-size`), and `ds`: DeepSpeed's ZeRO-Offload with row (b)'s config
 (needs DeepSpeed installed; its CPU Adam is JIT-built on first use). `ROW:L1,L2,...` tries each depth (decoder
 layers of a Llama-2-7B-wide model: hidden 4096, 32 heads, MLP 11008, 32k vocabulary, untied head; 32 layers are
 Llama-2-7B's 6.74B parameters) in order and stops at the first that trains: list them largest first and the row
@@ -41,6 +43,8 @@ ROWS = {
     "b": "ZeRO-3, optimizer offloaded to CPU",
     "c": "ZeRO-3, optimizer + parameters offloaded to CPU",
     "d": "ZeRO-Infinity: optimizer + parameters on NVMe",
+    "b+": "ZeRO-3, --ratio of the optimizer on CPU, the rest on the GPU (ZeRO-Offload++)",
+    "c+": "ZeRO-3, parameters + --ratio of the optimizer on CPU, the rest on the GPU",
     "fsdp2": "PyTorch FSDP2, CPUOffloadPolicy",
     "ds": "DeepSpeed ZeRO-3, optimizer offloaded to CPU (DeepSpeedCPUAdam)",
 }
@@ -76,9 +80,12 @@ def count_parameters(args: argparse.Namespace) -> int:
 
 def zero_config(row: str, args: argparse.Namespace) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
-    if row in ("b", "c"):
+    if row in ("b", "c", "b+", "c+"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if row == "c":
+    if row in ("b+", "c+"):  # [Note: partial offload]: the split is by sub-group, so make them many
+        zero["offload_optimizer"]["ratio"] = args.ratio
+        zero["sub_group_size"] = args.sub_group_size
+    if row in ("c", "c+"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if row == "d":
         nvme = {"device": "nvme", "nvme_path": str(args.nvme_path), "pin_memory": True}
@@ -264,8 +271,8 @@ def attempt(row: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         nvme = Path(args.nvme_path) / f"{row}{layers}"
         command = [sys.executable, "-m", "benchmarks.gpu_offload", "--child", row, "--layers", str(layers)]
         command += ["--result", str(result_path), "--nvme-path", str(nvme)]
-        for key in ("hidden", "seq", "micro", "steps", "warmup", "device"):
-            command += [f"--{key}", str(getattr(args, key))]
+        for key in ("hidden", "seq", "micro", "steps", "warmup", "device", "ratio", "sub_group_size"):
+            command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         nvme.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         try:
@@ -317,6 +324,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--ratio", type=float, default=0.5, help="rows b+/c+: offload_optimizer.ratio")
+    parser.add_argument("--sub-group-size", type=int, default=100_000_000, help="rows b+/c+: sub_group_size")
     parser.add_argument("--nvme-path", type=Path, default=Path(tempfile.gettempdir()) / "zeroshard-nvme")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per try")
     parser.add_argument("--json", type=Path)
@@ -345,7 +354,7 @@ def main() -> None:
             print(table([result]).splitlines()[-1], flush=True)
             if result["ok"]:
                 break
-    settings = {k: getattr(args, k) for k in ("hidden", "seq", "micro", "steps", "warmup")}
+    settings = {k: getattr(args, k) for k in ("hidden", "seq", "micro", "steps", "warmup", "ratio", "sub_group_size")}
     report = {"machine": describe(), "settings": settings, "tries": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))

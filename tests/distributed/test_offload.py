@@ -25,6 +25,10 @@ CASES = [
     Case(stage=3, offload_param="nvme"),  # shards read back for every gather, written after every step
     Case(stage=3, offload="nvme", offload_param="nvme", sub_group=4000, gas=3),
     Case(stage=3, offload="cpu", offload_param="nvme", dtype="bf16", persistence=2000),
+    # [Note: partial offload]: the later half of the sub-groups on the host, the others on the device
+    Case(stage=3, offload="cpu", sub_group=4000, ratio=0.5),
+    Case(stage=3, offload="cpu", offload_param="cpu", sub_group=1000, ratio=0.6, dtype="bf16", gas=3),
+    Case(stage=3, offload="cpu", sub_group=1000, ratio=0.4, dtype="bf16"),  # host copies of bf16 gradients
 ]
 
 
@@ -48,7 +52,9 @@ def test_offload_parity_and_placement():
             expected = 12 * psi_n + shards + grads - one
             assert abs(report.nvme_bytes - expected) <= 0.05 * expected, (case.name, report)
             assert case.stage < 3 or report.gradients == 0, (case.name, report)
-        if case.offload == "cpu":  # the device tier holds no optimizer state or master weights
+        if case.offload == "cpu" and case.ratio < 1.0:
+            _check_partial_offload(case, report)
+        elif case.offload == "cpu":  # the device tier holds no optimizer state or master weights
             assert report.optimizer_state == 0 and report.master_weights == 0, (case.name, report)
             psi_n = report.trainable_numel / 2
             assert abs(report.host_optimizer_state - 8 * psi_n) <= 0.02 * 8 * psi_n, (case.name, report)
@@ -68,6 +74,21 @@ def test_offload_parity_and_placement():
                 case.name,
                 report,
             )
+
+
+def _check_partial_offload(case: Case, report) -> None:
+    """Adam's 8 bytes per element split between the device and the host, each side with its own fp32 masters
+    (4 bytes: half its state) and, on the host, the fp32 gradient copies made during backward (bf16 shards)."""
+    psi_n = report.trainable_numel / 2
+    device, host = report.optimizer_state, report.host_optimizer_state
+    assert device > 0 and host > 0, (case.name, report)
+    assert abs(device + host - 8 * psi_n) <= 0.02 * 8 * psi_n, (case.name, report)
+    fp32 = case.dtype == "fp32"
+    device_masters = device / 2 if fp32 and case.offload_param == "none" else report.master_weights  # or the shards
+    host_masters = report.host_params if fp32 and case.offload_param == "cpu" else report.host_master_weights
+    assert device_masters == device / 2 and host_masters == host / 2, (case.name, report)
+    fp32_grads = fp32 or case.gas > 1  # the shard itself serves as the fp32 gradient (host and device are one here)
+    assert report.host_gradients == (0 if fp32_grads else host / 2), (case.name, report)
 
 
 def _offload_states_round_trip(rank: int, world_size: int):

@@ -46,6 +46,9 @@ OFFLOAD = [
     Case(stage=2, offload="nvme", gas=3),
     Case(stage=3, offload="nvme", sub_group=4000),
     Case(stage=3, offload="nvme", offload_param="nvme", sub_group=4000, gas=3),
+    # [Note: partial offload]: one fused AdamW over masters on the GPU and on the host
+    Case(stage=3, offload="cpu", sub_group=1000, ratio=0.5, dtype="bf16"),
+    Case(stage=3, offload="cpu", offload_param="cpu", sub_group=1000, ratio=0.6, gas=3),
 ]
 
 
@@ -205,3 +208,33 @@ def test_stage3_features_and_allocator_peak_on_cuda(tmp_path) -> None:
         assert filled
         assert abs(measured - accounted) <= 0.1 * accounted, (measured, accounted, init_peak)
     assert any(p.name.endswith((".bin", ".safetensors")) for p in tmp_path.iterdir())
+
+
+def _partial_offload_places(rank: int, world_size: int):
+    """Where `offload_optimizer.ratio` 0.5 puts the optimizer state: some on the GPU, the rest in host memory, and
+    the report's columns agree with the tensors' devices."""
+    import zeroshard
+
+    case = Case(stage=3, offload="cpu", sub_group=1000, ratio=0.5, dtype="bf16", steps=2)
+    model = build_model(case)
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+    )
+    for batch in global_batches(case, world_size):
+        x, y = (t.to(engine.device) for t in micro_batch(batch, 0, rank, world_size, case.micro))
+        engine.backward(engine(x, y))
+        engine.step()
+    held: dict[str, int] = {}
+    for state in engine.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                held[value.device.type] = held.get(value.device.type, 0) + value.numel() * value.element_size()
+    report = engine.memory_report()
+    engine.destroy()
+    return held, report.optimizer_state, report.host_optimizer_state
+
+
+def test_partial_offload_splits_state_between_gpu_and_host() -> None:
+    for held, device_bytes, host_bytes in run_on_ranks(_partial_offload_places, WORLD_SIZES[-1]):
+        assert set(held) == {"cuda", "cpu"}, held
+        assert (held["cuda"], held["cpu"]) == (device_bytes, host_bytes)

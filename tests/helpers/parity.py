@@ -50,6 +50,7 @@ class Case:
     offload: str = "none"  # offload_optimizer.device
     offload_param: str = "none"  # offload_param.device (stage 3)
     sub_group: int = 10**9  # sub_group_size
+    ratio: float = 1.0  # offload_optimizer.ratio (stage 3, < 1: partial offload)
 
     @property
     def name(self) -> str:
@@ -57,6 +58,7 @@ class Case:
         extra += f"-live{self.max_live}" if self.max_live != 10**9 else ""
         extra += f"-offload_{self.offload}" if self.offload != "none" else ""
         extra += f"-offload_param_{self.offload_param}" if self.offload_param != "none" else ""
+        extra += f"-ratio{self.ratio}" if self.ratio != 1.0 else ""
         return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}{extra}"
 
 
@@ -164,7 +166,12 @@ def ds_config(case: Case) -> dict:
             "stage3_max_reuse_distance": case.reuse,
             "stage3_prefetch_bucket_size": case.prefetch,
             "stage3_max_live_parameters": case.max_live,
-            "offload_optimizer": {"device": case.offload, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
+            "offload_optimizer": {
+                "device": case.offload,
+                "pin_memory": True,
+                "nvme_path": tempfile.gettempdir(),
+                "ratio": case.ratio,
+            },
             "sub_group_size": case.sub_group,
             "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
         },

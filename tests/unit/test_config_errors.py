@@ -301,8 +301,18 @@ def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureF
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-            "zero_optimization.offload_optimizer.ratio: 0.5 (partial offload) is not supported; "
-            "use 1.0 (offload all optimizer state)",
+            "zero_optimization.offload_optimizer.ratio: 0.5 (partial offload) needs zero_optimization.stage 3 "
+            "(it is 2); use ratio 1.0 or remove it",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0}}},
+            "zero_optimization.offload_optimizer.ratio: 0.0 (partial offload) needs offload_optimizer.device "
+            '"cpu" (it is "nvme"); use ratio 1.0 or remove it',
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 0.25}}},
+            "zero_optimization.offload_optimizer.ratio: 0.25 (partial offload) needs offload_optimizer.device "
+            '"cpu" (it is "none"); use ratio 1.0 or remove it',
         ),
         (
             {"zero_optimization": {"stage": 3}, "gradient_allreduce_op": "sum"},

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from zeroshard.memory import StrategyMemory
-from zeroshard.offload.gradients import BackwardCopies, GradShard, StepTimeCopies, SwappedGradients
+from zeroshard.offload.gradients import BackwardCopies, GradShard, SplitGradients, StepTimeCopies, SwappedGradients
 from zeroshard.offload.residency import InMemory
-from zeroshard.offload.tier import HostTier, NvmeTier, Tier, tier_for
+from zeroshard.offload.tier import HostTier, NvmeTier, PartialOffload, Tier, tier_for
 from zeroshard.utils.chunks import greedy_chunks
 
 CPU = torch.device("cpu")
@@ -84,6 +84,42 @@ def test_gradient_tiers_follow_the_master_tier():
     assert type(Tier(CPU).gradients(None, False)) is StepTimeCopies
     assert type(HostTier().gradients(None, False)) is BackwardCopies
     assert type(_nvme().gradients(None, False)) is SwappedGradients
+
+
+def test_partial_offload_puts_the_last_ratio_of_the_sub_groups_on_the_host():
+    """DeepSpeed's rule (stage3.py, `subgroup_to_device`): sub-group i of n goes to the CPU if
+    i >= int((1 - ratio) * n); whole sub-groups, so one sub-group with any ratio > 0 is offloaded."""
+    tier = tier_for("cpu", CPU, False, ratio=0.3)
+    assert isinstance(tier, PartialOffload) and type(tier_for("cpu", CPU, False, ratio=1.0)) is HostTier
+
+    def on_host(count: int) -> list[bool]:
+        return [tier.for_sub_group(k, count) is tier.host_tier for k in range(count)]
+
+    assert on_host(10) == [False] * 7 + [True] * 3
+    assert on_host(3) == [False, False, True] and on_host(1) == [True]
+    assert not any(tier_for("cpu", CPU, False, ratio=0.0).for_sub_group(k, 4).offloaded for k in range(4))
+    assert HostTier().for_sub_group(0, 4).offloaded and not Tier(CPU).for_sub_group(3, 4).offloaded
+    with pytest.raises(AssertionError, match="each sub-group's tier counts"):
+        tier.count_state(StrategyMemory(), 1, 2)
+
+
+def test_partial_offload_gradients_follow_each_shards_sub_group():
+    tier = tier_for("cpu", CPU, False, ratio=0.5)
+    assert isinstance(tier, PartialOffload)
+    grads = tier.gradients(None, False)
+    assert isinstance(grads, SplitGradients)
+    host, device = grads.part_for("grad/1", tier.host_tier), grads.part_for("grad/0", tier.device_tier)
+    assert type(host) is BackwardCopies and type(device) is StepTimeCopies
+    master, bf16 = torch.zeros(4), torch.full((4,), 3.0, dtype=torch.bfloat16)
+    assert device.copy_for(bf16, master) is None  # a temporary at the step
+    copy = host.copy_for(bf16, master)
+    assert copy is not None and copy.dtype == torch.float32
+    # the host copy is made when the shard is final on the boundary; the device shard waits for the step
+    assert grads.received(GradShard("grad/1", bf16), copy, boundary=True) and copy[0] == 3.0
+    assert not grads.received(GradShard("grad/0", bf16), None, boundary=True)
+    memory = StrategyMemory()
+    grads.count(memory, 16)
+    assert memory.host_gradients == 16 and memory.comm_buffers == 0
 
 
 def test_the_optimizer_reads_an_fp32_shard_in_place_and_copies_others():

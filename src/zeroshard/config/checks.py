@@ -68,20 +68,24 @@ def _check_no_grad_norm(cfg: ZeroshardConfig) -> None:
 
 
 def _check_offload(cfg: ZeroshardConfig) -> None:
-    """Where zeroshard can offload: optimizer state at stages 1-3, all of it, and NVMe only with a path.
+    """Where zeroshard can offload: optimizer state at stages 1-3 (at stage 3 also a `ratio` of it on the host), and
+    NVMe only with a path.
     offload_param below stage 3 is ignored with a warning, as DeepSpeed ignores it (`warn_ignored`)."""
     zero = cfg.zero_optimization
     stage = zero.stage
     optimizer_device = zero.offload_optimizer.device
     if isinstance(optimizer_device, str) and optimizer_device != "none" and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
-    # support.ONLY_DEFAULT: DeepSpeed allows ratio < 1.0 at stage 3 (partial offload); zeroshard does not.
+    # [Note: partial offload] in offload/tier.py: ratio < 1 splits stage 3's sub-groups between device and host
     ratio = zero.offload_optimizer.ratio
     if isinstance(ratio, float) and ratio != 1.0:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) is not supported; "
-            "use 1.0 (offload all optimizer state)"
-        )
+        needs = "zero_optimization.stage 3" if stage != 3 else 'offload_optimizer.device "cpu"'
+        found = f"it is {stage}" if stage != 3 else f'it is "{optimizer_device}"'
+        if stage != 3 or optimizer_device != "cpu":
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs {needs} ({found}); "
+                "use ratio 1.0 or remove it"
+            )
     for name in ("offload_param", "offload_optimizer") if stage == 3 else ("offload_optimizer",):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

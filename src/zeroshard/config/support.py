@@ -3,7 +3,7 @@
 [Note: config truth] Every key of the schema is in exactly one bucket, and
 tests/unit/test_config_coverage.py walks the schema to keep it so:
 - IMPLEMENTED: the code reads the key (the test finds an attribute of its name read outside config/).
-- ONLY_DEFAULT: zeroshard supports only the DeepSpeed default; checks.check_supported refuses any other value.
+- ONLY_DEFAULT: zeroshard supports only the DeepSpeed default; config/checks.py refuses any other value.
 - NO_OP_BY_DESIGN: the key has nothing to change in zeroshard's implementation; the reason says why.
 - UNIMPLEMENTED: accepted, not acted on yet. A config that sets one of these keys to a value other than
   the DeepSpeed default gets one warning per key at parse time; default values and "auto" never warn.
@@ -71,6 +71,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.offload_optimizer.nvme_path",
         "zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_optimizer.ratio",  # stage 3, [Note: partial offload] in offload/tier.py
         "aio.block_size",
         "aio.queue_depth",
         "aio.intra_op_parallelism",
@@ -131,13 +132,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
     ]
 )
 
-ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType(
-    {
-        "zero_optimization.offload_optimizer.ratio": (
-            "partial optimizer offload is not implemented: optimizer state is offloaded whole or not at all"
-        ),
-    }
-)
+ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (partial offload landed)
 
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {

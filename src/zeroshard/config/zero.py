@@ -76,7 +76,7 @@ class OffloadOptimizerConfig(ConfigBlock):
     fast_init: bool = option(False, "Fast optimizer initialisation when offloading to NVMe.", Bool())
     ratio: float = option(
         1.0,
-        "Fraction of optimizer states offloaded (DeepSpeed: < 1.0 needs stage 3; zeroshard: 1.0 only).",
+        "Fraction of optimizer states offloaded to the CPU (< 1.0: stage 3, by sub-group).",
         Float(0.0, 1.0),
     )
     super_offload: bool = option(False, "High-performance CPU offload for superchips (stage 3).", Bool())

@@ -61,10 +61,15 @@ def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream |
         dst.copy_(src, non_blocking=True)
 
 
-def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+def publish_master(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
     """dst (the compute parameters) := src (an updated master): from pinned host memory to the GPU asynchronously,
     cast on the GPU, returning the event to wait on before `src` is written again ([Note: publishing a host
-    master to the GPU]); any other pair of devices copies at once and returns None."""
+    master to the GPU]); any other pair of devices copies at once and returns None (a GPU master into a host
+    shard, partial offload with offload_param: cast on the GPU first, so half the bytes cross and the host does
+    no pass; at once, as the shard's home may write it out right after)."""
+    if src.is_cuda and dst.device.type == "cpu" and src.dtype != dst.dtype:
+        dst.copy_(src.to(dst.dtype))
+        return None
     if not (dst.is_cuda and src.device.type == "cpu" and src.is_pinned()):
         dst.copy_(src)
         return None
@@ -97,6 +102,11 @@ class GradientTier:
         if shard.dtype == torch.float32 and shard.device == master.device:
             return shard
         return None
+
+    def part_for(self, key: str, master_tier: Tier) -> GradientTier:
+        """The tier that handles gradient shard `key`, whose master lives on `master_tier` (stage 3): this one,
+        unless the masters are split ([Note: partial offload])."""
+        return self
 
     def place(self, slot: GradShard) -> None:
         """`slot.shard` is a gradient shard this tier keeps between its reduction and the step (stage 3)."""
@@ -161,6 +171,37 @@ class BackwardCopies(GradientTier):
             return False
         copy_aside(copy, slot.shard, self.copy_stream)
         return True
+
+
+class SplitGradients(GradientTier):
+    """Partial offload ([Note: partial offload]): each gradient shard is handled as its sub-group's master tier
+    wants, host copies during backward for the offloaded sub-groups, step-time temporaries for the others."""
+
+    holds_shards = True  # as a whole; each unit asks its own part (`part_for`)
+
+    def __init__(self, tier: Tier, device: GradientTier, host: GradientTier):
+        super().__init__(tier, host.copy_stream, host.check_overflow)
+        self.device, self.host = device, host
+        self._parts: dict[str, GradientTier] = {}
+
+    def part_for(self, key: str, master_tier: Tier) -> GradientTier:
+        part = self.host if master_tier.offloaded else self.device
+        self._parts[key] = part
+        return part
+
+    def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
+        return self._parts[slot.key].received(slot, copy, boundary)
+
+    def finish_backward(self) -> None:
+        self.device.finish_backward()
+        self.host.finish_backward()
+
+    def reset(self) -> None:
+        self.device.reset()
+        self.host.reset()
+
+    def count(self, memory: StrategyMemory, copies: int) -> None:
+        self.host.count(memory, copies)  # resident fp32 copies exist for the offloaded sub-groups only
 
 
 class SwappedGradients(GradientTier):

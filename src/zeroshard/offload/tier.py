@@ -8,6 +8,16 @@ shards (`offload_param`). A tier allocates (`zeros`), keeps its tensors in or ou
 rule that depends on it (`shares_shard_with`: may a master and a compute shard be one tensor), hands out the
 object that receives reduced gradients (`gradients()`, offload/gradients.py) and counts its own bytes into the
 memory report. The stage code never asks which tier it holds.
+
+[Note: partial offload]
+`offload_optimizer.ratio` < 1 at stage 3 (DeepSpeed's ZeRO-Offload++ "Twin-Flow"): of the `count` sub-groups, those
+with index >= int((1 - ratio) * count) keep their fp32 masters and optimizer state in host memory, stepped there by
+the CPU; the others keep them on the compute device, stepped there. `PartialOffload` is the master tier the
+strategy holds; each sub-group asks it for its own (`for_sub_group`), and the gradients follow that choice
+(`SplitGradients`: host copies made during backward for the offloaded sub-groups, nothing extra for the others).
+With the device sub-groups first, their update (asynchronous kernels) runs while the host steps the others. The
+split is by sub-group, so `sub_group_size` sets its granularity: with one sub-group, any ratio < 1 keeps
+everything on the device, as in DeepSpeed. NVMe is refused with a ratio < 1 (config/checks.py).
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ class Tier:
 
     def aliases_from(self, master_tier: Tier) -> bool:
         return True
+
+    def for_sub_group(self, index: int, count: int) -> Tier:
+        """Where stage 3's sub-group `index` (of `count`) keeps its masters and optimizer state: here, unless this
+        tier splits them ([Note: partial offload])."""
+        return self
 
     def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
         """Where reduced gradients wait for the optimizer when the master lives here."""
@@ -135,13 +150,47 @@ class NvmeTier(HostTier):
         memory.nvme_bytes += self.residency.disk_bytes
 
 
+class PartialOffload(Tier):
+    """Masters and optimizer state split by sub-group between the compute device and host memory ([Note: partial
+    offload]); the sub-groups' own tiers do the placing and the counting."""
+
+    def __init__(self, device_tier: Tier, host_tier: HostTier, ratio: float):
+        super().__init__(device_tier.device)
+        self.device_tier = device_tier
+        self.host_tier = host_tier
+        self.ratio = ratio
+
+    def for_sub_group(self, index: int, count: int) -> Tier:
+        return self.host_tier if index >= int((1.0 - self.ratio) * count) else self.device_tier
+
+    def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
+        from zeroshard.offload.gradients import SplitGradients
+
+        device = self.device_tier.gradients(copy_stream, check_overflow)
+        host = self.host_tier.gradients(copy_stream, check_overflow)
+        return SplitGradients(self, device, host)
+
+    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+        raise AssertionError("partial offload: each sub-group's tier counts its own state")
+
+    def count_params(self, memory: StrategyMemory, shards: int) -> None:
+        raise AssertionError("partial offload splits optimizer state, not parameter shards")
+
+
 def tier_for(
-    kind: str, compute_device: torch.device, pin_memory: bool, store_factory: Callable[[], NvmeStateStore] | None = None
+    kind: str,
+    compute_device: torch.device,
+    pin_memory: bool,
+    store_factory: Callable[[], NvmeStateStore] | None = None,
+    ratio: float = 1.0,
 ) -> Tier:
-    """`kind` is the config's offload device ("none", "cpu" or "nvme"; "nvme" needs `store_factory`)."""
+    """`kind` is the config's offload device ("none", "cpu" or "nvme"; "nvme" needs `store_factory`); `ratio` < 1
+    (host memory only, stage 3) offloads that fraction of the sub-groups ([Note: partial offload])."""
     if kind in ("none", "", None):
         return Tier(compute_device)
     if kind == "nvme":
         assert store_factory is not None, "an NVMe tier needs its store"
         return NvmeTier(store_factory, pin_memory)
+    if ratio < 1.0:
+        return PartialOffload(Tier(compute_device), HostTier(pin_memory), ratio)
     return HostTier(pin_memory)

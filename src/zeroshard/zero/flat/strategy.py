@@ -35,7 +35,7 @@ from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
-from zeroshard.offload.gradients import GradShard, copy_from_host
+from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
@@ -317,13 +317,13 @@ class FlatStrategy(Strategy):
         if buffers.master_aliases_params:
             return
         if self.layout.shard_count == 1:
-            pending = [copy_from_host(buffers.param_flat, buffers.master)]
+            pending = [publish_master(buffers.param_flat, buffers.master)]
         else:
             pending = []
             for bucket in buffers.layout.buckets:
                 lo, hi = bucket.owner_range(self.shard_rank)
                 master = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel)
-                pending.append(copy_from_host(buffers.param_flat[lo:hi], master))
+                pending.append(publish_master(buffers.param_flat[lo:hi], master))
         for event in pending:  # [Note: publishing a host master to the GPU]: none outlives the step
             if event is not None:
                 event.synchronize()

@@ -46,6 +46,7 @@ class SubGroup:
 
     key: str
     units: list[ShardedUnit]
+    tier: Tier  # where its masters and optimizer state live ([Note: partial offload])
 
 
 @dataclass
@@ -90,7 +91,8 @@ def build_units(
     chunks = greedy_chunks([layout.shard_numel for layout in layouts], policy.sub_group_numel, close="after")
     chunk_of = {index: k for k, members in enumerate(chunks) for index in members}
     store = policy.master_tier.residency
-    built = BuiltUnits([], [[] for _ in groups], [SubGroup(f"subgroup{k}", []) for k in range(len(chunks))])
+    tiers = [policy.master_tier.for_sub_group(k, len(chunks)) for k in range(len(chunks))]
+    built = BuiltUnits([], [[] for _ in groups], [SubGroup(f"subgroup{k}", [], tiers[k]) for k in range(len(chunks))])
     for index, (spec, layout) in enumerate(zip(specs, layouts, strict=True)):
         params = [named[n] for n in spec.param_names]
         fill = _fill_from(policy.weights, params, layout, device)
@@ -107,14 +109,15 @@ def build_units(
             policy.compute_dtype,
             policy.grad_dtype,
             device,
-            policy.master_tier,
+            tiers[chunk_of[index]],
             policy.param_tier,
             fill,
             policy.keeps_gradients,
         )
         unit.release()
-        unit.grad_copy = gradients.copy_for(unit.grad_shard, unit.master) if unit.trainable else None
-        unit.grad_transient = bool(unit.trainable) and not gradients.holds_shards
+        grads = gradients.part_for(unit.grad_key, tiers[chunk_of[index]])
+        unit.grad_copy = grads.copy_for(unit.grad_shard, unit.master) if unit.trainable else None
+        unit.grad_transient = bool(unit.trainable) and not grads.holds_shards
         built.units.append(unit)
         built.sub_groups[chunk_of[index]].units.append(unit)
         for group, begin, end in layout.group_pieces(shard_rank):
@@ -124,7 +127,7 @@ def build_units(
         unit.place_shard()
         # NVMe: each master goes to disk as soon as it exists (the optimizer state follows after a step)
         store.place(built.sub_groups[chunk_of[index]].key, [] if unit.master is unit.shard else [unit.master])
-        gradients.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
+        grads.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
         unit.zero_grad_shard()
     cast_floating_buffers(module, policy.compute_dtype)
     return built

@@ -26,10 +26,11 @@ from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
-from zeroshard.offload.tier import Tier
+from zeroshard.offload.tier import PartialOffload, Tier
+from zeroshard.utils.logging import get_logger
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
-from zeroshard.zero.stage3.build import BuildPolicy, build_units
+from zeroshard.zero.stage3.build import BuildPolicy, SubGroup, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import UnitPolicy, root_entries, unit_module_names
@@ -49,6 +50,8 @@ from zeroshard.zero.strategy import (
 )
 from zeroshard.zero.zeropp.policy import ZeroPPPolicy
 from zeroshard.zero.zeropp.stage3 import attach_zeropp
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class Stage3Strategy(Strategy):
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
+        if isinstance(policy.master_tier, PartialOffload) and comm.rank == 0:
+            _log_split(policy.master_tier, self.built.sub_groups)
         self.pool = BufferPool(device)
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
         param_store = policy.param_tier.residency
@@ -297,12 +302,24 @@ class Stage3Strategy(Strategy):
             secondary_params=self.zeropp.secondary_bytes if self.zeropp is not None else 0,
         )
         self.policy.param_tier.count_params(memory, sum(held(u.shard) for u in self.units))
-        masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in self.units)
-        state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
-        self.policy.master_tier.count_state(memory, masters, state)
+        self._count_state(memory)
         copies = [u.grad_copy for u in self.units if u.grad_copy is not None and u.grad_copy is not u.grad_shard]
         self.gradients_tier.count(memory, sum(nbytes(c) for c in copies))
         return memory
+
+    def _count_state(self, memory: StrategyMemory) -> None:
+        """Masters and optimizer state, each sub-group's on its tier ([Note: partial offload])."""
+        held: dict[Tier, list[int]] = {}
+        if not self.built.sub_groups:  # nothing to hold; the tier still reports (NVMe: its files)
+            held[self.policy.master_tier.for_sub_group(0, 1)] = [0, 0]
+        for sub_group in self.built.sub_groups:
+            masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in sub_group.units)
+            both = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units))  # masters and optimizer state
+            counts = held.setdefault(sub_group.tier, [0, 0])
+            counts[0] += masters
+            counts[1] += both - masters
+        for tier, (masters, state) in held.items():
+            tier.count_state(memory, masters, state)
 
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
@@ -452,3 +469,19 @@ def _root_unit(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy |
         return None
     modules = dict(module.named_modules())
     return RootUnit(strategy, unit, [modules[name] for name in names])
+
+
+def _log_split(tier: PartialOffload, sub_groups: list[SubGroup]) -> None:
+    """What `offload_optimizer.ratio` became ([Note: partial offload]): it splits whole sub-groups."""
+    host = [g for g in sub_groups if g.tier is tier.host_tier]
+    numel = sum(u.layout.shard_numel for g in sub_groups for u in g.units)
+    offloaded = sum(u.layout.shard_numel for g in host for u in g.units)
+    logger.info(
+        "stage 3, offload_optimizer.ratio %s: %d of %d sub-groups (%.0f%% of this rank's shard elements) keep their "
+        "optimizer state in host memory, the others on %s (sub_group_size sets the granularity)",
+        tier.ratio,
+        len(host),
+        len(sub_groups),
+        100.0 * offloaded / max(numel, 1),
+        tier.device,
+    )

@@ -47,7 +47,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
-from zeroshard.offload.gradients import copy_from_host
+from zeroshard.offload.gradients import publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
@@ -138,7 +138,7 @@ class ShardedUnit:
         self.state = UnitState.GATHERED
         self._pending: Handle | None = None
         self._copied_in: torch.cuda.Event | None = None
-        self._published: torch.cuda.Event | None = None  # copy_from_host's, until the copy has read the master
+        self._published: torch.cuda.Event | None = None  # publish_master's, until the copy has read the master
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         for view, param in zip(self.views, params, strict=True):
             param.data = view
@@ -334,7 +334,7 @@ class ShardedUnit:
         copy is asynchronous: [Note: publishing a host master to the GPU] in offload/gradients.py."""
         if self.master is not self.shard:
             self.home.claim(self.key)
-            self._published = copy_from_host(self.shard, self.master)
+            self._published = publish_master(self.shard, self.master)
         self.home.evict(self.key)
 
     def wait_published(self) -> None:
