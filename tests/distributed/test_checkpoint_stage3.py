@@ -3,6 +3,8 @@ gathered copies are refreshed after a load, which fills shards only)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
@@ -38,7 +40,7 @@ def test_stage3_resume_with_persistent_and_reused_units(tmp_path):
         assert after[rank] == before[rank][3:], (rank, before[rank], after[rank])
 
 
-def _train(rank: int, world_size: int, case, root: str, start: int, save_at: int | None) -> list[float]:
+def _train(rank: int, world_size: int, case, root: str, start: int, save_at: int | None) -> tuple[list[float], Any]:
     import zeroshard
 
     model = build_model(case)
@@ -55,11 +57,12 @@ def _train(rank: int, world_size: int, case, root: str, start: int, save_at: int
         losses.append(loss.item())
         if step == save_at:
             engine.save_checkpoint(root)
+    report = engine.memory_report()
     engine.destroy()
-    return losses
+    return losses, report
 
 
-def _across_ratios(rank: int, world_size: int, root: str) -> dict[float, list[float]]:
+def _across_ratios(rank: int, world_size: int, root: str) -> dict[float, tuple[list[float], Any]]:
     def case(ratio: float) -> Case:
         return Case(stage=3, steps=6, offload="cpu", sub_group=1000, ratio=ratio)
 
@@ -72,5 +75,8 @@ def _across_ratios(rank: int, world_size: int, root: str) -> dict[float, list[fl
 def test_partial_offload_checkpoint_resumes_with_any_split(tmp_path):
     """[Note: partial offload]: the checkpoint holds no placement; a run saved with half of the optimizer state on
     the host resumes bit-for-bit with all of it on the host or all on the device."""
-    for losses in run_on_ranks(_across_ratios, 2, str(tmp_path)):
-        assert losses[1.0] == losses[0.5][3:] and losses[0.0] == losses[0.5][3:], losses
+    for runs in run_on_ranks(_across_ratios, 2, str(tmp_path)):
+        (saved, split), (on_host, host_only), (on_device, device_only) = runs[0.5], runs[1.0], runs[0.0]
+        assert on_host == saved[3:] and on_device == saved[3:], runs
+        assert split.optimizer_state > 0 and split.host_optimizer_state > 0, split
+        assert host_only.optimizer_state == 0 and device_only.host_optimizer_state == 0, (host_only, device_only)

@@ -49,6 +49,9 @@ OFFLOAD = [
     # [Note: partial offload]: one fused AdamW over masters on the GPU and on the host
     Case(stage=3, offload="cpu", sub_group=1000, ratio=0.5, dtype="bf16"),
     Case(stage=3, offload="cpu", offload_param="cpu", sub_group=1000, ratio=0.6, gas=3),
+    # GPU masters published into pinned bf16 host shards (cast on the GPU, asynchronous), and into NVMe-homed ones
+    Case(stage=3, offload="cpu", offload_param="cpu", sub_group=1000, ratio=0.4, dtype="bf16"),
+    Case(stage=3, offload="cpu", offload_param="nvme", sub_group=1000, ratio=0.5, dtype="bf16"),
 ]
 
 

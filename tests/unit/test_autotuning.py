@@ -111,3 +111,24 @@ def test_an_impossible_cap_names_the_smallest_memory_option(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 3 and "no configuration fits under the cap of 1000 B per rank" in err
     assert "stage 3, offload_optimizer=cpu, offload_param=cpu" in err and "(estimated)" in err
+
+
+def test_an_experiment_keeps_the_users_offload_block_where_it_keeps_its_device():
+    """pin_memory, nvme_path and partial offload's ratio survive into the trials that offload to the same device;
+    the ratio only where it applies (stage 3 on the CPU), a fresh block elsewhere."""
+    base = {
+        "zero_optimization": {
+            "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.5},
+            "offload_param": {"device": "nvme", "nvme_path": "/scratch"},
+        }
+    }
+
+    def zero(stage: int, optimizer: str, param: str) -> dict[str, Any]:
+        return Experiment(stage, optimizer, param, 1, 10**6, 0).ds_config(base)["zero_optimization"]
+
+    three = zero(3, "cpu", "nvme")
+    assert three["offload_optimizer"] == {"device": "cpu", "pin_memory": False, "ratio": 0.5}
+    assert three["offload_param"] == {"device": "nvme", "nvme_path": "/scratch"}
+    assert zero(2, "cpu", "none")["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert zero(3, "nvme", "cpu")["offload_optimizer"] == {"device": "nvme"}
+    assert "offload_optimizer" not in zero(3, "none", "none") and "offload_param" not in zero(3, "none", "none")

@@ -58,10 +58,11 @@ def test_cpu_offload_is_all_or_nothing():
             plan_from_config(_cfg(3, **{key: {"device": "cpu"}}), torch.float32)
 
 
-def test_partial_offload_is_refused():
+def test_partial_offload_is_refused_before_any_work():
+    """In resolve_config, which `zeroshard validate-config` and `initialize` share."""
     offload = {"device": "cpu", "ratio": 0.5}
     with pytest.raises(ConfigError, match=r"offload_optimizer\.ratio: 0\.5 .*\"zero\" backend"):
-        plan_from_config(_cfg(3, offload_param={"device": "cpu"}, offload_optimizer=offload), torch.float32)
+        _cfg(3, offload_param={"device": "cpu"}, offload_optimizer=offload)
 
 
 def test_nvme_is_refused():

@@ -49,9 +49,14 @@ class Experiment:
         zero = dict(config.get("zero_optimization", {}))
         zero.update(stage=self.stage, reduce_bucket_size=self.bucket)
         for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
-            zero.pop(key, None)
-            if device != "none":
-                zero[key] = {"device": device}
+            given = dict(zero.pop(key, None) or {})
+            if device == "none":
+                continue
+            # the user's block (pin_memory, nvme_path, ratio, ...) where this experiment keeps its device
+            block = given if given.get("device") == device else {"device": device}
+            if self.stage != 3 or device != "cpu":
+                block.pop("ratio", None)  # partial offload is stage 3's, on the CPU ([Note: partial offload])
+            zero[key] = block
         config["zero_optimization"] = zero
         config.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-4}})
         return config

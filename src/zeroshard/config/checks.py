@@ -86,6 +86,11 @@ def _check_offload(cfg: ZeroshardConfig) -> None:
                 f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs {needs} ({found}); "
                 "use ratio 1.0 or remove it"
             )
+        if str(cfg.zeroshard.backend) == "fsdp2":
+            raise ConfigError(
+                f'zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs the "zero" backend: '
+                "FSDP2's CPUOffloadPolicy offloads all optimizer state or none"
+            )
     for name in ("offload_param", "offload_optimizer") if stage == 3 else ("offload_optimizer",):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

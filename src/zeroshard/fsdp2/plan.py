@@ -71,11 +71,6 @@ def plan_from_config(cfg: Any, compute_dtype: torch.dtype) -> Fsdp2Plan:
             f'"cpu", or neither (got offload_param.device={param_dev!r}, offload_optimizer.device={optim_dev!r}); '
             'the "zero" backend offloads them separately'
         )
-    if float(z.offload_optimizer.ratio) != 1.0:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio: {z.offload_optimizer.ratio} (partial offload) needs the "
-            '"zero" backend: FSDP2\'s CPUOffloadPolicy offloads all optimizer state or none'
-        )
     comm = cfg.communication_data_type
     return Fsdp2Plan(
         reshard_after_forward=stage == 3,

@@ -64,12 +64,12 @@ def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream |
 def publish_master(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
     """dst (the compute parameters) := src (an updated master): from pinned host memory to the GPU asynchronously,
     cast on the GPU, returning the event to wait on before `src` is written again ([Note: publishing a host
-    master to the GPU]); any other pair of devices copies at once and returns None (a GPU master into a host
-    shard, partial offload with offload_param: cast on the GPU first, so half the bytes cross and the host does
-    no pass; at once, as the shard's home may write it out right after)."""
-    if src.is_cuda and dst.device.type == "cpu" and src.dtype != dst.dtype:
-        dst.copy_(src.to(dst.dtype))
-        return None
+    master to the GPU]). A GPU master into a host shard (partial offload with offload_param) is cast on the GPU
+    (half the bytes cross for bf16; no pass on the host), asynchronously into pinned memory: then its event must
+    be waited on before the host reads `dst`. Any other pair of devices copies at once and returns None."""
+    if src.is_cuda and dst.device.type == "cpu":
+        dst.copy_(src.to(dst.dtype), non_blocking=dst.is_pinned())
+        return _recorded() if dst.is_pinned() else None
     if not (dst.is_cuda and src.device.type == "cpu" and src.is_pinned()):
         dst.copy_(src)
         return None
@@ -79,6 +79,10 @@ def publish_master(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | N
         staged = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
         staged.copy_(src, non_blocking=True)
         dst.copy_(staged)  # the cast, on the GPU, in stream order after the copy
+    return _recorded()
+
+
+def _recorded() -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record()
     return event

@@ -15,8 +15,10 @@ with index >= int((1 - ratio) * count) keep their fp32 masters and optimizer sta
 the CPU; the others keep them on the compute device, stepped there. `PartialOffload` is the master tier the
 strategy holds; each sub-group asks it for its own (`for_sub_group`), and the gradients follow that choice
 (`SplitGradients`: host copies made during backward for the offloaded sub-groups, nothing extra for the others).
-The device sub-groups come first, so on CUDA their update is queued (asynchronous kernels) before the host steps
-the others, and the two can overlap. The split is by whole sub-groups, so `sub_group_size` sets its granularity:
+The device sub-groups come first, so on CUDA their update, and with offload_param its copy into the pinned host
+shards (`publish_master`), is queued on the GPU before the host steps the others, and the two can overlap (not
+with offload_param on NVMe: a shard is written out as soon as it is published, so that copy is waited for). The
+split is by whole sub-groups, so `sub_group_size` sets its granularity:
 with one sub-group, any ratio > 0 offloads all of it, as in DeepSpeed (rank 0 logs the split made). NVMe, and a
 ratio below stage 3, are refused (config/checks.py).
 """

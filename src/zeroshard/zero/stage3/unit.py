@@ -335,10 +335,12 @@ class ShardedUnit:
         if self.master is not self.shard:
             self.home.claim(self.key)
             self._published = publish_master(self.shard, self.master)
+            if self.home.leaves_memory:  # the write to NVMe reads the host shard a GPU master is copied into
+                self.wait_published()
         self.home.evict(self.key)
 
     def wait_published(self) -> None:
-        """Before the host master is written again: the copy `publish` started from it has read it."""
+        """Before the host master is written again, or a host shard read: the copy `publish` started is done."""
         if self._published is not None:
             self._published.synchronize()
             self._published = None
