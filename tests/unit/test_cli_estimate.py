@@ -13,6 +13,7 @@ from zeroshard.cli.estimate.recommend import HEADROOM, recommend
 from zeroshard.cli.estimate.rows import estimate_rows
 from zeroshard.cli.estimate.shapes import from_model_arg, from_params
 from zeroshard.cli.main import main
+from zeroshard.config import parse_config, resolve_config
 
 PSI = 1_000_000
 BF16 = Precision(param_bytes=2, grad_bytes=4, optimizer_bytes=8)
@@ -136,6 +137,24 @@ def test_recommendation_is_an_option_that_fits():
     by_option = {row.option: row for row in rows}
     assert by_option[Option(3, "cpu")].gpu_bytes_per_rank > HEADROOM * 80 * 2**30  # not without checkpointing
     assert rec.zero_optimization["stage"] == 3 and rec.zero_optimization["offload_optimizer"]["device"] == "cpu"
+
+
+def test_stage_3_optimizer_offload_is_refined_to_the_smallest_partial_ratio_that_fits():
+    """[Note: partial offload]: llama-2-70b on 16 x 80 GiB fits with the whole optimizer offloaded (14.3 GiB per
+    GPU) and with most of it on the GPU; the recommendation offloads the least (steps of 0.05) that fits."""
+    rec, rows = _levers("llama-2-70b", 8, 2, 80)
+    by_option = {row.option: row for row in rows}
+    moved = by_option[Option(3)].states.gpu - by_option[Option(3, "cpu")].states.gpu
+    ratio = rec.zero_optimization["offload_optimizer"]["ratio"]
+    limit = HEADROOM * 80 * 2**30
+    assert 0 < ratio < 1 and rec.gpu_bytes is not None and rec.gpu_bytes <= limit
+    whole = rec.gpu_bytes - int((1 - ratio) * moved)  # the same levers with everything offloaded
+    assert whole + int((1 - (ratio - 0.05)) * moved) > limit  # 0.05 less offload would not fit
+    assert rec.zero_optimization["sub_group_size"] == 216_000_000  # about 20 sub-groups of a rank's 4.3B
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": rec.zero_optimization}
+    resolve_config(parse_config(config), world_size=16)  # a config initialize accepts
+    tight, _ = _levers("llama-2-70b", 8, 2, 18.5)  # room for under 0.05 of it on the GPU: all offloaded
+    assert tight.option == Option(3, "cpu") and "ratio" not in tight.zero_optimization["offload_optimizer"]
 
 
 def test_micro_batch_is_the_last_lever_and_nothing_fitting_is_said_plainly(capsys):

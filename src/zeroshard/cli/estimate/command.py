@@ -121,7 +121,8 @@ def render(
         )
     if not same_levers:
         lines.append("+ recommended with other levers (checkpointing, micro-batch): its GPU bytes are below")
-    what = f"{rec.option.label()} (micro-batch {rec.micro_batch}" + (
+    ratio = rec.zero_optimization.get("offload_optimizer", {}).get("ratio")
+    what = f"{rec.option.label()}{'' if ratio is None else f' (ratio {ratio:g})'} (micro-batch {rec.micro_batch}" + (
         ", activation checkpointing)" if rec.checkpointing else ")"
     )
     if rec.tree_option is None:

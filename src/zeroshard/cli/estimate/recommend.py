@@ -14,8 +14,9 @@ candidate fits, the recommendation says so and names the one that needs the leas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from zeroshard.cli.estimate.formulas import Cluster, Option
@@ -110,7 +111,37 @@ def recommend(
             f"micro-batch {micro_batch} -> {chosen.micro_batch}: raise gradient_accumulation_steps to keep "
             "the global batch"
         )
-    return _from_plan(chosen, True, why, tree, notes)
+    recommendation = _from_plan(chosen, True, why, tree, notes)
+    return _partial_offload(recommendation, rows, gpu_memory, params, cluster.world_size)
+
+
+def _partial_offload(
+    rec: Recommendation, rows: list[Row], gpu_memory: int, params: int, world_size: int
+) -> Recommendation:
+    """Stage 3 with the whole optimizer offloaded, when part of it fits on the GPU: the smallest
+    `offload_optimizer.ratio` (in steps of 0.05) that stays under the limit ([Note: partial offload] in
+    offload/tier.py), with sub-groups small enough (about 20 per rank) for the split to follow it."""
+    if rec.option != Option(3, "cpu") or rec.gpu_bytes is None:
+        return rec
+    by_option = {row.option: row for row in rows}
+    moved = by_option[Option(3)].states.gpu - by_option[Option(3, "cpu")].states.gpu  # per rank, ratio 0 -> 1
+    room = HEADROOM * gpu_memory - rec.gpu_bytes
+    if moved <= 0 or room <= 0:
+        return rec
+    ratio = max(math.ceil((1.0 - room / moved) * 20) / 20, 0.05)
+    if ratio >= 1.0:
+        return rec
+    gpu = rec.gpu_bytes + int((1.0 - ratio) * moved)
+    sub_group = max(math.ceil(params / world_size / 20 / 1e6), 1) * 1_000_000
+    zero = {**rec.zero_optimization, "sub_group_size": sub_group}
+    zero["offload_optimizer"] = {**zero["offload_optimizer"], "ratio": ratio}
+    reason = (
+        f"partial offload: offload_optimizer.ratio {ratio:g} offloads {ratio:.0%} of the optimizer state and keeps "
+        f"the rest on the GPU ({_gib(gpu)} per GPU, still under the limit; {_gib(int(ratio * moved))} of optimizer "
+        f"state in host memory per rank instead of {_gib(moved)}, and as much less host work per step); "
+        f"sub_group_size {sub_group:,} makes about 20 sub-groups per rank, the split's granularity"
+    )
+    return replace(rec, zero_optimization=zero, gpu_bytes=gpu, reasons=[*rec.reasons, reason])
 
 
 def _tree(params: int, cluster: Cluster) -> tuple[Option, list[str], list[str]]:
