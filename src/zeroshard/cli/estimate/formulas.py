@@ -3,8 +3,10 @@
 [Note: two accountings]
 `zeroshard_states` follows zeroshard's own buffers (docs/design.md): gradients are accumulated in
 fp32 by default, so stage 2 holds 4Ψ/N of gradients where the ZeRO paper has 2Ψ/N; the fp32 master
-copy is skipped when it would alias the fp32 parameters (fp32 training unsharded, or stage 3).
-`engine.memory_report().model_states` measures the same quantities. `deepspeed_states` reproduces
+copy is skipped when it would alias the fp32 parameters (fp32 training unsharded, or stage 3); with the
+optimizer offloaded to the CPU the device keeps the gradient buffers it keeps without offload, and the host an
+fp32 copy of the shard (DeepSpeed's estimators count neither on the GPU). `engine.memory_report()` measures the
+same quantities (`model_states` the device's, the `host_*` columns the host's). `deepspeed_states` reproduces
 DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
 (zero_init=True for stage 3), including their 1.5x CPU buffer factor; DeepSpeed has no estimator
 for stages 0 and 1 and for NVMe, so those are None.
@@ -109,9 +111,9 @@ def zeroshard_states(
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
     params = p * psi // n if option.stage == 3 else p * psi
-    if option.stage == 0 or (option.stage == 1 and n == 1 and option.offload_optimizer == "none"):
+    if option.stage == 0 or (option.stage == 1 and n == 1):
         grads = g * psi  # one full accumulator; it is its own shard when nothing is sharded
-    elif option.stage == 1 and option.offload_optimizer == "none":
+    elif option.stage == 1:
         grads = g * psi + g * psi // n  # full accumulator plus the reduce-scattered shard
     else:
         grads = g * psi // n
@@ -123,13 +125,16 @@ def zeroshard_states(
     optim = k * psi // (n if option.stage >= 1 else 1)
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
     tiers[_tier(option.offload_param)] += params
-    # With optimizer offload the fp32 gradient shard lives next to the optimizer, and stage 1 reduces
-    # like stage 2 (DeepSpeed's one code path for both).
     tiers[_tier(option.offload_optimizer)] += master + optim
-    grad_tier = "gpu" if option.offload_optimizer == "none" else "cpu"
-    if option.stage == 3 and option.offload_optimizer == "nvme":
-        grad_tier = "nvme"  # stage 3 writes each gradient shard next to the optimizer state (ZeRO-Infinity)
-    tiers[grad_tier] += grads
+    # The device keeps the gradient buffers it keeps without offload; optimizer offload to the CPU adds the fp32
+    # copy of the shard the host optimizer reads ([Note: gradients to the host during backward]); stage 3 with
+    # NVMe writes each gradient shard next to the optimizer state instead (ZeRO-Infinity).
+    nvme_grads = option.stage == 3 and option.offload_optimizer == "nvme"
+    tiers["nvme" if nvme_grads else "gpu"] += grads
+    if option.offload_optimizer == "cpu":
+        copies = 4 * psi // n
+        tiers["cpu"] += copies
+        grads += copies
     return ModelStates(params, grads, master, optim, tiers["gpu"], tiers["cpu"], tiers["nvme"])
 
 

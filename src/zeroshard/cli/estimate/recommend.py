@@ -137,9 +137,9 @@ def _partial_offload(
     zero["offload_optimizer"] = {**zero["offload_optimizer"], "ratio": ratio}
     reason = (
         f"partial offload: offload_optimizer.ratio {ratio:g} offloads {ratio:.0%} of the optimizer state and keeps "
-        f"the rest on the GPU ({_gib(gpu)} per GPU, still under the limit; {_gib(int(ratio * moved))} of optimizer "
-        f"state in host memory per rank instead of {_gib(moved)}, and as much less host work per step); "
-        f"sub_group_size {sub_group:,} makes about 20 sub-groups per rank, the split's granularity"
+        f"the rest on the GPU ({_gib(gpu)} per GPU, still under the limit; {_gib(int(ratio * moved))} of master "
+        f"weights and optimizer state in host memory per rank instead of {_gib(moved)}, and as much less host "
+        f"work per step); sub_group_size {sub_group:,} makes about 20 sub-groups per rank, the split's granularity"
     )
     return replace(rec, zero_optimization=zero, gpu_bytes=gpu, reasons=[*rec.reasons, reason])
 
