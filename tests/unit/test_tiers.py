@@ -103,6 +103,17 @@ def test_partial_offload_puts_the_last_ratio_of_the_sub_groups_on_the_host():
         tier.count_state(StrategyMemory(), 1, 2)
 
 
+def test_partial_offload_logs_the_split_it_made(log: pytest.LogCaptureFixture):
+    tier = tier_for("cpu", CPU, False, ratio=0.5)
+    assert isinstance(tier, PartialOffload)
+    tier.log_split([(tier.device_tier, 900), (tier.host_tier, 100)])
+    Tier(CPU).log_split([(Tier(CPU), 1000)])  # nothing split, nothing said
+    assert [r.getMessage() for r in log.records if r.name == "zeroshard.offload.tier"] == [
+        "stage 3, offload_optimizer.ratio 0.5: 1 of 2 sub-groups (10% of this rank's shard elements) keep their "
+        "optimizer state in host memory, the others on cpu (sub_group_size sets the granularity)"
+    ]
+
+
 def test_partial_offload_gradients_follow_each_shards_sub_group():
     tier = tier_for("cpu", CPU, False, ratio=0.5)
     assert isinstance(tier, PartialOffload)

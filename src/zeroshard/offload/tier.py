@@ -18,9 +18,9 @@ strategy holds; each sub-group asks it for its own (`for_sub_group`), and the gr
 The device sub-groups come first, so on CUDA their update, and with offload_param its copy into the pinned host
 shards (`publish_master`), is queued on the GPU before the host steps the others, and the two can overlap (not
 with offload_param on NVMe: a shard is written out as soon as it is published, so that copy is waited for). The
-split is by whole sub-groups, so `sub_group_size` sets its granularity:
-with one sub-group, any ratio > 0 offloads all of it, as in DeepSpeed (rank 0 logs the split made). NVMe, and a
-ratio below stage 3, are refused (config/checks.py).
+split is by whole sub-groups, so `sub_group_size` sets its granularity: with one sub-group, any ratio > 0 offloads
+all of it, as in DeepSpeed (rank 0 logs the split made: `log_split`). NVMe, and a ratio below stage 3, are refused
+(config/checks.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ import torch
 
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.residency import InMemory, NvmeStateStore, Residency
+from zeroshard.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from zeroshard.offload.gradients import GradientTier
+
+logger = get_logger(__name__)
 
 
 class Tier:
@@ -79,6 +82,10 @@ class Tier:
         """Where stage 3's sub-group `index` (of `count`) keeps its masters and optimizer state: here, unless this
         tier splits them ([Note: partial offload])."""
         return self
+
+    def log_split(self, sub_groups: list[tuple[Tier, int]]) -> None:
+        """Say how the sub-groups (each's tier and shard elements) were split: nothing to say unless this tier
+        splits them."""
 
     def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
         """Where reduced gradients wait for the optimizer when the master lives here."""
@@ -165,6 +172,18 @@ class PartialOffload(Tier):
 
     def for_sub_group(self, index: int, count: int) -> Tier:
         return self.host_tier if index >= int((1.0 - self.ratio) * count) else self.device_tier
+
+    def log_split(self, sub_groups: list[tuple[Tier, int]]) -> None:
+        host = [numel for tier, numel in sub_groups if tier is self.host_tier]
+        logger.info(
+            "stage 3, offload_optimizer.ratio %s: %d of %d sub-groups (%.0f%% of this rank's shard elements) keep "
+            "their optimizer state in host memory, the others on %s (sub_group_size sets the granularity)",
+            self.ratio,
+            len(host),
+            len(sub_groups),
+            100.0 * sum(host) / max(sum(numel for _, numel in sub_groups), 1),
+            self.device,
+        )
 
     def gradients(self, copy_stream: torch.cuda.Stream | None, check_overflow: bool) -> GradientTier:
         from zeroshard.offload.gradients import SplitGradients

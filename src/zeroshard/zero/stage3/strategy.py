@@ -26,11 +26,10 @@ from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
-from zeroshard.offload.tier import PartialOffload, Tier
-from zeroshard.utils.logging import get_logger
+from zeroshard.offload.tier import Tier
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
-from zeroshard.zero.stage3.build import BuildPolicy, SubGroup, build_units
+from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import UnitPolicy, root_entries, unit_module_names
@@ -50,8 +49,6 @@ from zeroshard.zero.strategy import (
 )
 from zeroshard.zero.zeropp.policy import ZeroPPPolicy
 from zeroshard.zero.zeropp.stage3 import attach_zeropp
-
-logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,8 +97,9 @@ class Stage3Strategy(Strategy):
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
-        if isinstance(policy.master_tier, PartialOffload) and comm.rank == 0:
-            _log_split(policy.master_tier, self.built.sub_groups)
+        if comm.rank == 0:
+            split = [(g.tier, sum(u.layout.shard_numel for u in g.units)) for g in self.built.sub_groups]
+            policy.master_tier.log_split(split)
         self.pool = BufferPool(device)
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
         param_store = policy.param_tier.residency
@@ -469,19 +467,3 @@ def _root_unit(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy |
         return None
     modules = dict(module.named_modules())
     return RootUnit(strategy, unit, [modules[name] for name in names])
-
-
-def _log_split(tier: PartialOffload, sub_groups: list[SubGroup]) -> None:
-    """What `offload_optimizer.ratio` became ([Note: partial offload]): it splits whole sub-groups."""
-    host = [g for g in sub_groups if g.tier is tier.host_tier]
-    numel = sum(u.layout.shard_numel for g in sub_groups for u in g.units)
-    offloaded = sum(u.layout.shard_numel for g in host for u in g.units)
-    logger.info(
-        "stage 3, offload_optimizer.ratio %s: %d of %d sub-groups (%.0f%% of this rank's shard elements) keep their "
-        "optimizer state in host memory, the others on %s (sub_group_size sets the granularity)",
-        tier.ratio,
-        len(host),
-        len(sub_groups),
-        100.0 * offloaded / max(numel, 1),
-        tier.device,
-    )
