@@ -322,7 +322,7 @@ def _make_strategy(
         "comm_dtype": precision.comm_dtype,
         "overlap_comm": bool(z.overlap_comm),
         "step": step,
-        "master_tier": _tier(cfg, "offload_optimizer", need, topology.device, stage),
+        "master_tier": _tier(cfg, "offload_optimizer", need, topology.device),
     }
     if stage < 3:
         bucket = int(z.reduce_bucket_size)
@@ -376,12 +376,12 @@ def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy) -> bool:
     return not ((fp32 and stage == 0) or (bf16_unchecked and stage == 2))
 
 
-def _tier(cfg: ZeroshardConfig, key: str, need: dict[str, int], device: torch.device, stage: int = 3) -> Tier:
+def _tier(cfg: ZeroshardConfig, key: str, need: dict[str, int], device: torch.device) -> Tier:
     """Where `zero_optimization.<key>` puts its state (an NVMe path is preflighted now); the optimizer's `ratio`
-    splits it at stage 3 ([Note: partial offload])."""
+    splits it ([Note: partial offload]; config/checks.py allows a ratio < 1 only at stage 3 on the CPU)."""
     block = getattr(cfg.zero_optimization, key)
     store = _nvme_store_factory(cfg, key, need, int(block.buffer_count), bool(block.pin_memory))
-    ratio = float(getattr(block, "ratio", 1.0)) if stage == 3 else 1.0
+    ratio = float(getattr(block, "ratio", 1.0))
     return tier_for(str(block.device), device, bool(block.pin_memory), store, ratio)
 
 

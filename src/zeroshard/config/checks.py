@@ -79,11 +79,14 @@ def _check_offload(cfg: ZeroshardConfig) -> None:
     # [Note: partial offload] in offload/tier.py: ratio < 1 splits stage 3's sub-groups between device and host
     ratio = zero.offload_optimizer.ratio
     if isinstance(ratio, float) and ratio != 1.0:
-        needs = "zero_optimization.stage 3" if stage != 3 else 'offload_optimizer.device "cpu"'
-        found = f"it is {stage}" if stage != 3 else f'it is "{optimizer_device}"'
-        if stage != 3 or optimizer_device != "cpu":
+        needs = None
+        if stage != 3:
+            needs = f"zero_optimization.stage 3 (it is {stage})"
+        elif optimizer_device != "cpu":
+            needs = f'offload_optimizer.device "cpu" (it is "{optimizer_device}")'
+        if needs is not None:
             raise ConfigError(
-                f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs {needs} ({found}); "
+                f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs {needs}; "
                 "use ratio 1.0 or remove it"
             )
         if str(cfg.zeroshard.backend) == "fsdp2":

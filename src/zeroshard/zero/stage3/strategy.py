@@ -307,9 +307,8 @@ class Stage3Strategy(Strategy):
 
     def _count_state(self, memory: StrategyMemory) -> None:
         """Masters and optimizer state, each sub-group's on its tier ([Note: partial offload])."""
-        held: dict[Tier, list[int]] = {}
-        if not self.built.sub_groups:  # nothing to hold; the tier still reports (NVMe: its files)
-            held[self.policy.master_tier.for_sub_group(0, 1)] = [0, 0]
+        # the first sub-group's tier reports even when there is none (NVMe: its files)
+        held: dict[Tier, list[int]] = {self.policy.master_tier.for_sub_group(0, 1): [0, 0]}
         for sub_group in self.built.sub_groups:
             masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in sub_group.units)
             both = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units))  # masters and optimizer state
