@@ -55,7 +55,8 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
     return result + (moved,)
 
 
-# stage 3 with NVMe offload decides from the norms and inf/nan flags taken before the gradients were written
+# stage 3 with NVMe or CPU offload decides from the norms and inf/nan evidence taken before the gradient shards
+# were written to disk or released after their host copies
 @pytest.mark.parametrize(
     ("stage", "offload"),
     [
@@ -64,6 +65,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
         (2, "none"),
         (3, "none"),
         (3, "nvme"),
+        (3, "cpu"),
     ],
 )
 def test_inf_on_one_rank_skips_step_everywhere(stage, offload):

@@ -241,3 +241,37 @@ def test_partial_offload_splits_state_between_gpu_and_host() -> None:
     for held, device_bytes, host_bytes in run_on_ranks(_partial_offload_places, WORLD_SIZES[-1]):
         assert set(held) == {"cuda", "cpu"}, held
         assert (held["cuda"], held["cpu"]) == (device_bytes, host_bytes)
+
+
+def _gradients_after_copy(rank: int, world_size: int):
+    """[Note: a gradient shard leaves once its host copy holds it] on CUDA: the bf16 shards leave the GPU once their
+    pinned host copies are queued on the side stream (`record_stream` keeps the blocks until the copies are done);
+    a gradient read before the step, and a second backward into the window, get them back from the copies."""
+    import zeroshard
+    from zeroshard.utils import safe_get_full_grad
+
+    out = {}
+    for offload in ("cpu", "none"):
+        case = Case(stage=3, offload=offload, dtype="bf16", steps=2)
+        model = build_model(case)
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
+        x, y = (t.to(engine.device) for t in micro_batch(global_batches(case, world_size)[0], 0, rank, world_size, 2))
+        engine.backward(engine(x, y))
+        held = engine.memory_report().gradients
+        first = [safe_get_full_grad(p).cpu() for p in engine.module.parameters()]
+        engine.backward(engine(x, y))  # into the same window: the shards come back from the host copies
+        second = [safe_get_full_grad(p).cpu() for p in engine.module.parameters()]
+        engine.step()
+        out[offload] = (held, first, second, engine.get_global_grad_norm())
+        engine.destroy()
+    return out
+
+
+def test_offloaded_gradient_shards_leave_the_gpu_once_copied() -> None:
+    for out in run_on_ranks(_gradients_after_copy, WORLD_SIZES[-1]):
+        (held, first, second, norm), (plain_held, plain_first, plain_second, plain_norm) = out["cpu"], out["none"]
+        assert held == 0 and plain_held > 0, (held, plain_held)
+        assert all(torch.equal(a, b) for a, b in zip(first + second, plain_first + plain_second, strict=True))
+        assert norm == plain_norm, (norm, plain_norm)

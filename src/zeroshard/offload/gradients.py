@@ -7,6 +7,19 @@ fp32 host copy is filled as soon as its reduction is final on the accumulation b
 stream, into pinned memory), so the step finds it there; a copy that was not refreshed in backward is made at
 the step. On the device, and with NVMe, a temporary is made per step chunk instead (no resident copy).
 
+[Note: a gradient shard leaves once its host copy holds it]
+Stage 3 then has no use for the device shard until the next window: as DeepSpeed, which keeps only its reduce
+bucket on the GPU with the optimizer offloaded, the unit releases the shard's memory right after the boundary's copy
+is queued (`ShardedUnit.hand_grad_to_copy`; with accumulation the shard still collects the window's earlier
+micro-steps on the device). The step needs two things from it first: its norm for clipping and its inf/nan evidence
+(max |x|, which nan propagates), taken by `let_go` on the compute stream before the memory goes and combined at the
+step in the order the norm sums them (`norms`: a released shard's record, any other shard read as before), so the
+clipping scale is the same to the bit. On CUDA the copy may still be reading the shard on the side stream: the
+caching allocator is told (`record_stream`) and keeps the block from reuse until that copy is done. Whoever reads
+the shard before the step (`full_grad`, a further backward into the same window) gets it back from the copy
+(`ShardedUnit.grad_resident`, after the side stream's copies have landed; an fp32 copy of a bf16 shard casts back
+exactly).
+
 [Note: gradients on NVMe]
 With the optimizer state on NVMe, stage 3's gradient shards go there too, each written as soon as its unit's
 reduction finishes (at most MAX_PENDING_WRITES in memory); their norms and inf/nan flags are taken on the
@@ -50,6 +63,33 @@ class GradShard:
     trainable: bool = True
 
 
+@dataclass(frozen=True)
+class BoundaryStats:
+    """What the step needs of a gradient shard that leaves memory before it ([Note: gradients on NVMe], [Note: a
+    gradient shard leaves once its host copy holds it]): its fp32 norm and, when overflow is checked, its largest
+    magnitude (a device tensor, read at the step: no host sync per shard during backward)."""
+
+    norm: torch.Tensor | None  # None for an empty shard (a frozen unit's)
+    peak: torch.Tensor | None
+
+    @staticmethod
+    def of(shard: torch.Tensor, check_overflow: bool) -> BoundaryStats:
+        if not shard.numel():
+            return BoundaryStats(None, None)
+        peak = torch._foreach_norm([shard], ord=float("inf"))[0].float() if check_overflow else None
+        return BoundaryStats(tensor_norms([shard])[0], peak)
+
+    @staticmethod
+    def any_overflow(records: Sequence[BoundaryStats]) -> bool:
+        peaks = [r.peak for r in records if r.peak is not None]
+        return bool(peaks) and not bool(torch.isfinite(torch.stack(peaks)).all())
+
+
+def released(shard: torch.Tensor) -> bool:
+    """Whether a gradient shard's memory was released (after its host copy, or between windows)."""
+    return shard.numel() > 0 and shard.untyped_storage().nbytes() == 0
+
+
 def copy_aside(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
     """dst := src; on CUDA (a `stream` given) asynchronously on that side stream, after the work already queued
     on the current stream (`landed()` before the host reads `dst`)."""
@@ -91,14 +131,15 @@ def _recorded() -> torch.cuda.Event:
 class GradientTier:
     """Gradients kept in memory; the optimizer gets the shard itself or a per-step fp32 temporary."""
 
-    # whether this tier works on gradient shards outside backward-to-step (host copies refreshed during backward,
-    # swap files): if not, stage 3 frees them between steps ([Note: gradient shards exist from reduction to step])
+    # whether this tier keeps gradient shards in a store of its own (swap files): if not, stage 3 frees them between
+    # steps ([Note: gradient shards exist from reduction to step]), and from a host copy's boundary on
     holds_shards = False
 
     def __init__(self, tier: Tier, copy_stream: torch.cuda.Stream | None, check_overflow: bool):
         self.tier = tier
         self.copy_stream = copy_stream
         self.check_overflow = check_overflow  # fp16 (and bf16 with check_grad_overflow): inf/nan flags wanted
+        self._stats: dict[str, BoundaryStats] = {}  # of shards that left memory before the step, by key
 
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
         """The fp32 tensor the optimizer reads `shard`'s gradients from: the shard itself when it is fp32 on the
@@ -119,6 +160,15 @@ class GradientTier:
         """`slot.shard` (or a slice of it) is final for this micro-step; returns whether `copy` now holds it."""
         return False
 
+    def let_go(self, slot: GradShard) -> None:
+        """`slot.shard`'s values are in its copy (`received` said so) and stage 3 is about to release its memory:
+        its norm and inf/nan evidence are recorded for the step ([Note: a gradient shard leaves once its host copy
+        holds it])."""
+        self._stats[slot.key] = BoundaryStats.of(slot.shard, self.check_overflow)
+
+    def _recorded(self, key: str) -> BoundaryStats | None:
+        return self._stats.get(key)
+
     def finish_backward(self) -> None:
         """Every shard of this backward was `received`: nothing is left in flight to the tier."""
 
@@ -129,6 +179,7 @@ class GradientTier:
 
     def reset(self) -> None:
         """After the step (or zero_grad): no boundary statistics are kept."""
+        self._stats.clear()
 
     @staticmethod
     def for_step(
@@ -149,9 +200,23 @@ class GradientTier:
         return copy
 
     def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
-        """Per-shard fp32 norms (in `slots` order, empty shards left out) and this rank's inf/nan flag."""
-        grads = [s.shard for s in slots]
-        return tensor_norms(grads), self.check_overflow and has_inf_or_nan(grads)
+        """Per-shard fp32 norms (in `slots` order, empty shards left out) and this rank's inf/nan flag: a shard
+        released after its host copy counts by its boundary record (`let_go`); `prepare` makes one without a record
+        resident again (it reads it back from the copy)."""
+        if any(released(s.shard) and self._recorded(s.key) is None for s in slots):
+            prepare()
+        norms: list[torch.Tensor] = []
+        held: list[torch.Tensor] = []
+        records: list[BoundaryStats] = []
+        for s in slots:
+            record = self._recorded(s.key) if released(s.shard) else None
+            if record is None:
+                norms += tensor_norms([s.shard])
+                held.append(s.shard)
+            else:
+                norms += [] if record.norm is None else [record.norm]
+                records.append(record)
+        return norms, self.check_overflow and (has_inf_or_nan(held) or BoundaryStats.any_overflow(records))
 
     def count(self, memory: StrategyMemory, copies: int) -> None:
         self.tier.count_grad_copies(memory, copies)
@@ -162,9 +227,8 @@ class StepTimeCopies(GradientTier):
 
 
 class BackwardCopies(GradientTier):
-    """Host memory: each shard's fp32 host copy is refreshed as soon as the shard is final on the boundary."""
-
-    holds_shards = True  # read on a side stream during backward: the buffers stay for the run
+    """Host memory: each shard's fp32 host copy is refreshed as soon as the shard is final on the boundary; stage 3
+    then releases the shard ([Note: a gradient shard leaves once its host copy holds it])."""
 
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
         same = super().copy_for(shard, master)
@@ -181,8 +245,6 @@ class SplitGradients(GradientTier):
     """Partial offload ([Note: partial offload]): each gradient shard is handled as its sub-group's master tier
     wants, host copies during backward for the offloaded sub-groups, step-time temporaries for the others."""
 
-    holds_shards = True  # as a whole; each unit asks its own part (`part_for`)
-
     def __init__(self, tier: Tier, device: GradientTier, host: GradientTier):
         super().__init__(tier, host.copy_stream, host.check_overflow)
         self.device, self.host = device, host
@@ -195,6 +257,12 @@ class SplitGradients(GradientTier):
 
     def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
         return self._parts[slot.key].received(slot, copy, boundary)
+
+    def let_go(self, slot: GradShard) -> None:
+        self._parts[slot.key].let_go(slot)
+
+    def _recorded(self, key: str) -> BoundaryStats | None:
+        return self._parts[key]._recorded(key) if key in self._parts else None
 
     def finish_backward(self) -> None:
         self.device.finish_backward()
@@ -218,7 +286,6 @@ class SwappedGradients(GradientTier):
         super().__init__(tier, copy_stream, check_overflow)
         self.store: Residency = tier.residency
         self._placed: set[str] = set()
-        self._stats: dict[str, tuple[torch.Tensor | None, bool]] = {}
         self._writes: list[str] = []
 
     def place(self, slot: GradShard) -> None:
@@ -230,9 +297,7 @@ class SwappedGradients(GradientTier):
         if slot.key not in self._placed:
             return False
         if boundary:
-            norms = tensor_norms([slot.shard])
-            overflow = self.check_overflow and has_inf_or_nan([slot.shard])
-            self._stats[slot.key] = (norms[0] if norms else None, overflow)
+            self.let_go(slot)
         self.store.evict(slot.key)
         self._writes.append(slot.key)
         while len(self._writes) > MAX_PENDING_WRITES:
@@ -244,24 +309,21 @@ class SwappedGradients(GradientTier):
             self.store.settle(key)
         self._writes.clear()
 
-    def reset(self) -> None:
-        self._stats.clear()
-
     def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
         """From the boundary's records; if one is missing (a backward outside the engine's accounting), every
         placed shard is read back (`prepare` makes them resident first)."""
         if not any(s.key in self._placed for s in slots):
             return super().norms(slots, prepare)
         if all(s.key in self._stats or not s.trainable for s in slots):
-            norms, overflow = [], False
+            norms, records = [], []
             for s in slots:
-                norm, flag = self._stats.get(s.key, (None, False))
-                if norm is None:  # a frozen shard holds zeros
-                    norm = torch.zeros((), device=s.shard.device) if s.shard.numel() else None
-                if norm is not None:
-                    norms.append(norm)
-                overflow = overflow or flag
-            return norms, overflow
+                record = self._stats.get(s.key)
+                if record is not None:
+                    norms += [] if record.norm is None else [record.norm]
+                    records.append(record)
+                elif s.shard.numel():  # a frozen shard holds zeros
+                    norms.append(torch.zeros((), device=s.shard.device))
+            return norms, self.check_overflow and BoundaryStats.any_overflow(records)
         prepare()
         with self.store.resident([(s.key, s) for s in slots], lambda s: [s.shard]):
             return super().norms(slots, prepare)

@@ -4,8 +4,9 @@
 `zeroshard_states` follows zeroshard's own buffers (docs/design.md): gradients are accumulated in
 fp32 by default, so stage 2 holds 4Ψ/N of gradients where the ZeRO paper has 2Ψ/N; the fp32 master
 copy is skipped when it would alias the fp32 parameters (fp32 training unsharded, or stage 3); with the
-optimizer offloaded to the CPU the device keeps the gradient buffers it keeps without offload, and the host an
-fp32 copy of the shard (DeepSpeed's estimators count neither on the GPU). `engine.memory_report()` measures the
+optimizer offloaded to the CPU the host holds an fp32 copy of the gradient shard, and the device the gradient
+buffers it keeps without offload, except stage 3's shard, released once copied when nothing is accumulated into it
+(DeepSpeed's estimators count no gradients on the GPU and no copy on the host). `engine.memory_report()` measures the
 same quantities (`model_states` the device's, the `host_*` columns the host's). `deepspeed_states` reproduces
 DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
 (zero_init=True for stage 3), including their 1.5x CPU buffer factor; DeepSpeed has no estimator
@@ -127,9 +128,13 @@ def zeroshard_states(
     tiers[_tier(option.offload_param)] += params
     tiers[_tier(option.offload_optimizer)] += master + optim
     # The device keeps the gradient buffers it keeps without offload; optimizer offload to the CPU adds the fp32
-    # copy of the shard the host optimizer reads ([Note: gradients to the host during backward]); stage 3 with
-    # NVMe writes each gradient shard next to the optimizer state instead (ZeRO-Infinity).
+    # copy of the shard the host optimizer reads ([Note: gradients to the host during backward]), and at stage 3
+    # without accumulation the device shard is released once that copy holds it ([Note: a gradient shard leaves
+    # once its host copy holds it]); stage 3 with NVMe writes each gradient shard next to the optimizer state
+    # instead (ZeRO-Infinity).
     nvme_grads = option.stage == 3 and option.offload_optimizer == "nvme"
+    if option.stage == 3 and option.offload_optimizer == "cpu" and gradient_accumulation_steps == 1:
+        grads = 0
     tiers["nvme" if nvme_grads else "gpu"] += grads
     if option.offload_optimizer == "cpu":
         copies = 4 * psi // n

@@ -124,7 +124,9 @@ def _partial_offload(
     if rec.option != Option(3, "cpu") or rec.gpu_bytes is None:
         return rec
     by_option = {row.option: row for row in rows}
-    moved = by_option[Option(3)].states.gpu - by_option[Option(3, "cpu")].states.gpu  # per rank, ratio 0 -> 1
+    offloaded = by_option[Option(3, "cpu")].states
+    moved = by_option[Option(3)].states.gpu - offloaded.gpu  # GPU bytes per rank, ratio 0 -> 1
+    host_states = offloaded.master_weights + offloaded.optimizer_state  # on the host at ratio 1
     room = HEADROOM * gpu_memory - rec.gpu_bytes
     if moved <= 0 or room <= 0:
         return rec
@@ -137,8 +139,8 @@ def _partial_offload(
     zero["offload_optimizer"] = {**zero["offload_optimizer"], "ratio": ratio}
     reason = (
         f"partial offload: offload_optimizer.ratio {ratio:g} offloads {ratio:.0%} of the optimizer state and keeps "
-        f"the rest on the GPU ({_gib(gpu)} per GPU, still under the limit; {_gib(int(ratio * moved))} of master "
-        f"weights and optimizer state in host memory per rank instead of {_gib(moved)}, and as much less host "
+        f"the rest on the GPU ({_gib(gpu)} per GPU, still under the limit; {_gib(int(ratio * host_states))} of master "
+        f"weights and optimizer state in host memory per rank instead of {_gib(host_states)}, and as much less host "
         f"work per step); sub_group_size {sub_group:,} makes about 20 sub-groups per rank, the split's granularity"
     )
     return replace(rec, zero_optimization=zero, gpu_bytes=gpu, reasons=[*rec.reasons, reason])

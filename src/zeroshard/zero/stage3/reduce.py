@@ -2,7 +2,8 @@
 
 Each unit's gradients are added into one staging buffer in the unit's flat layout; when the unit's backward
 has run they are reduce-scattered into this rank's gradient shard (accumulating over micro-steps), and the
-finished shard goes to the gradient tier (a host copy on the boundary, or a write to NVMe). At most
+finished shard goes to the gradient tier (a host copy on the boundary, after which the shard's memory is
+released, or a write to NVMe). At most
 MAX_INFLIGHT_REDUCES reductions are in flight ([Note: bounded in-flight reductions]).
 """
 
@@ -77,3 +78,7 @@ class UnitReducer:
         for unit in units:
             slot = GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable))
             unit.grad_copy_ready = self.gradients.received(slot, unit.grad_copy, boundary)
+            if unit.grad_copy_ready and unit.grad_transient:
+                # [Note: a gradient shard leaves once its host copy holds it]: what the step needs of it, then it goes
+                self.gradients.let_go(slot)
+                unit.hand_grad_to_copy(self.gradients.copy_stream)

@@ -65,7 +65,8 @@ class SubGroupStepper:
         """Start reading what stepping `units` needs besides the optimizer store's entry: gradient shards, and
         masters that are the compute shards (fp32 with both tiers on NVMe)."""
         for unit in units:
-            unit.grad_resident()
+            if not unit.grad_in_copy:  # else the step reads the host copy, not the released shard
+                unit.grad_resident()
             if unit.master is unit.shard:
                 unit.home.fetch(unit.key)
 

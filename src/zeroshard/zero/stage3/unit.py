@@ -32,9 +32,10 @@ storage]). Between steps a freed shard reads as zeros (`grad_zero`): `grad_resid
 for whoever reads it first (a step with no backward in its window, `full_grad`), and `memory_report()` counts
 what is allocated now (no gradients between steps: the ZeRO formulas describe the states after backward).
 On CUDA the storage is freed and allocated on the compute stream, after the reduce-scatter's `wait` has ordered
-that stream after the collective. Shards the gradient tier works on outside that window
-(`GradientTier.holds_shards`: host copies refreshed on a side stream during backward, swap files) keep their
-buffers; the NVMe tier frees its own ([Note: gradients on NVMe]).
+that stream after the collective. With the optimizer offloaded to host memory a shard
+leaves even earlier, as soon as the boundary's host copy holds it ([Note: a gradient shard leaves once its host copy
+holds it] in offload/gradients.py). Shards in the swap files (`GradientTier.holds_shards`) keep their buffers; the
+NVMe tier frees its own ([Note: gradients on NVMe]).
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ class ShardedUnit:
         self.grad_home: Residency = master_tier.residency
         self.grad_key = f"grad/{index}"
         self.grad_zero = False
+        # the boundary's host copy holds the shard's values and its memory is released until the next window or a
+        # read ([Note: a gradient shard leaves once its host copy holds it]); on CUDA the copy ran on this stream
+        self.grad_in_copy = False
+        self._grad_copy_stream: torch.cuda.Stream | None = None
         # backward bookkeeping
         self.staging: torch.Tensor | None = None
         self.seen: set[int] = set()
@@ -290,7 +295,11 @@ class ShardedUnit:
 
     def grad_resident(self, overwrite: bool = False) -> None:
         """Start making the gradient shard resident (`grad_home.ready` waits): a zero shard is allocated, not
-        read, and zero-filled unless every element is about to be `overwrite`n."""
+        read, and zero-filled unless every element is about to be `overwrite`n; one released after its host copy
+        is read back from it."""
+        if self.grad_in_copy:
+            self._grad_from_copy()
+            return
         if not self.grad_zero:
             self.grad_home.fetch(self.grad_key)
             return
@@ -302,12 +311,30 @@ class ShardedUnit:
             self.grad_shard.zero_()
         self.grad_zero = False
 
+    def hand_grad_to_copy(self, stream: torch.cuda.Stream | None) -> None:
+        """The boundary's host copy holds this (transient) shard's values, queued on `stream` on CUDA: its memory
+        goes now ([Note: a gradient shard leaves once its host copy holds it])."""
+        if stream is not None:  # the copy may still be reading it: the allocator keeps the block until it is done
+            self.grad_shard.record_stream(stream)
+        self.grad_shard.untyped_storage().resize_(0)
+        self.grad_in_copy = True
+        self._grad_copy_stream = stream
+
+    def _grad_from_copy(self) -> None:
+        assert self.grad_copy is not None
+        self.grad_shard.untyped_storage().resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+        if self._grad_copy_stream is not None:  # the host reads the buffer (a casting copy casts on the host)
+            self._grad_copy_stream.synchronize()
+        self.grad_shard.copy_(self.grad_copy)
+        self.grad_in_copy = False
+
     def zero_grad_shard(self) -> None:
         """The gradient shard := 0: a transient shard by freeing its memory, on NVMe by marking it (nothing is
         written), otherwise by zero-filling it."""
         if self.grad_transient:  # [Note: gradient shards exist from reduction to step]
             self.grad_shard.untyped_storage().resize_(0)
             self.grad_zero = True
+            self.grad_in_copy = False
         elif self.grad_home.is_resident(self.grad_key):
             self.grad_shard.zero_()
         else:
