@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# What issue 13 still has to measure on a GPU (docs/benchmarks_gpu.md, "Still to do on a GPU"), as device calls of
+# under 10 minutes each, in order of what the issue needs most. From the repository root, on the GPU machine:
+#
+#     bash benchmarks/gpu_calls.sh 1   # make test-gpu; the overlap profile with its host ops; rows a, b, b+ at 18 layers
+#     bash benchmarks/gpu_calls.sh 2   # row c+ at 49 layers (10.18B parameters): the 10B target of (c)
+#     bash benchmarks/gpu_calls.sh 3   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
+#     bash benchmarks/gpu_calls.sh 4   # row d (NVMe) at 14 layers
+#
+# Every step writes its log (and JSON, where the script makes one) under $OUT, the device tool's return folder
+# (./gpu_out elsewhere), as it goes, and is bounded by `timeout`, so a call cut short still returns what finished.
+# Call 3's DeepSpeed row needs its wheels (the GPU machine has no package registry); here, beforehand:
+#
+#     mkdir -p .git/info && echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux2014_x86_64 -d .whl hjson pydantic pydantic-core annotated-types typing-inspection \
+#         typing-extensions
+#     python3 -m pip download --no-deps --no-binary=:all: deepspeed==0.19.8 -d .whl
+#
+# and name .whl in that call's carry; without .whl/ the row is skipped and says so.
+set -uo pipefail
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONPATH=src:. PYTHONUNBUFFERED=1
+
+# `step NAME SECONDS COMMAND...`: COMMAND bounded by SECONDS, its output in $out/NAME.log and on stdout
+step() {
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name (at most ${seconds} s): $*"
+    local start=$SECONDS
+    timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+    echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+offload() {  # `offload NAME SECONDS ARGS...`: benchmarks.gpu_offload with its JSON beside the log
+    local name=$1 seconds=$2
+    shift 2
+    step "$name" "$seconds" python -m benchmarks.gpu_offload "$@" --json "$out/$name.json"
+}
+
+case ${1:-} in
+1)
+    { nvidia-smi; python -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } >"$out/machine.txt" 2>&1
+    step test_gpu 260 make test-gpu
+    step overlap 80 python -m benchmarks.overlap --ops 25 --json "$out/overlap.json"
+    offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
+    ;;
+2)
+    offload row_cplus 570 --try c+:49 --ratio 0.55 --steps 4 --warmup 2 --timeout 540
+    ;;
+3)
+    offload row_c 230 --try c:32,28,24 --steps 4 --warmup 2 --timeout 110
+    depth=$(python -c "import json,sys; t=[r for r in json.load(open(sys.argv[1]))['tries'] if r['ok']]; print(t[0]['layers'] if t else '')" "$out/row_c.json" 2>/dev/null)
+    [ -n "$depth" ] && offload row_fsdp2 150 --try "fsdp2:$depth" --steps 4 --warmup 2 --timeout 140
+    if compgen -G ".whl/deepspeed-*" >/dev/null; then
+        DS_BUILD_OPS=0 python -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/* \
+            >"$out/ds_install.log" 2>&1
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
+        offload row_ds 190 --try ds:18 --steps 4 --warmup 2 --timeout 180
+    else
+        echo "== row_ds: skipped, no .whl/deepspeed-* carried (see the top of this script)"
+    fi
+    ;;
+4)
+    offload row_d 570 --try d:14 --steps 3 --warmup 1 --timeout 540
+    ;;
+*)
+    echo "usage: bash benchmarks/gpu_calls.sh 1|2|3|4 (see the top of this file)" >&2
+    exit 2
+    ;;
+esac
