@@ -265,9 +265,11 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         non_blocking: bool = False,
     ) -> None:
         """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
-        memory until `reload_states()`; training steps are refused in between."""
+        memory until `reload_states()`; training steps are refused in between. State that lives off the device
+        already (`offload_optimizer`) stays where it is."""
         strategy = self._require_optimizer("offload_states")
-        self._offloader.offload(strategy.offloadable_tensors(), torch.device(device), pin_memory, non_blocking)
+        on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]
+        self._offloader.offload(on_device, torch.device(device), pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states()` moved."""

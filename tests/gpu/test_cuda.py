@@ -243,35 +243,82 @@ def test_partial_offload_splits_state_between_gpu_and_host() -> None:
         assert (held["cuda"], held["cpu"]) == (device_bytes, host_bytes)
 
 
-def _gradients_after_copy(rank: int, world_size: int):
-    """[Note: a gradient shard leaves once its host copy holds it] on CUDA: the bf16 shards leave the GPU once their
-    pinned host copies are queued on the side stream (`record_stream` keeps the blocks until the copies are done);
-    a gradient read before the step, and a second backward into the window, get them back from the copies."""
+def _gradients_after_copy(rank: int, world_size: int, gas: int):
+    """[Note: a gradient shard leaves once its host copy holds it] on CUDA: the shards (bf16 without accumulation,
+    fp32 with it) leave the GPU once their pinned host copies are queued on the side stream, whose copies are held
+    back here (`torch.cuda._sleep`) while the compute stream allocates and fills blocks of the same sizes: only
+    `record_stream` keeps those from taking the released shards' memory before the copies read it. A second
+    backward into the window reads the shards back; a gradient read before the step comes from the copies."""
     import zeroshard
     from zeroshard.utils import safe_get_full_grad
 
     out = {}
     for offload in ("cpu", "none"):
-        case = Case(stage=3, offload=offload, dtype="bf16", steps=2)
+        case = Case(stage=3, offload=offload, dtype="bf16", gas=gas, steps=2)
         model = build_model(case)
         engine, _, _, _ = zeroshard.initialize(
             model=model, model_parameters=param_groups(model, case), config=ds_config(case)
         )
-        x, y = (t.to(engine.device) for t in micro_batch(global_batches(case, world_size)[0], 0, rank, world_size, 2))
-        engine.backward(engine(x, y))
-        held = engine.memory_report().gradients
-        first = [safe_get_full_grad(p).cpu() for p in engine.module.parameters()]
-        engine.backward(engine(x, y))  # into the same window: the shards come back from the host copies
-        second = [safe_get_full_grad(p).cpu() for p in engine.module.parameters()]
+        batch = global_batches(case, world_size)[0]
+        held, clobber = [], []
+        for k in range(gas):
+            x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, world_size, case.micro))
+            stream = engine.strategy.gradients_tier.copy_stream
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(500_000_000)  # the boundary's copies wait behind this
+            engine.backward(engine(x, y))
+            for unit in engine.strategy.units:  # garbage into whatever blocks of the shards' sizes are free now
+                shape, dtype = unit.grad_shard.shape, unit.grad_shard.dtype
+                clobber += [torch.full(shape, float("nan"), dtype=dtype, device=engine.device) for _ in range(2)]
+            if k == gas - 1:
+                engine.backward(engine(x, y))  # into the same window: read back from the copies
+            held.append(engine.memory_report().gradients)
+        grads = [safe_get_full_grad(p).cpu() for p in engine.module.parameters()]
+        restores = sum(u.grad_restores for u in engine.strategy.units)
         engine.step()
-        out[offload] = (held, first, second, engine.get_global_grad_norm())
+        out[offload] = (held, grads, restores, engine.get_global_grad_norm())
         engine.destroy()
     return out
 
 
-def test_offloaded_gradient_shards_leave_the_gpu_once_copied() -> None:
-    for out in run_on_ranks(_gradients_after_copy, WORLD_SIZES[-1]):
-        (held, first, second, norm), (plain_held, plain_first, plain_second, plain_norm) = out["cpu"], out["none"]
-        assert held == 0 and plain_held > 0, (held, plain_held)
-        assert all(torch.equal(a, b) for a, b in zip(first + second, plain_first + plain_second, strict=True))
+@pytest.mark.parametrize("gas", [1, 2])
+def test_offloaded_gradient_shards_leave_the_gpu_once_copied(gas: int) -> None:
+    for out in run_on_ranks(_gradients_after_copy, WORLD_SIZES[-1], gas):
+        (held, grads, restores, norm), (plain_held, plain_grads, _, plain_norm) = out["cpu"], out["none"]
+        assert held[-1] == 0 and all(h > 0 for h in plain_held), (held, plain_held)
+        assert restores > 0
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
         assert norm == plain_norm, (norm, plain_norm)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_pinned_state_is_exactly_sized_and_copies_asynchronously() -> None:
+    """[Note: pinned memory without rounding]: 96 MiB + 4 KiB of state pins that much (torch's allocator would pin
+    128 MiB), reports itself pinned, copies both ways without blocking, and is given back when freed."""
+    import gc
+
+    from zeroshard.offload.pinned import pinned_zeros
+
+    numel = (96 << 20) // 4 + 1024
+    nbytes = numel * 4
+    torch.cuda.init()
+    before = _rss()
+    host = pinned_zeros(numel, torch.float32)
+    grown = _rss() - before
+    assert host.is_pinned() and 0.95 * nbytes <= grown <= 1.05 * nbytes, (grown, nbytes)
+    device = torch.arange(numel, device="cuda", dtype=torch.float32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host.copy_(device, non_blocking=True)
+        back = torch.empty_like(device)
+        back.copy_(host, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, device) and host[-1].item() == numel - 1
+    del host
+    gc.collect()
+    assert _rss() - before <= 0.05 * nbytes, (_rss() - before, nbytes)

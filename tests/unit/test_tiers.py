@@ -187,3 +187,36 @@ def test_one_greedy_chunker_for_buckets_sub_groups_and_shards():
     assert greedy_chunks(sizes, 5, "after") == [[0, 1], [2], [3, 4]]  # DeepSpeed's sub-groups close at the limit
     assert greedy_chunks(sizes, 8, "before", oversize_alone=True) == [[2], [0, 1], [3, 4]]
     assert greedy_chunks([], 8, "after") == []
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_released_shard_counts_by_its_boundary_record(split):
+    """[Note: a gradient shard leaves once its host copy holds it]: the norm and the inf/nan verdict of a shard whose
+    memory went after its host copy come from what `let_go` recorded, bit for bit what the shard gave, in slot order
+    with the shards still held; nothing is read back (`prepare` is not called)."""
+    tier = tier_for("cpu", CPU, False, ratio=0.5) if split else HostTier()
+    grads = tier.gradients(None, check_overflow=True)
+    if split:
+        assert isinstance(tier, PartialOffload)
+        grads.part_for("grad/0", tier.device_tier)
+        grads.part_for("grad/1", tier.host_tier)
+    values = torch.tensor([3.0, -4.0, 1.5], dtype=torch.bfloat16)
+    for poison, expect_overflow in ((None, False), (float("inf"), True), (float("nan"), True)):
+        held = GradShard("grad/0", torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+        gone = GradShard("grad/1", values.clone())
+        if poison is not None:
+            gone.shard[1] = poison
+        expected = [torch.linalg.vector_norm(s.shard, dtype=torch.float32) for s in (held, gone)]
+        grads.let_go(gone)
+        gone.shard.untyped_storage().resize_(0)
+        norms, overflow = grads.norms([held, gone], prepare=lambda: pytest.fail("read back"))
+        assert overflow is expect_overflow, poison
+        assert len(norms) == 2 and torch.equal(norms[0], expected[0])
+        assert torch.equal(norms[1], expected[1]) or (poison is not None and not norms[1].isfinite())
+        grads.reset()
+    # a released shard without a record (none was taken: a backward outside the engine's accounting) is read back
+    gone = GradShard("grad/1", values.clone())
+    gone.shard.untyped_storage().resize_(0)
+    asked = []
+    grads.norms([gone], prepare=lambda: asked.append(gone.shard.untyped_storage().resize_(6)))
+    assert asked

@@ -15,10 +15,10 @@ micro-steps on the device). The step needs two things from it first: its norm fo
 (max |x|, which nan propagates), taken by `let_go` on the compute stream before the memory goes and combined at the
 step in the order the norm sums them (`norms`: a released shard's record, any other shard read as before), so the
 clipping scale is the same to the bit. On CUDA the copy may still be reading the shard on the side stream: the
-caching allocator is told (`record_stream`) and keeps the block from reuse until that copy is done. Whoever reads
-the shard before the step (`full_grad`, a further backward into the same window) gets it back from the copy
-(`ShardedUnit.grad_resident`, after the side stream's copies have landed; an fp32 copy of a bf16 shard casts back
-exactly).
+caching allocator is told (`record_stream`) and keeps the block from reuse until that copy is done. `full_grad`
+reads the copy (after the side stream's copies have landed; fp32 of a bf16 value is exact); a further backward into
+the same window gets the shard back from it (`ShardedUnit.grad_resident`). With gradient accumulation the shard
+collects the window's earlier micro-steps on the device and leaves at the boundary.
 
 [Note: gradients on NVMe]
 With the optimizer state on NVMe, stage 3's gradient shards go there too, each written as soon as its unit's

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.memory import StrategyMemory
+from zeroshard.offload.pinned import pinned_zeros
 from zeroshard.offload.residency import InMemory, NvmeStateStore, Residency
 from zeroshard.utils.logging import get_logger
 
@@ -51,8 +52,14 @@ class Tier:
         self._residency: Residency | None = None
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        pin = self.pin and self.device.type == "cpu" and torch.cuda.is_available()
-        return torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=pin)
+        if self.pin and self.device.type == "cpu" and torch.cuda.is_available():
+            return self._pinned(numel, dtype)
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Pinned host memory for state kept in memory for the run: exactly sized ([Note: pinned memory without
+        rounding] in offload/pinned.py)."""
+        return pinned_zeros(numel, dtype)
 
     @property
     def residency(self) -> Residency:
@@ -141,6 +148,10 @@ class NvmeTier(HostTier):
 
     def _make_residency(self) -> Residency:
         return self._store_factory()
+
+    def _pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # freed and re-allocated (resized) around every use: torch's allocator, whose cache reuses the blocks
+        return torch.zeros(numel, dtype=dtype, pin_memory=True)
 
     def aliases_from(self, master_tier: Tier) -> bool:
         return isinstance(master_tier, NvmeTier)

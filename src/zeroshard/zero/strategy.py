@@ -142,6 +142,7 @@ class Strategy(ABC):
         norms += self._extra_norms()
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
+            self.gradients_tier.landed()  # no copy into host memory outlives the step, skipped or not
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
         self.gradients_tier.landed()

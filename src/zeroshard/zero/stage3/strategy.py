@@ -368,6 +368,10 @@ class Stage3Strategy(Strategy):
         scale = self._grad_scale()
 
         def local(unit: ShardedUnit) -> torch.Tensor:
+            if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
+                self.gradients_tier.landed()
+                assert unit.grad_copy is not None
+                return unit.grad_copy.to(self.device) * scale
             unit.grad_resident()
             unit.grad_home.ready(unit.grad_key)
             return unit.grad_shard.float() * scale

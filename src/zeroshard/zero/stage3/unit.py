@@ -157,6 +157,7 @@ class ShardedUnit:
         # read ([Note: a gradient shard leaves once its host copy holds it]); on CUDA the copy ran on this stream
         self.grad_in_copy = False
         self._grad_copy_stream: torch.cuda.Stream | None = None
+        self.grad_restores = 0  # times the shard was read back from its copy (a further backward into the window)
         # backward bookkeeping
         self.staging: torch.Tensor | None = None
         self.seen: set[int] = set()
@@ -327,6 +328,7 @@ class ShardedUnit:
             self._grad_copy_stream.synchronize()
         self.grad_shard.copy_(self.grad_copy)
         self.grad_in_copy = False
+        self.grad_restores += 1
 
     def zero_grad_shard(self) -> None:
         """The gradient shard := 0: a transient shard by freeing its memory, on NVMe by marking it (nothing is

@@ -1,0 +1,55 @@
+"""[Note: pinned memory without rounding]: exactly sized, zero-filled host tensors, locked while any view of them
+lives and unlocked once (a stand-in registry here; the CUDA runtime's on a GPU, tests/gpu/test_cuda.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from zeroshard.errors import ZeroshardError
+from zeroshard.offload.pinned import EXACT_FROM, HostRegistry, pinned_zeros
+
+
+class Registry:
+    def __init__(self, refuse: bool = False):
+        self.locked: dict[int, int] = {}
+        self.unlocked: list[int] = []
+        self.refuse = refuse
+
+    def registry(self) -> HostRegistry:
+        return HostRegistry(self.register, self.unregister)
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        if self.refuse:
+            return "out of memory"
+        self.locked[address] = nbytes
+        return None
+
+    def unregister(self, address: int) -> None:
+        self.unlocked.append(address)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_size_zero_filled_and_unlocked_after_the_last_view(dtype):
+    fake = Registry()
+    numel = EXACT_FROM // dtype.itemsize * 3 + 7  # not a page multiple, far from a power of two
+    tensor = pinned_zeros(numel, dtype, fake.registry())
+    assert tensor.dtype == dtype and tensor.numel() == numel and not tensor.any()
+    assert tensor.untyped_storage().nbytes() == numel * dtype.itemsize
+    ((address, nbytes),) = fake.locked.items()
+    assert address == tensor.data_ptr() and address % 4096 == 0 and nbytes == numel * dtype.itemsize
+    tensor.add_(1)
+    view = tensor.narrow(0, 5, 10)  # as the stage-3 pieces view a master shard
+    del tensor
+    gc.collect()
+    assert fake.unlocked == [] and view.sum().item() == 10
+    del view
+    gc.collect()
+    assert fake.unlocked == [address]
+
+
+def test_refused_registration_names_the_way_out():
+    with pytest.raises(ZeroshardError, match=r"pinning .* GiB .*out of memory.*ulimit -l.*pin_memory false"):
+        pinned_zeros(EXACT_FROM, torch.float32, Registry(refuse=True).registry())
