@@ -9,12 +9,14 @@ states are 16 (the pinned fp32 masters and gradient copies each a third over). W
 offload rows, that is Llama-2-7B fitting in 128 GiB with its optimizer and parameters on the host, or not.
 `pinned_zeros` pins such state itself: an anonymous private mapping of exactly the bytes (page-aligned, zero-filled),
 page-locked with `cudaHostRegister` and unlocked when the last tensor viewing it is freed (the tensor holds the
-mapping through the buffer protocol, `torch.frombuffer`). The driver reports registered memory as pinned host memory,
-so `is_pinned()` is true and copies to and from it run asynchronously, as from `cudaHostAlloc`'s. Below
-`EXACT_FROM` bytes torch's allocator serves (its rounding costs little there). Such storages cannot be resized:
-state swapped to NVMe (freed and re-allocated around each use) keeps torch's allocator (`NvmeTier`), and
-`engine.offload_states` leaves state that lives off the device where it is. A registration the driver refuses (a memlock
-limit) is an error naming the way out, before any training: cudaHostAlloc would have been refused as well.
+mapping through the buffer protocol, `torch.frombuffer`). The mapping is kept out of forked children (a DataLoader's
+workers): pages shared copy-on-write with one could leave the device reading a page the parent no longer writes. The
+driver reports registered memory as pinned host memory, so `is_pinned()` is true and copies to and from it run
+asynchronously, as from `cudaHostAlloc`'s. Below `EXACT_FROM` bytes torch's allocator serves (its rounding costs
+little there). Such storages cannot be resized: state swapped to NVMe (freed and re-allocated around each use) keeps
+torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is. A
+registration the driver refuses (a memlock limit) is an error naming the way out, before any training:
+cudaHostAlloc would have been refused as well.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None =
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
     registry = registry or cuda_registry()
     mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_DONTFORK"):  # not shared copy-on-write with a forked child (see the note)
+        mapping.madvise(mmap.MADV_DONTFORK)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
     error = registry.register(tensor.data_ptr(), nbytes)
     if error is not None:
