@@ -53,3 +53,14 @@ def test_exact_size_zero_filled_and_unlocked_after_the_last_view(dtype):
 def test_refused_registration_names_the_way_out():
     with pytest.raises(ZeroshardError, match=r"pinning .* GiB .*out of memory.*ulimit -l.*pin_memory false"):
         pinned_zeros(EXACT_FROM, torch.float32, Registry(refuse=True).registry())
+
+
+def test_torch_allocator_on_request(monkeypatch):
+    """ZEROSHARD_PINNED=torch: torch's pinned allocator serves (here, without CUDA, its refusal shows it was asked)."""
+    monkeypatch.setenv("ZEROSHARD_PINNED", "torch")
+    fake = Registry()
+    try:
+        pinned_zeros(EXACT_FROM, torch.float32, fake.registry())
+    except RuntimeError:
+        pass  # no CUDA here: torch cannot pin
+    assert fake.locked == {}

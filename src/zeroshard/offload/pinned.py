@@ -16,13 +16,14 @@ asynchronously, as from `cudaHostAlloc`'s. Below `EXACT_FROM` bytes torch's allo
 little there). Such storages cannot be resized: state swapped to NVMe (freed and re-allocated around each use) keeps
 torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is. A
 registration the driver refuses (a memlock limit) is an error naming the way out, before any training:
-cudaHostAlloc would have been refused as well.
+cudaHostAlloc would have been refused as well. ZEROSHARD_PINNED=torch leaves all pinning to torch's allocator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ class _Mapping(mmap.mmap):
 def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None = None) -> torch.Tensor:
     """A zero-filled, pinned host tensor of exactly `numel` elements ([Note: pinned memory without rounding])."""
     nbytes = numel * dtype.itemsize
-    if nbytes < EXACT_FROM:
+    if nbytes < EXACT_FROM or os.environ.get("ZEROSHARD_PINNED", "").lower() == "torch":
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
     registry = registry or cuda_registry()
     mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE)
