@@ -3,7 +3,7 @@
 # under 10 minutes each, in order of what the issue needs most. From the repository root, on the GPU machine:
 #
 #     bash benchmarks/gpu_calls.sh 1   # make test-gpu; the overlap profile with its host ops; rows a, b, b+ at 18 layers
-#     bash benchmarks/gpu_calls.sh 2   # row c+ at 49 layers (10.18B parameters): the 10B target of (c)
+#     bash benchmarks/gpu_calls.sh 2   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
 #     bash benchmarks/gpu_calls.sh 3   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
 #     bash benchmarks/gpu_calls.sh 4   # row d (NVMe) at 14 layers
 #
@@ -47,7 +47,7 @@ case ${1:-} in
     offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
     ;;
 2)
-    offload row_cplus 570 --try c+:49 --ratio 0.55 --steps 4 --warmup 2 --timeout 540
+    offload row_cplus 570 --try c+:49,46 --ratio 0.55 --steps 4 --warmup 2 --timeout 270
     ;;
 3)
     offload row_c 230 --try c:32,28,24 --steps 4 --warmup 2 --timeout 110
