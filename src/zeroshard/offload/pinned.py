@@ -14,16 +14,18 @@ workers): pages shared copy-on-write with one could leave the device reading a p
 driver reports registered memory as pinned host memory, so `is_pinned()` is true and copies to and from it run
 asynchronously, as from `cudaHostAlloc`'s. Below `EXACT_FROM` bytes torch's allocator serves (its rounding costs
 little there). Such storages cannot be resized: state swapped to NVMe (freed and re-allocated around each use) keeps
-torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is. A
-registration the driver refuses (a memlock limit) is an error naming the way out, before any training:
-cudaHostAlloc would have been refused as well. ZEROSHARD_PINNED=torch leaves all pinning to torch's allocator.
+torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is.
+The unregistration runs on the registering device, after that device's work is done, from whichever thread frees
+the memory; at interpreter exit it is left to the driver. A registration the driver refuses is an error naming the
+way out, before any training (the thread's CUDA error is cleared first, so it cannot surface at an unrelated
+operation). ZEROSHARD_PINNED=torch leaves all pinning to torch's allocator.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,17 +46,40 @@ class HostRegistry:
 
 
 def cuda_registry() -> HostRegistry:
+    """The CUDA runtime's registration, on the current device (portable: valid in every context); the unregistration
+    runs on that device whichever thread frees the memory, after that device's work is done."""
     cudart = torch.cuda.cudart()
+    device = torch.cuda.current_device()
+    synchronize, on_device = torch.cuda.synchronize, torch.cuda.device
 
     def register(address: int, nbytes: int) -> str | None:
-        error = cudart.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
-        return None if error == cudart.cudaError.success else str(cudart.cudaGetErrorString(error))
+        error = cudart.cudaHostRegister(address, nbytes, _REGISTER_PORTABLE)
+        if error == cudart.cudaError.success:
+            return None
+        _clear_last_error()
+        return f"{cudart.cudaGetErrorString(error)}, cudaError {int(error)}"
 
     def unregister(address: int) -> None:
-        torch.cuda.synchronize()  # no copy may still read or write the memory (freed at teardown: cheap)
-        cudart.cudaHostUnregister(address)
+        with on_device(device):
+            try:
+                synchronize(device)  # no copy may still read or write the memory (freed at teardown: cheap)
+            finally:
+                cudart.cudaHostUnregister(address)
 
     return HostRegistry(register, unregister)
+
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+def _clear_last_error() -> None:
+    """A failed runtime call leaves the thread's last error set, and torch's next kernel launch check would raise it
+    at an unrelated operation; a launch that raises it here clears it (torch binds no cudaGetLastError)."""
+    try:
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
 
 
 class _Mapping(mmap.mmap):
@@ -63,10 +88,13 @@ class _Mapping(mmap.mmap):
     unlock: Callable[[int], object] | None = None
     address = 0
 
-    def __del__(self) -> None:
-        if self.unlock is not None:
-            with contextlib.suppress(Exception):  # at interpreter exit the CUDA runtime may be gone already
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # at interpreter exit the CUDA runtime and this module's globals may be gone: the driver unlocks at exit
+        if self.unlock is not None and not _finalizing():
+            try:
                 self.unlock(self.address)
+            except Exception:  # a finalizer must not raise; the driver unlocks at exit
+                pass
 
 
 def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None = None) -> torch.Tensor:
@@ -82,9 +110,9 @@ def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None =
     error = registry.register(tensor.data_ptr(), nbytes)
     if error is not None:
         raise ZeroshardError(
-            f"pinning {nbytes / 2**30:.2f} GiB of host memory for offloaded state failed ({error}): raise the "
-            "locked-memory limit (`ulimit -l unlimited`, or the container's memlock), or set pin_memory false in "
-            "offload_optimizer / offload_param"
+            f"pinning {nbytes / 2**30:.2f} GiB of host memory for offloaded state failed ({error}): free host "
+            "memory or raise a locked-memory limit (`ulimit -l unlimited`, the container's memlock), or set "
+            "pin_memory false in offload_optimizer / offload_param (ZEROSHARD_PINNED=torch pins through torch instead)"
         )
     mapping.unlock, mapping.address = registry.unregister, tensor.data_ptr()
     return tensor
