@@ -86,3 +86,18 @@ def test_quiet_at_interpreter_exit():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["unlocked"], done.stdout  # the one freed while running
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_zeroshard_report_checks_exact_pinning(monkeypatch):
+    """`zeroshard report` on a GPU machine tries what offloaded state will use, and says when it cannot."""
+    import zeroshard.offload.pinned as pinned
+    from zeroshard.cli.report import _exact_pinning
+
+    def refused(numel, dtype):
+        raise ZeroshardError("pinning 0.06 GiB of host memory for offloaded state failed (out of memory)")
+
+    monkeypatch.setattr(pinned, "pinned_zeros", refused)
+    check = _exact_pinning()
+    assert check.ok is False and "out of memory" in check.detail
+    monkeypatch.setattr(pinned, "pinned_zeros", lambda numel, dtype: torch.zeros(numel, dtype=dtype))
+    assert _exact_pinning().ok is False  # not pinned: reported as such

@@ -155,7 +155,23 @@ def pinned_memory() -> list[Check]:
         checks.append(Check("pinned host buffers", bool(buf.is_pinned()), "allocated and freed 64 MiB pinned"))
     except RuntimeError as err:
         checks.append(Check("pinned host buffers", False, f"allocation failed: {err}"))
+    checks.append(_exact_pinning())
     return checks
+
+
+def _exact_pinning() -> Check:
+    """What offloaded model state uses ([Note: pinned memory without rounding] in offload/pinned.py)."""
+    import torch
+
+    from zeroshard.errors import ZeroshardError
+    from zeroshard.offload.pinned import pinned_zeros
+
+    name = "exact-size pinned state"
+    try:
+        state = pinned_zeros((64 << 20) + 4096, torch.uint8)
+    except ZeroshardError as err:
+        return Check(name, False, f"{err}")
+    return Check(name, bool(state.is_pinned()), "registered and freed 64 MiB + 4 KiB (cudaHostRegister)")
 
 
 def nvme(path: str) -> list[Check]:
