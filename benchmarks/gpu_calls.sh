@@ -41,7 +41,7 @@ offload() {  # `offload NAME SECONDS ARGS...`: benchmarks.gpu_offload with its J
 
 case ${1:-} in
 1)
-    { nvidia-smi; python -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; } >"$out/machine.txt" 2>&1
+    { nvidia-smi; python -m zeroshard.cli.main report; } >"$out/machine.txt" 2>&1  # versions, pinning, disk
     step test_gpu 260 make test-gpu
     step overlap 80 python -m benchmarks.overlap --ops 25 --json "$out/overlap.json"
     offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
