@@ -50,9 +50,19 @@ def test_exact_size_zero_filled_and_unlocked_after_the_last_view(dtype):
     assert fake.unlocked == [address]
 
 
-def test_refused_registration_names_the_way_out():
-    with pytest.raises(ZeroshardError, match=r"pinning .* GiB .*out of memory.*ulimit -l.*pin_memory false"):
-        pinned_zeros(EXACT_FROM, torch.float32, Registry(refuse=True).registry())
+def test_refused_registration_falls_back_to_torch_with_one_warning(log: pytest.LogCaptureFixture):
+    """Never worse than before exact pinning: torch's allocator pins it instead (here, without CUDA, torch's own
+    refusal shows it was asked), with the cause named once; without the fallback (`zeroshard report`), an error."""
+    with pytest.raises(ZeroshardError, match=r"registering .* GiB .*out of memory.*ulimit -l"):
+        pinned_zeros(EXACT_FROM, torch.float32, Registry(refuse=True).registry(), fallback=False)
+    for _ in range(2):
+        try:
+            pinned = pinned_zeros(EXACT_FROM, torch.float32, Registry(refuse=True).registry())
+            assert pinned.is_pinned()  # a machine with CUDA: torch pinned it
+        except RuntimeError:
+            pass  # no CUDA here: torch cannot pin
+    warnings = [r.getMessage() for r in log.records if r.name == "zeroshard.offload.pinned"]
+    assert len(warnings) == 1 and "out of memory" in warnings[0] and "torch's allocator" in warnings[0]
 
 
 def test_torch_allocator_on_request(monkeypatch):
@@ -93,11 +103,12 @@ def test_zeroshard_report_checks_exact_pinning(monkeypatch):
     import zeroshard.offload.pinned as pinned
     from zeroshard.cli.report import _exact_pinning
 
-    def refused(numel, dtype):
-        raise ZeroshardError("pinning 0.06 GiB of host memory for offloaded state failed (out of memory)")
+    def refused(numel, dtype, fallback=True):
+        assert not fallback  # the report wants the refusal, not torch's pinning
+        raise ZeroshardError("registering 0.06 GiB of host memory for offloaded state failed (out of memory)")
 
     monkeypatch.setattr(pinned, "pinned_zeros", refused)
     check = _exact_pinning()
     assert check.ok is False and "out of memory" in check.detail
-    monkeypatch.setattr(pinned, "pinned_zeros", lambda numel, dtype: torch.zeros(numel, dtype=dtype))
+    monkeypatch.setattr(pinned, "pinned_zeros", lambda numel, dtype, fallback: torch.zeros(numel, dtype=dtype))
     assert _exact_pinning().ok is False  # not pinned: reported as such

@@ -168,7 +168,7 @@ def _exact_pinning() -> Check:
 
     name = "exact-size pinned state"
     try:
-        state = pinned_zeros((64 << 20) + 4096, torch.uint8)
+        state = pinned_zeros((64 << 20) + 4096, torch.uint8, fallback=False)
     except ZeroshardError as err:
         return Check(name, False, f"{err}")
     return Check(name, bool(state.is_pinned()), "registered and freed 64 MiB + 4 KiB (cudaHostRegister)")

@@ -15,10 +15,11 @@ driver reports registered memory as pinned host memory, so `is_pinned()` is true
 asynchronously, as from `cudaHostAlloc`'s. Below `EXACT_FROM` bytes torch's allocator serves (its rounding costs
 little there). Such storages cannot be resized: state swapped to NVMe (freed and re-allocated around each use) keeps
 torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is.
-The unregistration runs on the registering device, after that device's work is done, from whichever thread frees
-the memory; at interpreter exit it is left to the driver. A registration the driver refuses is an error naming the
-way out, before any training (the thread's CUDA error is cleared first, so it cannot surface at an unrelated
-operation). ZEROSHARD_PINNED=torch leaves all pinning to torch's allocator.
+The unregistration runs on the registering device, after that device's work is done, from whichever thread frees the
+memory; at interpreter exit it is left to the driver. A registration the driver refuses falls back to torch's
+allocator with one warning naming the cause (the thread's CUDA error is cleared first, so it cannot surface at an
+unrelated operation; `zeroshard report` tries a registration up front). ZEROSHARD_PINNED=torch leaves all pinning to
+torch's allocator.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 EXACT_FROM = 1 << 20  # bytes: smaller pinned tensors come from torch's allocator
 
@@ -97,8 +102,12 @@ class _Mapping(mmap.mmap):
                 pass
 
 
-def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None = None) -> torch.Tensor:
-    """A zero-filled, pinned host tensor of exactly `numel` elements ([Note: pinned memory without rounding])."""
+def pinned_zeros(
+    numel: int, dtype: torch.dtype, registry: HostRegistry | None = None, fallback: bool = True
+) -> torch.Tensor:
+    """A zero-filled, pinned host tensor of exactly `numel` elements ([Note: pinned memory without rounding]). If the
+    driver refuses the registration, torch's allocator pins it instead (warned once), or, without `fallback`, a
+    ZeroshardError says why."""
     nbytes = numel * dtype.itemsize
     if nbytes < EXACT_FROM or os.environ.get("ZEROSHARD_PINNED", "").lower() == "torch":
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
@@ -108,11 +117,22 @@ def pinned_zeros(numel: int, dtype: torch.dtype, registry: HostRegistry | None =
         mapping.madvise(mmap.MADV_DONTFORK)
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
     error = registry.register(tensor.data_ptr(), nbytes)
-    if error is not None:
-        raise ZeroshardError(
-            f"pinning {nbytes / 2**30:.2f} GiB of host memory for offloaded state failed ({error}): free host "
-            "memory or raise a locked-memory limit (`ulimit -l unlimited`, the container's memlock), or set "
-            "pin_memory false in offload_optimizer / offload_param (ZEROSHARD_PINNED=torch pins through torch instead)"
-        )
-    mapping.unlock, mapping.address = registry.unregister, tensor.data_ptr()
-    return tensor
+    if error is None:
+        mapping.unlock, mapping.address = registry.unregister, tensor.data_ptr()
+        return tensor
+    refusal = (
+        f"registering {nbytes / 2**30:.2f} GiB of host memory for offloaded state failed ({error}); free host memory "
+        "or raise a locked-memory limit (`ulimit -l unlimited`, the container's memlock)"
+    )
+    if not fallback:
+        raise ZeroshardError(refusal)
+    _warn_once(
+        f"{refusal}: pinning through torch's allocator instead, which rounds each tensor up to a power of two (up to "
+        "twice the host memory); ZEROSHARD_PINNED=torch does so without trying"
+    )
+    return torch.zeros(numel, dtype=dtype, pin_memory=True)
+
+
+@cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
