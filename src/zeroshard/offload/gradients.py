@@ -69,15 +69,14 @@ class BoundaryStats:
     gradient shard leaves once its host copy holds it]): its fp32 norm and, when overflow is checked, its largest
     magnitude (a device tensor, read at the step: no host sync per shard during backward)."""
 
-    norm: torch.Tensor | None  # None for an empty shard (a frozen unit's)
+    norms: list[torch.Tensor]  # as `tensor_norms` gives them: none for an empty shard (a frozen unit's)
     peak: torch.Tensor | None
 
     @staticmethod
     def of(shard: torch.Tensor, check_overflow: bool) -> BoundaryStats:
-        if not shard.numel():
-            return BoundaryStats(None, None)
-        peak = torch._foreach_norm([shard], ord=float("inf"))[0].float() if check_overflow else None
-        return BoundaryStats(tensor_norms([shard])[0], peak)
+        overflow = check_overflow and shard.numel() > 0
+        peak = torch._foreach_norm([shard], ord=float("inf"))[0].float() if overflow else None
+        return BoundaryStats(tensor_norms([shard]), peak)
 
     @staticmethod
     def any_overflow(records: Sequence[BoundaryStats]) -> bool:
@@ -214,7 +213,7 @@ class GradientTier:
                 norms += tensor_norms([s.shard])
                 held.append(s.shard)
             else:
-                norms += [] if record.norm is None else [record.norm]
+                norms += record.norms
                 records.append(record)
         return norms, self.check_overflow and (has_inf_or_nan(held) or BoundaryStats.any_overflow(records))
 
@@ -319,7 +318,7 @@ class SwappedGradients(GradientTier):
             for s in slots:
                 record = self._stats.get(s.key)
                 if record is not None:
-                    norms += [] if record.norm is None else [record.norm]
+                    norms += record.norms
                     records.append(record)
                 elif s.shard.numel():  # a frozen shard holds zeros
                     norms.append(torch.zeros((), device=s.shard.device))
