@@ -3,13 +3,14 @@
 # under 10 minutes each, in order of what the issue needs most. From the repository root, on the GPU machine:
 #
 #     bash benchmarks/gpu_calls.sh 1   # make test-gpu; the overlap profile with its host ops; rows a, b, b+ at 18 layers
-#     bash benchmarks/gpu_calls.sh 2   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
-#     bash benchmarks/gpu_calls.sh 3   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
-#     bash benchmarks/gpu_calls.sh 4   # row d (NVMe) at 14 layers
+#     bash benchmarks/gpu_calls.sh 2   # rows a0 and so (super_offload, no clipping) at 18 layers: (b)'s target again
+#     bash benchmarks/gpu_calls.sh 3   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
+#     bash benchmarks/gpu_calls.sh 4   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
+#     bash benchmarks/gpu_calls.sh 5   # row d (NVMe) at 14 layers
 #
 # Every step writes its log (and JSON, where the script makes one) under $OUT, the device tool's return folder
 # (./gpu_out elsewhere), as it goes, and is bounded by `timeout`, so a call cut short still returns what finished.
-# Call 3's DeepSpeed row needs its wheels (the GPU machine has no package registry); here, beforehand:
+# Call 4's DeepSpeed row needs its wheels (the GPU machine has no package registry); here, beforehand:
 #
 #     mkdir -p .git/info && echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -47,9 +48,13 @@ case ${1:-} in
     offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
     ;;
 2)
-    offload row_cplus 570 --try c+:49,46 --ratio 0.55 --steps 4 --warmup 2 --timeout 270
+    offload rows_so 400 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150
+    PYTHONPATH=src:tests timeout 150 python -m pytest -q tests/gpu -m cuda -k super_offload 2>&1 | tee "$out/test_so.log"
     ;;
 3)
+    offload row_cplus 570 --try c+:49,46 --ratio 0.55 --steps 4 --warmup 2 --timeout 270
+    ;;
+4)
     offload row_c 230 --try c:32,28,24 --steps 4 --warmup 2 --timeout 110
     depth=$(python -c "import json,sys; t=[r for r in json.load(open(sys.argv[1]))['tries'] if r['ok']]; print(t[0]['layers'] if t else '')" "$out/row_c.json" 2>/dev/null)
     [ -n "$depth" ] && offload row_fsdp2 150 --try "fsdp2:$depth" --steps 4 --warmup 2 --timeout 140
@@ -62,11 +67,11 @@ case ${1:-} in
         echo "== row_ds: skipped, no .whl/deepspeed-* carried (see the top of this script)"
     fi
     ;;
-4)
+5)
     offload row_d 570 --try d:14 --steps 3 --warmup 1 --timeout 540
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_calls.sh 1|2|3|4 (see the top of this file)" >&2
+    echo "usage: bash benchmarks/gpu_calls.sh 1|2|3|4|5 (see the top of this file)" >&2
     exit 2
     ;;
 esac

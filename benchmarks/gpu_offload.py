@@ -8,7 +8,9 @@ gradients) offloaded to the CPU, (c) optimizer and parameters on the CPU, (d) bo
 files under --nvme-path), and `fsdp2`: plain PyTorch FSDP2 (`fully_shard` per decoder layer, bf16 compute with fp32
 reduction, `CPUOffloadPolicy`, torch's AdamW on the host), `b+`/`c+`: rows (b)/(c) with `--ratio` of the optimizer
 state on the CPU and the rest on the GPU (DeepSpeed's ZeRO-Offload++ `offload_optimizer.ratio`, split by sub-groups of
-`--sub-group-size`), and `ds`: DeepSpeed's ZeRO-Offload with row (b)'s config
+`--sub-group-size`), `so`: row (b) with `super_offload` (DeepSpeed's SuperOffload: each sub-group of
+`--sub-group-size` stepped on the host during backward), which needs no gradient clipping, so it compares with `a0`,
+row (a) without clipping, and `ds`: DeepSpeed's ZeRO-Offload with row (b)'s config
 (needs DeepSpeed installed; its CPU Adam is JIT-built on first use). `ROW:L1,L2,...` tries each depth (decoder
 layers of a Llama-2-7B-wide model: hidden 4096, 32 heads, MLP 11008, 32k vocabulary, untied head; 32 layers are
 Llama-2-7B's 6.74B parameters) in order and stops at the first that trains: list them largest first and the row
@@ -17,7 +19,7 @@ reports the largest that fits; `ROW:=a` takes the depth row a trained at. Each t
 its cause.
 
 Every try: bf16, activation checkpointing (Hugging Face `gradient_checkpointing_enable`, non-reentrant), AdamW
-(lr 1e-4), gradient clipping 1.0, micro-batch --micro x --seq tokens of the bundled byte corpus (a new batch each
+(lr 1e-4), gradient clipping 1.0 (0 in rows a0 and so), micro-batch --micro x --seq tokens of the bundled byte corpus (a new batch each
 step), --steps steps of which the first --warmup are not timed. Reported: parameters, seconds per step (mean of the
 timed steps), tokens/s, achieved TFLOPS as 6 * parameters * tokens/s (the issue's definition: recomputation and
 attention not counted), the loss of every step, peak GPU memory (`max_memory_allocated`), the process's peak RSS
@@ -45,6 +47,8 @@ ROWS = {
     "d": "ZeRO-Infinity: optimizer + parameters on NVMe",
     "b+": "ZeRO-3, --ratio of the optimizer on CPU, the rest on the GPU (ZeRO-Offload++)",
     "c+": "ZeRO-3, parameters + --ratio of the optimizer on CPU, the rest on the GPU",
+    "a0": "ZeRO-3, all states in GPU memory, no gradient clipping",
+    "so": "ZeRO-3, optimizer on CPU stepped during backward (super_offload), no gradient clipping",
     "fsdp2": "PyTorch FSDP2, CPUOffloadPolicy",
     "ds": "DeepSpeed ZeRO-3, optimizer offloaded to CPU (DeepSpeedCPUAdam)",
 }
@@ -80,8 +84,11 @@ def count_parameters(args: argparse.Namespace) -> int:
 
 def zero_config(row: str, args: argparse.Namespace) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
-    if row in ("b", "c", "b+", "c+"):
+    if row in ("b", "c", "b+", "c+", "so"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if row == "so":  # [Note: speculative host steps]: a sub-group is stepped once complete, so make them many
+        zero["offload_optimizer"]["super_offload"] = True
+        zero["sub_group_size"] = args.sub_group_size
     if row in ("b+", "c+"):  # [Note: partial offload]: the split is by sub-group, so make them many
         zero["offload_optimizer"]["ratio"] = args.ratio
         zero["sub_group_size"] = args.sub_group_size
@@ -94,7 +101,7 @@ def zero_config(row: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": 0.0 if row in ("a0", "so") else 1.0,  # super_offload speculates only without it
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": zero,
@@ -325,7 +332,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--ratio", type=float, default=0.5, help="rows b+/c+: offload_optimizer.ratio")
-    parser.add_argument("--sub-group-size", type=int, default=100_000_000, help="rows b+/c+: sub_group_size")
+    parser.add_argument("--sub-group-size", type=int, default=100_000_000, help="rows b+/c+/so: sub_group_size")
     parser.add_argument("--nvme-path", type=Path, default=Path(tempfile.gettempdir()) / "zeroshard-nvme")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per try")
     parser.add_argument("--json", type=Path)

@@ -36,6 +36,7 @@ from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
+from zeroshard.zero.stage3.speculate import SpeculationPolicy
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
@@ -359,6 +360,7 @@ def _make_strategy(
         ),
         weights=weights,
         root_by_module=bool(cfg.zeroshard.stage3_root_by_module),
+        speculation=_speculation(cfg, step),
         zeropp=ZeroPPPolicy(
             quantized_weights=bool(z.zero_quantized_weights),
             hpz_partition_size=int(z.zero_hpz_partition_size or 1),
@@ -367,6 +369,23 @@ def _make_strategy(
         ),
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
+
+
+def _speculation(cfg: ZeroshardConfig, step: StepPolicy) -> SpeculationPolicy | None:
+    """`offload_optimizer.super_offload` ([Note: speculative host steps]; config/checks.py refused what it cannot
+    do): the host steps during backward, unless clipping makes every step wait for the norm."""
+    block = cfg.zero_optimization.offload_optimizer
+    if not bool(block.super_offload):
+        return None
+    if step.gradient_clipping > 0:
+        logger.warning(
+            "zeroshard: zero_optimization.offload_optimizer.super_offload steps the optimizer during backward only "
+            f"without gradient clipping (gradient_clipping {step.gradient_clipping:g} scales every gradient by the "
+            "norm of all of them, as in DeepSpeed's SuperOffload); the offloaded step runs after backward"
+        )
+        return None
+    may_skip = step.check_overflow or step.skip_nonfinite_norm
+    return SpeculationPolicy(cores_fraction=float(block.cpuadam_cores_perc), may_skip=may_skip)
 
 
 def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy) -> bool:

@@ -291,6 +291,54 @@ def test_offloaded_gradient_shards_leave_the_gpu_once_copied(gas: int) -> None:
         assert norm == plain_norm, (norm, plain_norm)
 
 
+def _super_offload(rank: int, world_size: int, gas: int):
+    """[Note: speculative host steps] on CUDA: the host steps each sub-group during backward from the pinned copies
+    the side stream fills (held back here behind a sleeping kernel, so a step that did not wait for them would read
+    stale values), publishing from its own stream; the results equal stepping after backward bit for bit. The
+    worker thread runs on its share of the cores while the main thread keeps the rest, restored by destroy()."""
+    import os
+
+    import zeroshard
+
+    out = {}
+    cores = sorted(os.sched_getaffinity(0))
+    for super_offload in (True, False):
+        case = Case(stage=3, offload="cpu", dtype="bf16", gas=gas, steps=3, clip=0.0, sub_group=3000)
+        model = build_model(case)
+        config = ds_config(case)
+        config["zero_optimization"]["offload_optimizer"]["super_offload"] = super_offload
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        losses, split = [], None
+        for batch in global_batches(case, world_size):
+            for k in range(gas):
+                x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, world_size, case.micro))
+                with torch.cuda.stream(engine.strategy.gradients_tier.copy_stream):
+                    torch.cuda._sleep(200_000_000)
+                loss = engine(x, y)
+                engine.backward(loss)
+                split = split or sorted(os.sched_getaffinity(0))
+                engine.step()
+                losses.append(loss.item())
+        params = [p.detach().float().cpu() for p in engine.module.state_dict().values()]
+        speculation = engine.strategy.speculation
+        taken = speculation.steps_taken if speculation is not None else 0
+        groups = sum(g.tier.offloaded for g in engine.strategy.built.sub_groups)
+        engine.destroy()
+        out[super_offload] = (losses, params, taken, groups, split, sorted(os.sched_getaffinity(0)))
+    return cores, out
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_super_offload_steps_during_backward_on_cuda(gas: int) -> None:
+    for cores, out in run_on_ranks(_super_offload, WORLD_SIZES[-1], gas):
+        (losses, params, taken, groups, split, after), plain = out[True], out[False]
+        assert groups >= 2 and taken == groups * 3, (groups, taken)
+        assert losses == plain[0] and all(torch.equal(a, b) for a, b in zip(params, plain[1], strict=True))
+        if len(cores) >= 2:  # cpuadam_cores_perc 0.8: the main thread keeps the first fifth (at least one core)
+            assert split == cores[: max(int(0.2 * len(cores)), 1)], (cores, split)
+        assert after == cores
+
+
 def _rss(address: int | None = None) -> int | None:
     """Resident bytes of the process (/proc/self/status), or of the mapping holding `address` (/proc/self/smaps:
     None when no mapping holds it)."""

@@ -62,8 +62,10 @@ def test_every_row_trains_on_the_cpu(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "benchmarks.gpu_offload", "--device", "cpu", "--hidden", "256", "--seq", "32"]
     command += ["--micro", "2", "--steps", "3", "--warmup", "1", "--nvme-path", str(tmp_path / "nvme")]
     command += ["--sub-group-size", "200000"]  # rows b+/c+: several sub-groups, some on each side
-    rows = ["a", "b", "c", "d", "fsdp2", "b+", "c+"] + (["ds"] if importlib.util.find_spec("deepspeed") else [])
-    command += ["--try", "a:2", "b:=a", "c:2", "d:2", "fsdp2:2", "b+:2", "c+:2", *(["ds:2"] if "ds" in rows else [])]
+    rows = ["a", "b", "c", "d", "fsdp2", "b+", "c+", "a0", "so"]
+    rows += ["ds"] if importlib.util.find_spec("deepspeed") else []
+    command += ["--try", "a:2", "b:=a", "c:2", "d:2", "fsdp2:2", "b+:2", "c+:2", "a0:2", "so:=a0"]
+    command += ["ds:2"] if "ds" in rows else []
     command += ["--json", str(report)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     subprocess.run(command, check=True, cwd=ROOT, env=env, timeout=600)
@@ -73,4 +75,5 @@ def test_every_row_trains_on_the_cpu(tmp_path: Path) -> None:
         assert t["losses"][-1] < t["losses"][0] and t["params"] > 0
     for offloaded in (1, 5):  # offloading, whole or in part, changes no number
         assert tries[0]["losses"] == pytest.approx(tries[offloaded]["losses"], rel=1e-5)
+    assert tries[7]["losses"] == pytest.approx(tries[8]["losses"], rel=1e-5)  # nor stepping during backward
     assert tries[3]["nvme_bytes"] > 0

@@ -94,10 +94,42 @@ def _check_offload(cfg: ZeroshardConfig) -> None:
                 f'zero_optimization.offload_optimizer.ratio: {ratio} (partial offload) needs the "zero" backend: '
                 "FSDP2's CPUOffloadPolicy offloads all optimizer state or none"
             )
+    _check_super_offload(cfg)
     for name in ("offload_param", "offload_optimizer") if stage == 3 else ("offload_optimizer",):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f'zero_optimization.{name}.device is "nvme" but {name}.nvme_path is not set')
+
+
+def _check_super_offload(cfg: ZeroshardConfig) -> None:
+    """[Note: speculative host steps]: stage 3 with the optimizer on the host, and an Adam step it can undo."""
+    zero = cfg.zero_optimization
+    block = zero.offload_optimizer
+    if block.super_offload is not True:
+        return
+    key = "zero_optimization.offload_optimizer.super_offload"
+    needs = None
+    if zero.stage != 3:
+        needs = f"zero_optimization.stage 3 (it is {zero.stage})"
+    elif block.device != "cpu":
+        needs = f'offload_optimizer.device "cpu" (it is "{block.device}")'
+    elif zero.offload_param.device == "nvme":
+        needs = 'offload_param.device "none" or "cpu" (it is "nvme")'
+    elif str(cfg.zeroshard.backend) == "fsdp2":
+        needs = 'the "zero" backend (zeroshard.backend is "fsdp2")'
+    elif isinstance(block.cpuadam_cores_perc, float) and block.cpuadam_cores_perc <= 0.0:
+        needs = "offload_optimizer.cpuadam_cores_perc > 0 (it is 0)"
+    if needs is not None:
+        raise ConfigError(f"{key}: true needs {needs}; set super_offload false or remove it")
+    optimizer = cfg.optimizer
+    if optimizer is not None and isinstance(optimizer.type, str):
+        amsgrad = isinstance(optimizer.params, dict) and bool(optimizer.params.get("amsgrad", False))
+        if optimizer.type.lower() not in ("adam", "adamw") or amsgrad:
+            raise ConfigError(
+                f"{key}: true undoes a skipped step's updates, which zeroshard can for Adam and AdamW without amsgrad; "
+                f"optimizer.type is {optimizer.type!r}{' with amsgrad' if amsgrad else ''}: use Adam/AdamW or set "
+                "super_offload false"
+            )
 
 
 def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:

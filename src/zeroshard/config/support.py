@@ -72,6 +72,8 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_optimizer.pin_memory",
         "zero_optimization.offload_optimizer.ratio",  # stage 3, [Note: partial offload] in offload/tier.py
+        "zero_optimization.offload_optimizer.super_offload",  # stage 3, [Note: speculative host steps]
+        "zero_optimization.offload_optimizer.cpuadam_cores_perc",  # its worker's cores (CUDA)
         "aio.block_size",
         "aio.queue_depth",
         "aio.intra_op_parallelism",
@@ -193,8 +195,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Offload (CPU and NVMe) and asynchronous I/O.
         "zero_optimization.round_robin_gradients",
         "zero_force_ds_cpu_optimizer",
-        "zero_optimization.offload_optimizer.super_offload",
-        "zero_optimization.offload_optimizer.cpuadam_cores_perc",  # tunes super_offload's CPU-Adam worker
         "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.

@@ -165,7 +165,8 @@ class GradientTier:
         holds it])."""
         self._stats[slot.key] = BoundaryStats.of(slot.shard, self.check_overflow)
 
-    def _recorded(self, key: str) -> BoundaryStats | None:
+    def recorded(self, key: str) -> BoundaryStats | None:
+        """The boundary record `let_go` took of shard `key` in this window, if any."""
         return self._stats.get(key)
 
     def finish_backward(self) -> None:
@@ -202,13 +203,13 @@ class GradientTier:
         """Per-shard fp32 norms (in `slots` order, empty shards left out) and this rank's inf/nan flag: a shard
         released after its host copy counts by its boundary record (`let_go`); `prepare` makes one without a record
         resident again (it reads it back from the copy)."""
-        if any(released(s.shard) and self._recorded(s.key) is None for s in slots):
+        if any(released(s.shard) and self.recorded(s.key) is None for s in slots):
             prepare()
         norms: list[torch.Tensor] = []
         held: list[torch.Tensor] = []
         records: list[BoundaryStats] = []
         for s in slots:
-            record = self._recorded(s.key) if released(s.shard) else None
+            record = self.recorded(s.key) if released(s.shard) else None
             if record is None:
                 norms += tensor_norms([s.shard])
                 held.append(s.shard)
@@ -260,8 +261,8 @@ class SplitGradients(GradientTier):
     def let_go(self, slot: GradShard) -> None:
         self._parts[slot.key].let_go(slot)
 
-    def _recorded(self, key: str) -> BoundaryStats | None:
-        return self._parts[key]._recorded(key) if key in self._parts else None
+    def recorded(self, key: str) -> BoundaryStats | None:
+        return self._parts[key].recorded(key) if key in self._parts else None
 
     def finish_backward(self) -> None:
         self.device.finish_backward()

@@ -18,6 +18,7 @@ from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.zero.pool import BufferPool, InflightQueue
+from zeroshard.zero.stage3.speculate import SpeculativeSteps
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.strategy import AccumulationState
 
@@ -48,6 +49,8 @@ class UnitReducer:
         # reduction to step]): reduce straight into them
         self.first_window_step = True
         self.scatter: Callable[..., Handle] | None = None  # ZeRO++ qgZ's reduce-scatter (zero/zeropp/grads.py)
+        # super_offload's worker, told of each shard final on the boundary ([Note: speculative host steps])
+        self.speculation: SpeculativeSteps | None = None
 
     def stage(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         """A parameter's gradient was accumulated: move it into the unit's staging buffer."""
@@ -82,3 +85,5 @@ class UnitReducer:
                 # [Note: a gradient shard leaves once its host copy holds it]: what the step needs of it, then it goes
                 self.gradients.let_go(slot)
                 unit.hand_grad_to_copy(self.gradients.copy_stream)
+            if boundary and self.speculation is not None:
+                self.speculation.delivered(unit)

@@ -29,11 +29,9 @@ class SubGroupStepper:
         self.optimizer: torch.optim.Optimizer | None = None
         self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
 
-    def step(self, scale: float) -> None:
-        # empty stand-ins are stepped with the first sub-group so every rank's optimizer counts the same
-        # steps per group (its scalar state, e.g. Adam's step, is what checkpoints record per group)
-        for placeholder in self.placeholders:
-            placeholder.grad = torch.zeros_like(placeholder)
+    def step(self, scale: float, done: frozenset[int] = frozenset()) -> None:
+        """Step every sub-group but those in `done` (stepped during backward: [Note: speculative host steps], which
+        happens only with the optimizer state in memory), with the gradients times `scale`."""
         previous: list[ShardedUnit] = []
         keyed = self._keyed()
         for k, units in enumerate(self.store.in_turn(keyed, self.tensors)):
@@ -41,15 +39,15 @@ class SubGroupStepper:
                 self._start_reads(units)
             if k + 1 < len(keyed):
                 self._start_reads(keyed[k + 1][1])
+            if k in done:
+                continue
             for unit in units:
                 self.store.ready(unit.grad_key)
-            self._step(units, scale)
+            self.step_sub_group(k, units, scale)
             for unit in units:  # not needed after the step (zero_grad follows): freed, not written
                 if self.store.leaves_memory:  # the masters go to the swapper: let their copies finish first
                     unit.wait_published()
                 self.store.drop(unit.grad_key)
-            for placeholder in self.placeholders:
-                placeholder.grad = None
             for unit in previous:  # compute shards on NVMe: the previous sub-group's writes are done
                 unit.settle_shard()
             previous = units
@@ -70,28 +68,47 @@ class SubGroupStepper:
             if unit.master is unit.shard:
                 unit.home.fetch(unit.key)
 
-    def _step(self, units: list[ShardedUnit], scale: float) -> None:
+    def step_sub_group(self, k: int, units: list[ShardedUnit], scale: float, private: bool = False) -> None:
+        """Step sub-group `k` (`units`, resident) and publish its masters. The empty stand-ins are stepped with the
+        first sub-group so every rank's optimizer counts the same steps per group (its scalar state, e.g. Adam's
+        step, is what checkpoints record per group). `private`: a gradient shard that serves as its own fp32 copy
+        is left as it is (scaled into a temporary): the norm still reads it ([Note: speculative host steps])."""
         assert self.optimizer is not None
-        members = {u.index for u in units}
         for unit in units:
             unit.master_resident()
             self.host_copies_in_backward += unit.grad_copy_ready
-        assigned = []
+        stepped = self.gradients_of(k, units, scale, private)
+        for master, grad in stepped:
+            master.grad = grad
+        if stepped:
+            self.optimizer.step()
+        for master, _ in stepped:
+            master.grad = None
+        for unit in units:
+            unit.publish()
+
+    def gradients_of(
+        self, k: int, units: list[ShardedUnit], scale: float, private: bool, stepped: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(master, the fp32 gradient its step applies) for sub-group `k`, the stand-ins with the first;
+        `stepped`: the step already ran, so a host copy already holds its gradient times `scale`."""
+        members = {u.index for u in units}
+        out = [(p, torch.zeros_like(p)) for p in self.placeholders] if k == 0 else []
         for piece in self._pieces_of(members):
             unit = piece.unit
             copy = unit.grad_copy
             if copy is not None and copy is not unit.grad_shard:
                 copy = copy.narrow(0, piece.offset, piece.grad.numel())
-            elif copy is not None:
-                copy = piece.grad  # the shard itself serves (fp32 on the master's device)
-            piece.master.grad = self.gradients.for_step(piece.grad, piece.master, copy, unit.grad_copy_ready, scale)
-            assigned.append(piece.master)
-        if assigned or any(p.grad is not None for p in self.placeholders):
-            self.optimizer.step()
-        for master in assigned:
-            master.grad = None
-        for unit in units:
-            unit.publish()
+                out.append((piece.master, copy if stepped else self._for_step(piece, copy, unit, scale)))
+            elif copy is not None and private and scale != 1.0:
+                out.append((piece.master, piece.grad * scale))
+            else:  # the shard itself serves (fp32 on the master's device), or a temporary
+                copy = piece.grad if copy is not None else None
+                out.append((piece.master, self._for_step(piece, copy, unit, scale)))
+        return out
+
+    def _for_step(self, piece: Piece, copy: torch.Tensor | None, unit: ShardedUnit, scale: float) -> torch.Tensor:
+        return self.gradients.for_step(piece.grad, piece.master, copy, unit.grad_copy_ready, scale)
 
     def _pieces_of(self, members: set[int]) -> Iterator[Piece]:
         for pieces in self.pieces:

@@ -23,10 +23,12 @@ from torch.utils._pytree import tree_flatten
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
+from zeroshard.errors import ConfigError
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.tier import Tier
+from zeroshard.optim.rollback import undoable_reason
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
@@ -37,6 +39,7 @@ from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.root import RootUnit
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_gathers
+from zeroshard.zero.stage3.speculate import SpeculationPolicy, speculation_for
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 from zeroshard.zero.strategy import (
@@ -65,6 +68,7 @@ class Stage3Policy(StrategyPolicy):
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
     zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
     root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
+    speculation: SpeculationPolicy | None = None  # offload_optimizer.super_offload ([Note: speculative host steps])
 
 
 class Stage3Strategy(Strategy):
@@ -118,6 +122,10 @@ class Stage3Strategy(Strategy):
         )
         self.zeropp = attach_zeropp(policy.zeropp, comm, self.units, self.schedule, self.reducer)
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
+        self.speculation = speculation_for(
+            self.stepper, self.built.sub_groups, self.gradients_tier, policy.speculation, self._grad_scale, device
+        )
+        self.reducer.speculation = self.speculation
         self._state_dict_gathered: list[bool] = []
         # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
         # still follows them ([Note: divergence check])
@@ -147,6 +155,12 @@ class Stage3Strategy(Strategy):
         return groups
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        reason = undoable_reason(optimizer) if self.speculation is not None else None
+        if reason is not None:  # [Note: speculative host steps] undoes a skipped step's updates
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.super_offload: true needs an optimizer whose step zeroshard can "
+                f"undo, but {reason}: use Adam/AdamW or set super_offload false"
+            )
         self.optimizer = optimizer
         self.stepper.optimizer = optimizer
 
@@ -190,6 +204,8 @@ class Stage3Strategy(Strategy):
             self.schedule.post_forward(unit)
 
     def on_grad(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
+        if self.speculation is not None:
+            self.speculation.check_no_backward()
         self.reducer.stage(unit, index, param)
         unit.return_shape(index)  # [Note: root unit by module]: lent while autograd accumulated it
 
@@ -203,6 +219,8 @@ class Stage3Strategy(Strategy):
 
     # -- backward ----------------------------------------------------------------------------------
     def begin_backward(self) -> None:
+        if self.speculation is not None:
+            self.speculation.check_no_backward()
         self.schedule.in_backward = True
 
     def finish_backward(self) -> None:
@@ -211,6 +229,8 @@ class Stage3Strategy(Strategy):
         self.reducer.finish(self.units)
         self.schedule.end_backward()
         self.pool.end_pass()
+        if self.speculation is not None:  # [Note: speculative host steps]: taken by the time backward returns
+            self.speculation.settle()
 
     # -- the step (skeleton in Strategy.step) --------------------------------------------------------
     @property
@@ -231,7 +251,8 @@ class Stage3Strategy(Strategy):
             unit.grad_resident()
 
     def _step_chunks(self, scale: float) -> None:
-        self.stepper.step(scale)
+        done = self.speculation.commit(scale) if self.speculation is not None else frozenset()
+        self.stepper.step(scale, done)
 
     def _publish(self) -> None:
         self.refresh_gathered()
@@ -244,6 +265,8 @@ class Stage3Strategy(Strategy):
 
     def zero_grad(self) -> None:
         self.finish_backward()
+        if self.speculation is not None:  # a skipped step, or gradients dropped without one
+            self.speculation.undo("the step was skipped or its gradients dropped")
         for unit in self.units:
             unit.zero_grad_shard()
             unit.grad_copy_ready = False
@@ -320,6 +343,8 @@ class Stage3Strategy(Strategy):
 
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
+        if self.speculation is not None:
+            self.speculation.close()
         self.hooks.remove()
         self._settle_at_exit.detach()  # every pending gather is waited for below
         self.stepper.store.close()  # removes the swap files
@@ -371,6 +396,8 @@ class Stage3Strategy(Strategy):
             if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
                 self.gradients_tier.landed()
                 assert unit.grad_copy is not None
+                if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
+                    return unit.grad_copy.to(self.device)
                 return unit.grad_copy.to(self.device) * scale
             unit.grad_resident()
             unit.grad_home.ready(unit.grad_key)

@@ -1,0 +1,297 @@
+"""`offload_optimizer.super_offload`: the host steps offloaded sub-groups while backward still runs.
+
+[Note: speculative host steps]
+With the optimizer offloaded, the host's Adam over every master runs after backward while the GPU waits (issue 13's
+row (b): 0.85 s of Adam after a 1.13 s GPU step at 3.91B parameters). Stage 3 reduces gradients unit by unit, last
+layers first, and copies each final shard to the host on the accumulation boundary. As soon as every unit of an
+offloaded sub-group has arrived, a worker thread steps that sub-group and publishes its masters to the compute
+shards (on a stream of its own on CUDA) while the main thread goes on with backward; torch's CPU kernels release
+the GIL, so both run at once. This is DeepSpeed's SuperOffload ("speculation-then-validation", DeepSpeed 0.18,
+`super_offload: true`), where the step's outcome does not depend on gradients that have not arrived yet:
+- Without gradient clipping the factor each gradient is multiplied by (the mean over ranks, the fp16 loss scale) is
+  known before the norm is. With clipping every sub-group waits for the global norm, so the step runs after
+  backward, as in DeepSpeed (a warning at start says so).
+- A step can still be skipped: an fp16 overflow, or a non-finite norm ([Note: skipped steps]). A sub-group whose
+  own gradients are not finite is not stepped and ends speculation for the window. If the step is skipped anyway
+  (another sub-group, another rank), the sub-groups stepped already are stepped back ([Note: undoing an Adam step]
+  in optim/rollback.py: to within float32 rounding, as DeepSpeed does) and published again; `engine.zero_grad()`
+  without a step does the same. Hence Adam/AdamW only.
+When the step is taken, the sub-groups stepped during backward are not stepped again, and the result is
+bit-identical to stepping after backward (the same gradients, factors and kernels per element; the order of
+sub-groups does not matter). What a user can see: when `engine.backward()` returns, the speculated sub-groups'
+masters, optimizer state and parameters hold the step's update already (`engine.step()` commits it); a second
+backward into the same window is refused (its gradients would miss that update); more sub-groups mean more
+overlap (`sub_group_size`); the sub-group that ends backward (the first layers) is still stepped after it.
+
+`cpuadam_cores_perc` (CUDA only): the worker thread runs on that fraction of the main thread's cores (the last
+ones), the main thread, which mostly launches GPU work, on the rest; both keep at least one. Without a GPU the
+main thread computes the model itself, so both share every core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.errors import ZeroshardError
+from zeroshard.offload.gradients import GradientTier
+from zeroshard.optim.rollback import undo_adam_step
+from zeroshard.utils.logging import log_rank
+from zeroshard.zero.stage3.build import SubGroup
+from zeroshard.zero.stage3.step import SubGroupStepper
+from zeroshard.zero.stage3.unit import ShardedUnit
+from zeroshard.zero.stepmath import tensor_norms
+
+logger = logging.getLogger(__name__)
+
+WORKER_JOIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    """From the config: the worker's share of the cores, and whether a step can still be skipped."""
+
+    cores_fraction: float  # offload_optimizer.cpuadam_cores_perc
+    may_skip: bool  # fp16 overflow or a non-finite norm can skip the step ([Note: skipped steps])
+
+
+def split_cores(cores: list[int], fraction: float) -> tuple[list[int], list[int]]:
+    """(main thread's, worker's) cores: the last `fraction` for the worker (DeepSpeed's split), at least one each."""
+    if len(cores) < 2:
+        return cores, cores
+    cut = min(max(int((1.0 - fraction) * len(cores)), 1), len(cores) - 1)
+    return cores[:cut], cores[cut:]
+
+
+@dataclass(frozen=True)
+class _Job:
+    k: int
+    scale: float
+    events: tuple[torch.cuda.Event, ...]
+
+
+class SpeculativeSteps:
+    """The worker thread and what it stepped in the current window ([Note: speculative host steps])."""
+
+    def __init__(
+        self,
+        stepper: SubGroupStepper,
+        sub_groups: list[SubGroup],
+        gradients: GradientTier,
+        policy: SpeculationPolicy,
+        scale_of: Callable[[], float],
+        device: torch.device,
+    ):
+        self.stepper = stepper
+        self.scale_of = scale_of  # the gradients' scale without clipping: the mean over ranks, the fp16 loss scale
+        self.sub_groups = sub_groups
+        self.gradients = gradients
+        self.policy = policy
+        self.device = device
+        self._group_of = {
+            u.index: k for k, g in enumerate(sub_groups) if g.tier.offloaded for u in g.units if u.trainable
+        }
+        self._expected: dict[int, int] = {}
+        for k in self._group_of.values():
+            self._expected[k] = self._expected.get(k, 0) + 1
+        self._waiting = dict(self._expected)
+        self.stepped: list[int] = []  # sub-groups stepped in this window, in order
+        self.scale: float | None = None  # the scale they were stepped with
+        self._halted = False  # a sub-group with non-finite gradients: the rest wait for the step
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._main_cores: list[int] = []  # the main thread's affinity before the split, restored at close
+        self._stream: torch.cuda.Stream | None = None  # the worker's (CUDA)
+        self._backward_done = False  # the window's backward has returned (`settle`)
+        self.steps_taken = 0  # sub-group steps taken during backward, over the run
+        self.steps_undone = 0
+
+    # -- backward (main thread) ----------------------------------------------------------------------
+    def delivered(self, unit: ShardedUnit) -> None:
+        """`unit`'s gradient shard is final for the boundary and in its host copy (queued, on CUDA)."""
+        k = self._group_of.get(unit.index)
+        if k is None:
+            return
+        self._waiting[k] -= 1
+        if self._waiting[k] == 0:
+            self._submit(_Job(k, self.scale_of(), self._events()))
+
+    def _events(self) -> tuple[torch.cuda.Event, ...]:
+        """What the worker waits for before it reads the copies and the norms: the side stream's copies and the
+        compute stream's work queued so far."""
+        if self.device.type != "cuda":
+            return ()
+        events = [torch.cuda.current_stream(self.device).record_event()]
+        if self.gradients.copy_stream is not None:
+            events.append(self.gradients.copy_stream.record_event())
+        return tuple(events)
+
+    def _submit(self, job: _Job) -> None:
+        if self._thread is None:  # holds no reference to this object: an engine dropped without destroy() is freed
+            args = (weakref.ref(self), self._jobs)
+            self._thread = threading.Thread(target=_work, args=args, name="zeroshard-super-offload", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, _stop, self._jobs, self._main_cores)
+        self._jobs.put(job)
+
+    def check_no_backward(self) -> None:
+        """A backward starts, or a gradient arrives: refused once a backward that took speculative steps has
+        returned, until the step (its gradients would miss the update already taken)."""
+        if self._backward_done and self.stepped:
+            raise ZeroshardError(
+                "a second backward before engine.step(): with zero_optimization.offload_optimizer.super_offload the "
+                "first one's optimizer steps already ran during its backward; call engine.step() between backward "
+                "passes (gradient_accumulation_steps accumulates) or set super_offload false"
+            )
+
+    def settle(self) -> None:
+        """Wait until the worker has taken every step queued (end of backward, before the step); re-raises its error."""
+        if self._thread is None:
+            return
+        self._jobs.join()
+        self._backward_done = True
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise ZeroshardError(f"super_offload's step during backward failed: {failure!r}") from failure
+        if self.device.type == "cuda" and self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    # -- the worker (its thread: `_work`) -------------------------------------------------------------------
+    def _bind_cores(self) -> None:
+        """On the worker thread, once: its CUDA device and stream, and its share of the cores."""
+        torch.cuda.set_device(self.device)
+        self._stream = torch.cuda.Stream(self.device)
+        cores = sorted(os.sched_getaffinity(0))
+        main, mine = split_cores(cores, self.policy.cores_fraction)
+        if main == mine:
+            return
+        os.sched_setaffinity(0, mine)  # this thread only
+        torch.set_num_threads(len(mine))  # this thread's intra-op pool
+        self._main_cores[:] = cores
+        os.sched_setaffinity(threading.main_thread().native_id or 0, main)
+
+    def _run(self, job: _Job) -> None:
+        if self.device.type == "cuda" and self._stream is None:
+            self._bind_cores()
+        if self._halted:
+            return
+        for event in job.events:
+            event.synchronize()
+        units = self.sub_groups[job.k].units
+        with contextlib.ExitStack() as stack:
+            if self._stream is not None:  # the worker's own stream: nothing here waits on the compute stream
+                stack.enter_context(torch.cuda.stream(self._stream))
+            if self.policy.may_skip and not self._finite(units):
+                self._halted = True
+                return
+            with torch.profiler.record_function("zeroshard.speculative_step"):
+                self.stepper.step_sub_group(job.k, units, job.scale, private=True)
+        self.scale = job.scale
+        self.stepped.append(job.k)
+        self.steps_taken += 1
+
+    def _finite(self, units: list[ShardedUnit]) -> bool:
+        """Whether this sub-group's gradient norms are finite (then it holds no inf/nan): from the records of shards
+        that left memory, else from the shards."""
+        norms: list[torch.Tensor] = []
+        for unit in units:
+            record = self.gradients.recorded(unit.grad_key)
+            norms += record.norms if record is not None else tensor_norms([unit.grad_shard])
+        return not norms or bool(torch.isfinite(torch.stack(norms)).all())
+
+    # -- the step (main thread, after `settle`) -------------------------------------------------------
+    def scaled(self, unit: ShardedUnit) -> bool:
+        """Whether `unit`'s host copy was multiplied by the step's scale already (its sub-group was stepped)."""
+        k = self._group_of.get(unit.index)
+        return k is not None and k in self.stepped
+
+    def commit(self, scale: float) -> frozenset[int]:
+        """The step is taken with `scale`: the sub-groups stepped during backward count as stepped."""
+        done = frozenset(self.stepped)
+        if done and scale != self.scale:
+            raise ZeroshardError(f"super_offload stepped with gradient scale {self.scale} but the step's is {scale}")
+        self._reset()
+        return done
+
+    def undo(self, why: str) -> None:
+        """The window's gradients are dropped (`why`): its speculative steps are stepped back and republished."""
+        if self.stepped:
+            assert self.stepper.optimizer is not None and self.scale is not None
+            for k in reversed(self.stepped):
+                units = self.sub_groups[k].units
+                stepped = self.stepper.gradients_of(k, units, self.scale, private=True, stepped=True)
+                undo_adam_step(self.stepper.optimizer, stepped)
+                for unit in units:
+                    unit.publish()
+            for k in self.stepped:
+                for unit in self.sub_groups[k].units:
+                    unit.wait_published()
+            self.steps_undone += len(self.stepped)
+            log_rank(
+                logger,
+                logging.INFO,
+                f"super_offload: {why}; {len(self.stepped)} sub-group step(s) taken during backward were undone "
+                "(to within float rounding)",
+            )
+        self._reset()
+
+    def _reset(self) -> None:
+        self.stepped = []
+        self.scale = None
+        self._halted = False
+        self._backward_done = False
+        self._waiting = dict(self._expected)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            _stop(self._jobs, self._main_cores)
+            self._thread.join(WORKER_JOIN_S)
+            self._thread = None
+
+
+def _work(owner: weakref.ref[SpeculativeSteps], jobs: queue.Queue[_Job | None]) -> None:
+    """The worker thread: takes each job to its owner while the owner lives; a failure is kept for `settle`."""
+    while True:
+        job = jobs.get()
+        try:
+            steps = owner() if job is not None else None
+            if steps is None:
+                return
+            try:
+                steps._run(job)  # type: ignore[arg-type]  # not None here
+            except BaseException as failure:  # handed to the main thread by `settle`
+                steps._failure = failure
+            del steps  # no reference while waiting for the next job
+        finally:
+            jobs.task_done()
+
+
+def _stop(jobs: queue.Queue[_Job | None], main_cores: list[int]) -> None:
+    """The worker ends after the jobs queued; the main thread gets its cores back."""
+    jobs.put(None)
+    if main_cores:
+        os.sched_setaffinity(threading.main_thread().native_id or 0, main_cores)
+        main_cores.clear()
+
+
+def speculation_for(
+    stepper: SubGroupStepper,
+    sub_groups: list[SubGroup],
+    gradients: GradientTier,
+    policy: SpeculationPolicy | None,
+    scale_of: Callable[[], float],
+    device: torch.device,
+) -> SpeculativeSteps | None:
+    """The worker when `super_offload` has offloaded sub-groups to speculate on, else None."""
+    if policy is None or not any(g.tier.offloaded for g in sub_groups):
+        return None
+    return SpeculativeSteps(stepper, sub_groups, gradients, policy, scale_of, device)

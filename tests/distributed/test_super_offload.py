@@ -1,0 +1,210 @@
+"""`offload_optimizer.super_offload`: offloaded sub-groups stepped during backward ([Note: speculative host steps]),
+bit-identical to stepping after backward when the step is taken, stepped back when it is skipped."""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import Case
+
+
+def _config(case: Case, super_offload: bool, grad_dtype: str | None) -> dict:
+    from helpers.parity import ds_config
+
+    config = ds_config(case)
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = super_offload
+    if grad_dtype is not None:  # on CPU only a dtype change makes a separate host copy (fp32: the shard serves)
+        config["data_types"] = {"grad_accum_dtype": grad_dtype}
+    return config
+
+
+def _train(case: Case, super_offload: bool, grad_dtype: str | None, rank: int, world_size: int, poison=None):
+    import zeroshard
+    from helpers.parity import build_model, global_batches, micro_batch, param_groups
+    from zeroshard.utils import safe_get_full_grad
+
+    model = build_model(case)
+    config = _config(case, super_offload, grad_dtype)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    losses, params, grads = [], [], []
+    for step, batch in enumerate(global_batches(case, world_size)):
+        for k in range(case.gas):
+            x, y = micro_batch(batch, k, rank, world_size, case.micro)
+            handle = poison(model, rank) if poison is not None and step == 2 else None
+            loss = engine(x, y)
+            engine.backward(loss)
+            if handle is not None:
+                handle.remove()
+            if step == 1 and k == case.gas - 1:  # before the step: the speculated copies are scaled already
+                grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+            engine.step()
+            losses.append(loss.item())
+        params.append(torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()]))
+    speculation = engine.strategy.speculation
+    counts = (speculation.steps_taken, speculation.steps_undone) if speculation is not None else (0, 0)
+    sub_groups = sum(g.tier.offloaded for g in engine.strategy.built.sub_groups)
+    out = (losses, params, grads, counts, sub_groups, engine.skipped_steps)
+    engine.destroy()
+    return out
+
+
+_CASES = (  # (case, grad dtype): fp32 (the shard is its own host copy), bf16 gradients (separate copies)
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4), None),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4, gas=2), None),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, dtype="bf16"), "bf16"),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, ratio=0.5), None),
+)
+
+
+def _bit_identical(rank: int, world_size: int):
+    return [
+        (_train(case, True, dtype, rank, world_size), _train(case, False, dtype, rank, world_size))
+        for case, dtype in _CASES
+    ]
+
+
+def test_steps_during_backward_are_bit_identical():
+    """Every case: the host stepped sub-groups during backward (all offloaded ones, every step), and losses,
+    parameters after every step and `safe_get_full_grad` before a step equal the run without super_offload bit for
+    bit."""
+    for per_rank in run_on_ranks(_bit_identical, 2):
+        for (case, _), (fast, plain) in zip(_CASES, per_rank, strict=True):
+            losses, params, grads, (taken, undone), sub_groups, skipped = fast
+            assert sub_groups >= (2 if case.ratio == 1.0 else 1), case
+            assert taken == sub_groups * case.steps and undone == 0 and skipped == 0, case
+            assert losses == plain[0], case
+            assert all(torch.equal(a, b) for a, b in zip(params, plain[1], strict=True)), case
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain[2], strict=True)), case
+            assert plain[3] == (0, 0)
+
+
+def _poison(model, rank):
+    """On rank 1, an inf into the gradient of the first block's output: the units behind it (in backward order)
+    were stepped by then, so the step is skipped and those steps are undone on both ranks."""
+    if rank != 1:
+        return None
+
+    def hook(module, inputs, output):
+        output.register_hook(lambda g: g * math.inf)
+
+    return model.blocks[0].register_forward_hook(hook)
+
+
+def _skipped(rank: int, world_size: int):
+    case = Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=5)
+    return _train(case, True, None, rank, world_size, _poison), _train(case, False, None, rank, world_size, _poison)
+
+
+def test_a_skipped_step_is_undone():
+    """A non-finite gradient on one rank skips the step (stage 3 skips a non-finite norm): the sub-groups stepped
+    during that backward are stepped back, to within float32 rounding of the run that never stepped them."""
+    for (losses, params, _, (taken, undone), sub_groups, skipped), plain in run_on_ranks(_skipped, 2):
+        assert skipped == plain[5] == 1
+        assert undone >= 1 and taken == sub_groups * 5 - (sub_groups - undone)
+        assert losses[:3] == plain[0][:3]
+        assert all(torch.equal(a, b) for a, b in zip(params[:2], plain[1][:2], strict=True))
+        for a, b in zip(params[2:], plain[1][2:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert max(abs(x - y) for x, y in zip(losses, plain[0], strict=True)) < 1e-4
+
+
+def _refusals(rank: int, world_size: int):
+    import zeroshard
+    from helpers.parity import build_model, global_batches, micro_batch, param_groups
+    from zeroshard.errors import ConfigError, ZeroshardError
+
+    out = {}
+    case = Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=2)
+    (x, y), _ = [micro_batch(b, 0, rank, world_size, case.micro) for b in global_batches(case, world_size)]
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, case), config=_config(case, True, None)
+    )
+    engine.backward(engine(x, y))
+    threads = {t.name for t in threading.enumerate()}
+    out["worker"] = "zeroshard-super-offload" in threads
+    try:
+        engine.backward(engine(x, y))
+    except ZeroshardError as error:
+        out["second backward"] = str(error)
+    before = engine.strategy.speculation.steps_undone
+    engine.zero_grad()  # gradients dropped without a step: what backward stepped is undone
+    out["undone by zero_grad"] = engine.strategy.speculation.steps_undone - before
+    engine.backward(engine(x, y))  # allowed again
+    engine.step()
+    worker = next(t for t in threading.enumerate() if t.name == "zeroshard-super-offload")
+    out["holds only a weak reference"] = isinstance(worker._args[0], weakref.ref)  # type: ignore[attr-defined]
+    engine.destroy()
+    worker.join(10)
+    out["stopped by destroy"] = not worker.is_alive()
+
+    clipped = Case(stage=3, offload="cpu", clip=1.0, sub_group=3000)
+    model = build_model(clipped)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, clipped), config=_config(clipped, True, None)
+    )
+    out["with clipping"] = engine.strategy.speculation
+    engine.destroy()
+
+    model = build_model(case)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = _config(case, True, None)
+    del config["optimizer"]
+    try:
+        zeroshard.initialize(model=model, optimizer=sgd, config=config)
+    except ConfigError as error:
+        out["client SGD"] = str(error)
+    return out
+
+
+def test_what_super_offload_refuses():
+    """A second backward before the step is refused (its gradients would miss the update already taken);
+    zero_grad without a step undoes what backward stepped; the worker thread refers to its engine weakly (an
+    engine dropped without destroy() is not kept alive by it) and ends with destroy(); with clipping nothing is
+    speculated (DeepSpeed's behaviour); an optimizer whose step cannot be undone is refused before training."""
+    for out in run_on_ranks(_refusals, 2):
+        assert "second backward before engine.step()" in out["second backward"]
+        assert out["undone by zero_grad"] >= 2
+        assert out["worker"] and out["holds only a weak reference"] and out["stopped by destroy"]
+        assert out["with clipping"] is None
+        assert "super_offload" in out["client SGD"] and "SGD" in out["client SGD"]
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage 3"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, '"cpu"'),
+        ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "offload_param"),
+        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "'SGD'"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "amsgrad": True}}}, "amsgrad"),
+        ({"zero_optimization": {"offload_optimizer": {"cpuadam_cores_perc": 0.0}}}, "cpuadam_cores_perc"),
+    ],
+)
+def test_super_offload_config_refusals(change, needle):
+    from zeroshard.config import parse_config
+    from zeroshard.errors import ConfigError
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+    }
+    for key, value in change.items():
+        if key == "zero_optimization":
+            for sub, val in value.items():
+                if isinstance(val, dict):
+                    config[key].setdefault(sub, {}).update(val)
+                else:
+                    config[key][sub] = val
+        else:
+            config[key] = value
+    with pytest.raises(ConfigError, match="super_offload") as error:
+        parse_config(config)
+    assert needle in str(error.value)

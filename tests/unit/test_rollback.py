@@ -1,0 +1,72 @@
+"""[Note: undoing an Adam step] and the core split of [Note: speculative host steps], without a process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroshard.optim.adam import UncorrectedAdam
+from zeroshard.optim.rollback import undo_adam_step, undoable_reason
+from zeroshard.zero.stage3.speculate import split_cores
+
+LR = 1e-2
+
+
+def _optimizers(param: torch.nn.Parameter):
+    yield torch.optim.AdamW([param], lr=LR, weight_decay=0.1, fused=True)
+    yield torch.optim.AdamW([param], lr=LR, weight_decay=0.0, foreach=True)
+    yield torch.optim.Adam([param], lr=LR, weight_decay=0.1)  # L2: the decay enters the moments
+    yield UncorrectedAdam([param], lr=LR, weight_decay=0.1, adam_w_mode=True)
+    yield UncorrectedAdam([param], lr=LR, weight_decay=0.1, adam_w_mode=False)
+
+
+@pytest.mark.parametrize("which", range(5))
+@pytest.mark.parametrize("history", [0, 4])
+def test_an_undone_step_restores_the_state_to_within_rounding(which, history):
+    """After `history` steps, one more step and its undo: parameters within a few float32 roundings of the larger
+    of the parameter and its update (at most about 3 lr), moments within rounding of their scale, the step count
+    back; from the first step the moments are exact zeros again."""
+    torch.manual_seed(which)
+    param = torch.nn.Parameter(torch.randn(10_000))
+    optimizer = list(_optimizers(param))[which]
+    for _ in range(history):
+        param.grad = torch.randn(10_000)
+        optimizer.step()
+    before = param.detach().clone()
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[param].items()}
+    grad = torch.randn(10_000)
+    param.grad = grad
+    optimizer.step()
+    assert not torch.equal(param.detach(), before)
+    undo_adam_step(optimizer, [(param, grad)])
+    after = optimizer.state[param]
+    atol = 8 * 3.2 * LR * 2**-24  # an update is at most about 3.2 lr: (1 - beta1) / sqrt(1 - beta2) uncorrected
+    torch.testing.assert_close(param.detach(), before, rtol=2.5e-7, atol=atol)
+    assert int(after["step"]) == history
+    if history == 0:
+        assert not after["exp_avg"].any() and not after["exp_avg_sq"].any()
+    else:
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = float(grad.abs().max()) ** (1 if key == "exp_avg" else 2)
+            torch.testing.assert_close(after[key], state[key], rtol=0.0, atol=4 * scale * 2**-24)
+        param.grad = grad  # the next step from the undone state is the step that was undone, to rounding
+        optimizer.step()
+        undo_adam_step(optimizer, [(param, grad)])
+        torch.testing.assert_close(param.detach(), before, rtol=5e-7, atol=2 * atol)
+
+
+def test_only_plain_adam_steps_can_be_undone():
+    param = torch.nn.Parameter(torch.zeros(3))
+    assert undoable_reason(torch.optim.AdamW([param])) is None
+    assert undoable_reason(UncorrectedAdam([param])) is None
+    assert "SGD" in str(undoable_reason(torch.optim.SGD([param], lr=0.1)))
+    assert "amsgrad" in str(undoable_reason(torch.optim.AdamW([param], amsgrad=True)))
+    assert "maximize" in str(undoable_reason(torch.optim.Adam([param], maximize=True)))
+
+
+def test_cores_split_leaves_one_to_each():
+    assert split_cores(list(range(16)), 0.8) == (list(range(3)), list(range(3, 16)))
+    assert split_cores([0, 1], 0.8) == ([0], [1])
+    assert split_cores([0, 1], 1.0) == ([0], [1])
+    assert split_cores([0, 1, 2, 3], 0.1) == ([0, 1, 2], [3])
+    assert split_cores([5], 0.8) == ([5], [5])
