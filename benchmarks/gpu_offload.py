@@ -18,13 +18,13 @@ reports the largest that fits; `ROW:=a` takes the depth row a trained at. Each t
 1), so a failure (CUDA out of memory, the kernel's OOM killer, a full disk) costs only that try and is reported with
 its cause.
 
-Every try: bf16, activation checkpointing (Hugging Face `gradient_checkpointing_enable`, non-reentrant), AdamW
-(lr 1e-4), gradient clipping 1.0 (0 in rows a0 and so), micro-batch --micro x --seq tokens of the bundled byte corpus (a new batch each
-step), --steps steps of which the first --warmup are not timed. Reported: parameters, seconds per step (mean of the
-timed steps), tokens/s, achieved TFLOPS as 6 * parameters * tokens/s (the issue's definition: recomputation and
-attention not counted), the loss of every step, peak GPU memory (`max_memory_allocated`), the process's peak RSS
-(VmHWM from /proc) and the swap files' size. Needs CUDA; on a CPU-only machine `--device cpu` runs the same code
-as a smoke test.
+Every try: bf16, activation checkpointing (Hugging Face `gradient_checkpointing_enable`, non-reentrant), AdamW (lr
+1e-4), gradient clipping 1.0 (0 in rows a0 and so), micro-batch --micro x --seq tokens of the bundled byte corpus (a
+new batch each step), --steps steps of which the first --warmup are not timed. Reported: parameters, seconds per
+step (mean of the timed steps), tokens/s, achieved TFLOPS as 6 * parameters * tokens/s (the issue's definition:
+recomputation and attention not counted), the loss of every step, peak GPU memory (`max_memory_allocated`), the
+process's peak RSS (VmHWM from /proc) and the swap files' size. Needs CUDA; on a CPU-only machine `--device cpu`
+runs the same code as a smoke test.
 """
 
 from __future__ import annotations
