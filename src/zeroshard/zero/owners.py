@@ -11,8 +11,8 @@ alive.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,3 +42,25 @@ class _Owners:
 
 
 OWNERS = _Owners()
+
+T = TypeVar("T")
+
+
+def weak_hook(owner: T, call: Callable[[T, Any], None]) -> Callable[[Any], None]:
+    """A tensor hook that runs `call(owner, arg)` while `owner` lives and holds it weakly.
+
+    [Note: tensor hooks hold their owner weakly]
+    torch keeps a tensor's hooks (`register_hook`, `register_post_accumulate_grad_hook`) in C++, where Python's
+    garbage collector cannot follow them: a hook that refers to the strategy holding the parameter closes a cycle
+    the collector never frees, so an engine dropped without `destroy()` kept its model, shards, master weights and
+    optimizer state for the life of the process (every stage did). A hook that refers to its owner weakly, and to
+    nothing else but numbers, leaves the strategy to the ordinary collector; once it is gone the hook does nothing.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(arg: Any) -> None:
+        live = ref()
+        if live is not None:
+            call(live, arg)
+
+    return hook

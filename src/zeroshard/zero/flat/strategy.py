@@ -42,7 +42,7 @@ from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
-from zeroshard.zero.owners import OWNERS
+from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import (
@@ -172,10 +172,8 @@ class FlatStrategy(Strategy):
 
     # -- backward --------------------------------------------------------------------------------
     def _grad_hook(self, group: int, slot: int) -> Any:
-        def hook(param: nn.Parameter) -> None:
-            self._on_grad(group, slot, param)
-
-        return hook
+        """[Note: tensor hooks hold their owner weakly]"""
+        return weak_hook(self, lambda strategy, param: strategy._on_grad(group, slot, param))
 
     def _on_grad(self, group: int, slot: int, param: nn.Parameter) -> None:
         if not self.reducer.active:  # [Note: gradients outside engine.backward]: left in .grad

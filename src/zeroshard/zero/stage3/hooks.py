@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from zeroshard.zero.owners import weak_hook
+
 if TYPE_CHECKING:
     from zeroshard.zero.stage3.root import RootUnit
     from zeroshard.zero.stage3.strategy import Stage3Strategy
@@ -109,17 +111,14 @@ class Stage3Hooks:
 
         return hook
 
+    # tensor hooks: [Note: tensor hooks hold their owner weakly], so they name the unit by its position
     def _grad_arriving(self, unit: ShardedUnit, index: int) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            unit.lend_shape(index)
-
-        return hook
+        k = self.strategy.units.index(unit)
+        return weak_hook(self.strategy, lambda strategy, grad: strategy.units[k].lend_shape(index))
 
     def _on_grad(self, unit: ShardedUnit, index: int) -> Any:
-        def hook(param: nn.Parameter) -> None:
-            self.strategy.on_grad(unit, index, param)
-
-        return hook
+        k = self.strategy.units.index(unit)
+        return weak_hook(self.strategy, lambda strategy, param: strategy.on_grad(strategy.units[k], index, param))
 
     def remove(self) -> None:
         for handle in self.handles:

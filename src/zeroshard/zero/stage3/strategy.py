@@ -140,7 +140,9 @@ class Stage3Strategy(Strategy):
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
         # [Note: nothing in flight at exit] runs at interpreter exit unless `destroy` ran it first
-        self._settle_at_exit = weakref.finalize(self, settle_gathers, self.units)
+        # (holding the units weakly: what the finalizer holds lives until it runs, [Note: tensor hooks hold their
+        # owner weakly])
+        self._settle_at_exit = weakref.finalize(self, _settle_live, [weakref.ref(u) for u in self.units])
 
     # -- construction ------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -485,6 +487,10 @@ class Stage3Strategy(Strategy):
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
             unit.overwrite_shard(unit.full[lo:hi])
+
+
+def _settle_live(units: list[weakref.ref[ShardedUnit]]) -> None:
+    settle_gathers([u for u in (ref() for ref in units) if u is not None])
 
 
 def _root_unit(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None) -> RootUnit | None:
