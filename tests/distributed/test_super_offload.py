@@ -47,41 +47,51 @@ def _train(case: Case, super_offload: bool, grad_dtype: str | None, rank: int, w
             losses.append(loss.item())
         params.append(torch.cat([v.float().reshape(-1) for v in engine.module.state_dict().values()]))
     speculation = engine.strategy.speculation
-    counts = (speculation.steps_taken, speculation.steps_undone) if speculation is not None else (0, 0)
+    counts = (0, 0, 0)
+    if speculation is not None:
+        counts = (speculation.steps_taken, speculation.steps_undone, speculation.taken_during_backward)
     sub_groups = sum(g.tier.offloaded for g in engine.strategy.built.sub_groups)
     out = (losses, params, grads, counts, sub_groups, engine.skipped_steps)
     engine.destroy()
     return out
 
 
-_CASES = (  # (case, grad dtype): fp32 (the shard is its own host copy), bf16 gradients (separate copies)
-    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4), None),
-    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4, gas=2), None),
-    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, dtype="bf16"), "bf16"),
-    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, ratio=0.5), None),
+# (case, grad dtype, sub-groups stepped while autograd still runs per step; None: not counted): fp32 gradients (the
+# shard is its own host copy), bf16 ones (separate copies). With 6 blocks of 6.2K shard elements, the sub-groups
+# that wait for backward's end are the root unit's (with block 0, and at 13K block 1), the one holding block 1 (the
+# last reductions are still in flight when autograd returns) and the persistent unit's, in one of its own.
+_CASES = (
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4), None, None),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, dtype="bf16"), "bf16", None),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, ratio=0.5), None, None),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, gas=2, variant="deep", persistence=100), None, 4),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=2, variant="deep", dtype="bf16"), "bf16", 4),
+    (Case(stage=3, offload="cpu", clip=0.0, sub_group=13000, steps=2, variant="deep", persistence=100), None, 2),
 )
 
 
 def _bit_identical(rank: int, world_size: int):
     return [
         (_train(case, True, dtype, rank, world_size), _train(case, False, dtype, rank, world_size))
-        for case, dtype in _CASES
+        for case, dtype, _ in _CASES
     ]
 
 
 def test_steps_during_backward_are_bit_identical():
-    """Every case: the host stepped sub-groups during backward (all offloaded ones, every step), and losses,
-    parameters after every step and `safe_get_full_grad` before a step equal the run without super_offload bit for
-    bit."""
+    """Every case: the host stepped every offloaded sub-group by the time backward returned, every step (with 6
+    blocks, all but the root unit's and the persistent unit's while autograd still ran), and losses, parameters
+    after every step and `safe_get_full_grad` before a step equal the run without super_offload bit for bit."""
     for per_rank in run_on_ranks(_bit_identical, 2):
-        for (case, _), (fast, plain) in zip(_CASES, per_rank, strict=True):
-            losses, params, grads, (taken, undone), sub_groups, skipped = fast
+        for (case, _, during), (fast, plain) in zip(_CASES, per_rank, strict=True):
+            losses, params, grads, (taken, undone, early), sub_groups, skipped = fast
             assert sub_groups >= (2 if case.ratio == 1.0 else 1), case
             assert taken == sub_groups * case.steps and undone == 0 and skipped == 0, case
+            if during is not None:
+                assert early == during * case.steps, (case, early, sub_groups)
             assert losses == plain[0], case
             assert all(torch.equal(a, b) for a, b in zip(params, plain[1], strict=True)), case
             assert all(torch.equal(a, b) for a, b in zip(grads, plain[2], strict=True)), case
-            assert plain[3] == (0, 0)
+            assert plain[3] == (0, 0, 0)
 
 
 def _poison(model, rank):
@@ -104,7 +114,7 @@ def _skipped(rank: int, world_size: int):
 def test_a_skipped_step_is_undone():
     """A non-finite gradient on one rank skips the step (stage 3 skips a non-finite norm): the sub-groups stepped
     during that backward are stepped back, to within float32 rounding of the run that never stepped them."""
-    for (losses, params, _, (taken, undone), sub_groups, skipped), plain in run_on_ranks(_skipped, 2):
+    for (losses, params, _, (taken, undone, _), sub_groups, skipped), plain in run_on_ranks(_skipped, 2):
         assert skipped == plain[5] == 1
         assert undone >= 1 and taken == sub_groups * 5 - (sub_groups - undone)
         assert losses[:3] == plain[0][:3]
@@ -193,6 +203,7 @@ def test_super_offload_config_refusals(change, needle):
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed's default, 1.0, leaves nothing to speculate on
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
     }
@@ -208,3 +219,16 @@ def test_super_offload_config_refusals(change, needle):
     with pytest.raises(ConfigError, match="super_offload") as error:
         parse_config(config)
     assert needle in str(error.value)
+
+
+def test_with_clipping_any_optimizer_goes():
+    """With gradient clipping (DeepSpeed's default 1.0) super_offload speculates on nothing, so undoes nothing."""
+    from zeroshard.config import parse_config
+
+    parse_config(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+        }
+    )

@@ -295,20 +295,23 @@ def _super_offload(rank: int, world_size: int, gas: int):
     """[Note: speculative host steps] on CUDA: the host steps each sub-group during backward from the pinned copies
     the side stream fills (held back here behind a sleeping kernel, so a step that did not wait for them would read
     stale values), publishing from its own stream; the results equal stepping after backward bit for bit. The
-    worker thread runs on its share of the cores while the main thread keeps the rest, restored by destroy()."""
+    worker thread keeps to its share of the rank's cores; the main thread's mask and torch's thread count stay."""
     import os
+    import threading
 
     import zeroshard
+    from zeroshard.zero.stage3.speculate import worker_cores
 
     out = {}
-    cores = sorted(os.sched_getaffinity(0))
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     for super_offload in (True, False):
-        case = Case(stage=3, offload="cpu", dtype="bf16", gas=gas, steps=3, clip=0.0, sub_group=3000)
+        case = Case(stage=3, offload="cpu", dtype="bf16", gas=gas, steps=3, clip=0.0, sub_group=3000, variant="deep")
         model = build_model(case)
         config = ds_config(case)
         config["zero_optimization"]["offload_optimizer"]["super_offload"] = super_offload
         engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
-        losses, split = [], None
+        losses, worker = [], None
         for batch in global_batches(case, world_size):
             for k in range(gas):
                 x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, world_size, case.micro))
@@ -316,27 +319,28 @@ def _super_offload(rank: int, world_size: int, gas: int):
                     torch.cuda._sleep(200_000_000)
                 loss = engine(x, y)
                 engine.backward(loss)
-                split = split or sorted(os.sched_getaffinity(0))
+                thread = next((t for t in threading.enumerate() if t.name == "zeroshard-super-offload"), None)
+                worker = worker or (thread and sorted(os.sched_getaffinity(thread.native_id)))
                 engine.step()
                 losses.append(loss.item())
         params = [p.detach().float().cpu() for p in engine.module.state_dict().values()]
         speculation = engine.strategy.speculation
-        taken = speculation.steps_taken if speculation is not None else 0
+        taken = (speculation.steps_taken, speculation.taken_during_backward) if speculation is not None else (0, 0)
         groups = sum(g.tier.offloaded for g in engine.strategy.built.sub_groups)
         engine.destroy()
-        out[super_offload] = (losses, params, taken, groups, split, sorted(os.sched_getaffinity(0)))
-    return cores, out
+        out[super_offload] = (losses, params, taken, groups, worker)
+    expected = worker_cores(cores, 0.8, *local, os.cpu_count() or len(cores))
+    kept = (sorted(os.sched_getaffinity(0)) == cores, torch.get_num_threads() == threads)
+    return expected or cores, kept, out
 
 
 @pytest.mark.parametrize("gas", [1, 2])
 def test_super_offload_steps_during_backward_on_cuda(gas: int) -> None:
-    for cores, out in run_on_ranks(_super_offload, WORLD_SIZES[-1], gas):
-        (losses, params, taken, groups, split, after), plain = out[True], out[False]
-        assert groups >= 2 and taken == groups * 3, (groups, taken)
+    for expected, kept, out in run_on_ranks(_super_offload, WORLD_SIZES[-1], gas):
+        (losses, params, (taken, during), groups, worker), plain = out[True], out[False]
+        assert groups >= 4 and taken == groups * 3 and during > 0, (groups, taken, during)
         assert losses == plain[0] and all(torch.equal(a, b) for a, b in zip(params, plain[1], strict=True))
-        if len(cores) >= 2:  # cpuadam_cores_perc 0.8: the main thread keeps the first fifth (at least one core)
-            assert split == cores[: max(int(0.2 * len(cores)), 1)], (cores, split)
-        assert after == cores
+        assert worker == expected and kept == (True, True), (worker, expected, kept)
 
 
 def _rss(address: int | None = None) -> int | None:

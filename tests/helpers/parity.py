@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from zeroshard.models.gpt import GPT, Block, GPTConfig
 # change of summation order then sends it elsewhere. Without biases every parameter has a real
 # gradient and fp32 parity is a meaningful 1e-6 check.
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+DEEP = replace(TINY, n_layer=6)  # enough units that some are reduced, and stepped, while backward still runs
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Case:
     gas: int = 1
     micro: int = 2
     steps: int = 8
-    variant: str = "plain"  # plain | frozen | unused
+    variant: str = "plain"  # plain | frozen | unused | deep (6 blocks) | the VariantGPT ones below
     bucket: int = 4096  # small buckets: several per group, so ordering and padding are exercised
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -119,7 +120,7 @@ def build_model(case: Case) -> nn.Module:
     if case.variant in ("twice", "unused_unit", "order", "outside", "outside_later"):
         model = VariantGPT(TINY, case.variant)
     else:
-        model = WithUnused(TINY) if case.variant == "unused" else GPT(TINY)
+        model = WithUnused(TINY) if case.variant == "unused" else GPT(DEEP if case.variant == "deep" else TINY)
     if case.variant == "frozen":
         model.wpe.weight.requires_grad_(False)
         for p in model.blocks[0].ln_1.parameters():

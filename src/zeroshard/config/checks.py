@@ -122,6 +122,9 @@ def _check_super_offload(cfg: ZeroshardConfig) -> None:
     if needs is not None:
         raise ConfigError(f"{key}: true needs {needs}; set super_offload false or remove it")
     optimizer = cfg.optimizer
+    clipping = cfg.gradient_clipping
+    if isinstance(clipping, int | float) and clipping > 0:
+        return  # nothing is speculated, so nothing is undone (initialize warns)
     if optimizer is not None and isinstance(optimizer.type, str):
         amsgrad = isinstance(optimizer.params, dict) and bool(optimizer.params.get("amsgrad", False))
         if optimizer.type.lower() not in ("adam", "adamw") or amsgrad:

@@ -68,6 +68,9 @@ class BuildPolicy:
     param_tier: Tier
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
     keeps_gradients: bool = True  # False: inference without an optimizer
+    # the persistent unit (reduced only when backward ends) in a sub-group of its own, not in the last layers' one,
+    # so that sub-group can be stepped during backward ([Note: speculative host steps])
+    persistent_alone: bool = False
 
 
 def build_units(
@@ -88,7 +91,10 @@ def build_units(
     for spec in specs:
         rows = [(n, named[n].numel(), group_of.get(id(named[n]), frozen_group)) for n in spec.param_names]
         layouts.append(layout_unit(rows, world_size))
-    chunks = greedy_chunks([layout.shard_numel for layout in layouts], policy.sub_group_numel, close="after")
+    sizes = [layout.shard_numel for layout in layouts]
+    alone = policy.persistent_alone and len(specs) > 1 and specs[-1].name == PERSISTENT  # planned last
+    chunks = greedy_chunks(sizes[:-1] if alone else sizes, policy.sub_group_numel, close="after")
+    chunks += [[len(sizes) - 1]] if alone else []
     chunk_of = {index: k for k, members in enumerate(chunks) for index in members}
     store = policy.master_tier.residency
     tiers = [policy.master_tier.for_sub_group(k, len(chunks)) for k in range(len(chunks))]

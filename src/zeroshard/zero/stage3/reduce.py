@@ -51,6 +51,7 @@ class UnitReducer:
         self.scatter: Callable[..., Handle] | None = None  # ZeRO++ qgZ's reduce-scatter (zero/zeropp/grads.py)
         # super_offload's worker, told of each shard final on the boundary ([Note: speculative host steps])
         self.speculation: SpeculativeSteps | None = None
+        self._finishing = False  # in `finish`: backward has returned
 
     def stage(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         """A parameter's gradient was accumulated: move it into the unit's staging buffer."""
@@ -69,9 +70,13 @@ class UnitReducer:
 
     def finish(self, units: list[ShardedUnit]) -> None:
         """Reduce what backward did not (unused units, units whose inputs need no grad) and wait for all."""
-        for unit in units:
-            self.reduce(unit)
-        self._delivered(self._inflight.drain())
+        self._finishing = True
+        try:
+            for unit in units:
+                self.reduce(unit)
+            self._delivered(self._inflight.drain())
+        finally:
+            self._finishing = False
         self.gradients.finish_backward()
         self.first_window_step = False
 
@@ -86,4 +91,4 @@ class UnitReducer:
                 self.gradients.let_go(slot)
                 unit.hand_grad_to_copy(self.gradients.copy_stream)
             if boundary and self.speculation is not None:
-                self.speculation.delivered(unit)
+                self.speculation.delivered(unit, not self._finishing)

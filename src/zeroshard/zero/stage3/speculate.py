@@ -14,18 +14,26 @@ the GIL, so both run at once. This is DeepSpeed's SuperOffload ("speculation-the
 - A step can still be skipped: an fp16 overflow, or a non-finite norm ([Note: skipped steps]). A sub-group whose
   own gradients are not finite is not stepped and ends speculation for the window. If the step is skipped anyway
   (another sub-group, another rank), the sub-groups stepped already are stepped back ([Note: undoing an Adam step]
-  in optim/rollback.py: to within float32 rounding, as DeepSpeed does) and published again; `engine.zero_grad()`
-  without a step does the same. Hence Adam/AdamW only.
+  in optim/rollback.py: arithmetically, as DeepSpeed does, so not to the bit) and published again;
+  `engine.zero_grad()` without a step does the same. Hence Adam/AdamW only.
 When the step is taken, the sub-groups stepped during backward are not stepped again, and the result is
 bit-identical to stepping after backward (the same gradients, factors and kernels per element; the order of
-sub-groups does not matter). What a user can see: when `engine.backward()` returns, the speculated sub-groups'
-masters, optimizer state and parameters hold the step's update already (`engine.step()` commits it); a second
-backward into the same window is refused (its gradients would miss that update); more sub-groups mean more
-overlap (`sub_group_size`); the sub-group that ends backward (the first layers) is still stepped after it.
+sub-groups does not matter). What a user can see: when `engine.backward()` returns, every offloaded sub-group's
+masters, optimizer state and parameters hold the step's update (`engine.step()` commits it, with the learning rate
+and weight decay they were stepped with); a second backward after one that stepped, before the step, is refused
+(its gradients would miss that update). Only sub-groups complete while autograd still runs overlap it: more
+sub-groups mean more overlap (`sub_group_size`); the root unit's (embeddings, the head) and the sub-groups whose
+last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped as backward
+ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last layers'.
+A failure on the worker leaves the step's state unknown: it is re-raised when backward ends, and every later
+backward, step and zero_grad refuses with the same message (resume from a checkpoint).
 
-`cpuadam_cores_perc` (CUDA only): the worker thread runs on that fraction of the main thread's cores (the last
-ones), the main thread, which mostly launches GPU work, on the rest; both keep at least one. Without a GPU the
-main thread computes the model itself, so both share every core.
+`cpuadam_cores_perc` (CUDA only): the worker thread, and the intra-op threads it starts, keep to that fraction of
+this rank's cores (the last ones; at least one, and one fewer than all; a rank whose mask is the whole machine
+takes its 1/LOCAL_WORLD_SIZE slice first). The other threads are left as they are (DeepSpeed restricts its main
+process to the rest; here autograd's device thread launches backward's kernels, not the main thread, and
+DataLoader workers forked later would inherit a narrowed mask). Without a GPU the main thread computes the model,
+so the worker shares every core.
 """
 
 from __future__ import annotations
@@ -63,12 +71,35 @@ class SpeculationPolicy:
     may_skip: bool  # fp16 overflow or a non-finite norm can skip the step ([Note: skipped steps])
 
 
-def split_cores(cores: list[int], fraction: float) -> tuple[list[int], list[int]]:
-    """(main thread's, worker's) cores: the last `fraction` for the worker (DeepSpeed's split), at least one each."""
+def worker_cores(cores: list[int], fraction: float, local_rank: int, local_ranks: int, machine: int) -> list[int]:
+    """The cores the worker thread keeps to (none: leave it as it is): the last `fraction` of this rank's, at least
+    one and one fewer than all. A rank whose mask is the whole machine shares it with the node's other ranks, so it
+    takes its own slice first (a launcher that binds ranks to cores has done that already)."""
+    if local_ranks > 1 and len(cores) == machine and len(cores) >= local_ranks:
+        per = len(cores) // local_ranks
+        cores = cores[local_rank * per : (local_rank + 1) * per]
     if len(cores) < 2:
-        return cores, cores
-    cut = min(max(int((1.0 - fraction) * len(cores)), 1), len(cores) - 1)
-    return cores[:cut], cores[cut:]
+        return []
+    take = min(max(round(fraction * len(cores)), 1), len(cores) - 1)
+    return cores[len(cores) - take :]
+
+
+def keep_to_share(fraction: float, threads: int) -> list[int]:
+    """The calling thread (and the intra-op threads it starts) keeps to its `worker_cores`, with at most `threads`
+    intra-op threads; returns them (none: left as it was). Best effort: a refusal, e.g. by a cpuset, leaves the
+    thread where it was, with a warning."""
+    cores = sorted(os.sched_getaffinity(0))
+    local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mine = worker_cores(cores, fraction, *local, os.cpu_count() or len(cores))
+    if not mine:
+        return []
+    try:
+        os.sched_setaffinity(0, mine)  # this thread only
+    except OSError as error:
+        log_rank(logger, logging.WARNING, f"super_offload: cpuadam_cores_perc not applied ({error})", None)
+        return []
+    torch.set_num_threads(min(len(mine), threads))  # this thread's intra-op pool
+    return mine
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,7 @@ class _Job:
     k: int
     scale: float
     events: tuple[torch.cuda.Event, ...]
+    during_backward: bool
 
 
 class SpeculativeSteps:
@@ -108,22 +140,25 @@ class SpeculativeSteps:
         self._halted = False  # a sub-group with non-finite gradients: the rest wait for the step
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._main_cores: list[int] = []  # the main thread's affinity before the split, restored at close
+        self._failure: BaseException | None = None  # the worker's, until `settle` hands it over
+        self._broken: str | None = None  # a step failed on the worker: this window's state is not known to be whole
+        self._threads = torch.get_num_threads()  # the process's intra-op default, restored when the worker ends
         self._stream: torch.cuda.Stream | None = None  # the worker's (CUDA)
-        self._backward_done = False  # the window's backward has returned (`settle`)
-        self.steps_taken = 0  # sub-group steps taken during backward, over the run
+        self._backward_done = False  # a backward that took speculative steps has returned (`settle`)
+        self.steps_taken = 0  # sub-group steps taken by the worker, over the run
+        self.taken_during_backward = 0  # of which submitted while autograd still ran (not when backward ended)
         self.steps_undone = 0
 
     # -- backward (main thread) ----------------------------------------------------------------------
-    def delivered(self, unit: ShardedUnit) -> None:
-        """`unit`'s gradient shard is final for the boundary and in its host copy (queued, on CUDA)."""
+    def delivered(self, unit: ShardedUnit, during_backward: bool) -> None:
+        """`unit`'s gradient shard is final for the boundary and in its host copy (queued, on CUDA);
+        `during_backward`: autograd is still running (not the reductions made as backward ends)."""
         k = self._group_of.get(unit.index)
         if k is None:
             return
         self._waiting[k] -= 1
         if self._waiting[k] == 0:
-            self._submit(_Job(k, self.scale_of(), self._events()))
+            self._submit(_Job(k, self.scale_of(), self._events(), during_backward))
 
     def _events(self) -> tuple[torch.cuda.Event, ...]:
         """What the worker waits for before it reads the copies and the norms: the side stream's copies and the
@@ -140,13 +175,14 @@ class SpeculativeSteps:
             args = (weakref.ref(self), self._jobs)
             self._thread = threading.Thread(target=_work, args=args, name="zeroshard-super-offload", daemon=True)
             self._thread.start()
-            weakref.finalize(self, _stop, self._jobs, self._main_cores)
+            weakref.finalize(self, _stop, self._jobs, self._threads)
         self._jobs.put(job)
 
     def check_no_backward(self) -> None:
         """A backward starts, or a gradient arrives: refused once a backward that took speculative steps has
         returned, until the step (its gradients would miss the update already taken)."""
-        if self._backward_done and self.stepped:
+        self._check_whole()
+        if self._backward_done:
             raise ZeroshardError(
                 "a second backward before engine.step(): with zero_optimization.offload_optimizer.super_offload the "
                 "first one's optimizer steps already ran during its backward; call engine.step() between backward "
@@ -158,31 +194,32 @@ class SpeculativeSteps:
         if self._thread is None:
             return
         self._jobs.join()
-        self._backward_done = True
+        self._backward_done = bool(self.stepped)
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            raise ZeroshardError(f"super_offload's step during backward failed: {failure!r}") from failure
+            self._broken = (
+                f"super_offload's optimizer step during backward failed ({failure!r}), so this step's master weights "
+                "and optimizer state may be partly updated; resume from the last checkpoint"
+            )
+            raise ZeroshardError(self._broken) from failure
         if self.device.type == "cuda" and self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
+    def _check_whole(self) -> None:
+        if self._broken is not None:
+            raise ZeroshardError(self._broken)
+
     # -- the worker (its thread: `_work`) -------------------------------------------------------------------
-    def _bind_cores(self) -> None:
-        """On the worker thread, once: its CUDA device and stream, and its share of the cores."""
+    def _bind(self) -> None:
+        """On the worker thread, once (CUDA): its device, its stream and its share of the cores."""
         torch.cuda.set_device(self.device)
         self._stream = torch.cuda.Stream(self.device)
-        cores = sorted(os.sched_getaffinity(0))
-        main, mine = split_cores(cores, self.policy.cores_fraction)
-        if main == mine:
-            return
-        os.sched_setaffinity(0, mine)  # this thread only
-        torch.set_num_threads(len(mine))  # this thread's intra-op pool
-        self._main_cores[:] = cores
-        os.sched_setaffinity(threading.main_thread().native_id or 0, main)
+        keep_to_share(self.policy.cores_fraction, self._threads)
 
     def _run(self, job: _Job) -> None:
         if self.device.type == "cuda" and self._stream is None:
-            self._bind_cores()
-        if self._halted:
+            self._bind()
+        if self._halted or self._failure is not None:
             return
         for event in job.events:
             event.synchronize()
@@ -198,6 +235,7 @@ class SpeculativeSteps:
         self.scale = job.scale
         self.stepped.append(job.k)
         self.steps_taken += 1
+        self.taken_during_backward += job.during_backward
 
     def _finite(self, units: list[ShardedUnit]) -> bool:
         """Whether this sub-group's gradient norms are finite (then it holds no inf/nan): from the records of shards
@@ -216,6 +254,7 @@ class SpeculativeSteps:
 
     def commit(self, scale: float) -> frozenset[int]:
         """The step is taken with `scale`: the sub-groups stepped during backward count as stepped."""
+        self._check_whole()
         done = frozenset(self.stepped)
         if done and scale != self.scale:
             raise ZeroshardError(f"super_offload stepped with gradient scale {self.scale} but the step's is {scale}")
@@ -224,8 +263,12 @@ class SpeculativeSteps:
 
     def undo(self, why: str) -> None:
         """The window's gradients are dropped (`why`): its speculative steps are stepped back and republished."""
+        self._check_whole()
         if self.stepped:
             assert self.stepper.optimizer is not None and self.scale is not None
+            for k in self.stepped:  # the worker's copies out of these masters are done before they change
+                for unit in self.sub_groups[k].units:
+                    unit.wait_published()
             for k in reversed(self.stepped):
                 units = self.sub_groups[k].units
                 stepped = self.stepper.gradients_of(k, units, self.scale, private=True, stepped=True)
@@ -253,7 +296,7 @@ class SpeculativeSteps:
 
     def close(self) -> None:
         if self._thread is not None:
-            _stop(self._jobs, self._main_cores)
+            _stop(self._jobs, self._threads)
             self._thread.join(WORKER_JOIN_S)
             self._thread = None
 
@@ -275,12 +318,10 @@ def _work(owner: weakref.ref[SpeculativeSteps], jobs: queue.Queue[_Job | None]) 
             jobs.task_done()
 
 
-def _stop(jobs: queue.Queue[_Job | None], main_cores: list[int]) -> None:
-    """The worker ends after the jobs queued; the main thread gets its cores back."""
+def _stop(jobs: queue.Queue[_Job | None], threads: int) -> None:
+    """The worker ends after the jobs queued; threads started from now on get the intra-op default back."""
     jobs.put(None)
-    if main_cores:
-        os.sched_setaffinity(threading.main_thread().native_id or 0, main_cores)
-        main_cores.clear()
+    torch.set_num_threads(threads)
 
 
 def speculation_for(

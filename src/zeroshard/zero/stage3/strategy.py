@@ -98,6 +98,7 @@ class Stage3Strategy(Strategy):
             policy.param_tier,
             policy.weights,
             keeps_gradients=bool(groups),
+            persistent_alone=policy.speculation is not None,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units

@@ -7,7 +7,7 @@ import torch
 
 from zeroshard.optim.adam import UncorrectedAdam
 from zeroshard.optim.rollback import undo_adam_step, undoable_reason
-from zeroshard.zero.stage3.speculate import split_cores
+from zeroshard.zero.stage3.speculate import keep_to_share, worker_cores
 
 LR = 1e-2
 
@@ -64,9 +64,39 @@ def test_only_plain_adam_steps_can_be_undone():
     assert "maximize" in str(undoable_reason(torch.optim.Adam([param], maximize=True)))
 
 
-def test_cores_split_leaves_one_to_each():
-    assert split_cores(list(range(16)), 0.8) == (list(range(3)), list(range(3, 16)))
-    assert split_cores([0, 1], 0.8) == ([0], [1])
-    assert split_cores([0, 1], 1.0) == ([0], [1])
-    assert split_cores([0, 1, 2, 3], 0.1) == ([0, 1, 2], [3])
-    assert split_cores([5], 0.8) == ([5], [5])
+def test_the_worker_takes_its_share_of_this_ranks_cores():
+    """cpuadam_cores_perc of the cores (rounded), at least one and one fewer than all; on a node whose ranks were
+    not bound by the launcher, of this rank's slice."""
+    assert worker_cores(list(range(16)), 0.8, 0, 1, 16) == list(range(3, 16))
+    assert worker_cores(list(range(10)), 0.8, 0, 1, 10) == list(range(2, 10))  # round(8.0), not int(7.99...)
+    assert worker_cores([0, 1], 0.8, 0, 1, 2) == [1]
+    assert worker_cores([0, 1], 1.0, 0, 1, 2) == [1]
+    assert worker_cores([0, 1, 2, 3], 0.1, 0, 1, 4) == [3]
+    assert worker_cores([5], 0.8, 0, 1, 8) == []
+    assert worker_cores(list(range(16)), 0.75, 1, 2, 16) == list(range(10, 16))  # rank 1 of 2: cores 8-15
+    assert worker_cores(list(range(8, 16)), 0.75, 1, 2, 16) == list(range(10, 16))  # already bound: as it is
+
+
+def test_only_the_calling_thread_keeps_to_its_share(monkeypatch):
+    """What the worker thread does first on CUDA: its mask and intra-op thread count change, the main thread's
+    do not (torch's count is per thread with OpenMP)."""
+    import os
+    import threading
+
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to split")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    seen = {}
+
+    def worker():
+        seen["kept"] = keep_to_share(0.5, threads)
+        seen["mask"], seen["threads"] = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(threads)  # threads started later take the process's default from the last setter
+    assert seen["kept"] == seen["mask"] == worker_cores(cores, 0.5, 0, 1, os.cpu_count() or len(cores))
+    assert seen["threads"] == min(len(seen["kept"]), threads)
+    assert sorted(os.sched_getaffinity(0)) == cores and torch.get_num_threads() == threads
