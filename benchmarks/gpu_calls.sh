@@ -2,8 +2,8 @@
 # What issue 13 still has to measure on a GPU (docs/benchmarks_gpu.md, "Still to do on a GPU"), as device calls of
 # under 10 minutes each, in order of what the issue needs most. From the repository root, on the GPU machine:
 #
-#     bash benchmarks/gpu_calls.sh 1   # make test-gpu; the overlap profile with its host ops; rows a, b, b+ at 18 layers
-#     bash benchmarks/gpu_calls.sh 2   # rows a0 and so (super_offload, no clipping) at 18 layers: (b)'s target again
+#     bash benchmarks/gpu_calls.sh 1   # make test-gpu; rows a, b, b+ at 18 layers
+#     bash benchmarks/gpu_calls.sh 2   # rows a0, so (super_offload, no clipping) at 18 layers; the overlap profile
 #     bash benchmarks/gpu_calls.sh 3   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
 #     bash benchmarks/gpu_calls.sh 4   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
 #     bash benchmarks/gpu_calls.sh 5   # row d (NVMe) at 14 layers
@@ -44,12 +44,11 @@ case ${1:-} in
 1)
     { nvidia-smi; python -m zeroshard.cli.main report; } >"$out/machine.txt" 2>&1  # versions, pinning, disk
     step test_gpu 260 make test-gpu
-    step overlap 80 python -m benchmarks.overlap --ops 25 --json "$out/overlap.json"
     offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
     ;;
 2)
-    offload rows_so 400 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150
-    PYTHONPATH=src:tests timeout 150 python -m pytest -q tests/gpu -m cuda -k super_offload 2>&1 | tee "$out/test_so.log"
+    offload rows_so 360 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150
+    step overlap 170 python -m benchmarks.overlap --ops 25 --json "$out/overlap.json"
     ;;
 3)
     offload row_cplus 570 --try c+:49,46 --ratio 0.55 --steps 4 --warmup 2 --timeout 270

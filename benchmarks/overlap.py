@@ -11,9 +11,12 @@ two warm-up steps; the trace's device events are split into compute kernels, NCC
 
     exposed = |union(comm) - union(compute)|,   exposed fraction = exposed / |union(comm)|
 
-is reported per kind (a fraction of 0 means every byte moved while some kernel computed; 1 means none did), with
-the step time and the share of the step the exposed time takes. The traces are small (one step) and kept with
-`--trace-dir`. Without CUDA the script says so and exits 2.
+is reported per kind (a fraction of 0 means every byte moved while some kernel computed; 1 means none did), with the
+step time and the share of the step the exposed time takes; the same for the host's optimizer step (its
+`record_function` ranges: the main thread's after backward, and with `super_offload` the worker thread's during it,
+[Note: speculative host steps]); the optimizer-offload row is repeated without clipping, and then with
+super_offload. The traces are small (one step) and kept with `--trace-dir`. Without CUDA the script says so and
+exits 2.
 """
 
 from __future__ import annotations
@@ -40,12 +43,19 @@ SIZES = {  # zeroshard.models.gpt shapes (fp32 AdamW; bf16 compute)
 }
 
 
+# host ranges of the optimizer step: the main thread's after backward, and super_offload's worker's during it
+HOST_STEP = ("zeroshard.optimizer_step", "zeroshard.speculative_step")
+
+
 def classify(event: dict[str, Any]) -> str | None:
-    """A chrome-trace event of the device: "comm" (NCCL kernels), "h2d"/"d2h" (memcpys), "compute" (other
-    kernels), or None (host events, memsets, annotations)."""
+    """A chrome-trace event: on the device "comm" (NCCL kernels), "h2d"/"d2h" (memcpys), "compute" (other
+    kernels); on the host "host_step" (the optimizer step's `record_function` ranges, `HOST_STEP`); or None (other
+    host events, memsets, other annotations)."""
     category, name = event.get("cat", ""), str(event.get("name", ""))
     if event.get("ph") != "X" or "dur" not in event:
         return None
+    if category == "user_annotation":
+        return "host_step" if name in HOST_STEP else None
     if category == "gpu_memcpy":
         return "h2d" if "HtoD" in name else "d2h" if "DtoH" in name else None
     if category != "kernel":
@@ -81,8 +91,9 @@ def overlap(a: list[Interval], b: list[Interval]) -> float:
 
 
 def exposed(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per kind ("comm", "h2d", "d2h"): busy microseconds, exposed microseconds and the exposed fraction."""
-    by_kind: dict[str, list[Interval]] = {"compute": [], "comm": [], "h2d": [], "d2h": []}
+    """Per kind ("comm", "h2d", "d2h", "host_step"): busy microseconds, exposed microseconds (while no compute
+    kernel ran) and the exposed fraction."""
+    by_kind: dict[str, list[Interval]] = {"compute": [], "comm": [], "h2d": [], "d2h": [], "host_step": []}
     for event in trace.get("traceEvents", []):
         kind = classify(event)
         if kind is not None:
@@ -90,7 +101,7 @@ def exposed(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
             by_kind[kind].append((start, start + float(event["dur"])))
     compute = union(by_kind["compute"])
     out = {}
-    for kind in ("comm", "h2d", "d2h"):
+    for kind in ("comm", "h2d", "d2h", "host_step"):
         busy = union(by_kind[kind])
         total = length(busy)
         hidden = overlap(busy, compute)
@@ -103,7 +114,13 @@ def exposed(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def _profiled_step(
-    rank: int, world_size: int, shape: dict[str, int], zero: dict[str, Any], trace_dir: str, ops_rows: int = 0
+    rank: int,
+    world_size: int,
+    shape: dict[str, int],
+    zero: dict[str, Any],
+    trace_dir: str,
+    ops_rows: int = 0,
+    clipping: float = 1.0,
 ):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -115,6 +132,7 @@ def _profiled_step(
     cfg = GPTConfig(**shape)
     config = {
         "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": clipping,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "bf16": {"enabled": True},
         "zero_optimization": {"overlap_comm": True, **zero},
@@ -130,15 +148,28 @@ def _profiled_step(
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=_all_threads()) as prof:
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    path = Path(trace_dir) / f"{'-'.join(f'{k}{v}' for k, v in sorted(zero.items()) if k != 'stage')}-rank{rank}.json"
+    named = "-".join(f"{k}{v}" for k, v in sorted(zero.items()) if k != "stage").replace(" ", "").replace("'", "")
+    path = Path(trace_dir) / f"{named}-rank{rank}.json"
     prof.export_chrome_trace(str(path))
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ops_rows) if ops_rows else ""
     return {"step_s": seconds, "trace": str(path), "ops": ops, **exposed(json.loads(path.read_text()))}
+
+
+def _all_threads() -> Any:
+    """The profiler's config that records every thread's ranges (super_offload's worker thread's too), where this
+    torch has it; else None (the main thread's only: the host-step columns then miss the worker)."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        print("benchmarks.overlap: this torch profiles one thread; super_offload's worker is not in the traces")
+        return None
 
 
 def main() -> None:
@@ -165,21 +196,28 @@ def main() -> None:
         )
     pinned = {"device": "cpu", "pin_memory": True}  # pageable memory makes every H2D copy synchronous
     offload = {"stage": 3, "offload_param": pinned, "offload_optimizer": pinned}
-    for case, zero in (
-        ("stage 3, params+optimizer on CPU, 1 GPU", offload),
-        ("stage 3, optimizer on CPU, 1 GPU", {"stage": 3, "offload_optimizer": pinned}),
+    # [Note: speculative host steps]: one unit per sub-group, no clipping (else nothing is stepped during backward)
+    speculating = {"stage": 3, "offload_optimizer": {**pinned, "super_offload": True}, "sub_group_size": 1}
+    for case, zero, clipping in (
+        ("stage 3, params+optimizer on CPU, 1 GPU", offload, 1.0),
+        ("stage 3, optimizer on CPU, 1 GPU", {"stage": 3, "offload_optimizer": pinned}, 1.0),
+        ("the same, no clipping", {"stage": 3, "offload_optimizer": pinned}, 0.0),
+        ("the same with super_offload", speculating, 0.0),
     ):
-        rows.append({"case": case, "ranks": run_on_ranks(_profiled_step, 1, shape, zero, str(trace_dir), args.ops)})
+        ranks = run_on_ranks(_profiled_step, 1, shape, zero, str(trace_dir), args.ops, clipping)
+        rows.append({"case": case, "ranks": ranks})
     result = {"machine": describe(), "size": args.size, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(f"GPT {args.size}, bf16, one profiled step after two warm-up steps; machine: {result['machine']}\n")
-    print("| case | step s | NCCL busy ms | exposed | H2D busy ms | exposed | D2H busy ms | exposed | exposed / step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    kinds = ("comm", "h2d", "d2h", "host_step")
+    head = "| case | step s | NCCL busy ms | exposed | H2D busy ms | exposed | D2H busy ms | exposed |"
+    print(f"{head} host optimizer step ms | exposed | exposed copies+comm / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         r = row["ranks"][0]
         exposed_us = sum(r[k]["exposed_us"] for k in ("comm", "h2d", "d2h"))
-        cells = [f"{r[k]['busy_us'] / 1e3:.1f} | {r[k]['exposed_fraction']:.2f}" for k in ("comm", "h2d", "d2h")]
+        cells = [f"{r[k]['busy_us'] / 1e3:.1f} | {r[k]['exposed_fraction']:.2f}" for k in kinds]
         print(f"| {row['case']} | {r['step_s']:.3f} | {' | '.join(cells)} | {exposed_us / 1e6 / r['step_s']:.2f} |")
     for row in rows:
         if row["ranks"][0]["ops"]:

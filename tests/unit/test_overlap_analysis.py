@@ -38,3 +38,18 @@ def test_exposed_fractions_per_kind() -> None:
 def test_classify_ignores_host_and_instant_events() -> None:
     assert classify({"ph": "i", "cat": "kernel", "name": "x", "ts": 0}) is None
     assert classify(_kernel("ncclKernel_AllReduce", 0, 1)) == "comm"
+
+
+def test_the_host_optimizer_step_counts_as_exposed_while_no_kernel_runs() -> None:
+    """The optimizer step's host ranges (main thread and super_offload's worker): exposed where the GPU computes
+    nothing meanwhile; other annotations and the GPU-side copies of the ranges are not counted."""
+    trace = {
+        "traceEvents": [
+            _kernel("ampere_sgemm_128x64", 0, 10),
+            _kernel("zeroshard.speculative_step", 5, 10, cat="user_annotation"),  # 5 us under the gemm
+            _kernel("zeroshard.optimizer_step", 30, 10, cat="user_annotation"),  # alone
+            _kernel("zeroshard.optimizer_step", 30, 10, cat="gpu_user_annotation"),  # the device's copy: ignored
+            _kernel("zeroshard.backward", 0, 40, cat="user_annotation"),  # another range: ignored
+        ]
+    }
+    assert exposed(trace)["host_step"] == {"busy_us": 20.0, "exposed_us": 15.0, "exposed_fraction": 0.75}
