@@ -55,3 +55,23 @@ def test_an_engine_dropped_without_destroy_is_freed():
     for per_rank in run_on_ranks(_dropped, 2):
         for kind, freed in zip(_KINDS, per_rank, strict=True):
             assert freed == [True] * 4, (kind, freed)
+
+
+def _model_kept(rank: int, world_size: int):
+    import zeroshard
+    from helpers.parity import build_model, ds_config, param_groups
+
+    case = Case(stage=2)
+    model = build_model(case)
+    engine = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))[0]
+    hooked = sum(bool(p._post_accumulate_grad_hooks) for p in model.parameters())
+    del engine
+    gc.collect()
+    return hooked, sum(bool(p._post_accumulate_grad_hooks) for p in model.parameters())
+
+
+def test_a_model_that_outlives_its_engine_keeps_no_dead_hooks():
+    """Stages 0-2: the strategy's gradient hooks leave the parameters with it (built again on the same model, an
+    engine would otherwise find the dead ones still there)."""
+    for hooked, left in run_on_ranks(_model_kept, 2):
+        assert hooked > 0 and left == 0

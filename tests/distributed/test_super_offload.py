@@ -4,6 +4,9 @@ bit-identical to stepping after backward when the step is taken, stepped back wh
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import tempfile
 import threading
 import weakref
 
@@ -56,10 +59,11 @@ def _train(case: Case, super_offload: bool, grad_dtype: str | None, rank: int, w
     return out
 
 
-# (case, grad dtype, sub-groups stepped while autograd still runs per step; None: not counted): fp32 gradients (the
-# shard is its own host copy), bf16 ones (separate copies). With 6 blocks of 6.2K shard elements, the sub-groups
-# that wait for backward's end are the root unit's (with block 0, and at 13K block 1), the one holding block 1 (the
-# last reductions are still in flight when autograd returns) and the persistent unit's, in one of its own.
+# (case, grad dtype, sub-groups submitted to the worker while autograd still runs, per step; None: not counted):
+# fp32 gradients (the shard is its own host copy), bf16 ones (separate copies). With 6 blocks of 6.2K shard
+# elements, the sub-groups that wait for backward's end are the root unit's (with block 0, and at 13K block 1), the
+# one holding block 1 (the last reductions are still in flight when autograd returns) and the persistent unit's, in
+# one of its own.
 _CASES = (
     (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=4), None, None),
     (Case(stage=3, offload="cpu", clip=0.0, sub_group=3000, steps=3, dtype="bf16"), "bf16", None),
@@ -79,8 +83,8 @@ def _bit_identical(rank: int, world_size: int):
 
 def test_steps_during_backward_are_bit_identical():
     """Every case: the host stepped every offloaded sub-group by the time backward returned, every step (with 6
-    blocks, all but the root unit's and the persistent unit's while autograd still ran), and losses, parameters
-    after every step and `safe_get_full_grad` before a step equal the run without super_offload bit for bit."""
+    blocks, the number given submitted while autograd still ran), and losses, parameters after every step and
+    `safe_get_full_grad` before a step equal the run without super_offload bit for bit."""
     for per_rank in run_on_ranks(_bit_identical, 2):
         for (case, _, during), (fast, plain) in zip(_CASES, per_rank, strict=True):
             losses, params, grads, (taken, undone, early), sub_groups, skipped = fast
@@ -148,6 +152,26 @@ def _refusals(rank: int, world_size: int):
     out["undone by zero_grad"] = engine.strategy.speculation.steps_undone - before
     engine.backward(engine(x, y))  # allowed again
     engine.step()
+    folder = os.path.join(tempfile.gettempdir(), f"zeroshard-super-offload-{os.getppid()}")  # the same on both ranks
+    engine.save_checkpoint(folder, tag="good")
+    stepper = engine.strategy.stepper
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    stepper.step_sub_group = fails  # the worker's next step fails
+    for call in (lambda: engine.backward(engine(x, y)), engine.step, lambda: engine.backward(engine(x, y))):
+        try:
+            call()
+        except ZeroshardError as error:
+            out.setdefault("after a failure", []).append(str(error))
+    del stepper.step_sub_group
+    engine.load_checkpoint(folder, tag="good")  # forgets the failure, with the state it doubted
+    engine.backward(engine(x, y))
+    engine.step()
+    out["after the load"] = engine.strategy.speculation.steps_taken
+    if rank == 0:  # both ranks loaded: the step after it has collectives
+        shutil.rmtree(folder)
     worker = next(t for t in threading.enumerate() if t.name == "zeroshard-super-offload")
     out["holds only a weak reference"] = isinstance(worker._args[0], weakref.ref)  # type: ignore[attr-defined]
     engine.destroy()
@@ -176,12 +200,18 @@ def _refusals(rank: int, world_size: int):
 def test_what_super_offload_refuses():
     """A second backward before the step is refused (its gradients would miss the update already taken);
     zero_grad without a step undoes what backward stepped; the worker thread refers to its engine weakly (an
-    engine dropped without destroy() is not kept alive by it) and ends with destroy(); with clipping nothing is
+    engine dropped without destroy() is not kept alive by it) and ends with destroy(); a failure on the worker is
+    raised as backward ends and every later call refuses until a checkpoint is loaded; with clipping nothing is
     speculated (DeepSpeed's behaviour); an optimizer whose step cannot be undone is refused before training."""
     for out in run_on_ranks(_refusals, 2):
         assert "second backward before engine.step()" in out["second backward"]
         assert out["undone by zero_grad"] >= 2
         assert out["worker"] and out["holds only a weak reference"] and out["stopped by destroy"]
+        failures = out["after a failure"]  # raised as backward ends, then refused until a checkpoint is loaded
+        assert (
+            len(failures) == 3 and "injected" in failures[0] and all("load the last checkpoint" in f for f in failures)
+        )
+        assert out["after the load"] > 0
         assert out["with clipping"] is None
         assert "super_offload" in out["client SGD"] and "SGD" in out["client SGD"]
 

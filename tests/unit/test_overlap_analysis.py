@@ -42,14 +42,17 @@ def test_classify_ignores_host_and_instant_events() -> None:
 
 def test_the_host_optimizer_step_counts_as_exposed_while_no_kernel_runs() -> None:
     """The optimizer step's host ranges (main thread and super_offload's worker): exposed where the GPU computes
-    nothing meanwhile; other annotations and the GPU-side copies of the ranges are not counted."""
+    nothing meanwhile, and how much of them follows `engine.backward`; other annotations and the GPU-side copies of
+    the ranges are not counted."""
     trace = {
         "traceEvents": [
             _kernel("ampere_sgemm_128x64", 0, 10),
             _kernel("zeroshard.speculative_step", 5, 10, cat="user_annotation"),  # 5 us under the gemm
             _kernel("zeroshard.optimizer_step", 30, 10, cat="user_annotation"),  # alone
             _kernel("zeroshard.optimizer_step", 30, 10, cat="gpu_user_annotation"),  # the device's copy: ignored
-            _kernel("zeroshard.backward", 0, 40, cat="user_annotation"),  # another range: ignored
+            _kernel("zeroshard.backward", 0, 12, cat="user_annotation"),  # the worker's step outlasts it by 3 us
+            _kernel("zeroshard.forward", 0, 40, cat="user_annotation"),  # another range: ignored
         ]
     }
-    assert exposed(trace)["host_step"] == {"busy_us": 20.0, "exposed_us": 15.0, "exposed_fraction": 0.75}
+    out = exposed(trace)["host_step"]
+    assert out == {"busy_us": 20.0, "exposed_us": 15.0, "exposed_fraction": 0.75, "after_backward_us": 13.0}

@@ -65,8 +65,8 @@ def test_only_plain_adam_steps_can_be_undone():
 
 
 def test_the_worker_takes_its_share_of_this_ranks_cores():
-    """cpuadam_cores_perc of the cores (rounded), at least one and one fewer than all; on a node whose ranks were
-    not bound by the launcher, of this rank's slice."""
+    """cpuadam_cores_perc of the cores (rounded), at least one and one fewer than all; of this rank's slice when the
+    node's ranks share a mask (too large for theirs to be disjoint)."""
     assert worker_cores(list(range(16)), 0.8, 0, 1, 16) == list(range(3, 16))
     assert worker_cores(list(range(10)), 0.8, 0, 1, 10) == list(range(2, 10))  # round(8.0), not int(7.99...)
     assert worker_cores([0, 1], 0.8, 0, 1, 2) == [1]
@@ -75,6 +75,7 @@ def test_the_worker_takes_its_share_of_this_ranks_cores():
     assert worker_cores([5], 0.8, 0, 1, 8) == []
     assert worker_cores(list(range(16)), 0.75, 1, 2, 16) == list(range(10, 16))  # rank 1 of 2: cores 8-15
     assert worker_cores(list(range(8, 16)), 0.75, 1, 2, 16) == list(range(10, 16))  # already bound: as it is
+    assert worker_cores(list(range(32)), 0.75, 3, 4, 64) == list(range(26, 32))  # 4 ranks in one 32-core cgroup
 
 
 def test_only_the_calling_thread_keeps_to_its_share(monkeypatch):

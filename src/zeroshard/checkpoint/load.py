@@ -367,6 +367,7 @@ def load_checkpoint(
         # stage 3 loads shards only: copies gathered from them (its persistent unit) must be gathered again
         if state is not None and (publish or state.regather_after_load):
             state.publish_params()
+        engine.strategy.loaded()
         engine.strategy.zero_grad()
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")
     return tag_dir, client_state

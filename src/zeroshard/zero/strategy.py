@@ -187,6 +187,10 @@ class Strategy(ABC):
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
 
+    def loaded(self) -> None:
+        """`load_checkpoint` replaced the state: nothing from before it is pending (nothing to forget by default)."""
+        return None
+
     # -- one parameter's full values: DeepSpeed's safe_get_full_* (collective: every rank, same parameter) ---------
     @abstractmethod
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:

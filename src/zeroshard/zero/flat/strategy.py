@@ -23,6 +23,7 @@ global norm, and the step clears them. Without it bing_bert's losses moved 2e-6 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ class FlatStrategy(Strategy):
             for g, buffers in enumerate(self.buffers)
             for s, slot in enumerate(buffers.layout.slots)
         ]
+        # a model that outlives its strategy (dropped without destroy()) keeps no dead hooks
+        weakref.finalize(self, _remove_all, self._hooks)
         # per group: the fp32 gradient the optimizer reads (the shard itself, a copy on the master tier, or None
         # for a temporary at the step); buckets whose slice of a copy backward already refreshed
         self._grad_copies: list[torch.Tensor | None] = []
@@ -488,3 +491,8 @@ def _tied_copy(buffers: GroupBuffers, slot: Any) -> bool:
     """A pipeline stage's copy of a weight tied to a lower stage's ([Note: tied copies in the norm]): marked
     with DeepSpeed's attribute (deepspeed.runtime.constants.PIPE_REPLICATED)."""
     return bool(getattr(buffers.params[slot.index], PIPE_REPLICATED, False))
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

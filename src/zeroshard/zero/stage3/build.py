@@ -94,10 +94,12 @@ def build_units(
     sizes = [layout.shard_numel for layout in layouts]
     alone = policy.persistent_alone and len(specs) > 1 and specs[-1].name == PERSISTENT  # planned last
     chunks = greedy_chunks(sizes[:-1] if alone else sizes, policy.sub_group_numel, close="after")
+    # [Note: partial offload] splits the layers' sub-groups; the persistent one takes the last one's tier
+    tiers = [policy.master_tier.for_sub_group(k, len(chunks)) for k in range(len(chunks))]
     chunks += [[len(sizes) - 1]] if alone else []
+    tiers += tiers[-1:] if alone else []
     chunk_of = {index: k for k, members in enumerate(chunks) for index in members}
     store = policy.master_tier.residency
-    tiers = [policy.master_tier.for_sub_group(k, len(chunks)) for k in range(len(chunks))]
     built = BuiltUnits([], [[] for _ in groups], [SubGroup(f"subgroup{k}", [], tiers[k]) for k in range(len(chunks))])
     for index, (spec, layout) in enumerate(zip(specs, layouts, strict=True)):
         params = [named[n] for n in spec.param_names]

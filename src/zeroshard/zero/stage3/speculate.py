@@ -73,9 +73,10 @@ class SpeculationPolicy:
 
 def worker_cores(cores: list[int], fraction: float, local_rank: int, local_ranks: int, machine: int) -> list[int]:
     """The cores the worker thread keeps to (none: leave it as it is): the last `fraction` of this rank's, at least
-    one and one fewer than all. A rank whose mask is the whole machine shares it with the node's other ranks, so it
-    takes its own slice first (a launcher that binds ranks to cores has done that already)."""
-    if local_ranks > 1 and len(cores) == machine and len(cores) >= local_ranks:
+    one and one fewer than all. The node's ranks' masks can only be disjoint if together they fit on the machine;
+    a mask too large for that is shared (no binding, a cgroup, a cpuset), so each rank takes its own slice of it
+    first (a launcher that binds ranks to cores has done that already)."""
+    if local_ranks > 1 and len(cores) * local_ranks > machine and len(cores) >= local_ranks:
         per = len(cores) // local_ranks
         cores = cores[local_rank * per : (local_rank + 1) * per]
     if len(cores) < 2:
@@ -142,11 +143,12 @@ class SpeculativeSteps:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None  # the worker's, until `settle` hands it over
         self._broken: str | None = None  # a step failed on the worker: this window's state is not known to be whole
-        self._threads = torch.get_num_threads()  # the process's intra-op default, restored when the worker ends
+        self._threads = torch.get_num_threads()  # the main thread's intra-op count: the process's default
+        self._default_restored = False
         self._stream: torch.cuda.Stream | None = None  # the worker's (CUDA)
         self._backward_done = False  # a backward that took speculative steps has returned (`settle`)
         self.steps_taken = 0  # sub-group steps taken by the worker, over the run
-        self.taken_during_backward = 0  # of which submitted while autograd still ran (not when backward ended)
+        self.taken_during_backward = 0  # of which submitted while autograd still ran (not as backward ended)
         self.steps_undone = 0
 
     # -- backward (main thread) ----------------------------------------------------------------------
@@ -175,7 +177,7 @@ class SpeculativeSteps:
             args = (weakref.ref(self), self._jobs)
             self._thread = threading.Thread(target=_work, args=args, name="zeroshard-super-offload", daemon=True)
             self._thread.start()
-            weakref.finalize(self, _stop, self._jobs, self._threads)
+            weakref.finalize(self, _stop, self._jobs)
         self._jobs.put(job)
 
     def check_no_backward(self) -> None:
@@ -199,11 +201,14 @@ class SpeculativeSteps:
             failure, self._failure = self._failure, None
             self._broken = (
                 f"super_offload's optimizer step during backward failed ({failure!r}), so this step's master weights "
-                "and optimizer state may be partly updated; resume from the last checkpoint"
+                "and optimizer state may be partly updated; load the last checkpoint (engine.load_checkpoint) to go on"
             )
             raise ZeroshardError(self._broken) from failure
         if self.device.type == "cuda" and self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            if not self._default_restored:  # the worker's count stays its own; threads started later get the default
+                torch.set_num_threads(self._threads)
+                self._default_restored = True
 
     def _check_whole(self) -> None:
         if self._broken is not None:
@@ -287,6 +292,11 @@ class SpeculativeSteps:
             )
         self._reset()
 
+    def forget(self) -> None:
+        """A checkpoint was loaded: this window's speculative steps, and a failure's doubt, went with the old state."""
+        self._broken = None
+        self._reset()
+
     def _reset(self) -> None:
         self.stepped = []
         self.scale = None
@@ -296,7 +306,7 @@ class SpeculativeSteps:
 
     def close(self) -> None:
         if self._thread is not None:
-            _stop(self._jobs, self._threads)
+            _stop(self._jobs)
             self._thread.join(WORKER_JOIN_S)
             self._thread = None
 
@@ -318,10 +328,9 @@ def _work(owner: weakref.ref[SpeculativeSteps], jobs: queue.Queue[_Job | None]) 
             jobs.task_done()
 
 
-def _stop(jobs: queue.Queue[_Job | None], threads: int) -> None:
-    """The worker ends after the jobs queued; threads started from now on get the intra-op default back."""
+def _stop(jobs: queue.Queue[_Job | None]) -> None:
+    """The worker ends after the jobs queued."""
     jobs.put(None)
-    torch.set_num_threads(threads)
 
 
 def speculation_for(

@@ -276,6 +276,10 @@ class Stage3Strategy(Strategy):
         self.gradients_tier.reset()
         self.reducer.first_window_step = True
 
+    def loaded(self) -> None:
+        if self.speculation is not None:  # what backward stepped is gone with the state it changed
+            self.speculation.forget()
+
     @property
     def host_copies_in_backward(self) -> int:
         return self.stepper.host_copies_in_backward
