@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.hooks import route_inputs_through_post_backward
+from zeroshard.zero.stage3.plan import UnitPolicy, root_entries
 
 if TYPE_CHECKING:
     from zeroshard.zero.stage3.strategy import Stage3Strategy
@@ -160,3 +161,15 @@ class RootUnit:
 
 def _always() -> bool:
     return True
+
+
+def root_unit_of(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None) -> RootUnit | None:
+    """The root unit gathered by its entries, when its parameters have some ([Note: root unit by module])."""
+    unit = next((u for u in strategy.units if u.name == "" and u.module is module), None)
+    if unit is None:
+        return None
+    names = root_entries(module, policy, [slot.name for slot in unit.layout.slots])
+    if not names:
+        return None
+    modules = dict(module.named_modules())
+    return RootUnit(strategy, unit, [modules[name] for name in names])

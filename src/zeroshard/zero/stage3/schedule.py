@@ -24,6 +24,7 @@ discarded, so its hooks never fire and the original forward's count stands.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -222,3 +223,8 @@ def settle_gathers(units: Sequence[ShardedUnit], timeout_s: float = 60.0) -> Non
             unit.wait_gathered()  # done: only the bookkeeping is left
         except Exception:  # noqa: BLE001 - at exit a failed wait (a peer gone) has nobody to report to
             return
+
+
+def settle_live_gathers(units: Sequence[weakref.ref[ShardedUnit]]) -> None:
+    """`settle_gathers` over the units still alive (a finalizer's: it must not keep them)."""
+    settle_gathers([u for u in (ref() for ref in units) if u is not None])

@@ -34,11 +34,11 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.plan import UnitPolicy, root_entries, unit_module_names
+from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
-from zeroshard.zero.stage3.root import RootUnit
-from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_gathers
+from zeroshard.zero.stage3.root import root_unit_of
+from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_live_gathers
 from zeroshard.zero.stage3.speculate import SpeculationPolicy, speculation_for
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
@@ -136,14 +136,14 @@ class Stage3Strategy(Strategy):
             (len(self.units) + k, modules[name])
             for k, name in enumerate(n for n in unit_module_names(module, policy.unit_policy) if n not in unit_names)
         ]
-        self.root_unit = _root_unit(self, module, policy.unit_policy) if policy.root_by_module else None
+        self.root_unit = root_unit_of(self, module, policy.unit_policy) if policy.root_by_module else None
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
         # [Note: nothing in flight at exit] runs at interpreter exit unless `destroy` ran it first
         # (holding the units weakly: what the finalizer holds lives until it runs, [Note: tensor hooks hold their
         # owner weakly])
-        self._settle_at_exit = weakref.finalize(self, _settle_live, [weakref.ref(u) for u in self.units])
+        self._settle_at_exit = weakref.finalize(self, settle_live_gathers, [weakref.ref(u) for u in self.units])
 
     # -- construction ------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -492,19 +492,3 @@ class Stage3Strategy(Strategy):
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
             unit.overwrite_shard(unit.full[lo:hi])
-
-
-def _settle_live(units: list[weakref.ref[ShardedUnit]]) -> None:
-    settle_gathers([u for u in (ref() for ref in units) if u is not None])
-
-
-def _root_unit(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None) -> RootUnit | None:
-    """The root unit gathered by its entries, when its parameters have some ([Note: root unit by module])."""
-    unit = next((u for u in strategy.units if u.name == "" and u.module is module), None)
-    if unit is None:
-        return None
-    names = root_entries(module, policy, [slot.name for slot in unit.layout.slots])
-    if not names:
-        return None
-    modules = dict(module.named_modules())
-    return RootUnit(strategy, unit, [modules[name] for name in names])
