@@ -1,0 +1,195 @@
+"""The ZeRO strategy a config asks for: step policy, where state lives (tiers, NVMe preflighted), and which class.
+
+`initialize` calls `make_strategy` once it has the model, the parameter groups, the precision policy and the
+process groups; everything here is read from the config (and the model's size, for the swap files)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.topology import NodeLayout, Topology
+from zeroshard.config import ZeroshardConfig
+from zeroshard.errors import ConfigError
+from zeroshard.loading.weights import StreamedWeights
+from zeroshard.offload.tier import Tier, tier_for
+from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.tp.mesh import TensorParallelContext
+from zeroshard.utils.logging import get_logger
+from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.stage3.prefetch import PrefetchPolicy
+from zeroshard.zero.stage3.speculate import SpeculationPolicy
+from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
+from zeroshard.zero.stepmath import StepPolicy
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
+from zeroshard.zero.zeropp import ZeroPPPolicy
+
+logger = get_logger(__name__)
+
+
+def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, compute_bytes: int) -> dict[str, int]:
+    """Swap-file bytes this rank needs per NVMe path: fp32 master + Adam's two moments of its shard
+    (offload_optimizer), the compute-dtype shard (offload_param); 25% margin; one sum when the paths agree."""
+    z = cfg.zero_optimization
+    shard = sum(p.numel() for p in model.parameters()) / world_size
+    need: dict[str, int] = {}
+    if str(z.offload_optimizer.device) == "nvme":
+        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * 12 * shard)
+    if str(z.offload_param.device) == "nvme" and z.stage == 3:  # ignored below stage 3 (config.checks.warn_ignored)
+        path = str(z.offload_param.nvme_path)
+        need[path] = need.get(path, 0) + int(1.25 * compute_bytes * shard)
+    return need
+
+
+def _nvme_store_factory(
+    cfg: ZeroshardConfig, key: str, need: dict[str, int], buffer_count: int, pin: bool
+) -> Callable[[], Any] | None:
+    """None unless `zero_optimization.<key>.device` is "nvme"; else preflight its path now and return what
+    builds the store (and its swapper) in the strategy."""
+    from zeroshard.offload import NvmeSwapper, preflight
+    from zeroshard.offload.residency import NvmeStateStore
+
+    block = getattr(cfg.zero_optimization, key)
+    if str(block.device) != "nvme":
+        return None
+    path = str(block.nvme_path)
+    # every rank of this node writes its own swap files under the path (same filesystem)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path", sharing_ranks=local_ranks)
+    # staging for tensors the swapper cannot read/write in place: a block per request in flight (8 MiB by
+    # default), not offload_param.buffer_size (that sizes parameter buffers, 400 MB each by default)
+    aio = cfg.aio
+    buffer_bytes = max(int(aio.block_size) * int(aio.queue_depth), 1 << 20)
+
+    def build() -> NvmeStateStore:
+        return NvmeStateStore(NvmeSwapper(path, aio, buffer_count, buffer_bytes, pin))
+
+    return build
+
+
+def make_strategy(
+    cfg: ZeroshardConfig,
+    stage: int,
+    precision: PrecisionPolicy,
+    model: nn.Module,
+    groups: list[ParamGroupSpec],
+    comm: Collectives,
+    topology: Topology,
+    accumulation: AccumulationState,
+    weights: StreamedWeights | None,
+    model_parallel: Collectives | None = None,
+    tp: TensorParallelContext | None = None,
+) -> Strategy:
+    """The strategy `cfg` asks for at `stage`: its step policy, the tiers its state lives on (NVMe paths preflighted
+    now) and the class (flat stages 0-2, tensor-parallel or expert-split, stage 3, or the fsdp2 backend)."""
+    z = cfg.zero_optimization
+    need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
+    step = StepPolicy(
+        gradient_clipping=float(cfg.gradient_clipping or 0.0),
+        prescale_gradients=bool(cfg.prescale_gradients),
+        gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+        check_overflow=precision.check_overflow,
+        skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
+        model_parallel=model_parallel,
+    )
+    from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
+
+    offload = str(z.offload_optimizer.device) != "none"
+    expert_groups = expert_groups_of(model, stage, comm, offload)  # None unless MoE with ep_size > 1
+    if str(cfg.zeroshard.backend) == "fsdp2":
+        if expert_groups is not None:
+            raise ConfigError("MoE layers train with the flat ZeRO backend (stages 1-2), not zeroshard.backend fsdp2")
+        from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
+
+        dtype, device = precision.compute_dtype, topology.device
+        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp)
+    common: dict[str, Any] = {
+        "compute_dtype": precision.compute_dtype,
+        "grad_accum_dtype": precision.grad_accum_dtype,
+        "comm_dtype": precision.comm_dtype,
+        "overlap_comm": bool(z.overlap_comm),
+        "step": step,
+        "master_tier": _tier(cfg, "offload_optimizer", need, topology.device),
+    }
+    if stage < 3:
+        bucket = int(z.reduce_bucket_size)
+        if stage >= 1:
+            bucket = min(bucket, int(z.allgather_bucket_size))  # one bucket is both reduced and gathered
+        flat = FlatPolicy(
+            **common,
+            stage=stage,
+            bucket_numel=max(bucket, 1),
+            use_reduce_scatter=bool(z.reduce_scatter),
+            ignore_unused_parameters=bool(z.ignore_unused_parameters),
+        )
+        if tp is not None:  # [Note: tensor-parallel norm] in tp/zero.py
+            from zeroshard.tp.zero import TensorParallelStrategy
+
+            return TensorParallelStrategy(model, groups, flat, comm, topology.device, accumulation, tp.tp_comm)
+        if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
+            return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
+        return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
+    par = z.offload_param
+    policy = Stage3Policy(
+        **common,
+        prefetch=PrefetchPolicy(
+            bucket_numel=int(z.stage3_prefetch_bucket_size),
+            max_live_numel=int(z.stage3_max_live_parameters or 0),
+            max_reuse_distance=int(z.stage3_max_reuse_distance),
+        ),
+        persistence_threshold=int(z.stage3_param_persistence_threshold),
+        sub_group_numel=max(int(z.sub_group_size), 1),
+        param_tier=_tier(cfg, "offload_param", need, topology.device),
+        param_read_ahead=(
+            int(par.buffer_count),
+            min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
+        ),
+        weights=weights,
+        root_by_module=bool(cfg.zeroshard.stage3_root_by_module),
+        speculation=_speculation(cfg, step),
+        zeropp=ZeroPPPolicy(
+            quantized_weights=bool(z.zero_quantized_weights),
+            hpz_partition_size=int(z.zero_hpz_partition_size or 1),
+            quantized_gradients=bool(z.zero_quantized_gradients),
+            nodes=NodeLayout.from_env(topology.world_size),
+        ),
+    )
+    return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
+
+
+def _speculation(cfg: ZeroshardConfig, step: StepPolicy) -> SpeculationPolicy | None:
+    """`offload_optimizer.super_offload` ([Note: speculative host steps]; config/checks.py refused what it cannot
+    do): the host steps during backward, unless clipping makes every step wait for the norm."""
+    block = cfg.zero_optimization.offload_optimizer
+    if not bool(block.super_offload):
+        return None
+    if step.gradient_clipping > 0:
+        logger.warning(
+            "zeroshard: zero_optimization.offload_optimizer.super_offload steps the optimizer during backward only "
+            f"without gradient clipping (gradient_clipping {step.gradient_clipping:g} scales every gradient by the "
+            "norm of all of them, as in DeepSpeed's SuperOffload); the offloaded step runs after backward"
+        )
+        return None
+    may_skip = step.check_overflow or step.skip_nonfinite_norm
+    return SpeculationPolicy(cores_fraction=float(block.cpuadam_cores_perc), may_skip=may_skip)
+
+
+def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy) -> bool:
+    """[Note: skipped steps] which configurations apply a step whose global gradient norm is inf/nan."""
+    fp32 = precision.compute_dtype == torch.float32
+    bf16_unchecked = precision.compute_dtype == torch.bfloat16 and not precision.check_overflow
+    return not ((fp32 and stage == 0) or (bf16_unchecked and stage == 2))
+
+
+def _tier(cfg: ZeroshardConfig, key: str, need: dict[str, int], device: torch.device) -> Tier:
+    """Where `zero_optimization.<key>` puts its state (an NVMe path is preflighted now); the optimizer's `ratio`
+    splits it ([Note: partial offload]; config/checks.py allows a ratio < 1 only at stage 3 on the CPU)."""
+    block = getattr(cfg.zero_optimization, key)
+    store = _nvme_store_factory(cfg, key, need, int(block.buffer_count), bool(block.pin_memory))
+    ratio = float(getattr(block, "ratio", 1.0))
+    return tier_for(str(block.device), device, bool(block.pin_memory), store, ratio)
