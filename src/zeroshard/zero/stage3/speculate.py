@@ -50,10 +50,8 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.offload.gradients import GradientTier
 from zeroshard.optim.rollback import undo_adam_step
 from zeroshard.utils.logging import log_rank
-from zeroshard.zero.stage3.build import SubGroup
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.stepmath import tensor_norms
@@ -117,16 +115,14 @@ class SpeculativeSteps:
     def __init__(
         self,
         stepper: SubGroupStepper,
-        sub_groups: list[SubGroup],
-        gradients: GradientTier,
         policy: SpeculationPolicy,
         scale_of: Callable[[], float],
         device: torch.device,
     ):
         self.stepper = stepper
         self.scale_of = scale_of  # the gradients' scale without clipping: the mean over ranks, the fp16 loss scale
-        self.sub_groups = sub_groups
-        self.gradients = gradients
+        self.sub_groups = sub_groups = stepper.sub_groups
+        self.gradients = stepper.gradients
         self.policy = policy
         self.device = device
         self._group_of = {
@@ -334,14 +330,9 @@ def _stop(jobs: queue.Queue[_Job | None]) -> None:
 
 
 def speculation_for(
-    stepper: SubGroupStepper,
-    sub_groups: list[SubGroup],
-    gradients: GradientTier,
-    policy: SpeculationPolicy | None,
-    scale_of: Callable[[], float],
-    device: torch.device,
+    stepper: SubGroupStepper, policy: SpeculationPolicy | None, scale_of: Callable[[], float], device: torch.device
 ) -> SpeculativeSteps | None:
     """The worker when `super_offload` has offloaded sub-groups to speculate on, else None."""
-    if policy is None or not any(g.tier.offloaded for g in sub_groups):
+    if policy is None or not any(g.tier.offloaded for g in stepper.sub_groups):
         return None
-    return SpeculativeSteps(stepper, sub_groups, gradients, policy, scale_of, device)
+    return SpeculativeSteps(stepper, policy, scale_of, device)

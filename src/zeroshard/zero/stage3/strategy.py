@@ -123,9 +123,7 @@ class Stage3Strategy(Strategy):
         )
         self.zeropp = attach_zeropp(policy.zeropp, comm, self.units, self.schedule, self.reducer)
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
-        self.speculation = speculation_for(
-            self.stepper, self.built.sub_groups, self.gradients_tier, policy.speculation, self._grad_scale, device
-        )
+        self.speculation = speculation_for(self.stepper, policy.speculation, self._grad_scale, device)
         self.reducer.speculation = self.speculation
         self._state_dict_gathered: list[bool] = []
         # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
