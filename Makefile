@@ -18,7 +18,7 @@ install-compat: install
 	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat,monitor,trl]'
 
 train: install
-	zeroshard train --nproc-per-node 2
+	zeroshard train --nproc-per-node 2 --save-steps 100
 
 example: install
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_gpt.py

@@ -76,8 +76,9 @@ class EngineAccessors:
 
     @property
     def dp_world_size(self) -> int:
-        """Ranks in the data-parallel group: all of them (zeroshard has no model parallelism yet)."""
-        return self.topology.world_size
+        """Ranks in the data-parallel group ZeRO shards over: the world divided by the tensor-parallel size (the
+        pipeline engine's by its stages)."""
+        return self.comm.world_size
 
     @property
     def monitor(self) -> Telemetry:

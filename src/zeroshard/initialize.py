@@ -92,7 +92,7 @@ def initialize(
     # tensor-parallel size ([Note: tensor-parallel mesh])
     dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu)
     cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
-    checkpointing.configure_from_config(cfg)
+    checkpointing.configure_from_config(cfg, mpu)
     return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, mpu)
 
 

@@ -211,7 +211,7 @@ def _keeping(rank: int, world_size: int) -> dict[str, tuple]:
         stats = checkpointing.stats()
         assert stats.device_bytes == 0 and stats.host_bytes == 0, name  # all restored in backward
         out[name] = (grads, saved, stats.peak_device_bytes, stats.peak_host_bytes)
-    # initialize configures checkpointing from the config's block (without an mpu: initialize refuses one)
+    # initialize configures checkpointing from the config's block (over its mpu: test_tensor_parallel.py)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

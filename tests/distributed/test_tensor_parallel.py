@@ -40,10 +40,12 @@ class FakeMpu(GroupsMpu):
         self.tp_group, self.dp_group = tp_groups[self.dp_rank], dp_groups[self.tp_rank]
 
 
-def _mpu_losses(rank: int) -> list[float]:
+def _mpu_losses(rank: int) -> tuple[list[float], int]:
+    """The losses over the mpu's groups, and the size of the group activation checkpointing partitions over."""
     from torch.distributed.device_mesh import DeviceMesh
 
     import zeroshard
+    from zeroshard.checkpointing.context import CONTEXT
     from zeroshard.tp.plan import apply_tensor_parallel
 
     mpu = FakeMpu(rank)
@@ -51,10 +53,12 @@ def _mpu_losses(rank: int) -> list[float]:
     apply_tensor_parallel(model, DeviceMesh.from_group(mpu.tp_group, "cpu"))  # the caller splits its model
     case = TpCase(stage=2)
     cfg = {k: v for k, v in config(case).items() if k != "tensor_parallel"}
+    cfg["activation_checkpointing"] = {"partition_activations": True}  # over the mpu initialize is given
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+    partitioned_over = CONTEXT.model_parallel.size
     losses = run(engine, mpu.dp_rank, range(case.steps))[0]
     engine.destroy()
-    return losses
+    return losses, partitioned_over
 
 
 def _grid(rank: int, world_size: int, cases: list[TpCase], save_dir: str | None, slow: bool) -> dict[str, Any]:
@@ -97,7 +101,9 @@ def test_tp2_dp2_matches_reference_and_resumes(tmp_path) -> None:
         assert _close(result["resume"]["straight"], want), (rank, result["resume"])  # stage 2
         assert _close(result["resume"]["norms"], ref_norms), (rank, result["resume"])
         assert result["resume"]["resumed"] == result["resume"]["straight"][1:], rank  # exact within the mesh
-        assert _close(result["mpu"], want), (rank, result["mpu"])  # stage 2 over the mpu's groups
+        mpu_losses, partitioned_over = result["mpu"]
+        assert _close(mpu_losses, want), (rank, mpu_losses)  # stage 2 over the mpu's groups
+        assert partitioned_over == TP, rank  # partition_activations splits over the mpu's tensor-parallel group
 
 
 def _first_loss_after_load(rank: int, world_size: int, save_dir: str) -> float:

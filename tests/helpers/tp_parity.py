@@ -112,7 +112,8 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     replica = rank // tp
     losses, norms = run(engine, replica, range(case.steps), case.gas)
     q = model.model.layers[0].self_attn.q_proj.weight
-    out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.strategy.comm.world_size}
+    out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.dp_world_size}
+    assert engine.strategy.comm.world_size == engine.dp_world_size  # ZeRO shards over the data-parallel group
     engine.destroy()
     return out
 

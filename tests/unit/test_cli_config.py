@@ -123,6 +123,7 @@ def test_report_runs_and_checks_o_direct(tmp_path, capsys):
         (["--ds-config", "/no/such/ds.json"], "is neither a file nor a preset"),
         (["--zero-stage", "1", "--offload"], "--offload needs --zero-stage 2 or 3"),
         (["--micro-batch", "0"], "--micro-batch 0 must be >= 1"),
+        (["--max-restarts", "2"], "--max-restarts 2 needs --save-steps N"),
     ],
 )
 def test_train_rejects_bad_inputs_before_starting(capsys, args, message):

@@ -154,9 +154,10 @@ def _others(changed: str) -> dict[str, Any]:
     return {k: v for k, v in names.items() if k != skip}
 
 
-def configure_from_config(cfg: Any) -> None:
-    """`zeroshard.initialize`: a config with an `activation_checkpointing` block configures checkpointing (with no
-    mpu: initialize refuses model parallelism). DeepSpeed's engine leaves this to the script (Megatron calls
-    `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`); a later `configure` call still wins."""
+def configure_from_config(cfg: Any, mpu: Any = None) -> None:
+    """`zeroshard.initialize`: a config with an `activation_checkpointing` block configures checkpointing, over the
+    mpu given to initialize (`partition_activations` splits over its model-parallel group). DeepSpeed's engine
+    leaves this to the script (Megatron calls `deepspeed.checkpointing.configure(mpu, deepspeed_config=...)`); a
+    later `configure` call still wins."""
     if "activation_checkpointing" in (cfg.raw or {}):
-        configure(None, deepspeed_config=cfg)
+        configure(mpu, deepspeed_config=cfg)

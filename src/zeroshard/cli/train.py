@@ -178,6 +178,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for name in ("eval_steps", "save_steps", "sample_tokens", "lora_rank", "max_restarts"):
         if getattr(args, name) < 0:
             raise CLIError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0", EXIT_CONFIG)
+    if args.max_restarts > 0 and args.save_steps == 0:  # a restart resumes from the latest checkpoint
+        raise CLIError(
+            f"--max-restarts {args.max_restarts} needs --save-steps N: restarted ranks resume from the latest "
+            "checkpoint in --output-dir, and without --save-steps none is written",
+            EXIT_CONFIG,
+        )
     if not 0.0 <= args.eval_fraction < 1.0:
         raise CLIError(f"--eval-fraction {args.eval_fraction} must be in [0, 1)", EXIT_CONFIG)
     if args.lr <= 0:

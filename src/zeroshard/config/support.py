@@ -149,17 +149,17 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
             "(config optimizers are checked by name in optim/optimizers.py), so it always allows"
         ),
         "zero_optimization.contiguous_gradients": (
-            "gradients always land in flat bucket buffers (zero/buffers.py, stage-3 unit staging); "
+            "gradients always land in flat bucket buffers (zero/flat/group_buffers.py, stage-3 unit staging); "
             "there is no per-tensor gradient path to switch to"
         ),
         "zero_optimization.allgather_partitions": (
             "DeepSpeed 0.19.8 declares it but never reads it; stages 1-2 always all-gather, in both"
         ),
         "zero_optimization.offload_optimizer.pipeline_read": (
-            "NVMe sub-groups are always read one ahead of the step (offload/nvme_store.py in_turn)"
+            "NVMe sub-groups are always read one ahead of the step (offload/residency.py in_turn)"
         ),
         "zero_optimization.offload_optimizer.pipeline_write": (
-            "NVMe sub-groups are always written back while the next one steps (offload/nvme_store.py in_turn)"
+            "NVMe sub-groups are always written back while the next one steps (offload/residency.py in_turn)"
         ),
         "zero_optimization.offload_optimizer.fast_init": (
             "only changes how DeepSpeed first writes fp32 masters to NVMe; zeroshard writes each once as its "
@@ -175,7 +175,7 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
 
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
-        # ZeRO-3: the stage number is parsed; everything specific to stage 3 is not done yet.
+        # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
         "zero_optimization.stage3_model_persistence_threshold",
         "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",

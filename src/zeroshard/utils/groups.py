@@ -1,7 +1,9 @@
 """`deepspeed.utils.groups`: the process groups scripts ask for, over zeroshard's one data-parallel group.
 
-zeroshard is pure data parallelism (no tensor, pipeline, sequence or expert parallelism yet), so the
-data-parallel group is the whole world and every model-parallel group has one rank.
+These are the groups of pure data parallelism: the data-parallel group is the whole world and every
+model-parallel group has one rank. They do not follow an engine's meshes under tensor, pipeline or expert
+parallelism (DeepSpeed keeps those in module globals that its engine fills; zeroshard keeps them on the engine:
+`engine.dp_world_size`, `engine.pipe`, the mpu given to `initialize`).
 """
 
 from __future__ import annotations
