@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from zeroshard.comm.in_flight import InFlight
+from zeroshard.comm.in_flight import InFlight, quiesce
 
 
 class _Work:
@@ -57,3 +57,31 @@ def test_a_dead_tensor_is_settled_and_a_shared_one_is_not_followed():
     assert in_flight.held() == 0
     assert in_flight.drain(timeout_s=0.05) is True
     assert view.numel() == 2
+
+
+def _busy_without_the_gil(seconds: float) -> threading.Thread:
+    """A thread that runs for about `seconds` inside torch (which releases the GIL), like a backend worker."""
+    a = torch.randn(256, 256) / 16
+
+    def run() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            torch.linalg.matrix_power(a, 1 << 10)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_quiesce_waits_for_a_running_thread_and_is_bounded():
+    assert quiesce(timeout_s=1.0) is True  # nothing else runs: a few ms
+    thread = _busy_without_the_gil(0.4)
+    start = time.monotonic()
+    assert quiesce(timeout_s=5.0) is True
+    assert time.monotonic() - start > 0.3
+    thread.join()
+    thread = _busy_without_the_gil(1.0)
+    start = time.monotonic()
+    assert quiesce(timeout_s=0.2) is False  # a thread that never rests costs the bound, not a hang
+    assert time.monotonic() - start < 0.8
+    thread.join()

@@ -1,9 +1,7 @@
-"""Checkpoints of a `zeroshard train` run through the engine's DeepSpeed-style API, when it has one.
+"""Checkpoints of a `zeroshard train` run through the engine's DeepSpeed-style API.
 
 `engine.save_checkpoint(dir, client_state=...)` / `engine.load_checkpoint(dir)` are called on every
 rank. The training loop's own position (epoch and batches consumed in it) travels in client_state.
-An engine without the methods (checkpoints not built yet) makes saving a one-time warning and an
-explicit `--resume` an error.
 """
 
 from __future__ import annotations
@@ -38,22 +36,9 @@ class Checkpointer:
     def __init__(self, engine: Any, folder: str):
         self.engine = engine
         self.folder = folder
-        self._warned = False
 
-    @property
-    def available(self) -> bool:
-        return callable(getattr(self.engine, "save_checkpoint", None)) and callable(
-            getattr(self.engine, "load_checkpoint", None)
-        )
-
-    def save(self, position: LoopPosition) -> bool:
-        if not self.available:
-            if not self._warned:
-                log_rank(logger, 30, "checkpoints are not available in this zeroshard build yet; not saving")
-                self._warned = True
-            return False
+    def save(self, position: LoopPosition) -> None:
         self.engine.save_checkpoint(self.folder, client_state=position.to_state())
-        return True
 
     def has_latest(self, folder: str | None = None) -> bool:
         return os.path.isfile(os.path.join(folder or self.folder, "latest"))
@@ -67,11 +52,6 @@ class Checkpointer:
         if request is None and not restarted:
             return None
         folder = self.folder if request in (None, "auto") else str(request)
-        if not self.available:
-            if request is not None:
-                raise ConfigError("--resume: this zeroshard build has no engine.load_checkpoint yet; train without it")
-            log_rank(logger, 30, "restarted, but checkpoints are not available: training starts over")
-            return None
         if not self.has_latest(folder):
             if request not in (None, "auto"):
                 raise ConfigError(f"--resume {request}: no checkpoint there (no 'latest' file)")

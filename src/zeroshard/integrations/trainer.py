@@ -73,7 +73,7 @@ class TrainResult:
     adapter_folder: str | None = None
     probe_max_abs_diff: float | None = None
     sample: str | None = None
-    checkpoints: bool = False
+    checkpoints: bool = False  # whether this run writes them (--save-steps)
     memory: dict[str, int] = field(default_factory=dict)
 
 
@@ -117,7 +117,7 @@ def train(opts: TrainOptions) -> TrainResult:
             json.dump(engine.config.to_dict(include_defaults=False), handle, indent=2)
     checkpointer = Checkpointer(engine, os.path.join(opts.output_dir, "checkpoints"))
     position = checkpointer.resume(opts.resume, restarted=restart_count() > 0) or LoopPosition()
-    result = TrainResult(checkpoints=checkpointer.available)
+    result = TrainResult(checkpoints=opts.save_steps > 0)
     metrics = MetricsWriter(opts.output_dir, enabled=rank0, resumed_at=engine.global_steps)
     progress = Progress(opts.hyper.max_steps, engine.global_steps, enabled=rank0, bar=opts.progress_bar)
     progress.line(_banner(engine, counts, train_set, eval_set, opts))
