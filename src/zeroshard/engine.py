@@ -21,6 +21,7 @@ from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.errors import ZeroshardError
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
+from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.utils.logging import get_logger, log_rank
@@ -115,6 +116,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if self._watch is not None:
             weakref.finalize(self, self._watch.stop)
         self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)
+        self.wall_clock = WallClock(bool(config.wall_clock_breakdown), topology.device)
 
     @property
     def micro_steps(self) -> int:
@@ -127,7 +129,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
-            with self._compute():
+            with self._compute(), self.wall_clock.time("fwd"):
                 return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -145,13 +147,16 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
         `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
         strategy = self._require_optimizer("backward")
-        strategy.begin_backward()
-        self.accumulation.loss_scale = self.loss_scale
-        factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
-        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"), self._compute():
-            (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
-        with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
-            strategy.finish_backward()
+        with self.wall_clock.time("bwd"):
+            strategy.begin_backward()
+            self.accumulation.loss_scale = self.loss_scale
+            factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
+            with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
+                with self._compute(), self.wall_clock.time("bwd_inner"):
+                    (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+            with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
+                with self.wall_clock.time("bwd_allreduce"):
+                    strategy.finish_backward()
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
         return loss
 
@@ -160,8 +165,15 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         strategy = self._require_optimizer("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.wall_clock.time("step"):
+            self._step(strategy, boundary)
+        self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
+        self.accumulation.micro_steps += 1
+
+    def _step(self, strategy: Strategy, boundary: bool) -> None:
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        if boundary:
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
             with self._deadline("engine.step"):
@@ -184,7 +196,6 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             self._report_progress()
             scale = self.loss_scale if self.loss_scaler is not None else None
             self.telemetry.after_step(self.global_steps - 1, self.global_samples, self.get_lr()[0], scale)
-        self.accumulation.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""

@@ -12,6 +12,7 @@ from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology
 from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
 from zeroshard.monitor import Telemetry
+from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.zero.strategy import AccumulationState
 
 
@@ -26,6 +27,7 @@ class EngineAccessors:
     loss_scaler: Any
     _last_grad_norm: float | None
     telemetry: Telemetry
+    wall_clock: WallClock
     _step_applied: bool
 
     @property
@@ -79,6 +81,11 @@ class EngineAccessors:
         """Ranks in the data-parallel group ZeRO shards over: the world divided by the tensor-parallel size (the
         pipeline engine's by its stages)."""
         return self.comm.world_size
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """With `wall_clock_breakdown`: each timer's milliseconds at the last `engine.step()` ([Note: wall clock
+        breakdown]); empty without it, as DeepSpeed's."""
+        return self.wall_clock.snapshot()
 
     @property
     def monitor(self) -> Telemetry:

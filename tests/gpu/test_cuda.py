@@ -393,3 +393,24 @@ def test_pinned_state_is_exactly_sized_and_copies_asynchronously() -> None:
     del host
     gc.collect()
     assert _rss(address) is None
+
+
+def test_wall_clock_times_the_device_with_events() -> None:
+    """[Note: wall clock breakdown] on CUDA: a timer records events on the current stream, so a kernel the host
+    only launched counts in full (the host returns at once; the event time includes the sleeping kernel)."""
+    import time
+
+    from zeroshard.monitor.wall_clock import WallClock
+
+    clock = WallClock(True, torch.device("cuda"))
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    with clock.time("fwd"):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s on an H100
+    host_ms = (time.perf_counter() - host) * 1e3
+    events: list = []
+    clock.after_step(True, 8, events.extend)
+    device_ms = clock.snapshot()["fwd"]
+    assert device_ms > 20.0 and device_ms > 5 * host_ms, (device_ms, host_ms)
+    assert [name for name, _, _ in events][0] == "Train/Samples/elapsed_time_ms_forward" and events[0][1] == device_ms

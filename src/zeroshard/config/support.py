@@ -131,6 +131,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "flops_profiler.top_modules",
         "flops_profiler.detailed",
         "flops_profiler.output_file",
+        "wall_clock_breakdown",  # monitor/wall_clock.py ([Note: wall clock breakdown])
     ]
 )
 
@@ -227,7 +228,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Monitoring, profiling and logging.
         "comet",
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
-        "wall_clock_breakdown",
         "memory_breakdown",
         "dump_state",
         "log_level",

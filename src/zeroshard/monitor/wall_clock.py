@@ -1,0 +1,120 @@
+"""DeepSpeed's `wall_clock_breakdown`: how long forward, backward and step take, per micro-step and per step.
+
+[Note: wall clock breakdown]
+As DeepSpeed 0.19.8's engine does with `"wall_clock_breakdown": true`: `engine.forward` is timed as `fwd`,
+`engine.backward` as `bwd`, split into `bwd_inner` (autograd, with the reductions it launches) and `bwd_allreduce`
+(what is left to reduce once autograd returns), and `engine.step` as `step`. Each has a micro timer
+(`fwd_microstep`, ...) that rank 0 logs and resets after every `engine.step()`, and a global one that it logs and
+resets on every accumulation boundary, after writing it to the monitors as `Train/Samples/elapsed_time_ms_forward`,
+`..._backward`, `..._backward_inner`, `..._backward_allreduce` and `..._step`. `engine.get_wall_clock_timers()` is
+the snapshot taken before those resets. Times are milliseconds summed over the window: on CUDA between events
+recorded on the current stream (the device's time; reading them synchronizes, as DeepSpeed's do), elsewhere the
+host's. The pipeline engine times only `step`: torch's schedule runs forward and backward inside `train_batch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from zeroshard.monitor.base import Event
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+NAMES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+EVENT_NAMES = {
+    "fwd": "forward",
+    "bwd": "backward",
+    "bwd_inner": "backward_inner",
+    "bwd_allreduce": "backward_allreduce",
+    "step": "step",
+}
+
+
+class _Timer:
+    """Spans summed until reset: device events on CUDA, host time elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self._events = device.type == "cuda"
+        self._spans: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> None:
+        self._spans.append((self._start, self._now()))
+        self._start = None
+
+    def elapsed_ms(self) -> float:
+        if not self._events:
+            return sum(end - start for start, end in self._spans) * 1e3
+        total = 0.0
+        for start, end in self._spans:
+            end.synchronize()
+            total += start.elapsed_time(end)
+        return total
+
+    def reset(self) -> None:
+        self._spans.clear()
+
+    def _now(self) -> Any:
+        if not self._events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+class WallClock:
+    """The engine's timers ([Note: wall clock breakdown]); does nothing unless `enabled`."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self._micro = {name: _Timer(device) for name in NAMES}
+        self._window = {name: _Timer(device) for name in NAMES}
+        self._snapshot: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        """Time the block as `name` (one of NAMES)."""
+        if not self.enabled:
+            yield
+            return
+        timers = (self._micro[name], self._window[name])
+        for timer in timers:
+            timer.start()
+        try:
+            yield
+        finally:
+            for timer in timers:
+                timer.stop()
+
+    def after_step(self, boundary: bool, samples: int, write: Callable[[list[Event]], None]) -> None:
+        """The end of `engine.step()`: log the micro-step's times; on a boundary also the step's, and write them."""
+        if not self.enabled:
+            return
+        micro = {f"{name}_microstep": timer.elapsed_ms() for name, timer in self._micro.items()}
+        window = {name: timer.elapsed_ms() for name, timer in self._window.items()}
+        self._snapshot = {**micro, **window}
+        log_rank(logger, 20, _line(micro))
+        for timer in self._micro.values():
+            timer.reset()
+        if boundary:
+            write([(f"Train/Samples/elapsed_time_ms_{EVENT_NAMES[name]}", ms, samples) for name, ms in window.items()])
+            log_rank(logger, 20, _line(window))
+            for timer in self._window.values():
+                timer.reset()
+
+    def snapshot(self) -> dict[str, float]:
+        """DeepSpeed's `engine.get_wall_clock_timers()`: every timer's milliseconds at the last `engine.step()`."""
+        return dict(self._snapshot)
+
+
+def _line(times: dict[str, float]) -> str:
+    return "time (ms) | " + " | ".join(f"{name}: {ms:.2f}" for name, ms in times.items())
