@@ -3,9 +3,9 @@
 [Note: wall clock breakdown]
 As DeepSpeed 0.19.8's engine does with `"wall_clock_breakdown": true`: `engine.forward` is timed as `fwd`,
 `engine.backward` as `bwd`, split into `bwd_inner` (autograd, with the reductions it launches) and `bwd_allreduce`
-(what is left to reduce once autograd returns), and `engine.step` as `step`. Each has a micro timer
-(`fwd_microstep`, ...) that rank 0 logs and resets after every `engine.step()`, and a global one that it logs and
-resets on every accumulation boundary, after writing it to the monitors as `Train/Samples/elapsed_time_ms_forward`,
+(what is left to reduce once autograd returns), and `engine.step` as `step`. Each is a micro timer
+(`fwd_microstep`, ...) that rank 0 logs and resets after every `engine.step()`; their sums over the accumulation
+window (`fwd`, ...) it logs and resets on every boundary, after writing them to the monitors as `Train/Samples/elapsed_time_ms_forward`,
 `..._backward`, `..._backward_inner`, `..._backward_allreduce` and `..._step`. `engine.get_wall_clock_timers()` is
 the snapshot taken before those resets. Times are milliseconds summed over the window: on CUDA between events
 recorded on the current stream (the device's time; reading them synchronizes, as DeepSpeed's do), elsewhere the
@@ -26,8 +26,7 @@ from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
 
-NAMES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
-EVENT_NAMES = {
+EVENT_NAMES = {  # timer -> its monitor event's suffix
     "fwd": "forward",
     "bwd": "backward",
     "bwd_inner": "backward_inner",
@@ -76,40 +75,39 @@ class WallClock:
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled = enabled
-        self._micro = {name: _Timer(device) for name in NAMES}
-        self._window = {name: _Timer(device) for name in NAMES}
+        self._timers = {name: _Timer(device) for name in EVENT_NAMES}  # the micro-step's spans
+        self._window = dict.fromkeys(EVENT_NAMES, 0.0)  # the step's milliseconds: its micro-steps' sums
         self._snapshot: dict[str, float] = {}
 
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
-        """Time the block as `name` (one of NAMES)."""
+        """Time the block as `name` (a key of EVENT_NAMES)."""
         if not self.enabled:
             yield
             return
-        timers = (self._micro[name], self._window[name])
-        for timer in timers:
-            timer.start()
+        timer = self._timers[name]
+        timer.start()
         try:
             yield
         finally:
-            for timer in timers:
-                timer.stop()
+            timer.stop()
 
     def after_step(self, boundary: bool, samples: int, write: Callable[[list[Event]], None]) -> None:
         """The end of `engine.step()`: log the micro-step's times; on a boundary also the step's, and write them."""
         if not self.enabled:
             return
-        micro = {f"{name}_microstep": timer.elapsed_ms() for name, timer in self._micro.items()}
-        window = {name: timer.elapsed_ms() for name, timer in self._window.items()}
-        self._snapshot = {**micro, **window}
-        log_rank(logger, 20, _line(micro))
-        for timer in self._micro.values():
+        micro = {name: timer.elapsed_ms() for name, timer in self._timers.items()}
+        for name, timer in self._timers.items():
+            self._window[name] += micro[name]
             timer.reset()
+        window = dict(self._window)
+        microsteps = {f"{name}_microstep": ms for name, ms in micro.items()}
+        self._snapshot = {**microsteps, **window}
+        log_rank(logger, 20, _line(microsteps))
         if boundary:
             write([(f"Train/Samples/elapsed_time_ms_{EVENT_NAMES[name]}", ms, samples) for name, ms in window.items()])
             log_rank(logger, 20, _line(window))
-            for timer in self._window.values():
-                timer.reset()
+            self._window = dict.fromkeys(EVENT_NAMES, 0.0)
 
     def snapshot(self) -> dict[str, float]:
         """DeepSpeed's `engine.get_wall_clock_timers()`: every timer's milliseconds at the last `engine.step()`."""
