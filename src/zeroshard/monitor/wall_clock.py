@@ -5,8 +5,9 @@ As DeepSpeed 0.19.8's engine does with `"wall_clock_breakdown": true`: `engine.f
 `engine.backward` as `bwd`, split into `bwd_inner` (autograd, with the reductions it launches) and `bwd_allreduce`
 (what is left to reduce once autograd returns), and `engine.step` as `step`. Each is a micro timer
 (`fwd_microstep`, ...) that rank 0 logs and resets after every `engine.step()`; their sums over the accumulation
-window (`fwd`, ...) it logs and resets on every boundary, after writing them to the monitors as `Train/Samples/elapsed_time_ms_forward`,
-`..._backward`, `..._backward_inner`, `..._backward_allreduce` and `..._step`. `engine.get_wall_clock_timers()` is
+window (`fwd`, ...) it logs and resets on every boundary, after writing them to the monitors as
+`Train/Samples/elapsed_time_ms_forward`, `..._backward`, `..._backward_inner`, `..._backward_allreduce` and
+`..._step`. `engine.get_wall_clock_timers()` is
 the snapshot taken before those resets. Times are milliseconds summed over the window: on CUDA between events
 recorded on the current stream (the device's time; reading them synchronizes, as DeepSpeed's do), elsewhere the
 host's. The pipeline engine times only `step`: torch's schedule runs forward and backward inside `train_batch`.
