@@ -67,3 +67,45 @@ def test_windows_start_from_zero_gradients_at_stages_0_1_2() -> None:
     for stage in (0, 1):
         for _, _, params in results[stage]:
             assert relative_difference(params, reference) <= 1e-6, stage
+
+
+def _mid_window(rank: int, world_size: int, peek: bool):
+    import zeroshard
+    from zeroshard.utils.tensor_fragment import safe_get_full_grad
+
+    torch.manual_seed(7)
+    model = GPT(TINY)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(100 + rank)
+    peeked, final = [], []
+    for _ in range(4):  # two windows of two micro-steps
+        x = torch.randint(0, TINY.vocab_size, (2, 16), generator=gen)
+        engine.backward(engine(x, x))
+        if not engine.is_gradient_accumulation_boundary():
+            if peek:
+                peeked += [float(safe_get_full_grad(p).abs().max()) for p in model.parameters()]
+        else:
+            final.append(torch.cat([safe_get_full_grad(p).reshape(-1) for p in model.parameters()]))
+        engine.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return peeked, final, params
+
+
+def test_stage1_gradient_read_inside_a_window_leaves_its_accumulation_alone() -> None:
+    """Stage 1's gradient shard is the front of its full accumulator ([Note: stage 1's shard inside its
+    accumulator] in zero/flat/reducer.py): `safe_get_full_grad` before the window's reduction answers zeros, as the
+    shard's own zeroed buffer did, and must not zero the gradients accumulated so far."""
+    peeking = run_on_ranks(_mid_window, 2, True)
+    plain = run_on_ranks(_mid_window, 2, False)
+    for (peeked, grads, params), (_, plain_grads, plain_params) in zip(peeking, plain, strict=True):
+        assert peeked and max(peeked) == 0.0
+        assert len(grads) == 2 and all(float(g.abs().max()) > 0 for g in grads)
+        for g, p in zip(grads, plain_grads, strict=True):
+            assert torch.equal(g, p)
+        assert torch.equal(params, plain_params)

@@ -42,6 +42,8 @@ def test_memory_and_communication_match_zero_formulas():
                 assert abs(held - 12 * psi / world_size) <= 0.01 * 12 * psi / world_size, (stage, held, psi)
             if stage == 2:
                 assert abs(after_backward.gradients - 4 * psi / world_size) <= 0.01 * 4 * psi / world_size
+            if stage == 1:  # the full fp32 accumulator, whose front is the shard (zero/flat/reducer.py)
+                assert abs(after_backward.gradients - 4 * psi) <= 0.01 * 4 * psi, (after_backward.gradients, psi)
             # every stage moves 2 * psi * 4 bytes * (N-1)/N per step (all-reduce, or reduce-scatter + all-gather)
             theory = 2 * psi * 4 * (world_size - 1) / world_size
             for step_bytes in per_step:

@@ -20,6 +20,10 @@ CASES_2 = (
     [Case(stage=s, dtype=d, gas=g) for s in (0, 1, 2) for d in ("fp32", "bf16") for g in (1, 3)]
     + [Case(stage=s, variant=v) for s in (1, 2) for v in ("frozen", "unused")]
     + [Case(stage=0, variant="unused"), Case(stage=0, variant="frozen")]
+    # a small bucket (the unused layer's weight) before a larger one: rank 0's reduced slice of the second bucket
+    # overlaps where it moves to in the shard ([Note: stage 1's shard inside its accumulator])
+    + [Case(stage=1, gas=3, variant="unused", bucket=1000)]
+    + [Case(stage=1, variant="unused", bucket=1000, reduce_scatter=False)]
 )
 
 CASES_4 = [Case(stage=2, gas=1), Case(stage=1, gas=3)]

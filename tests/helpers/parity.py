@@ -52,6 +52,7 @@ class Case:
     offload_param: str = "none"  # offload_param.device (stage 3)
     sub_group: int = 10**9  # sub_group_size
     ratio: float = 1.0  # offload_optimizer.ratio (stage 3, < 1: partial offload)
+    reduce_scatter: bool = True  # zero_optimization.reduce_scatter (stages 1-2; false: all-reduce each bucket)
 
     @property
     def name(self) -> str:
@@ -60,6 +61,8 @@ class Case:
         extra += f"-offload_{self.offload}" if self.offload != "none" else ""
         extra += f"-offload_param_{self.offload_param}" if self.offload_param != "none" else ""
         extra += f"-ratio{self.ratio}" if self.ratio != 1.0 else ""
+        extra += f"-bucket{self.bucket}" if self.bucket != 4096 else ""
+        extra += "-allreduce" if not self.reduce_scatter else ""
         return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}{extra}"
 
 
@@ -163,6 +166,7 @@ def ds_config(case: Case) -> dict:
             "reduce_bucket_size": case.bucket,
             "allgather_bucket_size": case.bucket,
             "overlap_comm": True,
+            "reduce_scatter": case.reduce_scatter,
             "stage3_param_persistence_threshold": case.persistence,
             "stage3_max_reuse_distance": case.reuse,
             "stage3_prefetch_bucket_size": case.prefetch,

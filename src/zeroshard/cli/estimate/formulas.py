@@ -112,10 +112,10 @@ def zeroshard_states(
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
     params = p * psi // n if option.stage == 3 else p * psi
-    if option.stage == 0 or (option.stage == 1 and n == 1):
-        grads = g * psi  # one full accumulator; it is its own shard when nothing is sharded
-    elif option.stage == 1:
-        grads = g * psi + g * psi // n  # full accumulator plus the reduce-scattered shard
+    if option.stage <= 1:
+        # one full accumulator; its front is the reduce-scattered shard at stage 1 ([Note: stage 1's shard inside
+        # its accumulator] in zero/flat/reducer.py), and it is its own shard when nothing is sharded
+        grads = g * psi
     else:
         grads = g * psi // n
     # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3) and

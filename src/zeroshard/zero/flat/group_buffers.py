@@ -31,6 +31,12 @@ class GroupBuffers:
     grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients
     master_aliases_params: bool = False
 
+    @property
+    def shard_in_accumulator(self) -> bool:
+        """Stage 1: the gradient shard is the front of the full accumulator ([Note: stage 1's shard inside its
+        accumulator] in reducer.py)."""
+        return self.grad_full is not None and self.grad_shard is not self.grad_full
+
     def bucket_params(self, start: int, numel: int) -> torch.Tensor:
         return self.param_flat.narrow(0, start, numel)
 
@@ -66,6 +72,8 @@ def build_group_buffers(
     grad_full = torch.zeros(layout.numel, dtype=grad_accum_dtype, device=device) if keep_full_grads else None
     if grad_full is not None and layout.numel == layout.shard_numel:
         grad_shard = grad_full  # unsharded (stage 0): the reduced full gradient is the shard
+    elif grad_full is not None:
+        grad_shard = grad_full.narrow(0, 0, layout.shard_numel)  # [Note: stage 1's shard inside its accumulator]
     else:
         grad_shard = torch.zeros(layout.shard_numel, dtype=grad_accum_dtype, device=device)
     return GroupBuffers(layout, params, param_flat, master, grad_shard, grad_full, alias)

@@ -395,6 +395,8 @@ class FlatStrategy(Strategy):
             return self._gather_slot(param, lambda buffers: buffers.master)
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
+            return torch.zeros(local_of(param).shape, dtype=torch.float32, device=self.device)
         self.reducer.settle()
         scale = self._grad_scale()
         return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * scale)
@@ -478,7 +480,8 @@ class FlatStrategy(Strategy):
         memory = StrategyMemory(comm_buffers=self.pool.held_bytes)
         for b in self.buffers:
             memory.params += nbytes(b.param_flat)
-            memory.gradients += nbytes(b.grad_full) + (0 if b.grad_shard is b.grad_full else nbytes(b.grad_shard))
+            own_shard = b.grad_shard is not b.grad_full and not b.shard_in_accumulator
+            memory.gradients += nbytes(b.grad_full) + (nbytes(b.grad_shard) if own_shard else 0)
         masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
         state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
         self.policy.master_tier.count_state(memory, masters, state)
