@@ -24,6 +24,7 @@ from zeroshard.monitor import Telemetry
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.runtime.schedules import TrainingSchedules
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.strategy import AccumulationState, Strategy
 
@@ -117,6 +118,10 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             weakref.finalize(self, self._watch.stop)
         self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)
         self.wall_clock = WallClock(bool(config.wall_clock_breakdown), topology.device)
+        self.schedules = TrainingSchedules.from_config(config)
+        # DeepSpeed's attribute names, which scripts read (Megatron-DeepSpeed: the legacy curriculum)
+        self.progressive_layer_drop = self.schedules.pld
+        self.curriculum_scheduler_legacy = self.schedules.curriculum
 
     @property
     def micro_steps(self) -> int:
@@ -128,6 +133,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training:  # [Note: progressive layer drop], [Note: legacy curriculum learning]
+            kwargs.update(self.schedules.forward_kwargs(self.global_steps))
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
             with self._compute(), self.wall_clock.time("fwd"):
                 return self.module(*args, **kwargs)
@@ -176,6 +183,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if boundary:
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
+            self.schedules.before_step(self.global_steps)
             with self._deadline("engine.step"):
                 outcome = strategy.step(self.loss_scale)
             if self.loss_scaler is not None:

@@ -13,6 +13,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
 from zeroshard.monitor import Telemetry
 from zeroshard.monitor.wall_clock import WallClock
+from zeroshard.runtime.schedules import TrainingSchedules
 from zeroshard.zero.strategy import AccumulationState
 
 
@@ -28,6 +29,7 @@ class EngineAccessors:
     _last_grad_norm: float | None
     telemetry: Telemetry
     wall_clock: WallClock
+    schedules: TrainingSchedules
     _step_applied: bool
 
     @property
@@ -86,6 +88,23 @@ class EngineAccessors:
         """With `wall_clock_breakdown`: each timer's milliseconds at the last `engine.step()` ([Note: wall clock
         breakdown]); empty without it, as DeepSpeed's."""
         return self.wall_clock.snapshot()
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive Layer Dropping's keep probability after the last step; None without the block ([Note:
+        progressive layer drop])."""
+        return self.schedules.pld.get_theta() if self.schedules.pld is not None else None
+
+    def curriculum_enabled_legacy(self) -> bool:
+        """Whether the legacy top-level `curriculum_learning` block is on ([Note: legacy curriculum learning])."""
+        return self.schedules.curriculum is not None
+
+    def curriculum_params_legacy(self) -> dict[str, Any] | bool:
+        """The legacy `curriculum_learning` block without its `enabled` key; False when it is absent, as
+        DeepSpeed's."""
+        block = self.config.curriculum_learning
+        if "curriculum_learning" not in self.config.raw:
+            return False
+        return {k: v for k, v in block.to_dict(include_defaults=False).items() if k != "enabled"}
 
     @property
     def monitor(self) -> Telemetry:

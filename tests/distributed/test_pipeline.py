@@ -16,7 +16,7 @@ import pytest
 from torch import nn
 
 from helpers.harness import run_on_ranks
-from helpers.pipeline import PipeCase, build, config, evaluate, reference, tied_specs, train
+from helpers.pipeline import PipeCase, build, config, evaluate, layers, reference, tied_specs, train
 from zeroshard.errors import ConfigError
 
 RTOL = 1e-5
@@ -122,3 +122,29 @@ def test_pipeline_refusals() -> None:
     (messages,) = run_on_ranks(_refused, 1, 1, REFUSALS)
     for (change, expected), message in zip(REFUSALS, messages, strict=True):
         assert expected in message, (change, message)
+
+
+def _curriculum(rank: int, world_size: int) -> list[int]:
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    case = PipeCase(1, steps=3)
+    net = PipelineModule(layers=layers(), num_stages=1, loss_fn=nn.functional.mse_loss)
+    schedule = {"total_curriculum_step": 4, "difficulty_step": 8}
+    curriculum = {"enabled": True, "min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_linear"}
+    engine, _, _, _ = zeroshard.initialize(
+        model=net, config={**config(case), "curriculum_learning": {**curriculum, "schedule_config": schedule}}
+    )
+    seen = []
+    for step in range(3):
+        train(engine, case, range(step, step + 1))
+        seen.append(engine.curriculum_scheduler_legacy.get_current_difficulty())
+    engine.destroy()
+    return seen
+
+
+def test_pipeline_train_batch_moves_the_legacy_curriculum() -> None:
+    """[Note: legacy curriculum learning]: each train_batch sets the difficulty of the step it takes (the stages
+    read it from the engine, as Megatron-DeepSpeed's do)."""
+    (seen,) = run_on_ranks(_curriculum, 1)
+    assert seen == [16, 32, 48]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from zeroshard.config.schedules import check_curriculum
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.errors import ConfigError
 
@@ -13,6 +14,7 @@ def check_consistency(cfg: ZeroshardConfig) -> None:
     """Raise ConfigError when keys contradict each other (DeepSpeed's cross-key assertions)."""
     _check_precision(cfg)
     _check_zero(cfg)
+    check_curriculum(cfg.curriculum_learning)
 
 
 def _check_precision(cfg: ZeroshardConfig) -> None:

@@ -47,6 +47,7 @@ from zeroshard.config.monitor import (
 )
 from zeroshard.config.optimizer import OptimizerConfig, SchedulerConfig
 from zeroshard.config.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from zeroshard.config.schedules import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from zeroshard.config.zero import ZeroConfig
 
 _BATCH = Nullable(Int(minimum=1))
@@ -186,11 +187,15 @@ class ZeroshardConfig(ConfigBlock):
     weight_quantization: dict[str, Any] | None = opaque("Weight quantization settings.")
     autotuning: dict[str, Any] | None = opaque("Autotuner settings.")
     data_efficiency: dict[str, Any] | None = opaque("Data sampling and routing (curriculum, random-LTD).")
-    curriculum_learning: dict[str, Any] | None = opaque("Legacy curriculum learning (removed in DeepSpeed 0.19).")
+    curriculum_learning: CurriculumLearningConfig = block(
+        CurriculumLearningConfig, "Legacy curriculum learning (removed in DeepSpeed 0.19)."
+    )
     compression_training: dict[str, Any] | None = opaque("Compression library (removed in DeepSpeed 0.19).")
     quantize_training: dict[str, Any] | None = opaque("MoQ quantized training (removed in DeepSpeed 0.19).")
     eigenvalue: dict[str, Any] | None = opaque("Eigenvalue-based MoQ (removed in DeepSpeed 0.19).")
-    progressive_layer_drop: dict[str, Any] | None = opaque("Progressive layer dropping (removed in DeepSpeed 0.19).")
+    progressive_layer_drop: ProgressiveLayerDropConfig = block(
+        ProgressiveLayerDropConfig, "Progressive layer dropping (removed in DeepSpeed 0.19)."
+    )
     sparse_attention: dict[str, Any] | None = opaque("Sparse attention kernels (removed in DeepSpeed 0.19).")
     nebula: dict[str, Any] | None = opaque("Nebula checkpointing service (removed in DeepSpeed 0.19).")
     graph_harvesting: bool = option(False, "CUDA graph harvesting (removed in DeepSpeed 0.19).", Bool())

@@ -132,6 +132,20 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "flops_profiler.detailed",
         "flops_profiler.output_file",
         "wall_clock_breakdown",  # monitor/wall_clock.py ([Note: wall clock breakdown])
+        # runtime/schedules.py: [Note: progressive layer drop], [Note: legacy curriculum learning]
+        "progressive_layer_drop.enabled",
+        "progressive_layer_drop.theta",
+        "progressive_layer_drop.gamma",
+        "curriculum_learning.enabled",
+        "curriculum_learning.curriculum_type",
+        "curriculum_learning.min_difficulty",
+        "curriculum_learning.max_difficulty",
+        "curriculum_learning.schedule_type",
+        "curriculum_learning.schedule_config.total_curriculum_step",
+        "curriculum_learning.schedule_config.difficulty_step",
+        "curriculum_learning.schedule_config.root_degree",
+        "curriculum_learning.schedule_config.difficulty",
+        "curriculum_learning.schedule_config.max_step",
     ]
 )
 
@@ -246,11 +260,9 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "expert_parallel",
         "weight_quantization",
         "data_efficiency",
-        "curriculum_learning",
         "compression_training",
         "quantize_training",
         "eigenvalue",
-        "progressive_layer_drop",
         "sparse_attention",
         "nebula",
         "graph_harvesting",

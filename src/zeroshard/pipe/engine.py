@@ -86,6 +86,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
+        self.schedules.before_batch(self.global_steps)  # [Note: legacy curriculum learning]
         self.accumulation.loss_scale = self.loss_scale
         with self._deadline("engine.train_batch"), torch.profiler.record_function("zeroshard.pipeline_schedule"):
             self._run(train=True)
