@@ -21,11 +21,13 @@ from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.errors import ZeroshardError
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
+from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.schedules import TrainingSchedules
-from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.runtime.utils import see_memory_usage
+from zeroshard.utils.logging import get_logger, log_rank, print_configuration
 from zeroshard.zero.strategy import AccumulationState, Strategy
 
 logger = get_logger(__name__)
@@ -122,6 +124,17 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         # DeepSpeed's attribute names, which scripts read (Megatron-DeepSpeed: the legacy curriculum)
         self.progressive_layer_drop = self.schedules.pld
         self.curriculum_scheduler_legacy = self.schedules.curriculum
+        throughput = config.timers.throughput
+        self.tput_timer = ThroughputTimer(  # [Note: throughput timer]
+            bool(throughput.enabled),
+            bool(throughput.synchronized),
+            self.train_batch_size(),
+            config.steps_per_print,
+            loader=training_dataloader,
+        )
+        self._memory_breakdown = bool(config.memory_breakdown)
+        if config.dump_state:
+            print_configuration(self, "Engine")
 
     @property
     def micro_steps(self) -> int:
@@ -135,9 +148,13 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training:  # [Note: progressive layer drop], [Note: legacy curriculum learning]
             kwargs.update(self.schedules.forward_kwargs(self.global_steps))
+        self.tput_timer.start()
+        see_memory_usage("Engine before forward", force=self._memory_breakdown)
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
             with self._compute(), self.wall_clock.time("fwd"):
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+        see_memory_usage("Engine after forward", force=self._memory_breakdown)
+        return out
 
     @contextlib.contextmanager
     def _deadline(self, what: str) -> Iterator[None]:
@@ -154,6 +171,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
         `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
         strategy = self._require_optimizer("backward")
+        see_memory_usage("Engine before backward", force=self._memory_breakdown)
         with self.wall_clock.time("bwd"):
             strategy.begin_backward()
             self.accumulation.loss_scale = self.loss_scale
@@ -165,6 +183,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
+        see_memory_usage("Engine after backward", force=self._memory_breakdown)
         return loss
 
     def step(self) -> None:
@@ -173,9 +192,12 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
         boundary = self.is_gradient_accumulation_boundary()
+        see_memory_usage("Engine before step", force=self._memory_breakdown)
         with self.wall_clock.time("step"):
             self._step(strategy, boundary)
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
+        see_memory_usage("Engine after step", force=self._memory_breakdown)
         self.accumulation.micro_steps += 1
 
     def _step(self, strategy: Strategy, boundary: bool) -> None:

@@ -132,6 +132,11 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "flops_profiler.detailed",
         "flops_profiler.output_file",
         "wall_clock_breakdown",  # monitor/wall_clock.py ([Note: wall clock breakdown])
+        # monitor/throughput.py ([Note: throughput timer]); runtime/utils.see_memory_usage; utils/logging.py
+        "timers.throughput.enabled",
+        "timers.throughput.synchronized",
+        "memory_breakdown",
+        "dump_state",
         # runtime/schedules.py: [Note: progressive layer drop], [Note: legacy curriculum learning]
         "progressive_layer_drop.enabled",
         "progressive_layer_drop.theta",
@@ -242,10 +247,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Monitoring, profiling and logging.
         "comet",
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
-        "memory_breakdown",
-        "dump_state",
         "log_level",
-        "timers",
         # Memory, checkpointing and data.
         "checkpoint.load_universal",
         "checkpoint.use_node_local_storage",

@@ -87,6 +87,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.schedules.before_batch(self.global_steps)  # [Note: legacy curriculum learning]
+        self.tput_timer.start()  # stopped by the step below: [Note: throughput timer]
         self.accumulation.loss_scale = self.loss_scale
         with self._deadline("engine.train_batch"), torch.profiler.record_function("zeroshard.pipeline_schedule"):
             self._run(train=True)

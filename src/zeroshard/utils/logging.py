@@ -65,3 +65,13 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
     wanted = list(ranks or [])
     if not initialized or (wanted and (wanted[0] == -1 or rank in wanted)):
         logger.log(level, "[Rank %d] %s", rank, message)
+
+
+def print_configuration(obj: object, name: str) -> None:
+    """DeepSpeed's `print_configuration` (what `dump_state` prints at initialize): `name:`, then one line per
+    public attribute of `obj`, sorted, with its value; on rank 0."""
+    logger = get_logger()
+    log_rank(logger, logging.INFO, f"{name}:")
+    for attribute in sorted(key for key in vars(obj) if not key.startswith("_")):
+        dots = "." * (29 - len(attribute))
+        log_rank(logger, logging.INFO, f"  {attribute} {dots} {getattr(obj, attribute)}")

@@ -1,0 +1,109 @@
+"""DeepSpeed's throughput timer (`timers.throughput`, on by default) and `memory_breakdown`'s memory lines.
+
+[Note: throughput timer]
+As DeepSpeed 0.19.8's engine does: the timer starts at every `engine.forward` and stops at the `engine.step()`
+that follows; the micro-steps' times add up to the step's, and from the third step on (`start_step` 2) they add
+up to a running total. On every boundary whose step count is a multiple of `steps_per_print`, rank 0 logs
+`epoch=E/micro_step=M/global_step=G, RunningAvgSamplesPerSec=..., CurrSamplesPerSec=..., MemAllocated=...GB,
+MaxMemAllocated=...GB`, where the running average is train_batch_size over the mean step time since the start step
+and the current one is train_batch_size over this step's time. `synchronized` waits for the device at start and
+stop (what DeepSpeed does by default; off, a CUDA step may be timed before its kernels end). Where DeepSpeed made
+the training dataloader it starts the timer as the loader hands out a batch instead of at forward (so its times
+include loading the batch); here it always starts at forward, and `epoch` is the engine dataloader's epoch (its
+sampler's), 0 without one. `engine.tput_timer` is the timer, with DeepSpeed's `avg_samples_per_sec()`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+_GIB = 1024**3
+TIME_EPSILON = 1e-6  # DeepSpeed's guard against a zero step time
+
+
+class ThroughputTimer:
+    """Samples per second of training steps ([Note: throughput timer])."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        synchronized: bool,
+        batch_size: int,
+        steps_per_output: int | None,
+        start_step: int = 2,
+        loader: Any = None,
+    ):
+        self.enabled = enabled
+        self.synchronized = synchronized
+        self.batch_size = batch_size
+        self.steps_per_output = steps_per_output
+        self.start_step = start_step
+        self._loader = loader
+        self.started = False
+        self.start_time = 0.0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+
+    @property
+    def epoch_count(self) -> int:
+        sampler = getattr(self._loader, "sampler", None)
+        return int(getattr(sampler, "epoch", 0))
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            self._synchronize()
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool, report_speed: bool) -> None:
+        if not self.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time <= 0:
+            return
+        self._synchronize()
+        duration = time.time() - self.start_time
+        self.total_elapsed_time += duration
+        self.step_elapsed_time += duration
+        if not global_step:
+            return
+        if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
+            from zeroshard.accelerator import get_accelerator
+
+            acc = get_accelerator()
+            log_rank(
+                logger,
+                20,
+                f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/global_step={self.global_step_count}, "
+                f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
+                f"CurrSamplesPerSec={self.batch_size / (self.step_elapsed_time + TIME_EPSILON)}, "
+                f"MemAllocated={round(acc.memory_allocated() / _GIB, 2)}GB, "
+                f"MaxMemAllocated={round(acc.max_memory_allocated() / _GIB, 2)}GB",
+            )
+        self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """train_batch_size over the mean step time since `start_step`; -inf before the first step."""
+        if self.global_step_count <= 0:
+            return float("-inf")
+        steps = self.global_step_count - self.start_step
+        if steps <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")  # DeepSpeed divides by zero here
+        return self.batch_size / (self.total_elapsed_time / steps)
+
+    def _synchronize(self) -> None:
+        if self.synchronized:
+            from zeroshard.accelerator import get_accelerator
+
+            get_accelerator().synchronize()
