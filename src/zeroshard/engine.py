@@ -27,7 +27,7 @@ from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.schedules import TrainingSchedules
 from zeroshard.runtime.utils import see_memory_usage
-from zeroshard.utils.logging import get_logger, log_rank, print_configuration
+from zeroshard.utils.logging import get_logger, log_rank, print_configuration, set_log_level_from_string
 from zeroshard.zero.strategy import AccumulationState, Strategy
 
 logger = get_logger(__name__)
@@ -96,6 +96,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """`compute_context`: entered around every forward and backward (tensor parallelism's vocab-parallel loss,
         [Note: vocab-parallel loss] in tp/plan.py)."""
         super().__init__()
+        if config.log_level is not None:
+            set_log_level_from_string(config.log_level)
         self.module = module
         self.config = config
         self.topology = topology

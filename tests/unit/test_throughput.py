@@ -101,3 +101,24 @@ def test_dump_state_logs_the_engines_attributes_at_initialize(log, dump: bool) -
     assert ("Engine:" in lines) is dump
     assert any(re.match(r"^  global_steps \.+ 0$", line) for line in lines) is dump
     engine.destroy()
+
+
+def test_log_level_sets_zeroshards_logger_at_initialize(log) -> None:  # noqa: F811
+    from zeroshard.errors import ConfigError
+    from zeroshard.utils.logging import get_logger
+
+    logger = get_logger()
+    before = logger.level, [(handler, handler.level) for handler in logger.handlers]
+    try:
+        engine = _engine(log_level="WARNING", timers={"throughput": {"enabled": True}})
+        assert logger.level == logging.WARNING
+        log.clear()
+        _train(engine, 4)
+        assert not _messages(log, r"^epoch=")  # the throughput lines are INFO
+        engine.destroy()
+    finally:
+        logger.setLevel(before[0])
+        for handler, level in before[1]:
+            handler.setLevel(level)
+    with pytest.raises(ConfigError, match="log_level"):
+        _engine(log_level="verbose")

@@ -154,7 +154,11 @@ class ZeroshardConfig(ConfigBlock):
     wall_clock_breakdown: bool = option(False, "Time forward, backward and step.", Bool())
     memory_breakdown: bool = option(False, "Report memory use.", Bool())
     dump_state: bool = option(False, "Print the engine state after initialisation.", Bool())
-    log_level: str | None = option(None, "Log level of the engine's logger.", Nullable(Str()))
+    log_level: str | None = option(
+        None,
+        "Level of zeroshard's logger, set at initialize (debug, info, warning, error, critical).",
+        Nullable(Str(("debug", "info", "warning", "error", "critical"), str.lower)),
+    )
     vocabulary_size: int | None = option(
         None, "Vocabulary size (only checked for tensor-core alignment).", Nullable(Int(minimum=1))
     )

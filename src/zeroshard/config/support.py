@@ -137,6 +137,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "timers.throughput.synchronized",
         "memory_breakdown",
         "dump_state",
+        "log_level",  # utils/logging.set_log_level_from_string at initialize
         # runtime/schedules.py: [Note: progressive layer drop], [Note: legacy curriculum learning]
         "progressive_layer_drop.enabled",
         "progressive_layer_drop.theta",
@@ -247,7 +248,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Monitoring, profiling and logging.
         "comet",
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
-        "log_level",
         # Memory, checkpointing and data.
         "checkpoint.load_universal",
         "checkpoint.use_node_local_storage",

@@ -75,3 +75,16 @@ def print_configuration(obj: object, name: str) -> None:
     for attribute in sorted(key for key in vars(obj) if not key.startswith("_")):
         dots = "." * (29 - len(attribute))
         log_rank(logger, logging.INFO, f"  {attribute} {dots} {getattr(obj, attribute)}")
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """DeepSpeed's: set `custom_logger` (zeroshard's logger by default) and its handlers to the level named by
+    `log_level_str` ("debug", "info", "warning", "error", "critical"); ds_config `log_level` does this at
+    initialize."""
+    level = logging.getLevelName(log_level_str.upper())
+    if not isinstance(level, int):
+        raise ValueError(f"{log_level_str!r} is not a log level (debug, info, warning, error, critical)")
+    target = custom_logger or get_logger()
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
