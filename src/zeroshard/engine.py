@@ -25,6 +25,7 @@ from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import StateOffloader
 from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.runtime.python_gc import PYTHON_GC
 from zeroshard.runtime.schedules import TrainingSchedules
 from zeroshard.runtime.utils import see_memory_usage
 from zeroshard.utils.logging import get_logger, log_rank, print_configuration, set_log_level_from_string
@@ -135,6 +136,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             loader=training_dataloader,
         )
         self._memory_breakdown = bool(config.memory_breakdown)
+        if config.disable_python_gc:  # [Note: python gc per process]
+            self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
         if config.dump_state:
             print_configuration(self, "Engine")
 
@@ -318,8 +321,18 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Bring back what `offload_states()` moved."""
         self._offloader.reload(non_blocking)
 
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic collector now (with `disable_python_gc`, at a point the script chooses); returns
+        what it collected."""
+        import gc
+
+        return gc.collect()
+
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
+        release = getattr(self, "_gc_release", None)
+        if release is not None:
+            release()  # [Note: python gc per process]
         if self._watch is not None:
             self._watch.stop()
         if self.strategy is not None:

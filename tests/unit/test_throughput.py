@@ -122,3 +122,25 @@ def test_log_level_sets_zeroshards_logger_at_initialize(log) -> None:  # noqa: F
             handler.setLevel(level)
     with pytest.raises(ConfigError, match="log_level"):
         _engine(log_level="verbose")
+
+
+def test_disable_python_gc_holds_while_an_engine_lives() -> None:
+    """[Note: python gc per process]: off from the first such engine, back on when the last is destroyed or
+    dropped; engines without the key leave it alone."""
+    import gc
+
+    from zeroshard.runtime.python_gc import PYTHON_GC
+
+    assert gc.isenabled() and PYTHON_GC.engines == 0
+    plain = _engine()
+    assert gc.isenabled()
+    first, second = _engine(disable_python_gc=True), _engine(disable_python_gc=True)
+    assert not gc.isenabled() and PYTHON_GC.engines == 2
+    assert first.collect_python_gc() >= 0 and not gc.isenabled()
+    first.destroy()
+    first.destroy()  # twice: counted once
+    assert not gc.isenabled() and PYTHON_GC.engines == 1
+    del second  # dropped without destroy: its finalizer releases it
+    gc.collect()
+    assert gc.isenabled() and PYTHON_GC.engines == 0
+    plain.destroy()

@@ -138,6 +138,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "memory_breakdown",
         "dump_state",
         "log_level",  # utils/logging.set_log_level_from_string at initialize
+        "disable_python_gc",  # runtime/python_gc.py ([Note: python gc per process])
         # runtime/schedules.py: [Note: progressive layer drop], [Note: legacy curriculum learning]
         "progressive_layer_drop.enabled",
         "progressive_layer_drop.theta",
@@ -255,7 +256,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "checkpoint.checkpoint_serialization",
         "checkpoint.writer",
         "datastates_ckpt",
-        "disable_python_gc",
         # Other engines and features.
         "hybrid_engine",
         "compile",
