@@ -163,6 +163,11 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "elasticity.min_time": (
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
+        "zero_optimization.round_robin_gradients": (
+            "DeepSpeed deals parameters out to the ranks' partitions in turn so that every rank copies a like share "
+            "of each backward's gradients to the host; in zeroshard's flat layout every rank owns 1/N of every bucket "
+            "(zero/layout.py), so each bucket's copy to the host is split evenly over the ranks already"
+        ),
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
         ),
@@ -215,7 +220,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # reduce_scatter false always all-reduces each bucket; false here would reduce to each owner instead.
         "zero_optimization.use_multi_rank_bucket_allreduce",
         # Offload (CPU and NVMe) and asynchronous I/O.
-        "zero_optimization.round_robin_gradients",
         "zero_force_ds_cpu_optimizer",
         "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
         "aio.use_gds",
