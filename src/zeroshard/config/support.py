@@ -164,9 +164,8 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
         "zero_optimization.round_robin_gradients": (
-            "DeepSpeed deals parameters out to the ranks' partitions in turn so that every rank copies a like share "
-            "of each backward's gradients to the host; in zeroshard's flat layout every rank owns 1/N of every bucket "
-            "(zero/layout.py), so each bucket's copy to the host is split evenly over the ranks already"
+            "spreads host gradient copies evenly over the ranks; here every rank owns 1/N of every bucket "
+            "(zero/layout.py), so they are spread already"
         ),
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
