@@ -13,6 +13,7 @@ LIVE_LIMITED = Case(stage=3, reuse=10**9, prefetch=10**9, max_live=25_000)
 CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 3)] + [
     Case(stage=3, persistence=10**6),  # everything persistent (stage-2-like)
     Case(stage=3, persistence=2000),  # mixed: small parameters persistent, matrices sharded
+    Case(stage=3, persistence=10**6, model_persistence=3000),  # the first ~3000 elements persistent, the rest not
     Case(stage=3, reuse=10**9, prefetch=10**9),  # DeepSpeed's defaults: keep and prefetch everything
     LIVE_LIMITED,
     Case(stage=3, variant="frozen"),

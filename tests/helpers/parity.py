@@ -45,6 +45,7 @@ class Case:
     clip: float = 1.0
     seq: int = 16
     persistence: int = 0  # stage 3: stage3_param_persistence_threshold
+    model_persistence: int = 2**63 - 1  # stage 3: stage3_model_persistence_threshold (DeepSpeed's sys.maxsize)
     reuse: int = 0  # stage 3: stage3_max_reuse_distance
     prefetch: int = 50_000  # stage 3: stage3_prefetch_bucket_size
     max_live: int = 10**9  # stage 3: stage3_max_live_parameters
@@ -57,6 +58,7 @@ class Case:
     @property
     def name(self) -> str:
         extra = f"-persist{self.persistence}-reuse{self.reuse}" if self.stage == 3 else ""
+        extra += f"-cap{self.model_persistence}" if self.model_persistence != 2**63 - 1 else ""
         extra += f"-live{self.max_live}" if self.max_live != 10**9 else ""
         extra += f"-offload_{self.offload}" if self.offload != "none" else ""
         extra += f"-offload_param_{self.offload_param}" if self.offload_param != "none" else ""
@@ -168,6 +170,7 @@ def ds_config(case: Case) -> dict:
             "overlap_comm": True,
             "reduce_scatter": case.reduce_scatter,
             "stage3_param_persistence_threshold": case.persistence,
+            "stage3_model_persistence_threshold": case.model_persistence,
             "stage3_max_reuse_distance": case.reuse,
             "stage3_prefetch_bucket_size": case.prefetch,
             "stage3_max_live_parameters": case.max_live,

@@ -47,3 +47,22 @@ def test_an_embedding_subclass_with_its_own_forward_is_not_taken_as_grad_only() 
             return super().forward(x) * self.weight.norm()
 
     assert not grad_only(Scaled(4, 2)) and grad_only(nn.Embedding(4, 2))
+
+
+def test_model_persistence_threshold_caps_the_persistent_elements_in_registration_order() -> None:
+    """stage3_model_persistence_threshold ([Note: units] in zero/stage3/plan.py): DeepSpeed's mark_persistent_parameters
+    takes the small parameters in registration order while their total stays within the cap."""
+    model = GPT(TINY)
+    small = [(n, p.numel()) for n, p in model.named_parameters() if p.numel() < 10**6]
+    uncapped = {s.name: s.param_names for s in plan_units(model, None, 10**6)}["<persistent>"]
+    assert list(uncapped) == [n for n, _ in small]
+    cap = 3000
+    expected, total = [], 0
+    for name, numel in small:
+        if total + numel <= cap:
+            expected.append(name)
+            total += numel
+    capped = {s.name: s.param_names for s in plan_units(model, None, 10**6, cap)}
+    assert list(capped["<persistent>"]) == expected and 0 < len(expected) < len(small)
+    assert sorted(n for names in capped.values() for n in names) == sorted(n for n, _ in model.named_parameters())
+    assert "<persistent>" not in {s.name for s in plan_units(model, None, 10**6, 0)}

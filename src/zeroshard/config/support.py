@@ -57,6 +57,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.sub_group_size",
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_model_persistence_threshold",
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_max_reuse_distance",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
@@ -202,7 +203,6 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
-        "zero_optimization.stage3_model_persistence_threshold",
         "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
         "zero_optimization.stage3_allgather_sequential",

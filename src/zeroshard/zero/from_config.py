@@ -143,6 +143,7 @@ def make_strategy(
             max_reuse_distance=int(z.stage3_max_reuse_distance),
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
+        model_persistence_threshold=int(z.stage3_model_persistence_threshold),
         sub_group_numel=max(int(z.sub_group_size), 1),
         param_tier=_tier(cfg, "offload_param", need, topology.device),
         param_read_ahead=(

@@ -8,6 +8,7 @@ straight into the shards ([Note: streaming load]): a unit the checkpoint covers 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class BuildPolicy:
     # the persistent unit (reduced only when backward ends) in a sub-group of its own, not in the last layers' one,
     # so that sub-group can be stepped during backward ([Note: speculative host steps])
     persistent_alone: bool = False
+    model_persistence_threshold: int = sys.maxsize  # [Note: units] in plan.py
 
 
 def build_units(
@@ -86,7 +88,7 @@ def build_units(
     frozen_group = len(groups)
     named = dict(module.named_parameters())
     modules = dict(module.named_modules())
-    specs = plan_units(module, policy.unit_policy, policy.persistence_threshold)
+    specs = plan_units(module, policy.unit_policy, policy.persistence_threshold, policy.model_persistence_threshold)
     layouts: list[UnitLayout] = []
     for spec in specs:
         rows = [(n, named[n].numel(), group_of.get(id(named[n]), frozen_group)) for n in spec.param_names]

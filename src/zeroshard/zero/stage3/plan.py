@@ -7,11 +7,13 @@ whose class repeats), and the root module is the unit of every parameter no bloc
 final norm, head). A parameter shared by modules of different units (tied weights) belongs to their
 closest common ancestor unit, which is gathered for as long as both run. Parameters with fewer than
 `stage3_param_persistence_threshold` elements are moved to one persistent unit that stays gathered
-on every rank (it is still sharded for the optimizer and re-gathered once after each step).
+on every rank (it is still sharded for the optimizer and re-gathered once after each step), as long as the
+persistent parameters, taken in registration order, stay within `stage3_model_persistence_threshold` elements.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -68,8 +70,15 @@ def unit_module_names(root: nn.Module, policy: UnitPolicy | None) -> list[str]:
     return list(dict.fromkeys(n for n in _unit_of_module(root, policy).values() if n))
 
 
-def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold: int) -> list[UnitSpec]:
-    """Units in registration order (root first, persistent last); every parameter is in exactly one."""
+def plan_units(
+    root: nn.Module,
+    policy: UnitPolicy | None,
+    persistence_threshold: int,
+    model_persistence_threshold: int = sys.maxsize,
+) -> list[UnitSpec]:
+    """Units in registration order (root first, persistent last); every parameter is in exactly one. A parameter
+    below `persistence_threshold` elements is persistent while the persistent ones, in registration order, add up
+    to at most `model_persistence_threshold` elements (DeepSpeed's stage3_model_persistence_threshold)."""
     unit_of_module = _unit_of_module(root, policy)
 
     owners: dict[int, list[str]] = {}
@@ -83,11 +92,13 @@ def plan_units(root: nn.Module, policy: UnitPolicy | None, persistence_threshold
     for name in unit_of_module.values():
         members.setdefault(name, [])
     persistent: list[str] = []
+    persistent_numel = 0
     for name, param in root.named_parameters():
         units = {unit_of_module[m] for m in owners[id(param)]}
         unit = units.pop() if len(units) == 1 else _common_ancestor([unit_of_module[m] for m in owners[id(param)]])
-        if param.numel() < persistence_threshold:
+        if param.numel() < persistence_threshold and persistent_numel + param.numel() <= model_persistence_threshold:
             persistent.append(name)
+            persistent_numel += param.numel()
         else:
             members[unit].append(name)
     specs = [UnitSpec(name, tuple(params)) for name, params in members.items() if params]

@@ -10,6 +10,7 @@ the loss) happens when backward returns.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -69,6 +70,7 @@ class Stage3Policy(StrategyPolicy):
     zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
     root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
     speculation: SpeculationPolicy | None = None  # offload_optimizer.super_offload ([Note: speculative host steps])
+    model_persistence_threshold: int = sys.maxsize  # stage3_model_persistence_threshold ([Note: units])
 
 
 class Stage3Strategy(Strategy):
@@ -99,6 +101,7 @@ class Stage3Strategy(Strategy):
             policy.weights,
             keeps_gradients=bool(groups),
             persistent_alone=policy.speculation is not None,
+            model_persistence_threshold=policy.model_persistence_threshold,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
