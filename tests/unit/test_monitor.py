@@ -15,6 +15,7 @@ import zeroshard
 from zeroshard.comm.comms_logger import CommsLogger, bandwidths
 from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import ConfigError
+from zeroshard.monitor.comet import CometMonitor
 
 MICRO, GAS, STEPS, K, N, OUT = 3, 2, 3, 8, 16, 4
 
@@ -164,6 +165,37 @@ def test_wandb_offline_logs_the_engine_values(tmp_path: pathlib.Path, monkeypatc
     assert [rows[s]["Train/Samples/loss_scale"] for s in samples] == scales
 
 
+@pytest.mark.skipif(importlib.util.find_spec("comet_ml") is None, reason="comet_ml is not installed")
+def test_comet_offline_logs_the_engine_values_thinned_by_samples(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import zipfile
+
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
+    monkeypatch.setenv("COMET_DISABLE_AUTO_LOGGING", "1")
+    per_step = MICRO * GAS
+    comet = {"enabled": True, "project": "zs", "online": False, "samples_log_interval": 2 * per_step}
+    engine, losses, lrs, scales, samples = _train(_config(tmp_path, comet={**comet, "experiment_name": "run1"}))
+    assert isinstance(engine.telemetry.monitors[0], CometMonitor)
+    engine.destroy()  # ends the experiment: the offline archive is written
+    (archive,) = (tmp_path / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines() if line.strip()]
+        experiment = json.loads(z.read("experiment.json"))
+    metrics: dict[str, dict[int, float]] = {}
+    for message in messages:
+        metric = message.get("payload", {}).get("metric")
+        if message.get("type") == "metric_msg" and metric["metricName"].startswith("Train/"):
+            metrics.setdefault(metric["metricName"], {})[metric["step"]] = metric["metricValue"]
+    # one value per name every 2 steps' samples, the first always
+    assert sorted(metrics["Train/Samples/lr"]) == samples[::2], metrics
+    assert [metrics["Train/Samples/lr"][s] for s in samples[::2]] == pytest.approx(lrs[::2])
+    before = [0, *samples[:-1]]
+    assert [metrics["Train/Samples/train_loss"][s] for s in before[::2]] == pytest.approx(losses[::2], rel=1e-6)
+    assert experiment.get("project_name") == "zs" and "run1" in json.dumps(messages), experiment
+
+
 def _wandb_history(path: pathlib.Path, timeout_s: float = 60.0) -> list[dict]:
     """The history rows of an offline run file, once W&B's service has written its exit record (`run.finish()`
     returns before the service is done writing). The file is a LevelDB-style log (7-byte file header; 32 KiB
@@ -200,11 +232,13 @@ def _wandb_history(path: pathlib.Path, timeout_s: float = 60.0) -> list[dict]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("block", ["tensorboard", "wandb"])
-def test_missing_package_is_one_line_naming_the_key(block: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("block", "package"), [("tensorboard", "tensorboard"), ("wandb", "wandb"), ("comet", "comet_ml")]
+)
+def test_missing_package_is_one_line_naming_the_key(block: str, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == block else real(name, *a))
-    with pytest.raises(ConfigError, match=rf"^{block}\.enabled needs the {block} package: pip install {block}$"):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(ConfigError, match=rf"^{block}\.enabled needs the {package} package: pip install {package}$"):
         zeroshard.initialize(model=MLP(), config=_config(pathlib.Path("."), **{block: {"enabled": True}}))
 
 

@@ -138,6 +138,16 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "timers.throughput.synchronized",
         "memory_breakdown",
         "dump_state",
+        # monitor/comet.py
+        "comet.enabled",
+        "comet.samples_log_interval",
+        "comet.project",
+        "comet.workspace",
+        "comet.api_key",
+        "comet.experiment_name",
+        "comet.experiment_key",
+        "comet.online",
+        "comet.mode",
         "log_level",  # utils/logging.set_log_level_from_string at initialize
         "disable_python_gc",  # runtime/python_gc.py ([Note: python gc per process])
         # runtime/schedules.py: [Note: progressive layer drop], [Note: legacy curriculum learning]
@@ -250,7 +260,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "sparse_gradients",
         "managed_gradient_accumulation",
         # Monitoring, profiling and logging.
-        "comet",
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
         # Memory, checkpointing and data.
         "checkpoint.load_universal",

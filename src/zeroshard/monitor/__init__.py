@@ -1,4 +1,4 @@
-"""DeepSpeed's monitors (`tensorboard`, `csv_monitor`, `wandb`) and its FLOPs profiler (`flops_profiler`).
+"""DeepSpeed's monitors (`tensorboard`, `csv_monitor`, `wandb`, `comet`) and its FLOPs profiler (`flops_profiler`).
 
 The engine holds one `Telemetry` (telemetry.py) and tells it what happened: a backward, a step, a forward.
 """

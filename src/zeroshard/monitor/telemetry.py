@@ -21,6 +21,7 @@ from torch import nn
 
 from zeroshard.errors import ConfigError
 from zeroshard.monitor.base import Event, Monitor
+from zeroshard.monitor.comet import CometMonitor
 from zeroshard.monitor.csv_monitor import CSVMonitor
 from zeroshard.monitor.flops import FlopsProfiler
 from zeroshard.monitor.tensorboard import TensorBoardMonitor
@@ -31,7 +32,7 @@ from zeroshard.zero.strategy import Strategy
 logger = get_logger(__name__)
 
 
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # block -> the package it needs
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}  # block -> the package it needs
 
 
 def check_packages(config: Any) -> None:
@@ -50,6 +51,8 @@ def build_monitors(config: Any) -> list[Monitor]:
         monitors.append(CSVMonitor(config.csv_monitor))
     if config.wandb.enabled:
         monitors.append(WandbMonitor(config.wandb))
+    if config.comet.enabled:
+        monitors.append(CometMonitor(config.comet))
     return monitors
 
 
@@ -74,7 +77,7 @@ class Telemetry:
     ) -> Telemetry:
         """Monitors and profiler on rank 0 (DeepSpeed builds and profiles there only); nothing elsewhere."""
         check_packages(config)
-        enabled = any(getattr(config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb"))
+        enabled = any(getattr(config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb", "comet"))
         if rank != 0:
             return cls([], None, enabled)
         profiler = None
