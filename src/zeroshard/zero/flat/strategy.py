@@ -398,8 +398,7 @@ class FlatStrategy(Strategy):
         if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
             return torch.zeros(local_of(param).shape, dtype=torch.float32, device=self.device)
         self.reducer.settle()
-        scale = self._grad_scale()
-        return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * scale)
+        return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * self._grad_scale())
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         if not self._has_state(key):
@@ -480,8 +479,7 @@ class FlatStrategy(Strategy):
         memory = StrategyMemory(comm_buffers=self.pool.held_bytes)
         for b in self.buffers:
             memory.params += nbytes(b.param_flat)
-            own_shard = b.grad_shard is not b.grad_full and not b.shard_in_accumulator
-            memory.gradients += nbytes(b.grad_full) + (nbytes(b.grad_shard) if own_shard else 0)
+            memory.gradients += nbytes(b.grad_full) if b.grad_full is not None else nbytes(b.grad_shard)
         masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
         state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
         self.policy.master_tier.count_state(memory, masters, state)
