@@ -393,18 +393,18 @@ def test_default_and_auto_values_never_warn(log: pytest.LogCaptureFixture) -> No
 def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> None:
     cfg = parse_config(
         {
-            "comet": {"enabled": True, "project": "runs"},
+            "hybrid_engine": {"enabled": True, "max_out_tokens": 8},
             "datastates_ckpt": {"enabled": True},
             "zero_optimization": {"mics_shard_size": 8},
         }
     )
     assert list(unimplemented_settings(cfg)) == [
         ("zero_optimization.mics_shard_size", 8),
-        ("comet.enabled", True),
-        ("comet.project", "runs"),
         ("datastates_ckpt", {"enabled": True}),
+        ("hybrid_engine.enabled", True),
+        ("hybrid_engine.max_out_tokens", 8),
     ]
     assert warnings_of(log)[-1] == (
-        'zeroshard: datastates_ckpt={"enabled": true} is accepted but not implemented yet; it has no effect'
+        "zeroshard: hybrid_engine.max_out_tokens=8 is accepted but not implemented yet; it has no effect"
     )
     assert len(warnings_of(log)) == 4
