@@ -174,6 +174,10 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "elasticity.min_time": (
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
+        "zero_optimization.stage3_module_granularity_threshold": (
+            "fetches fine-grained modules as one to save DeepSpeed's per-module hooks; zeroshard gathers whole units "
+            "(blocks, the root) and hooks only those, not each submodule"
+        ),
         "zero_optimization.round_robin_gradients": (
             "spreads host gradient copies evenly over the ranks; here every rank owns 1/N of every bucket "
             "(zero/layout.py), so they are spread already"
@@ -213,7 +217,6 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
-        "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
         "zero_optimization.stage3_allgather_sequential",
         "zero_optimization.memory_efficient_linear",
