@@ -101,10 +101,10 @@ class EngineAccessors:
     def curriculum_params_legacy(self) -> dict[str, Any] | bool:
         """The legacy `curriculum_learning` block without its `enabled` key; False when it is absent, as
         DeepSpeed's."""
-        block = self.config.curriculum_learning
         if "curriculum_learning" not in self.config.raw:
             return False
-        return {k: v for k, v in block.to_dict(include_defaults=False).items() if k != "enabled"}
+        block = self.config.curriculum_learning.to_dict(include_defaults=False)
+        return {k: v for k, v in block.items() if k != "enabled"}
 
     @property
     def monitor(self) -> Telemetry:

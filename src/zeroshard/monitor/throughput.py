@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from zeroshard.accelerator import get_accelerator
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -79,8 +80,6 @@ class ThroughputTimer:
         if not global_step:
             return
         if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
-            from zeroshard.accelerator import get_accelerator
-
             acc = get_accelerator()
             log_rank(
                 logger,
@@ -95,15 +94,11 @@ class ThroughputTimer:
 
     def avg_samples_per_sec(self) -> float:
         """train_batch_size over the mean step time since `start_step`; -inf before the first step."""
-        if self.global_step_count <= 0:
-            return float("-inf")
         steps = self.global_step_count - self.start_step
         if steps <= 0 or self.total_elapsed_time <= 0:
-            return float("-inf")  # DeepSpeed divides by zero here
+            return float("-inf")  # nothing timed yet (DeepSpeed divides by zero in its second step)
         return self.batch_size / (self.total_elapsed_time / steps)
 
     def _synchronize(self) -> None:
         if self.synchronized:
-            from zeroshard.accelerator import get_accelerator
-
             get_accelerator().synchronize()
