@@ -17,6 +17,13 @@ class CollectiveMismatchError(ZeroshardError):
     """Ranks were about to issue collectives that do not match; raised instead of hanging."""
 
 
+SAME_MODULES = (
+    "Every rank must run the same modules in the same order (a module skipped or added on some ranks only); at "
+    "stage 3 a module whose children run for some inputs only (the experts of a mixture-of-experts block) is "
+    "gathered whole once it is a leaf: zero_optimization.leaf_module, or deepspeed.utils.set_z3_leaf_modules."
+)
+
+
 class CollectiveTimeoutError(ZeroshardError):
     """A collective waited longer than `zeroshard.collective_timeout_s` for some rank (stalled or gone)."""
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.in_flight import InFlight
 from zeroshard.config.monitor import CommsLoggerConfig
-from zeroshard.errors import CollectiveMismatchError
+from zeroshard.errors import SAME_MODULES, CollectiveMismatchError
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -364,9 +364,8 @@ class Collectives:
             for r, row in enumerate(rows)
         )
         raise CollectiveMismatchError(
-            f"ranks diverged: they are about to issue different collectives ({described}). The ranks took "
-            "different code paths (e.g. a module run on some ranks only); every rank must run the same modules "
-            "in the same order."
+            f"ranks diverged: they are about to issue different collectives ({described}): the ranks took "
+            f"different code paths. {SAME_MODULES}"
         )
 
     def _exchange_labels(self, label: str, device: torch.device) -> list[str]:

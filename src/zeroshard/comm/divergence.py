@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives, Handle
-from zeroshard.errors import CollectiveMismatchError, CollectiveTimeoutError, ZeroshardError
+from zeroshard.errors import SAME_MODULES, CollectiveMismatchError, CollectiveTimeoutError, ZeroshardError
 
 
 class DivergenceWatch:
@@ -56,8 +56,7 @@ class DivergenceWatch:
         )
         return (
             f"ranks diverged: rank {self.comm.rank} waited {self.timeout_s:.0f}s on {what}, which not "
-            "every rank issued. " + "; ".join(lines) + ". Every rank must run the same modules in the same order "
-            "(a module skipped or added on some ranks only)."
+            "every rank issued. " + "; ".join(lines) + ". " + SAME_MODULES
         )
 
     def check_step(self) -> None:
@@ -81,8 +80,8 @@ class DivergenceWatch:
                     f"rank {r}: {runs} block forwards, {gathers} gathers (digest {d})"
                     for r, (d, runs, gathers) in enumerate(rows)
                 )
-                + ". Every rank must run the same modules in the same order (a block skipped or added on some "
-                "ranks only)."
+                + ". "
+                + SAME_MODULES
             )
 
 

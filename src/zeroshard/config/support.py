@@ -61,6 +61,9 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_max_reuse_distance",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.leaf_module.classes",  # gathered whole: [Note: leaf modules] in zero/stage3/plan.py
+        "zero_optimization.leaf_module.names",
+        "zero_optimization.leaf_module.name_suffixes",
         # Offload.
         "zero_optimization.offload_param.device",
         "zero_optimization.offload_param.nvme_path",
@@ -225,7 +228,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.log_trace_cache_warnings",
         "zero_optimization.enable_sanity_checks",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
-        "zero_optimization.leaf_module",
         # ZeRO 1-2: the norm is always computed, the flat buffers never padded per parameter.
         "zero_optimization.compute_grad_norm",
         "zero_optimization.parameter_alignment",

@@ -14,6 +14,7 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.tier import Tier
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
@@ -31,6 +32,7 @@ def build_fsdp2_strategy(
     step: StepPolicy,
     weights: StreamedWeights | None,
     tp: TensorParallelContext | None = None,
+    leaves: LeafModules = NO_LEAVES,
 ) -> Fsdp2Strategy:
     """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping]); with
     `tp`, FSDP2 over its data-parallel mesh dimension ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py)."""
@@ -45,6 +47,7 @@ def build_fsdp2_strategy(
         plan=plan,
         weights=weights,
         mesh=tp.dp_mesh if tp is not None else None,
+        leaves=leaves,
     )
     if tp is not None:
         from zeroshard.tp.fsdp2 import TensorParallelFsdp2Strategy

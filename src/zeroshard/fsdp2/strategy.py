@@ -30,7 +30,7 @@ from zeroshard.offload.gradients import GradShard, StepTimeCopies
 from zeroshard.offload.tier import Tier
 from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.zero.owners import OWNERS
-from zeroshard.zero.stage3.plan import UnitPolicy
+from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
@@ -47,6 +47,7 @@ class Fsdp2Policy(StrategyPolicy):
 
     plan: Fsdp2Plan
     unit_policy: UnitPolicy | None = None
+    leaves: LeafModules = NO_LEAVES  # zero_optimization.leaf_module ([Note: leaf modules])
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
     mesh: DeviceMesh | None = None  # a dp x tp mesh's dp dimension ([Note: tensor parallelism on fsdp2])
 
@@ -86,8 +87,8 @@ class Fsdp2Strategy(Strategy):
         divide = 1.0 / policy.step.prescale(comm.world_size)
         streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
         masters_in_fp32(module)
-        unit_policy = policy.unit_policy
-        self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, unit_policy, comm, device, divide, policy.mesh)
+        units = (policy.unit_policy, policy.leaves)
+        self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, units, comm, device, divide, policy.mesh)
         if streamed is not None:
             assert policy.weights is not None
             home = policy.master_tier.device  # the host under CPUOffloadPolicy

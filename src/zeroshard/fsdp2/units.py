@@ -11,6 +11,11 @@ FSDP2's private state is read in this file only: the unsharded tensors of a gath
 unsharded_param`, to broadcast a modification under `modifier_rank`), and each parameter group's
 `post_forward_mesh_info` (what `set_reshard_after_forward` sets), saved and restored around a gathered block
 because the public setter cannot restore the root's special "not after forward" default.
+
+A parameter that got no gradient on this rank is reduced as zeros (`set_reduce_scatter_unused_params`), as the zero
+backend's flat shards do: FSDP2 otherwise reduce-scatters only the parameters with a gradient, so ranks whose tokens
+reached different experts of a leaf module ([Note: leaf modules]) would sum different parameters' gradients into one
+another without an error. A torch whose FSDP2 lacks that setter is refused when the model has a leaf module.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.comms import CountedAllGather, CountedReduceScatter
 from zeroshard.fsdp2.plan import Fsdp2Plan
-from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
+from zeroshard.zero.stage3.plan import LeafModules, UnitPolicy, unit_module_names
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,16 @@ class Fsdp2Unit:
 def shard_units(
     root: nn.Module,
     plan: Fsdp2Plan,
-    unit_policy: UnitPolicy | None,
+    units: tuple[UnitPolicy | None, LeafModules],
     comm: Collectives,
     device: torch.device,
     divide_factor: float,
     mesh: DeviceMesh | None = None,
 ) -> list[Fsdp2Unit]:
     """`fully_shard` every unit, root last ([Note: fsdp2 units]); gradients are summed then divided by
-    `divide_factor` ([Note: fsdp2 mapping]). `mesh`: the data-parallel dimension of a dp x tp mesh (torch's 2-D
-    composition: [Note: tensor parallelism on fsdp2] in tp/fsdp2.py); else one over `comm`'s group."""
+    `divide_factor` ([Note: fsdp2 mapping]); `units`: the unit policy and the leaf modules ([Note: units]).
+    `mesh`: the data-parallel dimension of a dp x tp mesh (torch's 2-D composition: [Note: tensor parallelism on
+    fsdp2] in tp/fsdp2.py); else one over `comm`'s group."""
     if mesh is None:
         group = comm.group if comm.group is not None else dist.group.WORLD
         assert group is not None, "torch.distributed is not initialised"
@@ -61,7 +68,7 @@ def shard_units(
     pin = plan.pin_memory and device.type != "cpu"
     offload = CPUOffloadPolicy(pin_memory=pin) if plan.cpu_offload else OffloadPolicy()
     modules = dict(root.named_modules())
-    names = [n for n in unit_module_names(root, unit_policy) if any(True for _ in modules[n].parameters())]
+    names = [n for n in unit_module_names(root, *units) if any(True for _ in modules[n].parameters())]
     # by name, since fully_shard replaces the parameter objects; the innermost unit holding a parameter owns it
     param_names = {id(p): n for n, p in root.named_parameters()}
     owner = dict.fromkeys(param_names.values(), "")
@@ -81,17 +88,26 @@ def shard_units(
     fully_shard(
         root, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed, offload_policy=offload
     )
-    units = []
+    zero_unused = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+    if not zero_unused and any(units[1](n, m) for n, m in root.named_modules()):
+        raise ConfigError(
+            f"the model has ZeRO-3 leaf modules (zero_optimization.leaf_module), whose parameters may get gradients "
+            f"on some ranks only, and torch {torch.__version__}'s FSDP2 cannot reduce the missing ones as zeros "
+            '(FSDPModule.set_reduce_scatter_unused_params): use a newer torch, or zeroshard.backend "zero"'
+        )
+    sharded = []
     for name in [*names, ""]:
         module = modules[name] if name else root
         assert isinstance(module, FSDPModule)
+        if zero_unused:
+            module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_gradient_divide_factor(divide_factor)
         module.set_force_sum_reduction_for_comms(True)
         module.set_custom_all_gather(CountedAllGather(comm))
         module.set_custom_reduce_scatter(CountedReduceScatter(comm))
         owned = tuple(n for n, o in owner.items() if o == name)
-        units.append(Fsdp2Unit(name, module, owned))
-    return units
+        sharded.append(Fsdp2Unit(name, module, owned))
+    return sharded
 
 
 def unsharded_views(unit: Fsdp2Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -1,5 +1,6 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
-`logger`, `log_dist`, `RepeatingLoader`, `groups`, and `safe_get_full_*` / `safe_set_full_*` (every stage)."""
+`logger`, `log_dist`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` (every stage), and the ZeRO-3
+leaf-module marks (`set_z3_leaf_modules` and its relatives)."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.logging import log_dist, logger
@@ -11,9 +12,19 @@ from zeroshard.utils.tensor_fragment import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
+from zeroshard.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 
 __all__ = [
     "RepeatingLoader",
+    "get_z3_leaf_modules",
     "groups",
     "log_dist",
     "logger",
@@ -22,4 +33,10 @@ __all__ = [
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
 ]

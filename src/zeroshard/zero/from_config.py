@@ -22,6 +22,7 @@ from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.stage3.plan import LeafModules
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.speculate import SpeculationPolicy
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
@@ -107,7 +108,8 @@ def make_strategy(
         from zeroshard.fsdp2.build import build_fsdp2_strategy  # torch's FSDP2 internals load only when asked for
 
         dtype, device = precision.compute_dtype, topology.device
-        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp)
+        leaves = leaf_modules(cfg, model)
+        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp, leaves)
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
         "grad_accum_dtype": precision.grad_accum_dtype,
@@ -144,6 +146,7 @@ def make_strategy(
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         model_persistence_threshold=int(z.stage3_model_persistence_threshold),
+        leaves=leaf_modules(cfg, model),
         sub_group_numel=max(int(z.sub_group_size), 1),
         param_tier=_tier(cfg, "offload_param", need, topology.device),
         param_read_ahead=(
@@ -161,6 +164,20 @@ def make_strategy(
         ),
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
+
+
+def leaf_modules(cfg: ZeroshardConfig, model: nn.Module) -> LeafModules:
+    """`zero_optimization.leaf_module` ([Note: leaf modules]); a name or suffix that matches no module of `model` gets
+    one warning, as in DeepSpeed (a class may name a model that is not in use, so classes do not)."""
+    block = cfg.zero_optimization.leaf_module
+    leaves = LeafModules(tuple(block.classes), tuple(block.names), tuple(block.name_suffixes))
+    missing = leaves.unmatched(model)
+    if missing:
+        logger.warning(
+            f"zeroshard: zero_optimization.leaf_module names {missing}, which match no module of the model; they are "
+            "left out (a name is a qualified name from model.named_modules(), a suffix the end of one)"
+        )
+    return leaves
 
 
 def _speculation(cfg: ZeroshardConfig, step: StepPolicy) -> SpeculationPolicy | None:

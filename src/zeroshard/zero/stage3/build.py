@@ -21,7 +21,15 @@ from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
 from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.utils.chunks import greedy_chunks
-from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout, UnitPolicy, layout_unit, plan_units
+from zeroshard.zero.stage3.plan import (
+    NO_LEAVES,
+    PERSISTENT,
+    LeafModules,
+    UnitLayout,
+    UnitPolicy,
+    layout_unit,
+    plan_units,
+)
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.strategy import ParamGroupSpec
 
@@ -73,6 +81,7 @@ class BuildPolicy:
     # so that sub-group can be stepped during backward ([Note: speculative host steps])
     persistent_alone: bool = False
     model_persistence_threshold: int = sys.maxsize  # [Note: units] in plan.py
+    leaves: LeafModules = NO_LEAVES  # [Note: leaf modules] in plan.py
 
 
 def build_units(
@@ -88,7 +97,8 @@ def build_units(
     frozen_group = len(groups)
     named = dict(module.named_parameters())
     modules = dict(module.named_modules())
-    specs = plan_units(module, policy.unit_policy, policy.persistence_threshold, policy.model_persistence_threshold)
+    persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
+    specs = plan_units(module, policy.unit_policy, *persistence, leaves=policy.leaves)
     layouts: list[UnitLayout] = []
     for spec in specs:
         rows = [(n, named[n].numel(), group_of.get(id(named[n]), frozen_group)) for n in spec.param_names]

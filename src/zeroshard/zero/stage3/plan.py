@@ -9,6 +9,14 @@ closest common ancestor unit, which is gathered for as long as both run. Paramet
 `stage3_param_persistence_threshold` elements are moved to one persistent unit that stays gathered
 on every rank (it is still sharded for the optimizer and re-gathered once after each step), as long as the
 persistent parameters, taken in registration order, stay within `stage3_model_persistence_threshold` elements.
+
+[Note: leaf modules]
+A leaf module (DeepSpeed's ZeRO-3 leaf: `zero_optimization.leaf_module`, or `deepspeed.utils.set_z3_leaf_modules`)
+is gathered whole: no unit is made inside it. One that lies inside a unit already is (it stays there); one outside
+every unit becomes a unit of its own. This is what a module whose children run for some inputs only needs, a
+mixture-of-experts block that skips experts no token was routed to: with each expert a unit, ranks whose tokens
+went to different experts would gather different units (a `CollectiveMismatchError`); with the block a leaf, every
+rank gathers the block and an expert left out on one rank gets a zero gradient there.
 """
 
 from __future__ import annotations
@@ -53,21 +61,57 @@ def default_unit_policy(root: nn.Module) -> UnitPolicy:
     return policy
 
 
-def _unit_of_module(root: nn.Module, policy: UnitPolicy | None) -> dict[str, str]:
+@dataclass(frozen=True)
+class LeafModules:
+    """Which modules are gathered whole ([Note: leaf modules]): those flagged by `set_z3_leaf_modules` and those the
+    `zero_optimization.leaf_module` block names, by class (its name or module-qualified name, as DeepSpeed matches
+    strings), by qualified module name, or by a suffix of it."""
+
+    classes: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        if getattr(module, "_z3_leaf", False):
+            return True
+        cls = type(module)
+        if cls.__name__ in self.classes or f"{cls.__module__}.{cls.__qualname__}" in self.classes:
+            return True
+        return name in self.names or any(s and name.endswith(s) for s in self.name_suffixes)
+
+    def unmatched(self, root: nn.Module) -> list[str]:
+        """The names and suffixes that match no module of `root` (classes may name models not in use)."""
+        names = [n for n, _ in root.named_modules()]
+        missing = [n for n in self.names if n not in names]
+        return missing + [s for s in self.name_suffixes if not any(s and n.endswith(s) for n in names)]
+
+
+NO_LEAVES = LeafModules()
+
+
+def _unit_of_module(root: nn.Module, policy: UnitPolicy | None, leaves: LeafModules) -> dict[str, str]:
     """Every module's name -> the name of the unit module it belongs to ("" for the root)."""
     wants_unit = policy or default_unit_policy(root)
     unit_of_module: dict[str, str] = {}
+    whole: set[str] = set()  # leaf modules and everything inside them
     for name, module in root.named_modules():
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         inherited = unit_of_module.get(parent, "") if name else ""
-        unit_of_module[name] = name if name and wants_unit(name, module) else inherited
+        if name and parent in whole:
+            unit_of_module[name] = inherited
+            whole.add(name)
+        elif leaves(name, module):
+            unit_of_module[name] = inherited or name  # inside a unit already: gathered whole with it
+            whole.add(name)
+        else:
+            unit_of_module[name] = name if name and wants_unit(name, module) else inherited
     return unit_of_module
 
 
-def unit_module_names(root: nn.Module, policy: UnitPolicy | None) -> list[str]:
+def unit_module_names(root: nn.Module, policy: UnitPolicy | None, leaves: LeafModules = NO_LEAVES) -> list[str]:
     """The modules the policy makes units (blocks), in registration order, also those left without a unit of their
     own because every parameter is persistent: the per-step divergence digest follows them all."""
-    return list(dict.fromkeys(n for n in _unit_of_module(root, policy).values() if n))
+    return list(dict.fromkeys(n for n in _unit_of_module(root, policy, leaves).values() if n))
 
 
 def plan_units(
@@ -75,11 +119,12 @@ def plan_units(
     policy: UnitPolicy | None,
     persistence_threshold: int,
     model_persistence_threshold: int = sys.maxsize,
+    leaves: LeafModules = NO_LEAVES,
 ) -> list[UnitSpec]:
     """Units in registration order (root first, persistent last); every parameter is in exactly one. A parameter
     below `persistence_threshold` elements is persistent while the persistent ones, in registration order, add up
     to at most `model_persistence_threshold` elements (DeepSpeed's stage3_model_persistence_threshold)."""
-    unit_of_module = _unit_of_module(root, policy)
+    unit_of_module = _unit_of_module(root, policy, leaves)
 
     owners: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
@@ -107,11 +152,13 @@ def plan_units(
     return specs
 
 
-def root_entries(root: nn.Module, policy: UnitPolicy | None, param_names: Sequence[str]) -> list[str] | None:
+def root_entries(
+    root: nn.Module, policy: UnitPolicy | None, param_names: Sequence[str], leaves: LeafModules = NO_LEAVES
+) -> list[str] | None:
     """The modules whose forward uses the root unit's parameters `param_names` ([Note: root unit by module] in
     root.py): the modules outside every block that own one directly, in registration order. None when one is the
     root's own or is shared with a module inside a block: then only the root's whole forward covers its uses."""
-    unit_of_module = _unit_of_module(root, policy)
+    unit_of_module = _unit_of_module(root, policy, leaves)
     wanted = set(param_names)
     entries: list[str] = []
     seen: set[int] = set()

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.hooks import route_inputs_through_post_backward
-from zeroshard.zero.stage3.plan import UnitPolicy, root_entries
+from zeroshard.zero.stage3.plan import LeafModules, UnitPolicy, root_entries
 
 if TYPE_CHECKING:
     from zeroshard.zero.stage3.strategy import Stage3Strategy
@@ -163,12 +163,14 @@ def _always() -> bool:
     return True
 
 
-def root_unit_of(strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None) -> RootUnit | None:
+def root_unit_of(
+    strategy: Stage3Strategy, module: nn.Module, policy: UnitPolicy | None, leaves: LeafModules
+) -> RootUnit | None:
     """The root unit gathered by its entries, when its parameters have some ([Note: root unit by module])."""
     unit = next((u for u in strategy.units if u.name == "" and u.module is module), None)
     if unit is None:
         return None
-    names = root_entries(module, policy, [slot.name for slot in unit.layout.slots])
+    names = root_entries(module, policy, [slot.name for slot in unit.layout.slots], leaves)
     if not names:
         return None
     modules = dict(module.named_modules())

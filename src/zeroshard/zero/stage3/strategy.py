@@ -35,7 +35,7 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.plan import UnitPolicy, unit_module_names
+from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.root import root_unit_of
@@ -66,6 +66,7 @@ class Stage3Policy(StrategyPolicy):
     param_read_ahead: tuple[int, int] = (0, 0)  # offload_param on NVMe: (units, elements) read ahead of use
     wait_timeout_s: float = field(default_factory=lambda: float(os.environ.get("ZEROSHARD_DIVERGENCE_TIMEOUT_S", "40")))
     unit_policy: UnitPolicy | None = None
+    leaves: LeafModules = NO_LEAVES  # zero_optimization.leaf_module ([Note: leaf modules])
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
     zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
     root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
@@ -102,6 +103,7 @@ class Stage3Strategy(Strategy):
             keeps_gradients=bool(groups),
             persistent_alone=policy.speculation is not None,
             model_persistence_threshold=policy.model_persistence_threshold,
+            leaves=policy.leaves,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
@@ -135,9 +137,13 @@ class Stage3Strategy(Strategy):
         modules = dict(module.named_modules())
         self.parameterless_blocks = [
             (len(self.units) + k, modules[name])
-            for k, name in enumerate(n for n in unit_module_names(module, policy.unit_policy) if n not in unit_names)
+            for k, name in enumerate(
+                n for n in unit_module_names(module, policy.unit_policy, policy.leaves) if n not in unit_names
+            )
         ]
-        self.root_unit = root_unit_of(self, module, policy.unit_policy) if policy.root_by_module else None
+        self.root_unit = (
+            root_unit_of(self, module, policy.unit_policy, policy.leaves) if policy.root_by_module else None
+        )
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
