@@ -24,6 +24,7 @@ from zeroshard.monitor import Telemetry
 from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import StateOffloader
+from zeroshard.precision.cast import inputs_to_half
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.python_gc import PYTHON_GC
 from zeroshard.runtime.schedules import TrainingSchedules
@@ -136,6 +137,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             loader=training_dataloader,
         )
         self._memory_breakdown = bool(config.memory_breakdown)
+        self._auto_cast = bool(config.fp16.auto_cast)
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
         if config.dump_state:
@@ -153,6 +155,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module.training:  # [Note: progressive layer drop], [Note: legacy curriculum learning]
             kwargs.update(self.schedules.forward_kwargs(self.global_steps))
+        if self._auto_cast:
+            args = inputs_to_half(args)
         self.tput_timer.start()
         see_memory_usage("Engine before forward", force=self._memory_breakdown)
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here

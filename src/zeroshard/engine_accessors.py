@@ -114,6 +114,10 @@ class EngineAccessors:
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)
 
+    def fp16_auto_cast(self) -> bool:
+        """`fp16.auto_cast`: the forward's floating-point positional inputs are cast to fp16."""
+        return bool(self.config.fp16.auto_cast)
+
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
 
