@@ -138,6 +138,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         )
         self._memory_breakdown = bool(config.memory_breakdown)
         self._auto_cast = bool(config.fp16.auto_cast)
+        self._compiled: dict[str, Any] | None = None  # engine.compile()'s arguments once it ran
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
         if config.dump_state:
@@ -324,6 +325,45 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states()` moved."""
         self._offloader.reload(non_blocking)
+
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """`torch.compile` the module in place (`nn.Module.compile`), as DeepSpeed's `engine.compile()`: `backend`
+        defaults to `get_accelerator().get_compile_backend()` ("inductor"), `compile_kwargs` go to torch.compile
+        (`mode`, `dynamic`, `fullgraph`, ...). Every stage and both backends; stage 3's gathering hooks run eagerly
+        between compiled units ([Note: hooks under torch.compile]). A second call does nothing. DeepCompile's
+        `schedule` and compiled autograd are refused: gradients are reduced by hooks that run during backward.
+
+        Example:
+            >>> engine.compile(backend="inductor", compile_kwargs={"mode": "max-autotune"})  # doctest: +SKIP
+        """
+        if schedule is not None or compiled_autograd_enabled:
+            raise ZeroshardError(
+                "engine.compile(): DeepCompile schedules and compiled_autograd_enabled=True are not provided "
+                "(zeroshard reduces gradients from hooks during backward, which run eagerly); call "
+                "engine.compile(backend=..., compile_kwargs=...) without them"
+            )
+        if self._compiled is not None:
+            return
+        from zeroshard.accelerator import get_accelerator
+
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            logger.warning("zeroshard: engine.compile(): `backend` in compile_kwargs is overridden by the argument")
+        kwargs["backend"] = backend or get_accelerator().get_compile_backend()
+        log_rank(logger, 20, f"zeroshard: compiling the module with torch.compile({kwargs})")
+        self.module.compile(**kwargs)
+        self._compiled = kwargs
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` ran."""
+        return self._compiled is not None
 
     def collect_python_gc(self) -> int:
         """Run Python's cyclic collector now (with `disable_python_gc`, at a point the script chooses); returns

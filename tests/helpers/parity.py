@@ -17,6 +17,7 @@ import copy
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -232,13 +233,22 @@ def reference_run(
     return losses, params
 
 
-def engine_run(rank: int, world_size: int, case: Case, configure: Callable[[dict], dict] | None = None):
-    """Train `case` with zeroshard on this rank; per-step mean local loss and per-step flat params."""
+def engine_run(
+    rank: int,
+    world_size: int,
+    case: Case,
+    configure: Callable[[dict], dict] | None = None,
+    prepare: Callable[[Any], None] | None = None,
+):
+    """Train `case` with zeroshard on this rank; per-step mean local loss and per-step flat params. `prepare` gets
+    the engine before the first step (`engine.compile()`, say)."""
     import zeroshard
 
     model = build_model(case)
     config = ds_config(case) if configure is None else configure(ds_config(case))
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    if prepare is not None:
+        prepare(engine)
     losses, params = [], []
     for step, batch in enumerate(global_batches(case, world_size)):
         engine.module.flip = step % 2 == 1

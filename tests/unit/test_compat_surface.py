@@ -64,6 +64,7 @@ def test_cpu_accelerator_answers_as_deepspeeds():
         "is_bf16_supported",
         "is_fp16_supported",
         "is_synchronized_device",
+        "get_compile_backend",
     ):
         mine, theirs = getattr(ours, name)(), getattr(ds_acc, name)()
         if isinstance(mine, bool):
@@ -74,6 +75,10 @@ def test_cpu_accelerator_answers_as_deepspeeds():
     assert ours.on_accelerator(t) and ours.pin_memory(t) is t
     assert ours.memory_allocated() > 0 and ours.max_memory_allocated() >= ours.memory_allocated()
     assert (get_accelerator() is get_accelerator()) and isinstance(get_accelerator(), Accelerator)
+    ours.set_compile_backend("aot_eager")
+    assert ours.get_compile_backend() == "aot_eager"
+    with pytest.raises(ValueError, match="not a torch.compile backend"):
+        ours.set_compile_backend("no_such_backend")
 
 
 def test_accelerator_methods_exist_in_deepspeed():

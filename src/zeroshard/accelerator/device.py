@@ -41,6 +41,7 @@ class Accelerator:
             raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
         self._name = device_type
         self._peak_rss = 0  # CPU only: DeepSpeed reports the peak RSS seen since the last reset
+        self._compile_backend = "inductor"  # engine.compile()'s default, as DeepSpeed's CUDA and CPU accelerators
 
     @property
     def _cuda(self) -> bool:
@@ -207,6 +208,18 @@ class Accelerator:
     def range_pop(self) -> None:
         if self._cuda:
             torch.cuda.nvtx.range_pop()
+
+    def get_compile_backend(self) -> str:
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        """The torch.compile backend `engine.compile()` uses by default; one torch knows, else a ValueError."""
+        import torch._dynamo  # torch.compile's front end, loaded only when asked for
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"{backend!r} is not a torch.compile backend here; the backends are {known}")
+        self._compile_backend = backend
 
     def __repr__(self) -> str:
         return f"Accelerator({self._name!r})"

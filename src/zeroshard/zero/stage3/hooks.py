@@ -9,6 +9,12 @@ Hook bodies only route the event to a named method of the strategy (or of the ro
 - parameter post-accumulate-grad: `on_grad(unit, index, param)`;
 - pre-forward of a block without a unit (all its parameters persistent): `on_block_ran(index)`;
 - root state_dict pre/post: gather everything / copy out full tensors and release.
+
+[Note: hooks under torch.compile]
+The module hooks run eagerly under `torch.compile` (`engine.compile()`, `module.compile()`): each is wrapped in
+`torch.compiler.disable`, so dynamo breaks the graph at a unit's call, runs its gathering hooks as Python, and
+compiles the unit's forward as a frame of its own. Traced, the hooks' collectives and storage swaps would be
+captured (or fail) as graph operations. Tensor and gradient hooks run in the autograd engine, outside dynamo.
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ def route_inputs_through_post_backward(on_done: Callable[[], None], args: Any, k
     return tree_map(lambda t: replacement.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: hooks under torch.compile]"""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class Stage3Hooks:
     def __init__(self, strategy: Stage3Strategy, root: nn.Module):
         self.strategy = strategy
@@ -61,18 +72,19 @@ class Stage3Hooks:
 
     def register(self) -> None:
         s = self.strategy
-        self.handles.append(self.root.register_forward_pre_hook(lambda m, a: s.on_root_pre_forward()))
+        self.handles.append(self.root.register_forward_pre_hook(_eager(lambda m, a: s.on_root_pre_forward())))
         for unit in s.units:
             if s.root_unit is not None and unit is s.root_unit.unit:
                 self._register_root(s.root_unit)
             elif unit.module is not None:
-                self.handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
-                self.handles.append(unit.module.register_forward_hook(self._post_forward(unit)))
+                pre_forward = _eager(self._pre_forward(unit))
+                self.handles.append(unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True))
+                self.handles.append(unit.module.register_forward_hook(_eager(self._post_forward(unit))))
             for index, param in enumerate(unit.params):
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(self._on_grad(unit, index)))
         for index, block in s.parameterless_blocks:
-            self.handles.append(block.register_forward_pre_hook(self._block_ran(index)))
+            self.handles.append(block.register_forward_pre_hook(_eager(self._block_ran(index))))
         self.handles.append(
             self.root.register_state_dict_pre_hook(lambda m, prefix, keep_vars: s.on_state_dict_pre(keep_vars))
         )
@@ -80,14 +92,15 @@ class Stage3Hooks:
 
     def _register_root(self, root: RootUnit) -> None:
         """[Note: root unit by module]; the always-called hook leaves the probe also when the forward raised."""
-        self.handles.append(
-            self.root.register_forward_pre_hook(lambda m, a, k: root.root_pre_forward(a, k), with_kwargs=True)
-        )
-        self.handles.append(self.root.register_forward_hook(lambda m, a, out: root.root_post_forward(out)))
-        self.handles.append(self.root.register_forward_hook(lambda m, a, out: root.end_probe(), always_call=True))
+        pre_forward = _eager(lambda m, a, k: root.root_pre_forward(a, k))
+        self.handles.append(self.root.register_forward_pre_hook(pre_forward, with_kwargs=True))
+        self.handles.append(self.root.register_forward_hook(_eager(lambda m, a, out: root.root_post_forward(out))))
+        end_probe = _eager(lambda m, a, out: root.end_probe())
+        self.handles.append(self.root.register_forward_hook(end_probe, always_call=True))
         for entry in root.entries:
-            self.handles.append(entry.register_forward_pre_hook(root.entry_pre_forward, with_kwargs=True))
-            self.handles.append(entry.register_forward_hook(lambda m, a, out: root.entry_post_forward(m, out)))
+            self.handles.append(entry.register_forward_pre_hook(_eager(root.entry_pre_forward), with_kwargs=True))
+            entry_post = _eager(lambda m, a, out: root.entry_post_forward(m, out))
+            self.handles.append(entry.register_forward_hook(entry_post))
         for index, param in enumerate(root.unit.params):
             if param.requires_grad:  # before autograd accumulates it; `on_grad` returns the placeholder
                 self.handles.append(param.register_hook(self._grad_arriving(root.unit, index)))
