@@ -27,6 +27,7 @@ from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
+from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.tp.build import build_tp, follow_split, tp_degree
@@ -190,6 +191,7 @@ def _build(
         if pipe is not None:
             pipe.sync_tied(model)
     precision = PrecisionPolicy.from_config(cfg)
+    apply_buffer_dtypes(model, precision.compute_dtype, precision.buffer_dtype, precision.keep_in_fp32)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
@@ -203,8 +205,10 @@ def _build(
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
         strategy = make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp)
-    else:
-        model.to(precision.compute_dtype)
+    else:  # parameters only: buffers follow [Note: buffer dtypes]
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(precision.compute_dtype)
     release(model)
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
     fp16 = cfg.fp16

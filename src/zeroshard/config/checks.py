@@ -28,6 +28,14 @@ def _check_precision(cfg: ZeroshardConfig) -> None:
                 raise ConfigError(f"fp16.{key}: {value} is out of range; dynamic loss scaling needs > 0")
     if bf16.bf16_optimizer_states is True and bf16.bf16_master_weights_and_grads is not True:
         raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true")
+    param_dtype = cfg.data_types.param_dtype
+    if isinstance(param_dtype, str) and isinstance(fp16.enabled, bool) and isinstance(bf16.enabled, bool):
+        model_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+        if param_dtype != model_dtype:  # DeepSpeed asserts this at initialize
+            raise ConfigError(
+                f'data_types.param_dtype "{param_dtype}" conflicts with the precision mode (parameters train in '
+                f"{model_dtype}): set the matching fp16/bf16 enabled flag, or remove data_types.param_dtype"
+            )
 
 
 def _check_zero(cfg: ZeroshardConfig) -> None:
@@ -147,6 +155,12 @@ def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
             f'zeroshard: zero_optimization.offload_param.device="{device}" is ignored at zero_optimization.stage '
             f"{zero.stage}, as DeepSpeed ignores it: stages 0-2 keep whole parameters on every rank (offload_param "
             "needs stage 3; offload_optimizer offloads optimizer state at stages 1-2)"
+        )
+    buffer_dtype = cfg.data_types.buffer_dtype
+    if isinstance(buffer_dtype, str) and cfg.fp16.enabled is False and cfg.bf16.enabled is False:
+        logger.warning(
+            f'zeroshard: data_types.buffer_dtype "{buffer_dtype}" is ignored in fp32 training, as DeepSpeed ignores '
+            "it: buffers are cast only under bf16 or fp16"
         )
     zeropp = [
         key

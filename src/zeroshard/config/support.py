@@ -94,6 +94,9 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "bf16.enabled",
         "bf16.check_grad_overflow",
         "data_types.grad_accum_dtype",
+        "data_types.param_dtype",  # must match the precision mode (config/checks.py), as DeepSpeed asserts
+        "data_types.buffer_dtype",  # precision/buffers.py ([Note: buffer dtypes])
+        "data_types.keep_in_fp32_modules",
         "communication_data_type",
         "prescale_gradients",
         "gradient_predivide_factor",
@@ -250,9 +253,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "fp16.fp16_master_weights_and_grads",
         "bf16.bf16_master_weights_and_grads",
         "bf16.bf16_optimizer_states",
-        "data_types.param_dtype",
-        "data_types.buffer_dtype",
-        "data_types.keep_in_fp32_modules",
         "torch_autocast",
         "amp",
         # Communication extras.

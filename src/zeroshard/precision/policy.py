@@ -26,6 +26,8 @@ class PrecisionPolicy:
     comm_dtype: torch.dtype
     fp16: bool
     check_overflow: bool
+    buffer_dtype: torch.dtype | None = None  # [Note: buffer dtypes] in precision/buffers.py
+    keep_in_fp32: str | tuple[str, ...] = "auto"
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrecisionPolicy:
@@ -37,10 +39,14 @@ class PrecisionPolicy:
             compute = torch.float32
         accum_name = cfg.data_types.grad_accum_dtype
         comm_name = cfg.communication_data_type
+        buffer_name = cfg.data_types.buffer_dtype
+        keep = cfg.data_types.keep_in_fp32_modules
         return cls(
             compute_dtype=compute,
             grad_accum_dtype=dtype_of(accum_name) if accum_name else torch.float32,
             comm_dtype=dtype_of(comm_name) if comm_name else compute,
             fp16=bool(cfg.fp16.enabled),
             check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)),
+            buffer_dtype=dtype_of(buffer_name) if buffer_name else None,
+            keep_in_fp32=keep if isinstance(keep, str) else tuple(keep),
         )

@@ -38,7 +38,6 @@ from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
-from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
@@ -159,12 +158,12 @@ class FlatStrategy(Strategy):
 
     # -- construction helpers --------------------------------------------------------------------
     def _cast_untracked(self, module: nn.Module, tracked: set[int]) -> None:
-        """Frozen parameters and floating buffers follow the compute dtype, as DeepSpeed's module cast does."""
+        """Frozen parameters follow the compute dtype, as DeepSpeed's module cast does (buffers: [Note: buffer
+        dtypes], applied by initialize)."""
         dtype = self.policy.compute_dtype
         for param in module.parameters():
             if id(param) not in tracked and param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
-        cast_floating_buffers(module, dtype)
 
     def master_param_groups(self) -> list[dict[str, Any]]:
         return [{**opts, "params": [b.master]} for opts, b in zip(self.group_options, self.buffers, strict=True)]

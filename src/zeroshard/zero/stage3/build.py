@@ -19,7 +19,6 @@ from zeroshard.loading.materialize import initialise, load_parameters, make_real
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
-from zeroshard.precision.cast import cast_floating_buffers
 from zeroshard.utils.chunks import greedy_chunks
 from zeroshard.zero.stage3.plan import (
     NO_LEAVES,
@@ -149,7 +148,6 @@ def build_units(
         store.place(built.sub_groups[chunk_of[index]].key, [] if unit.master is unit.shard else [unit.master])
         grads.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
         unit.zero_grad_shard()
-    cast_floating_buffers(module, policy.compute_dtype)
     return built
 
 
