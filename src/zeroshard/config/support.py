@@ -100,6 +100,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "communication_data_type",
         "prescale_gradients",
         "gradient_predivide_factor",
+        "gradient_allreduce_op",  # "sum": zero/stepmath.py ([Note: pre- and post-scaling]); stages 0-2
         # Activation checkpointing (zeroshard.checkpointing; configured by initialize when the block is given).
         "activation_checkpointing.partition_activations",
         "activation_checkpointing.contiguous_memory_optimization",
@@ -256,7 +257,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "torch_autocast",
         "amp",
         # Communication extras.
-        "gradient_allreduce_op",
         "disable_allgather",
         "zero_allow_comm_data_type_fp32",
         "seq_parallel_communication_data_type",

@@ -97,6 +97,7 @@ def make_strategy(
         check_overflow=precision.check_overflow,
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
         model_parallel=model_parallel,
+        sum_over_ranks=str(cfg.gradient_allreduce_op) == "sum",
     )
     from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
 

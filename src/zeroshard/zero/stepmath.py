@@ -31,16 +31,23 @@ class StepPolicy:
     # the ranks across which the model itself is split (pipeline stages): the squared norm and the inf/nan flag
     # are also summed over them, so clipping sees the whole model's norm ([Note: pipeline step])
     model_parallel: Collectives | None = None
+    sum_over_ranks: bool = False  # gradient_allreduce_op "sum" (stages 0-2)
 
     # [Note: pre- and post-scaling] As DeepSpeed's engine (stage 0) and ZeRO optimizers: `prescale_gradients`
     # divides by the world size before the reduction (and ignores gradient_predivide_factor); otherwise the
-    # gradients are divided by gradient_predivide_factor before it and by world_size / factor after it.
+    # gradients are divided by gradient_predivide_factor before it and by world_size / factor after it. With
+    # `gradient_allreduce_op: "sum"` nothing is divided: the step sees the sum over ranks of each rank's gradient
+    # (DeepSpeed skips both scalings then, whatever the two keys say).
     def prescale(self, world_size: int) -> float:
         """Gradients are multiplied by this before they are communicated ([Note: pre- and post-scaling])."""
+        if self.sum_over_ranks:
+            return 1.0
         return 1.0 / world_size if self.prescale_gradients else 1.0 / self.gradient_predivide_factor
 
     def post_scale(self, world_size: int) -> float:
-        """Turns the reduced sums into means over ranks ([Note: pre- and post-scaling])."""
+        """Turns the reduced sums into means over ranks, or leaves them sums ([Note: pre- and post-scaling])."""
+        if self.sum_over_ranks:
+            return 1.0
         return 1.0 if self.prescale_gradients else self.gradient_predivide_factor / world_size
 
 
