@@ -1,8 +1,8 @@
 """`gradient_allreduce_op: "sum"` ([Note: pre- and post-scaling] in zero/stepmath.py): the step sees the sum over
-ranks of each rank's gradient, not their mean. With SGD and no clipping a run with "sum" and learning rate lr is the
-run with "mean" and lr x world_size; at world size 2 every scaling is by a power of two, so the two agree bit for
-bit (no weight decay, which would scale differently). Stages 0-2, the fsdp2 backend at stage 2, and `prescale_gradients` / `gradient_predivide_factor` (which "sum"
-overrides, as in DeepSpeed)."""
+ranks of each rank's gradient, not their mean. With SGD, no clipping and no weight decay (which would scale
+differently) a run with "sum" and learning rate lr is the run with "mean" and lr x world_size; at world size 2 every
+scaling is by a power of two, so the two agree bit for bit. Stages 0-2, the fsdp2 backend at stage 2, and
+`prescale_gradients` / `gradient_predivide_factor` (which "sum" overrides, as in DeepSpeed)."""
 
 from __future__ import annotations
 

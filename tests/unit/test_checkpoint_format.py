@@ -190,3 +190,19 @@ def test_convert_of_a_refused_checkpoint_leaves_nothing_behind(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "metadata.json" in err and "not a zeroshard checkpoint" in err, err
     assert not out.exists()
+
+
+def test_a_deepspeed_checkpoint_is_named_with_the_command_that_converts_it(tmp_path) -> None:
+    """A DeepSpeed checkpoint loaded as a zeroshard one, or an unconverted one loaded as universal, fails with one
+    line that gives ds_to_universal's command ([Note: universal checkpoints])."""
+    from zeroshard.checkpoint.errors import CheckpointError
+    from zeroshard.checkpoint.format import read_metadata
+    from zeroshard.checkpoint.universal import UniversalReader
+
+    tag_dir = tmp_path / "global_step3"
+    tag_dir.mkdir()
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="a DeepSpeed checkpoint.*ds_to_universal.*load_universal"):
+        read_metadata(str(tag_dir))
+    with pytest.raises(CheckpointError, match="not a DeepSpeed universal checkpoint.*ds_to_universal"):
+        UniversalReader(str(tag_dir))

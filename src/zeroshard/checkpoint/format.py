@@ -25,6 +25,7 @@ what lets a stage-3 strategy write and read the same files (its pieces are per-p
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -203,6 +204,13 @@ def read_metadata(tag_dir: str) -> CheckpointMetadata:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); the file is corrupted") from None
     except FileNotFoundError:
+        if glob.glob(os.path.join(glob.escape(tag_dir), "*model_states.pt")):
+            raise CheckpointError(
+                f"{tag_dir}: a DeepSpeed checkpoint, not a zeroshard one: convert it with `python -m "
+                f"deepspeed.checkpoint.ds_to_universal --input_folder {tag_dir} --output_folder {tag_dir}_universal "
+                '--inject_missing_state` and load that with "checkpoint": {"load_universal": true} ([Note: universal '
+                "checkpoints])"
+            ) from None
         raise CheckpointError(
             f"{path}: missing; {tag_dir} is not a complete zeroshard checkpoint (a save that was interrupted "
             "never produces a directory named after its tag, so this one was made by something else)"

@@ -44,6 +44,7 @@ from zeroshard.checkpoint.save import (
 )
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
+from zeroshard.checkpoint.universal import UniversalReader
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -351,7 +352,9 @@ def load_checkpoint(
     client_state: dict[str, Any] | None = None
     publish = False
     try:
-        with torch.profiler.record_function("zeroshard.load_checkpoint"), CheckpointReader(tag_dir) as reader:
+        universal = bool(engine.config.checkpoint.load_universal)  # [Note: universal checkpoints]
+        opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
+        with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
             client_state, publish = _load_into(
                 engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
             )

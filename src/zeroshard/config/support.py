@@ -113,6 +113,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Logging, checkpointing and data.
         "steps_per_print",
         "checkpoint.tag_validation",
+        "checkpoint.load_universal",  # checkpoint/universal.py ([Note: universal checkpoints])
         "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
         "zeroshard.backend",
@@ -267,7 +268,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Monitoring, profiling and logging.
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
         # Memory, checkpointing and data.
-        "checkpoint.load_universal",
         "checkpoint.use_node_local_storage",
         "checkpoint.parallel_write",
         "checkpoint.checkpoint_serialization",

@@ -1,0 +1,284 @@
+"""DeepSpeed universal checkpoints (`"checkpoint": {"load_universal": true}`): resume a DeepSpeed run here.
+
+[Note: universal checkpoints]
+DeepSpeed's `ds_to_universal` turns a ZeRO checkpoint of any stage and data-parallel degree into one file per
+parameter and state (`zero/<name>/fp32.pt`, `exp_avg.pt`, `exp_avg_sq.pt`, `step.pt`, each the whole tensor), the
+optimizer's common state (`zero/optimizer_state.pt`: parameter groups, loss scaler) and the model-states file(s)
+(module weights and buffers in the compute dtype, parameter groups by name, lr scheduler, counters, the client's
+own keys). `UniversalReader` answers the same questions as a zeroshard checkpoint's `CheckpointReader` from those
+files, so `load_checkpoint` restores it by the same path, onto any stage and world size: every rank reads the
+ranges it owns. Not carried over: RNG states (a universal checkpoint has none), a data sampler's position (DeepSpeed
+stores none without its own loader), and tensor-parallel slicing (a checkpoint of more than one model-parallel rank
+is refused). Optimizer options are taken as hyperparameters only (`lr`, `betas`, `eps`, `weight_decay`, ...): the
+implementation flags of DeepSpeed's optimizer (`fused`, `foreach`, ...) stay this engine's.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.format import (
+    ENGINE_STATE_FILE,
+    MASTER,
+    CheckpointMetadata,
+    OptimizerInfo,
+    TensorInfo,
+)
+from zeroshard.checkpoint.reshard import MODEL, CheckpointReader
+from zeroshard.checkpoint.safetensors_io import dtype_name
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+CONVERT = (
+    "python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/<tag> --output_folder "
+    "<checkpoint>/<tag>_universal --inject_missing_state"
+)
+# the model-states keys that are DeepSpeed's own; every other key is the client state save_checkpoint was given
+_DEEPSPEED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+        "universal_checkpoint_info",
+    }
+)
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov")
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+
+
+def _model_states(tag_dir: str) -> dict[str, Any]:
+    path = os.path.join(tag_dir, MODEL_STATES)
+    if not os.path.isfile(path):  # ZeRO-3 checkpoints name it by data-parallel rank
+        candidates = sorted(glob.glob(os.path.join(glob.escape(tag_dir), "zero_pp_rank_0_*model_states.pt")))
+        path = candidates[0] if candidates else path
+    if not os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")) or not os.path.isfile(path):
+        raise CheckpointError(
+            f"{tag_dir}: not a DeepSpeed universal checkpoint (no zero/optimizer_state.pt or {MODEL_STATES}); "
+            f"convert a DeepSpeed checkpoint with: {CONVERT}"
+        )
+    states = _load(path)
+    if int(states.get("mp_world_size", 1)) > 1:
+        raise CheckpointError(
+            f"{tag_dir}: a universal checkpoint of {states['mp_world_size']} model-parallel ranks; zeroshard loads "
+            "DeepSpeed universal checkpoints of data-parallel (ZeRO) runs only"
+        )
+    return states
+
+
+def _loss_scaler_state(scaler: Any) -> dict[str, Any] | None:
+    """DeepSpeed's loss-scaler object in this engine's state_dict terms (None when it has no scale)."""
+    if scaler is None or not hasattr(scaler, "cur_scale"):
+        return None
+    return {
+        "cur_scale": float(scaler.cur_scale),
+        "cur_iter": int(getattr(scaler, "cur_iter", 0)),
+        "last_overflow_iter": int(getattr(scaler, "last_overflow_iter", -1)),
+        "cur_hysteresis": int(getattr(scaler, "cur_hysteresis", getattr(scaler, "delayed_shift", 1))),
+    }
+
+
+class UniversalReader(CheckpointReader):
+    """[Note: universal checkpoints] a DeepSpeed universal checkpoint through `CheckpointReader`'s interface."""
+
+    def __init__(self, tag_dir: str):  # noqa: D107 - the base class's state is built here, not by its reader
+        self.tag_dir = tag_dir
+        self._states = _model_states(tag_dir)
+        self._zero = os.path.join(tag_dir, "zero")
+        self._common = _load(os.path.join(self._zero, "optimizer_state.pt"))
+        self._cache: tuple[str, str, torch.Tensor] | None = None
+        self.metadata = self._metadata()
+
+    # -- what the checkpoint holds -------------------------------------------------------------------------
+    def _state_file(self, name: str, state: str | None) -> str:
+        return os.path.join(self._zero, name, f"{'fp32' if state in (None, MASTER) else state}.pt")
+
+    def _trainable(self) -> list[list[str]]:
+        """Parameter names by optimizer group (DeepSpeed's `param_shapes`, ZeRO-3's per sub-group lists merged)."""
+        shapes = self._states.get("param_shapes") or []
+        return [list(group) for group in shapes]
+
+    def _metadata(self) -> CheckpointMetadata:
+        module = self._states.get("module") or {}
+        groups = self._trainable()
+        trainable = {n for g in groups for n in g}
+        buffers = set(self._states.get("buffer_names") or [])
+        # ZeRO-3 saves partitioned placeholders in `module`: the shapes are in param_shapes / frozen_param_shapes
+        shapes = {n: tuple(s) for g in self._states.get("param_shapes") or [] for n, s in g.items()}
+        shapes |= {n: tuple(s) for n, s in (self._states.get("frozen_param_shapes") or {}).items()}
+        tensors: dict[str, TensorInfo] = {}
+        for name, tensor in module.items():
+            kind = "buffer" if name in buffers else "param"
+            shape = shapes.get(name, tuple(tensor.shape))
+            tensors[name] = TensorInfo(shape, dtype_name(tensor.dtype), kind, name in trainable)
+        for name in set(shapes) - set(tensors):
+            tensors[name] = TensorInfo(shapes[name], "float32", "param", name in trainable)
+        return CheckpointMetadata(
+            tag=os.path.basename(os.path.normpath(self.tag_dir)),
+            world_size=int(self._states.get("dp_world_size", 1)),
+            zero_stage=int(self._common.get("zero_stage", 0)),
+            compute_dtype=self._compute_dtype(module, trainable),
+            library_version=f"deepspeed {self._states.get('ds_version', '?')}",
+            torch_version="",
+            batch=self._batch(),
+            counters=self._counters(),
+            tensors=tensors,
+            aliases={},
+            excluded=[],
+            model_pieces={},
+            optim_pieces={},
+            optimizer=self._optimizer(groups),
+            files={},
+        )
+
+    def _compute_dtype(self, module: dict[str, torch.Tensor], trainable: set[str]) -> str:
+        dtypes = {dtype_name(t.dtype) for n, t in module.items() if n in trainable}
+        return dtypes.pop() if len(dtypes) == 1 else "float32"
+
+    def _batch(self) -> dict[str, int]:
+        config = self._states.get("ds_config") or {}
+        micro = int(config.get("train_micro_batch_size_per_gpu") or 1)
+        gas = int(config.get("gradient_accumulation_steps") or 1)
+        world = int(self._states.get("dp_world_size", 1))
+        total = int(config.get("train_batch_size") or micro * gas * world)
+        return {"train_batch_size": total, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+
+    def _counters(self) -> dict[str, int]:
+        steps = int(self._states.get("global_steps", 0))
+        return {
+            "global_steps": steps,
+            "global_samples": int(self._states.get("global_samples", 0)),
+            "skipped_steps": int(self._states.get("skipped_steps", 0)),
+            "micro_steps": steps * self._batch()["gradient_accumulation_steps"],
+        }
+
+    def _optimizer(self, groups: list[list[str]]) -> OptimizerInfo | None:
+        saved = self._common.get("param_groups") or []
+        if not groups or not os.path.isfile(self._state_file(groups[0][0], "exp_avg")):
+            return None
+        info_groups = []
+        for g, names in enumerate(groups):
+            options = saved[g] if g < len(saved) else {}
+            step = self._step(names[0])
+            info_groups.append(
+                {
+                    "options": {k: options[k] for k in _HYPERPARAMETERS if k in options},
+                    "params": names,
+                    "scalars": {"step": {"tensor": "float32", "value": step}},
+                }
+            )
+        config = self._states.get("ds_config") or {}
+        return OptimizerInfo(
+            cls=str((config.get("optimizer") or {}).get("type", "unknown")),
+            elementwise={"exp_avg": "float32", "exp_avg_sq": "float32"},
+            groups=info_groups,
+        )
+
+    def _step(self, name: str) -> float:
+        """Adam's step count: the parameter's `step.pt` (ZeRO 1-2), else the one the common optimizer state keeps
+        (ZeRO-3), else the steps applied (every applied step counts once)."""
+        path = os.path.join(self._zero, name, "step.pt")
+        if os.path.isfile(path):
+            step = _load(path)
+        else:
+            states = (self._common.get("optimizer_state_dict") or {}).get("state") or {}
+            first: dict[str, Any] = next(iter(states.values()), {})
+            counters = self._counters()
+            step = first.get("step", counters["global_steps"] - counters["skipped_steps"])
+        return float(step.item() if isinstance(step, torch.Tensor) else step)
+
+    # -- CheckpointReader's interface ------------------------------------------------------------------------
+    def has(self, store: str, name: str) -> bool:
+        if store == MODEL:
+            return name in self.metadata.tensors
+        return os.path.isfile(self._state_file(name, MASTER))
+
+    def _tensor(self, store: str, name: str, state: str | None) -> torch.Tensor:
+        module = self._states.get("module") or {}
+        info = self.metadata.tensors.get(name)
+        if store == MODEL:
+            if info is None:
+                raise CheckpointError(f"{self.tag_dir}: the checkpoint has no model data for {name!r}")
+            if name in module and module[name].numel() == info.numel:
+                return module[name].reshape(-1)
+        key = state or MASTER  # a ZeRO-3 placeholder, or a tensor only the zero/ files hold: their fp32 value
+        if self._cache is None or self._cache[:2] != (name, key):
+            path = self._state_file(name, state)
+            if os.path.isfile(path):
+                saved = _load(path)
+                tensor = saved["param"] if isinstance(saved, dict) else saved
+            elif store == MODEL and name in (self._states.get("frozen_param_shapes") or {}):
+                tensor = self._frozen_zero3(name)
+            else:
+                raise CheckpointError(f"{path}: missing from the universal checkpoint")
+            self._cache = (name, key, tensor.reshape(-1))
+        return self._cache[2]
+
+    def _frozen_zero3(self, name: str) -> torch.Tensor:
+        """A frozen parameter of a ZeRO-3 checkpoint (ds_to_universal writes no file for it): each data-parallel
+        rank's model-states file holds its partition (`frozen_param_fragments`); in rank order they are the
+        flattened tensor, padded at the end."""
+        pattern = os.path.join(glob.escape(self.tag_dir), "zero_pp_rank_*_model_states.pt")
+        files = sorted(glob.glob(pattern), key=lambda p: int(os.path.basename(p).split("_")[3]))
+        parts = [_load(path)["frozen_param_fragments"][name].reshape(-1) for path in files]
+        numel = math.prod(self._states["frozen_param_shapes"][name])
+        return torch.cat(parts)[:numel]
+
+    def read_range(
+        self, store: str, name: str, begin: int, end: int, out: torch.Tensor, state: str | None = None
+    ) -> None:
+        flat = self._tensor(store, name, state)
+        if end > flat.numel():
+            raise CheckpointError(f"{self.tag_dir}: {name!r} has {flat.numel()} elements, [{begin}, {end}) asked")
+        out.copy_(flat[begin:end])
+
+    def stored_dtype(self, store: str, name: str, state: str | None = None) -> torch.dtype:
+        return self._tensor(store, name, state).dtype
+
+    def stream(self, store: str, name: str, state: str | None = None) -> Iterator[torch.Tensor]:
+        yield self._tensor(store, name, state)
+
+    def read_small(self, rel: str) -> bytes:
+        """The engine state (`load_checkpoint` reads no other small file from here: there are no RNG files)."""
+        if rel != ENGINE_STATE_FILE:
+            raise CheckpointError(f"{self.tag_dir}: a universal checkpoint has no {rel}")
+        blob = {
+            "client_state": {k: v for k, v in self._states.items() if k not in _DEEPSPEED_KEYS},
+            "lr_scheduler": self._states.get("lr_scheduler"),
+            "data_sampler": None,
+            "loss_scaler": _loss_scaler_state(self._common.get("loss_scaler")),
+        }
+        buffer = io.BytesIO()
+        torch.save(blob, buffer)
+        return buffer.getvalue()
+
+    def close(self) -> None:
+        self._cache = None
