@@ -8,6 +8,12 @@ becomes the DTensor's local tensor (the DTensor object, its placements and its i
 and the optimizer's bookkeeping see the same parameter), and the local part of the gradient is what is reduced over
 the data-parallel group. ZeRO therefore shards each tensor-parallel rank's own slice over its data-parallel peers;
 nothing here talks to the tensor-parallel group (the norm's sum over it is the step policy's `model_parallel`).
+
+[Note: sparse gradients]
+A sparse gradient (`nn.Embedding(sparse=True)`) is made dense when it arrives (`local_grad`, and stage 3's
+staging): flat buffers and shards hold dense gradients, so the optimizer steps the same values a dense gradient
+would give, and the reduction sends the whole tensor. DeepSpeed's `sparse_gradients` (stage 0 only: all-gather the
+touched rows instead) is not implemented.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ def rebind(param: nn.Parameter, view: torch.Tensor) -> None:
 
 def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The local part of `grad` laid out as `param`'s local tensor (a DTensor gradient in the parameter's
-    placements; another layout is redistributed first)."""
+    placements; another layout is redistributed first), dense ([Note: sparse gradients])."""
+    if grad.is_sparse:
+        return grad.to_dense()
     if not is_dtensor(grad):
         return grad
     assert is_dtensor(param)

@@ -57,8 +57,8 @@ class UnitReducer:
         """A parameter's gradient was accumulated: move it into the unit's staging buffer."""
         grad = param.grad
         param.grad = None
-        if grad is not None:
-            unit.stage_grad(index, grad, self.pool, self.comm_dtype)
+        if grad is not None:  # a sparse one dense: [Note: sparse gradients] in zero/flat/local.py
+            unit.stage_grad(index, grad.to_dense() if grad.is_sparse else grad, self.pool, self.comm_dtype)
 
     def reduce(self, unit: ShardedUnit) -> None:
         if unit.reduce_launched or not unit.trainable:
