@@ -82,3 +82,22 @@ def test_sparse_embedding_matches_a_dense_reference(stage: int, gas: int) -> Non
         assert abs(a - b) <= 1e-6 * abs(b), (stage, step, a, b)
     for p, q in zip(params, ref_params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def _fsdp2_refusal(rank: int, world_size: int) -> str:
+    import zeroshard
+
+    model = Bag(sparse=True)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+    config |= {"zero_optimization": {"stage": 3}, "zeroshard": {"backend": "fsdp2"}}
+    try:
+        zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except zeroshard.ConfigError as err:
+        return str(err)
+    return ""
+
+
+def test_the_fsdp2_backend_refuses_sparse_embeddings_naming_the_module() -> None:
+    """FSDP2's reduce-scatter has no sparse kernel: one line at initialize, not an operator error in backward."""
+    (message,) = run_on_ranks(_fsdp2_refusal, 1)
+    assert "'emb' has sparse=True" in message and "zero backend" in message, message

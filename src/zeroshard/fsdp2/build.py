@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.loading.weights import StreamedWeights
@@ -37,6 +38,12 @@ def build_fsdp2_strategy(
     """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping]); with
     `tp`, FSDP2 over its data-parallel mesh dimension ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py)."""
     plan = plan_from_config(cfg, compute_dtype)
+    sparse = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse]
+    if sparse:  # FSDP2's reduce-scatter copies gradients with an op that has no sparse kernel
+        raise ConfigError(
+            f"module {sparse[0]!r} has sparse=True: its sparse gradients cannot be reduce-scattered by FSDP2; use the "
+            'zero backend (zeroshard.backend "zero", which makes them dense: [Note: sparse gradients]) or sparse=False'
+        )
     policy = Fsdp2Policy(
         compute_dtype=compute_dtype,
         grad_accum_dtype=torch.float32,
