@@ -194,6 +194,14 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
         ),
+        "zero_force_ds_cpu_optimizer": (
+            "DeepSpeed refuses a client optimizer under offload_optimizer unless false; here any optimizer steps the "
+            "host masters with torch's CPU kernels, so it is always allowed"
+        ),
+        "aio.single_submit": (
+            "chooses one io_submit per request or batched ones in DeepSpeed's libaio op; zeroshard's NVMe I/O is "
+            "threads over pread/pwrite, each chunk its own call (docs/offload_nvme.md)"
+        ),
         "zero_allow_untested_optimizer": (
             "DeepSpeed's permission to leave its tested-optimizer list; zeroshard has no such list "
             "(config optimizers are checked by name in optim/optimizers.py), so it always allows"
@@ -240,8 +248,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # reduce_scatter false always all-reduces each bucket; false here would reduce to each owner instead.
         "zero_optimization.use_multi_rank_bucket_allreduce",
         # Offload (CPU and NVMe) and asynchronous I/O.
-        "zero_force_ds_cpu_optimizer",
-        "aio.single_submit",  # every chunk is its own pread/pwrite already (docs/offload_nvme.md)
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
         "zero_optimization.zero_quantized_nontrainable_weights",
