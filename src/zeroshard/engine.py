@@ -29,6 +29,7 @@ from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.python_gc import PYTHON_GC
 from zeroshard.runtime.schedules import TrainingSchedules
 from zeroshard.runtime.utils import see_memory_usage
+from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger, log_rank, print_configuration, set_log_level_from_string
 from zeroshard.zero.strategy import AccumulationState, Strategy
 
@@ -379,6 +380,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             release()  # [Note: python gc per process]
         if self._watch is not None:
             self._watch.stop()
+        parallel_groups.withdraw(self.comm)  # [Note: groups follow the engine]
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None

@@ -31,6 +31,8 @@ from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.tp.build import build_tp, follow_split, tp_degree
+from zeroshard.tp.mesh import TensorParallelContext
+from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.from_config import make_strategy
@@ -235,9 +237,18 @@ def _build(
             drop_last=bool(cfg.dataloader_drop_last),
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
+    publish_groups(model, comm, tp)
     compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
     engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     return engine, engine_optimizer, loader, scheduler
+
+
+def publish_groups(model: nn.Module, dp: Collectives, tp: TensorParallelContext | None) -> None:
+    """`deepspeed.utils.groups` answers for this engine from now on ([Note: groups follow the engine])."""
+    from zeroshard.moe.layer import MoE
+
+    experts = {m.expert_group_name: m.groups for m in model.modules() if isinstance(m, MoE)}
+    parallel_groups.publish(parallel_groups.EngineGroups(dp, tp.tp_comm if tp is not None else None, experts))
 
 
 def _param_groups(

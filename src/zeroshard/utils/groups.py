@@ -1,52 +1,193 @@
-"""`deepspeed.utils.groups`: the process groups scripts ask for, over zeroshard's one data-parallel group.
+"""`deepspeed.utils.groups`: the process groups scripts ask for, those of the engine `initialize` built last.
 
-These are the groups of pure data parallelism: the data-parallel group is the whole world and every
-model-parallel group has one rank. They do not follow an engine's meshes under tensor, pipeline or expert
-parallelism (DeepSpeed keeps those in module globals that its engine fills; zeroshard keeps them on the engine:
-`engine.dp_world_size`, `engine.pipe`, the mpu given to `initialize`).
+[Note: groups follow the engine]
+DeepSpeed's engine hands its groups to this module (`groups.mpu = ...`, the expert groups by name), and scripts
+(Megatron-DeepSpeed, DeepSpeed's own examples) ask here instead of the engine. `initialize` does the same: it
+`publish`es the engine's data-parallel group (the stage's under a pipeline, the mpu's or AutoTP's under tensor
+parallelism), its tensor-parallel group and the MoE layers' expert groups. Before any engine (or after an engine
+without them) the answers are pure data parallelism's: the data-parallel group is the world, model-parallel groups
+have one rank. As in DeepSpeed, the last engine built is the one answered for: a script with two engines over
+different meshes should ask each engine (`engine.dp_world_size`, `engine.pipe`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from zeroshard.comm.collectives import Collectives
+    from zeroshard.moe.groups import ExpertGroups
+
+
+@dataclass(frozen=True)
+class EngineGroups:
+    """What one engine trains over: its data-parallel and tensor-parallel collectives and expert groups by name
+    (`"ep_size_2"`, DeepSpeed's naming)."""
+
+    dp: Collectives
+    tp: Collectives | None = None
+    experts: dict[str, ExpertGroups] = field(default_factory=dict)
+
+
+class _Published:
+    """The groups of the engine built last ([Note: groups follow the engine]); one per process."""
+
+    def __init__(self) -> None:
+        self.groups: EngineGroups | None = None
+
+
+_PUBLISHED = _Published()
+
+
+def publish(groups: EngineGroups | None) -> None:
+    """`initialize` calls this with the engine's groups (None: back to pure data parallelism)."""
+    _PUBLISHED.groups = groups
+
+
+def withdraw(dp: Collectives) -> None:
+    """An engine over `dp` is destroyed: if it is the one published, back to pure data parallelism."""
+    if _PUBLISHED.groups is not None and _PUBLISHED.groups.dp is dp:
+        _PUBLISHED.groups = None
 
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _group(comm: Collectives) -> dist.ProcessGroup | None:
+    return comm.group if comm.group is not None else dist.group.WORLD  # type: ignore[return-value]
+
+
 def get_data_parallel_group() -> dist.ProcessGroup | None:
-    """The data-parallel group: the world group (None before torch.distributed is initialised)."""
+    """The data-parallel group (the world without an engine's mesh; None before torch.distributed is initialised)."""
+    published = _PUBLISHED.groups
+    if published is not None:
+        return _group(published.dp)
     return dist.group.WORLD if _initialized() else None  # type: ignore[return-value]
 
 
 def get_data_parallel_world_size() -> int:
     """Ranks in the data-parallel group (1 before torch.distributed is initialised)."""
+    published = _PUBLISHED.groups
+    if published is not None:
+        return published.dp.world_size
     return dist.get_world_size() if _initialized() else 1
 
 
 def get_data_parallel_rank() -> int:
     """This process's rank in the data-parallel group (0 before torch.distributed is initialised)."""
+    published = _PUBLISHED.groups
+    if published is not None:
+        return published.dp.rank
     return dist.get_rank() if _initialized() else 0
 
 
+def _get_data_parallel_group_ranks() -> list[int]:
+    """The global ranks of this process's data-parallel group."""
+    group = get_data_parallel_group()
+    if group is None:
+        return [0]
+    return dist.get_process_group_ranks(group)
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel group (None when the engine has no tensor parallelism)."""
+    published = _PUBLISHED.groups
+    return _group(published.tp) if published is not None and published.tp is not None else None
+
+
 def get_model_parallel_world_size() -> int:
-    """1: zeroshard has no model parallelism yet."""
-    return 1
+    """Ranks in the tensor (model) parallel group: 1 without tensor parallelism."""
+    published = _PUBLISHED.groups
+    return published.tp.world_size if published is not None and published.tp is not None else 1
 
 
 def get_model_parallel_rank() -> int:
-    """0: zeroshard has no model parallelism yet."""
+    """This process's rank in the tensor (model) parallel group: 0 without tensor parallelism."""
+    published = _PUBLISHED.groups
+    return published.tp.rank if published is not None and published.tp is not None else 0
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this process's tensor-parallel group."""
+    group = get_tensor_model_parallel_group()
+    if group is None:
+        return dist.get_rank() if _initialized() else 0
+    return min(dist.get_process_group_ranks(group))
+
+
+def _experts(group_name: str) -> ExpertGroups:
+    published = _PUBLISHED.groups
+    groups = published.experts.get(group_name) if published is not None else None
+    if groups is None:
+        known = sorted(published.experts) if published is not None else []
+        raise KeyError(f"no expert groups named {group_name!r} (the engine's MoE layers have {known})")
+    return groups
+
+
+def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup | None:
+    return _group(_experts(group_name).ep)
+
+
+def _get_expert_data_parallel_group(group_name: str) -> dist.ProcessGroup | None:
+    return _group(_experts(group_name).edp)
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return _experts(group_name).ep.world_size
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return _experts(group_name).edp.world_size
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _experts(group_name).ep.rank
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _experts(group_name).edp.rank
+
+
+def _get_max_expert_size_name() -> str:
+    """The name of the largest expert-parallel size among the engine's MoE layers."""
+    published = _PUBLISHED.groups
+    names = sorted(published.experts, key=lambda n: published.experts[n].mesh.ep_size) if published else []
+    if not names:
+        raise KeyError("the engine has no MoE layers with expert parallelism")
+    return names[-1]
+
+
+def _get_max_expert_size() -> int:
+    return _experts(_get_max_expert_size_name()).mesh.ep_size
+
+
+def _get_sequence_parallel_world_size() -> int:
+    """1: zeroshard has no sequence parallelism."""
+    return 1
+
+
+def _get_sequence_parallel_rank() -> int:
+    """0: zeroshard has no sequence parallelism."""
     return 0
 
 
-# DeepSpeed's underscored spellings, which its own examples and tests call.
+def _get_expert_model_parallel_world_size() -> int:
+    """1: experts are not split by tensor parallelism here (`enable_expert_tensor_parallelism` is refused)."""
+    return 1
+
+
+# DeepSpeed's other spellings, which its own examples and tests call.
 _get_data_parallel_group = get_data_parallel_group
 _get_data_parallel_world_size = get_data_parallel_world_size
 _get_data_parallel_rank = get_data_parallel_rank
 _get_model_parallel_world_size = get_model_parallel_world_size
-_get_sequence_parallel_world_size = get_model_parallel_world_size
-_get_sequence_parallel_rank = get_model_parallel_rank
-_get_expert_model_parallel_world_size = get_model_parallel_world_size
+_get_sequence_data_parallel_group = get_data_parallel_group
+_get_sequence_data_parallel_world_size = get_data_parallel_world_size
+_get_sequence_data_parallel_rank = get_data_parallel_rank
+get_model_parallel_group = get_tensor_model_parallel_group
 get_tensor_model_parallel_world_size = get_model_parallel_world_size
 get_tensor_model_parallel_rank = get_model_parallel_rank
