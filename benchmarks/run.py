@@ -37,6 +37,17 @@ PRESETS: dict[str, list[str]] = {
         "--variants=ddp,zs0,ds1,zs1,ds2,zs2,fsdp2,ds3,zs3,zs3g",
         "--no-micro",
     ],
+    # engine.compile() (inductor) against the eager engine, same rows otherwise: the 20m GPT at 256 tokens
+    "compile": [
+        "--sizes=20m",
+        "--seq-len=256",
+        "--micro-batch=2",
+        "--steps=13",
+        "--warmup=3",
+        "--variants=zs0,zs0c,zs2,zs2c,zs3,zs3c",
+        "--no-micro",
+        "--out=docs/benchmarks_compile.md",
+    ],
 }
 
 
@@ -98,7 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(PRESETS),
         default=None,
         help="a named set of options (overhead: issue 21's small-model table, 5m at 128 tokens and 20m at 256, "
-        "micro-batch 2, 20 timed steps, DDP/FSDP2/DeepSpeed/zeroshard stages 0-3); later options override it",
+        "micro-batch 2, 20 timed steps, DDP/FSDP2/DeepSpeed/zeroshard stages 0-3; compile: zeroshard stages 0, 2 "
+        "and 3 eager and with engine.compile(), 20m at 256 tokens); later options override it",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, fast rows only")
     p.add_argument(
@@ -140,7 +152,7 @@ def selected_variants(args: argparse.Namespace) -> list[Variant]:
             raise SystemExit(f"unknown variants {unknown}; known: {[v.key for v in VARIANTS]}")
         return [v for v in VARIANTS if v.key in keys]
     frameworks = set(_csv(args.frameworks))
-    return [v for v in VARIANTS if v.framework in frameworks]
+    return [v for v in VARIANTS if v.framework in frameworks and v.by_default]
 
 
 def plan(args: argparse.Namespace) -> list[RowSpec]:

@@ -29,6 +29,8 @@ class Variant:
     needs: tuple[str, ...] = ()  # zeroshard config keys that must be implemented for the row to run
     backend: str = "zero"  # zeroshard rows: "zeroshard": {"backend": ...} (docs/fsdp2.md)
     host_alloc: str = ""  # zeroshard rows: ZEROSHARD_HOST_ALLOC for the row ([Note: glibc's mmap threshold])
+    compiled: bool = False  # zeroshard rows: engine.compile() (inductor) before the first step
+    by_default: bool = True  # False: runs only when --variants (or a preset) names it
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -44,6 +46,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("zs3", "zeroshard", 3, "zeroshard ZeRO-3"),
     Variant("zs3f", "zeroshard", 3, "zeroshard ZeRO-3 on FSDP2", backend="fsdp2"),
     Variant("zs3g", "zeroshard", 3, "zeroshard ZeRO-3, glibc's allocator", host_alloc="glibc"),
+    Variant("zs0c", "zeroshard", 0, "zeroshard ZeRO-0, compiled", compiled=True, by_default=False),
+    Variant("zs2c", "zeroshard", 2, "zeroshard ZeRO-2, compiled", compiled=True, by_default=False),
+    Variant("zs3c", "zeroshard", 3, "zeroshard ZeRO-3, compiled", compiled=True, by_default=False),
     Variant("ds2off", "deepspeed", 2, "DeepSpeed ZeRO-2 + CPU offload", offload=True),
     Variant(
         "zs2off",

@@ -65,6 +65,8 @@ class ZeroshardTrainer:
             )
         except (ConfigError, NotImplementedError) as err:
             raise NotImplementedRow(str(err).splitlines()[0]) from err
+        if spec.variant.compiled:  # compiled during the warm-up steps
+            self.engine.compile()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self._last = (x, y)
