@@ -139,6 +139,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         )
         self._memory_breakdown = bool(config.memory_breakdown)
         self._auto_cast = bool(config.fp16.auto_cast)
+        self._autocast_dtype = precision.autocast_dtype  # torch_autocast ([Note: torch autocast])
         self._compiled: dict[str, Any] | None = None  # engine.compile()'s arguments once it ran
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
@@ -162,10 +163,16 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         self.tput_timer.start()
         see_memory_usage("Engine before forward", force=self._memory_breakdown)
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
-            with self._compute(), self.wall_clock.time("fwd"):
+            with self._compute(), self.wall_clock.time("fwd"), self._autocast():
                 out = self.module(*args, **kwargs)
         see_memory_usage("Engine after forward", force=self._memory_breakdown)
         return out
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """torch_autocast's forward context (replacing one the caller entered, as DeepSpeed's), else nothing."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
     @contextlib.contextmanager
     def _deadline(self, what: str) -> Iterator[None]:

@@ -163,6 +163,8 @@ def _build(
     world = comm
     # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh]), the mpu's with tp ([Note: 3D mesh])
     pipe = build_pipe(cfg, model, comm, topology.device, mpu)
+    if pipe is not None and cfg.torch_autocast.enabled:
+        raise ConfigError("torch_autocast is not implemented for a PipelineModule (its stages run their own forward)")
     if pipe is not None:
         comm = pipe.dp_comm
     names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them

@@ -28,6 +28,18 @@ def _check_precision(cfg: ZeroshardConfig) -> None:
                 raise ConfigError(f"fp16.{key}: {value} is out of range; dynamic loss scaling needs > 0")
     if bf16.bf16_optimizer_states is True and bf16.bf16_master_weights_and_grads is not True:
         raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true")
+    autocast = cfg.torch_autocast
+    if autocast.enabled is True:  # [Note: torch autocast]
+        if fp16.enabled is True or bf16.enabled is True:
+            raise ConfigError(
+                "torch_autocast.enabled and fp16/bf16.enabled are two precision modes: keep one (torch_autocast keeps "
+                "fp32 parameters and runs the forward under torch.autocast)"
+            )
+        if autocast.dtype == "fp16":
+            raise ConfigError(
+                'torch_autocast.dtype "fp16" needs a gradient scaler, which is not implemented with torch_autocast: '
+                'use "bf16", or fp16.enabled for fp16 training with the loss scaler'
+            )
     param_dtype = cfg.data_types.param_dtype
     if isinstance(param_dtype, str) and isinstance(fp16.enabled, bool) and isinstance(bf16.enabled, bool):
         model_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"

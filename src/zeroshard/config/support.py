@@ -90,6 +90,9 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "fp16.hysteresis",
         "fp16.consecutive_hysteresis",
         "fp16.min_loss_scale",
+        "torch_autocast.enabled",  # engine.forward; zero/flat/autocast.py ([Note: torch autocast])
+        "torch_autocast.dtype",
+        "torch_autocast.lower_precision_safe_modules",
         "fp16.auto_cast",  # engine.forward casts the positional inputs (precision/cast.inputs_to_half)
         "bf16.enabled",
         "bf16.check_grad_overflow",
@@ -261,7 +264,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "fp16.fp16_master_weights_and_grads",
         "bf16.bf16_master_weights_and_grads",
         "bf16.bf16_optimizer_states",
-        "torch_autocast",
         "amp",
         # Communication extras.
         "disable_allgather",

@@ -28,6 +28,8 @@ class PrecisionPolicy:
     check_overflow: bool
     buffer_dtype: torch.dtype | None = None  # [Note: buffer dtypes] in precision/buffers.py
     keep_in_fp32: str | tuple[str, ...] = "auto"
+    autocast_dtype: torch.dtype | None = None  # torch_autocast: the forward's ([Note: torch autocast])
+    safe_modules: tuple[str, ...] | None = None  # torch_autocast.lower_precision_safe_modules (None: DeepSpeed's)
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrecisionPolicy:
@@ -40,6 +42,7 @@ class PrecisionPolicy:
         accum_name = cfg.data_types.grad_accum_dtype
         comm_name = cfg.communication_data_type
         buffer_name = cfg.data_types.buffer_dtype
+        autocast = cfg.torch_autocast
         keep = cfg.data_types.keep_in_fp32_modules
         return cls(
             compute_dtype=compute,
@@ -49,4 +52,8 @@ class PrecisionPolicy:
             check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)),
             buffer_dtype=dtype_of(buffer_name) if buffer_name else None,
             keep_in_fp32=keep if isinstance(keep, str) else tuple(keep),
+            autocast_dtype=dtype_of(autocast.dtype or "bf16") if autocast.enabled else None,
+            safe_modules=None
+            if autocast.lower_precision_safe_modules is None
+            else tuple(autocast.lower_precision_safe_modules),
         )

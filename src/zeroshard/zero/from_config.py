@@ -110,6 +110,8 @@ def make_strategy(
 
         dtype, device = precision.compute_dtype, topology.device
         leaves = leaf_modules(cfg, model)
+        if precision.autocast_dtype is not None:
+            _warn_fp32_reduction("zeroshard.backend fsdp2")
         return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp, leaves)
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
@@ -130,6 +132,8 @@ def make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
+        if precision.autocast_dtype is not None:  # [Note: torch autocast] in zero/flat/autocast.py
+            return _autocast_strategy(model, groups, flat, comm, topology, accumulation, precision, tp, expert_groups)
         if tp is not None:  # [Note: tensor-parallel norm] in tp/zero.py
             from zeroshard.tp.zero import TensorParallelStrategy
 
@@ -137,6 +141,8 @@ def make_strategy(
         if expert_groups is not None:  # [Note: experts under ZeRO] in moe/zero.py
             return ExpertSplitStrategy(model, groups, flat, comm, topology.device, accumulation, expert_groups)
         return FlatStrategy(model, groups, flat, comm, topology.device, accumulation)
+    if precision.autocast_dtype is not None:
+        _warn_fp32_reduction("zero_optimization.stage 3")
     par = z.offload_param
     policy = Stage3Policy(
         **common,
@@ -165,6 +171,36 @@ def make_strategy(
         ),
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
+
+
+def _autocast_strategy(
+    model: nn.Module,
+    groups: list[ParamGroupSpec],
+    flat: FlatPolicy,
+    comm: Collectives,
+    topology: Topology,
+    accumulation: AccumulationState,
+    precision: PrecisionPolicy,
+    tp: TensorParallelContext | None,
+    expert_groups: Any,
+) -> Strategy:
+    """[Note: torch autocast] stages 0-2: the lower-precision-safe modules' gradients reduced in the autocast dtype."""
+    from zeroshard.zero.flat.autocast import AutocastSplitStrategy, lower_precision_params, safe_module_classes
+
+    if tp is not None or expert_groups is not None:
+        raise ConfigError("torch_autocast does not combine with tensor parallelism or MoE expert parallelism yet")
+    low = lower_precision_params(model, safe_module_classes(precision.safe_modules))
+    assert precision.autocast_dtype is not None
+    return AutocastSplitStrategy(
+        model, groups, flat, comm, topology.device, accumulation, low, precision.autocast_dtype
+    )
+
+
+def _warn_fp32_reduction(where: str) -> None:
+    logger.warning(
+        f"zeroshard: torch_autocast with {where} reduces every gradient in fp32; lower_precision_safe_modules' "
+        "lower-precision reduction is done at stages 0-2 (DeepSpeed sends those gradients in the autocast dtype)"
+    )
 
 
 def leaf_modules(cfg: ZeroshardConfig, model: nn.Module) -> LeafModules:
