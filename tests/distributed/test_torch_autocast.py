@@ -123,3 +123,34 @@ def test_fp16_and_a_second_precision_mode_are_refused() -> None:
         parse_config({**base, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
     with pytest.raises(ConfigError, match="two precision modes"):
         parse_config({**base, "bf16": {"enabled": True}, "torch_autocast": {"enabled": True}})
+
+
+def _save_and_load(rank: int, world_size: int, case: Case, path: str) -> list[bool]:
+    import zeroshard
+    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    def engine(config: dict):
+        model = build_model(case)
+        return zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)[0]
+
+    saved = engine(_config(case, None))
+    for batch in global_batches(case, world_size)[:2]:
+        saved.backward(saved(*micro_batch(batch, 0, rank, world_size, case.micro)))
+        saved.step()
+    saved.save_checkpoint(path)
+    plain = ds_config(case) | {"zero_optimization": {**ds_config(case)["zero_optimization"], "stage": 1}}
+    same = []
+    for config in (_config(case, None), plain):  # into the split again, and into an engine without torch_autocast
+        loaded = engine(config)
+        loaded.load_checkpoint(path)
+        for a, b in zip(saved.module.parameters(), loaded.module.parameters(), strict=True):
+            same.append(torch.equal(safe_get_full_fp32_param(a), safe_get_full_fp32_param(b)))
+            same.append(torch.equal(*(safe_get_full_optimizer_state(p, "exp_avg") for p in (a, b))))
+        loaded.destroy()
+    return same
+
+
+def test_checkpoints_of_the_split_load_into_it_and_into_a_plain_engine(tmp_path) -> None:
+    """The two parts' master weights and optimizer state are saved under the parameters' own names."""
+    results = run_on_ranks(_save_and_load, 2, Case(stage=2, steps=2), str(tmp_path))
+    assert all(all(r) and r for r in results), results
