@@ -344,17 +344,17 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """`torch.compile` the module in place (`nn.Module.compile`), as DeepSpeed's `engine.compile()`: `backend`
         defaults to `get_accelerator().get_compile_backend()` ("inductor"), `compile_kwargs` go to torch.compile
         (`mode`, `dynamic`, `fullgraph`, ...). Every stage and both backends; stage 3's gathering hooks run eagerly
-        between compiled units ([Note: hooks under torch.compile]). A second call does nothing. DeepCompile's
-        `schedule` and compiled autograd are refused: gradients are reduced by hooks that run during backward.
+        between compiled units ([Note: hooks under torch.compile]). A second call does nothing. `schedule` is
+        DeepCompile's, which is not provided: ignored, as DeepSpeed ignores it without DeepCompile. Compiled autograd
+        is refused: gradients are reduced by hooks that run during backward.
 
         Example:
             >>> engine.compile(backend="inductor", compile_kwargs={"mode": "max-autotune"})  # doctest: +SKIP
         """
-        if schedule is not None or compiled_autograd_enabled:
+        if compiled_autograd_enabled:
             raise ZeroshardError(
-                "engine.compile(): DeepCompile schedules and compiled_autograd_enabled=True are not provided "
-                "(zeroshard reduces gradients from hooks during backward, which run eagerly); call "
-                "engine.compile(backend=..., compile_kwargs=...) without them"
+                "engine.compile(): compiled_autograd_enabled=True is not provided (zeroshard reduces gradients from "
+                "hooks during backward, which run eagerly); call engine.compile(backend=..., compile_kwargs=...)"
             )
         if self._compiled is not None:
             return

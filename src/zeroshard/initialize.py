@@ -239,9 +239,9 @@ def _build(
             drop_last=bool(cfg.dataloader_drop_last),
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
-    publish_groups(model, comm, tp)
     compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
     engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
+    publish_groups(model, comm, tp)
     return engine, engine_optimizer, loader, scheduler
 
 

@@ -1,10 +1,11 @@
 """Resuming a DeepSpeed run from its universal checkpoint ([Note: universal checkpoints]).
 
-`scripts/universal_resume.py` trains under DeepSpeed 0.19.8 on 2 gloo ranks, saves at step 3 and trains 3 more
-steps; DeepSpeed's own `ds_to_universal` converts the step-3 checkpoint; zeroshard then loads the converted
-checkpoint (`"checkpoint": {"load_universal": true}`) at another ZeRO stage and trains steps 4-6. Its losses must be
-DeepSpeed's uninterrupted ones (fp32 to 1e-6; they come out equal), with the step count, learning rate and client
-state restored. DeepSpeed runs here (no recorded reference): the checkpoint is its output.
+`scripts/universal_resume.py` (a tied head among its weights) trains under DeepSpeed 0.19.8 on 2 gloo ranks, saves
+at step 3 and trains 3 more steps; DeepSpeed's own `ds_to_universal` converts the step-3 checkpoint; zeroshard then
+loads the converted checkpoint (`"checkpoint": {"load_universal": true}`, by tag and through `latest_universal`) at
+other ZeRO stages and trains steps 4-6. Its losses must be DeepSpeed's uninterrupted ones (fp32 to 1e-6; they come
+out equal), with the step count, learning rate and client state restored. DeepSpeed runs here (no recorded
+reference): the checkpoint is its output.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _resume_matches(tmp_path: Path, ds_stage: int, stages: list[int], dtype: str
     done = run_script(_script("train", ds_stage, ckpt, dtype), "deepspeed", tmp_path / "ds")
     trained, at_save = losses_of(done, "DeepSpeed training"), _loaded(done)
     universal = _convert(ckpt / "global_step3")
-    for stage in stages:
-        case = _script("resume", stage, ckpt, dtype, universal.name)
+    for k, stage in enumerate(stages):  # the first names the tag; the others read ds_to_universal's latest_universal
+        case = _script("resume", stage, ckpt, dtype, universal.name if k == 0 else None)
         done = run_script(case, "zeroshard", tmp_path / f"zs{stage}")
         result = losses_of(done, f"zeroshard stage {stage} resuming DeepSpeed stage {ds_stage}")
         assert_losses_match(result, trained[3:], rtol)

@@ -77,15 +77,16 @@ def _refused(rank: int, world_size: int) -> list[str]:
 
     engine, _, _, _ = zeroshard.initialize(model=build_model(case), config=ds_config(case))
     messages = []
-    for kwargs in ({"schedule": [(0, [])]}, {"compiled_autograd_enabled": True}):
-        try:
-            engine.compile(**kwargs)
-        except zeroshard.ZeroshardError as err:
-            messages.append(str(err))
+    try:
+        engine.compile(backend="aot_eager", compiled_autograd_enabled=True)
+    except zeroshard.ZeroshardError as err:
+        messages.append(str(err))
     assert not engine.is_compiled
+    engine.compile(backend="aot_eager", schedule=[(0, [])])  # DeepCompile's, ignored as DeepSpeed does without it
+    assert engine.is_compiled
     return messages
 
 
-def test_deepcompile_schedules_and_compiled_autograd_are_refused() -> None:
+def test_compiled_autograd_is_refused_and_a_deepcompile_schedule_ignored() -> None:
     (messages,) = run_on_ranks(_refused, 1)
-    assert len(messages) == 2 and all("engine.compile(backend=" in m for m in messages), messages
+    assert len(messages) == 1 and "compiled_autograd_enabled" in messages[0], messages

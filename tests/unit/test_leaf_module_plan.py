@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from helpers.deepspeed_reference import import_deepspeed
-from zeroshard.zero.stage3.plan import NO_LEAVES, PERSISTENT, LeafModules, plan_units, unit_module_names
+from zeroshard.zero.stage3.plan import NO_LEAVES, PERSISTENT, LeafModules, plan_units, root_entries, unit_module_names
 
 NAMES = [
     "z3_leaf_module",
@@ -139,6 +139,9 @@ def test_a_leaf_makes_no_unit_inside_it_and_keeps_persistence() -> None:
     assert "moe.gate.weight" in specs["moe"] and not any(n.endswith("bias") for n in specs["moe"])  # < 10: persistent
     root_leaf = LeafModules(names=("",))
     assert [s.name for s in plan_units(model, None, 0, leaves=root_leaf)] == [""]  # the whole model, one unit
+    names = [n for n, _ in model.named_parameters()]
+    assert root_entries(model, None, names, root_leaf) is None  # gathered for the root's whole forward
+    assert root_entries(model, None, ["emb.weight", "head.weight"]) == ["emb", "head"]
 
 
 def test_unmatched_names_and_suffixes_are_reported() -> None:

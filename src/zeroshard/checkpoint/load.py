@@ -44,16 +44,18 @@ from zeroshard.checkpoint.save import (
 )
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
-from zeroshard.checkpoint.universal import UniversalReader
+from zeroshard.checkpoint.universal import LATEST_UNIVERSAL, UniversalReader
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
 
 
-def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
+def resolve_tag_dir(load_dir: str, tag: str | None, latest_file: str = LATEST_FILE) -> str | None:
     """`<load_dir>/<tag>` (tag from `latest` when None); None when there is no `latest`."""
     if tag is None:
-        latest = os.path.join(load_dir, LATEST_FILE)
+        latest = os.path.join(load_dir, latest_file)
+        if not os.path.isfile(latest) and latest_file == LATEST_UNIVERSAL:
+            raise CheckpointError(f"{latest}: missing (ds_to_universal writes it); pass tag= to name the checkpoint")
         if not os.path.isfile(latest):
             return None
         with open(latest, encoding="utf-8") as f:
@@ -334,8 +336,10 @@ def load_checkpoint(
     root = os.path.abspath(os.fspath(load_dir))
     sync = RankSync("load_checkpoint", rank, world_size)
     resolved: dict[str, Any] = {"dir": None, "error": None}
+    universal = bool(engine.config.checkpoint.load_universal)  # [Note: universal checkpoints]
     try:
-        resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag))
+        latest = LATEST_UNIVERSAL if universal else LATEST_FILE
+        resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag), latest)
     except CheckpointError as e:
         resolved["error"] = str(e)
     hello = sync.all_gather(ENTRY_PHASE, resolved, entry_timeout())
@@ -352,7 +356,6 @@ def load_checkpoint(
     client_state: dict[str, Any] | None = None
     publish = False
     try:
-        universal = bool(engine.config.checkpoint.load_universal)  # [Note: universal checkpoints]
         opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
         with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
             client_state, publish = _load_into(

@@ -10,7 +10,11 @@ files, so `load_checkpoint` restores it by the same path, onto any stage and wor
 ranges it owns. Not carried over: RNG states (a universal checkpoint has none), a data sampler's position (DeepSpeed
 stores none without its own loader), and tensor-parallel slicing (a checkpoint of more than one model-parallel rank
 is refused). Optimizer options are taken as hyperparameters only (`lr`, `betas`, `eps`, `weight_decay`, ...): the
-implementation flags of DeepSpeed's optimizer (`fused`, `foreach`, ...) stay this engine's.
+implementation flags of DeepSpeed's optimizer (`fused`, `foreach`, ...) stay this engine's; from a ZeRO-3
+checkpoint, whose parameter lists are per sub-group, none are (this engine's config stays). The converter extracts
+Adam's moments only: another optimizer's state (an SGD momentum) starts fresh, the master weights are loaded. A
+tied weight's second name is an alias of the first (DeepSpeed's `shared_params`). Without a tag, the tag comes from
+`latest_universal` (the converter writes it), as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from zeroshard.checkpoint.reshard import MODEL, CheckpointReader
 from zeroshard.checkpoint.safetensors_io import dtype_name
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's pointer to its output, read when no tag is given
 CONVERT = (
     "python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/<tag> --output_folder "
     "<checkpoint>/<tag>_universal --inject_missing_state"
@@ -68,9 +73,9 @@ _DEEPSPEED_KEYS = frozenset(
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov")
 
 
-def _load(path: str) -> Any:
+def _load(path: str, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"{path}: cannot be read ({e})") from None
 
@@ -115,6 +120,7 @@ class UniversalReader(CheckpointReader):
         self._zero = os.path.join(tag_dir, "zero")
         self._common = _load(os.path.join(self._zero, "optimizer_state.pt"))
         self._cache: tuple[str, str, torch.Tensor] | None = None
+        self._fragments: list[dict[str, torch.Tensor]] | None = None  # ZeRO-3 frozen parameters, per rank
         self.metadata = self._metadata()
 
     # -- what the checkpoint holds -------------------------------------------------------------------------
@@ -122,12 +128,16 @@ class UniversalReader(CheckpointReader):
         return os.path.join(self._zero, name, f"{'fp32' if state in (None, MASTER) else state}.pt")
 
     def _trainable(self) -> list[list[str]]:
-        """Parameter names by optimizer group (DeepSpeed's `param_shapes`, ZeRO-3's per sub-group lists merged)."""
+        """Parameter names per `param_shapes` entry: an optimizer group at ZeRO 1-2, a sub-group at ZeRO-3."""
         shapes = self._states.get("param_shapes") or []
         return [list(group) for group in shapes]
 
     def _metadata(self) -> CheckpointMetadata:
-        module = self._states.get("module") or {}
+        module = dict(self._states.get("module") or {})
+        # a tied weight's second name (DeepSpeed's shared_params: that name -> the one holding the data) is an alias
+        aliases = {k: v for k, v in (self._states.get("shared_params") or {}).items() if k != v}
+        for alias in aliases:
+            module.pop(alias, None)
         groups = self._trainable()
         trainable = {n for g in groups for n in g}
         buffers = set(self._states.get("buffer_names") or [])
@@ -139,7 +149,7 @@ class UniversalReader(CheckpointReader):
             kind = "buffer" if name in buffers else "param"
             shape = shapes.get(name, tuple(tensor.shape))
             tensors[name] = TensorInfo(shape, dtype_name(tensor.dtype), kind, name in trainable)
-        for name in set(shapes) - set(tensors):
+        for name in set(shapes) - set(tensors) - set(aliases):
             tensors[name] = TensorInfo(shapes[name], "float32", "param", name in trainable)
         return CheckpointMetadata(
             tag=os.path.basename(os.path.normpath(self.tag_dir)),
@@ -151,7 +161,7 @@ class UniversalReader(CheckpointReader):
             batch=self._batch(),
             counters=self._counters(),
             tensors=tensors,
-            aliases={},
+            aliases=aliases,
             excluded=[],
             model_pieces={},
             optim_pieces={},
@@ -181,24 +191,26 @@ class UniversalReader(CheckpointReader):
         }
 
     def _optimizer(self, groups: list[list[str]]) -> OptimizerInfo | None:
+        """Master weights always; Adam's moments and step when the checkpoint has them (DeepSpeed's converter
+        extracts no other optimizer state: an SGD momentum starts from zero). Group options (lr, weight decay, ...)
+        only when `param_shapes` lists the optimizer groups themselves: at ZeRO-3 it lists sub-groups, which do not
+        say which group they belong to, and this engine's options stay."""
         saved = self._common.get("param_groups") or []
-        if not groups or not os.path.isfile(self._state_file(groups[0][0], "exp_avg")):
+        if not groups or not os.path.isfile(self._state_file(groups[0][0], MASTER)):
             return None
+        adam = os.path.isfile(self._state_file(groups[0][0], "exp_avg"))
+        by_group = len(groups) == len(saved)
         info_groups = []
         for g, names in enumerate(groups):
-            options = saved[g] if g < len(saved) else {}
-            step = self._step(names[0])
+            options = saved[g] if by_group else {}
+            step = {"step": {"tensor": "float32", "value": self._step(names[0])}} if adam else {}
             info_groups.append(
-                {
-                    "options": {k: options[k] for k in _HYPERPARAMETERS if k in options},
-                    "params": names,
-                    "scalars": {"step": {"tensor": "float32", "value": step}},
-                }
+                {"options": {k: options[k] for k in _HYPERPARAMETERS if k in options}, "params": names, "scalars": step}
             )
         config = self._states.get("ds_config") or {}
         return OptimizerInfo(
             cls=str((config.get("optimizer") or {}).get("type", "unknown")),
-            elementwise={"exp_avg": "float32", "exp_avg_sq": "float32"},
+            elementwise={"exp_avg": "float32", "exp_avg_sq": "float32"} if adam else {},
             groups=info_groups,
         )
 
@@ -246,9 +258,11 @@ class UniversalReader(CheckpointReader):
         """A frozen parameter of a ZeRO-3 checkpoint (ds_to_universal writes no file for it): each data-parallel
         rank's model-states file holds its partition (`frozen_param_fragments`); in rank order they are the
         flattened tensor, padded at the end."""
-        pattern = os.path.join(glob.escape(self.tag_dir), "zero_pp_rank_*_model_states.pt")
-        files = sorted(glob.glob(pattern), key=lambda p: int(os.path.basename(p).split("_")[3]))
-        parts = [_load(path)["frozen_param_fragments"][name].reshape(-1) for path in files]
+        if self._fragments is None:  # every rank's file once, memory-mapped: only the fragments read are paged in
+            pattern = os.path.join(glob.escape(self.tag_dir), "zero_pp_rank_*_model_states.pt")
+            files = sorted(glob.glob(pattern), key=lambda p: int(os.path.basename(p).split("_")[3]))
+            self._fragments = [_load(path, mmap=True)["frozen_param_fragments"] for path in files]
+        parts = [fragments[name].reshape(-1) for fragments in self._fragments]
         numel = math.prod(self._states["frozen_param_shapes"][name])
         return torch.cat(parts)[:numel]
 
@@ -282,3 +296,4 @@ class UniversalReader(CheckpointReader):
 
     def close(self) -> None:
         self._cache = None
+        self._fragments = None

@@ -33,24 +33,36 @@ class EngineGroups:
 
 
 class _Published:
-    """The groups of the engine built last ([Note: groups follow the engine]); one per process."""
+    """The groups of the engine built last ([Note: groups follow the engine]); one per process. They count only
+    while the process group they were made in is the current one (a script may destroy it without `destroy`)."""
 
     def __init__(self) -> None:
-        self.groups: EngineGroups | None = None
+        self._groups: EngineGroups | None = None
+        self._world: object = None
+
+    def set(self, groups: EngineGroups | None) -> None:
+        self._groups, self._world = groups, (dist.group.WORLD if groups is not None else None)
+
+    @property
+    def groups(self) -> EngineGroups | None:
+        if self._groups is None or not _initialized() or dist.group.WORLD is not self._world:
+            return None
+        return self._groups
 
 
 _PUBLISHED = _Published()
 
 
 def publish(groups: EngineGroups | None) -> None:
-    """`initialize` calls this with the engine's groups (None: back to pure data parallelism)."""
-    _PUBLISHED.groups = groups
+    """`initialize` calls this with the engine's groups once the engine exists (None: pure data parallelism)."""
+    _PUBLISHED.set(groups)
 
 
 def withdraw(dp: Collectives) -> None:
     """An engine over `dp` is destroyed: if it is the one published, back to pure data parallelism."""
-    if _PUBLISHED.groups is not None and _PUBLISHED.groups.dp is dp:
-        _PUBLISHED.groups = None
+    published = _PUBLISHED.groups
+    if published is not None and published.dp is dp:
+        _PUBLISHED.set(None)
 
 
 def _initialized() -> bool:

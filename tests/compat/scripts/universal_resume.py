@@ -33,6 +33,7 @@ class TinyLM(nn.Module):
         self.fc1 = nn.Linear(DIM, 4 * DIM)
         self.fc2 = nn.Linear(4 * DIM, DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: DeepSpeed saves both names (shared_params)
         self.frozen = nn.Linear(DIM, DIM)  # not trained: its weights come from the module state
         self.frozen.requires_grad_(False)
         self.register_buffer("scale", torch.full((DIM,), 0.5))

@@ -77,13 +77,13 @@ class LeafModules:
         cls = type(module)
         if cls.__name__ in self.classes or f"{cls.__module__}.{cls.__qualname__}" in self.classes:
             return True
-        return name in self.names or any(s and name.endswith(s) for s in self.name_suffixes)
+        return name in self.names or any(name.endswith(s) for s in self.name_suffixes)  # "" matches all, as there
 
     def unmatched(self, root: nn.Module) -> list[str]:
         """The names and suffixes that match no module of `root` (classes may name models not in use)."""
         names = [n for n, _ in root.named_modules()]
         missing = [n for n in self.names if n not in names]
-        return missing + [s for s in self.name_suffixes if not any(s and n.endswith(s) for n in names)]
+        return missing + [s for s in self.name_suffixes if not any(n.endswith(s) for n in names)]
 
 
 NO_LEAVES = LeafModules()
@@ -158,6 +158,8 @@ def root_entries(
     """The modules whose forward uses the root unit's parameters `param_names` ([Note: root unit by module] in
     root.py): the modules outside every block that own one directly, in registration order. None when one is the
     root's own or is shared with a module inside a block: then only the root's whole forward covers its uses."""
+    if leaves("", root):  # the whole model is one leaf: gathered for its whole forward ([Note: leaf modules])
+        return None
     unit_of_module = _unit_of_module(root, policy, leaves)
     wanted = set(param_names)
     entries: list[str] = []
