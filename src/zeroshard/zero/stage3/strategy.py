@@ -134,16 +134,12 @@ class Stage3Strategy(Strategy):
         # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
         # still follows them ([Note: divergence check])
         unit_names = {u.name for u in self.units}
-        modules = dict(module.named_modules())
+        modules, blocks = dict(module.named_modules()), unit_module_names(module, policy.unit_policy, policy.leaves)
         self.parameterless_blocks = [
-            (len(self.units) + k, modules[name])
-            for k, name in enumerate(
-                n for n in unit_module_names(module, policy.unit_policy, policy.leaves) if n not in unit_names
-            )
+            (len(self.units) + k, modules[name]) for k, name in enumerate(n for n in blocks if n not in unit_names)
         ]
-        self.root_unit = (
-            root_unit_of(self, module, policy.unit_policy, policy.leaves) if policy.root_by_module else None
-        )
+        by_module = policy.root_by_module
+        self.root_unit = root_unit_of(self, module, policy.unit_policy, policy.leaves) if by_module else None
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
