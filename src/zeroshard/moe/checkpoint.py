@@ -21,7 +21,7 @@ from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.comm.collectives import Collectives
-from zeroshard.zero.flat.checkpoint import FlatState
+from zeroshard.zero.flat.checkpoint import FlatState, one_resident_part
 
 if TYPE_CHECKING:
     from zeroshard.moe.zero import ExpertSplitStrategy
@@ -112,14 +112,4 @@ class ExpertSplitState:
         self.strategy.publish_params()
 
     def parts(self) -> list[StatePart]:
-        return [
-            StatePart(
-                "",
-                lambda changes: self.strategy.optimizer_state_resident(),
-                self.model_pieces_to_save,
-                self.model_targets_to_load,
-                self.optim_pieces,
-                self.refresh_master_from_params,
-                None,
-            )
-        ]
+        return one_resident_part(self, self.strategy)

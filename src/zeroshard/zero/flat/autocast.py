@@ -23,7 +23,7 @@ from torch import nn
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
-from zeroshard.zero.flat.checkpoint import FlatState
+from zeroshard.zero.flat.checkpoint import FlatState, one_resident_part
 from zeroshard.zero.flat.split import SplitStrategy, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
@@ -123,14 +123,4 @@ class AutocastSplitState:
         self.strategy.publish_params()
 
     def parts(self) -> list[StatePart]:
-        return [
-            StatePart(
-                "",
-                lambda changes: self.strategy.optimizer_state_resident(),
-                self.model_pieces_to_save,
-                self.model_targets_to_load,
-                self.optim_pieces,
-                self.refresh_master_from_params,
-                None,
-            )
-        ]
+        return one_resident_part(self, self.strategy)

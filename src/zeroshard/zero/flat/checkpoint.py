@@ -7,7 +7,7 @@ shard. Parameters are replicated, so on load every rank fills every parameter wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
@@ -93,15 +93,20 @@ class FlatState:
         self.strategy.publish_params()
 
     def parts(self) -> list[StatePart]:
-        # NVMe offload swaps whole parameter groups here: one part, with every group read in for the block
-        return [
-            StatePart(
-                "",
-                lambda changes: self.strategy.optimizer_state_resident(),
-                self.model_pieces_to_save,
-                self.model_targets_to_load,
-                self.optim_pieces,
-                self.refresh_master_from_params,
-                None,
-            )
-        ]
+        return one_resident_part(self, self.strategy)
+
+
+def one_resident_part(state: Any, strategy: Any) -> list[StatePart]:
+    """The whole state of a flat (or split flat) strategy as one part: NVMe offload swaps whole parameter groups
+    here, so every group is read in for the block."""
+    return [
+        StatePart(
+            "",
+            lambda changes: strategy.optimizer_state_resident(),
+            state.model_pieces_to_save,
+            state.model_targets_to_load,
+            state.optim_pieces,
+            state.refresh_master_from_params,
+            None,
+        )
+    ]
