@@ -61,6 +61,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_max_reuse_distance",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.log_trace_cache_warnings",  # zero/stage3/schedule.py: a warning per invalidated trace
         "zero_optimization.leaf_module.classes",  # gathered whole: [Note: leaf modules] in zero/stage3/plan.py
         "zero_optimization.leaf_module.names",
         "zero_optimization.leaf_module.name_suffixes",
@@ -197,6 +198,14 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
         ),
+        "zero_optimization.enable_sanity_checks": (
+            "DeepSpeed's check that ranks reduce the same parameters; here always on: collective fingerprints on "
+            "gloo, the per-step digest everywhere ([Note: divergence check])"
+        ),
+        "zero_optimization.memory_efficient_linear": (
+            "swaps F.linear so autograd keeps no gathered weight; here a unit is released after forward and "
+            "gathered again for backward whatever autograd saved"
+        ),
         "zero_force_ds_cpu_optimizer": (
             "DeepSpeed refuses a client optimizer under offload_optimizer unless false; here any optimizer steps the "
             "host masters with torch's CPU kernels, so it is always allowed"
@@ -239,11 +248,8 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
         "zero_optimization.stage3_allgather_sequential",
-        "zero_optimization.memory_efficient_linear",
         "zero_optimization.pipeline_loading_checkpoint",
         "zero_optimization.override_module_apply",
-        "zero_optimization.log_trace_cache_warnings",
-        "zero_optimization.enable_sanity_checks",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         # ZeRO 1-2: the norm is always computed, the flat buffers never padded per parameter.
         "zero_optimization.compute_grad_norm",

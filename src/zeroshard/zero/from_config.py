@@ -150,6 +150,7 @@ def make_strategy(
             bucket_numel=int(z.stage3_prefetch_bucket_size),
             max_live_numel=int(z.stage3_max_live_parameters or 0),
             max_reuse_distance=int(z.stage3_max_reuse_distance),
+            log_invalidation=bool(z.log_trace_cache_warnings),
         ),
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         model_persistence_threshold=int(z.stage3_model_persistence_threshold),

@@ -22,6 +22,7 @@ class PrefetchPolicy:
     bucket_numel: int
     max_live_numel: int
     max_reuse_distance: int
+    log_invalidation: bool = False  # zero_optimization.log_trace_cache_warnings
 
 
 @dataclass
@@ -30,11 +31,16 @@ class ExecutionTrace:
     current: list[int] = field(default_factory=list)
     matches: bool = True
 
-    def record(self, unit: int) -> None:
+    def record(self, unit: int) -> bool:
+        """Append `unit`; whether this use invalidated a trace that was being followed (prefetching stops until
+        the step ends and the new order is recorded)."""
         pos = len(self.current)
         self.current.append(unit)
         if self.recorded is None or pos >= len(self.recorded) or self.recorded[pos] != unit:
+            invalidated = self.matches and self.recorded is not None
             self.matches = False
+            return invalidated
+        return False
 
     def end_step(self) -> None:
         if self.current and (not self.matches or self.recorded is None or len(self.current) != len(self.recorded)):

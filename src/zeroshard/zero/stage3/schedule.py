@@ -33,11 +33,15 @@ import torch
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.residency import Residency
+from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 
 if TYPE_CHECKING:
     from zeroshard.zero.zeropp.weights import UnitGathers
+
+
+logger = get_logger(__name__)
 
 
 class GatherSchedule:
@@ -78,10 +82,21 @@ class GatherSchedule:
         self.forward_calls.clear()
 
     def pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
-        self.trace.record(unit.index)
+        self._record(unit)
         if counted and torch.is_grad_enabled() and not recomputing():  # [Note: recompute]
             self._count_forward(unit)
         self._use(unit)
+
+    def _record(self, unit: ShardedUnit) -> None:
+        position = len(self.trace.current)
+        if self.trace.record(unit.index) and self.policy.log_invalidation:
+            recorded = self.trace.recorded or []
+            expected = self.units[recorded[position]].name if position < len(recorded) else "the end of the trace"
+            logger.warning(
+                f"zeroshard: stage-3 prefetch trace invalidated at use {position} of the step: unit {unit.name!r} "
+                f"ran where the recorded order had {expected!r}; prefetching stops until the step ends and the new "
+                "order is recorded (zero_optimization.log_trace_cache_warnings)"
+            )
 
     def hold(self, unit: ShardedUnit) -> None:
         """Gather `unit` outside the trace: the root unit around a probing forward ([Note: root unit by module])."""
@@ -100,7 +115,7 @@ class GatherSchedule:
         self.in_backward = True
         if recomputed:  # [Note: recompute] a reentrant recompute's own backward
             self._count_forward(unit)
-        self.trace.record(unit.index)
+        self._record(unit)
         self._use(unit)
 
     def last_backward(self, unit: ShardedUnit) -> bool:
