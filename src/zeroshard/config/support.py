@@ -198,6 +198,14 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "optimizer.legacy_fusion": (
             "picks the legacy fused-Adam call inside DeepSpeed's stage-0 fp16 wrapper; zeroshard has one fp16 path"
         ),
+        "zero_optimization.stage3_use_all_reduce_for_fetch_params": (
+            "avoids DeepSpeed's per-parameter concatenation and slicing around its gathers; a unit here is "
+            "all-gathered straight into its flat buffer, with nothing to concatenate or slice"
+        ),
+        "zero_optimization.stage3_allgather_sequential": (
+            "gathers parameters one by one to skip DeepSpeed's copies into a bucket; a unit here is one flat "
+            "buffer gathered in place, with no bucket copy"
+        ),
         "zero_optimization.enable_sanity_checks": (
             "DeepSpeed's check that ranks reduce the same parameters; here always on: collective fingerprints on "
             "gloo, the per-step digest everywhere ([Note: divergence check])"
@@ -246,8 +254,6 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
-        "zero_optimization.stage3_use_all_reduce_for_fetch_params",
-        "zero_optimization.stage3_allgather_sequential",
         "zero_optimization.pipeline_loading_checkpoint",
         "zero_optimization.override_module_apply",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
