@@ -140,6 +140,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         self._memory_breakdown = bool(config.memory_breakdown)
         self._auto_cast = bool(config.fp16.auto_cast)
         self._autocast_dtype = precision.autocast_dtype  # torch_autocast ([Note: torch autocast])
+        self._warned_outer_autocast = False
         self._compiled: dict[str, Any] | None = None  # engine.compile()'s arguments once it ran
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
@@ -169,10 +170,23 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         return out
 
     def _autocast(self) -> AbstractContextManager[Any]:
-        """torch_autocast's forward context (replacing one the caller entered, as DeepSpeed's), else nothing."""
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+        """torch_autocast's forward context, replacing one the caller entered; without torch_autocast a caller's
+        autocast is switched off inside the engine (its precision is the config's), as DeepSpeed's engine does."""
+        device = self.device.type
+        if self._autocast_dtype is not None:
+            return torch.autocast(device_type=device, dtype=self._autocast_dtype)
+        if torch.is_autocast_enabled(device):
+            if not self._warned_outer_autocast:
+                self._warned_outer_autocast = True
+                log_rank(
+                    logger,
+                    30,
+                    "zeroshard: torch.autocast is on around the engine but torch_autocast is not configured: the "
+                    "engine's forward runs without it (its precision is the bf16/fp16 block's); configure the "
+                    "torch_autocast block to use torch's autocast",
+                )
+            return torch.autocast(device_type=device, enabled=False)
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _deadline(self, what: str) -> Iterator[None]:

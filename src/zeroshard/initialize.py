@@ -35,6 +35,7 @@ from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
+from zeroshard.zero.flat.split import SplitStrategy
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
 
@@ -298,10 +299,11 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
                 "the client optimizer already has state; pass a freshly constructed optimizer "
                 "(load optimizer state with engine.load_checkpoint)"
             )
-        if len(groups) == len(optimizer.param_groups):
+        if len(groups) == len(optimizer.param_groups) and not isinstance(zero, SplitStrategy):
             for target, group in zip(optimizer.param_groups, groups, strict=True):
                 target["params"] = group["params"]
-        else:  # a split strategy has each user group once per part, options kept ([Note: split flat strategies])
+        else:  # a split strategy has each user group once per part (in part order), options kept ([Note: split flat
+            # strategies]): pairing them with the client's groups by position would swap options
             optimizer.param_groups.clear()
             for group in groups:
                 optimizer.add_param_group(dict(group))

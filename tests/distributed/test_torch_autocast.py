@@ -1,12 +1,13 @@
 """`torch_autocast` ([Note: torch autocast] in zero/flat/autocast.py) on 2 gloo ranks against a single-process
 reference whose forward runs under the same `torch.autocast(bf16)` on each rank's micro-batch, fp32 master weights
 and AdamW, every step:
-- `lower_precision_safe_modules: []` (every gradient reduced in fp32), and stage 3 (which reduces in fp32): 1e-6;
+- `lower_precision_safe_modules: []` (every gradient reduced in fp32), stage 0 (DeepSpeed's engine reduces in
+  `communication_data_type` there, fp32) and stage 3 (which reduces in fp32): 1e-6;
 - DeepSpeed's default (the `nn.Linear` gradients reduced in bf16): the reference rounds those gradients as the
   reduction does (each rank's in bf16, summed in bf16, then averaged); the gradients agree exactly but for
   1e-10-sized fp32 differences on LayerNorm weights (as in the fp32 runs), which Adam's normalisation turns into
   up to 2e-5 relative parameter differences by the fourth step, so 1e-4; and the reduce-scatter sends 2 bytes per
-  Linear parameter instead of 4 (stage 0's all-reduce likewise).
+  Linear parameter instead of 4.
 """
 
 from __future__ import annotations
@@ -97,20 +98,20 @@ def _check(case: Case, result, reference, tol: float = TOL) -> None:
         assert rel <= tol, (case.name, step, rel)
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_linear_gradients_reduced_in_bf16_match_the_rounded_reference(stage: int) -> None:
     case = Case(stage=stage, steps=4)
     low = run_on_ranks(_train, 2, case, None)[0]
     _check(case, low, _reference(case, 2, low_precision=True), LOW_TOL)
     fp32 = run_on_ranks(_train, 2, case, [])[0]
     _check(case, fp32, _reference(case, 2, low_precision=False))
-    kind = "all_reduce" if stage == 0 else "reduce_scatter"
-    low_bytes, fp32_bytes = low[2][-1][kind], fp32[2][-1][kind]
+    low_bytes, fp32_bytes = low[2][-1]["reduce_scatter"], fp32[2][-1]["reduce_scatter"]
     assert 0.5 * fp32_bytes < low_bytes < 0.75 * fp32_bytes, (low_bytes, fp32_bytes)  # Linear: most of TINY
 
 
-def test_stage3_reduces_in_fp32() -> None:
-    case = Case(stage=3, steps=4)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_stages_0_and_3_reduce_in_fp32(stage: int) -> None:
+    case = Case(stage=stage, steps=4)
     _check(case, run_on_ranks(_train, 2, case, None)[0], _reference(case, 2, low_precision=False))
 
 
@@ -154,3 +155,55 @@ def test_checkpoints_of_the_split_load_into_it_and_into_a_plain_engine(tmp_path)
     """The two parts' master weights and optimizer state are saved under the parameters' own names."""
     results = run_on_ranks(_save_and_load, 2, Case(stage=2, steps=2), str(tmp_path))
     assert all(all(r) and r for r in results), results
+
+
+def _outer_autocast(rank: int, world_size: int) -> list[torch.dtype]:
+    import zeroshard
+
+    seen: list[torch.dtype] = []
+    model = nn.Linear(4, 4)
+    model.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine(torch.randn(2, 4))  # without torch_autocast the caller's autocast is off inside, as in DeepSpeed
+    engine.destroy()
+    config["torch_autocast"] = {"enabled": True, "dtype": "bf16"}
+    engine = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    engine(torch.randn(2, 4))
+    engine.destroy()
+    return seen
+
+
+def test_a_callers_autocast_is_replaced_by_the_engines_precision() -> None:
+    assert run_on_ranks(_outer_autocast, 1)[0] == [torch.float32, torch.bfloat16]
+
+
+def _client_groups(rank: int, world_size: int) -> list[tuple[float, float]]:
+    import zeroshard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = [
+        {"params": list(model[1].parameters()), "weight_decay": 0.0},
+        {"params": list(model[0].parameters()), "weight_decay": 0.1},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    config["torch_autocast"] = {"enabled": True, "dtype": "bf16"}
+    engine = zeroshard.initialize(model=model, optimizer=optimizer, config=config)[0]
+    strategy = engine.strategy
+    out = []
+    for part, expected in ((strategy.low, 0.1), (strategy.rest, 0.0)):
+        masters = {id(p) for g in part.master_param_groups() for p in g["params"]}
+        for group in engine.optimizer.param_groups:
+            if any(id(p) in masters for p in group["params"]):
+                out.append((group["weight_decay"], expected))
+    engine.destroy()
+    return out
+
+
+def test_a_client_optimizers_group_options_follow_their_parameters_into_the_parts() -> None:
+    """The split lists the Linear part's groups first: pairing them with the client's groups by position would
+    give the Linear weights the LayerNorm group's weight decay."""
+    pairs = run_on_ranks(_client_groups, 1)[0]
+    assert len(pairs) == 2 and all(got == want for got, want in pairs), pairs

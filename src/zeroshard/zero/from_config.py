@@ -132,8 +132,9 @@ def make_strategy(
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
         )
-        if precision.autocast_dtype is not None:  # [Note: torch autocast] in zero/flat/autocast.py
-            return _autocast_strategy(model, groups, flat, comm, topology, accumulation, precision, tp, expert_groups)
+        if precision.autocast_dtype is not None and stage >= 1:  # [Note: torch autocast] in zero/flat/autocast.py
+            split = tp is not None or expert_groups is not None or offload
+            return _autocast_strategy(model, groups, flat, comm, topology, accumulation, precision, split)
         if tp is not None:  # [Note: tensor-parallel norm] in tp/zero.py
             from zeroshard.tp.zero import TensorParallelStrategy
 
@@ -182,14 +183,16 @@ def _autocast_strategy(
     topology: Topology,
     accumulation: AccumulationState,
     precision: PrecisionPolicy,
-    tp: TensorParallelContext | None,
-    expert_groups: Any,
+    other_split: bool,
 ) -> Strategy:
-    """[Note: torch autocast] stages 0-2: the lower-precision-safe modules' gradients reduced in the autocast dtype."""
+    """[Note: torch autocast] stages 1-2: the lower-precision-safe modules' gradients reduced in the autocast dtype."""
     from zeroshard.zero.flat.autocast import AutocastSplitStrategy, lower_precision_params, safe_module_classes
 
-    if tp is not None or expert_groups is not None:
-        raise ConfigError("torch_autocast does not combine with tensor parallelism or MoE expert parallelism yet")
+    if other_split:
+        raise ConfigError(
+            "torch_autocast at stages 1-2 does not combine with offload_optimizer, tensor parallelism or MoE expert "
+            "parallelism yet (stage 3 does, reducing in fp32)"
+        )
     low = lower_precision_params(model, safe_module_classes(precision.safe_modules))
     assert precision.autocast_dtype is not None
     return AutocastSplitStrategy(

@@ -5,10 +5,13 @@ DeepSpeed's `torch_autocast` mode keeps parameters, gradients and master weights
 `torch.autocast(dtype)`; the gradients of the parameters of "lower-precision-safe" modules (`torch.nn.Linear` and
 `Conv1d/2d/3d` unless `lower_precision_safe_modules` names others, matched by exact class) are communicated in the
 autocast dtype, the rest in fp32. Here the engine enters the autocast context around the forward, and at stages 0-2
-the model splits into two `FlatStrategy`s ([Note: split flat strategies]) over the same data-parallel group that
-differ only in their communication dtype. Stage 3 and the fsdp2 backend reduce every gradient in fp32 (a warning
-says so: twice DeepSpeed's bytes for those modules, and no rounding of them). The float16 autocast dtype, which
-needs a gradient scaler, is refused at parse time.
+at stages 1-2 the model splits into two `FlatStrategy`s ([Note: split flat strategies]) over the same data-parallel
+group that differ only in their communication dtype: the autocast dtype, and fp32 (the parameters' dtype, whatever
+`communication_data_type` says, as DeepSpeed sends them). Stage 0 reduces every gradient in
+`communication_data_type` (fp32 by default), as DeepSpeed's engine does without a ZeRO optimizer. Stage 3 and the
+fsdp2 backend reduce every gradient in fp32 (a warning says so: twice DeepSpeed's bytes for those modules, and no
+rounding of them). The float16 autocast dtype, which needs a gradient scaler, is refused at parse time; so are
+offload_optimizer, tensor and expert parallelism at stages 1-2 (they split the flat strategy their own way).
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class AutocastSplitStrategy(SplitStrategy):
         super().__init__(module, groups, policy, comm, device, accumulation)
         rest, picked = split_groups(groups, low)
         low_policy = dataclasses.replace(policy, comm_dtype=low_dtype)
+        fp32_policy = dataclasses.replace(policy, comm_dtype=torch.float32)
         self.low = FlatStrategy(module, picked, low_policy, comm, device, accumulation, rest)
-        self.rest = FlatStrategy(module, rest, policy, comm, device, accumulation, picked)
+        self.rest = FlatStrategy(module, rest, fp32_policy, comm, device, accumulation, picked)
         self.parts = [self.low, self.rest]
 
     def checkpoint_state(self) -> AutocastSplitState:
