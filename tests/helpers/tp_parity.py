@@ -25,11 +25,19 @@ class TpCase:
     loss_parallel: bool = False  # [Note: vocab-parallel loss]: the loss a DTensor, logits vocab-sharded
     backend: str = "zero"  # "fsdp2": [Note: tensor parallelism on fsdp2]
     client_optimizer: bool = False  # torch's AdamW passed to initialize instead of the config's
+    left_out: bool = False  # LEFT_OUT not optimized: fp32 stage 0 still clips over them ([Note: clipping over ...])
 
     @property
     def name(self) -> str:
-        lp, client = int(self.loss_parallel), int(self.client_optimizer)
-        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}"
+        lp, client, out = int(self.loss_parallel), int(self.client_optimizer), int(self.left_out)
+        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}-out{out}"
+
+
+LEFT_OUT = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight")  # replicated; row-parallel (Shard(1))
+
+
+def optimized(model: torch.nn.Module, case: TpCase) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if not (case.left_out and n in LEFT_OUT)]
 
 
 def llama(seed: int = 0) -> torch.nn.Module:
@@ -70,12 +78,12 @@ def config(case: TpCase, tp: int = 2) -> dict[str, Any]:
 def reference(case: TpCase, dp: int) -> tuple[list[list[float]], list[float]]:
     """Per step, every replica's loss; and each step's gradient norm before clipping."""
     model = llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(optimized(model, case), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(case.steps):
         micro = range(step * case.gas, (step + 1) * case.gas)
         per = [model(input_ids=ids, labels=ids).loss for m in micro for ids in (batch(m, r) for r in range(dp))]
-        opt.zero_grad()
+        model.zero_grad()  # the left-out parameters' too, as the engine's step clears every module gradient
         torch.stack(per).mean().backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip if case.clip > 0 else float("inf"))
         opt.step()
@@ -105,10 +113,10 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     cfg = config(case, tp)
     if case.client_optimizer:
         del cfg["optimizer"]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(optimized(model, case), lr=LR, weight_decay=0.0)
         engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, config=cfg)
     else:
-        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=optimized(model, case), config=cfg)
     replica = rank // tp
     losses, norms = run(engine, replica, range(case.steps), case.gas)
     q = model.model.layers[0].self_attn.q_proj.weight

@@ -31,8 +31,8 @@ from zeroshard.errors import ConfigError
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
 from zeroshard.utils.logging import get_logger, log_rank
-from zeroshard.zero.flat.split import SplitStrategy, split_groups
-from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
+from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.stepmath import StepPolicy
 from zeroshard.zero.strategy import (
     AccumulationState,
@@ -119,10 +119,8 @@ class ExpertSplitStrategy(SplitStrategy):
         expert_policy = dataclasses.replace(
             policy, step=_WorldPrescale(**_fields(policy.step), world_size=comm.world_size)
         )
-        self.parts = [
-            FlatStrategy(module, dense_groups, policy, comm, device, accumulation),
-            FlatStrategy(module, expert_param_groups, expert_policy, expert_groups.edp, device, accumulation),
-        ]
+        halves = [(dense_groups, policy, comm), (expert_param_groups, expert_policy, expert_groups.edp)]
+        self.parts = flat_parts(module, halves, device, accumulation)
 
     @property
     def _sharded(self) -> bool:

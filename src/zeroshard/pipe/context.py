@@ -26,7 +26,7 @@ from zeroshard.comm.topology import NodeLayout
 from zeroshard.errors import ConfigError
 from zeroshard.pipe.mesh import PipeGroups
 from zeroshard.pipe.module import PipelineModule
-from zeroshard.zero.flat.strategy import PIPE_REPLICATED
+from zeroshard.zero.flat.bystanders import PIPE_REPLICATED
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DEEPSPEED_KEYS = {

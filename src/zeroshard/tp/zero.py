@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, Shard
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.offload.gradients import GradShard
-from zeroshard.zero.flat.split import SplitStrategy, split_groups
-from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
+from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
@@ -57,9 +57,9 @@ class TensorParallelStrategy(SplitStrategy):
         sharded = {id(p) for g in groups for _, p in g.params if is_tp_sharded(p)}
         replicated_groups, sharded_groups = split_groups(groups, sharded)
         self.tp_comm = tp_comm
-        self.sharded = FlatStrategy(module, sharded_groups, policy, comm, device, accumulation, replicated_groups)
-        self.replicated = FlatStrategy(module, replicated_groups, policy, comm, device, accumulation, sharded_groups)
-        self.parts = [self.sharded, self.replicated]
+        halves = [(sharded_groups, policy, comm), (replicated_groups, policy, comm)]
+        self.parts = flat_parts(module, halves, device, accumulation)
+        self.sharded, self.replicated = self.parts
 
     def _grad_slots(self) -> list[GradShard]:
         return self.sharded._grad_slots()
@@ -69,7 +69,9 @@ class TensorParallelStrategy(SplitStrategy):
         norm]); then each part's own extras."""
         weight = 1.0 / math.sqrt(self.tp_comm.world_size)
         replicated = [n * weight for n in tensor_norms([s.shard for s in self.replicated._grad_slots()])]
-        return replicated + super()._extra_norms()
+        # [Note: clipping over the whole module at stage 0] the bystanders (all in the first part) alike
+        bystanders = [n if is_tp_sharded(p) else n * weight for p, n in self.sharded.bystanders.norms()]
+        return replicated + bystanders
 
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.tp.checkpoint import TensorParallelState

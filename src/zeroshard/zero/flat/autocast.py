@@ -27,8 +27,8 @@ from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
 from zeroshard.zero.flat.checkpoint import FlatState, one_resident_part
-from zeroshard.zero.flat.split import SplitStrategy, split_groups
-from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
+from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
 DEFAULT_SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
@@ -74,9 +74,8 @@ class AutocastSplitStrategy(SplitStrategy):
         rest, picked = split_groups(groups, low)
         low_policy = dataclasses.replace(policy, comm_dtype=low_dtype)
         fp32_policy = dataclasses.replace(policy, comm_dtype=torch.float32)
-        self.low = FlatStrategy(module, picked, low_policy, comm, device, accumulation, rest)
-        self.rest = FlatStrategy(module, rest, fp32_policy, comm, device, accumulation, picked)
-        self.parts = [self.low, self.rest]
+        self.parts = flat_parts(module, [(picked, low_policy, comm), (rest, fp32_policy, comm)], device, accumulation)
+        self.low, self.rest = self.parts
 
     def checkpoint_state(self) -> AutocastSplitState:
         return AutocastSplitState(self)

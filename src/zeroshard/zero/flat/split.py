@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
-from zeroshard.zero.flat.strategy import FlatStrategy
-from zeroshard.zero.strategy import ParamGroupSpec, Strategy, nbytes, optimizer_state_tensors
+from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy, nbytes, optimizer_state_tensors
 
 
 def split_groups(
@@ -31,6 +32,22 @@ def split_groups(
     rest = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) not in chosen]) for g in groups]
     picked = [ParamGroupSpec(g.options, [(n, p) for n, p in g.params if id(p) in chosen]) for g in groups]
     return [g for g in rest if g.params], [g for g in picked if g.params]
+
+
+def flat_parts(
+    module: nn.Module,
+    parts: Sequence[tuple[list[ParamGroupSpec], FlatPolicy, Collectives]],
+    device: torch.device,
+    accumulation: AccumulationState,
+) -> list[FlatStrategy]:
+    """A `FlatStrategy` per (groups, policy, comm) in `parts`; only the first keeps the bystanders ([Note: clipping
+    over the whole module at stage 0] in zero/flat/bystanders.py)."""
+    everything = [ParamGroupSpec({}, list(module.named_parameters()))]
+    built = []
+    for i, (groups, policy, comm) in enumerate(parts):
+        others = [g for j, part in enumerate(parts) if j != i for g in part[0]]
+        built.append(FlatStrategy(module, groups, policy, comm, device, accumulation, others if i == 0 else everything))
+    return built
 
 
 class SplitStrategy(Strategy):

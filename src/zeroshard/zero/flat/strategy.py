@@ -11,14 +11,8 @@ module, as in a GAN; or a plain `loss.backward()`) stay in `.grad`, as in plain 
 `module.zero_grad()` clears them, a later `engine.backward` adds to them (autograd accumulates into `.grad` before
 the hook moves it), and `engine.step()` reduces what is left (`_collect_loose_grads`). Stage 3 reduces every
 gradient its hooks see into its shards, as DeepSpeed's stage 3 does.
-
-[Note: clipping over the whole module at stage 0]
-DeepSpeed's fp32 stage 0 (no ZeRO optimizer) all-reduces the gradient of every module parameter that requires
-one, clips over `module.parameters()` and clears every module `.grad` at the step, so a parameter the user left
-out of the optimizer (bing_bert leaves out the pooler) still counts in the clipping norm. Stages 1-3 and the
-fp16/bf16 optimizers clip over the optimizer's parameters only. At fp32 stage 0 we do the same with those
-"bystanders": their gradients are reduced like the others (summed after the prescale), their norms join the
-global norm, and the step clears them. Without it bing_bert's losses moved 2e-6 relative from DeepSpeed's.
+Fp32 stage 0 also reduces and clips over trainable parameters outside the optimizer ([Note: clipping over the
+whole module at stage 0] in zero/flat/bystanders.py).
 """
 
 from __future__ import annotations
@@ -38,13 +32,13 @@ from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
+from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
 from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
-from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
@@ -53,8 +47,6 @@ from zeroshard.zero.strategy import (
     nbytes,
     optimizer_state_tensors,
 )
-
-PIPE_REPLICATED = "ds_pipe_replicated"  # [Note: tied copies in the norm] in pipe/context.py
 
 
 @dataclass(frozen=True)
@@ -80,8 +72,8 @@ class FlatStrategy(Strategy):
         accumulation: AccumulationState,
         siblings: Sequence[ParamGroupSpec] = (),
     ):
-        """`siblings`: the groups other parts of a split strategy own ([Note: split flat strategies]): neither
-        tracked here nor bystanders."""
+        """`siblings`: parameters neither tracked here nor bystanders (a split strategy's other parts':
+        `flat_parts`)."""
         super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.rank = comm.rank
@@ -107,14 +99,10 @@ class FlatStrategy(Strategy):
         ]
         tracked = {id(p) for g in groups for _, p in g.params}
         self._cast_untracked(module, tracked)
-        # [Note: clipping over the whole module at stage 0]
-        whole_module_norm = policy.stage == 0 and policy.compute_dtype == torch.float32
         owned = tracked | {id(p) for g in siblings for _, p in g.params}
-        self._bystanders = [
-            p
-            for p in module.parameters()
-            if whole_module_norm and p.requires_grad and id(p) not in owned and not getattr(p, PIPE_REPLICATED, False)
-        ]
+        whole_module_norm = policy.stage == 0 and policy.compute_dtype == torch.float32
+        kept = find_bystanders(module, owned) if whole_module_norm else []  # [Note: clipping over the whole module..]
+        self.bystanders = Bystanders(kept, comm, policy.step.prescale)
         # NVMe: each group's master shard and optimizer state live in swap files between steps and are read in
         # turn, one group ahead (Residency.in_turn)
         self.store: Residency = policy.master_tier.residency
@@ -248,24 +236,10 @@ class FlatStrategy(Strategy):
         self._collect_loose_grads()
         self.reducer.settle()  # [Note: the full accumulator is not zero-filled per window]
         self._check_unused()
-        self._reduce_bystanders()
-
-    def _reduce_bystanders(self) -> None:
-        """[Note: clipping over the whole module at stage 0] Sum the bystanders' gradients over ranks (a missing
-        one counts as zero, as DeepSpeed's all-reduce makes it), prescaled as the tracked ones are."""
-        if not self._bystanders:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._bystanders]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        prescale = self.step_policy.prescale(self.world_size)
-        if prescale != 1.0:
-            flat.mul_(prescale)
-        self.comm.all_reduce(flat, label="stage0.bystander_grads")
-        for param, part in zip(self._bystanders, flat.split([p.numel() for p in self._bystanders]), strict=True):
-            param.grad = part.view(param.shape).to(param.dtype)
+        self.bystanders.reduce()
 
     def _extra_norms(self) -> list[torch.Tensor]:
-        return tensor_norms([p.grad for p in self._bystanders if p.grad is not None])
+        return [norm for _, norm in self.bystanders.norms()]
 
     def _grad_slots(self) -> list[GradShard]:
         """Each group's gradient shard; only the ranges the norm counts where a group holds a tied weight's
@@ -347,8 +321,7 @@ class FlatStrategy(Strategy):
         self.finish_backward()
         for param in self.tracked_params():  # gradients left in .grad ([Note: gradients outside engine.backward])
             param.grad = None
-        for param in self._bystanders:  # [Note: clipping over the whole module at stage 0]
-            param.grad = None
+        self.bystanders.clear()
         self.reducer.reset_window()
         self._copied.clear()
         self._got_grad.clear()
