@@ -1,11 +1,12 @@
 """Tensor parallelism composed with ZeRO on 4 gloo ranks (tp2 x dp2): per-step losses and gradient norms equal the
-single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 (vocab-parallel
-loss) and 2 (logits gathered), and stage 3 on the fsdp2 backend; a checkpoint resumes exactly within the mesh;
+single-process reference (fp32, 1e-5 relative) with gradient clipping active, at ZeRO stages 1 (vocab-parallel loss)
+and 2 (logits gathered), and stage 3 on the fsdp2 backend; a checkpoint resumes exactly within the mesh;
 initialize(mpu=...) with a fake Megatron-style mpu built from new_group trains the same model the caller split
-itself. Slow: stage 0 with parameters left out of the optimizer (still clipped over), gradient accumulation, no clipping with a client optimizer (built before the split), an
-fsdp2 stage-3 checkpoint resumed, the checkpoint loaded into tp2 x dp1 (ZeRO shards resharded over dp) and into
-tp1 x dp4 (the tp slices concatenated), the fsdp2 checkpoint continued on fsdp2 without tp (tp1 x dp2);
-test_tensor_parallel_reshard.py continues training across tp sizes on the zero backend.
+itself. Slow: stage 0 with parameters left out of the optimizer (still clipped over), gradient accumulation, no
+clipping with a client optimizer (built before the split), an fsdp2 stage-3 checkpoint resumed, the checkpoint
+loaded into tp2 x dp1 (ZeRO shards resharded over dp) and into tp1 x dp4 (the tp slices concatenated), the fsdp2
+checkpoint continued on fsdp2 without tp (tp1 x dp2); test_tensor_parallel_reshard.py continues training across tp
+sizes on the zero backend.
 """
 
 from __future__ import annotations
