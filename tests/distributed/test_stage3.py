@@ -17,6 +17,9 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, reuse=10**9, prefetch=10**9),  # DeepSpeed's defaults: keep and prefetch everything
     LIVE_LIMITED,
     Case(stage=3, variant="frozen"),
+    # [Note: frozen parameters at stage 3]: the blocks reduce their trainable prefixes only
+    Case(stage=3, variant="mostly_frozen", gas=3),
+    Case(stage=3, variant="mostly_frozen", offload="cpu"),  # a master of its own, host gradient copies
     Case(stage=3, variant="unused"),
     Case(stage=3, variant="twice"),
     Case(stage=3, variant="unused_unit"),
@@ -25,7 +28,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, variant="outside"),  # the root unit kept whole ([Note: root unit by module])
     Case(stage=3, variant="outside_later"),  # ... kept whole by zeroshard.stage3_root_by_module: false
 ]
-CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000)]
+CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000), Case(stage=3, dtype="bf16", variant="mostly_frozen")]
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case]):
@@ -95,3 +98,34 @@ def test_a_root_parameter_read_later_outside_its_modules_fails_loudly_by_default
     computing with wrong values (without prefetching: a prefetch of the root unit can make the read find it)."""
     for result in run_on_ranks(_outside_later_by_default, 2):
         assert result.startswith("step 1:"), result
+
+
+def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
+    """Per variant at bf16: (master bytes, reduce-scatter bytes of one step, trainable parameters)."""
+    import zeroshard
+
+    out = {}
+    for variant in ("plain", "mostly_frozen"):
+        case = Case(stage=3, dtype="bf16", variant=variant, steps=2)
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
+        for batch in global_batches(case, world_size):
+            before = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"]
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+            sent = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"] - before
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out[variant] = (engine.memory_report().master_weights, sent, trainable)
+        engine.destroy()
+    return out
+
+
+def test_frozen_parameters_hold_no_master_and_send_no_gradients():
+    """[Note: frozen parameters at stage 3]: 17% of the model trains; its blocks' frozen 91% hold neither an fp32
+    master nor a gradient, and their zeros are not reduce-scattered."""
+    for got in run_on_ranks(_footprints, 2):
+        (plain_master, plain_sent, _), (master, sent, trainable) = got["plain"], got["mostly_frozen"]
+        assert 4 * trainable / 2 <= master < 0.3 * plain_master, got
+        assert 0 < sent < 0.3 * plain_sent, got

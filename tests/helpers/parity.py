@@ -39,7 +39,7 @@ class Case:
     gas: int = 1
     micro: int = 2
     steps: int = 8
-    variant: str = "plain"  # plain | frozen | unused | deep (6 blocks) | the VariantGPT ones below
+    variant: str = "plain"  # plain | frozen | mostly_frozen | unused | deep (6 blocks) | the VariantGPT ones below
     bucket: int = 4096  # small buckets: several per group, so ordering and padding are exercised
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -131,6 +131,10 @@ def build_model(case: Case) -> nn.Module:
         model.wpe.weight.requires_grad_(False)
         for p in model.blocks[0].ln_1.parameters():
             p.requires_grad_(False)
+    if case.variant == "mostly_frozen":  # LoRA-like: a block's big matrices frozen, 9% of it trains
+        for name, p in model.named_parameters():
+            if name.startswith("blocks.") and (".qkv." in name or ".mlp." in name):
+                p.requires_grad_(False)
     return model
 
 

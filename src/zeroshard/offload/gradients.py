@@ -232,7 +232,7 @@ class BackwardCopies(GradientTier):
 
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
         same = super().copy_for(shard, master)
-        return same if same is not None else self.tier.zeros(master.numel())
+        return same if same is not None else self.tier.zeros(shard.numel())
 
     def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
         if copy is None or copy is slot.shard or not boundary:

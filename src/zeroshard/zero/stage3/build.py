@@ -93,15 +93,22 @@ def build_units(
     gradients: GradientTier,
 ) -> BuiltUnits:
     group_of = {id(p): gi for gi, g in enumerate(groups) for _, p in g.params}
-    frozen_group = len(groups)
+    # outside the optimizer: still reduced when trainable, last of all when frozen ([Note: frozen parameters at
+    # stage 3] in unit.py)
+    untracked, frozen = len(groups), len(groups) + 1
+
+    def group_number(param: nn.Parameter) -> int:
+        trains = param.requires_grad and policy.keeps_gradients
+        return group_of.get(id(param), untracked) if trains else frozen
+
     named = dict(module.named_parameters())
     modules = dict(module.named_modules())
     persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
     specs = plan_units(module, policy.unit_policy, *persistence, leaves=policy.leaves)
     layouts: list[UnitLayout] = []
     for spec in specs:
-        rows = [(n, named[n].numel(), group_of.get(id(named[n]), frozen_group)) for n in spec.param_names]
-        layouts.append(layout_unit(rows, world_size))
+        rows = [(n, named[n].numel(), group_number(named[n])) for n in spec.param_names]
+        layouts.append(layout_unit(rows, world_size, frozen_group=frozen))
     sizes = [layout.shard_numel for layout in layouts]
     alone = policy.persistent_alone and len(specs) > 1 and specs[-1].name == PERSISTENT  # planned last
     chunks = greedy_chunks(sizes[:-1] if alone else sizes, policy.sub_group_numel, close="after")
@@ -145,7 +152,7 @@ def build_units(
                 built.pieces[group].append(Piece(unit, master, grad))
         unit.place_shard()
         # NVMe: each master goes to disk as soon as it exists (the optimizer state follows after a step)
-        store.place(built.sub_groups[chunk_of[index]].key, [] if unit.master is unit.shard else [unit.master])
+        store.place(built.sub_groups[chunk_of[index]].key, unit.separate_master())
         grads.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
         unit.zero_grad_shard()
     return built

@@ -85,7 +85,7 @@ class Stage3State:
     def refresh_master_from_params(self, units: Collection[int] | None = None) -> None:
         for unit in self.strategy.units:
             if unit.master is not unit.shard and (units is None or unit.index in units):
-                unit.master.copy_(unit.shard)
+                unit.master.copy_(unit.shard[: unit.master.numel()])
 
     def peer_tensors(self) -> dict[str, TensorInfo]:
         return {}  # every rank's module holds every tensor

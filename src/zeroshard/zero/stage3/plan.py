@@ -198,12 +198,24 @@ class Slot:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """A unit's flat buffer: parameters sorted by optimizer group, each start aligned, padded to N."""
+    """A unit's flat buffer: parameters sorted by optimizer group, each start aligned, padded to N; frozen
+    parameters last ([Note: frozen parameters at stage 3])."""
 
     numel: int
     shard_numel: int
     slots: tuple[Slot, ...]
     group_ranges: tuple[tuple[int, int, int], ...]  # (group, begin, end) in the flat buffer
+    trainable_end: int = 0  # where the frozen parameters begin (the trainable ones' end)
+
+    @property
+    def shard_count(self) -> int:
+        return self.numel // self.shard_numel
+
+    @property
+    def trainable_shard_numel(self) -> int:
+        """The prefix of every rank's shard that holds all of its trainable elements: the length of its master,
+        its gradient shard, and of each rank's part of the gradient reduce-scatter."""
+        return min(self.shard_numel, self.trainable_end)
 
     def owned(self, shard_rank: int) -> tuple[int, int]:
         begin = shard_rank * self.shard_numel
@@ -220,8 +232,11 @@ class UnitLayout:
         return out
 
 
-def layout_unit(params: Sequence[tuple[str, int, int]], shard_count: int, align: int = 16) -> UnitLayout:
-    """`params` are (name, numel, group) in registration order."""
+def layout_unit(
+    params: Sequence[tuple[str, int, int]], shard_count: int, align: int = 16, frozen_group: int | None = None
+) -> UnitLayout:
+    """`params` are (name, numel, group) in registration order; `frozen_group` is the (largest) group number of the
+    parameters that get no gradient."""
     ordered = sorted(range(len(params)), key=lambda i: (params[i][2], i))
     slots: list[Slot] = []
     ranges: list[tuple[int, int, int]] = []
@@ -236,4 +251,5 @@ def layout_unit(params: Sequence[tuple[str, int, int]], shard_count: int, align:
         offset = -(-(offset + numel) // align) * align
     padded = -(-max(offset, 1) // (shard_count * align)) * (shard_count * align)
     # a group's range ends at its last element; padding after it belongs to no group
-    return UnitLayout(padded, padded // shard_count, tuple(slots), tuple(ranges))
+    trainable_end = max((end for group, _, end in ranges if group != frozen_group), default=0)
+    return UnitLayout(padded, padded // shard_count, tuple(slots), tuple(ranges), trainable_end)

@@ -118,7 +118,7 @@ class SubGroupStepper:
 
     def tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
         """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state."""
-        out = [u.master for u in units if u.master is not u.shard]  # else it lives with the compute shard
+        out = [m for u in units for m in u.separate_master()]  # else it lives with the compute shard
         if self.optimizer is not None:
             for piece in self._pieces_of({u.index for u in units}):
                 state = self.optimizer.state.get(piece.master, {})

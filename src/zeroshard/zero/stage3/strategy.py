@@ -300,7 +300,8 @@ class Stage3Strategy(Strategy):
         with self.optimizer_state_resident():
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-                self.comm.all_gather(full, unit.master.to(self.device), label=f"consolidate unit {unit.name!r}")
+                shard = unit.fp32_shard().to(self.device)
+                self.comm.all_gather(full, shard, label=f"consolidate unit {unit.name!r}")
                 for slot in unit.layout.slots:
                     param = unit.params[slot.index]
                     shape = unit.views[slot.index].shape
@@ -308,7 +309,7 @@ class Stage3Strategy(Strategy):
         return out
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
-        out = [u.master for u in self.units if u.master is not u.shard]
+        out = [m for u in self.units for m in u.separate_master()]
         return out + optimizer_state_tensors(self.optimizer)
 
     def tracked_params(self) -> list[nn.Parameter]:
@@ -395,7 +396,7 @@ class Stage3Strategy(Strategy):
     # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
         with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda unit: unit.master)
+            return self._gather_slot(param, lambda unit: unit.fp32_shard())
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         if not param.requires_grad:
@@ -450,9 +451,10 @@ class Stage3Strategy(Strategy):
                 state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
 
     def _scatter_slot(self, unit: ShardedUnit, slot: Any, value: torch.Tensor, shard: torch.Tensor) -> None:
-        """This rank's range of `slot` in `shard` (a tensor shaped as the unit's shard) := `value`'s elements."""
+        """This rank's range of `slot` in `shard` (the unit's shard, or a prefix of it: a master) := `value`'s
+        elements."""
         lo, hi = unit.layout.owned(self.shard_rank)
-        begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel, lo + shard.numel())
         if begin < end:
             flat = value.detach().reshape(-1).to(shard.device, shard.dtype)
             shard.narrow(0, begin - lo, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])

@@ -36,6 +36,18 @@ that stream after the collective. With the optimizer offloaded to host memory a 
 leaves even earlier, as soon as the boundary's host copy holds it ([Note: a gradient shard leaves once its host copy
 holds it] in offload/gradients.py). Shards in the swap files (`GradientTier.holds_shards`) keep their buffers; the
 NVMe tier frees its own ([Note: gradients on NVMe]).
+
+[Note: frozen parameters at stage 3]
+A frozen parameter (a LoRA base weight; every parameter in inference) is held as DeepSpeed's stage 3 holds it: its
+compute-dtype shard only, no fp32 master, no gradient, no reduction. The unit layout puts frozen parameters after
+the trainable ones (`layout_unit`), so the trainable elements of every rank's shard are its first
+`trainable_shard_numel` = min(shard, trainable end) elements: the master and the gradient shard cover that prefix,
+and the reduce-scatter sends each rank's prefix only (a pooled copy of the staged prefixes when it is shorter than
+the shard). A LoRA decoder layer thus moves its adapters' gradients, not its base weights' zeros, and at bf16 holds
+2 bytes per frozen parameter / N instead of 2 + 4 (master) + 2 (gradient). The prefix is the same length on every
+rank, so a rank whose chunk starts past the trainable end holds a few master elements of frozen values that no
+optimizer group steps (they are published back unchanged); where the trainable part exceeds 1/N of the unit the
+prefix is the whole shard, as before. Full fp32 values of a frozen parameter are its compute values (`fp32_shard`).
 """
 
 from __future__ import annotations
@@ -123,14 +135,15 @@ class ShardedUnit:
             self.shard.copy_(self.full[lo:hi])
         else:
             fill(self.shard, lo, hi)  # type: ignore[misc]  # not None here
+        trained = layout.trainable_shard_numel  # [Note: frozen parameters at stage 3]
         if compute_dtype == torch.float32 and master_tier.shares_shard_with(param_tier):
             self.master = self.shard
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
-            self.master = master_tier.zeros(layout.shard_numel)
-            self.master.copy_(self.full[lo:hi] if from_full else self.shard)
-        # frozen units (a LoRA base model, inference) hold no gradient shard; a transient one holds memory only
-        # from a window's first reduction to its step ([Note: gradient shards exist from reduction to step])
-        self.grad_shard = torch.zeros(layout.shard_numel if self.trainable else 0, dtype=grad_dtype, device=device)
+            self.master = master_tier.zeros(trained)
+            self.master.copy_((self.full[lo:hi] if from_full else self.shard)[:trained])
+        # a transient shard holds memory only from a window's first reduction to its step ([Note: gradient shards
+        # exist from reduction to step])
+        self.grad_shard = torch.zeros(trained if self.trainable else 0, dtype=grad_dtype, device=device)
         self.grad_transient = False  # set by build_units from the gradient tier (`GradientTier.holds_shards`)
         # the fp32 gradient the optimizer reads, from the gradient tier (offload/gradients.py): the shard itself, a
         # host copy refreshed during backward (`grad_copy_ready`), or None (a temporary at the step)
@@ -274,11 +287,12 @@ class ShardedUnit:
             zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.seen])
         self.staging = None
         self.reduce_launched = True
+        staging = self._trainable_part(staging, pool)
         if prescale != 1.0:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
         self.grad_resident(overwrite=into_shard)  # NVMe: reading the accumulated shard overlaps the collective
-        out = self.grad_shard if into_shard else pool.acquire(self.layout.shard_numel, staging.dtype, zero=False)
+        out = self.grad_shard if into_shard else pool.acquire(self.grad_shard.numel(), staging.dtype, zero=False)
         label = f"reduce-scatter of unit {self.name!r}"
         if scatter is not None:  # ZeRO++'s quantized reduction (zero/zeropp/grads.py)
             handle = scatter(out, staging, async_op=async_op, label=label)
@@ -293,6 +307,17 @@ class ShardedUnit:
             pool.release(staging)
 
         return handle, finish
+
+    def _trainable_part(self, staging: torch.Tensor, pool: BufferPool) -> torch.Tensor:
+        """What is reduce-scattered of the staged gradients: every rank's trainable prefix ([Note: frozen parameters
+        at stage 3]); `staging` itself when that is the whole shard, else a pooled copy (`staging` goes back)."""
+        width, count = self.layout.trainable_shard_numel, self.layout.shard_count
+        if width == self.layout.shard_numel:
+            return staging
+        part = pool.acquire(width * count, staging.dtype, zero=False)
+        part.view(count, width).copy_(staging.view(count, self.layout.shard_numel)[:, :width])
+        pool.release(staging)
+        return part
 
     def grad_resident(self, overwrite: bool = False) -> None:
         """Start making the gradient shard resident (`grad_home.ready` waits): a zero shard is allocated, not
@@ -363,7 +388,7 @@ class ShardedUnit:
         copy is asynchronous: [Note: publishing a host master to the GPU] in offload/gradients.py."""
         if self.master is not self.shard:
             self.home.claim(self.key)
-            self._published = publish_master(self.shard, self.master)
+            self._published = publish_master(self.shard[: self.master.numel()], self.master)
             if self.home.leaves_memory:  # the write to NVMe reads the host shard a GPU master is copied into
                 self.wait_published()
         self.home.evict(self.key)
@@ -381,7 +406,19 @@ class ShardedUnit:
         self.home.evict(self.key)
         self.home.settle(self.key)
         if self.master is not self.shard:
-            self.master.copy_(values)
+            self.master.copy_(values[: self.master.numel()])
+
+    def separate_master(self) -> list[torch.Tensor]:
+        """The master shard where it is a tensor of its own (and not empty), for the optimizer's store."""
+        return [self.master] if self.master is not self.shard and self.master.numel() > 0 else []
+
+    def fp32_shard(self) -> torch.Tensor:
+        """This rank's shard in fp32: the master, and the compute values where there is no master (frozen
+        parameters: [Note: frozen parameters at stage 3])."""
+        if self.master.numel() == self.shard.numel():
+            return self.master
+        rest = self.shard[self.master.numel() :].to(self.master.device, torch.float32)
+        return torch.cat([self.master, rest])
 
     def settle_shard(self) -> None:
         self.home.settle(self.key)
