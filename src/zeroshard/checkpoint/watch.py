@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 
 CHECK_AFTER_S = 2.0  # an engine call shorter than this is never a reason to ask the store
 POLL_S = 0.5
+REPORT_WAIT_S = 10.0  # how long a failed collective waits for the watch to finish posting this rank's absence
 
 
 class EngineCall(NamedTuple):
@@ -56,6 +57,10 @@ class Activity:
     def __init__(self) -> None:
         self.current: EngineCall | None = None
         self.verdict: str | None = None
+        # set while the watch posts this rank's absence: the others may give up, and this rank's collective fail,
+        # before `verdict` is written; the main thread then waits for `reported`
+        self.reporting = False
+        self.reported = threading.Event()
         self._seq = 0
 
     def call(self, what: str, step: int) -> InsideCall:
@@ -83,7 +88,11 @@ class InsideCall:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         activity = self._activity
         activity.current = self._outer
-        if isinstance(error, RuntimeError) and activity.verdict is not None and not isinstance(error, CheckpointError):
+        if not isinstance(error, RuntimeError) or isinstance(error, CheckpointError):
+            return
+        if activity.reporting:
+            activity.reported.wait(REPORT_WAIT_S)
+        if activity.verdict is not None:
             raise CheckpointError(activity.verdict) from error
 
 
@@ -153,13 +162,19 @@ class AbsenceWatch:
         op = opened["op"]
         doing = f"in {engine_call.what} (step {engine_call.step}) for {now - engine_call.since:.0f}s"
         absent = json.dumps({"absent": doing})
-        # compare-and-set: if the main thread arrived after all, its own entry stands and nothing is reported
-        if self._store.compare_set(phase_key(call, op, ENTRY_PHASE, self.rank), "", absent).decode() != absent:
-            return
-        present = [r for r in range(self.world_size) if self._store.check([phase_key(call, op, ENTRY_PHASE, r)])]
-        present.remove(self.rank)
-        self.activity.verdict = (
+        others = [r for r in range(self.world_size) if r != self.rank]
+        present = [r for r in others if self._store.check([phase_key(call, op, ENTRY_PHASE, r)])]
+        verdict = (
             f"{op} was called on rank(s) {present} but not on this rank ({self.rank}), which has been "
             f"{doing} instead. {op} is collective: call it on every rank, not only under "
             "`if rank == 0`."
         )
+        # compare-and-set: if the main thread arrived after all, its own entry stands and nothing is reported. Once
+        # it is set the others raise and exit (rank 0 takes the store with it), so the verdict is composed first
+        activity = self.activity
+        activity.reporting = True
+        try:
+            if self._store.compare_set(phase_key(call, op, ENTRY_PHASE, self.rank), "", absent).decode() == absent:
+                activity.verdict = verdict
+        finally:
+            activity.reported.set()
