@@ -47,13 +47,15 @@ def merge_repeats(runs: list[Row]) -> Row:
 def zero_formula_bytes(row: Row) -> float:
     """Model-state bytes per rank the ZeRO paper's formulas give for fp32 training with Adam.
 
-    Ψ parameters, N ranks: fp32 weights (4Ψ), fp32 gradients (4Ψ), Adam m and v (8Ψ); ZeRO stages 1-3
-    also keep the fp32 master copy of the partition (4Ψ/N), as DeepSpeed does. FSDP2 keeps no copy.
+    Ψ trainable parameters, N ranks: fp32 weights (4Ψ), fp32 gradients (4Ψ), Adam m and v (8Ψ); ZeRO stages 1-3
+    also keep the fp32 master copy of the partition (4Ψ/N), as DeepSpeed does. FSDP2 keeps no copy. A frozen
+    parameter (LoRA rows) is its fp32 weight only: 4 bytes, sharded at stage 3 and by FSDP2.
     """
-    psi, n, stage = row["params"], row["world_size"], row["stage"]
+    psi, n, stage = row.get("trainable", row["params"]), row["world_size"], row["stage"]
+    frozen = 4 * (row["params"] - psi) / (n if stage == 3 else 1)
     if row["framework"] == "fsdp2":
-        return 16 * psi / n
-    return {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 16 * psi / n, 3: 20 * psi / n}[stage]
+        return frozen + 16 * psi / n
+    return frozen + {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 16 * psi / n, 3: 20 * psi / n}[stage]
 
 
 def peak_rss(row: Row) -> int:

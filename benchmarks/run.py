@@ -4,6 +4,7 @@
     python -m benchmarks.run --quick --out /tmp/b/bench.md    # tiny model, fast rows only (~1 min)
     python -m benchmarks.run --sizes 20m --world-sizes 2,4 --frameworks ddp,zeroshard --steps 14
     python -m benchmarks.run --preset overhead                # issue 21's per-step overhead table (~10 min)
+    python -m benchmarks.run --preset lora                    # LoRA on the 120m GPT (docs/benchmarks_lora.md)
 
 Each row (framework x stage x size x ranks) runs in its own `torchrun` process group; its rank 0
 writes a JSON file into --results-dir, which this process aggregates into the page and plot.
@@ -48,6 +49,19 @@ PRESETS: dict[str, list[str]] = {
         "--no-micro",
         "--out=docs/benchmarks_compile.md",
     ],
+    # LoRA (rank 16 on every block's linear layers, everything else frozen) on the 120m GPT: what a frozen base
+    # costs each framework in memory and bytes on the wire ([Note: frozen parameters at stage 3]). Persistence 0
+    # keeps the adapters in their blocks' units, as at 7B+ sizes, where an adapter matrix passes the 1e5 default
+    "lora": [
+        "--sizes=120m",
+        "--seq-len=128",
+        "--lora-rank=16",
+        "--steps=8",
+        "--variants=ddp,ds2,zs2,fsdp2,ds3,zs3,zs3f",
+        '--zero-config={"stage3_param_persistence_threshold": 0}',
+        "--no-micro",
+        "--out=docs/benchmarks_lora.md",
+    ],
 }
 
 
@@ -81,6 +95,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="explicit row keys (" + ",".join(v.key for v in VARIANTS) + "); overrides --frameworks",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="peft LoRA adapters of this rank on every block's linear layers, all else frozen (default 0: none)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="run the whole row list this many times, pooled")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default cores / ranks)")
     p.add_argument(
@@ -110,7 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="a named set of options (overhead: issue 21's small-model table, 5m at 128 tokens and 20m at 256, "
         "micro-batch 2, 20 timed steps, DDP/FSDP2/DeepSpeed/zeroshard stages 0-3; compile: zeroshard stages 0, 2 "
-        "and 3 eager and with engine.compile(), 20m at 256 tokens); later options override it",
+        "and 3 eager and with engine.compile(), 20m at 256 tokens; lora: LoRA rank 16 on the 120m GPT at 128 "
+        "tokens, DDP/FSDP2/DeepSpeed/zeroshard stages 2-3); later options override it",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, fast rows only")
     p.add_argument(
@@ -171,6 +192,7 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
                 warmup=args.warmup,
                 bucket_numel=int(args.bucket),
                 threads=threads,
+                lora_rank=args.lora_rank,
             )
             for v in selected_variants(args):
                 extra: dict[str, Any] = {"zero_overrides": args.zero_config} if args.zero_config else {}
@@ -299,6 +321,7 @@ def collect(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "warmup": s.warmup,
             "threads/rank": s.threads,
             "bucket": s.bucket_numel,
+            "lora_rank": s.lora_rank,
             "repeats": args.repeats,
             "zero_config": json.dumps(args.zero_config),
             "profile_steps": args.profile_steps,

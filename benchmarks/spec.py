@@ -78,6 +78,7 @@ class TrainSettings:
     weight_decay: float = 0.1
     bucket_numel: int = 6_250_000  # ZeRO reduce/all-gather bucket (elements) for DeepSpeed and zeroshard
     threads: int = 1  # intra-op threads per rank
+    lora_rank: int = 0  # > 0: peft LoRA adapters of this rank on every block's linear layers, the rest frozen
 
     @property
     def timed_steps(self) -> int:

@@ -64,9 +64,19 @@ def seq_len(settings: TrainSettings) -> int:
 
 
 def build_model(settings: TrainSettings) -> GPT:
-    """The same initial weights on every rank and in every framework."""
+    """The same initial weights on every rank and in every framework; with `lora_rank`, peft's LoRA adapters on
+    the blocks' linear layers (drawn from the same seed) and every other parameter frozen."""
     torch.manual_seed(settings.seed)
-    return GPT(PRESETS[settings.size])
+    model = GPT(PRESETS[settings.size])
+    if settings.lora_rank > 0:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = ["qkv", "proj", "mlp.0", "mlp.2"]
+        config = LoraConfig(r=settings.lora_rank, lora_alpha=2 * settings.lora_rank, target_modules=targets)
+        inject_adapter_in_model(config, model)
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+    return model
 
 
 class Batches:
@@ -147,7 +157,7 @@ def time_steps(trainer: Trainer, spec: RowSpec, rank: int) -> RankResult:
     return result
 
 
-def summarize(spec: RowSpec, ranks: list[RankResult], numel: int) -> dict[str, Any]:
+def summarize(spec: RowSpec, ranks: list[RankResult], numel: int, trainable: int) -> dict[str, Any]:
     """One row's JSON: step time over ranks (the slowest rank of each step), memory, bytes, loss."""
     per_step = [max(times) for times in zip(*(r.step_times for r in ranks), strict=True)]
     q = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [per_step[0]] * 3
@@ -165,6 +175,7 @@ def summarize(spec: RowSpec, ranks: list[RankResult], numel: int) -> dict[str, A
         "size": spec.settings.size,
         "world_size": spec.world_size,
         "params": numel,
+        "trainable": trainable,
         "tokens_per_step": tokens,
         "step_times": per_step,
         "step_time_median": median,

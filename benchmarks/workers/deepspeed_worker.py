@@ -17,7 +17,7 @@ class DeepSpeedTrainer:
         import deepspeed
 
         self.spec = spec
-        self.numel = sum(p.numel() for p in model.parameters())
+        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the gradients' count
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config(spec)
         )

@@ -83,6 +83,7 @@ def run(spec: RowSpec, out: Path) -> None:
     rank = dist.get_rank()
     model = build_model(spec.settings)
     numel = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     clock.mark("build_model")
     try:
         trainer = build_trainer(spec, model)
@@ -98,7 +99,7 @@ def run(spec: RowSpec, out: Path) -> None:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, asdict(mine))
     if rank == 0:
-        row = summarize(spec, [RankResult(**r) for r in everyone], numel)
+        row = summarize(spec, [RankResult(**r) for r in everyone], numel, trainable)
         row["setup_s"] = clock.phases
         if phases is not None:
             row["profile"] = phases

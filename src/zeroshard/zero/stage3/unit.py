@@ -47,7 +47,9 @@ the shard). A LoRA decoder layer thus moves its adapters' gradients, not its bas
 2 bytes per frozen parameter / N instead of 2 + 4 (master) + 2 (gradient). The prefix is the same length on every
 rank, so a rank whose chunk starts past the trainable end holds a few master elements of frozen values that no
 optimizer group steps (they are published back unchanged); where the trainable part exceeds 1/N of the unit the
-prefix is the whole shard, as before. Full fp32 values of a frozen parameter are its compute values (`fp32_shard`).
+prefix is the whole shard, as before. The price: a unit's trainable elements sit on its first ranks, so their
+optimizer state is not spread evenly (LoRA adapters: all on rank 0 of each unit), where DeepSpeed splits every
+parameter over all ranks. Full fp32 values of a frozen parameter are its compute values (`fp32_shard`).
 """
 
 from __future__ import annotations
