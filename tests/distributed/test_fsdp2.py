@@ -28,6 +28,7 @@ VARIANTS = [
     Case(stage=2, variant="unused"),
     Case(stage=3, variant="eval"),
     Case(stage=3, dtype="bf16", gas=2),
+    Case(stage=3, dtype="bf16", variant="mostly_frozen", steps=4),  # frozen weights kept in bf16
 ]
 
 
@@ -282,3 +283,23 @@ def test_unsupported_combinations_are_refused_by_name():
     assert "is 0" in stage0  # refused also without an optimizer
     assert "zero_optimization.offload_param.device" in offload and "offload_optimizer.device" in offload
     assert "NVMe" in nvme
+
+
+def _frozen_dtypes(rank: int, world_size: int) -> list[tuple[bool, str]]:
+    import zeroshard
+
+    case = Case(stage=3, dtype="bf16", variant="mostly_frozen", steps=1)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(
+        model=model, model_parameters=param_groups(model, case), config=fsdp2(ds_config(case))
+    )
+    out = sorted({(p.requires_grad, str(p.to_local().dtype)) for p in model.parameters()})
+    engine.destroy()
+    return out
+
+
+def test_frozen_parameters_are_sharded_in_the_compute_dtype():
+    """The trainable parameters are the fp32 masters; a frozen one (a LoRA base) keeps only its bf16 shard, as on
+    the zero backend ([Note: frozen parameters at stage 3])."""
+    for got in run_on_ranks(_frozen_dtypes, 2):
+        assert got == [(False, "torch.bfloat16"), (True, "torch.float32")], got

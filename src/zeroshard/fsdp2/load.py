@@ -37,14 +37,17 @@ def streams_shards(
     return None
 
 
-def masters_in_fp32(module: nn.Module) -> None:
-    """Floating parameters in fp32, the Python objects kept (checkpoint reads find them by identity)."""
+def masters_in_fp32(module: nn.Module, frozen_dtype: torch.dtype) -> None:
+    """Trainable floating parameters in fp32 (they are the masters), frozen ones in `frozen_dtype` (the compute
+    dtype: a LoRA base costs 2 bytes per parameter / N at bf16, as on the zero backend's stage 3); the Python
+    objects kept (checkpoint reads find them by identity). FSDP2 asks one dtype of the trainable ones only."""
     for param in module.parameters():
-        if param.is_floating_point() and param.dtype != torch.float32:
-            fp32 = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        dtype = torch.float32 if param.requires_grad else frozen_dtype
+        if param.is_floating_point() and param.dtype != dtype:
+            cast = torch.empty(param.shape, dtype=dtype, device=param.device)
             if not param.is_meta:
-                fp32.copy_(param.detach())
-            torch.utils.swap_tensors(param, nn.Parameter(fp32, requires_grad=param.requires_grad))
+                cast.copy_(param.detach())
+            torch.utils.swap_tensors(param, nn.Parameter(cast, requires_grad=param.requires_grad))
 
 
 def fill_shards(

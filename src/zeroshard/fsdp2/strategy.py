@@ -86,7 +86,7 @@ class Fsdp2Strategy(Strategy):
         # FSDP2 sums; the step turns sums into means exactly as for the zero stages ([Note: pre- and post-scaling])
         divide = 1.0 / policy.step.prescale(comm.world_size)
         streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
-        masters_in_fp32(module)
+        masters_in_fp32(module, policy.compute_dtype)
         units = (policy.unit_policy, policy.leaves)
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, units, comm, device, divide, policy.mesh)
         if streamed is not None:
