@@ -209,3 +209,29 @@ def test_estimate_errors_are_one_line(capsys):
     assert main(["estimate", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no-such-model" in err and "Traceback" not in err
+
+
+def test_a_frozen_base_costs_its_weights_only():
+    """LoRA: 1% of 100x PSI trains; the frozen rest is its bf16 weight, sharded at stage 3 ([Note: frozen parameters
+    at stage 3]), as the engine's memory_report counts it (test_stage3's footprint test)."""
+    frozen = 99 * PSI
+    for stage in range(4):
+        full = zeroshard_states(PSI, Option(stage), BF16, 4)
+        lora = zeroshard_states(PSI, Option(stage), BF16, 4, frozen=frozen)
+        weights = 2 * frozen // (4 if stage == 3 else 1)
+        assert lora.params == full.params + weights and lora.total == full.total + weights
+        assert (lora.gradients, lora.master_weights, lora.optimizer_state) == (
+            full.gradients,
+            full.master_weights,
+            full.optimizer_state,
+        )
+    rows = estimate_rows(from_params(7e9), Cluster(gpus_per_node=2), BF16, 2048, 1, trainable=35_000_000)
+    assert all(row.deepspeed is None for row in rows)  # DeepSpeed's estimators count every parameter as trainable
+
+
+def test_estimate_trainable_as_a_fraction_and_refused_out_of_range(capsys):
+    assert main(["estimate", "--params", "7e9", "--gpus", "2", "--gpu-memory", "24", "--trainable", "0.005"]) == 0
+    assert "35,000,000 trainable (0.50%)" in capsys.readouterr().out
+    assert main(["estimate", "--params", "7e9", "--trainable", "8e9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--trainable 8e+09" in err

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from zeroshard.cli.common import CLIError, human_bytes, out
+from zeroshard.cli.common import EXIT_CONFIG, CLIError, human_bytes, out
 from zeroshard.cli.estimate.activations import activation_bytes
 from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.recommend import Recommendation, recommend
@@ -37,6 +37,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="training dtype (default bf16)")
     p.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation dtype")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    p.add_argument(
+        "--trainable",
+        type=float,
+        default=None,
+        help="trainable parameters, a count (2e7) or a fraction of the model (0.02), the rest frozen: LoRA or a "
+        "partly frozen model (default: all train)",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
     p.add_argument("--bucket-size", type=float, default=DEFAULT_BUCKET_NUMEL, help="reduce_bucket_size (elements)")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, or 80)")
@@ -50,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
     model = from_model_arg(args.model) if args.model else from_params(args.params)
+    trainable = _trainable(args.trainable, model.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
     precision = Precision(bytes_of(args.dtype), bytes_of(args.grad_dtype), OPTIMIZER_STATE_BYTES[args.optimizer])
     rows = estimate_rows(
@@ -61,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         args.gradient_checkpointing,
         int(args.bucket_size),
         args.grad_accum,
+        trainable,
     )
     gpu_memory = (
         int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
@@ -81,6 +90,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trainable(value: float | None, params: int) -> int | None:
+    """`--trainable` as a count of parameters (a value below 1 is a fraction of `params`)."""
+    if value is None:
+        return None
+    count = round(value * params) if value < 1 else round(value)
+    if not 0 < count <= params:
+        raise CLIError(f"--trainable {value:g} must be a fraction in (0, 1) or a count in [1, {params:,}]", EXIT_CONFIG)
+    return count
+
+
 def _json_row(row: Row, rec: Recommendation) -> dict[str, Any]:
     data = row.to_json()
     data["recommended"] = row.option == rec.option
@@ -99,6 +118,12 @@ def render(
     ]
     if model.assumed:
         lines.append(f"  ({model.assumed})")
+    trainable = _trainable(args.trainable, model.params)
+    if trainable is not None and trainable < model.params:
+        lines.append(
+            f"  {trainable:,} trainable ({trainable / model.params:.2%}); the other {model.params - trainable:,} "
+            f"frozen: {args.dtype} weights only, no gradient, master or optimizer state"
+        )
     lines += [
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
         f"{args.dtype} parameters, {args.grad_dtype} gradient accumulation ({args.grad_accum} micro-steps), "

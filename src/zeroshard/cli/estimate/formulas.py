@@ -99,19 +99,26 @@ class ModelStates:
 
 
 def zeroshard_states(
-    psi: int, option: Option, precision: Precision, world_size: int, gradient_accumulation_steps: int = 1
+    psi: int,
+    option: Option,
+    precision: Precision,
+    world_size: int,
+    gradient_accumulation_steps: int = 1,
+    frozen: int = 0,
 ) -> ModelStates:
-    """Per-rank model-state bytes of `psi` trainable parameters (see [Note: two accountings]).
+    """Per-rank model-state bytes of `psi` trainable parameters and `frozen` ones (see [Note: two accountings]).
 
     Stage 3 without accumulation keeps its gradient shard in the communication dtype (nothing is
-    accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate.
+    accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate. A frozen
+    parameter (a LoRA base) is its compute-dtype weight only, sharded at stage 3 ([Note: frozen parameters at
+    stage 3] in zero/stage3/unit.py).
     """
     n = world_size
     p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     if option.stage == 3 and gradient_accumulation_steps == 1:
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
-    params = p * psi // n if option.stage == 3 else p * psi
+    params = p * (psi + frozen) // n if option.stage == 3 else p * (psi + frozen)
     if option.stage <= 1:
         # one full accumulator; its front is the reduce-scattered shard at stage 1 ([Note: stage 1's shard inside
         # its accumulator] in zero/flat/reducer.py), and it is its own shard when nothing is sharded

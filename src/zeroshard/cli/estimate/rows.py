@@ -68,10 +68,12 @@ def estimate_rows(
     checkpointing: bool = False,
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     grad_accum: int = 1,
+    trainable: int | None = None,
 ) -> list[Row]:
-    """A row for every option in `OPTIONS`."""
+    """A row for every option in `OPTIONS`; `trainable` parameters of the model's (default: all), the rest frozen."""
     acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
-    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum) for option in OPTIONS]
+    psi = model.params if trainable is None else trainable
+    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi) for option in OPTIONS]
 
 
 def _row(
@@ -82,12 +84,15 @@ def _row(
     acts: int,
     bucket_numel: int,
     grad_accum: int,
+    psi: int,
 ) -> Row:
-    """The row of `option`, given the activation bytes per rank (the same for every option)."""
+    """The row of `option`, given the activation bytes per rank (the same for every option) and the trainable
+    parameter count `psi`."""
     n = cluster.world_size
-    states = zeroshard_states(model.params, option, precision, n, grad_accum)
+    frozen = model.params - psi
+    states = zeroshard_states(psi, option, precision, n, grad_accum, frozen)
     buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
-        option, model.params, bucket_numel, precision.reduce_bytes
+        option, psi, bucket_numel, precision.reduce_bytes
     )
     staging = 0
     if option.offload_param == "nvme":
@@ -103,5 +108,6 @@ def _row(
         gpu_bytes_per_rank=states.gpu + acts + buffers,
         cpu_bytes_per_node=cpu_rank * cluster.gpus_per_node,
         nvme_bytes_per_node=states.nvme * cluster.gpus_per_node,
-        deepspeed=deepspeed_states(model.params, model.largest_layer, option, cluster),
+        # DeepSpeed's estimators count every parameter as trainable: no column for a frozen base
+        deepspeed=None if frozen else deepspeed_states(model.params, model.largest_layer, option, cluster),
     )
