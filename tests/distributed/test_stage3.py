@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from test_parity import _check
 
 from helpers.harness import run_on_ranks
@@ -20,6 +21,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     # [Note: frozen parameters at stage 3]: the blocks reduce their trainable prefixes only
     Case(stage=3, variant="mostly_frozen", gas=3),
     Case(stage=3, variant="mostly_frozen", offload="cpu"),  # a master of its own, host gradient copies
+    Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="nvme"),  # the frozen rest read, not lost
     Case(stage=3, variant="unused"),
     Case(stage=3, variant="twice"),
     Case(stage=3, variant="unused_unit"),
@@ -101,8 +103,9 @@ def test_a_root_parameter_read_later_outside_its_modules_fails_loudly_by_default
 
 
 def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
-    """Per variant at bf16: (master bytes, reduce-scatter bytes of one step, trainable parameters)."""
+    """Per variant at bf16: (master bytes, reduce-scatter bytes of one step, trainable parameters, full reads)."""
     import zeroshard
+    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     out = {}
     for variant in ("plain", "mostly_frozen"):
@@ -111,13 +114,16 @@ def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=param_groups(model, case), config=ds_config(case)
         )
-        for batch in global_batches(case, world_size):
+        for step, batch in enumerate(global_batches(case, world_size)):
             before = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"]
             engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            if step == 0:  # an adapter-like gradient and a frozen weight, read whole: equal in both variants
+                block = model.blocks[0]
+                reads = (safe_get_full_grad(block.attn.proj.weight), safe_get_full_fp32_param(block.mlp[0].weight))
             engine.step()
             sent = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"] - before
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        out[variant] = (engine.memory_report().master_weights, sent, trainable)
+        out[variant] = (engine.memory_report().master_weights, sent, trainable, reads)
         engine.destroy()
     return out
 
@@ -126,6 +132,7 @@ def test_frozen_parameters_hold_no_master_and_send_no_gradients():
     """[Note: frozen parameters at stage 3]: 17% of the model trains; its blocks' frozen 91% hold neither an fp32
     master nor a gradient, and their zeros are not reduce-scattered."""
     for got in run_on_ranks(_footprints, 2):
-        (plain_master, plain_sent, _), (master, sent, trainable) = got["plain"], got["mostly_frozen"]
+        (plain_master, plain_sent, _, plain_reads), (master, sent, trainable, reads) = got.values()
         assert 4 * trainable / 2 <= master < 0.3 * plain_master, got
         assert 0 < sent < 0.3 * plain_sent, got
+        assert all(torch.equal(a, b) for a, b in zip(reads, plain_reads, strict=True)), (reads, plain_reads)

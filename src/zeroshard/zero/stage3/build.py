@@ -109,7 +109,7 @@ def build_units(
     for spec in specs:
         rows = [(n, named[n].numel(), group_number(named[n])) for n in spec.param_names]
         layouts.append(layout_unit(rows, world_size, frozen_group=frozen))
-    sizes = [layout.shard_numel for layout in layouts]
+    sizes = [layout.trainable_shard_numel for layout in layouts]  # the masters' and optimizer state's extent
     alone = policy.persistent_alone and len(specs) > 1 and specs[-1].name == PERSISTENT  # planned last
     chunks = greedy_chunks(sizes[:-1] if alone else sizes, policy.sub_group_numel, close="after")
     # [Note: partial offload] splits the layers' sub-groups; the persistent one takes the last one's tier

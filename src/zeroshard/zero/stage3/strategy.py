@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.checkpoint.state import ShardedState
@@ -108,7 +109,7 @@ class Stage3Strategy(Strategy):
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
         if comm.rank == 0:
-            split = [(g.tier, sum(u.layout.shard_numel for u in g.units)) for g in self.built.sub_groups]
+            split = [(g.tier, sum(u.layout.trainable_shard_numel for u in g.units)) for g in self.built.sub_groups]
             policy.master_tier.log_split(split)
         self.pool = BufferPool(device)
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
@@ -300,8 +301,7 @@ class Stage3Strategy(Strategy):
         with self.optimizer_state_resident():
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-                shard = unit.fp32_shard().to(self.device)
-                self.comm.all_gather(full, shard, label=f"consolidate unit {unit.name!r}")
+                self.comm.all_gather(full, unit.fp32_shard().to(self.device), label=f"consolidate {unit.name!r}")
                 for slot in unit.layout.slots:
                     param = unit.params[slot.index]
                     shape = unit.views[slot.index].shape
@@ -435,8 +435,8 @@ class Stage3Strategy(Strategy):
         with torch.no_grad():
             unit.views[index].copy_(value)
         self.write_back(unit)  # the shards := the gathered values (compute dtype)
-        if unit.master is not unit.shard:  # the master gets the fp32 value itself
-            with self.optimizer_state_resident():
+        if unit.master is not unit.shard and param.requires_grad:  # the master gets the fp32 value (a frozen one:
+            with self.optimizer_state_resident():  # the compute values write_back gave it, as elsewhere)
                 self._scatter_slot(unit, slot, value, unit.master)
         self.gather_end(held, None)
 
@@ -451,8 +451,7 @@ class Stage3Strategy(Strategy):
                 state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
 
     def _scatter_slot(self, unit: ShardedUnit, slot: Any, value: torch.Tensor, shard: torch.Tensor) -> None:
-        """This rank's range of `slot` in `shard` (the unit's shard, or a prefix of it: a master) := `value`'s
-        elements."""
+        """This rank's range of `slot` in `shard` (the unit's shard or its prefix, a master) := `value`'s elements."""
         lo, hi = unit.layout.owned(self.shard_rank)
         begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel, lo + shard.numel())
         if begin < end:
@@ -467,10 +466,11 @@ class Stage3Strategy(Strategy):
         return unit, index, next(s for s in unit.layout.slots if s.index == index)
 
     def _gather_slot(self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor]) -> torch.Tensor:
-        """All-gather `local(unit)` (this rank's fp32 shard of the unit holding `param`), return `param`'s part."""
+        """All-gather `local(unit)` (this rank's fp32 shard of `param`'s unit, or its prefix); `param`'s part."""
         unit, index, slot = self._slot_of(param)
-        full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, local(unit).to(self.device, torch.float32), label=f"full value in {unit.name!r}")
+        full, values = torch.zeros(unit.numel, dtype=torch.float32, device=self.device), local(unit)
+        mine = F.pad(values.to(self.device, torch.float32), (0, unit.layout.shard_numel - values.numel()))
+        self.comm.all_gather(full, mine, label=f"full value in {unit.name!r}")
         return full.narrow(0, slot.offset, slot.numel).view(unit.views[index].shape).clone()
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------

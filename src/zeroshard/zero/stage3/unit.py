@@ -389,8 +389,15 @@ class ShardedUnit:
         shard on NVMe starts being written back (`settle_shard` waits and frees it). From a pinned host master the
         copy is asynchronous: [Note: publishing a host master to the GPU] in offload/gradients.py."""
         if self.master is not self.shard:
-            self.home.claim(self.key)
-            self._published = publish_master(self.shard[: self.master.numel()], self.master)
+            trained = self.master.numel()
+            if trained == 0:  # all frozen: nothing changed ([Note: frozen parameters at stage 3])
+                return
+            if trained < self.shard.numel():  # the frozen rest is kept: read it (NVMe), not overwritten
+                self.home.fetch(self.key)
+                self.home.ready(self.key)
+            else:
+                self.home.claim(self.key)
+            self._published = publish_master(self.shard[:trained], self.master)
             if self.home.leaves_memory:  # the write to NVMe reads the host shard a GPU master is copied into
                 self.wait_published()
         self.home.evict(self.key)
