@@ -62,8 +62,9 @@ class Bystanders:
 
     def norms(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(bystander, the norm of this rank's part of its reduced gradient), for those with a gradient."""
-        held = [p for p in self.params if p.grad is not None and p.grad.numel() > 0]
-        return list(zip(held, tensor_norms([local_of(p.grad) for p in held if p.grad is not None]), strict=True))
+        held = [(p, local_of(p.grad)) for p in self.params if p.grad is not None]
+        held = [(p, g) for p, g in held if g.numel() > 0]  # tensor_norms leaves empty ones out (a rank's DTensor part)
+        return list(zip([p for p, _ in held], tensor_norms([g for _, g in held]), strict=True))
 
     def clear(self) -> None:
         for param in self.params:
