@@ -25,6 +25,7 @@ from zeroshard.loading.materialize import materialize_buffers, materialize_param
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
+from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
@@ -207,6 +208,7 @@ def _build(
             cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp
         )
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
+        keep_state_in(engine_optimizer, precision.optimizer_state_dtype)  # [Note: bf16 master weights]
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
         strategy = make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp)

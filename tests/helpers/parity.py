@@ -55,6 +55,10 @@ class Case:
     sub_group: int = 10**9  # sub_group_size
     ratio: float = 1.0  # offload_optimizer.ratio (stage 3, < 1: partial offload)
     reduce_scatter: bool = True  # zero_optimization.reduce_scatter (stages 1-2; false: all-reduce each bucket)
+    # bf16 only: "fp32" masters (mixed precision), or bf16 masters with "fp32" or "bf16" optimizer state
+    # ([Note: bf16 master weights]; the reference then trains in bf16 throughout, see `reference_run`)
+    master: str = "fp32"
+    state: str = "fp32"
 
     @property
     def name(self) -> str:
@@ -66,6 +70,7 @@ class Case:
         extra += f"-ratio{self.ratio}" if self.ratio != 1.0 else ""
         extra += f"-bucket{self.bucket}" if self.bucket != 4096 else ""
         extra += "-allreduce" if not self.reduce_scatter else ""
+        extra += f"-master_{self.master}-state_{self.state}" if self.master != "fp32" else ""
         return f"stage{self.stage}-{self.dtype}-gas{self.gas}-{self.variant}{extra}"
 
 
@@ -189,6 +194,8 @@ def ds_config(case: Case) -> dict:
             "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
         },
     }
+    if case.master == "bf16":
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=case.state == "bf16")
     if case.variant == "outside_later":  # [Note: root unit by module]: the probe cannot see a later path
         config["zeroshard"] = {"stage3_root_by_module": False}
     return config
@@ -204,6 +211,8 @@ def reference_run(
 ) -> tuple[list[float], list[torch.Tensor]]:
     """Per-step mean loss and per-step flat parameters of the single-process reference (on `device`: the GPU suite
     compares a CUDA engine with a CUDA reference)."""
+    if case.master != "fp32":
+        return _low_precision_reference(case, world_size, device)
     master_model = build_model(case).to(device)
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     work = copy.deepcopy(master_model).to(dtype)
@@ -235,6 +244,62 @@ def reference_run(
         losses.append(sum(step_losses) / len(step_losses))
         params.append(flat_params(work))
     return losses, params
+
+
+def _low_precision_reference(
+    case: Case, world_size: int, device: torch.device | str
+) -> tuple[list[float], list[torch.Tensor]]:
+    """bf16 masters: the model trains in bf16 throughout (gradients accumulated in bf16), and AdamW (fused: fp32
+    arithmetic, one rounding) steps the bf16 weights directly (bf16 state) or fp32 copies of them, rounded back
+    after each step, whose fp32 state persists. Gradients are clipped in fp32 from their bf16 values."""
+    model = build_model(case).to(device).to(torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    shadows = {p: p.detach().float().requires_grad_() for p in trainable} if case.state == "fp32" else {}
+    stepped = [shadows.get(p, p) for p in model.parameters()]
+    groups = [{**g, "params": [stepped[i] for i in g["params"]]} for g in _group_indices(model, case)]
+    optimizer = torch.optim.AdamW(groups, lr=case.lr, fused=True)
+    losses, params = [], []
+    n_micro = world_size * case.gas
+    for step, batch in enumerate(global_batches(case, world_size)):
+        model.flip = step % 2 == 1
+        step_losses = []
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        for k in range(case.gas):
+            for r in range(world_size):
+                x, y = (t.to(device) for t in micro_batch(batch, k, r, world_size, case.micro))
+                kept = {p: p.grad for p in trainable}
+                for p in trainable:
+                    p.grad = None
+                loss = model(x, y)
+                step_losses.append(loss.item())
+                (loss / n_micro).backward()
+                for p in trainable:
+                    if p.grad is not None:
+                        kept[p] += p.grad
+                    p.grad = kept[p]
+        if case.clip > 0:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in trainable]))
+            coef = min(case.clip / (float(norm) + 1e-6), 1.0)
+            for p in trainable:
+                p.grad.mul_(coef)
+        with torch.no_grad():
+            for p, shadow in shadows.items():
+                shadow.copy_(p)
+                shadow.grad = p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for p, shadow in shadows.items():
+                p.copy_(shadow)
+        losses.append(sum(step_losses) / len(step_losses))
+        params.append(flat_params(model))
+    return losses, params
+
+
+def _group_indices(model: nn.Module, case: Case) -> list[dict]:
+    """`param_groups(model, case)` with each parameter given by its index in `model.parameters()`."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [{**g, "params": [index[id(p)] for p in g["params"]]} for g in param_groups(model, case)]
 
 
 def engine_run(

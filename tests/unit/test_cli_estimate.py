@@ -235,3 +235,31 @@ def test_estimate_trainable_as_a_fraction_and_refused_out_of_range(capsys):
     assert main(["estimate", "--params", "7e9", "--trainable", "8e9"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--trainable 8e+09" in err
+
+
+def test_bf16_master_weights_cost_two_bytes_and_alias_the_stage3_shard():
+    """[Note: bf16 master weights]: bf16 gradients and masters; at stage 3 the compute shard is the master, so
+    model states are 12 bytes per parameter / N with fp32 Adam state and 8 with bf16 state
+    (tests/distributed/test_bf16_master.py measures the engine's bytes)."""
+    fp32_state = Precision(param_bytes=2, grad_bytes=2, optimizer_bytes=8, master_bytes=2)
+    bf16_state = Precision(param_bytes=2, grad_bytes=2, optimizer_bytes=4, master_bytes=2)
+    assert zeroshard_states(PSI, Option(3), fp32_state, 4).total == 12 * PSI // 4
+    assert zeroshard_states(PSI, Option(3), bf16_state, 4).total == 8 * PSI // 4
+    assert zeroshard_states(PSI, Option(3), bf16_state, 4).master_weights == 0
+    assert zeroshard_states(PSI, Option(2), bf16_state, 4).total == 2 * PSI + (2 + 2 + 4) * PSI // 4
+    offloaded = zeroshard_states(PSI, Option(3, "cpu"), bf16_state, 4)  # separate bf16 master and host copy
+    assert offloaded.gpu == 2 * PSI // 4 and offloaded.cpu == (2 + 2 + 4) * PSI // 4
+
+
+def test_estimate_bf16_master_flags(capsys):
+    args = ["estimate", "--params", "7e9", "--gpus", "2", "--gpu-memory", "24", "--json"]
+    assert main([*args, "--bf16-master-weights", "--bf16-optimizer-states"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(row["stage"] > 0 for row in rows)  # DeepSpeed too: stages 1-3 only
+    assert all(row["deepspeed_gpu_bytes_per_rank"] is None for row in rows)  # its estimators assume fp32 masters
+    stage3 = next(r for r in rows if r["stage"] == 3 and r["offload_optimizer"] == "none")
+    assert stage3["model_states_bytes_per_rank"]["total"] == 8 * 7_000_000_000 // 2
+    assert main(["estimate", "--params", "7e9", "--dtype", "fp32", "--bf16-master-weights"]) == 2
+    assert "--bf16-master-weights needs --dtype bf16" in capsys.readouterr().err
+    assert main(["estimate", "--params", "7e9", "--bf16-optimizer-states"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

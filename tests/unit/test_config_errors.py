@@ -327,6 +327,32 @@ def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureF
             "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true",
         ),
         (
+            {"bf16": {"bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
+            "bf16.bf16_master_weights_and_grads is true but bf16.enabled is false: bf16 master weights need bf16 "
+            "training (set bf16.enabled true, or remove bf16_master_weights_and_grads)",
+        ),
+        (
+            {
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "zero_optimization": {"stage": 3},
+                "zeroshard": {"backend": "fsdp2"},
+            },
+            'bf16.bf16_master_weights_and_grads needs the "zero" backend (zeroshard.backend is "fsdp2", whose '
+            "sharded parameters are the fp32 masters)",
+        ),
+        (
+            {
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+            },
+            "zero_optimization.offload_optimizer.super_offload: true needs fp32 master weights "
+            "(bf16.bf16_master_weights_and_grads is true); set super_offload false or remove it",
+        ),
+        (
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+            "bf16.bf16_master_weights_and_grads is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)",
+        ),
+        (
             {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
             "fp16.fp16_master_weights_and_grads is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)",
         ),

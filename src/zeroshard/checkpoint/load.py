@@ -45,6 +45,7 @@ from zeroshard.checkpoint.save import (
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.checkpoint.universal import LATEST_UNIVERSAL, UniversalReader
+from zeroshard.optim.state_dtype import state_dtype
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -149,6 +150,15 @@ def _scalar(record: dict[str, Any], like: Any, device: torch.device) -> Any:
     return torch.tensor(record["value"], dtype=dtype_from_name(record["tensor"]), device=device)
 
 
+def _state_zeros(optimizer: torch.optim.Optimizer, param: torch.Tensor, saved: str) -> torch.Tensor:
+    """Zeros for `param`'s elementwise state: in the dtype this engine keeps it in (floating state: the checkpoint may
+    come from a run with other master or state dtypes, [Note: bf16 master weights]), else the checkpoint's."""
+    dtype = dtype_from_name(saved)
+    if dtype.is_floating_point:
+        dtype = state_dtype(optimizer, param)
+    return torch.zeros(param.shape, dtype=dtype, device=param.device)
+
+
 def load_optimizer_state(
     reader: CheckpointReader,
     optimizer: torch.optim.Optimizer,
@@ -176,7 +186,7 @@ def load_optimizer_state(
             tensors = elementwise.setdefault(id(p.param), {})
             for key, dtype in info.elementwise.items():
                 if key not in tensors:
-                    tensors[key] = torch.zeros(p.param.shape, dtype=dtype_from_name(dtype), device=p.param.device)
+                    tensors[key] = _state_zeros(optimizer, p.param, dtype)
                 reader.read_range(OPTIM, name, p.begin, p.end, p.view(tensors[key]), state=key)
     for g, group in enumerate(optimizer.param_groups):
         source = ckpt_group.get(g, g)
@@ -194,12 +204,7 @@ def load_optimizer_state(
             new.update(elementwise.get(id(param), {}))
             if info.elementwise and id(param) not in elementwise and saved["scalars"]:
                 # This rank owns only padding of the group: zeros keep its state consistent with the others.
-                new.update(
-                    {
-                        k: torch.zeros(param.shape, dtype=dtype_from_name(d), device=param.device)
-                        for k, d in info.elementwise.items()
-                    }
-                )
+                new.update({k: _state_zeros(optimizer, param, d) for k, d in info.elementwise.items()})
             optimizer.state[param] = new
         for key, value in saved["options"].items():
             current = group.get(key)

@@ -95,6 +95,8 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "torch_autocast.dtype",
         "torch_autocast.lower_precision_safe_modules",
         "fp16.auto_cast",  # engine.forward casts the positional inputs (precision/cast.inputs_to_half)
+        "bf16.bf16_master_weights_and_grads",  # precision/policy.py ([Note: bf16 master weights])
+        "bf16.bf16_optimizer_states",
         "bf16.enabled",
         "bf16.check_grad_overflow",
         "data_types.grad_accum_dtype",
@@ -274,8 +276,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.elastic_checkpoint",
         # Precision extras.
         "fp16.fp16_master_weights_and_grads",
-        "bf16.bf16_master_weights_and_grads",
-        "bf16.bf16_optimizer_states",
         "amp",
         # Communication extras.
         "disable_allgather",

@@ -141,9 +141,10 @@ class GradientTier:
         self._stats: dict[str, BoundaryStats] = {}  # of shards that left memory before the step, by key
 
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
-        """The fp32 tensor the optimizer reads `shard`'s gradients from: the shard itself when it is fp32 on the
-        master's device, else a resident copy on this tier, or None (a temporary at each step)."""
-        if shard.dtype == torch.float32 and shard.device == master.device:
+        """The tensor (in the master's dtype: fp32, or bf16 with [Note: bf16 master weights]) the optimizer reads
+        `shard`'s gradients from: the shard itself when it has that dtype on the master's device, else a resident
+        copy on this tier, or None (a temporary at each step)."""
+        if shard.dtype == master.dtype and shard.device == master.device:
             return shard
         return None
 
@@ -192,7 +193,7 @@ class GradientTier:
                 shard.mul_(scale)
             return shard
         if copy is None:
-            copy = shard.to(device=master.device, dtype=torch.float32)
+            copy = shard.to(device=master.device, dtype=master.dtype)
         elif not ready:
             copy.copy_(shard)
         if scale != 1.0:
@@ -232,7 +233,7 @@ class BackwardCopies(GradientTier):
 
     def copy_for(self, shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor | None:
         same = super().copy_for(shard, master)
-        return same if same is not None else self.tier.zeros(shard.numel())
+        return same if same is not None else self.tier.zeros(shard.numel(), master.dtype)
 
     def received(self, slot: GradShard, copy: torch.Tensor | None, boundary: bool) -> bool:
         if copy is None or copy is slot.shard or not boundary:

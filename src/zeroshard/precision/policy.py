@@ -13,7 +13,9 @@ from zeroshard.precision.dtypes import dtype_of
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """compute: parameters and activations; grad_accum: gradient accumulation and shards;
-    comm: gradient reduction (DeepSpeed's default: the compute dtype); master weights are fp32.
+    comm: gradient reduction (DeepSpeed's default: the compute dtype); master: master weights, fp32 unless
+    `bf16.bf16_master_weights_and_grads` ([Note: bf16 master weights] in optim/state_dtype.py); optimizer_state: the
+    dtype optimizer state is kept in (fp32 with bf16 masters unless `bf16.bf16_optimizer_states`; None: the masters').
 
     check_overflow: skip the optimizer step when a gradient holds inf/nan. Always with fp16 (the loss
     scaler needs it); with bf16 when `bf16.check_grad_overflow` (DeepSpeed's default: true; DeepSpeed 0.19.8
@@ -30,6 +32,8 @@ class PrecisionPolicy:
     keep_in_fp32: str | tuple[str, ...] = "auto"
     autocast_dtype: torch.dtype | None = None  # torch_autocast: the forward's ([Note: torch autocast])
     safe_modules: tuple[str, ...] | None = None  # torch_autocast.lower_precision_safe_modules (None: DeepSpeed's)
+    master_dtype: torch.dtype = torch.float32
+    optimizer_state_dtype: torch.dtype | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrecisionPolicy:
@@ -44,9 +48,11 @@ class PrecisionPolicy:
         buffer_name = cfg.data_types.buffer_dtype
         autocast = cfg.torch_autocast
         keep = cfg.data_types.keep_in_fp32_modules
+        low_master = bool(cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads)
+        master = torch.bfloat16 if low_master else torch.float32
         return cls(
             compute_dtype=compute,
-            grad_accum_dtype=dtype_of(accum_name) if accum_name else torch.float32,
+            grad_accum_dtype=dtype_of(accum_name) if accum_name else master,
             comm_dtype=dtype_of(comm_name) if comm_name else compute,
             fp16=bool(cfg.fp16.enabled),
             check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)),
@@ -56,4 +62,6 @@ class PrecisionPolicy:
             safe_modules=None
             if autocast.lower_precision_safe_modules is None
             else tuple(autocast.lower_precision_safe_modules),
+            master_dtype=master,
+            optimizer_state_dtype=torch.float32 if low_master and not cfg.bf16.bf16_optimizer_states else None,
         )

@@ -120,6 +120,8 @@ def make_strategy(
         "overlap_comm": bool(z.overlap_comm),
         "step": step,
         "master_tier": _tier(cfg, "offload_optimizer", need, topology.device),
+        "master_dtype": precision.master_dtype,
+        "optimizer_state_dtype": precision.optimizer_state_dtype,
     }
     if stage < 3:
         bucket = int(z.reduce_bucket_size)

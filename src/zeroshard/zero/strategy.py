@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +75,9 @@ class StrategyPolicy:
     overlap_comm: bool
     step: StepPolicy
     master_tier: Tier  # where master weights and optimizer state live (offload_optimizer)
+    # [Note: bf16 master weights] in optim/state_dtype.py; optimizer_state_dtype None: the masters'
+    master_dtype: torch.dtype = field(default=torch.float32, kw_only=True)
+    optimizer_state_dtype: torch.dtype | None = field(default=None, kw_only=True)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

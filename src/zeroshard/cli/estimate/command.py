@@ -35,8 +35,23 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch per rank for the activation estimate")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (stage 3's gradient dtype)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="training dtype (default bf16)")
-    p.add_argument("--grad-dtype", choices=sorted(DTYPES), default="fp32", help="gradient accumulation dtype")
+    p.add_argument(
+        "--grad-dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="gradient accumulation dtype (default fp32; bf16 with --bf16-master-weights)",
+    )
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    p.add_argument(
+        "--bf16-master-weights",
+        action="store_true",
+        help="bf16.bf16_master_weights_and_grads: bf16 master weights and gradients (with --dtype bf16)",
+    )
+    p.add_argument(
+        "--bf16-optimizer-states",
+        action="store_true",
+        help="bf16.bf16_optimizer_states: optimizer state in bf16 (with --bf16-master-weights)",
+    )
     p.add_argument(
         "--trainable",
         type=float,
@@ -59,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     model = from_model_arg(args.model) if args.model else from_params(args.params)
     trainable = _trainable(args.trainable, model.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
-    precision = Precision(bytes_of(args.dtype), bytes_of(args.grad_dtype), OPTIMIZER_STATE_BYTES[args.optimizer])
+    precision = _precision(args)
     rows = estimate_rows(
         model,
         cluster,
@@ -88,6 +103,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         out(render(model, cluster, args, rows, rec, gpu_memory))
     return 0
+
+
+def _precision(args: argparse.Namespace) -> Precision:
+    """Bytes per element from the dtype flags; `args.grad_dtype` is resolved in place (for the header)."""
+    if args.bf16_master_weights and args.dtype != "bf16":
+        raise CLIError(f"--bf16-master-weights needs --dtype bf16 (it is {args.dtype})", EXIT_CONFIG)
+    if args.bf16_optimizer_states and not args.bf16_master_weights:
+        raise CLIError("--bf16-optimizer-states needs --bf16-master-weights", EXIT_CONFIG)
+    if args.grad_dtype is None:
+        args.grad_dtype = "bf16" if args.bf16_master_weights else "fp32"
+    state = OPTIMIZER_STATE_BYTES[args.optimizer] // (2 if args.bf16_optimizer_states else 1)
+    master = 2 if args.bf16_master_weights else 4
+    return Precision(bytes_of(args.dtype), bytes_of(args.grad_dtype), state, master_bytes=master)
 
 
 def _trainable(value: float | None, params: int) -> int | None:
@@ -126,8 +154,9 @@ def render(
         )
     lines += [
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
-        f"{args.dtype} parameters, {args.grad_dtype} gradient accumulation ({args.grad_accum} micro-steps), "
-        f"{args.optimizer}; "
+        f"{args.dtype} parameters, {'bf16' if args.bf16_master_weights else 'fp32'} master weights, "
+        f"{args.grad_dtype} gradient accumulation ({args.grad_accum} micro-steps), "
+        f"{args.optimizer}{' (bf16 state)' if args.bf16_optimizer_states else ''}; "
         f"activations for micro-batch {args.micro_batch} x {args.seq_len} tokens"
         + (" with checkpointing" if args.gradient_checkpointing else ""),
         "",

@@ -59,12 +59,14 @@ OPTIONS: Final = (
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element: parameters (compute dtype), gradient accumulation, optimizer state per parameter,
-    gradient communication (None: the compute dtype, DeepSpeed's default)."""
+    gradient communication (None: the compute dtype, DeepSpeed's default), master weights (2 with
+    `bf16_master_weights_and_grads`: [Note: bf16 master weights] in optim/state_dtype.py)."""
 
     param_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 8  # Adam/AdamW: m and v in fp32
     comm_bytes: int | None = None
+    master_bytes: int = 4
 
     @property
     def reduce_bytes(self) -> int:
@@ -125,11 +127,12 @@ def zeroshard_states(
         grads = g * psi
     else:
         grads = g * psi // n
-    # fp32 masters are the parameters themselves where both have the same extent (unsharded, or stage 3) and
+    # masters are the parameters themselves where both have the same dtype and extent (unsharded, or stage 3) and
     # live on the same tier.
     same_tier = option.stage < 3 or option.offload_param == option.offload_optimizer
-    master_aliases = p == 4 and (option.stage == 3 or not sharded_states) and same_tier
-    master = 0 if master_aliases else 4 * psi // (n if option.stage >= 1 else 1)
+    m = precision.master_bytes
+    master_aliases = p == m and (option.stage == 3 or not sharded_states) and same_tier
+    master = 0 if master_aliases else m * psi // (n if option.stage >= 1 else 1)
     optim = k * psi // (n if option.stage >= 1 else 1)
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
     tiers[_tier(option.offload_param)] += params
@@ -144,7 +147,7 @@ def zeroshard_states(
         grads = 0
     tiers["nvme" if nvme_grads else "gpu"] += grads
     if option.offload_optimizer == "cpu":
-        copies = 4 * psi // n
+        copies = m * psi // n  # in the masters' dtype
         tiers["cpu"] += copies
         grads += copies
     return ModelStates(params, grads, master, optim, tiers["gpu"], tiers["cpu"], tiers["nvme"])

@@ -63,7 +63,9 @@ def candidates(
             key=lambda c: (_PARAM_OFFLOAD_COST[c[0].offload_param], c[1], OPTIONS.index(c[0])),
         )
         for option, ckpt in ranked:
-            row = by_option[option]
+            row = by_option.get(option)
+            if row is None:  # not a row for this precision (stage 0 with bf16 master weights)
+                continue
             gpu = row.gpu_bytes_per_rank - row.activation_bytes + activations(ckpt, mb)
             yield Plan(option, ckpt, mb, gpu, row.cpu_bytes_per_node)
 

@@ -69,6 +69,9 @@ def recommend(
     the rows as given (the micro-batch and checkpointing they were computed with) are considered."""
     by_option = {row.option: row for row in rows}
     tree, why, notes = _tree(params, cluster)
+    if tree not in by_option:  # stage 0 has no row with bf16 master weights (DeepSpeed: stages 1-3 only)
+        tree = Option(1)
+        why.append("bf16 master weights need ZeRO stage 1-3: stage 1")
     need = by_option[tree].gpu_bytes_per_rank
     sufficient = gpu_memory is not None and fits(need, gpu_memory)
     if params >= SMALL and params <= LARGE:

@@ -70,10 +70,12 @@ def estimate_rows(
     grad_accum: int = 1,
     trainable: int | None = None,
 ) -> list[Row]:
-    """A row for every option in `OPTIONS`; `trainable` parameters of the model's (default: all), the rest frozen."""
+    """A row for every option in `OPTIONS`; `trainable` parameters of the model's (default: all), the rest frozen.
+    bf16 masters (`precision.master_bytes` 2) exist at stages 1-3 only, as in DeepSpeed: no stage-0 row."""
     acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
     psi = model.params if trainable is None else trainable
-    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi) for option in OPTIONS]
+    options = [o for o in OPTIONS if o.stage > 0 or precision.master_bytes == 4]
+    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi) for option in options]
 
 
 def _row(
@@ -108,6 +110,9 @@ def _row(
         gpu_bytes_per_rank=states.gpu + acts + buffers,
         cpu_bytes_per_node=cpu_rank * cluster.gpus_per_node,
         nvme_bytes_per_node=states.nvme * cluster.gpus_per_node,
-        # DeepSpeed's estimators count every parameter as trainable: no column for a frozen base
-        deepspeed=None if frozen else deepspeed_states(model.params, model.largest_layer, option, cluster),
+        # DeepSpeed's estimators count every parameter as trainable, with fp32 masters: no column for a frozen base
+        # or bf16 masters
+        deepspeed=None
+        if frozen or precision.master_bytes != 4
+        else deepspeed_states(model.params, model.largest_layer, option, cluster),
     )

@@ -26,7 +26,7 @@ class GroupBuffers:
     layout: GroupLayout
     params: list[nn.Parameter]  # indexed like the group's parameter list
     param_flat: torch.Tensor  # full group, compute dtype; parameters are views into it
-    master: torch.Tensor  # this rank's shard, fp32 (aliases param_flat when that is already fp32 and unsharded)
+    master: torch.Tensor  # this rank's shard, fp32 or bf16 (aliases param_flat when unsharded and of that dtype)
     grad_shard: torch.Tensor  # this rank's reduced gradients, grad-accumulation dtype
     grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients
     master_aliases_params: bool = False
@@ -50,13 +50,15 @@ def build_group_buffers(
     keep_full_grads: bool,
     device: torch.device,
     master_tier: Tier,
+    master_dtype: torch.dtype = torch.float32,
 ) -> GroupBuffers:
     """Allocate a group's buffers, copy the current parameter values in, and rebind the parameters.
-    Master weights live on `master_tier` (the compute device unless optimizer state is offloaded)."""
+    Master weights (`master_dtype`: [Note: bf16 master weights]) live on `master_tier` (the compute device unless
+    optimizer state is offloaded)."""
     tier = master_tier
     param_flat = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
-    alias = layout.numel == layout.shard_numel and compute_dtype == torch.float32 and tier.may_alias_compute()
-    master = param_flat if alias else tier.zeros(layout.shard_numel)
+    alias = layout.numel == layout.shard_numel and compute_dtype == master_dtype and tier.may_alias_compute()
+    master = param_flat if alias else tier.zeros(layout.shard_numel, master_dtype)
     if not alias:
         for piece in owned_pieces(layout, shard_rank):
             source = local_of(params[layout.slots[piece.slot].index]).detach().reshape(-1)

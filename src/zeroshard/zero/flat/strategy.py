@@ -32,6 +32,7 @@ from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
+from zeroshard.optim.state_dtype import states_in
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
@@ -94,6 +95,7 @@ class FlatStrategy(Strategy):
                 keep_full_grads=policy.stage < 2,
                 device=device,
                 master_tier=policy.master_tier,
+                master_dtype=policy.master_dtype,
             )
             for layout, g in zip(self.layout.groups, groups, strict=True)
         ]
@@ -262,7 +264,8 @@ class FlatStrategy(Strategy):
         ready = copy is not None and copy is not buffers.grad_shard and self._group_buckets[g] <= self._copied
         self.host_copies_in_backward += ready
         buffers.master.grad = self.gradients_tier.for_step(buffers.grad_shard, buffers.master, copy, ready, scale)
-        self.optimizer.step()
+        with states_in(self.optimizer, [buffers.master]):  # [Note: bf16 master weights]
+            self.optimizer.step()
         buffers.master.grad = None
         self._write_owned(buffers)
 

@@ -81,6 +81,7 @@ class BuildPolicy:
     persistent_alone: bool = False
     model_persistence_threshold: int = sys.maxsize  # [Note: units] in plan.py
     leaves: LeafModules = NO_LEAVES  # [Note: leaf modules] in plan.py
+    master_dtype: torch.dtype = torch.float32  # [Note: bf16 master weights] in optim/state_dtype.py
 
 
 def build_units(
@@ -139,6 +140,7 @@ def build_units(
             policy.param_tier,
             fill,
             policy.keeps_gradients,
+            policy.master_dtype,
         )
         unit.release()
         grads = gradients.part_for(unit.grad_key, tiers[chunk_of[index]])

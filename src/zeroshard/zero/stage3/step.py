@@ -13,6 +13,7 @@ import torch
 
 from zeroshard.offload.gradients import GradientTier
 from zeroshard.offload.residency import Residency
+from zeroshard.optim.state_dtype import states_in
 from zeroshard.zero.stage3.build import BuiltUnits, Piece, SubGroup
 from zeroshard.zero.stage3.unit import ShardedUnit
 
@@ -81,7 +82,8 @@ class SubGroupStepper:
         for master, grad in stepped:
             master.grad = grad
         if stepped:
-            self.optimizer.step()
+            with states_in(self.optimizer, [master for master, _ in stepped]):  # [Note: bf16 master weights]
+                self.optimizer.step()
         for master, _ in stepped:
             master.grad = None
         for unit in units:

@@ -1,10 +1,9 @@
 """ZeRO stage 3: every parameter is sharded; units are gathered just before use and released after.
 
-The strategy routes the hooks' events (hooks.py) to the pieces that do the work, each in its own file:
-construction (build.py), the gather schedule and prefetch (schedule.py, prefetch.py), gradient reduction
-(reduce.py), the sub-group step (step.py), checkpoints (checkpoint.py) and divergence diagnosis
-(comm/divergence.py). Whatever did not happen in backward (units whose inputs need no gradient, units unused in
-the loss) happens when backward returns.
+The strategy routes the hooks' events (hooks.py) to the pieces that do the work, each in its own file: construction
+(build.py), the gather schedule and prefetch (schedule.py, prefetch.py), gradient reduction (reduce.py), the sub-group
+step (step.py), checkpoints (checkpoint.py) and divergence diagnosis (comm/divergence.py). Whatever did not happen in
+backward (units whose inputs need no gradient, units unused in the loss) happens when backward returns.
 """
 
 from __future__ import annotations
@@ -105,6 +104,7 @@ class Stage3Strategy(Strategy):
             persistent_alone=policy.speculation is not None,
             model_persistence_threshold=policy.model_persistence_threshold,
             leaves=policy.leaves,
+            master_dtype=policy.master_dtype,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
@@ -156,7 +156,7 @@ class Stage3Strategy(Strategy):
         for options, pieces in zip(self.group_options, self.built.pieces, strict=True):
             params = [piece.master for piece in pieces]
             if not params:  # this rank owns no element of the group: an empty stand-in keeps the group
-                params = [torch.zeros(0, device=self.device)]
+                params = [torch.zeros(0, dtype=self.policy.master_dtype, device=self.device)]
                 self.built.placeholders.append(params[0])
             groups.append({**options, "params": params})
         return groups

@@ -86,7 +86,8 @@ class UnitState(Enum):
 
 
 class ShardedUnit:
-    """Parameters of one unit: a compute-dtype shard, an fp32 master shard, and a gradient shard."""
+    """Parameters of one unit: a compute-dtype shard, a master shard (fp32 unless bf16 masters), and a gradient
+    shard."""
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class ShardedUnit:
         param_tier: Tier,
         fill: Callable[[torch.Tensor, int, int], None] | None = None,
         keeps_gradients: bool = True,
+        master_dtype: torch.dtype = torch.float32,
     ):
         """`fill(out, lo, hi)`, when given, writes elements [lo, hi) of the flat buffer into `out` (a checkpoint
         read, [Note: streaming load]); otherwise the shard is copied from the parameters' values. Without
@@ -130,18 +132,18 @@ class ShardedUnit:
         elif self.persistent:  # it stays gathered: every rank reads all of it (parameters below the threshold)
             fill(self.full, 0, layout.numel)
         from_full = fill is None or self.persistent
-        # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the fp32 master
-        # on the optimizer tier; they are one tensor when the tiers allow it and the compute dtype is fp32
+        # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the master (fp32, or bf16:
+        # [Note: bf16 master weights]) on the optimizer tier; one tensor when the tiers allow it and the dtypes match
         self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
         if from_full:
             self.shard.copy_(self.full[lo:hi])
         else:
             fill(self.shard, lo, hi)  # type: ignore[misc]  # not None here
         trained = layout.trainable_shard_numel  # [Note: frozen parameters at stage 3]
-        if compute_dtype == torch.float32 and master_tier.shares_shard_with(param_tier):
+        if compute_dtype == master_dtype and master_tier.shares_shard_with(param_tier):
             self.master = self.shard
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
-            self.master = master_tier.zeros(trained)
+            self.master = master_tier.zeros(trained, master_dtype)
             self.master.copy_((self.full[lo:hi] if from_full else self.shard)[:trained])
         # a transient shard holds memory only from a window's first reduction to its step ([Note: gradient shards
         # exist from reduction to step])
