@@ -1,11 +1,13 @@
-"""bf16 master weights and optimizer state ([Note: bf16 master weights] in optim/state_dtype.py).
+"""bf16 (and fp16) master weights and optimizer state ([Note: bf16 master weights] in optim/state_dtype.py).
 
 The reference trains in bf16 throughout (parity.py `_low_precision_reference`): bf16 weights and gradients, fused
-AdamW on the bf16 weights (bf16 state) or on fp32 copies of them rounded back after each step (fp32 state). With one
-micro-step per step the engine reproduces it bit for bit at every stage and offload tier: the same bf16 roundings
-in the same places (a gradient is halved exactly; two ranks' halves are summed with one rounding, as the reference
-sums them). With gradient accumulation, or with a parameter group whose norm terms sum in another order (the
-`frozen` variant), additions are ordered differently and the runs drift apart by bf16 ulps: [Note: bf16 tolerance].
+AdamW on the bf16 weights (bf16 state) or on fp32 copies of them rounded back after each step (fp32 state); fp16
+alike, with a static loss scale. With fp32 state, one micro-step per step and no clipping the engine reproduces it
+bit for bit at every stage and tier: the two ranks' gradients are summed with one rounding, as the reference sums
+them, and every scaling is a power of two. Elsewhere the runs drift apart by ulps ([Note: bf16 tolerance]): with
+gradient accumulation the additions are ordered differently; the clipping factor comes from a norm summed per shard
+here and per tensor there; and torch's fused AdamW on bf16 state rounds an element differently in its vectorised
+body and its scalar tail, which fall on different elements of a flat shard and of separate tensors.
 """
 
 from __future__ import annotations
@@ -29,24 +31,31 @@ from helpers.parity import (
 )
 
 B16 = {"dtype": "bf16", "master": "bf16"}
-EXACT = [
+EXACT = [  # fp32 state; without clipping every scaling is a power of two (see the module's docstring)
+    Case(stage=1, state="fp32", clip=0.0, **B16),
+    Case(stage=2, state="fp32", clip=0.0, **B16),
+    Case(stage=3, state="fp32", clip=0.0, **B16),
+    Case(stage=1, offload="cpu", state="fp32", clip=0.0, **B16),  # DeepSpeed's recipe: bf16 masters, CPU Adam
+    Case(stage=3, offload="cpu", state="fp32", clip=0.0, **B16),
+    Case(stage=2, offload="nvme", state="fp32", clip=0.0, **B16),
+]
+CLOSE = [
     Case(stage=1, state="bf16", **B16),
-    Case(stage=1, state="fp32", **B16),
     Case(stage=2, state="bf16", **B16),
-    Case(stage=2, state="fp32", **B16),
     Case(stage=3, state="bf16", **B16),
-    Case(stage=3, state="fp32", **B16),
-    Case(stage=1, offload="cpu", state="fp32", **B16),  # DeepSpeed's recipe: bf16 masters, fp32 CPU Adam moments
-    Case(stage=3, offload="cpu", state="fp32", **B16),
-    Case(stage=2, offload="nvme", state="fp32", **B16),
     Case(stage=3, offload="nvme", offload_param="nvme", state="bf16", **B16),
     Case(stage=3, offload="cpu", offload_param="cpu", state="bf16", sub_group=5000, **B16),
     Case(stage=3, variant="mostly_frozen", state="bf16", **B16),
-]
-CLOSE = [
     Case(stage=2, gas=3, state="fp32", **B16),
     Case(stage=3, gas=3, state="bf16", **B16),
-    Case(stage=1, variant="frozen", state="fp32", **B16),
+    Case(stage=3, state="fp32", **B16),  # clipping: the engine's norm sums per-shard terms, the reference's per tensor
+    # fp16.fp16_master_weights_and_grads: fp16 masters, fp32 state (static loss scale 128); one fp16 ulp apart from
+    # step 1 on (not traced: perhaps the unscaled gradients' fp16 subnormals, below 6e-5)
+    Case(stage=2, dtype="fp16", master="fp16", offload="cpu"),  # DeepSpeed's recipe: CPU Adam
+    Case(stage=3, dtype="fp16", master="fp16"),
+    # one element (blocks.1.ln_1.weight, 0.994 between the bf16 values 0.9922 and 0.9961) rounds the other way at
+    # step 1 and the runs drift by ulps from there: a near-tie whose input differs in its last fp32 bits; not traced
+    Case(stage=1, variant="frozen", state="fp32", clip=0.0, **B16),
 ]
 
 

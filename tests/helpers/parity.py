@@ -30,12 +30,13 @@ from zeroshard.models.gpt import GPT, Block, GPTConfig
 # gradient and fp32 parity is a meaningful 1e-6 check.
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 DEEP = replace(TINY, n_layer=6)  # enough units that some are reduced, and stepped, while backward still runs
+FP16_LOSS_SCALE = 128.0  # static: no step is skipped, so a reference without a dynamic scaler matches
 
 
 @dataclass(frozen=True)
 class Case:
     stage: int
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (static loss scale FP16_LOSS_SCALE; only with master "fp16")
     gas: int = 1
     micro: int = 2
     steps: int = 8
@@ -55,8 +56,8 @@ class Case:
     sub_group: int = 10**9  # sub_group_size
     ratio: float = 1.0  # offload_optimizer.ratio (stage 3, < 1: partial offload)
     reduce_scatter: bool = True  # zero_optimization.reduce_scatter (stages 1-2; false: all-reduce each bucket)
-    # bf16 only: "fp32" masters (mixed precision), or bf16 masters with "fp32" or "bf16" optimizer state
-    # ([Note: bf16 master weights]; the reference then trains in bf16 throughout, see `reference_run`)
+    # "fp32" masters (mixed precision), or masters in the compute dtype ("bf16", "fp16") with "fp32" or "bf16"
+    # optimizer state ([Note: bf16 master weights]; the reference then trains in that dtype throughout)
     master: str = "fp32"
     state: str = "fp32"
 
@@ -194,8 +195,12 @@ def ds_config(case: Case) -> dict:
             "offload_param": {"device": case.offload_param, "pin_memory": True, "nvme_path": tempfile.gettempdir()},
         },
     }
+    if case.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": FP16_LOSS_SCALE}
     if case.master == "bf16":
         config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=case.state == "bf16")
+    if case.master == "fp16":
+        config["fp16"]["fp16_master_weights_and_grads"] = True
     if case.variant == "outside_later":  # [Note: root unit by module]: the probe cannot see a later path
         config["zeroshard"] = {"stage3_root_by_module": False}
     return config
@@ -249,10 +254,15 @@ def reference_run(
 def _low_precision_reference(
     case: Case, world_size: int, device: torch.device | str
 ) -> tuple[list[float], list[torch.Tensor]]:
-    """bf16 masters: the model trains in bf16 throughout (gradients accumulated in bf16), and AdamW (fused: fp32
-    arithmetic, one rounding) steps the bf16 weights directly (bf16 state) or fp32 copies of them, rounded back
-    after each step, whose fp32 state persists. Gradients are clipped in fp32 from their bf16 values."""
-    model = build_model(case).to(device).to(torch.bfloat16)
+    """Masters in the compute dtype: the model trains in bf16 (or fp16) throughout (gradients accumulated in that
+    dtype), and AdamW (fused: fp32 arithmetic, one rounding) steps the weights directly (bf16 state) or fp32 copies
+    of them, rounded back after each step, whose fp32 state persists. The clipping norm is computed in fp32 from the
+    low-precision gradients. fp16 scales the loss by FP16_LOSS_SCALE; the gradients summed over micro-batches are
+    scaled to their mean (unscaled, clipped) in one multiplication, as the engine does (halving first would round fp16
+    subnormals differently)."""
+    dtype = torch.float16 if case.master == "fp16" else torch.bfloat16
+    loss_scale = FP16_LOSS_SCALE if case.master == "fp16" else 1.0
+    model = build_model(case).to(device).to(dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
     shadows = {p: p.detach().float().requires_grad_() for p in trainable} if case.state == "fp32" else {}
     stepped = [shadows.get(p, p) for p in model.parameters()]
@@ -273,16 +283,19 @@ def _low_precision_reference(
                     p.grad = None
                 loss = model(x, y)
                 step_losses.append(loss.item())
-                (loss / n_micro).backward()
+                (loss * loss_scale).backward()  # the engine's: one rank's micro-batch, loss-scaled
                 for p in trainable:
                     if p.grad is not None:
                         kept[p] += p.grad
                     p.grad = kept[p]
+        scale = 1.0 / (loss_scale * n_micro)  # the sum over micro-batches becomes their mean here, as in the engine
         if case.clip > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in trainable]))
-            coef = min(case.clip / (float(norm) + 1e-6), 1.0)
+            coef = case.clip / (float(norm) * scale + 1e-6)
+            scale *= min(coef, 1.0)
+        if scale != 1.0:
             for p in trainable:
-                p.grad.mul_(coef)
+                p.grad.mul_(scale)
         with torch.no_grad():
             for p, shadow in shadows.items():
                 shadow.copy_(p)

@@ -14,7 +14,7 @@ from zeroshard.autotuning import build_space, from_block, run_search
 from zeroshard.autotuning.report import write
 from zeroshard.autotuning.space import Experiment
 from zeroshard.cli.estimate.formulas import Cluster, Precision
-from zeroshard.cli.estimate.shapes import from_model_arg
+from zeroshard.cli.estimate.shapes import from_model_arg, from_params
 from zeroshard.cli.main import main
 from zeroshard.errors import ConfigError
 
@@ -132,3 +132,18 @@ def test_an_experiment_keeps_the_users_offload_block_where_it_keeps_its_device()
     assert zero(2, "cpu", "none")["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert zero(3, "nvme", "cpu")["offload_optimizer"] == {"device": "nvme"}
     assert "offload_optimizer" not in zero(3, "none", "none") and "offload_param" not in zero(3, "none", "none")
+
+
+def test_bf16_master_weights_leave_out_stage_0_and_count_two_byte_masters():
+    """[Note: bf16 master weights]: DeepSpeed (and zeroshard) refuse them at stage 0, so no stage-0 trial is built;
+    the memory pruning counts 2-byte masters and gradients (and 2-byte moments with bf16_optimizer_states)."""
+    from zeroshard.cli.autotune import _precision
+
+    base = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    precision = _precision(base)
+    assert precision == Precision(2, 2, 4, master_bytes=2)
+    assert _precision({"bf16": {"enabled": True}}) == Precision(2, 4, 8) and _precision({}) == Precision(4, 4, 8)
+    fp32_moments = {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}
+    assert _precision(fp32_moments) == Precision(2, 2, 8, master_bytes=2)
+    space, _ = build_space(from_params(1e8), Cluster(gpus_per_node=2), precision, 256, None, None, "gridsearch")
+    assert space and all(e.stage > 0 for e in space)

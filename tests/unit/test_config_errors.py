@@ -349,6 +349,11 @@ def test_deepspeed_attribute_names_are_accepted_silently(log: pytest.LogCaptureF
             "(bf16.bf16_master_weights_and_grads is true); set super_offload false or remove it",
         ),
         (
+            {"fp16": {"fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}},
+            "fp16.fp16_master_weights_and_grads is true but fp16.enabled is false: fp16 master weights need fp16 "
+            "training (set fp16.enabled true, or remove fp16_master_weights_and_grads)",
+        ),
+        (
             {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
             "bf16.bf16_master_weights_and_grads is true but needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0)",
         ),

@@ -85,7 +85,9 @@ def build_space(
         while mb <= max_micro_batch:
             if max_train_batch_size is not None and mb * cluster.world_size > max_train_batch_size:
                 break
-            row = next(r for r in estimate_rows(model, cluster, precision, seq_len, mb) if r.option == option)
+            row = next((r for r in estimate_rows(model, cluster, precision, seq_len, mb) if r.option == option), None)
+            if row is None:  # no such row for this precision (stage 0 with bf16 master weights)
+                break
             if mb == 1:
                 smallest.append(_experiment(option, mb, BUCKETS[0], row.gpu_bytes_per_rank))
             if cap is not None and row.gpu_bytes_per_rank > cap:

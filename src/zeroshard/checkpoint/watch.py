@@ -28,6 +28,7 @@ import time
 from types import TracebackType
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from zeroshard.checkpoint.errors import CheckpointError
@@ -109,13 +110,21 @@ class AbsenceWatch:
         self._thread = threading.Thread(target=self._run, name=f"zeroshard-checkpoint-watch-{rank}", daemon=True)
 
     @classmethod
-    def start(cls, activity: Activity, rank: int, world_size: int) -> AbsenceWatch | None:
+    def start(cls, activity: Activity, rank: int, world_size: int, device: torch.device) -> AbsenceWatch | None:
+        """Collective over the default group: every rank opens its connection, then they agree (one MAX all-reduce)
+        that all of them watch, or none does. The agreement is also what keeps a rank from going on before its peers
+        are connected: rank 0 serves the store, and a rank 0 that finished and exited while a peer was still opening
+        its connection left that peer retrying a dead address for the store's timeout (300 s, then again)."""
         store = default_store() if world_size > 1 else None
         if store is None:
             return None
         try:
             own = store.clone()  # type: ignore[attr-defined]  # torch >= 2.4; the main connection may be busy
         except Exception:  # noqa: BLE001 - a store that cannot (FileStore, HashStore): the entry timeout remains
+            own = None
+        missing = torch.tensor([1.0 if own is None else 0.0], device=device)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if own is None or missing.item() > 0:
             return None
         watch = cls(activity, rank, world_size, own)
         watch._thread.start()

@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         settings = type(settings)(**{**settings.__dict__, "overwrite": False})
     model = from_model_arg(args.model)
     cap = int(args.max_memory_per_rank) if args.max_memory_per_rank else None
-    fp32 = not (base.get("bf16", {}).get("enabled") or base.get("fp16", {}).get("enabled"))
-    precision = Precision(4 if fp32 else 2, 4, 8)
+    precision = _precision(base)
     cluster = Cluster(gpus_per_node=args.nproc_per_node)
     space, smallest = build_space(
         model, cluster, precision, args.seq_len, cap, settings.max_train_batch_size, settings.tuner_type
@@ -117,6 +116,19 @@ def run(args: argparse.Namespace) -> int:
         need = least.result["peak_bytes"] if least else smallest[0].estimated_bytes
         raise CLIError(_nothing_fits(cap, label, need, "measured" if least else "estimated"), EXIT_NOTHING_FITS)
     return 0
+
+
+def _precision(base: dict[str, Any]) -> Precision:
+    """Bytes per element as the base config trains: fp32 or half parameters, and the master, gradient and state
+    dtypes of bf16/fp16 master weights ([Note: bf16 master weights])."""
+    bf16, fp16 = base.get("bf16", {}), base.get("fp16", {})
+    if not (bf16.get("enabled") or fp16.get("enabled")):
+        return Precision(4, 4, 8)
+    low = bool(bf16.get("bf16_master_weights_and_grads") or fp16.get("fp16_master_weights_and_grads"))
+    if not low:
+        return Precision(2, 4, 8)
+    fp32_state = base.get("optimizer", {}).get("params", {}).get("fp32_optimizer_states", True)
+    return Precision(2, 2, 4 if bf16.get("bf16_optimizer_states") or fp32_state is False else 8, master_bytes=2)
 
 
 def _nothing_fits(cap: int | None, label: str, need: int, how: str) -> str:

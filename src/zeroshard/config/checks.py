@@ -28,16 +28,20 @@ def _check_precision(cfg: ZeroshardConfig) -> None:
                 raise ConfigError(f"fp16.{key}: {value} is out of range; dynamic loss scaling needs > 0")
     if bf16.bf16_optimizer_states is True and bf16.bf16_master_weights_and_grads is not True:
         raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true")
-    if bf16.bf16_master_weights_and_grads is True and bf16.enabled is False:
-        raise ConfigError(
-            "bf16.bf16_master_weights_and_grads is true but bf16.enabled is false: bf16 master weights need bf16 "
-            "training (set bf16.enabled true, or remove bf16_master_weights_and_grads)"
-        )
-    if bf16.bf16_master_weights_and_grads is True and str(cfg.zeroshard.backend) == "fsdp2":
-        raise ConfigError(
-            'bf16.bf16_master_weights_and_grads needs the "zero" backend (zeroshard.backend is "fsdp2", whose sharded '
-            "parameters are the fp32 masters)"
-        )
+    for block, name in ((bf16, "bf16"), (fp16, "fp16")):  # [Note: bf16 master weights]
+        key = f"{name}.{name}_master_weights_and_grads"
+        if getattr(block, f"{name}_master_weights_and_grads") is not True:
+            continue
+        if block.enabled is False:
+            raise ConfigError(
+                f"{key} is true but {name}.enabled is false: {name} master weights need {name} training (set "
+                f"{name}.enabled true, or remove {name}_master_weights_and_grads)"
+            )
+        if str(cfg.zeroshard.backend) == "fsdp2":
+            raise ConfigError(
+                f'{key} needs the "zero" backend (zeroshard.backend is "fsdp2", whose sharded parameters are the fp32 '
+                "masters)"
+            )
     autocast = cfg.torch_autocast
     if autocast.enabled is True:  # [Note: torch autocast]
         if fp16.enabled is True or bf16.enabled is True:
@@ -149,6 +153,8 @@ def _check_super_offload(cfg: ZeroshardConfig) -> None:
         needs = 'offload_param.device "none" or "cpu" (it is "nvme")'
     elif cfg.bf16.bf16_master_weights_and_grads is True:  # [Note: undoing an Adam step] is exact enough in fp32
         needs = "fp32 master weights (bf16.bf16_master_weights_and_grads is true)"
+    elif cfg.fp16.fp16_master_weights_and_grads is True:
+        needs = "fp32 master weights (fp16.fp16_master_weights_and_grads is true)"
     elif str(cfg.zeroshard.backend) == "fsdp2":
         needs = 'the "zero" backend (zeroshard.backend is "fsdp2")'
     elif isinstance(block.cpuadam_cores_perc, float) and block.cpuadam_cores_perc <= 0.0:

@@ -33,9 +33,7 @@ class FP16Config(ConfigBlock):
     hysteresis: int = option(2, "Overflows tolerated before the dynamic scale shrinks.", Int())
     consecutive_hysteresis: bool = option(False, "Refill hysteresis after every step without overflow.", Bool())
     min_loss_scale: int = option(1, "Lower bound of the dynamic loss scale.", Int())
-    fp16_master_weights_and_grads: bool = option(
-        False, "Keep master weights and gradients in fp16 (ZeRO 1-3, CPU Adam).", Bool()
-    )
+    fp16_master_weights_and_grads: bool = option(False, "Keep master weights and gradients in fp16 (ZeRO 1-3).", Bool())
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "fp16.auto_cast",  # engine.forward casts the positional inputs (precision/cast.inputs_to_half)
         "bf16.bf16_master_weights_and_grads",  # precision/policy.py ([Note: bf16 master weights])
         "bf16.bf16_optimizer_states",
+        "fp16.fp16_master_weights_and_grads",
         "bf16.enabled",
         "bf16.check_grad_overflow",
         "data_types.grad_accum_dtype",
@@ -275,7 +276,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.legacy_stage1",
         "zero_optimization.elastic_checkpoint",
         # Precision extras.
-        "fp16.fp16_master_weights_and_grads",
         "amp",
         # Communication extras.
         "disable_allgather",

@@ -67,7 +67,8 @@ _NOT_ELEMENTWISE: Mapping[str, str] = MappingProxyType(
 
 # DeepSpeed-only Adam keys that torch's Adam/AdamW lack; consumed in _adam_kwargs.
 _DS_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none", "fp32_optimizer_states")
-# DeepSpeed-only keys other optimizers accept and ignore (values that match zeroshard's behaviour).
+# DeepSpeed-only keys other optimizers accept and ignore (values that match zeroshard's behaviour; with bf16/fp16
+# master weights fp32_optimizer_states false is read by precision/policy.py: [Note: bf16 master weights]).
 _DS_IGNORED_KEYS = ("set_grad_none", "fp32_optimizer_states")
 # FusedAdam's defaults where they differ from torch's (torch AdamW defaults weight_decay to 0.01).
 _FUSED_ADAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({"weight_decay": 0.0})

@@ -14,8 +14,9 @@ from zeroshard.precision.dtypes import dtype_of
 class PrecisionPolicy:
     """compute: parameters and activations; grad_accum: gradient accumulation and shards;
     comm: gradient reduction (DeepSpeed's default: the compute dtype); master: master weights, fp32 unless
-    `bf16.bf16_master_weights_and_grads` ([Note: bf16 master weights] in optim/state_dtype.py); optimizer_state: the
-    dtype optimizer state is kept in (fp32 with bf16 masters unless `bf16.bf16_optimizer_states`; None: the masters').
+    `bf16.bf16_master_weights_and_grads` / `fp16.fp16_master_weights_and_grads` ([Note: bf16 master weights] in
+    optim/state_dtype.py); optimizer_state: the dtype optimizer state is kept in (fp32 with low-precision masters
+    unless `bf16.bf16_optimizer_states`; None: the masters').
 
     check_overflow: skip the optimizer step when a gradient holds inf/nan. Always with fp16 (the loss
     scaler needs it); with bf16 when `bf16.check_grad_overflow` (DeepSpeed's default: true; DeepSpeed 0.19.8
@@ -48,8 +49,16 @@ class PrecisionPolicy:
         buffer_name = cfg.data_types.buffer_dtype
         autocast = cfg.torch_autocast
         keep = cfg.data_types.keep_in_fp32_modules
-        low_master = bool(cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads)
-        master = torch.bfloat16 if low_master else torch.float32
+        # [Note: bf16 master weights]: masters in the compute dtype; fp32 state unless bf16_optimizer_states
+        low_master = bool(
+            (cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads)
+            or (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads)
+        )
+        master = compute if low_master else torch.float32
+        # DeepSpeedCPUAdam's fp32_optimizer_states false keeps its moments in the parameters' (masters') dtype
+        ds_params = cfg.optimizer.params if cfg.optimizer is not None and cfg.optimizer.params else {}
+        low_state = bool(cfg.bf16.enabled and cfg.bf16.bf16_optimizer_states)
+        low_state = low_state or ds_params.get("fp32_optimizer_states") is False
         return cls(
             compute_dtype=compute,
             grad_accum_dtype=dtype_of(accum_name) if accum_name else master,
@@ -63,5 +72,5 @@ class PrecisionPolicy:
             if autocast.lower_precision_safe_modules is None
             else tuple(autocast.lower_precision_safe_modules),
             master_dtype=master,
-            optimizer_state_dtype=torch.float32 if low_master and not cfg.bf16.bf16_optimizer_states else None,
+            optimizer_state_dtype=torch.float32 if low_master and not low_state else None,
         )

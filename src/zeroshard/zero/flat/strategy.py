@@ -32,7 +32,7 @@ from zeroshard.errors import UnusedParameterError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
-from zeroshard.optim.state_dtype import states_in
+from zeroshard.optim import state_dtype
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
@@ -264,8 +264,7 @@ class FlatStrategy(Strategy):
         ready = copy is not None and copy is not buffers.grad_shard and self._group_buckets[g] <= self._copied
         self.host_copies_in_backward += ready
         buffers.master.grad = self.gradients_tier.for_step(buffers.grad_shard, buffers.master, copy, ready, scale)
-        with states_in(self.optimizer, [buffers.master]):  # [Note: bf16 master weights]
-            self.optimizer.step()
+        state_dtype.step(self.optimizer, [buffers.master])  # [Note: bf16 master weights]
         buffers.master.grad = None
         self._write_owned(buffers)
 
@@ -357,10 +356,10 @@ class FlatStrategy(Strategy):
     def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:
         layout = buffers.layout
         if layout.numel == layout.shard_numel:
-            return buffers.master.to(self.device)
+            return buffers.master.to(self.device, torch.float32)
         full = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
-        for bucket in layout.buckets:
-            mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device)
+        for bucket in layout.buckets:  # fp32 in and out (NCCL gathers one dtype): [Note: bf16 master weights]
+            mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device, torch.float32)
             self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
         return full
 

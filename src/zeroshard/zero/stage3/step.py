@@ -13,7 +13,7 @@ import torch
 
 from zeroshard.offload.gradients import GradientTier
 from zeroshard.offload.residency import Residency
-from zeroshard.optim.state_dtype import states_in
+from zeroshard.optim import state_dtype
 from zeroshard.zero.stage3.build import BuiltUnits, Piece, SubGroup
 from zeroshard.zero.stage3.unit import ShardedUnit
 
@@ -82,8 +82,7 @@ class SubGroupStepper:
         for master, grad in stepped:
             master.grad = grad
         if stepped:
-            with states_in(self.optimizer, [master for master, _ in stepped]):  # [Note: bf16 master weights]
-                self.optimizer.step()
+            state_dtype.step(self.optimizer, [master for master, _ in stepped])  # [Note: bf16 master weights]
         for master, _ in stepped:
             master.grad = None
         for unit in units:

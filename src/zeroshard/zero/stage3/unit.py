@@ -424,12 +424,13 @@ class ShardedUnit:
         return [self.master] if self.master is not self.shard and self.master.numel() > 0 else []
 
     def fp32_shard(self) -> torch.Tensor:
-        """This rank's shard in fp32: the master, and the compute values where there is no master (frozen
-        parameters: [Note: frozen parameters at stage 3])."""
+        """This rank's shard in fp32 (a copy unless the master is fp32): the master, and the compute values where
+        there is no master (frozen parameters: [Note: frozen parameters at stage 3])."""
+        master = self.master.float()  # itself when fp32; bf16 masters: [Note: bf16 master weights]
         if self.master.numel() == self.shard.numel():
-            return self.master
+            return master
         rest = self.shard[self.master.numel() :].to(self.master.device, torch.float32)
-        return torch.cat([self.master, rest])
+        return torch.cat([master, rest])
 
     def settle_shard(self) -> None:
         self.home.settle(self.key)
