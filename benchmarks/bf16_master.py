@@ -51,17 +51,11 @@ def _config(mode: str) -> dict[str, Any]:
     }
 
 
-def _tensor_bytes(tensors: Any) -> int:
-    import torch
-
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 def measure(rank: int, world_size: int, framework: str, mode: str) -> dict[str, Any]:
     import torch
 
     from benchmarks.spec import TrainSettings
-    from benchmarks.workers.common import Batches, build_model
+    from benchmarks.workers.common import Batches, build_model, tensor_bytes, train_steps
 
     torch.set_num_threads(1)
     settings = TrainSettings(size="120m", seq_len=8)
@@ -81,20 +75,14 @@ def measure(rank: int, world_size: int, framework: str, mode: str) -> dict[str, 
             model=model, model_parameters=model.parameters(), config=_config(mode)
         )
     del model
-    batches, losses = Batches(settings, world_size), []
-    for step in range(STEPS):
-        x, y = batches.for_rank(step, rank)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, Batches(settings, world_size), rank, STEPS)
     if framework == "deepspeed":
-        params = _tensor_bytes(getattr(optimizer, "fp16_partitioned_groups_flat", []))
+        params = tensor_bytes(getattr(optimizer, "fp16_partitioned_groups_flat", []))
         flat = getattr(optimizer, "fp32_partitioned_groups_flat", [])
         aliased = {t.data_ptr() for t in getattr(optimizer, "fp16_partitioned_groups_flat", [])}
-        masters = _tensor_bytes(t for t in flat if t.data_ptr() not in aliased)
+        masters = tensor_bytes(t for t in flat if t.data_ptr() not in aliased)
         inner = getattr(optimizer, "optimizer", optimizer)
-        state = _tensor_bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        state = tensor_bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
         states = params + masters + state
     else:
         report = engine.memory_report()

@@ -44,7 +44,7 @@ def measure(rank: int, world_size: int, framework: str) -> dict[str, Any]:
     import torch
 
     from benchmarks.spec import TrainSettings
-    from benchmarks.workers.common import Batches, build_model
+    from benchmarks.workers.common import Batches, build_model, train_steps
 
     torch.set_num_threads(1)
     settings = TrainSettings(size="120m", lora_rank=16, seq_len=8)
@@ -61,13 +61,7 @@ def measure(rank: int, world_size: int, framework: str) -> dict[str, Any]:
 
         engine, optimizer, _, _ = zeroshard.initialize(model=model, model_parameters=trainable, config=_config())
     del model
-    batches, losses = Batches(settings, world_size), []
-    for step in range(STEPS):
-        x, y = batches.for_rank(step, rank)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, Batches(settings, world_size), rank, STEPS)
     if framework == "deepspeed":
         flat = getattr(optimizer, "fp32_partitioned_groups_flat", [])
         master = sum(t.numel() * t.element_size() for t in flat)

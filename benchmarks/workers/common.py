@@ -97,6 +97,19 @@ class Batches:
         return torch.stack(xs), torch.stack(ys)
 
 
+def train_steps(engine: Any, batches: Batches, rank: int, steps: int) -> list[float]:
+    """`steps` DeepSpeed-style steps (forward, `backward`, `step`) of a zeroshard or DeepSpeed engine on this
+    rank's batches; the losses."""
+    losses = []
+    for step in range(steps):
+        x, y = batches.for_rank(step, rank)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
