@@ -11,7 +11,8 @@ from helpers.harness import run_on_ranks
 from helpers.parity import Case, engine_run, reference_run, relative_difference
 
 TOL = 1e-6
-CASES = [Case(stage=0, steps=3), Case(stage=2, steps=3), Case(stage=3, steps=3), Case(stage=3, variant="deep", steps=3)]
+CASES = [Case(stage=2, steps=3), Case(stage=3, variant="deep", steps=3)]  # flat buffers; stage 3's disabled hooks
+MORE_CASES = [Case(stage=0, steps=3), Case(stage=3, steps=3)]
 
 
 def _fsdp2(config: dict) -> dict:
@@ -53,8 +54,15 @@ def _check(cases: list[Case], per_rank: list, world_size: int, tol: float = TOL)
             assert relative_difference(p, q) <= tol, (case.name, step, relative_difference(p, q))
 
 
-def test_compiled_engine_matches_the_reference_every_stage() -> None:
+def test_compiled_engine_matches_the_reference() -> None:
     _check(CASES, run_on_ranks(_compiled_runs, 2, "aot_eager", CASES, False, timeout=600), 2)
+
+
+# slow: stage 0 and the shallow stage-3 model, secondary to the cases above (the default suite's budget: 864 s of
+# 900 measured on 2026-11-24, this test 26 s of it with all four)
+@pytest.mark.slow
+def test_compiled_engine_matches_the_reference_at_the_other_stages() -> None:
+    _check(MORE_CASES, run_on_ranks(_compiled_runs, 2, "aot_eager", MORE_CASES, False, timeout=600), 2)
 
 
 def test_compiled_engine_on_the_fsdp2_backend() -> None:
