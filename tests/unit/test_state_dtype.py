@@ -80,6 +80,10 @@ def test_load_state_dict_keeps_the_fp32_state():
         assert optimizer.state[master][key].dtype == value.dtype and torch.equal(optimizer.state[master][key], value)
     state_dtype.step(optimizer, [master])
     assert int(optimizer.state[master]["step"]) == 2
+    low = {k: v.bfloat16() if v.dim() else v for k, v in optimizer.state_dict()["state"][0].items()}
+    optimizer.load_state_dict({**optimizer.state_dict(), "state": {0: low}})  # a bf16-state run's, converted
+    assert {v.dtype for v in optimizer.state[master].values() if v.dim()} == {torch.float32}
+    state_dtype.step(optimizer, [master])
 
 
 @pytest.mark.parametrize(

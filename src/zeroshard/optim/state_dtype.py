@@ -59,13 +59,17 @@ def keep_state_in(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None) -
         )
 
     def after_load(opt: torch.optim.Optimizer) -> None:
+        """The loaded fp32 values where there were some, else the loaded ones converted (from a bf16-state run)."""
         params = [p for group in opt.param_groups for p in group["params"]]
-        for index, values in loaded.items():
-            state = opt.state.get(params[index]) if 0 <= index < len(params) else None
-            if state is None:
+        for index, p in enumerate(params):
+            state, exact = opt.state.get(p), loaded.get(index, {})
+            if not state:
                 continue
-            for key, value in values.items():
-                state[key] = value.to(state[key].device if key in state else value.device).clone()
+            for key, value in list(state.items()):
+                if key in exact:
+                    state[key] = exact[key].to(value.device).clone()
+                elif _elementwise(value) and value.dtype != dtype:
+                    state[key] = value.to(dtype)
         loaded.clear()
 
     optimizer.register_load_state_dict_pre_hook(before_load)
