@@ -139,11 +139,12 @@ def test_bf16_master_weights_leave_out_stage_0_and_count_two_byte_masters():
     the memory pruning counts 2-byte masters and gradients (and 2-byte moments with bf16_optimizer_states)."""
     from zeroshard.cli.autotune import _precision
 
-    base = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    zero = {"zero_optimization": {"stage": 2}}  # the keys need stage 1-3 (a base without a stage is refused)
+    base = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, **zero}
     precision = _precision(base)
     assert precision == Precision(2, 2, 4, master_bytes=2)
     assert _precision({"bf16": {"enabled": True}}) == Precision(2, 4, 8) and _precision({}) == Precision(4, 4, 8)
-    fp32_moments = {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}
+    fp32_moments = {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, **zero}
     assert _precision(fp32_moments) == Precision(2, 2, 8, master_bytes=2)
     space, _ = build_space(from_params(1e8), Cluster(gpus_per_node=2), precision, 256, None, None, "gridsearch")
     assert space and all(e.stage > 0 for e in space)

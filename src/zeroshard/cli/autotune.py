@@ -16,6 +16,7 @@ from zeroshard.cli.common import CLIError, human_bytes, out
 from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.shapes import from_model_arg
 from zeroshard.config.parse import parse_config
+from zeroshard.precision.policy import PrecisionPolicy
 
 EXIT_NOTHING_FITS = 3
 
@@ -119,16 +120,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _precision(base: dict[str, Any]) -> Precision:
-    """Bytes per element as the base config trains: fp32 or half parameters, and the master, gradient and state
-    dtypes of bf16/fp16 master weights ([Note: bf16 master weights])."""
-    bf16, fp16 = base.get("bf16", {}), base.get("fp16", {})
-    if not (bf16.get("enabled") or fp16.get("enabled")):
-        return Precision(4, 4, 8)
-    low = bool(bf16.get("bf16_master_weights_and_grads") or fp16.get("fp16_master_weights_and_grads"))
-    if not low:
-        return Precision(2, 4, 8)
-    fp32_state = base.get("optimizer", {}).get("params", {}).get("fp32_optimizer_states", True)
-    return Precision(2, 2, 4 if bf16.get("bf16_optimizer_states") or fp32_state is False else 8, master_bytes=2)
+    """Bytes per element as the base config trains, from the engine's own precision policy (compute, gradient
+    accumulation, master and optimizer-state dtypes: [Note: bf16 master weights])."""
+    policy = PrecisionPolicy.from_config(parse_config(base))
+    state = policy.optimizer_state_dtype or policy.master_dtype
+    return Precision(
+        policy.compute_dtype.itemsize,
+        policy.grad_accum_dtype.itemsize,
+        2 * state.itemsize,  # Adam/AdamW: two moments
+        master_bytes=policy.master_dtype.itemsize,
+    )
 
 
 def _nothing_fits(cap: int | None, label: str, need: int, how: str) -> str:

@@ -121,7 +121,6 @@ def make_strategy(
         "step": step,
         "master_tier": _tier(cfg, "offload_optimizer", need, topology.device),
         "master_dtype": precision.master_dtype,
-        "optimizer_state_dtype": precision.optimizer_state_dtype,
     }
     if stage < 3:
         bucket = int(z.reduce_bucket_size)

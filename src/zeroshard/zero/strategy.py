@@ -75,9 +75,7 @@ class StrategyPolicy:
     overlap_comm: bool
     step: StepPolicy
     master_tier: Tier  # where master weights and optimizer state live (offload_optimizer)
-    # [Note: bf16 master weights] in optim/state_dtype.py; optimizer_state_dtype None: the masters'
-    master_dtype: torch.dtype = field(default=torch.float32, kw_only=True)
-    optimizer_state_dtype: torch.dtype | None = field(default=None, kw_only=True)
+    master_dtype: torch.dtype = field(default=torch.float32, kw_only=True)  # [Note: bf16 master weights]
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
