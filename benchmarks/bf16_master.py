@@ -8,11 +8,11 @@ The 120m GPT, every parameter trained, bf16, AdamW, ZeRO-3 with `stage3_param_pe
 ranks, 2 steps of 8 tokens (bf16 matmuls are slow on this CPU; the model states do not depend on the tokens), in
 three modes: mixed precision (fp32 masters and Adam state, DeepSpeed's default), `bf16_master_weights_and_grads`
 (fp32 state: zeroshard only, DeepSpeed allows it only with offload_optimizer and its CPU Adam), and both keys (bf16
-masters and state). Each rank reports its VmRSS after the steps minus its VmRSS before building the model (from
-/proc/self/status; the fp32 model each rank builds first is freed once sharded), the engine's model-state bytes
-(zeroshard's `memory_report`; DeepSpeed's from its partitions and optimizer state) and its losses. Expected model
-states per rank: 16, 12 and 8 bytes per parameter / 2 ([Note: bf16 master weights] in
-src/zeroshard/optim/state_dtype.py).
+masters and state). Each rank reports its VmRSS after the steps minus its VmRSS before building the model and its
+VmHWM (peak, including the fp32 model each rank builds first and frees once sharded), both from /proc/self/status,
+the engine's model-state bytes (zeroshard's `memory_report`; DeepSpeed's from its partitions and optimizer state)
+and its losses. Expected model states per rank: 16, 12 and 8 bytes per parameter / 2 ([Note: bf16 master weights]
+in src/zeroshard/optim/state_dtype.py).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def measure(rank: int, world_size: int, framework: str, mode: str) -> dict[str, 
     else:
         report = engine.memory_report()
         states = report.params + report.master_weights + report.optimizer_state
-    return {"numel": numel, "grown": proc_status("VmRSS") - before, "states": states, "losses": losses}
+    grown, peak = proc_status("VmRSS") - before, proc_status("VmHWM")
+    return {"numel": numel, "grown": grown, "peak": peak, "states": states, "losses": losses}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{machine['cpu']}, torch {machine['torch']}, deepspeed {machine.get('deepspeed', '-')}, {machine['date']}\n")
     print(
         "| framework | mode | parameters | model states MiB/rank (bytes/param/rank) | RSS growth MiB/rank (max) "
-        "| losses (rank 0) |"
+        "| peak RSS (VmHWM) MiB/rank (max) | losses (rank 0) |"
     )
-    print("|---|---|---|---:|---:|---|")
+    print("|---|---|---|---:|---:|---:|---|")
     for framework in args.frameworks.split(","):
         for mode in MODES:
             if framework == "deepspeed" and mode == "bf16 masters":
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"| {framework} | {mode} | {first['numel'] / 1e6:.1f}M | {states / MiB:.0f} "
                 f"({states / first['numel']:.1f}) | {max(r['grown'] for r in ranks) / MiB:.0f} "
+                f"| {max(r['peak'] for r in ranks) / MiB:.0f} "
                 f"| {', '.join(f'{v:.6f}' for v in first['losses'])} |"
             )
 
