@@ -212,13 +212,18 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def reference_run(
-    case: Case, world_size: int, device: torch.device | str = "cpu"
+    case: Case, world_size: int, device: torch.device | str = "cpu", values: dict[str, torch.Tensor] | None = None
 ) -> tuple[list[float], list[torch.Tensor]]:
     """Per-step mean loss and per-step flat parameters of the single-process reference (on `device`: the GPU suite
-    compares a CUDA engine with a CUDA reference)."""
+    compares a CUDA engine with a CUDA reference); `values` replace the named parameters' initial values."""
     if case.master != "fp32":
+        assert values is None
         return _low_precision_reference(case, world_size, device)
     master_model = build_model(case).to(device)
+    with torch.no_grad():
+        for name, p in master_model.named_parameters():
+            if values is not None and name in values:
+                p.copy_(values[name])
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     work = copy.deepcopy(master_model).to(dtype)
     groups = param_groups(master_model, case)

@@ -92,3 +92,18 @@ def test_row_ranges_follow_torch_chunk():
                 lo, hi = row_range(dim0, world, rank)
                 expected = chunks[rank].tolist() if rank < len(chunks) else []
                 assert list(range(lo, hi)) == expected, (dim0, world, rank)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("zero_quantized_weights", True),
+        ("zero_hpz_partition_size", 2),
+        ("zero_quantized_gradients", True),
+        ("zero_quantized_nontrainable_weights", True),
+    ],
+)
+def test_zeropp_keys_are_refused_naming_the_key(key: str, value: object) -> None:
+    """FSDP2's collectives are its own: a ZeRO++ key would be accepted and do nothing."""
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key} \(ZeRO\+\+\) needs the \"zero\" backend"):
+        plan_from_config(_cfg(3, **{key: value}), torch.float32)

@@ -4,6 +4,7 @@ rules again once every value is known."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from zeroshard.config.schedules import check_curriculum
 from zeroshard.config.schema import ZeroshardConfig
@@ -192,18 +193,24 @@ def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
             f'zeroshard: data_types.buffer_dtype "{buffer_dtype}" is ignored in fp32 training, as DeepSpeed ignores '
             "it: buffers are cast only under bf16 or fp16"
         )
-    zeropp = [
+    zeropp = zeropp_keys(zero)
+    if zeropp and zero.stage < 3:
+        logger.warning(
+            f"zeroshard: zero_optimization.{', '.join(zeropp)} (ZeRO++) is ignored at zero_optimization.stage "
+            f"{zero.stage}, as DeepSpeed ignores it: ZeRO++ works on stage 3's parameter shards and gathers and its "
+            "gradient reduction"
+        )
+
+
+def zeropp_keys(zero: Any) -> list[str]:
+    """The ZeRO++ keys a `zero_optimization` block turns on."""
+    return [
         key
         for key, on in (
             ("zero_quantized_weights", zero.zero_quantized_weights is True),
             ("zero_hpz_partition_size", int(zero.zero_hpz_partition_size or 1) > 1),
             ("zero_quantized_gradients", zero.zero_quantized_gradients is True),
+            ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights is True),
         )
         if on
     ]
-    if zeropp and zero.stage < 3:
-        logger.warning(
-            f"zeroshard: zero_optimization.{', '.join(zeropp)} (ZeRO++) is ignored at zero_optimization.stage "
-            f"{zero.stage}, as DeepSpeed ignores it: ZeRO++ works on stage 3's parameter gathers and gradient "
-            "reduction"
-        )

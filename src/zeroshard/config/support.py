@@ -54,6 +54,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.zero_hpz_partition_size",  # ZeRO++ hpZ (zero/zeropp/)
         "zero_optimization.zero_quantized_weights",  # ZeRO++ qwZ
         "zero_optimization.zero_quantized_gradients",  # ZeRO++ qgZ
+        "zero_optimization.zero_quantized_nontrainable_weights",  # zero/stage3/packed.py
         "zero_optimization.sub_group_size",
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
@@ -268,7 +269,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Offload (CPU and NVMe) and asynchronous I/O.
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
-        "zero_optimization.zero_quantized_nontrainable_weights",
         "zero_optimization.zeropp_loco_param",
         "zero_optimization.mics_shard_size",
         "zero_optimization.mics_hierarchical_params_gather",

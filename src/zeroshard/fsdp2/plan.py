@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.config.checks import zeropp_keys
 from zeroshard.errors import ConfigError
 from zeroshard.precision.dtypes import dtype_of
 
@@ -56,6 +57,12 @@ def plan_from_config(cfg: Any, compute_dtype: torch.dtype) -> Fsdp2Plan:
             f'"zeroshard": {{"backend": "fsdp2"}} runs ZeRO stages 2 and 3 (FSDP2 always shards gradients); '
             f"zero_optimization.stage is {stage}. Use stage 2 (the closest: optimizer state and gradients "
             'sharded, parameters whole between forward and backward) or the "zero" backend for stages 0/1.'
+        )
+    zeropp = zeropp_keys(z)
+    if zeropp:
+        raise ConfigError(
+            f'zero_optimization.{", ".join(zeropp)} (ZeRO++) needs the "zero" backend: the fsdp2 backend\'s '
+            'parameters and collectives are FSDP2\'s own. Remove the key or use the "zero" backend.'
         )
     param_dev, optim_dev = str(z.offload_param.device), str(z.offload_optimizer.device)
     if "nvme" in (param_dev, optim_dev):

@@ -170,6 +170,7 @@ def make_strategy(
             quantized_weights=bool(z.zero_quantized_weights),
             hpz_partition_size=int(z.zero_hpz_partition_size or 1),
             quantized_gradients=bool(z.zero_quantized_gradients),
+            quantized_nontrainable_weights=bool(z.zero_quantized_nontrainable_weights),
             nodes=NodeLayout.from_env(topology.world_size),
         ),
     )

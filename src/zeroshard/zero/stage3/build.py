@@ -20,6 +20,7 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.chunks import greedy_chunks
+from zeroshard.zero.quant import BlockQuantizer
 from zeroshard.zero.stage3.plan import (
     NO_LEAVES,
     PERSISTENT,
@@ -82,6 +83,7 @@ class BuildPolicy:
     model_persistence_threshold: int = sys.maxsize  # [Note: units] in plan.py
     leaves: LeafModules = NO_LEAVES  # [Note: leaf modules] in plan.py
     master_dtype: torch.dtype = torch.float32  # [Note: bf16 master weights] in optim/state_dtype.py
+    frozen_quantizer: BlockQuantizer | None = None  # [Note: quantized frozen weights] in packed.py
 
 
 def build_units(
@@ -141,6 +143,7 @@ def build_units(
             fill,
             policy.keeps_gradients,
             policy.master_dtype,
+            policy.frozen_quantizer,
         )
         unit.release()
         grads = gradients.part_for(unit.grad_key, tiers[chunk_of[index]])

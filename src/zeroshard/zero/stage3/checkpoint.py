@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import torch
+
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.zero.stage3.unit import ShardedUnit
@@ -36,6 +38,9 @@ class Stage3State:
 
     def __init__(self, strategy: Stage3Strategy):
         self.strategy = strategy
+        # whole-shard copies a load fills for units with a packed tail, quantized again by `refresh_master_from_params`
+        # ([Note: quantized frozen weights] in packed.py)
+        self._loading: dict[int, torch.Tensor] = {}
 
     @property
     def writes_optim(self) -> bool:
@@ -57,16 +62,25 @@ class Stage3State:
         return {id(u.params[s.index]): s.name for u in self.strategy.units for s in u.layout.slots}
 
     def model_pieces_to_save(self, units: Collection[int] | None = None) -> list[ModelPiece]:
-        return [
-            ModelPiece(o.name, o.begin, o.end, o.unit.shard.narrow(0, o.shard_offset, o.end - o.begin))
-            for o in self._owned(units)
-        ]
+        return self._model_pieces(units, {})
+
+    def _model_pieces(self, units: Collection[int] | None, values: dict[int, torch.Tensor]) -> list[ModelPiece]:
+        """Pieces of the units' shards, as `values` (by unit index) holds them, filled in from `shard_values()`."""
+        out = []
+        for o in self._owned(units):
+            shard = values.get(o.unit.index)
+            if shard is None:
+                shard = values[o.unit.index] = o.unit.shard_values()
+            out.append(ModelPiece(o.name, o.begin, o.end, shard.narrow(0, o.shard_offset, o.end - o.begin)))
+        return out
 
     def model_bytes_to_save(self) -> int:
         return sum((o.end - o.begin) * o.unit.shard.element_size() for o in self._owned())
 
     def model_targets_to_load(self, units: Collection[int] | None = None) -> list[ModelPiece]:
-        return self.model_pieces_to_save(units)
+        wanted = [u for u in self.strategy.units if u.tail is not None and (units is None or u.index in units)]
+        self._loading.update({u.index: u.shard_values() for u in wanted})
+        return self._model_pieces(units, dict(self._loading))
 
     def optim_pieces(self, units: Collection[int] | None = None) -> list[OptimPiece]:
         starts = {}  # (unit, group) -> (optimizer tensor, its offset in the unit's shard)
@@ -83,6 +97,9 @@ class Stage3State:
         return out
 
     def refresh_master_from_params(self, units: Collection[int] | None = None) -> None:
+        for unit in self.strategy.units:
+            if unit.index in self._loading and (units is None or unit.index in units):
+                unit.load_values(self._loading.pop(unit.index))
         for unit in self.strategy.units:
             if unit.master is not unit.shard and (units is None or unit.index in units):
                 unit.master.copy_(unit.shard[: unit.master.numel()])

@@ -132,7 +132,7 @@ class SubGroupStepper:
         offload they are read in first and written back after (`changes=False`: freed, not written)."""
         shards = [(u.key, u) for u in self.units]
         with self.store.resident(self._keyed(), self.tensors, changes):
-            with self.param_store.resident(shards, lambda u: [u.shard], changes):
+            with self.param_store.resident(shards, lambda u: u.stored(), changes):
                 yield
 
     @contextmanager
@@ -140,7 +140,7 @@ class SubGroupStepper:
         """One sub-group's masters, optimizer state and compute shards in memory for the block (checkpoints
         handle the state this way, one sub-group at a time: [Note: state parts])."""
         with self.store.resident([(sub_group.key, sub_group.units)], self.tensors, changes):
-            with self.param_store.resident([(u.key, u) for u in sub_group.units], lambda u: [u.shard], changes):
+            with self.param_store.resident([(u.key, u) for u in sub_group.units], lambda u: u.stored(), changes):
                 yield
 
     def sub_group_of(self, unit: ShardedUnit) -> SubGroup:

@@ -105,6 +105,7 @@ class Stage3Strategy(Strategy):
             model_persistence_threshold=policy.model_persistence_threshold,
             leaves=policy.leaves,
             master_dtype=policy.master_dtype,
+            frozen_quantizer=policy.zeropp.frozen_quantizer if policy.zeropp is not None else None,
         )
         self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
@@ -333,7 +334,7 @@ class Stage3Strategy(Strategy):
             else 0,
             secondary_params=self.zeropp.secondary_bytes if self.zeropp is not None else 0,
         )
-        self.policy.param_tier.count_params(memory, sum(held(u.shard) for u in self.units))
+        self.policy.param_tier.count_params(memory, sum(held(t) for u in self.units for t in u.stored()))
         self._count_state(memory)
         copies = [u.grad_copy for u in self.units if u.grad_copy is not None and u.grad_copy is not u.grad_shard]
         self.gradients_tier.count(memory, sum(nbytes(c) for c in copies))

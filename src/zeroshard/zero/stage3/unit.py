@@ -66,6 +66,8 @@ from zeroshard.offload.gradients import publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
+from zeroshard.zero.quant import BlockQuantizer
+from zeroshard.zero.stage3.packed import PackedTail
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -105,10 +107,12 @@ class ShardedUnit:
         fill: Callable[[torch.Tensor, int, int], None] | None = None,
         keeps_gradients: bool = True,
         master_dtype: torch.dtype = torch.float32,
+        frozen_quantizer: BlockQuantizer | None = None,
     ):
         """`fill(out, lo, hi)`, when given, writes elements [lo, hi) of the flat buffer into `out` (a checkpoint
         read, [Note: streaming load]); otherwise the shard is copied from the parameters' values. Without
-        `keeps_gradients` (inference: no optimizer) no parameter is trainable and no gradient memory is held."""
+        `keeps_gradients` (inference: no optimizer) no parameter is trainable and no gradient memory is held.
+        `frozen_quantizer`: the frozen part of the shard is held quantized ([Note: quantized frozen weights])."""
         self.index = index
         self.name = name
         self.module = module
@@ -134,12 +138,23 @@ class ShardedUnit:
         from_full = fill is None or self.persistent
         # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the master (fp32, or bf16:
         # [Note: bf16 master weights]) on the optimizer tier; one tensor when the tiers allow it and the dtypes match
-        self.shard = param_tier.zeros(layout.shard_numel, compute_dtype)
-        if from_full:
-            self.shard.copy_(self.full[lo:hi])
-        else:
-            fill(self.shard, lo, hi)  # type: ignore[misc]  # not None here
         trained = layout.trainable_shard_numel  # [Note: frozen parameters at stage 3]
+        packs = frozen_quantizer is not None and not self.persistent and trained < layout.shard_numel
+        whole = torch.empty(layout.shard_numel, dtype=compute_dtype, device=param_tier.device) if packs else None
+        self.shard = param_tier.zeros(trained if packs else layout.shard_numel, compute_dtype)
+        values = self.shard if whole is None else whole
+        if from_full:
+            values.copy_(self.full[lo:hi])
+        else:
+            fill(values, lo, hi)  # type: ignore[misc]  # not None here
+        # the frozen rest of the shard as 8-bit blocks ([Note: quantized frozen weights] in packed.py)
+        self.tail: PackedTail | None = None
+        if whole is not None:
+            assert frozen_quantizer is not None
+            self.shard.copy_(whole[:trained])
+            self.tail = PackedTail(frozen_quantizer, layout.shard_numel - trained, param_tier)
+            self.tail.pack(whole[trained:])
+            del whole, values
         if compute_dtype == master_dtype and master_tier.shares_shard_with(param_tier):
             self.master = self.shard
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
@@ -202,19 +217,24 @@ class ShardedUnit:
         self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
         self.home.ready(self.key)
         source = self.shard
+        if collect is None and self.tail is not None:  # [Note: quantized frozen weights] in packed.py
+            collect = self.tail.gather(self, comm)
         gather = collect or comm.all_gather
         label = f"gather of unit {self.name!r}"
-        if source.device != self.full.device and self.full.is_cuda:  # offload_param: copy this rank's shard over
-            source = self.full[lo:hi]
+        # offload_param: this rank's shard is copied over first (a packed unit's gather copies its own parts)
+        moves = source.device != self.full.device and self.tail is None
+        if source.device != self.full.device and self.full.is_cuda:
             stream = copy_stream(self.full.device)
             stream.wait_stream(torch.cuda.current_stream(self.full.device))
             with torch.cuda.stream(stream):
-                source.copy_(self.shard, non_blocking=True)
+                if moves:
+                    source = self.full[lo:hi]
+                    source.copy_(self.shard, non_blocking=True)
                 self._pending = gather(self.full, source, async_op=async_op, label=label)
                 self._copied_in = torch.cuda.Event()  # after the gather: covers a synchronous one's wait too
                 self._copied_in.record(stream)
         else:
-            if source.device != self.full.device:
+            if moves:
                 source = self.full[lo:hi]
                 source.copy_(self.shard)
             self._pending = gather(self.full, source, async_op=async_op, label=label)
@@ -377,7 +397,24 @@ class ShardedUnit:
 
     # -- after the optimizer step ------------------------------------------------------------------
     def place_shard(self) -> None:
-        self.home.place(self.key, [self.shard])
+        self.home.place(self.key, self.stored())
+
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors of this unit's compute shard at its home: the shard, and a packed tail's codes."""
+        return [self.shard] if self.tail is None else [t for t in (self.shard, self.tail.codes) if t.numel()]
+
+    def shard_values(self) -> torch.Tensor:
+        """This rank's whole shard in the compute dtype: the shard itself, or a copy with a packed tail's values
+        ([Note: quantized frozen weights] in packed.py)."""
+        if self.tail is None:
+            return self.shard
+        return torch.cat([self.shard, self.tail.values(self.shard.dtype).to(self.shard.device)])
+
+    def load_values(self, values: torch.Tensor) -> None:
+        """The shard := `values` (the whole shard, compute dtype; resident), a packed tail quantized again."""
+        self.shard.copy_(values[: self.shard.numel()])
+        if self.tail is not None:
+            self.tail.pack(values[self.shard.numel() :])
 
     def master_resident(self) -> None:
         """Before the optimizer steps this unit: a master that is the compute shard is read in (`settle_shard`
@@ -394,7 +431,7 @@ class ShardedUnit:
             trained = self.master.numel()
             if trained == 0:  # all frozen: nothing changed ([Note: frozen parameters at stage 3])
                 return
-            if trained < self.shard.numel():  # the frozen rest is kept: read it (NVMe), not overwritten
+            if trained < self.shard.numel() or self.tail is not None:  # the frozen rest is kept: read (NVMe)
                 self.home.fetch(self.key)
                 self.home.ready(self.key)
             else:
@@ -413,7 +450,7 @@ class ShardedUnit:
     def overwrite_shard(self, values: torch.Tensor) -> None:
         """The compute shard := `values` (and the master, when separate), written through to its home."""
         self.home.claim(self.key)
-        self.shard.copy_(values)
+        self.load_values(values)
         self.home.evict(self.key)
         self.home.settle(self.key)
         if self.master is not self.shard:
@@ -427,9 +464,9 @@ class ShardedUnit:
         """This rank's shard in fp32 (a copy unless the master is fp32): the master, and the compute values where
         there is no master (frozen parameters: [Note: frozen parameters at stage 3])."""
         master = self.master.float()  # itself when fp32; bf16 masters: [Note: bf16 master weights]
-        if self.master.numel() == self.shard.numel():
+        if self.master.numel() == self.layout.shard_numel:
             return master
-        rest = self.shard[self.master.numel() :].to(self.master.device, torch.float32)
+        rest = self.shard_values()[self.master.numel() :].to(self.master.device, torch.float32)
         return torch.cat([master, rest])
 
     def settle_shard(self) -> None:

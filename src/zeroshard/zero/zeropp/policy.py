@@ -42,6 +42,8 @@ class ZeroPPPolicy:
     quantized_weights: bool = False
     hpz_partition_size: int = 1
     quantized_gradients: bool = False
+    # held, not communicated: [Note: quantized frozen weights] in zero/stage3/packed.py (also at one rank)
+    quantized_nontrainable_weights: bool = False
     nodes: NodeLayout | None = None  # None: one node holding every rank
     quantizer: BlockQuantizer = field(default_factory=BlockQuantizer)
 
@@ -50,7 +52,12 @@ class ZeroPPPolicy:
         return self.hpz_partition_size > 1
 
     @property
+    def frozen_quantizer(self) -> BlockQuantizer | None:
+        return self.quantizer if self.quantized_nontrainable_weights else None
+
+    @property
     def enabled(self) -> bool:
+        """Whether any gather or reduction changes (the collectives ZeRO++'s groups serve)."""
         return self.quantized_weights or self.hpz or self.quantized_gradients
 
 

@@ -52,6 +52,9 @@ class UnitGathers:
         if unit.index in self.fresh:
             return lambda full, source, async_op=False, label="": self._from_secondary(unit, async_op, label)
         fill = unit.index in self.secondary
+        if unit.tail is not None:  # its own packed gather ([Note: quantized frozen weights] in stage3/packed.py)
+            prefix = self.policy.quantizer if self.policy.quantized_weights else None
+            return unit.tail.gather(unit, self.comm, prefix, (lambda: self._fill(unit)) if fill else None)
         if self.policy.quantized_weights:
             return lambda full, source, async_op=False, label="": self._quantized(unit, source, fill, async_op, label)
         if fill:

@@ -1,0 +1,231 @@
+"""`zero_quantized_nontrainable_weights` ([Note: quantized frozen weights] in zero/stage3/packed.py): frozen weights
+held as 8-bit blocks at stage 3. Parity: the engine against the single-process reference started from the engine's
+(dequantized) frozen values, every step; the quantization error bound; bytes held; checkpoints."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+from test_parity import TOL
+
+from helpers.harness import run_on_ranks
+from helpers.parity import (
+    Case,
+    build_model,
+    ds_config,
+    engine_run,
+    param_groups,
+    reference_run,
+    relative_difference,
+)
+
+KEY = {"zero_quantized_nontrainable_weights": True}
+CASES = [
+    Case(stage=3, variant="mostly_frozen"),  # LoRA-like: the blocks' big matrices frozen
+    Case(stage=3, variant="mostly_frozen", dtype="bf16", gas=3),
+    Case(stage=3, variant="mostly_frozen", offload="cpu"),  # a separate host master; the codes stay with the shard
+    Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="nvme"),  # the codes in the swap files
+    # small frozen parameters in units that mostly train: their trainable prefixes fill the shards, nothing is packed
+    Case(stage=3, variant="frozen"),
+]
+QUANTIZER_BYTES = 1 + 4 / 256  # per element: a code, and one fp32 scale per block of 256 ([Note: block quantization])
+
+
+def _configure(zero: dict[str, Any]) -> Any:
+    def configure(config: dict) -> dict:
+        config["zero_optimization"].update(zero)
+        return config
+
+    return configure
+
+
+def _frozen_values(engine: Any) -> dict[str, torch.Tensor]:
+    """The frozen parameters' values as the engine computes with them (a gathering state_dict: collective)."""
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {n: v.float().clone() for n, v in engine.module.state_dict().items() if n in frozen}
+
+
+def _runs(rank: int, world_size: int) -> list[Any]:
+    out = []
+    for case in CASES:
+        values: dict[str, torch.Tensor] = {}
+        result = engine_run(
+            rank, world_size, case, _configure(KEY), lambda engine, v=values: v.update(_frozen_values(engine))
+        )
+        plain = engine_run(rank, world_size, case)
+        out.append((result, values, plain[2]))
+    return out
+
+
+def test_quantized_frozen_weights_train_as_the_reference_from_their_values() -> None:
+    per_rank = run_on_ranks(_runs, 2, timeout=600)
+    failures = []
+    for i, case in enumerate(CASES):
+        (losses, params, report), values, plain_report = per_rank[0][i]
+        original = dict(build_model(case).named_parameters())
+        # quantized: the frozen matrices moved, each by at most half a block's step (max |w| / 254) plus a rounding
+        moved = 0
+        for name, value in values.items():
+            before = original[name].detach()
+            bound = before.abs().max() / 254 * 1.01 + (2**-8 if case.dtype == "bf16" else 1e-7) * before.abs().max()
+            assert (value - before).abs().max() <= bound, (case.name, name)
+            moved += int(not torch.equal(value, before))
+        assert (moved > 0) == (case.variant == "mostly_frozen"), (case.name, moved)
+        ref_losses, ref_params = reference_run(case, 2, values=values) if case.master == "fp32" else ([], [])
+        loss_tol, param_tol = TOL[case.dtype]
+        for step in range(case.steps):
+            loss = sum(per_rank[r][i][0][0][step] for r in range(2)) / 2
+            if abs(loss - ref_losses[step]) > loss_tol * abs(ref_losses[step]):
+                failures.append(f"{case.name} step {step}: loss {loss!r} vs {ref_losses[step]!r}")
+            if relative_difference(params[step], ref_params[step]) > param_tol:
+                failures.append(f"{case.name} step {step}: params differ")
+        assert torch.equal(per_rank[1][i][0][1][-1], params[-1]), f"{case.name}: ranks disagree"
+        # bytes of the compute shards: per rank, its trainable prefix (T elements, as many as Adam's two fp32 states
+        # cover) in the compute dtype, the rest of its s elements at QUANTIZER_BYTES instead of 4 (fp32) or 2 (bf16)
+        held, plain = (r.params + r.host_params + r.nvme_bytes for r in (report, plain_report))  # no state on NVMe
+        size = 2 if case.dtype == "bf16" else 4
+        prefix, whole = (report.optimizer_state + report.host_optimizer_state) / 8, plain / size
+        expected = prefix * size + (whole - prefix) * QUANTIZER_BYTES if moved else plain
+        assert expected <= held <= 1.01 * expected, (case.name, held, expected, plain)
+    assert not failures, "\n".join(failures[:20])
+
+
+def _checkpoint(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Saved with the key; loaded by an engine with it (the codes come back bit for bit, training continues as
+    the uninterrupted run) and by one without it (the dequantized values)."""
+    import zeroshard
+
+    case = Case(stage=3, variant="mostly_frozen", steps=4)
+
+    def engine_with(zero: dict[str, Any]) -> Any:
+        model = build_model(case)
+        config = ds_config(case)
+        config["zero_optimization"].update(zero)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        return engine
+
+    from helpers.parity import global_batches, micro_batch
+
+    batches = global_batches(case, world_size)
+
+    def train(engine: Any, steps: list[Any]) -> list[float]:
+        losses = []
+        for batch in steps:
+            loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    first = engine_with(KEY)
+    train(first, batches[:2])
+    codes = [u.tail.codes.clone() for u in first.strategy.units if u.tail is not None]
+    values = _frozen_values(first)
+    first.save_checkpoint(root, tag="q")
+    through = train(first, batches[2:])
+    first.destroy()
+
+    again = engine_with(KEY)
+    again.load_checkpoint(root, tag="q")
+    reloaded = [u.tail.codes.clone() for u in again.strategy.units if u.tail is not None]
+    resumed = train(again, batches[2:])
+    again.destroy()
+
+    plain = engine_with({})
+    plain.load_checkpoint(root, tag="q")
+    plain_values = _frozen_values(plain)
+    plain.destroy()
+    return {
+        "codes_equal": len(codes) > 0 and all(torch.equal(a, b) for a, b in zip(codes, reloaded, strict=True)),
+        "resumed": resumed == through,
+        "plain_values": all(torch.equal(plain_values[n], values[n]) for n in values),
+    }
+
+
+def test_checkpoint_round_trip_keeps_the_codes() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        for result in run_on_ranks(_checkpoint, 2, root, timeout=300):
+            assert result == {"codes_equal": True, "resumed": True, "plain_values": True}, result
+
+
+def _zeropp(rank: int, world_size: int) -> dict[str, Any]:
+    """With qwZ and hpZ too: the packed gather carries the trainable prefix as 8-bit blocks, hpZ's secondary is
+    filled from it; the losses stay close to the run with the key alone."""
+    case = Case(stage=3, variant="mostly_frozen", dtype="bf16", steps=3)
+    alone = engine_run(rank, world_size, case, _configure(KEY))
+    both = engine_run(
+        rank, world_size, case, _configure({**KEY, "zero_quantized_weights": True, "zero_hpz_partition_size": 2})
+    )
+    return {"alone": alone[0], "both": both[0]}
+
+
+def test_composes_with_qwz_and_hpz() -> None:
+    for result in run_on_ranks(_zeropp, 2, timeout=300):
+        for a, b in zip(result["both"], result["alone"], strict=True):
+            assert abs(a - b) <= 0.02 * abs(b), result
+
+
+def _one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """At one rank the tail is quantized all the same (DeepSpeed dequantizes there too); the consolidated state dict
+    gives the values the engine computes with; a 2-rank checkpoint loads here, its frozen values quantized again in
+    this layout's blocks (within the bound of one more quantization)."""
+    case = Case(stage=3, variant="mostly_frozen", steps=2)
+    values: dict[str, torch.Tensor] = {}
+    consolidated: dict[str, torch.Tensor] = {}
+
+    def capture(engine: Any) -> None:
+        values.update(_frozen_values(engine))
+        consolidated.update(engine.consolidated_state_dict())
+
+    losses, params, _ = engine_run(rank, world_size, case, _configure(KEY), capture)
+    import zeroshard
+
+    model = build_model(case)
+    config = ds_config(case)
+    config["zero_optimization"].update(KEY)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    engine.load_checkpoint(root, tag="q")
+    resharded = _frozen_values(engine)
+    engine.destroy()
+    return {
+        "losses": losses,
+        "params": params,
+        "values": values,
+        "consolidated": all(torch.equal(consolidated[n], v) for n, v in values.items()),
+        "resharded": resharded,
+    }
+
+
+def test_one_rank_consolidation_and_a_resharded_load() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        saved = run_on_ranks(_checkpoint_values, 2, root, timeout=300)[0]
+        (result,) = run_on_ranks(_one_rank, 1, root, timeout=300)
+    case = Case(stage=3, variant="mostly_frozen", steps=2)
+    assert result["consolidated"] and len(result["values"]) > 0
+    ref_losses, ref_params = reference_run(case, 1, values=result["values"])
+    for step in range(case.steps):
+        assert abs(result["losses"][step] - ref_losses[step]) <= 1e-6 * abs(ref_losses[step])
+        assert relative_difference(result["params"][step], ref_params[step]) <= 1e-6
+    original = dict(build_model(case).named_parameters())
+    assert any(not torch.equal(v, original[n].detach()) for n, v in result["values"].items())  # quantized at 1 rank
+    for name, value in result["resharded"].items():
+        before = original[name].detach()
+        assert (value - before).abs().max() <= 2 * before.abs().max() / 254 * 1.01, name  # quantized twice
+        assert (value - saved[name]).abs().max() <= saved[name].abs().max() / 254 * 1.01, name
+
+
+def _checkpoint_values(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    """A 2-rank checkpoint of an engine with the key, before any step; the frozen values it computed with."""
+    import zeroshard
+
+    case = Case(stage=3, variant="mostly_frozen")
+    model = build_model(case)
+    config = ds_config(case)
+    config["zero_optimization"].update(KEY)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    values = _frozen_values(engine)
+    engine.save_checkpoint(root, tag="q")
+    engine.destroy()
+    return values
