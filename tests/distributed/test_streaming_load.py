@@ -182,3 +182,57 @@ def test_meta_model_has_the_dtypes_transformers_gives(tmp_path):
         assert {n: p.dtype for n, p in streamed.named_parameters()} == dtypes
         assert dtypes["lm_head.weight"] == torch.float32 and dtypes["model.norm.weight"] == torch.bfloat16
         assert not streamed.training and all(p.is_meta for p in streamed.parameters())
+
+
+def _frozen_quantized_both(rank: int, world_size: int, folder: str):
+    return [_frozen_quantized(folder, streamed) for streamed in (True, False)]
+
+
+def _frozen_quantized(folder: str, streamed: bool):
+    """A LoRA-like Llama (decoder matrices frozen) with `zero_quantized_nontrainable_weights`: the number of packed
+    units, logits before and after one step."""
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    if streamed:
+        with zeroshard.zero_init():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (name.startswith("model.layers.") and name.endswith("proj.weight")))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_nontrainable_weights": True,
+            "stage3_param_persistence_threshold": 100,  # the matrices sharded, not kept whole
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    packed = sum(u.tail is not None for u in engine.strategy.units)
+    with torch.no_grad():
+        before = engine(_batch()).logits
+    x = _batch()
+    engine.backward(engine(x, labels=x).loss)
+    engine.step()
+    with torch.no_grad():
+        after = engine(_batch()).logits
+    engine.destroy()
+    return packed, before, after
+
+
+def test_streamed_frozen_weights_are_quantized_as_a_built_model_s(tmp_path):
+    """[Note: quantized frozen weights]: read straight into the shards, the frozen tails are packed from the file's
+    values exactly as from a model built whole; the logits differ from the unquantized model's."""
+    folder = str(tmp_path / "llama")
+    _save_llama(folder)
+    plain = _plain_logits(folder)
+    for streamed, built in run_on_ranks(_frozen_quantized_both, 2, folder):
+        assert streamed[0] == built[0] > 0  # units with a packed tail
+        assert torch.equal(streamed[1], built[1]) and torch.equal(streamed[2], built[2])
+        assert not torch.allclose(streamed[1], plain, atol=1e-4)  # before any step: the frozen weights quantized
+        error = float((streamed[1] - plain).norm() / plain.norm())
+        assert error < 0.05, error  # ... by a little (2.6%: 8-bit codes in 21 matrices of a random model)
