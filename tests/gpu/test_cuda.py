@@ -434,3 +434,40 @@ def test_wall_clock_times_the_device_with_events() -> None:
     device_ms = clock.snapshot()["fwd"]
     assert device_ms > 20.0 and device_ms > 5 * host_ms, (device_ms, host_ms)
     assert [name for name, _, _ in events][0] == "Train/Samples/elapsed_time_ms_forward" and events[0][1] == device_ms
+
+
+QUANTIZED_FROZEN = [
+    Case(stage=3, variant="mostly_frozen"),
+    Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="cpu"),  # pinned codes, side-stream gathers
+    Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="nvme", dtype="bf16"),
+]
+
+
+def _quantized_frozen_on_cuda(rank: int, world_size: int, cases: list[Case]):
+    """[Note: quantized frozen weights]: each case with the key; the reference starts from the engine's frozen values."""
+    out, frozen = [], []
+
+    def configure(config: dict) -> dict:
+        config["zero_optimization"]["zero_quantized_nontrainable_weights"] = True
+        return config
+
+    for case in cases:
+        values: dict[str, torch.Tensor] = {}
+
+        def capture(engine, values=values) -> None:
+            names = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+            values.update({n: v.float().cpu() for n, v in engine.module.state_dict().items() if n in names})
+
+        losses, params, _ = engine_run(rank, world_size, case, configure, capture)
+        out.append((losses, params))
+        frozen.append(values)
+    references = (
+        [reference_run(c, world_size, f"cuda:{rank}", v) for c, v in zip(cases, frozen, strict=True)] if rank == 0 else []
+    )
+    return out, references
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_quantized_frozen_weights_on_cuda(world_size: int, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    _check(QUANTIZED_FROZEN, run_on_ranks(_quantized_frozen_on_cuda, world_size, QUANTIZED_FROZEN))
