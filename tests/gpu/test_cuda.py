@@ -444,7 +444,7 @@ QUANTIZED_FROZEN = [
 
 
 def _quantized_frozen_on_cuda(rank: int, world_size: int, cases: list[Case]):
-    """[Note: quantized frozen weights]: each case with the key; the reference starts from the engine's frozen values."""
+    """[Note: quantized frozen weights]: each case with the key; the reference starts from the engine's values."""
     out, frozen = [], []
 
     def configure(config: dict) -> dict:
@@ -461,9 +461,8 @@ def _quantized_frozen_on_cuda(rank: int, world_size: int, cases: list[Case]):
         losses, params, _ = engine_run(rank, world_size, case, configure, capture)
         out.append((losses, params))
         frozen.append(values)
-    references = (
-        [reference_run(c, world_size, f"cuda:{rank}", v) for c, v in zip(cases, frozen, strict=True)] if rank == 0 else []
-    )
+    pairs = zip(cases, frozen, strict=True)
+    references = [reference_run(c, world_size, f"cuda:{rank}", v) for c, v in pairs] if rank == 0 else []
     return out, references
 
 
