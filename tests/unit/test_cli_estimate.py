@@ -263,3 +263,26 @@ def test_estimate_bf16_master_flags(capsys):
     assert "--bf16-master-weights needs --dtype bf16" in capsys.readouterr().err
     assert main(["estimate", "--params", "7e9", "--bf16-optimizer-states"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_quantized_frozen_weights_cost_a_byte_and_a_scale_per_block_at_stage_3():
+    """zero_quantized_nontrainable_weights: frozen weights at 1 + 4/256 bytes / N at stage 3; nothing changes below it
+    (DeepSpeed ignores the key there) or for the trainable parameters."""
+    psi, frozen, n = 1_000_000, 256_000_000, 4
+    quantized = Precision(quantized_frozen=True)
+    for option in OPTIONS:
+        plain, packed = (zeroshard_states(psi, option, p, n, frozen=frozen) for p in (Precision(), quantized))
+        if option.stage < 3:
+            assert packed == plain, option
+        else:
+            assert packed.params == (2 * psi + frozen + 4 * frozen // 256) // n, option
+            assert (packed.master_weights, packed.optimizer_state) == (plain.master_weights, plain.optimizer_state)
+
+
+def test_estimate_quantized_frozen_flag(capsys):
+    args = ["estimate", "--params", "7e9", "--gpus", "2", "--gpu-memory", "8", "--trainable", "0.005"]
+    assert main([*args, "--quantized-frozen"]) == 0
+    out = capsys.readouterr().out
+    assert "held as int8 blocks" in out and '"zero_quantized_nontrainable_weights": true' in out  # stage 3 chosen
+    assert main(["estimate", "--params", "7e9", "--quantized-frozen"]) == 2
+    assert "--quantized-frozen needs --trainable" in capsys.readouterr().err

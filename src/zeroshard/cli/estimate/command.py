@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from zeroshard.cli.common import EXIT_CONFIG, CLIError, human_bytes, out
@@ -59,6 +60,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="trainable parameters, a count (2e7) or a fraction of the model (0.02), the rest frozen: LoRA or a "
         "partly frozen model (default: all train)",
     )
+    p.add_argument(
+        "--quantized-frozen",
+        action="store_true",
+        help="zero_optimization.zero_quantized_nontrainable_weights: stage 3 holds the frozen weights as int8 blocks "
+        "(with --trainable)",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
     p.add_argument("--bucket-size", type=float, default=DEFAULT_BUCKET_NUMEL, help="reduce_bucket_size (elements)")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, or 80)")
@@ -98,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         args.gradient_checkpointing,
         args.micro_batch,
     )
+    if args.quantized_frozen and rec.option.stage == 3:  # the rows counted it: the config says it
+        rec = replace(rec, zero_optimization={**rec.zero_optimization, "zero_quantized_nontrainable_weights": True})
     if args.json:
         out(json.dumps([_json_row(row, rec) for row in rows], indent=2))
     else:
@@ -113,9 +122,17 @@ def _precision(args: argparse.Namespace) -> Precision:
         raise CLIError("--bf16-optimizer-states needs --bf16-master-weights", EXIT_CONFIG)
     if args.grad_dtype is None:
         args.grad_dtype = "bf16" if args.bf16_master_weights else "fp32"
+    if args.quantized_frozen and args.trainable is None:
+        raise CLIError("--quantized-frozen needs --trainable (the frozen parameters it quantizes)", EXIT_CONFIG)
     state = OPTIMIZER_STATE_BYTES[args.optimizer] // (2 if args.bf16_optimizer_states else 1)
     master = 2 if args.bf16_master_weights else 4
-    return Precision(bytes_of(args.dtype), bytes_of(args.grad_dtype), state, master_bytes=master)
+    return Precision(
+        bytes_of(args.dtype),
+        bytes_of(args.grad_dtype),
+        state,
+        master_bytes=master,
+        quantized_frozen=args.quantized_frozen,
+    )
 
 
 def _trainable(value: float | None, params: int) -> int | None:
@@ -151,6 +168,11 @@ def render(
         lines.append(
             f"  {trainable:,} trainable ({trainable / model.params:.2%}); the other {model.params - trainable:,} "
             f"frozen: {args.dtype} weights only, no gradient, master or optimizer state"
+            + (
+                "; at stage 3 held as int8 blocks (zero_quantized_nontrainable_weights)"
+                if args.quantized_frozen
+                else ""
+            )
         )
     lines += [
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
+from zeroshard.zero.quant import DEFAULT_BLOCK_SIZE
+
 OFFLOAD_CHOICES: Final = ("none", "cpu", "nvme")
 ADDITIONAL_BUFFER_FACTOR: Final = 1.5  # DeepSpeed's default
 
@@ -67,6 +69,9 @@ class Precision:
     optimizer_bytes: int = 8  # Adam/AdamW: m and v in fp32
     comm_bytes: int | None = None
     master_bytes: int = 4
+    # zero_quantized_nontrainable_weights: stage 3 holds frozen weights as 8-bit blocks ([Note: quantized frozen
+    # weights] in zero/stage3/packed.py)
+    quantized_frozen: bool = False
 
     @property
     def reduce_bytes(self) -> int:
@@ -113,14 +118,17 @@ def zeroshard_states(
     Stage 3 without accumulation keeps its gradient shard in the communication dtype (nothing is
     accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate. A frozen
     parameter (a LoRA base) is its compute-dtype weight only, sharded at stage 3 ([Note: frozen parameters at
-    stage 3] in zero/stage3/unit.py).
+    stage 3] in zero/stage3/unit.py), 1 + 4/256 bytes with `precision.quantized_frozen`.
     """
     n = world_size
     p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     if option.stage == 3 and gradient_accumulation_steps == 1:
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
-    params = p * (psi + frozen) // n if option.stage == 3 else p * (psi + frozen)
+    if option.stage == 3:
+        params = (p * psi + (quantized_bytes(frozen) if precision.quantized_frozen else p * frozen)) // n
+    else:
+        params = p * (psi + frozen)
     if option.stage <= 1:
         # one full accumulator; its front is the reduce-scattered shard at stage 1 ([Note: stage 1's shard inside
         # its accumulator] in zero/flat/reducer.py), and it is its own shard when nothing is sharded
@@ -193,3 +201,8 @@ def comm_buffer_bytes(option: Option, psi: int, bucket_numel: int, comm_bytes: i
 def load_bytes_per_rank(option: Option, psi: int, largest_layer: int) -> int:
     """Host memory to build the model before sharding: fp32 in every process, one layer at a time with stage 3."""
     return 4 * largest_layer if option.stage == 3 else 4 * psi
+
+
+def quantized_bytes(numel: int) -> int:
+    """Bytes of `numel` elements as 8-bit codes with one fp32 scale per block of 256 ([Note: block quantization])."""
+    return numel + 4 * -(-numel // DEFAULT_BLOCK_SIZE)
