@@ -451,3 +451,11 @@ def test_unimplemented_blocks_warn_per_key(log: pytest.LogCaptureFixture) -> Non
         "zeroshard: hybrid_engine.max_out_tokens=8 is accepted but not implemented yet; it has no effect"
     )
     assert len(warnings_of(log)) == 4
+
+
+def test_zeropp_keys_with_the_fsdp2_backend_get_its_refusal_not_the_stage_warning(
+    log: pytest.LogCaptureFixture,
+) -> None:
+    """fsdp2/plan.py refuses ZeRO++ keys at any stage: the "ignored at stage 2" line would contradict that."""
+    parse_config({"zeroshard": {"backend": "fsdp2"}, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+    assert warnings_of(log) == []

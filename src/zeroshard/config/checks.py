@@ -194,7 +194,7 @@ def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
             "it: buffers are cast only under bf16 or fp16"
         )
     zeropp = zeropp_keys(zero)
-    if zeropp and zero.stage < 3:
+    if zeropp and zero.stage < 3 and str(cfg.zeroshard.backend) != "fsdp2":  # fsdp2 refuses them (fsdp2/plan.py)
         logger.warning(
             f"zeroshard: zero_optimization.{', '.join(zeropp)} (ZeRO++) is ignored at zero_optimization.stage "
             f"{zero.stage}, as DeepSpeed ignores it: ZeRO++ works on stage 3's parameter shards and gathers and its "

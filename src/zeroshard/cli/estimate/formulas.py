@@ -118,15 +118,21 @@ def zeroshard_states(
     Stage 3 without accumulation keeps its gradient shard in the communication dtype (nothing is
     accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate. A frozen
     parameter (a LoRA base) is its compute-dtype weight only, sharded at stage 3 ([Note: frozen parameters at
-    stage 3] in zero/stage3/unit.py), 1 + 4/256 bytes with `precision.quantized_frozen`.
+    stage 3] in zero/stage3/unit.py), 1 + 4/256 bytes with `precision.quantized_frozen` (see below).
     """
     n = world_size
     p, g, k = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes
     if option.stage == 3 and gradient_accumulation_steps == 1:
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
-    if option.stage == 3:
-        params = (p * psi + (quantized_bytes(frozen) if precision.quantized_frozen else p * frozen)) // n
+    if option.stage == 3 and precision.quantized_frozen:
+        # the busiest rank keeps the trainable elements of each unit's shard (all of them on rank 0 while a unit's
+        # trainable part is under 1/N of it: [Note: frozen parameters at stage 3]), the rest of its 1/N as int8
+        shard = (psi + frozen) // n
+        kept = min(psi, shard)
+        params = p * kept + quantized_bytes(shard - kept)
+    elif option.stage == 3:
+        params = p * (psi + frozen) // n
     else:
         params = p * (psi + frozen)
     if option.stage <= 1:

@@ -20,6 +20,7 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
 from zeroshard.utils.chunks import greedy_chunks
+from zeroshard.utils.logging import get_logger
 from zeroshard.zero.quant import BlockQuantizer
 from zeroshard.zero.stage3.plan import (
     NO_LEAVES,
@@ -32,6 +33,8 @@ from zeroshard.zero.stage3.plan import (
 )
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.strategy import ParamGroupSpec
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,25 @@ def build_units(
         store.place(built.sub_groups[chunk_of[index]].key, unit.separate_master())
         grads.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
         unit.zero_grad_shard()
+    if policy.frozen_quantizer is not None and shard_rank == 0:
+        _log_packed(built.units)
     return built
+
+
+def _log_packed(units: list[ShardedUnit]) -> None:
+    """How much of this rank's shards zero_quantized_nontrainable_weights packed ([Note: quantized frozen weights])."""
+    packed = [u for u in units if u.tail is not None]
+    elements = sum(u.tail.numel for u in packed if u.tail is not None)
+    total = sum(u.layout.shard_numel for u in units)
+    logger.info(
+        "zero_quantized_nontrainable_weights: %d of %d units hold frozen weights as int8 blocks, %d of this rank's "
+        "%d shard elements (%.0f%%); the rest stay in the compute dtype (trainable, or in the persistent unit)",
+        len(packed),
+        len(units),
+        elements,
+        total,
+        100.0 * elements / max(total, 1),
+    )
 
 
 def _fill_from(

@@ -33,6 +33,9 @@ class _Owned:
     group: int
 
 
+_HOST = torch.device("cpu")
+
+
 class Stage3State:
     regather_after_load = True  # loads fill shards; the persistent unit's gathered copy must be refreshed
 
@@ -69,8 +72,8 @@ class Stage3State:
         out = []
         for o in self._owned(units):
             shard = values.get(o.unit.index)
-            if shard is None:
-                shard = values[o.unit.index] = o.unit.shard_values()
+            if shard is None:  # a packed unit's values are made in host memory (the device may have no room)
+                shard = values[o.unit.index] = o.unit.shard_values(_HOST)
             out.append(ModelPiece(o.name, o.begin, o.end, shard.narrow(0, o.shard_offset, o.end - o.begin)))
         return out
 
@@ -79,7 +82,7 @@ class Stage3State:
 
     def model_targets_to_load(self, units: Collection[int] | None = None) -> list[ModelPiece]:
         wanted = [u for u in self.strategy.units if u.tail is not None and (units is None or u.index in units)]
-        self._loading.update({u.index: u.shard_values() for u in wanted})
+        self._loading.update({u.index: u.shard_values(_HOST) for u in wanted})
         return self._model_pieces(units, dict(self._loading))
 
     def optim_pieces(self, units: Collection[int] | None = None) -> list[OptimPiece]:
@@ -101,8 +104,8 @@ class Stage3State:
             if unit.index in self._loading and (units is None or unit.index in units):
                 unit.load_values(self._loading.pop(unit.index))
         for unit in self.strategy.units:
-            if unit.master is not unit.shard and (units is None or unit.index in units):
-                unit.master.copy_(unit.shard[: unit.master.numel()])
+            if units is None or unit.index in units:
+                unit.master_from_shard()
 
     def peer_tensors(self) -> dict[str, TensorInfo]:
         return {}  # every rank's module holds every tensor

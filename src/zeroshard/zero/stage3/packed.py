@@ -4,21 +4,26 @@
 With the key on, the frozen elements of each unit's shard (a LoRA base model's weights; [Note: frozen parameters at
 stage 3] in unit.py puts them after the trainable ones) are held as 8-bit blocks with one fp32 scale each ([Note:
 block quantization] in zero/quant.py), quantized once from their compute-dtype values when the unit is built: about
-1 byte per frozen parameter / N instead of 2 (bf16) or 4 (fp32). A unit's shard is then its trainable prefix in the
-compute dtype (`ShardedUnit.shard`, `trainable_shard_numel` elements, the same length on every rank) and a packed
-tail (`PackedTail`, the rest). A gather sends both in one uint8 all-gather (the prefix's raw bytes, or its 8-bit
-blocks with qwZ on) and every rank, its own part included, computes with the dequantized tail, so all replicas hold
-the same frozen values; at one rank the tail is dequantized all the same, as DeepSpeed does. The loss of precision is
-DeepSpeed's too: at most half a block's step per element (max |w| / 254 of its block of 256), once, at build; the
-values never change after (nothing steps them). Trainable parameters, their masters, gradients and optimizer state
-are untouched, and so is a unit whose trainable part fills its shards. As in DeepSpeed "non-trainable" is what the
-optimizer does not step: with no optimizer (inference) every weight is held quantized.
-- Gathers that hand values to the user (state_dict, GatheredParameters, `full_fp32_param`, consolidation, the
-  checkpoint's module weights) give the dequantized values: the original ones are gone. A checkpoint saves them and
-  a load quantizes them again, which gives back the same codes when the ranks and units are the same (a block's
-  largest value, and so its scale, survives the round trip, and every element rounds back to its code), and
-  values within the same bound otherwise.
-- The persistent unit (parameters below stage3_param_persistence_threshold) stays gathered, so it is not quantized.
+1 byte per frozen element instead of 2 (bf16) or 4 (fp32). A rank's `ShardedUnit.shard` then keeps only the leading
+elements it trains (`UnitLayout.trainable_in`) in the compute dtype and `PackedTail` holds the rest; where the fp32
+master is the shard itself (fp32 training, master and shard on one tier) it keeps the master's whole prefix
+(`trainable_shard_numel`, on every rank), so on ranks past a unit's trainable part that many frozen elements stay
+in fp32. The master prefix of a rank that keeps fewer elements holds the dequantized frozen values there (nothing
+steps them; `publish` copies back only what the shard keeps). A gather sends every rank's kept elements (raw, or as
+8-bit blocks with qwZ) and codes in one uint8 all-gather of equal rows (padded to the longest) and every rank, its
+own part included, computes with the dequantized values, so all replicas agree; at one rank the values are
+dequantized all the same, as DeepSpeed does. Quantization error: at most half a block's step per element (max |w| /
+254 of its block of 256), once, at build; DeepSpeed's CUDA quantizer uses larger groups. Trainable parameters, their
+gradients and optimizer state are untouched.
+- Differences from DeepSpeed, which quantizes each frozen parameter's own partition: the persistent unit
+  (parameters below stage3_param_persistence_threshold, kept gathered) is not quantized; "frozen" is what the
+  optimizer does not step, so with no optimizer (inference) every weight is packed, where DeepSpeed goes by
+  `requires_grad`; hpZ's secondary partition keeps the compute dtype (DeepSpeed quantizes it for these weights).
+- These are the only values left: state_dict, GatheredParameters, `full_fp32_param`, consolidation and the
+  checkpoint's module weights give them (save and load dequantize the packed shards into host memory, the rank's
+  unquantized shard size for the duration; one sub-group at a time with NVMe). A load quantizes them again, which
+  gives back the same codes when the ranks and units are the same (a block's largest value, and so its scale,
+  survives the round trip, and every element rounds back to its code) and values within one more step otherwise.
 - Where the shard lives (offload_param: pinned host memory, or NVMe with the shard) the codes live too.
 """
 
@@ -39,19 +44,28 @@ if TYPE_CHECKING:
 
 
 class PackedTail:
-    """The frozen elements of one unit's shard past its trainable prefix, as packed 8-bit blocks."""
+    """The frozen elements of one unit's shard past what this rank keeps in the compute dtype, as packed 8-bit
+    blocks; `kept` is every rank's count of kept leading elements (the gather reads each rank's row by it)."""
 
-    def __init__(self, quantizer: BlockQuantizer, numel: int, tier: Tier):
+    def __init__(self, quantizer: BlockQuantizer, kept: list[int], rank: int, shard_numel: int, tier: Tier):
         self.quantizer = quantizer
-        self.numel = numel
-        self.codes = tier.zeros(quantizer.packed_bytes(numel), torch.uint8)  # on the shard's tier
+        self.kept = kept
+        self.shard_numel = shard_numel
+        self.numel = shard_numel - kept[rank]
+        self.codes = tier.zeros(self.code_bytes(self.numel), torch.uint8)  # on the shard's tier
+
+    def code_bytes(self, numel: int) -> int:
+        return self.quantizer.packed_bytes(numel) if numel else 0
 
     def pack(self, values: torch.Tensor) -> None:
         """Codes := `values` (`numel` elements, any dtype and device) quantized."""
-        self.quantizer.pack(values.to(self.codes.device), self.codes)
+        if self.numel:
+            self.quantizer.pack(values.to(self.codes.device), self.codes)
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized elements, in `dtype` on the codes' device."""
+        if not self.numel:
+            return torch.empty(0, dtype=dtype, device=self.codes.device)
         return self.quantizer.unpack(self.codes, self.numel, dtype)
 
     def gather(
@@ -62,8 +76,9 @@ class PackedTail:
         then: Callable[[], None] | None = None,
     ) -> Callable[..., Handle]:
         """The gather of `unit` (called as `comm.all_gather(full, source, async_op=..., label=...)`, `source` unused):
-        every rank's prefix (as 8-bit blocks with `prefix_quantizer`: qwZ) and tail in one uint8 all-gather, unpacked
-        into the full buffer when the handle is waited on; `then` runs after that (hpZ's secondary fill)."""
+        every rank's kept elements (as 8-bit blocks with `prefix_quantizer`: qwZ) and codes in one uint8 all-gather
+        of equal rows, unpacked into the full buffer when the handle is waited on; `then` runs after that (hpZ's
+        secondary fill)."""
 
         def collect(full: torch.Tensor, source: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
             return self._gather(unit, comm, prefix_quantizer, then, async_op, label)
@@ -79,17 +94,18 @@ class PackedTail:
         async_op: bool,
         label: str,
     ) -> Handle:
-        full, prefix, world = unit.full, unit.shard, comm.world_size
-        dtype, device, width = full.dtype, full.device, unit.layout.shard_numel
-        head = _head_bytes(prefix.numel(), prefix.element_size(), prefix_quantizer)
-        rows = torch.empty(world, head + self.codes.numel(), dtype=torch.uint8, device=device)
-        mine = rows[comm.rank]
+        full, prefix, width = unit.full, unit.shard, self.shard_numel
+        dtype, device, size = full.dtype, full.device, full.element_size()
+        heads = [_head_bytes(k, size, prefix_quantizer) for k in self.kept]
+        row = max(h + self.code_bytes(width - k) for h, k in zip(heads, self.kept, strict=True))
+        rows = torch.empty(comm.world_size, row, dtype=torch.uint8, device=device)
+        mine, head = rows[comm.rank], heads[comm.rank]
         if prefix.numel() and prefix_quantizer is not None:
             prefix_quantizer.pack(prefix.to(device), mine[:head])
         elif prefix.numel():
             raw = prefix.view(torch.uint8)
             mine[: raw.numel()].copy_(raw, non_blocking=raw.is_pinned())
-        mine[head:].copy_(self.codes, non_blocking=self.codes.is_pinned())
+        mine[head : head + self.codes.numel()].copy_(self.codes, non_blocking=self.codes.is_pinned())
         handle = comm.all_gather(rows.view(-1), mine, async_op=async_op, label=f"packed {label}")
         issued = _recorded(device)  # on CUDA: the stream the collective was issued from (a side stream, offload)
 
@@ -97,21 +113,35 @@ class PackedTail:
             if issued is not None:
                 torch.cuda.current_stream(device).wait_event(issued)
                 rows.record_stream(torch.cuda.current_stream(device))
-            out = full.data.view(world, width)  # .data: [Note: gathered storage] in unit.py
-            p = prefix.numel()
-            if p and prefix_quantizer is not None:
-                out[:, :p].copy_(prefix_quantizer.unpack(rows[:, :head], p, dtype))
-            elif p:
-                out[:, :p].copy_(rows[:, : p * prefix.element_size()].view(dtype))
-            out[:, p:].copy_(self.quantizer.unpack(rows[:, head:], self.numel, dtype))
+            out = full.data.view(comm.world_size, width)  # .data: [Note: gathered storage] in unit.py
+            for a, b in _runs(self.kept):  # consecutive ranks that keep as many elements: one unpack each
+                k, head = self.kept[a], heads[a]
+                if k and prefix_quantizer is not None:
+                    out[a:b, :k].copy_(prefix_quantizer.unpack(rows[a:b, :head], k, dtype))
+                elif k:
+                    out[a:b, :k].copy_(rows[a:b, : k * size].view(dtype))
+                if k < width:
+                    codes = rows[a:b, head : head + self.code_bytes(width - k)]
+                    out[a:b, k:].copy_(self.quantizer.unpack(codes, width - k, dtype))
             if then is not None:
                 then()
 
         return Then(handle, finish)
 
 
+def _runs(kept: list[int]) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive ranks with equal `kept` counts."""
+    out: list[tuple[int, int]] = []
+    for r, k in enumerate(kept):
+        if out and kept[out[-1][0]] == k:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
 def _head_bytes(numel: int, element_size: int, quantizer: BlockQuantizer | None) -> int:
-    """Bytes of a rank's row before its tail's codes: the prefix, padded to 4 (the codes' scales are fp32)."""
+    """Bytes of a rank's row before its codes: its kept elements, padded to 4 (the codes' scales are fp32)."""
     if numel == 0:
         return 0
     if quantizer is not None:

@@ -217,6 +217,10 @@ class UnitLayout:
         its gradient shard, and of each rank's part of the gradient reduce-scatter."""
         return min(self.shard_numel, self.trainable_end)
 
+    def trainable_in(self, shard_rank: int) -> int:
+        """How many of `shard_rank`'s shard elements are trainable (a prefix of it; at most trainable_shard_numel)."""
+        return max(0, min(self.shard_numel, self.trainable_end - shard_rank * self.shard_numel))
+
     def owned(self, shard_rank: int) -> tuple[int, int]:
         begin = shard_rank * self.shard_numel
         return begin, begin + self.shard_numel

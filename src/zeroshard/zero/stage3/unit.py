@@ -139,27 +139,30 @@ class ShardedUnit:
         # the compute-dtype shard lives on the parameter tier (CPU with offload_param), the master (fp32, or bf16:
         # [Note: bf16 master weights]) on the optimizer tier; one tensor when the tiers allow it and the dtypes match
         trained = layout.trainable_shard_numel  # [Note: frozen parameters at stage 3]
-        packs = frozen_quantizer is not None and not self.persistent and trained < layout.shard_numel
+        aliases = compute_dtype == master_dtype and master_tier.shares_shard_with(param_tier)
+        # each rank's count of shard elements kept in the compute dtype, the rest packed ([Note: quantized frozen
+        # weights] in packed.py): its trainable ones, or the whole master prefix where the master is the shard
+        kept = [trained if aliases else layout.trainable_in(r) for r in range(layout.shard_count)]
+        packs = frozen_quantizer is not None and not self.persistent and min(kept) < layout.shard_numel
         whole = torch.empty(layout.shard_numel, dtype=compute_dtype, device=param_tier.device) if packs else None
-        self.shard = param_tier.zeros(trained if packs else layout.shard_numel, compute_dtype)
+        self.shard = param_tier.zeros(kept[shard_rank] if packs else layout.shard_numel, compute_dtype)
         values = self.shard if whole is None else whole
         if from_full:
             values.copy_(self.full[lo:hi])
         else:
             fill(values, lo, hi)  # type: ignore[misc]  # not None here
-        # the frozen rest of the shard as 8-bit blocks ([Note: quantized frozen weights] in packed.py)
         self.tail: PackedTail | None = None
         if whole is not None:
             assert frozen_quantizer is not None
-            self.shard.copy_(whole[:trained])
-            self.tail = PackedTail(frozen_quantizer, layout.shard_numel - trained, param_tier)
-            self.tail.pack(whole[trained:])
+            self.shard.copy_(whole[: self.shard.numel()])
+            self.tail = PackedTail(frozen_quantizer, kept, shard_rank, layout.shard_numel, param_tier)
+            self.tail.pack(whole[self.shard.numel() :])
             del whole, values
-        if compute_dtype == master_dtype and master_tier.shares_shard_with(param_tier):
+        if aliases:
             self.master = self.shard
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
             self.master = master_tier.zeros(trained, master_dtype)
-            self.master.copy_((self.full[lo:hi] if from_full else self.shard)[:trained])
+            self.master.copy_((self.full[lo:hi] if from_full and self.tail is None else self.shard_values())[:trained])
         # a transient shard holds memory only from a window's first reduction to its step ([Note: gradient shards
         # exist from reduction to step])
         self.grad_shard = torch.zeros(trained if self.trainable else 0, dtype=grad_dtype, device=device)
@@ -403,12 +406,18 @@ class ShardedUnit:
         """The tensors of this unit's compute shard at its home: the shard, and a packed tail's codes."""
         return [self.shard] if self.tail is None else [t for t in (self.shard, self.tail.codes) if t.numel()]
 
-    def shard_values(self) -> torch.Tensor:
-        """This rank's whole shard in the compute dtype: the shard itself, or a copy with a packed tail's values
-        ([Note: quantized frozen weights] in packed.py)."""
+    def shard_values(self, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's whole shard in the compute dtype: the shard itself, or a copy (on `device`, default the
+        shard's) with a packed tail's values ([Note: quantized frozen weights] in packed.py)."""
         if self.tail is None:
             return self.shard
-        return torch.cat([self.shard, self.tail.values(self.shard.dtype).to(self.shard.device)])
+        device = device or self.shard.device
+        return torch.cat([self.shard.to(device), self.tail.values(self.shard.dtype).to(device)])
+
+    def master_from_shard(self) -> None:
+        """The master (when separate) := the compute values it covers, the frozen ones of a packed tail too."""
+        if self.master is not self.shard:
+            self.master.copy_(self.shard_values()[: self.master.numel()])
 
     def load_values(self, values: torch.Tensor) -> None:
         """The shard := `values` (the whole shard, compute dtype; resident), a packed tail quantized again."""
@@ -428,7 +437,8 @@ class ShardedUnit:
         shard on NVMe starts being written back (`settle_shard` waits and frees it). From a pinned host master the
         copy is asynchronous: [Note: publishing a host master to the GPU] in offload/gradients.py."""
         if self.master is not self.shard:
-            trained = self.master.numel()
+            # a packed unit's shard may keep fewer elements than the master covers (the rest are frozen)
+            trained = min(self.master.numel(), self.shard.numel())
             if trained == 0:  # all frozen: nothing changed ([Note: frozen parameters at stage 3])
                 return
             if trained < self.shard.numel() or self.tail is not None:  # the frozen rest is kept: read (NVMe)
@@ -436,7 +446,8 @@ class ShardedUnit:
                 self.home.ready(self.key)
             else:
                 self.home.claim(self.key)
-            self._published = publish_master(self.shard[:trained], self.master)
+            master = self.master if trained == self.master.numel() else self.master[:trained]
+            self._published = publish_master(self.shard[:trained], master)
             if self.home.leaves_memory:  # the write to NVMe reads the host shard a GPU master is copied into
                 self.wait_published()
         self.home.evict(self.key)
@@ -451,10 +462,9 @@ class ShardedUnit:
         """The compute shard := `values` (and the master, when separate), written through to its home."""
         self.home.claim(self.key)
         self.load_values(values)
+        self.master_from_shard()
         self.home.evict(self.key)
         self.home.settle(self.key)
-        if self.master is not self.shard:
-            self.master.copy_(values[: self.master.numel()])
 
     def separate_master(self) -> list[torch.Tensor]:
         """The master shard where it is a tensor of its own (and not empty), for the optimizer's store."""
