@@ -28,17 +28,15 @@ def describe_write_error(error: Exception, tmp_dir: str, need: int) -> str:
 
 
 def rank_bytes(state: ShardedState | None, optimizer: torch.optim.Optimizer | None) -> int:
-    """What this rank's checkpoint files hold: its model pieces, and its optimizer pieces in fp32 (the master and
-    each elementwise optimizer state tensor: Adam's two once it has stepped). From shapes only: nothing is read
-    in from NVMe."""
+    """What this rank's checkpoint files hold: its model pieces, and its optimizer pieces as they are kept (the
+    master and each elementwise optimizer state tensor, Adam's two once it has stepped, in their dtypes: fp32, or
+    bf16 with [Note: bf16 master weights]). From shapes and dtypes only: nothing is read in from NVMe."""
     if state is None:
         return 0
     total = state.model_bytes_to_save()
     if optimizer is not None and state.writes_optim:
-        tensors_per_element = 1 + max(
-            (_elementwise_count(optimizer, p) for p in _optimizer_params(optimizer)), default=0
-        )
-        total += 4 * tensors_per_element * sum(p.end - p.begin for p in state.optim_pieces())
+        per_element = max((_element_bytes(optimizer, p) for p in _optimizer_params(optimizer)), default=4)
+        total += per_element * sum(p.end - p.begin for p in state.optim_pieces())
     return total
 
 
@@ -46,9 +44,11 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _elementwise_count(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
+def _element_bytes(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> int:
+    """Bytes per element of `param` (a master) and its elementwise optimizer state."""
     state = optimizer.state.get(param, {})
-    return sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel())
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel()]
+    return param.element_size() + sum(v.element_size() for v in tensors)
 
 
 def free_bytes(path: str) -> int:

@@ -33,17 +33,25 @@ from zeroshard.zero.zeropp import ZeroPPPolicy
 logger = get_logger(__name__)
 
 
-def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, compute_bytes: int) -> dict[str, int]:
-    """Swap-file bytes this rank needs per NVMe path: fp32 master + Adam's two moments of its shard
-    (offload_optimizer), the compute-dtype shard (offload_param); 25% margin; one sum when the paths agree."""
+def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, precision: PrecisionPolicy) -> dict[str, int]:
+    """Swap-file bytes this rank needs per NVMe path, 25% margin, one sum when the paths agree. offload_optimizer:
+    per element this rank trains, its master and two moments (Adam's, the most a supported optimizer keeps) in their
+    dtypes ([Note: bf16 master weights]), and at stage 3 its gradient shard (at most fp32: [Note: gradients on
+    NVMe]); a frozen parameter has none of them, and stage 3 puts each unit's trainable elements first, so a rank
+    trains at most all of them or its 1/N. offload_param: the compute-dtype shard of every parameter."""
     z = cfg.zero_optimization
-    shard = sum(p.numel() for p in model.parameters()) / world_size
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = min(trainable, total / world_size) if z.stage == 3 else trainable / world_size
+    size = {dtype: torch.finfo(dtype).bits // 8 for dtype in (precision.compute_dtype, precision.master_dtype)}
+    state = size[precision.master_dtype] if precision.optimizer_state_dtype is None else 4
     need: dict[str, int] = {}
     if str(z.offload_optimizer.device) == "nvme":
-        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * 12 * shard)
+        per_element = size[precision.master_dtype] + 2 * state + (4 if z.stage == 3 else 0)
+        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * per_element * trained)
     if str(z.offload_param.device) == "nvme" and z.stage == 3:  # ignored below stage 3 (config.checks.warn_ignored)
         path = str(z.offload_param.nvme_path)
-        need[path] = need.get(path, 0) + int(1.25 * compute_bytes * shard)
+        need[path] = need.get(path, 0) + int(1.25 * size[precision.compute_dtype] * total / world_size)
     return need
 
 
@@ -89,7 +97,7 @@ def make_strategy(
     """The strategy `cfg` asks for at `stage`: its step policy, the tiers its state lives on (NVMe paths preflighted
     now) and the class (flat stages 0-2, tensor-parallel or expert-split, stage 3, or the fsdp2 backend)."""
     z = cfg.zero_optimization
-    need = _nvme_bytes(cfg, model, topology.world_size, torch.finfo(precision.compute_dtype).bits // 8)
+    need = _nvme_bytes(cfg, model, topology.world_size, precision)
     step = StepPolicy(
         gradient_clipping=float(cfg.gradient_clipping or 0.0),
         prescale_gradients=bool(cfg.prescale_gradients),
