@@ -18,7 +18,10 @@ gradients and optimizer state are untouched.
 - Differences from DeepSpeed, which quantizes each frozen parameter's own partition: the persistent unit
   (parameters below stage3_param_persistence_threshold, kept gathered) is not quantized; "frozen" is what the
   optimizer does not step, so with no optimizer (inference) every weight is packed, where DeepSpeed goes by
-  `requires_grad`; hpZ's secondary partition keeps the compute dtype (DeepSpeed quantizes it for these weights).
+  `requires_grad`.
+- With hpZ a packed unit's secondary partition is its hpZ rank's block of the forward gather's rows (N/H rows: the
+  codes, about a byte per frozen element, where DeepSpeed also keeps these weights' secondary quantized), and the
+  backward gather within the block unpacks those same bytes: backward computes with forward's values exactly.
 - These are the only values left: state_dict, GatheredParameters, `full_fp32_param`, consolidation and the
   checkpoint's module weights give them (save and load dequantize the packed shards into host memory, the rank's
   unquantized shard size for the duration; one sub-group at a time with NVMe). A load quantizes them again, which
@@ -68,17 +71,22 @@ class PackedTail:
             return torch.empty(0, dtype=dtype, device=self.codes.device)
         return self.quantizer.unpack(self.codes, self.numel, dtype)
 
+    def row_bytes(self, element_size: int, prefix_quantizer: BlockQuantizer | None) -> int:
+        """Bytes of one rank's row in the gather: the longest of every rank's kept elements and codes."""
+        width = self.shard_numel
+        return max(_head_bytes(k, element_size, prefix_quantizer) + self.code_bytes(width - k) for k in self.kept)
+
     def gather(
         self,
         unit: ShardedUnit,
         comm: Collectives,
         prefix_quantizer: BlockQuantizer | None = None,
-        then: Callable[[], None] | None = None,
+        then: Callable[[torch.Tensor], None] | None = None,
     ) -> Callable[..., Handle]:
         """The gather of `unit` (called as `comm.all_gather(full, source, async_op=..., label=...)`, `source` unused):
         every rank's kept elements (as 8-bit blocks with `prefix_quantizer`: qwZ) and codes in one uint8 all-gather
-        of equal rows, unpacked into the full buffer when the handle is waited on; `then` runs after that (hpZ's
-        secondary fill)."""
+        of equal rows, unpacked into the full buffer when the handle is waited on; `then(rows)` runs after that
+        (hpZ keeps its block of the rows as the secondary partition)."""
 
         def collect(full: torch.Tensor, source: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
             return self._gather(unit, comm, prefix_quantizer, then, async_op, label)
@@ -90,16 +98,14 @@ class PackedTail:
         unit: ShardedUnit,
         comm: Collectives,
         prefix_quantizer: BlockQuantizer | None,
-        then: Callable[[], None] | None,
+        then: Callable[[torch.Tensor], None] | None,
         async_op: bool,
         label: str,
     ) -> Handle:
-        full, prefix, width = unit.full, unit.shard, self.shard_numel
-        dtype, device, size = full.dtype, full.device, full.element_size()
-        heads = [_head_bytes(k, size, prefix_quantizer) for k in self.kept]
-        row = max(h + self.code_bytes(width - k) for h, k in zip(heads, self.kept, strict=True))
-        rows = torch.empty(comm.world_size, row, dtype=torch.uint8, device=device)
-        mine, head = rows[comm.rank], heads[comm.rank]
+        full, prefix = unit.full, unit.shard
+        device, size = full.device, full.element_size()
+        rows = torch.empty(comm.world_size, self.row_bytes(size, prefix_quantizer), dtype=torch.uint8, device=device)
+        mine, head = rows[comm.rank], _head_bytes(prefix.numel(), size, prefix_quantizer)
         if prefix.numel() and prefix_quantizer is not None:
             prefix_quantizer.pack(prefix.to(device), mine[:head])
         elif prefix.numel():
@@ -107,15 +113,29 @@ class PackedTail:
             mine[: raw.numel()].copy_(raw, non_blocking=raw.is_pinned())
         mine[head : head + self.codes.numel()].copy_(self.codes, non_blocking=self.codes.is_pinned())
         handle = comm.all_gather(rows.view(-1), mine, async_op=async_op, label=f"packed {label}")
+        return self.unpacking(unit, rows, handle, prefix_quantizer, then)
+
+    def unpacking(
+        self,
+        unit: ShardedUnit,
+        rows: torch.Tensor,
+        handle: Handle,
+        prefix_quantizer: BlockQuantizer | None,
+        then: Callable[[torch.Tensor], None] | None = None,
+    ) -> Handle:
+        """`handle` (of the collective filling `rows`, every rank's row), then the rows unpacked into `unit.full`."""
+        full, width = unit.full, self.shard_numel
+        dtype, device, size = full.dtype, full.device, full.element_size()
         issued = _recorded(device)  # on CUDA: the stream the collective was issued from (a side stream, offload)
 
         def finish() -> None:
             if issued is not None:
                 torch.cuda.current_stream(device).wait_event(issued)
                 rows.record_stream(torch.cuda.current_stream(device))
-            out = full.data.view(comm.world_size, width)  # .data: [Note: gathered storage] in unit.py
+            out = full.data.view(rows.shape[0], width)  # .data: [Note: gathered storage] in unit.py
             for a, b in _runs(self.kept):  # consecutive ranks that keep as many elements: one unpack each
-                k, head = self.kept[a], heads[a]
+                k = self.kept[a]
+                head = _head_bytes(k, size, prefix_quantizer)
                 if k and prefix_quantizer is not None:
                     out[a:b, :k].copy_(prefix_quantizer.unpack(rows[a:b, :head], k, dtype))
                 elif k:
@@ -124,7 +144,7 @@ class PackedTail:
                     codes = rows[a:b, head : head + self.code_bytes(width - k)]
                     out[a:b, k:].copy_(self.quantizer.unpack(codes, width - k, dtype))
             if then is not None:
-                then()
+                then(rows)
 
         return Then(handle, finish)
 

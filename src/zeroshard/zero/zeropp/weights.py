@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.zero.quant import BlockQuantizer
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.zeropp.handles import Then
 from zeroshard.zero.zeropp.policy import ZeroPPGroups, ZeroPPPolicy
@@ -32,7 +33,12 @@ class UnitGathers:
         if policy.hpz:
             size = policy.hpz_partition_size
             for unit in units:
-                if not unit.persistent:  # it stays gathered: backward never gathers it
+                if unit.tail is not None:  # its block of the packed gather's rows ([Note: quantized frozen weights])
+                    rows = unit.tail.row_bytes(unit.full.element_size(), self._prefix_quantizer())
+                    self.secondary[unit.index] = torch.zeros(
+                        comm.world_size // size * rows, dtype=torch.uint8, device=unit.full.device
+                    )
+                elif not unit.persistent:  # it stays gathered: backward never gathers it
                     self.secondary[unit.index] = torch.zeros(
                         unit.numel // size, dtype=unit.full.dtype, device=unit.full.device
                     )
@@ -53,8 +59,8 @@ class UnitGathers:
             return lambda full, source, async_op=False, label="": self._from_secondary(unit, async_op, label)
         fill = unit.index in self.secondary
         if unit.tail is not None:  # its own packed gather ([Note: quantized frozen weights] in stage3/packed.py)
-            prefix = self.policy.quantizer if self.policy.quantized_weights else None
-            return unit.tail.gather(unit, self.comm, prefix, (lambda: self._fill(unit)) if fill else None)
+            keep = (lambda rows: self._fill_rows(unit, rows)) if fill else None
+            return unit.tail.gather(unit, self.comm, self._prefix_quantizer(), keep)
         if self.policy.quantized_weights:
             return lambda full, source, async_op=False, label="": self._quantized(unit, source, fill, async_op, label)
         if fill:
@@ -80,6 +86,19 @@ class UnitGathers:
 
         return Then(handle, finish)
 
+    def _prefix_quantizer(self) -> BlockQuantizer | None:
+        """How a packed unit's kept elements travel: as 8-bit blocks with qwZ, else raw."""
+        return self.policy.quantizer if self.policy.quantized_weights else None
+
+    def _fill_rows(self, unit: ShardedUnit, rows: torch.Tensor) -> None:
+        """A packed unit's secondary := this hpZ rank's block of the forward gather's rows (the same bytes: the
+        backward gather from it unpacks exactly forward's values, at a byte per frozen element)."""
+        secondary = self.secondary[unit.index]
+        assert self.groups.hpz is not None
+        block = secondary.numel() // rows.shape[1]
+        secondary.copy_(rows[self.groups.hpz.rank * block : (self.groups.hpz.rank + 1) * block].reshape(-1))
+        self.fresh.add(unit.index)
+
     def _fill(self, unit: ShardedUnit) -> None:
         """This rank's part of the secondary partition := the forward gather's result (no communication)."""
         secondary = self.secondary[unit.index]
@@ -91,4 +110,9 @@ class UnitGathers:
     def _from_secondary(self, unit: ShardedUnit, async_op: bool, label: str) -> Handle:
         assert self.groups.hpz is not None
         secondary = self.secondary[unit.index]
+        if unit.tail is not None:  # the rows of every rank, unpacked as the forward gather's were
+            width = secondary.numel() * self.groups.hpz.world_size // self.comm.world_size  # bytes per rank's row
+            rows = torch.empty(self.comm.world_size, width, dtype=torch.uint8, device=secondary.device)
+            handle = self.groups.hpz.all_gather(rows.view(-1), secondary, async_op=async_op, label=f"hpZ {label}")
+            return unit.tail.unpacking(unit, rows, handle, self._prefix_quantizer())
         return self.groups.hpz.all_gather(unit.full.data, secondary, async_op=async_op, label=f"hpZ {label}")
