@@ -133,20 +133,28 @@ class PackedTail:
                 torch.cuda.current_stream(device).wait_event(issued)
                 rows.record_stream(torch.cuda.current_stream(device))
             out = full.data.view(rows.shape[0], width)  # .data: [Note: gathered storage] in unit.py
-            for a, b in _runs(self.kept):  # consecutive ranks that keep as many elements: one unpack each
-                k = self.kept[a]
+            # consecutive ranks that keep as many elements, unpacked together, a few rows at a time: the fp32
+            # temporaries stay near UNPACK_CHUNK elements whatever the unit's size (copy_ rounds them as .to would)
+            step = max(1, UNPACK_CHUNK // width)
+            for first, end in _runs(self.kept):
+                k = self.kept[first]
                 head = _head_bytes(k, size, prefix_quantizer)
-                if k and prefix_quantizer is not None:
-                    out[a:b, :k].copy_(prefix_quantizer.unpack(rows[a:b, :head], k, dtype))
-                elif k:
-                    out[a:b, :k].copy_(rows[a:b, : k * size].view(dtype))
-                if k < width:
-                    codes = rows[a:b, head : head + self.code_bytes(width - k)]
-                    out[a:b, k:].copy_(self.quantizer.unpack(codes, width - k, dtype))
+                for a in range(first, end, step):
+                    b = min(a + step, end)
+                    if k and prefix_quantizer is not None:
+                        out[a:b, :k].copy_(prefix_quantizer.unpack(rows[a:b, :head], k))
+                    elif k:
+                        out[a:b, :k].copy_(rows[a:b, : k * size].view(dtype))
+                    if k < width:
+                        codes = rows[a:b, head : head + self.code_bytes(width - k)]
+                        out[a:b, k:].copy_(self.quantizer.unpack(codes, width - k))
             if then is not None:
                 then(rows)
 
         return Then(handle, finish)
+
+
+UNPACK_CHUNK = 1 << 24  # elements dequantized at once (64 MiB of fp32), at least one rank's row
 
 
 def _runs(kept: list[int]) -> list[tuple[int, int]]:
