@@ -3,8 +3,7 @@
 The strategy routes the hooks' events (hooks.py) to the pieces that do the work, each in its own file: construction
 (build.py), the gather schedule and prefetch (schedule.py, prefetch.py), gradient reduction (reduce.py), the sub-group
 step (step.py), checkpoints (checkpoint.py) and divergence diagnosis (comm/divergence.py). Whatever did not happen in
-backward (units whose inputs need no gradient, units unused in the loss) happens when backward returns.
-"""
+backward (units whose inputs need no gradient, units unused in the loss) happens when backward returns."""
 
 from __future__ import annotations
 
