@@ -7,9 +7,10 @@ from torch import nn
 
 from zeroshard.config import parse_config, resolve_config
 from zeroshard.precision.policy import PrecisionPolicy
-from zeroshard.zero.from_config import _nvme_bytes
+from zeroshard.zero.from_config import SWAP_ALIGN, _nvme_bytes
 
 WORLD = 4
+OPT, PARAM = 4 * SWAP_ALIGN * 2, SWAP_ALIGN * 2  # each swap file's rounding: 2 parameter tensors
 
 
 def _need(stage: int, model: nn.Module, **extra: object) -> dict[str, int]:
@@ -34,22 +35,30 @@ def _model(frozen: bool) -> nn.Module:
 
 def test_full_training_counts_master_moments_and_stage_3_gradients() -> None:
     shard = 20_000 / WORLD
-    assert _need(3, _model(False)) == {"/opt_swap": int(1.25 * 16 * shard), "/param_swap": int(1.25 * 4 * shard)}
-    assert _need(2, _model(False)) == {"/opt_swap": int(1.25 * 12 * shard)}  # stages 1-2: gradients stay in memory
+    assert _need(3, _model(False)) == {
+        "/opt_swap": int(1.25 * 16 * shard) + OPT,
+        "/param_swap": int(1.25 * 4 * shard) + PARAM,
+    }
+    assert _need(2, _model(False)) == {
+        "/opt_swap": int(1.25 * 12 * shard) + OPT
+    }  # stages 1-2: gradients stay in memory
     bf16 = {"bf16": {"enabled": True}}
     assert _need(3, _model(False), **bf16) == {
-        "/opt_swap": int(1.25 * 16 * shard),
-        "/param_swap": int(1.25 * 2 * shard),
+        "/opt_swap": int(1.25 * 16 * shard) + OPT,
+        "/param_swap": int(1.25 * 2 * shard) + PARAM,
     }
     both = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
-    assert _need(3, _model(False), **both)["/opt_swap"] == int(1.25 * (2 + 4 + 4) * shard)
+    assert _need(3, _model(False), **both)["/opt_swap"] == int(1.25 * (2 + 4 + 4) * shard) + OPT
     masters = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}  # fp32 moments over bf16 masters
-    assert _need(3, _model(False), **masters)["/opt_swap"] == int(1.25 * (2 + 8 + 4) * shard)
+    assert _need(3, _model(False), **masters)["/opt_swap"] == int(1.25 * (2 + 8 + 4) * shard) + OPT
 
 
 def test_frozen_parameters_need_no_optimizer_swap_space() -> None:
     """Half the model frozen: stage 3 keeps a unit's trainable elements on its first ranks, so it budgets for a rank
     that trains min(all 10,000, its 1/N of 5,000); stage 2 spreads them (2,500 per rank). Before, both budgeted the
     optimizer for every parameter, frozen ones too. The parameter shards are all there."""
-    assert _need(3, _model(True)) == {"/opt_swap": int(1.25 * 16 * 5_000), "/param_swap": int(1.25 * 4 * 5_000)}
-    assert _need(2, _model(True)) == {"/opt_swap": int(1.25 * 12 * 2_500)}
+    assert _need(3, _model(True)) == {
+        "/opt_swap": int(1.25 * 16 * 5_000) + OPT,
+        "/param_swap": int(1.25 * 4 * 5_000) + PARAM,
+    }
+    assert _need(2, _model(True)) == {"/opt_swap": int(1.25 * 12 * 2_500) + OPT}

@@ -52,6 +52,29 @@ def test_rows_pack_like_single_chunks() -> None:
         assert torch.equal(out, quantizer.round_trip(row))
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_packed_tail_unpacks_a_few_blocks_at_a_time_as_unpack_does(
+    symmetric: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: quantized frozen weights]: `PackedTail.values` in chunks equals `unpack` of the whole chunk, bit for bit;
+    packing again gives the same codes."""
+    import zeroshard.zero.stage3.packed as packed
+    from zeroshard.offload.tier import Tier
+
+    quantizer = BlockQuantizer(symmetric=symmetric)
+    values = torch.randn(5_000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tail = packed.PackedTail(quantizer, [0, 0], 1, values.numel(), Tier(torch.device("cpu")))
+    tail.pack(values)
+    whole = quantizer.unpack(tail.codes, values.numel(), torch.bfloat16)
+    monkeypatch.setattr(packed, "UNPACK_CHUNK", 700)  # 3 blocks of 256 (of 20) per part; the last one short
+    assert torch.equal(tail.values(torch.bfloat16), whole)
+    assert torch.equal(tail.values(torch.float32), quantizer.unpack(tail.codes, values.numel()))
+    codes = tail.codes.clone()
+    tail.codes.zero_()
+    tail.pack(values.clone())
+    assert torch.equal(tail.codes, codes)
+
+
 def test_node_layout() -> None:
     nodes = NodeLayout(world_size=8, ranks_per_node=4)
     assert nodes.nodes == 2 and nodes.node_of(5) == 1 and nodes.local_of(5) == 1

@@ -33,13 +33,19 @@ from zeroshard.zero.zeropp import ZeroPPPolicy
 logger = get_logger(__name__)
 
 
+SWAP_ALIGN = 4096  # bytes a swap file is rounded up to (its O_DIRECT block)
+
+
 def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, precision: PrecisionPolicy) -> dict[str, int]:
     """Swap-file bytes this rank needs per NVMe path, 25% margin, one sum when the paths agree. offload_optimizer:
     per element this rank trains, its master and two moments (Adam's, the most a supported optimizer keeps) in their
     dtypes ([Note: bf16 master weights]), and at stage 3 its gradient shard (at most fp32: [Note: gradients on
     NVMe]); a frozen parameter has none of them, and stage 3 puts each unit's trainable elements first, so a rank
-    trains at most all of them or its 1/N. offload_param: the compute-dtype shard of every parameter."""
+    trains at most all of them or its 1/N. offload_param: the compute-dtype shard of every parameter. Each swap file
+    is rounded up to 4 KiB: a unit's master and gradient shard, and each piece's two moments, per parameter tensor at
+    most (nvme_files.py)."""
     z = cfg.zero_optimization
+    tensors = len(list(model.parameters()))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trained = min(trainable, total / world_size) if z.stage == 3 else trainable / world_size
@@ -48,10 +54,11 @@ def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, precisi
     need: dict[str, int] = {}
     if str(z.offload_optimizer.device) == "nvme":
         per_element = size[precision.master_dtype] + 2 * state + (4 if z.stage == 3 else 0)
-        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * per_element * trained)
+        need[str(z.offload_optimizer.nvme_path)] = int(1.25 * per_element * trained) + 4 * SWAP_ALIGN * tensors
     if str(z.offload_param.device) == "nvme" and z.stage == 3:  # ignored below stage 3 (config.checks.warn_ignored)
         path = str(z.offload_param.nvme_path)
-        need[path] = need.get(path, 0) + int(1.25 * size[precision.compute_dtype] * total / world_size)
+        shards = int(1.25 * size[precision.compute_dtype] * total / world_size) + SWAP_ALIGN * tensors
+        need[path] = need.get(path, 0) + shards
     return need
 
 

@@ -89,6 +89,18 @@ class BlockQuantizer:
         out = values.reshape(count_rows, count * length)[:, :numel].to(dtype)
         return out if packed.dim() > 1 else out.reshape(-1)
 
+    def unpack_blocks(self, packed: torch.Tensor, numel: int, first: int, end: int) -> torch.Tensor:
+        """The fp32 values of blocks [first, end) of one packed chunk of `numel` elements (flat, with the last
+        block's padding): `unpack`'s arithmetic on a slice, so a large chunk can be unpacked a part at a time."""
+        count, length = self.blocks(numel)
+        header, codes = self._split(packed.view(1, -1), count, length)
+        header, codes = header[:, :, first:end], codes[:, first:end]
+        if self.symmetric:
+            values = codes.view(torch.int8).float() * header[:, 0][..., None]
+        else:
+            values = codes.float() * header[:, 0][..., None] + header[:, 1][..., None]
+        return values.reshape(-1)
+
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """What `x` becomes after pack and unpack (same dtype and shape): for tests and error estimates."""
         flat = x.reshape(-1)

@@ -61,15 +61,32 @@ class PackedTail:
         return self.quantizer.packed_bytes(numel) if numel else 0
 
     def pack(self, values: torch.Tensor) -> None:
-        """Codes := `values` (`numel` elements, any dtype and device) quantized."""
-        if self.numel:
-            self.quantizer.pack(values.to(self.codes.device), self.codes)
-
-    def values(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized elements, in `dtype` on the codes' device."""
+        """Codes := `values` (`numel` elements, any dtype) quantized where they are (a load's host copy is quantized
+        on the host, and only the codes cross over)."""
         if not self.numel:
-            return torch.empty(0, dtype=dtype, device=self.codes.device)
-        return self.quantizer.unpack(self.codes, self.numel, dtype)
+            return
+        if values.device == self.codes.device:
+            self.quantizer.pack(values, self.codes)
+            return
+        codes = torch.empty(self.codes.shape, dtype=torch.uint8, device=values.device)
+        self.quantizer.pack(values, codes)
+        self.codes.copy_(codes)
+
+    def values(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """The dequantized elements, in `dtype` on `device` (default: the codes'): the codes go over, then are
+        unpacked there a few blocks at a time (fp32 temporaries near UNPACK_CHUNK elements)."""
+        device = device or self.codes.device
+        out = torch.empty(self.numel, dtype=dtype, device=device)
+        if not self.numel:
+            return out
+        codes = self.codes.to(device)
+        count, length = self.quantizer.blocks(self.numel)
+        step = max(1, UNPACK_CHUNK // length)
+        for first in range(0, count, step):
+            end = min(first + step, count)
+            lo, hi = first * length, min(end * length, self.numel)
+            out[lo:hi].copy_(self.quantizer.unpack_blocks(codes, self.numel, first, end)[: hi - lo])
+        return out
 
     def row_bytes(self, element_size: int, prefix_quantizer: BlockQuantizer | None) -> int:
         """Bytes of one rank's row in the gather: the longest of every rank's kept elements and codes."""

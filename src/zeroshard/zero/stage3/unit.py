@@ -412,12 +412,12 @@ class ShardedUnit:
         if self.tail is None:
             return self.shard
         device = device or self.shard.device
-        return torch.cat([self.shard.to(device), self.tail.values(self.shard.dtype).to(device)])
+        return torch.cat([self.shard.to(device), self.tail.values(self.shard.dtype, device)])
 
     def master_from_shard(self) -> None:
         """The master (when separate) := the compute values it covers, the frozen ones of a packed tail too."""
         if self.master is not self.shard:
-            self.master.copy_(self.shard_values()[: self.master.numel()])
+            self.master.copy_(self.shard_values(self.master.device)[: self.master.numel()])
 
     def load_values(self, values: torch.Tensor) -> None:
         """The shard := `values` (the whole shard, compute dtype; resident), a packed tail quantized again."""
@@ -476,7 +476,7 @@ class ShardedUnit:
         master = self.master.float()  # itself when fp32; bf16 masters: [Note: bf16 master weights]
         if self.master.numel() == self.layout.shard_numel:
             return master
-        rest = self.shard_values()[self.master.numel() :].to(self.master.device, torch.float32)
+        rest = self.shard_values(self.master.device)[self.master.numel() :].to(self.master.device, torch.float32)
         return torch.cat([master, rest])
 
     def settle_shard(self) -> None:
