@@ -7,6 +7,7 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
+import pytest
 import torch
 from test_parity import TOL
 
@@ -279,3 +280,20 @@ def _checkpoint_values(rank: int, world_size: int, root: str) -> dict[str, torch
     engine.save_checkpoint(root, tag="q")
     engine.destroy()
     return values
+
+
+def _hpz_groups(rank: int, world_size: int) -> bool:
+    """4 ranks as 2 nodes x 2, hpZ within each node: two hpZ groups, each holding the rows of its own 2 ranks' blocks
+    ([Note: quantized frozen weights]); backward from them must be the key-alone run to the bit."""
+    import os
+
+    os.environ["ZEROSHARD_RANKS_PER_NODE"] = "2"
+    case = Case(stage=3, variant="mostly_frozen", dtype="bf16", steps=3)
+    alone = engine_run(rank, world_size, case, _configure(KEY))
+    grouped = engine_run(rank, world_size, case, _configure({**KEY, "zero_hpz_partition_size": 2}))
+    return alone[0] == grouped[0] and all(torch.equal(a, b) for a, b in zip(alone[1], grouped[1], strict=True))
+
+
+@pytest.mark.slow
+def test_hpz_in_two_groups_is_exact() -> None:
+    assert all(run_on_ranks(_hpz_groups, 4, timeout=300))

@@ -17,6 +17,7 @@ import torch
 
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.zero.quant import BlockQuantizer
+from zeroshard.zero.stage3.packed import UNPACK_CHUNK
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.zeropp.handles import Then
 from zeroshard.zero.zeropp.policy import ZeroPPGroups, ZeroPPPolicy
@@ -79,8 +80,10 @@ class UnitGathers:
         handle = self.comm.all_gather(packed.view(-1), mine, async_op=async_op, label=f"qwZ {label}")
 
         def finish() -> None:
-            values = quantizer.unpack(packed, shard_numel, unit.full.dtype)
-            unit.full.data.view(world, shard_numel).copy_(values)  # .data: [Note: gathered storage]
+            out = unit.full.data.view(world, shard_numel)  # .data: [Note: gathered storage]
+            step = max(1, UNPACK_CHUNK // shard_numel)  # a few rows at a time: bounded fp32 temporaries
+            for a in range(0, world, step):
+                out[a : a + step].copy_(quantizer.unpack(packed[a : a + step], shard_numel))
             if fill:
                 self._fill(unit)
 
