@@ -125,12 +125,14 @@ def zeroshard_states(
     if option.stage == 3 and gradient_accumulation_steps == 1:
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
+    # the trainable elements the busiest rank holds masters, gradients and state for: its 1/N, except that stage 3
+    # puts each unit's trainable elements on its first ranks ([Note: frozen parameters at stage 3]), so with a frozen
+    # base (LoRA) rank 0 holds all of them while they are under 1/N of the model
+    trained = min(psi, (psi + frozen) // n) if option.stage == 3 else psi // n
     if option.stage == 3 and precision.quantized_frozen:
-        # the busiest rank keeps the trainable elements of each unit's shard (all of them on rank 0 while a unit's
-        # trainable part is under 1/N of it: [Note: frozen parameters at stage 3]), the rest of its 1/N as int8
+        # that rank keeps its trainable elements in the compute dtype, the rest of its 1/N as int8
         shard = (psi + frozen) // n
-        kept = min(psi, shard)
-        params = p * kept + quantized_bytes(shard - kept)
+        params = p * trained + quantized_bytes(shard - trained)
     elif option.stage == 3:
         params = p * (psi + frozen) // n
     else:
@@ -140,14 +142,14 @@ def zeroshard_states(
         # its accumulator] in zero/flat/reducer.py), and it is its own shard when nothing is sharded
         grads = g * psi
     else:
-        grads = g * psi // n
+        grads = g * trained
     # masters are the parameters themselves where both have the same dtype and extent (unsharded, or stage 3) and
     # live on the same tier.
     same_tier = option.stage < 3 or option.offload_param == option.offload_optimizer
     m = precision.master_bytes
     master_aliases = p == m and (option.stage == 3 or not sharded_states) and same_tier
-    master = 0 if master_aliases else m * psi // (n if option.stage >= 1 else 1)
-    optim = k * psi // (n if option.stage >= 1 else 1)
+    master = 0 if master_aliases else (m * trained if option.stage >= 1 else m * psi)
+    optim = k * trained if option.stage >= 1 else k * psi
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
     tiers[_tier(option.offload_param)] += params
     tiers[_tier(option.offload_optimizer)] += master + optim
@@ -161,7 +163,7 @@ def zeroshard_states(
         grads = 0
     tiers["nvme" if nvme_grads else "gpu"] += grads
     if option.offload_optimizer == "cpu":
-        copies = m * psi // n  # in the masters' dtype
+        copies = m * trained  # in the masters' dtype
         tiers["cpu"] += copies
         grads += copies
     return ModelStates(params, grads, master, optim, tiers["gpu"], tiers["cpu"], tiers["nvme"])
