@@ -446,8 +446,7 @@ class ShardedUnit:
                 self.home.ready(self.key)
             else:
                 self.home.claim(self.key)
-            master = self.master if trained == self.master.numel() else self.master[:trained]
-            self._published = publish_master(self.shard[:trained], master)
+            self._published = publish_master(self.shard[:trained], self.master[:trained])
             if self.home.leaves_memory:  # the write to NVMe reads the host shard a GPU master is copied into
                 self.wait_published()
         self.home.evict(self.key)
