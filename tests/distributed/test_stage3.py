@@ -18,7 +18,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, reuse=10**9, prefetch=10**9),  # DeepSpeed's defaults: keep and prefetch everything
     LIVE_LIMITED,
     Case(stage=3, variant="frozen"),
-    # [Note: frozen parameters at stage 3]: the blocks reduce their trainable prefixes only
+    # [Note: frozen parameters at stage 3]: the blocks reduce their trainable sections only
     Case(stage=3, variant="mostly_frozen", gas=3),
     Case(stage=3, variant="mostly_frozen", offload="cpu"),  # a master of its own, host gradient copies
     Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="nvme"),  # the frozen rest read, not lost
@@ -130,9 +130,11 @@ def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
 
 def test_frozen_parameters_hold_no_master_and_send_no_gradients():
     """[Note: frozen parameters at stage 3]: 17% of the model trains; its blocks' frozen 91% hold neither an fp32
-    master nor a gradient, and their zeros are not reduce-scattered."""
+    master nor a gradient, their zeros are not reduce-scattered, and each rank holds half the trainable masters."""
     for got in run_on_ranks(_footprints, 2):
         (plain_master, plain_sent, _, plain_reads), (master, sent, trainable, reads) = got.values()
-        assert 4 * trainable / 2 <= master < 0.3 * plain_master, got
+        # each rank holds the fp32 masters of its half of the trainable elements, padding aside (every unit's two
+        # sections are split evenly: the adapters are not all on rank 0)
+        assert 4 * trainable / 2 <= master <= 1.05 * 4 * trainable / 2 < 0.3 * plain_master, got
         assert 0 < sent < 0.3 * plain_sent, got
         assert all(torch.equal(a, b) for a, b in zip(reads, plain_reads, strict=True)), (reads, plain_reads)

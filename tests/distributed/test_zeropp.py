@@ -230,7 +230,7 @@ def _feature_grid(rank: int, world_size: int) -> list[tuple[str, list[float], li
         (Case(stage=3, steps=3), {"zero_hpz_partition_size": WORLD, "zero_quantized_weights": True}, PER_NODE),
         (Case(stage=3, steps=2), {**ALL_THREE, "zero_hpz_partition_size": WORLD}, WORLD),
         (Case(stage=3, steps=2), {"zero_quantized_gradients": True}, 1),
-        (Case(stage=3, variant="mostly_frozen", steps=3), ALL_THREE, PER_NODE),  # qgZ of the trainable prefixes
+        (Case(stage=3, variant="mostly_frozen", steps=3), ALL_THREE, PER_NODE),  # qgZ of the trainable sections
     ]
     out = []
     for case, zeropp, per_node in cases:

@@ -54,11 +54,11 @@ def test_full_training_counts_master_moments_and_stage_3_gradients() -> None:
 
 
 def test_frozen_parameters_need_no_optimizer_swap_space() -> None:
-    """Half the model frozen: stage 3 keeps a unit's trainable elements on its first ranks, so it budgets for a rank
-    that trains min(all 10,000, its 1/N of 5,000); stage 2 spreads them (2,500 per rank). Before, both budgeted the
-    optimizer for every parameter, frozen ones too. The parameter shards are all there."""
+    """Half the model frozen: every stage spreads the 5,000 trainable elements over the ranks (2,500 per rank; stage
+    3 splits each unit's trainable section evenly). Before, both budgeted the optimizer for every parameter, frozen
+    ones too. The parameter shards are all there."""
     assert _need(3, _model(True)) == {
-        "/opt_swap": int(1.25 * 16 * 5_000) + OPT,
+        "/opt_swap": int(1.25 * 16 * 2_500) + OPT,
         "/param_swap": int(1.25 * 4 * 5_000) + PARAM,
     }
     assert _need(2, _model(True)) == {"/opt_swap": int(1.25 * 12 * 2_500) + OPT}

@@ -63,7 +63,7 @@ def test_a_packed_tail_unpacks_a_few_blocks_at_a_time_as_unpack_does(
 
     quantizer = BlockQuantizer(symmetric=symmetric)
     values = torch.randn(5_000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    tail = packed.PackedTail(quantizer, [0, 0], 1, values.numel(), Tier(torch.device("cpu")))
+    tail = packed.PackedTail(quantizer, 0, values.numel(), Tier(torch.device("cpu")))
     tail.pack(values)
     whole = quantizer.unpack(tail.codes, values.numel(), torch.bfloat16)
     monkeypatch.setattr(packed, "UNPACK_CHUNK", 700)  # 3 blocks of 256 (of 20) per part; the last one short

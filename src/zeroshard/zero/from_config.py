@@ -40,15 +40,15 @@ def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, precisi
     """Swap-file bytes this rank needs per NVMe path, 25% margin, one sum when the paths agree. offload_optimizer:
     per element this rank trains, its master and two moments (Adam's, the most a supported optimizer keeps) in their
     dtypes ([Note: bf16 master weights]), and at stage 3 its gradient shard (at most fp32: [Note: gradients on
-    NVMe]); a frozen parameter has none of them, and stage 3 puts each unit's trainable elements first, so a rank
-    trains at most all of them or its 1/N. offload_param: the compute-dtype shard of every parameter. Each swap file
+    NVMe]); a frozen parameter has none of them, and a rank trains its 1/N of the others (at stage 3 too: [Note:
+    frozen parameters at stage 3]). offload_param: the compute-dtype shard of every parameter. Each swap file
     is rounded up to 4 KiB: a unit's master and gradient shard, and each piece's two moments, per parameter tensor at
     most (nvme_files.py)."""
     z = cfg.zero_optimization
     tensors = len(list(model.parameters()))
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    trained = min(trainable, total / world_size) if z.stage == 3 else trainable / world_size
+    trained = trainable / world_size
     size = {dtype: torch.finfo(dtype).bits // 8 for dtype in (precision.compute_dtype, precision.master_dtype)}
     state = size[precision.master_dtype] if precision.optimizer_state_dtype is None else 4
     need: dict[str, int] = {}

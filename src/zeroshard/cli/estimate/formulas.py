@@ -125,14 +125,12 @@ def zeroshard_states(
     if option.stage == 3 and gradient_accumulation_steps == 1:
         g = precision.reduce_bytes
     sharded_states = option.stage >= 1 and n > 1
-    # the trainable elements the busiest rank holds masters, gradients and state for: its 1/N, except that stage 3
-    # puts each unit's trainable elements on its first ranks ([Note: frozen parameters at stage 3]), so with a frozen
-    # base (LoRA) rank 0 holds all of them while they are under 1/N of the model
-    trained = min(psi, (psi + frozen) // n) if option.stage == 3 else psi // n
+    # the trainable elements a rank holds masters, gradients and state for: its 1/N (at stage 3 the trainable and
+    # the frozen parameters of a unit are each split evenly: [Note: frozen parameters at stage 3])
+    trained = psi // n
     if option.stage == 3 and precision.quantized_frozen:
-        # that rank keeps its trainable elements in the compute dtype, the rest of its 1/N as int8
-        shard = (psi + frozen) // n
-        params = p * trained + quantized_bytes(shard - trained)
+        # a rank keeps its 1/N of the trainable elements in the compute dtype, its 1/N of the frozen ones as int8
+        params = p * trained + quantized_bytes(frozen // n)
     elif option.stage == 3:
         params = p * (psi + frozen) // n
     else:

@@ -54,11 +54,11 @@ class Stage3State:
         for unit in self.strategy.units:
             if units is not None and unit.index not in units:
                 continue
-            lo, hi = unit.layout.owned(self.strategy.shard_rank)
-            for slot in unit.layout.slots:
-                b, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if b < e:
-                    rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, b - lo, slot.group))
+            for lo, hi, at in unit.layout.shard_ranges(self.strategy.shard_rank):
+                for slot in unit.layout.slots:
+                    b, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                    if b < e:
+                        rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, b - lo + at, slot.group))
         return rows
 
     def sharded_params(self) -> dict[int, str]:

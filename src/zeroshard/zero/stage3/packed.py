@@ -1,16 +1,14 @@
 """Frozen weights held quantized at stage 3: DeepSpeed's `zero_quantized_nontrainable_weights` (ZeRO++).
 
 [Note: quantized frozen weights]
-With the key on, the frozen elements of each unit's shard (a LoRA base model's weights; [Note: frozen parameters at
-stage 3] in unit.py puts them after the trainable ones) are held as 8-bit blocks with one fp32 scale each ([Note:
-block quantization] in zero/quant.py), quantized once from their compute-dtype values when the unit is built: about
-1 byte per frozen element instead of 2 (bf16) or 4 (fp32). A rank's `ShardedUnit.shard` then keeps only the leading
-elements it trains (`UnitLayout.trainable_in`) in the compute dtype and `PackedTail` holds the rest; where the fp32
-master is the shard itself (fp32 training, master and shard on one tier) it keeps the master's whole prefix
-(`trainable_shard_numel`, on every rank), so on ranks past a unit's trainable part that many frozen elements stay
-in fp32. The master prefix of a rank that keeps fewer elements holds the dequantized frozen values there (nothing
-steps them; `publish` copies back only what the shard keeps). A gather sends every rank's kept elements (raw, or as
-8-bit blocks with qwZ) and codes in one uint8 all-gather of equal rows (padded to the longest) and every rank, its
+With the key on, the frozen elements of each unit's shard (a LoRA base model's weights: the chunk of the unit's
+frozen section every rank holds after its trainable chunk, [Note: frozen parameters at stage 3] in unit.py) are held
+as 8-bit blocks with one fp32 scale each ([Note: block quantization] in zero/quant.py), quantized once from their
+compute-dtype values when the unit is built: about 1 byte per frozen element instead of 2 (bf16) or 4 (fp32). A
+rank's `ShardedUnit.shard` then keeps only its trainable chunk (`trainable_shard_numel` elements, the same on every
+rank; the master, where it is the shard itself, covers exactly that) in the compute dtype and `PackedTail` holds the
+frozen chunk. A gather sends every rank's kept elements (raw, or as 8-bit blocks with qwZ) and codes in one uint8
+all-gather of equal rows and unpacks them into the two sections; every rank, its
 own part included, computes with the dequantized values, so all replicas agree; at one rank the values are
 dequantized all the same, as DeepSpeed does. Quantization error: at most half a block's step per element (max |w| /
 254 of its block of 256), once, at build; DeepSpeed's CUDA quantizer uses larger groups. Trainable parameters, their
@@ -47,14 +45,13 @@ if TYPE_CHECKING:
 
 
 class PackedTail:
-    """The frozen elements of one unit's shard past what this rank keeps in the compute dtype, as packed 8-bit
-    blocks; `kept` is every rank's count of kept leading elements (the gather reads each rank's row by it)."""
+    """The frozen section's chunk of one unit's shard (`numel` elements, after the `kept` leading ones every rank keeps
+    in the compute dtype) as packed 8-bit blocks."""
 
-    def __init__(self, quantizer: BlockQuantizer, kept: list[int], rank: int, shard_numel: int, tier: Tier):
+    def __init__(self, quantizer: BlockQuantizer, kept: int, numel: int, tier: Tier):
         self.quantizer = quantizer
         self.kept = kept
-        self.shard_numel = shard_numel
-        self.numel = shard_numel - kept[rank]
+        self.numel = numel
         self.codes = tier.zeros(self.code_bytes(self.numel), torch.uint8)  # on the shard's tier
 
     def code_bytes(self, numel: int) -> int:
@@ -89,9 +86,8 @@ class PackedTail:
         return out
 
     def row_bytes(self, element_size: int, prefix_quantizer: BlockQuantizer | None) -> int:
-        """Bytes of one rank's row in the gather: the longest of every rank's kept elements and codes."""
-        width = self.shard_numel
-        return max(_head_bytes(k, element_size, prefix_quantizer) + self.code_bytes(width - k) for k in self.kept)
+        """Bytes of one rank's row in the gather: its kept elements and its codes."""
+        return _head_bytes(self.kept, element_size, prefix_quantizer) + self.code_bytes(self.numel)
 
     def gather(
         self,
@@ -102,7 +98,7 @@ class PackedTail:
     ) -> Callable[..., Handle]:
         """The gather of `unit` (called as `comm.all_gather(full, source, async_op=..., label=...)`, `source` unused):
         every rank's kept elements (as 8-bit blocks with `prefix_quantizer`: qwZ) and codes in one uint8 all-gather
-        of equal rows, unpacked into the full buffer when the handle is waited on; `then(rows)` runs after that
+        of rows, unpacked into the full buffer when the handle is waited on; `then(rows)` runs after that
         (hpZ keeps its block of the rows as the secondary partition)."""
 
         def collect(full: torch.Tensor, source: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
@@ -141,7 +137,7 @@ class PackedTail:
         then: Callable[[torch.Tensor], None] | None = None,
     ) -> Handle:
         """`handle` (of the collective filling `rows`, every rank's row), then the rows unpacked into `unit.full`."""
-        full, width = unit.full, self.shard_numel
+        full, kept, numel = unit.full, self.kept, self.numel
         dtype, device, size = full.dtype, full.device, full.element_size()
         issued = _recorded(device)  # on CUDA: the stream the collective was issued from (a side stream, offload)
 
@@ -149,22 +145,20 @@ class PackedTail:
             if issued is not None:
                 torch.cuda.current_stream(device).wait_event(issued)
                 rows.record_stream(torch.cuda.current_stream(device))
-            out = full.data.view(rows.shape[0], width)  # .data: [Note: gathered storage] in unit.py
-            # consecutive ranks that keep as many elements, unpacked together, a few rows at a time: the fp32
-            # temporaries stay near UNPACK_CHUNK elements whatever the unit's size (copy_ rounds them as .to would)
-            step = max(1, UNPACK_CHUNK // width)
-            for first, end in _runs(self.kept):
-                k = self.kept[first]
-                head = _head_bytes(k, size, prefix_quantizer)
-                for a in range(first, end, step):
-                    b = min(a + step, end)
-                    if k and prefix_quantizer is not None:
-                        out[a:b, :k].copy_(prefix_quantizer.unpack(rows[a:b, :head], k))
-                    elif k:
-                        out[a:b, :k].copy_(rows[a:b, : k * size].view(dtype))
-                    if k < width:
-                        codes = rows[a:b, head : head + self.code_bytes(width - k)]
-                        out[a:b, k:].copy_(self.quantizer.unpack(codes, width - k))
+            # each section's [rank, chunk] view ([Note: frozen parameters at stage 3] in unit.py): the kept elements
+            # are the trainable section's chunk, the codes the frozen one's (.data: [Note: gathered storage])
+            *trained, (frozen, _) = unit.layout.split(full.data)
+            head = _head_bytes(kept, size, prefix_quantizer)
+            # a few rows at a time: the fp32 temporaries stay near UNPACK_CHUNK elements whatever the unit's size
+            # (copy_ rounds them as .to would)
+            step = max(1, UNPACK_CHUNK // (kept + numel))
+            for a in range(0, rows.shape[0], step):
+                b = min(a + step, rows.shape[0])
+                if trained and prefix_quantizer is not None:
+                    trained[0][0][a:b].copy_(prefix_quantizer.unpack(rows[a:b, :head], kept))
+                elif trained:
+                    trained[0][0][a:b].copy_(rows[a:b, : kept * size].view(dtype))
+                frozen[a:b].copy_(self.quantizer.unpack(rows[a:b, head : head + self.code_bytes(numel)], numel))
             if then is not None:
                 then(rows)
 
@@ -172,17 +166,6 @@ class PackedTail:
 
 
 UNPACK_CHUNK = 1 << 24  # elements dequantized at once (64 MiB of fp32), at least one rank's row
-
-
-def _runs(kept: list[int]) -> list[tuple[int, int]]:
-    """[a, b) ranges of consecutive ranks with equal `kept` counts."""
-    out: list[tuple[int, int]] = []
-    for r, k in enumerate(kept):
-        if out and kept[out[-1][0]] == k:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
 
 
 def _head_bytes(numel: int, element_size: int, quantizer: BlockQuantizer | None) -> int:

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 UnitPolicy = Callable[[str, nn.Module], bool]
@@ -198,41 +199,75 @@ class Slot:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """A unit's flat buffer: parameters sorted by optimizer group, each start aligned, padded to N; frozen
-    parameters last ([Note: frozen parameters at stage 3])."""
+    """A unit's flat buffer: parameters sorted by optimizer group, each start aligned; the trainable parameters and
+    the frozen ones in two sections, each padded to N and split evenly over the ranks ([Note: frozen parameters at
+    stage 3] in unit.py)."""
 
     numel: int
     shard_numel: int
     slots: tuple[Slot, ...]
     group_ranges: tuple[tuple[int, int, int], ...]  # (group, begin, end) in the flat buffer
-    trainable_end: int = 0  # where the frozen parameters begin (the trainable ones' end)
+    trainable_end: int = 0  # the trainable parameters' end
+    frozen_start: int = -1  # where the frozen section begins (numel: none; -1: numel)
 
     @property
     def shard_count(self) -> int:
         return self.numel // self.shard_numel
 
     @property
+    def sections(self) -> tuple[tuple[int, int], ...]:
+        """(flat start, elements per rank) of each non-empty section: the trainable one, then the frozen one. Rank r
+        holds the r-th chunk of each, in that order, as its shard."""
+        frozen = self.numel if self.frozen_start < 0 else self.frozen_start
+        width = frozen // self.shard_count
+        return tuple((start, w) for start, w in ((0, width), (frozen, self.shard_numel - width)) if w)
+
+    @property
+    def frozen_width(self) -> int:
+        """Elements of the frozen section in each rank's shard: the end of the shard."""
+        return 0 if self.frozen_start < 0 else self.shard_numel - self.frozen_start // self.shard_count
+
+    @property
     def trainable_shard_numel(self) -> int:
-        """The prefix of every rank's shard that holds all of its trainable elements: the length of its master,
-        its gradient shard, and of each rank's part of the gradient reduce-scatter."""
-        return min(self.shard_numel, self.trainable_end)
+        """The prefix of every rank's shard that holds all of its trainable elements (its chunk of the trainable
+        section): the length of its master, its gradient shard, and of each rank's part of the gradient
+        reduce-scatter."""
+        sections = self.sections
+        return sections[0][1] if len(sections) > 1 else min(self.shard_numel, self.trainable_end)
 
-    def trainable_in(self, shard_rank: int) -> int:
-        """How many of `shard_rank`'s shard elements are trainable (a prefix of it; at most trainable_shard_numel)."""
-        return max(0, min(self.shard_numel, self.trainable_end - shard_rank * self.shard_numel))
+    def shard_ranges(self, shard_rank: int) -> list[tuple[int, int, int]]:
+        """(flat begin, flat end, offset in the shard) of each part of the buffer `shard_rank` holds."""
+        out, at = [], 0
+        for start, width in self.sections:
+            begin = start + shard_rank * width
+            out.append((begin, begin + width, at))
+            at += width
+        return out
 
-    def owned(self, shard_rank: int) -> tuple[int, int]:
-        begin = shard_rank * self.shard_numel
-        return begin, begin + self.shard_numel
+    def split(self, flat: torch.Tensor, parts: int | None = None) -> list[tuple[torch.Tensor, int]]:
+        """`flat` (the unit's whole buffer, or one of the same length) as each section's [parts, chunk] view (parts:
+        the shard count, or an hpZ group's size), with where a part's chunk of it starts in a part's own buffer."""
+        parts = parts or self.shard_count
+        out, at = [], 0
+        for start, width in self.sections:
+            chunk = width * self.shard_count // parts
+            out.append((flat.narrow(0, start, chunk * parts).view(parts, chunk), at))
+            at += chunk
+        return out
+
+    def take(self, flat: torch.Tensor, shard_rank: int) -> torch.Tensor:
+        """`shard_rank`'s shard of `flat` (a view when it is one range, else a copy)."""
+        pieces = [flat[b:e] for b, e, _ in self.shard_ranges(shard_rank)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def group_pieces(self, shard_rank: int) -> list[tuple[int, int, int]]:
-        """(group, begin, end) of the owned range that falls in each group, as offsets in the shard."""
-        lo, hi = self.owned(shard_rank)
+        """(group, begin, end) of the owned ranges that fall in each group, as offsets in the shard."""
         out = []
-        for group, begin, end in self.group_ranges:
-            b, e = max(lo, begin), min(hi, end)
-            if b < e:
-                out.append((group, b - lo, e - lo))
+        for lo, hi, at in self.shard_ranges(shard_rank):
+            for group, begin, end in self.group_ranges:
+                b, e = max(lo, begin), min(hi, end)
+                if b < e:
+                    out.append((group, b - lo + at, e - lo + at))
         return out
 
 
@@ -240,20 +275,22 @@ def layout_unit(
     params: Sequence[tuple[str, int, int]], shard_count: int, align: int = 16, frozen_group: int | None = None
 ) -> UnitLayout:
     """`params` are (name, numel, group) in registration order; `frozen_group` is the (largest) group number of the
-    parameters that get no gradient."""
+    parameters that get no gradient: they form a section of their own after the others'."""
     ordered = sorted(range(len(params)), key=lambda i: (params[i][2], i))
     slots: list[Slot] = []
     ranges: list[tuple[int, int, int]] = []
-    offset = 0
+    offset, frozen_start, quantum = 0, -1, shard_count * align
     for i in ordered:
         name, numel, group = params[i]
+        if group == frozen_group and frozen_start < 0:  # the frozen section starts on a multiple of N
+            offset = frozen_start = -(-offset // quantum) * quantum
         if ranges and ranges[-1][0] == group:
             ranges[-1] = (group, ranges[-1][1], offset + numel)
         else:
             ranges.append((group, offset, offset + numel))
         slots.append(Slot(name, offset, numel, group, i))
         offset = -(-(offset + numel) // align) * align
-    padded = -(-max(offset, 1) // (shard_count * align)) * (shard_count * align)
+    padded = -(-max(offset, 1) // quantum) * quantum
     # a group's range ends at its last element; padding after it belongs to no group
     trainable_end = max((end for group, _, end in ranges if group != frozen_group), default=0)
-    return UnitLayout(padded, padded // shard_count, tuple(slots), tuple(ranges), trainable_end)
+    return UnitLayout(padded, padded // shard_count, tuple(slots), tuple(ranges), trainable_end, frozen_start)

@@ -39,6 +39,7 @@ from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.root import root_unit_of
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_live_gathers
+from zeroshard.zero.stage3.sections import gather_flat, write_slot
 from zeroshard.zero.stage3.speculate import SpeculationPolicy, speculation_for
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
@@ -301,7 +302,8 @@ class Stage3Strategy(Strategy):
         with self.optimizer_state_resident():
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
-                self.comm.all_gather(full, unit.fp32_shard().to(self.device), label=f"consolidate {unit.name!r}")
+                mine, label = unit.fp32_shard().to(self.device), f"consolidate {unit.name!r}"
+                gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
                 for slot in unit.layout.slots:
                     param = unit.params[slot.index]
                     shape = unit.views[slot.index].shape
@@ -437,7 +439,7 @@ class Stage3Strategy(Strategy):
         self.write_back(unit)  # the shards := the gathered values (compute dtype)
         if unit.master is not unit.shard and param.requires_grad:  # the master gets the fp32 value (a frozen one:
             with self.optimizer_state_resident():  # the compute values write_back gave it, as elsewhere)
-                self._scatter_slot(unit, slot, value, unit.master)
+                write_slot(unit.layout, self.shard_rank, slot, value, unit.master)
         self.gather_end(held, None)
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
@@ -447,16 +449,8 @@ class Stage3Strategy(Strategy):
                 state = self._state_of(piece.master, key)
                 whole = torch.zeros(unit.layout.shard_numel, dtype=state.dtype, device=state.device)
                 whole.narrow(0, piece.offset, piece.master.numel()).copy_(state)
-                self._scatter_slot(unit, slot, value, whole)
+                write_slot(unit.layout, self.shard_rank, slot, value, whole)
                 state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
-
-    def _scatter_slot(self, unit: ShardedUnit, slot: Any, value: torch.Tensor, shard: torch.Tensor) -> None:
-        """This rank's range of `slot` in `shard` (the unit's shard or its prefix, a master) := `value`'s elements."""
-        lo, hi = unit.layout.owned(self.shard_rank)
-        begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel, lo + shard.numel())
-        if begin < end:
-            flat = value.detach().reshape(-1).to(shard.device, shard.dtype)
-            shard.narrow(0, begin - lo, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])
 
     def _pieces_of(self, unit: ShardedUnit) -> list[Any]:
         return [piece for pieces in self.built.pieces for piece in pieces if piece.unit is unit]
@@ -470,7 +464,8 @@ class Stage3Strategy(Strategy):
         unit, index, slot = self._slot_of(param)
         full, values = torch.zeros(unit.numel, dtype=torch.float32, device=self.device), local(unit)
         mine = F.pad(values.to(self.device, torch.float32), (0, unit.layout.shard_numel - values.numel()))
-        self.comm.all_gather(full, mine, label=f"full value in {unit.name!r}")
+        label = f"full value in {unit.name!r}"
+        gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
         return full.narrow(0, slot.offset, slot.numel).view(unit.views[index].shape).clone()
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
@@ -493,7 +488,6 @@ class Stage3Strategy(Strategy):
 
     def write_back(self, unit: ShardedUnit) -> None:
         """After the full parameters of a gathered unit were modified: update this rank's shards."""
-        lo, hi = unit.layout.owned(self.shard_rank)
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
-            unit.overwrite_shard(unit.full[lo:hi])
+            unit.overwrite_shard(unit.layout.take(unit.full, self.shard_rank))

@@ -39,17 +39,16 @@ NVMe tier frees its own ([Note: gradients on NVMe]).
 
 [Note: frozen parameters at stage 3]
 A frozen parameter (a LoRA base weight; every parameter in inference) is held as DeepSpeed's stage 3 holds it: its
-compute-dtype shard only, no fp32 master, no gradient, no reduction. The unit layout puts frozen parameters after
-the trainable ones (`layout_unit`), so the trainable elements of every rank's shard are its first
-`trainable_shard_numel` = min(shard, trainable end) elements: the master and the gradient shard cover that prefix,
-and the reduce-scatter sends each rank's prefix only (a pooled copy of the staged prefixes when it is shorter than
-the shard). A LoRA decoder layer thus moves its adapters' gradients, not its base weights' zeros, and at bf16 holds
-2 bytes per frozen parameter / N instead of 2 + 4 (master) + 2 (gradient). The prefix is the same length on every
-rank, so a rank whose chunk starts past the trainable end holds a few master elements of frozen values that no
-optimizer group steps (they are published back unchanged); where the trainable part exceeds 1/N of the unit the
-prefix is the whole shard, as before. The price: a unit's trainable elements sit on its first ranks, so their
-optimizer state is not spread evenly (LoRA adapters: all on rank 0 of each unit), where DeepSpeed splits every
-parameter over all ranks. Full fp32 values of a frozen parameter are its compute values (`fp32_shard`).
+compute-dtype shard only, no fp32 master, no gradient, no reduction. The unit's flat buffer has two sections
+(`layout_unit`): the trainable parameters, then, from a multiple of N, the frozen ones, each padded to N and split
+evenly over the ranks; rank r's shard is the r-th chunk of each, trainable chunk first. So the first
+`trainable_shard_numel` elements of every shard are all its trainable ones: the master and the gradient shard cover
+that prefix, and the gradient reduce-scatter sends the trainable section only (the head of the staged buffer). A LoRA
+decoder layer thus moves its adapters' gradients, not its base weights' zeros, holds at bf16 2 bytes per frozen
+parameter / N instead of 2 + 4 (master) + 2 (gradient), and spreads its adapters' masters and optimizer state over
+all N ranks, as DeepSpeed splits every parameter. A gather all-gathers each section in place (`sections.py`): two
+collectives for a unit with both kinds, one otherwise (a unit with no frozen parameter has one section and the
+layout it always had). Full fp32 values of a frozen parameter are its compute values (`fp32_shard`).
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ from zeroshard.zero.pool import BufferPool, zero_unwritten
 from zeroshard.zero.quant import BlockQuantizer
 from zeroshard.zero.stage3.packed import PackedTail
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
+from zeroshard.zero.stage3.sections import gather_flat
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -129,7 +129,6 @@ class ShardedUnit:
         self.views = [
             self.full.narrow(0, s.offset, s.numel).view(p.shape) for s, p in zip(self._slots, params, strict=True)
         ]
-        lo, hi = layout.owned(shard_rank)
         if fill is None:
             for view, param in zip(self.views, params, strict=True):
                 view.copy_(param.detach())
@@ -140,29 +139,29 @@ class ShardedUnit:
         # [Note: bf16 master weights]) on the optimizer tier; one tensor when the tiers allow it and the dtypes match
         trained = layout.trainable_shard_numel  # [Note: frozen parameters at stage 3]
         aliases = compute_dtype == master_dtype and master_tier.shares_shard_with(param_tier)
-        # each rank's count of shard elements kept in the compute dtype, the rest packed ([Note: quantized frozen
-        # weights] in packed.py): its trainable ones, or the whole master prefix where the master is the shard
-        kept = [trained if aliases else layout.trainable_in(r) for r in range(layout.shard_count)]
-        packs = frozen_quantizer is not None and not self.persistent and min(kept) < layout.shard_numel
+        # the frozen section's chunk is packed ([Note: quantized frozen weights] in packed.py), the rest kept
+        packs = frozen_quantizer is not None and not self.persistent and layout.frozen_width > 0
+        kept = layout.shard_numel - layout.frozen_width
         whole = torch.empty(layout.shard_numel, dtype=compute_dtype, device=param_tier.device) if packs else None
-        self.shard = param_tier.zeros(kept[shard_rank] if packs else layout.shard_numel, compute_dtype)
+        self.shard = param_tier.zeros(kept if packs else layout.shard_numel, compute_dtype)
         values = self.shard if whole is None else whole
         if from_full:
-            values.copy_(self.full[lo:hi])
+            values.copy_(layout.take(self.full, shard_rank))
         else:
-            fill(values, lo, hi)  # type: ignore[misc]  # not None here
+            for lo, hi, at in layout.shard_ranges(shard_rank):
+                fill(values[at : at + hi - lo], lo, hi)  # type: ignore[misc]  # not None here
         self.tail: PackedTail | None = None
         if whole is not None:
             assert frozen_quantizer is not None
-            self.shard.copy_(whole[: self.shard.numel()])
-            self.tail = PackedTail(frozen_quantizer, kept, shard_rank, layout.shard_numel, param_tier)
-            self.tail.pack(whole[self.shard.numel() :])
+            self.shard.copy_(whole[:kept])
+            self.tail = PackedTail(frozen_quantizer, kept, layout.frozen_width, param_tier)
+            self.tail.pack(whole[kept:])
             del whole, values
         if aliases:
             self.master = self.shard
         else:  # from the compute-dtype values, as a model loaded in that dtype would give
             self.master = master_tier.zeros(trained, master_dtype)
-            self.master.copy_((self.full[lo:hi] if from_full and self.tail is None else self.shard_values())[:trained])
+            self.master.copy_(self.shard_values()[:trained])
         # a transient shard holds memory only from a window's first reduction to its step ([Note: gradient shards
         # exist from reduction to step])
         self.grad_shard = torch.zeros(trained if self.trainable else 0, dtype=grad_dtype, device=device)
@@ -216,33 +215,35 @@ class ShardedUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.full.numel() * self.full.element_size())
-        lo, hi = self.layout.owned(self.shard_rank)
         self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
         self.home.ready(self.key)
-        source = self.shard
         if collect is None and self.tail is not None:  # [Note: quantized frozen weights] in packed.py
             collect = self.tail.gather(self, comm)
-        gather = collect or comm.all_gather
         label = f"gather of unit {self.name!r}"
-        # offload_param: this rank's shard is copied over first (a packed unit's gather copies its own parts)
-        moves = source.device != self.full.device and self.tail is None
-        if source.device != self.full.device and self.full.is_cuda:
+        if self.shard.device != self.full.device and self.full.is_cuda:
             stream = copy_stream(self.full.device)
             stream.wait_stream(torch.cuda.current_stream(self.full.device))
             with torch.cuda.stream(stream):
-                if moves:
-                    source = self.full[lo:hi]
-                    source.copy_(self.shard, non_blocking=True)
-                self._pending = gather(self.full, source, async_op=async_op, label=label)
+                self._pending = self._issue(comm, collect, async_op, label)
                 self._copied_in = torch.cuda.Event()  # after the gather: covers a synchronous one's wait too
                 self._copied_in.record(stream)
         else:
-            if moves:
-                source = self.full[lo:hi]
-                source.copy_(self.shard)
-            self._pending = gather(self.full, source, async_op=async_op, label=label)
+            self._pending = self._issue(comm, collect, async_op, label)
         self.gathers += 1
         self.state = UnitState.GATHERING
+
+    def _issue(self, comm: Collectives, collect: Callable[..., Handle] | None, async_op: bool, label: str) -> Handle:
+        """The gather's collectives; offload_param: this rank's shard is copied into its place in the full buffer
+        first (a packed unit's gather copies its own parts)."""
+        source: torch.Tensor | None = self.shard
+        if self.shard.device != self.full.device and self.tail is None:
+            for lo, hi, at in self.layout.shard_ranges(self.shard_rank):
+                self.full[lo:hi].copy_(self.shard[at : at + hi - lo], non_blocking=self.full.is_cuda)
+            source = None  # in place
+        if collect is not None:
+            source = self.layout.take(self.full, self.shard_rank) if source is None else source
+            return collect(self.full, source, async_op=async_op, label=label)
+        return gather_flat(comm.all_gather, self.layout, self.full, source, self.shard_rank, None, async_op, label)
 
     def wait_gathered(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -314,7 +315,7 @@ class ShardedUnit:
             zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.seen])
         self.staging = None
         self.reduce_launched = True
-        staging = self._trainable_part(staging, pool)
+        staging, owner = self._trainable_part(staging, pool)
         if prescale != 1.0:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
@@ -331,20 +332,23 @@ class ShardedUnit:
                 self.grad_home.ready(self.grad_key)
                 self.grad_shard.add_(out)
                 pool.release(out)
-            pool.release(staging)
+            pool.release(owner)
 
         return handle, finish
 
-    def _trainable_part(self, staging: torch.Tensor, pool: BufferPool) -> torch.Tensor:
-        """What is reduce-scattered of the staged gradients: every rank's trainable prefix ([Note: frozen parameters
-        at stage 3]); `staging` itself when that is the whole shard, else a pooled copy (`staging` goes back)."""
+    def _trainable_part(self, staging: torch.Tensor, pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What is reduce-scattered of the staged gradients, every rank's trainable prefix ([Note: frozen parameters
+        at stage 3]), and the pooled buffer holding it: `staging` itself when that is the whole shard, its head (the
+        trainable section), or a pooled copy of the prefixes in a unit of one section (`staging` goes back)."""
         width, count = self.layout.trainable_shard_numel, self.layout.shard_count
         if width == self.layout.shard_numel:
-            return staging
+            return staging, staging
+        if self.layout.frozen_width:
+            return staging.narrow(0, 0, width * count), staging
         part = pool.acquire(width * count, staging.dtype, zero=False)
         part.view(count, width).copy_(staging.view(count, self.layout.shard_numel)[:, :width])
         pool.release(staging)
-        return part
+        return part, part
 
     def grad_resident(self, overwrite: bool = False) -> None:
         """Start making the gradient shard resident (`grad_home.ready` waits): a zero shard is allocated, not

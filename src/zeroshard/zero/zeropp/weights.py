@@ -18,6 +18,7 @@ import torch
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.zero.quant import BlockQuantizer
 from zeroshard.zero.stage3.packed import UNPACK_CHUNK
+from zeroshard.zero.stage3.sections import gather_flat
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.zeropp.handles import Then
 from zeroshard.zero.zeropp.policy import ZeroPPGroups, ZeroPPPolicy
@@ -66,7 +67,8 @@ class UnitGathers:
             return lambda full, source, async_op=False, label="": self._quantized(unit, source, fill, async_op, label)
         if fill:
             return lambda full, source, async_op=False, label="": Then(
-                self.comm.all_gather(full, source, async_op=async_op, label=label), lambda: self._fill(unit)
+                gather_flat(self.comm.all_gather, unit.layout, full, source, self.comm.rank, None, async_op, label),
+                lambda: self._fill(unit),
             )
         return None
 
@@ -80,10 +82,12 @@ class UnitGathers:
         handle = self.comm.all_gather(packed.view(-1), mine, async_op=async_op, label=f"qwZ {label}")
 
         def finish() -> None:
-            out = unit.full.data.view(world, shard_numel)  # .data: [Note: gathered storage]
+            sections = unit.layout.split(unit.full.data)  # .data: [Note: gathered storage]
             step = max(1, UNPACK_CHUNK // shard_numel)  # a few rows at a time: bounded fp32 temporaries
             for a in range(0, world, step):
-                out[a : a + step].copy_(quantizer.unpack(packed[a : a + step], shard_numel))
+                values = quantizer.unpack(packed[a : a + step], shard_numel)
+                for rows, at in sections:
+                    rows[a : a + step].copy_(values[:, at : at + rows.shape[1]])
             if fill:
                 self._fill(unit)
 
@@ -103,11 +107,12 @@ class UnitGathers:
         self.fresh.add(unit.index)
 
     def _fill(self, unit: ShardedUnit) -> None:
-        """This rank's part of the secondary partition := the forward gather's result (no communication)."""
+        """This rank's part of the secondary partition := the forward gather's result (no communication): its hpZ
+        rank's block of each section."""
         secondary = self.secondary[unit.index]
         assert self.groups.hpz is not None
-        begin = self.groups.hpz.rank * secondary.numel()
-        secondary.copy_(unit.full.data.narrow(0, begin, secondary.numel()))
+        for rows, at in unit.layout.split(unit.full.data, self.groups.hpz.world_size):
+            secondary.narrow(0, at, rows.shape[1]).copy_(rows[self.groups.hpz.rank])
         self.fresh.add(unit.index)
 
     def _from_secondary(self, unit: ShardedUnit, async_op: bool, label: str) -> Handle:
@@ -118,4 +123,7 @@ class UnitGathers:
             rows = torch.empty(self.comm.world_size, width, dtype=torch.uint8, device=secondary.device)
             handle = self.groups.hpz.all_gather(rows.view(-1), secondary, async_op=async_op, label=f"hpZ {label}")
             return unit.tail.unpacking(unit, rows, handle, self._prefix_quantizer())
-        return self.groups.hpz.all_gather(unit.full.data, secondary, async_op=async_op, label=f"hpZ {label}")
+        hpz = self.groups.hpz
+        return gather_flat(
+            hpz.all_gather, unit.layout, unit.full.data, secondary, hpz.rank, hpz.world_size, async_op, f"hpZ {label}"
+        )
