@@ -103,7 +103,8 @@ def test_a_root_parameter_read_later_outside_its_modules_fails_loudly_by_default
 
 
 def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
-    """Per variant at bf16: (master bytes, reduce-scatter bytes of one step, trainable parameters, full reads)."""
+    """Per variant at bf16: (master bytes, reduce-scatter bytes of one step, trainable parameters, full reads, the
+    reduction buffers' peak bytes)."""
     import zeroshard
     from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -111,6 +112,7 @@ def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
     for variant in ("plain", "mostly_frozen"):
         case = Case(stage=3, dtype="bf16", variant=variant, steps=2)
         model = build_model(case)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before sharding empties them
         engine, *_ = zeroshard.initialize(
             model=model, model_parameters=param_groups(model, case), config=ds_config(case)
         )
@@ -122,8 +124,7 @@ def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
                 reads = (safe_get_full_grad(block.attn.proj.weight), safe_get_full_fp32_param(block.mlp[0].weight))
             engine.step()
             sent = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"] - before
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        out[variant] = (engine.memory_report().master_weights, sent, trainable, reads)
+        out[variant] = (engine.memory_report().master_weights, sent, trainable, reads, engine.strategy.pool.peak_bytes)
         engine.destroy()
     return out
 
@@ -132,9 +133,10 @@ def test_frozen_parameters_hold_no_master_and_send_no_gradients():
     """[Note: frozen parameters at stage 3]: 17% of the model trains; its blocks' frozen 91% hold neither an fp32
     master nor a gradient, their zeros are not reduce-scattered, and each rank holds half the trainable masters."""
     for got in run_on_ranks(_footprints, 2):
-        (plain_master, plain_sent, _, plain_reads), (master, sent, trainable, reads) = got.values()
+        (plain_master, plain_sent, _, plain_reads, plain_pool), (master, sent, trainable, reads, pool) = got.values()
         # each rank holds the fp32 masters of its half of the trainable elements, padding aside (every unit's two
         # sections are split evenly: the adapters are not all on rank 0)
         assert 4 * trainable / 2 <= master <= 1.05 * 4 * trainable / 2 < 0.3 * plain_master, got
         assert 0 < sent < 0.3 * plain_sent, got
+        assert 0 < pool < 0.3 * plain_pool, got  # gradients are staged for the trainable sections only
         assert all(torch.equal(a, b) for a, b in zip(reads, plain_reads, strict=True)), (reads, plain_reads)

@@ -297,7 +297,7 @@ class Collectives:
             ],
         )
         mine = chunks[self.rank]
-        return _Joined(works, lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, async_op)
+        return Joined(works, lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, async_op)
 
     def _gather_in_place(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Any:
         return gather_in_place(output, input, self.group, self.rank, self.world_size, async_op, self.in_flight)
@@ -436,10 +436,10 @@ def gather_in_place(
             for owner in range(world_size)
         ],
     )
-    return _Joined(works, lambda: None, async_op)
+    return Joined(works, lambda: None, async_op)
 
 
-class _Joined:
+class Joined:
     """Several collectives issued as one: `wait` waits for each, then runs `finish` once. Synchronous when not
     `async_op` (it has waited before it is returned)."""
 

@@ -1,8 +1,9 @@
 """Weights read from a safetensors checkpoint straight into the memory that keeps them.
 
 [Note: streaming load]
-A sharded rank keeps a contiguous range of each unit's flat buffer, and a safetensors file stores each tensor's
-elements contiguously, row-major: the part of a parameter a rank keeps is one byte range of one file. So each
+A sharded rank keeps a contiguous range of each section of a unit's flat buffer, and a parameter lies in one section;
+a safetensors file stores each tensor's elements contiguously, row-major: the part of a parameter a rank keeps is
+one byte range of one file. So each
 rank reads exactly its ranges with positional reads (no mmap: touched mapped pages would count in the
 process's resident memory for as long as the file stays mapped) into its shard, converting the stored dtype
 in chunks. No rank materialises a full parameter it does not keep, and the bytes of the checkpoint are read

@@ -1,9 +1,10 @@
 """Stage 3 in the checkpoint format's terms (`zeroshard.checkpoint.state.ShardedState`).
 
-Each rank owns a contiguous range of every unit's flat buffer; the pieces of parameters that fall in
-that range are what it saves and loads: compute-dtype values from the unit's shard, fp32 master values
-and elementwise optimizer state from the optimizer's per-(unit, group) master pieces. The files are the
-same as for stages 0-2, so checkpoints move between stage 3 and the others and between world sizes.
+Each rank owns one range of each section of every unit's flat buffer ([Note: frozen parameters at stage 3]
+in unit.py); the pieces of parameters that fall in those ranges are what it saves and loads: compute-dtype
+values from the unit's shard, fp32 master values and elementwise optimizer state from the optimizer's
+per-(unit, group) master pieces. The files are the same as for stages 0-2, so checkpoints move between
+stage 3 and the others and between world sizes.
 """
 
 from __future__ import annotations

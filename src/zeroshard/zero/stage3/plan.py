@@ -208,7 +208,7 @@ class UnitLayout:
     slots: tuple[Slot, ...]
     group_ranges: tuple[tuple[int, int, int], ...]  # (group, begin, end) in the flat buffer
     trainable_end: int = 0  # the trainable parameters' end
-    frozen_start: int = -1  # where the frozen section begins (numel: none; -1: numel)
+    frozen_start: int = -1  # where the frozen parameters' section begins; -1: there is none
 
     @property
     def shard_count(self) -> int:
@@ -221,6 +221,12 @@ class UnitLayout:
         frozen = self.numel if self.frozen_start < 0 else self.frozen_start
         width = frozen // self.shard_count
         return tuple((start, w) for start, w in ((0, width), (frozen, self.shard_numel - width)) if w)
+
+    @property
+    def trainable_extent(self) -> int:
+        """Elements of the flat buffer from its start that hold every trainable parameter: the trainable section, or
+        the whole buffer in a unit of one section (what backward stages and reduce-scatters)."""
+        return self.frozen_start if self.frozen_width else self.numel
 
     @property
     def frozen_width(self) -> int:
@@ -276,6 +282,8 @@ def layout_unit(
 ) -> UnitLayout:
     """`params` are (name, numel, group) in registration order; `frozen_group` is the (largest) group number of the
     parameters that get no gradient: they form a section of their own after the others'."""
+    if frozen_group is not None and any(group > frozen_group for _, _, group in params):
+        raise ValueError(f"the frozen group {frozen_group} must be the largest group number")
     ordered = sorted(range(len(params)), key=lambda i: (params[i][2], i))
     slots: list[Slot] = []
     ranges: list[tuple[int, int, int]] = []

@@ -3,30 +3,14 @@ stage 3] in unit.py): one collective per section, each writing its section of th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from zeroshard.comm.collectives import Handle
+from zeroshard.comm.collectives import Handle, Joined
 from zeroshard.zero.stage3.plan import Slot, UnitLayout
 
 Gather = Callable[..., Handle]  # comm.all_gather's signature: (output, input, async_op=..., label=...)
-
-
-class Joined:
-    """The handles of one gather's collectives, waited on together."""
-
-    def __init__(self, handles: Sequence[Handle]):
-        self.handles = list(handles)
-
-    def wait(self, timeout: Any = None) -> bool:
-        for handle in self.handles:
-            if timeout is None:
-                handle.wait()
-            else:
-                handle.wait(timeout)  # type: ignore[call-arg]  # Work.wait's timeout (comm/divergence.py)
-        return True
 
 
 def gather_flat(
@@ -46,7 +30,7 @@ def gather_flat(
     for rows, at in layout.split(full, parts):
         mine = rows[rank] if source is None else source.narrow(0, at, rows.shape[1])
         handles.append(gather(rows.view(-1), mine, async_op=async_op, label=label))
-    return handles[0] if len(handles) == 1 else Joined(handles)
+    return handles[0] if len(handles) == 1 else Joined(handles, lambda: None, async_op=True)
 
 
 def write_slot(layout: UnitLayout, rank: int, slot: Slot, value: torch.Tensor, shard: torch.Tensor) -> None:

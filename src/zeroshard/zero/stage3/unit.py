@@ -40,10 +40,10 @@ NVMe tier frees its own ([Note: gradients on NVMe]).
 [Note: frozen parameters at stage 3]
 A frozen parameter (a LoRA base weight; every parameter in inference) is held as DeepSpeed's stage 3 holds it: its
 compute-dtype shard only, no fp32 master, no gradient, no reduction. The unit's flat buffer has two sections
-(`layout_unit`): the trainable parameters, then, from a multiple of N, the frozen ones, each padded to N and split
+(`layout_unit`): the trainable parameters, then the frozen ones, each padded to a multiple of N x 16 and split
 evenly over the ranks; rank r's shard is the r-th chunk of each, trainable chunk first. So the first
 `trainable_shard_numel` elements of every shard are all its trainable ones: the master and the gradient shard cover
-that prefix, and the gradient reduce-scatter sends the trainable section only (the head of the staged buffer). A LoRA
+that prefix, and backward stages and reduce-scatters the trainable section only (`trainable_extent`). A LoRA
 decoder layer thus moves its adapters' gradients, not its base weights' zeros, holds at bf16 2 bytes per frozen
 parameter / N instead of 2 + 4 (master) + 2 (gradient), and spreads its adapters' masters and optimizer state over
 all N ranks, as DeepSpeed splits every parameter. A gather all-gathers each section in place (`sections.py`): two
@@ -142,7 +142,8 @@ class ShardedUnit:
         # the frozen section's chunk is packed ([Note: quantized frozen weights] in packed.py), the rest kept
         packs = frozen_quantizer is not None and not self.persistent and layout.frozen_width > 0
         kept = layout.shard_numel - layout.frozen_width
-        whole = torch.empty(layout.shard_numel, dtype=compute_dtype, device=param_tier.device) if packs else None
+        # zeros: a streamed read leaves the padding as it is, and it shares the frozen chunk's quantization blocks
+        whole = torch.zeros(layout.shard_numel, dtype=compute_dtype, device=param_tier.device) if packs else None
         self.shard = param_tier.zeros(kept if packs else layout.shard_numel, compute_dtype)
         values = self.shard if whole is None else whole
         if from_full:
@@ -234,14 +235,13 @@ class ShardedUnit:
 
     def _issue(self, comm: Collectives, collect: Callable[..., Handle] | None, async_op: bool, label: str) -> Handle:
         """The gather's collectives; offload_param: this rank's shard is copied into its place in the full buffer
-        first (a packed unit's gather copies its own parts)."""
+        first and gathered in place (source None; a packed unit's gather copies its own parts)."""
         source: torch.Tensor | None = self.shard
         if self.shard.device != self.full.device and self.tail is None:
             for lo, hi, at in self.layout.shard_ranges(self.shard_rank):
                 self.full[lo:hi].copy_(self.shard[at : at + hi - lo], non_blocking=self.full.is_cuda)
             source = None  # in place
-        if collect is not None:
-            source = self.layout.take(self.full, self.shard_rank) if source is None else source
+        if collect is not None:  # ZeRO++'s gathers (zeropp/weights.py) take the same None
             return collect(self.full, source, async_op=async_op, label=label)
         return gather_flat(comm.all_gather, self.layout, self.full, source, self.shard_rank, None, async_op, label)
 
@@ -289,7 +289,7 @@ class ShardedUnit:
                 "reduced in this backward; call engine.backward once per micro-step (non-reentrant checkpointing)"
             )
         if self.staging is None:  # [Note: staged gradients are copied, not added to zeros]
-            self.staging = pool.acquire(self.numel, comm_dtype, zero=False)
+            self.staging = pool.acquire(self.layout.trainable_extent, comm_dtype, zero=False)
         slot = self._slots[param_index]
         target = self.staging.narrow(0, slot.offset, slot.numel)
         target.add_(grad.reshape(-1)) if param_index in self.seen else target.copy_(grad.reshape(-1))
@@ -309,13 +309,13 @@ class ShardedUnit:
         """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating); `scatter`, when
         given, replaces `comm.reduce_scatter` (ZeRO++ qgZ, zero/zeropp/grads.py)."""
         if self.staging is None:  # no gradient arrived on this rank
-            staging = pool.acquire(self.numel, comm_dtype)
+            staging = pool.acquire(self.layout.trainable_extent, comm_dtype)
         else:
             staging = self.staging
             zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.seen])
         self.staging = None
         self.reduce_launched = True
-        staging, owner = self._trainable_part(staging, pool)
+        staging = self._trainable_part(staging, pool)
         if prescale != 1.0:
             staging.mul_(prescale)
         into_shard = direct and self.grad_shard.dtype == staging.dtype
@@ -332,23 +332,22 @@ class ShardedUnit:
                 self.grad_home.ready(self.grad_key)
                 self.grad_shard.add_(out)
                 pool.release(out)
-            pool.release(owner)
+            pool.release(staging)
 
         return handle, finish
 
-    def _trainable_part(self, staging: torch.Tensor, pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """What is reduce-scattered of the staged gradients, every rank's trainable prefix ([Note: frozen parameters
-        at stage 3]), and the pooled buffer holding it: `staging` itself when that is the whole shard, its head (the
-        trainable section), or a pooled copy of the prefixes in a unit of one section (`staging` goes back)."""
+    def _trainable_part(self, staging: torch.Tensor, pool: BufferPool) -> torch.Tensor:
+        """What is reduce-scattered of the staged gradients: every rank's trainable prefix ([Note: frozen parameters
+        at stage 3]); `staging` itself when that is all of it (the trainable section is all that is staged), else
+        a pooled copy of the prefixes (a unit of one section whose trainable elements end early; `staging` goes
+        back)."""
         width, count = self.layout.trainable_shard_numel, self.layout.shard_count
-        if width == self.layout.shard_numel:
-            return staging, staging
-        if self.layout.frozen_width:
-            return staging.narrow(0, 0, width * count), staging
+        if width * count == staging.numel():
+            return staging
         part = pool.acquire(width * count, staging.dtype, zero=False)
         part.view(count, width).copy_(staging.view(count, self.layout.shard_numel)[:, :width])
         pool.release(staging)
-        return part, part
+        return part
 
     def grad_resident(self, overwrite: bool = False) -> None:
         """Start making the gradient shard resident (`grad_home.ready` waits): a zero shard is allocated, not

@@ -23,7 +23,9 @@ from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.zeropp.handles import Then
 from zeroshard.zero.zeropp.policy import ZeroPPGroups, ZeroPPPolicy
 
-Collect = Callable[..., Handle]  # comm.all_gather's signature: (output, input, async_op=..., label=...)
+# comm.all_gather's signature, (output, input, async_op=..., label=...); input None: this rank's shard is in place in
+# the output (ShardedUnit._issue)
+Collect = Callable[..., Handle]
 
 
 class UnitGathers:
@@ -72,8 +74,12 @@ class UnitGathers:
             )
         return None
 
-    def _quantized(self, unit: ShardedUnit, source: torch.Tensor, fill: bool, async_op: bool, label: str) -> Handle:
+    def _quantized(
+        self, unit: ShardedUnit, source: torch.Tensor | None, fill: bool, async_op: bool, label: str
+    ) -> Handle:
+        """`source`: this rank's shard, or None when it is in place in the full buffer (offload_param)."""
         quantizer, world = self.policy.quantizer, self.comm.world_size
+        source = unit.layout.take(unit.full, self.comm.rank) if source is None else source
         shard_numel = unit.layout.shard_numel
         width = quantizer.packed_bytes(shard_numel)
         packed = torch.empty(world, width, dtype=torch.uint8, device=unit.full.device)
