@@ -37,12 +37,14 @@ PARITY = [Case(stage=s, dtype=d, gas=g) for s in (0, 1, 2, 3) for d in ("fp32", 
     Case(stage=3, max_live=3000),
     Case(stage=3, variant="twice"),
     Case(stage=2, variant="frozen"),
+    Case(stage=3, variant="mostly_frozen", gas=3),  # two sections per block unit ([Note: frozen parameters at stage 3])
 ]
 OFFLOAD = [
     Case(stage=1, offload="cpu"),
     Case(stage=2, offload="cpu", gas=3),
     Case(stage=3, offload="cpu", dtype="bf16"),
     Case(stage=3, offload="cpu", offload_param="cpu"),
+    Case(stage=3, variant="mostly_frozen", offload="cpu", offload_param="cpu"),  # both sections' copies, side stream
     Case(stage=2, offload="nvme", gas=3),
     Case(stage=3, offload="nvme", sub_group=4000),
     Case(stage=3, offload="nvme", offload_param="nvme", sub_group=4000, gas=3),
