@@ -60,9 +60,11 @@ class _NormsOnDevice(StepTimeCopies):
         super().__init__(Tier(device), None, check_overflow)
         self.device = device
 
-    def norms(self, slots: Sequence[GradShard], prepare: Any) -> tuple[list[torch.Tensor], bool]:
+    def norms(
+        self, slots: Sequence[GradShard], prepare: Any, with_norms: bool = True
+    ) -> tuple[list[torch.Tensor], bool]:
         grads = [s.shard for s in slots if s.shard.numel() > 0]
-        norms = list(torch._foreach_norm(grads)) if grads else []  # one multi-tensor kernel, not one per shard
+        norms = list(torch._foreach_norm(grads)) if grads and with_norms else []  # one multi-tensor kernel
         overflow = self.check_overflow and has_inf_or_nan(grads)
         return [n.to(self.device, torch.float32) for n in norms], overflow
 

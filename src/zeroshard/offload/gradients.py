@@ -200,10 +200,13 @@ class GradientTier:
             copy.mul_(scale)
         return copy
 
-    def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
-        """Per-shard fp32 norms (in `slots` order, empty shards left out) and this rank's inf/nan flag: a shard
-        released after its host copy counts by its boundary record (`let_go`); `prepare` makes one without a record
-        resident again (it reads it back from the copy)."""
+    def norms(
+        self, slots: Sequence[GradShard], prepare: Callable[[], None], with_norms: bool = True
+    ) -> tuple[list[torch.Tensor], bool]:
+        """Per-shard fp32 norms (in `slots` order, empty shards left out; none without `with_norms`:
+        zero_optimization.compute_grad_norm false) and this rank's inf/nan flag: a shard released after its host copy
+        counts by its boundary record (`let_go`); `prepare` makes one without a record resident again (it reads it
+        back from the copy)."""
         if any(released(s.shard) and self.recorded(s.key) is None for s in slots):
             prepare()
         norms: list[torch.Tensor] = []
@@ -212,7 +215,7 @@ class GradientTier:
         for s in slots:
             record = self.recorded(s.key) if released(s.shard) else None
             if record is None:
-                norms += tensor_norms([s.shard])
+                norms += tensor_norms([s.shard]) if with_norms else []
                 held.append(s.shard)
             else:
                 norms += record.norms
@@ -310,9 +313,12 @@ class SwappedGradients(GradientTier):
             self.store.settle(key)
         self._writes.clear()
 
-    def norms(self, slots: Sequence[GradShard], prepare: Callable[[], None]) -> tuple[list[torch.Tensor], bool]:
+    def norms(
+        self, slots: Sequence[GradShard], prepare: Callable[[], None], with_norms: bool = True
+    ) -> tuple[list[torch.Tensor], bool]:
         """From the boundary's records; if one is missing (a backward outside the engine's accounting), every
-        placed shard is read back (`prepare` makes them resident first)."""
+        placed shard is read back (`prepare` makes them resident first). Optimizer offload always has the norms
+        (compute_grad_norm false refuses it: config/checks.py)."""
         if not any(s.key in self._placed for s in slots):
             return super().norms(slots, prepare)
         if all(s.key in self._stats or not s.trainable for s in slots):

@@ -113,6 +113,7 @@ def make_strategy(
         skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
         model_parallel=model_parallel,
         sum_over_ranks=str(cfg.gradient_allreduce_op) == "sum",
+        compute_norm=z.compute_grad_norm is not False,
     )
     from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
 

@@ -32,6 +32,10 @@ class StepPolicy:
     # are also summed over them, so clipping sees the whole model's norm ([Note: pipeline step])
     model_parallel: Collectives | None = None
     sum_over_ranks: bool = False  # gradient_allreduce_op "sum" (stages 0-2)
+    # zero_optimization.compute_grad_norm (stages 1-2, no clipping, no optimizer offload: config/checks.py): false
+    # skips the norms and their all-reduce; the step's norm is then None and a non-finite one cannot skip a step
+    # (DeepSpeed's stage 1-2 optimizer: only the inf/nan check of `check_overflow` can)
+    compute_norm: bool = True
 
     # [Note: pre- and post-scaling] As DeepSpeed's engine (stage 0) and ZeRO optimizers: `prescale_gradients`
     # divides by the world size before the reduction (and ignores gradient_predivide_factor); otherwise the
@@ -82,6 +86,8 @@ def scale_from_norms(
         if overflow:
             return StepScale(True, None, 0.0)
     scale = policy.post_scale(comm.world_size) / loss_scale
+    if not policy.compute_norm:
+        return StepScale(False, None, scale)
     norm = _global_norm(norms, comm, sharded, device, policy.model_parallel) * scale
     if policy.skip_nonfinite_norm and not math.isfinite(norm):
         return StepScale(True, None, 0.0)

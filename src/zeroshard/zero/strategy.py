@@ -139,8 +139,9 @@ class Strategy(ABC):
         with torch.profiler.record_function("zeroshard.reduce_wait"):
             self.finish_backward()
         self._before_step()
-        norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident)
-        norms += self._extra_norms()
+        with_norms = self.step_policy.compute_norm
+        norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident, with_norms)
+        norms += self._extra_norms() if with_norms else []
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
             self.gradients_tier.landed()  # no copy into host memory outlives the step, skipped or not
