@@ -189,6 +189,7 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (par
 
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
+        "disable_allgather": "DeepSpeed 0.19.8 parses it into its config and no part of its runtime reads it",
         "elasticity.min_time": (
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
@@ -278,7 +279,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Precision extras.
         "amp",
         # Communication extras.
-        "disable_allgather",
         "zero_allow_comm_data_type_fp32",
         "seq_parallel_communication_data_type",
         "sequence_parallel_size",
