@@ -190,6 +190,10 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (par
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
         "disable_allgather": "DeepSpeed 0.19.8 parses it into its config and no part of its runtime reads it",
+        "zero_allow_comm_data_type_fp32": (
+            "older DeepSpeed releases required it for fp32 communication with ZeRO (0.19.8 has no such key); "
+            "zeroshard allows communication_data_type fp32 at every stage without it"
+        ),
         "elasticity.min_time": (
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
@@ -279,7 +283,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Precision extras.
         "amp",
         # Communication extras.
-        "zero_allow_comm_data_type_fp32",
         "seq_parallel_communication_data_type",
         "sequence_parallel_size",
         "use_data_before_expert_parallelism",
