@@ -396,9 +396,20 @@ def test_unimplemented_is_one_immutable_set_of_real_keys() -> None:
 
 
 def test_non_default_unimplemented_value_warns_once(log: pytest.LogCaptureFixture) -> None:
-    parse_config({"zero_optimization": {"stage": 3, "mics_shard_size": 8}})
+    parse_config({"zero_optimization": {"stage": 3, "legacy_stage1": True}})
     assert warnings_of(log) == [
-        "zeroshard: zero_optimization.mics_shard_size=8 is accepted but not implemented yet; it has no effect"
+        "zeroshard: zero_optimization.legacy_stage1=true is accepted but not implemented yet; it has no effect"
+    ]
+
+
+def test_a_key_deepspeed_removed_says_so(log: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed 0.19.8 refuses these ("has been removed"); an older config still loads here, with one line each."""
+    parse_config({"zero_optimization": {"stage": 3, "mics_shard_size": 8}, "sparse_attention": {"mode": "fixed"}})
+    assert sorted(warnings_of(log)) == [
+        'zeroshard: sparse_attention={"mode": "fixed"} is a feature DeepSpeed 0.19 removed (its config refuses the '
+        "key); zeroshard accepts it and it has no effect",
+        "zeroshard: zero_optimization.mics_shard_size=8 is a feature DeepSpeed 0.19 removed (its config refuses the "
+        "key); zeroshard accepts it and it has no effect",
     ]
 
 

@@ -311,6 +311,24 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     ]
 )
 
+# Unimplemented keys DeepSpeed 0.19.8 refuses ("has been removed"): a config from an earlier release still loads
+# here, and the warning says the feature is gone rather than coming.
+REMOVED_IN_DEEPSPEED: Final[frozenset[str]] = frozenset(
+    [
+        "amp",
+        "sparse_gradients",
+        "nebula",
+        "compression_training",
+        "quantize_training",
+        "eigenvalue",
+        "sparse_attention",
+        "graph_harvesting",
+        "zero_optimization.mics_shard_size",
+        "zero_optimization.mics_hierarchical_params_gather",
+        "zero_optimization.zeropp_loco_param",
+    ]
+)
+
 _SHOWN_CHARS: Final = 80
 
 
@@ -337,4 +355,11 @@ def warn_unimplemented(cfg: ConfigBlock, logger: logging.Logger) -> None:
         shown = show(to_json(value))
         if len(shown) > _SHOWN_CHARS:
             shown = shown[: _SHOWN_CHARS - 3] + "..."
-        logger.warning(f"zeroshard: {key}={shown} is accepted but not implemented yet; it has no effect")
+        parts = key.split(".")
+        if any(".".join(parts[:end]) in REMOVED_IN_DEEPSPEED for end in range(1, len(parts) + 1)):
+            logger.warning(
+                f"zeroshard: {key}={shown} is a feature DeepSpeed 0.19 removed (its config refuses the key); "
+                "zeroshard accepts it and it has no effect"
+            )
+        else:
+            logger.warning(f"zeroshard: {key}={shown} is accepted but not implemented yet; it has no effect")
