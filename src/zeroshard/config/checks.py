@@ -193,6 +193,11 @@ def warn_ignored(cfg: ZeroshardConfig, logger: logging.Logger) -> None:
             f'zeroshard: data_types.buffer_dtype "{buffer_dtype}" is ignored in fp32 training, as DeepSpeed ignores '
             "it: buffers are cast only under bf16 or fp16"
         )
+    if zero.parameter_alignment is True and zero.stage not in (1, 2):
+        logger.warning(
+            f"zeroshard: zero_optimization.parameter_alignment is ignored at zero_optimization.stage {zero.stage}, "
+            "as DeepSpeed ignores it: it aligns the parameters of stage 1-2 flat buffers"
+        )
     zeropp = zeropp_keys(zero)
     if zeropp and zero.stage < 3 and str(cfg.zeroshard.backend) != "fsdp2":  # fsdp2 refuses them (fsdp2/plan.py)
         logger.warning(

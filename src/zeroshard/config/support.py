@@ -57,6 +57,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.zero_quantized_nontrainable_weights",  # zero/stage3/packed.py
         "zero_optimization.sub_group_size",
         "zero_optimization.compute_grad_norm",  # stages 1-2: zero/stepmath.py StepPolicy.compute_norm
+        "zero_optimization.parameter_alignment",  # stages 1-2: FlatPolicy.param_align
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",
@@ -267,8 +268,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.pipeline_loading_checkpoint",
         "zero_optimization.override_module_apply",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
-        # ZeRO 1-2: the flat buffers are never padded per parameter.
-        "zero_optimization.parameter_alignment",
         # reduce_scatter false always all-reduces each bucket; false here would reduce to each owner instead.
         "zero_optimization.use_multi_rank_bucket_allreduce",
         # Offload (CPU and NVMe) and asynchronous I/O.

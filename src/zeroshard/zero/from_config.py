@@ -5,6 +5,7 @@ process groups; everything here is read from the config (and the model's size, f
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +149,7 @@ def make_strategy(
             bucket_numel=max(bucket, 1),
             use_reduce_scatter=bool(z.reduce_scatter),
             ignore_unused_parameters=bool(z.ignore_unused_parameters),
+            param_align=_param_align(stage, bool(z.parameter_alignment), precision.compute_dtype),
         )
         if precision.autocast_dtype is not None and stage >= 1:  # [Note: torch autocast] in zero/flat/autocast.py
             split = tp is not None or expert_groups is not None or offload
@@ -254,6 +256,12 @@ def _speculation(cfg: ZeroshardConfig, step: StepPolicy) -> SpeculationPolicy | 
         return None
     may_skip = step.check_overflow or step.skip_nonfinite_norm
     return SpeculationPolicy(cores_fraction=float(block.cpuadam_cores_perc), may_skip=may_skip)
+
+
+def _param_align(stage: int, aligned: bool, dtype: torch.dtype) -> int:
+    """zero_optimization.parameter_alignment: each parameter of a stage 1-2 flat buffer starts on a 16-byte boundary
+    (DeepSpeed's `16 // gcd(16, element size)` elements); ignored at stages 0 and 3 (config/checks.warn_ignored)."""
+    return 16 // math.gcd(16, torch.finfo(dtype).bits // 8) if aligned and stage in (1, 2) else 1
 
 
 def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy) -> bool:

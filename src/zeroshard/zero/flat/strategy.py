@@ -58,6 +58,9 @@ class FlatPolicy(StrategyPolicy):
     bucket_numel: int
     use_reduce_scatter: bool
     ignore_unused_parameters: bool = True  # false: a trainable parameter without a gradient fails the step
+    # elements each parameter's start is padded to in the flat buffers (zero_optimization.parameter_alignment: a
+    # 16-byte boundary at stages 1-2, as DeepSpeed's; 1 otherwise)
+    param_align: int = 1
 
 
 class FlatStrategy(Strategy):
@@ -84,7 +87,7 @@ class FlatStrategy(Strategy):
         order = {id(p): i for i, p in enumerate(module.parameters())}
         # [Note: DTensor parameters] a tensor-parallel parameter is its local shard here
         specs = [[ParamSpec(name, local_of(p).numel(), order[id(p)]) for name, p in g.params] for g in groups]
-        self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count)
+        self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count, policy.param_align)
         self.buffers: list[GroupBuffers] = [
             build_group_buffers(
                 layout,
