@@ -21,7 +21,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-def _train(rank: int, world_size: int, stage: int, dtype: str, gas: int, aligned: bool) -> Any:
+def _train(
+    rank: int, world_size: int, stage: int, dtype: str, gas: int, aligned: bool, save: str = "", load: str = ""
+) -> Any:
+    """3 steps (`save`: save after the first and go on; `load`: load that checkpoint and take the last 2)."""
     import zeroshard
 
     config = {
@@ -37,23 +40,35 @@ def _train(rank: int, world_size: int, stage: int, dtype: str, gas: int, aligned
     offsets = [(s.offset * size, s.numel) for g in engine.strategy.layout.groups for s in g.slots]
     generator = torch.Generator().manual_seed(1 + rank)
     losses = []
-    for _ in range(3 * gas):
+    if load:
+        engine.load_checkpoint(load, tag="t")
+    for micro in range(3 * gas):
         x = torch.randn(2, 7, generator=generator).to(engine.device, torch.bfloat16 if dtype == "bf16" else None)
+        if load and micro < gas:
+            continue  # the checkpoint's step
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if save and micro == gas - 1:
+            engine.save_checkpoint(save, tag="t")
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     engine.destroy()
     return losses, params, offsets
 
 
-def _runs(rank: int, world_size: int) -> list[Any]:
-    return [(_train(rank, world_size, *c, False), _train(rank, world_size, *c, True)) for c in CASES]
+def _runs(rank: int, world_size: int, root: str) -> list[Any]:
+    out = [(_train(rank, world_size, *c, False), _train(rank, world_size, *c, True)) for c in CASES]
+    # a checkpoint names parameter ranges: saved aligned, it resumes unaligned (and the other way) to the bit
+    through = _train(rank, world_size, 2, "fp32", 1, True, save=f"{root}/aligned")
+    resumed = _train(rank, world_size, 2, "fp32", 1, False, load=f"{root}/aligned")
+    back = _train(rank, world_size, 2, "fp32", 1, True, load=f"{root}/aligned")
+    return [*out, (through, resumed, back)]
 
 
-def test_every_parameter_starts_on_16_bytes_and_training_is_unchanged() -> None:
-    for per_case in run_on_ranks(_runs, 2, timeout=600):
+def test_every_parameter_starts_on_16_bytes_and_training_is_unchanged(tmp_path) -> None:
+    for *per_case, (through, resumed, back) in run_on_ranks(_runs, 2, str(tmp_path), timeout=600):
+        assert resumed[0] == back[0] == through[0][1:] and resumed[1].equal(through[1]) and back[1].equal(through[1])
         for case, (plain, aligned) in zip(CASES, per_case, strict=True):
             assert aligned[0] == plain[0] and aligned[1].equal(plain[1]), case
             assert all(byte % 16 == 0 for byte, _ in aligned[2]), (case, aligned[2])
