@@ -163,6 +163,11 @@ def _build(
         scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
     world = comm
+    if cfg.use_data_before_expert_parallelism:  # DeepSpeed's "D + E" expert groups ([Note: expert groups])
+        from zeroshard.moe.zero import moe_layers
+
+        for mesh_groups in dict.fromkeys(layer.groups for layer in moe_layers(model)):  # each once, module order
+            mesh_groups.use_topology(True)
     # a PipelineModule: ZeRO runs over its stage's dp group ([Note: pipeline mesh]), the mpu's with tp ([Note: 3D mesh])
     pipe = build_pipe(cfg, model, comm, topology.device, mpu)
     if pipe is not None and cfg.torch_autocast.enabled:

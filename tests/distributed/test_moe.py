@@ -15,6 +15,7 @@ from helpers.moe_parity import (
     MoeCase,
     MoeNet,
     T,
+    batch,
     config,
     engine_losses,
     loaded_states,
@@ -161,3 +162,48 @@ def test_moe_checkpoint_reshards_across_dp_and_ep(tmp_path) -> None:
             loaded.update(states)
         assert set(loaded) == set(saved)
         assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == [], ep_size
+
+
+def _data_first(rank: int, world_size: int) -> dict:
+    """use_data_before_expert_parallelism: DeepSpeed's "D + E" groups, made at initialize (the model built its
+    "E + D" ones), experts seeded by the rank's place in them."""
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.comm.topology import init_distributed
+    from zeroshard.utils import groups
+
+    init_distributed()
+    case = MoeCase(k=2, stage=2)
+    model = MoeNet(case, 2, data_first=True)
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={**config(case), "use_data_before_expert_parallelism": True},
+    )
+    ranks = {
+        "ep": dist.get_process_group_ranks(groups._get_expert_parallel_group("ep_size_2")),
+        "edp": dist.get_process_group_ranks(groups._get_expert_data_parallel_group("ep_size_2")),
+    }
+    losses = []
+    for step in range(case.steps):
+        loss = engine(*batch(case, step, rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.destroy()
+    return {"ranks": ranks, "losses": losses}
+
+
+def test_data_before_expert_parallelism_makes_deepspeeds_d_plus_e_groups() -> None:
+    """4 ranks, ep2: expert-data-parallel groups {0,1}, {2,3} and expert-parallel groups {0,2}, {1,3} (DeepSpeed's
+    `_create_expert_and_data_parallel` with use_data_before_expert_parallel_), losses as the single-process
+    reference."""
+    results = run_on_ranks(_data_first, 4, timeout=300)
+    case = MoeCase(k=2, stage=2)
+    ref = reference_losses(case, 4)
+    for rank, got in enumerate(results):
+        assert got["ranks"] == {"ep": [rank % 2, rank % 2 + 2], "edp": [rank - rank % 2, rank - rank % 2 + 1]}, got
+        for step, value in enumerate(got["losses"]):
+            want = ref[step][rank]
+            assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (rank, step, value, want)

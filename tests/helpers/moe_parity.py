@@ -34,7 +34,7 @@ class MoeCase:
 
 
 class MoeNet(nn.Module):
-    def __init__(self, case: MoeCase, ep_size: int, expert_groups: object | None = None):
+    def __init__(self, case: MoeCase, ep_size: int, expert_groups: object | None = None, data_first: bool = False):
         from zeroshard.moe import MoE
 
         super().__init__()
@@ -62,7 +62,7 @@ class MoeNet(nn.Module):
                 self.inp.weight[0, 0], self.inp.bias[0] = 1.0, 0.0
                 self.moe.gate.wg.weight.zero_()
                 self.moe.gate.wg.weight[0, 0] = 20.0
-        first = (ep_rank(ep_size)) * self.moe.num_local_experts
+        first = (ep_rank(ep_size, data_first)) * self.moe.num_local_experts
         for local, module in enumerate(self.moe.experts.deepspeed_experts):
             seed_expert(module, first + local)
 
@@ -72,10 +72,15 @@ class MoeNet(nn.Module):
         return torch.nn.functional.mse_loss(self.head(h + out).squeeze(-1), y) + 0.01 * l_aux
 
 
-def ep_rank(ep_size: int) -> int:
+def ep_rank(ep_size: int, data_first: bool = False) -> int:
+    """Which experts this rank holds: "E + D" (consecutive expert-parallel groups) or DeepSpeed's "D + E"
+    (use_data_before_expert_parallelism: strided ones)."""
     import torch.distributed as dist
 
-    return dist.get_rank() % ep_size if dist.is_initialized() and ep_size > 1 else 0
+    if not dist.is_initialized() or ep_size == 1:
+        return 0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return rank // (world // ep_size) if data_first else rank % ep_size
 
 
 def seed_expert(module: nn.Module, global_id: int) -> None:

@@ -84,6 +84,19 @@ def test_expert_mesh():
         ExpertMesh(world_size=4, ep_size=3)
 
 
+def test_expert_mesh_data_before_expert():
+    """use_data_before_expert_parallelism, DeepSpeed's "D + E" (its groups.py docstring's 16 ranks, ep 2): expert-data
+    groups of consecutive ranks, expert groups strided; in a pipeline stage from its first rank."""
+    mesh = ExpertMesh(world_size=16, ep_size=2, data_first=True)
+    assert mesh.edp_groups() == [list(range(8)), list(range(8, 16))]
+    assert mesh.ep_groups() == [[i, i + 8] for i in range(8)]
+    assert (mesh.ep_rank(9), mesh.edp_rank(9), mesh.edp_root(9)) == (1, 1, 8)
+    stage = ExpertMesh(world_size=4, ep_size=2, base=4, data_first=True)  # pp stage 2 of 2, 4 ranks each
+    assert (stage.edp_groups(), stage.ep_groups()) == ([[4, 5], [6, 7]], [[4, 6], [5, 7]])
+    assert (stage.ep_rank(6), stage.edp_rank(6), stage.edp_root(7)) == (1, 0, 6)
+    assert ExpertMesh(world_size=4, ep_size=2).edp_root(3) == 1  # "E + D": the group {1, 3}
+
+
 def test_layer_matches_a_loop_over_tokens():
     torch.manual_seed(0)
     layer = MoE(

@@ -58,6 +58,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.sub_group_size",
         "zero_optimization.compute_grad_norm",  # stages 1-2: zero/stepmath.py StepPolicy.compute_norm
         "zero_optimization.parameter_alignment",  # stages 1-2: FlatPolicy.param_align
+        "use_data_before_expert_parallelism",  # moe/groups.py ExpertMesh.data_first
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",
@@ -284,7 +285,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Communication extras.
         "seq_parallel_communication_data_type",
         "sequence_parallel_size",
-        "use_data_before_expert_parallelism",
         "sparse_gradients",
         "managed_gradient_accumulation",
         # Monitoring, profiling and logging.

@@ -6,6 +6,10 @@ them out: the expert-parallel groups are consecutive blocks `[0..ep)`, `[ep..2ep
 each, inside a node when `ep` divides the node), and the expert-data-parallel groups are the strided sets
 `{r, r+ep, r+2ep, ...}`: the `W/ep` ranks holding the same experts, over which those experts' gradients are
 reduced and their optimizer state is sharded. Non-expert parameters stay data-parallel over all `W` ranks.
+With `use_data_before_expert_parallelism` (DeepSpeed's "D + E" topology) it is the other way round: the
+expert-data-parallel groups are the consecutive blocks of `W/ep` ranks and the expert-parallel groups the strided
+sets `{i, i + W/ep, ...}` (the all-to-all crosses nodes, the experts' gradient reduction stays inside one);
+`initialize` rebuilds the groups so before it uses them, as DeepSpeed's engine builds its groups then.
 
 [Note: expert groups in a pipeline]
 In a PipelineModule of several stages the same layout holds within each stage's data-parallel ranks (`W` = dp,
@@ -19,7 +23,7 @@ engine uses them. A layer built outside the PipelineModule has groups over the w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,7 @@ class ExpertMesh:
     world_size: int
     ep_size: int
     base: int = 0  # the global rank of the mesh's first rank ([Note: expert groups in a pipeline])
+    data_first: bool = False  # DeepSpeed's use_data_before_expert_parallelism ("D + E")
 
     def __post_init__(self) -> None:
         if self.ep_size < 1 or self.world_size % self.ep_size:
@@ -51,18 +56,31 @@ class ExpertMesh:
 
     def ep_groups(self) -> list[list[int]]:
         """Global ranks of each expert-parallel group."""
-        return [[self.base + r for r in range(s, s + self.ep_size)] for s in range(0, self.world_size, self.ep_size)]
+        return self._strided() if self.data_first else self._blocks(self.ep_size)
 
     def edp_groups(self) -> list[list[int]]:
         """Global ranks of each expert-data-parallel group."""
-        return [[self.base + r for r in range(e, self.world_size, self.ep_size)] for e in range(self.ep_size)]
+        return self._blocks(self.edp_size) if self.data_first else self._strided()
+
+    def _blocks(self, size: int) -> list[list[int]]:
+        return [[self.base + r for r in range(s, s + size)] for s in range(0, self.world_size, size)]
+
+    def _strided(self) -> list[list[int]]:
+        stride = self.edp_size if self.data_first else self.ep_size
+        return [[self.base + r for r in range(s, self.world_size, stride)] for s in range(stride)]
 
     def ep_rank(self, rank: int) -> int:
         """Global `rank`'s position in its expert-parallel group (which experts it holds)."""
-        return (rank - self.base) % self.ep_size
+        local = rank - self.base
+        return local // self.edp_size if self.data_first else local % self.ep_size
 
     def edp_rank(self, rank: int) -> int:
-        return (rank - self.base) // self.ep_size
+        local = rank - self.base
+        return local % self.edp_size if self.data_first else local // self.ep_size
+
+    def edp_root(self, rank: int) -> int:
+        """The global rank that starts `rank`'s expert-data-parallel group (whose experts every member starts from)."""
+        return next(group[0] for group in self.edp_groups() if rank in group)
 
 
 class ExpertGroups:
@@ -89,8 +107,17 @@ class ExpertGroups:
         """The experts start from the first rank of their expert-data-parallel group (the world's rank 0 holds
         only its own experts), as DeepSpeed's engine broadcasts them."""
         for param in params:
-            src = self.mesh.base + self.mesh.ep_rank(self.rank)
-            self.edp.broadcast(param.data, src=src, label="moe.expert_broadcast")
+            self.edp.broadcast(param.data, src=self.mesh.edp_root(self.rank), label="moe.expert_broadcast")
+
+    def use_topology(self, data_first: bool) -> None:
+        """DeepSpeed's "E + D" (false) or "D + E" (true) layout ([Note: expert groups]); new groups are made when it
+        changes (collective: every rank, every mesh, one order), a pipeline's pending ones by `make_stage_groups`."""
+        if self.mesh.data_first == data_first:
+            return
+        self.mesh = replace(self.mesh, data_first=data_first)
+        if not self.pending:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self.ep, self.edp = build_collectives(self.mesh, self.rank, world)
 
     def counted_by(self, world: Collectives) -> None:
         """Count this mesh's collectives in `world`'s counters (the engine's), as its sub-groups do."""
@@ -121,17 +148,18 @@ def make_stage_groups(layers: Sequence[ExpertGroups], world: Collectives) -> Non
     each rank reports the (first rank, size, ep_size) meshes it holds, all ranks make the union's groups in one
     order, and each pending `ExpertGroups` takes its mesh's. Groups of one mesh are shared by its layers (as one
     `expert_groups=` object would be). Collective over the world."""
-    mine = sorted({(g.mesh.base, g.mesh.world_size, g.mesh.ep_size) for g in layers if g.pending})
-    every: list[list[tuple[int, int, int]]] = [[] for _ in range(world.world_size)]
+    mine = sorted({(g.mesh.base, g.mesh.world_size, g.mesh.ep_size, g.mesh.data_first) for g in layers if g.pending})
+    every: list[list[tuple[int, int, int, bool]]] = [[] for _ in range(world.world_size)]
     if world.world_size > 1:
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
     made = {
-        (base, size, ep_size): build_collectives(ExpertMesh(size, ep_size, base), world.rank, world.world_size)
-        for base, size, ep_size in sorted({mesh for rank_meshes in every for mesh in rank_meshes})
+        key: build_collectives(ExpertMesh(key[1], key[2], key[0], key[3]), world.rank, world.world_size)
+        for key in sorted({mesh for rank_meshes in every for mesh in rank_meshes})
     }
     for groups in layers:
         if groups.pending:
-            groups.ep, groups.edp = made[(groups.mesh.base, groups.mesh.world_size, groups.mesh.ep_size)]
+            mesh = groups.mesh
+            groups.ep, groups.edp = made[(mesh.base, mesh.world_size, mesh.ep_size, mesh.data_first)]
             groups.pending = False

@@ -156,9 +156,9 @@ class MoE(nn.Module):
         return experts
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed's engine calls this to build the groups; here they are built at construction, or by initialize
-        in a pipeline (a no-op)."""
-        return None
+        """DeepSpeed's engine calls this to build the groups; here they are built at construction (or by initialize
+        in a pipeline) and made again in the "D + E" layout when asked ([Note: expert groups]; collective)."""
+        self.groups.use_topology(use_data_before_expert_parallel_)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters that differ across the expert-parallel group ([Note: expert groups])."""
