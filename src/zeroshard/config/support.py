@@ -192,6 +192,10 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (par
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
         "disable_allgather": "DeepSpeed 0.19.8 parses it into its config and no part of its runtime reads it",
+        "checkpoint.checkpoint_serialization": (
+            "DeepSpeed 0.19.8 defines an engine accessor for it that nothing calls; zeroshard's checkpoints are "
+            "safetensors files and a small torch.save'd engine state"
+        ),
         "zero_allow_comm_data_type_fp32": (
             "older DeepSpeed releases required it for fp32 communication with ZeRO (0.19.8 has no such key); "
             "zeroshard allows communication_data_type fp32 at every stage without it"
@@ -292,7 +296,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Memory, checkpointing and data.
         "checkpoint.use_node_local_storage",
         "checkpoint.parallel_write",
-        "checkpoint.checkpoint_serialization",
         "checkpoint.writer",
         "datastates_ckpt",
         # Other engines and features.
