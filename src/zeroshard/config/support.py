@@ -336,8 +336,13 @@ _SHOWN_CHARS: Final = 80
 
 def is_unimplemented(path: str) -> bool:
     """Whether the dotted key `path`, or a block containing it, is listed in UNIMPLEMENTED."""
+    return _listed(path, UNIMPLEMENTED)
+
+
+def _listed(path: str, names: frozenset[str]) -> bool:
+    """Whether the dotted key `path`, or a block containing it, is one of `names`."""
     parts = path.split(".")
-    return any(".".join(parts[:end]) in UNIMPLEMENTED for end in range(1, len(parts) + 1))
+    return any(".".join(parts[:end]) in names for end in range(1, len(parts) + 1))
 
 
 def unimplemented_settings(cfg: ConfigBlock, path: str = "") -> Iterator[tuple[str, object]]:
@@ -357,8 +362,7 @@ def warn_unimplemented(cfg: ConfigBlock, logger: logging.Logger) -> None:
         shown = show(to_json(value))
         if len(shown) > _SHOWN_CHARS:
             shown = shown[: _SHOWN_CHARS - 3] + "..."
-        parts = key.split(".")
-        if any(".".join(parts[:end]) in REMOVED_IN_DEEPSPEED for end in range(1, len(parts) + 1)):
+        if _listed(key, REMOVED_IN_DEEPSPEED):
             logger.warning(
                 f"zeroshard: {key}={shown} is a feature DeepSpeed 0.19 removed (its config refuses the key); "
                 "zeroshard accepts it and it has no effect"

@@ -55,11 +55,10 @@ class Stage3State:
         for unit in self.strategy.units:
             if units is not None and unit.index not in units:
                 continue
-            for lo, hi, at in unit.layout.shard_ranges(self.strategy.shard_rank):
-                for slot in unit.layout.slots:
-                    b, e = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if b < e:
-                        rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, b - lo + at, slot.group))
+            for slot in unit.layout.slots:
+                parts = unit.layout.owned_parts(self.strategy.shard_rank, slot.offset, slot.offset + slot.numel)
+                for b, e, at in parts:
+                    rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, at, slot.group))
         return rows
 
     def sharded_params(self) -> dict[int, str]:

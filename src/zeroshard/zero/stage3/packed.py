@@ -147,17 +147,18 @@ class PackedTail:
                 rows.record_stream(torch.cuda.current_stream(device))
             # each section's [rank, chunk] view ([Note: frozen parameters at stage 3] in unit.py): the kept elements
             # are the trainable section's chunk, the codes the frozen one's (.data: [Note: gathered storage])
-            *trained, (frozen, _) = unit.layout.split(full.data)
+            sections = [rows_of for rows_of, _ in unit.layout.split(full.data)]
+            trained, frozen = sections[0] if kept else None, sections[-1]
             head = _head_bytes(kept, size, prefix_quantizer)
             # a few rows at a time: the fp32 temporaries stay near UNPACK_CHUNK elements whatever the unit's size
             # (copy_ rounds them as .to would)
             step = max(1, UNPACK_CHUNK // (kept + numel))
             for a in range(0, rows.shape[0], step):
                 b = min(a + step, rows.shape[0])
-                if trained and prefix_quantizer is not None:
-                    trained[0][0][a:b].copy_(prefix_quantizer.unpack(rows[a:b, :head], kept))
-                elif trained:
-                    trained[0][0][a:b].copy_(rows[a:b, : kept * size].view(dtype))
+                if trained is not None and prefix_quantizer is not None:
+                    trained[a:b].copy_(prefix_quantizer.unpack(rows[a:b, :head], kept))
+                elif trained is not None:
+                    trained[a:b].copy_(rows[a:b, : kept * size].view(dtype))
                 frozen[a:b].copy_(self.quantizer.unpack(rows[a:b, head : head + self.code_bytes(numel)], numel))
             if then is not None:
                 then(rows)

@@ -250,6 +250,15 @@ class UnitLayout:
             at += width
         return out
 
+    def owned_parts(self, shard_rank: int, begin: int, end: int) -> list[tuple[int, int, int]]:
+        """(flat begin, flat end, offset in the shard) of the elements of [begin, end) that `shard_rank` holds."""
+        out = []
+        for lo, hi, at in self.shard_ranges(shard_rank):
+            b, e = max(lo, begin), min(hi, end)
+            if b < e:
+                out.append((b, e, b - lo + at))
+        return out
+
     def split(self, flat: torch.Tensor, parts: int | None = None) -> list[tuple[torch.Tensor, int]]:
         """`flat` (the unit's whole buffer, or one of the same length) as each section's [parts, chunk] view (parts:
         the shard count, or an hpZ group's size), with where a part's chunk of it starts in a part's own buffer."""
@@ -268,13 +277,11 @@ class UnitLayout:
 
     def group_pieces(self, shard_rank: int) -> list[tuple[int, int, int]]:
         """(group, begin, end) of the owned ranges that fall in each group, as offsets in the shard."""
-        out = []
-        for lo, hi, at in self.shard_ranges(shard_rank):
-            for group, begin, end in self.group_ranges:
-                b, e = max(lo, begin), min(hi, end)
-                if b < e:
-                    out.append((group, b - lo + at, e - lo + at))
-        return out
+        return [
+            (group, at, at + e - b)
+            for group, begin, end in self.group_ranges
+            for b, e, at in self.owned_parts(shard_rank, begin, end)
+        ]
 
 
 def layout_unit(

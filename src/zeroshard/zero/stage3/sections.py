@@ -36,8 +36,8 @@ def gather_flat(
 def write_slot(layout: UnitLayout, rank: int, slot: Slot, value: torch.Tensor, shard: torch.Tensor) -> None:
     """`rank`'s elements of `slot` in `shard` (a unit's shard or its prefix, a master) := `value`'s elements."""
     flat = value.detach().reshape(-1)
-    for lo, hi, at in layout.shard_ranges(rank):
-        begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel, lo - at + shard.numel())
+    for begin, end, at in layout.owned_parts(rank, slot.offset, slot.offset + slot.numel):
+        end = min(end, begin + shard.numel() - at)  # a prefix shard (a master) ends early
         if begin < end:
             part = flat[begin - slot.offset : end - slot.offset].to(shard.device, shard.dtype)
-            shard.narrow(0, begin - lo + at, end - begin).copy_(part)
+            shard.narrow(0, at, end - begin).copy_(part)
