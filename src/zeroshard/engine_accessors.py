@@ -14,6 +14,7 @@ from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
 from zeroshard.monitor import Telemetry
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.runtime.schedules import TrainingSchedules
+from zeroshard.sequence.mesh import SequenceParallel
 from zeroshard.zero.strategy import AccumulationState
 
 
@@ -31,6 +32,7 @@ class EngineAccessors:
     wall_clock: WallClock
     schedules: TrainingSchedules
     _step_applied: bool
+    sequence: SequenceParallel | None = None  # set by initialize ([Note: sequence parallelism])
 
     @property
     def zero_stage(self) -> int:
@@ -80,9 +82,29 @@ class EngineAccessors:
 
     @property
     def dp_world_size(self) -> int:
-        """Ranks in the data-parallel group ZeRO shards over: the world divided by the tensor-parallel size (the
-        pipeline engine's by its stages)."""
+        """Data-parallel replicas: the ranks ZeRO shards over (the world divided by the tensor-parallel size, the
+        pipeline engine's by its stages), divided by the sequence-parallel size."""
+        return self.comm.world_size // self.sequence_parallel_size
+
+    # Ulysses sequence parallelism under DeepSpeed's names ([Note: sequence parallelism]).
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.sequence.size if self.sequence is not None else 1
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks ZeRO shards and reduces over (DeepSpeed's sequence-data-parallel group)."""
         return self.comm.world_size
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The sequence-parallel process group; None without sequence parallelism."""
+        if self.sequence is None:
+            return None
+        return self.sequence.sp.group if self.sequence.sp.group is not None else torch.distributed.group.WORLD
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.seq_parallel_group
 
     def get_wall_clock_timers(self) -> dict[str, float]:
         """With `wall_clock_breakdown`: each timer's milliseconds at the last `engine.step()` ([Note: wall clock

@@ -31,6 +31,13 @@ from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.sequence.mesh import (
+    SequenceParallel,
+    build_sequence_parallel,
+    is_sequence_mpu,
+    refuse_with_sequence_parallel,
+    sequence_degree,
+)
 from zeroshard.tp.build import build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils import groups as parallel_groups
@@ -93,12 +100,22 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
+    # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
+    sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
+    mpu = None if sp_mpu is not None else mpu
+    if sp > 1:
+        refuse_with_sequence_parallel(parsed, model, mpu, sp)
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the
-    # tensor-parallel size ([Note: tensor-parallel mesh])
-    dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu)
+    # tensor-parallel size ([Note: tensor-parallel mesh]), and / the sequence-parallel size
+    dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu) // sp
     cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
+    if sp > 1:  # the step divides by the replicas; gradients travel in their own dtype
+        cfg = dataclasses.replace(
+            cfg, sequence_parallel_size=sp, communication_data_type=cfg.seq_parallel_communication_data_type
+        )
     checkpointing.configure_from_config(cfg, mpu)
-    return _build(cfg, topology, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, mpu)
+    parts = (model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
+    return _build(cfg, topology, *parts, mpu, sp_mpu)
 
 
 def _with_backend(cfg: ZeroshardConfig, backend: str | None) -> ZeroshardConfig:
@@ -142,8 +159,10 @@ def _build(
     lr_scheduler: Any,
     collate_fn: Callable[..., Any] | None,
     mpu: Any = None,
+    sp_mpu: Any = None,
 ) -> tuple[Engine, Any, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
+    sp = int(cfg.sequence_parallel_size or 1)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization
@@ -163,6 +182,7 @@ def _build(
         scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
     world = comm
+    sequence = build_sequence_parallel(sp, sp_mpu, world)  # [Note: sequence parallelism]
     if cfg.use_data_before_expert_parallelism:  # DeepSpeed's "D + E" expert groups ([Note: expert groups])
         from zeroshard.moe.zero import moe_layers
 
@@ -238,27 +258,32 @@ def _build(
     if training_data is not None and pipe is not None:
         loader = pipe_dataloader(training_data, cfg, pipe, collate_fn)
     elif training_data is not None:
+        replicas = tp.dp_comm if tp is not None else sequence.dp if sequence is not None else topology
         loader = build_dataloader(  # a data-parallel replica's ranks read the same batches
             training_data,
             int(cfg.train_micro_batch_size_per_gpu or 1),
-            comm.rank if tp is not None else topology.rank,
-            comm.world_size if tp is not None else topology.world_size,
+            replicas.rank,
+            replicas.world_size,
             collate_fn,
             drop_last=bool(cfg.dataloader_drop_last),
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
     compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
     engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
-    publish_groups(model, comm, tp)
+    engine.sequence = sequence
+    publish_groups(model, comm, tp, sequence)
     return engine, engine_optimizer, loader, scheduler
 
 
-def publish_groups(model: nn.Module, dp: Collectives, tp: TensorParallelContext | None) -> None:
+def publish_groups(
+    model: nn.Module, dp: Collectives, tp: TensorParallelContext | None, sequence: SequenceParallel | None = None
+) -> None:
     """`deepspeed.utils.groups` answers for this engine from now on ([Note: groups follow the engine])."""
     from zeroshard.moe.layer import MoE
 
     experts = {m.expert_group_name: m.groups for m in model.modules() if isinstance(m, MoE)}
-    parallel_groups.publish(parallel_groups.EngineGroups(dp, tp.tp_comm if tp is not None else None, experts))
+    tp_comm = tp.tp_comm if tp is not None else None
+    parallel_groups.publish(parallel_groups.EngineGroups(dp, tp_comm, experts, sequence))
 
 
 def _param_groups(

@@ -144,7 +144,15 @@ class ZeroshardConfig(ConfigBlock):
         False, "Order data-parallel before expert-parallel ranks in the topology.", Bool()
     )
     sequence_parallel_size: int | None = option(
-        None, "Sequence-parallel degree; divides the world size for batch math.", Nullable(Int(minimum=1))
+        None,
+        "Ulysses sequence-parallel degree: consecutive ranks split each sample's sequence; the batch arithmetic "
+        "divides the world by it.",
+        Nullable(Int(minimum=1)),
+    )
+    data_parallel_size: int | None = option(
+        None,
+        "Data-parallel replicas beside sequence_parallel_size (their product is the world size).",
+        Nullable(Int(minimum=1)),
     )
 
     # Logging and profiling.

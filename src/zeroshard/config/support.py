@@ -112,6 +112,10 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "prescale_gradients",
         "gradient_predivide_factor",
         "gradient_allreduce_op",  # "sum": zero/stepmath.py ([Note: pre- and post-scaling]); stages 0-2
+        # Ulysses sequence parallelism (sequence/mesh.py, [Note: sequence parallelism]).
+        "sequence_parallel_size",
+        "data_parallel_size",
+        "seq_parallel_communication_data_type",
         # Activation checkpointing (zeroshard.checkpointing; configured by initialize when the block is given).
         "activation_checkpointing.partition_activations",
         "activation_checkpointing.contiguous_memory_optimization",
@@ -287,8 +291,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Precision extras.
         "amp",
         # Communication extras.
-        "seq_parallel_communication_data_type",
-        "sequence_parallel_size",
         "sparse_gradients",
         "managed_gradient_accumulation",
         # Monitoring, profiling and logging.

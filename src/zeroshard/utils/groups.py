@@ -20,16 +20,24 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from zeroshard.comm.collectives import Collectives
     from zeroshard.moe.groups import ExpertGroups
+    from zeroshard.sequence.mesh import SequenceParallel
 
 
 @dataclass(frozen=True)
 class EngineGroups:
-    """What one engine trains over: its data-parallel and tensor-parallel collectives and expert groups by name
-    (`"ep_size_2"`, DeepSpeed's naming)."""
+    """What one engine trains over: its data-parallel and tensor-parallel collectives, expert groups by name
+    (`"ep_size_2"`, DeepSpeed's naming) and sequence-parallel groups. `dp` is what ZeRO shards over: with sequence
+    parallelism the whole world, DeepSpeed's "sequence data parallel" group, while the data-parallel accessors
+    answer the replicas' group ([Note: sequence parallelism])."""
 
     dp: Collectives
     tp: Collectives | None = None
     experts: dict[str, ExpertGroups] = field(default_factory=dict)
+    sequence: SequenceParallel | None = None
+
+    @property
+    def replicas(self) -> Collectives:
+        return self.sequence.dp if self.sequence is not None else self.dp
 
 
 class _Published:
@@ -77,7 +85,7 @@ def get_data_parallel_group() -> dist.ProcessGroup | None:
     """The data-parallel group (the world without an engine's mesh; None before torch.distributed is initialised)."""
     published = _PUBLISHED.groups
     if published is not None:
-        return _group(published.dp)
+        return _group(published.replicas)
     return dist.group.WORLD if _initialized() else None  # type: ignore[return-value]
 
 
@@ -85,7 +93,7 @@ def get_data_parallel_world_size() -> int:
     """Ranks in the data-parallel group (1 before torch.distributed is initialised)."""
     published = _PUBLISHED.groups
     if published is not None:
-        return published.dp.world_size
+        return published.replicas.world_size
     return dist.get_world_size() if _initialized() else 1
 
 
@@ -93,7 +101,7 @@ def get_data_parallel_rank() -> int:
     """This process's rank in the data-parallel group (0 before torch.distributed is initialised)."""
     published = _PUBLISHED.groups
     if published is not None:
-        return published.dp.rank
+        return published.replicas.rank
     return dist.get_rank() if _initialized() else 0
 
 
@@ -177,14 +185,57 @@ def _get_max_expert_size() -> int:
     return _experts(_get_max_expert_size_name()).mesh.ep_size
 
 
+def sequence_parallel_collectives() -> Collectives | None:
+    """The engine's sequence-parallel collectives (None without sequence parallelism)."""
+    published = _PUBLISHED.groups
+    return published.sequence.sp if published is not None and published.sequence is not None else None
+
+
 def _get_sequence_parallel_world_size() -> int:
-    """1: zeroshard has no sequence parallelism."""
-    return 1
+    """Ranks that split one sample's sequence: 1 without sequence parallelism."""
+    sp = sequence_parallel_collectives()
+    return sp.world_size if sp is not None else 1
 
 
 def _get_sequence_parallel_rank() -> int:
-    """0: zeroshard has no sequence parallelism."""
-    return 0
+    sp = sequence_parallel_collectives()
+    return sp.rank if sp is not None else 0
+
+
+def _get_sequence_parallel_group() -> dist.ProcessGroup | None:
+    """The sequence-parallel group; KeyError without one, as DeepSpeed's."""
+    sp = sequence_parallel_collectives()
+    if sp is None:
+        raise KeyError("No sequence parallel group found")
+    return _group(sp)
+
+
+def _sequence_data_parallel() -> Collectives | None:
+    published = _PUBLISHED.groups
+    return published.dp if published is not None else None
+
+
+def _get_sequence_data_parallel_group() -> dist.ProcessGroup | None:
+    """What ZeRO shards and reduces over: the whole world with sequence parallelism, else the data-parallel
+    group."""
+    comm = _sequence_data_parallel()
+    if comm is not None:
+        return _group(comm)
+    return dist.group.WORLD if _initialized() else None  # type: ignore[return-value]
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    comm = _sequence_data_parallel()
+    if comm is not None:
+        return comm.world_size
+    return dist.get_world_size() if _initialized() else 1
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    comm = _sequence_data_parallel()
+    if comm is not None:
+        return comm.rank
+    return dist.get_rank() if _initialized() else 0
 
 
 def _get_expert_model_parallel_world_size() -> int:
@@ -197,9 +248,6 @@ _get_data_parallel_group = get_data_parallel_group
 _get_data_parallel_world_size = get_data_parallel_world_size
 _get_data_parallel_rank = get_data_parallel_rank
 _get_model_parallel_world_size = get_model_parallel_world_size
-_get_sequence_data_parallel_group = get_data_parallel_group
-_get_sequence_data_parallel_world_size = get_data_parallel_world_size
-_get_sequence_data_parallel_rank = get_data_parallel_rank
 get_model_parallel_group = get_tensor_model_parallel_group
 get_tensor_model_parallel_world_size = get_model_parallel_world_size
 get_tensor_model_parallel_rank = get_model_parallel_rank

@@ -115,6 +115,7 @@ def make_strategy(
         model_parallel=model_parallel,
         sum_over_ranks=str(cfg.gradient_allreduce_op) == "sum",
         compute_norm=z.compute_grad_norm is not False,
+        sequence_parallel=int(cfg.sequence_parallel_size or 1),  # [Note: sequence parallelism]
     )
     from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
 

@@ -36,23 +36,30 @@ class StepPolicy:
     # skips the norms and their all-reduce; the step's norm is then None and a non-finite one cannot skip a step
     # (DeepSpeed's stage 1-2 optimizer: only the inf/nan check of `check_overflow` can)
     compute_norm: bool = True
+    # the sequence-parallel degree: ZeRO reduces over every rank, but the ranks of one sequence-parallel group
+    # hold parts of one sample, so the mean is over world_size / this ([Note: sequence parallelism])
+    sequence_parallel: int = 1
 
     # [Note: pre- and post-scaling] As DeepSpeed's engine (stage 0) and ZeRO optimizers: `prescale_gradients`
     # divides by the world size before the reduction (and ignores gradient_predivide_factor); otherwise the
     # gradients are divided by gradient_predivide_factor before it and by world_size / factor after it. With
     # `gradient_allreduce_op: "sum"` nothing is divided: the step sees the sum over ranks of each rank's gradient
-    # (DeepSpeed skips both scalings then, whatever the two keys say).
+    # (DeepSpeed skips both scalings then, whatever the two keys say). With sequence parallelism "the world size"
+    # is the number of data-parallel replicas, world_size / sequence_parallel, as DeepSpeed divides.
     def prescale(self, world_size: int) -> float:
         """Gradients are multiplied by this before they are communicated ([Note: pre- and post-scaling])."""
         if self.sum_over_ranks:
             return 1.0
-        return 1.0 / world_size if self.prescale_gradients else 1.0 / self.gradient_predivide_factor
+        return 1.0 / self._replicas(world_size) if self.prescale_gradients else 1.0 / self.gradient_predivide_factor
 
     def post_scale(self, world_size: int) -> float:
         """Turns the reduced sums into means over ranks, or leaves them sums ([Note: pre- and post-scaling])."""
         if self.sum_over_ranks:
             return 1.0
-        return 1.0 if self.prescale_gradients else self.gradient_predivide_factor / world_size
+        return 1.0 if self.prescale_gradients else self.gradient_predivide_factor / self._replicas(world_size)
+
+    def _replicas(self, world_size: int) -> float:
+        return world_size / self.sequence_parallel if self.sequence_parallel > 1 else world_size
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.sequence_parallel`: the sequence-parallel mpu (parallel_state_sp)."""
