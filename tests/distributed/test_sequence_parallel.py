@@ -96,6 +96,7 @@ def train(rank: int, world_size: int, case: Case, source: str, sp: int, extra: d
         "sp_ranks": dist.get_process_group_ranks(seq_group),
         "groups_sp": (groups._get_sequence_parallel_world_size(), groups._get_sequence_parallel_rank()),
         "groups_dp": (groups._get_data_parallel_world_size(), groups._get_data_parallel_rank()),
+        "dp_group_ranks": dist.get_process_group_ranks(groups._get_data_parallel_group()),
         "groups_sdp": groups._get_sequence_data_parallel_world_size(),
         "first_batch": next(iter(loader))[0].tolist(),
         "all_to_all": engine.comm_stats.snapshot()["all_to_all"]["calls"],
@@ -132,27 +133,67 @@ def test_ulysses_trains_as_whole_sequences_on_one_process() -> None:
             assert run["train_batch_size"] == case.micro * case.gas  # one replica
             assert (run["dp_world_size"], run["seq_dp_world_size"], run["sp_ranks"]) == (1, 2, [0, 1])
             assert run["groups_sp"] == (2, rank) and run["groups_dp"] == (1, 0) and run["groups_sdp"] == 2
+            assert run["dp_group_ranks"] == [rank]  # the replicas' group itself, of one rank, not the world
             # q, k, v and the output: four all-to-alls per layer forward, four backward
             assert run["all_to_all"] == 8 * 2 * case.gas * case.steps, run["all_to_all"]
         assert runs[0][i]["params"][-1].equal(runs[1][i]["params"][-1])
         assert runs[0][i]["first_batch"] == runs[1][i]["first_batch"]
 
 
-def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    return train(rank, world_size, Case(stage=2, steps=3), "config", 2, {"data_parallel_size": 2})
+# dp2 x sp2: the divisor is the 2 replicas, not the 4 ranks, whichever scaling the config asks for
+FOUR_RANK_CASES = [
+    (Case(stage=2, steps=3), {"data_parallel_size": 2}),
+    (Case(stage=0, steps=2), {"prescale_gradients": True}),
+    (Case(stage=1, steps=2), {"gradient_predivide_factor": 2.0}),
+]
+
+
+class _StridedMpu:
+    """A sequence-parallel mpu whose groups are not consecutive ranks ({0, 2}, {1, 3})."""
+
+    def __init__(self, rank: int) -> None:
+        import torch.distributed as dist
+
+        made = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        self.group = made[rank % 2]
+
+    def initialize_sequence_parallel(self, size: int) -> None:
+        raise AssertionError("made already")
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 2
+
+
+def _four_ranks(rank: int, world_size: int) -> tuple[list[dict[str, Any]], str]:
+    import zeroshard
+    from zeroshard.errors import ConfigError
+
+    runs = [train(rank, world_size, case, "config", 2, extra) for case, extra in FOUR_RANK_CASES]
+    try:
+        zeroshard.initialize(model=ulysses_model(Case(stage=2)), config=ds_config(Case(stage=2)), mpu=_StridedMpu(rank))
+        refused = "no error"
+    except ConfigError as error:
+        refused = str(error)
+    return runs, refused
 
 
 def test_ulysses_with_two_replicas_sums_over_the_sample_and_averages_over_replicas() -> None:
-    case = Case(stage=2, steps=3)
-    runs = run_on_ranks(_four_ranks, 4, timeout=600)
-    ref = reference(case, 2)
-    for rank, run in enumerate(runs):
-        _check(case, run, ref)
-        assert run["train_batch_size"] == 2 * case.micro
-        assert run["sp_ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
-        assert run["groups_dp"] == (2, rank // 2) and run["groups_sdp"] == 4
-    batches = [run["first_batch"] for run in runs]
-    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2], batches
+    per_rank = run_on_ranks(_four_ranks, 4, timeout=600)
+    for i, (case, _) in enumerate(FOUR_RANK_CASES):
+        ref = reference(case, 2)
+        runs = [runs[i] for runs, _ in per_rank]
+        for rank, run in enumerate(runs):
+            _check(case, run, ref)
+            assert run["train_batch_size"] == 2 * case.micro
+            assert run["sp_ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
+            assert run["groups_dp"] == (2, rank // 2) and run["groups_sdp"] == 4
+            assert run["dp_group_ranks"] == [rank % 2, rank % 2 + 2]
+        batches = [run["first_batch"] for run in runs]
+        assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2], batches
+    assert all("needs consecutive blocks of 2 ranks" in refused for _, refused in per_rank), per_rank[0][1]
 
 
 def _gradient_bytes(rank: int, world_size: int) -> list[float]:
@@ -175,6 +216,8 @@ def test_gradients_travel_in_seq_parallel_communication_data_type() -> None:
         ({"sequence_parallel_size": 3}, "does not divide the world size 2"),
         ({"sequence_parallel_size": 2, "data_parallel_size": 2}, "data_parallel_size=2 x sequence_parallel_size=2"),
         ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, "with tensor parallelism"),
+        ({"sequence_parallel_size": 2, "model": "pipeline"}, "with a PipelineModule"),
+        ({"sequence_parallel_size": 2, "model": "moe"}, "with MoE layers of ep_size > 1"),
     ],
 )
 def test_bad_sequence_parallel_settings_fail_before_any_work(extra: dict[str, Any], message: str) -> None:
@@ -187,7 +230,17 @@ def _refused(rank: int, world_size: int, extra: dict[str, Any]) -> str:
     from zeroshard.errors import ConfigError
 
     case = Case(stage=2)
-    model = ulysses_model(case)
+    kind = extra.pop("model", "gpt")
+    model: torch.nn.Module = ulysses_model(case)
+    if kind == "pipeline":
+        model = zeroshard.pipe.PipelineModule(
+            layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2, loss_fn=torch.nn.MSELoss()
+        )
+    elif kind == "moe":
+        from zeroshard.moe.layer import MoE
+
+        zeroshard.init_distributed()  # MoE layers are built after it, as DeepSpeed's
+        model = torch.nn.Sequential(MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=2))
     try:
         zeroshard.initialize(model=model, config={**ds_config(case), **extra})
     except ConfigError as error:

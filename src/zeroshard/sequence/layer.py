@@ -198,11 +198,16 @@ class DistributedAttention(nn.Module):
         self.gather_idx = gather_idx
         self.num_kv_heads = num_kv_heads
         self.sp_stream = sp_stream
+        self.sp_overlap_comm = False  # DeepSpeed's overlap state: the exchanges are synchronous here
+        self.overlap_handles = None
         if sp_stream is not None:
             logger.warning(
                 "DistributedAttention(sp_stream=...): DeepSpeed's overlap of the dq/dk all-to-alls with the "
                 "projections' backward is not implemented; the all-to-alls run on the current stream"
             )
+
+    def layer_sync(self, layer: Any) -> None:
+        """DeepSpeed's wait for an overlapped layer's event: nothing to wait for, the exchanges are synchronous."""
 
     def forward(
         self,

@@ -52,15 +52,25 @@ class SequenceParallel:
 
 
 def is_sequence_mpu(mpu: Any) -> bool:
-    """Whether `mpu` is a sequence-parallel unit (DeepSpeed's parallel_state_sp: it aliases the model-parallel
-    methods to the sequence-parallel group, so it must not be taken for tensor parallelism)."""
-    return mpu is not None and callable(getattr(mpu, "get_sequence_parallel_group", None))
+    """Whether `mpu` is a sequence-parallel unit only: DeepSpeed's parallel_state_sp (which aliases the
+    model-parallel methods to the sequence-parallel group, so it must not be taken for tensor parallelism), told
+    apart as DeepSpeed does by `initialize_sequence_parallel`, or an object with sequence-parallel methods and no
+    data-parallel ones. Megatron-DeepSpeed's parallel_state has both kinds: a tensor-parallel mpu."""
+    if mpu is None or not callable(getattr(mpu, "get_sequence_parallel_group", None)):
+        return False
+    return hasattr(mpu, "initialize_sequence_parallel") or not callable(getattr(mpu, "get_data_parallel_group", None))
 
 
 def sequence_degree(cfg: Any, mpu: Any, world_size: int) -> int:
     """P, checked against the world and the config's `data_parallel_size`; 1 without sequence parallelism."""
     configured = cfg.sequence_parallel_size
     size = int(mpu.get_sequence_parallel_world_size()) if is_sequence_mpu(mpu) else int(configured or 1)
+    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if mpu is not None and not is_sequence_mpu(mpu) and callable(mpu_sp) and int(mpu_sp()) > 1:
+        raise ConfigError(
+            f"initialize(mpu=...) with tensor (model) parallelism and a sequence-parallel group of {int(mpu_sp())} "
+            "ranks: sequence parallelism with tensor parallelism is not implemented; use one of them"
+        )
     if configured is not None and int(configured) != size:
         raise ConfigError(
             f"sequence_parallel_size={configured} but initialize(mpu=...)'s sequence-parallel group has {size} "
@@ -71,7 +81,8 @@ def sequence_degree(cfg: Any, mpu: Any, world_size: int) -> int:
             f"sequence_parallel_size={size} does not divide the world size {world_size}; use a divisor of it"
         )
     replicas = world_size // size
-    if cfg.data_parallel_size is not None and int(cfg.data_parallel_size) != replicas:
+    # as DeepSpeed, data_parallel_size is read only beside sequence_parallel_size (it shapes their mesh)
+    if configured is not None and cfg.data_parallel_size is not None and int(cfg.data_parallel_size) != replicas:
         raise ConfigError(
             f"data_parallel_size={cfg.data_parallel_size} x sequence_parallel_size={size} is not the world size "
             f"{world_size}; set data_parallel_size to {replicas} or leave it out"
@@ -125,7 +136,8 @@ def build_sequence_parallel(size: int, mpu: Any, world: Collectives) -> Sequence
         whole = len(blocks) == 1  # one sample's ranks are the world: its group serves
         made = {tuple(b): world.group if whole else new_group(b) for b in blocks}
         sp_group = made[tuple(mine)]
-    dp_made = {tuple(r): new_group(r) for r in replicas} if len(replicas[0]) > 1 else {}
+    # a group of one rank too: the data-parallel accessors hand out the group itself, not the world
+    dp_made = {tuple(r): new_group(r) for r in replicas}
     mine_dp = replicas[world.rank % size]
     sp = world.subgroup(sp_group, size, world.rank % size, scope_of(nodes, mine))
     dp = world.subgroup(dp_made.get(tuple(mine_dp)), len(mine_dp), world.rank // size, scope_of(nodes, mine_dp))
