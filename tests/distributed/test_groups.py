@@ -38,6 +38,16 @@ class _WorldTensorParallel(GroupsMpu):
         self.dp_group = next(g for g in (dist.new_group([0]), dist.new_group([1])) if dist.get_rank(g) == 0)
 
 
+class _MegatronStyle(_WorldTensorParallel):
+    """Megatron-DeepSpeed's parallel_state: tensor-parallel methods and sequence-parallel ones (one rank here)."""
+
+    def get_sequence_parallel_group(self) -> Any:
+        return None
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+
 def _engine(model: nn.Module, stage: int, **kwargs: Any) -> Any:
     import zeroshard
 
@@ -61,6 +71,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     engine = _engine(nn.Linear(4, 4), 1, mpu=_WorldTensorParallel(rank))
     out["mpu"] = _answers()
     engine.destroy()
+    engine = _engine(nn.Linear(4, 4), 1, mpu=_MegatronStyle(rank))  # sequence methods too: still tensor-parallel
+    out["megatron_mpu"] = (_answers(), engine.sequence_parallel_size)
+    engine.destroy()
     engine = _engine(MoeNet(MoeCase(num_experts=4), ep_size=2), 1)
     name = groups._get_max_expert_size_name()
     out["moe"] = (name, groups._get_max_expert_size(), groups._get_expert_parallel_world_size(name))
@@ -83,6 +96,7 @@ def test_groups_follow_the_engine_built_last() -> None:
         assert out["mpu"] == {**world, "dp": (1, 0), "dp_ranks": [rank], "dp_group_size": 1, "mp": (2, rank)} | {
             "tp_group_size": 2
         }
+        assert out["megatron_mpu"] == (out["mpu"], 1)
         assert out["moe"] == ("ep_size_2", 2, 2, 1, rank)
         assert out["moe_dp"] == (2, rank)
         assert out["after"] == world
