@@ -14,6 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ddp", "zs3")  # the harness end to end; stages 1-2 have their parity tests
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 @pytest.mark.timeout(300)
 def test_quick_benchmark_writes_rows_with_finite_numbers_and_agreeing_losses(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"

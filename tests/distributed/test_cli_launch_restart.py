@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -30,6 +32,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_launch_restarts_a_crashed_group(tmp_path):
     script, result = tmp_path / "crash_once.py", tmp_path / "result.txt"
     script.write_text(SCRIPT)

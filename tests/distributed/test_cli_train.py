@@ -59,6 +59,7 @@ def _losses(output_dir: Path) -> dict[int, float]:
         return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(handle) if row["loss"]}
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_train_checkpoint_resume_export(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,6 +88,7 @@ def test_train_checkpoint_resume_export(tmp_path):
     assert tokenizer.decode(tokenizer("def f():", add_special_tokens=False)["input_ids"]) == "def f():"
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_lora_stage3_trains_and_saves_an_adapter_peft_loads(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -109,6 +111,7 @@ def test_lora_stage3_trains_and_saves_an_adapter_peft_loads(tmp_path):
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)  # merged W + BA
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_a_model_folder_streams_into_shards_and_lora_leaves_the_base_weights_as_stored(tmp_path):
     """`--model DIR` builds the model on the meta device and each rank reads its shards from DIR's safetensors; LoRA
     adapters wrap the streamed base. The exported merged model keeps every base weight LoRA does not target exactly

@@ -125,6 +125,7 @@ def log_of(out: Path, node: int) -> str:
     return (out / f"node{node}.log").read_text()
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_two_nodes_train_as_one_two_rank_launch(tmp_path):
     """Node ranks 0 and 1 with one rank each, loopback c10d rendezvous: the losses of one process with the same
     global batch (two ranks per node against a 4-rank launch, 8 processes on this 2-core machine, took 28 s)."""
@@ -237,6 +238,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_hostfile_fan_out_runs_through_ssh(tmp_path):
     """The hostfile's two remote hosts are started over `ssh` (a fake one on PATH that runs locally)."""
     bin_dir = tmp_path / "bin"

@@ -54,6 +54,7 @@ def _check(cases: list[Case], per_rank: list, world_size: int, tol: float = TOL)
             assert relative_difference(p, q) <= tol, (case.name, step, relative_difference(p, q))
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_compiled_engine_matches_the_reference() -> None:
     _check(CASES, run_on_ranks(_compiled_runs, 2, "aot_eager", CASES, False, timeout=600), 2)
 

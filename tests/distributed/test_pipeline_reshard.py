@@ -85,6 +85,7 @@ def _close(got: list[float], want: list[float]) -> bool:
     return all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_pipeline_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
     want = reference(CASE, REF_DP)  # SAVED steps, the rest, then the eval_batch
     first = run_on_ranks(_dp1_first, 2, str(tmp_path))

@@ -34,6 +34,7 @@ def _glibc_default_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ZEROSHARD_HOST_ALLOC", raising=False)
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 @pytest.mark.timeout(300)
 def test_stage3_peak_rss_below_stage0_and_flat() -> None:
     stage0, _ = _growth("stage 0", 2)

@@ -272,6 +272,7 @@ def _sharded_construction(rank: int, world_size: int):
     return peak - baseline, full_bytes, finite
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_sharded_construction_stays_below_full_model_size(monkeypatch):
     # A fixed glibc mmap threshold makes RSS follow live tensors: with glibc's default dynamic threshold,
     # freed unit-sized buffers stay in the heap and RSS measures the allocator's cache, not the model.

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
+
 from helpers.harness import run_on_ranks
 from helpers.tp_parity import TpCase, continue_from, resume
 
@@ -41,6 +43,7 @@ def _close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_checkpoints_reshard_across_tp_sizes(tmp_path) -> None:
     tp2_dir, tp1_dir = str(tmp_path / "tp2"), str(tmp_path / "tp1")
     on_two = run_on_ranks(_tp1, 2, tp1_dir, None)
