@@ -370,6 +370,7 @@ def load_checkpoint(
         local_error = e
     status = {"error": None if local_error is None else str(local_error)}
     statuses = sync.all_gather("loaded", status, write_timeout())
+    sync.leave(write_timeout())
     if any(s["error"] for s in statuses):
         raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).

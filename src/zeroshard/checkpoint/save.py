@@ -451,6 +451,7 @@ def save_checkpoint(
             # every rank is past its writes (they reported): the partial save must not keep the disk full
             shutil.rmtree(tmp_dir, ignore_errors=True)
     outcome = sync.broadcast("committed", outcome, write_timeout())
+    sync.leave(write_timeout())
     if outcome["error"]:
         raise CheckpointError(outcome["error"]) from local_error
     return True

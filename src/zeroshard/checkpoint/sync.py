@@ -155,6 +155,12 @@ class RankSync:
             self.store.delete_key(self._key(phase, r))  # manifests can be large; free the store
         return gathered
 
+    def leave(self, timeout: float) -> None:
+        """The last exchange of a call: every rank acknowledges with a write and rank 0 returns after all of them.
+        Rank 0 usually hosts the store (MASTER_ADDR launchers; torchrun's agent hosts it instead), so a rank 0
+        that returned and exited while another rank still read its last key would reset that rank's connection."""
+        self.gather("left", True, timeout)
+
     def broadcast(self, phase: str, payload: Any, timeout: float) -> Any:
         """Rank 0's payload on every rank."""
         if self.store is None or self.world_size == 1:
