@@ -10,11 +10,18 @@ install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,hf]'
 
-# DeepSpeed, the reference of the parity tests (tests only), goes in after torch so pip keeps that torch;
-# DS_BUILD_OPS=0 leaves its C++/CUDA ops unbuilt (DeepSpeed JIT-builds one on first use; no test uses one).
-# The monitor extra (tensorboard, wandb) lets the tests read back what those config blocks write; the trl extra
-# lets the SFTTrainer test run.
+# DeepSpeed, the reference of the parity tests (tests only), goes in after torch so pip keeps that torch. Of its
+# C++ ops the tests use two, built here against that torch (about 5 minutes, once per environment): FusedAdam (its
+# CPU optimizer for a config's "Adam"/"AdamW") and the shared-memory comm op that `deepspeed.init_distributed`
+# loads on CPU. Unbuilt, DeepSpeed JIT-compiles each (~75 s) inside the first test that needs it, in every fresh
+# environment. --no-build-isolation lets its setup.py see torch; --no-cache-dir keeps pip from reusing a wheel it
+# built without ops. The version is the compat extra's pin. The monitor extra (tensorboard, wandb) lets the tests
+# read back what those config blocks write; the trl extra lets the SFTTrainer test run.
+DEEPSPEED = deepspeed==0.19.8
 install-compat: install
+	$(PIP) install -q setuptools wheel
+	DS_BUILD_OPS=0 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
+		$(PIP) install -q --no-build-isolation --no-cache-dir '$(DEEPSPEED)'
 	DS_BUILD_OPS=0 $(PIP) install -q -e '.[compat,monitor,trl]'
 
 train: install

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.sequence_parallel.ulysses_sp`: Ulysses for Hugging Face Transformers models (DeepSpeed's
-Arctic Long Sequence Training entry points), over zeroshard's exchange (sequence/layer.py).
+Arctic Long Sequence Training entry points), over zeroshard's exchange (sequence/layer.py); ALST's tiled compute
+helpers (`TiledMLP`, `sequence_tiled_compute`, `TiledFusedLogitsLoss`) are sequence/tiled.py's.
 
 [Note: Ulysses for Hugging Face models]
 `UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", P, micro_batch_size)` makes the sequence-parallel
@@ -26,6 +27,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zeroshard.sequence.layer import _SeqAllToAll, collectives_for, head_splits
+from zeroshard.sequence.tiled import (  # noqa: F401  DeepSpeed's names for them live in this module
+    AutogradComputeMLP,
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 
 
 class UlyssesSPAttentionHF(nn.Module):

@@ -18,6 +18,16 @@ reduction it holds the sum over ranks: reducing it again would count the first b
 window has been reduced, later gradients in it are therefore staged and reduced on their own, and the result is
 added into the gradient shard, as stage 2 does every micro-step.
 
+[Note: gradients after their bucket's reduction]
+A parameter's gradient can arrive again in the same backward after its bucket was launched: a weight tied to
+another whose share comes later (an embedding tied to lm_head under a tiled loss, [Note: tiled compute]: the loss's
+share arrives first, at its last slice, the embedding's at the end of backward), or a weight used by two
+reentrant-checkpointed segments. Such a gradient is staged on its own, and when backward ends each bucket that got
+one is reduced once more, in launch order, the result added into the gradient shard as [Note: a second backward]
+adds. Ranks run the same model, so they see the same late arrivals and issue the same extra collectives (a rank
+that did not would be named by the collectives' fingerprint check instead of hanging). The cost is one more
+reduction of those buckets, nothing when every gradient arrives once.
+
 [Note: stage 1's shard inside its accumulator]
 Stage 1's gradient shard (this rank's reduced slice of every bucket, concatenated: what the optimizer reads) has no
 buffer of its own: it is the first `shard_numel` elements of the full accumulator. A reduced bucket's range of the
@@ -40,7 +50,6 @@ import torch
 from torch import nn
 
 from zeroshard.comm.collectives import Collectives
-from zeroshard.errors import ZeroshardError
 from zeroshard.zero.flat.group_buffers import GroupBuffers
 from zeroshard.zero.flat.local import local_grad
 from zeroshard.zero.layout import Bucket, FlatLayout
@@ -85,6 +94,7 @@ class GradientReducer:
         self._sync = False
         self._missing: dict[int, int] = {}
         self._seen: set[tuple[int, int]] = set()
+        self._late: set[int] = set()  # buckets with gradients that arrived after their launch
         self._next = 0
         self._inflight: InflightQueue[Bucket] = InflightQueue(MAX_INFLIGHT if policy.overlap else 0, wait_plain)
         self._staging: dict[int, torch.Tensor] = {}
@@ -102,6 +112,7 @@ class GradientReducer:
         self._sync = sync or self._window_reduced  # gradients added after a reduction are reduced too
         self._missing = {b.id: len(b.slots) for b in self._order}
         self._seen.clear()
+        self._late.clear()
         self._next = 0
 
     def on_grad_ready(self, group: int, slot_index: int, param: nn.Parameter) -> list[Bucket]:
@@ -115,11 +126,10 @@ class GradientReducer:
         slot = buffers.layout.slots[slot_index]
         bucket = self._bucket(group, slot.bucket)
         first_time = (group, slot_index) not in self._seen
-        if not first_time and self._sync and self._launched(bucket):
-            raise ZeroshardError(
-                f"gradient of {slot.name!r} arrived twice in one backward after its bucket was communicated; "
-                "use non-reentrant activation checkpointing or call engine.backward once per micro-step"
-            )
+        if not first_time and self._sync and self._launched(bucket):  # [Note: gradients after their bucket's ..]
+            self._accumulate(buffers, bucket, slot.offset, slot.numel, grad, staged=True)
+            self._late.add(bucket.id)
+            return []
         self._accumulate(buffers, bucket, slot.offset, slot.numel, grad)
         if first_time and self._sync:
             self._seen.add((group, slot_index))
@@ -136,6 +146,9 @@ class GradientReducer:
             while self._next < len(self._order):
                 done += self._launch(self._order[self._next])
                 self._next += 1
+            done += self._inflight.drain()
+            for bucket in [b for b in self._order if b.id in self._late]:  # [Note: gradients after their bucket's ..]
+                done += self._launch_partitioned(self.groups[bucket.group], bucket, late=True)
             done += self._inflight.drain()
             if self.policy.partition_grads:
                 self._first_window_step = False
@@ -195,8 +208,10 @@ class GradientReducer:
     def _launched(self, bucket: Bucket) -> bool:
         return bucket.id < self._next
 
-    def _accumulate(self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor) -> None:
-        if buffers.grad_full is not None and not self._window_reduced:
+    def _accumulate(
+        self, buffers: GroupBuffers, bucket: Bucket, offset: int, numel: int, grad: torch.Tensor, staged: bool = False
+    ) -> None:
+        if buffers.grad_full is not None and not self._window_reduced and not staged:
             written = self._full_written[bucket.id]
             target = buffers.grad_full.narrow(0, offset, numel)
         else:
@@ -282,9 +297,10 @@ class GradientReducer:
         target.copy_(moved)
         self.pool.release(moved)
 
-    def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket) -> list[Bucket]:
-        """Stage 2 (and stage 0/1 after a window's first reduction: [Note: a second backward]): reduce the staged
-        bucket and add this rank's slice into its gradient shard."""
+    def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket, late: bool = False) -> list[Bucket]:
+        """Stage 2 (and stage 0/1 after a window's first reduction: [Note: a second backward]; `late`: [Note:
+        gradients after their bucket's reduction]): reduce the staged bucket and add this rank's slice into its
+        gradient shard."""
         staging = self._staging.pop(bucket.id, None)
         if staging is None:  # no parameter of this bucket got a gradient on this rank
             staging = self.pool.acquire(bucket.numel, self.policy.comm_dtype)
@@ -302,7 +318,7 @@ class GradientReducer:
                 self.pool.release(staging)
 
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
-        direct = self.policy.partition_grads and self._first_window_step and target.dtype == staging.dtype
+        direct = self.policy.partition_grads and self._first_window_step and not late and target.dtype == staging.dtype
         out = target if direct else self.pool.acquire(bucket.shard_numel, staging.dtype, zero=False)
         handle = self.comm.reduce_scatter(out, staging, async_op=self.policy.overlap, input_is_scratch=True)
 

@@ -173,6 +173,8 @@ class FlatStrategy(Strategy):
     def _on_grad(self, group: int, slot: int, param: nn.Parameter) -> None:
         if not self.reducer.active:  # [Note: gradients outside engine.backward]: left in .grad
             return
+        if not getattr(param, "ds_grad_is_ready", True):  # [Note: tiled compute]: more slices to come, in .grad
+            return
         self._got_grad.add((group, slot))
         self._received(self.reducer.on_grad_ready(group, slot, param))
 
