@@ -4,8 +4,8 @@ by side, in one run.
     python -m benchmarks.tiled                  # markdown table on stdout (~5 min here)
     python -m benchmarks.tiled --seq 4096 --rows zeroshard-untiled,zeroshard-tiled
 
-A 2-layer GPT (n_embd 256, 8 heads, a 32000-token vocabulary as a Llama's, lm_head tied to the embedding, fp32,
-AdamW, ZeRO-2, no clipping) on 2 gloo ranks, one sequence of `--seq` tokens per rank and step. At long sequences the
+A 2-layer GPT (n_embd 256, 8 heads, a 32000-token vocabulary as a Llama's, lm_head not tied to the embedding (with a
+tied one DeepSpeed's ZeRO-2 stops at the second gradient of the shared weight), fp32, AdamW, ZeRO-2, no clipping) on 2 gloo ranks, one sequence of `--seq` tokens per rank and step. At long sequences the
 logits dominate a step's memory: [seq, vocabulary] fp32, their gradient, and cross-entropy's log-softmax, each
 1 GiB at 8192 tokens. `tiled`: each MLP through `TiledMLP` (4 slices) and the loss through `TiledFusedLogitsLoss`
 (`--loss-shards` slices), so one slice's logits exist at a time. zeroshard's rows use zeroshard's helpers and
@@ -67,6 +67,8 @@ def measure(rank: int, world_size: int, row: str, seq: int, loss_shards: int) ->
     framework, mode = row.split("-")
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=2, n_head=8, n_embd=256, bias=False))
+    # untied, as a Llama-8B's: DeepSpeed's ZeRO-2 fails on a tied one under its tiled loss (a second gradient)
+    gpt.lm_head.weight = torch.nn.Parameter(gpt.wte.weight.detach().clone())
     api = importlib.import_module(f"{framework}.runtime.sequence_parallel.ulysses_sp")
     tiled = mode == "tiled"
     model = tile(gpt, "listed" if tiled else "off", "fused" if tiled else "plain", api, 4, loss_shards)
