@@ -57,12 +57,24 @@ class EngineAccelerator:
     """The Trainer's accelerator with `backward` and gradient clipping handed to the engine
     ([Note: the Trainer's loop over the engine]); anything else is the wrapped accelerator's."""
 
-    def __init__(self, accelerator: Any, link: EngineLink):
+    def __init__(self, accelerator: Any, link: EngineLink, ulysses: Any = None):
         self._accelerator = accelerator
         self._link = link
+        self._ulysses = ulysses  # [Note: the Trainer's sequence parallelism]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
+
+    @property
+    def parallelism_config(self) -> Any:
+        return self._ulysses if self._ulysses is not None else self._accelerator.parallelism_config
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        if self._ulysses is None:
+            return dl
+        from zeroshard.hf.ulysses import adapt_dataloader
+
+        return adapt_dataloader(dl, self._link.require(), self._accelerator.device)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self._link.engine is None:

@@ -36,6 +36,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.hf.arguments import TrainingArgumentsMixin
 from zeroshard.hf.auto import trainer_config
 from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer, EngineScheduler
+from zeroshard.hf.ulysses import register, sequence_parallel_loss, ulysses_parallelism
 from zeroshard.initialize import initialize
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.stage3.meta import zero_init
@@ -71,6 +72,7 @@ class TrainerMixin:
         self.zeroshard_link = EngineLink()
         self._zeroshard_source = _config_source(training_args, zeroshard_config)
         self._zeroshard_steps: int | None = None
+        self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         super().__init__(*args, **kwargs)
 
     @property
@@ -80,8 +82,16 @@ class TrainerMixin:
 
     # -- building -----------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        self.accelerator = EngineAccelerator(self.accelerator, self.zeroshard_link)
+        # [Note: the Trainer's sequence parallelism]: the accelerator is built without it and answers it back
+        self._ulysses = ulysses_parallelism(self.args)
+        if self._ulysses is not None:
+            self.args.parallelism_config = None
+        try:
+            super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        finally:
+            if self._ulysses is not None:
+                self.args.parallelism_config = self._ulysses
+        self.accelerator = EngineAccelerator(self.accelerator, self.zeroshard_link, self._ulysses)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         if int(self._zeroshard_source.zero_optimization.stage) == 3:
@@ -103,7 +113,9 @@ class TrainerMixin:
                     f"{num_training_steps} (the scheduler keeps the first)",
                 )
             return self.engine
-        cfg = trainer_config(self._zeroshard_source, self.args, self.model, num_training_steps, self.args.world_size)
+        sp = self._ulysses.sp_size if self._ulysses is not None else 1
+        replicas = self.args.world_size // sp  # the batch arithmetic counts replicas
+        cfg = trainer_config(self._zeroshard_source, self.args, self.model, num_training_steps, replicas)
         optimizer = self.create_optimizer() if cfg.optimizer is None else None  # type: ignore[attr-defined]
         scheduler: Any = None
         if cfg.scheduler is None:
@@ -111,7 +123,14 @@ class TrainerMixin:
             scheduler = functools.partial(self._trainer_scheduler, num_training_steps)
 
         # initialize parses its config with parse_config, which takes a ZeroshardConfig as it is
-        engine, *_ = initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)  # type: ignore[arg-type]
+        mpu = register(self.model, self._ulysses, self.args.per_device_train_batch_size) if sp > 1 else None
+        engine, *_ = initialize(
+            model=self.model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=cfg,  # type: ignore[arg-type]
+            mpu=mpu,
+        )
         self.zeroshard_link.engine = engine
         self._zeroshard_steps = num_training_steps
         self.model_wrapped = engine
@@ -135,10 +154,19 @@ class TrainerMixin:
             path, _ = engine.load_checkpoint(resume_from_checkpoint, load_module_strict=not _is_peft(self.model))
             if path is None:
                 raise ConfigError(f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint}")
+        if self._ulysses is not None:  # [Note: the Trainer's sequence parallelism]
+            train_dataloader = self.accelerator.deepspeed_ulysses_dl_adapter(train_dataloader, engine)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
+
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        if self._ulysses is not None and self.model.training and self.engine is not None:
+            return sequence_parallel_loss(self.engine, model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         steps = self._zeroshard_steps

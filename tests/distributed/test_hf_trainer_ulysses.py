@@ -1,0 +1,129 @@
+"""Ulysses in the Hugging Face Trainer ([Note: the Trainer's sequence parallelism]): `zeroshard.hf.Trainer` with
+`TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, ...))` on 2 ranks trains a tiny Llama, each
+sample's sequence split over the two ranks, as plain PyTorch trains it on one process on the whole sequences (the
+Trainer's AdamW, warm-up and linear decay, clipping at 1.0) with the gradient doubled: Hugging Face's sequence-
+parallel loss (the parts' losses all-gathered differentiably) gives P times the single-process gradient, in
+DeepSpeed and here alike. The logged losses and gradient norms match it every step. Beside it, the same script
+under transformers + DeepSpeed 0.19.8 (accelerate's DeepSpeed plugin): the same first loss; and there each rank reads
+the whole dataset, so the adapter's two gathered batches are one sample twice and every sample trains twice per
+epoch (pinned: zeroshard shards the loader over the world, so they are two samples)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.deepspeed_reference import import_deepspeed
+from helpers.harness import run_on_ranks
+from helpers.hf_trainer import SEQ, Tokens, arguments, ds_config, loss_recorder, tiny_llama
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+STEPS = 4
+
+
+class WithPositions(Tokens):
+    """The Ulysses adapter needs position_ids in every batch (DeepSpeed's too)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(i), "position_ids": torch.arange(SEQ)}
+
+
+def _run(rank: int, tmp: str, framework: str) -> dict[str, Any]:
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    kwargs = arguments(
+        os.path.join(tmp, framework),
+        deepspeed=ds_config(2),
+        parallelism_config=ParallelismConfig(sp_size=2, sp_handler=handler),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_steps=STEPS,
+    )
+    if framework == "zeroshard":
+        from zeroshard.hf import Trainer as Base
+        from zeroshard.hf import TrainingArguments
+
+        args = TrainingArguments(**kwargs)
+    else:
+        import_deepspeed()
+        import transformers
+        from transformers import Trainer as Base  # type: ignore[assignment]
+
+        kwargs.pop("use_cpu")  # accelerate's DeepSpeed plugin picks the device
+        args = transformers.TrainingArguments(**kwargs)
+    seen: list[list[int]] = []
+
+    class Recording(Base):  # type: ignore[misc,valid-type]
+        def compute_loss(self, model: Any, inputs: dict[str, Any], *a: Any, **k: Any) -> Any:
+            seen.append(inputs["input_ids"][0].tolist())
+            return super().compute_loss(model, inputs, *a, **k)
+
+    model = tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    record = loss_recorder()
+    logged: list[float] = []
+
+    class Norms(type(record)):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if logs and "grad_norm" in logs:
+                logged.append(float(logs["grad_norm"]))
+
+    Recording(model=model, args=args, train_dataset=WithPositions(8), callbacks=[record, Norms()]).train()
+    return {"losses": list(record.losses), "norms": logged, "parts": seen}
+
+
+def _both(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    import transformers.modeling_utils as hf
+
+    sdpa, out = hf.ALL_ATTENTION_FUNCTIONS["sdpa"], {}
+    for framework in ("zeroshard", "deepspeed"):  # each registration wraps what it finds: restore the original
+        out[framework] = _run(rank, tmp, framework)
+        hf.ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    return out
+
+
+def _reference(sequences: list[list[int]]) -> tuple[list[float], list[float]]:
+    """Plain PyTorch on whole sequences: the Trainer's AdamW (lr 1e-2, 1 warm-up step, linear decay over STEPS),
+    clipping at 1.0 of the doubled gradient."""
+    from transformers import get_linear_schedule_with_warmup
+
+    model = tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    schedule = get_linear_schedule_with_warmup(optimizer, 1, STEPS)
+    losses, norms = [], []
+    for ids in sequences:
+        batch = torch.tensor([ids])
+        loss = model(input_ids=batch, labels=batch, position_ids=torch.arange(SEQ)[None]).loss
+        (2 * loss).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def test_trainer_with_sequence_parallelism_trains_as_whole_sequences(tmp_path: Any) -> None:
+    per_rank = run_on_ranks(_both, 2, str(tmp_path), timeout=900)
+    ours = [r["zeroshard"] for r in per_rank]
+    sequences = [a + b for a, b in zip(ours[0]["parts"], ours[1]["parts"], strict=True)]  # rank 0: first halves
+    assert len(sequences) == STEPS and len({tuple(s) for s in sequences}) == STEPS  # four samples, once each
+    ref_losses, ref_norms = _reference(sequences)
+    for run in ours:
+        assert len(run["losses"]) == STEPS
+        for step in range(STEPS):
+            assert math.isclose(run["losses"][step], ref_losses[step], rel_tol=1e-5), (step, run["losses"], ref_losses)
+            assert math.isclose(run["norms"][step], ref_norms[step], rel_tol=1e-4), (step, run["norms"], ref_norms)
+    theirs = [r["deepspeed"] for r in per_rank]
+    assert math.isclose(theirs[0]["losses"][0], ours[0]["losses"][0], rel_tol=1e-6)
+    for run in theirs:  # DeepSpeed's micro-steps come in identical pairs: one sample, twice
+        parts = run["parts"]
+        assert parts[0] == parts[1] and parts[2] == parts[3] and parts[0] != parts[2], parts
