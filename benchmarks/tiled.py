@@ -5,15 +5,16 @@ by side, in one run.
     python -m benchmarks.tiled --seq 4096 --rows zeroshard-untiled,zeroshard-tiled
 
 A 2-layer GPT (n_embd 256, 8 heads, a 32000-token vocabulary as a Llama's, lm_head not tied to the embedding (with a
-tied one DeepSpeed's ZeRO-2 stops at the second gradient of the shared weight), fp32, AdamW, ZeRO-2, no clipping) on 2 gloo ranks, one sequence of `--seq` tokens per rank and step. At long sequences the
-logits dominate a step's memory: [seq, vocabulary] fp32, their gradient, and cross-entropy's log-softmax, each
-1 GiB at 8192 tokens. `tiled`: each MLP through `TiledMLP` (4 slices) and the loss through `TiledFusedLogitsLoss`
-(`--loss-shards` slices), so one slice's logits exist at a time. zeroshard's rows use zeroshard's helpers and
-engine, DeepSpeed's rows DeepSpeed 0.19.8's helpers and engine (its helpers' loss runs the slices' backward inside
-forward, ours recomputes them in backward: one more lm_head forward). Per row: the median step time of the timed
-steps and the tokens/s (ratios against the first row, measured in this one run), each rank's peak resident memory
-during the steps as the OS counts it (VmHWM after the steps minus VmRSS before them, /proc/self/status), and the
-first step's loss (the same for every row: tiling changes the order of sums only).
+tied one DeepSpeed's ZeRO-2 stops at the second gradient of the shared weight), fp32, AdamW, ZeRO-2, no clipping) on
+2 gloo ranks, one sequence of `--seq` tokens per rank and step. At long sequences the logits dominate a step's
+memory: [seq, vocabulary] fp32, their gradient, and cross-entropy's log-softmax, each 1 GiB at 8192 tokens. `tiled`:
+each MLP through `TiledMLP` (4 slices) and the loss through `TiledFusedLogitsLoss` (`--loss-shards` slices), so one
+slice's logits exist at a time. zeroshard's rows use zeroshard's helpers and engine, DeepSpeed's rows DeepSpeed
+0.19.8's helpers and engine (its helpers' loss runs the slices' backward inside forward, ours recomputes them in
+backward: one more lm_head forward). Per row: the median step time of the timed steps and the tokens/s (ratios
+against the first row, measured in this one run), each rank's peak resident memory during the steps as the OS counts
+it (VmHWM after the steps minus VmRSS before them, /proc/self/status), and the first step's loss (the same for every
+row: tiling changes the order of sums only).
 """
 
 from __future__ import annotations

@@ -38,13 +38,20 @@ def _summed_loss(gpt: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
 
 
+def _guarded_loss(gpt: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A fully masked slice skips lm_head (SFT code's guard): its weights get nothing from that slice."""
+    return (x * 0).sum() if bool((y == -100).all()) else _summed_loss(gpt, x, y)
+
+
 class TiledGPT(nn.Module):
     def __init__(self, gpt: GPT, loss: str, api: Any, shards: int):
         super().__init__()
         self.gpt = gpt
         self.shards = shards
         self.api = api
-        self.loss = loss  # "fused": TiledFusedLogitsLoss; "generic": sequence_tiled_compute; "plain": not tiled
+        # "fused": TiledFusedLogitsLoss ("guarded": skipping lm_head on a fully masked slice); "generic":
+        # sequence_tiled_compute; "plain": not tiled
+        self.loss = loss
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         gpt = self.gpt
@@ -54,8 +61,9 @@ class TiledGPT(nn.Module):
         head = [gpt.lm_head.weight, *gpt.ln_f.parameters()]
         if self.loss == "plain":
             total = _summed_loss(gpt, x, targets)
-        elif self.loss == "fused":
-            total = self.api.TiledFusedLogitsLoss.apply(_summed_loss, gpt, x, targets, None, self.shards, head, "sum")
+        elif self.loss in ("fused", "guarded"):
+            fn = _guarded_loss if self.loss == "guarded" else _summed_loss
+            total = self.api.TiledFusedLogitsLoss.apply(fn, gpt, x, targets, None, self.shards, head, "sum")
         else:
             total = self.api.sequence_tiled_compute(
                 lambda self, x, y: _summed_loss(self, x, y),

@@ -184,3 +184,36 @@ def test_the_recompute_replays_the_random_state_and_autocast(autocast: bool) -> 
         results.append(_grads(out.float(), x, mlp))
         results[-1].append(torch.rand(3))  # the generator's state after: as if the recompute drew nothing
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_weight_the_last_slice_skips_is_still_handed_on_ready() -> None:
+    _, head, x, y = _inputs(1, seq=12)
+    y = y.clone()
+    y[0, 8:] = -100  # the last of 3 slices: every target masked
+
+    def guarded(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x * 0).sum() if bool((y == -100).all()) else _token_loss(head, x, y)
+
+    seen: list[bool] = []
+    head.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.ds_grad_is_ready))
+    zs.TiledFusedLogitsLoss.apply(guarded, head, x, y, None, 3, None, "sum").backward()
+    assert seen == [False, False, True]  # the last: zeros accumulated with the flag set, the held sum handed on
+    got = head.weight.grad.clone()
+    head.zero_grad()
+    _token_loss(head, x[:, :8], y[:, :8]).backward()
+    torch.testing.assert_close(got, head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_nested_tiled_calls_keep_an_outer_hold_and_autograd_grad_is_refused() -> None:
+    mlp, _, x, _ = _inputs(1)
+    for p in mlp.parameters():
+        p.ds_grad_is_ready = False  # an enclosing tiled call's hold
+    seen: list[bool] = []
+    mlp.up.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.ds_grad_is_ready))
+    zs.TiledMLP.apply(MLP_FORWARD, mlp, x, 2, None).sum().backward()
+    assert seen == [False, False] and not any(p.ds_grad_is_ready for p in mlp.parameters())
+    out = zs.TiledMLP.apply(MLP_FORWARD, mlp, x, 2, None).sum()
+    with pytest.raises(RuntimeError, match="not torch.autograd.grad"):
+        torch.autograd.grad(out, x)
+    with pytest.raises(ValueError, match="0-d loss per slice"):
+        zs.TiledFusedLogitsLoss.apply(lambda h, x, y: h(x), mlp, x, x[..., 0], None, 2, None, "mean")

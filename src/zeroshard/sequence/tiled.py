@@ -26,6 +26,11 @@ Differences from DeepSpeed, all where DeepSpeed's result is wrong or an error:
   gradient of that reduction (DeepSpeed fails); empty trailing slices (seqlen 9 in 4 shards of 3) are skipped.
 - The recompute runs under forward's random number generator state and autocast, as torch.utils.checkpoint does
   (DeepSpeed's draws new dropout masks and runs in full precision under autocast: the gradient of another function).
+- Another tensor among `sequence_tiled_compute`'s arguments that requires grad is refused in one line (DeepSpeed
+  returns it no gradient); `TiledFusedLogitsLoss`'s `fn` must return a 0-d loss per slice (DeepSpeed's "mean" of a
+  non-scalar gets a gradient k times too large); `torch.autograd.grad` through a tiled call is refused (the slices'
+  passes accumulate into the weights' `.grad`), as torch's reentrant checkpoint refuses it.
+- A weight the last slice does not touch (a fully masked slice) still reaches the engine: DeepSpeed's stays held.
 - `compute_params=None` means the module's trainable parameters (TiledMLP, TiledFusedLogitsLoss; DeepSpeed fails)
   or no weights (`sequence_tiled_compute`, where the function is not a module).
 """
@@ -78,6 +83,42 @@ class _Replay:
                 yield
 
 
+class _HeldBack:
+    """The weights' `ds_grad_is_ready` over one tiled backward ([Note: tiled compute]): False until the last slice,
+    then what it was before (an enclosing tiled call may be holding them back too), and restored after, also when a
+    slice raised. A weight that got a gradient on an earlier slice but none on the last (a slice whose tokens are all
+    masked returns `(x * 0).sum()`) would keep its partial sum held back for good, and ranks masking differently would
+    then reduce differently: `release` hands it on by accumulating zeros once more with the flag set."""
+
+    def __init__(self, params: list[Tensor]):
+        self.params = params
+        self.before = [getattr(p, "ds_grad_is_ready", True) for p in params]
+        self.arrived: set[int] = set()
+        self.on_last: set[int] = set()
+        self._last = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._arrival) for p in params]
+
+    def _arrival(self, param: Tensor) -> None:
+        (self.on_last if self._last else self.arrived).add(id(param))
+
+    def slice(self, last: bool) -> None:
+        self._last = last
+        for p, before in zip(self.params, self.before, strict=True):
+            p.ds_grad_is_ready = before if last else False  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        self.slice(last=True)
+        for p in self.params:  # held back: still in .grad (stage 3 takes every arrival, so it holds nothing)
+            if id(p) in self.arrived and id(p) not in self.on_last and p.grad is not None:
+                torch.autograd.backward(p, torch.zeros_like(p))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for p, before in zip(self.params, self.before, strict=True):
+            p.ds_grad_is_ready = before  # type: ignore[attr-defined]
+
+
 class _Tiled(torch.autograd.Function):
     """[Note: tiled compute]; `anchor`: see `_run`."""
 
@@ -92,6 +133,12 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            # the slices' passes accumulate into the weights' .grad, which torch.autograd.grad must not touch
+            raise RuntimeError(
+                "a tiled compute (TiledMLP, sequence_tiled_compute, TiledFusedLogitsLoss) supports .backward() and "
+                "engine.backward(), not torch.autograd.grad() or backward(inputs=...)"
+            )
         (x,) = ctx.saved_tensors
         plan: _Plan = ctx.plan
         wants_x = bool(ctx.needs_input_grad[1])
@@ -100,12 +147,11 @@ class _Tiled(torch.autograd.Function):
         grad_of = plan.split_grad(grad)
         pieces = plan.slices(x)
         grad_pieces = plan.slices(x_grad) if x_grad is not None else []
-        last = len(pieces) - 1
+        held = _HeldBack(plan.params)
         try:
             with ctx.replay():
                 for i, piece in enumerate(pieces):
-                    for p in plan.params:
-                        p.ds_grad_is_ready = i == last  # type: ignore[attr-defined]
+                    held.slice(last=i == len(pieces) - 1)
                     leaf = piece.detach().requires_grad_(wants_x)
                     with torch.enable_grad():
                         out = plan.call(i, leaf)
@@ -113,9 +159,9 @@ class _Tiled(torch.autograd.Function):
                         torch.autograd.backward(out, grad_of(i, out))
                     if x_grad is not None:
                         grad_pieces[i].copy_(leaf.grad) if leaf.grad is not None else grad_pieces[i].zero_()
+            held.release()
         finally:
-            for p in plan.params:  # a slice that raised must not hold the weights' gradients back for good
-                p.ds_grad_is_ready = True  # type: ignore[attr-defined]
+            held.close()
         return (None, x_grad) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
@@ -340,7 +386,10 @@ class TiledFusedLogitsLoss:
         masks = None if mask is None else mask.reshape(tokens).split(sizes)
 
         def call(i: int, piece: Tensor) -> Tensor:
-            return fn(self, piece, ys[i]) if masks is None else fn(self, piece, ys[i], masks[i])
+            out = fn(self, piece, ys[i]) if masks is None else fn(self, piece, ys[i], masks[i])
+            if out.dim() != 0:
+                raise ValueError(f"TiledFusedLogitsLoss: fn must return a 0-d loss per slice, got {tuple(out.shape)}")
+            return out
 
         plan = _Plan(
             slices=lambda t: list(t.reshape(tokens, *t.shape[2:]).split(sizes)),

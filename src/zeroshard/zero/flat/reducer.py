@@ -24,9 +24,11 @@ another whose share comes later (an embedding tied to lm_head under a tiled loss
 share arrives first, at its last slice, the embedding's at the end of backward), or a weight used by two
 reentrant-checkpointed segments. Such a gradient is staged on its own, and when backward ends each bucket that got
 one is reduced once more, in launch order, the result added into the gradient shard as [Note: a second backward]
-adds. Ranks run the same model, so they see the same late arrivals and issue the same extra collectives (a rank
-that did not would be named by the collectives' fingerprint check instead of hanging). The cost is one more
-reduction of those buckets, nothing when every gradient arrives once.
+adds. The ranks must see the same late arrivals, as they run the same model: a weight whose reuse depends on the
+data (a branch taken on one rank only) would give the ranks different collectives, which hangs at stages 0-2 unless
+`ZEROSHARD_VERIFY_COLLECTIVES=1` (then the mismatch is named: [Note: divergence check]). Tiled compute keeps its
+arrivals rank-independent even when a slice skips a weight (`_HeldBack.release` in sequence/tiled.py). The cost is
+one more reduction of those buckets, nothing when every gradient arrives once.
 
 [Note: stage 1's shard inside its accumulator]
 Stage 1's gradient shard (this rank's reduced slice of every bucket, concatenated: what the optimizer reads) has no
