@@ -1,6 +1,7 @@
 """Ulysses in the Hugging Face Trainer ([Note: the Trainer's sequence parallelism]): `zeroshard.hf.Trainer` with
-`TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, ...))` on 2 ranks trains a tiny Llama, each
-sample's sequence split over the two ranks, as plain PyTorch trains it on one process on the whole sequences (the
+`TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, ...))` on 2 ranks trains a tiny Llama (ZeRO-2;
+then a second Trainer in the same processes, ZeRO-3 with gradient accumulation 2), each sample's sequence split over
+the two ranks, as plain PyTorch trains it on one process on the whole sequences (the
 Trainer's AdamW, warm-up and linear decay, clipping at 1.0) with the gradient doubled: Hugging Face's sequence-
 parallel loss (the parts' losses all-gathered differentiably) gives P times the single-process gradient, in
 DeepSpeed and here alike. The logged losses and gradient norms match it every step. Beside it, the same script
@@ -33,17 +34,17 @@ class WithPositions(Tokens):
         return {**super().__getitem__(i), "position_ids": torch.arange(SEQ)}
 
 
-def _run(rank: int, tmp: str, framework: str) -> dict[str, Any]:
+def _run(rank: int, tmp: str, framework: str, stage: int = 2, gas: int = 1) -> dict[str, Any]:
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
     kwargs = arguments(
-        os.path.join(tmp, framework),
-        deepspeed=ds_config(2),
+        os.path.join(tmp, f"{framework}{stage}"),
+        deepspeed=ds_config(stage),
         parallelism_config=ParallelismConfig(sp_size=2, sp_handler=handler),
         per_device_train_batch_size=1,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=gas,
         max_steps=STEPS,
     )
     if framework == "zeroshard":
@@ -75,7 +76,7 @@ def _run(rank: int, tmp: str, framework: str) -> dict[str, Any]:
             if logs and "grad_norm" in logs:
                 logged.append(float(logs["grad_norm"]))
 
-    Recording(model=model, args=args, train_dataset=WithPositions(8), callbacks=[record, Norms()]).train()
+    Recording(model=model, args=args, train_dataset=WithPositions(8 * gas), callbacks=[record, Norms()]).train()
     return {"losses": list(record.losses), "norms": logged, "parts": seen}
 
 
@@ -86,12 +87,13 @@ def _both(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     for framework in ("zeroshard", "deepspeed"):  # each registration wraps what it finds: restore the original
         out[framework] = _run(rank, tmp, framework)
         hf.ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    out["zeroshard-stage3-gas2"] = _run(rank, tmp, "zeroshard", stage=3, gas=2)
     return out
 
 
-def _reference(sequences: list[list[int]]) -> tuple[list[float], list[float]]:
-    """Plain PyTorch on whole sequences: the Trainer's AdamW (lr 1e-2, 1 warm-up step, linear decay over STEPS),
-    clipping at 1.0 of the doubled gradient."""
+def _reference(sequences: list[list[int]], gas: int = 1) -> tuple[list[float], list[float]]:
+    """Plain PyTorch on whole sequences, `gas` per step: the Trainer's AdamW (lr 1e-2, 1 warm-up step, linear decay
+    over STEPS), clipping at 1.0 of the doubled gradient; the mean loss of each step's sequences."""
     from transformers import get_linear_schedule_with_warmup
 
     model = tiny_llama()
@@ -99,29 +101,35 @@ def _reference(sequences: list[list[int]]) -> tuple[list[float], list[float]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     schedule = get_linear_schedule_with_warmup(optimizer, 1, STEPS)
     losses, norms = [], []
-    for ids in sequences:
-        batch = torch.tensor([ids])
-        loss = model(input_ids=batch, labels=batch, position_ids=torch.arange(SEQ)[None]).loss
-        (2 * loss).backward()
+    for first in range(0, len(sequences), gas):
+        step_loss = 0.0
+        for ids in sequences[first : first + gas]:
+            batch = torch.tensor([ids])
+            loss = model(input_ids=batch, labels=batch, position_ids=torch.arange(SEQ)[None]).loss
+            (2 * loss / gas).backward()
+            step_loss += float(loss) / gas
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(step_loss)
     return losses, norms
 
 
 def test_trainer_with_sequence_parallelism_trains_as_whole_sequences(tmp_path: Any) -> None:
     per_rank = run_on_ranks(_both, 2, str(tmp_path), timeout=900)
+    for name, gas in (("zeroshard", 1), ("zeroshard-stage3-gas2", 2)):
+        ours = [r[name] for r in per_rank]
+        sequences = [a + b for a, b in zip(ours[0]["parts"], ours[1]["parts"], strict=True)]  # rank 0: first halves
+        assert len(sequences) == STEPS * gas and len({tuple(s) for s in sequences}) == STEPS * gas  # each once
+        ref_losses, ref_norms = _reference(sequences, gas)
+        for run in ours:
+            assert len(run["losses"]) == STEPS, (name, run["losses"])
+            for step in range(STEPS):
+                loss, norm = run["losses"][step], run["norms"][step]
+                assert math.isclose(loss, ref_losses[step], rel_tol=1e-5), (name, step, run["losses"], ref_losses)
+                assert math.isclose(norm, ref_norms[step], rel_tol=1e-4), (name, step, run["norms"], ref_norms)
     ours = [r["zeroshard"] for r in per_rank]
-    sequences = [a + b for a, b in zip(ours[0]["parts"], ours[1]["parts"], strict=True)]  # rank 0: first halves
-    assert len(sequences) == STEPS and len({tuple(s) for s in sequences}) == STEPS  # four samples, once each
-    ref_losses, ref_norms = _reference(sequences)
-    for run in ours:
-        assert len(run["losses"]) == STEPS
-        for step in range(STEPS):
-            assert math.isclose(run["losses"][step], ref_losses[step], rel_tol=1e-5), (step, run["losses"], ref_losses)
-            assert math.isclose(run["norms"][step], ref_norms[step], rel_tol=1e-4), (step, run["norms"], ref_norms)
     theirs = [r["deepspeed"] for r in per_rank]
     assert math.isclose(theirs[0]["losses"][0], ours[0]["losses"][0], rel_tol=1e-6)
     for run in theirs:  # DeepSpeed's micro-steps come in identical pairs: one sample, twice

@@ -169,11 +169,17 @@ class UlyssesSPAttentionHF(nn.Module):
                 f"{core_attn_implementation} is not a valid attn_implementation; the choices are "
                 f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}"
             )
+        # a second registration in this process (another Trainer, another model) replaces the first, groups and
+        # wrapper (DeepSpeed's raises "already initialized" and would wrap its own wrapper)
+        if mpu._GROUPS.made:
+            mpu._release_sequence_parallel_groups()
         mpu.initialize_sequence_parallel(sequence_parallel_size)
+        original = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
+        original = getattr(original, "ulysses_wraps", original)
         text = config.get_text_config()
         local = None if seq_length_is_variable or seq_length is None else seq_length // sequence_parallel_size
         wrapper = cls(
-            attn=ALL_ATTENTION_FUNCTIONS[core_attn_implementation],
+            attn=original,
             batch_size=micro_batch_size,
             attn_head_count=text.num_attention_heads,
             attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
@@ -192,6 +198,7 @@ class UlyssesSPAttentionHF(nn.Module):
         ) -> tuple[Tensor, Any]:
             return wrapper(module, query, key, value, None, *args, **kw)  # masks are per part: dropped
 
+        attention.ulysses_wraps = original  # type: ignore[attr-defined]
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = attention
         return mpu
 
