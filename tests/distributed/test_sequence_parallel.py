@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from helpers.harness import run_on_ranks
-from helpers.parity import Case, build_model, ds_config, flat_params, global_batches, micro_batch, param_groups
+from helpers.parity import (
+    Case,
+    build_model,
+    ds_config,
+    flat_params,
+    global_batches,
+    micro_batch,
+    param_groups,
+    traced_reference,
+)
 from helpers.ulysses import ulysses_model
 
 EPS = 1e-6
@@ -32,22 +41,7 @@ CASES = [
 def reference(case: Case, replicas: int) -> tuple[list[float], list[float], list[torch.Tensor]]:
     """Per-step mean loss, gradient norm (before clipping) and parameters of plain PyTorch on whole sequences."""
     model = build_model(case)
-    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr, eps=EPS)
-    losses, norms, params = [], [], []
-    n_micro = replicas * case.gas
-    for batch in global_batches(case, replicas):
-        model.zero_grad()
-        step_loss = 0.0
-        for k in range(case.gas):
-            for r in range(replicas):
-                loss = model(*micro_batch(batch, k, r, replicas, case.micro))
-                step_loss += loss.item() / n_micro
-                (loss / n_micro).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)))
-        optimizer.step()
-        losses.append(step_loss)
-        params.append(flat_params(model))
-    return losses, norms, params
+    return traced_reference(model, param_groups(model, case), case, replicas, EPS)
 
 
 def train(rank: int, world_size: int, case: Case, source: str, sp: int, extra: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from helpers.harness import run_on_ranks
-from helpers.parity import Case, ds_config, flat_params, global_batches, micro_batch, param_groups
+from helpers.parity import Case, ds_config, flat_params, global_batches, micro_batch, param_groups, traced_reference
 from helpers.tiled import tiled_model
 
 EPS = 1e-6  # as test_sequence_parallel: slices sum a weight's gradient in a different order than one product
@@ -46,23 +46,8 @@ def _targets(y: torch.Tensor, rank: int, loss_kind: str) -> torch.Tensor:
 
 def reference(case: Case, weights: str, loss_kind: str, world: int) -> tuple[list[float], list[float], list[Any]]:
     model = tiled_model(case, weights, loss_kind)
-    optimizer = torch.optim.AdamW(param_groups(model.gpt, case), lr=case.lr, eps=EPS)
-    losses, norms, params = [], [], []
-    n_micro = world * case.gas
-    for batch in global_batches(case, world):
-        model.zero_grad()
-        step_loss = 0.0
-        for k in range(case.gas):
-            for r in range(world):
-                x, y = micro_batch(batch, k, r, world, case.micro)
-                loss = model(x, _targets(y, r, loss_kind))
-                step_loss += loss.item() / n_micro
-                (loss / n_micro).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)))
-        optimizer.step()
-        losses.append(step_loss)
-        params.append(flat_params(model))
-    return losses, norms, params
+    targets = lambda y, r: _targets(y, r, loss_kind)  # noqa: E731
+    return traced_reference(model, param_groups(model.gpt, case), case, world, EPS, targets)
 
 
 def train(rank: int, world: int, case: Case, weights: str, loss_kind: str, extra: dict[str, Any]) -> dict[str, Any]:

@@ -211,6 +211,35 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).cpu()
 
 
+def traced_reference(
+    model: nn.Module,
+    groups: list[dict],
+    case: Case,
+    replicas: int,
+    eps: float,
+    targets: Callable[[torch.Tensor, int], torch.Tensor] = lambda y, rank: y,
+) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    """Per-step mean loss, gradient norm (before clipping) and parameters of plain PyTorch training `model` (AdamW
+    with `eps`) on the global batches of `replicas` replicas; `targets(y, replica)` may change a micro-batch's."""
+    optimizer = torch.optim.AdamW(groups, lr=case.lr, eps=eps)
+    losses, norms, params = [], [], []
+    n_micro = replicas * case.gas
+    for batch in global_batches(case, replicas):
+        model.zero_grad()
+        step_loss = 0.0
+        for k in range(case.gas):
+            for r in range(replicas):
+                x, y = micro_batch(batch, k, r, replicas, case.micro)
+                loss = model(x, targets(y, r))
+                step_loss += loss.item() / n_micro
+                (loss / n_micro).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)))
+        optimizer.step()
+        losses.append(step_loss)
+        params.append(flat_params(model))
+    return losses, norms, params
+
+
 def reference_run(
     case: Case, world_size: int, device: torch.device | str = "cpu", values: dict[str, torch.Tensor] | None = None
 ) -> tuple[list[float], list[torch.Tensor]]:
