@@ -279,7 +279,7 @@ def sequence_tiled_compute(
     step = math.ceil(seqlen / shards)
     bounds = [(start, min(step, seqlen - start)) for start in range(0, seqlen, step)]
     dim = output_unshard_dimension
-    sizes: list[int] = []
+    made: dict[str, Any] = {}  # what forward's combine learned: the slices' sizes along `dim`, the output's numel
 
     def call(i: int, piece: Tensor) -> Tensor:
         start, length = bounds[i]
@@ -288,15 +288,14 @@ def sequence_tiled_compute(
         return fn(**kwargs, **kwargs_to_pass)
 
     def combine(outs: list[Tensor]) -> Tensor:
-        sizes[:] = [1 if dim == 0 else out.shape[dim] for out in outs]
         whole = torch.stack(outs) if dim == 0 else torch.cat(outs, dim=dim)
-        sizes.append(whole.numel())
+        made.update(sizes=[1 if dim == 0 else out.shape[dim] for out in outs], numel=whole.numel())
         return _reduce(whole, output_reduction)
 
     def split_grad(grad: Tensor) -> Callable[[int, Tensor], Tensor]:
         if output_reduction is not None:
-            return _reduced_grad(grad, output_reduction, sizes[-1])
-        return _pieces(grad.unbind(0) if dim == 0 else grad.split(sizes[:-1], dim=dim))
+            return _reduced_grad(grad, output_reduction, made["numel"])
+        return _pieces(grad.unbind(0) if dim == 0 else grad.split(made["sizes"], dim=dim))
 
     plan = _Plan(
         slices=lambda t: [t.narrow(1, start, length) for start, length in bounds],
