@@ -214,6 +214,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
+        self.accumulation.pending = True
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
         see_memory_usage("Engine after backward", force=self._memory_breakdown)
         return loss
@@ -253,6 +254,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 self.lr_scheduler.step()
             self._last_grad_norm = outcome.grad_norm
             self._step_applied = not outcome.skipped
+            self.accumulation.pending = False
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report_progress()
@@ -263,6 +265,12 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""
         if self.strategy is not None:
             self.strategy.zero_grad()
+        self.accumulation.pending = False
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's override of where accumulation windows end (accelerate sets it before every backward): the
+        micro-steps after it are boundaries exactly when `is_boundary`, whatever the micro-step count says."""
+        self.accumulation.boundary = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -329,6 +337,20 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 if buf is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() does
                     out[f"{prefix}.{name}" if prefix else name] = buf.detach().clone()
         return out
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """DeepSpeed's name (accelerate's `get_state_dict` calls it): the full model in the compute dtype on rank 0,
+        None on the other ranks; stage 3 only. Every rank must call it."""
+        if self.zero_stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        dtype = self.precision.compute_dtype
+        state = self.consolidated_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank != 0:
+            return None
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def offload_states(
         self,

@@ -161,6 +161,9 @@ class EngineAccessors:
             return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
     def was_step_applied(self) -> bool:
         """Whether the latest `step()` updated the parameters (False off the boundary or when it was skipped)."""
         return self._step_applied

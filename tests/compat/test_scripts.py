@@ -7,7 +7,8 @@ the upstream file and commit) that picks its library from `COMPAT_LIB` and print
 - `test_zeroshard_matches_deepspeed` runs it with zeroshard and compares the losses with DeepSpeed 0.19.8's,
   recorded in `reference_losses.json` (fp32 to 1e-6 relative; bf16 runs to 1e-2, about two bf16 ulps).
 - `test_reference_is_deepspeed` (slow) runs the same script with DeepSpeed and checks the recorded losses, so
-  the reference cannot drift from what DeepSpeed does; `python tests/compat/test_scripts.py` rewrites the file.
+  the reference cannot drift from what DeepSpeed does; `python tests/compat/test_scripts.py [case ...]` rewrites
+  the file (the named cases only, when given).
 - The pipeline script (`deepspeed.pipe.PipelineModule`, `engine.train_batch()`, issue 18) runs the same way; its
   losses are compared at `PIPE_RTOL` ([Note: pipeline compat tolerance]).
 """
@@ -43,6 +44,10 @@ class Case:
     ds_config: dict[str, Any] | None = None
     rtol: float = FP32_RTOL
     slow: bool = False  # slow-marked in test_zeroshard_matches_deepspeed (CI budget)
+    nproc: int = 2
+    # the ds_config handed over as `accelerate launch --config_file` does (environment variables), not as a flag
+    accelerate_config: dict[str, Any] | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
 
 BING_BERT_CONFIG = {
@@ -53,6 +58,29 @@ BING_BERT_CONFIG = {
     "gradient_predivide_factor": 2,
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
     "gradient_clipping": 1.0,
+}
+
+ACCELERATE_SCRIPT = "accelerate_deepspeed_with_config_support.py"
+ACCELERATE_AUTO = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+}
+ACCELERATE_ZERO2 = {**ACCELERATE_AUTO, "zero_optimization": {"stage": 2}}
+ACCELERATE_ZERO3 = {
+    **ACCELERATE_AUTO,
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
 }
 
 CASES = [
@@ -82,6 +110,23 @@ CASES = [
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
+    # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
+    # process on a machine without an accelerator (2 ranks: tests/distributed/test_hf_accelerator.py)
+    Case(
+        "accelerate_zero2_adamw",
+        ACCELERATE_SCRIPT,
+        ("--output_dir", "{tmp}/out"),
+        nproc=1,
+        accelerate_config=ACCELERATE_ZERO2,
+        slow=True,  # secondary: 2 ranks at ZeRO-2 run in test_accelerate_script_on_two_ranks
+    ),
+    Case(
+        "accelerate_zero3_dummy_optim",
+        ACCELERATE_SCRIPT,
+        ("--output_dir", "{tmp}/out"),
+        nproc=1,
+        accelerate_config=ACCELERATE_ZERO3,
+    ),
 ]
 # [Note: pipeline compat tolerance]
 # Measured by dumping parameters and gradients at every optimizer step on both stages under both libraries: the
@@ -116,10 +161,14 @@ def run_script(case: Case, lib: str, tmp: Path) -> subprocess.CompletedProcess[s
         config = tmp / "ds_config.json"
         config.write_text(json.dumps(case.ds_config))
         args += ["--deepspeed_config", str(config)]
-    env = {**os.environ, "COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **dict(case.env)}
+    if case.accelerate_config is not None:
+        config = tmp / "ds_config.json"
+        config.write_text(json.dumps(case.accelerate_config))
+        env.update({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
     src = str(HERE.parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case.nproc)]
     return subprocess.run(
         [*command, str(SCRIPTS / case.script), *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
     )
@@ -187,12 +236,41 @@ def test_pipeline_script_runs_under_deepspeed(tmp_path: Path) -> None:
     assert_losses_match(losses, reference()[PIPELINE.name], FP32_RTOL)
 
 
-def write_reference() -> None:
-    """Record DeepSpeed's losses for every case (run by hand after changing a script)."""
+def accelerate_run(tmp: Path, config: dict[str, Any] | None, lib: str = "zeroshard") -> dict[str, list[float]]:
+    """The Accelerate script on 2 ranks: with `config` through accelerate's DeepSpeed settings, else accelerate's
+    own data-parallel run on the CPU (no plugin)."""
+    env = (("ACCELERATE_USE_CPU", "true"),) if config is None else ()
+    case = Case("accelerate", ACCELERATE_SCRIPT, ("--output_dir", "{tmp}/out"), accelerate_config=config, env=env)
+    result: dict[str, list[float]] = losses_of(run_script(case, lib, tmp), f"{ACCELERATE_SCRIPT} ({lib}, {config})")
+    return result
+
+
+def test_accelerate_script_on_two_ranks(tmp_path: Path) -> None:
+    """Accelerate's DeepSpeed mode needs an accelerator for more than one process, so on 2 CPU ranks the reference
+    is accelerate's own DDP run of the same script (no DeepSpeed plugin; gradient clipping off, as there): ZeRO-2
+    under `zeroshard.hf.Accelerator` gives the same losses, learning rates and evaluations; resuming from the
+    step-2 state gives the uninterrupted run's last losses."""
+    ddp = accelerate_run(tmp_path / "ddp", None, lib="accelerate")
+    zero2 = accelerate_run(tmp_path / "zero2", {**ACCELERATE_ZERO2, "gradient_clipping": 0.0})
+    assert_losses_match(zero2, ddp, FP32_RTOL)
+    assert zero2["resumed"] == zero2["train"][-len(zero2["resumed"]) :]
+
+
+@pytest.mark.slow
+def test_accelerate_script_zero3_on_two_ranks(tmp_path: Path) -> None:
+    """2 ranks, the config's optimizer and scheduler (DummyOptim, DummyScheduler): ZeRO-3 equals ZeRO-2."""
+    zero3 = accelerate_run(tmp_path / "zero3", ACCELERATE_ZERO3)
+    zero2 = accelerate_run(tmp_path / "zero2", {**ACCELERATE_ZERO3, "zero_optimization": {"stage": 2}})
+    assert_losses_match(zero3, zero2, FP32_RTOL)
+    assert zero3["resumed"] == zero3["train"][-len(zero3["resumed"]) :]
+
+
+def write_reference(names: list[str]) -> None:
+    """Record DeepSpeed's losses for the named cases, or for every case (run by hand after changing a script)."""
     import tempfile
 
-    results = {}
-    for case in [*CASES, PIPELINE]:
+    results = reference() if names else {}
+    for case in [c for c in [*CASES, PIPELINE] if not names or c.name in names]:
         with tempfile.TemporaryDirectory() as tmp:
             done = run_script(case, "deepspeed", Path(tmp))
         lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
@@ -204,4 +282,4 @@ def write_reference() -> None:
 
 
 if __name__ == "__main__":
-    write_reference()
+    write_reference(sys.argv[1:])

@@ -407,8 +407,7 @@ def save_checkpoint(
     check_space(hello, root)
     tag, nonce = hello[0]["tag"], hello[0]["nonce"]
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")
-    gas = int(engine.config.gradient_accumulation_steps)
-    if engine.micro_steps % gas:
+    if engine.accumulation.pending:
         log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
 
     catalog = catalog_module(

@@ -216,6 +216,17 @@ class Nullable:
 
 
 @dataclass(frozen=True)
+class NeverIfInfinite:
+    """A positive infinity read as null ("never": accelerate's DeepSpeed plugin sets steps_per_print to inf, which
+    DeepSpeed takes as never printing), else what `inner` accepts."""
+
+    inner: Check
+
+    def __call__(self, value: object, path: str) -> object:
+        return None if isinstance(value, float) and value == math.inf else self.inner(value, path)
+
+
+@dataclass(frozen=True)
 class ListOf:
     """A JSON list whose items `item` accepts; kept as a tuple."""
 

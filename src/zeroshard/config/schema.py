@@ -30,6 +30,7 @@ from zeroshard.config.fields import (
     Float,
     Int,
     Moved,
+    NeverIfInfinite,
     Nullable,
     Str,
     block,
@@ -157,7 +158,7 @@ class ZeroshardConfig(ConfigBlock):
 
     # Logging and profiling.
     steps_per_print: int | None = option(
-        None, "Print progress every this many steps; None: never.", Nullable(Int(minimum=1))
+        None, "Print progress every this many steps; None (or inf): never.", NeverIfInfinite(Nullable(Int(minimum=1)))
     )
     wall_clock_breakdown: bool = option(False, "Time forward, backward and step.", Bool())
     memory_breakdown: bool = option(False, "Report memory use.", Bool())

@@ -7,10 +7,21 @@
 ([Note: why our own TrainingArguments]); `Trainer` fills its "auto" values from the arguments as transformers
 does ([Note: the Trainer's "auto" rules]) and trains through the engine ([Note: which Trainer methods we
 override]). For TRL: `class SFT(TrainerMixin, SFTTrainer)` and `class Config(TrainingArgumentsMixin, SFTConfig)`.
+An Accelerate script written for DeepSpeed: `from zeroshard.hf import Accelerator` (was: from accelerate import
+Accelerator), [Note: Accelerate's DeepSpeed path on zeroshard].
 """
 
+from zeroshard.hf.accelerator import Accelerator
 from zeroshard.hf.arguments import TrainingArguments, TrainingArgumentsMixin
 from zeroshard.hf.auto import trainer_config, trainer_known
 from zeroshard.hf.trainer import Trainer, TrainerMixin
 
-__all__ = ["Trainer", "TrainerMixin", "TrainingArguments", "TrainingArgumentsMixin", "trainer_config", "trainer_known"]
+__all__ = [
+    "Accelerator",
+    "Trainer",
+    "TrainerMixin",
+    "TrainingArguments",
+    "TrainingArgumentsMixin",
+    "trainer_config",
+    "trainer_known",
+]

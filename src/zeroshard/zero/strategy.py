@@ -41,9 +41,14 @@ class AccumulationState:
     micro_steps: int = 0
     no_sync_depth: int = 0  # inside engine.no_sync()
     loss_scale: float = 1.0  # the fp16 loss scale of the last engine.backward: the accumulated gradients carry it
+    # engine.set_gradient_accumulation_boundary (DeepSpeed's): the caller says where windows end; None: count
+    boundary: bool | None = None
+    pending: bool = False  # gradients accumulated since the last optimizer step (or zero_grad)
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""
+        if self.boundary is not None:
+            return self.boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def communicates(self) -> bool:

@@ -1,0 +1,371 @@
+"""`Accelerator`: an Accelerate script written for DeepSpeed, trained by the zeroshard engine.
+
+[Note: Accelerate's DeepSpeed path on zeroshard]
+A script run with `accelerate launch --config_file ...` (DeepSpeed selected) or given `Accelerator(deepspeed_plugin=
+DeepSpeedPlugin(hf_ds_config=...))` takes accelerate's DeepSpeed branches everywhere: `accelerator.distributed_type`
+is `DEEPSPEED`, `state.deepspeed_plugin.deepspeed_config` is the ds_config the script inspects (e.g. to choose
+`DummyOptim`), `prepare` builds an engine, `backward` runs it, `save_state`/`load_state` call the engine's
+`save_checkpoint`/`load_checkpoint` under the tag "pytorch_model". This subclass keeps all of that and changes two
+things:
+
+- the process group starts as for a plain multi-process run (accelerate's DeepSpeed mode would start it through
+  `deepspeed.comm`), after which the shared `AcceleratorState` is told it is in DeepSpeed mode with the plugin
+  active. The plugin is not "selected" the DeepSpeed way: that would register the config with transformers, whose
+  `from_pretrained` would then build models under `deepspeed.zero.Init` (build under `zeroshard.zero_init()` to
+  shard while loading; otherwise the model is sharded at `prepare`).
+- `_prepare_deepspeed` fills the config's "auto" values by accelerate's rules (the plugin's own `fill_match` /
+  `deepspeed_config_process`: micro batch from the data loaders, accumulation, clipping 1.0, the hidden-size
+  buckets, `DummyOptim`'s lr and weight decay, `DummyScheduler`'s warmup and total steps divided by the process
+  count) and calls `zeroshard.initialize` where accelerate calls `deepspeed.initialize`.
+
+The engine receives what DeepSpeed's would: `set_gradient_accumulation_boundary(accelerator.sync_gradients)`,
+`backward(loss)` (the engine divides by the accumulation steps), `step()` on the boundary; the returned
+optimizer's and config scheduler's `step`/`zero_grad` are accelerate's no-op wrappers, and a scheduler the script
+built itself is accelerate's `AcceleratedScheduler`, stepped by the script. `get_state_dict` consolidates the
+weights in the compute dtype at stage 3 (with `stage3_gather_16bit_weights_on_model_save`, as DeepSpeed).
+Not supported, refused in one line at `prepare`: sequence parallelism and `tensor_parallel` through accelerate's
+`parallelism_config` / device mesh, fp8 (MS-AMP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, DummyOptim, DummyScheduler
+from accelerate.utils.dataclasses import DeepSpeedPlugin
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+from accelerate.utils.other import compile_regions_deepspeed
+from torch.optim.lr_scheduler import LRScheduler
+
+from zeroshard.engine import Engine
+from zeroshard.errors import ConfigError
+from zeroshard.initialize import initialize
+from zeroshard.runtime.lr_schedules import VALID_LR_SCHEDULES
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
+
+_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+_HIDDEN_SIZE_KEYS = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+class Accelerator(accelerate.Accelerator):
+    """`accelerate.Accelerator` whose DeepSpeed mode runs on zeroshard ([Note: Accelerate's DeepSpeed path on
+    zeroshard]); without a DeepSpeed plugin (argument or `accelerate launch` environment) it is accelerate's own.
+
+    Example:
+        >>> from zeroshard.hf import Accelerator  # was: from accelerate import Accelerator  # doctest: +SKIP
+        >>> accelerator = Accelerator(gradient_accumulation_steps=2)  # doctest: +SKIP
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, deepspeed_plugin: Any = None, deepspeed_plugins: Any = None, **kwargs: Any):
+        plugin = _one_plugin(deepspeed_plugin if deepspeed_plugin is not None else deepspeed_plugins)
+        if plugin is None:
+            super().__init__(*args, **kwargs)
+            return
+        mixed_precision = kwargs.pop("mixed_precision", None)
+        if not torch.accelerator.is_available():  # accelerate's multi-process CPU mode (gloo); its DeepSpeed mode
+            kwargs["cpu"] = True  # would count one process on a machine without an accelerator
+        with _deepspeed_hidden():
+            super().__init__(*args, mixed_precision="no", **kwargs)
+        os.environ[_USE_DEEPSPEED] = "true"  # as accelerate leaves it, for code that reads it later
+        state = self.state
+        if state.distributed_type != DistributedType.DEEPSPEED:  # the first Accelerator of the process
+            requested = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            plugin.set_mixed_precision(str(requested).lower())
+            plugin._set_selected(True)  # active, without registering the config with transformers
+            # both shared states, as accelerate's DeepSpeed mode sets them (each AcceleratorState() copies
+            # PartialState's fields into its own)
+            PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+            state.distributed_type = DistributedType.DEEPSPEED
+            state.deepspeed_plugins = plugin
+        self.native_amp = False  # the engine's config sets the precision, as under DeepSpeed
+        self.deepspeed_engine_wrapped: EngineWrapper | None = None
+
+    # -- prepare ----------------------------------------------------------------------------------------
+    def _prepare_deepspeed(self, *args: Any) -> tuple[Any, ...]:
+        plugin = self.deepspeed_plugin
+        self._refuse_unsupported(plugin)
+        loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+        result = [self._prepare_one(obj, first_pass=True) if obj in loaders else obj for obj in args]
+        model = next((obj for obj in result if isinstance(obj, torch.nn.Module)), None)
+        optimizer = next((obj for obj in result if isinstance(obj, (torch.optim.Optimizer, DummyOptim))), None)
+        scheduler = next((obj for obj in result if _is_scheduler(obj)), None)
+        micro_batch = self._micro_batch(plugin, loaders)
+        ours = self.gradient_state.num_steps  # accelerate's gradient_accumulation_steps
+        plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=ours)
+        if plugin.get_value("gradient_accumulation_steps") != ours:  # the config's value wins, as under DeepSpeed
+            theirs = plugin.get_value("gradient_accumulation_steps")
+            log_rank(
+                logger, 30, f"gradient_accumulation_steps: Accelerator has {ours}, the ds_config {theirs}: {theirs}"
+            )
+            self.gradient_accumulation_steps = plugin.get_value("gradient_accumulation_steps")  # type: ignore[has-type]
+        _check_pairing(plugin.deepspeed_config, optimizer, scheduler)
+        if model is None:
+            return tuple(result)
+
+        config = plugin.deepspeed_config
+        if isinstance(optimizer, torch.optim.Optimizer):
+            config["zero_allow_untested_optimizer"] = True
+        auto = {"gradient_clipping": 1.0, "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
+        if micro_batch is not None:
+            auto["train_micro_batch_size_per_gpu"] = micro_batch
+            auto["train_batch_size"] = (
+                micro_batch * plugin.get_value("gradient_accumulation_steps") * self.num_processes
+            )
+        auto.update(_hidden_size_values(plugin, model))
+        auto.update(self._dummy_values(optimizer, scheduler))
+        plugin.deepspeed_config_process(must_match=False, **auto)
+        self.deepspeed_config = config
+
+        kwargs: dict[str, Any] = {"model": model, "config": config}
+        if isinstance(optimizer, DummyOptim):
+            kwargs["model_parameters"] = optimizer.params
+            if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
+                kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
+        elif optimizer is not None:
+            kwargs["optimizer"] = optimizer
+            if scheduler is not None and type(scheduler).__name__ in VALID_LR_SCHEDULES:
+                kwargs["lr_scheduler"] = scheduler
+        engine, engine_optimizer, _, engine_scheduler = initialize(**kwargs)
+        self._compile(engine)
+
+        wrapped_optimizer = EngineOptimizerWrapper(engine_optimizer, engine) if engine_optimizer is not None else None
+        if scheduler is not None:
+            if engine_scheduler is None:  # the script's own schedule, stepped by the script
+                scheduler = accelerate.scheduler.AcceleratedScheduler(
+                    scheduler,
+                    wrapped_optimizer,
+                    step_with_optimizer=self.step_scheduler_with_optimizer,
+                    split_batches=self.split_batches,
+                )
+            else:
+                scheduler = DeepSpeedSchedulerWrapper(engine_scheduler, wrapped_optimizer)
+        for i, obj in enumerate(result):
+            if isinstance(obj, torch.nn.Module):
+                result[i] = engine
+            elif isinstance(obj, (torch.optim.Optimizer, DummyOptim)):
+                result[i] = wrapped_optimizer
+            elif _is_scheduler(obj):
+                result[i] = scheduler
+        if self.deepspeed_engine_wrapped is not None:
+            raise ConfigError("this Accelerator already prepared a model; create another Accelerator for a second one")
+        self.deepspeed_engine_wrapped = EngineWrapper(engine)
+        self._models.append(engine)
+        if wrapped_optimizer is not None:
+            self._optimizers.append(wrapped_optimizer)
+        if scheduler is not None:
+            self._schedulers.append(scheduler)
+        return tuple(result)
+
+    def _refuse_unsupported(self, plugin: DeepSpeedPlugin) -> None:
+        pc = self.parallelism_config
+        if pc is not None and (pc.sp_size > 1 or pc.tp_size > 1):
+            raise ConfigError(
+                "zeroshard.hf.Accelerator: parallelism_config with sp_size or tp_size > 1 is not implemented; "
+                "use zeroshard.hf.Trainer for sequence parallelism, or zeroshard.initialize with tensor_parallel"
+            )
+        if int(plugin.deepspeed_config.get("tensor_parallel", {}).get("autotp_size", 0) or 0) > 1:
+            raise ConfigError(
+                "zeroshard.hf.Accelerator: tensor_parallel.autotp_size > 1 is not implemented (the data loaders "
+                "would need accelerate's tensor-parallel mesh); call zeroshard.initialize directly"
+            )
+        if self.fp8_enabled or plugin.enable_msamp:
+            raise ConfigError("zeroshard.hf.Accelerator: mixed_precision fp8 (MS-AMP) is not supported; use bf16")
+
+    def _micro_batch(self, plugin: DeepSpeedPlugin, loaders: list[Any]) -> int | None:
+        """`train_micro_batch_size_per_gpu`: the config's, or the loaders' batch size (accelerate's rule)."""
+        if not plugin.is_auto("train_micro_batch_size_per_gpu"):
+            return plugin.get_value("train_micro_batch_size_per_gpu")
+        sizes = [loader.batch_size for loader in loaders]
+        if not sizes or any(size is None for size in sizes):
+            raise ConfigError(
+                'train_micro_batch_size_per_gpu is "auto": pass a DataLoader with a batch_size to prepare() '
+                "(with the model), or set the value in the ds_config"
+            )
+        if self.split_batches:
+            sizes = [size // self.num_processes for size in sizes]
+        return min(sizes) if plugin.is_train_batch_min else max(sizes)
+
+    def _dummy_values(self, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        if isinstance(optimizer, DummyOptim):
+            values.update(
+                {"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay}
+            )
+        if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
+            defaults = getattr(scheduler.optimizer, "defaults", None)
+            max_lr = defaults["lr"] if defaults is not None else getattr(scheduler.optimizer, "lr", None)
+            values.update(
+                {
+                    "scheduler.params.warmup_min_lr": 0,
+                    "scheduler.params.warmup_max_lr": max_lr,
+                    "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),
+                }
+            )
+            if scheduler.total_num_steps is not None:  # accelerate counts steps for all processes together
+                total = scheduler.total_num_steps
+                values["scheduler.params.total_num_steps"] = (
+                    total if self.split_batches else math.ceil(total / self.num_processes)
+                )
+        return values
+
+    def _compile(self, engine: Engine) -> None:
+        dynamo = self.state.dynamo_plugin
+        if dynamo.backend == accelerate.utils.DynamoBackend.NO:
+            return
+        compile_kwargs = dynamo.to_kwargs()
+        if dynamo.use_regional_compilation:
+            compile_regions_deepspeed(engine.module, **compile_kwargs)
+        else:
+            engine.compile(backend=compile_kwargs.pop("backend"), compile_kwargs=compile_kwargs)
+
+    # -- the model's weights ----------------------------------------------------------------------------
+    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        if isinstance(model, Engine):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
+        """The full weights (every rank must call it). Stage 3: in the compute dtype on rank 0 (None elsewhere), and
+        only with `stage3_gather_16bit_weights_on_model_save`, as under DeepSpeed; stages 0-2: a CPU copy of the
+        module's state dict on every rank."""
+        if self.distributed_type != DistributedType.DEEPSPEED or not isinstance(model, Engine):
+            return super().get_state_dict(model, unwrap=unwrap)
+        if model.zero_stage == 3:
+            if not model.zero_gather_16bit_weights_on_model_save():
+                raise ConfigError(
+                    "get_state_dict at ZeRO stage 3 gathers the whole model: set zero_optimization."
+                    "stage3_gather_16bit_weights_on_model_save true (accelerate: zero3_save_16bit_model), or save "
+                    "the sharded checkpoint with save_state / engine.save_checkpoint"
+                )
+            return model._zero3_consolidated_16bit_state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap_model(model).state_dict().items()}
+
+
+class EngineWrapper:
+    """What accelerate's `backward` and `clip_grad_norm_` call under DeepSpeed (its `DeepSpeedEngineWrapper`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
+        self.engine.set_gradient_accumulation_boundary(sync_gradients)
+        self.engine.backward(loss, **kwargs)
+        if sync_gradients:  # clipping, the optimizer step and the config's scheduler step
+            self.engine.step()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.engine.get_global_grad_norm()
+
+
+class EngineOptimizerWrapper(DeepSpeedOptimizerWrapper):  # type: ignore[misc]
+    """The optimizer `prepare` returns: `step`/`zero_grad` do nothing (the engine stepped in `backward`);
+    `step_was_skipped` is the engine's answer (an fp16 overflow), which accelerate's scheduler wrapper reads."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
+        super().__init__(optimizer)
+        self._engine = engine
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self._engine.global_steps > 0 and not self._engine.was_step_applied()
+
+
+def _one_plugin(plugins: Any) -> DeepSpeedPlugin | None:
+    """The DeepSpeed plugin: given, left by an earlier Accelerator, or from `accelerate launch`'s environment."""
+    if isinstance(plugins, dict):
+        if len(plugins) != 1:
+            raise ConfigError(
+                f"zeroshard.hf.Accelerator: {len(plugins)} DeepSpeed plugins given; one model per Accelerator "
+                "is supported, pass one DeepSpeedPlugin"
+            )
+        plugins = next(iter(plugins.values()))
+    if plugins is not None:
+        return plugins  # type: ignore[no-any-return]
+    if AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
+        return AcceleratorState().deepspeed_plugin  # type: ignore[no-any-return]
+    if os.environ.get(_USE_DEEPSPEED, "false").lower() == "true":
+        return DeepSpeedPlugin()
+    return None
+
+
+@contextlib.contextmanager
+def _deepspeed_hidden() -> Iterator[None]:
+    """accelerate's constructor without its DeepSpeed branch: no `ACCELERATE_USE_DEEPSPEED` (which starts the
+    process group through `deepspeed.comm`), and an existing state in DeepSpeed mode shows the plain type."""
+    saved_env = os.environ.pop(_USE_DEEPSPEED, None)
+    states = [AcceleratorState._shared_state, PartialState._shared_state]
+    deepspeed_mode = [shared.get("distributed_type") == DistributedType.DEEPSPEED for shared in states]
+    plain = _plain_type() if any(deepspeed_mode) else None
+    for shared, flip in zip(states, deepspeed_mode, strict=True):
+        if flip:
+            shared["distributed_type"] = plain
+    try:
+        yield
+    finally:
+        if saved_env is not None:
+            os.environ[_USE_DEEPSPEED] = saved_env
+        for shared, flip in zip(states, deepspeed_mode, strict=True):
+            if flip:
+                shared["distributed_type"] = DistributedType.DEEPSPEED
+
+
+def _plain_type() -> DistributedType:
+    """What accelerate's state would say without DeepSpeed, for an existing process group."""
+    if PartialState._shared_state.get("num_processes", 1) <= 1:
+        return DistributedType.NO
+    return DistributedType.MULTI_GPU if torch.cuda.is_available() else DistributedType.MULTI_CPU
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (LRScheduler, DummyScheduler)) or type(obj).__name__ in VALID_LR_SCHEDULES
+
+
+def _check_pairing(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+    """accelerate's rules for the config's optimizer/scheduler blocks against the objects the script passes."""
+    if optimizer is not None:
+        if "optimizer" in config and not isinstance(optimizer, DummyOptim):
+            raise ConfigError(
+                "the ds_config has an optimizer block and the script passes an optimizer: remove one (the script "
+                "can pass accelerate.utils.DummyOptim to use the config's)"
+            )
+        if "optimizer" not in config and isinstance(optimizer, DummyOptim):
+            raise ConfigError("DummyOptim needs an optimizer block in the ds_config")
+    if scheduler is not None:
+        if "scheduler" in config and not isinstance(scheduler, DummyScheduler):
+            raise ConfigError(
+                "the ds_config has a scheduler block and the script passes a scheduler: remove one (the script "
+                "can pass accelerate.utils.DummyScheduler to use the config's)"
+            )
+        if "scheduler" not in config and isinstance(scheduler, DummyScheduler):
+            if scheduler.lr_scheduler_callable is None:
+                raise ConfigError("DummyScheduler needs a scheduler block in the ds_config or lr_scheduler_callable")
+    if isinstance(optimizer, DummyOptim) and scheduler is not None and not isinstance(scheduler, DummyScheduler):
+        raise ConfigError("with DummyOptim the scheduler must be a DummyScheduler")
+
+
+def _hidden_size_values(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> dict[str, int]:
+    """The "auto" bucket sizes accelerate derives from the model's hidden size."""
+    keys = [key for key in _HIDDEN_SIZE_KEYS if plugin.is_auto(key)]
+    if not keys:
+        return {}
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is None and getattr(config, "hidden_sizes", None):
+        hidden = max(config.hidden_sizes)  # type: ignore[union-attr]
+    if hidden is None:
+        raise ConfigError(f'{keys} are "auto" but the model has no config.hidden_size: set them in the ds_config')
+    return {key: _HIDDEN_SIZE_KEYS[key](int(hidden)) for key in keys}
