@@ -236,11 +236,14 @@ def test_pipeline_script_runs_under_deepspeed(tmp_path: Path) -> None:
     assert_losses_match(losses, reference()[PIPELINE.name], FP32_RTOL)
 
 
-def accelerate_run(tmp: Path, config: dict[str, Any] | None, lib: str = "zeroshard") -> dict[str, list[float]]:
+def accelerate_run(
+    tmp: Path, config: dict[str, Any] | None, lib: str = "zeroshard", args: tuple[str, ...] = ()
+) -> dict[str, list[float]]:
     """The Accelerate script on 2 ranks: with `config` through accelerate's DeepSpeed settings, else accelerate's
     own data-parallel run on the CPU (no plugin)."""
     env = (("ACCELERATE_USE_CPU", "true"),) if config is None else ()
-    case = Case("accelerate", ACCELERATE_SCRIPT, ("--output_dir", "{tmp}/out"), accelerate_config=config, env=env)
+    args = ("--output_dir", "{tmp}/out", *args)
+    case = Case("accelerate", ACCELERATE_SCRIPT, args, accelerate_config=config, env=env)
     result: dict[str, list[float]] = losses_of(run_script(case, lib, tmp), f"{ACCELERATE_SCRIPT} ({lib}, {config})")
     return result
 
@@ -258,11 +261,17 @@ def test_accelerate_script_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_accelerate_script_zero3_on_two_ranks(tmp_path: Path) -> None:
-    """2 ranks, the config's optimizer and scheduler (DummyOptim, DummyScheduler): ZeRO-3 equals ZeRO-2."""
+    """2 ranks, the config's optimizer and scheduler (DummyOptim, DummyScheduler): ZeRO-3 equals ZeRO-2; the model
+    loaded with from_pretrained under zeroshard.zero_init() (each rank reads its shards) trains as the one loaded
+    whole."""
     zero3 = accelerate_run(tmp_path / "zero3", ACCELERATE_ZERO3)
     zero2 = accelerate_run(tmp_path / "zero2", {**ACCELERATE_ZERO3, "zero_optimization": {"stage": 2}})
     assert_losses_match(zero3, zero2, FP32_RTOL)
     assert zero3["resumed"] == zero3["train"][-len(zero3["resumed"]) :]
+    folder = ("--model_name_or_path", str(tmp_path / "zero3" / "out" / "final"))
+    whole = accelerate_run(tmp_path / "whole", ACCELERATE_ZERO3, args=folder)
+    streamed = accelerate_run(tmp_path / "streamed", ACCELERATE_ZERO3, args=(*folder, "--zero_init"))
+    assert_losses_match(streamed, whole, FP32_RTOL)
 
 
 def write_reference(names: list[str]) -> None:

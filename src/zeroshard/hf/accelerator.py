@@ -116,6 +116,7 @@ class Accelerator(accelerate.Accelerator):
         if model is None:
             return tuple(result)
 
+        _warn_if_built_whole(plugin, model)
         config = plugin.deepspeed_config
         if isinstance(optimizer, torch.optim.Optimizer):
             config["zero_allow_untested_optimizer"] = True
@@ -328,6 +329,24 @@ def _plain_type() -> DistributedType:
     if PartialState._shared_state.get("num_processes", 1) <= 1:
         return DistributedType.NO
     return DistributedType.MULTI_GPU if torch.cuda.is_available() else DistributedType.MULTI_CPU
+
+
+def _warn_if_built_whole(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> None:
+    """ZeRO-3 with accelerate's `zero3_init_flag` (its default at stage 3): under DeepSpeed, `from_pretrained`
+    would have partitioned the model as it was built; here it was built whole on every rank."""
+    if not (plugin.zero3_init_flag and plugin.zero_stage == 3):
+        return
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        return  # built under zeroshard.zero_init(): initialize reads each rank's shards
+    size = sum(p.numel() * p.element_size() for p in params) / 2**30
+    log_rank(
+        logger,
+        30,
+        f"zero3_init_flag: the model was built whole on every rank ({size:.2f} GiB each) before prepare(), which "
+        "shards it now; accelerate + DeepSpeed would have partitioned it while loading. To load it sharded, build "
+        "it under `with zeroshard.zero_init():` (from_pretrained then streams each rank's shards)",
+    )
 
 
 def _is_scheduler(obj: Any) -> bool:

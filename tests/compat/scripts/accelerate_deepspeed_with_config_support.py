@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--num_warmup_steps", type=int, default=2)
     parser.add_argument("--max_train_steps", type=int, default=4)
     parser.add_argument("--checkpointing_steps", type=int, default=2)
+    # not upstream: start from a saved folder (upstream's --model_name_or_path), built under zeroshard.zero_init()
+    parser.add_argument("--model_name_or_path", default=None)
+    parser.add_argument("--zero_init", action="store_true")
     args = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -104,7 +107,15 @@ def main() -> None:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = GPT2LMHeadModel(config)
+    if args.model_name_or_path is None:
+        model = GPT2LMHeadModel(config)
+    elif args.zero_init:
+        import zeroshard
+
+        with zeroshard.zero_init():
+            model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path)
+    else:
+        model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path)
     train_dataloader = DataLoader(
         blocks(48, 0), collate_fn=default_data_collator, batch_size=args.per_device_train_batch_size
     )
