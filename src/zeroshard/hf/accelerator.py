@@ -23,8 +23,11 @@ The engine receives what DeepSpeed's would: `set_gradient_accumulation_boundary(
 optimizer's and config scheduler's `step`/`zero_grad` are accelerate's no-op wrappers, and a scheduler the script
 built itself is accelerate's `AcceleratedScheduler`, stepped by the script. `get_state_dict` consolidates the
 weights in the compute dtype at stage 3 (with `stage3_gather_16bit_weights_on_model_save`, as DeepSpeed).
-Not supported, refused in one line at `prepare`: sequence parallelism and `tensor_parallel` through accelerate's
-`parallelism_config` / device mesh, fp8 (MS-AMP).
+`parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=P, ...)` (ALST) is taken as accelerate's
+DeepSpeed mode takes it: the attention is wrapped (`UlyssesSPAttentionHF`, its groups handed to the engine) and the
+prepared loaders yield sequence parts (`UlyssesSPDataLoaderAdapter`); the script combines the parts' losses over
+`groups._get_sequence_parallel_group()`, as under DeepSpeed. Not supported, refused in one line: the other
+`parallelism_config` sizes, `tensor_parallel.autotp_size` > 1 (accelerate's tensor-parallel mesh), fp8 (MS-AMP).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.hf.ulysses import adapt_dataloader, register
 from zeroshard.initialize import initialize
 from zeroshard.runtime.lr_schedules import VALID_LR_SCHEDULES
 from zeroshard.utils.logging import get_logger, log_rank
@@ -76,6 +80,7 @@ class Accelerator(accelerate.Accelerator):
             super().__init__(*args, **kwargs)
             return
         mixed_precision = kwargs.pop("mixed_precision", None)
+        parallelism = _ulysses_only(kwargs.pop("parallelism_config", None))  # accelerate's DeepSpeed mode keeps it
         if not torch.accelerator.is_available():  # accelerate's multi-process CPU mode (gloo); its DeepSpeed mode
             kwargs["cpu"] = True  # would count one process on a machine without an accelerator
         with _deepspeed_hidden():
@@ -91,6 +96,7 @@ class Accelerator(accelerate.Accelerator):
             PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
             state.distributed_type = DistributedType.DEEPSPEED
             state.deepspeed_plugins = plugin
+            state.parallelism_config = parallelism
         self.native_amp = False  # the engine's config sets the precision, as under DeepSpeed
         self.deepspeed_engine_wrapped: EngineWrapper | None = None
 
@@ -104,6 +110,7 @@ class Accelerator(accelerate.Accelerator):
         optimizer = next((obj for obj in result if isinstance(obj, (torch.optim.Optimizer, DummyOptim))), None)
         scheduler = next((obj for obj in result if _is_scheduler(obj)), None)
         micro_batch = self._micro_batch(plugin, loaders)
+        sp = self.parallelism_config.sp_size if self.parallelism_config is not None else 1
         ours = self.gradient_state.num_steps  # accelerate's gradient_accumulation_steps
         plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=ours)
         if plugin.get_value("gradient_accumulation_steps") != ours:  # the config's value wins, as under DeepSpeed
@@ -123,15 +130,16 @@ class Accelerator(accelerate.Accelerator):
         auto = {"gradient_clipping": 1.0, "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
         if micro_batch is not None:
             auto["train_micro_batch_size_per_gpu"] = micro_batch
-            auto["train_batch_size"] = (
-                micro_batch * plugin.get_value("gradient_accumulation_steps") * self.num_processes
-            )
+            replicas = self.num_processes // sp
+            auto["train_batch_size"] = micro_batch * plugin.get_value("gradient_accumulation_steps") * replicas
         auto.update(_hidden_size_values(plugin, model))
         auto.update(self._dummy_values(optimizer, scheduler))
         plugin.deepspeed_config_process(must_match=False, **auto)
         self.deepspeed_config = config
 
         kwargs: dict[str, Any] = {"model": model, "config": config}
+        if sp > 1:  # [Note: Ulysses for Hugging Face models]: the attention wrapped, its groups for the engine
+            kwargs["mpu"] = register(model, self.parallelism_config, micro_batch or 1)
         if isinstance(optimizer, DummyOptim):
             kwargs["model_parameters"] = optimizer.params
             if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
@@ -155,7 +163,9 @@ class Accelerator(accelerate.Accelerator):
             else:
                 scheduler = DeepSpeedSchedulerWrapper(engine_scheduler, wrapped_optimizer)
         for i, obj in enumerate(result):
-            if isinstance(obj, torch.nn.Module):
+            if sp > 1 and isinstance(obj, torch.utils.data.DataLoader):  # each batch in sequence parts
+                result[i] = adapt_dataloader(obj, engine, self.device)
+            elif isinstance(obj, torch.nn.Module):
                 result[i] = engine
             elif isinstance(obj, (torch.optim.Optimizer, DummyOptim)):
                 result[i] = wrapped_optimizer
@@ -171,13 +181,15 @@ class Accelerator(accelerate.Accelerator):
             self._schedulers.append(scheduler)
         return tuple(result)
 
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        """A loader prepared apart from the model, in sequence parts (after `prepare(model)`), as accelerate's."""
+        if self.parallelism_config is None or self.parallelism_config.sp_size == 1:
+            return dl
+        if self.deepspeed_engine_wrapped is None:
+            raise ConfigError("deepspeed_ulysses_dl_adapter: prepare the model first (its engine holds the groups)")
+        return adapt_dataloader(dl, self.deepspeed_engine_wrapped.engine, self.device)
+
     def _refuse_unsupported(self, plugin: DeepSpeedPlugin) -> None:
-        pc = self.parallelism_config
-        if pc is not None and (pc.sp_size > 1 or pc.tp_size > 1):
-            raise ConfigError(
-                "zeroshard.hf.Accelerator: parallelism_config with sp_size or tp_size > 1 is not implemented; "
-                "use zeroshard.hf.Trainer for sequence parallelism, or zeroshard.initialize with tensor_parallel"
-            )
         if int(plugin.deepspeed_config.get("tensor_parallel", {}).get("autotp_size", 0) or 0) > 1:
             raise ConfigError(
                 "zeroshard.hf.Accelerator: tensor_parallel.autotp_size > 1 is not implemented (the data loaders "
@@ -283,6 +295,20 @@ class EngineOptimizerWrapper(DeepSpeedOptimizerWrapper):  # type: ignore[misc]
     @property
     def step_was_skipped(self) -> bool:
         return self._engine.global_steps > 0 and not self._engine.was_step_applied()
+
+
+def _ulysses_only(pc: Any) -> Any:
+    """accelerate's ParallelismConfig under DeepSpeed: Ulysses (sp_backend "deepspeed", sp_size > 1) or nothing."""
+    if pc is None:
+        return None
+    if pc.tp_size > 1 or pc.cp_size > 1 or pc.dp_shard_size > 1 or pc.dp_replicate_size > 1:
+        raise ConfigError(
+            "zeroshard.hf.Accelerator: parallelism_config with tp_size, cp_size or dp sizes > 1 is not implemented; "
+            "use sp_size (Ulysses) with the ds_config, or zeroshard.initialize with tensor_parallel"
+        )
+    if pc.sp_size > 1 and pc.sp_backend != "deepspeed":
+        raise ConfigError(f"parallelism_config.sp_backend={pc.sp_backend!r}: Ulysses needs sp_backend='deepspeed'")
+    return pc if pc.sp_size > 1 else None
 
 
 def _one_plugin(plugins: Any) -> DeepSpeedPlugin | None:

@@ -1,10 +1,12 @@
-"""`deepspeed.runtime.utils`: `see_memory_usage` and `set_random_seed`."""
+"""`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed` and `move_to_device`."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,3 +44,23 @@ def set_random_seed(seed: int) -> None:
     else:
         numpy.random.seed(seed % (2**32))  # numpy accepts only 32-bit seeds
     torch.manual_seed(seed % (2**63))
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """Tensors in `item` (nested lists, tuples and dicts) on `device`, as DeepSpeed's. With `criterion_func`, a
+    tensor it accepts is moved in place (its `.data` replaced) and returned; other leaves are moved as without it
+    (DeepSpeed's behaviour). A leaf that is not a tensor comes back as it is (DeepSpeed raises on it).
+
+    Example:
+        >>> batch = move_to_device({"input_ids": torch.zeros(2, 3)}, "cpu")
+    """
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if isinstance(item, torch.Tensor) else item
