@@ -64,9 +64,7 @@ ds = torch.utils.data.TensorDataset(input_ids, position_ids)
 
 def collate_fn(batch):
     input_ids, position_ids = batch[0]
-    return dict(
-        input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=input_ids.unsqueeze(0)
-    )
+    return dict(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), labels=input_ids.unsqueeze(0))
 
 
 dl = torch.utils.data.DataLoader(ds, batch_size=micro_batch_size, collate_fn=collate_fn)
