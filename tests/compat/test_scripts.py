@@ -119,7 +119,6 @@ CASES = [
         ("--output_dir", "{tmp}/out"),
         nproc=1,
         accelerate_config=ACCELERATE_ZERO2,
-        slow=True,  # secondary: 2 ranks at ZeRO-2 run in test_accelerate_script_on_two_ranks
     ),
     Case(
         "accelerate_zero3_dummy_optim",
@@ -249,6 +248,7 @@ def accelerate_run(
     return result
 
 
+@pytest.mark.slow  # secondary: one process against DeepSpeed in the cases above, 2 ranks in the ALST test
 def test_accelerate_script_on_two_ranks(tmp_path: Path) -> None:
     """Accelerate's DeepSpeed mode needs an accelerator for more than one process, so on 2 CPU ranks the reference
     is accelerate's own DDP run of the same script (no DeepSpeed plugin; gradient clipping off, as there): ZeRO-2
