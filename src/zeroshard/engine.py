@@ -324,18 +324,23 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
 
-    def consolidated_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    def consolidated_state_dict(
+        self, dtype: torch.dtype = torch.float32, keep: bool = True, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
         """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
-        `module.state_dict()` included (tied weights under each name). Every rank must call it."""
-        masters = self.strategy.consolidated_params(dtype) if self.strategy is not None else {}
+        `module.state_dict()` included (tied weights under each name, one tensor). Every rank must call it; with
+        `keep` False a rank takes part and gets {}; `device`: where the values go (default: where they are)."""
+        masters = self.strategy.consolidated_params(dtype, keep, device) if self.strategy is not None else {}
         out: dict[str, torch.Tensor] = {}
+        if not keep:
+            return out
         for name, param in self.module.named_parameters(remove_duplicate=False):
             value = masters.get(id(param))
-            out[name] = value if value is not None else param.detach().to(dtype).clone()
+            out[name] = value if value is not None else param.detach().to(device or param.device, dtype, copy=True)
         for prefix, sub in self.module.named_modules(remove_duplicate=False):
             for name, buf in sub.named_buffers(recurse=False):
                 if buf is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() does
-                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().clone()
+                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().to(device or buf.device, copy=True)
         return out
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
@@ -343,14 +348,15 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         None on the other ranks; stage 3 only. Every rank must call it."""
         if self.zero_stage != 3:
             raise ValueError("this function requires ZeRO-3 mode")
-        dtype = self.precision.compute_dtype
-        state = self.consolidated_state_dict()
+        # unit by unit, each on the CPU of rank 0 as soon as it is whole (DeepSpeed: layer by layer)
+        keep = self.global_rank == 0
+        state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
+        if not keep:
+            return None
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
-        if self.global_rank != 0:
-            return None
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return state
 
     def offload_states(
         self,

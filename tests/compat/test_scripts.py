@@ -112,7 +112,7 @@ CASES = [
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
     # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
-    # process on a machine without an accelerator (2 ranks: tests/distributed/test_hf_accelerator.py)
+    # process on a machine without an accelerator (2 ranks: test_accelerate_script_on_two_ranks)
     Case(
         "accelerate_zero2_adamw",
         ACCELERATE_SCRIPT,
@@ -126,6 +126,7 @@ CASES = [
         ("--output_dir", "{tmp}/out"),
         nproc=1,
         accelerate_config=ACCELERATE_ZERO3,
+        slow=True,  # secondary: the same run without DeepSpeed installed is test_accelerate_script_without_deepspeed
     ),
 ]
 # [Note: pipeline compat tolerance]
@@ -273,6 +274,21 @@ def test_accelerate_script_zero3_on_two_ranks(tmp_path: Path) -> None:
     whole = accelerate_run(tmp_path / "whole", ACCELERATE_ZERO3, args=folder)
     streamed = accelerate_run(tmp_path / "streamed", ACCELERATE_ZERO3, args=(*folder, "--zero_init"))
     assert_losses_match(streamed, whole, FP32_RTOL)
+
+
+def test_accelerate_script_without_deepspeed(tmp_path: Path) -> None:
+    """The ZeRO-3 case above with DeepSpeed hidden (scripts/without_deepspeed.py), as on a machine without it:
+    accelerate then exports neither DummyOptim nor the names its save_state/load_state use; the losses, learning
+    rates and evaluations are still DeepSpeed's."""
+    case = Case(
+        "without",
+        "without_deepspeed.py",
+        (ACCELERATE_SCRIPT, "--output_dir", "{tmp}/out"),
+        nproc=1,
+        accelerate_config=ACCELERATE_ZERO3,
+    )
+    losses = losses_of(run_script(case, "zeroshard", tmp_path), f"{ACCELERATE_SCRIPT} without DeepSpeed")
+    assert_losses_match(losses, reference()["accelerate_zero3_dummy_optim"], FP32_RTOL)
 
 
 ALST_SCRIPT = "accelerate_ds_alst_ulysses_sp.py"

@@ -108,6 +108,7 @@ def test_zero3_consolidated_16bit_state_dict_follows_deepspeed() -> None:
     assert engine.zero_gather_16bit_weights_on_model_save()
     state = engine._zero3_consolidated_16bit_state_dict()
     assert state is not None and set(state) == {"0.weight", "0.bias", "1.weight", "1.bias"}
-    assert state["0.weight"].shape == (4, 4)
+    assert state["0.weight"].shape == (4, 4) and state["0.weight"].device.type == "cpu"  # DeepSpeed's: on the CPU
+    torch.testing.assert_close(state, engine.consolidated_state_dict(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="requires ZeRO-3 mode"):
         _engine(stage=1, gas=1)._zero3_consolidated_16bit_state_dict()

@@ -257,8 +257,15 @@ class Fsdp2Strategy(Strategy):
     def optimizer_state_resident(self) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        return {id(sp.param): gather_full(sp, sp.master, self.comm, self.device).to(dtype) for sp in self.params}
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
+        out = {}
+        for sp in self.params:
+            full = gather_full(sp, sp.master, self.comm, self.device)  # collective: every rank, every parameter
+            if keep:
+                out[id(sp.param)] = full.to(device or self.device, dtype, copy=True)
+        return out
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
         return optimizer_state_tensors(self.optimizer)  # the masters are the module's sharded parameters

@@ -18,6 +18,11 @@ things:
   buckets, `DummyOptim`'s lr and weight decay, `DummyScheduler`'s warmup and total steps divided by the process
   count) and calls `zeroshard.initialize` where accelerate calls `deepspeed.initialize`.
 
+accelerate defines `DummyOptim`, `DummyScheduler` and its DeepSpeed wrappers in `accelerate.utils.deepspeed` but
+re-exports them (to `accelerate.utils`, and to its accelerator module, whose `save_state`/`load_state` name them)
+only when DeepSpeed is importable; without DeepSpeed this module binds the same classes under those names at import
+(names that exist are left alone), so the script and accelerate's DeepSpeed paths run as with it.
+
 The engine receives what DeepSpeed's would: `set_gradient_accumulation_boundary(accelerator.sync_gradients)`,
 `backward(loss)` (the engine divides by the accumulation steps), `step()` on the boundary; the returned
 optimizer's and config scheduler's `step`/`zero_grad` are accelerate's no-op wrappers, and a scheduler the script
@@ -41,9 +46,9 @@ from typing import Any
 import accelerate
 import torch
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, DummyOptim, DummyScheduler
-from accelerate.utils.dataclasses import DeepSpeedPlugin
-from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+from accelerate.utils import DistributedType
+from accelerate.utils.dataclasses import DeepSpeedPlugin, get_module_class_from_name
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper, DummyOptim, DummyScheduler
 from accelerate.utils.other import compile_regions_deepspeed
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -57,6 +62,16 @@ from zeroshard.utils.logging import get_logger, log_rank
 logger = get_logger(__name__)
 
 _USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+# accelerate defines these in accelerate.utils.deepspeed and re-exports them (to accelerate.utils and its
+# accelerator module) only when DeepSpeed is importable; its DeepSpeed paths (save_state, load_state) and scripts
+# written for them use those names ([Note: Accelerate's DeepSpeed path on zeroshard])
+_DEEPSPEED_NAMES = (
+    "DeepSpeedEngineWrapper",
+    "DeepSpeedOptimizerWrapper",
+    "DeepSpeedSchedulerWrapper",
+    "DummyOptim",
+    "DummyScheduler",
+)
 _HIDDEN_SIZE_KEYS = {
     "zero_optimization.reduce_bucket_size": lambda h: h * h,
     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
@@ -75,7 +90,10 @@ class Accelerator(accelerate.Accelerator):
     """
 
     def __init__(self, *args: Any, deepspeed_plugin: Any = None, deepspeed_plugins: Any = None, **kwargs: Any):
-        plugin = _one_plugin(deepspeed_plugin if deepspeed_plugin is not None else deepspeed_plugins)
+        if deepspeed_plugin is not None and deepspeed_plugins is not None:
+            raise ValueError("You cannot pass in both `deepspeed_plugin` and `deepspeed_plugins`.")  # accelerate's
+        given = deepspeed_plugin if deepspeed_plugin is not None else deepspeed_plugins
+        plugin = _one_plugin(given)
         if plugin is None:
             super().__init__(*args, **kwargs)
             return
@@ -95,7 +113,7 @@ class Accelerator(accelerate.Accelerator):
             # PartialState's fields into its own)
             PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
             state.distributed_type = DistributedType.DEEPSPEED
-            state.deepspeed_plugins = plugin
+            state.deepspeed_plugins = given if isinstance(given, dict) else plugin  # a dict stays one, by name
             state.parallelism_config = parallelism
         self.native_amp = False  # the engine's config sets the precision, as under DeepSpeed
         self.deepspeed_engine_wrapped: EngineWrapper | None = None
@@ -124,6 +142,7 @@ class Accelerator(accelerate.Accelerator):
             return tuple(result)
 
         _warn_if_built_whole(plugin, model)
+        _mark_moe_leaves(plugin, model)
         config = plugin.deepspeed_config
         if isinstance(optimizer, torch.optim.Optimizer):
             config["zero_allow_untested_optimizer"] = True
@@ -132,6 +151,9 @@ class Accelerator(accelerate.Accelerator):
             auto["train_micro_batch_size_per_gpu"] = micro_batch
             replicas = self.num_processes // sp
             auto["train_batch_size"] = micro_batch * plugin.get_value("gradient_accumulation_steps") * replicas
+            # accelerate counts the windows: a resume on another world size must not change the engine's
+            # accumulation to keep a global batch (checkpoint/load.py adapt_batch), as DeepSpeed never does
+            config.setdefault("train_batch_size", auto["train_batch_size"])
         auto.update(_hidden_size_values(plugin, model))
         auto.update(self._dummy_values(optimizer, scheduler))
         plugin.deepspeed_config_process(must_match=False, **auto)
@@ -171,9 +193,16 @@ class Accelerator(accelerate.Accelerator):
                 result[i] = wrapped_optimizer
             elif _is_scheduler(obj):
                 result[i] = scheduler
-        if self.deepspeed_engine_wrapped is not None:
-            raise ConfigError("this Accelerator already prepared a model; create another Accelerator for a second one")
-        self.deepspeed_engine_wrapped = EngineWrapper(engine)
+        if self.deepspeed_engine_wrapped is None:
+            self.deepspeed_engine_wrapped = EngineWrapper(engine)
+        else:  # accelerate's behaviour: the first engine stays the one backward() drives
+            log_rank(
+                logger,
+                30,
+                "A wrapped DeepSpeed engine reference is currently tied for this `Accelerator()` instance. If you want "
+                "to call `accelerator.backward()` referencing a new model/engine, please create a separate "
+                "`Accelerator()` instance and call `accelerator.prepare()` on it.",
+            )
         self._models.append(engine)
         if wrapped_optimizer is not None:
             self._optimizers.append(wrapped_optimizer)
@@ -297,6 +326,22 @@ class EngineOptimizerWrapper(DeepSpeedOptimizerWrapper):  # type: ignore[misc]
         return self._engine.global_steps > 0 and not self._engine.was_step_applied()
 
 
+def _name_deepspeed_classes() -> None:
+    """Without DeepSpeed installed, the names accelerate re-exports only with it, bound to the same classes (a name
+    that exists is left alone)."""
+    import accelerate.accelerator
+    import accelerate.utils
+    import accelerate.utils.deepspeed
+
+    for module in (accelerate.utils, accelerate.accelerator):
+        for name in _DEEPSPEED_NAMES:
+            if not hasattr(module, name):
+                setattr(module, name, getattr(accelerate.utils.deepspeed, name))
+
+
+_name_deepspeed_classes()
+
+
 def _ulysses_only(pc: Any) -> Any:
     """accelerate's ParallelismConfig under DeepSpeed: Ulysses (sp_backend "deepspeed", sp_size > 1) or nothing."""
     if pc is None:
@@ -320,9 +365,15 @@ def _one_plugin(plugins: Any) -> DeepSpeedPlugin | None:
                 "is supported, pass one DeepSpeedPlugin"
             )
         plugins = next(iter(plugins.values()))
+    earlier = AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
     if plugins is not None:
+        if earlier:  # accelerate's rule
+            raise NotImplementedError(
+                "You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`. Please make sure the "
+                "first `Accelerator` is initialized with all the plugins you want to use."
+            )
         return plugins  # type: ignore[no-any-return]
-    if AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
+    if earlier:
         return AcceleratorState().deepspeed_plugin  # type: ignore[no-any-return]
     if os.environ.get(_USE_DEEPSPEED, "false").lower() == "true":
         return DeepSpeedPlugin()
@@ -373,6 +424,23 @@ def _warn_if_built_whole(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> Non
         "shards it now; accelerate + DeepSpeed would have partitioned it while loading. To load it sharded, build "
         "it under `with zeroshard.zero_init():` (from_pretrained then streams each rank's shards)",
     )
+
+
+def _mark_moe_leaves(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> None:
+    """accelerate's `transformer_moe_cls_names` (ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES): those classes are
+    gathered whole at stage 3 ([Note: leaf modules])."""
+    from zeroshard.utils.z3_leaf_module import set_z3_leaf_modules
+
+    names = plugin.transformer_moe_cls_names or os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES")
+    if not names:
+        return
+    classes = []
+    for name in names.split(","):
+        cls = get_module_class_from_name(model, name)
+        if cls is None:
+            raise ConfigError(f"transformer_moe_cls_names: no module class {name!r} in the model")
+        classes.append(cls)
+    set_z3_leaf_modules(model, classes)
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -266,8 +266,12 @@ class Strategy(ABC):
         """Master weights and optimizer state in memory for the block (NVMe: read in, written back after)."""
 
     @abstractmethod
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        """Full fp32 master values of every trainable parameter by id(param) (collective)."""
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Full master values of every trainable parameter by id(param), in `dtype` (collective). `keep` False:
+        this rank takes part and keeps nothing ({}); `device`: where the kept values go, each as soon as it is
+        whole (e.g. the CPU on one rank for an export), else the compute device."""
 
     @abstractmethod
     def offloadable_tensors(self) -> list[torch.Tensor]:

@@ -25,15 +25,15 @@ import math
 import os
 
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler, set_seed
-from safetensors.torch import load_file
-from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel, default_data_collator, get_scheduler
 
 if os.environ.get("COMPAT_LIB", "deepspeed") == "zeroshard":
     from zeroshard.hf import Accelerator
 else:
     from accelerate import Accelerator
+from accelerate.utils import DummyOptim, DummyScheduler, set_seed  # noqa: E402 (after Accelerator, as upstream)
+from safetensors.torch import load_file  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, default_data_collator, get_scheduler  # noqa: E402
 
 VOCAB = 256
 BLOCK = 32

@@ -135,8 +135,10 @@ class SplitStrategy(Strategy):
                 stack.enter_context(part.optimizer_state_resident())
             yield
 
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        return {k: v for part in self.parts for k, v in part.consolidated_params(dtype).items()}
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
+        return {k: v for part in self.parts for k, v in part.consolidated_params(dtype, keep, device).items()}
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}

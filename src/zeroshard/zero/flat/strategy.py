@@ -347,15 +347,17 @@ class FlatStrategy(Strategy):
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for b in self.buffers for p in b.params]
 
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
         with self.optimizer_state_resident():
             out: dict[int, torch.Tensor] = {}
             for buffers in self.buffers:
                 full = self._full_master(buffers)
-                for slot in buffers.layout.slots:
+                for slot in buffers.layout.slots if keep else ():
                     param = buffers.params[slot.index]
-                    shape = local_of(param).shape
-                    out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(shape).to(dtype).clone()
+                    value = full.narrow(0, slot.offset, slot.numel).view(local_of(param).shape)
+                    out[id(param)] = value.to(device or self.device, dtype, copy=True)
             return out
 
     def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:

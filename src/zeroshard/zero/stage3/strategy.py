@@ -296,18 +296,22 @@ class Stage3Strategy(Strategy):
     def optimizer_state_resident(self) -> AbstractContextManager[None]:
         return self.stepper.all_resident()
 
-    def consolidated_params(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        """Full fp32 master values of every parameter, unit by unit (collective: every rank calls it)."""
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Full master values of every parameter, unit by unit (collective: every rank calls it); one unit whole
+        on the compute device at a time."""
         out: dict[int, torch.Tensor] = {}
         with self.optimizer_state_resident():
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
                 mine, label = unit.fp32_shard().to(self.device), f"consolidate {unit.name!r}"
                 gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
-                for slot in unit.layout.slots:
+                for slot in unit.layout.slots if keep else ():
                     param = unit.params[slot.index]
                     shape = unit.views[slot.index].shape
-                    out[id(param)] = full.narrow(0, slot.offset, slot.numel).view(shape).to(dtype).clone()
+                    value = full.narrow(0, slot.offset, slot.numel).view(shape)
+                    out[id(param)] = value.to(device or self.device, dtype, copy=True)
         return out
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
