@@ -188,8 +188,10 @@ class TrainerMixin:
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save to also write model.safetensors)",
             )
             return
-        dtype = engine.precision.compute_dtype
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in engine.consolidated_state_dict().items()}
+        # gathered unit by unit onto the writer's CPU in the compute dtype; the other ranks take part and keep nothing
+        # (transformers' _save returns on them)
+        writer = bool(self.args.should_save)  # type: ignore[attr-defined]
+        state = engine.consolidated_state_dict(engine.precision.compute_dtype, writer, torch.device("cpu"))
         self._save(output_dir or self.args.output_dir, state_dict=state)  # type: ignore[attr-defined]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -24,7 +24,8 @@ logger = get_logger(__name__)
 
 def gathered_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     """The model's full state dict in fp32 on CPU, from the master weights; a collective (every rank calls it)."""
-    return {k: v.detach().float().cpu() for k, v in engine.consolidated_state_dict(dtype=torch.float32).items()}
+    state = engine.consolidated_state_dict(torch.float32, device=torch.device("cpu"))  # unit by unit to the host
+    return {k: v.float() for k, v in state.items()}
 
 
 def export_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], tokenizer: Any, folder: str) -> str | None:
