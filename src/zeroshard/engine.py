@@ -330,6 +330,11 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
         `module.state_dict()` included (tied weights under each name, one tensor). Every rank must call it; with
         `keep` False a rank takes part and gets {}; `device`: where the values go (default: where they are)."""
+        why = self.strategy.consolidation_refused() if self.strategy is not None else None
+        if why:
+            raise ZeroshardError(
+                f"the whole model cannot be consolidated here: {why}; save_checkpoint keeps every shard"
+            )
         masters = self.strategy.consolidated_params(dtype, keep, device) if self.strategy is not None else {}
         out: dict[str, torch.Tensor] = {}
         if not keep:

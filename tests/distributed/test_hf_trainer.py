@@ -193,6 +193,78 @@ def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
         assert math.isclose(a, b, rel_tol=REL), f"step {step}: SFTTrainer {a} zeroshard {b}"
 
 
+def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from datasets import Dataset
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from zeroshard import Engine
+    from zeroshard.hf import TrainerMixin, TrainingArgumentsMixin
+
+    class DPO(TrainerMixin, DPOTrainer):
+        pass
+
+    class Config(TrainingArgumentsMixin, DPOConfig):
+        pass
+
+    def model() -> Any:  # ByT5's ids reach 258
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=384,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        return LlamaForCausalLM(config)
+
+    n = 16
+    data = Dataset.from_dict(
+        {
+            "prompt": [f"q{i}: " for i in range(n)],
+            "chosen": [f"yes {i}" for i in range(n)],
+            "rejected": [f"no {3 * i}" for i in range(n)],
+        }
+    )
+    tokenizer = ByT5Tokenizer(extra_ids=0)
+    kwargs = arguments(
+        os.path.join(tmp, "dpo"), per_device_train_batch_size=2, learning_rate=1e-3, warmup_steps=0, bf16=False
+    )
+    plain, ours = loss_recorder(), loss_recorder()
+    DPOTrainer(
+        model=model(),
+        ref_model=model(),
+        args=DPOConfig(**kwargs),
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[plain],
+    ).train()
+    config = ds_config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every unit sharded, even a tiny one
+    args = Config(deepspeed=config, **kwargs)
+    trainer = DPO(
+        model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[ours]
+    )
+    trainer.train()
+    ref = trainer.ref_model
+    sharded = isinstance(ref, Engine) and ref.zero_stage == 3 and ref.optimizer is None and not ref.training
+    return {"plain": plain.losses, "ours": ours.losses, "ref_sharded": sharded}
+
+
+def test_trl_dpo_reference_model_is_sharded_at_stage3(tmp_path):
+    """TRL's DPOTrainer through the mixin on 2 ranks at ZeRO-3: the reference model becomes a stage-3 engine without
+    optimizer (as TRL's prepare_deepspeed makes it under DeepSpeed) and the losses equal the plain DPOTrainer's."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    for result in run_on_ranks(_dpo_parity, 2, str(tmp_path), timeout=600):
+        assert result["ref_sharded"]
+        assert len(result["plain"]) == len(result["ours"]) == 2 and result["plain"][-1] < result["plain"][0]
+        for step, (a, b) in enumerate(zip(result["plain"], result["ours"], strict=True)):
+            assert math.isclose(a, b, rel_tol=REL), f"step {step}: DPOTrainer {a} zeroshard {b}"
+
+
 def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 

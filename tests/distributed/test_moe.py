@@ -114,6 +114,28 @@ def _stages(rank: int, world_size: int) -> tuple[list[str], dict[str, dict[str, 
 EP1 = [MoeCase(k=2, stage=0, steps=3), MoeCase(k=1, stage=3, steps=3)]
 
 
+def _consolidation_refused(rank: int, world_size: int) -> str:
+    import zeroshard
+    from zeroshard.comm.topology import init_distributed
+    from zeroshard.errors import ZeroshardError
+
+    init_distributed()
+    model = MoeNet(MoeCase(stage=1), ep_size=2)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(MoeCase(stage=1)))
+    try:
+        engine.consolidated_state_dict()
+    except ZeroshardError as e:
+        return str(e)
+    return "consolidated"
+
+
+def test_moe_experts_are_not_consolidated_into_a_partial_model() -> None:
+    """ep_size 2: each rank holds its own experts; consolidating would give a model without the others (what the
+    Trainer's save_model and the export write), so it is refused in one line."""
+    for message in run_on_ranks(_consolidation_refused, 2, timeout=300):
+        assert "experts of ep_size > 1" in message, message
+
+
 def test_moe_stages_0_and_3_with_ep1_only() -> None:
     results = run_on_ranks(_stages, 2, timeout=300)
     for messages, _ in results:

@@ -112,3 +112,37 @@ def test_zero3_consolidated_16bit_state_dict_follows_deepspeed() -> None:
     torch.testing.assert_close(state, engine.consolidated_state_dict(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="requires ZeRO-3 mode"):
         _engine(stage=1, gas=1)._zero3_consolidated_16bit_state_dict()
+
+
+def test_parallelism_config_ulysses_with_its_data_parallel_sizes_only() -> None:
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+    from zeroshard.hf.accelerator import _ulysses_only
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    sp = ParallelismConfig(sp_backend="deepspeed", sp_size=2, dp_shard_size=2, sp_handler=handler)
+    assert _ulysses_only(sp) is sp  # accelerate's ALST script sets dp_shard_size for sp x dp
+    assert _ulysses_only(ParallelismConfig(sp_size=1)) is None
+    with pytest.raises(ConfigError, match="tp_size or cp_size"):
+        _ulysses_only(ParallelismConfig(tp_size=2))
+
+
+def test_sequence_parallelism_refuses_recurrent_layers() -> None:
+    """Linear-attention layers carry a state along the sequence that each rank would restart (accelerate's rule)."""
+    from zeroshard.hf.ulysses import _refuse_recurrent_layers
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32, n_positions=8))
+    _refuse_recurrent_layers(model)
+    model.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ConfigError, match="linear_attention"):
+        _refuse_recurrent_layers(model)
+
+
+def test_move_to_device_moves_what_has_a_to() -> None:
+    from transformers import BatchEncoding
+
+    from zeroshard.runtime.utils import move_to_device
+
+    moved = move_to_device({"a": [torch.zeros(2)], "b": BatchEncoding({"ids": torch.ones(1)}), "n": 3}, "meta")
+    assert moved["a"][0].is_meta and moved["b"]["ids"].is_meta and moved["n"] == 3

@@ -157,6 +157,9 @@ class Accelerator(accelerate.Accelerator):
         auto.update(_hidden_size_values(plugin, model))
         auto.update(self._dummy_values(optimizer, scheduler))
         plugin.deepspeed_config_process(must_match=False, **auto)
+        if sp > 1 and micro_batch is not None:  # accelerate sets it last under sp, over any value (its dp sizes only
+            # count the replicas, world / sp, which is what DeepSpeed's batch check divides by)
+            config["train_batch_size"] = micro_batch * plugin.get_value("gradient_accumulation_steps") * replicas
         self.deepspeed_config = config
 
         kwargs: dict[str, Any] = {"model": model, "config": config}
@@ -346,10 +349,11 @@ def _ulysses_only(pc: Any) -> Any:
     """accelerate's ParallelismConfig under DeepSpeed: Ulysses (sp_backend "deepspeed", sp_size > 1) or nothing."""
     if pc is None:
         return None
-    if pc.tp_size > 1 or pc.cp_size > 1 or pc.dp_shard_size > 1 or pc.dp_replicate_size > 1:
+    if pc.tp_size > 1 or pc.cp_size > 1 or (pc.sp_size == 1 and (pc.dp_shard_size > 1 or pc.dp_replicate_size > 1)):
         raise ConfigError(
-            "zeroshard.hf.Accelerator: parallelism_config with tp_size, cp_size or dp sizes > 1 is not implemented; "
-            "use sp_size (Ulysses) with the ds_config, or zeroshard.initialize with tensor_parallel"
+            "zeroshard.hf.Accelerator: parallelism_config with tp_size or cp_size > 1 (or dp sizes without sp_size) "
+            "is not implemented; use sp_size (Ulysses) with the ds_config, or zeroshard.initialize with "
+            "tensor_parallel"
         )
     if pc.sp_size > 1 and pc.sp_backend != "deepspeed":
         raise ConfigError(f"parallelism_config.sp_backend={pc.sp_backend!r}: Ulysses needs sp_backend='deepspeed'")

@@ -133,10 +133,26 @@ class TrainerMixin:
         )
         self.zeroshard_link.engine = engine
         self._zeroshard_steps = num_training_steps
+        self._shard_reference_model(cfg)
         self.model_wrapped = engine
         self.optimizer = EngineOptimizer(self.zeroshard_link)
         self.lr_scheduler = EngineScheduler(self.zeroshard_link)
         return engine
+
+    def _shard_reference_model(self, cfg: ZeroshardConfig) -> None:
+        """TRL's frozen reference model (`ref_model` of DPO, KTO, GRPO, ...): at stage 3 sharded as the trained one,
+        an engine without optimizer in eval mode, as TRL's `prepare_deepspeed` makes it under DeepSpeed (the
+        config less its optimizer, scheduler and optimizer offload); at stages 0-2 it stays whole, as there."""
+        ref = getattr(self, "ref_model", None)
+        if not isinstance(ref, nn.Module) or isinstance(ref, Engine) or int(cfg.zero_optimization.stage) != 3:
+            return
+        config = cfg.to_dict(include_defaults=False)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config.get("zero_optimization", {}).pop("offload_optimizer", None)
+        engine, *_ = initialize(model=ref, config=config)
+        engine.eval()
+        self.ref_model = engine
 
     def _trainer_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
         return self.create_scheduler(num_training_steps, optimizer=optimizer)  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ def register(model: Any, pc: Any, micro_batch_size: int) -> Any:
     """Wrap the model's attention ([Note: Ulysses for Hugging Face models]); the mpu for `initialize`."""
     from zeroshard.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    _refuse_recurrent_layers(model)
     handler = pc.sp_handler
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
@@ -53,6 +54,22 @@ def register(model: Any, pc: Any, micro_batch_size: int) -> Any:
         seq_length_is_variable=handler.sp_seq_length_is_variable,
         disable_in_eval=True,
     )
+
+
+def _refuse_recurrent_layers(model: Any) -> None:
+    """Linear-attention layers carry a state along the sequence inside the model's own code, not through the
+    attention Ulysses wraps: split over ranks, each part restarts it and the gradients are silently wrong
+    (accelerate refuses them the same way)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError("sequence parallelism wraps a Hugging Face model's attention: the model has no .config")
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    recurrent = sorted({t for t in getattr(config, "layer_types", None) or [] if "linear_attention" in t})
+    if recurrent:
+        raise ConfigError(
+            f"sequence parallelism with layers of type {recurrent} ({type(model).__name__}): they carry a recurrent "
+            "state along the sequence that each rank would restart; use a full-attention model or sp_size 1"
+        )
 
 
 def adapt_dataloader(dataloader: Any, engine: Any, device: torch.device) -> Any:

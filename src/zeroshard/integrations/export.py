@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def gathered_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
-    """The model's full state dict in fp32 on CPU, from the master weights; a collective (every rank calls it)."""
-    state = engine.consolidated_state_dict(torch.float32, device=torch.device("cpu"))  # unit by unit to the host
-    return {k: v.float() for k, v in state.items()}
+def gathered_fp32_state_dict(engine: Engine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full state dict in fp32 on CPU, from the master weights; a collective (every rank calls it), a
+    rank with `keep` False gets {}."""
+    state = engine.consolidated_state_dict(torch.float32, keep, torch.device("cpu"))  # unit by unit to the host
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 def export_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], tokenizer: Any, folder: str) -> str | None:

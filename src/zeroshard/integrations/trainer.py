@@ -296,7 +296,7 @@ def _finish(
     probe = (probe_source[0][:PROBE_TOKENS] if probe_source is not None else torch.arange(PROBE_TOKENS) % 200 + 3)[None]
     engine.eval()
     engine_logits = probe_logits(engine, probe.to(engine.device))  # every rank: a collective under stage 3
-    state = gathered_fp32_state_dict(engine)
+    state = gathered_fp32_state_dict(engine, keep=engine.global_rank == 0)
     if engine.global_rank != 0:
         return
     folder = os.path.join(opts.output_dir, "final")

@@ -132,6 +132,9 @@ class ExpertSplitStrategy(SplitStrategy):
         return None if grad is None else grad * (self._grad_scale() / part._grad_scale())
 
     # -- state ---------------------------------------------------------------------------------------------
+    def consolidation_refused(self) -> str | None:
+        return "experts of ep_size > 1 live on their expert-parallel ranks (only this rank's would be gathered)"
+
     def full_state_dict(self) -> dict[str, Any]:
         """The module's state_dict with every expert of every expert-parallel rank, under its global name
         ([Note: expert checkpoints]); collective over each expert-parallel group."""

@@ -112,6 +112,12 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.module.train()
         return (loss, outputs) if return_logits else loss
 
+    def consolidated_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        raise ZeroshardError(
+            "the whole model cannot be consolidated here: each pipeline stage holds its own layers; save_checkpoint "
+            "keeps every stage (pipe_stage_XX/)"
+        )
+
     def _run(self, train: bool) -> Any:
         gas = self.gradient_accumulation_steps()
         self._micro_losses = []

@@ -49,7 +49,8 @@ def set_random_seed(seed: int) -> None:
 def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
     """Tensors in `item` (nested lists, tuples and dicts) on `device`, as DeepSpeed's. With `criterion_func`, a
     tensor it accepts is moved in place (its `.data` replaced) and returned; other leaves are moved as without it
-    (DeepSpeed's behaviour). A leaf that is not a tensor comes back as it is (DeepSpeed raises on it).
+    (DeepSpeed's behaviour). A leaf with a `.to` (a tensor, a tokenizer's BatchEncoding) is moved with it; any
+    other leaf comes back as it is (DeepSpeed raises on it).
 
     Example:
         >>> batch = move_to_device({"input_ids": torch.zeros(2, 3)}, "cpu")
@@ -63,4 +64,4 @@ def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool]
         return tuple(move_to_device(v, device, criterion_func) for v in item)
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
-    return item.to(device) if isinstance(item, torch.Tensor) else item
+    return item.to(device) if hasattr(item, "to") else item

@@ -265,6 +265,10 @@ class Strategy(ABC):
     def optimizer_state_resident(self) -> AbstractContextManager[None]:
         """Master weights and optimizer state in memory for the block (NVMe: read in, written back after)."""
 
+    def consolidation_refused(self) -> str | None:
+        """Why `consolidated_params` would not give the whole model here (None: it does)."""
+        return None
+
     @abstractmethod
     def consolidated_params(
         self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None

@@ -135,6 +135,9 @@ class SplitStrategy(Strategy):
                 stack.enter_context(part.optimizer_state_resident())
             yield
 
+    def consolidation_refused(self) -> str | None:
+        return next((why for part in self.parts if (why := part.consolidation_refused())), None)
+
     def consolidated_params(
         self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
     ) -> dict[int, torch.Tensor]:

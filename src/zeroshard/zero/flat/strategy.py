@@ -35,7 +35,7 @@ from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
-from zeroshard.zero.flat.local import local_of
+from zeroshard.zero.flat.local import is_dtensor, local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
 from zeroshard.zero.owners import OWNERS, weak_hook
@@ -346,6 +346,11 @@ class FlatStrategy(Strategy):
 
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for b in self.buffers for p in b.params]
+
+    def consolidation_refused(self) -> str | None:
+        if any(is_dtensor(p) for b in self.buffers for p in b.params):
+            return "tensor-parallel weights are slices here (only the local ones would be gathered)"
+        return None
 
     def consolidated_params(
         self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
