@@ -195,7 +195,7 @@ def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
 
 def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from datasets import Dataset
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import ByT5Tokenizer
     from trl import DPOConfig, DPOTrainer
 
     from zeroshard import Engine
@@ -207,18 +207,8 @@ def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     class Config(TrainingArgumentsMixin, DPOConfig):
         pass
 
-    def model() -> Any:  # ByT5's ids reach 258
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=384,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        return LlamaForCausalLM(config)
+    def model() -> Any:
+        return tiny_llama(vocab=384)  # ByT5's ids reach 258
 
     n = 16
     data = Dataset.from_dict(

@@ -10,12 +10,12 @@ VOCAB = 128
 SEQ = 16
 
 
-def tiny_llama(seed: int = 0) -> Any:
+def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
