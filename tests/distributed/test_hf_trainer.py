@@ -199,6 +199,7 @@ def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from trl import DPOConfig, DPOTrainer
 
     from zeroshard import Engine
+    from zeroshard.errors import ConfigError
     from zeroshard.hf import TrainerMixin, TrainingArgumentsMixin
 
     class DPO(TrainerMixin, DPOTrainer):
@@ -240,16 +241,26 @@ def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     trainer.train()
     ref = trainer.ref_model
     sharded = isinstance(ref, Engine) and ref.zero_stage == 3 and ref.optimizer is None and not ref.training
-    return {"plain": plain.losses, "ours": ours.losses, "ref_sharded": sharded}
+    # TRL's sync of the reference reads the parameters directly (it gathers them only through DeepSpeed)
+    args = Config(deepspeed=config, sync_ref_model=True, ref_model_sync_steps=1, **kwargs)
+    syncing = DPO(model=model(), ref_model=model(), args=args, train_dataset=data, processing_class=tokenizer)
+    try:
+        syncing.train()
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {"plain": plain.losses, "ours": ours.losses, "ref_sharded": sharded, "sync_refused": refused}
 
 
 def test_trl_dpo_reference_model_is_sharded_at_stage3(tmp_path):
     """TRL's DPOTrainer through the mixin on 2 ranks at ZeRO-3: the reference model becomes a stage-3 engine without
-    optimizer (as TRL's prepare_deepspeed makes it under DeepSpeed) and the losses equal the plain DPOTrainer's."""
+    optimizer (as TRL's prepare_deepspeed makes it under DeepSpeed) and the losses equal the plain DPOTrainer's;
+    sync_ref_model is refused there in one line."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     for result in run_on_ranks(_dpo_parity, 2, str(tmp_path), timeout=600):
         assert result["ref_sharded"]
+        assert "sync_ref_model with zero_optimization.stage 3" in result["sync_refused"], result["sync_refused"]
         assert len(result["plain"]) == len(result["ours"]) == 2 and result["plain"][-1] < result["plain"][0]
         for step, (a, b) in enumerate(zip(result["plain"], result["ours"], strict=True)):
             assert math.isclose(a, b, rel_tol=REL), f"step {step}: DPOTrainer {a} zeroshard {b}"

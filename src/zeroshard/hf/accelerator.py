@@ -157,8 +157,8 @@ class Accelerator(accelerate.Accelerator):
         auto.update(_hidden_size_values(plugin, model))
         auto.update(self._dummy_values(optimizer, scheduler))
         plugin.deepspeed_config_process(must_match=False, **auto)
-        if sp > 1 and micro_batch is not None:  # accelerate sets it last under sp, over any value (its dp sizes only
-            # count the replicas, world / sp, which is what DeepSpeed's batch check divides by)
+        if sp > 1 and micro_batch is not None:  # accelerate sets it last under sp, over any value, from its dp sizes;
+            # here from world / sp, what DeepSpeed's batch check divides by (equal whenever DeepSpeed accepts them)
             config["train_batch_size"] = micro_batch * plugin.get_value("gradient_accumulation_steps") * replicas
         self.deepspeed_config = config
 

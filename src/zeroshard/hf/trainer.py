@@ -73,6 +73,7 @@ class TrainerMixin:
         self._zeroshard_source = _config_source(training_args, zeroshard_config)
         self._zeroshard_steps: int | None = None
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
+        self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
         super().__init__(*args, **kwargs)
 
     @property
@@ -123,13 +124,14 @@ class TrainerMixin:
             scheduler = functools.partial(self._trainer_scheduler, num_training_steps)
 
         # initialize parses its config with parse_config, which takes a ZeroshardConfig as it is
-        mpu = register(self.model, self._ulysses, self.args.per_device_train_batch_size) if sp > 1 else None
+        if sp > 1:
+            self._zeroshard_mpu = register(self.model, self._ulysses, self.args.per_device_train_batch_size)
         engine, *_ = initialize(
             model=self.model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
             config=cfg,  # type: ignore[arg-type]
-            mpu=mpu,
+            mpu=self._zeroshard_mpu,
         )
         self.zeroshard_link.engine = engine
         self._zeroshard_steps = num_training_steps
@@ -146,11 +148,17 @@ class TrainerMixin:
         ref = getattr(self, "ref_model", None)
         if not isinstance(ref, nn.Module) or isinstance(ref, Engine) or int(cfg.zero_optimization.stage) != 3:
             return
+        if getattr(self.args, "sync_ref_model", False):
+            raise ConfigError(
+                "sync_ref_model with zero_optimization.stage 3 is not supported: TRL's sync reads the sharded "
+                "parameters directly (it gathers them only through DeepSpeed); use stage 1 or 2, or sync_ref_model "
+                "false"
+            )
         config = cfg.to_dict(include_defaults=False)
         for key in ("optimizer", "scheduler"):
             config.pop(key, None)
         config.get("zero_optimization", {}).pop("offload_optimizer", None)
-        engine, *_ = initialize(model=ref, config=config)
+        engine, *_ = initialize(model=ref, config=config, mpu=self._zeroshard_mpu)  # the same groups under sp
         engine.eval()
         self.ref_model = engine
 
@@ -194,6 +202,12 @@ class TrainerMixin:
         engine = self.engine
         if engine is None:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        refused = engine.strategy.consolidation_refused() if engine.strategy is not None else None
+        if _internal_call and refused:  # a checkpoint: the engine's own files keep every shard
+            log_rank(
+                logger, 20, f"checkpoint: no model.safetensors ({refused}); the engine checkpoint keeps every shard"
+            )
             return
         gather = engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
         if _internal_call and engine.zero_stage == 3 and not gather:
