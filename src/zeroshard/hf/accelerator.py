@@ -54,6 +54,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.hf.auto import hidden_size
 from zeroshard.hf.ulysses import adapt_dataloader, register
 from zeroshard.initialize import initialize
 from zeroshard.runtime.lr_schedules import VALID_LR_SCHEDULES
@@ -479,10 +480,7 @@ def _hidden_size_values(plugin: DeepSpeedPlugin, model: torch.nn.Module) -> dict
     keys = [key for key in _HIDDEN_SIZE_KEYS if plugin.is_auto(key)]
     if not keys:
         return {}
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", None)
-    if hidden is None and getattr(config, "hidden_sizes", None):
-        hidden = max(config.hidden_sizes)  # type: ignore[union-attr]
+    hidden = hidden_size(model)  # the Trainer's rule: hidden_size, else the largest of hidden_sizes
     if hidden is None:
         raise ConfigError(f'{keys} are "auto" but the model has no config.hidden_size: set them in the ds_config')
-    return {key: _HIDDEN_SIZE_KEYS[key](int(hidden)) for key in keys}
+    return {key: _HIDDEN_SIZE_KEYS[key](hidden) for key in keys}

@@ -38,7 +38,7 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
     """[Note: tensor parallelism on fsdp2] FSDP2 over dp; the norm and the checkpoint of a tensor-parallel model."""
 
     def consolidation_refused(self) -> str | None:
-        return "tensor-parallel weights are slices here (only the local ones would be gathered)"
+        return self.TP_SLICES
 
     def __init__(
         self,

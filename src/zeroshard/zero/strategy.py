@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -268,6 +268,8 @@ class Strategy(ABC):
     def consolidation_refused(self) -> str | None:
         """Why `consolidated_params` would not give the whole model here (None: it does)."""
         return None
+
+    TP_SLICES: Final = "tensor-parallel weights are slices here (only the local ones would be gathered)"
 
     @abstractmethod
     def consolidated_params(

@@ -349,7 +349,7 @@ class FlatStrategy(Strategy):
 
     def consolidation_refused(self) -> str | None:
         if any(is_dtensor(p) for b in self.buffers for p in b.params):
-            return "tensor-parallel weights are slices here (only the local ones would be gathered)"
+            return self.TP_SLICES
         return None
 
     def consolidated_params(
