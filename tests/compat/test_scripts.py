@@ -119,6 +119,7 @@ CASES = [
         ("--output_dir", "{tmp}/out"),
         nproc=1,
         accelerate_config=ACCELERATE_ZERO2,
+        slow=True,  # CI budget: the same Accelerator path at ZeRO-3 stays in test_accelerate_script_without_deepspeed
     ),
     Case(
         "accelerate_zero3_dummy_optim",
@@ -341,7 +342,10 @@ def alst_reference() -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
+# slow (CI budget): the same Ulysses adapter (hf/ulysses.py) on 2 ranks stays in tests/distributed/
+# test_hf_trainer_ulysses.py, the parallelism_config rule in tests/unit/test_hf_accelerator.py
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3, 2])
 def test_accelerate_alst_script_on_two_ranks(tmp_path: Path, stage: int) -> None:
     """accelerate's own ALST test script (sp 2 on 2 ranks, its loss combination) under zeroshard.hf.Accelerator
     equals the whole sequences trained on one process, every step (accelerate's DeepSpeed mode, which counts one

@@ -144,6 +144,7 @@ def test_a_model_folder_streams_into_shards_and_lora_leaves_the_base_weights_as_
     assert any(not torch.equal(exported[k], stored[k]) for k in targeted)  # the adapters trained
 
 
+@pytest.mark.slow  # CI budget: the report's rules are tests/unit/test_cli_failures.py; test_cli_launch_restart runs one
 def test_a_failure_on_the_ranks_is_reported_once_without_tracebacks(tmp_path):
     """Both ranks refuse the checkpoint --resume names ([Note: one failure report]): one rank prints the error,
     the other one line pointing at it, the launcher one line; no traceback."""

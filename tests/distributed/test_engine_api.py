@@ -243,7 +243,7 @@ def _stalled(rank: int, world_size: int):
     engine.backward(engine(*micro_batch(batches[0], 0, rank, world_size, case.micro)))
     engine.step()
     if rank == 1:
-        time.sleep(12)  # stalls (as under SIGSTOP): never answers while rank 0 waits
+        time.sleep(9)  # stalls (as under SIGSTOP): never answers while rank 0 waits
     start = time.time()
     try:
         engine.backward(engine(*micro_batch(batches[1], 0, rank, world_size, case.micro)))
