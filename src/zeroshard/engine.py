@@ -203,6 +203,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
         `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
         strategy = self._require_optimizer("backward")
+        if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
+            self.commit_checkpoint()  # super_offload steps during this backward
         see_memory_usage("Engine before backward", force=self._memory_breakdown)
         with self.wall_clock.time("bwd"):
             strategy.begin_backward()
@@ -238,6 +240,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         if boundary:
             if self.accumulation.no_sync_depth:
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
+            self.commit_checkpoint()  # before the step changes what a decoupled save writes
             self.schedules.before_step(self.global_steps)
             with self._deadline("engine.step"):
                 outcome = strategy.step(self.loss_scale)
@@ -374,6 +377,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         memory until `reload_states()`; training steps are refused in between. State that lives off the device
         already (`offload_optimizer`) stays where it is."""
         strategy = self._require_optimizer("offload_states")
+        self.commit_checkpoint()
         on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]
         self._offloader.offload(on_device, torch.device(device), pin_memory, non_blocking)
 
@@ -429,6 +433,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
+        self.commit_checkpoint()
         release = getattr(self, "_gc_release", None)
         if release is not None:
             release()  # [Note: python gc per process]

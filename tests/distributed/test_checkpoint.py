@@ -346,24 +346,24 @@ def test_export_load_options_and_one_rank_calls(tmp_path):
 def _full_disk_save(rank: int, world_size: int, root: str):
     import errno
 
-    import zeroshard.checkpoint.save as save_module
+    import zeroshard.checkpoint.rank_files as files_module
     from zeroshard.checkpoint import CheckpointError
 
     engine = _reshard_engine(2, 1)
     _run_steps(engine, rank, world_size, 0, 1)
-    real = save_module.write_model_file
+    real = files_module._write_safetensors
 
     def disk_full(*args, **kwargs):  # rank 1's disk fills up while it writes its model file
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if rank == 1:
-        save_module.write_model_file = disk_full
+        files_module._write_safetensors = disk_full
     try:
         engine.save_checkpoint(root, tag="full")
         message = ""
     except CheckpointError as e:
         message = str(e)
-    save_module.write_model_file = real
+    files_module._write_safetensors = real
     left = sorted(os.listdir(root))
     engine.save_checkpoint(root, tag="later")  # the next save works
     return message, left, sorted(os.listdir(root))

@@ -95,6 +95,9 @@ def _check(cases: list[TpCase], results: list[dict[str, Any]]) -> None:
             assert _close(got["norms"], ref_norms), (case.name, got["norms"], ref_norms)
             rows = 16 if case.backend == "fsdp2" else 32  # q_proj's 64 rows split over tp (fsdp2: and over dp)
             assert got["q_local"] == [rows, 64] and got["dp"] == DP, (case.name, got["q_local"])
+            assert got["consolidation"].startswith(
+                "ZeroshardError: the whole model cannot be consolidated here: tensor-parallel weights are slices"
+            ), got["consolidation"]
 
 
 def test_tp2_dp2_matches_reference_and_resumes(tmp_path) -> None:

@@ -122,6 +122,11 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     q = model.model.layers[0].self_attn.q_proj.weight
     out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.dp_world_size}
     assert engine.strategy.comm.world_size == engine.dp_world_size  # ZeRO shards over the data-parallel group
+    try:  # the local slices are not the whole model: refused, not a partial state dict
+        engine.consolidated_state_dict()
+        out["consolidation"] = "done"
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        out["consolidation"] = f"{type(e).__name__}: {e}"
     engine.destroy()
     return out
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint import save as _save
+from zeroshard.checkpoint.decoupled import PendingSave, decoupled
 
 
 class CheckpointMixin:
@@ -23,6 +24,9 @@ class CheckpointMixin:
         >>> client_state["epoch"]  # doctest: +SKIP
         3
     """
+
+    _pending_save: PendingSave | None = None  # a decoupled save between its call and its commit
+    _saves_in_turns = False  # pipeline engines: their stages save one after another ([Note: pipeline checkpoints])
 
     def save_checkpoint(
         self,
@@ -40,16 +44,35 @@ class CheckpointMixin:
             client_state: picklable dict returned by `load_checkpoint`.
             save_latest: point `latest` at this checkpoint once it is complete.
             exclude_frozen_parameters: leave out parameters with `requires_grad=False`.
-        Returns True. Writes are crash-safe: see docs/checkpoint.md.
+        Returns True. Writes are crash-safe: see docs/checkpoint.md. With `checkpoint.writer.decoupled` it returns
+        once the ranks agreed, writes on a thread and commits at the next optimizer step ([Note: decoupled
+        checkpoint writes]).
         """
-        return _save.save_checkpoint(
+        self.commit_checkpoint()
+        deferred = decoupled(self)
+        call = _save.start_save(
             self,  # type: ignore[arg-type]
             save_dir,
             tag,
             dict(client_state or {}),
             save_latest,
             exclude_frozen_parameters,
+            deferred,
         )
+        if not deferred:
+            return _save.finish_save(call)
+        self._pending_save = PendingSave(call, self.device)  # type: ignore[attr-defined]
+        return True
+
+    def commit_checkpoint(self) -> bool:
+        """Finish the decoupled save in flight, if any (collective): wait for this rank's writes, commit on every
+        rank, raise what failed on any. The engine calls it at the next optimizer step, save, load,
+        offload_states and destroy, and at exit; False when there was none."""
+        pending = self._pending_save
+        if pending is None:
+            return False
+        self._pending_save = None
+        return pending.commit()
 
     def load_checkpoint(
         self,
@@ -71,6 +94,7 @@ class CheckpointMixin:
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: restore the module weights only (warm start).
         """
+        self.commit_checkpoint()
         return _load.load_checkpoint(
             self,  # type: ignore[arg-type]
             load_dir,

@@ -7,12 +7,12 @@ The phases (see [Note: collective calls with a deadline] and [Note: crash safety
    goes to rank 0;
 3. commit: rank 0 writes metadata.json, renames the directory to `<save_dir>/<tag>`, replaces `latest`
    and tells every rank the outcome. A failure on any rank is raised on every rank.
+A decoupled save (`checkpoint.writer.decoupled`) returns after phase 1, writes on a thread, and commits later:
+[Note: decoupled checkpoint writes] in decoupled.py.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import shutil
 import uuid
@@ -21,33 +21,14 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.atomic import (
-    commit_directory,
-    fault_point,
-    fsync_tree,
-    replace_file_atomically,
-    write_file,
-)
+from zeroshard.checkpoint.atomic import commit_directory, fault_point, fsync_tree, replace_file_atomically, write_file
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.format import (
-    ENGINE_STATE_FILE,
-    LATEST_FILE,
-    MASTER,
-    METADATA_FILE,
-    CheckpointMetadata,
-    OptimizerInfo,
-    PieceRef,
-    TensorInfo,
-    model_file,
-    optim_file,
-    piece_key,
-    rng_file,
-)
+from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE, CheckpointMetadata, PieceRef, TensorInfo
 from zeroshard.checkpoint.protocol import CheckpointableEngine
-from zeroshard.checkpoint.rng import capture_rng_state
-from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
+from zeroshard.checkpoint.rank_files import RankFiles, add_rank_files, optimizer_info, take_snapshot
+from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.space import bytes_to_write, check_space, describe_write_error, rank_bytes, space_report
-from zeroshard.checkpoint.state import ModelPiece, OptimPiece, ShardedState
+from zeroshard.checkpoint.state import ModelPiece, ShardedState
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -120,160 +101,6 @@ def engine_state(engine: CheckpointableEngine) -> ShardedState | None:
     return engine.strategy.checkpoint_state() if engine.strategy is not None else None
 
 
-# -- optimizer state ------------------------------------------------------------------------------------
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _scalar_record(value: Any) -> dict[str, Any]:
-    if isinstance(value, torch.Tensor):
-        return {"value": value.item(), "tensor": dtype_name(value.dtype)}
-    return {"value": value, "tensor": None}
-
-
-def split_optimizer_state(
-    optimizer: torch.optim.Optimizer, param: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """(elementwise tensors, scalar records) of one optimizer parameter's state."""
-    elementwise: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for key, value in optimizer.state.get(param, {}).items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == param.numel():
-            elementwise[key] = value
-        elif isinstance(value, torch.Tensor) and value.numel() == 1:
-            scalars[key] = _scalar_record(value)
-        elif not isinstance(value, torch.Tensor) and _jsonable(value):
-            scalars[key] = _scalar_record(value)
-        else:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise CheckpointError(
-                f"optimizer state {key!r} ({shape}) of {type(optimizer).__name__} is neither elementwise nor a "
-                "scalar; zeroshard checkpoints shard elementwise optimizer state only"
-            )
-    return elementwise, scalars
-
-
-def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo:
-    """Class, group options and scalar state; elementwise keys and group members come from the manifests."""
-    groups = []
-    for group in optimizer.param_groups:
-        options = {k: v for k, v in group.items() if k != "params" and _jsonable(v)}
-        scalars: dict[str, Any] = {}
-        for param in group["params"]:
-            scalars.update(split_optimizer_state(optimizer, param)[1])
-        groups.append({"options": options, "params": [], "scalars": scalars})
-    return OptimizerInfo(type(optimizer).__name__, {}, groups)
-
-
-# -- writing one rank's files ---------------------------------------------------------------------------
-@dataclass
-class RankManifest:
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    model_pieces: dict[str, list[list[Any]]] = field(default_factory=dict)
-    optim_pieces: dict[str, list[list[Any]]] = field(default_factory=dict)
-    elementwise: dict[str, str] = field(default_factory=dict)
-    param_groups: dict[str, int] = field(default_factory=dict)  # parameter name -> optimizer group
-
-
-def _write_safetensors(tmp_dir: str, rel: str, entries: list[tuple[str, torch.Tensor]], rank: int) -> dict[str, Any]:
-    specs = [TensorSpec(key, t.dtype, (t.numel(),)) for key, t in entries]
-    writer = SafetensorsWriter(os.path.join(tmp_dir, rel), specs)
-    try:
-        for i, (_, tensor) in enumerate(entries):
-            writer.add(tensor)
-            if i == len(entries) // 2:
-                fault_point("mid_file", rank)
-        size = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return {"bytes": size, "header_crc32": writer.header_crc32()}
-
-
-def write_model_file(tmp_dir: str, rank: int, pieces: list[ModelPiece], manifest: RankManifest, part: str = "") -> None:
-    if not pieces:
-        return
-    rel = model_file(rank, part)
-    entries = [(piece_key(p.name, p.begin, p.end), p.values) for p in pieces]
-    manifest.files[rel] = _write_safetensors(tmp_dir, rel, entries, rank)
-    for p in pieces:
-        manifest.model_pieces.setdefault(p.name, []).append([rel, p.begin, p.end])
-
-
-def write_optim_file(
-    tmp_dir: str,
-    rank: int,
-    optimizer: torch.optim.Optimizer,
-    pieces: list[OptimPiece],
-    manifest: RankManifest,
-    part: str = "",
-) -> None:
-    if not pieces:
-        return
-    rel = optim_file(rank, part)
-    entries: list[tuple[str, torch.Tensor]] = []
-    for p in pieces:
-        elementwise = split_optimizer_state(optimizer, p.param)[0]
-        entries.append((piece_key(p.name, p.begin, p.end, MASTER), p.view(p.param)))
-        for key in sorted(elementwise):
-            manifest.elementwise[key] = dtype_name(elementwise[key].dtype)
-            entries.append((piece_key(p.name, p.begin, p.end, key), p.view(elementwise[key])))
-        manifest.optim_pieces.setdefault(p.name, []).append([rel, p.begin, p.end])
-        manifest.param_groups[p.name] = p.group
-    manifest.files[rel] = _write_safetensors(tmp_dir, rel, entries, rank)
-
-
-def _engine_state_bytes(engine: CheckpointableEngine, client_state: dict[str, Any]) -> bytes:
-    sampler: Any = getattr(engine.training_dataloader, "sampler", None)
-    state = {
-        "client_state": client_state,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "data_sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
-    }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def write_rank_files(
-    engine: CheckpointableEngine,
-    tmp_dir: str,
-    catalog: ModuleCatalog,
-    state: ShardedState | None,
-    client_state: dict[str, Any],
-) -> RankManifest:
-    rank = engine.topology.rank
-    manifest = RankManifest()
-    replicated = []
-    if rank == 0:  # tensors no strategy shards are replicated: rank 0 writes them whole
-        for name, tensor in catalog.tensors.items():
-            if not catalog.infos[name].trainable:
-                replicated.append(ModelPiece(name, 0, tensor.numel(), tensor.detach().reshape(-1)))
-    parts = state.parts() if state is not None else []
-    if not parts:
-        write_model_file(tmp_dir, rank, replicated, manifest)
-    for i, part in enumerate(parts):  # one part in memory at a time ([Note: state parts])
-        with part.hold(False):
-            pieces = part.model_pieces() + (replicated if i == 0 else [])
-            write_model_file(tmp_dir, rank, pieces, manifest, part.suffix)
-            if engine.optimizer is not None and state is not None and state.writes_optim:
-                owned = (part.optim_pieces_to_save or part.optim_pieces)()
-                write_optim_file(tmp_dir, rank, engine.optimizer, owned, manifest, part.suffix)
-    manifest.files[rng_file(rank)] = write_file(
-        os.path.join(tmp_dir, rng_file(rank)), json.dumps(capture_rng_state()).encode()
-    )
-    if rank == 0:
-        manifest.files[ENGINE_STATE_FILE] = write_file(
-            os.path.join(tmp_dir, ENGINE_STATE_FILE), _engine_state_bytes(engine, client_state)
-        )
-    return manifest
-
-
 # -- metadata and commit (rank 0) -----------------------------------------------------------------------
 def compute_dtype_name(engine: CheckpointableEngine) -> str:
     return dtype_name(engine.precision.compute_dtype)
@@ -299,29 +126,12 @@ def _check_tiled(pieces: dict[str, list[PieceRef]], infos: dict[str, TensorInfo]
             raise CheckpointError(f"internal error: {what} pieces of {name!r} cover {position} of {infos[name].numel}")
 
 
-def build_metadata(
-    engine: CheckpointableEngine,
-    tag: str,
-    catalog: ModuleCatalog,
-    optim_info: OptimizerInfo | None,
-    manifests: list[dict[str, Any]],
-) -> CheckpointMetadata:
+def start_metadata(engine: CheckpointableEngine, tag: str, catalog: ModuleCatalog) -> CheckpointMetadata:
+    """metadata.json as of the call (the engine's counters then), without the files and pieces of the ranks."""
     import zeroshard
 
-    files: dict[str, dict[str, Any]] = {}
-    for m in manifests:
-        files.update(m["files"])
-    model_pieces = _merge_pieces(manifests, "model_pieces")
-    optim_pieces = _merge_pieces(manifests, "optim_pieces")
-    _check_tiled(model_pieces, catalog.infos, "model")
-    _check_tiled(optim_pieces, catalog.infos, "optimizer")
-    if optim_info is not None:
-        for m in manifests:
-            optim_info.elementwise.update(m["elementwise"])
-            for name, g in m["param_groups"].items():
-                if name not in optim_info.groups[g]["params"]:
-                    optim_info.groups[g]["params"].append(name)
     cfg = engine.config
+    optimizer = engine.optimizer if engine.strategy is not None else None
     return CheckpointMetadata(
         tag=tag,
         world_size=engine.topology.world_size,
@@ -343,11 +153,28 @@ def build_metadata(
         tensors=catalog.infos,
         aliases=catalog.aliases,
         excluded=catalog.excluded,
-        model_pieces=model_pieces,
-        optim_pieces=optim_pieces,
-        optimizer=optim_info,
-        files=files,
+        model_pieces={},
+        optim_pieces={},
+        optimizer=optimizer_info(optimizer) if optimizer is not None else None,
+        files={},
     )
+
+
+def complete_metadata(meta: CheckpointMetadata, manifests: list[dict[str, Any]]) -> CheckpointMetadata:
+    """`meta` with every rank's files and pieces; refuses a save that does not cover every element once."""
+    for m in manifests:
+        meta.files.update(m["files"])
+    meta.model_pieces = _merge_pieces(manifests, "model_pieces")
+    meta.optim_pieces = _merge_pieces(manifests, "optim_pieces")
+    _check_tiled(meta.model_pieces, meta.tensors, "model")
+    _check_tiled(meta.optim_pieces, meta.tensors, "optimizer")
+    if meta.optimizer is not None:
+        for m in manifests:
+            meta.optimizer.elementwise.update(m["elementwise"])
+            for name, g in m["param_groups"].items():
+                if name not in meta.optimizer.groups[g]["params"]:
+                    meta.optimizer.groups[g]["params"].append(name)
+    return meta
 
 
 def _commit(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: CheckpointMetadata, save_latest: bool) -> str:
@@ -382,15 +209,70 @@ def _agree_on_tag(hello: list[dict[str, Any]], validation: str) -> None:
         raise CheckpointError(f"save_checkpoint: ranks passed different save_dir values {sorted(dirs)}")
 
 
-def save_checkpoint(
+@dataclass
+class SaveCall:
+    """One `save_checkpoint` call on this rank, from the ranks' agreement to the commit."""
+
+    sync: RankSync
+    root: str
+    tag: str
+    nonce: str
+    tmp_dir: str
+    save_latest: bool
+    files: RankFiles
+    meta: CheckpointMetadata | None  # rank 0
+    need: int  # bytes this rank writes, for the out-of-space message
+    show_statistics: bool
+    payload: dict[str, Any] = field(default_factory=lambda: {"error": None, "manifest": None})
+    local_error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        self.payload["error"] = describe_write_error(error, self.tmp_dir, self.need)
+        self.local_error = error
+
+    def write(self) -> None:
+        """Phase 2 for the files listed but not yet written (a decoupled save's, on its thread)."""
+        try:
+            self.files.write_all()
+            self.written()
+        except Exception as e:  # noqa: BLE001 - reported to every rank by finish_save
+            self.fail(e)
+
+    def written(self) -> None:
+        self.payload["manifest"] = asdict(self.files.manifest)
+        fault_point("after_rank_files", self.files.rank)
+        if self.show_statistics:  # checkpoint.writer.show_statistics: every writing rank, as DeepSpeed's writer
+            files, seconds = self.files, max(self.files.seconds, 1e-9)
+            logger.info(
+                f"checkpoint writer: rank {files.rank} wrote {files.bytes_written / 2**20:.1f} MiB in {seconds:.2f} s "
+                f"({files.bytes_written / 2**20 / seconds:.1f} MiB/s) for {self.tag}"
+            )
+
+
+def _replicated(catalog: ModuleCatalog, rank: int, deferred: bool) -> list[ModelPiece]:
+    """The tensors no strategy shards, which rank 0 writes whole. A decoupled save copies the buffers now (a forward
+    may update them in place: norm statistics); frozen parameters are written from the module as they are."""
+    pieces = []
+    for name, tensor in catalog.tensors.items() if rank == 0 else ():
+        info = catalog.infos[name]
+        if not info.trainable:
+            values = tensor.detach().reshape(-1)
+            pieces.append(
+                ModelPiece(name, 0, values.numel(), values.clone() if deferred and info.kind == "buffer" else values)
+            )
+    return pieces
+
+
+def start_save(
     engine: CheckpointableEngine,
     save_dir: str | os.PathLike[str],
-    tag: Any = None,
-    client_state: dict[str, Any] | None = None,
-    save_latest: bool = True,
-    exclude_frozen_parameters: bool = False,
-) -> bool:
-    """See `CheckpointMixin.save_checkpoint`."""
+    tag: Any,
+    client_state: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+    deferred: bool,
+) -> SaveCall:
+    """Phase 1, then this rank's files listed with what the call must read now; written unless `deferred`."""
     if not save_dir:
         raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
     rank, world_size = engine.topology.rank, engine.topology.world_size
@@ -409,48 +291,78 @@ def save_checkpoint(
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")
     if engine.accumulation.pending:
         log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
-
-    catalog = catalog_module(
-        engine.module,
-        state.sharded_params() if state else {},
-        exclude_frozen_parameters,
-        full_shapes(state),
-        peer_tensors(state),
+    writer = engine.config.checkpoint.writer
+    call = SaveCall(
+        sync,
+        root,
+        tag,
+        nonce,
+        tmp_dir,
+        save_latest,
+        RankFiles(tmp_dir, rank, deferred),
+        None,
+        rank_bytes(state, engine.optimizer),
+        bool(writer is not None and writer.show_statistics),
     )
-    payload: dict[str, Any] = {"error": None, "manifest": None}
-    optim_info = None
     try:
+        catalog = catalog_module(
+            engine.module,
+            state.sharded_params() if state else {},
+            exclude_frozen_parameters,
+            full_shapes(state),
+            peer_tensors(state),
+        )
+        if rank == 0:
+            call.meta = start_metadata(engine, tag, catalog)
+            if getattr(state, "caller_split", False):  # [Note: tensor-parallel checkpoints] in tp/checkpoint.py
+                call.meta.extra["tensor_parallel_caller_split"] = True
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
+        replicated = _replicated(catalog, rank, deferred)
         with torch.profiler.record_function("zeroshard.save_checkpoint"):
-            manifest = write_rank_files(engine, tmp_dir, catalog, state, dict(client_state or {}))
-        if rank == 0 and state is not None and engine.optimizer is not None:
-            optim_info = optimizer_info(engine.optimizer)
-        payload["manifest"] = asdict(manifest)
-        fault_point("after_rank_files", rank)
-    except Exception as e:  # noqa: BLE001 - reported to every rank below
-        payload["error"] = describe_write_error(e, tmp_dir, rank_bytes(state, engine.optimizer))
-        local_error: Exception | None = e
-    else:
-        local_error = None
-    manifests = sync.gather("written", payload, write_timeout())
+            add_rank_files(engine, call.files, replicated, state, take_snapshot(engine, client_state))
+        if not deferred:
+            call.written()
+    except Exception as e:  # noqa: BLE001 - reported to every rank by finish_save
+        call.files.jobs.clear()
+        call.fail(e)
+    return call
+
+
+def finish_save(call: SaveCall) -> bool:
+    """Phase 3: rank 0 commits what every rank wrote, or nothing; the outcome is raised on every rank."""
+    sync, world_size = call.sync, call.sync.world_size
+    manifests = sync.gather("written", call.payload, write_timeout())
     outcome: dict[str, Any] = {"error": None}
+    local_error = call.local_error
     if manifests is not None:  # rank 0
         try:
             if any(m["error"] for m in manifests):
                 raise CheckpointError(describe_errors(manifests))
-            meta = build_metadata(engine, tag, catalog, optim_info, [m["manifest"] for m in manifests])
-            if getattr(state, "caller_split", False):  # [Note: tensor-parallel checkpoints] in tp/checkpoint.py
-                meta.extra["tensor_parallel_caller_split"] = True
-            final = _commit(root, tmp_dir, tag, nonce, meta, save_latest)
+            assert call.meta is not None
+            meta = complete_metadata(call.meta, [m["manifest"] for m in manifests])
+            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, call.save_latest)
             log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
             local_error = local_error or e
             # every rank is past its writes (they reported): the partial save must not keep the disk full
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            shutil.rmtree(call.tmp_dir, ignore_errors=True)
     outcome = sync.broadcast("committed", outcome, write_timeout())
     sync.leave(write_timeout())
     if outcome["error"]:
         raise CheckpointError(outcome["error"]) from local_error
     return True
+
+
+def save_checkpoint(
+    engine: CheckpointableEngine,
+    save_dir: str | os.PathLike[str],
+    tag: Any = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """See `CheckpointMixin.save_checkpoint`: the whole call, written and committed before it returns."""
+    call = start_save(engine, save_dir, tag, dict(client_state or {}), save_latest, exclude_frozen_parameters, False)
+    return finish_save(call)

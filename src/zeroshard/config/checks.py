@@ -16,6 +16,12 @@ def check_consistency(cfg: ZeroshardConfig) -> None:
     _check_precision(cfg)
     _check_zero(cfg)
     check_curriculum(cfg.curriculum_learning)
+    writer = cfg.checkpoint.writer
+    if writer is not None and writer.type == "MOCK":
+        raise ConfigError(
+            'checkpoint.writer.type "MOCK" (DeepSpeed\'s writer that discards the bytes) would commit checkpoints that '
+            'cannot load; use "FAST" or "PYTHON" (both write with zeroshard\'s writer), or remove the writer block'
+        )
 
 
 def _check_precision(cfg: ZeroshardConfig) -> None:

@@ -59,13 +59,19 @@ class ParallelWriteConfig(ConfigBlock):
 
 @dataclass(frozen=True)
 class CheckpointWriterConfig(ConfigBlock):
-    """`checkpoint.writer`: the fast checkpoint writer."""
+    """`checkpoint.writer`: how checkpoint files are written ([Note: decoupled checkpoint writes])."""
 
-    type: str = option("FAST", "Writer: MOCK, PYTHON or FAST.", Str(("MOCK", "PYTHON", "FAST"), str.upper))
-    decoupled: bool = option(False, "Write in a separate process.", Bool())
+    type: str = option(
+        "FAST",
+        "Writer: PYTHON or FAST (both zeroshard's writer); MOCK refused.",
+        Str(("MOCK", "PYTHON", "FAST"), str.upper),
+    )
+    decoupled: bool = option(
+        False, "Write on a thread while training goes on; commit at the next optimizer step.", Bool()
+    )
     io_buffer_size: int = option(64 * 1024**2, "Bytes in the I/O buffer.", _SIZE)
     io_buffer_double: bool = option(True, "Double-buffer the I/O.", Bool())
-    show_statistics: bool = option(False, "Print writer statistics.", Bool())
+    show_statistics: bool = option(False, "Log each rank's bytes, seconds and MiB/s per save.", Bool())
     data_parallel: str | None = option(
         None,
         "Writer parallelism unit: REPLICA, SOCKET or MACHINE.",

@@ -129,6 +129,8 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "steps_per_print",
         "checkpoint.tag_validation",
         "checkpoint.load_universal",  # checkpoint/universal.py ([Note: universal checkpoints])
+        "checkpoint.writer.decoupled",  # checkpoint/decoupled.py ([Note: decoupled checkpoint writes])
+        "checkpoint.writer.show_statistics",  # checkpoint/save.py, per rank and save
         "zero_optimization.ignore_unused_parameters",
         "zeroshard.collective_timeout_s",
         "zeroshard.backend",
@@ -196,6 +198,10 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (par
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
         "disable_allgather": "DeepSpeed 0.19.8 parses it into its config and no part of its runtime reads it",
+        "checkpoint.writer.type": (
+            "FAST and PYTHON name DeepSpeed's two file writers; zeroshard writes with its one writer for both, and "
+            "MOCK (which discards the bytes) is refused by config/checks.py"
+        ),
         "checkpoint.checkpoint_serialization": (
             "DeepSpeed 0.19.8 defines an engine accessor for it that nothing calls; zeroshard's checkpoints are "
             "safetensors files and a small torch.save'd engine state"
@@ -298,7 +304,11 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Memory, checkpointing and data.
         "checkpoint.use_node_local_storage",
         "checkpoint.parallel_write",
-        "checkpoint.writer",
+        # checkpoint.writer: `decoupled` and `show_statistics` are implemented; these tune DeepSpeed's aio writer
+        "checkpoint.writer.io_buffer_size",
+        "checkpoint.writer.io_buffer_double",
+        "checkpoint.writer.io_multiplier",
+        "checkpoint.writer.data_parallel",
         "datastates_ckpt",
         # Other engines and features.
         "hybrid_engine",

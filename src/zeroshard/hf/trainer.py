@@ -13,7 +13,9 @@ runs unchanged; what DeepSpeed changes in it, we change at the same points, and 
 - `call_model_init` / `_move_model_to_device`: at stage 3 a `model_init` runs under `zeroshard.zero_init()`, and
   the engine, not the Trainer, places (and shards) the model.
 - `_save_optimizer_and_scheduler` / `_load_from_checkpoint` / `_load_best_model`: the engine's sharded checkpoint
-  (`checkpoint-N/global_stepN`, DeepSpeed's layout) holds weights, optimizer, scheduler and loss scale.
+  (`checkpoint-N/global_stepN`, DeepSpeed's layout) holds weights, optimizer, scheduler and loss scale;
+  `_save_checkpoint` / `train`: with decoupled saves, old checkpoints are rotated out once the new one is committed,
+  and `train()` returns with its last save committed.
 - `save_model`: the consolidated weights through transformers' own `_save`, so the folder loads with
   `from_pretrained` (a PEFT model writes its adapter, as the plain Trainer does).
 
@@ -30,6 +32,7 @@ import torch
 import transformers
 from torch import nn
 
+from zeroshard.checkpoint.decoupled import decoupled
 from zeroshard.config import ZeroshardConfig, parse_config
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
@@ -177,7 +180,10 @@ class TrainerMixin:
         if resume_from_checkpoint is not None:
             path, _ = engine.load_checkpoint(resume_from_checkpoint, load_module_strict=not _is_peft(self.model))
             if path is None:
-                raise ConfigError(f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint}")
+                raise ConfigError(
+                    f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint} (a decoupled save that was "
+                    "never committed leaves none: resume from the checkpoint before it)"
+                )
         if self._ulysses is not None:  # [Note: the Trainer's sequence parallelism]
             train_dataloader = self.accelerator.deepspeed_ulysses_dl_adapter(train_dataloader, engine)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -230,6 +236,39 @@ class TrainerMixin:
             super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
             return
         engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft(self.model))
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """With decoupled saves ([Note: decoupled checkpoint writes]) the rotation of old checkpoints
+        (`save_total_limit`) waits for the commit: until then they are what a crashed run resumes from."""
+        engine, limit = self.engine, self.args.save_total_limit  # type: ignore[attr-defined]
+        if engine is None or not limit or not decoupled(engine):
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            return
+        self.args.save_total_limit = None  # type: ignore[attr-defined]
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            self.args.save_total_limit = limit  # type: ignore[attr-defined]
+        if engine._pending_save is not None and self.args.should_save:  # type: ignore[attr-defined]
+            engine._pending_save.after_commit(functools.partial(self._rotate_after_commit, trial, limit))
+
+    def _rotate_after_commit(self, trial: Any, limit: int) -> None:
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        try:
+            from transformers.trainer_utils import rotate_checkpoints  # transformers >= 5
+        except ImportError:  # 4.x: a Trainer method reading args.save_total_limit
+            self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)  # type: ignore[attr-defined]
+            return
+        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `train()`; a decoupled save still in flight at its end is committed (and the old
+        checkpoints rotated) before it returns, so the output folder is complete when the caller reads it."""
+        result = super().train(*args, **kwargs)  # type: ignore[misc]
+        if self.engine is not None:
+            self.engine.commit_checkpoint()
+        return result
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         pass  # the engine loads its checkpoint in _prepare_for_training

@@ -87,6 +87,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
 
     pipe: PipeContext
     topology: Topology
+    _saves_in_turns = True
 
     def save_checkpoint(
         self,

@@ -118,6 +118,9 @@ class Strategy(ABC):
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # where reduced gradients wait for the step, decided by the master's tier
         self.gradients_tier: GradientTier = policy.master_tier.gradients(copy_stream, policy.step.check_overflow)
+        # whether the boundary's backward already changes masters and optimizer state (stage 3's super_offload): a
+        # decoupled save commits before it then ([Note: decoupled checkpoint writes])
+        self.steps_in_backward = False
 
     # -- construction ----------------------------------------------------------------------------------
     @abstractmethod

@@ -132,6 +132,7 @@ class Stage3Strategy(Strategy):
         self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
         self.speculation = speculation_for(self.stepper, policy.speculation, self._grad_scale, device)
         self.reducer.speculation = self.speculation
+        self.steps_in_backward = self.speculation is not None
         self._state_dict_gathered: list[bool] = []
         # blocks the unit policy names that hold no unit (every parameter persistent): the divergence digest
         # still follows them ([Note: divergence check])

@@ -1,0 +1,45 @@
+"""`checkpoint.writer` ([Note: decoupled checkpoint writes]): which saves are decoupled, what is refused or warned."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from helpers.config_checks import warnings_of
+from zeroshard.checkpoint.decoupled import decoupled
+from zeroshard.config import parse_config
+from zeroshard.errors import ConfigError
+
+
+def _engine(writer: dict | None, in_turns: bool = False, **zero: object) -> SimpleNamespace:
+    raw: dict = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **zero}}
+    if writer is not None:
+        raw["checkpoint"] = {"writer": writer}
+    return SimpleNamespace(config=parse_config(raw), _saves_in_turns=in_turns)
+
+
+def test_which_engines_save_decoupled(log: pytest.LogCaptureFixture) -> None:
+    assert not decoupled(_engine(None))
+    assert not decoupled(_engine({"decoupled": False}))
+    assert decoupled(_engine({"decoupled": True}))
+    assert decoupled(_engine({"decoupled": True}, offload_optimizer={"device": "cpu"}))
+    swapped = _engine({"decoupled": True}, offload_optimizer={"device": "nvme", "nvme_path": "/tmp"})
+    assert not decoupled(swapped) and not decoupled(swapped)
+    said = [r.getMessage() for r in log.records if "checkpoint.writer.decoupled" in r.getMessage()]
+    assert said == [
+        "checkpoint.writer.decoupled: saves are written before save_checkpoint returns (offload_optimizer on NVMe)"
+    ]  # once per engine
+    assert not decoupled(_engine({"decoupled": True}, in_turns=True))
+    stage2 = _engine({"decoupled": True}, stage=2, offload_param={"device": "nvme", "nvme_path": "/tmp"})
+    assert decoupled(stage2)  # offload_param is ignored below stage 3: nothing is swapped
+
+
+def test_the_mock_writer_is_refused_and_the_aio_knobs_are_warned(log: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError, match='checkpoint.writer.type "MOCK"'):
+        parse_config({"checkpoint": {"writer": {"type": "mock"}}})
+    parse_config({"checkpoint": {"writer": {"type": "python", "decoupled": True, "io_buffer_size": 1 << 20}}})
+    warned = warnings_of(log)
+    assert warned == [
+        "zeroshard: checkpoint.writer.io_buffer_size=1048576 is accepted but not implemented yet; it has no effect"
+    ], warned
