@@ -147,8 +147,10 @@ def test_fp16_loss_scaler_on_cuda(stage: int) -> None:
         assert losses[-1] < losses[skipped] - 0.1, losses
 
 
-def _resume(rank: int, world_size: int, stage: int, root: str):
-    """Save after 4 steps, train 4 more; a fresh engine loads the save and trains the same 4: equal losses."""
+def _resume(rank: int, world_size: int, stage: int, root: str, decoupled: bool):
+    """Save after 4 steps, train 4 more; a fresh engine loads the save and trains the same 4: equal losses. With
+    `decoupled` the save's thread copies the GPU shards on its own stream while the next step runs
+    ([Note: decoupled checkpoint writes])."""
     import zeroshard
 
     case = Case(stage=stage, steps=8, dtype="bf16")
@@ -164,13 +166,17 @@ def _resume(rank: int, world_size: int, stage: int, root: str):
             out.append(loss.item())
         return out
 
-    def fresh():
+    def fresh(writer: dict | None = None):
         model = build_model(case)
-        return zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))[0]
+        config = ds_config(case)
+        if writer:
+            config["checkpoint"] = {"writer": writer}
+        return zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)[0]
 
-    engine = fresh()
+    engine = fresh({"decoupled": True} if decoupled else None)
     run(engine, range(4))
     engine.save_checkpoint(root)
+    assert decoupled == (engine._pending_save is not None)
     straight = run(engine, range(4, 8))
     engine.destroy()
     engine = fresh()
@@ -179,9 +185,10 @@ def _resume(rank: int, world_size: int, stage: int, root: str):
     return straight, resumed
 
 
+@pytest.mark.parametrize("decoupled", [False, True], ids=["sync", "decoupled"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_checkpoint_resume_on_cuda(stage: int, tmp_path) -> None:
-    for straight, resumed in run_on_ranks(_resume, WORLD_SIZES[-1], stage, str(tmp_path)):
+def test_checkpoint_resume_on_cuda(stage: int, decoupled: bool, tmp_path) -> None:
+    for straight, resumed in run_on_ranks(_resume, WORLD_SIZES[-1], stage, str(tmp_path), decoupled):
         assert straight == resumed
 
 
