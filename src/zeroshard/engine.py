@@ -433,7 +433,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
-        self.commit_checkpoint()
+        self.commit_checkpoint("destroy")
         release = getattr(self, "_gc_release", None)
         if release is not None:
             release()  # [Note: python gc per process]

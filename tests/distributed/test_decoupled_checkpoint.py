@@ -179,14 +179,70 @@ def _failed_write(rank: int, world_size: int, root: str):
     except Exception as e:  # noqa: BLE001 - compared below
         message = f"{type(e).__name__}: {e}"
     latest = open(os.path.join(root, "latest")).read()
-    return message, latest, sorted(os.listdir(root)), engine._pending_save is None
+    return message, latest, sorted(os.listdir(root))
 
 
 def test_a_failed_decoupled_write_is_raised_at_the_commit_on_every_rank(tmp_path):
-    for message, latest, listing, cleared in run_on_ranks(_failed_write, 2, str(tmp_path)):
+    for message, latest, listing in run_on_ranks(_failed_write, 2, str(tmp_path)):
         assert message.startswith("CheckpointError: save_checkpoint failed, nothing was committed: rank 1: no space")
         assert latest == "first" and listing == ["first", "latest"], (latest, listing)
-        assert cleared
+
+
+def _one_rank_gives_up(rank: int, world_size: int, root: str):
+    """Rank 1 fails after a decoupled save and destroys its engine while the exception is handled; rank 0 commits
+    (as at its next step, or at exit) before any collective would fail on the lost peer."""
+    engine = _engine("stage1", True, seed=1234)  # stage 3's destroy gathers: collective
+    _steps(engine, rank, world_size, 0, 1)
+    engine.save_checkpoint(root, tag="lost")
+    began = time.perf_counter()
+    if rank == 1:
+        try:
+            raise RuntimeError("rank 1's data pipeline failed")
+        except RuntimeError:
+            engine.destroy()  # gives the save up: rank 0 is told at once, not after the write timeout
+        return "", 0.0
+    try:
+        engine.commit_checkpoint()
+        return "", time.perf_counter() - began
+    except Exception as e:  # noqa: BLE001 - compared below
+        return f"{type(e).__name__}: {e}", time.perf_counter() - began
+
+
+def test_a_rank_that_gives_up_a_decoupled_save_fails_the_others_commit_at_once(tmp_path):
+    message, seconds = run_on_ranks(_one_rank_gives_up, 2, str(tmp_path))[0]
+    assert message == (
+        "CheckpointError: commit_checkpoint: rank 1 gave up (the engine was destroyed while an exception was raised), "
+        "nothing was committed; `latest` names the checkpoint before"
+    ), message
+    assert seconds < 30, seconds
+    assert not os.path.exists(tmp_path / "latest") and not os.path.exists(tmp_path / "lost")
+
+
+def _save_on_rank_0_only(rank: int, world_size: int, root: str):
+    """A decoupled save in flight, then `if rank == 0: engine.save_checkpoint(...)`: rank 0 commits the first save
+    alone while rank 1 trains on."""
+    os.environ["ZEROSHARD_CHECKPOINT_GRACE"] = "1"
+    engine = _engine("stage3", True, seed=1234)
+    _steps(engine, rank, world_size, 0, 1)
+    engine.save_checkpoint(root, tag="first")
+    began = time.perf_counter()
+    try:
+        if rank == 0:
+            engine.save_checkpoint(root, tag="second")
+        _steps(engine, rank, world_size, 1, 2)
+        return "", time.perf_counter() - began
+    except Exception as e:  # noqa: BLE001 - compared below
+        return f"{type(e).__name__}: {e}", time.perf_counter() - began
+
+
+def test_a_commit_on_some_ranks_only_is_named_in_seconds(tmp_path):
+    """The commit is a call of its own ([Note: one-rank checkpoint calls]): the rank that went on training is named
+    within seconds instead of rank 0 waiting out the write timeout."""
+    (message, seconds), _ = run_on_ranks(_save_on_rank_0_only, 2, str(tmp_path), timeout=120)
+    assert message.startswith(
+        "CheckpointError: save_checkpoint was called on rank(s) [0] only: rank 1 has been in engine."
+    ), message
+    assert seconds < 30, seconds
 
 
 def _save_and_leave(rank: int, world_size: int, root: str):

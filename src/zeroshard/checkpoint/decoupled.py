@@ -5,20 +5,26 @@ DeepSpeed's decoupled checkpoint engine hands the state to a writer process and 
 optimizer step, before the step changes what is being written. Here `save_checkpoint` runs the first phase of a
 save (the ranks agree on the tag, the free space is checked), takes on the main thread what must be read at the call
 (RNG state, scheduler, loss scaler, sampler, scalar optimizer state, the counters for metadata.json, copies of the
-module's buffers, which a forward may change), lists this rank's files with views of its shards (no copies: no
-extra memory) and returns; a thread of the rank writes and fsyncs them. The commit (rank 0 writes metadata.json,
-renames the directory and replaces `latest`; every rank gets the outcome) runs on every rank's main thread at the
-first of: the next optimizer step (`engine.step()` on a boundary, before the strategy changes anything), the next
-`save_checkpoint` or `load_checkpoint`, `offload_states`, `destroy`, `engine.commit_checkpoint()`, or the end of the
-process (atexit, unless it ends with an uncaught exception). Forward and backward overlap the writes. A crash
-before the commit leaves `latest` at the previous checkpoint ([Note: crash safety] holds); an error of the writes is
-raised by the commit, on every rank. On CUDA the thread copies on its own stream, after an event recorded at the
-call.
+module's buffers, which a forward may change), lists this rank's files with views of its shards (no copies of the
+model states; stage 3's packed units excepted) and returns; a thread of the rank writes and fsyncs them. On CUDA
+the thread copies on the engine's own stream, after an event recorded on the device's current stream at the call.
+
+The commit (rank 0 writes metadata.json, renames the directory and replaces `latest`; every rank gets the outcome)
+runs on every rank's main thread at the first of: the next optimizer step (`engine.step()` on a boundary, before the
+strategy changes anything; before the boundary's backward when the strategy steps during it, super_offload), the
+next `save_checkpoint` or `load_checkpoint`, `offload_states`, `destroy`, `engine.commit_checkpoint()`, or the end of
+the process (multiprocessing's exit hooks: atexit, and a multiprocessing worker's return). The ranks first meet as a
+checkpoint call of their own (`commit_checkpoint`), so a commit reached on some ranks only is named by the watch
+within seconds ([Note: one-rank checkpoint calls]). A rank that is failing gives the save up instead (`abandon`:
+its absence and its phase-2 error are posted without waiting), so the others' commit raises at once; `latest`
+keeps naming the checkpoint before. What changes state outside the step (`safe_set_full_*`, a modifier rank's
+GatheredParameters) first waits for this process's writer threads (`wait_for_writes`, not collective). Forward and
+backward overlap the writes. A crash before the commit leaves `latest` at the previous checkpoint ([Note: crash
+safety] holds); an error of the writes is raised by the commit, on every rank.
 
 Written before the call returns instead, with one log line: state swapped to NVMe (`offload_optimizer` or
 `offload_param` device "nvme": the swap buffers belong to training) and pipeline engines (their stages save in
-turns, [Note: pipeline checkpoints]). Anything else that changes the shards before the commit (a script writing
-into parameters outside `engine.step()`) would be written half-changed: commit first (`engine.commit_checkpoint()`).
+turns, [Note: pipeline checkpoints]).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.save import SaveCall, finish_save
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -58,50 +66,84 @@ def decoupled(engine: Any) -> bool:
 
 
 class PendingSave:
-    """A decoupled save between its call and its commit; the writer thread starts at once."""
+    """A decoupled save between its call and its commit; the writer thread starts at once. `stream`: the engine's
+    own CUDA stream for the thread's copies (None on the CPU)."""
 
-    def __init__(self, call: SaveCall, device: torch.device):
+    def __init__(self, call: SaveCall, stream: torch.cuda.Stream | None = None):
         self.call = call
         self._after_commit: list[Callable[[], None]] = []
+        self._stream = stream
         self._ready = None
-        if device.type == "cuda":  # what the call's views hold is complete once the current stream gets here
+        if stream is not None:  # what the call's views hold is complete once the device's current stream gets here
             self._ready = torch.cuda.Event()
-            self._ready.record()
-        self.device = device
+            self._ready.record(torch.cuda.current_stream(stream.device))
         self.thread = threading.Thread(target=self._write, name=f"zeroshard-checkpoint-{call.tag}")
         self.thread.start()
-        _PENDING.add(self)
+        _PENDING.append(self)
         _hook_exit()
 
     def _write(self) -> None:
-        with self._stream():
+        with self._on_stream():
             self.call.write()
 
     @contextlib.contextmanager
-    def _stream(self) -> Iterator[None]:
-        if self._ready is None:
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None or self._ready is None:
             yield
             return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_event(self._ready)
-        with torch.cuda.stream(stream):
+        self._stream.wait_event(self._ready)
+        with torch.cuda.stream(self._stream):
             yield
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the main thread once the checkpoint is committed (the HF Trainer's checkpoint rotation)."""
         self._after_commit.append(fn)
 
-    def commit(self) -> bool:
-        """Wait for this rank's writes, then commit on every rank (collective); raises what failed on any rank."""
-        _PENDING.discard(self)
+    def commit(self, op: str = "commit_checkpoint") -> bool:
+        """Wait for this rank's writes, then commit on every rank (collective); raises what failed on any rank.
+        The ranks first meet as a call of their own (`op` names it): a rank that commits alone (a save or load on
+        some ranks only) is named in seconds, as for any checkpoint call ([Note: one-rank checkpoint calls])."""
+        _forget(self)
+        sync = self.call.sync
+        meeting = RankSync(op, sync.rank, sync.world_size, sync.store)
+        tags = [h["tag"] for h in meeting.all_gather(ENTRY_PHASE, {"tag": self.call.tag}, entry_timeout())]
+        if len(set(tags)) > 1:
+            raise CheckpointError(f"{op}: the ranks commit different decoupled saves {tags}; they went out of step")
         self.thread.join()
         finish_save(self.call)
         for fn in self._after_commit:
             fn()
         return True
 
+    def abandon(self, why: str) -> None:
+        """Give the save up without waiting for the other ranks (this rank is failing): their commit raises `why`
+        at once instead of waiting for this rank; `latest` keeps naming the checkpoint before."""
+        _forget(self)
+        sync = self.call.sync
+        RankSync("commit_checkpoint", sync.rank, sync.world_size, sync.store).abandon(why)
+        self.call.abandon(f"gave up ({why})")
+        logger.warning(f"the decoupled checkpoint {self.call.tag} was not committed: {why}")
 
-_PENDING: set[PendingSave] = set()  # strong: a script may drop its engine before the end
+
+_PENDING: list[PendingSave] = []  # in the order of the calls (the same on every rank); strong references
+
+
+def _forget(pending: PendingSave) -> None:
+    if pending in _PENDING:
+        _PENDING.remove(pending)
+
+
+def wait_for_writes() -> None:
+    """Wait for this process's writer threads (not collective): what writes state outside `engine.step()`
+    (safe_set_full_*, a modifier rank's GatheredParameters) calls it, so no file gets a half-changed tensor."""
+    for pending in list(_PENDING):
+        pending.thread.join()
+
+
+def abandon_all(why: str) -> None:
+    """Give up every pending save of this process (it is failing; `zeroshard train` calls it on an error)."""
+    for pending in list(_PENDING):
+        pending.abandon(why)
 
 
 def _failing() -> bool:
@@ -115,15 +157,11 @@ def _failing() -> bool:
 
 def _commit_at_exit() -> None:
     """A script that saves and ends: its last decoupled save is committed, not lost ([Note: decoupled checkpoint
-    writes]). Not when the process ends with an error: the other ranks may be in a collective and never commit."""
+    writes]). Not when the process ends with an error: the others are told at once instead of waiting."""
+    if _failing():
+        abandon_all("the process ended with an error before the commit")
+        return
     for pending in list(_PENDING):
-        if _failing():
-            _PENDING.discard(pending)
-            logger.warning(
-                f"the decoupled checkpoint {pending.call.tag} was not committed: the process ends with an error "
-                "(latest still names the previous checkpoint)"
-            )
-            continue
         try:
             pending.commit()
         except Exception as e:  # noqa: BLE001 - at exit: say it, nothing else can

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint import save as _save
@@ -26,6 +29,7 @@ class CheckpointMixin:
     """
 
     _pending_save: PendingSave | None = None  # a decoupled save between its call and its commit
+    _checkpoint_stream: torch.cuda.Stream | None = None
     _saves_in_turns = False  # pipeline engines: their stages save one after another ([Note: pipeline checkpoints])
 
     def save_checkpoint(
@@ -48,7 +52,7 @@ class CheckpointMixin:
         once the ranks agreed, writes on a thread and commits at the next optimizer step ([Note: decoupled
         checkpoint writes]).
         """
-        self.commit_checkpoint()
+        self.commit_checkpoint("save_checkpoint")
         deferred = decoupled(self)
         call = _save.start_save(
             self,  # type: ignore[arg-type]
@@ -61,18 +65,32 @@ class CheckpointMixin:
         )
         if not deferred:
             return _save.finish_save(call)
-        self._pending_save = PendingSave(call, self.device)  # type: ignore[attr-defined]
+        self._pending_save = PendingSave(call, self._writer_stream())
         return True
 
-    def commit_checkpoint(self) -> bool:
+    def _writer_stream(self) -> torch.cuda.Stream | None:
+        """The engine's one CUDA stream for its writer thread's copies (a stream from torch's shared pool could be
+        one the strategy copies on)."""
+        device: torch.device = self.device  # type: ignore[attr-defined]
+        if device.type != "cuda":
+            return None
+        if self._checkpoint_stream is None:
+            self._checkpoint_stream = torch.cuda.Stream(device)
+        return self._checkpoint_stream
+
+    def commit_checkpoint(self, op: str = "commit_checkpoint") -> bool:
         """Finish the decoupled save in flight, if any (collective): wait for this rank's writes, commit on every
         rank, raise what failed on any. The engine calls it at the next optimizer step, save, load,
-        offload_states and destroy, and at exit; False when there was none."""
+        offload_states and destroy, and at exit; False when there was none. A rank that is failing gives it up
+        instead (`destroy()` inside an exception), so the others learn it at once rather than waiting."""
         pending = self._pending_save
         if pending is None:
             return False
         self._pending_save = None
-        return pending.commit()
+        if sys.exc_info()[1] is not None and op == "destroy":
+            pending.abandon("the engine was destroyed while an exception was raised")
+            return False
+        return pending.commit(op)
 
     def load_checkpoint(
         self,
@@ -94,7 +112,7 @@ class CheckpointMixin:
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: restore the module weights only (warm start).
         """
-        self.commit_checkpoint()
+        self.commit_checkpoint("load_checkpoint")
         return _load.load_checkpoint(
             self,  # type: ignore[arg-type]
             load_dir,

@@ -97,10 +97,23 @@ class RankSync:
                 "every rank (raise ZEROSHARD_CHECKPOINT_GRACE if this rank is just that slow)"
             )
 
+    def abandon(self, doing: str) -> None:
+        """Arrive as absent, without waiting (this rank is failing): the others' entry ends at once, naming `doing`
+        ([Note: one-rank checkpoint calls] posts the same for a rank found training)."""
+        if self.store is not None and self.world_size > 1:
+            payload = json.dumps({"absent": doing, "failing": True})
+            self.store.compare_set(self._key(ENTRY_PHASE, self.rank), "", payload)
+
     def _raise_if_absent(self, payloads: list[Any]) -> None:
         absent = [(r, p["absent"]) for r, p in enumerate(payloads) if isinstance(p, dict) and "absent" in p]
         if not absent:
             return
+        failing = [(r, p["absent"]) for r, p in enumerate(payloads) if isinstance(p, dict) and p.get("failing")]
+        if failing:
+            raise CheckpointError(
+                f"{self.op}: " + "; ".join(f"rank {r} gave up ({what})" for r, what in failing) + ", nothing was "
+                "committed; `latest` names the checkpoint before"
+            )
         present = [r for r, p in enumerate(payloads) if not (isinstance(p, dict) and "absent" in p)]
         doing = "; ".join(f"rank {r} has been {what} instead" for r, what in absent)
         why = " (rank 0 writes the shared files itself)" if self.op == "save_checkpoint" else ""

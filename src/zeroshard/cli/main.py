@@ -44,14 +44,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog: str) -> int:
     """Call `run(args)`; turn expected errors into one line on stderr and an exit code. With several ranks,
     only the rank that failed first reports ([Note: one failure report])."""
-    from zeroshard.cli.failures import first_failed_rank, job_rank, lost_a_peer
-    from zeroshard.errors import ConfigError, ZeroshardError
+    from zeroshard.cli.failures import job_rank
 
     rank = job_rank()
     if rank is not None:
         prog = f"{prog} [rank {rank}]"
     try:
         return run(args)
+    except (Exception, KeyboardInterrupt):
+        from zeroshard.checkpoint.decoupled import abandon_all
+
+        abandon_all("the command failed before the commit")  # the exit code says it, not an exception at exit
+        return _report(prog, rank, args)
+
+
+def _report(prog: str, rank: int | None, args: argparse.Namespace) -> int:
+    """The line and exit code of the exception being handled."""
+    from zeroshard.cli.failures import first_failed_rank, lost_a_peer
+    from zeroshard.errors import ConfigError, ZeroshardError
+
+    try:
+        raise
     except KeyboardInterrupt:
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130

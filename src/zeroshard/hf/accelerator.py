@@ -284,6 +284,14 @@ class Accelerator(accelerate.Accelerator):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
+    def save_state(self, *args: Any, **kwargs: Any) -> Any:
+        """accelerate's, after committing a decoupled save still in flight: with `total_limit`, accelerate deletes
+        the oldest folders before it saves ([Note: decoupled checkpoint writes])."""
+        for model in self._models:
+            if isinstance(model, Engine):
+                model.commit_checkpoint("save_checkpoint")
+        return super().save_state(*args, **kwargs)
+
     def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
         """The full weights (every rank must call it). Stage 3: in the compute dtype on rank 0 (None elsewhere), and
         only with `stage3_gather_16bit_weights_on_model_save`, as under DeepSpeed; stages 0-2: a CPU copy of the

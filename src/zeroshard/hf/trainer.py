@@ -26,6 +26,7 @@ Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_typ
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -180,9 +181,10 @@ class TrainerMixin:
         if resume_from_checkpoint is not None:
             path, _ = engine.load_checkpoint(resume_from_checkpoint, load_module_strict=not _is_peft(self.model))
             if path is None:
+                before = _committed_before(resume_from_checkpoint)
                 raise ConfigError(
                     f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint} (a decoupled save that was "
-                    "never committed leaves none: resume from the checkpoint before it)"
+                    "never committed leaves none)" + (f"; the last committed one is {before}" if before else "")
                 )
         if self._ulysses is not None:  # [Note: the Trainer's sequence parallelism]
             train_dataloader = self.accelerator.deepspeed_ulysses_dl_adapter(train_dataloader, engine)
@@ -249,26 +251,44 @@ class TrainerMixin:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             self.args.save_total_limit = limit  # type: ignore[attr-defined]
-        if engine._pending_save is not None and self.args.should_save:  # type: ignore[attr-defined]
-            engine._pending_save.after_commit(functools.partial(self._rotate_after_commit, trial, limit))
+        if not self.args.should_save:  # type: ignore[attr-defined]
+            return
+        rotate = functools.partial(self._rotate_after_commit, trial, limit)
+        if engine._pending_save is None:  # nothing of the engine's was saved (save_only_model)
+            rotate()
+        else:
+            engine._pending_save.after_commit(rotate)
 
     def _rotate_after_commit(self, trial: Any, limit: int) -> None:
         run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
         try:
             from transformers.trainer_utils import rotate_checkpoints  # transformers >= 5
         except ImportError:  # 4.x: a Trainer method reading args.save_total_limit
-            self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)  # type: ignore[attr-defined]
+            self._rotate_checkpoints(use_mtime=False, output_dir=run_dir)  # type: ignore[attr-defined]
             return
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The last checkpoint is committed (and the old ones rotated) before transformers deletes checkpoints for
+        save_total_limit 1, loads the best model, runs on_train_end and finishes its upload."""
+        self._commit_pending()
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        self._commit_pending()  # the upload reads the folder: committed first (every rank comes here)
+        super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' `train()`; a decoupled save still in flight at its end is committed (and the old
-        checkpoints rotated) before it returns, so the output folder is complete when the caller reads it."""
+        """transformers' `train()`, returning with no decoupled save in flight (transformers 4.x has no
+        `_finalize_training`)."""
         result = super().train(*args, **kwargs)  # type: ignore[misc]
+        self._commit_pending()
+        return result
+
+    def _commit_pending(self) -> None:
         if self.engine is not None:
             self.engine.commit_checkpoint()
-        return result
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         pass  # the engine loads its checkpoint in _prepare_for_training
@@ -333,3 +353,14 @@ def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def _committed_before(folder: str) -> str | None:
+    """The newest `checkpoint-N` beside `folder` that holds a committed zeroshard checkpoint (a `latest`)."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    found = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        step = name.rpartition("-")[2]
+        if name.startswith("checkpoint-") and step.isdigit() and os.path.exists(os.path.join(parent, name, "latest")):
+            found.append((int(step), os.path.join(parent, name)))
+    return max(found)[1] if found else None

@@ -55,6 +55,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     and the parameter the next forward uses. Nothing for a parameter no engine trains, as in DeepSpeed."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
+        _wait_for_writes()
         strategy.set_full_fp32_param(param, value)
 
 
@@ -63,4 +64,12 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     the key before the optimizer created it (its first step)."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
+        _wait_for_writes()
         strategy.set_full_optimizer_state(param, value, optim_state_key)
+
+
+def _wait_for_writes() -> None:
+    """A decoupled save's thread must have written the old values first ([Note: decoupled checkpoint writes])."""
+    from zeroshard.checkpoint.decoupled import wait_for_writes  # zeroshard.utils is imported before checkpoint
+
+    wait_for_writes()

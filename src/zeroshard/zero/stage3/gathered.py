@@ -52,6 +52,10 @@ class GatheredParameters:
 
     def __exit__(self, *exc: object) -> None:
         modifier_rank = self.modifier_rank if exc[0] is None else None
+        if modifier_rank is not None and self._plan:
+            from zeroshard.checkpoint.decoupled import wait_for_writes
+
+            wait_for_writes()  # the shards change: a decoupled save's thread must have written them
         for strategy, held in self._plan:
             strategy.gather_end(held, modifier_rank)
         self._plan.clear()
