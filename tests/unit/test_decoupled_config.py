@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.config_checks import warnings_of
-from zeroshard.checkpoint.decoupled import decoupled
+from zeroshard.checkpoint.decoupled import decoupled, failing
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
 
@@ -43,3 +43,19 @@ def test_the_mock_writer_is_refused_and_the_aio_knobs_are_warned(log: pytest.Log
     assert warned == [
         "zeroshard: checkpoint.writer.io_buffer_size=1048576 is accepted but not implemented yet; it has no effect"
     ], warned
+
+
+def test_which_exits_count_as_failing() -> None:
+    """Given up rather than committed: an exception being handled, unless it is the one the save was made under (an
+    emergency save in an `except` block), and a non-zero SystemExit."""
+    assert not failing()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as during:
+        assert failing()
+        assert not failing(during)
+    for code, expected in ((0, False), (None, False), (1, True)):
+        try:
+            raise SystemExit(code)
+        except SystemExit:
+            assert failing() == expected, code

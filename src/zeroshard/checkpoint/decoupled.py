@@ -30,10 +30,13 @@ turns, [Note: pipeline checkpoints]).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing.util
 import os
+import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +44,7 @@ import torch
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.save import SaveCall, finish_save
-from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, phase_key, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -65,19 +68,25 @@ def decoupled(engine: Any) -> bool:
     return False
 
 
+COMMIT = "commit_checkpoint"  # the store keys of every commit, whatever call reached it (messages name the call)
+
+
 class PendingSave:
     """A decoupled save between its call and its commit; the writer thread starts at once. `stream`: the engine's
     own CUDA stream for the thread's copies (None on the CPU)."""
 
     def __init__(self, call: SaveCall, stream: torch.cuda.Stream | None = None):
         self.call = call
+        self.pid = os.getpid()  # a forked child inherits the list, not the save
+        self.during = sys.exc_info()[1]  # an exception being handled at the call (an emergency save)
         self._after_commit: list[Callable[[], None]] = []
         self._stream = stream
         self._ready = None
         if stream is not None:  # what the call's views hold is complete once the device's current stream gets here
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(stream.device))
-        self.thread = threading.Thread(target=self._write, name=f"zeroshard-checkpoint-{call.tag}")
+        # a daemon: a failing process gives the save up at once instead of first waiting for its writes
+        self.thread = threading.Thread(target=self._write, name=f"zeroshard-checkpoint-{call.tag}", daemon=True)
         self.thread.start()
         _PENDING.append(self)
         _hook_exit()
@@ -99,32 +108,59 @@ class PendingSave:
         """Run `fn` on the main thread once the checkpoint is committed (the HF Trainer's checkpoint rotation)."""
         self._after_commit.append(fn)
 
-    def commit(self, op: str = "commit_checkpoint") -> bool:
+    def commit(self, op: str = COMMIT) -> bool:
         """Wait for this rank's writes, then commit on every rank (collective); raises what failed on any rank.
-        The ranks first meet as a call of their own (`op` names it): a rank that commits alone (a save or load on
-        some ranks only) is named in seconds, as for any checkpoint call ([Note: one-rank checkpoint calls])."""
+        The ranks first meet as a checkpoint call of their own: a rank that commits alone (a save or load on some
+        ranks only) is named in seconds, as for any checkpoint call ([Note: one-rank checkpoint calls]); `op` is the
+        call that reached the commit, for the messages."""
         _forget(self)
-        sync = self.call.sync
-        meeting = RankSync(op, sync.rank, sync.world_size, sync.store)
-        tags = [h["tag"] for h in meeting.all_gather(ENTRY_PHASE, {"tag": self.call.tag}, entry_timeout())]
-        if len(set(tags)) > 1:
-            raise CheckpointError(f"{op}: the ranks commit different decoupled saves {tags}; they went out of step")
+        call, sync = self.call, self.call.sync
+        meeting = RankSync(COMMIT, sync.rank, sync.world_size, sync.store)
+        try:
+            saves = meeting.all_gather(ENTRY_PHASE, {"tag": call.tag, "nonce": call.nonce}, write_timeout())
+            if len({s["nonce"] for s in saves}) > 1:
+                tags = [s["tag"] for s in saves]
+                raise CheckpointError(f"the ranks commit different decoupled saves {tags}; they went out of step")
+        except Exception as e:
+            _give_up_entry(meeting, f"its commit failed: {e}", overwrite=True)  # a rank arriving later fails at once
+            self.thread.join()
+            if sync.rank == 0:
+                shutil.rmtree(call.tmp_dir, ignore_errors=True)
+            reason = str(e).removeprefix(f"{COMMIT}: ")
+            raise CheckpointError(f"{op}: the decoupled save {call.tag} was not committed: {reason}") from e
         self.thread.join()
-        finish_save(self.call)
+        finish_save(call)
         for fn in self._after_commit:
             fn()
         return True
 
     def abandon(self, why: str) -> None:
-        """Give the save up without waiting for the other ranks (this rank is failing): their commit raises `why`
-        at once instead of waiting for this rank; `latest` keeps naming the checkpoint before."""
+        """Give the save up without waiting for the other ranks' writes (this rank is failing): their commit raises
+        `why` at once instead of waiting for this rank; `latest` is unchanged. Never raises (the store may be gone
+        with the rank that failed first)."""
         _forget(self)
         sync = self.call.sync
-        RankSync("commit_checkpoint", sync.rank, sync.world_size, sync.store).abandon(why)
-        self.call.abandon(f"gave up ({why})")
+        try:
+            _give_up_entry(RankSync(COMMIT, sync.rank, sync.world_size, sync.store, announce=False), why)
+        except Exception as e:  # noqa: BLE001 - failing already: say it, do not replace the error
+            logger.warning(f"could not tell the other ranks that this rank gives its save up: {e}")
         logger.warning(f"the decoupled checkpoint {self.call.tag} was not committed: {why}")
 
 
+def _give_up_entry(meeting: RankSync, why: str, overwrite: bool = False) -> None:
+    """This rank's entry of the commit call says it failed; rank 0, which usually hosts the store, waits a little
+    for the others to come and read it before it goes."""
+    meeting.abandon(why, overwrite)
+    store = meeting.store
+    if store is None or meeting.world_size == 1 or meeting.rank != 0:
+        return
+    others = [phase_key(meeting.call, meeting.op, ENTRY_PHASE, r) for r in range(1, meeting.world_size)]
+    with contextlib.suppress(Exception):
+        store.wait(others, datetime.timedelta(seconds=GIVE_UP_LINGER_S))
+        time.sleep(0.5)
+
+
+GIVE_UP_LINGER_S = 5.0
 _PENDING: list[PendingSave] = []  # in the order of the calls (the same on every rank); strong references
 
 
@@ -133,37 +169,45 @@ def _forget(pending: PendingSave) -> None:
         _PENDING.remove(pending)
 
 
+def _mine() -> list[PendingSave]:
+    return [p for p in _PENDING if p.pid == os.getpid()]
+
+
 def wait_for_writes() -> None:
     """Wait for this process's writer threads (not collective): what writes state outside `engine.step()`
     (safe_set_full_*, a modifier rank's GatheredParameters) calls it, so no file gets a half-changed tensor."""
-    for pending in list(_PENDING):
+    for pending in _mine():
         pending.thread.join()
 
 
 def abandon_all(why: str) -> None:
     """Give up every pending save of this process (it is failing; `zeroshard train` calls it on an error)."""
-    for pending in list(_PENDING):
+    for pending in _mine():
         pending.abandon(why)
 
 
-def _failing() -> bool:
-    """Whether the process is ending with an error: an uncaught exception (`sys.last_value`), or a multiprocessing
-    worker whose target raised (its exit hooks run while the exception propagates; a non-zero `sys.exit` too)."""
+def failing(during: BaseException | None = None) -> bool:
+    """Whether the process is failing: an uncaught exception (`sys.last_value`), an exception being handled other
+    than `during` (the one a save was made under), or in a multiprocessing worker a target that raised (its exit
+    hooks run while the exception propagates; a non-zero `sys.exit` too)."""
     error = sys.exc_info()[1]
     if isinstance(error, SystemExit):
         return error.code not in (None, 0)
-    return error is not None or getattr(sys, "last_value", None) is not None
+    if error is not None and error is not during:
+        return True
+    return getattr(sys, "last_value", None) is not None
 
 
 def _commit_at_exit() -> None:
     """A script that saves and ends: its last decoupled save is committed, not lost ([Note: decoupled checkpoint
-    writes]). Not when the process ends with an error: the others are told at once instead of waiting."""
-    if _failing():
-        abandon_all("the process ended with an error before the commit")
-        return
-    for pending in list(_PENDING):
+    writes]). When the process ends with an error, the save is given up and the others told at once (with one
+    process, where no other rank can wait, it is committed all the same)."""
+    for pending in _mine():
+        if failing() and pending.call.sync.world_size > 1:
+            pending.abandon("the process ended with an error before the commit")
+            continue
         try:
-            pending.commit()
+            pending.commit("exit")
         except Exception as e:  # noqa: BLE001 - at exit: say it, nothing else can
             logger.error(f"the decoupled checkpoint {pending.call.tag} could not be committed at exit: {e}")
 

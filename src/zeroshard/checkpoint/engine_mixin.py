@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 
 from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint import save as _save
-from zeroshard.checkpoint.decoupled import PendingSave, decoupled
+from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
 
 
 class CheckpointMixin:
@@ -87,7 +86,7 @@ class CheckpointMixin:
         if pending is None:
             return False
         self._pending_save = None
-        if sys.exc_info()[1] is not None and op == "destroy":
+        if op == "destroy" and failing(pending.during):
             pending.abandon("the engine was destroyed while an exception was raised")
             return False
         return pending.commit(op)

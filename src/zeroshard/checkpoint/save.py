@@ -13,7 +13,6 @@ A decoupled save (`checkpoint.writer.decoupled`) returns after phase 1, writes o
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -30,14 +29,7 @@ from zeroshard.checkpoint.rank_files import RankFiles, add_rank_files, optimizer
 from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.space import bytes_to_write, check_space, describe_write_error, rank_bytes, space_report
 from zeroshard.checkpoint.state import ModelPiece, ShardedState
-from zeroshard.checkpoint.sync import (
-    ENTRY_PHASE,
-    RankSync,
-    describe_errors,
-    entry_timeout,
-    phase_key,
-    write_timeout,
-)
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -237,18 +229,6 @@ class SaveCall:
     def fail(self, error: Exception) -> None:
         self.payload["error"] = describe_write_error(error, self.tmp_dir, self.need)
         self.local_error = error
-
-    def abandon(self, why: str) -> None:
-        """This rank gives up before the commit (it is failing), without waiting: rank 0 is told through this rank's
-        phase-2 report, the others through rank 0's outcome when this is rank 0; `latest` keeps its checkpoint."""
-        sync = self.sync
-        if sync.store is None or sync.world_size == 1:
-            return
-        report = {"error": why, "manifest": None}
-        sync.store.set(phase_key(sync.call, sync.op, "written", sync.rank), json.dumps(report))
-        if sync.rank == 0:
-            outcome = {"error": f"save_checkpoint failed, nothing was committed: rank 0: {why}"}
-            sync.store.set(phase_key(sync.call, sync.op, "committed", 0), json.dumps(outcome))
 
     def write(self) -> None:
         """Phase 2 for the files listed but not yet written (a decoupled save's, on its thread)."""

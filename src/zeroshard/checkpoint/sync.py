@@ -70,7 +70,9 @@ def default_store() -> dist.Store | None:
 class RankSync:
     """Phases of one collective checkpoint call. `op` names the call in error messages."""
 
-    def __init__(self, op: str, rank: int, world_size: int, store: dist.Store | None = None):
+    def __init__(
+        self, op: str, rank: int, world_size: int, store: dist.Store | None = None, announce: bool = True
+    ) -> None:
         self.op = op
         self.rank = rank
         self.world_size = world_size
@@ -80,7 +82,8 @@ class RankSync:
         self.call = 0
         if self.store is not None and world_size > 1:
             self.call = int(self.store.add(call_counter_key(rank), 1))
-            self.store.set(open_key(self.call), json.dumps({"op": op, "rank": rank}))
+            if announce:  # not for a rank that only gives the call up: the others' watch must not take it as begun
+                self.store.set(open_key(self.call), json.dumps({"op": op, "rank": rank}))
 
     def _key(self, phase: str, rank: int) -> str:
         return phase_key(self.call, self.op, phase, rank)
@@ -97,12 +100,16 @@ class RankSync:
                 "every rank (raise ZEROSHARD_CHECKPOINT_GRACE if this rank is just that slow)"
             )
 
-    def abandon(self, doing: str) -> None:
-        """Arrive as absent, without waiting (this rank is failing): the others' entry ends at once, naming `doing`
-        ([Note: one-rank checkpoint calls] posts the same for a rank found training)."""
+    def abandon(self, doing: str, overwrite: bool = False) -> None:
+        """Arrive as failing, without waiting: the others' entry ends at once, naming `doing` ([Note: one-rank
+        checkpoint calls] posts the same for a rank found training). `overwrite`: replace this rank's own arrival
+        (its wait for the others failed: those still to come must not wait for it)."""
         if self.store is not None and self.world_size > 1:
-            payload = json.dumps({"absent": doing, "failing": True})
-            self.store.compare_set(self._key(ENTRY_PHASE, self.rank), "", payload)
+            key, payload = self._key(ENTRY_PHASE, self.rank), json.dumps({"absent": doing, "failing": True})
+            if overwrite:
+                self.store.set(key, payload)
+            else:
+                self.store.compare_set(key, "", payload)
 
     def _raise_if_absent(self, payloads: list[Any]) -> None:
         absent = [(r, p["absent"]) for r, p in enumerate(payloads) if isinstance(p, dict) and "absent" in p]
@@ -111,8 +118,8 @@ class RankSync:
         failing = [(r, p["absent"]) for r, p in enumerate(payloads) if isinstance(p, dict) and p.get("failing")]
         if failing:
             raise CheckpointError(
-                f"{self.op}: " + "; ".join(f"rank {r} gave up ({what})" for r, what in failing) + ", nothing was "
-                "committed; `latest` names the checkpoint before"
+                f"{self.op}: " + "; ".join(f"rank {r} gave up ({what})" for r, what in failing) + "; `latest` is "
+                "unchanged"
             )
         present = [r for r, p in enumerate(payloads) if not (isinstance(p, dict) and "absent" in p)]
         doing = "; ".join(f"rank {r} has been {what} instead" for r, what in absent)

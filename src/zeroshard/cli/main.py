@@ -54,8 +54,10 @@ def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
     except (Exception, KeyboardInterrupt):
         from zeroshard.checkpoint.decoupled import abandon_all
 
-        abandon_all("the command failed before the commit")  # the exit code says it, not an exception at exit
-        return _report(prog, rank, args)
+        try:
+            return _report(prog, rank, args)  # first: the rank that failed first claims it before others hear
+        finally:
+            abandon_all("the command failed before the commit")  # the exit code says it, not an exception at exit
 
 
 def _report(prog: str, rank: int | None, args: argparse.Namespace) -> int:

@@ -276,8 +276,15 @@ class TrainerMixin:
         return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        self._commit_pending()  # the upload reads the folder: committed first (every rank comes here)
+        strategy = getattr(self.args, "hub_strategy", None)  # type: ignore[attr-defined]
+        if str(getattr(strategy, "value", strategy)) in ("checkpoint", "all_checkpoints"):
+            self._commit_pending()  # the checkpoint folder is uploaded: committed first (every rank comes here)
         super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
+
+    def _sorted_checkpoints(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers 4.x's end-of-training cleanup lists (and may delete) checkpoints here: committed first."""
+        self._commit_pending()
+        return super()._sorted_checkpoints(*args, **kwargs)  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' `train()`, returning with no decoupled save in flight (transformers 4.x has no
