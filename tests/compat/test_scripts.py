@@ -110,7 +110,8 @@ CASES = [
     Case("unit_test_ds_initialize", "test_ds_initialize.py"),
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
-    Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
+    # slow (CI budget): `latest` and tag handling at load are tests/distributed/test_checkpoint.py's
+    Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",), slow=True),
     # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
     # process on a machine without an accelerator (2 ranks: test_accelerate_script_on_two_ranks)
     Case(

@@ -18,7 +18,7 @@ from helpers.parity import TINY, Case, ds_config, flat_params, global_batches, m
 
 K, M = 2, 3  # optimizer steps before the save, steps after it
 GAS = 2
-SLOW_WRITE_S = 0.4  # each file of the decoupled save takes this long more: the save is seen to overlap training
+SLOW_WRITE_S = 0.25  # each file of the decoupled save takes this long more: the save is seen to overlap training
 
 
 class Counter(torch.nn.Module):

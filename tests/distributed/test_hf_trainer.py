@@ -290,6 +290,9 @@ def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[s
     return {"whole": whole, "streamed": streamed, "model_init": from_init, "meta": built.lm_head.weight.is_meta}
 
 
+# slow (CI budget): streaming under zero_init is tests/distributed/test_streaming_load.py's and
+# test_fsdp2_models.py's; the Trainer's own path to the engine runs in the other tests here
+@pytest.mark.slow
 def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
     folder = str(tmp_path / "llama")
     tiny_llama().save_pretrained(folder)
