@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.script_ranks import script_on_ranks
+
 HERE = Path(__file__).parent
 SCRIPTS = HERE / "scripts"
 REFERENCE = HERE / "reference_losses.json"
@@ -171,22 +173,42 @@ PIPELINE = Case(
 )
 
 
-def run_script(case: Case, lib: str, tmp: Path) -> subprocess.CompletedProcess[str]:
-    """Launch `case` on 2 local gloo ranks with COMPAT_LIB=`lib`."""
+def run_script(case: Case, lib: str, tmp: Path, accelerate_launch: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run `case` on `case.nproc` local gloo ranks with COMPAT_LIB=`lib`: zeroshard's on ranks forked with torch
+    and zeroshard imported (helpers/script_ranks.py), DeepSpeed's under torchrun; with `accelerate_launch`, by
+    `zeroshard accelerate-launch` from an accelerate config file naming its ds_config."""
     tmp.mkdir(parents=True, exist_ok=True)
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     if case.ds_config is not None:
         config = tmp / "ds_config.json"
         config.write_text(json.dumps(case.ds_config))
         args += ["--deepspeed_config", str(config)]
-    env = {**os.environ, "COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **dict(case.env)}
+    added = {"COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **dict(case.env)}
+    env = {**os.environ, **added}
     if case.accelerate_config is not None:
         config = tmp / "ds_config.json"
         config.write_text(json.dumps(case.accelerate_config))
-        env.update({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
+        if not accelerate_launch:
+            added.update({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
+            env.update(added)
+    if lib == "zeroshard" and not accelerate_launch:  # forked ranks (DeepSpeed's runs keep their own processes)
+        return script_on_ranks(str(SCRIPTS / case.script), args, case.nproc, added, str(tmp))
     src = str(HERE.parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case.nproc)]
+    if accelerate_launch:  # what `accelerate config` writes for a DeepSpeed config file
+        answers = {
+            "compute_environment": "LOCAL_MACHINE",
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": str(tmp / "ds_config.json"), "zero3_init_flag": False},
+            "num_machines": 1,
+            "num_processes": case.nproc,
+            "main_process_port": 0,  # a free one
+            "use_cpu": False,
+        }
+        (tmp / "accelerate.yaml").write_text(json.dumps(answers))  # YAML reads JSON
+        command = [sys.executable, "-m", "zeroshard.cli.main", "accelerate-launch", "--config_file"]
+        command.append(str(tmp / "accelerate.yaml"))
     return subprocess.run(
         [*command, str(SCRIPTS / case.script), *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
     )
@@ -294,9 +316,10 @@ def test_accelerate_script_zero3_on_two_ranks(tmp_path: Path) -> None:
 
 
 def test_accelerate_script_without_deepspeed(tmp_path: Path) -> None:
-    """The ZeRO-3 case above with DeepSpeed hidden (scripts/without_deepspeed.py), as on a machine without it:
-    accelerate then exports neither DummyOptim nor the names its save_state/load_state use; the losses, learning
-    rates and evaluations are still DeepSpeed's."""
+    """The ZeRO-3 case above with DeepSpeed hidden (scripts/without_deepspeed.py), as on a machine without it, and
+    launched as `accelerate launch` would from a config file: by `zeroshard accelerate-launch` ([Note: accelerate
+    launch without DeepSpeed]). accelerate then exports neither DummyOptim nor the names its save_state/load_state
+    use; the losses, learning rates and evaluations are still DeepSpeed's."""
     case = Case(
         "without",
         "without_deepspeed.py",
@@ -304,7 +327,8 @@ def test_accelerate_script_without_deepspeed(tmp_path: Path) -> None:
         nproc=1,
         accelerate_config=ACCELERATE_ZERO3,
     )
-    losses = losses_of(run_script(case, "zeroshard", tmp_path), f"{ACCELERATE_SCRIPT} without DeepSpeed")
+    done = run_script(case, "zeroshard", tmp_path, accelerate_launch=True)
+    losses = losses_of(done, f"{ACCELERATE_SCRIPT} without DeepSpeed, by zeroshard accelerate-launch")
     assert_losses_match(losses, reference()["accelerate_zero3_dummy_optim"], FP32_RTOL)
 
 

@@ -322,6 +322,10 @@ def _trainer(rank: int, world_size: int, out: str):
             committed = [os.path.exists(os.path.join(out, f, "latest")) for f in folders]
             seen.append((state.global_step, folders, committed))
 
+        def on_save(self, args, state, control, **kwargs):  # an uploader reads the folder here: committed by now
+            folder = os.path.join(out, f"checkpoint-{state.global_step}")
+            seen.append(("on_save", state.global_step, sorted(os.listdir(folder))))
+
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "zero_optimization": {"stage": 3},
@@ -349,10 +353,15 @@ def test_the_trainer_rotates_old_checkpoints_once_the_new_one_is_committed(tmp_p
     """save_total_limit 1 and a save per step: each new checkpoint is committed at the next step, and only then is
     the one before it rotated out; train() returns with its last checkpoint committed and alone."""
     seen, listing = run_on_ranks(_trainer, 1, str(tmp_path / "run"))[0]
-    assert seen == [
+    saves = [s for s in seen if s[0] == "on_save"]
+    assert [s for s in seen if s[0] != "on_save"] == [
         (0, [], []),
         (1, ["checkpoint-1"], [False]),  # written on the thread; committed by the next step
         (2, ["checkpoint-1", "checkpoint-2"], [True, False]),  # 1 stays until 2 is committed
     ], seen
+    # the callbacks' on_save runs once the checkpoint is committed (during the next step), with the step of the save
+    assert [s[:2] for s in saves] == [("on_save", 1), ("on_save", 2), ("on_save", 3)], seen
+    assert seen.index(saves[0]) == 2 and seen.index(saves[1]) == 4, seen
+    assert all("latest" in s[2] and not any(f.startswith(".tmp") for f in s[2]) for s in saves), saves
     assert sorted(listing) == ["checkpoint-3"], listing
     assert "latest" in listing["checkpoint-3"] and "global_step3" in listing["checkpoint-3"], listing

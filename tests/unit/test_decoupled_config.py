@@ -59,3 +59,26 @@ def test_which_exits_count_as_failing() -> None:
             raise SystemExit(code)
         except SystemExit:
             assert failing() == expected, code
+
+
+def test_resume_true_takes_the_newest_committed_checkpoint(tmp_path, log: pytest.LogCaptureFixture) -> None:
+    """`Trainer.train(resume_from_checkpoint=True)`: a run that stopped during a decoupled save left a newer
+    `checkpoint-N` with no `latest`; the newest committed one is resumed from, and a warning names both."""
+    from zeroshard.hf.trainer import newest_committed
+
+    assert newest_committed(str(tmp_path / "absent")) is None
+    assert newest_committed(str(tmp_path)) is None  # no checkpoint at all: transformers says so
+    for step, committed in ((2, True), (10, True), (12, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        (folder / f".tmp.global_step{step}.abc").mkdir(parents=True)
+        if committed:
+            (folder / "latest").write_text(f"global_step{step}")
+    assert newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-10")  # 10 > 2: by number, not by name
+    said = [r.getMessage() for r in log.records if "resume_from_checkpoint=True" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint-12 holds no committed" in said[0] and "checkpoint-10" in said[0], said
+    (tmp_path / "checkpoint-12" / "latest").write_text("global_step12")
+    assert newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-12")
+    for step in (2, 10):
+        (tmp_path / f"checkpoint-{step}" / "latest").unlink()
+    (tmp_path / "checkpoint-12" / "latest").unlink()
+    assert newest_committed(str(tmp_path)) is None  # none committed: transformers' newest, which fails by name

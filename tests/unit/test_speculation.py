@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -101,3 +103,26 @@ def test_only_the_calling_thread_keeps_to_its_share(monkeypatch):
     assert seen["kept"] == seen["mask"] == worker_cores(cores, 0.5, 0, 1, os.cpu_count() or len(cores))
     assert seen["threads"] == min(len(seen["kept"]), threads)
     assert sorted(os.sched_getaffinity(0)) == cores and torch.get_num_threads() == threads
+
+
+def test_a_host_step_waits_for_a_decoupled_saves_writes(monkeypatch):
+    """[Note: decoupled checkpoint writes]: the step a sub-group takes during backward changes state a decoupled
+    save's thread may still be writing; with a plain `loss.backward()` (no commit before it) it waits for the
+    thread first."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import zeroshard.checkpoint.decoupled as decoupled
+    from zeroshard.zero.stage3.speculate import SpeculativeSteps
+
+    writer = threading.Thread(target=time.sleep, args=(0.3,))
+    writer.start()
+    monkeypatch.setattr(decoupled, "_PENDING", [SimpleNamespace(pid=os.getpid(), thread=writer)])
+    steps = SpeculativeSteps.__new__(SpeculativeSteps)
+    steps._group_of, steps._waiting = {7: 0}, {0: 1}
+    steps.scale_of, steps._events = lambda: 1.0, lambda: ()
+    submitted = []
+    steps._submit = lambda job: submitted.append((job.k, writer.is_alive()))
+    steps.delivered(SimpleNamespace(index=7), during_backward=True)
+    assert submitted == [(0, False)]  # submitted after the writes, not while they ran

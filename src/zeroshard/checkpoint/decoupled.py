@@ -18,7 +18,8 @@ checkpoint call of their own (`commit_checkpoint`), so a commit reached on some 
 within seconds ([Note: one-rank checkpoint calls]). A rank that is failing gives the save up instead (`abandon`:
 its absence and its phase-2 error are posted without waiting), so the others' commit raises at once; `latest`
 keeps naming the checkpoint before. What changes state outside the step (`safe_set_full_*`, a modifier rank's
-GatheredParameters) first waits for this process's writer threads (`wait_for_writes`, not collective). Forward and
+GatheredParameters, super_offload's host steps under a `loss.backward()` not made through the engine) first waits
+for this process's writer threads (`wait_for_writes`, not collective). Forward and
 backward overlap the writes. A crash before the commit leaves `latest` at the previous checkpoint ([Note: crash
 safety] holds); an error of the writes is raised by the commit, on every rank.
 

@@ -1,6 +1,7 @@
 """Entry point of the `zeroshard` console script: one subcommand per module, one error policy for all.
 
-Subcommands: validate-config, report, estimate, launch, train (zeroshard.cli), convert (zeroshard.checkpoint.export).
+Subcommands: validate-config, report, estimate, autotune, launch, accelerate-launch, train (zeroshard.cli), convert
+(zeroshard.checkpoint.export).
 
 Errors zeroshard raises on purpose (ConfigError, CLIError, ...) and the usual OS errors are printed
 as one line naming the command; `--debug` shows the traceback instead. A bad config exits with 2.
@@ -19,7 +20,7 @@ from zeroshard.cli.common import EXIT_CONFIG, EXIT_FAILURE, CLIError
 def build_parser() -> argparse.ArgumentParser:
     from zeroshard import __version__
     from zeroshard.checkpoint import export as convert  # `zeroshard convert` lives with the checkpoint format
-    from zeroshard.cli import autotune, launch, report, train, validate
+    from zeroshard.cli import accelerate_launch, autotune, launch, report, train, validate
     from zeroshard.cli.estimate import command as estimate
 
     common = argparse.ArgumentParser(add_help=False)
@@ -29,14 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (validate, report, estimate, autotune, launch, train, convert):
+    for module in (validate, report, estimate, autotune, launch, accelerate_launch, train, convert):
         module.add_parser(sub, [common])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from zeroshard.cli.accelerate_launch import split_argv
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    ours, accelerate_args = split_argv(argv)  # accelerate-launch: what follows is accelerate's command line
+    args = build_parser().parse_args(ours)
+    if accelerate_args is not None:
+        args.accelerate_args = accelerate_args
     args.command_argv = argv[argv.index(args.command) + 1 :]  # what a re-launch passes on
     return run_guarded(args.run, args, f"zeroshard {args.command}")
 

@@ -10,13 +10,25 @@ process group in accelerate's DEEPSPEED mode. By the time a Trainer sees the arg
 transformers finish as for any run without DeepSpeed. No transformers code is patched; the class is an ordinary
 subclass, so `HfArgumentParser(zeroshard.hf.TrainingArguments)` parses `--deepspeed ds_config.json` unchanged and
 the arguments pickle into `training_args.bin` as usual.
+
+[Note: accelerate launch's DeepSpeed for the Trainer]
+`accelerate launch` with DeepSpeed selected (and `zeroshard accelerate-launch`, [Note: accelerate launch without
+DeepSpeed]) gives no `--deepspeed` to the script: it sets `ACCELERATE_USE_DEEPSPEED` and the ZeRO settings in the
+environment, and transformers builds accelerate's `DeepSpeedPlugin` from them, which puts accelerate (the process
+group, the Trainer's Accelerator) in DeepSpeed mode. `TrainingArgumentsMixin.__post_init__` takes the variable out
+of this process's environment before transformers reads it, and afterwards takes the plugin's config (built from the
+same variables by accelerate, with transformers' mixed precision) as `zeroshard_config`: its "auto" values are then
+resolved by the Trainer's rules, as transformers resolves them for the plugin. An explicit `deepspeed=` wins.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import transformers
+
+ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
 
 
 class TrainingArgumentsMixin:
@@ -39,7 +51,15 @@ class TrainingArgumentsMixin:
         if source:
             self.zeroshard_config = source
             setattr(self, "deepspeed", None)  # noqa: B010 - the partner dataclass's field
+        # [Note: accelerate launch's DeepSpeed for the Trainer]
+        launched = os.environ.pop(ACCELERATE_USE_DEEPSPEED, "false").lower() in ("true", "1", "yes")
         super().__post_init__()  # type: ignore[misc]
+        if launched and not source and self.zeroshard_config is None:
+            from accelerate.utils import DeepSpeedPlugin
+
+            plugin = DeepSpeedPlugin()  # the launch's variables: ZeRO stage, offload, config file, clipping, ...
+            plugin.set_mixed_precision(getattr(self, "mixed_precision", "no"))  # as transformers does
+            self.zeroshard_config = plugin.deepspeed_config
 
 
 class TrainingArguments(TrainingArgumentsMixin, transformers.TrainingArguments):

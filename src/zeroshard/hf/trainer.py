@@ -25,6 +25,7 @@ Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_typ
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any
@@ -78,7 +79,9 @@ class TrainerMixin:
         self._zeroshard_steps: int | None = None
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
+        self._saved_pending: Any = None  # the decoupled save the next on_save event is about
         super().__init__(*args, **kwargs)
+        self.callback_handler.on_save = functools.partial(_on_save_once_committed, self, self.callback_handler.on_save)
 
     @property
     def engine(self) -> Engine | None:
@@ -240,10 +243,11 @@ class TrainerMixin:
         engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft(self.model))
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """With decoupled saves ([Note: decoupled checkpoint writes]) the rotation of old checkpoints
-        (`save_total_limit`) waits for the commit: until then they are what a crashed run resumes from."""
+        """With decoupled saves ([Note: decoupled checkpoint writes]) what reads the new checkpoint waits for its
+        commit: the rotation of old checkpoints (`save_total_limit`; until then they are what a crashed run resumes
+        from) and the callbacks' `on_save` (W&B, MLflow, Neptune, ClearML upload the folder there)."""
         engine, limit = self.engine, self.args.save_total_limit  # type: ignore[attr-defined]
-        if engine is None or not limit or not decoupled(engine):
+        if engine is None or not decoupled(engine):
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
             return
         self.args.save_total_limit = None  # type: ignore[attr-defined]
@@ -251,13 +255,14 @@ class TrainerMixin:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             self.args.save_total_limit = limit  # type: ignore[attr-defined]
-        if not self.args.should_save:  # type: ignore[attr-defined]
+        pending = self._saved_pending = engine._pending_save  # None: nothing of the engine's saved (save_only_model)
+        if not limit or not self.args.should_save:  # type: ignore[attr-defined]
             return
         rotate = functools.partial(self._rotate_after_commit, trial, limit)
-        if engine._pending_save is None:  # nothing of the engine's was saved (save_only_model)
+        if pending is None:
             rotate()
         else:
-            engine._pending_save.after_commit(rotate)
+            pending.after_commit(rotate)
 
     def _rotate_after_commit(self, trial: Any, limit: int) -> None:
         run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
@@ -286,10 +291,13 @@ class TrainerMixin:
         self._commit_pending()
         return super()._sorted_checkpoints(*args, **kwargs)  # type: ignore[misc]
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """transformers' `train()`, returning with no decoupled save in flight (transformers 4.x has no
-        `_finalize_training`)."""
-        result = super().train(*args, **kwargs)  # type: ignore[misc]
+        `_finalize_training`). `resume_from_checkpoint=True` resumes from the newest `checkpoint-N` whose zeroshard
+        checkpoint was committed (a run that stopped during a decoupled save leaves a newer one that was not)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_committed(self.args.output_dir) or True
+        result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         self._commit_pending()
         return result
 
@@ -358,8 +366,48 @@ def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
     return parse_config(source)
 
 
+def _on_save_once_committed(trainer: TrainerMixin, on_save: Any, args: Any, state: Any, control: Any) -> Any:
+    """The callbacks' `on_save` for a decoupled save runs once it is committed (at the next step, or the end of
+    training), with the state as it was at the save; what they change in `control` then applies from that step."""
+    pending: Any = trainer._saved_pending
+    trainer._saved_pending = None
+    engine = trainer.engine
+    committed = engine is None or engine._pending_save is not pending
+    if pending is None or committed:  # not decoupled (or nothing of the engine's saved), or committed already
+        return on_save(args, state, control)
+    control.should_save = False  # the handler's part, now: the loop must not save again before the commit
+    at_save = copy.deepcopy(state)
+    handler = trainer.callback_handler
+
+    def later() -> None:  # the callbacks' part
+        trainer.control = handler.call_event("on_save", args, at_save, trainer.control)  # type: ignore[attr-defined]
+
+    pending.after_commit(later)
+    return control
+
+
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def newest_committed(output_dir: str) -> str | None:
+    """What `resume_from_checkpoint=True` resumes from: transformers' newest `checkpoint-N` in `output_dir`, or,
+    when its zeroshard checkpoint was never committed, the newest one before it that was (with a warning); None
+    when there is none (transformers then says so, or `_prepare_for_training` names the uncommitted one)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if newest is None or os.path.exists(os.path.join(newest, "latest")):
+        return newest
+    before = _committed_before(newest)
+    if before is not None:
+        log_rank(
+            logger,
+            30,
+            f"resume_from_checkpoint=True: {newest} holds no committed zeroshard checkpoint (no `latest`: the run "
+            f"stopped before its save was committed); resuming from {before}",
+        )
+    return before
 
 
 def _committed_before(folder: str) -> str | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from zeroshard.launcher.hostfile import LaunchError, Resources
 
 DEFAULT_MASTER_PORT = 29500
-EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_")
+EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_", "ACCELERATE_")
 ENV_FILES = (".zeroshard_env", ".deepspeed_env")
 
 

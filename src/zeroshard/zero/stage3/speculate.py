@@ -156,6 +156,9 @@ class SpeculativeSteps:
             return
         self._waiting[k] -= 1
         if self._waiting[k] == 0:
+            from zeroshard.checkpoint.decoupled import wait_for_writes  # zeroshard.zero is imported before checkpoint
+
+            wait_for_writes()  # a decoupled save's thread has written the state this step changes (a direct backward)
             self._submit(_Job(k, self.scale_of(), self._events(), during_backward))
 
     def _events(self) -> tuple[torch.cuda.Event, ...]:
