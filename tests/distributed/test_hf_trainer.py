@@ -30,7 +30,7 @@ def _plain_losses(out: str, model: Any, data: Any, **overrides: Any) -> list[flo
     return list(record.losses)
 
 
-def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any], **overrides: Any) -> list[float]:
+def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any] | None, **overrides: Any) -> list[float]:
     from zeroshard.hf import Trainer, TrainingArguments
 
     record = loss_recorder()
@@ -38,6 +38,8 @@ def _zeroshard_losses(out: str, model: Any, data: Any, config: dict[str, Any], *
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[record])
     trainer.train()
     assert trainer.engine is not None
+    if config is None:  # from accelerate launch's variables
+        assert int(trainer.engine.config.zero_optimization.stage) == int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
     trainer.engine.destroy()
     return list(record.losses)
 
@@ -54,13 +56,21 @@ CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
 SLOW = {"stage2-config-optimizer", "stage1-lora", "stage3-config-optimizer"}
 
 
+# the config arrives as `accelerate launch` (zeroshard accelerate-launch) gives it: variables, no deepspeed=
+# ([Note: accelerate launch's DeepSpeed for the Trainer])
+LAUNCHED = {"stage3-trainer-optimizer"}
+
+
 def _ws1_parity(rank: int, world_size: int, tmp: str, name: str) -> tuple[list[float], list[float]]:
     torch.set_num_threads(2)
     stage, optimizer, lora, overrides = CASES[name]
     data = Tokens(36)
     build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
     plain = _plain_losses(os.path.join(tmp, "plain"), build(), data, num_train_epochs=2, **overrides)
-    config = ds_config(stage, optimizer)
+    config: dict[str, Any] | None = ds_config(stage, optimizer)
+    if name in LAUNCHED:
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
+        config = None
     ours = _zeroshard_losses(os.path.join(tmp, "zs"), build(), data, config, num_train_epochs=2, **overrides)
     return plain, ours
 

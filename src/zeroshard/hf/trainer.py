@@ -360,8 +360,8 @@ def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
     source = zeroshard_config if zeroshard_config is not None else from_args
     if source is None:
         raise ConfigError(
-            "no ds_config: pass deepspeed= (or --deepspeed) to zeroshard.hf.TrainingArguments, or "
-            "zeroshard_config= to the Trainer"
+            "no ds_config: pass deepspeed= (or --deepspeed) to zeroshard.hf.TrainingArguments, or zeroshard_config= "
+            "to the Trainer, or launch with accelerate's DeepSpeed config (zeroshard accelerate-launch)"
         )
     return parse_config(source)
 
