@@ -68,7 +68,7 @@ def _context() -> Any:
         return mp.get_context("spawn")  # glibc reads these at process start only
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeroshard"])
     return _CONTEXT
 
 

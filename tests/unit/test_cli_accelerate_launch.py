@@ -31,7 +31,7 @@ ZERO3 = {
     "mixed_precision": "bf16",
     "num_machines": 1,
     "num_processes": 8,
-    "main_process_port": 29519,
+    "main_process_port": 0,  # accelerate picks a free one
     "rdzv_backend": "static",
     "same_network": True,
     "use_cpu": False,
@@ -71,7 +71,8 @@ def test_a_zero3_config_file_gives_accelerates_environment_and_the_launch(tmp_pa
     assert env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
     assert env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "none"
     assert "mixed_precision" in env["ACCELERATE_CONFIG_DS_FIELDS"].split(",")  # as accelerate launch lists them
-    assert launch[:6] == ["--nproc_per_node", "8", "--master_port", "29519", "--cluster", "none"], launch
+    assert launch[:4] == ["--nproc_per_node", "8", "--cluster", "none"], launch
+    assert launch[4] == "--master_port" and int(launch[5]) > 0, launch
     assert launch[6:] == ["train.py", "--lr", "1e-4", "--bf16"], launch  # the script's own options untouched
 
 
@@ -94,7 +95,13 @@ def test_multi_node_launchers(tmp_path, capsys):
     deepspeed = {**ZERO3["deepspeed_config"], "deepspeed_multinode_launcher": "pdsh", "deepspeed_hostfile": str(hosts)}
     config = _config(tmp_path, num_machines=2, num_processes=16, main_process_ip="10.0.0.1", deepspeed_config=deepspeed)
     _, launch = _dry_run(["--config_file", config, "train.py"], capsys)
-    assert launch[launch.index("--hostfile") :][:4] == ["--hostfile", str(hosts), "--nnodes", "2"], launch
+    assert launch[launch.index("--hostfile") :][:4] == ["--hostfile", str(hosts), "--master_addr", "10.0.0.1"]
+    assert launch[:2] == ["--nproc_per_node", "8"], launch
+    deepspeed = {**deepspeed, "deepspeed_exclusion_filter": "worker-1:3"}
+    config = _config(tmp_path, num_machines=2, num_processes=16, main_process_ip="10.0.0.1", deepspeed_config=deepspeed)
+    _, launch = _dry_run(["--config_file", config, "train.py"], capsys)
+    assert "--nproc_per_node" not in launch, launch  # the filter's slots, as DeepSpeed's runner counts them
+    assert launch[launch.index("--exclude") + 1] == "worker-1:3", launch
 
 
 @pytest.mark.parametrize(
@@ -140,8 +147,10 @@ def test_the_trainer_arguments_take_the_launchs_deepspeed_settings(monkeypatch):
     and accelerate then see no DeepSpeed (the variable is gone from this process)."""
     import os
 
+    import zeroshard.hf.arguments as arguments
     from zeroshard.hf import TrainingArguments
 
+    monkeypatch.setattr(arguments, "_taken", False)
     for key, value in {
         "ACCELERATE_USE_DEEPSPEED": "true",
         "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
@@ -158,6 +167,32 @@ def test_the_trainer_arguments_take_the_launchs_deepspeed_settings(monkeypatch):
     assert config["train_micro_batch_size_per_gpu"] == "auto"  # the Trainer's "auto" rules fill it
     assert args.deepspeed is None and args.deepspeed_plugin is None
     assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    again = TrainingArguments("out", use_cpu=True, report_to=[])  # a second one of the process: still launched
+    assert again.zeroshard_config["zero_optimization"]["stage"] == 3
+    from zeroshard.hf.arguments import launched_with_deepspeed
+
+    assert launched_with_deepspeed()  # what zeroshard.hf.Accelerator asks
     explicit = TrainingArguments("out", use_cpu=True, report_to=[], deepspeed={"zero_optimization": {"stage": 1}})
     assert explicit.zeroshard_config == {"zero_optimization": {"stage": 1}}  # an explicit deepspeed= wins
+    from zeroshard.hf.trainer import _config_source
+
+    trainer_own = _config_source(args, {"zero_optimization": {"stage": 2}})  # and a Trainer's zeroshard_config=
+    assert trainer_own.zero_optimization.stage == 2
+
+
+def test_the_launchs_moe_classes_and_precision_reach_the_trainer_config(monkeypatch):
+    import zeroshard.hf.arguments as arguments
+    from zeroshard.config.zero import LeafModuleConfig
+    from zeroshard.hf import TrainingArguments
+
+    monkeypatch.setattr(arguments, "_taken", False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES", "MyMoEBlock,OtherMoE")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    config = TrainingArguments("out", use_cpu=True, report_to=[], fp16=False).zeroshard_config
+    assert config["zero_optimization"]["leaf_module"]["classes"] == [
+        *LeafModuleConfig().classes,
+        "MyMoEBlock",
+        "OtherMoE",
+    ]
+    assert config["bf16"] == {"enabled": True}  # no --fp16/--bf16: the launch's precision

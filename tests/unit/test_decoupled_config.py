@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -76,9 +77,11 @@ def test_resume_true_takes_the_newest_committed_checkpoint(tmp_path, log: pytest
     assert newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-10")  # 10 > 2: by number, not by name
     said = [r.getMessage() for r in log.records if "resume_from_checkpoint=True" in r.getMessage()]
     assert len(said) == 1 and "checkpoint-12 holds no committed" in said[0] and "checkpoint-10" in said[0], said
-    (tmp_path / "checkpoint-12" / "latest").write_text("global_step12")
-    assert newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-12")
+    # the saving process sets it aside, so that save_total_limit cannot keep it in place of committed ones
+    assert newest_committed(str(tmp_path), set_aside=True) == str(tmp_path / "checkpoint-10")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-2", "uncommitted-checkpoint-12"]
+    assert newest_committed(str(tmp_path)) == str(tmp_path / "checkpoint-10")  # committed: no warning
+    (tmp_path / "checkpoint-11").mkdir()
     for step in (2, 10):
         (tmp_path / f"checkpoint-{step}" / "latest").unlink()
-    (tmp_path / "checkpoint-12" / "latest").unlink()
     assert newest_committed(str(tmp_path)) is None  # none committed: transformers' newest, which fails by name

@@ -131,8 +131,14 @@ class PendingSave:
             raise CheckpointError(f"{op}: the decoupled save {call.tag} was not committed: {reason}") from e
         self.thread.join()
         finish_save(call)
-        for fn in self._after_commit:
-            fn()
+        failed: BaseException | None = None
+        for fn in self._after_commit:  # each runs, whatever an earlier one raised; the first error is raised
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - raised below, after the others ran
+                failed = failed or e
+        if failed is not None:
+            raise failed
         return True
 
     def abandon(self, why: str) -> None:

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     os.environ.update(env)
     launch = build_parser().parse_args(["launch", *launch_argv])
+    launch.export_env = env  # to every node, over .deepspeed_env's lines (accelerate appends them to that file)
     return int(launch.run(launch))
 
 
@@ -114,8 +115,8 @@ def launch_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     if machines > 1 and launcher not in (*PER_NODE, "pdsh"):
         raise CLIError(
             f"{COMMAND}: deepspeed_multinode_launcher {launcher!r} starts DeepSpeed's runner; with zeroshard use "
-            "'standard' (run this command on every node with its --machine_rank; under Slurm or mpirun "
-            "`zeroshard launch` reads the node rank itself) or 'pdsh' with a deepspeed_hostfile (ssh)",
+            "'standard' (run this command on every node with its --machine_rank) or 'pdsh' with a "
+            "deepspeed_hostfile (ssh); under Slurm or mpirun, `zeroshard launch` itself reads the node rank",
             EXIT_CONFIG,
         )
     if machines > 1 and launcher in PER_NODE and (a.machine_rank is None or not a.main_process_ip):
@@ -126,19 +127,32 @@ def launch_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     except (ValueError, RuntimeError, ConnectionError) as e:
         raise CLIError(f"{COMMAND}: {e}", EXIT_CONFIG) from e
     _warn_unused(a)
+    _without_p2p(env)
     return _launch_argv(a, machines, launcher), {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
+def _without_p2p(env: dict[str, str]) -> None:
+    """accelerate's DeepSpeed launcher turns NCCL's P2P and InfiniBand off on GPUs without them (RTX 4000)."""
+    from accelerate.utils import check_cuda_p2p_ib_support
+
+    if not check_cuda_p2p_ib_support():
+        for key in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
+            env.setdefault(key, "1")
+
+
 def _launch_argv(a: argparse.Namespace, machines: int, launcher: str) -> list[str]:
-    argv = ["--nproc_per_node", str(int(a.num_processes) // machines), "--cluster", "none"]
+    """`zeroshard launch`'s arguments for what accelerate's DeepSpeed launcher would start."""
+    filtered = machines > 1 and launcher == "pdsh" and (a.deepspeed_exclusion_filter or a.deepspeed_inclusion_filter)
+    argv = [] if filtered else ["--nproc_per_node", str(int(a.num_processes) // machines)]  # a filter: its slots
+    argv += ["--cluster", "none"]
     if not getattr(a, "standalone", False):  # accelerate found its port taken: torchrun --standalone picks one
-        argv[2:2] = ["--master_port", str(a.main_process_port)]
+        argv += ["--master_port", str(a.main_process_port)]
     if machines > 1 and launcher in PER_NODE:
         argv += ["--nnodes", str(machines), "--node_rank", str(a.machine_rank), "--master_addr", a.main_process_ip]
-    elif machines > 1:
+    elif machines > 1:  # pdsh: DeepSpeed's runner on every host of the hostfile (here over ssh)
         if not a.deepspeed_hostfile:
             raise CLIError(f"{COMMAND}: the pdsh launcher needs deepspeed_hostfile (lines 'HOST slots=N')", EXIT_CONFIG)
-        argv += ["--hostfile", str(a.deepspeed_hostfile), "--nnodes", str(machines)]
+        argv += ["--hostfile", str(a.deepspeed_hostfile)]
         if a.deepspeed_exclusion_filter:
             argv += ["--exclude", str(a.deepspeed_exclusion_filter)]
         elif a.deepspeed_inclusion_filter:

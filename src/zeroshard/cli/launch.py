@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         return run_local(argv, nproc)
     resources = limit_resources(select_resources(hosts, args.include, args.exclude), args.nnodes, args.nproc_per_node)
     cwd = os.getcwd()
-    nodes = multi_node(opts, resources, exported_environment(os.environ, cwd, os.path.expanduser("~")))
+    exported = exported_environment(os.environ, cwd, os.path.expanduser("~"))
+    nodes = multi_node(opts, resources, {**exported, **getattr(args, "export_env", {})})  # accelerate-launch's win
     if len(nodes) == 1 and not nodes[0].remote:
         local = single_node(opts, nodes[0].nproc)
         env = {k: v for k, v in nodes[0].env.items() if k == "CUDA_VISIBLE_DEVICES"}

@@ -54,6 +54,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
+from zeroshard.hf.arguments import launched_with_deepspeed
 from zeroshard.hf.auto import hidden_size
 from zeroshard.hf.ulysses import adapt_dataloader, register
 from zeroshard.initialize import initialize
@@ -388,7 +389,7 @@ def _one_plugin(plugins: Any) -> DeepSpeedPlugin | None:
         return plugins  # type: ignore[no-any-return]
     if earlier:
         return AcceleratorState().deepspeed_plugin  # type: ignore[no-any-return]
-    if os.environ.get(_USE_DEEPSPEED, "false").lower() == "true":
+    if launched_with_deepspeed():  # `accelerate launch`'s variable (a TrainingArguments may have taken it)
         return DeepSpeedPlugin()
     return None
 

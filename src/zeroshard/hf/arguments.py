@@ -18,7 +18,9 @@ environment, and transformers builds accelerate's `DeepSpeedPlugin` from them, w
 group, the Trainer's Accelerator) in DeepSpeed mode. `TrainingArgumentsMixin.__post_init__` takes the variable out
 of this process's environment before transformers reads it, and afterwards takes the plugin's config (built from the
 same variables by accelerate, with transformers' mixed precision) as `zeroshard_config`: its "auto" values are then
-resolved by the Trainer's rules, as transformers resolves them for the plugin. An explicit `deepspeed=` wins.
+resolved by the Trainer's rules, as transformers resolves them for the plugin. An explicit `deepspeed=` (or a
+Trainer's `zeroshard_config=`) wins. The process remembers the launch (`launched_with_deepspeed`), for a later
+`zeroshard.hf.Accelerator` or TrainingArguments.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ from typing import Any
 import transformers
 
 ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+_taken = False  # a TrainingArguments took the variable out of this process's environment
+
+
+def launched_with_deepspeed() -> bool:
+    """Whether `accelerate launch` started this process with DeepSpeed selected: its variable is set, or a
+    TrainingArguments took it ([Note: accelerate launch's DeepSpeed for the Trainer]); zeroshard.hf.Accelerator
+    asks too."""
+    return _taken or os.environ.get(ACCELERATE_USE_DEEPSPEED, "false").lower() in ("true", "1", "yes")
 
 
 class TrainingArgumentsMixin:
@@ -52,14 +62,33 @@ class TrainingArgumentsMixin:
             self.zeroshard_config = source
             setattr(self, "deepspeed", None)  # noqa: B010 - the partner dataclass's field
         # [Note: accelerate launch's DeepSpeed for the Trainer]
-        launched = os.environ.pop(ACCELERATE_USE_DEEPSPEED, "false").lower() in ("true", "1", "yes")
+        global _taken
+        launched = launched_with_deepspeed()
+        _taken = launched
+        os.environ.pop(ACCELERATE_USE_DEEPSPEED, None)
         super().__post_init__()  # type: ignore[misc]
         if launched and not source and self.zeroshard_config is None:
-            from accelerate.utils import DeepSpeedPlugin
+            self.zeroshard_config = _launched_config(self)
+            self._zeroshard_config_launched = True  # a Trainer's zeroshard_config= wins over it
 
-            plugin = DeepSpeedPlugin()  # the launch's variables: ZeRO stage, offload, config file, clipping, ...
-            plugin.set_mixed_precision(getattr(self, "mixed_precision", "no"))  # as transformers does
-            self.zeroshard_config = plugin.deepspeed_config
+
+def _launched_config(args: Any) -> dict[str, Any]:
+    """accelerate's `DeepSpeedPlugin` config from the launch's variables (ZeRO stage, offload, config file,
+    clipping, accumulation), with the mixed precision transformers gives it and the MoE classes accelerate makes
+    ZeRO-3 leaves."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from zeroshard.config.zero import LeafModuleConfig
+
+    plugin = DeepSpeedPlugin()
+    flag = "fp16" if args.fp16 else "bf16" if args.bf16 else None  # as transformers 4.x and 5.x choose it
+    plugin.set_mixed_precision(flag or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    config: dict[str, Any] = plugin.deepspeed_config
+    moe = os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES")
+    if moe:  # accelerate's transformer_moe_cls_names: gathered whole at ZeRO-3 ([Note: leaf modules])
+        leaf = config.setdefault("zero_optimization", {}).setdefault("leaf_module", {})
+        leaf["classes"] = [*leaf.get("classes", LeafModuleConfig().classes), *moe.split(",")]
+    return config
 
 
 class TrainingArguments(TrainingArgumentsMixin, transformers.TrainingArguments):

@@ -71,6 +71,7 @@ class TrainerMixin:
     accelerator: Any
     callback_handler: Any
     state: Any
+    control: Any
 
     def __init__(self, *args: Any, zeroshard_config: Any = None, **kwargs: Any):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -80,8 +81,11 @@ class TrainerMixin:
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
         self._saved_pending: Any = None  # the decoupled save the next on_save event is about
+        self._committed_saves: list[Any] = []  # the states of committed saves whose on_save is still to come
         super().__init__(*args, **kwargs)
-        self.callback_handler.on_save = functools.partial(_on_save_once_committed, self, self.callback_handler.on_save)
+        handler = self.callback_handler
+        handler.on_save = functools.partial(_on_save_once_committed, self, handler.on_save)
+        handler.on_step_end = functools.partial(_on_step_end_after_saves, self, handler.on_step_end)
 
     @property
     def engine(self) -> Engine | None:
@@ -296,7 +300,8 @@ class TrainerMixin:
         `_finalize_training`). `resume_from_checkpoint=True` resumes from the newest `checkpoint-N` whose zeroshard
         checkpoint was committed (a run that stopped during a decoupled save leaves a newer one that was not)."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_committed(self.args.output_dir) or True
+            saver = bool(self.args.should_save)  # type: ignore[attr-defined]
+            resume_from_checkpoint = newest_committed(self.args.output_dir, set_aside=saver) or True
         result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         self._commit_pending()
         return result
@@ -304,6 +309,15 @@ class TrainerMixin:
     def _commit_pending(self) -> None:
         if self.engine is not None:
             self.engine.commit_checkpoint()
+        self.control = self._announce_saves(self.control)
+
+    def _announce_saves(self, control: Any) -> Any:
+        """The callbacks' `on_save` for each committed decoupled save, with the state as it was at the save, from
+        the training loop (not from inside the engine's step that committed it)."""
+        while self._committed_saves:
+            at_save = self._committed_saves.pop(0)
+            control = self.callback_handler.call_event("on_save", self.args, at_save, control)
+        return control
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         pass  # the engine loads its checkpoint in _prepare_for_training
@@ -355,6 +369,8 @@ def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
             "class), or leave deepspeed unset and pass zeroshard_config= to the Trainer"
         )
     from_args = getattr(args, "zeroshard_config", None) if isinstance(args, TrainingArgumentsMixin) else None
+    if getattr(args, "_zeroshard_config_launched", False) and zeroshard_config is not None:
+        from_args = None  # the Trainer's own config wins over accelerate launch's variables
     if from_args is not None and zeroshard_config is not None:
         raise ConfigError("a ds_config came from both TrainingArguments(deepspeed=...) and zeroshard_config=")
     source = zeroshard_config if zeroshard_config is not None else from_args
@@ -376,37 +392,48 @@ def _on_save_once_committed(trainer: TrainerMixin, on_save: Any, args: Any, stat
     if pending is None or committed:  # not decoupled (or nothing of the engine's saved), or committed already
         return on_save(args, state, control)
     control.should_save = False  # the handler's part, now: the loop must not save again before the commit
-    at_save = copy.deepcopy(state)
-    handler = trainer.callback_handler
-
-    def later() -> None:  # the callbacks' part
-        trainer.control = handler.call_event("on_save", args, at_save, trainer.control)  # type: ignore[attr-defined]
-
-    pending.after_commit(later)
+    pending.after_commit(functools.partial(trainer._committed_saves.append, copy.deepcopy(state)))
     return control
+
+
+def _on_step_end_after_saves(
+    trainer: TrainerMixin, on_step_end: Any, args: Any, state: Any, control: Any, **kwargs: Any
+) -> Any:
+    """The callbacks' `on_save` of the saves committed during this step, then the step's end."""
+    return on_step_end(args, state, trainer._announce_saves(control), **kwargs)
 
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
 
-def newest_committed(output_dir: str) -> str | None:
+def newest_committed(output_dir: str, set_aside: bool = False) -> str | None:
     """What `resume_from_checkpoint=True` resumes from: transformers' newest `checkpoint-N` in `output_dir`, or,
     when its zeroshard checkpoint was never committed, the newest one before it that was (with a warning); None
-    when there is none (transformers then says so, or `_prepare_for_training` names the uncommitted one)."""
+    when there is none (transformers then says so, or `_prepare_for_training` names the uncommitted one).
+    `set_aside` (the saving process): the uncommitted folder is renamed `uncommitted-checkpoint-N`, so that
+    `save_total_limit` does not keep it, as the newest, in place of the committed checkpoints."""
     from transformers.trainer_utils import get_last_checkpoint
 
     newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if newest is None or os.path.exists(os.path.join(newest, "latest")):
         return newest
     before = _committed_before(newest)
-    if before is not None:
-        log_rank(
-            logger,
-            30,
-            f"resume_from_checkpoint=True: {newest} holds no committed zeroshard checkpoint (no `latest`: the run "
-            f"stopped before its save was committed); resuming from {before}",
-        )
+    if before is None:
+        return None
+    aside = ""
+    if set_aside:
+        target = os.path.join(output_dir, f"uncommitted-{os.path.basename(newest)}")
+        while os.path.exists(target):
+            target += "+"
+        os.rename(newest, target)
+        aside = f" (set aside as {target})"
+    log_rank(
+        logger,
+        30,
+        f"resume_from_checkpoint=True: {newest} holds no committed zeroshard checkpoint (no `latest`: the run "
+        f"stopped before its save was committed){aside}; resuming from {before}",
+    )
     return before
 
 
