@@ -87,8 +87,7 @@ ACCELERATE_ZERO3 = {
 }
 
 CASES = [
-    # slow: secondary variant of cifar_fp32_stage3 (stage 0 under the swapped import: gan_fp32_stage0)
-    Case("cifar_fp32_stage0", "cifar10_deepspeed.py", ("--stage", "0", "--dtype", "fp32"), slow=True),
+    Case("cifar_fp32_stage0", "cifar10_deepspeed.py", ("--stage", "0", "--dtype", "fp32")),
     Case("cifar_fp32_stage3", "cifar10_deepspeed.py", ("--stage", "3", "--dtype", "fp32")),
     # slow: secondary variant of cifar_fp32_stage3 (bf16 under the swapped import: hello_deepspeed_bf16_zero1)
     Case("cifar_bf16_stage2", "cifar10_deepspeed.py", ("--stage", "2", "--dtype", "bf16"), rtol=BF16_RTOL, slow=True),
@@ -112,8 +111,7 @@ CASES = [
     Case("unit_test_ds_initialize", "test_ds_initialize.py"),
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
-    # slow (CI budget): `latest` and tag handling at load are tests/distributed/test_checkpoint.py's
-    Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",), slow=True),
+    Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
     # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
     # process on a machine without an accelerator (2 ranks: test_accelerate_script_on_two_ranks)
     Case(
@@ -122,7 +120,6 @@ CASES = [
         ("--output_dir", "{tmp}/out"),
         nproc=1,
         accelerate_config=ACCELERATE_ZERO2,
-        slow=True,  # CI budget: the same Accelerator path at ZeRO-3 stays in test_accelerate_script_without_deepspeed
     ),
     Case(
         "accelerate_zero3_dummy_optim",
@@ -367,9 +364,6 @@ def alst_reference() -> list[float]:
     return losses
 
 
-# slow (CI budget): the same Ulysses adapter (hf/ulysses.py) on 2 ranks stays in tests/distributed/
-# test_hf_trainer_ulysses.py, the parallelism_config rule in tests/unit/test_hf_accelerator.py
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2])
 def test_accelerate_alst_script_on_two_ranks(tmp_path: Path, stage: int) -> None:
     """accelerate's own ALST test script (sp 2 on 2 ranks, its loss combination) under zeroshard.hf.Accelerator

@@ -29,7 +29,7 @@ from helpers.parity import (
 
 # -- exact resume --------------------------------------------------------------------------------------------
 RESUME_CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)] + [(1, "fp16")]
-# slow: secondary variants of the fp32 cases at the same stages (bf16 stays in the default suite at stage 2)
+# a second spawn: the bf16 variants of the fp32 cases at the same stages (bf16 at stage 2 is in the first)
 SLOW_RESUME_CASES = [(0, "bf16"), (1, "bf16"), (3, "bf16")]
 K, M = 3, 3  # steps before the save, steps after it
 
@@ -122,7 +122,7 @@ def _resume_after(rank: int, world_size: int, root: str, cases: list[tuple[int, 
     "cases",
     [
         [case for case in RESUME_CASES if case not in SLOW_RESUME_CASES],
-        pytest.param(SLOW_RESUME_CASES, marks=pytest.mark.slow),
+        SLOW_RESUME_CASES,
     ],
     ids=["default", "bf16-stages-0-1-3"],
 )

@@ -5,8 +5,6 @@ The acceptance bound is 10%; padding of the flat buffers is the only expected di
 
 from __future__ import annotations
 
-import pytest
-
 from helpers.harness import run_on_ranks
 
 STAGES = (1, 2, 3)
@@ -77,7 +75,6 @@ def _measure(rank: int, world_size: int, dtypes: list[str]) -> dict[tuple[int | 
     return out
 
 
-@pytest.mark.slow  # CI budget: the formulas are tests/unit/test_cli_estimate.py's, the report's test_memory_comm's
 def test_estimate_matches_memory_report():
     from zeroshard.cli.estimate.formulas import Option, Precision, zeroshard_states
 

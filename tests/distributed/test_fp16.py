@@ -60,8 +60,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
 @pytest.mark.parametrize(
     ("stage", "offload"),
     [
-        # slow: secondary variant of stage 2 (the same flat-buffer overflow check; fp32 stage 1 skips below)
-        pytest.param(1, "none", marks=pytest.mark.slow),
+        (1, "none"),  # the same flat-buffer overflow check as stage 2
         (2, "none"),
         (3, "none"),
         (3, "nvme"),

@@ -84,7 +84,6 @@ def test_fsdp2_parity_stages_2_3_with_accumulation_and_clipping():
     assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.slow  # CI budget: 2-rank parity stays in the default suite
 def test_fsdp2_parity_three_ranks_uneven_shards():
     """3 ranks: FSDP2 splits 32- and 16-row parameters 11/11/10 and 6/6/4 (padded shards, a short last one)."""
     case = Case(stage=3, gas=2, steps=6)

@@ -52,8 +52,7 @@ CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
     "stage2-config-optimizer": (2, True, False, {}),
     "stage1-lora": (1, True, True, {}),
 }
-# slow (CI budget): stage 3 with the config's optimizer also trains in test_two_ranks_train_save_resume_and_load
-SLOW = {"stage2-config-optimizer", "stage1-lora", "stage3-config-optimizer"}
+SLOW = {"stage2-config-optimizer", "stage1-lora"}  # CI budget: stages 1-2 of the other two stage-3 cases
 
 
 # the config arrives as `accelerate launch` (zeroshard accelerate-launch) gives it: variables, no deepspeed=
@@ -300,9 +299,6 @@ def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[s
     return {"whole": whole, "streamed": streamed, "model_init": from_init, "meta": built.lm_head.weight.is_meta}
 
 
-# slow (CI budget): streaming under zero_init is tests/distributed/test_streaming_load.py's and
-# test_fsdp2_models.py's; the Trainer's own path to the engine runs in the other tests here
-@pytest.mark.slow
 def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
     folder = str(tmp_path / "llama")
     tiny_llama().save_pretrained(folder)

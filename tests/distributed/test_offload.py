@@ -37,13 +37,13 @@ def _run(rank: int, world_size: int, cases: list[Case]):
     return [engine_run(rank, world_size, case) for case in cases]
 
 
-# slow (CI budget): variants whose tier, stage and dtype other default cases already combine
+# a second spawn: variants whose tier, stage and dtype the other cases also combine
 SLOW_CASES = [CASES[i] for i in (2, 3, 5, 8, 11, 17, 18)]
 
 
 @pytest.mark.parametrize(
     "cases",
-    [[c for c in CASES if c not in SLOW_CASES], pytest.param(SLOW_CASES, marks=pytest.mark.slow)],
+    [[c for c in CASES if c not in SLOW_CASES], SLOW_CASES],
     ids=["default", "variants"],
 )
 def test_offload_parity_and_placement(cases: list[Case]):

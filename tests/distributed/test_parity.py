@@ -61,8 +61,6 @@ def test_parity_two_ranks():
     _check(CASES_2, per_rank, 2)
 
 
-# slow: secondary variant of test_parity_two_ranks (4 ranks, stage 2: test_checkpoint.py reshard 2->4)
-@pytest.mark.slow
 def test_parity_four_ranks():
     per_rank = run_on_ranks(_run_cases, 4, CASES_4)
     _check(CASES_4, per_rank, 4)

@@ -84,7 +84,7 @@ def _resume(rank: int, world_size: int, case: PipeCase, folder: str) -> tuple[li
     return first + straight, first + resumed
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])  # CI budget
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_pipeline_checkpoint_resume(world_size: int, tmp_path: Path) -> None:
     case = PipeCase(2, "1f1b", zero=1)
     per_rank = run_on_ranks(_resume, world_size, case, str(tmp_path))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-import pytest
 import torch
 from test_parity import TOL
 
@@ -291,6 +290,5 @@ def _hpz_groups(rank: int, world_size: int) -> bool:
     return alone[0] == grouped[0] and all(torch.equal(a, b) for a, b in zip(alone[1], grouped[1], strict=True))
 
 
-@pytest.mark.slow
 def test_hpz_in_two_groups_is_exact() -> None:
     assert all(run_on_ranks(_hpz_groups, 4, timeout=300))

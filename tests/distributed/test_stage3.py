@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from test_parity import _check
 
@@ -31,8 +30,7 @@ CASES_2 = [Case(stage=3, dtype=d, gas=g) for d in ("fp32", "bf16") for g in (1, 
     Case(stage=3, variant="outside"),  # the root unit kept whole ([Note: root unit by module])
     Case(stage=3, variant="outside_later"),  # ... kept whole by zeroshard.stage3_root_by_module: false
 ]
-CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000)]
-CASES_4_SLOW = [Case(stage=3, dtype="bf16", variant="mostly_frozen")]  # bf16 and frozen parts: CASES_2 has both
+CASES_4 = [Case(stage=3), Case(stage=3, gas=3, persistence=2000), Case(stage=3, dtype="bf16", variant="mostly_frozen")]
 
 
 def _run_cases(rank: int, world_size: int, cases: list[Case]):
@@ -74,11 +72,6 @@ def test_max_live_parameters_bounds_the_gathered_working_set():
 
 def test_stage3_parity_four_ranks():
     _check(CASES_4, run_on_ranks(_run_cases, 4, CASES_4), 4)
-
-
-@pytest.mark.slow  # CI budget: bf16 on 4 ranks of a 2-core machine
-def test_stage3_parity_four_ranks_bf16_mostly_frozen():
-    _check(CASES_4_SLOW, run_on_ranks(_run_cases, 4, CASES_4_SLOW), 4)
 
 
 def _outside_later_by_default(rank: int, world_size: int) -> str:

@@ -98,7 +98,7 @@ def _check(case: Case, result, reference, tol: float = TOL) -> None:
         assert rel <= tol, (case.name, step, rel)
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("stage", [1, 2])
 def test_linear_gradients_reduced_in_bf16_match_the_rounded_reference(stage: int) -> None:
     case = Case(stage=stage, steps=4)
     low = run_on_ranks(_train, 2, case, None)[0]

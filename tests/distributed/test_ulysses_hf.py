@@ -134,9 +134,6 @@ def _both(rank: int, world_size: int) -> list[dict[str, Any]]:
     return out
 
 
-# slow (CI budget; it also runs DeepSpeed): DeepSpeed's Ulysses script with the import swapped stays in
-# test_sequence_parallel_deepspeed.py, Hugging Face models under Ulysses in test_hf_trainer_ulysses.py
-@pytest.mark.slow
 def test_hf_ulysses_matches_deepspeed_with_the_import_swapped() -> None:
     per_rank = run_on_ranks(_both, 2, timeout=600)
     for i, kv_heads in enumerate(KV_HEADS):
