@@ -281,6 +281,11 @@ SCRIPT = textwrap.dedent(
     engine.save_checkpoint(sys.argv[1])
     if sys.argv[2] == "raise":
         raise RuntimeError("the script fails after its save")
+    if sys.argv[2] == "dropped":  # another engine saves into the directory later; the first is never destroyed
+        del config["checkpoint"]
+        other_model = torch.nn.Linear(4, 4)
+        other, *_ = zeroshard.initialize(model=other_model, model_parameters=other_model.parameters(), config=config)
+        other.save_checkpoint(sys.argv[1], tag="later")
     """
 )
 
@@ -288,7 +293,8 @@ SCRIPT = textwrap.dedent(
 def test_a_script_ending_after_its_save_commits_it_at_exit(tmp_path):
     """A plain `python` process: its last save is committed at exit, also after an uncaught exception when it is the
     only process (no other rank can be waiting in a collective; with more, the save is given up: the destroy test
-    above and tests/unit/test_decoupled_config.py's `failing`)."""
+    above and tests/unit/test_decoupled_config.py's `failing`). A save committed at exit after another engine's later
+    save into the same directory leaves `latest` naming the later one."""
     env = {**os.environ, "ZEROSHARD_LOG_LEVEL": "INFO"}
     runs = {
         how: subprocess.Popen(
@@ -298,13 +304,16 @@ def test_a_script_ending_after_its_save_commits_it_at_exit(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for how in ("return", "raise")
+        for how in ("return", "raise", "dropped")
     }
     for how, process in runs.items():
         _, stderr = process.communicate(timeout=300)
-        assert (process.returncode == 0) == (how == "return"), stderr[-2000:]
-        assert open(tmp_path / how / "latest").read() == "global_step1", (how, stderr[-2000:])
+        assert (process.returncode == 0) == (how != "raise"), stderr[-2000:]
+        latest = "later" if how == "dropped" else "global_step1"
+        assert open(tmp_path / how / "latest").read() == latest, (how, stderr[-2000:])
         assert "checkpoint writer: rank 0 wrote" in stderr, stderr[-2000:]
+        assert os.path.isdir(tmp_path / how / "global_step1"), (how, os.listdir(tmp_path / how))  # committed
+        assert ("keeps naming a later save's tag" in stderr) == (how == "dropped"), stderr[-2000:]
 
 
 def _trainer(rank: int, world_size: int, out: str):

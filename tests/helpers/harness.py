@@ -6,8 +6,10 @@ test with that rank's traceback; a rank that hangs fails it after `timeout` seco
 in one `fn` to pay the start-up once.
 
 Ranks are forked from a forkserver that has imported torch and zeroshard once per test session: a spawned
-rank spent ~5 s of a 2-rank call importing them on 2 cores, over 100 call sites of the default suite. A forked
-rank gets the environment of the server's start, so each rank is handed the caller's current `os.environ`;
+rank spent ~5 s of a 2-rank call importing them on 2 cores, over 100 call sites of the default suite. It also
+imports torch._dynamo, which a torch optimizer's first construction imports (torch.optim wraps its methods in
+torch._disable_dynamo): ~1.8 s of every call that built an engine, ~360 s of the default suite (925 s -> 562 s).
+A forked rank gets the environment of the server's start, so each rank is handed the caller's current `os.environ`;
 a call whose environment sets glibc's allocator (`MALLOC_*`, `GLIBC_TUNABLES`, read only when a process starts)
 spawns its ranks as before.
 """

@@ -13,6 +13,7 @@ A decoupled save (`checkpoint.writer.decoupled`) returns after phase 1, writes o
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import uuid
@@ -209,6 +210,10 @@ def _agree_on_tag(hello: list[dict[str, Any]], validation: str) -> None:
         raise CheckpointError(f"save_checkpoint: ranks passed different save_dir values {sorted(dirs)}")
 
 
+_CALLS = itertools.count()
+_LATEST_BY: dict[str, int] = {}  # save directory -> the order of the call whose commit last wrote its `latest`
+
+
 @dataclass
 class SaveCall:
     """One `save_checkpoint` call on this rank, from the ranks' agreement to the commit."""
@@ -225,6 +230,7 @@ class SaveCall:
     show_statistics: bool
     payload: dict[str, Any] = field(default_factory=lambda: {"error": None, "manifest": None})
     local_error: Exception | None = None
+    order: int = field(default_factory=lambda: next(_CALLS))  # among this process's save calls
 
     def fail(self, error: Exception) -> None:
         self.payload["error"] = describe_write_error(error, self.tmp_dir, self.need)
@@ -329,6 +335,20 @@ def start_save(
     return call
 
 
+def _names_latest(call: SaveCall) -> bool:
+    """Whether this commit writes `latest`: not when a save call made after it in this process has written it
+    already (a decoupled save of an engine dropped without destroy(), committed at exit after another engine's
+    later save into the same directory, must not move `latest` back)."""
+    if not call.save_latest:
+        return False
+    newer = _LATEST_BY.get(call.root, -1)
+    if newer > call.order:
+        log_rank(logger, 20, f"checkpoint {call.tag}: `latest` in {call.root} keeps naming a later save's tag")
+        return False
+    _LATEST_BY[call.root] = call.order
+    return True
+
+
 def finish_save(call: SaveCall) -> bool:
     """Phase 3: rank 0 commits what every rank wrote, or nothing; the outcome is raised on every rank."""
     sync, world_size = call.sync, call.sync.world_size
@@ -341,7 +361,7 @@ def finish_save(call: SaveCall) -> bool:
                 raise CheckpointError(describe_errors(manifests))
             assert call.meta is not None
             meta = complete_metadata(call.meta, [m["manifest"] for m in manifests])
-            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, call.save_latest)
+            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, _names_latest(call))
             log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
