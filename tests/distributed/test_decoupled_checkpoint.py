@@ -355,13 +355,20 @@ def _trainer(rank: int, world_size: int, out: str):
     )
     Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(16), callbacks=[Look()]).train()
     listing = {name: sorted(os.listdir(os.path.join(out, name))) for name in os.listdir(out)}
-    return seen, listing
+    # a run that stopped while its checkpoint-4 was written, resumed with resume_from_checkpoint=True
+    os.makedirs(os.path.join(out, "checkpoint-4", ".tmp.global_step4.0123456789ab"))
+    args.max_steps = 4
+    again = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(16))
+    again.train(resume_from_checkpoint=True)
+    resumed = (again.state.global_step, sorted(os.listdir(out)))
+    return seen, listing, resumed
 
 
 def test_the_trainer_rotates_old_checkpoints_once_the_new_one_is_committed(tmp_path):
     """save_total_limit 1 and a save per step: each new checkpoint is committed at the next step, and only then is
-    the one before it rotated out; train() returns with its last checkpoint committed and alone."""
-    seen, listing = run_on_ranks(_trainer, 1, str(tmp_path / "run"))[0]
+    the one before it rotated out; train() returns with its last checkpoint committed and alone; a resume with
+    resume_from_checkpoint=True skips an uncommitted checkpoint."""
+    seen, listing, resumed = run_on_ranks(_trainer, 1, str(tmp_path / "run"))[0]
     saves = [s for s in seen if s[0] == "on_save"]
     assert [s for s in seen if s[0] != "on_save"] == [
         (0, [], []),
@@ -373,4 +380,7 @@ def test_the_trainer_rotates_old_checkpoints_once_the_new_one_is_committed(tmp_p
     assert seen.index(saves[0]) == 2 and seen.index(saves[1]) == 4, seen
     assert all("latest" in s[2] and not any(f.startswith(".tmp") for f in s[2]) for s in saves), saves
     assert sorted(listing) == ["checkpoint-3"], listing
+    # resume_from_checkpoint=True past an uncommitted checkpoint-4: from checkpoint-3 (one step to max_steps 4), the
+    # uncommitted folder set aside, the new checkpoint-4 committed and alone under save_total_limit 1
+    assert resumed == (4, ["checkpoint-4", "uncommitted-checkpoint-4"]), resumed
     assert "latest" in listing["checkpoint-3"] and "global_step3" in listing["checkpoint-3"], listing
