@@ -181,15 +181,14 @@ def run_script(case: Case, lib: str, tmp: Path, accelerate_launch: bool = False)
         config.write_text(json.dumps(case.ds_config))
         args += ["--deepspeed_config", str(config)]
     added = {"COMPAT_LIB": lib, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **dict(case.env)}
-    env = {**os.environ, **added}
     if case.accelerate_config is not None:
         config = tmp / "ds_config.json"
         config.write_text(json.dumps(case.accelerate_config))
         if not accelerate_launch:
             added.update({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
-            env.update(added)
     if lib == "zeroshard" and not accelerate_launch:  # forked ranks (DeepSpeed's runs keep their own processes)
         return script_on_ranks(str(SCRIPTS / case.script), args, case.nproc, added, str(tmp))
+    env = {**os.environ, **added}
     src = str(HERE.parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(case.nproc)]

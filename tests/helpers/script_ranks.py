@@ -32,8 +32,6 @@ def _rank(rank: int, world_size: int, script: str, args: list[str], env: dict[st
             runpy.run_path(script, run_name="__main__")
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        finally:
-            sys.stdout.flush()
     return code, out.getvalue(), err.getvalue()
 
 

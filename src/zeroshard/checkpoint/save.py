@@ -339,14 +339,10 @@ def _names_latest(call: SaveCall) -> bool:
     """Whether this commit writes `latest`: not when a save call made after it in this process has written it
     already (a decoupled save of an engine dropped without destroy(), committed at exit after another engine's
     later save into the same directory, must not move `latest` back)."""
-    if not call.save_latest:
-        return False
-    newer = _LATEST_BY.get(call.root, -1)
-    if newer > call.order:
+    if call.save_latest and _LATEST_BY.get(call.root, -1) > call.order:
         log_rank(logger, 20, f"checkpoint {call.tag}: `latest` in {call.root} keeps naming a later save's tag")
         return False
-    _LATEST_BY[call.root] = call.order
-    return True
+    return call.save_latest
 
 
 def finish_save(call: SaveCall) -> bool:
@@ -361,7 +357,10 @@ def finish_save(call: SaveCall) -> bool:
                 raise CheckpointError(describe_errors(manifests))
             assert call.meta is not None
             meta = complete_metadata(call.meta, [m["manifest"] for m in manifests])
-            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, _names_latest(call))
+            latest = _names_latest(call)
+            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, latest)
+            if latest:  # recorded once written: a failed commit leaves `latest` as it was
+                _LATEST_BY[call.root] = call.order
             log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
