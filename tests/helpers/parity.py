@@ -13,9 +13,10 @@ gradients so the two agree by definition rather than by accident.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -240,6 +241,19 @@ def traced_reference(
     return losses, norms, params
 
 
+@contextlib.contextmanager
+def ranks_threads() -> Iterator[None]:
+    """Compute as the ranks do, on one thread (helpers/harness.py): on a CPU with AVX512-BF16, oneDNN's bf16 kernels
+    split their sums by the thread count, so a reference on two threads rounds a gradient's last bit differently from a
+    rank on one (measured: one bf16 master element a step apart, then drift, where fp32 state is otherwise exact)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def reference_run(
     case: Case, world_size: int, device: torch.device | str = "cpu", values: dict[str, torch.Tensor] | None = None
 ) -> tuple[list[float], list[torch.Tensor]]:
@@ -247,7 +261,8 @@ def reference_run(
     compares a CUDA engine with a CUDA reference); `values` replace the named parameters' initial values."""
     if case.master != "fp32":
         assert values is None
-        return _low_precision_reference(case, world_size, device)
+        with ranks_threads():
+            return _low_precision_reference(case, world_size, device)
     master_model = build_model(case).to(device)
     with torch.no_grad():
         for name, p in master_model.named_parameters():
