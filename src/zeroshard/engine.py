@@ -217,21 +217,24 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
         self.accumulation.pending = True
+        self.accumulation.window_backwards += 1
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
         see_memory_usage("Engine after backward", force=self._memory_breakdown)
         return loss
 
     def step(self) -> None:
-        """Count a micro-step; on the accumulation boundary take the optimizer step on every rank."""
+        """Count a micro-step; on the accumulation boundary take the optimizer step on every rank (on every call when
+        `managed_gradient_accumulation` is false: [Note: caller-owned windows])."""
         strategy = self._require_optimizer("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
-        boundary = self.is_gradient_accumulation_boundary()
-        see_memory_usage("Engine before step", force=self._memory_breakdown)
-        with self.wall_clock.time("step"):
-            self._step(strategy, boundary)
-        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
-        self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
+        with self.accumulation.inside_step():
+            boundary = self.is_gradient_accumulation_boundary()
+            see_memory_usage("Engine before step", force=self._memory_breakdown)
+            with self.wall_clock.time("step"):
+                self._step(strategy, boundary)
+            self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
+            self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
         see_memory_usage("Engine after step", force=self._memory_breakdown)
         self.accumulation.micro_steps += 1
 
@@ -242,7 +245,11 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 raise ZeroshardError("engine.step() on an accumulation boundary inside no_sync(); leave no_sync first")
             self.commit_checkpoint()  # before the step changes what a decoupled save writes
             self.schedules.before_step(self.global_steps)
+            if not self.accumulation.managed:
+                self.telemetry.window_loss(self.global_samples)
             with self._deadline("engine.step"):
+                if not self.accumulation.managed:
+                    strategy.end_window()
                 outcome = strategy.step(self.loss_scale)
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(outcome.skipped)
@@ -257,9 +264,8 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
                 self.lr_scheduler.step()
             self._last_grad_norm = outcome.grad_norm
             self._step_applied = not outcome.skipped
-            self.accumulation.pending = False
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.accumulation.end_window(self.train_batch_size())
             self._report_progress()
             scale = self.loss_scale if self.loss_scaler is not None else None
             self.telemetry.after_step(self.global_steps - 1, self.global_samples, self.get_lr()[0], scale)
@@ -273,6 +279,11 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's override of where accumulation windows end (accelerate sets it before every backward): the
         micro-steps after it are boundaries exactly when `is_boundary`, whatever the micro-step count says."""
+        if not self.accumulation.managed:  # as DeepSpeed refuses it
+            raise ZeroshardError(
+                "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: every engine.step() "
+                "ends a window; call step() where the window ends instead"
+            )
         self.accumulation.boundary = bool(is_boundary)
 
     @contextlib.contextmanager

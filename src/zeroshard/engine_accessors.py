@@ -65,6 +65,10 @@ class EngineAccessors:
     def gradient_accumulation_steps(self) -> int:
         return self.accumulation.gradient_accumulation_steps
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False when the caller owns the accumulation windows ([Note: caller-owned windows])."""
+        return self.accumulation.managed
+
     def train_batch_size(self) -> int:
         return int(self.config.train_batch_size)
 

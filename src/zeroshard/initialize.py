@@ -192,6 +192,11 @@ def _build(
     pipe = build_pipe(cfg, model, comm, topology.device, mpu)
     if pipe is not None and cfg.torch_autocast.enabled:
         raise ConfigError("torch_autocast is not implemented for a PipelineModule (its stages run their own forward)")
+    if pipe is not None and not cfg.managed_gradient_accumulation:  # as DeepSpeed
+        raise ConfigError(
+            "managed_gradient_accumulation is false, which a PipelineModule does not support (train_batch runs the "
+            "whole window); remove the key or set it true"
+        )
     if pipe is not None:
         comm = pipe.dp_comm
     names = {id(p): n for n, p in model.named_parameters()}  # before a tensor-parallel split replaces them
@@ -225,7 +230,11 @@ def _build(
     apply_buffer_dtypes(model, precision.compute_dtype, precision.buffer_dtype, precision.keep_in_fp32)
     groups = _param_groups(model, optimizer, model_parameters)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
-    accumulation = AccumulationState(int(cfg.gradient_accumulation_steps or 1), communicate_every_micro_step=stage >= 2)
+    accumulation = AccumulationState(
+        int(cfg.gradient_accumulation_steps or 1),
+        communicate_every_micro_step=stage >= 2,
+        managed=bool(cfg.managed_gradient_accumulation),
+    )
     strategy = engine_optimizer = None
     if has_optimizer:
         model_parallel = pipe.model_parallel if pipe is not None else tp.tp_comm if tp is not None else None

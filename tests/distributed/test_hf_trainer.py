@@ -51,8 +51,11 @@ CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
     "stage3-lora": (3, True, True, {}),
     "stage2-config-optimizer": (2, True, False, {}),
     "stage1-lora": (1, True, True, {}),
+    "stage1-unmanaged": (1, True, False, {}),
 }
 SLOW = {"stage2-config-optimizer", "stage1-lora"}  # CI budget: stages 1-2 of the other two stage-3 cases
+# managed_gradient_accumulation false ([Note: caller-owned windows]): the Trainer's windows, the epoch's short one too
+UNMANAGED = {"stage1-unmanaged"}
 
 
 # the config arrives as `accelerate launch` (zeroshard accelerate-launch) gives it: variables, no deepspeed=
@@ -67,6 +70,8 @@ def _ws1_parity(rank: int, world_size: int, tmp: str, name: str) -> tuple[list[f
     build = (lambda: with_lora(tiny_llama())) if lora else tiny_llama
     plain = _plain_losses(os.path.join(tmp, "plain"), build(), data, num_train_epochs=2, **overrides)
     config: dict[str, Any] | None = ds_config(stage, optimizer)
+    if name in UNMANAGED:
+        config = {**ds_config(stage, optimizer), "managed_gradient_accumulation": False}
     if name in LAUNCHED:
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
         config = None

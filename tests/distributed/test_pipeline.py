@@ -99,6 +99,7 @@ REFUSALS = [
     ({"pipeline": {"schedule": "gpipe", "virtual_stages": 2}}, "only with"),
     ({"pipeline": {"stages": 3}}, "num_stages=1"),
     ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation is false, which a PipelineModule"),
 ]
 
 

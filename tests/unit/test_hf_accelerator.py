@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import zeroshard
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
-from zeroshard.hf.accelerator import _check_pairing, _hidden_size_values, _one_plugin
+from zeroshard.hf.accelerator import EngineWrapper, _check_pairing, _hidden_size_values, _one_plugin
 
 
 def _plugin(config: dict) -> DeepSpeedPlugin:
@@ -69,7 +69,7 @@ def test_steps_per_print_infinity_means_never() -> None:
         parse_config({**base, "steps_per_print": -math.inf})
 
 
-def _engine(stage: int, gas: int) -> zeroshard.Engine:
+def _engine(stage: int, gas: int, **extra: object) -> zeroshard.Engine:
     torch.manual_seed(0)
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -77,24 +77,25 @@ def _engine(stage: int, gas: int) -> zeroshard.Engine:
         "gradient_clipping": 0.0,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        **extra,
     }
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     return engine
 
 
-def test_set_gradient_accumulation_boundary_decides_where_steps_fall() -> None:
+@pytest.mark.parametrize("managed", [True, False])
+def test_set_gradient_accumulation_boundary_decides_where_steps_fall(managed: bool) -> None:
     """accelerate's loop under DeepSpeed: the boundary set before each backward, step() only on it. Three
     micro-batches in a window of gas 2 (accelerate ends a window at the end of the data) step once, after the
-    third, on the mean of the three losses over gas."""
+    third, on the mean of the three losses over gas. With `managed_gradient_accumulation: false` the wrapper sets no
+    boundary (the engine refuses it there) and its step() ends the window."""
     batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    engine = _engine(stage=0, gas=2)
+    engine = _engine(stage=0, gas=2, managed_gradient_accumulation=managed)
+    wrapper = EngineWrapper(engine)
     for i, x in enumerate(batches):
-        engine.set_gradient_accumulation_boundary(i == 2)
-        assert engine.is_gradient_accumulation_boundary() == (i == 2)
-        engine.backward(engine(x).sum())
-        if i == 2:
-            engine.step()
+        wrapper.backward(engine(x).sum(), sync_gradients=i == 2)
+        assert engine.global_steps == (i == 2)
     assert engine.global_steps == 1 and engine.was_step_applied()
     reference = _engine(stage=0, gas=2)  # the same initial weights
     loss = sum(reference.module(x).sum() for x in batches) / 2

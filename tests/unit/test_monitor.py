@@ -302,3 +302,29 @@ def test_comms_table_equals_deepspeeds(
     ds.log_all()
     ours.log_all()
     assert log.records[-1].getMessage().strip("\n") == capsys.readouterr().out.strip("\n")
+
+
+def test_windows_the_script_ends_log_their_loss_at_their_step(tmp_path: pathlib.Path) -> None:
+    """managed_gradient_accumulation false ([Note: caller-owned windows]): no backward is a boundary, so each window's
+    mean loss is written when step() ends it, at the samples counted before it; samples grow by the window's
+    micro-batches."""
+    csv_monitor = {"enabled": True, "output_path": str(tmp_path), "job_name": "csv"}
+    cfg = _config(tmp_path, fp16={"enabled": False}, managed_gradient_accumulation=False, csv_monitor=csv_monitor)
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroshard.initialize(model=MLP(), config=cfg)
+    losses, samples = [], [0]
+    for window in (1, 3, 2):
+        window_losses = []
+        for _ in range(window):
+            loss = engine(torch.randn(MICRO, K))
+            engine.backward(loss)
+            window_losses.append(loss.item())
+        engine.step()
+        losses.append(sum(window_losses) / window)
+        samples.append(engine.global_samples)
+    engine.destroy()
+    assert samples == [0, MICRO, 4 * MICRO, 6 * MICRO]
+    header, rows = _read_csv(tmp_path / "csv" / "Train_Samples_train_loss.csv")
+    assert [s for s, _ in rows] == samples[:-1]
+    assert [v for _, v in rows] == pytest.approx(losses, rel=1e-6)
+    assert [s for s, _ in _read_csv(tmp_path / "csv" / "Train_Samples_lr.csv")[1]] == samples[1:]

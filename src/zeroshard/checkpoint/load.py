@@ -381,6 +381,6 @@ def load_checkpoint(
             state.publish_params()
         engine.strategy.loaded()
         engine.strategy.zero_grad()
-        engine.accumulation.pending = False
+        engine.accumulation.pending, engine.accumulation.window_backwards = False, 0
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")
     return tag_dir, client_state

@@ -164,6 +164,8 @@ def _check_super_offload(cfg: ZeroshardConfig) -> None:
         needs = "fp32 master weights (fp16.fp16_master_weights_and_grads is true)"
     elif str(cfg.zeroshard.backend) == "fsdp2":
         needs = 'the "zero" backend (zeroshard.backend is "fsdp2")'
+    elif cfg.managed_gradient_accumulation is False:  # it steps during the boundary's backward, which has none
+        needs = "managed_gradient_accumulation true (it is false: only step() knows where a window ends)"
     elif isinstance(block.cpuadam_cores_perc, float) and block.cpuadam_cores_perc <= 0.0:
         needs = "offload_optimizer.cpuadam_cores_perc > 0 (it is 0)"
     if needs is not None:

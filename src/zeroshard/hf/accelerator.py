@@ -317,7 +317,8 @@ class EngineWrapper:
         self.engine = engine
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
-        self.engine.set_gradient_accumulation_boundary(sync_gradients)
+        if self.engine.managed_gradient_accumulation():  # else step() alone ends the window
+            self.engine.set_gradient_accumulation_boundary(sync_gradients)
         self.engine.backward(loss, **kwargs)
         if sync_gradients:  # clipping, the optimizer step and the config's scheduler step
             self.engine.step()

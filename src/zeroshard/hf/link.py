@@ -15,7 +15,9 @@ optimizer's and scheduler's `step` no-ops. We do the same with three small objec
 
 The engine counts its own accumulation window. When the Trainer ends a window early (the last, shorter window of
 an epoch) `backward` moves the engine's micro-step count to that window's last slot, so both agree on where the
-optimizer step falls. `get_last_lr()` reports the lr the step just taken used, as the plain Trainer logs it.
+optimizer step falls. With `managed_gradient_accumulation: false` the engine counts nothing: `backward` calls
+`engine.step()` on the Trainer's boundaries only. `get_last_lr()` reports the lr the step just taken used, as the
+plain Trainer logs it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class EngineLink:
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         engine = self.require()
+        if not engine.managed_gradient_accumulation():  # [Note: caller-owned windows]: the Trainer's are the engine's
+            engine.backward(loss, scale_wrt_gas=False)
+            if boundary:
+                self.last_lr = engine.get_lr()
+                engine.step()
+            return
         if boundary and not engine.is_gradient_accumulation_boundary():
             accum = engine.gradient_accumulation_steps()
             engine.micro_steps = (engine.micro_steps // accum + 1) * accum - 1  # a window the Trainer ends early

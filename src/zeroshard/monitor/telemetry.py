@@ -102,9 +102,17 @@ class Telemetry:
         self._loss_sum = mean if self._loss_sum is None else self._loss_sum + mean
         self._losses += 1
         if boundary:
-            value = float(self._loss_sum.item()) / self._losses
-            self._loss_sum, self._losses = None, 0
-            self._write([("Train/Samples/train_loss", value, samples)])
+            self.window_loss(samples)
+
+    def window_loss(self, samples: int) -> None:
+        """Write the mean of the losses added since the last write (the engine calls it at the step of a window the
+        caller ended: [Note: caller-owned windows])."""
+        if not self.monitors or not self._losses:
+            return
+        assert self._loss_sum is not None
+        value = float(self._loss_sum.item()) / self._losses
+        self._loss_sum, self._losses = None, 0
+        self._write([("Train/Samples/train_loss", value, samples)])
 
     def after_step(self, step: int, samples: int, lr: float, loss_scale: float | None) -> None:
         """After an optimizer step (`step` counted before it): lr, loss scale, and the FLOPs profile at its step."""

@@ -9,12 +9,24 @@ implement it: `FlatStrategy` (stages 0-2, zero/flat/), `Stage3Strategy` (zero/st
 (the fsdp2 backend over PyTorch's fully_shard, fsdp2/). All share the step skeleton below: finish the
 reductions, one norm (and inf/nan) decision for all ranks, the optimizer over chunks of the shards, publish the
 parameters.
+
+[Note: caller-owned windows]
+With `managed_gradient_accumulation: false` (DeepSpeed 0.19's key) the script ends a window where it calls
+`engine.step()`, after as many `engine.backward` calls as it likes (tokens per step, a variable number of rollouts).
+No backward is a boundary: stages 0-1 accumulate locally, stages 2-3 reduce every micro-step as always, and their
+gradient tiers take the shards at the step rather than during a last backward. `step()` is the boundary while it
+runs: stages 0-1 reduce the window's accumulation then (`Strategy.end_window`), and every call steps the optimizer.
+backward still divides the loss by `gradient_accumulation_steps` (unless `scale_wrt_gas=False`), so a window of k
+micro-batches steps on k/gas times their mean gradient, as in DeepSpeed; `global_samples` grows by the micro-batches
+the window ran. Refused as DeepSpeed refuses them: `set_gradient_accumulation_boundary` and a PipelineModule; and
+super_offload, whose host steps run during the boundary's backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -44,9 +56,15 @@ class AccumulationState:
     # engine.set_gradient_accumulation_boundary (DeepSpeed's): the caller says where windows end; None: count
     boundary: bool | None = None
     pending: bool = False  # gradients accumulated since the last optimizer step (or zero_grad)
+    # `managed_gradient_accumulation: false` ([Note: caller-owned windows]): every engine.step() ends a window
+    managed: bool = True
+    stepping: bool = False  # inside engine.step() (the boundary when windows are the caller's)
+    window_backwards: int = 0  # engine.backward calls since the last step, for global_samples then
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""
+        if not self.managed:
+            return self.stepping
         if self.boundary is not None:
             return self.boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -54,6 +72,24 @@ class AccumulationState:
     def communicates(self) -> bool:
         """The current micro-step's gradients are reduced across ranks during its backward."""
         return self.communicate_every_micro_step or (self.is_boundary() and self.no_sync_depth == 0)
+
+    @contextlib.contextmanager
+    def inside_step(self) -> Iterator[None]:
+        """engine.step() runs: the boundary of a window the caller owns."""
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+
+    def end_window(self, train_batch_size: int) -> int:
+        """After the optimizer step: the samples the window trained on (as many micro-batches as the caller ran when
+        the windows are its own), and nothing is pending."""
+        samples = train_batch_size
+        if not self.managed:
+            samples = train_batch_size // self.gradient_accumulation_steps * self.window_backwards
+        self.pending, self.window_backwards = False, 0
+        return samples
 
 
 @dataclass(frozen=True)
@@ -199,6 +235,11 @@ class Strategy(ABC):
 
     def loaded(self) -> None:
         """`load_checkpoint` replaced the state: nothing from before it is pending (nothing to forget by default)."""
+        return None
+
+    def end_window(self) -> None:
+        """`engine.step()` ends a window the caller owns ([Note: caller-owned windows]): reduce what the window's
+        backwards left unreduced. Nothing by default: stages 2-3 reduce every micro-step's gradients in its backward."""
         return None
 
     # -- one parameter's full values: DeepSpeed's safe_get_full_* (collective: every rank, same parameter) ---------

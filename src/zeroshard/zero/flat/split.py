@@ -73,6 +73,10 @@ class SplitStrategy(Strategy):
         for part in self.parts:
             part.finish_backward()
 
+    def end_window(self) -> None:
+        for part in self.parts:
+            part.end_window()
+
     @property
     def _sharded(self) -> bool:
         return any(part._sharded for part in self.parts)

@@ -184,6 +184,13 @@ class FlatStrategy(Strategy):
     def finish_backward(self) -> None:
         self._received(self.reducer.finish_backward())
 
+    def end_window(self) -> None:
+        """Stages 0-1 reduce a window's local accumulation once, at its end ([Note: caller-owned windows]): a
+        backward with no gradients left to arrive launches every bucket."""
+        if not self.accumulation.communicate_every_micro_step:
+            self.begin_backward()
+            self.finish_backward()
+
     def _collect_loose_grads(self) -> None:
         """[Note: gradients outside engine.backward] Before the step, `.grad`s that a backward this engine did not
         run left on its parameters (a plain `loss.backward()`) are reduced as one more backward would be."""

@@ -1,0 +1,207 @@
+"""`managed_gradient_accumulation: false` ([Note: caller-owned windows]): the script ends each window with
+`engine.step()` after any number of `engine.backward` calls. Windows of `gradient_accumulation_steps` micro-batches
+train bit for bit as the managed engine does, at every stage and gradient tier; windows of other lengths match a
+single-process reference and DeepSpeed 0.19.8 given the same config."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.deepspeed_reference import import_deepspeed
+from helpers.harness import run_on_ranks
+from helpers.parity import TINY, Case, build_model, ds_config, flat_params, param_groups, relative_difference
+
+SAME_AS_MANAGED = [
+    (Case(stage=0, gas=2, steps=4), {}),
+    (Case(stage=1, gas=2, steps=4), {}),
+    (Case(stage=1, gas=2, steps=4, reduce_scatter=False), {}),
+    (Case(stage=1, gas=2, steps=4), {"zero_optimization": {"overlap_comm": True}}),
+    (Case(stage=1, gas=2, steps=2, dtype="bf16"), {}),
+    (Case(stage=2, gas=2, steps=4), {}),
+    (Case(stage=2, gas=2, steps=4, offload="cpu"), {}),
+    (Case(stage=2, gas=2, steps=3, offload="nvme"), {}),
+    (Case(stage=3, gas=2, steps=4), {}),
+    (Case(stage=3, gas=2, steps=4, offload="cpu", offload_param="cpu"), {}),
+    (Case(stage=3, gas=2, steps=3, offload="nvme"), {}),
+    (Case(stage=3, gas=2, steps=4), {"zeroshard": {"backend": "fsdp2"}}),
+]
+WINDOWS = [1, 3, 2, 1]  # micro-batches per optimizer step, with gradient_accumulation_steps 2
+MICRO, GAS = 2, 2
+
+
+def _batches(world_size: int, windows: list[int], steps: int | None = None) -> list[list[tuple[torch.Tensor, ...]]]:
+    """Per window, per micro-step, the whole world's micro-batches (rank r takes row block r)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for n in windows[:steps]:
+        window = []
+        for _ in range(n):
+            x = torch.randint(0, TINY.vocab_size, (MICRO * world_size, 16), generator=g)
+            window.append((x, torch.roll(x, -1, dims=1)))
+        out.append(window)
+    return out
+
+
+def _mine(batch: tuple[torch.Tensor, ...], rank: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t[rank * MICRO : (rank + 1) * MICRO] for t in batch)
+
+
+def _config(case: Case, extra: dict[str, Any], managed: bool) -> dict:
+    """DeepSpeed refuses overlap_comm at stages 0-1 with managed_gradient_accumulation false (zeroshard need not)."""
+    zero = {
+        **ds_config(case)["zero_optimization"],
+        "overlap_comm": case.stage >= 2,
+        **extra.get("zero_optimization", {}),
+    }
+    return {**ds_config(case), **extra, "zero_optimization": zero, "managed_gradient_accumulation": managed}
+
+
+def _train(
+    rank: int,
+    world_size: int,
+    engine: Any,
+    windows: list[list[tuple[torch.Tensor, ...]]],
+    managed: bool,
+    gathered: Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]],
+):
+    """Per window the mean loss, then the parameters and counters; managed engines count the windows themselves.
+    `engine` is zeroshard's or DeepSpeed's."""
+    losses, boundaries = [], []
+    for window in windows:
+        step_losses = []
+        for batch in window:
+            loss = engine(*(t.to(engine.device) for t in _mine(batch, rank)))
+            engine.backward(loss)
+            boundaries.append(engine.is_gradient_accumulation_boundary())
+            step_losses.append(loss.item())
+            if managed:
+                engine.step()
+        if not managed:
+            engine.step()
+        losses.append(sum(step_losses) / len(step_losses))
+    with gathered(list(engine.module.parameters())):
+        params = flat_params(engine.module)
+    counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
+    return losses, params, boundaries, counters
+
+
+def _ours(rank: int, world_size: int, case: Case, extra: dict, managed: bool, windows: list[int]):
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    model = build_model(case)
+    config = _config(case, extra, managed)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    out = _train(rank, world_size, engine, _batches(world_size, windows), managed, GatheredParameters)
+    engine.destroy()
+    return out
+
+
+def _same_as_managed(rank: int, world_size: int) -> list[Any]:
+    windows = [GAS] * 4
+    return [
+        [_ours(rank, world_size, c, e, managed, windows[: c.steps]) for managed in (True, False)]
+        for c, e in SAME_AS_MANAGED
+    ]
+
+
+def test_windows_of_the_configured_length_train_as_the_managed_engine() -> None:
+    for per_case in run_on_ranks(_same_as_managed, 2, timeout=900):
+        for (case, extra), (managed, unmanaged) in zip(SAME_AS_MANAGED, per_case, strict=True):
+            name = case.name + str(extra)
+            assert unmanaged[0] == managed[0], name  # losses, to the bit
+            assert unmanaged[1].equal(managed[1]), name  # parameters
+            assert managed[2] == [False, True] * case.steps, name
+            assert unmanaged[2] == [False] * (2 * case.steps), name  # no backward is a boundary
+            steps, samples, _ = unmanaged[3]
+            assert (steps, samples) == managed[3][:2] == (case.steps, case.steps * GAS * MICRO * 2), name
+            assert unmanaged[3][2] == case.steps, name  # a micro-step per step() call, as DeepSpeed counts
+
+
+def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
+    """Plain PyTorch: each window's micro-batches of every rank, each loss divided by gas x world (the engine's
+    division by the configured accumulation steps and its mean over ranks), then clipping and AdamW."""
+    model = build_model(case)
+    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
+    losses = []
+    for window in _batches(world_size, WINDOWS):
+        model.zero_grad()
+        step_losses = []
+        for batch in window:
+            for r in range(world_size):
+                loss = model(*_mine(batch, r))
+                (loss / (GAS * world_size)).backward()
+                step_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        losses.append(sum(step_losses) / len(step_losses))
+    return losses, flat_params(model)
+
+
+VARIABLE = [Case(stage=1, gas=GAS), Case(stage=2, gas=GAS), Case(stage=3, gas=GAS)]
+
+
+def _variable(rank: int, world_size: int) -> list[Any]:
+    out = [_ours(rank, world_size, case, {}, False, WINDOWS) for case in VARIABLE]
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for case in VARIABLE:
+        model = build_model(case)
+        config = _config(case, {}, False)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        out.append(
+            _train(rank, world_size, engine, _batches(world_size, WINDOWS), False, deepspeed.zero.GatheredParameters)
+        )
+        engine.destroy()
+    return out
+
+
+def test_windows_of_any_length_match_the_reference_and_deepspeed() -> None:
+    results = run_on_ranks(_variable, 2, timeout=900)
+    for i, case in enumerate(VARIABLE):
+        ref_losses, ref_params = _reference(2, case)
+        losses = [sum(results[r][i][0][w] for r in range(2)) / 2 for w in range(len(WINDOWS))]
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6), (case.name, losses)
+        for rank_results in results:
+            (_, params, boundaries, counters), deepspeed = rank_results[i], rank_results[len(VARIABLE) + i]
+            assert boundaries == deepspeed[2] == [False] * sum(WINDOWS), case.name
+            # DeepSpeed counts steps, samples and micro-steps alike
+            assert counters == deepspeed[3] == (len(WINDOWS), sum(WINDOWS) * MICRO * 2, len(WINDOWS)), case.name
+            assert relative_difference(params, ref_params) < 1e-6, case.name
+            assert relative_difference(params, deepspeed[1]) < 1e-6, case.name
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    import zeroshard
+    from zeroshard.errors import ZeroshardError
+
+    case = Case(stage=1, gas=GAS)
+    engine, *_ = zeroshard.initialize(model=build_model(case), config=_config(case, {}, False))
+    messages = []
+    try:
+        engine.set_gradient_accumulation_boundary(True)
+    except ZeroshardError as error:
+        messages.append(str(error))
+    engine.destroy()
+    return messages
+
+
+def test_the_boundary_override_is_refused_as_deepspeed_refuses_it() -> None:
+    for messages in run_on_ranks(_refusals, 1):
+        assert len(messages) == 1 and "managed_gradient_accumulation false" in messages[0], messages
+
+
+def test_super_offload_needs_managed_windows() -> None:
+    from zeroshard.config import parse_config
+    from zeroshard.errors import ConfigError
+
+    raw = copy.deepcopy(_config(Case(stage=3, offload="cpu"), {}, False))
+    raw["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    with pytest.raises(ConfigError, match="super_offload: true needs managed_gradient_accumulation true"):
+        parse_config(raw)
