@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,6 +24,8 @@ SAME_AS_MANAGED = [
     (Case(stage=1, gas=2, steps=4, reduce_scatter=False), {}),
     (Case(stage=1, gas=2, steps=4), {"zero_optimization": {"overlap_comm": True}}),
     (Case(stage=1, gas=2, steps=2, dtype="bf16"), {}),
+    (Case(stage=1, gas=2, steps=4, offload="cpu"), {}),
+    (Case(stage=1, gas=2, steps=2), {"torch_autocast": {"enabled": True}}),  # two flat strategies: SplitStrategy
     (Case(stage=2, gas=2, steps=4), {}),
     (Case(stage=2, gas=2, steps=4, offload="cpu"), {}),
     (Case(stage=2, gas=2, steps=3, offload="nvme"), {}),
@@ -69,6 +72,7 @@ def _train(
     windows: list[list[tuple[torch.Tensor, ...]]],
     managed: bool,
     gathered: Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]],
+    divisor: int = 1,
 ):
     """Per window the mean loss, then the parameters and counters; managed engines count the windows themselves.
     `engine` is zeroshard's or DeepSpeed's."""
@@ -77,7 +81,7 @@ def _train(
         step_losses = []
         for batch in window:
             loss = engine(*(t.to(engine.device) for t in _mine(batch, rank)))
-            engine.backward(loss)
+            engine.backward(loss / divisor if divisor != 1 else loss)
             boundaries.append(engine.is_gradient_accumulation_boundary())
             step_losses.append(loss.item())
             if managed:
@@ -91,14 +95,14 @@ def _train(
     return losses, params, boundaries, counters
 
 
-def _ours(rank: int, world_size: int, case: Case, extra: dict, managed: bool, windows: list[int]):
+def _ours(rank: int, world_size: int, case: Case, extra: dict, managed: bool, windows: list[int], divisor: int = 1):
     import zeroshard
     from zeroshard.zero import GatheredParameters
 
     model = build_model(case)
     config = _config(case, extra, managed)
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
-    out = _train(rank, world_size, engine, _batches(world_size, windows), managed, GatheredParameters)
+    out = _train(rank, world_size, engine, _batches(world_size, windows), managed, GatheredParameters, divisor)
     engine.destroy()
     return out
 
@@ -122,6 +126,26 @@ def test_windows_of_the_configured_length_train_as_the_managed_engine() -> None:
             steps, samples, _ = unmanaged[3]
             assert (steps, samples) == managed[3][:2] == (case.steps, case.steps * GAS * MICRO * 2), name
             assert unmanaged[3][2] == case.steps, name  # a micro-step per step() call, as DeepSpeed counts
+
+
+ONE_STEP_CONFIGS = [Case(stage=2, gas=1, steps=2, dtype="bf16"), Case(stage=3, gas=1, steps=2, dtype="bf16")]
+
+
+def _one_step_config(rank: int, world_size: int) -> list[Any]:
+    out = []
+    for case in ONE_STEP_CONFIGS:
+        managed = _ours(rank, world_size, replace(case, gas=2), {}, True, [2, 2])
+        out.append((managed, _ours(rank, world_size, case, {}, False, [2, 2], divisor=2)))
+    return out
+
+
+def test_a_window_longer_than_the_configured_one_accumulates_in_the_accumulation_dtype() -> None:
+    """gradient_accumulation_steps 1 with windows of 2 (the script halving each loss) trains as gas 2 does: the
+    window's gradients accumulate in fp32, not in the bf16 of a one-micro-step window (stage 3 chose the gradient
+    dtype by gas alone)."""
+    for per_case in run_on_ranks(_one_step_config, 2):
+        for case, (managed, unmanaged) in zip(ONE_STEP_CONFIGS, per_case, strict=True):
+            assert unmanaged[0] == managed[0] and unmanaged[1].equal(managed[1]), case.name
 
 
 def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
@@ -205,3 +229,32 @@ def test_super_offload_needs_managed_windows() -> None:
     raw["zero_optimization"]["offload_optimizer"]["super_offload"] = True
     with pytest.raises(ConfigError, match="super_offload: true needs managed_gradient_accumulation true"):
         parse_config(raw)
+
+
+def _save_or_resume(rank: int, world_size: int, root: str, save: bool) -> tuple[int, int, int, int]:
+    import zeroshard
+
+    case = Case(stage=1, gas=GAS)
+    engine, *_ = zeroshard.initialize(model=build_model(case), config=_config(case, {}, False))
+    if save:
+        for _ in range(2):  # two windows of three micro-batches
+            for _ in range(3):
+                x = torch.randint(0, TINY.vocab_size, (MICRO, 16))
+                engine.backward(engine(x, x))
+            engine.step()
+        engine.save_checkpoint(root)
+    else:
+        engine.load_checkpoint(root)
+    out = (engine.gradient_accumulation_steps(), engine.global_steps, engine.micro_steps, engine.global_samples)
+    engine.destroy()
+    return out
+
+
+def test_a_resume_on_other_replicas_keeps_the_loss_divisor_and_the_counters(tmp_path) -> None:
+    """The managed engine keeps a checkpoint's global batch on a new replica count by changing the accumulation
+    steps; a script's own windows decide that batch, so the divisor stays as configured (a warning says so) and
+    micro-steps keep counting step() calls."""
+    saved = run_on_ranks(_save_or_resume, 2, str(tmp_path), True)[0]
+    resumed = run_on_ranks(_save_or_resume, 1, str(tmp_path), False)[0]
+    assert saved == (GAS, 2, 2, 2 * 3 * MICRO * 2)
+    assert resumed == saved

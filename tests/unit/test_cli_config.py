@@ -132,11 +132,20 @@ def test_train_rejects_bad_inputs_before_starting(capsys, args, message):
     assert code != 0 and err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
-def test_train_rejects_a_bad_ds_config(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "overlap_com: unknown key"),
+        # the command ends its windows itself ([Note: caller-owned windows])
+        ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation is false, but zeroshard train"),
+    ],
+)
+def test_train_rejects_a_bad_ds_config(tmp_path, capsys, config, message):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    path.write_text(json.dumps(config))
     assert main(["train", "--ds-config", str(path)]) == 2
-    assert "overlap_com: unknown key" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
 
 
 def test_train_refuses_an_unwritable_output_dir_before_starting(tmp_path, capsys):

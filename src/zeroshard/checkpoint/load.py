@@ -227,6 +227,14 @@ def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
     current = int(cfg.train_batch_size)
     if saved == current:
         return False
+    if not engine.accumulation.managed:  # [Note: caller-owned windows]: the script sizes its windows itself
+        log_rank(
+            logger,
+            30,
+            f"global batch changes from {saved} (checkpoint) to {current}: with managed_gradient_accumulation false "
+            "the script's windows decide it; gradient_accumulation_steps (the loss divisor) stays as configured",
+        )
+        return False
     micro = int(cfg.train_micro_batch_size_per_gpu)
     replicas = current // (micro * int(cfg.gradient_accumulation_steps))
     pinned = cfg.raw.get("train_batch_size") not in (None, "auto")
@@ -260,7 +268,8 @@ def _restore_training_state(
     engine.global_samples = int(counters["global_samples"])
     engine.skipped_steps = int(counters["skipped_steps"])
     gas = int(engine.config.gradient_accumulation_steps)
-    same_windows = gas == int(meta.batch["gradient_accumulation_steps"])
+    # the same windows; with caller-owned ones micro-steps count step() calls whatever the accumulation steps
+    same_windows = gas == int(meta.batch["gradient_accumulation_steps"]) or not engine.accumulation.managed
     # Another accumulation count: micro-steps restart on the boundary after the last optimizer step.
     engine.micro_steps = int(counters["micro_steps"]) if same_windows else engine.global_steps * gas
     if load_lr_scheduler_states and engine.lr_scheduler is not None and blob["lr_scheduler"] is not None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zeroshard.errors import ConfigError
 from zeroshard.presets import ds_config_preset, fill_auto, load_ds_config
 
 
@@ -55,6 +56,11 @@ def preset_name(stage: int, offload: bool) -> str:
 def train_ds_config(source: str, hyper: TrainHyper, world_size: int) -> dict[str, Any]:
     """The config dict to pass to `initialize`: `source` (preset name or file) with "auto" filled."""
     config = load_ds_config(source)
+    if config.get("managed_gradient_accumulation") is False:  # [Note: caller-owned windows]
+        raise ConfigError(
+            f"{source}: managed_gradient_accumulation is false, but zeroshard train ends a window every --grad-accum "
+            "micro-batches itself; remove the key (it is for scripts that call engine.step() where their windows end)"
+        )
     preset = ds_config_preset("zero2")
     for block in ("optimizer", "scheduler"):
         if block not in config:

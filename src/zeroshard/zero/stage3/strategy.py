@@ -89,8 +89,10 @@ class Stage3Strategy(Strategy):
         super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
         self.shard_rank = comm.rank
-        # gradients stay in the reduction's dtype with one micro-step per step, else they accumulate
-        grad_dtype = policy.comm_dtype if accumulation.gradient_accumulation_steps == 1 else policy.grad_accum_dtype
+        # gradients stay in the reduction's dtype with one micro-step per step, else they accumulate (a window the
+        # caller owns may have any length: [Note: caller-owned windows])
+        one_micro_step = accumulation.gradient_accumulation_steps == 1 and accumulation.managed
+        grad_dtype = policy.comm_dtype if one_micro_step else policy.grad_accum_dtype
         build = BuildPolicy(
             policy.compute_dtype,
             grad_dtype,
