@@ -6,8 +6,6 @@ single-process reference and DeepSpeed 0.19.8 given the same config."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +14,19 @@ import torch
 
 from helpers.deepspeed_reference import import_deepspeed
 from helpers.harness import run_on_ranks
-from helpers.parity import TINY, Case, build_model, ds_config, flat_params, param_groups, relative_difference
+from helpers.parity import TINY, Case, build_model, flat_params, param_groups, relative_difference
+from helpers.windows import (
+    GAS,
+    MICRO,
+    WINDOWS,
+    batches,
+    check_same_as_managed,
+    mine,
+    ours,
+    same_as_managed,
+    train_windows,
+    window_config,
+)
 
 SAME_AS_MANAGED = [
     (Case(stage=0, gas=2, steps=4), {}),
@@ -34,98 +44,10 @@ SAME_AS_MANAGED = [
     (Case(stage=3, gas=2, steps=3, offload="nvme"), {}),
     (Case(stage=3, gas=2, steps=4), {"zeroshard": {"backend": "fsdp2"}}),
 ]
-WINDOWS = [1, 3, 2, 1]  # micro-batches per optimizer step, with gradient_accumulation_steps 2
-MICRO, GAS = 2, 2
-
-
-def _batches(world_size: int, windows: list[int], steps: int | None = None) -> list[list[tuple[torch.Tensor, ...]]]:
-    """Per window, per micro-step, the whole world's micro-batches (rank r takes row block r)."""
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for n in windows[:steps]:
-        window = []
-        for _ in range(n):
-            x = torch.randint(0, TINY.vocab_size, (MICRO * world_size, 16), generator=g)
-            window.append((x, torch.roll(x, -1, dims=1)))
-        out.append(window)
-    return out
-
-
-def _mine(batch: tuple[torch.Tensor, ...], rank: int) -> tuple[torch.Tensor, ...]:
-    return tuple(t[rank * MICRO : (rank + 1) * MICRO] for t in batch)
-
-
-def _config(case: Case, extra: dict[str, Any], managed: bool) -> dict:
-    """DeepSpeed refuses overlap_comm at stages 0-1 with managed_gradient_accumulation false (zeroshard need not)."""
-    zero = {
-        **ds_config(case)["zero_optimization"],
-        "overlap_comm": case.stage >= 2,
-        **extra.get("zero_optimization", {}),
-    }
-    return {**ds_config(case), **extra, "zero_optimization": zero, "managed_gradient_accumulation": managed}
-
-
-def _train(
-    rank: int,
-    world_size: int,
-    engine: Any,
-    windows: list[list[tuple[torch.Tensor, ...]]],
-    managed: bool,
-    gathered: Callable[[list[torch.nn.Parameter]], AbstractContextManager[Any]],
-    divisor: int = 1,
-):
-    """Per window the mean loss, then the parameters and counters; managed engines count the windows themselves.
-    `engine` is zeroshard's or DeepSpeed's."""
-    losses, boundaries = [], []
-    for window in windows:
-        step_losses = []
-        for batch in window:
-            loss = engine(*(t.to(engine.device) for t in _mine(batch, rank)))
-            engine.backward(loss / divisor if divisor != 1 else loss)
-            boundaries.append(engine.is_gradient_accumulation_boundary())
-            step_losses.append(loss.item())
-            if managed:
-                engine.step()
-        if not managed:
-            engine.step()
-        losses.append(sum(step_losses) / len(step_losses))
-    with gathered(list(engine.module.parameters())):
-        params = flat_params(engine.module)
-    counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
-    return losses, params, boundaries, counters
-
-
-def _ours(rank: int, world_size: int, case: Case, extra: dict, managed: bool, windows: list[int], divisor: int = 1):
-    import zeroshard
-    from zeroshard.zero import GatheredParameters
-
-    model = build_model(case)
-    config = _config(case, extra, managed)
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
-    out = _train(rank, world_size, engine, _batches(world_size, windows), managed, GatheredParameters, divisor)
-    engine.destroy()
-    return out
-
-
-def _same_as_managed(rank: int, world_size: int) -> list[Any]:
-    windows = [GAS] * 4
-    return [
-        [_ours(rank, world_size, c, e, managed, windows[: c.steps]) for managed in (True, False)]
-        for c, e in SAME_AS_MANAGED
-    ]
 
 
 def test_windows_of_the_configured_length_train_as_the_managed_engine() -> None:
-    for per_case in run_on_ranks(_same_as_managed, 2, timeout=900):
-        for (case, extra), (managed, unmanaged) in zip(SAME_AS_MANAGED, per_case, strict=True):
-            name = case.name + str(extra)
-            assert unmanaged[0] == managed[0], name  # losses, to the bit
-            assert unmanaged[1].equal(managed[1]), name  # parameters
-            assert managed[2] == [False, True] * case.steps, name
-            assert unmanaged[2] == [False] * (2 * case.steps), name  # no backward is a boundary
-            steps, samples, _ = unmanaged[3]
-            assert (steps, samples) == managed[3][:2] == (case.steps, case.steps * GAS * MICRO * 2), name
-            assert unmanaged[3][2] == case.steps, name  # a micro-step per step() call, as DeepSpeed counts
+    check_same_as_managed(SAME_AS_MANAGED, run_on_ranks(same_as_managed, 2, SAME_AS_MANAGED, timeout=900))
 
 
 ONE_STEP_CONFIGS = [Case(stage=2, gas=1, steps=2, dtype="bf16"), Case(stage=3, gas=1, steps=2, dtype="bf16")]
@@ -134,8 +56,8 @@ ONE_STEP_CONFIGS = [Case(stage=2, gas=1, steps=2, dtype="bf16"), Case(stage=3, g
 def _one_step_config(rank: int, world_size: int) -> list[Any]:
     out = []
     for case in ONE_STEP_CONFIGS:
-        managed = _ours(rank, world_size, replace(case, gas=2), {}, True, [2, 2])
-        out.append((managed, _ours(rank, world_size, case, {}, False, [2, 2], divisor=2)))
+        managed = ours(rank, world_size, replace(case, gas=2), {}, True, [2, 2])
+        out.append((managed, ours(rank, world_size, case, {}, False, [2, 2], divisor=2)))
     return out
 
 
@@ -154,12 +76,12 @@ def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
     model = build_model(case)
     optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
     losses = []
-    for window in _batches(world_size, WINDOWS):
+    for window in batches(world_size, WINDOWS):
         model.zero_grad()
         step_losses = []
         for batch in window:
             for r in range(world_size):
-                loss = model(*_mine(batch, r))
+                loss = model(*mine(batch, r))
                 (loss / (GAS * world_size)).backward()
                 step_losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
@@ -172,15 +94,17 @@ VARIABLE = [Case(stage=1, gas=GAS), Case(stage=2, gas=GAS), Case(stage=3, gas=GA
 
 
 def _variable(rank: int, world_size: int) -> list[Any]:
-    out = [_ours(rank, world_size, case, {}, False, WINDOWS) for case in VARIABLE]
+    out = [ours(rank, world_size, case, {}, False, WINDOWS) for case in VARIABLE]
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
     for case in VARIABLE:
         model = build_model(case)
-        config = _config(case, {}, False)
+        config = window_config(case, {}, False)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, case), config=config)
         out.append(
-            _train(rank, world_size, engine, _batches(world_size, WINDOWS), False, deepspeed.zero.GatheredParameters)
+            train_windows(
+                rank, world_size, engine, batches(world_size, WINDOWS), False, deepspeed.zero.GatheredParameters
+            )
         )
         engine.destroy()
     return out
@@ -206,7 +130,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     from zeroshard.errors import ZeroshardError
 
     case = Case(stage=1, gas=GAS)
-    engine, *_ = zeroshard.initialize(model=build_model(case), config=_config(case, {}, False))
+    engine, *_ = zeroshard.initialize(model=build_model(case), config=window_config(case, {}, False))
     messages = []
     try:
         engine.set_gradient_accumulation_boundary(True)
@@ -225,7 +149,7 @@ def test_super_offload_needs_managed_windows() -> None:
     from zeroshard.config import parse_config
     from zeroshard.errors import ConfigError
 
-    raw = copy.deepcopy(_config(Case(stage=3, offload="cpu"), {}, False))
+    raw = copy.deepcopy(window_config(Case(stage=3, offload="cpu"), {}, False))
     raw["zero_optimization"]["offload_optimizer"]["super_offload"] = True
     with pytest.raises(ConfigError, match="super_offload: true needs managed_gradient_accumulation true"):
         parse_config(raw)
@@ -235,7 +159,7 @@ def _save_or_resume(rank: int, world_size: int, root: str, save: bool) -> tuple[
     import zeroshard
 
     case = Case(stage=1, gas=GAS)
-    engine, *_ = zeroshard.initialize(model=build_model(case), config=_config(case, {}, False))
+    engine, *_ = zeroshard.initialize(model=build_model(case), config=window_config(case, {}, False))
     if save:
         for _ in range(2):  # two windows of three micro-batches
             for _ in range(3):
