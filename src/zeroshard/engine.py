@@ -136,6 +136,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             self.train_batch_size(),
             config.steps_per_print,
             loader=training_dataloader,
+            whole_windows=not self.accumulation.managed,
         )
         self._memory_breakdown = bool(config.memory_breakdown)
         self._auto_cast = bool(config.fp16.auto_cast)
@@ -231,9 +232,10 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
         with self.accumulation.inside_step():
             boundary = self.is_gradient_accumulation_boundary()
             see_memory_usage("Engine before step", force=self._memory_breakdown)
+            samples = self.global_samples
             with self.wall_clock.time("step"):
                 self._step(strategy, boundary)
-            self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
+            self.tput_timer.stop(boundary, self.global_rank == 0, self.global_samples - samples)
             self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
         see_memory_usage("Engine after step", force=self._memory_breakdown)
         self.accumulation.micro_steps += 1

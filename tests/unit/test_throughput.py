@@ -71,6 +71,25 @@ def test_throughput_is_logged_every_steps_per_print_from_the_third_step(log) -> 
     engine.destroy()
 
 
+def test_windows_the_script_ends_are_timed_whole_with_their_samples(log) -> None:  # noqa: F811
+    """managed_gradient_accumulation false: windows of 3 micro-batches (gas 2) are timed from their first forward and
+    count 3 micro-batches each; timing only the last forward, or counting train_batch_size, would report about twice
+    the bound."""
+    engine = _engine(managed_gradient_accumulation=False)
+    for _ in range(6):
+        for _ in range(3):
+            engine.backward(engine(torch.randn(MICRO, 4)))
+        engine.step()
+    lines = _messages(log, r"^epoch=")
+    assert [re.search(r"global_step=(\d+),", line).group(1) for line in lines] == ["4", "6"], lines  # type: ignore
+    window = 3 * MICRO
+    current = float(re.search(r"CurrSamplesPerSec=([0-9.]+)", lines[1]).group(1))  # type: ignore[union-attr]
+    assert 0 < current < window / (3 * FORWARD_S), current
+    assert 0 < engine.tput_timer.avg_samples_per_sec() < window / (3 * FORWARD_S)
+    assert engine.tput_timer.total_samples == 4 * window  # steps 3-6 are timed
+    engine.destroy()
+
+
 def test_throughput_off_logs_nothing(log) -> None:  # noqa: F811
     engine = _engine(timers={"throughput": {"enabled": False}})
     _train(engine, 4)

@@ -11,6 +11,9 @@ stop (what DeepSpeed does by default; off, a CUDA step may be timed before its k
 the training dataloader it starts the timer as the loader hands out a batch instead of at forward (so its times
 include loading the batch); here it always starts at forward, and `epoch` is the engine dataloader's epoch (its
 sampler's), 0 without one. `engine.tput_timer` is the timer, with DeepSpeed's `avg_samples_per_sec()`.
+With windows the script ends ([Note: caller-owned windows]) a step follows several forwards: the timer runs from
+the window's first forward to its step and counts the samples the window trained on. (DeepSpeed restarts it at
+every forward and counts train_batch_size, so it reports the last micro-batch's time for the whole window.)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class ThroughputTimer:
         steps_per_output: int | None,
         start_step: int = 2,
         loader: Any = None,
+        whole_windows: bool = False,
     ):
         self.enabled = enabled
         self.synchronized = synchronized
@@ -44,7 +48,9 @@ class ThroughputTimer:
         self.steps_per_output = steps_per_output
         self.start_step = start_step
         self._loader = loader
+        self.whole_windows = whole_windows  # time from a window's first forward, not its last
         self.started = False
+        self.total_samples = 0  # of the steps timed since start_step
         self.start_time = 0.0
         self.micro_step_count = 0
         self.global_step_count = 0
@@ -57,14 +63,15 @@ class ThroughputTimer:
         return int(getattr(sampler, "epoch", 0))
 
     def start(self) -> None:
-        if not self.enabled:
+        if not self.enabled or (self.started and self.whole_windows):
             return
         self.started = True
         if self.global_step_count >= self.start_step:
             self._synchronize()
             self.start_time = time.time()
 
-    def stop(self, global_step: bool, report_speed: bool) -> None:
+    def stop(self, global_step: bool, report_speed: bool, samples: int | None = None) -> None:
+        """`samples`: what the step trained on (default train_batch_size)."""
         if not self.enabled or not self.started:
             return
         self.started = False
@@ -79,6 +86,8 @@ class ThroughputTimer:
         self.step_elapsed_time += duration
         if not global_step:
             return
+        step_samples = self.batch_size if samples is None else samples
+        self.total_samples += step_samples
         if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
             acc = get_accelerator()
             log_rank(
@@ -86,18 +95,19 @@ class ThroughputTimer:
                 20,
                 f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/global_step={self.global_step_count}, "
                 f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
-                f"CurrSamplesPerSec={self.batch_size / (self.step_elapsed_time + TIME_EPSILON)}, "
+                f"CurrSamplesPerSec={step_samples / (self.step_elapsed_time + TIME_EPSILON)}, "
                 f"MemAllocated={round(acc.memory_allocated() / _GIB, 2)}GB, "
                 f"MaxMemAllocated={round(acc.max_memory_allocated() / _GIB, 2)}GB",
             )
         self.step_elapsed_time = 0.0
 
     def avg_samples_per_sec(self) -> float:
-        """train_batch_size over the mean step time since `start_step`; -inf before the first step."""
+        """The samples of the steps timed since `start_step` over their time (train_batch_size over the mean step
+        time, with managed windows); -inf before the first step."""
         steps = self.global_step_count - self.start_step
         if steps <= 0 or self.total_elapsed_time <= 0:
             return float("-inf")  # nothing timed yet (DeepSpeed divides by zero in its second step)
-        return self.batch_size / (self.total_elapsed_time / steps)
+        return self.total_samples / self.total_elapsed_time
 
     def _synchronize(self) -> None:
         if self.synchronized:
