@@ -205,6 +205,11 @@ def _build(
     if tp is not None:
         comm = tp.dp_comm
         model_parameters = follow_split(model, names, optimizer, model_parameters)
+    if cfg.checkpoint.use_node_local_storage and (pipe is not None or tp is not None):  # [Note: node-local ..]
+        raise ConfigError(
+            "checkpoint.use_node_local_storage is not supported with a PipelineModule or tensor parallelism (their "
+            "checkpoints are written per stage or slice); save to a folder every node sees, or remove the key"
+        )
     if pipe is not None and tp is not None:  # an mpu's split layers in a pipeline: [Note: 3D mesh]
         from zeroshard.pipe.three_d import compose
 

@@ -100,6 +100,7 @@ REFUSALS = [
     ({"pipeline": {"stages": 3}}, "num_stages=1"),
     ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation is false, which a PipelineModule"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "use_node_local_storage is not supported with a PipelineModule"),
 ]
 
 

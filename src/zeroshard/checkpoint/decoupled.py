@@ -125,7 +125,7 @@ class PendingSave:
         except Exception as e:
             _give_up_entry(meeting, f"its commit failed: {e}", overwrite=True)  # a rank arriving later fails at once
             self.thread.join()
-            if sync.rank == 0:
+            if call.commits:
                 shutil.rmtree(call.tmp_dir, ignore_errors=True)
             reason = str(e).removeprefix(f"{COMMIT}: ")
             raise CheckpointError(f"{op}: the decoupled save {call.tag} was not committed: {reason}") from e

@@ -30,6 +30,7 @@ from zeroshard.checkpoint.format import (
     CheckpointMetadata,
     rng_file,
 )
+from zeroshard.checkpoint.node_local import check_loadable, node_local
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
@@ -360,8 +361,10 @@ def load_checkpoint(
     errors = sorted({h["error"] for h in hello if h["error"]})
     if errors:
         raise CheckpointError("; ".join(errors))
-    if len({h["dir"] for h in hello}) > 1:
-        raise CheckpointError(f"load_checkpoint: ranks resolved different checkpoints {[h['dir'] for h in hello]}")
+    dirs = [h["dir"] for h in hello]  # node-local: each node its own folder, the same tag ([Note: node-local ..])
+    same = {os.path.basename(d) if d and node_local(engine) is not None else d for d in dirs}
+    if len(same) > 1:
+        raise CheckpointError(f"load_checkpoint: ranks resolved different checkpoints {dirs}")
     tag_dir = resolved["dir"]
     if tag_dir is None:
         log_rank(logger, 30, f"no {LATEST_FILE} file in {root}: nothing loaded (pass tag= to load a given checkpoint)")
@@ -371,6 +374,8 @@ def load_checkpoint(
     publish = False
     try:
         opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
+        if not universal:
+            check_loadable(opened.metadata, tag_dir, engine)
         with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
             client_state, publish = _load_into(
                 engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only

@@ -29,6 +29,7 @@ from zeroshard.checkpoint.format import (
     piece_key,
     rng_file,
 )
+from zeroshard.checkpoint.node_local import NodeLocal, model_pieces
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
@@ -115,9 +116,10 @@ def _engine_state_bytes(engine: CheckpointableEngine, client_state: dict[str, An
     return buffer.getvalue()
 
 
-def take_snapshot(engine: CheckpointableEngine, client_state: dict[str, Any]) -> RankSnapshot:
+def take_snapshot(engine: CheckpointableEngine, client_state: dict[str, Any], shared_writer: bool) -> RankSnapshot:
+    """`shared_writer`: this rank writes the engine state (rank 0; node-local: each node's leader)."""
     rng = json.dumps(capture_rng_state()).encode()
-    return RankSnapshot(rng, _engine_state_bytes(engine, client_state) if engine.topology.rank == 0 else None)
+    return RankSnapshot(rng, _engine_state_bytes(engine, client_state) if shared_writer else None)
 
 
 @dataclass(frozen=True)
@@ -209,15 +211,16 @@ def add_rank_files(
     replicated: list[ModelPiece],
     state: ShardedState | None,
     snapshot: RankSnapshot,
+    placement: NodeLocal | None = None,
 ) -> None:
     """This rank's model and optimizer pieces (`replicated`: the tensors no strategy shards, rank 0's), RNG state
-    and (rank 0) engine state, part by part."""
+    and (rank 0) engine state, part by part; `placement`: [Note: node-local checkpoints]."""
     parts = state.parts() if state is not None else []
     if not parts:
         add_model_file(files, replicated)
     for i, part in enumerate(parts):  # one part in memory at a time ([Note: state parts])
         with part.hold(False):
-            add_model_file(files, part.model_pieces() + (replicated if i == 0 else []), part.suffix)
+            add_model_file(files, model_pieces(part, placement) + (replicated if i == 0 else []), part.suffix)
             if engine.optimizer is not None and state is not None and state.writes_optim:
                 owned = (part.optim_pieces_to_save or part.optim_pieces)()
                 add_optim_file(files, engine.optimizer, owned, part.suffix)

@@ -85,7 +85,9 @@ class CheckpointReader:
         return out.view(info.shape)
 
     def stored_dtype(self, store: str, name: str, state: str | None = None) -> torch.dtype:
-        piece = self._pieces[store][name][0]
+        pieces = self._pieces[store][name]
+        # a file at hand first: a node-local checkpoint's other pieces are on other nodes ([Note: node-local ..])
+        piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
         return self._file(piece.file).entry(piece_key(name, piece.begin, piece.end, state)).dtype
 
     def stream(self, store: str, name: str, state: str | None = None) -> Iterator[torch.Tensor]:

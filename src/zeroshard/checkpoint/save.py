@@ -25,6 +25,7 @@ import torch
 from zeroshard.checkpoint.atomic import commit_directory, fault_point, fsync_tree, replace_file_atomically, write_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE, CheckpointMetadata, PieceRef, TensorInfo
+from zeroshard.checkpoint.node_local import NodeLocal, node_local, per_node_metadata, writes_shared
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rank_files import RankFiles, add_rank_files, optimizer_info, take_snapshot
 from zeroshard.checkpoint.safetensors_io import dtype_name
@@ -178,8 +179,8 @@ def complete_metadata(meta: CheckpointMetadata, manifests: list[dict[str, Any]])
     return meta
 
 
-def _commit(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: CheckpointMetadata, save_latest: bool) -> str:
-    write_file(os.path.join(tmp_dir, METADATA_FILE), meta.to_json().encode())
+def _commit(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: str, save_latest: bool) -> str:
+    write_file(os.path.join(tmp_dir, METADATA_FILE), meta.encode())
     fsync_tree(tmp_dir)
     fault_point("before_rename", 0)
     final = os.path.join(save_dir, tag)
@@ -197,7 +198,7 @@ def _validate_tag(tag: str) -> str:
     return tag
 
 
-def _agree_on_tag(hello: list[dict[str, Any]], validation: str) -> None:
+def _agree_on_tag(hello: list[dict[str, Any]], validation: str, placement: NodeLocal | None) -> None:
     tags = [h["tag"] for h in hello]
     if len(set(tags)) > 1:
         message = f"save_checkpoint: ranks passed different tags {tags}; rank 0's tag {tags[0]!r} is used"
@@ -205,9 +206,11 @@ def _agree_on_tag(hello: list[dict[str, Any]], validation: str) -> None:
             raise CheckpointError(message + " (checkpoint.tag_validation is FAIL)")
         if validation == "WARN":
             log_rank(logger, 30, message)
-    dirs = {h["dir"] for h in hello}
-    if len(dirs) > 1:
-        raise CheckpointError(f"save_checkpoint: ranks passed different save_dir values {sorted(dirs)}")
+    nodes = [placement.layout.node_of(r) if placement is not None else 0 for r in range(len(hello))]
+    for node in sorted(set(nodes)):  # [Note: node-local checkpoints]: each node may name its own disk's folder
+        dirs = {h["dir"] for h, n in zip(hello, nodes, strict=True) if n == node}
+        if len(dirs) > 1:
+            raise CheckpointError(f"save_checkpoint: ranks passed different save_dir values {sorted(dirs)}")
 
 
 _CALLS = itertools.count()
@@ -228,9 +231,15 @@ class SaveCall:
     meta: CheckpointMetadata | None  # rank 0
     need: int  # bytes this rank writes, for the out-of-space message
     show_statistics: bool
+    placement: NodeLocal | None = None  # [Note: node-local checkpoints]
     payload: dict[str, Any] = field(default_factory=lambda: {"error": None, "manifest": None})
     local_error: Exception | None = None
     order: int = field(default_factory=lambda: next(_CALLS))  # among this process's save calls
+
+    @property
+    def commits(self) -> bool:
+        """Whether this rank commits (or removes) the folder: rank 0, or node-local each node's leader."""
+        return self.placement.leader if self.placement is not None else self.sync.rank == 0
 
     def fail(self, error: Exception) -> None:
         self.payload["error"] = describe_write_error(error, self.tmp_dir, self.need)
@@ -255,11 +264,12 @@ class SaveCall:
             )
 
 
-def _replicated(catalog: ModuleCatalog, rank: int, deferred: bool) -> list[ModelPiece]:
-    """The tensors no strategy shards, which rank 0 writes whole. A decoupled save copies the buffers now (a forward
-    may update them in place: norm statistics); frozen parameters are written from the module as they are."""
+def _replicated(catalog: ModuleCatalog, shared_writer: bool, deferred: bool) -> list[ModelPiece]:
+    """The tensors no strategy shards, which rank 0 (node-local: each node's leader) writes whole. A decoupled save
+    copies the buffers now (a forward may update them in place: norm statistics); frozen parameters are written from
+    the module as they are."""
     pieces = []
-    for name, tensor in catalog.tensors.items() if rank == 0 else ():
+    for name, tensor in catalog.tensors.items() if shared_writer else ():
         info = catalog.infos[name]
         if not info.trainable:
             values = tensor.detach().reshape(-1)
@@ -285,13 +295,19 @@ def start_save(
     root = os.path.abspath(os.fspath(save_dir))
     tag = _validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     state = engine_state(engine)
+    placement = node_local(engine)
+    if placement is not None and state is not None and state.peer_tensors():
+        raise CheckpointError(
+            "checkpoint.use_node_local_storage with MoE expert parallelism (ep_size > 1) is not supported: save to a "
+            "folder every node sees"
+        )
     sync = RankSync("save_checkpoint", rank, world_size)
     hello = sync.all_gather(
         ENTRY_PHASE,
         {"tag": tag, "dir": root, "nonce": uuid.uuid4().hex[:12], **space_report(root, bytes_to_write(engine, state))},
         entry_timeout(),
     )
-    _agree_on_tag(hello, str(engine.config.checkpoint.tag_validation).upper())
+    _agree_on_tag(hello, str(engine.config.checkpoint.tag_validation).upper(), placement)
     check_space(hello, root)
     tag, nonce = hello[0]["tag"], hello[0]["nonce"]
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")
@@ -309,6 +325,7 @@ def start_save(
         None,
         rank_bytes(state, engine.optimizer),
         bool(writer is not None and writer.show_statistics),
+        placement,
     )
     try:
         catalog = catalog_module(
@@ -324,9 +341,11 @@ def start_save(
                 call.meta.extra["tensor_parallel_caller_split"] = True
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
-        replicated = _replicated(catalog, rank, deferred)
+        shared_writer = writes_shared(engine)
+        replicated = _replicated(catalog, shared_writer, deferred)
         with torch.profiler.record_function("zeroshard.save_checkpoint"):
-            add_rank_files(engine, call.files, replicated, state, take_snapshot(engine, client_state))
+            snapshot = take_snapshot(engine, client_state, shared_writer)
+            add_rank_files(engine, call.files, replicated, state, snapshot, placement)
         if not deferred:
             call.written()
     except Exception as e:  # noqa: BLE001 - reported to every rank by finish_save
@@ -356,22 +375,58 @@ def finish_save(call: SaveCall) -> bool:
             if any(m["error"] for m in manifests):
                 raise CheckpointError(describe_errors(manifests))
             assert call.meta is not None
-            meta = complete_metadata(call.meta, [m["manifest"] for m in manifests])
-            latest = _names_latest(call)
-            final = _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, latest)
-            if latest:  # recorded once written: a failed commit leaves `latest` as it was
-                _LATEST_BY[call.root] = call.order
-            log_rank(logger, 20, f"saved checkpoint {final} ({world_size} ranks, stage {meta.zero_stage})")
+            manifests_only = [m["manifest"] for m in manifests]
+            if call.placement is not None:  # each node's leader commits its own: [Note: node-local checkpoints]
+                outcome["nodes"] = per_node_metadata(call.meta, manifests_only, call.placement.layout)
+            else:
+                meta = complete_metadata(call.meta, manifests_only)
+                _commit_here(call, meta.to_json())
+                where = os.path.join(call.root, call.tag)
+                log_rank(logger, 20, f"saved checkpoint {where} ({world_size} ranks, stage {meta.zero_stage})")
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
             local_error = local_error or e
-            # every rank is past its writes (they reported): the partial save must not keep the disk full
-            shutil.rmtree(call.tmp_dir, ignore_errors=True)
+            if call.placement is None:  # every rank is past its writes: the partial save must not keep the disk full
+                shutil.rmtree(call.tmp_dir, ignore_errors=True)
     outcome = sync.broadcast("committed", outcome, write_timeout())
+    if call.placement is not None:
+        local_error = _finish_nodes(call, outcome) or local_error
     sync.leave(write_timeout())
     if outcome["error"]:
         raise CheckpointError(outcome["error"]) from local_error
     return True
+
+
+def _commit_here(call: SaveCall, meta: str) -> None:
+    """metadata.json, the rename and `latest` in this rank's folder (rank 0's; node-local: each leader's)."""
+    latest = _names_latest(call)
+    _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, latest)
+    if latest:  # recorded once written: a failed commit leaves `latest` as it was
+        _LATEST_BY[call.root] = call.order
+
+
+def _finish_nodes(call: SaveCall, outcome: dict[str, Any]) -> Exception | None:
+    """Each node's leader commits its node's folder, or removes it when any rank or node failed; every rank learns
+    whether all committed (`outcome["error"]`) once the failed folders are gone."""
+    placement, error = call.placement, None
+    assert placement is not None
+    report: dict[str, Any] = {"error": None}
+    if placement.leader and not outcome["error"]:
+        try:
+            _commit_here(call, outcome["nodes"][placement.node])
+            log_rank(logger, 20, f"saved checkpoint {call.root}/{call.tag} on node {placement.node}", ranks=None)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            report["error"], error = f"node {placement.node}: {e}", e
+    if placement.leader and (outcome["error"] or report["error"]):
+        shutil.rmtree(call.tmp_dir, ignore_errors=True)
+    reports = call.sync.all_gather("node_committed", report, write_timeout())
+    failed = [r["error"] for r in reports if r["error"]]
+    if failed and not outcome["error"]:
+        outcome["error"] = (
+            f"save_checkpoint failed on {len(failed)} of {placement.layout.nodes} nodes ({'; '.join(failed)}); "
+            "the other nodes committed it, so their `latest` differs: a load names the disagreement"
+        )
+    return error
 
 
 def save_checkpoint(

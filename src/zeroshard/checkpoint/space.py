@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.node_local import node_local, writes_shared
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.state import ShardedState
 
@@ -63,12 +64,15 @@ def _existing_ancestor(path: str) -> str:
 
 
 def bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None) -> int:
-    """This rank's shard files, plus (rank 0) the tensors no strategy shards, which rank 0 writes whole."""
+    """This rank's shard files, plus (rank 0) the tensors no strategy shards, which rank 0 writes whole; node-local,
+    each node's leader writes those and the module weights it holds whole ([Note: node-local checkpoints])."""
     total = rank_bytes(state, engine.optimizer)
-    if engine.topology.rank == 0:
+    if writes_shared(engine):
         sharded = state.sharded_params() if state is not None else {}
         frozen = [p for p in engine.module.parameters() if id(p) not in sharded and not p.requires_grad]
         total += sum(t.numel() * t.element_size() for t in [*frozen, *engine.module.buffers()])
+        if node_local(engine) is not None:  # at stage 3 the module holds empty placeholders
+            total += sum(p.numel() * p.element_size() for p in engine.module.parameters() if id(p) in sharded)
     return total
 
 

@@ -27,6 +27,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
         "managed_gradient_accumulation",  # [Note: caller-owned windows] in zero/strategy.py
+        "checkpoint.use_node_local_storage",  # [Note: node-local checkpoints] in checkpoint/node_local.py
         "optimizer.type",
         "optimizer.params",
         "scheduler.type",
@@ -302,7 +303,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Monitoring, profiling and logging.
         "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
         # Memory, checkpointing and data.
-        "checkpoint.use_node_local_storage",
         "checkpoint.parallel_write",
         # checkpoint.writer: `decoupled` and `show_statistics` are implemented; these tune DeepSpeed's aio writer
         "checkpoint.writer.io_buffer_size",

@@ -1,0 +1,121 @@
+"""`checkpoint.use_node_local_storage` ([Note: node-local checkpoints]): 4 gloo ranks as 2 nodes of 2
+(ZEROSHARD_RANKS_PER_NODE), each node saving into a folder of its own, stand for nodes without a shared filesystem.
+Each node's folder holds only its ranks' files (and its leader's copies of what every rank reads whole), commits
+on its own, and a resume continues bit for bit; a load from another node's folder is refused up front."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, flat_params, global_batches, micro_batch, param_groups
+
+CASES = [
+    (Case(stage=1, steps=4), {}),
+    (Case(stage=3, steps=4), {}),
+    (Case(stage=3, steps=4), {"checkpoint": {"use_node_local_storage": True, "writer": {"decoupled": True}}}),
+    (Case(stage=2, steps=4), {"zeroshard": {"backend": "fsdp2"}}),
+]
+
+
+def _engine(case: Case, extra: dict[str, Any]) -> Any:
+    import zeroshard
+
+    model = build_model(case)
+    config = {**ds_config(case), "checkpoint": {"use_node_local_storage": True}, **extra}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    return engine
+
+
+def _steps(engine: Any, case: Case, rank: int, world_size: int, steps: range) -> list[float]:
+    losses = []
+    for batch in [global_batches(case, world_size)[s] for s in steps]:
+        x, y = micro_batch(batch, 0, rank, world_size, case.micro)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def _node_local(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
+    from zeroshard.checkpoint import CheckpointError
+
+    os.environ["ZEROSHARD_RANKS_PER_NODE"] = "2"
+    node = rank // 2
+    out = []
+    for i, (case, extra) in enumerate(CASES):
+        mine, other = (os.path.join(tmp, f"case{i}", f"node{n}") for n in (node, 1 - node))
+        engine = _engine(case, extra)
+        _steps(engine, case, rank, world_size, range(2))
+        engine.save_checkpoint(mine, tag="t")
+        saved = _params(engine)
+        straight = _steps(engine, case, rank, world_size, range(2, 4))
+        engine.destroy()
+        torch.distributed.barrier()
+        engine = _engine(case, extra)
+        engine.load_checkpoint(mine)
+        resumed = _steps(engine, case, rank, world_size, range(2, 4))
+        try:
+            engine.load_checkpoint(other)
+            refused = ""
+        except CheckpointError as e:
+            refused = str(e)
+        engine.destroy()
+        out.append(
+            {"straight": straight, "resumed": resumed, "files": _files(mine), "refused": refused, "saved": saved}
+        )
+    return out
+
+
+def _params(engine: Any) -> torch.Tensor:
+    from zeroshard.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):
+        return flat_params(engine.module)
+
+
+def _merged(rank: int, world_size: int, folders: list[str]) -> list[torch.Tensor]:
+    """The nodes' folders copied into one load anywhere without the key, at another world size too."""
+    out = []
+    for (case, extra), folder in zip(CASES, folders, strict=True):
+        extra = {k: v for k, v in extra.items() if k != "checkpoint"}
+        engine = _engine(case, {**extra, "checkpoint": {"use_node_local_storage": False}})
+        engine.load_checkpoint(folder)
+        out.append(_params(engine))
+        engine.destroy()
+    return out
+
+
+def test_each_node_keeps_its_own_files_commits_and_resumes_bit_for_bit(tmp_path) -> None:
+    per_rank = run_on_ranks(_node_local, 4, str(tmp_path), timeout=600)
+    for i, (case, extra) in enumerate(CASES):
+        name = f"{case.name}{extra}"
+        for rank, results in enumerate(per_rank):
+            got, node = results[i], rank // 2
+            assert got["resumed"] == got["straight"], (name, rank, got)
+            assert "saved with checkpoint.use_node_local_storage by node" in got["refused"], (name, got["refused"])
+            if rank % 2:
+                continue
+            files = got["files"]
+            here, away = (f"rank{r:05d}" for r in (2 * node, 2 * (1 - node)))
+            assert "latest" in files and "t/metadata.json" in files and "t/engine_state.pt" in files, (name, files)
+            assert all(away not in f and f"rank{2 * (1 - node) + 1:05d}" not in f for f in files), (name, files)
+            assert f"t/rng/{here}.json" in files and f"t/model/{here}.safetensors" in files, (name, files)
+            assert f"t/optim/{here}.safetensors" in files, (name, files)
+    folders = []
+    for i in range(len(CASES)):
+        folders.append(str(tmp_path / f"merged{i}"))
+        for node in (0, 1):
+            shutil.copytree(tmp_path / f"case{i}" / f"node{node}", folders[-1], dirs_exist_ok=True)
+    for rank_params in run_on_ranks(_merged, 2, folders):
+        for i, params in enumerate(rank_params):
+            assert params.equal(per_rank[0][i]["saved"]), CASES[i]
