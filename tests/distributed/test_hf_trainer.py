@@ -330,3 +330,25 @@ def test_the_example_runs_under_zeroshard_launch(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sample: 'def " in out.stdout
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "checkpoint-2" / "latest").exists()
+
+
+def _node_local_without_save_on_each_node(rank: int, world_size: int, tmp: str) -> str:
+    from zeroshard.errors import ConfigError
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    config = {**ds_config(2), "checkpoint": {"use_node_local_storage": True}}
+    trainer = Trainer(
+        model=tiny_llama(), args=TrainingArguments(**arguments(tmp, deepspeed=config)), train_dataset=Tokens(8)
+    )
+    try:
+        trainer.train()
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_node_local_checkpoints_need_each_node_to_save_its_trainer_state(tmp_path):
+    """[Note: node-local checkpoints]: without save_on_each_node only node 0 would write trainer_state.json and rotate
+    its checkpoint-N folders; refused before training starts."""
+    (message,) = run_on_ranks(_node_local_without_save_on_each_node, 1, str(tmp_path))
+    assert "set save_on_each_node=True" in message, message

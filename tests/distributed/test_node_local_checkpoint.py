@@ -14,11 +14,16 @@ import torch
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, flat_params, global_batches, micro_batch, param_groups
 
-CASES = [
-    (Case(stage=1, steps=4), {}),
-    (Case(stage=3, steps=4), {}),
-    (Case(stage=3, steps=4), {"checkpoint": {"use_node_local_storage": True, "writer": {"decoupled": True}}}),
-    (Case(stage=2, steps=4), {"zeroshard": {"backend": "fsdp2"}}),
+NODE_LOCAL = {"checkpoint": {"use_node_local_storage": True}}
+CASES = [  # (case, extra config, both nodes given one folder)
+    (Case(stage=0, steps=4), {}, False),  # rank 0 alone writes the optimizer state on a shared filesystem
+    (Case(stage=1, steps=4), {}, False),
+    (Case(stage=2, steps=4, variant="frozen"), {}, False),  # frozen weights: the leaders' own copies
+    (Case(stage=3, steps=4), {}, False),
+    (Case(stage=3, steps=4, offload="nvme", sub_group=3000), {}, False),  # state parts swapped in one at a time
+    (Case(stage=3, steps=4), {"checkpoint": {**NODE_LOCAL["checkpoint"], "writer": {"decoupled": True}}}, False),
+    (Case(stage=2, steps=4), {"zeroshard": {"backend": "fsdp2"}}, False),
+    (Case(stage=1, steps=4), {}, True),  # one filesystem after all: an ordinary checkpoint
 ]
 
 
@@ -26,7 +31,7 @@ def _engine(case: Case, extra: dict[str, Any]) -> Any:
     import zeroshard
 
     model = build_model(case)
-    config = {**ds_config(case), "checkpoint": {"use_node_local_storage": True}, **extra}
+    config = {**ds_config(case), **NODE_LOCAL, **extra}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     return engine
 
@@ -52,8 +57,8 @@ def _node_local(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
     os.environ["ZEROSHARD_RANKS_PER_NODE"] = "2"
     node = rank // 2
     out = []
-    for i, (case, extra) in enumerate(CASES):
-        mine, other = (os.path.join(tmp, f"case{i}", f"node{n}") for n in (node, 1 - node))
+    for i, (case, extra, shared) in enumerate(CASES):
+        mine, other = (os.path.join(tmp, f"case{i}", "shared" if shared else f"node{n}") for n in (node, 1 - node))
         engine = _engine(case, extra)
         _steps(engine, case, rank, world_size, range(2))
         engine.save_checkpoint(mine, tag="t")
@@ -70,9 +75,8 @@ def _node_local(rank: int, world_size: int, tmp: str) -> list[dict[str, Any]]:
         except CheckpointError as e:
             refused = str(e)
         engine.destroy()
-        out.append(
-            {"straight": straight, "resumed": resumed, "files": _files(mine), "refused": refused, "saved": saved}
-        )
+        got = {"straight": straight, "resumed": resumed, "files": _files(mine), "refused": refused, "saved": saved}
+        out.append(got)
     return out
 
 
@@ -86,7 +90,7 @@ def _params(engine: Any) -> torch.Tensor:
 def _merged(rank: int, world_size: int, folders: list[str]) -> list[torch.Tensor]:
     """The nodes' folders copied into one load anywhere without the key, at another world size too."""
     out = []
-    for (case, extra), folder in zip(CASES, folders, strict=True):
+    for (case, extra, _), folder in zip(CASES, folders, strict=True):
         extra = {k: v for k, v in extra.items() if k != "checkpoint"}
         engine = _engine(case, {**extra, "checkpoint": {"use_node_local_storage": False}})
         engine.load_checkpoint(folder)
@@ -97,11 +101,15 @@ def _merged(rank: int, world_size: int, folders: list[str]) -> list[torch.Tensor
 
 def test_each_node_keeps_its_own_files_commits_and_resumes_bit_for_bit(tmp_path) -> None:
     per_rank = run_on_ranks(_node_local, 4, str(tmp_path), timeout=600)
-    for i, (case, extra) in enumerate(CASES):
+    for i, (case, extra, shared) in enumerate(CASES):
         name = f"{case.name}{extra}"
         for rank, results in enumerate(per_rank):
             got, node = results[i], rank // 2
             assert got["resumed"] == got["straight"], (name, rank, got)
+            if shared:  # saved as one checkpoint, which any rank loads
+                assert got["refused"] == "" and "t/model/rank00002.safetensors" in got["files"], (name, got)
+                assert "t/optim/rank00003.safetensors" in got["files"], (name, got["files"])
+                continue
             assert "saved with checkpoint.use_node_local_storage by node" in got["refused"], (name, got["refused"])
             if rank % 2:
                 continue
@@ -109,13 +117,50 @@ def test_each_node_keeps_its_own_files_commits_and_resumes_bit_for_bit(tmp_path)
             here, away = (f"rank{r:05d}" for r in (2 * node, 2 * (1 - node)))
             assert "latest" in files and "t/metadata.json" in files and "t/engine_state.pt" in files, (name, files)
             assert all(away not in f and f"rank{2 * (1 - node) + 1:05d}" not in f for f in files), (name, files)
-            assert f"t/rng/{here}.json" in files and f"t/model/{here}.safetensors" in files, (name, files)
-            assert f"t/optim/{here}.safetensors" in files, (name, files)
+            assert f"t/rng/{here}.json" in files and any(f.startswith(f"t/model/{here}") for f in files), (name, files)
+            assert any(f.startswith(f"t/optim/{here}") for f in files), (name, files)
+            assert not any(f.startswith("t/.") or f.startswith(".") for f in files), (name, files)  # nothing left
     folders = []
-    for i in range(len(CASES)):
+    for i, (_, _, shared) in enumerate(CASES):
         folders.append(str(tmp_path / f"merged{i}"))
-        for node in (0, 1):
-            shutil.copytree(tmp_path / f"case{i}" / f"node{node}", folders[-1], dirs_exist_ok=True)
+        for node in ("shared",) if shared else ("node0", "node1"):
+            shutil.copytree(tmp_path / f"case{i}" / node, folders[-1], dirs_exist_ok=True)
     for rank_params in run_on_ranks(_merged, 2, folders):
         for i, params in enumerate(rank_params):
             assert params.equal(per_rank[0][i]["saved"]), CASES[i]
+
+
+def _half_committed(rank: int, world_size: int, tmp: str) -> list[str]:
+    """Tag t saved again with node 1's commit failing: node 0 holds the new save, node 1 the old one."""
+    import zeroshard.checkpoint.save as save_module
+    from zeroshard.checkpoint import CheckpointError
+
+    os.environ["ZEROSHARD_RANKS_PER_NODE"] = "2"
+    case, folder = Case(stage=1, steps=4), os.path.join(tmp, f"node{rank // 2}")
+    engine = _engine(case, {})
+    messages = []
+    for steps in (range(2), range(2, 4)):
+        _steps(engine, case, rank, world_size, steps)
+        if rank == 2 and steps.start:
+            save_module._commit = _failing_commit
+        try:
+            engine.save_checkpoint(folder, tag="t")
+        except CheckpointError as e:
+            messages.append(str(e))
+    try:
+        engine.load_checkpoint(folder, tag="t")
+    except CheckpointError as e:
+        messages.append(str(e))
+    engine.destroy()
+    return messages
+
+
+def _failing_commit(*args: Any) -> str:
+    raise OSError("the disk went read-only")
+
+
+def test_a_save_committed_on_some_nodes_only_does_not_load_mixed(tmp_path) -> None:
+    for messages in run_on_ranks(_half_committed, 4, str(tmp_path)):
+        assert len(messages) == 2, messages
+        assert "failed on 1 of 2 nodes (node 1: the disk went read-only)" in messages[0], messages
+        assert "the nodes' folders hold different saves of one tag" in messages[1], messages

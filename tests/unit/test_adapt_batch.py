@@ -9,6 +9,7 @@ from typing import Any
 
 from zeroshard.checkpoint.load import adapt_batch
 from zeroshard.config import parse_config, resolve_config
+from zeroshard.zero.strategy import AccumulationState
 
 
 def _engine(replicas: int, ranks: int, **batch: Any) -> Any:
@@ -17,7 +18,7 @@ def _engine(replicas: int, ranks: int, **batch: Any) -> Any:
     cfg = resolve_config(parse_config(raw), world_size=replicas)
     return SimpleNamespace(
         config=cfg,
-        accumulation=SimpleNamespace(gradient_accumulation_steps=int(cfg.gradient_accumulation_steps)),
+        accumulation=AccumulationState(int(cfg.gradient_accumulation_steps), communicate_every_micro_step=False),
         topology=SimpleNamespace(world_size=ranks),
     )
 

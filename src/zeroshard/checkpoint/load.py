@@ -30,7 +30,7 @@ from zeroshard.checkpoint.format import (
     CheckpointMetadata,
     rng_file,
 )
-from zeroshard.checkpoint.node_local import check_loadable, node_local
+from zeroshard.checkpoint.node_local import check_loadable, node_local, saved_by
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
@@ -355,7 +355,9 @@ def load_checkpoint(
     try:
         latest = LATEST_UNIVERSAL if universal else LATEST_FILE
         resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag), latest)
-    except CheckpointError as e:
+        if node_local(engine) is not None:  # each node's folder: of one save ([Note: node-local checkpoints])
+            resolved["save"] = saved_by(resolved["dir"])
+    except (CheckpointError, OSError, ValueError) as e:
         resolved["error"] = str(e)
     hello = sync.all_gather(ENTRY_PHASE, resolved, entry_timeout())
     errors = sorted({h["error"] for h in hello if h["error"]})
@@ -365,6 +367,12 @@ def load_checkpoint(
     same = {os.path.basename(d) if d and node_local(engine) is not None else d for d in dirs}
     if len(same) > 1:
         raise CheckpointError(f"load_checkpoint: ranks resolved different checkpoints {dirs}")
+    if len({h.get("save") for h in hello}) > 1:
+        saves = sorted({f"{h['save']} ({h['dir']})" for h in hello})
+        raise CheckpointError(
+            f"load_checkpoint: the nodes' folders hold different saves of one tag: {saves} (a save whose commit "
+            "failed on some nodes); load a tag every node committed"
+        )
     tag_dir = resolved["dir"]
     if tag_dir is None:
         log_rank(logger, 30, f"no {LATEST_FILE} file in {root}: nothing loaded (pass tag= to load a given checkpoint)")

@@ -4,31 +4,38 @@
 Without a filesystem that every node sees, each node keeps the files its own ranks read back, as DeepSpeed's
 `use_node_local_storage` does (its model-states file is written by each node's local rank 0, its ZeRO files by
 every rank). Here:
+- the save's start phase checks that the node layout (LOCAL_WORLD_SIZE ranks per node, numbered node by node) matches
+  the hosts the ranks run on, and the nodes' leaders (each node's first rank) look for one another's marker file in
+  the folder: where they see one, the folder is shared after all and the save is an ordinary one;
 - every rank writes its shard files into its node's `save_dir` (the same path on every node, or each node its own);
-- each node's first rank (its leader) writes what rank 0 alone writes on a shared filesystem (the tensors no
-  strategy shards, the engine state) and, where every rank loads the module weights whole (stages 0-2), the whole
-  module weights once per node: a shared checkpoint spreads those over their owners, whose files would then sit on
-  other nodes. A rank that reads back only what it wrote (stage 3's shards, the fsdp2 backend's) writes as usual;
-- rank 0 merges the ranks' manifests into one metadata.json per node (that node leader's copies of what every
-  leader wrote, every rank's shards), each leader commits its node's directory (metadata, rename, `latest`), and
-  every rank hears whether every node committed;
-- a load checks, before reading anything, that the checkpoint was saved by this node under the same layout (world
-  size, ranks per node) and that the nodes resolved the same tag; each rank then reads only its node's files.
-The commit is atomic per node, not across nodes: a node whose commit fails after another's succeeded leaves their
-`latest` apart, and the next load names the disagreement instead of loading mixed states. Resharding (another world
-size) needs the nodes' folders copied into one first: their shard files together are a complete checkpoint.
+- each leader writes what rank 0 alone writes on a shared filesystem (the tensors no strategy shards, the engine
+  state) and, where every rank loads the module weights whole (stages 0-2, `ShardedState.loads_whole`), the whole
+  weights once per node: a shared checkpoint spreads those over their owners, whose files would be on other nodes;
+  where one rank writes the optimizer state every rank holds (stage 0), each leader writes it too;
+- rank 0 merges the ranks' manifests into one metadata.json per node (that node leader's copies of what every leader
+  wrote, every rank's own pieces, the save's nonce) and sends each leader its node's; each leader commits its node's
+  folder (metadata, rename, `latest`), and every rank hears whether every node committed;
+- a load checks, before reading anything, that the folder was saved by this node under the same layout (world size,
+  ranks per node) and that every node's folder holds the same save of the tag; each rank reads only its node's files.
+The commit is atomic per node, not across nodes: a node whose commit fails after another's succeeded leaves the
+nodes' folders with different saves (or tags), and a load names that instead of loading mixed states. Resharding
+(another world size) needs the nodes' folders copied into one first: their files together are a complete checkpoint.
+The HF Trainer needs `save_on_each_node` (each node's trainer_state.json and rotation); refused otherwise.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.format import CheckpointMetadata
+from zeroshard.checkpoint.format import METADATA_FILE, CheckpointMetadata
 from zeroshard.checkpoint.protocol import CheckpointableEngine
-from zeroshard.checkpoint.state import ModelPiece, StatePart
+from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
+from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout
 from zeroshard.comm.topology import NodeLayout
 
 EXTRA_KEY = "node_local"  # metadata.extra: {"node": n, "ranks_per_node": r}
@@ -60,48 +67,101 @@ def node_local(engine: CheckpointableEngine) -> NodeLocal | None:
     return NodeLocal(NodeLayout.from_env(engine.topology.world_size), engine.topology.rank)
 
 
-def writes_shared(engine: CheckpointableEngine) -> bool:
-    """Whether this rank writes the files rank 0 writes for everybody (on each node its leader, node-local)."""
-    placement = node_local(engine)
-    return engine.topology.rank == 0 if placement is None else placement.leader
+def model_pieces(part: StatePart, state: ShardedState, placement: NodeLocal | None) -> list[ModelPiece]:
+    """The module-weight pieces this rank writes: its own, unless every rank reads the weights back whole (stages
+    0-2), where a node's leader writes them whole for its node and the others nothing."""
+    if placement is None or not state.loads_whole:
+        return part.model_pieces()
+    return part.model_targets() if placement.leader else []
 
 
-def model_pieces(part: StatePart, placement: NodeLocal | None) -> list[ModelPiece]:
-    """The module-weight pieces this rank writes: its own, unless it reads back more than them (stages 0-2 load the
-    weights whole), where a node's leader writes the whole weights for the node and the others nothing."""
-    saved = part.model_pieces()
-    if placement is None:
-        return saved
-    targets = part.model_targets()
-    if all(any(s.name == t.name and s.begin <= t.begin and t.end <= s.end for s in saved) for t in targets):
-        return saved
-    return targets if placement.leader else []
+def writes_optim(state: ShardedState, placement: NodeLocal | None) -> bool:
+    """Whether this rank writes its optimizer pieces: where one rank writes state that every rank holds (stage 0),
+    each node's leader writes it too."""
+    return state.writes_optim or (placement is not None and placement.leader)
 
 
-def per_node_metadata(meta: CheckpointMetadata, manifests: list[dict[str, Any]], layout: NodeLayout) -> list[str]:
+def check_hosts(placement: NodeLocal, hosts: list[str]) -> None:
+    """The node layout (LOCAL_WORLD_SIZE ranks per node, numbered node by node) must match where the ranks run: a
+    node counted wrong would leave its files uncommitted on a disk no leader of it sees."""
+    for node in range(placement.layout.nodes):
+        ranks = placement.layout.node_ranks(node)
+        seen = sorted({hosts[r] for r in ranks})
+        if len(seen) > 1:
+            raise CheckpointError(
+                f"checkpoint.use_node_local_storage: ranks {ranks[0]}-{ranks[-1]} count as node {node} "
+                f"({placement.layout.ranks_per_node} ranks per node, from LOCAL_WORLD_SIZE) but run on hosts "
+                f"{seen}; launch the same number of ranks on every node, numbered node by node (torchrun does)"
+            )
+
+
+def settle(
+    placement: NodeLocal, sync: RankSync, hello: list[dict[str, Any]], root: str, nonce: str
+) -> NodeLocal | None:
+    """After a save's start phase: the layout must match the hosts, and where the nodes' leaders see each other's
+    folder (one filesystem after all) the save is an ordinary one, committed once by rank 0 (None)."""
+    check_hosts(placement, [str(h["fs"]).rsplit(":", 1)[0] for h in hello])
+    marker = os.path.join(root, f".node-local.{nonce}.{placement.node}")
+    report: dict[str, Any] = {"error": None, "seen": 0}
+    try:
+        if placement.leader:
+            os.makedirs(root, exist_ok=True)
+            with open(marker, "w"):
+                pass
+    except OSError as e:
+        report["error"] = f"node {placement.node}: cannot write in {root}: {e.strerror}"
+    marked = sync.all_gather("marked", report, entry_timeout())
+    if any(r["error"] for r in marked):
+        raise CheckpointError("save_checkpoint: " + describe_errors(marked))
+    if placement.leader:
+        nodes = range(placement.layout.nodes)
+        report["seen"] = sum(os.path.exists(os.path.join(root, f".node-local.{nonce}.{n}")) for n in nodes)
+    shared = any(r["seen"] > 1 for r in sync.all_gather("seen", report, entry_timeout()))
+    if placement.leader:
+        os.remove(marker)
+    return None if shared else placement
+
+
+def per_node_metadata(
+    meta: CheckpointMetadata, manifests: list[dict[str, Any]], layout: NodeLayout, nonce: str
+) -> list[str]:
     """metadata.json of each node (index: node), from every rank's manifest: the node leader's copies of what
-    every leader wrote, every rank's own pieces."""
+    every leader wrote, every rank's own pieces; `nonce` identifies the save on every node."""
     from zeroshard.checkpoint.save import complete_metadata
 
     out = []
     for node in range(layout.nodes):
         leader = layout.node_ranks(node)[0]
         own = manifests[leader]
-        copies = {(name, ref[1], ref[2]) for name, refs in own["model_pieces"].items() for ref in refs}
         kept = []
         for rank, manifest in enumerate(manifests):
             if rank != leader and layout.local_of(rank) == 0:  # another leader: its copies of the node's are not read
-                pieces = {
-                    name: [ref for ref in refs if (name, ref[1], ref[2]) not in copies]
-                    for name, refs in manifest["model_pieces"].items()
-                }
-                files = {rel: record for rel, record in manifest["files"].items() if rel not in own["files"]}
-                manifest = {**manifest, "model_pieces": {n: r for n, r in pieces.items() if r}, "files": files}
+                manifest = {**manifest, **{key: _without(manifest[key], own[key]) for key in PIECES}}
+                manifest["files"] = {rel: rec for rel, rec in manifest["files"].items() if rel not in own["files"]}
             kept.append(manifest)
         node_meta = complete_metadata(copy.deepcopy(meta), kept)
-        node_meta.extra[EXTRA_KEY] = {"node": node, "ranks_per_node": layout.ranks_per_node}
+        node_meta.extra[EXTRA_KEY] = {"node": node, "ranks_per_node": layout.ranks_per_node, "save": nonce}
         out.append(node_meta.to_json())
     return out
+
+
+PIECES = ("model_pieces", "optim_pieces")
+
+
+def _without(pieces: dict[str, list[list[Any]]], copies: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
+    """`pieces` less the ranges `copies` holds too (a whole tensor two leaders wrote)."""
+    dropped = {(name, ref[1], ref[2]) for name, refs in copies.items() for ref in refs}
+    kept = {name: [ref for ref in refs if (name, ref[1], ref[2]) not in dropped] for name, refs in pieces.items()}
+    return {name: refs for name, refs in kept.items() if refs}
+
+
+def saved_by(tag_dir: str | None) -> str | None:
+    """The save a node-local checkpoint folder belongs to (its nonce), read before loading: the nodes must agree."""
+    if tag_dir is None or not os.path.isfile(os.path.join(tag_dir, METADATA_FILE)):
+        return None
+    with open(os.path.join(tag_dir, METADATA_FILE), encoding="utf-8") as f:
+        extra = json.load(f).get("extra", {}).get(EXTRA_KEY)
+    return None if extra is None else str(extra.get("save"))
 
 
 def check_loadable(meta: CheckpointMetadata, tag_dir: str, engine: CheckpointableEngine) -> None:

@@ -29,7 +29,7 @@ from zeroshard.checkpoint.format import (
     piece_key,
     rng_file,
 )
-from zeroshard.checkpoint.node_local import NodeLocal, model_pieces
+from zeroshard.checkpoint.node_local import NodeLocal, model_pieces, writes_optim
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rng import capture_rng_state
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name
@@ -219,9 +219,10 @@ def add_rank_files(
     if not parts:
         add_model_file(files, replicated)
     for i, part in enumerate(parts):  # one part in memory at a time ([Note: state parts])
+        assert state is not None
         with part.hold(False):
-            add_model_file(files, model_pieces(part, placement) + (replicated if i == 0 else []), part.suffix)
-            if engine.optimizer is not None and state is not None and state.writes_optim:
+            add_model_file(files, model_pieces(part, state, placement) + (replicated if i == 0 else []), part.suffix)
+            if engine.optimizer is not None and writes_optim(state, placement):
                 owned = (part.optim_pieces_to_save or part.optim_pieces)()
                 add_optim_file(files, engine.optimizer, owned, part.suffix)
     files.add(FileJob(rng_file(files.rank), data=snapshot.rng))

@@ -25,7 +25,7 @@ import torch
 from zeroshard.checkpoint.atomic import commit_directory, fault_point, fsync_tree, replace_file_atomically, write_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE, CheckpointMetadata, PieceRef, TensorInfo
-from zeroshard.checkpoint.node_local import NodeLocal, node_local, per_node_metadata, writes_shared
+from zeroshard.checkpoint.node_local import NodeLocal, node_local, per_node_metadata, settle
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rank_files import RankFiles, add_rank_files, optimizer_info, take_snapshot
 from zeroshard.checkpoint.safetensors_io import dtype_name
@@ -310,6 +310,8 @@ def start_save(
     _agree_on_tag(hello, str(engine.config.checkpoint.tag_validation).upper(), placement)
     check_space(hello, root)
     tag, nonce = hello[0]["tag"], hello[0]["nonce"]
+    if placement is not None:  # [Note: node-local checkpoints]
+        placement = settle(placement, sync, hello, root, nonce)
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")
     if engine.accumulation.pending:
         log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
@@ -341,7 +343,7 @@ def start_save(
                 call.meta.extra["tensor_parallel_caller_split"] = True
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
-        shared_writer = writes_shared(engine)
+        shared_writer = call.commits
         replicated = _replicated(catalog, shared_writer, deferred)
         with torch.profiler.record_function("zeroshard.save_checkpoint"):
             snapshot = take_snapshot(engine, client_state, shared_writer)
@@ -370,6 +372,7 @@ def finish_save(call: SaveCall) -> bool:
     manifests = sync.gather("written", call.payload, write_timeout())
     outcome: dict[str, Any] = {"error": None}
     local_error = call.local_error
+    nodes: list[str] = []
     if manifests is not None:  # rank 0
         try:
             if any(m["error"] for m in manifests):
@@ -377,7 +380,7 @@ def finish_save(call: SaveCall) -> bool:
             assert call.meta is not None
             manifests_only = [m["manifest"] for m in manifests]
             if call.placement is not None:  # each node's leader commits its own: [Note: node-local checkpoints]
-                outcome["nodes"] = per_node_metadata(call.meta, manifests_only, call.placement.layout)
+                nodes = per_node_metadata(call.meta, manifests_only, call.placement.layout, call.nonce)
             else:
                 meta = complete_metadata(call.meta, manifests_only)
                 _commit_here(call, meta.to_json())
@@ -390,7 +393,10 @@ def finish_save(call: SaveCall) -> bool:
                 shutil.rmtree(call.tmp_dir, ignore_errors=True)
     outcome = sync.broadcast("committed", outcome, write_timeout())
     if call.placement is not None:
-        local_error = _finish_nodes(call, outcome) or local_error
+        layout = call.placement.layout  # each leader gets its node's metadata, the others nothing
+        per_rank = [nodes[layout.node_of(r)] if nodes and layout.local_of(r) == 0 else None for r in range(world_size)]
+        node_meta = sync.scatter("node_metadata", per_rank if manifests is not None else None, write_timeout())
+        local_error = _finish_nodes(call, outcome, node_meta) or local_error
     sync.leave(write_timeout())
     if outcome["error"]:
         raise CheckpointError(outcome["error"]) from local_error
@@ -405,7 +411,7 @@ def _commit_here(call: SaveCall, meta: str) -> None:
         _LATEST_BY[call.root] = call.order
 
 
-def _finish_nodes(call: SaveCall, outcome: dict[str, Any]) -> Exception | None:
+def _finish_nodes(call: SaveCall, outcome: dict[str, Any], node_meta: str | None) -> Exception | None:
     """Each node's leader commits its node's folder, or removes it when any rank or node failed; every rank learns
     whether all committed (`outcome["error"]`) once the failed folders are gone."""
     placement, error = call.placement, None
@@ -413,7 +419,8 @@ def _finish_nodes(call: SaveCall, outcome: dict[str, Any]) -> Exception | None:
     report: dict[str, Any] = {"error": None}
     if placement.leader and not outcome["error"]:
         try:
-            _commit_here(call, outcome["nodes"][placement.node])
+            assert node_meta is not None
+            _commit_here(call, node_meta)
             log_rank(logger, 20, f"saved checkpoint {call.root}/{call.tag} on node {placement.node}", ranks=None)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             report["error"], error = f"node {placement.node}: {e}", e
@@ -422,9 +429,13 @@ def _finish_nodes(call: SaveCall, outcome: dict[str, Any]) -> Exception | None:
     reports = call.sync.all_gather("node_committed", report, write_timeout())
     failed = [r["error"] for r in reports if r["error"]]
     if failed and not outcome["error"]:
+        others = (
+            "the other nodes committed it: a load names the nodes' different saves"
+            if len(failed) < len([r for r in range(len(reports)) if placement.layout.local_of(r) == 0])
+            else "nothing was committed"
+        )
         outcome["error"] = (
-            f"save_checkpoint failed on {len(failed)} of {placement.layout.nodes} nodes ({'; '.join(failed)}); "
-            "the other nodes committed it, so their `latest` differs: a load names the disagreement"
+            f"save_checkpoint failed on {len(failed)} of {placement.layout.nodes} nodes ({'; '.join(failed)}); {others}"
         )
     return error
 

@@ -115,6 +115,12 @@ class ShardedState(Protocol):
         ...
 
     @property
+    def loads_whole(self) -> bool:
+        """Whether every rank fills every module weight whole on load (stages 0-2: parameters are replicated), not
+        only the ranges it saved ([Note: node-local checkpoints] keeps one whole copy per node then)."""
+        ...
+
+    @property
     def regather_after_load(self) -> bool:
         """Whether a load (which fills shards) must re-gather copies made from them (stage 3's persistent unit)."""
         ...

@@ -181,6 +181,20 @@ class RankSync:
         that returned and exited while another rank still read its last key would reset that rank's connection."""
         self.gather("left", True, timeout)
 
+    def scatter(self, phase: str, payloads: list[Any] | None, timeout: float) -> Any:
+        """Rank 0's `payloads[r]` on rank r (`payloads`: rank 0's argument; None elsewhere)."""
+        if self.store is None or self.world_size == 1:
+            assert payloads is not None
+            return payloads[0]
+        if self.rank == 0:
+            assert payloads is not None
+            for r, payload in enumerate(payloads):
+                self.store.set(self._key(phase, r), json.dumps(payload))
+        self._wait(phase, [self.rank], timeout)
+        mine = self._get(phase, self.rank)
+        self.store.delete_key(self._key(phase, self.rank))  # metadata can be large; free the store
+        return mine
+
     def broadcast(self, phase: str, payload: Any, timeout: float) -> Any:
         """Rank 0's payload on every rank."""
         if self.store is None or self.world_size == 1:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class Fsdp2State:
     regather_after_load = True  # a unit gathered before the load holds old values: it is released
+    loads_whole = False  # each rank fills its own shards
 
     def __init__(self, strategy: Fsdp2Strategy):
         self.strategy = strategy

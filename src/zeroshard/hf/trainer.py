@@ -128,6 +128,11 @@ class TrainerMixin:
         sp = self._ulysses.sp_size if self._ulysses is not None else 1
         replicas = self.args.world_size // sp  # the batch arithmetic counts replicas
         cfg = trainer_config(self._zeroshard_source, self.args, self.model, num_training_steps, replicas)
+        if cfg.checkpoint.use_node_local_storage and not self.args.save_on_each_node:  # [Note: node-local ..]
+            raise ConfigError(
+                "checkpoint.use_node_local_storage: set save_on_each_node=True in the TrainingArguments, so that "
+                "every node keeps its trainer_state.json and rotates its own checkpoint-N folders"
+            )
         optimizer = self.create_optimizer() if cfg.optimizer is None else None  # type: ignore[attr-defined]
         scheduler: Any = None
         if cfg.scheduler is None:

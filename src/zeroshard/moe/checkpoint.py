@@ -62,6 +62,7 @@ class ExpertSplitState:
     """`ShardedState` of `ExpertSplitStrategy`: the two parts' `FlatState`s, experts under global names."""
 
     regather_after_load = False
+    loads_whole = True
 
     def __init__(self, strategy: ExpertSplitStrategy):
         dense, experts = strategy.parts

@@ -52,6 +52,7 @@ class TensorParallelState:
     """`ShardedState` of `TensorParallelStrategy`: both parts' `FlatState`s, slices under per-position names."""
 
     regather_after_load = False
+    loads_whole = True
 
     def __init__(self, strategy: TensorParallelStrategy):
         self.strategy = strategy

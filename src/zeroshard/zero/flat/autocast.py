@@ -86,6 +86,7 @@ class AutocastSplitState:
     second part's optimizer groups after the first's."""
 
     regather_after_load = False
+    loads_whole = True
 
     def __init__(self, strategy: AutocastSplitStrategy):
         self.strategy = strategy

@@ -25,6 +25,7 @@ class FlatState:
         self.rank = strategy.rank
 
     regather_after_load = False  # parameters are filled whole on every rank
+    loads_whole = True
 
     def peer_tensors(self) -> dict[str, TensorInfo]:
         return {}  # every rank's module holds every tensor

@@ -39,6 +39,7 @@ _HOST = torch.device("cpu")
 
 class Stage3State:
     regather_after_load = True  # loads fill shards; the persistent unit's gathered copy must be refreshed
+    loads_whole = False
 
     def __init__(self, strategy: Stage3Strategy):
         self.strategy = strategy
