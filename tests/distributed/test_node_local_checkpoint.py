@@ -164,3 +164,30 @@ def test_a_save_committed_on_some_nodes_only_does_not_load_mixed(tmp_path) -> No
         assert len(messages) == 2, messages
         assert "failed on 1 of 2 nodes (node 1: the disk went read-only)" in messages[0], messages
         assert "the nodes' folders hold different saves of one tag" in messages[1], messages
+
+
+def _misplaced(rank: int, world_size: int, tmp: str) -> list[str]:
+    """3 ranks as 3 nodes of 1: a layout the ranks count differently, then nodes 0 and 1 sharing a folder that node 2
+    does not see: both refused on every rank before anything is written."""
+    from zeroshard.checkpoint import CheckpointError
+
+    case = Case(stage=1, steps=4)
+    engine = _engine(case, {})
+    _steps(engine, case, rank, world_size, range(1))
+    messages = []
+    for per_node, folder in (("1" if rank == 0 else "3", "a"), ("1", "shared" if rank < 2 else "own")):
+        os.environ["ZEROSHARD_RANKS_PER_NODE"] = per_node
+        try:
+            engine.save_checkpoint(os.path.join(tmp, folder), tag="t")
+        except CheckpointError as e:
+            messages.append(str(e))
+    engine.destroy()
+    return messages
+
+
+def test_a_layout_the_ranks_disagree_on_or_a_partly_shared_folder_is_refused(tmp_path) -> None:
+    for messages in run_on_ranks(_misplaced, 3, str(tmp_path)):
+        assert len(messages) == 2, messages
+        assert "the ranks count [1, 3] ranks per node" in messages[0], messages
+        assert "some nodes share" in messages[1] and "[2, 2, 1] nodes' markers" in messages[1], messages
+    assert not any(p.name.startswith(".node-local") for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))

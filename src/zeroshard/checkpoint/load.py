@@ -357,7 +357,7 @@ def load_checkpoint(
         resolved["dir"] = resolve_tag_dir(root, None if tag is None else str(tag), latest)
         if node_local(engine) is not None:  # each node's folder: of one save ([Note: node-local checkpoints])
             resolved["save"] = saved_by(resolved["dir"])
-    except (CheckpointError, OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, not raised on this one alone
         resolved["error"] = str(e)
     hello = sync.all_gather(ENTRY_PHASE, resolved, entry_timeout())
     errors = sorted({h["error"] for h in hello if h["error"]})

@@ -4,9 +4,10 @@
 Without a filesystem that every node sees, each node keeps the files its own ranks read back, as DeepSpeed's
 `use_node_local_storage` does (its model-states file is written by each node's local rank 0, its ZeRO files by
 every rank). Here:
-- the save's start phase checks that the node layout (LOCAL_WORLD_SIZE ranks per node, numbered node by node) matches
-  the hosts the ranks run on, and the nodes' leaders (each node's first rank) look for one another's marker file in
-  the folder: where they see one, the folder is shared after all and the save is an ordinary one;
+- the save's start phase checks that every rank counts the same node layout (LOCAL_WORLD_SIZE ranks per node,
+  numbered node by node) and that it matches the hosts the ranks run on, and the nodes' leaders (each node's first
+  rank) look for one another's marker file in the folder: where all see all, the folder is shared after all and the
+  save is an ordinary one; where some nodes share it and others do not, the save is refused;
 - every rank writes its shard files into its node's `save_dir` (the same path on every node, or each node its own);
 - each leader writes what rank 0 alone writes on a shared filesystem (the tensors no strategy shards, the engine
   state) and, where every rank loads the module weights whole (stages 0-2, `ShardedState.loads_whole`), the whole
@@ -25,6 +26,7 @@ The HF Trainer needs `save_on_each_node` (each node's trainer_state.json and rot
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -98,8 +100,15 @@ def check_hosts(placement: NodeLocal, hosts: list[str]) -> None:
 def settle(
     placement: NodeLocal, sync: RankSync, hello: list[dict[str, Any]], root: str, nonce: str
 ) -> NodeLocal | None:
-    """After a save's start phase: the layout must match the hosts, and where the nodes' leaders see each other's
-    folder (one filesystem after all) the save is an ordinary one, committed once by rank 0 (None)."""
+    """After a save's start phase: every rank counts the same node layout, which matches the hosts, and where the
+    nodes' leaders all see one folder (one filesystem after all) the save is an ordinary one, committed once by rank 0
+    (None). Every rank decides from the same gathered values, so all raise or none."""
+    per_node = sorted({h["per_node"] for h in hello})
+    if len(per_node) > 1:
+        raise CheckpointError(
+            f"checkpoint.use_node_local_storage: the ranks count {per_node} ranks per node (LOCAL_WORLD_SIZE); "
+            "launch the same number of ranks on every node"
+        )
     check_hosts(placement, [str(h["fs"]).rsplit(":", 1)[0] for h in hello])
     marker = os.path.join(root, f".node-local.{nonce}.{placement.node}")
     report: dict[str, Any] = {"error": None, "seen": 0}
@@ -111,15 +120,24 @@ def settle(
     except OSError as e:
         report["error"] = f"node {placement.node}: cannot write in {root}: {e.strerror}"
     marked = sync.all_gather("marked", report, entry_timeout())
-    if any(r["error"] for r in marked):
-        raise CheckpointError("save_checkpoint: " + describe_errors(marked))
-    if placement.leader:
+    if placement.leader and not any(r["error"] for r in marked):
         nodes = range(placement.layout.nodes)
         report["seen"] = sum(os.path.exists(os.path.join(root, f".node-local.{nonce}.{n}")) for n in nodes)
-    shared = any(r["seen"] > 1 for r in sync.all_gather("seen", report, entry_timeout()))
+    seen = [r["seen"] for r in sync.all_gather("seen", report, entry_timeout())]
     if placement.leader:
-        os.remove(marker)
-    return None if shared else placement
+        with contextlib.suppress(OSError):
+            os.remove(marker)
+    if any(r["error"] for r in marked):
+        raise CheckpointError("save_checkpoint: " + describe_errors(marked))
+    leaders = [seen[placement.leader_of(n)] for n in range(placement.layout.nodes)]
+    if all(count == 1 for count in leaders):
+        return placement
+    if all(count == placement.layout.nodes for count in leaders):
+        return None
+    raise CheckpointError(
+        f"checkpoint.use_node_local_storage: some nodes share {root} and others do not (the nodes' first ranks see "
+        f"{leaders} nodes' markers there); give every node a folder of its own, or one folder all of them see"
+    )
 
 
 def per_node_metadata(

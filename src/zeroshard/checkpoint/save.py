@@ -304,7 +304,13 @@ def start_save(
     sync = RankSync("save_checkpoint", rank, world_size)
     hello = sync.all_gather(
         ENTRY_PHASE,
-        {"tag": tag, "dir": root, "nonce": uuid.uuid4().hex[:12], **space_report(root, bytes_to_write(engine, state))},
+        {
+            "tag": tag,
+            "dir": root,
+            "nonce": uuid.uuid4().hex[:12],
+            "per_node": placement.layout.ranks_per_node if placement is not None else None,
+            **space_report(root, bytes_to_write(engine, state)),
+        },
         entry_timeout(),
     )
     _agree_on_tag(hello, str(engine.config.checkpoint.tag_validation).upper(), placement)

@@ -190,7 +190,12 @@ class RankSync:
             assert payloads is not None
             for r, payload in enumerate(payloads):
                 self.store.set(self._key(phase, r), json.dumps(payload))
-        self._wait(phase, [self.rank], timeout)
+        try:
+            self._wait(phase, [self.rank], timeout)
+        except CheckpointError:
+            raise CheckpointError(
+                f"{self.op}: rank 0 did not reach the '{phase}' phase within {timeout:.0f}s"
+            ) from None
         mine = self._get(phase, self.rank)
         self.store.delete_key(self._key(phase, self.rank))  # metadata can be large; free the store
         return mine
