@@ -40,7 +40,7 @@ from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import RankSync, describe_errors, entry_timeout
 from zeroshard.comm.topology import NodeLayout
 
-EXTRA_KEY = "node_local"  # metadata.extra: {"node": n, "ranks_per_node": r}
+EXTRA_KEY = "node_local"  # metadata.extra: {"node": n, "ranks_per_node": r, "save": the save's nonce}
 
 
 @dataclass(frozen=True)
