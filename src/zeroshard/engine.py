@@ -267,7 +267,7 @@ class Engine(CheckpointMixin, EngineAccessors, nn.Module):
             self._last_grad_norm = outcome.grad_norm
             self._step_applied = not outcome.skipped
             self.global_steps += 1
-            self.global_samples += self.accumulation.end_window(self.train_batch_size())
+            self.global_samples += self.accumulation.after_step(self.train_batch_size())
             self._report_progress()
             scale = self.loss_scale if self.loss_scaler is not None else None
             self.telemetry.after_step(self.global_steps - 1, self.global_samples, self.get_lr()[0], scale)

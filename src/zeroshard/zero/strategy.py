@@ -82,7 +82,7 @@ class AccumulationState:
         finally:
             self.stepping = False
 
-    def end_window(self, train_batch_size: int) -> int:
+    def after_step(self, train_batch_size: int) -> int:
         """After the optimizer step: the samples the window trained on (as many micro-batches as the caller ran when
         the windows are its own), and nothing is pending."""
         samples = train_batch_size
