@@ -352,3 +352,43 @@ def test_node_local_checkpoints_need_each_node_to_save_its_trainer_state(tmp_pat
     its checkpoint-N folders; refused before training starts."""
     (message,) = run_on_ranks(_node_local_without_save_on_each_node, 1, str(tmp_path))
     assert "set save_on_each_node=True" in message, message
+
+
+def _node_local_trainer(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """4 ranks as 2 nodes of 2, each node its own output_dir: the Trainer with save_on_each_node."""
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+    config = {**ds_config(1), "checkpoint": {"use_node_local_storage": True}}
+    out = os.path.join(tmp, f"node{rank // 2}")
+    kwargs = arguments(
+        out,
+        deepspeed=config,
+        per_device_train_batch_size=2,
+        num_train_epochs=2,
+        save_strategy="steps",
+        save_steps=3,
+        save_on_each_node=True,
+    )
+    data = Tokens(32)
+
+    def trainer(record: Any) -> Any:
+        return Trainer(model=tiny_llama(), args=TrainingArguments(**kwargs), train_dataset=data, callbacks=[record])
+
+    full, resumed = loss_recorder(), loss_recorder()
+    trainer(full).train()
+    second = trainer(resumed)
+    second.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    second.engine.destroy()
+    return {"full": full.losses, "resumed": resumed.losses, "checkpoint": sorted(os.listdir(out + "/checkpoint-3"))}
+
+
+def test_node_local_checkpoints_under_the_trainer_resume_on_each_node(tmp_path):
+    """[Note: node-local checkpoints] with save_on_each_node: each node's folder gets its trainer_state.json and its
+    ranks' engine files, and a resume from checkpoint-3 continues with the uninterrupted run's losses."""
+    for got in run_on_ranks(_node_local_trainer, 4, str(tmp_path), timeout=600):
+        assert got["resumed"] == got["full"][-len(got["resumed"]) :] and got["resumed"], got
+        assert "trainer_state.json" in got["checkpoint"] and "global_step3" in got["checkpoint"], got["checkpoint"]
+    for node in (0, 1):
+        engine_files = sorted(os.listdir(tmp_path / f"node{node}" / "checkpoint-3" / "global_step3" / "optim"))
+        assert engine_files == [f"rank{r:05d}.safetensors" for r in (2 * node, 2 * node + 1)], engine_files
