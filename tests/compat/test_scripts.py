@@ -255,7 +255,9 @@ def test_reference_is_deepspeed(case: Case, tmp_path: Path) -> None:
 
     import_deepspeed()
     actual = losses_of(run_script(case, "deepspeed", tmp_path), f"{case.script} under DeepSpeed")
-    assert_losses_match(actual, reference()[case.name], FP32_RTOL)
+    # the case's own tolerance: DeepSpeed's bf16 losses depend on the CPU's bf16 kernels (on an AVX512-BF16 EPYC its
+    # cifar bf16 stage-2 loss at step 3 is one bf16 ulp from the one recorded on the machine that wrote the file)
+    assert_losses_match(actual, reference()[case.name], case.rtol)
 
 
 def test_pipeline_script_matches_deepspeed(tmp_path: Path) -> None:
