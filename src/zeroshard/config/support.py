@@ -200,6 +200,12 @@ ONLY_DEFAULT: Final[Mapping[str, str]] = MappingProxyType({})  # none today (par
 NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
     {
         "disable_allgather": "DeepSpeed 0.19.8 parses it into its config and no part of its runtime reads it",
+        # DeepSpeed 0.19.8 reads it at stages 1-2 with reduce_scatter true only (reduce_scatter false all-reduces the
+        # whole bucket either way); zeroshard's reduce-scatter moves what the reduces to owners move, half an all-reduce
+        "zero_optimization.use_multi_rank_bucket_allreduce": (
+            "true all-reduces a bucket, false reduces each slice to its owner: both give each owner its slices' sum, "
+            "which zeroshard's reduce-scatter gives"
+        ),
         "checkpoint.writer.type": (
             "FAST and PYTHON name DeepSpeed's two file writers; zeroshard writes with its one writer for both, and "
             "MOCK (which discards the bytes) is refused by config/checks.py"
@@ -285,8 +291,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.pipeline_loading_checkpoint",
         "zero_optimization.override_module_apply",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
-        # reduce_scatter false always all-reduces each bucket; false here would reduce to each owner instead.
-        "zero_optimization.use_multi_rank_bucket_allreduce",
         # Offload (CPU and NVMe) and asynchronous I/O.
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.
