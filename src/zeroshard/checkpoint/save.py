@@ -437,7 +437,7 @@ def _finish_nodes(call: SaveCall, outcome: dict[str, Any], node_meta: str | None
     if failed and not outcome["error"]:
         others = (
             "the other nodes committed it: a load names the nodes' different saves"
-            if len(failed) < len([r for r in range(len(reports)) if placement.layout.local_of(r) == 0])
+            if len(failed) < placement.layout.nodes
             else "nothing was committed"
         )
         outcome["error"] = (
