@@ -18,6 +18,7 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import named_on_timeout
 from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
+from zeroshard.engine_calls import DeepSpeedCalls
 from zeroshard.errors import ZeroshardError
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
@@ -73,7 +74,7 @@ class MemoryReport(StrategyMemory, ProcessMemory):
         return line
 
 
-class Engine(CheckpointMixin, EngineAccessors, nn.Module):
+class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
     """What `zeroshard.initialize` returns first. `engine(batch)`, `engine.backward(loss)`, `engine.step()`.
 
     Example:

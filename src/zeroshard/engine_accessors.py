@@ -11,6 +11,7 @@ from zeroshard.comm.collectives import Collectives, CommStats
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import Topology
 from zeroshard.config.optimizer import DEEPSPEED_OPTIMIZERS
+from zeroshard.engine_settings import DeepSpeedSettings
 from zeroshard.monitor import Telemetry
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.runtime.schedules import TrainingSchedules
@@ -18,8 +19,9 @@ from zeroshard.sequence.mesh import SequenceParallel
 from zeroshard.zero.strategy import AccumulationState
 
 
-class EngineAccessors:
-    """Read-only views of the engine's state; every value comes from the attributes below."""
+class EngineAccessors(DeepSpeedSettings):
+    """Read-only views of the engine's state; every value comes from the attributes below (the config's under
+    DeepSpeed's names: [Note: DeepSpeed's configuration accessors] in engine_settings.py)."""
 
     config: Any  # ZeroshardConfig
     topology: Topology

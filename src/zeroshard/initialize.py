@@ -269,10 +269,10 @@ def _build(
             min_loss_scale=fp16.min_loss_scale,
         )
     loader = None
+    replicas = tp.dp_comm if tp is not None else sequence.dp if sequence is not None else topology
     if training_data is not None and pipe is not None:
         loader = pipe_dataloader(training_data, cfg, pipe, collate_fn)
     elif training_data is not None:
-        replicas = tp.dp_comm if tp is not None else sequence.dp if sequence is not None else topology
         loader = build_dataloader(  # a data-parallel replica's ranks read the same batches
             training_data,
             int(cfg.train_micro_batch_size_per_gpu or 1),
@@ -285,6 +285,8 @@ def _build(
     compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
     engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     engine.sequence = sequence
+    engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for (a pipeline's: its own)
+    engine.data_replica = (replicas.rank, replicas.world_size) if pipe is None else None
     publish_groups(model, comm, tp, sequence)
     return engine, engine_optimizer, loader, scheduler
 

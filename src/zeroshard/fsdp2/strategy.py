@@ -228,6 +228,10 @@ class Fsdp2Strategy(Strategy):
         finally:
             block.close()
 
+    def release_gathered(self) -> None:
+        """Reshard every unit (a no_grad forward at stages 1-2 leaves them unsharded until the next backward)."""
+        self._publish()
+
     @contextmanager
     def gathered(self) -> Iterator[None]:
         with held_gathered(self.units):

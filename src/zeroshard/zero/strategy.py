@@ -305,6 +305,15 @@ class Strategy(ABC):
     def gathered(self) -> AbstractContextManager[None]:
         """Full parameters for the block (stage 3 gathers every unit; others are always whole)."""
 
+    def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
+        """Why the accumulation window cannot become `gradient_accumulation_steps` micro-steps now (None: it can)."""
+        return None
+
+    def release_gathered(self) -> None:
+        """`engine.empty_partition_cache()`: give back every gathered parameter that no block holds (stage 3: what a
+        forward without a backward left gathered); stages 0-2 hold nothing gathered."""
+        return None
+
     @abstractmethod
     def optimizer_state_resident(self) -> AbstractContextManager[None]:
         """Master weights and optimizer state in memory for the block (NVMe: read in, written back after)."""

@@ -210,6 +210,13 @@ class GatherSchedule:
         for unit in units:
             self.wait_gathered(unit)
 
+    def release_all(self) -> None:
+        """Release every unit not pinned or persistent, the ones kept for reuse too (a forward without a backward,
+        under no_grad, leaves those gathered until the next forward)."""
+        self._kept.clear()
+        for unit in self.units:
+            unit.release()
+
     def unpin(self, units: Sequence[ShardedUnit]) -> None:
         for unit in units:
             unit.pins = max(0, unit.pins - 1)

@@ -93,6 +93,7 @@ class Stage3Strategy(Strategy):
         # caller owns may have any length: [Note: caller-owned windows])
         one_micro_step = accumulation.gradient_accumulation_steps == 1 and accumulation.managed
         grad_dtype = policy.comm_dtype if one_micro_step else policy.grad_accum_dtype
+        self._grads_accumulate_in = grad_dtype if grad_dtype == policy.grad_accum_dtype else None
         build = BuildPolicy(
             policy.compute_dtype,
             grad_dtype,
@@ -385,6 +386,22 @@ class Stage3Strategy(Strategy):
             yield
         finally:
             self.schedule.unpin(self.units)
+
+    def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
+        if gradient_accumulation_steps == 1 or self._grads_accumulate_in is not None:
+            return None
+        dtype = str(self.policy.grad_accum_dtype).removeprefix("torch.")
+        return (
+            f"gradient_accumulation_steps 1 -> {gradient_accumulation_steps} at stage 3: this engine keeps its "
+            f"gradient shards in {str(self.policy.comm_dtype).removeprefix('torch.')}, the reduction's dtype, since "
+            f"it was built for one micro-step per step, and accumulating needs {dtype}; start with "
+            "gradient_accumulation_steps > 1, or set data_types.grad_accum_dtype to the communication dtype"
+        )
+
+    def release_gathered(self) -> None:
+        """Every unit not pinned (GatheredParameters, generation) goes back to its shard; the persistent unit stays
+        gathered by design ([Note: units] in plan.py: it is never released, and its blocks run without a gather)."""
+        self.schedule.release_all()
 
     def on_state_dict_pre(self, keep_vars: bool) -> None:
         """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's

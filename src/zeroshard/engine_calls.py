@@ -1,0 +1,189 @@
+"""DeepSpeed's engine calls that change or hand out what the configuration set up: `set_train_batch_size`,
+`set_train_micro_batch_size`, `module_state_dict`, `load_module_state_dict`, `save_fp16_model`,
+`empty_partition_cache`, `deepspeed_io`. A mixin of `Engine`; the configuration accessors are in engine_settings.py
+([Note: DeepSpeed's configuration accessors])."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from zeroshard.errors import ZeroshardError
+
+
+class DeepSpeedCalls:
+    """DeepSpeed's engine calls that act on the engine's batch sizes, module and data; a base of `Engine`."""
+
+    config: Any
+    module: torch.nn.Module
+    strategy: Any
+    accumulation: Any  # AccumulationState
+    tput_timer: Any
+    # set by `initialize`: the collate_fn it was given and (this replica's index, replicas) of the data
+    collate_fn: Callable[..., Any] | None = None
+    data_replica: tuple[int, int] | None = None
+
+    if TYPE_CHECKING:  # Engine's and EngineAccessors'
+
+        @property
+        def zero_stage(self) -> int: ...
+
+        @property
+        def global_rank(self) -> int: ...
+
+        @property
+        def dp_world_size(self) -> int: ...
+
+        def save_16bit_model(self, save_dir: str, save_filename: str = ...) -> bool: ...
+
+    # -- batch sizes ----------------------------------------------------------------------------------
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch from the next micro-step on, by changing `gradient_accumulation_steps` (the micro-batch
+        stays). As DeepSpeed: the boundary stays `(micro_steps + 1) % gradient_accumulation_steps == 0`, so a
+        window open at the change ends where that count says."""
+        config = self.config
+        micro = int(config.train_micro_batch_size_per_gpu)
+        replicas = int(config.train_batch_size) // (micro * int(config.gradient_accumulation_steps))
+        if train_batch_size <= 0 or train_batch_size % (micro * replicas):
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): the global batch must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu x data-parallel replicas = {micro} x {replicas}"
+            )
+        self._set_batch(train_batch_size, micro, train_batch_size // (micro * replicas))
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """A new micro-batch per rank, keeping `gradient_accumulation_steps` (the global batch follows). The
+        engine's own dataloader keeps its batch size, as DeepSpeed's does: feed batches of the new size."""
+        config = self.config
+        gas = int(config.gradient_accumulation_steps)
+        replicas = int(config.train_batch_size) // (int(config.train_micro_batch_size_per_gpu) * gas)
+        if micro_batch_size <= 0:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): the micro-batch must be positive")
+        self._set_batch(micro_batch_size * gas * replicas, micro_batch_size, gas)
+
+    def _set_batch(self, train_batch_size: int, micro: int, gas: int) -> None:
+        refused = self.strategy.window_change_refused(gas) if self.strategy is not None else None
+        if refused is not None:
+            raise ZeroshardError(refused)
+        self.config = dataclasses.replace(
+            self.config,
+            train_batch_size=train_batch_size,
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=gas,
+        )
+        self.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
+        self.tput_timer.batch_size = train_batch_size
+
+    # -- module state -----------------------------------------------------------------------------------
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:
+        """The module's state_dict (gathered under stage 3; every rank must call it then), without the frozen
+        parameters when asked."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def load_module_state_dict(
+        self,
+        checkpoint: Mapping[str, Any],
+        strict: bool = True,
+        custom_load_fn: Callable[..., Any] | None = None,
+        fetch_z3_params: bool = False,
+        z3_params_to_fetch: Any = None,
+        allowed_missing_keys: Any = None,
+    ) -> None:
+        """Load `checkpoint["module"]` into the module (every rank must call it). Under stage 3 the whole module is
+        gathered around the load and every rank's shards take the values (each rank loads the same dict, as in a
+        DeepSpeed checkpoint); `fetch_z3_params`/`z3_params_to_fetch` are DeepSpeed's way to ask for that gather."""
+        from zeroshard.zero.stage3.gathered import GatheredParameters
+
+        state = checkpoint["module"]
+        if strict and custom_load_fn is None:
+            # before anything is copied: torch's strict load copies the matching tensors and then raises, which
+            # would leave the module (stage 3: its persistent unit, on the failing ranks) partly loaded
+            expected = set(self.module.state_dict(keep_vars=True))  # placeholders at stage 3: no gather
+            missing = expected - set(state) - set(allowed_missing_keys or ())
+            unexpected = set(state) - expected
+            if missing or unexpected:
+                raise ZeroshardError(
+                    f"load_module_state_dict: nothing loaded; missing keys {sorted(missing)}, unexpected keys "
+                    f"{sorted(unexpected)} (pass strict=False to load the matching ones)"
+                )
+        params = list(self.module.parameters()) if self.zero_stage >= 3 else []
+        with GatheredParameters(params, modifier_rank=0):  # rank 0's values everywhere, as DeepSpeed's
+            if custom_load_fn is not None:
+                custom_load_fn(src=state, dst=self.module)
+            else:
+                self.module.load_state_dict(state, strict=False)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """DeepSpeed's old name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage-3 parameter, persistent ones too (they are gathered again when next used),
+        and return the freed memory to the device: what DeepSpeed's does before a model is set aside (an RL loop
+        moving between models). Other stages hold nothing gathered; the call only collects garbage there."""
+        if self.strategy is not None:
+            self.strategy.release_gathered()
+        gc.collect()
+        from zeroshard.accelerator import get_accelerator
+
+        get_accelerator().empty_cache()
+
+    # -- data --------------------------------------------------------------------------------------------
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, IterableDataset)
+
+    def deepspeed_io(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable[..., Any] | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DataLoader[Any]:
+        """A dataloader over this data-parallel replica's share of `dataset`, `batch_size` (default: the
+        micro-batch) samples at a time: the training route shuffles as `initialize`'s loader does, eval and
+        predict read in order; `data_sampler` replaces the sampler."""
+        if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
+            raise ZeroshardError("deepspeed_io: the data must be a torch Dataset (map-style or iterable)")
+        size = int(batch_size or self.config.train_micro_batch_size_per_gpu)
+        collate = collate_fn if collate_fn is not None else getattr(self, "collate_fn", None)
+        rank, replicas = self.data_replica or (self.global_rank, self.dp_world_size)
+        drop_last = bool(self.config.dataloader_drop_last)
+        if data_sampler is None and route == "train" and not self.is_iterable_style_dataset(dataset):
+            from zeroshard.data import build_dataloader
+
+            return build_dataloader(dataset, size, rank, replicas, collate, drop_last=drop_last)
+        if data_sampler is None and not self.is_iterable_style_dataset(dataset):
+            data_sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=False)
+        return DataLoader(
+            dataset,
+            batch_size=size,
+            sampler=data_sampler,
+            collate_fn=collate,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            drop_last=drop_last,
+        )
