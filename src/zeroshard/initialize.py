@@ -192,6 +192,11 @@ def _build(
     pipe = build_pipe(cfg, model, comm, topology.device, mpu)
     if pipe is not None and cfg.torch_autocast.enabled:
         raise ConfigError("torch_autocast is not implemented for a PipelineModule (its stages run their own forward)")
+    if pipe is not None and cfg.hybrid_engine.enabled:
+        raise ConfigError(
+            "hybrid_engine is not supported with a PipelineModule (DeepSpeed builds its pipeline engine and ignores "
+            "the block); remove hybrid_engine or train a plain module"
+        )
     if pipe is not None and not cfg.managed_gradient_accumulation:  # as DeepSpeed
         raise ConfigError(
             "managed_gradient_accumulation is false, which a PipelineModule does not support (train_batch runs the "
@@ -283,7 +288,13 @@ def _build(
         )
     parts = (model, cfg, topology, comm, precision, strategy, accumulation, engine_optimizer, scheduler, loss_scaler)
     compute = tp.compute_context if tp is not None else None  # [Note: vocab-parallel loss] in tp/plan.py
-    engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
+    if cfg.hybrid_engine.enabled:  # [Note: hybrid engine]
+        from zeroshard.hybrid_engine import HybridEngine, share_rank0_rng
+
+        share_rank0_rng(world, topology.device)
+        engine: Engine = HybridEngine(*parts, loader, compute)
+    else:
+        engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     engine.sequence = sequence
     engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for (a pipeline's: its own)
     engine.data_replica = (replicas.rank, replicas.world_size) if pipe is None else None

@@ -101,6 +101,7 @@ REFUSALS = [
     ({"pipeline": {"micro_batches": 3}}, "unknown keys"),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation is false, which a PipelineModule"),
     ({"checkpoint": {"use_node_local_storage": True}}, "use_node_local_storage is not supported with a PipelineModule"),
+    ({"hybrid_engine": {"enabled": True}}, "hybrid_engine is not supported with a PipelineModule"),
 ]
 
 

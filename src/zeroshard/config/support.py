@@ -28,6 +28,10 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "gradient_accumulation_steps",
         "managed_gradient_accumulation",  # [Note: caller-owned windows] in zero/strategy.py
         "checkpoint.use_node_local_storage",  # [Note: node-local checkpoints] in checkpoint/node_local.py
+        "hybrid_engine.enabled",  # [Note: hybrid engine] in hybrid_engine.py
+        "hybrid_engine.max_out_tokens",
+        "hybrid_engine.pin_parameters",
+        "hybrid_engine.release_inference_cache",
         "optimizer.type",
         "optimizer.params",
         "scheduler.type",
@@ -315,7 +319,10 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "checkpoint.writer.data_parallel",
         "datastates_ckpt",
         # Other engines and features.
-        "hybrid_engine",
+        # hybrid_engine's inference-kernel settings ([Note: hybrid engine]: zeroshard generates with the model's own)
+        "hybrid_engine.inference_tp_size",
+        "hybrid_engine.tp_gather_partition_size",
+        "hybrid_engine.enable_cuda_graph",
         "compile",
         "expert_parallel",
         "weight_quantization",

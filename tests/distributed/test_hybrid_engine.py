@@ -1,0 +1,159 @@
+"""`hybrid_engine` ([Note: hybrid engine] in hybrid_engine.py): an RLHF actor's loop (eval, generate through
+`engine.module.generate`, train on what it generated) on 2 gloo ranks. Generation with the model gathered once per
+call gives the tokens a single-process model with the same weights gives, communicates one gather of the model
+(unit by unit it gathers every unit per token), and leaves training bit for bit as an engine without the block."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.hf_trainer import Tokens, tiny_llama
+
+PROMPT, NEW = 6, 4
+
+
+def _config(stage: int, hybrid: dict[str, Any] | None) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if hybrid is not None:
+        config["hybrid_engine"] = {"enabled": True, **hybrid}
+    return config
+
+
+def _gather_bytes(engine: Any) -> float:
+    return engine.comm_stats.kinds["all_gather"].bus_bytes
+
+
+def _actor_loop(rank: int, world_size: int, stage: int, hybrid: dict[str, Any] | None) -> dict[str, Any]:
+    """Two iterations of: weights, eval(), generate, train(), one step on the generated sequences."""
+    import zeroshard
+    from zeroshard.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    engine, *_ = zeroshard.initialize(model=tiny_llama(), config=_config(stage, hybrid))
+    assert isinstance(engine, DeepSpeedHybridEngine) == (hybrid is not None)
+    prompts = Tokens(8, seed=2).ids[2 * rank : 2 * rank + 2, :PROMPT]
+    out: dict[str, Any] = {"weights": [], "generated": [], "losses": [], "generate_bytes": []}
+    for _ in range(2):
+        weights = {k: v.clone() for k, v in engine.module_state_dict().items()}  # stage 3 gathers: every rank
+        out["weights"].append(weights if rank == 0 else None)
+        engine.eval()
+        before = _gather_bytes(engine)
+        seq = engine.module.generate(input_ids=prompts, max_new_tokens=NEW, do_sample=False, synced_gpus=True)
+        out["generate_bytes"].append(_gather_bytes(engine) - before)
+        engine.train()
+        loss = engine(input_ids=seq, labels=seq).loss
+        engine.backward(loss)
+        engine.step()
+        out["generated"].append(seq)
+        out["losses"].append(loss.item())
+    out["final"] = engine.module_state_dict()
+    out["model_bytes"] = sum(p.numel() * 4 for p in tiny_llama().parameters())
+    engine.destroy()
+    out["generate_restored"] = "generate" not in engine.module.__dict__
+    return out
+
+
+def _loops(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "pinned": _actor_loop(rank, world_size, 3, {}),
+        "unpinned": _actor_loop(rank, world_size, 3, {"pin_parameters": False}),
+        "plain": _actor_loop(rank, world_size, 3, None),
+        "stage2": _actor_loop(rank, world_size, 2, {}),
+    }
+
+
+def _reference_generate(weights: dict[str, torch.Tensor], prompts: torch.Tensor) -> torch.Tensor:
+    model = tiny_llama()
+    model.load_state_dict(weights)
+    return model.eval().generate(input_ids=prompts, max_new_tokens=NEW, do_sample=False)
+
+
+def test_an_actor_loop_generates_as_the_model_and_trains_as_without_the_block() -> None:
+    results = run_on_ranks(_loops, 2)
+    for rank, per_rank in enumerate(results):
+        prompts = Tokens(8, seed=2).ids[2 * rank : 2 * rank + 2, :PROMPT]
+        pinned, unpinned, plain = per_rank["pinned"], per_rank["unpinned"], per_rank["plain"]
+        for name, run in per_rank.items():
+            for weights, seq in zip(results[0][name]["weights"], run["generated"], strict=True):
+                assert torch.equal(seq, _reference_generate(weights, prompts)), name
+            assert run["generate_restored"], name
+        # training is the plain engine's, bit for bit, with and without pinning
+        for run in (pinned, unpinned):
+            assert run["losses"] == plain["losses"]
+            assert all(torch.equal(run["final"][k], v) for k, v in plain["final"].items())
+        # one gather of the model per generate call (2 ranks: half of it comes from the other rank), against every
+        # unit for each of the NEW forwards unit by unit
+        model_bytes = pinned["model_bytes"]
+        for pinned_bytes, unpinned_bytes in zip(pinned["generate_bytes"], unpinned["generate_bytes"], strict=True):
+            assert 0 < pinned_bytes <= model_bytes * 1.01, (pinned_bytes, model_bytes)
+            assert unpinned_bytes >= NEW * pinned_bytes, (unpinned_bytes, pinned_bytes)
+        assert per_rank["stage2"]["generate_bytes"] == [0, 0]
+
+
+def _settings(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.accelerator import get_accelerator
+
+    out: dict[str, Any] = {}
+    # every rank takes rank 0's RNG state at initialize (as DeepSpeed), only with the block
+    for hybrid in (None, {}):
+        model = tiny_llama()  # seeds the generator itself
+        torch.manual_seed(100 + rank)
+        engine, *_ = zeroshard.initialize(model=model, config=_config(3, hybrid))
+        out[f"draw_{hybrid is not None}"] = torch.rand(4)
+        engine.destroy()
+    config = _config(3, {"max_out_tokens": PROMPT + NEW - 1, "release_inference_cache": True})
+    engine, *_ = zeroshard.initialize(model=tiny_llama(), config=config)
+    prompts = Tokens(8, seed=2).ids[:2, :PROMPT]
+    before = engine.comm_stats.total_bus_bytes
+    with pytest.raises(zeroshard.ZeroshardError, match=f"max_out_tokens is {PROMPT + NEW - 1} but this generate call"):
+        engine.module.generate(input_ids=prompts, max_new_tokens=NEW, do_sample=False)
+    with pytest.raises(zeroshard.ZeroshardError, match=f"can produce {PROMPT + 20} tokens"):  # 20 new by default
+        engine.generate(prompts)
+    out["refused_bytes"] = engine.comm_stats.total_bus_bytes - before
+    # release_inference_cache: the device's cache emptied after each call
+    emptied = []
+    accelerator = get_accelerator()
+    original = accelerator.empty_cache
+    accelerator.empty_cache = lambda: emptied.append(True)  # type: ignore[method-assign]
+    try:
+        engine.generate(input_ids=prompts, max_new_tokens=NEW - 1, do_sample=False)
+    finally:
+        accelerator.empty_cache = original  # type: ignore[method-assign]
+    out["emptied"] = len(emptied)
+    # eval() logs DeepSpeed's latency line from the second call on (rank 0)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    hybrid_logger = logging.getLogger("zeroshard.hybrid_engine")
+    hybrid_logger.addHandler(handler)
+    hybrid_logger.setLevel(logging.INFO)
+    engine.eval()
+    engine.generate(input_ids=prompts, max_new_tokens=NEW - 1, do_sample=False)
+    engine.train()
+    engine.eval()
+    hybrid_logger.removeHandler(handler)
+    out["lines"] = records
+    engine.destroy()
+    return out
+
+
+def test_rng_max_out_tokens_release_and_the_latency_line(tmp_path) -> None:
+    results = run_on_ranks(_settings, 2, str(tmp_path))
+    assert torch.equal(results[0]["draw_True"], results[1]["draw_True"])
+    assert not torch.equal(results[0]["draw_False"], results[1]["draw_False"])
+    for rank, out in enumerate(results):
+        assert out["refused_bytes"] == 0  # refused before anything ran
+        assert out["emptied"] == 1
+        assert len(out["lines"]) == (1 if rank == 0 else 0), out["lines"]
+    line = results[0]["lines"][0]
+    assert line.startswith("|E2E latency=") and "|Generate time=" in line and "|CurSamplesPerSec=" in line, line
