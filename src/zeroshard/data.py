@@ -16,6 +16,8 @@ def build_dataloader(
     collate_fn: Callable[..., Any] | None = None,
     drop_last: bool = False,
     seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader[Any]:
     """Each rank reads its own 1/world_size of every epoch, `micro_batch_size` samples at a time
     (a shuffling DistributedSampler, as DeepSpeed's dataloader has). The sampler's position is saved in
@@ -35,6 +37,8 @@ def build_dataloader(
         collate_fn=collate_fn,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(seed),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
     )
 
 

@@ -24,9 +24,11 @@ class DeepSpeedCalls:
     strategy: Any
     accumulation: Any  # AccumulationState
     tput_timer: Any
-    # set by `initialize`: the collate_fn it was given and (this replica's index, replicas) of the data
+    telemetry: Any
+    # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
+    # route shuffles) of the data
     collate_fn: Callable[..., Any] | None = None
-    data_replica: tuple[int, int] | None = None
+    data_replica: tuple[int, int, bool] | None = None
 
     if TYPE_CHECKING:  # Engine's and EngineAccessors'
 
@@ -37,7 +39,7 @@ class DeepSpeedCalls:
         def global_rank(self) -> int: ...
 
         @property
-        def dp_world_size(self) -> int: ...
+        def world_size(self) -> int: ...
 
         def save_16bit_model(self, save_dir: str, save_filename: str = ...) -> bool: ...
 
@@ -78,6 +80,8 @@ class DeepSpeedCalls:
         )
         self.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
         self.tput_timer.batch_size = train_batch_size
+        if self.telemetry.profiler is not None:  # the FLOPs profile's "batch size per GPU"
+            self.telemetry.profiler.micro_batch_size = micro
 
     # -- module state -----------------------------------------------------------------------------------
     def module_state_dict(
@@ -105,29 +109,35 @@ class DeepSpeedCalls:
         z3_params_to_fetch: Any = None,
         allowed_missing_keys: Any = None,
     ) -> None:
-        """Load `checkpoint["module"]` into the module (every rank must call it). Under stage 3 the whole module is
-        gathered around the load and every rank's shards take the values (each rank loads the same dict, as in a
-        DeepSpeed checkpoint); `fetch_z3_params`/`z3_params_to_fetch` are DeepSpeed's way to ask for that gather."""
+        """Load `checkpoint["module"]` into the module; every rank must call it, and rank 0's values become every
+        rank's, master weights included (DeepSpeed's `modifier_rank=0`). Stage 3 gathers the whole module around the
+        load whether or not `fetch_z3_params`/`z3_params_to_fetch` ask for it. The keys are torch's (its load-time
+        hooks run); a load that fails, on a key or a shape, leaves the module as it was, except where the fp32
+        master weights are the parameters themselves (fp32 stage 0)."""
         from zeroshard.zero.stage3.gathered import GatheredParameters
 
+        refused = self.strategy.module_load_refused() if self.strategy is not None else None
+        if refused is not None:
+            raise ZeroshardError(refused)
         state = checkpoint["module"]
-        if strict and custom_load_fn is None:
-            # before anything is copied: torch's strict load copies the matching tensors and then raises, which
-            # would leave the module (stage 3: its persistent unit, on the failing ranks) partly loaded
-            expected = set(self.module.state_dict(keep_vars=True))  # placeholders at stage 3: no gather
-            missing = expected - set(state) - set(allowed_missing_keys or ())
-            unexpected = set(state) - expected
-            if missing or unexpected:
-                raise ZeroshardError(
-                    f"load_module_state_dict: nothing loaded; missing keys {sorted(missing)}, unexpected keys "
-                    f"{sorted(unexpected)} (pass strict=False to load the matching ones)"
-                )
-        params = list(self.module.parameters()) if self.zero_stage >= 3 else []
-        with GatheredParameters(params, modifier_rank=0):  # rank 0's values everywhere, as DeepSpeed's
-            if custom_load_fn is not None:
-                custom_load_fn(src=state, dst=self.module)
-            else:
-                self.module.load_state_dict(state, strict=False)
+        try:
+            with GatheredParameters(list(self.module.parameters()), modifier_rank=0):  # stages 0-2: nothing to gather
+                if custom_load_fn is not None:
+                    custom_load_fn(src=state, dst=self.module)
+                else:
+                    result = self.module.load_state_dict(state, strict=False)
+                    missing = set(result.missing_keys) - set(allowed_missing_keys or ())
+                    if strict and (missing or result.unexpected_keys):  # raised inside: the gathered copies drop
+                        raise ZeroshardError(
+                            f"load_module_state_dict: missing keys {sorted(missing)}, unexpected keys "
+                            f"{sorted(result.unexpected_keys)} (strict=False loads the matching ones)"
+                        )
+        except BaseException:
+            if self.strategy is not None:
+                self.strategy.discard_module_changes()
+            raise
+        if self.strategy is not None:
+            self.strategy.take_module_params(src=0)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """DeepSpeed's old name of `save_16bit_model`."""
@@ -164,18 +174,24 @@ class DeepSpeedCalls:
         num_local_io_workers: int | None = None,
     ) -> DataLoader[Any]:
         """A dataloader over this data-parallel replica's share of `dataset`, `batch_size` (default: the
-        micro-batch) samples at a time: the training route shuffles as `initialize`'s loader does, eval and
-        predict read in order; `data_sampler` replaces the sampler."""
+        micro-batch) samples at a time: the training route shuffles as `initialize`'s loader does (a pipeline's
+        reads in order, as its own loader), eval and predict read in order; `data_sampler` replaces the sampler.
+        Only `initialize`'s own loader has its position saved in checkpoints."""
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ZeroshardError("deepspeed_io: the data must be a torch Dataset (map-style or iterable)")
         size = int(batch_size or self.config.train_micro_batch_size_per_gpu)
         collate = collate_fn if collate_fn is not None else getattr(self, "collate_fn", None)
-        rank, replicas = self.data_replica or (self.global_rank, self.dp_world_size)
+        rank, replicas = self.data_replica[:2] if self.data_replica is not None else (self.global_rank, self.world_size)
         drop_last = bool(self.config.dataloader_drop_last)
-        if data_sampler is None and route == "train" and not self.is_iterable_style_dataset(dataset):
+        workers = 2 if num_local_io_workers is None else num_local_io_workers  # DeepSpeed's default
+        pin = pin_memory and torch.cuda.is_available()
+        shuffle = route == "train" and (self.data_replica is None or self.data_replica[2])
+        if data_sampler is None and shuffle and not self.is_iterable_style_dataset(dataset):
             from zeroshard.data import build_dataloader
 
-            return build_dataloader(dataset, size, rank, replicas, collate, drop_last=drop_last)
+            return build_dataloader(
+                dataset, size, rank, replicas, collate, drop_last=drop_last, num_workers=workers, pin_memory=pin
+            )
         if data_sampler is None and not self.is_iterable_style_dataset(dataset):
             data_sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=False)
         return DataLoader(
@@ -183,7 +199,7 @@ class DeepSpeedCalls:
             batch_size=size,
             sampler=data_sampler,
             collate_fn=collate,
-            num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory and torch.cuda.is_available(),
+            num_workers=workers,
+            pin_memory=pin,
             drop_last=drop_last,
         )

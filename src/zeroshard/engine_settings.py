@@ -7,10 +7,14 @@ DeepSpeed's engine answers about 130 questions about its configuration, one meth
 Trainer read several). Each returns what DeepSpeed 0.19.8's returns for the same ds_config: the same value for a
 scalar, None where DeepSpeed has no block (`zero_offload_optimizer()` without an `offload_optimizer` key), and for a
 block zeroshard's own config object, whose fields carry DeepSpeed's key names. `tests/unit/test_engine_settings.py`
-holds every one against DeepSpeed's own method over a set of configs. Left out: DeepSpeed's internal reduction
-helpers (`allreduce_bucket`, `sparse_allreduce`, `buffered_allreduce_fallback`, ...), DeepCompile's backends and
-random-LTD's initialisation, which belong to features zeroshard does not have, and `swap_tensor_config`, which
-raises AttributeError in DeepSpeed 0.19.8 itself.
+holds them against DeepSpeed's own methods over seven configs; the few that read DeepSpeed's built engine
+(`get_mom`, the rank getters, `zero_nvme_offload_optimizer`) follow its code. Where they differ on purpose:
+`get_batch_info()` gives the three values (DeepSpeed 0.19.8 returns the three bound methods), the data-efficiency
+blocks come back as given (DeepSpeed fills in its defaults), `tensor_parallel_config()` is the block as given,
+`compile_zero_optimization_stage()` is False without `compile.passes` (DeepSpeed raises TypeError). Left out:
+DeepSpeed's internal reduction helpers (`allreduce_bucket`, `sparse_allreduce`, `buffered_allreduce_fallback`,
+...), DeepCompile's backends and random-LTD's initialisation, which belong to features zeroshard does not have, and
+`swap_tensor_config`, which raises AttributeError in DeepSpeed 0.19.8 itself.
 """
 
 from __future__ import annotations
@@ -120,13 +124,17 @@ class DeepSpeedSettings:
     zero_sub_group_size = _setting("zero_optimization.sub_group_size")
     is_sanity_checks_enabled = _setting("zero_optimization.enable_sanity_checks")
     super_offload = _setting("zero_optimization.offload_optimizer.super_offload")
-    cpuadam_cores_perc = _setting("zero_optimization.offload_optimizer.cpuadam_cores_perc")
+
+    def _raw_zero(self) -> Mapping[str, Any]:
+        """The `zero_optimization` block as given ({} for the legacy `"zero_optimization": true`)."""
+        given = self.config.raw.get("zero_optimization")
+        return given if isinstance(given, Mapping) else {}
 
     def _offload_block(self, key: str) -> Any:
-        """DeepSpeed's offload block: None unless the config has the key (or its device is set some other way)."""
+        """DeepSpeed's offload block: None unless the config gives it (or its device is set another way, as the
+        legacy `cpu_offload`)."""
         block = getattr(self.config.zero_optimization, key)
-        given = key in (self.config.raw.get("zero_optimization") or {})
-        return block if given or block.device != "none" else None
+        return block if self._raw_zero().get(key) is not None or block.device != "none" else None
 
     def zero_offload_optimizer(self) -> Any:
         """The `offload_optimizer` block (its `.device`, `.pin_memory`, `.ratio`, ...), None without one."""
@@ -136,6 +144,11 @@ class DeepSpeedSettings:
         """The `offload_param` block, None without one."""
         return self._offload_block("offload_param")
 
+    def cpuadam_cores_perc(self) -> float:
+        """`offload_optimizer.cpuadam_cores_perc`; 0.9 without an offload block (DeepSpeed's)."""
+        block = self.zero_offload_optimizer()
+        return float(block.cpuadam_cores_perc) if block is not None else 0.9
+
     def zero_cpu_offload(self) -> bool:
         return self.config.zero_optimization.offload_optimizer.device == "cpu"
 
@@ -144,8 +157,9 @@ class DeepSpeedSettings:
         return self.config.zero_optimization.offload_optimizer.device in ("cpu", "nvme")
 
     def zero_nvme_offload_optimizer(self) -> bool:
-        """Whether the optimizer states are swapped to NVMe."""
-        return self._stage() > 0 and self.config.zero_optimization.offload_optimizer.device == "nvme"
+        """Whether the optimizer states are swapped to NVMe as DeepSpeed reports it: at stage 3 (its stage 1-2
+        optimizer has no `swap_optimizer` attribute, so DeepSpeed answers False there, NVMe or not)."""
+        return self._stage() == 3 and self.config.zero_optimization.offload_optimizer.device == "nvme"
 
     def zero_partial_offload(self) -> float:
         """`offload_optimizer.ratio`: the share of the update the host steps (1.0 without an offload block)."""
@@ -163,7 +177,7 @@ class DeepSpeedSettings:
 
     def zenflow_config(self) -> Any:
         """`zero_optimization.zenflow` as given (accepted, not implemented), None without it."""
-        return (self.config.raw.get("zero_optimization") or {}).get("zenflow")
+        return self._raw_zero().get("zenflow")
 
     # -- precision -------------------------------------------------------------------------------------
     fp16_master_weights_and_gradients = _setting("fp16.fp16_master_weights_and_grads")
@@ -258,14 +272,18 @@ class DeepSpeedSettings:
         return bool((self.config.raw.get("optimizer") or {}).get("legacy_fusion", False))
 
     def optimizer_params(self) -> dict[str, Any] | None:
-        """The `optimizer.params` mapping as given; None without an optimizer block."""
-        return dict(self.config.optimizer.params) if self.config.optimizer is not None else None
+        """The `optimizer.params` mapping ("auto" resolved); None without one, as DeepSpeed."""
+        given = self.config.raw.get("optimizer")
+        has = isinstance(given, Mapping) and given.get("params") is not None and self.config.optimizer is not None
+        return dict(self.config.optimizer.params) if has else None
 
     def scheduler_name(self) -> str | None:
         return self.config.scheduler.type if self.config.scheduler is not None else None
 
     def scheduler_params(self) -> dict[str, Any] | None:
-        return dict(self.config.scheduler.params) if self.config.scheduler is not None else None
+        given = self.config.raw.get("scheduler")
+        has = isinstance(given, Mapping) and given.get("params") is not None and self.config.scheduler is not None
+        return dict(self.config.scheduler.params) if has else None
 
     def checkpoint_tag_validation_enabled(self) -> bool:
         return str(self.config.checkpoint.tag_validation).upper() != "IGNORE"
@@ -331,9 +349,9 @@ class DeepSpeedSettings:
     def uses_parallelization_pass_only(self) -> bool:
         return self.compile_autosp() or self.compile_autotp()
 
-    def get_compile_time(self) -> dict[str, float]:
+    def get_compile_time(self) -> list[Any]:
         """DeepCompile's per-pass times; empty, since zeroshard runs none of its passes."""
-        return {}
+        return []
 
     # -- batch sizes --------------------------------------------------------------------------------------
     def get_batch_info(self) -> tuple[int, int, int]:

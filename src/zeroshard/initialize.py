@@ -296,8 +296,11 @@ def _build(
     else:
         engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     engine.sequence = sequence
-    engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for (a pipeline's: its own)
-    engine.data_replica = (replicas.rank, replicas.world_size) if pipe is None else None
+    engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for
+    if pipe is not None:  # a pipeline's loader reads in order, as pipe_dataloader's
+        engine.data_replica = (pipe.data_parallel_rank, pipe.data_parallel_size, False)
+    else:
+        engine.data_replica = (replicas.rank, replicas.world_size, True)
     publish_groups(model, comm, tp, sequence)
     return engine, engine_optimizer, loader, scheduler
 

@@ -153,11 +153,15 @@ def _cache_and_state(rank: int, world_size: int) -> dict[str, Any]:
     out["source"] = source.state_dict()
     out["trainable_keys"] = sorted(engine.module_state_dict(exclude_frozen_parameters=True))
     out["frozen"] = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
-    with pytest.raises(
-        zeroshard.ZeroshardError, match=r"nothing loaded; missing keys \[\], unexpected keys \['extra'\]"
-    ):
+    with pytest.raises(zeroshard.ZeroshardError, match=r"missing keys \[\], unexpected keys \['extra'\]"):
         engine.load_module_state_dict({"module": {**source.state_dict(), "extra": torch.zeros(1)}})
     out["after_refused"] = engine.module_state_dict()
+    partial = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}  # tied: wte stays
+    with pytest.raises(
+        zeroshard.ZeroshardError, match=r"missing keys \['blocks.0.attn.proj.weight', 'blocks.1.attn.proj"
+    ):
+        engine.load_module_state_dict({"module": {k: v for k, v in partial.items() if "attn.proj" not in k}})
+    out["after_partial"] = engine.module_state_dict()  # torch copied the matching tensors; all undone
     # deepspeed_io: the training route shuffles this replica's share, the others read it in order
     data = torch.utils.data.TensorDataset(torch.arange(16))
     out["train"] = [b[0].tolist() for b in engine.deepspeed_io(data)]
@@ -179,9 +183,88 @@ def test_empty_partition_cache_load_module_state_dict_and_deepspeed_io() -> None
             assert torch.equal(value, source0[key]), key
         assert out["frozen"] and not set(out["frozen"]) & set(out["trainable_keys"])
         assert set(out["trainable_keys"]) | set(out["frozen"]) == set(out["loaded"])
-        assert all(torch.equal(out["after_refused"][k], v) for k, v in out["loaded"].items())  # a refused load
+        for refused in ("after_refused", "after_partial"):  # refused loads leave the module as it was
+            assert all(torch.equal(out[refused][k], v) for k, v in out["loaded"].items()), refused
     assert not torch.equal(results[1]["source"]["lm_head.weight"], results[0]["source"]["lm_head.weight"])
     train0, train1 = (sum(r["train"], []) for r in results)
     assert sorted(train0 + train1) == list(range(16)) and train0 != sorted(train0)  # disjoint, shuffled
     assert [len(b) for b in results[0]["train"]] == [2] * 4  # the micro-batch
     assert results[0]["eval"] == [[0, 2, 4, 6], [8, 10, 12, 14]] and results[1]["eval"][0] == [1, 3, 5, 7]
+
+
+LOADS = [
+    Case(stage=1),
+    Case(stage=2, dtype="bf16"),
+    Case(stage=3, persistence=100),
+    Case(stage=3, offload="cpu", offload_param="cpu"),
+]
+
+
+def _loads(rank: int, world_size: int) -> list[Any]:
+    """Each rank loads its own dict: rank 0's values become every rank's, in the parameters and the fp32 masters."""
+    import zeroshard
+    from zeroshard.utils import safe_get_full_fp32_param
+
+    out = []
+    for case in LOADS:
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
+        source = build_model(case)
+        torch.manual_seed(200 + rank)
+        with torch.no_grad():
+            for p in source.parameters():
+                p.normal_()
+        engine.load_module_state_dict({"module": source.state_dict()})
+        with zeroshard.GatheredParameters(list(engine.module.parameters())):
+            engine.empty_partition_cache()  # the block's units stay gathered
+            module = {k: v.detach().float().clone() for k, v in engine.module.named_parameters()}
+        masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+        out.append((case.name, module, masters, source.state_dict() if rank == 0 else None))
+        engine.destroy()
+    # the fsdp2 backend: a block holds its units; emptying the cache inside it leaves them gathered
+    case = Case(stage=3)
+    model, config = build_model(case), {**ds_config(case), "zeroshard": {"backend": "fsdp2"}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    with zeroshard.GatheredParameters([engine.module.lm_head.weight], modifier_rank=0):
+        engine.empty_partition_cache()
+        if rank == 0:
+            with torch.no_grad():
+                engine.module.lm_head.weight.fill_(0.25)
+    out.append(bool((safe_get_full_fp32_param(engine.module.lm_head.weight) == 0.25).all()))
+    with pytest.raises(zeroshard.ZeroshardError, match="not supported on the fsdp2 backend"):
+        engine.load_module_state_dict({"module": model.state_dict()})
+    engine.destroy()
+    return out
+
+
+def test_a_module_load_takes_rank_0s_values_into_parameters_and_masters() -> None:
+    results = run_on_ranks(_loads, 2)
+    for per_rank in results:
+        assert per_rank.pop() is True  # fsdp2: the held unit survived empty_partition_cache, and took the change
+        for (name, module, masters, _), (_, _, _, source) in zip(per_rank, results[0], strict=True):
+            for key, value in module.items():
+                tol = 1e-2 if "bf16" in name else 0
+                assert torch.allclose(value, source[key].float(), rtol=tol, atol=tol), (name, key)
+                assert torch.equal(masters[key].float(), value) or "bf16" in name, (name, key)
+
+
+def _torch_keys(rank: int, world_size: int) -> list[bool]:
+    """torch's load-time hooks decide the keys: BatchNorm fills a missing `num_batches_tracked` (an old dict)."""
+    import zeroshard
+
+    out = []
+    for stage in (1, 3):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        source = {k: v + 1 for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
+        config = {"train_batch_size": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}}
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        engine.load_module_state_dict({"module": source})  # strict: torch's own strict load accepts it too
+        out.append(torch.equal(engine.module_state_dict()["0.weight"], source["0.weight"]))
+        engine.destroy()
+    return out
+
+
+def test_load_module_state_dict_keys_are_torchs() -> None:
+    assert run_on_ranks(_torch_keys, 1) == [[True, True]]

@@ -151,3 +151,20 @@ def test_pipeline_train_batch_moves_the_legacy_curriculum() -> None:
     read it from the engine, as Megatron-DeepSpeed's do)."""
     (seen,) = run_on_ranks(_curriculum, 1)
     assert seen == [16, 32, 48]
+
+
+def _io(rank: int, world_size: int) -> list[list[int]]:
+    import torch
+
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    net = PipelineModule(layers=layers(), num_stages=2, loss_fn=nn.functional.mse_loss)
+    engine, *_ = zeroshard.initialize(model=net, config=config(PipeCase(2)))
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    return [b[0].tolist() for b in engine.deepspeed_io(data, batch_size=4)]
+
+
+def test_deepspeed_io_reads_the_replicas_share_in_order() -> None:
+    """Two stages of one replica: each stage's rank reads the whole data, in order, as the pipeline's own loader."""
+    assert run_on_ranks(_io, 2) == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2

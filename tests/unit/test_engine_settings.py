@@ -74,6 +74,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "fp16": {"enabled": False, "loss_scale": 64},
         "log_level": "info",
     },
+    "legacy_switch_and_bare_blocks": {
+        "train_batch_size": 2,
+        "zero_optimization": True,  # the legacy switch: stage 1
+        "optimizer": {"type": "Adam"},
+        "scheduler": {"type": "WarmupLR"},
+    },
+    "stage2_nvme_null_param_block": {
+        "train_batch_size": 2,
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "cpuadam_cores_perc": 0.5},
+            "offload_param": None,
+        },
+        "compile": {"deepcompile": True, "passes": ["z1"]},
+    },
     "stage3_nvme_optimizer_fp16_static": {
         "train_batch_size": 2,
         "fp16": {"enabled": True, "loss_scale": 128},
@@ -173,7 +188,14 @@ SCALARS = [
     "compile_autosp",
     "compile_autotp",
     "uses_parallelization_pass_only",
+    "is_deepcompile_active",
+    "cpuadam_cores_perc",
+    "get_compile_time",
 ]
+# DeepSpeed raises TypeError without `compile.passes`; zeroshard answers False there, and as DeepSpeed with them
+RAISING_IN_DEEPSPEED = ["compile_zero_optimization_stage"]
+# blocks zeroshard reports as given (DeepSpeed fills in its defaults): compared by their `enabled`
+ENABLED_OF = ["data_efficiency_config", "data_sampling_config", "curriculum_learning_config", "random_ltd_config"]
 # DeepSpeed answers with an `and` chain's last operand (None, {}): compared as truth values
 TRUTH_VALUES = ["autotuning_profile_model_info"]
 # answers that are a block: compared by the fields scripts read
@@ -215,6 +237,16 @@ def test_accessors_answer_as_deepspeeds(name):
         got = _plain(getattr(ours, accessor)())
         if got != expected:
             differences.append(f"{accessor}: zeroshard {got!r}, DeepSpeed {expected!r}")
+    for accessor in RAISING_IN_DEEPSPEED:
+        try:
+            expected = getattr(theirs, accessor)()
+        except TypeError:
+            expected = False
+        if getattr(ours, accessor)() != expected:
+            differences.append(f"{accessor}: zeroshard {getattr(ours, accessor)()!r}, DeepSpeed {expected!r}")
+    for accessor in ENABLED_OF:
+        if getattr(ours, accessor)()["enabled"] != getattr(theirs, accessor)()["enabled"]:
+            differences.append(f"{accessor}: enabled differs")
     for accessor in TRUTH_VALUES:
         if getattr(ours, accessor)() is not bool(getattr(theirs, accessor)()):
             differences.append(f"{accessor}: zeroshard {getattr(ours, accessor)()!r}")

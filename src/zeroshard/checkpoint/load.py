@@ -244,6 +244,10 @@ def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
         log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {why}")
         return False
     gas = saved // (micro * replicas)
+    refused = engine.strategy.window_change_refused(gas) if engine.strategy is not None else None
+    if refused is not None:
+        log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {refused}")
+        return False
     engine.config = dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
     engine.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
     batch = meta.batch

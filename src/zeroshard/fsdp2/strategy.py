@@ -9,6 +9,7 @@ checkpoint format ([Note: strategy adapters]). See [Note: fsdp2 mapping] for the
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class Fsdp2Strategy(Strategy):
         masters_in_fp32(module, policy.compute_dtype)
         units = (policy.unit_policy, policy.leaves)
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, units, comm, device, divide, policy.mesh)
+        self._holds: Counter[str] = Counter()  # blocks holding each unit gathered (gathered(), GatheredParameters)
         if streamed is not None:
             assert policy.weights is not None
             home = policy.master_tier.device  # the host under CPUOffloadPolicy
@@ -212,8 +214,18 @@ class Fsdp2Strategy(Strategy):
         names = {self._record(p).name for p in params if id(p) in self._by_id}
         units = [u for u in self.units if any(n in names for n in u.param_names)]
         block = ExitStack()
-        block.enter_context(held_gathered(units))
+        block.enter_context(self._held(units))
         return [block, units]
+
+    @contextmanager
+    def _held(self, units: Sequence[Fsdp2Unit]) -> Iterator[None]:
+        """`held_gathered`, counted per unit so `release_gathered` leaves the units a block holds alone."""
+        self._holds.update(u.name for u in units)
+        try:
+            with held_gathered(units):
+                yield
+        finally:
+            self._holds.subtract(u.name for u in units)
 
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
         block, units = held
@@ -228,13 +240,23 @@ class Fsdp2Strategy(Strategy):
         finally:
             block.close()
 
+    def module_load_refused(self) -> str | None:
+        return (
+            "load_module_state_dict is not supported on the fsdp2 backend (its module's parameters are DTensors, "
+            "which torch's load_state_dict does not fill from full tensors); use engine.load_checkpoint(..., "
+            "load_module_only=True), or safe_set_full_fp32_param per parameter"
+        )
+
     def release_gathered(self) -> None:
-        """Reshard every unit (a no_grad forward at stages 1-2 leaves them unsharded until the next backward)."""
-        self._publish()
+        """Reshard every unit no block holds (a no_grad forward at stages 1-2 leaves units unsharded until the next
+        backward); units inside `gathered()` or GatheredParameters stay."""
+        for unit in self.units:
+            if not self._holds[unit.name]:
+                unit.module.reshard()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        with held_gathered(self.units):
+        with self._held(self.units):
             yield
 
     def full_state_dict(self) -> dict[str, Any]:

@@ -309,6 +309,29 @@ class Strategy(ABC):
         """Why the accumulation window cannot become `gradient_accumulation_steps` micro-steps now (None: it can)."""
         return None
 
+    def take_module_params(self, src: int) -> None:
+        """`load_module_state_dict` wrote each rank's module parameters: rank `src`'s values become every rank's and
+        the master weights follow (collective). Whole parameters (stages 0-2) are broadcast here; strategies that
+        shard parameters took them through GatheredParameters's `modifier_rank` and override this with nothing."""
+        with torch.no_grad():
+            for param in self.module.parameters():
+                data = param.data if param.data.is_contiguous() else param.data.contiguous()
+                self.comm.broadcast(data, src=src, label="load_module_state_dict")
+                if data is not param.data:
+                    param.data.copy_(data)
+        for part in self.checkpoint_state().parts():
+            with part.hold(True):
+                part.refresh_master()
+
+    def module_load_refused(self) -> str | None:
+        """Why `load_module_state_dict` cannot load into this strategy's module (None: it can)."""
+        return None
+
+    def discard_module_changes(self) -> None:
+        """The module's parameters := the master weights again (collective): undoes a module load that failed part
+        of the way. Where the masters are the parameters (fp32 stage 0), the partial load stays."""
+        self.checkpoint_state().publish_params()
+
     def release_gathered(self) -> None:
         """`engine.empty_partition_cache()`: give back every gathered parameter that no block holds (stage 3: what a
         forward without a backward left gathered); stages 0-2 hold nothing gathered."""

@@ -398,6 +398,9 @@ class Stage3Strategy(Strategy):
             "gradient_accumulation_steps > 1, or set data_types.grad_accum_dtype to the communication dtype"
         )
 
+    def take_module_params(self, src: int) -> None:
+        return None  # GatheredParameters's modifier_rank wrote rank src's values into every rank's shards
+
     def release_gathered(self) -> None:
         """Every unit not pinned (GatheredParameters, generation) goes back to its shard; the persistent unit stays
         gathered by design ([Note: units] in plan.py: it is never released, and its blocks run without a gather)."""
