@@ -20,6 +20,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.engine_calls import DeepSpeedCalls
 from zeroshard.errors import ZeroshardError
+from zeroshard.manual_backward import ENGINE_BACKWARDS, ManualBackward
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
 from zeroshard.monitor.throughput import ThroughputTimer
@@ -144,6 +145,12 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         self._autocast_dtype = precision.autocast_dtype  # torch_autocast ([Note: torch autocast])
         self._warned_outer_autocast = False
         self._compiled: dict[str, Any] | None = None  # engine.compile()'s arguments once it ran
+        self._manual = ManualBackward(  # [Note: a backward the engine did not start]
+            self._manual_backward_begins,
+            self._manual_backward_ends,
+            self.gradient_accumulation_steps,
+            bool(loss_scaler),
+        )
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())
         if config.dump_state:
@@ -168,6 +175,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         with self._deadline("engine.forward"), self.telemetry.forward(self.global_steps):  # stage 3 gathers here
             with self._compute(), self.wall_clock.time("fwd"), self._autocast():
                 out = self.module(*args, **kwargs)
+        if self.strategy is not None:
+            self._manual.watch(out)
         see_memory_usage("Engine after forward", force=self._memory_breakdown)
         return out
 
@@ -213,8 +222,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             self.accumulation.loss_scale = self.loss_scale
             factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
-                with self._compute(), self.wall_clock.time("bwd_inner"):
-                    (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+                scaled = loss * factor if factor != 1.0 else loss
+                with self._compute(), self.wall_clock.time("bwd_inner"), ENGINE_BACKWARDS.running(scaled):
+                    scaled.backward(retain_graph=retain_graph)
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
@@ -312,34 +322,6 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             return
         with self.strategy.gathered():
             yield
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """Write the full model in its compute dtype as safetensors (rank 0 writes; every rank must call).
-
-        Under stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`
-        (DeepSpeed's rule), since it gathers the whole model."""
-        import os
-
-        from safetensors.torch import save_file
-
-        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            raise ZeroshardError(
-                "save_16bit_model under stage 3 gathers the whole model; set "
-                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
-            )
-        state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
-        if self.global_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            seen: set[int] = set()
-            unique = {}
-            for name, tensor in state.items():
-                key = tensor.untyped_storage().data_ptr()
-                if key in seen:  # tied weights: safetensors stores each storage once
-                    continue
-                seen.add(key)
-                unique[name] = tensor.detach().contiguous().cpu()
-            save_file(unique, os.path.join(save_dir, save_filename))
-        return True
 
     def consolidated_state_dict(
         self, dtype: torch.dtype = torch.float32, keep: bool = True, device: torch.device | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ class DeepSpeedCalls:
     accumulation: Any  # AccumulationState
     tput_timer: Any
     telemetry: Any
+    loss_scaler: Any
+    _manual: Any  # ManualBackward
     # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
     # route shuffles) of the data
     collate_fn: Callable[..., Any] | None = None
@@ -41,7 +44,14 @@ class DeepSpeedCalls:
         @property
         def world_size(self) -> int: ...
 
-        def save_16bit_model(self, save_dir: str, save_filename: str = ...) -> bool: ...
+        @property
+        def loss_scale(self) -> float: ...
+
+        def _require_optimizer(self, what: str) -> Any: ...
+
+        def is_gradient_accumulation_boundary(self) -> bool: ...
+
+        def commit_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
 
     # -- batch sizes ----------------------------------------------------------------------------------
     def set_train_batch_size(self, train_batch_size: int) -> None:
@@ -138,6 +148,56 @@ class DeepSpeedCalls:
             raise
         if self.strategy is not None:
             self.strategy.take_module_params(src=0)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Write the full model in its compute dtype as safetensors (rank 0 writes; every rank must call).
+
+        Under stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`
+        (DeepSpeed's rule), since it gathers the whole model."""
+        from safetensors.torch import save_file
+
+        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            raise ZeroshardError(
+                "save_16bit_model under stage 3 gathers the whole model; set "
+                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
+            )
+        state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            seen: set[int] = set()
+            unique = {}
+            for name, tensor in state.items():
+                key = tensor.untyped_storage().data_ptr()
+                if key in seen:  # tied weights: safetensors stores each storage once
+                    continue
+                seen.add(key)
+                unique[name] = tensor.detach().contiguous().cpu()
+            save_file(unique, os.path.join(save_dir, save_filename))
+        return True
+
+    # -- a backward the script runs itself ([Note: a backward the engine did not start]) -------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale (unchanged without fp16), for the script's own `.backward()`:
+        `engine.scale(loss).backward(); engine.step()`."""
+        self._require_optimizer("scale")
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            raise ZeroshardError("engine.scale(loss): the loss must be a scalar tensor that requires grad")
+        self._manual.scaled = True
+        return loss * self.loss_scale if self.loss_scaler is not None else loss
+
+    def _manual_backward_begins(self) -> None:
+        """What `engine.backward` does before `loss.backward()`, for a backward the script started."""
+        strategy = self._require_optimizer("backward")
+        if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
+            self.commit_checkpoint()  # super_offload steps during this backward
+        strategy.begin_backward()
+        self.accumulation.loss_scale = self.loss_scale
+
+    def _manual_backward_ends(self) -> None:
+        """What `engine.backward` does after `loss.backward()` (autograd calls it when the backward is done)."""
+        self._require_optimizer("backward").finish_backward()
+        self.accumulation.pending = True
+        self.accumulation.window_backwards += 1
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """DeepSpeed's old name of `save_16bit_model`."""

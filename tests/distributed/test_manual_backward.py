@@ -1,0 +1,120 @@
+"""A backward the script runs itself ([Note: a backward the engine did not start] in manual_backward.py):
+`loss.backward()` on the engine's output trains bit for bit as `engine.backward(loss)` at every stage and tier, and
+as DeepSpeed 0.19.8's torch-style backward; under fp16 it needs `engine.scale(loss)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.deepspeed_reference import import_deepspeed
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, flat_params, param_groups, relative_difference
+from helpers.windows import batches, mine
+
+WINDOWS = [2, 2, 2]  # gradient_accumulation_steps 2
+CASES: list[tuple[Case, dict[str, Any]]] = [
+    (Case(stage=0, gas=2), {}),
+    (Case(stage=1, gas=2), {}),
+    (Case(stage=2, gas=2, offload="cpu"), {}),
+    (Case(stage=3, gas=2), {}),
+    (Case(stage=3, gas=2, offload="cpu", offload_param="cpu"), {}),
+    (Case(stage=3, gas=2), {"zeroshard": {"backend": "fsdp2"}}),
+]
+
+
+def _train(rank: int, world_size: int, engine: Any, how: str, gathered: Any) -> tuple[list[float], torch.Tensor]:
+    losses = []
+    for window in batches(world_size, WINDOWS):
+        for batch in window:
+            loss = engine(*mine(batch, rank))
+            if how == "engine":
+                engine.backward(loss)
+            elif how == "scale":
+                engine.scale(loss).backward()
+            else:
+                loss.backward()
+            losses.append(loss.item())
+            engine.step()
+    with gathered(list(engine.module.parameters())):
+        return losses, flat_params(engine.module)
+
+
+def _ours(rank: int, world_size: int) -> list[Any]:
+    import zeroshard
+
+    out = []
+    for case, extra in CASES:
+        for how in ("engine", "plain"):
+            model = build_model(case)
+            config = {**ds_config(case), **extra}
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+            out.append(_train(rank, world_size, engine, how, zeroshard.GatheredParameters))
+            assert engine.micro_steps == sum(WINDOWS) and engine.global_steps == len(WINDOWS)
+            engine.destroy()
+    return out
+
+
+def test_a_plain_backward_trains_as_engine_backward() -> None:
+    for per_rank in run_on_ranks(_ours, 2):
+        for i, (case, extra) in enumerate(CASES):
+            (engine_losses, engine_params), (plain_losses, plain_params) = per_rank[2 * i], per_rank[2 * i + 1]
+            assert plain_losses == engine_losses, (case.name, extra)
+            assert torch.equal(plain_params, engine_params), (case.name, extra)
+
+
+def _against_deepspeed(rank: int, world_size: int) -> list[Any]:
+    import zeroshard
+
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = []
+    for stage in (1, 2, 3):
+        for lib, gathered in (
+            (zeroshard, zeroshard.GatheredParameters),
+            (deepspeed, deepspeed.zero.GatheredParameters),
+        ):
+            case = Case(stage=stage, gas=2)
+            model = build_model(case)
+            engine, *_ = lib.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+            out.append(_train(rank, world_size, engine, "plain", gathered))
+            engine.destroy()
+    return out
+
+
+def test_a_plain_backward_trains_as_deepspeeds() -> None:
+    """DeepSpeed 0.19.8 divides the gradient entering the engine's outputs by gradient_accumulation_steps too."""
+    for per_rank in run_on_ranks(_against_deepspeed, 2, timeout=900):
+        for stage in (1, 2, 3):
+            (ours, our_params), (theirs, their_params) = per_rank[2 * (stage - 1)], per_rank[2 * (stage - 1) + 1]
+            assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), rtol=1e-6), stage
+            assert relative_difference(our_params, their_params) < 1e-6, stage
+
+
+def _fp16(rank: int, world_size: int) -> list[Any]:
+    import zeroshard
+
+    case = Case(stage=2, gas=2, dtype="fp16")
+    out = []
+    for how in ("engine", "scale"):
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+        )
+        out.append(_train(rank, world_size, engine, how, zeroshard.GatheredParameters))
+        engine.destroy()
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    x, y = mine(batches(world_size, [1])[0][0], rank)
+    with pytest.raises(zeroshard.ZeroshardError, match=r"without loss scaling under fp16: call engine.backward"):
+        engine(x, y).backward()
+    engine.destroy()
+    return out
+
+
+def test_fp16_needs_engine_scale() -> None:
+    for (engine_losses, engine_params), (scaled_losses, scaled_params) in run_on_ranks(_fp16, 2):
+        assert scaled_losses == engine_losses
+        assert torch.equal(scaled_params, engine_params)
