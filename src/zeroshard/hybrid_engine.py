@@ -12,12 +12,17 @@ What the block still does here, for every model:
 - `engine.module.generate(...)`, the call DeepSpeed-Chat's PPO trainer makes, is the engine's `generate`: the one
   method of a user's module zeroshard replaces, because DeepSpeed replaces it and RLHF scripts call it there;
   `destroy()` gives the module its own back.
-- `max_out_tokens`: a call that asks for more tokens than that, prompt and new ones together, is refused before it
-  runs (DeepSpeed's kernels fail on their workspace). Calls that say no length are checked against the model's
-  `generation_config`.
+- `max_out_tokens` sizes DeepSpeed's inference kernels' workspace, and DeepSpeed checks nothing for a model its
+  policies do not name; the model's own `generate` here grows its cache as it goes, so the key has nothing to size
+  (support.NO_OP_BY_DESIGN).
 - `release_inference_cache`: after each call Python's garbage is collected and the device's cache emptied, so the
   training step that follows has the memory the key-value cache held.
-- At `initialize` every rank takes rank 0's RNG state (the device's; the CPU's on the CPU), as DeepSpeed does.
+- At `initialize` every rank takes rank 0's state of the device's RNG (on CUDA the CUDA generator, the CPU one staying
+  per rank; on the CPU the CPU generator), as DeepSpeed does.
+- While `generate` holds the model gathered, its forwards are left out of stage 3's prefetch trace and of the
+  per-step divergence digest: they communicate nothing, so ranks may generate different numbers of tokens (no
+  `synced_gpus` needed), and the training step's recorded order survives. Under ZeRO++'s quantized weights the
+  gathered model is the exact one (as `GatheredParameters` gives), where training forwards use the quantized gather.
 - `engine.eval()` logs DeepSpeed's latency line on rank 0 (end to end since the last `eval()`, the gather, the
   generation and the training in it, samples per second); the times add up every `generate` call in the interval,
   where DeepSpeed's keep the last call's.
@@ -30,8 +35,10 @@ What the block still does here, for every model:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,30 +61,6 @@ def share_rank0_rng(world: Collectives, device: torch.device) -> None:
     state = accelerator.get_rng_state().to(device)
     world.broadcast(state, src=0, label="hybrid_engine RNG state")
     accelerator.set_rng_state(state.cpu())
-
-
-def requested_tokens(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The most tokens (prompt and new) a `generate(*inputs, **kwargs)` call can produce, as transformers decides it:
-    `max_new_tokens` over `max_length`, the call's over its `generation_config`'s over the model's, and with neither
-    20 new tokens (transformers 5; 4.x's default `max_length` is 20 in all) up to `max_position_embeddings`. None for
-    a module without a generation config, or a call whose prompt length cannot be read."""
-    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
-    if config is None:
-        return None
-
-    def setting(name: str) -> Any:
-        return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
-
-    prompt = inputs[0] if inputs else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if not isinstance(prompt, torch.Tensor):
-        return None
-    length = int(prompt.shape[1] if prompt.dim() > 1 else prompt.shape[0])
-    if setting("max_new_tokens") is not None:
-        return length + int(setting("max_new_tokens"))
-    if setting("max_length") is not None:
-        return int(setting("max_length"))
-    positions = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-    return min(length + 20, int(positions)) if positions is not None else length + 20
 
 
 class _Latency:
@@ -131,23 +114,17 @@ class HybridEngine(Engine):
         self._latency = _Latency()
         self._module_generate: Callable[..., Any] | None = getattr(self.module, "generate", None)
         if self._module_generate is not None:
-            self.module.generate = _EngineGenerate(self)  # type: ignore[assignment]
+            self.module.generate = _EngineGenerate(self, self._module_generate)  # type: ignore[assignment]
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's `generate(*inputs, **kwargs)`, the model gathered once for the call at stage 3 (with
-        `pin_parameters`), after the `max_out_tokens` check."""
+        `pin_parameters`)."""
         if self._module_generate is None:
             raise ZeroshardError(
                 f"hybrid_engine: {type(self.module).__name__} has no generate(); the hybrid engine generates with "
                 "the module's own generate (a transformers model's, for example)"
             )
         settings = self.config.hybrid_engine
-        wanted = requested_tokens(self.module, inputs, kwargs)
-        if wanted is not None and wanted > int(settings.max_out_tokens):
-            raise ZeroshardError(
-                f"hybrid_engine.max_out_tokens is {settings.max_out_tokens} but this generate call can produce "
-                f"{wanted} tokens (prompt and new ones): raise max_out_tokens or ask for fewer tokens"
-            )
         if self._latency.batch is None:
             prompt = inputs[0] if inputs else kwargs.get("input_ids")
             if isinstance(prompt, torch.Tensor):
@@ -199,10 +176,18 @@ class HybridEngine(Engine):
 
 
 class _EngineGenerate:
-    """`engine.module.generate`: the engine's generate, holding the engine weakly (the module is the engine's)."""
+    """`engine.module.generate`: the engine's generate, holding the engine weakly (the module is the engine's). A
+    copy or a pickle of the module gets its class's own `generate` back, bound to the copy (`__reduce__`: deepcopy
+    and pickle both use it), not this engine's."""
 
-    def __init__(self, engine: HybridEngine) -> None:
+    def __init__(self, engine: HybridEngine, own: Callable[..., Any]) -> None:
         self._engine = weakref.ref(engine)
+        self._module = weakref.ref(engine.module)
+        functools.update_wrapper(self, own)  # the signature and docstring of the module's generate
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        module: Any = self._module()
+        return types.MethodType, (type(module).generate, module)
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         engine = self._engine()

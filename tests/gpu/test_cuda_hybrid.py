@@ -21,32 +21,35 @@ def _generate(rank: int, world_size: int) -> dict[str, Any]:
     import zeroshard
 
     out: dict[str, Any] = {}
-    prompts = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(rank))
+    # a 32k vocabulary: the logits of a call (16 x 16 x 32000 in bf16, 16 MB at the prompt) take large blocks
+    prompts = torch.randint(0, 32000, (16, 16), generator=torch.Generator().manual_seed(rank))
     for release in (False, True):
         config = {
-            "train_micro_batch_size_per_gpu": 8,
+            "train_micro_batch_size_per_gpu": 16,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-            "hybrid_engine": {"enabled": True, "release_inference_cache": release, "max_out_tokens": 64},
+            "hybrid_engine": {"enabled": True, "release_inference_cache": release},
         }
-        engine, *_ = zeroshard.initialize(model=tiny_llama(), config=config)
+        model = tiny_llama(vocab=32000)  # seeds every generator itself: draw the per-rank seed after it
+        torch.cuda.manual_seed(100 + rank)
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        out[f"draw_{release}"] = torch.rand(4, device="cuda").cpu()  # rank 0's CUDA RNG state since initialize
         weights = {k: v.clone() for k, v in engine.module_state_dict().items()}
         ids = prompts.to(engine.device)
         engine.eval()
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
-        seq = engine.module.generate(input_ids=ids, max_new_tokens=40, do_sample=False, synced_gpus=True)
+        seq = engine.module.generate(input_ids=ids, max_new_tokens=8, do_sample=False, synced_gpus=True)
         torch.cuda.synchronize()
         out[f"reserved_{release}"] = (before, torch.cuda.memory_reserved())
         out[f"seq_{release}"] = seq.cpu()
-        reference = tiny_llama().to(device=engine.device, dtype=torch.bfloat16)
+        reference = tiny_llama(vocab=32000).to(device=engine.device, dtype=torch.bfloat16)
         reference.load_state_dict(weights)
-        out[f"reference_{release}"] = reference.eval().generate(input_ids=ids, max_new_tokens=40, do_sample=False).cpu()
+        out[f"reference_{release}"] = reference.eval().generate(input_ids=ids, max_new_tokens=8, do_sample=False).cpu()
         engine.destroy()
         del reference
         torch.cuda.empty_cache()
-    out["draw"] = torch.rand(4, device="cuda").cpu()
     return out
 
 
@@ -60,5 +63,6 @@ def test_hybrid_generation_and_its_cache_on_cuda(world_size: int) -> None:
         released_before, released_after = out["reserved_True"]
         assert kept_after > kept_before, out["reserved_False"]  # the key-value cache's blocks stay cached
         assert released_after <= released_before, out["reserved_True"]
-    if world_size > 1:  # rank 0's CUDA RNG state everywhere since initialize
-        assert all(torch.equal(out["draw"], results[0]["draw"]) for out in results)
+    if world_size > 1:  # rank 0's CUDA RNG state everywhere since initialize, though each rank seeded its own
+        for release in (False, True):
+            assert all(torch.equal(out[f"draw_{release}"], results[0][f"draw_{release}"]) for out in results)

@@ -6,8 +6,9 @@ shards gradients, reduce-scattering them during every backward. After the step e
 its updated shard into the parameter buffer and the buckets are all-gathered in place.
 
 [Note: gradients outside engine.backward]
-Gradients from a backward that `engine.backward` did not start (another engine's loss flowing through this
-module, as in a GAN; or a plain `loss.backward()`) stay in `.grad`, as in plain PyTorch and DeepSpeed's stage 0:
+Gradients from a backward that this engine did not take as its own (another engine's loss flowing through this
+module, as in a GAN; a plain `loss.backward()` on the engine's output is its own: [Note: a backward the engine did
+not start] in manual_backward.py) stay in `.grad`, as in plain PyTorch and DeepSpeed's stage 0:
 `module.zero_grad()` clears them, a later `engine.backward` adds to them (autograd accumulates into `.grad` before
 the hook moves it), and `engine.step()` reduces what is left (`_collect_loose_grads`). Stage 3 reduces every
 gradient its hooks see into its shards, as DeepSpeed's stage 3 does.

@@ -23,9 +23,10 @@ discarded, so its hooks never fire and the original forward's count stands.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -209,6 +210,17 @@ class GatherSchedule:
                 self.gather(unit, exact=True)
         for unit in units:
             self.wait_gathered(unit)
+
+    @contextlib.contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Forwards inside the block (generation with every unit pinned) neither record into the step's trace nor
+        close it: the recorded order, the reuse set and the backward counts are as they were after the block."""
+        saved = self.trace, set(self._kept), dict(self.forward_calls)
+        self.trace = ExecutionTrace()
+        try:
+            yield
+        finally:
+            self.trace, self._kept, self.forward_calls = saved
 
     def release_all(self) -> None:
         """Release every unit not pinned or persistent, the ones kept for reuse too (a forward without a backward,

@@ -94,6 +94,7 @@ class Stage3Strategy(Strategy):
         one_micro_step = accumulation.gradient_accumulation_steps == 1 and accumulation.managed
         grad_dtype = policy.comm_dtype if one_micro_step else policy.grad_accum_dtype
         self._grads_accumulate_in = grad_dtype if grad_dtype == policy.grad_accum_dtype else None
+        self._untraced = 0  # inside gathered(): forwards out of the trace and the digest
         build = BuildPolicy(
             policy.compute_dtype,
             grad_dtype,
@@ -184,12 +185,14 @@ class Stage3Strategy(Strategy):
 
     def on_pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
         """`counted`: this forward call's backward reports back (`on_post_backward`), [Note: root unit by module]."""
-        self.watch.run_log.append(unit.index)
+        if not self._untraced:
+            self.watch.run_log.append(unit.index)
         self.schedule.pre_forward(unit, counted)
 
     def on_block_ran(self, index: int) -> None:
         """A block without a unit of its own (all its parameters persistent) ran: only the digest records it."""
-        self.watch.run_log.append(index)
+        if not self._untraced:
+            self.watch.run_log.append(index)
 
     def on_post_forward(
         self,
@@ -381,10 +384,15 @@ class Stage3Strategy(Strategy):
     # -- whole-model gathering ---------------------------------------------------------------------
     @contextmanager
     def gathered(self) -> Iterator[None]:
+        """Every unit gathered for the block (generation): its forwards communicate nothing, so they stay out of the
+        prefetch trace and the per-step divergence digest (ranks may run different numbers of them)."""
         self.schedule.pin(self.units)
+        self._untraced += 1
         try:
-            yield
+            with self.schedule.untraced():
+                yield
         finally:
+            self._untraced -= 1
             self.schedule.unpin(self.units)
 
     def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
