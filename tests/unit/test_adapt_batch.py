@@ -20,6 +20,7 @@ def _engine(replicas: int, ranks: int, **batch: Any) -> Any:
         config=cfg,
         accumulation=AccumulationState(int(cfg.gradient_accumulation_steps), communicate_every_micro_step=False),
         topology=SimpleNamespace(world_size=ranks),
+        strategy=None,
     )
 
 
@@ -43,3 +44,12 @@ def test_more_replicas_halve_it_and_a_pinned_or_indivisible_batch_stays() -> Non
     assert not adapt_batch(pinned, _saved(16, 4)) and pinned.config.gradient_accumulation_steps == 4
     odd = _engine(replicas=3, ranks=3)
     assert not adapt_batch(odd, _saved(16, 4)) and odd.config.gradient_accumulation_steps == 4
+
+
+def test_a_strategy_that_cannot_change_its_window_keeps_the_accumulation() -> None:
+    """Stage 3 built for one micro-step keeps its gradient shards in the reduction's dtype (bf16): a resume that
+    would accumulate keeps gradient_accumulation_steps as configured, as `set_train_batch_size` refuses it."""
+    engine = _engine(replicas=1, ranks=1, gradient_accumulation_steps=1)
+    engine.strategy = SimpleNamespace(window_change_refused=lambda gas: f"no window of {gas}")
+    assert not adapt_batch(engine, _saved(8, 2))
+    assert engine.config.gradient_accumulation_steps == engine.accumulation.gradient_accumulation_steps == 1

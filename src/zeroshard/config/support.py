@@ -286,9 +286,7 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         ),
         "vocabulary_size": "DeepSpeed only logs a tensor-core hint when it is not a multiple of 8",
         "hybrid_engine.max_out_tokens": (
-            "sizes DeepSpeed's inference-kernel workspace, and DeepSpeed checks nothing for a model its kernels do not "
-            "cover; zeroshard generates with the model's own generate, whose cache grows per call ([Note: hybrid "
-            "engine])"
+            "sizes DeepSpeed's inference-kernel workspace; zeroshard generates with the model's own generate"
         ),
     }
 )
