@@ -6,7 +6,9 @@ Example:
     ...     model=model, model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
 
 `import zeroshard as deepspeed` gives a DeepSpeed script the names it uses (`add_config_arguments`,
-`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`); docs/compat.md lists them.
+`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`, and `DeepSpeedEngine`,
+`DeepSpeedHybridEngine`, `PipelineEngine`, `PipelineModule`, `DeepSpeedConfigError`, `log_dist`, `logger` as
+names of zeroshard's own); docs/compat.md lists them.
 """
 
 from zeroshard import accelerator, comm, ops, runtime, utils, zero
@@ -19,6 +21,28 @@ from zeroshard.zero.stage3.gathered import GatheredParameters
 from zeroshard.zero.stage3.meta import zero_init
 
 __version__ = "0.1.0"
+
+# DeepSpeed's top-level names for zeroshard's classes (`isinstance(model, deepspeed.DeepSpeedEngine)`), loaded on first
+# use: the pipeline's pulls torch.distributed.pipelining in
+_DEEPSPEED_NAMES = {
+    "DeepSpeedEngine": ("zeroshard.engine", "Engine"),
+    "DeepSpeedHybridEngine": ("zeroshard.hybrid_engine", "HybridEngine"),
+    "PipelineEngine": ("zeroshard.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("zeroshard.pipe", "PipelineModule"),
+    "DeepSpeedConfigError": ("zeroshard.errors", "ConfigError"),
+    "log_dist": ("zeroshard.utils", "log_dist"),
+    "logger": ("zeroshard.utils", "logger"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEEPSPEED_NAMES:
+        import importlib
+
+        module, attribute = _DEEPSPEED_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
+
 
 __all__ = [
     "CollectiveMismatchError",

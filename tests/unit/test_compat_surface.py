@@ -331,3 +331,21 @@ def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_config
     args = zeroshard.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
     with pytest.raises(ConfigError, match="both from args .* and from config="):
         zeroshard.initialize(args=args, model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1})
+
+
+def test_deepspeeds_top_level_class_names_are_zeroshards():
+    """`isinstance(model, deepspeed.DeepSpeedEngine)` and friends hold for what zeroshard builds."""
+    import zeroshard
+    from zeroshard.engine import Engine
+    from zeroshard.hybrid_engine import HybridEngine
+    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe.engine import PipelineEngine
+
+    assert zeroshard.DeepSpeedEngine is Engine and issubclass(zeroshard.DeepSpeedHybridEngine, Engine)
+    assert zeroshard.DeepSpeedHybridEngine is HybridEngine and issubclass(zeroshard.PipelineEngine, Engine)
+    assert zeroshard.PipelineEngine is PipelineEngine and zeroshard.PipelineModule is PipelineModule
+    assert zeroshard.DeepSpeedConfigError is zeroshard.ConfigError
+    assert zeroshard.log_dist is zeroshard.utils.log_dist and zeroshard.logger is zeroshard.utils.logger
+    deepspeed = import_deepspeed()
+    for name in ("DeepSpeedEngine", "DeepSpeedHybridEngine", "PipelineEngine", "PipelineModule", "log_dist"):
+        assert hasattr(deepspeed, name), name
