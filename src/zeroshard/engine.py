@@ -149,7 +149,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             self._manual_backward_begins,
             self._manual_backward_ends,
             self.gradient_accumulation_steps,
-            bool(loss_scaler),
+            loss_scaler is not None,
         )
         if config.disable_python_gc:  # [Note: python gc per process]
             self._gc_release = weakref.finalize(self, PYTHON_GC.release, PYTHON_GC.acquire())

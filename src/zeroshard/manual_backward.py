@@ -10,6 +10,8 @@ does the same, at every stage and on both backends:
   `engine.backward` started, the first of them begins the engine's backward (`strategy.begin_backward`) and asks
   autograd to end it when the whole backward is done (`queue_callback`: `strategy.finish_backward`, the micro-step
   counted as `engine.backward` counts it); each divides the gradient it sees by gradient_accumulation_steps.
+- A backward that accumulates into no parameter of the engine (`torch.autograd.grad(...)` for a gradient penalty,
+  `backward(inputs=...)` without them) is no micro-step: its gradients pass through unchanged.
 - Which backward `engine.backward` started is told by autograd's graph task id, which `engine.backward` registers
   from a hook on its loss (`EngineBackwards`, process-wide as DeepSpeed's tracker is: a generator's loss that one
   engine back-propagates through another engine's outputs, as in a GAN, is not the second engine's backward, and
@@ -20,6 +22,7 @@ DeepSpeed's parameters after two steps with accumulation 2) and failed at stage 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,6 +37,32 @@ from zeroshard.errors import ZeroshardError
 
 def _graph_task() -> int:
     return int(torch._C._current_graph_task_id())
+
+
+def _first_accumulator(node: Any, limit: int = 10_000) -> Any:
+    """The first node that accumulates into a leaf's `.grad` (AccumulateGrad) reachable from `node`, depth first:
+    after the loss, the last layer's weight within a few nodes."""
+    stack: list[Any] = [node]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if hasattr(current, "variable"):
+            return current
+        stack.extend(next_node for next_node, _ in reversed(current.next_functions))
+    return None
+
+
+def _accumulates(accumulator: Any) -> bool:
+    """Whether the running backward accumulates into the parameters' `.grad` (`loss.backward()`), not a
+    `torch.autograd.grad(...)` (a gradient penalty through the engine's outputs) or a `backward(inputs=...)` that
+    leaves them out: those are no micro-step of the engine's."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # autograd.grad with respect to parameters: torch cannot say, and it accumulates nothing
+        return False
 
 
 class EngineBackwards:
@@ -79,7 +108,11 @@ class ManualBackward:
     backward bookkeeping around the strategy's; `divisor` is gradient_accumulation_steps."""
 
     def __init__(
-        self, begin: Callable[[], None], end: Callable[[], None], divisor: Callable[[], int], needs_scale: bool
+        self,
+        begin: Callable[[], None],
+        end: Callable[[], None],
+        divisor: Callable[[], int],
+        needs_scale: bool,
     ) -> None:
         self._begin, self._end, self._divisor = begin, end, divisor
         self.needs_scale = needs_scale  # fp16: the loss must come through engine.scale()
@@ -91,12 +124,16 @@ class ManualBackward:
         if not torch.is_grad_enabled():
             return
         flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._on_grad)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        # a node of this forward's graph that accumulates into a leaf's .grad, held while the graph lives
+        accumulator = _first_accumulator(tensors[0].grad_fn) if tensors else None
+        if accumulator is None:
+            return
+        for tensor in tensors:
+            tensor.register_hook(functools.partial(self._on_grad, accumulator))
 
-    def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if ENGINE_BACKWARDS.current():
+    def _on_grad(self, accumulator: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ENGINE_BACKWARDS.current() or not _accumulates(accumulator):
             return grad
         task = _graph_task()
         if self._task != task:

@@ -118,3 +118,40 @@ def test_fp16_needs_engine_scale() -> None:
     for (engine_losses, engine_params), (scaled_losses, scaled_params) in run_on_ranks(_fp16, 2):
         assert scaled_losses == engine_losses
         assert torch.equal(scaled_params, engine_params)
+
+
+def _penalty(rank: int, world_size: int) -> list[Any]:
+    """A gradient penalty's `torch.autograd.grad` through the engine's output accumulates into no parameter: no
+    micro-step, its gradient undivided; the training is the run without it, however the backward is made."""
+    import zeroshard
+
+    out = []
+    for how, penalty in (("engine", False), ("plain", True), ("engine", True)):
+        case = Case(stage=2, gas=2)
+        model, config = build_model(case), ds_config(case)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        grads = []
+        for window in batches(world_size, WINDOWS):
+            for batch in window:
+                loss = engine(*mine(batch, rank))
+                if penalty:
+                    (g,) = torch.autograd.grad(loss, [engine.module.wte.weight], retain_graph=True)
+                    grads.append(g.clone())
+                loss.backward() if how == "plain" else engine.backward(loss)
+                engine.step()
+        with zeroshard.GatheredParameters(list(engine.module.parameters())):
+            out.append((grads, flat_params(engine.module), engine.micro_steps))
+        engine.destroy()
+    reference = build_model(Case(stage=2, gas=2))  # the first micro-batch's gradient, in plain PyTorch
+    (g,) = torch.autograd.grad(reference(*mine(batches(world_size, WINDOWS)[0][0], rank)), [reference.wte.weight])
+    out.append(g)
+    return out
+
+
+def test_autograd_grad_through_the_engine_is_no_micro_step() -> None:
+    for (_, plain_params, plain_steps), (grads, params, steps), (engine_grads, _, _), first in run_on_ranks(
+        _penalty, 2
+    ):
+        assert steps == plain_steps == sum(WINDOWS) and torch.equal(params, plain_params)
+        assert all(torch.equal(a, b) for a, b in zip(grads, engine_grads, strict=True))
+        torch.testing.assert_close(grads[0], first, rtol=1e-6, atol=1e-7)  # not divided by the accumulation
