@@ -222,9 +222,13 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             self.accumulation.loss_scale = self.loss_scale
             factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
-                scaled = loss * factor if factor != 1.0 else loss
+                scaled = loss * factor  # a root of its own: [Note: a backward the engine did not start]
                 with self._compute(), self.wall_clock.time("bwd_inner"), ENGINE_BACKWARDS.running(scaled):
-                    scaled.backward(retain_graph=retain_graph)
+                    self._manual.engine_backwards += 1
+                    try:
+                        scaled.backward(retain_graph=retain_graph)
+                    finally:
+                        self._manual.engine_backwards -= 1
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -28,6 +29,7 @@ class DeepSpeedCalls:
     telemetry: Any
     loss_scaler: Any
     _manual: Any  # ManualBackward
+    _compute: Any  # the engine's compute context (tensor parallelism's vocab-parallel loss), else nullcontext
     # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
     # route shuffles) of the data
     collate_fn: Callable[..., Any] | None = None
@@ -188,6 +190,11 @@ class DeepSpeedCalls:
     def _manual_backward_begins(self) -> None:
         """What `engine.backward` does before `loss.backward()`, for a backward the script started."""
         strategy = self._require_optimizer("backward")
+        if self._compute is not contextlib.nullcontext:
+            raise ZeroshardError(
+                "loss.backward() with tensor parallelism's vocab-parallel loss: its backward must run inside "
+                "loss_parallel(), which engine.backward enters; call engine.backward(loss)"
+            )
         if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
             self.commit_checkpoint()  # super_offload steps during this backward
         strategy.begin_backward()

@@ -10,6 +10,13 @@ does the same, at every stage and on both backends:
   `engine.backward` started, the first of them begins the engine's backward (`strategy.begin_backward`) and asks
   autograd to end it when the whole backward is done (`queue_callback`: `strategy.finish_backward`, the micro-step
   counted as `engine.backward` counts it); each divides the gradient it sees by gradient_accumulation_steps.
+- What a script's own backward skips of `engine.backward`: the wall-clock timers, the monitors' `train_loss`, the
+  collective deadline's naming; a loss term made with `create_graph=True` (a gradient penalty) reaches the
+  parameters through the double-backward graph, not the outputs, and is not divided: such a loss needs
+  `engine.backward`. Refused with tensor parallelism's vocab-parallel loss (its backward must run inside
+  `loss_parallel()`, which only `engine.backward` enters). A reentrant checkpoint around the whole engine runs its
+  first forward without grad, so nothing is watched: it needs `engine.backward` too (its recompute, a forward
+  inside a backward, is not watched either).
 - A backward that accumulates into no parameter of the engine (`torch.autograd.grad(...)` for a gradient penalty,
   `backward(inputs=...)` without them) is no micro-step: its gradients pass through unchanged.
 - Which backward `engine.backward` started is told by autograd's graph task id, which `engine.backward` registers
@@ -117,23 +124,25 @@ class ManualBackward:
         self._begin, self._end, self._divisor = begin, end, divisor
         self.needs_scale = needs_scale  # fp16: the loss must come through engine.scale()
         self.scaled = False  # engine.scale() ran since the last manual backward began
+        self.engine_backwards = 0  # this engine's engine.backward calls running (any graph task is then its own)
         self._task: int | None = None  # the manual backward under way
 
     def watch(self, output: Any) -> None:
         """Hook the outputs of a training forward that will be back-propagated."""
         if not torch.is_grad_enabled():
             return
-        flat, _ = tree_flatten(output)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-        # a node of this forward's graph that accumulates into a leaf's .grad, held while the graph lives
-        accumulator = _first_accumulator(tensors[0].grad_fn) if tensors else None
-        if accumulator is None:
+        if _graph_task() != -1:  # a forward inside a backward: a reentrant checkpoint's recompute
             return
-        for tensor in tensors:
-            tensor.register_hook(functools.partial(self._on_grad, accumulator))
+        flat, _ = tree_flatten(output)
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                # a node of this output's graph that accumulates into a leaf's .grad, held while the graph lives
+                accumulator = _first_accumulator(tensor.grad_fn)
+                if accumulator is not None:
+                    tensor.register_hook(functools.partial(self._on_grad, accumulator))
 
     def _on_grad(self, accumulator: Any, grad: torch.Tensor) -> torch.Tensor:
-        if ENGINE_BACKWARDS.current() or not _accumulates(accumulator):
+        if self.engine_backwards or ENGINE_BACKWARDS.current() or not _accumulates(accumulator):
             return grad
         task = _graph_task()
         if self._task != task:

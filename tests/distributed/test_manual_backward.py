@@ -155,3 +155,65 @@ def test_autograd_grad_through_the_engine_is_no_micro_step() -> None:
         assert steps == plain_steps == sum(WINDOWS) and torch.equal(params, plain_params)
         assert all(torch.equal(a, b) for a, b in zip(grads, engine_grads, strict=True))
         torch.testing.assert_close(grads[0], first, rtol=1e-6, atol=1e-7)  # not divided by the accumulation
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two outputs whose graphs reach different leaves first: the loss on the second must still be a micro-step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Linear(8, 8)
+        self.first = torch.nn.Linear(8, 2)
+        self.second = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.first(h).sum(), self.second(h).pow(2).mean()
+
+
+def _edges(rank: int, world_size: int) -> dict[str, Any]:
+    """engine.backward with a factor of 1 (no second micro-step inside it), the second of two outputs, a reentrant
+    checkpoint around the whole engine, and caller-owned windows."""
+    import zeroshard
+
+    out: dict[str, Any] = {}
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(4)]
+    for stage in (1, 3):
+        for how in ("engine", "plain", "checkpointed"):
+            config = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": stage},
+                "managed_gradient_accumulation": False,
+            }
+            engine, *_ = zeroshard.initialize(model=_TwoHeads(), config=config)
+            starts = []
+            begins = engine._manual_backward_begins
+            engine._manual._begin = lambda begins=begins, starts=starts: (starts.append(1), begins())[1]
+            for x in data:
+                if how == "checkpointed":
+                    # reentrant checkpointing needs an input that requires grad
+                    _, loss = torch.utils.checkpoint.checkpoint(engine, x.requires_grad_(True), use_reentrant=True)
+                else:
+                    _, loss = engine(x)
+                loss.backward() if how == "plain" else engine.backward(loss)
+                engine.step()
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                params = flat_params(engine.module)
+            out[(stage, how)] = (params, engine.global_samples, len(starts))
+            engine.destroy()
+    return out
+
+
+def test_factor_one_second_output_reentrant_checkpoint_and_caller_windows() -> None:
+    for out in run_on_ranks(_edges, 2):
+        for stage in (1, 3):
+            params, samples, starts = out[(stage, "engine")]
+            assert starts == 0 and samples == 4 * 4 * 2, (stage, samples, starts)  # one micro-step per backward
+            plain_params, plain_samples, plain_starts = out[(stage, "plain")]
+            assert plain_starts == 4 and plain_samples == samples and torch.equal(plain_params, params), stage
+            checkpointed, checkpointed_samples, checkpointed_starts = out[(stage, "checkpointed")]
+            assert checkpointed_starts == 0 and checkpointed_samples == samples, stage
+            assert torch.equal(checkpointed, params), stage
