@@ -23,10 +23,9 @@ discarded, so its hooks never fire and the original forward's count stands.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -211,16 +210,15 @@ class GatherSchedule:
         for unit in units:
             self.wait_gathered(unit)
 
-    @contextlib.contextmanager
-    def untraced(self) -> Iterator[None]:
-        """Forwards inside the block (generation with every unit pinned) neither record into the step's trace nor
-        close it: the recorded order, the reuse set and the backward counts are as they were after the block."""
+    def suspend_trace(self) -> tuple[ExecutionTrace, set[int], dict[int, int]]:
+        """Forwards from now on (generation with every unit pinned) neither record into the step's trace nor close
+        it; `resume_trace(saved)` puts back the recorded order, the reuse set and the backward counts."""
         saved = self.trace, set(self._kept), dict(self.forward_calls)
         self.trace = ExecutionTrace()
-        try:
-            yield
-        finally:
-            self.trace, self._kept, self.forward_calls = saved
+        return saved
+
+    def resume_trace(self, saved: tuple[ExecutionTrace, set[int], dict[int, int]]) -> None:
+        self.trace, self._kept, self.forward_calls = saved
 
     def release_all(self) -> None:
         """Release every unit not pinned or persistent, the ones kept for reuse too (a forward without a backward,

@@ -384,16 +384,12 @@ class Stage3Strategy(Strategy):
     # -- whole-model gathering ---------------------------------------------------------------------
     @contextmanager
     def gathered(self) -> Iterator[None]:
-        """Every unit gathered for the block (generation): its forwards communicate nothing, so they stay out of the
-        prefetch trace and the per-step divergence digest (ranks may run different numbers of them)."""
-        self.schedule.pin(self.units)
-        self._untraced += 1
+        """Every unit gathered for the block (generation): [Note: forwards of the whole gathered model]."""
+        held = self.gather_begin([p for unit in self.units for p in unit.params])
         try:
-            with self.schedule.untraced():
-                yield
+            yield
         finally:
-            self._untraced -= 1
-            self.schedule.unpin(self.units)
+            self.gather_end(held, None)
 
     def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
         if gradient_accumulation_steps == 1 or self._grads_accumulate_in is not None:
@@ -505,17 +501,30 @@ class Stage3Strategy(Strategy):
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
     def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        """[Note: forwards of the whole gathered model]
+        While every unit is pinned (`gathered()`, generation; `GatheredParameters` over all of the model's
+        parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
+        the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
+        so ranks may generate different numbers of tokens without `synced_gpus`."""
         units = self.units_of(params)
         self.schedule.pin(units)
-        return units
+        if len(units) < len(self.units):
+            return units
+        self._untraced += 1
+        return [_WholeModel(self.schedule.suspend_trace()), *units]
 
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
+        whole = held[0] if held and isinstance(held[0], _WholeModel) else None
+        units = held[1:] if whole is not None else held
         if modifier_rank is not None:
             with torch.no_grad():
-                for unit in held:
+                for unit in units:
                     self.comm.broadcast(unit.full.data, src=modifier_rank)
                     self.write_back(unit)
-        self.schedule.unpin(held)
+        if whole is not None:
+            self.schedule.resume_trace(whole.saved)
+            self._untraced -= 1
+        self.schedule.unpin(units)
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
@@ -526,3 +535,10 @@ class Stage3Strategy(Strategy):
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
             unit.overwrite_shard(unit.layout.take(unit.full, self.shard_rank))
+
+
+@dataclass(frozen=True)
+class _WholeModel:
+    """What `gather_begin` holds besides the units when it pinned all of them: the suspended trace."""
+
+    saved: Any
