@@ -244,6 +244,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         strategy = self._require_optimizer("step")
         if self._offloader.active:
             raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
+        if self.accumulation.coalescing:  # as DeepSpeed
+            raise ZeroshardError("engine.step() inside coalesce_grad_reduction(); leave the block first")
         with self.accumulation.inside_step():
             boundary = self.is_gradient_accumulation_boundary()
             see_memory_usage("Engine before step", force=self._memory_breakdown)

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import gc
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,8 @@ class DeepSpeedCalls:
         def is_gradient_accumulation_boundary(self) -> bool: ...
 
         def commit_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
+
+        def _deadline(self, what: str) -> contextlib.AbstractContextManager[None]: ...
 
     # -- batch sizes ----------------------------------------------------------------------------------
     def set_train_batch_size(self, train_batch_size: int) -> None:
@@ -176,6 +178,37 @@ class DeepSpeedCalls:
                 unique[name] = tensor.detach().contiguous().cpu()
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
+
+    # -- [Note: coalesced gradient reduction] ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """The backwards inside the block keep their gradients on this rank; leaving it reduces them once (every
+        rank must leave it). Then `engine.step()`, outside the block. Stages 1-3, managed accumulation, as
+        DeepSpeed 0.19."""
+        strategy = self._require_optimizer("coalesce_grad_reduction")
+        refused = None
+        if not self.accumulation.managed:
+            refused = "managed_gradient_accumulation is false: the script's own windows already decide the reduction"
+        elif self.zero_stage == 0:
+            refused = "ZeRO stage 0 (DeepSpeed refuses it too); use no_sync() there"
+        elif type(self).__name__ == "PipelineEngine":
+            refused = "a PipelineModule (train_batch runs the whole window)"
+        elif self.accumulation.no_sync_depth or self.accumulation.coalescing:
+            refused = "inside no_sync() or another coalesce_grad_reduction() block"
+        else:
+            refused = strategy.coalescing_refused()
+        if refused is not None:
+            raise ZeroshardError(f"coalesce_grad_reduction is not supported here: {refused}")
+        self.accumulation.coalescing = True
+        try:
+            yield
+        except BaseException:
+            self.accumulation.coalescing = False
+            strategy.zero_grad()  # the block failed: its held gradients are dropped, not reduced
+            raise
+        self.accumulation.coalescing = False
+        with self._deadline("coalesce_grad_reduction"):
+            strategy.flush_coalesced()
 
     # -- a backward the script runs itself ([Note: a backward the engine did not start]) -------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:

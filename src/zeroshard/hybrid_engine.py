@@ -21,8 +21,9 @@ What the block still does here, for every model:
   per rank; on the CPU the CPU generator), as DeepSpeed does.
 - While `generate` holds the model gathered, its forwards are left out of stage 3's prefetch trace and of the
   per-step divergence digest ([Note: forwards of the whole gathered model] in zero/stage3/strategy.py): ranks may
-  generate different numbers of tokens (no `synced_gpus` needed), and the training step's recorded order survives. Under ZeRO++'s quantized weights the
-  gathered model is the exact one (as `GatheredParameters` gives), where training forwards use the quantized gather.
+  generate different numbers of tokens (no `synced_gpus` needed), and the training step's recorded order survives.
+  Under ZeRO++'s quantized weights the gathered model is the exact one (as `GatheredParameters` gives), where
+  training forwards use the quantized gather.
 - `engine.eval()` logs DeepSpeed's latency line on rank 0 (end to end since the last `eval()`, the gather, the
   generation and the training in it, samples per second); the times add up every `generate` call in the interval,
   where DeepSpeed's keep the last call's.

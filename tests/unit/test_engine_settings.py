@@ -300,8 +300,6 @@ LEFT_OUT = [
     "random_ltd_initialize",
     "set_custom_curriculum_learning_schedule",
     "set_data_post_process_func",
-    # not yet: gradient reduction coalesced over several backwards
-    "coalesce_grad_reduction",
     # raises AttributeError in DeepSpeed 0.19.8 itself
     "swap_tensor_config",
 ]

@@ -240,6 +240,9 @@ class Fsdp2Strategy(Strategy):
         finally:
             block.close()
 
+    def coalescing_refused(self) -> str | None:
+        return "the fsdp2 backend reduces inside FSDP2's own backward hooks, which cannot hold gradients for a block"
+
     def module_load_refused(self) -> str | None:
         return (
             "load_module_state_dict is not supported on the fsdp2 backend (its module's parameters are DTensors, "

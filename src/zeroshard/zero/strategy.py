@@ -60,6 +60,7 @@ class AccumulationState:
     managed: bool = True
     stepping: bool = False  # inside engine.step() (the boundary when windows are the caller's)
     window_backwards: int = 0  # engine.backward calls since the last step, for global_samples then
+    coalescing: bool = False  # inside engine.coalesce_grad_reduction(): [Note: coalesced gradient reduction]
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""
@@ -308,6 +309,24 @@ class Strategy(ABC):
     def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
         """Why the accumulation window cannot become `gradient_accumulation_steps` micro-steps now (None: it can)."""
         return None
+
+    # -- [Note: coalesced gradient reduction] ---------------------------------------------------------------
+    # DeepSpeed 0.19's `engine.coalesce_grad_reduction()`: the backwards inside the block (several micro-batches,
+    # one optimizer step after it) communicate nothing, and leaving the block reduces their summed gradients once.
+    # Stages 1-2 leave the gradients in `.grad`, where autograd sums them, and reduce them at the end as one more
+    # backward would ([Note: gradients outside engine.backward]); stage 3 keeps each unit's staging buffer (in
+    # the reduction's dtype) over the block, adding each backward's gradients into it, and reduce-scatters every
+    # unit once at the end. The block holds a whole gradient per rank (DeepSpeed's keeps it on the parameters). The
+    # result is the one those backwards give uncoalesced ([Note: a second backward]), with one reduction instead of
+    # one per backward at stages 2-3. Refused: stage 0 (as DeepSpeed), caller-owned windows, a PipelineModule, the
+    # fsdp2 backend, super_offload; `engine.step()` inside the block.
+    def coalescing_refused(self) -> str | None:
+        """Why this strategy cannot hold a block's gradients back for one reduction (None: it can)."""
+        return None
+
+    def flush_coalesced(self) -> None:
+        """The block ended: reduce what its backwards left unreduced, once (collective)."""
+        self.finish_backward()
 
     def take_module_params(self, src: int) -> None:
         """`load_module_state_dict` wrote each rank's module parameters: rank `src`'s values become every rank's and

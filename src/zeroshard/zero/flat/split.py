@@ -77,6 +77,10 @@ class SplitStrategy(Strategy):
         for part in self.parts:
             part.end_window()
 
+    def flush_coalesced(self) -> None:
+        for part in self.parts:
+            part.flush_coalesced()
+
     @property
     def _sharded(self) -> bool:
         return any(part._sharded for part in self.parts)

@@ -180,7 +180,14 @@ class FlatStrategy(Strategy):
         self._received(self.reducer.on_grad_ready(group, slot, param))
 
     def begin_backward(self) -> None:
+        if self.accumulation.coalescing:  # [Note: coalesced gradient reduction]: the gradients stay in .grad
+            return
         self.reducer.begin_backward(self.accumulation.communicates())
+
+    def flush_coalesced(self) -> None:
+        """[Note: coalesced gradient reduction] the block's gradients, summed in `.grad` by autograd, reduced as one
+        backward's."""
+        self._collect_loose_grads()
 
     def finish_backward(self) -> None:
         self._received(self.reducer.finish_backward())

@@ -228,7 +228,7 @@ class Stage3Strategy(Strategy):
         """The unit's backward has run for one of its forward calls; after the last, reduce (unless gradients are
         still to come, [Note: root unit by module]: then when backward ends) and release."""
         if self.schedule.last_backward(unit):
-            if reduce:
+            if reduce and not self.accumulation.coalescing:  # [Note: coalesced gradient reduction]: held back
                 self.reducer.reduce(unit)
             unit.release()
 
@@ -239,6 +239,10 @@ class Stage3Strategy(Strategy):
         self.schedule.in_backward = True
 
     def finish_backward(self) -> None:
+        if self.accumulation.coalescing:  # [Note: coalesced gradient reduction]: the staging buffers stay
+            if self.schedule.in_backward:
+                self.schedule.end_backward()
+            return
         if not self.schedule.in_backward and not any(u.staging is not None for u in self.units):
             return
         self.reducer.finish(self.units)
@@ -404,6 +408,11 @@ class Stage3Strategy(Strategy):
 
     def take_module_params(self, src: int) -> None:
         return None  # GatheredParameters's modifier_rank wrote rank src's values into every rank's shards
+
+    def coalescing_refused(self) -> str | None:
+        if self.speculation is not None:
+            return "super_offload steps the optimizer during backward, which a coalesced block holds back"
+        return None
 
     def release_gathered(self) -> None:
         """Every unit not pinned (GatheredParameters, generation) goes back to its shard; the persistent unit stays

@@ -195,6 +195,9 @@ class ShardedUnit:
         self.grad_restores = 0  # times the shard was read back from its copy (a further backward into the window)
         # backward bookkeeping
         self.staging: torch.Tensor | None = None
+        # parameters whose gradient is in `staging`: this backward's (`seen`), or, in a coalesced block, any of its
+        # backwards' ([Note: coalesced gradient reduction])
+        self.written: set[int] = set()
         self.seen: set[int] = set()
         self.reduce_launched = False
         self.gathers = 0
@@ -292,7 +295,8 @@ class ShardedUnit:
             self.staging = pool.acquire(self.layout.trainable_extent, comm_dtype, zero=False)
         slot = self._slots[param_index]
         target = self.staging.narrow(0, slot.offset, slot.numel)
-        target.add_(grad.reshape(-1)) if param_index in self.seen else target.copy_(grad.reshape(-1))
+        target.add_(grad.reshape(-1)) if param_index in self.written else target.copy_(grad.reshape(-1))
+        self.written.add(param_index)
         self.seen.add(param_index)
         return len(self.seen) == len(self.trainable)
 
@@ -312,8 +316,9 @@ class ShardedUnit:
             staging = pool.acquire(self.layout.trainable_extent, comm_dtype)
         else:
             staging = self.staging
-            zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.seen])
+            zero_unwritten(staging, [(self._slots[i].offset, self._slots[i].numel) for i in self.written])
         self.staging = None
+        self.written = set()
         self.reduce_launched = True
         staging = self._trainable_part(staging, pool)
         if prescale != 1.0:
