@@ -203,8 +203,8 @@ class DeepSpeedCalls:
         try:
             yield
         except BaseException:
+            strategy.zero_grad()  # the block failed: its held gradients are dropped, not reduced (still coalescing)
             self.accumulation.coalescing = False
-            strategy.zero_grad()  # the block failed: its held gradients are dropped, not reduced
             raise
         self.accumulation.coalescing = False
         with self._deadline("coalesce_grad_reduction"):

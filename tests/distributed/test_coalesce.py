@@ -4,6 +4,7 @@ within 1e-6; the backwards communicate nothing and leaving the block reduces onc
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -128,3 +129,56 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 def test_coalescing_refusals() -> None:
     messages = run_on_ranks(_refusals, 2)[0]
     assert "stage 0" in messages[0] and "managed_gradient_accumulation" in messages[1] and "fsdp2" in messages[2]
+
+
+def _edges(rank: int, world_size: int) -> list[Any]:
+    """A block off the accumulation boundary (gradient_accumulation_steps 2: the flush reduces anyway, as
+    DeepSpeed's), and engine.zero_grad() inside a block (the gradients before it are dropped), each against the
+    same training without a block."""
+    import zeroshard
+
+    data = batches(world_size, [1] * 8)
+    out = []
+    for stage in (1, 2, 3):
+        runs = []
+        for coalesce in (False, True):
+            case = Case(stage=stage, gas=2)
+            model, config = build_model(case), ds_config(case)
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+            for i in range(0, 8, 2):  # per optimizer step: two micro-steps, the first one's backward in a block
+                block = engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext()
+                with block:
+                    engine.backward(engine(*mine(data[i + 1][0], rank)))
+                    engine.zero_grad()  # drops that backward's gradients, in a block or not
+                    engine.backward(engine(*mine(data[i][0], rank)))
+                engine.step()
+                engine.backward(engine(*mine(data[i + 1][0], rank)))
+                engine.step()
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                runs.append(flat_params(engine.module))
+            engine.destroy()
+        for coalesce in (False, True):  # the window's backwards in a block at its first micro-step, or at its last
+            case = Case(stage=stage, gas=2)
+            model, config = build_model(case), ds_config(case)
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+            for i in range(0, 8, 2):
+                if not coalesce:
+                    engine.step()
+                with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+                    engine.backward(engine(*mine(data[i][0], rank)))
+                    engine.backward(engine(*mine(data[i + 1][0], rank)))
+                engine.step()
+                if coalesce:
+                    engine.step()  # the window's last micro-step, with no backward of its own
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                runs.append(flat_params(engine.module))
+            engine.destroy()
+        out.append(runs)
+    return out
+
+
+def test_a_block_off_the_boundary_and_zero_grad_inside_a_block() -> None:
+    for per_rank in run_on_ranks(_edges, 2):
+        for stage, (plain, coalesced, at_boundary, first) in zip((1, 2, 3), per_rank, strict=True):
+            assert relative_difference(coalesced, plain) < 1e-6, stage
+            assert relative_difference(first, at_boundary) < 1e-6, stage

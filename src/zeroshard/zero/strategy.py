@@ -317,9 +317,12 @@ class Strategy(ABC):
     # backward would ([Note: gradients outside engine.backward]); stage 3 keeps each unit's staging buffer (in
     # the reduction's dtype) over the block, adding each backward's gradients into it, and reduce-scatters every
     # unit once at the end. The block holds a whole gradient per rank (DeepSpeed's keeps it on the parameters). The
-    # result is the one those backwards give uncoalesced ([Note: a second backward]), with one reduction instead of
-    # one per backward at stages 2-3. Refused: stage 0 (as DeepSpeed), caller-owned windows, a PipelineModule, the
-    # fsdp2 backend, super_offload; `engine.step()` inside the block.
+    # result is the one those backwards give uncoalesced ([Note: a second backward]) up to rounding, with one
+    # reduction instead of one per backward at stages 2-3; in bf16 the block's gradients are summed in bf16 (stages
+    # 1-2: `.grad`; stage 3: the reduction's dtype), not in `data_types.grad_accum_dtype`, as DeepSpeed sums them on
+    # the parameters. Off the accumulation boundary the flush reduces anyway (as DeepSpeed's). `engine.zero_grad()`
+    # inside a block, or a block that raises, drops the held gradients without communicating. Refused: stage 0 (as
+    # DeepSpeed), caller-owned windows, a PipelineModule, the fsdp2 backend, super_offload; `engine.step()` inside.
     def coalescing_refused(self) -> str | None:
         """Why this strategy cannot hold a block's gradients back for one reduction (None: it can)."""
         return None

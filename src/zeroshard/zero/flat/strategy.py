@@ -186,8 +186,9 @@ class FlatStrategy(Strategy):
 
     def flush_coalesced(self) -> None:
         """[Note: coalesced gradient reduction] the block's gradients, summed in `.grad` by autograd, reduced as one
-        backward's."""
-        self._collect_loose_grads()
+        backward's, now: on the boundary or not (as DeepSpeed's flush; at stages 0-1 gradients the window adds
+        later are reduced on their own: [Note: a second backward])."""
+        self._collect_loose_grads(sync=True)
 
     def finish_backward(self) -> None:
         self._received(self.reducer.finish_backward())
@@ -199,9 +200,10 @@ class FlatStrategy(Strategy):
             self.begin_backward()
             self.finish_backward()
 
-    def _collect_loose_grads(self) -> None:
+    def _collect_loose_grads(self, sync: bool = False) -> None:
         """[Note: gradients outside engine.backward] Before the step, `.grad`s that a backward this engine did not
-        run left on its parameters (a plain `loss.backward()`) are reduced as one more backward would be."""
+        run left on its parameters (a plain `loss.backward()`) are reduced as one more backward would be (`sync`:
+        reduced now even off the boundary)."""
         loose = [
             (g, s, buffers.params[slot.index])
             for g, buffers in enumerate(self.buffers)
@@ -210,7 +212,7 @@ class FlatStrategy(Strategy):
         ]
         if not loose:
             return
-        self.begin_backward()
+        self.reducer.begin_backward(sync or self.accumulation.communicates())
         for g, s, param in loose:
             self._got_grad.add((g, s))
             self._received(self.reducer.on_grad_ready(g, s, param))

@@ -63,6 +63,7 @@ class GatherSchedule:
         self.read_ahead = read_ahead  # offload_param on NVMe: (units, elements) read ahead of use
         self.overlap = overlap
         self.trace = ExecutionTrace()
+        self.suspended = 0  # inside whole-model blocks: [Note: forwards of the whole gathered model]
         self._numels = [u.numel for u in units]  # fixed once the units exist; read on every event
         self.forward_calls: dict[int, int] = {}
         self.in_backward = False
@@ -79,7 +80,8 @@ class GatherSchedule:
         for unit in self.units:
             unit.release()
         self._kept.clear()
-        self.forward_calls.clear()
+        if not self.suspended:  # a forward with grad before a whole-model block keeps its count for its backward
+            self.forward_calls.clear()
 
     def pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
         self._record(unit)
@@ -210,15 +212,18 @@ class GatherSchedule:
         for unit in units:
             self.wait_gathered(unit)
 
-    def suspend_trace(self) -> tuple[ExecutionTrace, set[int], dict[int, int]]:
+    def suspend_trace(self) -> tuple[ExecutionTrace, set[int]]:
         """Forwards from now on (generation with every unit pinned) neither record into the step's trace nor close
-        it; `resume_trace(saved)` puts back the recorded order, the reuse set and the backward counts."""
-        saved = self.trace, set(self._kept), dict(self.forward_calls)
+        it; `resume_trace(saved)` puts back the recorded order and the reuse set. The backward counts stay: a
+        forward with grad inside counts for its backward after the block."""
+        saved = self.trace, set(self._kept)
         self.trace = ExecutionTrace()
+        self.suspended += 1
         return saved
 
-    def resume_trace(self, saved: tuple[ExecutionTrace, set[int], dict[int, int]]) -> None:
-        self.trace, self._kept, self.forward_calls = saved
+    def resume_trace(self, saved: tuple[ExecutionTrace, set[int]]) -> None:
+        self.trace, self._kept = saved
+        self.suspended -= 1
 
     def release_all(self) -> None:
         """Release every unit not pinned or persistent, the ones kept for reuse too (a forward without a backward,

@@ -283,6 +283,8 @@ class Stage3Strategy(Strategy):
                 self.schedule.refresh(unit)
 
     def zero_grad(self) -> None:
+        for unit in self.units:  # a coalesced block's held gradients ([Note: coalesced gradient reduction]): dropped
+            unit.drop_staging(self.pool)
         self.finish_backward()
         if self.speculation is not None:  # a skipped step, or gradients dropped without one
             self.speculation.undo("the step was skipped or its gradients dropped")

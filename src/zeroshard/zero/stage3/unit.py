@@ -402,6 +402,14 @@ class ShardedUnit:
         else:
             self.grad_zero = True
 
+    def drop_staging(self, pool: BufferPool) -> None:
+        """Gradients staged and not reduced (a coalesced block's) are dropped, without communicating."""
+        if self.staging is not None:
+            pool.release(self.staging)
+            self.staging = None
+        self.written = set()
+        self.seen.clear()
+
     def end_backward(self) -> None:
         self.seen.clear()
         self.reduce_launched = False
