@@ -206,3 +206,16 @@ def test_a_deepspeed_checkpoint_is_named_with_the_command_that_converts_it(tmp_p
         read_metadata(str(tag_dir))
     with pytest.raises(CheckpointError, match="not a DeepSpeed universal checkpoint.*ds_to_universal"):
         UniversalReader(str(tag_dir))
+
+
+def test_a_universal_checkpoints_micro_steps_follow_who_ended_the_windows():
+    """DeepSpeed's checkpoint keeps no micro-step count: gradient_accumulation_steps per step for a managed run, one
+    per step() when the script ended its windows (`managed_gradient_accumulation: false`)."""
+    from zeroshard.checkpoint.universal import UniversalReader
+
+    reader = UniversalReader.__new__(UniversalReader)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+    reader._states = {"global_steps": 3, "ds_config": config}
+    assert reader._counters()["micro_steps"] == 12
+    reader._states = {"global_steps": 3, "ds_config": {**config, "managed_gradient_accumulation": False}}
+    assert reader._counters()["micro_steps"] == 3

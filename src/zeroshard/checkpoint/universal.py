@@ -182,12 +182,18 @@ class UniversalReader(CheckpointReader):
         return {"train_batch_size": total, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
 
     def _counters(self) -> dict[str, int]:
+        """DeepSpeed's checkpoint keeps no micro-step count: a managed run made gradient_accumulation_steps of them per
+        step, one whose script ended its own windows (`managed_gradient_accumulation: false`) one per `step()`."""
         steps = int(self._states.get("global_steps", 0))
+        config = self._states.get("ds_config") or {}
+        per_step = (
+            self._batch()["gradient_accumulation_steps"] if config.get("managed_gradient_accumulation", True) else 1
+        )
         return {
             "global_steps": steps,
             "global_samples": int(self._states.get("global_samples", 0)),
             "skipped_steps": int(self._states.get("skipped_steps", 0)),
-            "micro_steps": steps * self._batch()["gradient_accumulation_steps"],
+            "micro_steps": steps * per_step,
         }
 
     def _optimizer(self, groups: list[list[str]]) -> OptimizerInfo | None:
