@@ -13,7 +13,7 @@ import torch
 from helpers.deepspeed_reference import import_deepspeed
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, flat_params, param_groups, relative_difference
-from helpers.windows import batches, mine
+from helpers.windows import batches, mine, reference_windows
 
 BLOCKS = [3, 3, 3]  # micro-batches per block (gradient_accumulation_steps 1: one step per block)
 CASES = [Case(stage=1), Case(stage=2), Case(stage=3), Case(stage=3, offload="cpu", offload_param="cpu")]
@@ -65,17 +65,8 @@ def _run(rank: int, world_size: int) -> list[Any]:
 
 
 def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
-    """Plain PyTorch: each block's micro-batches of every rank, each loss divided by the world size (gas 1)."""
-    model = build_model(case)
-    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
-    for block in batches(world_size, BLOCKS):
-        model.zero_grad()
-        for batch in block:
-            for r in range(world_size):
-                (model(*mine(batch, r)) / world_size).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        optimizer.step()
-    return [], flat_params(model)
+    """Each block's losses summed (gradient_accumulation_steps 1)."""
+    return reference_windows(world_size, case, BLOCKS, lambda length: 1)
 
 
 def test_a_coalesced_block_trains_as_the_reference_and_deepspeed() -> None:

@@ -14,7 +14,7 @@ import torch
 from helpers.deepspeed_reference import import_deepspeed
 from helpers.harness import run_on_ranks
 from helpers.parity import TINY, Case, build_model, ds_config, flat_params, param_groups, relative_difference
-from helpers.windows import MICRO, batches, mine
+from helpers.windows import MICRO, batches, mine, reference_windows
 
 WINDOWS = [2, 2, 4, 1, 1]  # gradient_accumulation_steps 2, then set_train_batch_size to 4 and to 1 micro-batches
 CASES = [Case(stage=1, gas=2, steps=5), Case(stage=2, gas=2, steps=5), Case(stage=3, gas=2, steps=5)]
@@ -73,22 +73,8 @@ def _batch_sizes(rank: int, world_size: int) -> list[Any]:
 
 
 def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
-    """Plain PyTorch: each window's micro-batches of every rank, each loss divided by the window's length x world."""
-    model = build_model(case)
-    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
-    losses = []
-    for window in batches(world_size, WINDOWS):
-        model.zero_grad()
-        step_losses = []
-        for batch in window:
-            for r in range(world_size):
-                loss = model(*mine(batch, r))
-                (loss / (len(window) * world_size)).backward()
-                step_losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        optimizer.step()
-        losses.append(sum(step_losses) / len(step_losses))
-    return losses, flat_params(model)
+    """Each window's losses divided by the window's length: the accumulation steps of the moment."""
+    return reference_windows(world_size, case, WINDOWS, lambda length: length)
 
 
 def test_a_global_batch_changed_mid_run_trains_as_the_reference_and_deepspeed() -> None:

@@ -14,15 +14,15 @@ import torch
 
 from helpers.deepspeed_reference import import_deepspeed
 from helpers.harness import run_on_ranks
-from helpers.parity import TINY, Case, build_model, flat_params, param_groups, relative_difference
+from helpers.parity import TINY, Case, build_model, param_groups, relative_difference
 from helpers.windows import (
     GAS,
     MICRO,
     WINDOWS,
     batches,
     check_same_as_managed,
-    mine,
     ours,
+    reference_windows,
     same_as_managed,
     train_windows,
     window_config,
@@ -71,23 +71,8 @@ def test_a_window_longer_than_the_configured_one_accumulates_in_the_accumulation
 
 
 def _reference(world_size: int, case: Case) -> tuple[list[float], torch.Tensor]:
-    """Plain PyTorch: each window's micro-batches of every rank, each loss divided by gas x world (the engine's
-    division by the configured accumulation steps and its mean over ranks), then clipping and AdamW."""
-    model = build_model(case)
-    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
-    losses = []
-    for window in batches(world_size, WINDOWS):
-        model.zero_grad()
-        step_losses = []
-        for batch in window:
-            for r in range(world_size):
-                loss = model(*mine(batch, r))
-                (loss / (GAS * world_size)).backward()
-                step_losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        optimizer.step()
-        losses.append(sum(step_losses) / len(step_losses))
-    return losses, flat_params(model)
+    """Each loss divided by the configured accumulation steps, whatever the window's length."""
+    return reference_windows(world_size, case, WINDOWS, lambda length: GAS)
 
 
 VARIABLE = [Case(stage=1, gas=GAS), Case(stage=2, gas=GAS), Case(stage=3, gas=GAS)]

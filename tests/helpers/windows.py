@@ -102,3 +102,26 @@ def check_same_as_managed(cases: list[tuple[Case, dict]], per_rank: list[Any]) -
             steps, samples, _ = unmanaged[3]
             assert (steps, samples) == managed[3][:2] == (case.steps, case.steps * GAS * MICRO * len(per_rank)), name
             assert unmanaged[3][2] == case.steps, name  # a micro-step per step() call, as DeepSpeed counts
+
+
+def reference_windows(
+    world_size: int, case: Case, windows: list[int], divisor: Callable[[int], int]
+) -> tuple[list[float], torch.Tensor]:
+    """Plain PyTorch over `batches(world_size, windows)`: per window every rank's micro-batches, each loss divided by
+    `divisor(window length)` x world (the engine's division and its mean over ranks), then clipping and AdamW.
+    Returns each window's mean loss and the final parameters."""
+    model = build_model(case)
+    optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
+    losses = []
+    for window in batches(world_size, windows):
+        model.zero_grad()
+        step_losses = []
+        for batch in window:
+            for r in range(world_size):
+                loss = model(*mine(batch, r))
+                (loss / (divisor(len(window)) * world_size)).backward()
+                step_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        losses.append(sum(step_losses) / len(step_losses))
+    return losses, flat_params(model)
