@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,19 +46,19 @@ def _graph_task() -> int:
     return int(torch._C._current_graph_task_id())
 
 
-def _first_accumulator(node: Any, limit: int = 10_000) -> Any:
-    """The first node that accumulates into a leaf's `.grad` (AccumulateGrad) reachable from `node`, depth first:
-    after the loss, the last layer's weight within a few nodes."""
-    stack: list[Any] = [node]
+def _first_accumulator(node: Any, limit: int = 100_000) -> Any:
+    """The nearest node that accumulates into a leaf's `.grad` (AccumulateGrad) reachable from `node`, breadth first:
+    after a loss, the last layer's weight a few nodes away, however deep the model."""
+    queue: deque[Any] = deque([node])
     seen: set[int] = set()
-    while stack and len(seen) < limit:
-        current = stack.pop()
+    while queue and len(seen) < limit:
+        current = queue.popleft()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
         if hasattr(current, "variable"):
             return current
-        stack.extend(next_node for next_node, _ in reversed(current.next_functions))
+        queue.extend(next_node for next_node, _ in current.next_functions)
     return None
 
 
