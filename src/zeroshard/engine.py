@@ -20,6 +20,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.engine_calls import DeepSpeedCalls
 from zeroshard.errors import ZeroshardError
+from zeroshard.generation import uninstall as uninstall_generate
 from zeroshard.manual_backward import ENGINE_BACKWARDS, ManualBackward
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
@@ -442,6 +443,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         if self._watch is not None:
             self._watch.stop()
         parallel_groups.withdraw(self.comm)  # [Note: groups follow the engine]
+        uninstall_generate(self.module)  # [Note: generation at stage 3]
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None

@@ -179,6 +179,23 @@ class DeepSpeedCalls:
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
 
+    # -- [Note: generation at stage 3] ---------------------------------------------------------------------
+    def _own_generate(self) -> Callable[..., Any] | None:
+        from zeroshard.generation import EngineGenerate
+
+        installed = self.module.__dict__.get("generate")
+        return installed.own if isinstance(installed, EngineGenerate) else getattr(self.module, "generate", None)
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's `generate`, with `synced_gpus=True` by default for a transformers model (every rank must call
+        it at stage 3, as under DeepSpeed ZeRO-3)."""
+        from zeroshard.generation import synced
+
+        own = self._own_generate()
+        if own is None:
+            raise ZeroshardError(f"{type(self.module).__name__} has no generate()")
+        return own(*inputs, **synced(self.module, kwargs))
+
     # -- [Note: coalesced gradient reduction] ----------------------------------------------------------------
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:

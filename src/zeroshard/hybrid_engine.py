@@ -9,9 +9,8 @@ What the block still does here, for every model:
   when the call returns; without it, every generated token would all-gather every unit again (the stage-3 hooks).
   `pin_parameters: false` keeps that unit-by-unit gathering: one unit's memory at a time, every token's traffic.
   Stages 0-2 hold whole parameters and gather nothing.
-- `engine.module.generate(...)`, the call DeepSpeed-Chat's PPO trainer makes, is the engine's `generate`: the one
-  method of a user's module zeroshard replaces, because DeepSpeed replaces it and RLHF scripts call it there;
-  `destroy()` gives the module its own back.
+- `engine.module.generate(...)`, the call DeepSpeed-Chat's PPO trainer makes, is the engine's `generate`
+  ([Note: generation at stage 3] in generation.py: also `synced_gpus=True` by default, as under DeepSpeed ZeRO-3).
 - `max_out_tokens` sizes DeepSpeed's inference kernels' workspace, and DeepSpeed checks nothing for a model its
   policies do not name; the model's own `generate` here grows its cache as it goes, so the key has nothing to size
   (support.NO_OP_BY_DESIGN).
@@ -36,12 +35,9 @@ What the block still does here, for every model:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import time
-import types
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +45,7 @@ import torch
 from zeroshard.comm.collectives import Collectives
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
+from zeroshard.generation import synced
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -113,14 +110,12 @@ class HybridEngine(Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._latency = _Latency()
-        self._module_generate: Callable[..., Any] | None = getattr(self.module, "generate", None)
-        if self._module_generate is not None:
-            self.module.generate = _EngineGenerate(self, self._module_generate)  # type: ignore[assignment]
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's `generate(*inputs, **kwargs)`, the model gathered once for the call at stage 3 (with
         `pin_parameters`)."""
-        if self._module_generate is None:
+        own = self._own_generate()
+        if own is None:
             raise ZeroshardError(
                 f"hybrid_engine: {type(self.module).__name__} has no generate(); the hybrid engine generates with "
                 "the module's own generate (a transformers model's, for example)"
@@ -133,7 +128,7 @@ class HybridEngine(Engine):
         start = time.perf_counter()
         with torch.profiler.record_function("zeroshard.generate"), self._gathered(settings.pin_parameters):
             gathered = time.perf_counter()
-            out = self._module_generate(*inputs, **kwargs)
+            out = own(*inputs, **synced(self.module, kwargs))  # [Note: generation at stage 3]
         if settings.release_inference_cache:
             from zeroshard.accelerator import get_accelerator
 
@@ -168,30 +163,3 @@ class HybridEngine(Engine):
             now = time.perf_counter()
             self._latency.training += now - started
             self._latency.training_since = now
-
-    def destroy(self) -> None:
-        """The module gets its own `generate` back."""
-        if isinstance(self.module.__dict__.get("generate"), _EngineGenerate):
-            del self.module.generate
-        super().destroy()
-
-
-class _EngineGenerate:
-    """`engine.module.generate`: the engine's generate, holding the engine weakly (the module is the engine's). A
-    copy or a pickle of the module gets its class's own `generate` back, bound to the copy (`__reduce__`: deepcopy
-    and pickle both use it), not this engine's."""
-
-    def __init__(self, engine: HybridEngine, own: Callable[..., Any]) -> None:
-        self._engine = weakref.ref(engine)
-        self._module = weakref.ref(engine.module)
-        functools.update_wrapper(self, own)  # the signature and docstring of the module's generate
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        module: Any = self._module()
-        return types.MethodType, (type(module).generate, module)
-
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        engine = self._engine()
-        if engine is None:
-            raise ZeroshardError("hybrid_engine: the engine this module belonged to is gone")
-        return engine.generate(*inputs, **kwargs)

@@ -296,6 +296,10 @@ def _build(
     else:
         engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     engine.sequence = sequence
+    if cfg.hybrid_engine.enabled or (int(cfg.zero_optimization.stage) == 3 and topology.world_size > 1):
+        from zeroshard.generation import install
+
+        install(engine)  # [Note: generation at stage 3]
     engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for
     if pipe is not None:  # a pipeline's loader reads in order, as pipe_dataloader's
         engine.data_replica = (pipe.data_parallel_rank, pipe.data_parallel_size, False)

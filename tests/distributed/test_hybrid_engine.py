@@ -234,3 +234,27 @@ def test_uneven_generation_then_training_and_copies_of_the_module() -> None:
             out["same_trace"] and out["recorded"][0] and out["recorded"][1] == out["recorded"][0] == out["recorded"][2]
         )
         assert out["kinds"] == ("method", "method") and out["bound_to_copy"]
+
+
+def _plain_uneven(rank: int, world_size: int) -> dict[str, Any]:
+    """Without the hybrid engine, stage 3 gathering unit by unit: ranks asking for different numbers of tokens finish
+    together ([Note: generation at stage 3]: synced_gpus by default, as transformers sets it under DeepSpeed)."""
+    import zeroshard
+
+    engine, *_ = zeroshard.initialize(model=tiny_llama(), config=_config(3, None))
+    weights = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    prompts = Tokens(8, seed=2).ids[2 * rank : 2 * rank + 2, :PROMPT]
+    engine.eval()
+    seq = engine.module.generate(input_ids=prompts, max_new_tokens=NEW + 3 * rank, do_sample=False)
+    engine.destroy()
+    return {"seq": seq, "weights": weights if rank == 0 else None, "restored": "generate" not in engine.module.__dict__}
+
+
+def test_stage_3_generation_of_different_lengths_finishes_on_every_rank() -> None:
+    results = run_on_ranks(_plain_uneven, 2)
+    for rank, out in enumerate(results):
+        prompts = Tokens(8, seed=2).ids[2 * rank : 2 * rank + 2, :PROMPT]
+        model = tiny_llama()
+        model.load_state_dict(results[0]["weights"])
+        expected = model.eval().generate(input_ids=prompts, max_new_tokens=NEW + 3 * rank, do_sample=False)
+        assert torch.equal(out["seq"], expected) and out["restored"], rank
