@@ -443,7 +443,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         if self._watch is not None:
             self._watch.stop()
         parallel_groups.withdraw(self.comm)  # [Note: groups follow the engine]
-        uninstall_generate(self.module)  # [Note: generation at stage 3]
+        uninstall_generate(self)  # [Note: generation at stage 3]
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None

@@ -181,20 +181,23 @@ class DeepSpeedCalls:
 
     # -- [Note: generation at stage 3] ---------------------------------------------------------------------
     def _own_generate(self) -> Callable[..., Any] | None:
-        from zeroshard.generation import EngineGenerate
+        from zeroshard.generation import own_generate
 
-        installed = self.module.__dict__.get("generate")
-        return installed.own if isinstance(installed, EngineGenerate) else getattr(self.module, "generate", None)
+        return own_generate(self.module)
 
-    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The module's `generate`, with `synced_gpus=True` by default for a transformers model (every rank must call
-        it at stage 3, as under DeepSpeed ZeRO-3)."""
+    def _generate_kwargs(self, own: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """[Note: generation at stage 3] `synced_gpus=True` by default at stage 3 on several ranks."""
         from zeroshard.generation import synced
 
+        return synced(self.module, own, kwargs) if self.zero_stage == 3 and self.world_size > 1 else kwargs
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's `generate`, with `synced_gpus=True` by default at stage 3 on several ranks (every rank must
+        call it there, as under DeepSpeed ZeRO-3)."""
         own = self._own_generate()
         if own is None:
             raise ZeroshardError(f"{type(self.module).__name__} has no generate()")
-        return own(*inputs, **synced(self.module, kwargs))
+        return own(*inputs, **self._generate_kwargs(own, kwargs))
 
     # -- [Note: coalesced gradient reduction] ----------------------------------------------------------------
     @contextlib.contextmanager

@@ -45,7 +45,6 @@ import torch
 from zeroshard.comm.collectives import Collectives
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
-from zeroshard.generation import synced
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -128,7 +127,7 @@ class HybridEngine(Engine):
         start = time.perf_counter()
         with torch.profiler.record_function("zeroshard.generate"), self._gathered(settings.pin_parameters):
             gathered = time.perf_counter()
-            out = own(*inputs, **synced(self.module, kwargs))  # [Note: generation at stage 3]
+            out = own(*inputs, **self._generate_kwargs(own, kwargs))  # [Note: generation at stage 3]
         if settings.release_inference_cache:
             from zeroshard.accelerator import get_accelerator
 

@@ -337,6 +337,20 @@ class TrainerMixin:
         engine.load_checkpoint(best, load_module_strict=not _is_peft(self.model), load_module_only=True)
 
     # -- generation ---------------------------------------------------------------------------------------
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
+    ) -> Any:
+        """[Note: generation at stage 3] the Seq2SeqTrainer passes `synced_gpus` from transformers' DeepSpeed test,
+        False under zeroshard: at stage 3 on several ranks it is True here, as under DeepSpeed."""
+        engine = self.engine
+        generates = bool(getattr(self.args, "predict_with_generate", False)) and not prediction_loss_only
+        if not generates or engine is None or engine.zero_stage != 3 or engine.world_size == 1:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)  # type: ignore[misc]
+        if not gen_kwargs and hasattr(self, "_gen_kwargs"):  # what Seq2SeqTrainer would fall back to
+            gen_kwargs = dict(self._gen_kwargs)
+        gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)  # type: ignore[misc]
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """`model.generate(...)` with the parameters gathered once for the whole call (stage 3), not per token.
         Every rank must call it."""
