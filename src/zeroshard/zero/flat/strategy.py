@@ -185,9 +185,7 @@ class FlatStrategy(Strategy):
         self.reducer.begin_backward(self.accumulation.communicates())
 
     def flush_coalesced(self) -> None:
-        """[Note: coalesced gradient reduction] the block's gradients, summed in `.grad` by autograd, reduced as one
-        backward's, now: on the boundary or not (as DeepSpeed's flush; at stages 0-1 gradients the window adds
-        later are reduced on their own: [Note: a second backward])."""
+        """[Note: coalesced gradient reduction]: the block's sum in `.grad`, reduced now, on the boundary or not."""
         self._collect_loose_grads(sync=True)
 
     def finish_backward(self) -> None:
@@ -201,9 +199,8 @@ class FlatStrategy(Strategy):
             self.finish_backward()
 
     def _collect_loose_grads(self, sync: bool = False) -> None:
-        """[Note: gradients outside engine.backward] Before the step, `.grad`s that a backward this engine did not
-        run left on its parameters (a plain `loss.backward()`) are reduced as one more backward would be (`sync`:
-        reduced now even off the boundary)."""
+        """[Note: gradients outside engine.backward] Before the step, `.grad`s a backward this engine did not run
+        left on its parameters are reduced as one more backward would be (`sync`: now, even off the boundary)."""
         loose = [
             (g, s, buffers.params[slot.index])
             for g, buffers in enumerate(self.buffers)

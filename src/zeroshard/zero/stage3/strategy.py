@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
+from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
@@ -74,7 +75,7 @@ class Stage3Policy(StrategyPolicy):
     model_persistence_threshold: int = sys.maxsize  # stage3_model_persistence_threshold ([Note: units])
 
 
-class Stage3Strategy(Strategy):
+class Stage3Strategy(Stage3Gathering, Strategy):
     """Stage-3 state of one model on one rank."""
 
     def __init__(
@@ -387,16 +388,6 @@ class Stage3Strategy(Strategy):
         self.stepper.param_store.close()
         self.pool.clear()
 
-    # -- whole-model gathering ---------------------------------------------------------------------
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered for the block (generation): [Note: forwards of the whole gathered model]."""
-        held = self.gather_begin([p for unit in self.units for p in unit.params])
-        try:
-            yield
-        finally:
-            self.gather_end(held, None)
-
     def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
         if gradient_accumulation_steps == 1 or self._grads_accumulate_in is not None:
             return None
@@ -415,27 +406,6 @@ class Stage3Strategy(Strategy):
         if self.speculation is not None:
             return "super_offload steps the optimizer during backward, which a coalesced block holds back"
         return None
-
-    def release_gathered(self) -> None:
-        """Every unit not pinned (GatheredParameters, generation) goes back to its shard; the persistent unit stays
-        gathered by design ([Note: units] in plan.py: it is never released, and its blocks run without a gather)."""
-        self.schedule.release_all()
-
-    def on_state_dict_pre(self, keep_vars: bool) -> None:
-        """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's
-        own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
-        self._state_dict_gathered.append(not keep_vars)
-        if not keep_vars:
-            self.schedule.pin(self.units)
-
-    def detach_state(self, state_dict: dict[str, Any]) -> None:
-        """state_dict post-hook: full tensors are copied out before the units are released."""
-        if not (self._state_dict_gathered and self._state_dict_gathered.pop()):
-            return
-        for key, value in list(state_dict.items()):
-            if isinstance(value, torch.Tensor):
-                state_dict[key] = value.detach().clone()
-        self.schedule.unpin(self.units)
 
     # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
@@ -509,47 +479,3 @@ class Stage3Strategy(Strategy):
         label = f"full value in {unit.name!r}"
         gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
         return full.narrow(0, slot.offset, slot.numel).view(unit.views[index].shape).clone()
-
-    # -- gathering (GatheredParameters) ------------------------------------------------------------------
-    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
-        """[Note: forwards of the whole gathered model]
-        While every unit is pinned (`gathered()`, generation; `GatheredParameters` over all of the model's
-        parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
-        the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
-        so ranks may generate different numbers of tokens without `synced_gpus`."""
-        units = self.units_of(params)
-        self.schedule.pin(units)
-        if len(units) < len(self.units):
-            return units
-        self._untraced += 1
-        return [_WholeModel(self.schedule.suspend_trace()), *units]
-
-    def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
-        whole = held[0] if held and isinstance(held[0], _WholeModel) else None
-        units = held[1:] if whole is not None else held
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for unit in units:
-                    self.comm.broadcast(unit.full.data, src=modifier_rank)
-                    self.write_back(unit)
-        if whole is not None:
-            self.schedule.resume_trace(whole.saved)
-            self._untraced -= 1
-        self.schedule.unpin(units)
-
-    def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
-        wanted = {id(p) for p in params}
-        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
-
-    def write_back(self, unit: ShardedUnit) -> None:
-        """After the full parameters of a gathered unit were modified: update this rank's shards."""
-        group = self.stepper.sub_group_of(unit)
-        with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
-            unit.overwrite_shard(unit.layout.take(unit.full, self.shard_rank))
-
-
-@dataclass(frozen=True)
-class _WholeModel:
-    """What `gather_begin` holds besides the units when it pinned all of them: the suspended trace."""
-
-    saved: Any

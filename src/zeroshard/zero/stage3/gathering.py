@@ -1,0 +1,103 @@
+"""Stage 3's whole-model and per-parameter gathering for the caller: `gathered()` (generation), `GatheredParameters`
+(`gather_begin` / `gather_end`), `state_dict()`'s gather, `empty_partition_cache()`. A mixin of `Stage3Strategy`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.zero.stage3.schedule import GatherSchedule
+from zeroshard.zero.stage3.step import SubGroupStepper
+from zeroshard.zero.stage3.unit import ShardedUnit
+
+
+class Stage3Gathering:
+    """Gathering on the caller's behalf; the units, schedule and stepper are the strategy's."""
+
+    units: list[ShardedUnit]
+    schedule: GatherSchedule
+    stepper: SubGroupStepper
+    comm: Collectives
+    shard_rank: int
+    _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
+    _state_dict_gathered: list[bool]
+
+    # -- whole-model gathering ---------------------------------------------------------------------
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for the block (generation): [Note: forwards of the whole gathered model]."""
+        held = self.gather_begin([p for unit in self.units for p in unit.params])
+        try:
+            yield
+        finally:
+            self.gather_end(held, None)
+
+    def release_gathered(self) -> None:
+        """Every unit not pinned (GatheredParameters, generation) goes back to its shard; the persistent unit stays
+        gathered by design ([Note: units] in plan.py: it is never released, and its blocks run without a gather)."""
+        self.schedule.release_all()
+
+    def on_state_dict_pre(self, keep_vars: bool) -> None:
+        """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's
+        own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
+        self._state_dict_gathered.append(not keep_vars)
+        if not keep_vars:
+            self.schedule.pin(self.units)
+
+    def detach_state(self, state_dict: dict[str, Any]) -> None:
+        """state_dict post-hook: full tensors are copied out before the units are released."""
+        if not (self._state_dict_gathered and self._state_dict_gathered.pop()):
+            return
+        for key, value in list(state_dict.items()):
+            if isinstance(value, torch.Tensor):
+                state_dict[key] = value.detach().clone()
+        self.schedule.unpin(self.units)
+
+    # -- gathering (GatheredParameters) ------------------------------------------------------------------
+    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+        """[Note: forwards of the whole gathered model]
+        While every unit is pinned (`gathered()`, generation; `GatheredParameters` over all of the model's
+        parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
+        the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
+        so ranks may generate different numbers of tokens without `synced_gpus`."""
+        units = self.units_of(params)
+        self.schedule.pin(units)
+        if len(units) < len(self.units):
+            return units
+        self._untraced += 1
+        return [_WholeModel(self.schedule.suspend_trace()), *units]
+
+    def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
+        whole = held[0] if held and isinstance(held[0], _WholeModel) else None
+        units = held[1:] if whole is not None else held
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for unit in units:
+                    self.comm.broadcast(unit.full.data, src=modifier_rank)
+                    self.write_back(unit)
+        if whole is not None:
+            self.schedule.resume_trace(whole.saved)
+            self._untraced -= 1
+        self.schedule.unpin(units)
+
+    def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
+
+    def write_back(self, unit: ShardedUnit) -> None:
+        """After the full parameters of a gathered unit were modified: update this rank's shards."""
+        group = self.stepper.sub_group_of(unit)
+        with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
+            unit.overwrite_shard(unit.layout.take(unit.full, self.shard_rank))
+
+
+@dataclass(frozen=True)
+class _WholeModel:
+    """What `gather_begin` holds besides the units when it pinned all of them: the suspended trace."""
+
+    saved: Any
