@@ -109,6 +109,9 @@ CASES = [
         ds_config=BING_BERT_CONFIG,
     ),
     Case("unit_test_ds_initialize", "test_ds_initialize.py"),
+    # DeepSpeed-Chat reads ZeRO-3's ds_* parameter attributes to save and count ([Note: DeepSpeed's parameter
+    # attributes]): without them zeroshard saved every released parameter empty and counted 0 parameters
+    Case("dschat_zero3_sft", "dschat_zero3_sft.py", ("--output_dir", "{tmp}/out")),
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),

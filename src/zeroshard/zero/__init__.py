@@ -1,5 +1,6 @@
 """ZeRO strategies (layout, flat buffers, stage 1/2 optimizer, stage3/), and `deepspeed.zero`'s public names:
-`Init`, `GatheredParameters`, `register_external_parameter`, `unregister_external_parameter`.
+`Init`, `GatheredParameters`, `register_external_parameter`, `unregister_external_parameter`, `ZeroParamStatus`,
+`unwrap_model_for_generation`.
 
 The names are loaded on first use: the strategies import this package, and the public names import them.
 """
@@ -14,6 +15,8 @@ _PUBLIC = {
     "register_external_parameter": "zeroshard.zero.deepspeed_api",
     "unregister_external_parameter": "zeroshard.zero.deepspeed_api",
     "GatheredParameters": "zeroshard.zero.stage3.gathered",
+    "ZeroParamStatus": "zeroshard.zero.stage3.ds_param",
+    "unwrap_model_for_generation": "zeroshard.zero.deepspeed_api",
 }
 
 

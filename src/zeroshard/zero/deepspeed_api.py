@@ -1,4 +1,4 @@
-"""`deepspeed.zero.Init` and `register_external_parameter` over zeroshard's stage-3 construction.
+"""`deepspeed.zero.Init`, `register_external_parameter` and `unwrap_model_for_generation` over zeroshard's stage 3.
 
 `Init` is `zero_init()` (modules built on the meta device, sharded by `initialize`) under DeepSpeed's
 signature. Its placement and dtype arguments are decided by the ds_config given to `initialize` instead:
@@ -7,9 +7,10 @@ signature. Its placement and dtype arguments are decided by the ds_config given 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from zeroshard.errors import ConfigError
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.meta import zero_init
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
 
 logger = get_logger(__name__)
 
@@ -90,3 +94,17 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo `register_external_parameter`: nothing was registered, so nothing to undo."""
+
+
+@contextmanager
+def unwrap_model_for_generation(model: Engine) -> Iterator[Engine]:
+    """DeepSpeed's `deepspeed.runtime.zero.unwrap_model_for_generation(engine)`: the engine with its whole model
+    gathered once for the block (`engine.gathered_for_generation()`), so that `generate` does not gather every unit
+    for every token. Every rank must enter it.
+
+    Example:
+        >>> with zeroshard.zero.unwrap_model_for_generation(engine) as unwrapped:  # doctest: +SKIP
+        ...     tokens = unwrapped.module.generate(prompt, max_new_tokens=16)
+    """
+    with model.gathered_for_generation():
+        yield model

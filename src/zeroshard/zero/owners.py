@@ -5,7 +5,8 @@ DeepSpeed's `GatheredParameters` and `safe_get_full_fp32_param` and friends rece
 strategy holding a parameter's shards must be found from the parameter. Rather than bolting attributes onto
 `nn.Parameter`, every strategy (stages 0-3) registers its trainable parameters in `OWNERS` (weak references
 both ways, removed on destroy). It is the one piece of process-wide state in zeroshard, and it holds nothing
-alive.
+alive. (Stage 3 also sets DeepSpeed's `ds_*` attributes for scripts that read them, [Note: DeepSpeed's parameter
+attributes] in zero/stage3/ds_param.py; zeroshard itself never reads them.)
 """
 
 from __future__ import annotations

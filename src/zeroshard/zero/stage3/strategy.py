@@ -33,6 +33,7 @@ from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
 from zeroshard.zero.stage3.checkpoint import Stage3State
+from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
@@ -385,6 +386,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             if unit.state is UnitState.SHARDED:
                 unit.gather(self.comm, async_op=False)
                 unit.wait_gathered()
+        unmark(self.tracked_params())  # whole again: [Note: DeepSpeed's parameter attributes] in ds_param.py
         self.stepper.param_store.close()
         self.pool.clear()
 

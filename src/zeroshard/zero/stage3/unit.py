@@ -66,6 +66,7 @@ from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
 from zeroshard.zero.quant import BlockQuantizer
+from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark, rank_parts, set_status, show
 from zeroshard.zero.stage3.packed import PackedTail
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 from zeroshard.zero.stage3.sections import gather_flat
@@ -176,11 +177,12 @@ class ShardedUnit:
         self._copied_in: torch.cuda.Event | None = None
         self._published: torch.cuda.Event | None = None  # publish_master's, until the copy has read the master
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
-        for view, param in zip(self.views, params, strict=True):
-            param.data = view
         # where the compute shard lives between uses: in memory, or on NVMe (offload_param.device "nvme"),
         # read back for each gather and written after each optimizer step
         self.home: Residency = param_tier.residency
+        # the parameters show the views, with DeepSpeed's ds_* attributes ([Note: DeepSpeed's parameter attributes])
+        parts = rank_parts(layout, self._slots, self.shard, shard_rank, resident=not self.home.leaves_memory)
+        mark(params, self.views, parts, self.persistent)
         self.key = f"param/{index}"  # `place_shard` moves it to its home once every view of it exists
         # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
         # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
@@ -235,6 +237,7 @@ class ShardedUnit:
             self._pending = self._issue(comm, collect, async_op, label)
         self.gathers += 1
         self.state = UnitState.GATHERING
+        set_status(self.params, ZeroParamStatus.INFLIGHT)
 
     def _issue(self, comm: Collectives, collect: Callable[..., Handle] | None, async_op: bool, label: str) -> Handle:
         """The gather's collectives; offload_param: this rank's shard is copied into its place in the full buffer
@@ -259,16 +262,14 @@ class ShardedUnit:
                     self._copied_in.synchronize()
                 self._copied_in = None
             self.home.drop(self.key)  # unchanged since it was read: the disk copy is current
-            for view, param in zip(self.views, self.params, strict=True):
-                param.data = view
+            show(self.params, self.views, ZeroParamStatus.AVAILABLE)
             self.state = UnitState.GATHERED
 
     def release(self) -> None:
         if self.state is UnitState.SHARDED or self.persistent or self.pins:
             return
         self.wait_gathered()
-        for placeholder, param in zip(self._placeholders, self.params, strict=True):
-            param.data = placeholder
+        show(self.params, self._placeholders, ZeroParamStatus.NOT_AVAILABLE)
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 

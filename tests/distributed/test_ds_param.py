@@ -1,0 +1,149 @@
+"""DeepSpeed's ZeRO-3 parameter attributes ([Note: DeepSpeed's parameter attributes] in zero/stage3/ds_param.py):
+what `ds_id`, `ds_shape`, `ds_numel`, `ds_persist`, `ds_status` and `ds_tensor` hold through a run at stage 3 (in
+memory, parameters offloaded to the CPU, on NVMe), that stages 1-2 set none, that `destroy()` removes them, what
+PEFT reads from them; `unwrap_model_for_generation`. DeepSpeed-Chat's save and count on top of them: tests/compat
+(dschat_zero3_sft)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
+
+ATTRIBUTES = ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_tensor", "ds_status")
+
+
+def _parts_cover(engine: Any, rank: int, world_size: int) -> bool:
+    """Every parameter's `ds_tensor`s, in rank order, are its whole value (gathered to compare)."""
+    import torch.distributed as dist
+
+    import zeroshard
+
+    ok = True
+    params = list(engine.module.parameters())
+    with zeroshard.GatheredParameters(params):
+        for p in params:
+            numels = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]
+            dist.all_gather(numels, torch.tensor([p.ds_tensor.numel()]))
+            pieces = [torch.zeros(int(n), dtype=p.ds_tensor.dtype) for n in numels]
+            dist.all_gather_object(pieces, p.ds_tensor.detach().cpu())
+            ok &= torch.equal(torch.cat(pieces), p.detach().reshape(-1).cpu())
+    return ok
+
+
+def _stage3(rank: int, world_size: int, nvme: str) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.runtime.zero.partition_parameters import ZeroParamStatus
+
+    out: dict[str, Any] = {}
+    case = Case(stage=3, persistence=200)  # the layer norms' weights stay gathered (the persistent unit)
+    model = build_model(case)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    named = dict(engine.module.named_parameters())
+    out["shapes"] = all(named[n].ds_shape == s and named[n].ds_numel == s.numel() for n, s in shapes.items())
+    out["ids"] = sorted(p.ds_id for p in named.values())
+    out["persist"] = {n for n, p in named.items() if p.ds_persist}
+    out["status_idle"] = {n: p.ds_status for n, p in named.items() if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE}
+    out["released_empty"] = all(p.numel() == 0 for p in named.values() if not p.ds_persist)
+    seen: dict[str, Any] = {}
+
+    def record(module: torch.nn.Module, _: Any) -> None:
+        for n, p in module.named_parameters(recurse=False):
+            seen[n] = (p.ds_status, p.numel())
+
+    handle = engine.module.blocks[1].attn.qkv.register_forward_pre_hook(record)
+    batch = global_batches(case, world_size)[0]
+    loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+    engine.backward(loss)
+    engine.step()
+    handle.remove()
+    out["in_forward"] = seen
+    with zeroshard.GatheredParameters([named["blocks.0.attn.qkv.weight"]]):
+        out["gathered"] = (named["blocks.0.attn.qkv.weight"].ds_status, named["blocks.1.attn.qkv.weight"].ds_status)
+    out["after"] = named["blocks.0.attn.qkv.weight"].ds_status
+    out["parts_after_step"] = _parts_cover(engine, rank, world_size)  # views of the shards: the step's values
+    out["devices"] = {str(p.ds_tensor.device) for p in named.values()}
+    with zeroshard.zero.unwrap_model_for_generation(engine) as unwrapped:
+        out["unwrapped"] = (unwrapped is engine, {p.ds_status for p in named.values()})
+    engine.destroy()
+    out["destroyed"] = [n for n, p in named.items() if any(hasattr(p, a) for a in ATTRIBUTES)]
+
+    for offload in ("cpu", "nvme"):
+        param = {"device": offload, "nvme_path": nvme} if offload == "nvme" else {"device": offload}
+        config = {**ds_config(case)}
+        config["zero_optimization"] = {**config["zero_optimization"], "offload_param": param}
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        parts = [p.ds_tensor for p in engine.module.parameters() if not p.ds_persist]
+        out[f"{offload}_parts"] = ({str(t.device) for t in parts}, sum(t.numel() for t in parts))
+        out[f"{offload}_ids_fresh"] = min(p.ds_id for p in engine.module.parameters()) > max(out["ids"])
+        engine.destroy()
+
+    for stage in (1, 2):
+        model = build_model(Case(stage=stage))
+        engine, *_ = zeroshard.initialize(model=model, config=ds_config(Case(stage=stage)))
+        out[f"stage{stage}"] = [a for p in engine.module.parameters() for a in ATTRIBUTES if hasattr(p, a)]
+        engine.destroy()
+    return out
+
+
+def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path) -> None:
+    from zeroshard.runtime.zero.partition_parameters import ZeroParamStatus
+
+    ranks = run_on_ranks(_stage3, 2, str(tmp_path))
+    for got in ranks:
+        assert got["shapes"], "ds_shape/ds_numel are the whole parameter's"
+        assert len(set(got["ids"])) == len(got["ids"]), got["ids"]
+        assert got["persist"] and all("ln" in n for n in got["persist"]), got["persist"]
+        assert set(got["status_idle"]) == got["persist"], got["status_idle"]  # released, but for the persistent
+        assert all(s is ZeroParamStatus.AVAILABLE for s in got["status_idle"].values())
+        assert got["released_empty"]
+        assert got["in_forward"] and all(
+            status is ZeroParamStatus.AVAILABLE and numel > 0 for status, numel in got["in_forward"].values()
+        ), got["in_forward"]
+        assert got["gathered"] == (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE), got["gathered"]
+        assert got["after"] is ZeroParamStatus.NOT_AVAILABLE
+        assert got["parts_after_step"], "the ranks' ds_tensor parts, concatenated, are the parameter"
+        assert got["devices"] == {"cpu"}
+        assert got["unwrapped"] == (True, {ZeroParamStatus.AVAILABLE}), got["unwrapped"]
+        assert got["destroyed"] == [], got["destroyed"]
+        assert got["stage1"] == [] and got["stage2"] == []
+        assert got["cpu_parts"][0] == {"cpu"} and got["cpu_parts"][1] > 0
+        assert got["nvme_parts"][1] == 0, "a part whose home is NVMe is empty"
+        assert got["cpu_ids_fresh"] and got["nvme_ids_fresh"]
+    # each rank holds part of the parameters: together every element once
+    assert ranks[0]["cpu_parts"][1] + ranks[1]["cpu_parts"][1] > 0
+
+
+def _peft(rank: int, world_size: int) -> tuple[Any, ...]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeroshard
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = model.get_nb_trainable_parameters()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=cfg)
+    after = engine.module.get_nb_trainable_parameters()
+    plain = sum(p.numel() for p in engine.module.parameters())
+    engine.destroy()
+    return before, after, plain
+
+
+def test_peft_counts_parameters_at_stage_3() -> None:
+    for before, after, plain in run_on_ranks(_peft, 2):
+        assert plain == 0  # the released parameters' .data is empty, as under DeepSpeed
+        assert after == before, (after, before)  # PEFT reads ds_numel
