@@ -45,6 +45,7 @@ from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.split import SplitStrategy
 from zeroshard.zero.from_config import make_strategy
+from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
 
 logger = get_logger(__name__)
@@ -220,6 +221,8 @@ def _build(
 
         compose(pipe, tp, mpu, model, topology.device)
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
+    if stage < 3 or str(cfg.zeroshard.backend) == "fsdp2":  # whole or FSDP2's parameters: no ZeRO-3 attributes
+        unmark(list(model.parameters()))  # (zero_init set them: [Note: DeepSpeed's parameter attributes])
     meta = any(p.is_meta for p in model.parameters())
     if stage < 3 and meta and weights is None:
         raise ConfigError(

@@ -112,6 +112,9 @@ CASES = [
     # DeepSpeed-Chat reads ZeRO-3's ds_* parameter attributes to save and count ([Note: DeepSpeed's parameter
     # attributes]): without them zeroshard saved every released parameter empty and counted 0 parameters
     Case("dschat_zero3_sft", "dschat_zero3_sft.py", ("--output_dir", "{tmp}/out")),
+    # GatheredParameters(modifier_rank=r) on zero.Init's parameters before initialize ([Note: GatheredParameters
+    # before initialize]): DeepSpeed's test, Megatron's init in __init__, DeepSpeed-Chat's load (before: a meta read)
+    Case("zero_init_gathered_update", "zero_init_gathered_update.py"),
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),

@@ -18,25 +18,31 @@ def initialise(
     if not any(p.is_meta for p in params):
         return
     owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
-    root = modules[""]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed() + seed)
         for owner in owners:
-            module = modules[owner]
-            own = list(module.parameters(recurse=False))
-            if not all(p.is_meta for p in own):
-                continue  # initialised with an earlier unit that shares this module
-            for p in own:  # the whole module, also parameters another unit will shard later
-                make_real(p, device)
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            init = getattr(root, "_init_weights", None)
-            if callable(init):
-                init(module)
+            init_module(modules[owner], modules[""], device)
     for p in params:
         if p.is_meta:
             make_real(p, device, zero=True)
+
+
+def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
+    """A module whose own parameters are all on the meta device: every one of them made real (also those another
+    unit will shard later) and initialised by `reset_parameters()` and the root's `_init_weights` (a Hugging Face
+    model). A module with a real parameter was initialised already (an earlier unit that shares it, or a
+    `GatheredParameters` block before initialize) and is left alone."""
+    own = list(module.parameters(recurse=False))
+    if not all(p.is_meta for p in own):
+        return
+    for p in own:
+        make_real(p, device)
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    init = getattr(root, "_init_weights", None)
+    if callable(init):
+        init(module)
 
 
 def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:
@@ -44,8 +50,16 @@ def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> 
     tied weights included) stays the same; `.data =` cannot change a tensor's device type. Without `zero` the
     memory is not touched (a large allocation costs no resident memory until written)."""
     alloc = torch.zeros if zero else torch.empty
-    real = nn.Parameter(alloc(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    swap_keeping_attributes(param, alloc(param.shape, dtype=param.dtype, device=device))
+
+
+def swap_keeping_attributes(param: nn.Parameter, value: torch.Tensor) -> None:
+    """`param` becomes a parameter over `value` (another device type, meta included) in place. torch's
+    `swap_tensors` exchanges the objects' `__dict__` too: the attributes set on the parameter (Megatron's
+    `tensor_model_parallel`, DeepSpeed's `ds_*`) are put back on it."""
+    real = nn.Parameter(value, requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, real)
+    param.__dict__.update(real.__dict__)
 
 
 def load_parameters(params: Sequence[nn.Parameter], weights: StreamedWeights | None) -> None:

@@ -173,6 +173,11 @@ def weights_for(root: nn.Module) -> StreamedWeights | None:
     return None
 
 
+def weights_covering(tensor: torch.Tensor) -> StreamedWeights | None:
+    """The attached checkpoint that gives `tensor` its values, if any."""
+    return next((w for w in list(_ATTACHED.values()) if w.covers(tensor)), None)
+
+
 def release(root: nn.Module) -> None:
     """The files are closed and forgotten once every parameter is loaded."""
     for module in root.modules():

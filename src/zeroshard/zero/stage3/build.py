@@ -22,6 +22,7 @@ from zeroshard.offload.tier import Tier
 from zeroshard.utils.chunks import greedy_chunks
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.quant import BlockQuantizer
+from zeroshard.zero.stage3.pending import BUILT
 from zeroshard.zero.stage3.plan import (
     NO_LEAVES,
     PERSISTENT,
@@ -130,7 +131,8 @@ def build_units(
         fill = _fill_from(policy.weights, params, layout, device)
         if fill is None:
             initialise(modules, spec.param_names, params, device, index)
-            load_parameters(params, policy.weights)
+            # values a GatheredParameters block set before initialize win over the checkpoint's
+            load_parameters([p for p in params if not BUILT.kept(p)], policy.weights)
         unit = ShardedUnit(
             index,
             spec.name,
@@ -192,7 +194,7 @@ def _fill_from(
 ) -> Callable[[torch.Tensor, int, int], None] | None:
     """For a unit the checkpoint covers whole: the read of a range of its flat buffer from the file, its parameters
     given untouched storage (never written: the shard is read directly). None: initialise, then load what it has."""
-    if weights is None or not all(weights.covers(p) for p in params):
+    if weights is None or not all(weights.covers(p) and not BUILT.kept(p) for p in params):
         return None
     for p in params:
         if p.is_meta:

@@ -53,11 +53,23 @@ def mark(
     ([Note: DeepSpeed's parameter attributes]); `parts[i]` is this rank's part of `params[i]`."""
     show(params, views, ZeroParamStatus.AVAILABLE)
     for param, part in zip(params, parts, strict=True):
-        param.ds_id = next(_IDS)  # type: ignore[attr-defined]
+        if "ds_id" not in param.__dict__:  # zero_init numbered it at construction
+            param.ds_id = next(_IDS)  # type: ignore[attr-defined]
         param.ds_shape = param.shape  # type: ignore[attr-defined]
         param.ds_numel = param.numel()  # type: ignore[attr-defined]
         param.ds_persist = persistent  # type: ignore[attr-defined]
         param.ds_tensor = part  # type: ignore[attr-defined]
+
+
+def mark_pending(param: nn.Parameter) -> None:
+    """A parameter `zero_init` builds on the meta device: partitioned in DeepSpeed's terms from construction, its
+    part not known until `initialize` ([Note: GatheredParameters before initialize] in pending.py)."""
+    param.ds_id = next(_IDS)  # type: ignore[attr-defined]
+    param.ds_shape = param.shape  # type: ignore[attr-defined]
+    param.ds_numel = param.numel()  # type: ignore[attr-defined]
+    param.ds_persist = False  # type: ignore[attr-defined]
+    param.ds_tensor = torch.empty(0, dtype=param.dtype)  # type: ignore[attr-defined]
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
 
 def rank_parts(

@@ -1,7 +1,9 @@
 """`zeroshard.GatheredParameters`: DeepSpeed's context for reading or changing sharded parameters.
 
 Parameters are found through `zero.owners.OWNERS` ([Note: parameter registry]); stages 0-2 keep whole
-parameters, so their strategies gather nothing (`Strategy.gather_begin` returns nothing to hold).
+parameters, so their strategies gather nothing (`Strategy.gather_begin` returns nothing to hold). Parameters
+`zero_init` built, before `initialize`, get values for the block ([Note: GatheredParameters before initialize] in
+pending.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard.zero.owners import OWNERS
+from zeroshard.zero.stage3.pending import end_values, make_values
 
 if TYPE_CHECKING:
     from zeroshard.zero.strategy import Strategy
@@ -37,15 +40,20 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._plan: list[tuple[Strategy, list[Any]]] = []
+        self._made: list[nn.Parameter] = []  # zero_init's meta parameters given values for the block
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         by_strategy: dict[int, tuple[Strategy, list[torch.Tensor]]] = {}
+        pending: list[nn.Parameter] = []
         for p in self.params:
             strategy = OWNERS.strategy_of(p)
             if strategy is not None:
                 by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
+            elif p.is_meta and isinstance(p, nn.Parameter):  # zero_init's, before initialize: [Note:
+                pending.append(p)  # GatheredParameters before initialize]
+        self._made = make_values(pending, self.modifier_rank) if pending else []
         for strategy, params in by_strategy.values():
             self._plan.append((strategy, strategy.gather_begin(params)))
         return self
@@ -59,3 +67,6 @@ class GatheredParameters:
         for strategy, held in self._plan:
             strategy.gather_end(held, modifier_rank)
         self._plan.clear()
+        if self._made:
+            end_values(self._made, modifier_rank)
+            self._made = []

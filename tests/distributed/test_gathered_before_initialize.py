@@ -1,0 +1,162 @@
+"""`GatheredParameters` over parameters `zero_init` built, before `initialize` ([Note: GatheredParameters before
+initialize] in zero/stage3/pending.py): rank 0's load trains bit for bit as an engine given the loaded model;
+a Megatron-style initialisation inside `__init__` reaches every rank; a read-only block gives values and leaves the
+model on the meta device; a checkpoint streamed by `from_pretrained` shows its values in the block and does not
+overwrite a change; the caller's own meta parameters are refused; attributes set on parameters survive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.harness import run_on_ranks
+from helpers.hf_trainer import tiny_llama
+from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
+
+CASE = Case(stage=3, steps=3)
+
+
+def _train(engine: Any, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for batch in global_batches(CASE, world_size)[: CASE.steps]:
+        loss = engine(*micro_batch(batch, 0, rank, world_size, CASE.micro))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+class _MegatronStyle(nn.Module):
+    """Initialises its projection inside `__init__` under GatheredParameters, as Megatron-DeepSpeed's layers do."""
+
+    def __init__(self, rank: int) -> None:
+        import zeroshard
+
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+        with zeroshard.GatheredParameters(self.proj.weight, modifier_rank=0):
+            if rank == 0:  # the other rank changes nothing: the broadcast brings rank 0's values
+                nn.init.constant_(self.proj.weight, 0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x)).sum()
+
+
+def _blocks(rank: int, world_size: int) -> dict[str, Any]:
+    import zeroshard
+    from zeroshard.runtime.zero.partition_parameters import ZeroParamStatus
+
+    out: dict[str, Any] = {}
+    reference = build_model(CASE)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    engine, *_ = zeroshard.initialize(
+        model=reference, model_parameters=param_groups(reference, CASE), config=ds_config(CASE)
+    )
+    out["expected"] = _train(engine, rank, world_size)
+    engine.destroy()
+
+    with zeroshard.zero.Init():
+        model = build_model(CASE)
+    model.wte.weight.tensor_model_parallel = True  # set on a meta parameter: kept through initialize
+    out["before"] = (model.wte.weight.is_meta, model.wte.weight.ds_status)
+    params = list(model.parameters())
+    with zeroshard.GatheredParameters(params, modifier_rank=0):
+        out["inside"] = {p.ds_status for p in params} == {ZeroParamStatus.AVAILABLE} and not any(
+            p.is_meta for p in params
+        )
+        if rank == 0:
+            model.load_state_dict(state)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, CASE), config=ds_config(CASE))
+    out["loaded"] = _train(engine, rank, world_size)
+    out["attribute"] = getattr(model.wte.weight, "tensor_model_parallel", None)
+    engine.destroy()
+
+    with zeroshard.zero.Init():
+        model = build_model(CASE)
+    with zeroshard.GatheredParameters([model.wte.weight]):
+        seen = model.wte.weight.detach().clone()
+    out["read_only"] = (bool(torch.isfinite(seen).all()) and seen.abs().sum().item() > 0, model.wte.weight.is_meta)
+    out["read_only_status"] = model.wte.weight.ds_status
+
+    with zeroshard.zero.Init():
+        megatron = _MegatronStyle(rank)
+    engine, *_ = zeroshard.initialize(model=megatron, config=ds_config(CASE))
+    with zeroshard.GatheredParameters(list(megatron.parameters())):
+        out["megatron"] = {n: p.detach().clone() for n, p in megatron.named_parameters()}
+    engine.destroy()
+
+    with torch.device("meta"):
+        plain = nn.Linear(4, 4)
+    with pytest.raises(zeroshard.ZeroshardError, match=r"zero_init\(\).*did not build"):
+        with zeroshard.GatheredParameters(plain.weight, modifier_rank=0):
+            pass
+
+    with zeroshard.zero.Init():
+        whole = build_model(Case(stage=2))
+    with zeroshard.GatheredParameters(list(whole.parameters()), modifier_rank=0):
+        if rank == 0:
+            whole.load_state_dict(state)
+    engine, *_ = zeroshard.initialize(model=whole, config=ds_config(Case(stage=2)))  # every parameter real
+    out["stage2_attributes"] = [n for n, p in whole.named_parameters() if hasattr(p, "ds_id")]
+    out["stage2_equal"] = all(torch.equal(p.detach(), state[n]) for n, p in whole.named_parameters())
+    engine.destroy()
+    return out
+
+
+def test_gathered_parameters_before_initialize() -> None:
+    from zeroshard.runtime.zero.partition_parameters import ZeroParamStatus
+
+    ranks = run_on_ranks(_blocks, 2)
+    for got in ranks:
+        assert got["before"] == (True, ZeroParamStatus.NOT_AVAILABLE)
+        assert got["inside"]
+        assert got["loaded"] == got["expected"], (got["loaded"], got["expected"])  # bit for bit
+        assert got["attribute"] is True
+        assert got["read_only"] == (True, True) and got["read_only_status"] is ZeroParamStatus.NOT_AVAILABLE
+        assert torch.equal(got["megatron"]["proj.weight"], torch.full((8, 8), 0.25))
+        assert got["stage2_attributes"] == [] and got["stage2_equal"]
+    for name in ("proj.bias", "out.weight", "out.bias"):  # initialised, the same on every rank
+        assert torch.equal(ranks[0]["megatron"][name], ranks[1]["megatron"][name]), name
+        assert ranks[0]["megatron"][name].abs().sum() > 0, name
+
+
+def _streamed(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    saved = AutoModelForCausalLM.from_pretrained(folder)
+    with zeroshard.zero_init():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    out: dict[str, Any] = {}
+    with zeroshard.GatheredParameters([model.lm_head.weight], modifier_rank=0):
+        out["inside"] = torch.equal(model.lm_head.weight.detach(), saved.lm_head.weight.detach())
+        if rank == 0:
+            with torch.no_grad():
+                model.lm_head.weight.zero_()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        out["lm_head_zero"] = bool((model.lm_head.weight == 0).all())
+        names = dict(saved.named_parameters())
+        out["others_from_file"] = all(
+            torch.equal(p.detach(), names[n].detach()) for n, p in model.named_parameters() if n != "lm_head.weight"
+        )
+    engine.destroy()
+    return out
+
+
+def test_streamed_checkpoint_under_gathered_parameters_before_initialize(tmp_path) -> None:
+    model = tiny_llama()
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(tmp_path / "model")
+    for got in run_on_ranks(_streamed, 2, str(tmp_path / "model")):
+        assert got == {"inside": True, "lm_head_zero": True, "others_from_file": True}, got
