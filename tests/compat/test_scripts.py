@@ -211,9 +211,13 @@ def run_script(case: Case, lib: str, tmp: Path, accelerate_launch: bool = False)
         (tmp / "accelerate.yaml").write_text(json.dumps(answers))  # YAML reads JSON
         command = [sys.executable, "-m", "zeroshard.cli.main", "accelerate-launch", "--config_file"]
         command.append(str(tmp / "accelerate.yaml"))
-    return subprocess.run(
-        [*command, str(SCRIPTS / case.script), *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300
-    )
+    line = [*command, str(SCRIPTS / case.script), *args]
+    done = subprocess.run(line, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    if lib == "deepspeed" and done.returncode != 0 and "SIGABRT" in done.stderr:
+        # DeepSpeed 0.19.8's ranks on gloo now and then die of SIGABRT in its teardown, after the script printed its
+        # result (5 of 13 runs once, right after a DeepSpeed reinstall; each passed when run again): once more
+        done = subprocess.run(line, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    return done
 
 
 def losses_of(done: subprocess.CompletedProcess[str], what: str) -> Any:

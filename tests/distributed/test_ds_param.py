@@ -49,19 +49,39 @@ def _stage3(rank: int, world_size: int, nvme: str) -> dict[str, Any]:
     out["persist"] = {n for n, p in named.items() if p.ds_persist}
     out["status_idle"] = {n: p.ds_status for n, p in named.items() if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE}
     out["released_empty"] = all(p.numel() == 0 for p in named.values() if not p.ds_persist)
+    out["ids_in_model_order"] = [p.ds_id for p in named.values()] == sorted(p.ds_id for p in named.values())
     seen: dict[str, Any] = {}
+    ahead: list[Any] = []
 
     def record(module: torch.nn.Module, _: Any) -> None:
         for n, p in module.named_parameters(recurse=False):
             seen[n] = (p.ds_status, p.numel())
 
-    handle = engine.module.blocks[1].attn.qkv.register_forward_pre_hook(record)
-    batch = global_batches(case, world_size)[0]
-    loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
-    engine.backward(loss)
-    engine.step()
-    handle.remove()
+    def look_ahead(module: torch.nn.Module, _: Any) -> None:  # the next block, prefetched from the second step on
+        ahead.append((named["blocks.1.attn.qkv.weight"].ds_status, named["blocks.1.attn.qkv.weight"].numel()))
+
+    handles = [
+        engine.module.blocks[1].attn.qkv.register_forward_pre_hook(record),
+        engine.module.blocks[0].attn.qkv.register_forward_pre_hook(look_ahead),
+    ]
+    for batch in global_batches(case, world_size)[:2]:
+        loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+        engine.backward(loss)
+        engine.step()
+    for handle in handles:
+        handle.remove()
     out["in_forward"] = seen
+    out["ahead"] = ahead
+    kept: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    for name, p in named.items():  # DeepSpeed-Chat's save: p.data.cpu() (the buffer itself on the CPU) kept
+        fetch = [p] if p.ds_status is ZeroParamStatus.NOT_AVAILABLE else []
+        with zeroshard.GatheredParameters(fetch):
+            kept[name], expected[name] = p.data.cpu(), p.detach().clone()
+    out["kept_valid"] = all(
+        t.untyped_storage().nbytes() >= t.numel() * t.element_size() and torch.equal(t, expected[n])
+        for n, t in kept.items()
+    )
     with zeroshard.GatheredParameters([named["blocks.0.attn.qkv.weight"]]):
         out["gathered"] = (named["blocks.0.attn.qkv.weight"].ds_status, named["blocks.1.attn.qkv.weight"].ds_status)
     out["after"] = named["blocks.0.attn.qkv.weight"].ds_status
@@ -105,6 +125,10 @@ def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path) -> None:
         assert got["in_forward"] and all(
             status is ZeroParamStatus.AVAILABLE and numel > 0 for status, numel in got["in_forward"].values()
         ), got["in_forward"]
+        assert got["ids_in_model_order"]
+        assert [s for s, _ in got["ahead"]] == [ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT], got["ahead"]
+        assert all(numel == 0 for _, numel in got["ahead"])  # as the status says: not there yet
+        assert got["kept_valid"], "tensors read inside GatheredParameters stay valid after it"
         assert got["gathered"] == (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE), got["gathered"]
         assert got["after"] is ZeroParamStatus.NOT_AVAILABLE
         assert got["parts_after_step"], "the ranks' ds_tensor parts, concatenated, are the parameter"

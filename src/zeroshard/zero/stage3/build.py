@@ -22,6 +22,7 @@ from zeroshard.offload.tier import Tier
 from zeroshard.utils.chunks import greedy_chunks
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.quant import BlockQuantizer
+from zeroshard.zero.stage3.ds_param import number
 from zeroshard.zero.stage3.pending import BUILT
 from zeroshard.zero.stage3.plan import (
     NO_LEAVES,
@@ -109,6 +110,7 @@ def build_units(
         return group_of.get(id(param), untracked) if trains else frozen
 
     named = dict(module.named_parameters())
+    number(named.values())  # DeepSpeed's ds_id, in this order: [Note: DeepSpeed's parameter attributes]
     modules = dict(module.named_modules())
     persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
     specs = plan_units(module, policy.unit_policy, *persistence, leaves=policy.leaves)

@@ -10,22 +10,25 @@ them to tell a partitioned parameter (whose `.data` is empty between uses) from 
 - PEFT counts with `ds_numel` (`print_trainable_parameters`) and reads a layer's shape from `ds_shape`; TRL decides
   what to gather from `ds_status`; transformers' `get_model_param_count` reads `ds_numel`.
 So zeroshard's stage 3 sets, on each parameter it partitions, the six that such code reads, with DeepSpeed 0.19.8's
-meanings: `ds_id` (a number unique in the process, in the order the parameters were partitioned), `ds_shape`,
-`ds_numel` (the whole parameter's), `ds_persist` (in the persistent unit: never released, [Note: units] in
-plan.py), `ds_status` (a `ZeroParamStatus`, kept current as its unit is gathered and released: AVAILABLE, INFLIGHT
-while a gather is issued and not waited for, NOT_AVAILABLE) and `ds_tensor` (this rank's part of the parameter in
-the compute dtype: a view of the unit's shard, empty where this rank holds none of it, and empty when the shard's
-home is NVMe or the part is held quantized, as DeepSpeed's is empty when swapped out). They are a mirror for
-callers, written and never read by zeroshard: its own lookups stay in `zero.owners` ([Note: parameter registry]),
-which is why this is the one exception to STYLE.md's rule against attributes on `nn.Parameter`. DeepSpeed's other
-attributes (its methods `all_gather`/`partition`, process groups, swap handles) are its machinery and are not set;
-stages 0-2 set none, as DeepSpeed's; `destroy()` removes them with the partitioning.
+meanings: `ds_id` (a number unique in the process, in the model's parameter order), `ds_shape`, `ds_numel` (the
+whole parameter's), `ds_persist` (in the persistent unit: never released, [Note: units] in plan.py), `ds_status` (a
+`ZeroParamStatus`, kept current as its unit is gathered and released: AVAILABLE, INFLIGHT while a gather is issued
+and not waited for, NOT_AVAILABLE) and `ds_tensor` (this rank's part of the parameter in the compute dtype: a view
+of the unit's shard, empty where this rank holds none of it, and empty when the shard's home is NVMe or the part is
+held quantized, as DeepSpeed's is empty when swapped out). They are a mirror for callers, written and never read by
+zeroshard (a prefetched unit's parameters are INFLIGHT with `.data` still the empty placeholder, where DeepSpeed
+shows the buffer being filled; DeepSpeed-Chat's save skips INFLIGHT ones under both); tensors read inside a
+`GatheredParameters` block stay valid after it ([Note: gathered storage] in unit.py). zeroshard's own lookups stay
+in `zero.owners` ([Note: parameter registry]), which is why this is the one exception to STYLE.md's rule against
+attributes on `nn.Parameter`. DeepSpeed's other attributes (its methods `all_gather`/`partition`, process groups,
+swap handles) are its machinery and are not set; stages 0-2 set none, as DeepSpeed's; `destroy()` removes them with
+the partitioning.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 
 import torch
@@ -52,13 +55,20 @@ def mark(
     """Point each of a new unit's parameters at its view of the gathered buffer and give it DeepSpeed's attributes
     ([Note: DeepSpeed's parameter attributes]); `parts[i]` is this rank's part of `params[i]`."""
     show(params, views, ZeroParamStatus.AVAILABLE)
+    number(params)  # numbered in the model's order by `build_units` first, or by zero_init at construction
     for param, part in zip(params, parts, strict=True):
-        if "ds_id" not in param.__dict__:  # zero_init numbered it at construction
-            param.ds_id = next(_IDS)  # type: ignore[attr-defined]
         param.ds_shape = param.shape  # type: ignore[attr-defined]
         param.ds_numel = param.numel()  # type: ignore[attr-defined]
         param.ds_persist = persistent  # type: ignore[attr-defined]
         param.ds_tensor = part  # type: ignore[attr-defined]
+
+
+def number(params: Iterable[nn.Parameter]) -> None:
+    """`ds_id`s in the model's parameter order (DeepSpeed numbers them as `zero.Init` builds the modules), for those
+    `zero_init` did not number at construction."""
+    for param in params:
+        if "ds_id" not in param.__dict__:
+            param.ds_id = next(_IDS)  # type: ignore[attr-defined]
 
 
 def mark_pending(param: nn.Parameter) -> None:

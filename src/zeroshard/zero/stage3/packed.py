@@ -14,7 +14,7 @@ dequantized all the same, as DeepSpeed does. Quantization error: at most half a 
 254 of its block of 256), once, at build; DeepSpeed's CUDA quantizer uses larger groups. Trainable parameters, their
 gradients and optimizer state are untouched.
 - Differences from DeepSpeed, which quantizes each frozen parameter's own partition: the persistent unit
-  (parameters below stage3_param_persistence_threshold, kept gathered) is not quantized; "frozen" is what the
+  (parameters at or below stage3_param_persistence_threshold, kept gathered) is not quantized; "frozen" is what the
   optimizer does not step, so with no optimizer (inference) every weight is packed, where DeepSpeed goes by
   `requires_grad`.
 - With hpZ a packed unit's secondary partition is its hpZ rank's block of the forward gather's rows (N/H rows: the

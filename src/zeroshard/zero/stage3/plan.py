@@ -5,8 +5,8 @@ A unit is gathered with one collective. By default every transformer block is a 
 Hugging Face model lists in `_no_split_modules`, otherwise the children of a ModuleList/Sequential
 whose class repeats), and the root module is the unit of every parameter no block owns (embeddings,
 final norm, head). A parameter shared by modules of different units (tied weights) belongs to their
-closest common ancestor unit, which is gathered for as long as both run. Parameters with fewer than
-`stage3_param_persistence_threshold` elements are moved to one persistent unit that stays gathered
+closest common ancestor unit, which is gathered for as long as both run. Parameters with at most
+`stage3_param_persistence_threshold` elements (DeepSpeed's `<=`) are moved to one persistent unit that stays gathered
 on every rank (it is still sharded for the optimizer and re-gathered once after each step), as long as the
 persistent parameters, taken in registration order, stay within `stage3_model_persistence_threshold` elements.
 
@@ -123,7 +123,7 @@ def plan_units(
     leaves: LeafModules = NO_LEAVES,
 ) -> list[UnitSpec]:
     """Units in registration order (root first, persistent last); every parameter is in exactly one. A parameter
-    below `persistence_threshold` elements is persistent while the persistent ones, in registration order, add up
+    of at most `persistence_threshold` elements is persistent while the persistent ones, in registration order, add up
     to at most `model_persistence_threshold` elements (DeepSpeed's stage3_model_persistence_threshold)."""
     unit_of_module = _unit_of_module(root, policy, leaves)
 
@@ -142,7 +142,7 @@ def plan_units(
     for name, param in root.named_parameters():
         units = {unit_of_module[m] for m in owners[id(param)]}
         unit = units.pop() if len(units) == 1 else _common_ancestor([unit_of_module[m] for m in owners[id(param)]])
-        if param.numel() < persistence_threshold and persistent_numel + param.numel() <= model_persistence_threshold:
+        if param.numel() <= persistence_threshold and persistent_numel + param.numel() <= model_persistence_threshold:
             persistent.append(name)
             persistent_numel += param.numel()
         else:

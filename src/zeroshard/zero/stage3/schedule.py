@@ -235,7 +235,7 @@ class GatherSchedule:
     def unpin(self, units: Sequence[ShardedUnit]) -> None:
         for unit in units:
             unit.pins = max(0, unit.pins - 1)
-            unit.release()
+            unit.release(hand_over=True)  # the caller may keep what it read: [Note: gathered storage]
 
 
 def recomputing() -> bool:

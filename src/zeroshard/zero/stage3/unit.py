@@ -5,19 +5,11 @@ Each unit owns one full-size buffer in the compute dtype whose storage is resize
 unit is released and back when it is gathered again, always the same storage object. Autograd's saved
 tensors that view the parameters (e.g. `weight.t()`) therefore stay valid: backward re-gathers into
 the very memory they point to. While released, each parameter's `.data` is an empty placeholder, so
-reading a released parameter gives an empty tensor rather than freed memory.
-
-[Note: host-to-device copies on a side stream]
-With offload_param the unit's shard lives on the host and is copied into its slice of the full buffer before the
-all-gather. On the compute stream that copy would wait for every kernel queued before it and hold up every kernel
-queued after it: a prefetched unit's copy could never run during the current unit's compute (issue 13 measured 100%
-of H2D time exposed). It runs on one copy stream per device instead: that stream first waits for the work already
-queued on the compute stream (the full buffer may reuse memory those kernels still read), the all-gather is issued
-from it (NCCL orders its own stream after the copy), and the compute stream waits for the copy's event only in
-`wait_gathered`, when the unit is about to be used (the event is recorded after the gather is issued, so it also
-covers a synchronous gather, whose wait orders the copy stream after NCCL's). Only a swapped-out (NVMe) home also
-blocks the host there, before it lets the host buffer go. (On the one H100 run so far, a host-bound 120M step, the
-exposed share only went from 1.00 to 0.98: docs/benchmarks_gpu.md.)
+reading a released parameter gives an empty tensor rather than freed memory. One release is different: the end
+of a pin (`GatheredParameters`, `state_dict()`'s gather, generation's), whose caller may keep the tensors it read
+(DeepSpeed-Chat saves `p.data.cpu()`, which on the CPU is the buffer itself): there the unit hands the storage over
+and takes a new, empty one, as DeepSpeed gathers into a new buffer each time; the old memory is freed as soon as
+nothing holds it (autograd's saved tensors of a forward inside the block keep their values too).
 
 [Note: gradient shards exist from reduction to step]
 A unit's gradient shard is read only from its first reduction in an accumulation window to the optimizer step.
@@ -70,16 +62,7 @@ from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark, rank_parts, se
 from zeroshard.zero.stage3.packed import PackedTail
 from zeroshard.zero.stage3.plan import PERSISTENT, UnitLayout
 from zeroshard.zero.stage3.sections import gather_flat
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream for host-to-device shard copies on `device` ([Note: host-to-device copies on a side
-    stream])."""
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[device]
+from zeroshard.zero.stage3.streams import copy_stream
 
 
 class UnitState(Enum):
@@ -265,12 +248,19 @@ class ShardedUnit:
             show(self.params, self.views, ZeroParamStatus.AVAILABLE)
             self.state = UnitState.GATHERED
 
-    def release(self) -> None:
+    def release(self, hand_over: bool = False) -> None:
+        """`hand_over`: the end of a pin; the storage is left to whoever holds it ([Note: gathered storage])."""
         if self.state is UnitState.SHARDED or self.persistent or self.pins:
             return
         self.wait_gathered()
         show(self.params, self._placeholders, ZeroParamStatus.NOT_AVAILABLE)
-        self.full.untyped_storage().resize_(0)
+        if hand_over:
+            storage = torch.UntypedStorage(0, device=self.full.device)
+            self.full = self.full.new_empty(0).set_(storage, 0, (self.layout.numel,), (1,))  # type: ignore[call-overload]
+            slots = zip(self._slots, self.views, strict=True)
+            self.views = [self.full.narrow(0, s.offset, s.numel).view(v.shape) for s, v in slots]
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
     def lend_shape(self, index: int) -> None:
