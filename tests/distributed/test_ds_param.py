@@ -171,3 +171,28 @@ def test_peft_counts_parameters_at_stage_3() -> None:
     for before, after, plain in run_on_ranks(_peft, 2):
         assert plain == 0  # the released parameters' .data is empty, as under DeepSpeed
         assert after == before, (after, before)  # PEFT reads ds_numel
+
+
+def _rank0_state_dict(rank: int, world_size: int) -> tuple[str, str]:
+    import zeroshard
+
+    case = Case(stage=3)
+    model = build_model(case)
+    config = {**ds_config(case), "zeroshard": {"collective_timeout_s": 30}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    try:
+        if rank == 0:  # DeepSpeed-Chat's save_hf_format at stage 3: rank 0 alone
+            engine.module.state_dict()
+        with zeroshard.GatheredParameters([engine.module.blocks[1].attn.qkv.weight]):  # its ZeRO-3 save
+            pass
+    except zeroshard.ZeroshardError as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_state_dict_on_one_rank_is_named_in_the_divergence_report() -> None:
+    """zeroshard's stage-3 `state_dict()` is a collective (DeepSpeed's returns placeholders without communicating,
+    docs/compat.md): a rank calling it alone fails fast with the call named, instead of a hang."""
+    outcomes = run_on_ranks(_rank0_state_dict, 2, timeout=120)
+    assert all(name == "CollectiveMismatchError" for name, _ in outcomes), outcomes
+    assert any("state_dict(), a collective at stage 3" in message for _, message in outcomes), outcomes

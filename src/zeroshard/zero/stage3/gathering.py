@@ -47,7 +47,7 @@ class Stage3Gathering:
         own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
         self._state_dict_gathered.append(not keep_vars)
         if not keep_vars:
-            self.schedule.pin(self.units)
+            self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""
@@ -66,7 +66,7 @@ class Stage3Gathering:
         the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
         so ranks may generate different numbers of tokens without `synced_gpus`."""
         units = self.units_of(params)
-        self.schedule.pin(units)
+        self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
             return units
         self._untraced += 1

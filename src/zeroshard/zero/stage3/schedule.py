@@ -184,11 +184,12 @@ class GatherSchedule:
                 break
             self.param_store.fetch(unit.key)
 
-    def gather(self, unit: ShardedUnit, exact: bool = False) -> None:
-        """`exact`: full-precision values whatever ZeRO++ does for training gathers (state_dict, GatheredParameters)."""
+    def gather(self, unit: ShardedUnit, exact: bool = False, why: str = "") -> None:
+        """`exact`: full-precision values whatever ZeRO++ does for training gathers (state_dict, GatheredParameters);
+        `why`: the caller's call, named in a divergence report."""
         self.watch.gather_log.append(unit.index)
         collect = self.zeropp.collect(unit) if self.zeropp is not None and not exact else None
-        unit.gather(self.comm, async_op=self.overlap, collect=collect)
+        unit.gather(self.comm, async_op=self.overlap, collect=collect, why=why)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
 
     def wait_gathered(self, unit: ShardedUnit) -> None:
@@ -203,12 +204,12 @@ class GatherSchedule:
         unit.wait_gathered()
 
     # -- whole-model gathering -------------------------------------------------------------------------
-    def pin(self, units: Sequence[ShardedUnit]) -> None:
-        """Gather `units` (every rank must call this) and keep them gathered until `unpin`."""
+    def pin(self, units: Sequence[ShardedUnit], why: str) -> None:
+        """Gather `units` (every rank must call this: `why` names the call) and keep them gathered until `unpin`."""
         for unit in units:
             unit.pins += 1
             if unit.state is UnitState.SHARDED:
-                self.gather(unit, exact=True)
+                self.gather(unit, exact=True, why=why)
         for unit in units:
             self.wait_gathered(unit)
 

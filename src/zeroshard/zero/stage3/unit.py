@@ -197,9 +197,12 @@ class ShardedUnit:
         return sum(self._slots[i].numel for i in self.trainable)
 
     # -- gather / release --------------------------------------------------------------------------
-    def gather(self, comm: Collectives, async_op: bool, collect: Callable[..., Handle] | None = None) -> None:
+    def gather(
+        self, comm: Collectives, async_op: bool, collect: Callable[..., Handle] | None = None, why: str = ""
+    ) -> None:
         """Start (or finish) bringing the full parameters back; no-op when already gathered. `collect`, when
-        given, replaces `comm.all_gather` (ZeRO++'s quantized or secondary-partition gathers, zero/zeropp/)."""
+        given, replaces `comm.all_gather` (ZeRO++'s quantized or secondary-partition gathers, zero/zeropp/); `why`
+        names the caller's call in a divergence report (`state_dict()`, which every rank must make)."""
         if self.state is not UnitState.SHARDED:
             return
         storage = self.full.untyped_storage()
@@ -208,7 +211,7 @@ class ShardedUnit:
         self.home.ready(self.key)
         if collect is None and self.tail is not None:  # [Note: quantized frozen weights] in packed.py
             collect = self.tail.gather(self, comm)
-        label = f"gather of unit {self.name!r}"
+        label = f"gather of unit {self.name!r}" + (f" for {why}" if why else "")
         if self.shard.device != self.full.device and self.full.is_cuda:
             stream = copy_stream(self.full.device)
             stream.wait_stream(torch.cuda.current_stream(self.full.device))
