@@ -21,7 +21,7 @@ from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
-from zeroshard.loading.materialize import materialize_buffers, materialize_parameters
+from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
@@ -46,6 +46,7 @@ from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.split import SplitStrategy
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.stage3.ds_param import unmark
+from zeroshard.zero.stage3.pending import refuse_open_block
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
 
 logger = get_logger(__name__)
@@ -220,6 +221,7 @@ def _build(
         from zeroshard.pipe.three_d import compose
 
         compose(pipe, tp, mpu, model, topology.device)
+    refuse_open_block(model)  # [Note: GatheredParameters before initialize]
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
     if stage < 3 or str(cfg.zeroshard.backend) == "fsdp2":  # whole or FSDP2's parameters: no ZeRO-3 attributes
         unmark(list(model.parameters()))  # (zero_init set them: [Note: DeepSpeed's parameter attributes])
@@ -231,6 +233,7 @@ def _build(
         )
     if meta:  # buffers are small and become real now; stage 3 materialises parameters unit by unit
         materialize_buffers(model, weights, topology.device)
+        materialize_adapters(model)  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
         materialize_parameters(model, weights, topology.device)
         meta = False

@@ -72,6 +72,15 @@ def _stage3(rank: int, world_size: int, nvme: str) -> dict[str, Any]:
         handle.remove()
     out["in_forward"] = seen
     out["ahead"] = ahead
+    # a block between a forward and its backward leaves the unit's buffer for that backward ([Note: gathered storage])
+    unit = engine.strategy.units[-2]
+    full = unit.full
+    loss = engine(*micro_batch(global_batches(case, world_size)[2], 0, rank, world_size, case.micro))
+    with zeroshard.GatheredParameters(list(named.values())):
+        pass
+    out["buffer_kept_for_backward"] = unit.full is full
+    engine.backward(loss)
+    engine.step()
     kept: dict[str, torch.Tensor] = {}
     expected: dict[str, torch.Tensor] = {}
     for name, p in named.items():  # DeepSpeed-Chat's save: p.data.cpu() (the buffer itself on the CPU) kept
@@ -129,6 +138,7 @@ def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path) -> None:
         assert [s for s, _ in got["ahead"]] == [ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT], got["ahead"]
         assert all(numel == 0 for _, numel in got["ahead"])  # as the status says: not there yet
         assert got["kept_valid"], "tensors read inside GatheredParameters stay valid after it"
+        assert got["buffer_kept_for_backward"]
         assert got["gathered"] == (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE), got["gathered"]
         assert got["after"] is ZeroParamStatus.NOT_AVAILABLE
         assert got["parts_after_step"], "the ranks' ds_tensor parts, concatenated, are the parameter"

@@ -160,3 +160,96 @@ def test_streamed_checkpoint_under_gathered_parameters_before_initialize(tmp_pat
     model.save_pretrained(tmp_path / "model")
     for got in run_on_ranks(_streamed, 2, str(tmp_path / "model")):
         assert got == {"inside": True, "lm_head_zero": True, "others_from_file": True}, got
+
+
+class _Tied(nn.Module):
+    """A head whose weight is the embedding's and whose bias is its own (XLM-style), plus a layer never touched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.Sequential(nn.Sequential(nn.Linear(32, 32)), nn.Sequential(nn.Linear(32, 32)))
+        self.head = nn.Linear(32, 64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.embed(ids))).sum()
+
+
+def _kept_and_tied(rank: int, world_size: int) -> dict[str, Any]:
+    import zeroshard
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(rank)  # each rank draws differently: the blocks still show one set of values
+    with zeroshard.zero.Init():
+        model = _Tied()
+    with zeroshard.GatheredParameters([model.layers[0][0].weight]):
+        out["read_only"] = model.layers[0][0].weight.detach().clone()
+    with zeroshard.GatheredParameters([model.embed.weight], modifier_rank=0):
+        pass  # kept (values from rank 0); the head's bias, its module's other parameter, stays meta
+    out["bias_meta"] = model.head.bias.is_meta
+    with zeroshard.GatheredParameters([model.embed.weight, model.head.bias], modifier_rank=1):
+        if rank == 1:  # a second block over a kept parameter, and the tied module's own bias
+            with torch.no_grad():
+                model.embed.weight.fill_(5.0)
+                model.head.bias.fill_(3.0)
+    out["untouched_meta"] = model.layers[1][0].weight.is_meta  # so initialize does not broadcast for us
+    with pytest.raises(zeroshard.ZeroshardError, match="inside a GatheredParameters block"):
+        with zeroshard.GatheredParameters([model.layers[1][0].weight]):
+            zeroshard.initialize(model=model, config=ds_config(CASE))
+    engine, *_ = zeroshard.initialize(model=model, config=ds_config(CASE))
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        out["embed"] = model.embed.weight.detach().clone()
+        out["bias"] = model.head.bias.detach().clone()
+        out["layer1"] = model.layers[1][0].weight.detach().clone()
+    engine.destroy()
+    return out
+
+
+def test_kept_parameters_and_tied_modules_before_initialize() -> None:
+    ranks = run_on_ranks(_kept_and_tied, 2)
+    assert torch.equal(ranks[0]["read_only"], ranks[1]["read_only"])  # broadcast from rank 0 at the block's start
+    for got in ranks:
+        assert got["bias_meta"] and got["untouched_meta"]
+        assert bool((got["embed"] == 5.0).all()), "a second block's change to a kept parameter reaches every rank"
+        assert bool((got["bias"] == 3.0).all()), "the tied module's own bias takes the change"
+        assert got["layer1"].abs().sum() > 0
+    assert torch.equal(ranks[0]["layer1"], ranks[1]["layer1"])
+
+
+def _lora(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    out: dict[str, Any] = {}
+    for gathered_first in (False, True):
+        with zeroshard.zero_init():
+            base = AutoModelForCausalLM.from_pretrained(folder)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        if gathered_first:  # PEFT created its adapters outside zero_init: found through the model
+            with zeroshard.GatheredParameters(list(model.parameters())):
+                out["inside_b"] = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        with zeroshard.GatheredParameters(list(model.parameters())):
+            b = [p.detach().abs().max() for n, p in model.named_parameters() if "lora_B" in n]
+            a = [p.detach().abs().max() for n, p in model.named_parameters() if "lora_A" in n]
+            out[f"b_{gathered_first}"] = max(float(x) for x in b)
+            out[f"a_{gathered_first}"] = min(float(x) for x in a)
+        engine.destroy()
+    return out
+
+
+def test_lora_adapters_of_a_zero_init_model_start_from_the_base(tmp_path) -> None:
+    """PEFT's initialisation (lora_B zero) for adapters around a meta base; before, `initialize` gave lora_B its
+    layers' reset_parameters() values and the adapted model started away from its base."""
+    tiny_llama().save_pretrained(tmp_path / "model")
+    for got in run_on_ranks(_lora, 2, str(tmp_path / "model")):
+        assert got["inside_b"] == 0.0 and got["b_False"] == 0.0 and got["b_True"] == 0.0, got
+        assert got["a_False"] > 0 and got["a_True"] > 0, got

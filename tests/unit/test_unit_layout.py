@@ -63,3 +63,20 @@ def test_a_unit_of_one_kind_has_one_section_as_before() -> None:
     assert all_frozen.sections == ((0, all_frozen.shard_numel),) and all_frozen.frozen_width == all_frozen.shard_numel
     without = layout_unit([("w", 1000, 0)], 2)  # no frozen group given: everything trains
     assert without.trainable_shard_numel == without.shard_numel
+
+
+def test_a_parameter_of_exactly_the_persistence_threshold_is_persistent() -> None:
+    """DeepSpeed 0.19.8 keeps a parameter of at most `stage3_param_persistence_threshold` elements gathered
+    (`ds_numel <= threshold` in `mark_persistent_parameters`); one more element and it is partitioned."""
+    from torch import nn
+
+    from zeroshard.zero.stage3.plan import PERSISTENT, plan_units
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(10, 10, bias=False)), nn.Sequential(nn.Linear(10, 10, bias=False)))
+
+    def persistent(threshold: int) -> tuple[str, ...]:
+        specs = {s.name: s.param_names for s in plan_units(model, None, threshold)}
+        return specs.get(PERSISTENT, ())
+
+    assert persistent(100) == ("0.0.weight", "1.0.weight")
+    assert persistent(99) == ()

@@ -148,7 +148,7 @@ class ZeroConfig(ConfigBlock):
     )
     stage3_param_persistence_threshold: int = option(
         100_000,
-        "Parameters smaller than this stay unpartitioned (ZeRO-3).",
+        "Parameters with at most this many elements stay unpartitioned (ZeRO-3).",
         _SIZE,
         aliases=("param_persistence_threshold",),
         auto=AutoPolicy.RESOLVE,

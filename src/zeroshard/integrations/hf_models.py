@@ -19,6 +19,7 @@ from torch import nn
 
 from zeroshard.errors import ConfigError
 from zeroshard.loading.hf import load_pretrained
+from zeroshard.loading.materialize import materialize_adapters
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -117,28 +118,8 @@ def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)  # type: ignore[arg-type]
-    _materialize_adapters(peft_model)
+    materialize_adapters(peft_model)  # adapters of a meta base: real now, lora_B zero
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     log_rank(logger, 20, f"LoRA rank {lora.rank}: {trainable:,} trainable of {total:,} parameters")
     return peft_model
-
-
-def _materialize_adapters(model: nn.Module) -> None:
-    """On a meta base model peft creates the adapters on the meta device too; they are small, so they become real
-    now with peft's own initialisation (lora_B zero: training starts from the base model), the same on every
-    rank (the seed is shared); `initialize` then streams the base weights around them."""
-    from zeroshard.loading.materialize import make_real
-
-    for module in model.modules():
-        reset = getattr(module, "reset_lora_parameters", None)
-        a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-        if not callable(reset) or not isinstance(a, nn.ModuleDict) or not isinstance(b, nn.ModuleDict):
-            continue
-        for name in a:
-            fresh = [p for p in (*a[name].parameters(), *b[name].parameters()) if p.is_meta]
-            if fresh:
-                device = torch.device("cpu")
-                for p in fresh:
-                    make_real(p, device)
-                reset(name, True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,21 +29,55 @@ def initialise(
 
 
 def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
-    """A module whose own parameters are all on the meta device: every one of them made real (also those another
-    unit will shard later) and initialised by `reset_parameters()` and the root's `_init_weights` (a Hugging Face
-    model). A module with a real parameter was initialised already (an earlier unit that shares it, or a
-    `GatheredParameters` block before initialize) and is left alone."""
+    """A module's own meta-device parameters made real (also those another unit will shard later) and initialised
+    by `reset_parameters()` and the root's `_init_weights` (a Hugging Face model). Its real parameters keep their
+    values: a weight tied to a module initialised earlier (a head's weight tied to the embedding, beside the head's
+    own bias), or values a `GatheredParameters` block kept before initialize. A module with nothing on the meta
+    device is left alone."""
     own = list(module.parameters(recurse=False))
-    if not all(p.is_meta for p in own):
+    if not any(p.is_meta for p in own):
         return
+    kept = [(p, p.detach().clone()) for p in own if not p.is_meta]
     for p in own:
-        make_real(p, device)
+        if p.is_meta:
+            make_real(p, device)
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
     init = getattr(root, "_init_weights", None)
     if callable(init):
         init(module)
+    with torch.no_grad():
+        for p, value in kept:
+            p.copy_(value)
+
+
+def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
+    """PEFT creates the LoRA adapters of a meta base model (built under `zero_init`) on the meta device too; they
+    are small, so they become real here with PEFT's own initialisation (lora_B zero: training starts from the base
+    model), the same on every rank (the seed is shared). Left to `initialise`, lora_B got `reset_parameters()`'s
+    values and the adapted model started away from its base. Returns the parameters made real."""
+    made: list[nn.Parameter] = []
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if not callable(reset) or not isinstance(a, nn.ModuleDict) or not isinstance(b, nn.ModuleDict):
+            continue
+        for name in a:
+            fresh = [p for p in (*a[name].parameters(), *b[name].parameters()) if p.is_meta]
+            for p in fresh:
+                make_real(p, torch.device("cpu"))
+            if not fresh:
+                continue
+            # the adapter's own `init_lora_weights` (True, "gaussian", or False: the layers' default initialisation)
+            init = getattr(getattr(model, "peft_config", {}).get(name), "init_lora_weights", True)
+            if init is False:
+                for layer in (a[name], b[name]):
+                    cast(nn.Linear, layer).reset_parameters()
+            else:
+                reset(name, init)
+            made += fresh
+    return made
 
 
 def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:

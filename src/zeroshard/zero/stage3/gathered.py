@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard.zero.owners import OWNERS
-from zeroshard.zero.stage3.pending import end_values, make_values
+from zeroshard.zero.stage3.pending import Pending, begin, end
 
 if TYPE_CHECKING:
     from zeroshard.zero.strategy import Strategy
@@ -40,20 +40,20 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._plan: list[tuple[Strategy, list[Any]]] = []
-        self._made: list[nn.Parameter] = []  # zero_init's meta parameters given values for the block
+        self._pending: Pending | None = None  # zero_init's parameters before initialize, given values for the block
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         by_strategy: dict[int, tuple[Strategy, list[torch.Tensor]]] = {}
-        pending: list[nn.Parameter] = []
+        unowned: list[nn.Parameter] = []
         for p in self.params:
             strategy = OWNERS.strategy_of(p)
             if strategy is not None:
                 by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
-            elif p.is_meta and isinstance(p, nn.Parameter):  # zero_init's, before initialize: [Note:
-                pending.append(p)  # GatheredParameters before initialize]
-        self._made = make_values(pending, self.modifier_rank) if pending else []
+            elif isinstance(p, nn.Parameter):  # zero_init's before initialize: [Note: GatheredParameters before
+                unowned.append(p)  # initialize]; a model built whole needs nothing
+        self._pending = begin(unowned) if unowned else None
         for strategy, params in by_strategy.values():
             self._plan.append((strategy, strategy.gather_begin(params)))
         return self
@@ -67,6 +67,6 @@ class GatheredParameters:
         for strategy, held in self._plan:
             strategy.gather_end(held, modifier_rank)
         self._plan.clear()
-        if self._made:
-            end_values(self._made, modifier_rank)
-            self._made = []
+        if self._pending is not None:
+            end(self._pending, modifier_rank)
+            self._pending = None

@@ -8,27 +8,35 @@ own tests load or change weights that way after building the model under `zero.I
 the model on the meta device until `initialize` shards it unit by unit, so such a block had no values to show and a
 rank's change was dropped without a word (a load into a meta tensor is a no-op): the model then trained from its
 modules' default initialisation. So, while `zero_init` is active, torch's module registration hooks (its public
-global hooks; no constructor is patched) record which module owns each parameter and which module holds each
-module, and a `GatheredParameters` block over meta parameters no engine owns yet:
-- gives each one's module values first, on the CPU: the checkpoint's where a `from_pretrained` under `zero_init`
-  provides them, else the module's own initialisation (`reset_parameters`, and the root's `_init_weights` for a
-  Hugging Face model), as `initialize` would; the whole module at once, so that a module's own parameters are all
-  meta or all real, which `initialize` expects of it;
-- at exit with `modifier_rank=r`, broadcasts them from rank r and keeps them: `initialize` then shards these values
-  instead of initialising or reading them again (the checkpoint does not overwrite a change);
-- at exit without `modifier_rank`, returns them to the meta device (DeepSpeed discards such changes too).
+global hooks; no constructor is patched) record, from the thread that entered it, which module owns each parameter
+and which module holds each module; parameters added later to such a model (PEFT's adapters) are found by a walk of
+it. A `GatheredParameters` block over parameters of such a model that no engine owns yet:
+- gives the meta ones values on the CPU, a module at a time (a module's own parameters become real together; real
+  ones, such as a weight tied to another module, keep theirs): PEFT's initialisation for LoRA adapters (lora_B
+  zero), a streamed `from_pretrained` checkpoint's values where it has them, else the module's own initialisation
+  (`reset_parameters`, and the root's `_init_weights` for a Hugging Face model); broadcast from rank 0, so every
+  rank reads the same values (the process group is started if the script has not, as DeepSpeed's `zero.Init` does);
+- at exit with `modifier_rank=r`, broadcasts them, and those an earlier block kept, from rank r and keeps them:
+  `initialize` shards these values instead of initialising or reading them again (the checkpoint does not overwrite
+  a change);
+- at exit without `modifier_rank`, returns those it made real to the meta device (DeepSpeed discards such changes
+  too); `initialize` then initialises them with its own random draw, so a read-only block shows initial values,
+  not necessarily the ones training starts from (a checkpoint's are the same).
 Every rank holds the kept parameters whole until `initialize`; to keep a large model from ever being whole on a
-rank, change it after `initialize` or stream it with `from_pretrained`. A meta parameter that `zero_init` did not
-build (the caller's own `torch.device("meta")`) has no module to initialise it: refused in one line.
-Parameters built under `zero_init` also carry DeepSpeed's attributes from construction ([Note: DeepSpeed's
-parameter attributes] in ds_param.py), NOT_AVAILABLE until a block or `initialize` makes them real.
+rank, change it after `initialize` or stream it with `from_pretrained`. A meta parameter that no `zero_init` model
+holds (the caller's own `torch.device("meta")`) has no module to initialise it: refused in one line, as is
+`initialize` inside a block over the model. Parameters built under `zero_init` also carry DeepSpeed's attributes
+from construction ([Note: DeepSpeed's parameter attributes] in ds_param.py), NOT_AVAILABLE until a block or
+`initialize` makes them real.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,7 +44,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from zeroshard.errors import ZeroshardError
-from zeroshard.loading.materialize import init_module, swap_keeping_attributes
+from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
 from zeroshard.loading.weights import weights_covering
 from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark_pending, set_status
 
@@ -44,35 +52,41 @@ from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark_pending, set_st
 class _Built:
     """Who owns what among modules built under `zero_init`. Modules are held weakly and parameters by identity
     only (torch's `swap_tensors`, which makes a meta parameter real, refuses a tensor with a weak reference); a
-    module's entries go when it does."""
+    module's entries go when it does. Only the thread that entered `zero_init` records."""
 
     def __init__(self) -> None:
         self._owner: dict[int, weakref.ref[nn.Module]] = {}  # id(parameter) -> its module
+        self._params_of: dict[int, list[int]] = {}  # id(module) -> the parameters it owns here
         self._parent: dict[int, weakref.ref[nn.Module]] = {}  # id(module) -> the module holding it
+        self._modules: dict[int, weakref.ref[nn.Module]] = {}
         self._kept: set[int] = set()  # parameters whose values a block kept: `initialize` shards them
-        self._finalizers: dict[int, weakref.finalize] = {}
+        self.open: set[int] = set()  # parameters inside a GatheredParameters block now
+        self.thread: int | None = None
+        self.depth = 0
 
     def _track(self, module: nn.Module) -> weakref.ref[nn.Module]:
         key = id(module)
-        if key not in self._finalizers:
-            self._finalizers[key] = weakref.finalize(module, self._forget, key)
-        return weakref.ref(module)
+        if key not in self._modules:
+            self._modules[key] = weakref.ref(module)
+            weakref.finalize(module, self._forget, key)
+        return self._modules[key]
 
     def _forget(self, module_key: int) -> None:
-        self._finalizers.pop(module_key, None)
+        self._modules.pop(module_key, None)
         self._parent.pop(module_key, None)
-        for key in [k for k, ref in self._owner.items() if ref() is None]:
+        for key in self._params_of.pop(module_key, []):
             self._owner.pop(key, None)
             self._kept.discard(key)
 
     def parameter(self, module: nn.Module, _: str, param: nn.Parameter | None) -> None:
-        if param is None or not param.is_meta or self.owner(param) is not None:
+        if param is None or not param.is_meta or threading.get_ident() != self.thread or self.owner(param):
             return  # a tied weight registered again keeps its first owner
         self._owner[id(param)] = self._track(module)
+        self._params_of.setdefault(id(module), []).append(id(param))
         mark_pending(param)
 
     def module(self, parent: nn.Module, _: str, child: nn.Module | None) -> None:
-        if child is not None and self._holder(child) is None:
+        if child is not None and threading.get_ident() == self.thread and self._holder(child) is None:
             self._track(child)
             self._parent[id(child)] = self._track(parent)
 
@@ -82,6 +96,20 @@ class _Built:
         if module is None or not any(q is param for q in module._parameters.values()):
             return None  # another object now has that id
         return module
+
+    def found(self, params: Sequence[nn.Parameter]) -> dict[int, nn.Module]:
+        """The module owning each of `params` (by id) that was built under `zero_init`, or added since to a model
+        built there (PEFT's adapters, created outside the context): those are found by a walk of the models."""
+        out = {id(p): m for p in params if (m := self.owner(p)) is not None}
+        if len(out) < len(params):
+            wanted = {id(p) for p in params} - out.keys()
+            roots = [m for ref in list(self._modules.values()) if (m := ref()) is not None and self._holder(m) is None]
+            for root in roots:
+                for module in root.modules():
+                    for q in module._parameters.values():
+                        if q is not None and id(q) in wanted:
+                            out.setdefault(id(q), module)
+        return out
 
     def _holder(self, module: nn.Module) -> nn.Module | None:
         ref = self._parent.get(id(module))
@@ -107,7 +135,18 @@ BUILT = _Built()
 
 @contextmanager
 def recording() -> Iterator[None]:
-    """Record ownership for the duration of a `zero_init` context (nested contexts record once)."""
+    """Record ownership for the duration of a `zero_init` context, from the thread that entered it (nested contexts
+    record once)."""
+    if BUILT.depth and BUILT.thread != threading.get_ident():
+        raise ZeroshardError("zeroshard.zero_init() is active in another thread; build models under it one at a time")
+    BUILT.depth += 1
+    if BUILT.depth > 1:
+        try:
+            yield
+        finally:
+            BUILT.depth -= 1
+        return
+    BUILT.thread = threading.get_ident()
     handles = [
         module_hooks.register_module_parameter_registration_hook(BUILT.parameter),
         module_hooks.register_module_module_registration_hook(BUILT.module),
@@ -117,59 +156,100 @@ def recording() -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        BUILT.depth, BUILT.thread = 0, None
 
 
-def make_values(params: Sequence[nn.Parameter], modifier_rank: int | None) -> list[nn.Parameter]:
-    """[Note: GatheredParameters before initialize] give `params` (meta, owned by no engine) their modules' values
-    on the CPU; returns every parameter made real (their modules' others too). A block that changes them needs the
-    process group at its exit: started now if the script has not (DeepSpeed's `zero.Init` starts it too)."""
-    owners: dict[int, nn.Module] = {}
-    for p in params:
-        owner = BUILT.owner(p)
-        if owner is None:
+@dataclass
+class Pending:
+    """A GatheredParameters block's parameters that no engine owns yet, built under `zero_init`: `made` real for the
+    block, and `real` already (kept by an earlier block, or PEFT's adapters)."""
+
+    made: list[nn.Parameter]
+    real: list[nn.Parameter]
+
+
+def begin(params: Sequence[nn.Parameter]) -> Pending | None:
+    """[Note: GatheredParameters before initialize] `params` (owned by no engine) given values for the block, on the
+    CPU: their modules' (a module at a time) or a streamed checkpoint's, the same on every rank; None when none of
+    them was built under `zero_init` and none is on the meta device (a model built whole: nothing to do)."""
+    found = BUILT.found(params)
+    meta = [p for p in params if p.is_meta]
+    for p in meta:
+        if id(p) not in found:
             raise ZeroshardError(
                 f"GatheredParameters: a meta-device parameter of shape {tuple(p.shape)} that zeroshard.zero_init() "
                 "(deepspeed.zero.Init) did not build, so nothing can give it values before initialize; build the "
                 "model under zeroshard.zero_init(), or enter the block after initialize"
             )
-        owners.setdefault(id(owner), owner)
-    if modifier_rank is not None and not dist.is_initialized():
+    if not found:
+        return None
+    if not dist.is_initialized():  # every rank enters the block; DeepSpeed's zero.Init starts the group too
         from zeroshard.comm.topology import init_distributed
 
         init_distributed()
+    owners = {id(m): m for p in params if (m := found.get(id(p))) is not None}
     made: list[nn.Parameter] = []
-    cpu = torch.device("cpu")
+    for root in {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values():
+        made += materialize_adapters(root)  # PEFT's initialisation (lora_B zero), not the layers' own
     for owner in owners.values():
-        own = [p for p in owner.parameters(recurse=False) if p.is_meta]
-        with torch.random.fork_rng(devices=[]):
-            init_module(owner, BUILT.root(owner), cpu)
-        for p in own:
-            weights = weights_covering(p)
-            if weights is not None:  # transformers loads the checkpoint over the initialisation
-                weights.read_whole([(p, p)])
-        set_status(own, ZeroParamStatus.AVAILABLE)
-        made += own
-    return made
+        if any(p.is_meta for p in owner.parameters(recurse=False)):
+            made += _values_of(owner)
+    fresh = {id(p) for p in made}
+    real = [p for p in params if id(p) in found and id(p) not in fresh]
+    _broadcast(made, 0)  # one set of values on every rank, whatever each rank's random state
+    set_status([*made, *real], ZeroParamStatus.AVAILABLE)
+    BUILT.open.update(id(p) for p in [*made, *real])
+    return Pending(made, real)
 
 
-def end_values(made: Sequence[nn.Parameter], modifier_rank: int | None) -> None:
-    """The block is over: keep rank `modifier_rank`'s values everywhere, or (None) return `made` to the meta device."""
+def _values_of(owner: nn.Module) -> list[nn.Parameter]:
+    """The module's meta parameters made real: initialised as `initialize` would, then the checkpoint's values."""
+    own = [p for p in owner.parameters(recurse=False) if p.is_meta]
+    with torch.random.fork_rng(devices=[]):
+        init_module(owner, BUILT.root(owner), torch.device("cpu"))
+    for p in own:
+        weights = weights_covering(p)
+        if weights is not None:  # transformers loads the checkpoint over the initialisation
+            weights.read_whole([(p, p)])
+    return own
+
+
+def end(pending: Pending, modifier_rank: int | None) -> None:
+    """The block is over: rank `modifier_rank`'s values everywhere, kept for `initialize`; or (None) the parameters
+    made real for the block back on the meta device (those real before keep theirs)."""
+    both = [*pending.made, *pending.real]
+    BUILT.open.difference_update(id(p) for p in both)
     if modifier_rank is None:
-        for p in made:
+        for p in pending.made:
             swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
-        set_status(made, ZeroParamStatus.NOT_AVAILABLE)
+        set_status(pending.made, ZeroParamStatus.NOT_AVAILABLE)
         return
-    for p in made:
+    for p in both:
         BUILT.keep(p)
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    _broadcast(both, modifier_rank)
+
+
+def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
+    if not params or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     from zeroshard.comm.collectives import Collectives
 
     comm = Collectives(None, dist.get_world_size(), dist.get_rank())
     # NCCL moves device memory only: the values travel through the current CUDA device and come back
     nccl = dist.get_backend() == "nccl"
-    for p in made:
-        data = p.data.to(torch.device("cuda", torch.cuda.current_device())) if nccl else p.data
-        comm.broadcast(data, src=modifier_rank, label="GatheredParameters before initialize")
-        if data is not p.data:
-            p.data.copy_(data)
+    with torch.no_grad():
+        for p in params:
+            data = p.data.to(torch.device("cuda", torch.cuda.current_device())) if nccl else p.data
+            comm.broadcast(data, src=src, label="GatheredParameters before initialize")
+            if data is not p.data:
+                p.data.copy_(data)
+
+
+def refuse_open_block(model: nn.Module) -> None:
+    """`initialize` inside a `GatheredParameters` block over the model: the block's end would act on an engine's
+    parameters as on pending ones."""
+    if BUILT.open and any(id(p) in BUILT.open for p in model.parameters()):
+        raise ZeroshardError(
+            "initialize was called inside a GatheredParameters block over the model's parameters (built under "
+            "zero_init, not initialized yet); leave the block first"
+        )

@@ -9,7 +9,9 @@ reading a released parameter gives an empty tensor rather than freed memory. One
 of a pin (`GatheredParameters`, `state_dict()`'s gather, generation's), whose caller may keep the tensors it read
 (DeepSpeed-Chat saves `p.data.cpu()`, which on the CPU is the buffer itself): there the unit hands the storage over
 and takes a new, empty one, as DeepSpeed gathers into a new buffer each time; the old memory is freed as soon as
-nothing holds it (autograd's saved tensors of a forward inside the block keep their values too).
+nothing holds it. Not while a forward with grad awaits its backward (a block between forward and backward): its saved
+tensors would keep the old buffer beside the one backward gathers, the unit's size twice; the storage is resized as
+usual and backward gathers into it again (a tensor kept from such a block reads the values of that later gather).
 
 [Note: gradient shards exist from reduction to step]
 A unit's gradient shard is read only from its first reduction in an accumulation window to the optimizer step.
