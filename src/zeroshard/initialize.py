@@ -46,7 +46,7 @@ from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.split import SplitStrategy
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.stage3.ds_param import unmark
-from zeroshard.zero.stage3.pending import refuse_open_block
+from zeroshard.zero.stage3.pending import BUILT, refuse_open_block
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
 
 logger = get_logger(__name__)
@@ -267,6 +267,7 @@ def _build(
             if param.is_floating_point():
                 param.data = param.data.to(precision.compute_dtype)
     release(model)
+    BUILT.forget(model)  # an engine has it now: blocks no longer see zero_init's pending parameters in it
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
     fp16 = cfg.fp16
     loss_scaler = None

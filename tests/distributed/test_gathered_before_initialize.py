@@ -17,6 +17,11 @@ from helpers.hf_trainer import tiny_llama
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
 CASE = Case(stage=3, steps=3)
+HF_STAGE3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+}
 
 
 def _train(engine: Any, rank: int, world_size: int) -> list[float]:
@@ -138,12 +143,7 @@ def _streamed(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         if rank == 0:
             with torch.no_grad():
                 model.lm_head.weight.zero_()
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    }
-    engine, *_ = zeroshard.initialize(model=model, config=config)
+    engine, *_ = zeroshard.initialize(model=model, config=HF_STAGE3)
     with zeroshard.GatheredParameters(list(model.parameters())):
         out["lm_head_zero"] = bool((model.lm_head.weight == 0).all())
         names = dict(saved.named_parameters())
@@ -193,6 +193,12 @@ def _kept_and_tied(rank: int, world_size: int) -> dict[str, Any]:
             with torch.no_grad():
                 model.embed.weight.fill_(5.0)
                 model.head.bias.fill_(3.0)
+    with zeroshard.GatheredParameters([model.layers[0][0].bias]):  # nested: the inner block keeps, the outer not
+        with zeroshard.GatheredParameters([model.layers[0][0].bias], modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    model.layers[0][0].bias.fill_(2.0)
+    out["nested_kept"] = not model.layers[0][0].bias.is_meta
     out["untouched_meta"] = model.layers[1][0].weight.is_meta  # so initialize does not broadcast for us
     with pytest.raises(zeroshard.ZeroshardError, match="inside a GatheredParameters block"):
         with zeroshard.GatheredParameters([model.layers[1][0].weight]):
@@ -202,6 +208,7 @@ def _kept_and_tied(rank: int, world_size: int) -> dict[str, Any]:
         out["embed"] = model.embed.weight.detach().clone()
         out["bias"] = model.head.bias.detach().clone()
         out["layer1"] = model.layers[1][0].weight.detach().clone()
+        out["nested"] = model.layers[0][0].bias.detach().clone()
     engine.destroy()
     return out
 
@@ -214,6 +221,7 @@ def test_kept_parameters_and_tied_modules_before_initialize() -> None:
         assert bool((got["embed"] == 5.0).all()), "a second block's change to a kept parameter reaches every rank"
         assert bool((got["bias"] == 3.0).all()), "the tied module's own bias takes the change"
         assert got["layer1"].abs().sum() > 0
+        assert got["nested_kept"] and bool((got["nested"] == 2.0).all()), "an enclosing read-only block keeps it"
     assert torch.equal(ranks[0]["layer1"], ranks[1]["layer1"])
 
 
@@ -231,12 +239,7 @@ def _lora(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         if gathered_first:  # PEFT created its adapters outside zero_init: found through the model
             with zeroshard.GatheredParameters(list(model.parameters())):
                 out["inside_b"] = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_B" in n)
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        }
-        engine, *_ = zeroshard.initialize(model=model, config=config)
+        engine, *_ = zeroshard.initialize(model=model, config=HF_STAGE3)
         with zeroshard.GatheredParameters(list(model.parameters())):
             b = [p.detach().abs().max() for n, p in model.named_parameters() if "lora_B" in n]
             a = [p.detach().abs().max() for n, p in model.named_parameters() if "lora_A" in n]
@@ -244,6 +247,48 @@ def _lora(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             out[f"a_{gathered_first}"] = min(float(x) for x in a)
         engine.destroy()
     return out
+
+
+def _lora_kinds(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    out: dict[str, Any] = {}
+    with zeroshard.zero_init():
+        base = AutoModelForCausalLM.from_pretrained(folder)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    engine, *_ = zeroshard.initialize(model=model, config=HF_STAGE3)
+    with zeroshard.GatheredParameters(list(model.parameters())):  # PEFT: embedding A zero, B normal; linear B zero
+        out["embedding_a"] = max(float(p.abs().max()) for n, p in model.named_parameters() if "lora_embedding_A" in n)
+        out["embedding_b"] = min(float(p.abs().max()) for n, p in model.named_parameters() if "lora_embedding_B" in n)
+    engine.destroy()
+    with zeroshard.zero_init():
+        base = AutoModelForCausalLM.from_pretrained(folder)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(zeroshard.ConfigError, match="use_dora"):
+        zeroshard.initialize(model=model, config=HF_STAGE3)
+    stage2 = {**HF_STAGE3, "zero_optimization": {"stage": 2}}
+    with zeroshard.zero_init():
+        base = AutoModelForCausalLM.from_pretrained(folder)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    engine, *_ = zeroshard.initialize(model=model, config=stage2)
+    with zeroshard.GatheredParameters(list(model.parameters()), modifier_rank=0):  # whole parameters: a no-op
+        pass
+    out["stage2_attributes"] = [n for n, p in model.named_parameters() if hasattr(p, "ds_status")]
+    engine.destroy()
+    return out
+
+
+def test_lora_kinds_around_a_zero_init_model(tmp_path) -> None:
+    """Embedding LoRA gets PEFT's initialisation too (its A and B are parameter dicts); DoRA, whose magnitudes need
+    the base weights, is refused in one line; at stage 2 a block after initialize over the (partly frozen) model is
+    a no-op, as DeepSpeed's."""
+    tiny_llama().save_pretrained(tmp_path / "model")
+    for got in run_on_ranks(_lora_kinds, 2, str(tmp_path / "model")):
+        assert got["embedding_a"] == 0.0 and got["embedding_b"] > 0, got
+        assert got["stage2_attributes"] == [], got
 
 
 def test_lora_adapters_of_a_zero_init_model_start_from_the_base(tmp_path) -> None:

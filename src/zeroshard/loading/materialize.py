@@ -8,6 +8,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from zeroshard.errors import ConfigError
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -39,8 +40,8 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
         return
     kept = [(p, p.detach().clone()) for p in own if not p.is_meta]
     for p in own:
-        if p.is_meta:
-            make_real(p, device)
+        if p.is_meta:  # zeros, not empty memory, where no initialiser writes (a parameter of a custom module)
+            make_real(p, device, zero=True)
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
@@ -58,26 +59,42 @@ def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
     model), the same on every rank (the seed is shared). Left to `initialise`, lora_B got `reset_parameters()`'s
     values and the adapted model started away from its base. Returns the parameters made real."""
     made: list[nn.Parameter] = []
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return made
     for module in model.modules():
         reset = getattr(module, "reset_lora_parameters", None)
-        a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
-        if not callable(reset) or not isinstance(a, nn.ModuleDict) or not isinstance(b, nn.ModuleDict):
+        if not callable(reset):
             continue
-        for name in a:
-            fresh = [p for p in (*a[name].parameters(), *b[name].parameters()) if p.is_meta]
-            for p in fresh:
-                make_real(p, torch.device("cpu"))
+        dora = getattr(module, "lora_magnitude_vector", None)
+        if dora is not None and any(p.is_meta for p in dora.parameters()):
+            raise ConfigError(
+                "LoRA with use_dora=True around a model built under zero_init: DoRA's magnitudes are computed from "
+                "the base weights, which stay on the meta device until initialize; build the base model without "
+                "zero_init, or use plain LoRA"
+            )
+        parts = [getattr(module, n, None) for n in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")]
+        dicts = [d for d in parts if isinstance(d, nn.ModuleDict | nn.ParameterDict)]
+        for name in dict.fromkeys(k for d in dicts for k in d.keys()):
+            fresh = [p for d in dicts if name in d for p in _params(d[name]) if p.is_meta]
             if not fresh:
                 continue
+            for p in fresh:
+                make_real(p, torch.device("cpu"), zero=True)
             # the adapter's own `init_lora_weights` (True, "gaussian", or False: the layers' default initialisation)
-            init = getattr(getattr(model, "peft_config", {}).get(name), "init_lora_weights", True)
+            init = getattr(configs.get(name), "init_lora_weights", True)
             if init is False:
-                for layer in (a[name], b[name]):
-                    cast(nn.Linear, layer).reset_parameters()
+                for d in dicts:
+                    if name in d and hasattr(d[name], "reset_parameters"):
+                        cast(nn.Linear, d[name]).reset_parameters()
             else:
                 reset(name, init)
             made += fresh
     return made
+
+
+def _params(entry: nn.Module | nn.Parameter) -> list[nn.Parameter]:
+    return [entry] if isinstance(entry, nn.Parameter) else list(entry.parameters())
 
 
 def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:

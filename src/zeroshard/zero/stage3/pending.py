@@ -12,10 +12,12 @@ global hooks; no constructor is patched) record, from the thread that entered it
 and which module holds each module; parameters added later to such a model (PEFT's adapters) are found by a walk of
 it. A `GatheredParameters` block over parameters of such a model that no engine owns yet:
 - gives the meta ones values on the CPU, a module at a time (a module's own parameters become real together; real
-  ones, such as a weight tied to another module, keep theirs): PEFT's initialisation for LoRA adapters (lora_B
-  zero), a streamed `from_pretrained` checkpoint's values where it has them, else the module's own initialisation
-  (`reset_parameters`, and the root's `_init_weights` for a Hugging Face model); broadcast from rank 0, so every
-  rank reads the same values (the process group is started if the script has not, as DeepSpeed's `zero.Init` does);
+  ones, such as a weight tied to another module, keep theirs): a streamed `from_pretrained` checkpoint's values where
+  it has them, else the module's own initialisation (`reset_parameters`, and the root's `_init_weights` for a
+  Hugging Face model; zeros where neither writes); broadcast from rank 0, so every rank reads the same values (the
+  process group is started if the script has not, as DeepSpeed's `zero.Init` does). PEFT's LoRA adapters become
+  real once, for good (they are small), with PEFT's initialisation (lora_B zero; `materialize_adapters`; DoRA,
+  whose magnitudes need the base weights, is refused);
 - at exit with `modifier_rank=r`, broadcasts them, and those an earlier block kept, from rank r and keeps them:
   `initialize` shards these values instead of initialising or reading them again (the checkpoint does not overwrite
   a change);
@@ -60,7 +62,8 @@ class _Built:
         self._parent: dict[int, weakref.ref[nn.Module]] = {}  # id(module) -> the module holding it
         self._modules: dict[int, weakref.ref[nn.Module]] = {}
         self._kept: set[int] = set()  # parameters whose values a block kept: `initialize` shards them
-        self.open: set[int] = set()  # parameters inside a GatheredParameters block now
+        self.open: dict[int, int] = {}  # parameters inside GatheredParameters blocks now: how many blocks
+        self.adapters: dict[int, frozenset[str]] = {}  # roots whose PEFT adapters are real: their adapter names
         self.thread: int | None = None
         self.depth = 0
 
@@ -77,6 +80,24 @@ class _Built:
         for key in self._params_of.pop(module_key, []):
             self._owner.pop(key, None)
             self._kept.discard(key)
+
+    def forget(self, model: nn.Module) -> None:
+        """`initialize` took `model`: its parameters are an engine's (or whole) from now on."""
+        for module in model.modules():
+            self._forget(id(module))
+        for p in model.parameters():
+            self._owner.pop(id(p), None)
+            self._kept.discard(id(p))
+        self.adapters.pop(id(model), None)
+
+    def adopt(self, root: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        """Record the owners of `params`, parameters added to `root` outside `zero_init` (PEFT's adapters)."""
+        ids = {id(p) for p in params}
+        for module in root.modules() if ids else ():
+            for q in module._parameters.values():
+                if q is not None and id(q) in ids and self.owner(q) is None:
+                    self._owner[id(q)] = self._track(module)
+                    self._params_of.setdefault(id(module), []).append(id(q))
 
     def parameter(self, module: nn.Module, _: str, param: nn.Parameter | None) -> None:
         if param is None or not param.is_meta or threading.get_ident() != self.thread or self.owner(param):
@@ -101,8 +122,8 @@ class _Built:
         """The module owning each of `params` (by id) that was built under `zero_init`, or added since to a model
         built there (PEFT's adapters, created outside the context): those are found by a walk of the models."""
         out = {id(p): m for p in params if (m := self.owner(p)) is not None}
-        if len(out) < len(params):
-            wanted = {id(p) for p in params} - out.keys()
+        wanted = {id(p) for p in params if p.is_meta} - out.keys()
+        if wanted:
             roots = [m for ref in list(self._modules.values()) if (m := ref()) is not None and self._holder(m) is None]
             for root in roots:
                 for module in root.modules():
@@ -190,7 +211,12 @@ def begin(params: Sequence[nn.Parameter]) -> Pending | None:
     owners = {id(m): m for p in params if (m := found.get(id(p))) is not None}
     made: list[nn.Parameter] = []
     for root in {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values():
-        made += materialize_adapters(root)  # PEFT's initialisation (lora_B zero), not the layers' own
+        names = frozenset(getattr(root, "peft_config", None) or ())
+        if names and BUILT.adapters.get(id(root)) != names:  # PEFT's initialisation (lora_B zero), once per adapter
+            adapters = materialize_adapters(root)  # real from now on (small), the same on every rank
+            BUILT.adopt(root, adapters)
+            _broadcast(adapters, 0)
+            BUILT.adapters[id(root)] = names
     for owner in owners.values():
         if any(p.is_meta for p in owner.parameters(recurse=False)):
             made += _values_of(owner)
@@ -198,7 +224,8 @@ def begin(params: Sequence[nn.Parameter]) -> Pending | None:
     real = [p for p in params if id(p) in found and id(p) not in fresh]
     _broadcast(made, 0)  # one set of values on every rank, whatever each rank's random state
     set_status([*made, *real], ZeroParamStatus.AVAILABLE)
-    BUILT.open.update(id(p) for p in [*made, *real])
+    for p in [*made, *real]:
+        BUILT.open[id(p)] = BUILT.open.get(id(p), 0) + 1
     return Pending(made, real)
 
 
@@ -218,11 +245,16 @@ def end(pending: Pending, modifier_rank: int | None) -> None:
     """The block is over: rank `modifier_rank`'s values everywhere, kept for `initialize`; or (None) the parameters
     made real for the block back on the meta device (those real before keep theirs)."""
     both = [*pending.made, *pending.real]
-    BUILT.open.difference_update(id(p) for p in both)
+    for p in both:
+        left = BUILT.open.pop(id(p), 1) - 1
+        if left:
+            BUILT.open[id(p)] = left
     if modifier_rank is None:
-        for p in pending.made:
+        # those a block inside this one kept, or still open in an enclosing block, stay real
+        back = [p for p in pending.made if not BUILT.kept(p) and id(p) not in BUILT.open]
+        for p in back:
             swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
-        set_status(pending.made, ZeroParamStatus.NOT_AVAILABLE)
+        set_status(back, ZeroParamStatus.NOT_AVAILABLE)
         return
     for p in both:
         BUILT.keep(p)

@@ -236,8 +236,7 @@ class GatherSchedule:
     def unpin(self, units: Sequence[ShardedUnit]) -> None:
         for unit in units:
             unit.pins = max(0, unit.pins - 1)
-            # the caller may keep what it read, unless a backward still needs this storage: [Note: gathered storage]
-            unit.release(hand_over=not self.forward_calls.get(unit.index, 0))
+            unit.release(hand_over=True)  # the caller may keep what it read: [Note: gathered storage]
 
 
 def recomputing() -> bool:

@@ -9,9 +9,10 @@ reading a released parameter gives an empty tensor rather than freed memory. One
 of a pin (`GatheredParameters`, `state_dict()`'s gather, generation's), whose caller may keep the tensors it read
 (DeepSpeed-Chat saves `p.data.cpu()`, which on the CPU is the buffer itself): there the unit hands the storage over
 and takes a new, empty one, as DeepSpeed gathers into a new buffer each time; the old memory is freed as soon as
-nothing holds it. Not while a forward with grad awaits its backward (a block between forward and backward): its saved
-tensors would keep the old buffer beside the one backward gathers, the unit's size twice; the storage is resized as
-usual and backward gathers into it again (a tensor kept from such a block reads the values of that later gather).
+nothing holds it. A block between a forward and its backward costs memory: the forward's saved tensors keep the old
+buffer until the backward, which gathers a new one (the unit held twice meanwhile; the gradients are the same). No
+bookkeeping tells reliably whether a backward will come (an evaluation forward with grad never has one), and an
+empty saved model is the worse failure.
 
 [Note: gradient shards exist from reduction to step]
 A unit's gradient shard is read only from its first reduction in an accumulation window to the optimizer step.
