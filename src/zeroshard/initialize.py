@@ -231,8 +231,11 @@ def _build(
             "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3 "
             "(at stages 0-2 build it from a checkpoint: with zeroshard.zero_init(): from_pretrained(folder))"
         )
-    if meta:  # buffers are small and become real now; stage 3 materialises parameters unit by unit
+    # buffers are small and become real now (also when a GatheredParameters block before initialize made every
+    # parameter real); stage 3 materialises parameters unit by unit
+    if meta or any(b.is_meta for b in model.buffers()):
         materialize_buffers(model, weights, topology.device)
+    if meta:
         materialize_adapters(model)  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
         materialize_parameters(model, weights, topology.device)

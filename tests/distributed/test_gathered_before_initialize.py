@@ -298,3 +298,31 @@ def test_lora_adapters_of_a_zero_init_model_start_from_the_base(tmp_path) -> Non
     for got in run_on_ranks(_lora, 2, str(tmp_path / "model")):
         assert got["inside_b"] == 0.0 and got["b_False"] == 0.0 and got["b_True"] == 0.0, got
         assert got["a_False"] > 0 and got["a_True"] > 0, got
+
+
+def _every_parameter(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    saved = AutoModelForCausalLM.from_pretrained(folder)
+    with zeroshard.zero_init():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    with zeroshard.GatheredParameters(list(model.parameters()), modifier_rank=0):  # DeepSpeed-Chat's whole load
+        if rank == 0:
+            model.load_state_dict(saved.state_dict(), strict=False)
+    engine, *_ = zeroshard.initialize(model=model, config=HF_STAGE3)  # every parameter real, the buffers not yet
+    ids = torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=ids).loss.item()
+        expected = saved(input_ids=ids, labels=ids).loss.item()
+    engine.destroy()
+    return {"loss": loss, "expected": expected}
+
+
+def test_a_block_over_every_parameter_of_a_streamed_model(tmp_path) -> None:
+    """Its rotary buffers are still on the meta device when every parameter is real: initialize makes them real too
+    (it raised 'Cannot copy out of meta tensor')."""
+    tiny_llama().save_pretrained(tmp_path / "model")
+    for got in run_on_ranks(_every_parameter, 2, str(tmp_path / "model")):
+        assert got["loss"] == got["expected"], got

@@ -83,6 +83,12 @@ def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
                 make_real(p, torch.device("cpu"), zero=True)
             # the adapter's own `init_lora_weights` (True, "gaussian", or False: the layers' default initialisation)
             init = getattr(configs.get(name), "init_lora_weights", True)
+            if isinstance(init, str) and init.lower() != "gaussian":
+                raise ConfigError(
+                    f"LoRA adapter {name!r} with init_lora_weights={init!r} around a model built under zero_init: "
+                    "that initialisation reads the base weights, which stay on the meta device until initialize; "
+                    "use True or 'gaussian', or build the base model without zero_init"
+                )
             if init is False:
                 for d in dicts:
                     if name in d and hasattr(d[name], "reset_parameters"):

@@ -63,7 +63,8 @@ class _Built:
         self._modules: dict[int, weakref.ref[nn.Module]] = {}
         self._kept: set[int] = set()  # parameters whose values a block kept: `initialize` shards them
         self.open: dict[int, int] = {}  # parameters inside GatheredParameters blocks now: how many blocks
-        self.adapters: dict[int, frozenset[str]] = {}  # roots whose PEFT adapters are real: their adapter names
+        # roots whose PEFT adapters are real: their adapter names (held weakly: an id can be reused)
+        self.adapters: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
         self.thread: int | None = None
         self.depth = 0
 
@@ -88,7 +89,8 @@ class _Built:
         for p in model.parameters():
             self._owner.pop(id(p), None)
             self._kept.discard(id(p))
-        self.adapters.pop(id(model), None)
+        for module in model.modules():
+            self.adapters.pop(module, None)
 
     def adopt(self, root: nn.Module, params: Sequence[nn.Parameter]) -> None:
         """Record the owners of `params`, parameters added to `root` outside `zero_init` (PEFT's adapters)."""
@@ -212,11 +214,11 @@ def begin(params: Sequence[nn.Parameter]) -> Pending | None:
     made: list[nn.Parameter] = []
     for root in {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values():
         names = frozenset(getattr(root, "peft_config", None) or ())
-        if names and BUILT.adapters.get(id(root)) != names:  # PEFT's initialisation (lora_B zero), once per adapter
+        if names and BUILT.adapters.get(root) != names:  # PEFT's initialisation (lora_B zero), once per adapter
             adapters = materialize_adapters(root)  # real from now on (small), the same on every rank
             BUILT.adopt(root, adapters)
             _broadcast(adapters, 0)
-            BUILT.adapters[id(root)] = names
+            BUILT.adapters[root] = names
     for owner in owners.values():
         if any(p.is_meta for p in owner.parameters(recurse=False)):
             made += _values_of(owner)
