@@ -57,10 +57,14 @@ def mark(
     show(params, views, ZeroParamStatus.AVAILABLE)
     number(params)  # numbered in the model's order by `build_units` first, or by zero_init at construction
     for param, part in zip(params, parts, strict=True):
-        param.ds_shape = param.shape  # type: ignore[attr-defined]
-        param.ds_numel = param.numel()  # type: ignore[attr-defined]
-        param.ds_persist = persistent  # type: ignore[attr-defined]
-        param.ds_tensor = part  # type: ignore[attr-defined]
+        _describe(param, part, persistent)
+
+
+def _describe(param: nn.Parameter, part: torch.Tensor, persistent: bool) -> None:
+    param.ds_shape = param.shape  # type: ignore[attr-defined]
+    param.ds_numel = param.numel()  # type: ignore[attr-defined]
+    param.ds_persist = persistent  # type: ignore[attr-defined]
+    param.ds_tensor = part  # type: ignore[attr-defined]
 
 
 def number(params: Iterable[nn.Parameter]) -> None:
@@ -74,11 +78,8 @@ def number(params: Iterable[nn.Parameter]) -> None:
 def mark_pending(param: nn.Parameter) -> None:
     """A parameter `zero_init` builds on the meta device: partitioned in DeepSpeed's terms from construction, its
     part not known until `initialize` ([Note: GatheredParameters before initialize] in pending.py)."""
-    param.ds_id = next(_IDS)  # type: ignore[attr-defined]
-    param.ds_shape = param.shape  # type: ignore[attr-defined]
-    param.ds_numel = param.numel()  # type: ignore[attr-defined]
-    param.ds_persist = False  # type: ignore[attr-defined]
-    param.ds_tensor = torch.empty(0, dtype=param.dtype)  # type: ignore[attr-defined]
+    number([param])
+    _describe(param, torch.empty(0, dtype=param.dtype), persistent=False)
     param.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
 
 
