@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zeroshard import checkpointing
 from zeroshard.comm.collectives import Collectives, Scope
@@ -420,12 +419,4 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) 
         layer.groups.broadcast_experts(layer.expert_parameters())
     # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters])
     tensors = [local_of(t).data for t in module.parameters() if id(t) not in experts] + list(module.buffers())
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
-        flat = _flatten_dense_tensors(group)
-        comm.broadcast(flat, src=src)
-        for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-            t.copy_(synced)
+    comm.broadcast_coalesced(tensors, src=src)

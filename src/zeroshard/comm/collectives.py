@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.in_flight import InFlight
@@ -216,6 +217,22 @@ class Collectives:
         return self._issue(
             "broadcast", (tensor,), lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a), async_op
         )
+
+    def broadcast_coalesced(
+        self, tensors: list[torch.Tensor], src: int, via: torch.device | None = None, label: str = ""
+    ) -> None:
+        """`tensors` from rank `src`, one flat broadcast per dtype; `via`: the device the flat buffer travels
+        through (NCCL moves device memory only), the tensors staying where they are."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(by_dtype, key=str):
+            group = by_dtype[dtype]
+            flat = _flatten_dense_tensors(group)
+            flat = flat.to(via) if via is not None else flat
+            self.broadcast(flat, src=src, label=label)
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                t.copy_(synced)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "") -> Handle:
         """Equal splits: chunk j of `input` goes to rank j, chunk i of `output` comes from rank i."""

@@ -269,14 +269,10 @@ def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
     from zeroshard.comm.collectives import Collectives
 
     comm = Collectives(None, dist.get_world_size(), dist.get_rank())
-    # NCCL moves device memory only: the values travel through the current CUDA device and come back
-    nccl = dist.get_backend() == "nccl"
+    # NCCL moves device memory only: the values travel through the current CUDA device
+    via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     with torch.no_grad():
-        for p in params:
-            data = p.data.to(torch.device("cuda", torch.cuda.current_device())) if nccl else p.data
-            comm.broadcast(data, src=src, label="GatheredParameters before initialize")
-            if data is not p.data:
-                p.data.copy_(data)
+        comm.broadcast_coalesced([p.data for p in params], src, via, label="GatheredParameters before initialize")
 
 
 def refuse_open_block(model: nn.Module) -> None:
