@@ -20,6 +20,19 @@ gradients and optimizer state are allocated once), so their RSS does not climb u
 policy is therefore applied where it pays for itself: stage 3 (units gathered and released every step) and
 any offload (storages freed and re-read every step), or everywhere with ZEROSHARD_HOST_ALLOC=fixed (the
 resident-memory benchmark compares stages under one policy that way).
+
+[Note: huge pages for fresh host buffers]
+Under the fixed threshold every large buffer comes from a fresh mmap, and the kernel maps and zeroes it one 4 KiB
+page fault at a time as it is first written: a stage-3 unit gathered, a gradient shard or staging buffer of a
+reduction, every step. Where transparent huge pages are on for advised memory (the
+common default, `/sys/kernel/mm/transparent_hugepage/enabled` = madvise), `madvise(MADV_HUGEPAGE)` on such a
+buffer before it is written makes each fault map 2 MiB. `fresh` advises zeroshard's own large host buffers this
+way, only while the fixed threshold is in force (the buffer is then its own mapping: no heap memory is advised,
+which khugepaged could fill in) and only the 2 MiB-aligned interior (the rest stays in 4 KiB pages). The resident
+set is unchanged: these buffers are written whole. Tensors torch allocates itself (activations, autograd's
+gradients) are advised only when `THP_MEM_ALLOC_ENABLE=1` is in the environment before torch starts, which a
+library imported after torch cannot arrange; docs/design.md gives the measurements of both. NVMe entries read back
+are not advised: their reads are bound by the disk, and advising them measured no gain (benchmarks/infinity.py).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import ctypes.util
 import os
 import sys
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -38,13 +52,16 @@ logger = get_logger(__name__)
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 DEFAULT_THRESHOLD = 256 << 10
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+_ADVISED_FROM = 2 * _HUGE_PAGE  # smaller buffers have little or no aligned interior
 
 
-def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
-    """Set glibc's mmap threshold to `threshold` bytes, once per process: [Note: glibc's mmap threshold].
+def fix_mmap_threshold() -> bool:
+    """Set glibc's mmap threshold to DEFAULT_THRESHOLD bytes, once per process: [Note: glibc's mmap threshold].
     False where that is not possible (not glibc) or not wanted (MALLOC_MMAP_THRESHOLD_ set by the user,
     ZEROSHARD_HOST_ALLOC=glibc); the outcome is logged once at debug level."""
-    return _fix_once(threshold)
+    return _fix_once()
 
 
 def apply_host_policy(device: torch.device, churns: bool) -> bool:
@@ -55,7 +72,8 @@ def apply_host_policy(device: torch.device, churns: bool) -> bool:
 
 
 @cache
-def _fix_once(threshold: int) -> bool:
+def _fix_once() -> bool:
+    threshold = DEFAULT_THRESHOLD
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         logger.debug(
             "glibc mmap threshold: MALLOC_MMAP_THRESHOLD_=%s (set by the user) kept",
@@ -70,10 +88,52 @@ def _fix_once(threshold: int) -> bool:
     return done
 
 
+def fresh(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give a released `storage` `nbytes` of new memory (`resize_`), advised for huge pages where it is a large
+    host buffer under the fixed threshold: [Note: huge pages for fresh host buffers]."""
+    storage.resize_(nbytes)
+    if storage.device.type == "cpu" and nbytes >= _ADVISED_FROM and _policy_in_force():
+        _advise_huge(storage.data_ptr(), nbytes)
+
+
+def fresh_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.empty(numel)` advised as `fresh` advises a storage."""
+    tensor = torch.empty(0, dtype=dtype, device=device)
+    fresh(tensor.untyped_storage(), numel * tensor.element_size())
+    return tensor.set_(tensor.untyped_storage(), 0, (numel,), (1,))  # type: ignore[call-overload]
+
+
+def _policy_in_force() -> bool:
+    """Whether this process fixed the threshold (`fix_mmap_threshold` ran and succeeded); asks nothing of glibc."""
+    return _fix_once.cache_info().currsize > 0 and _fix_once()
+
+
+def _advise_huge(address: int, nbytes: int) -> None:
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None and end > start:
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))  # advice only
+
+
+@cache
+def _madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return _libc().madvise
+    except (OSError, AttributeError):
+        return None
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _mallopt(param: int, value: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # musl and others: no mallopt
         return False
     return bool(mallopt(ctypes.c_int(param), ctypes.c_int(value)))

@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 import torch
 
 from zeroshard.comm.collectives import Handle
+from zeroshard.offload.host_memory import fresh_empty
 
 T = TypeVar("T")
 
@@ -36,7 +37,7 @@ class BufferPool:
         """A buffer of `numel` elements, zero-filled unless the caller overwrites all of it (`zero=False`:
         [Note: staged gradients are copied, not added to zeros])."""
         stack = self._free.get((numel, dtype))
-        tensor = stack.pop() if stack else torch.empty(numel, dtype=dtype, device=self.device)
+        tensor = stack.pop() if stack else fresh_empty(numel, dtype, self.device)
         self._in_use_bytes += tensor.numel() * tensor.element_size()
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return tensor.zero_() if zero else tensor

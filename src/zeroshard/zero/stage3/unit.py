@@ -57,6 +57,7 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives, Handle
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.gradients import publish_master
+from zeroshard.offload.host_memory import fresh
 from zeroshard.offload.residency import Residency
 from zeroshard.offload.tier import Tier
 from zeroshard.zero.pool import BufferPool, zero_unwritten
@@ -208,8 +209,7 @@ class ShardedUnit:
         names the caller's call in a divergence report (`state_dict()`, which every rank must make)."""
         if self.state is not UnitState.SHARDED:
             return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.full.numel() * self.full.element_size())
+        fresh(self.full.untyped_storage(), self.full.numel() * self.full.element_size())
         self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
         self.home.ready(self.key)
         if collect is None and self.tail is not None:  # [Note: quantized frozen weights] in packed.py
@@ -363,8 +363,7 @@ class ShardedUnit:
             return
         self.grad_home.claim(self.grad_key)
         if self.grad_transient:  # [Note: gradient shards exist from reduction to step]
-            storage = self.grad_shard.untyped_storage()
-            storage.resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+            fresh(self.grad_shard.untyped_storage(), self.grad_shard.numel() * self.grad_shard.element_size())
         if not overwrite:
             self.grad_shard.zero_()
         self.grad_zero = False
@@ -380,7 +379,7 @@ class ShardedUnit:
 
     def _grad_from_copy(self) -> None:
         assert self.grad_copy is not None
-        self.grad_shard.untyped_storage().resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+        fresh(self.grad_shard.untyped_storage(), self.grad_shard.numel() * self.grad_shard.element_size())
         if self._grad_copy_stream is not None:  # the host reads the buffer (a casting copy casts on the host)
             self._grad_copy_stream.synchronize()
         self.grad_shard.copy_(self.grad_copy)
