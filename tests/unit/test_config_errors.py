@@ -396,21 +396,31 @@ def test_unimplemented_is_one_immutable_set_of_real_keys() -> None:
 
 
 def test_non_default_unimplemented_value_warns_once(log: pytest.LogCaptureFixture) -> None:
-    parse_config({"zero_optimization": {"stage": 3, "legacy_stage1": True}})
+    parse_config({"zero_optimization": {"stage": 3, "pipeline_loading_checkpoint": True}})
     assert warnings_of(log) == [
-        "zeroshard: zero_optimization.legacy_stage1=true is accepted but not implemented yet; it has no effect"
+        "zeroshard: zero_optimization.pipeline_loading_checkpoint=true is accepted but not implemented yet; "
+        "it has no effect"
     ]
 
 
 def test_a_key_deepspeed_removed_says_so(log: pytest.LogCaptureFixture) -> None:
     """DeepSpeed 0.19.8 refuses these ("has been removed"); an older config still loads here, with one line each."""
-    parse_config({"zero_optimization": {"stage": 3, "mics_shard_size": 8}, "sparse_attention": {"mode": "fixed"}})
+    config = {"zero_optimization": {"stage": 1, "mics_shard_size": 8, "legacy_stage1": True}}
+    parse_config({**config, "sparse_attention": {"mode": "fixed"}})
     assert sorted(warnings_of(log)) == [
-        'zeroshard: sparse_attention={"mode": "fixed"} is a feature DeepSpeed 0.19 removed (its config refuses the '
-        "key); zeroshard accepts it and it has no effect",
-        "zeroshard: zero_optimization.mics_shard_size=8 is a feature DeepSpeed 0.19 removed (its config refuses the "
-        "key); zeroshard accepts it and it has no effect",
+        'zeroshard: sparse_attention={"mode": "fixed"} is a feature DeepSpeed 0.19 removed (DeepSpeed refuses it); '
+        "zeroshard accepts it and it has no effect",
+        "zeroshard: zero_optimization.legacy_stage1=true is a feature DeepSpeed 0.19 removed (DeepSpeed refuses "
+        "it); zeroshard accepts it and it has no effect",
+        "zeroshard: zero_optimization.mics_shard_size=8 is a feature DeepSpeed 0.19 removed (DeepSpeed refuses it); "
+        "zeroshard accepts it and it has no effect",
     ]
+
+
+def test_elastic_checkpoint_is_a_no_op_by_design(log: pytest.LogCaptureFixture) -> None:
+    """Every zeroshard checkpoint reshards at load, which is what DeepSpeed's elastic layout is for."""
+    parse_config({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}})
+    assert warnings_of(log) == []
 
 
 def test_quantized_nontrainable_weights_work_at_stage_3_and_are_ignored_below(log: pytest.LogCaptureFixture) -> None:

@@ -224,6 +224,10 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "elasticity.min_time": (
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
+        "zero_optimization.elastic_checkpoint": (
+            "DeepSpeed's stage 1-2 optimizer layout that loads at another data-parallel degree (at stage 3 it only "
+            "warns that the key is deprecated); every zeroshard checkpoint loads at another data-parallel degree"
+        ),
         "zero_optimization.stage3_module_granularity_threshold": (
             "fetches fine-grained modules as one to save DeepSpeed's per-module hooks; zeroshard gathers whole units "
             "(blocks, the root) and hooks only those, not each submodule"
@@ -305,7 +309,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.mics_hierarchical_params_gather",
         "zero_optimization.zenflow",
         "zero_optimization.legacy_stage1",
-        "zero_optimization.elastic_checkpoint",
         # Precision extras.
         "amp",
         # Communication extras.
@@ -338,7 +341,7 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     ]
 )
 
-# Unimplemented keys DeepSpeed 0.19.8 refuses ("has been removed"): a config from an earlier release still loads
+# Unimplemented keys DeepSpeed 0.19.8 refuses (its config: "has been removed"; legacy_stage1: its initialize): a config from an earlier release still loads
 # here, and the warning says the feature is gone rather than coming.
 REMOVED_IN_DEEPSPEED: Final[frozenset[str]] = frozenset(
     [
@@ -353,6 +356,8 @@ REMOVED_IN_DEEPSPEED: Final[frozenset[str]] = frozenset(
         "zero_optimization.mics_shard_size",
         "zero_optimization.mics_hierarchical_params_gather",
         "zero_optimization.zeropp_loco_param",
+        # DeepSpeed 0.19.8 parses it and raises at initialize: the old stage 1 left in 0.5.9
+        "zero_optimization.legacy_stage1",
     ]
 )
 
@@ -389,7 +394,7 @@ def warn_unimplemented(cfg: ConfigBlock, logger: logging.Logger) -> None:
             shown = shown[: _SHOWN_CHARS - 3] + "..."
         if _listed(key, REMOVED_IN_DEEPSPEED):
             logger.warning(
-                f"zeroshard: {key}={shown} is a feature DeepSpeed 0.19 removed (its config refuses the key); "
+                f"zeroshard: {key}={shown} is a feature DeepSpeed 0.19 removed (DeepSpeed refuses it); "
                 "zeroshard accepts it and it has no effect"
             )
         else:
