@@ -225,8 +225,8 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
             "for the scheduler (how long to run before rescaling); DeepSpeed's runtime only checks it is >= 0, as here"
         ),
         "zero_optimization.elastic_checkpoint": (
-            "DeepSpeed's stage 1-2 optimizer layout that loads at another data-parallel degree (at stage 3 it only "
-            "warns that the key is deprecated); every zeroshard checkpoint loads at another data-parallel degree"
+            "DeepSpeed's stage 1-2 optimizer layout for loading at another data-parallel degree, which every "
+            "zeroshard checkpoint allows"
         ),
         "zero_optimization.stage3_module_granularity_threshold": (
             "fetches fine-grained modules as one to save DeepSpeed's per-module hooks; zeroshard gathers whole units "
@@ -341,8 +341,8 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     ]
 )
 
-# Unimplemented keys DeepSpeed 0.19.8 refuses (its config: "has been removed"; legacy_stage1: its initialize): a config from an earlier release still loads
-# here, and the warning says the feature is gone rather than coming.
+# Unimplemented keys DeepSpeed 0.19.8 refuses (its config: "has been removed"; legacy_stage1: its initialize):
+# a config from an earlier release still loads here, and the warning says the feature is gone rather than coming.
 REMOVED_IN_DEEPSPEED: Final[frozenset[str]] = frozenset(
     [
         "amp",
