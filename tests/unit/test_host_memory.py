@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ PROBE = textwrap.dedent(
                     return "hg" in line.split()[1:]
         return False
 
-    policy = hm.apply_host_policy(torch.device("cpu"), churns=sys.argv[1] == "1")
+    policy = hm.apply_host_policy(torch.device("cpu"), churns=sys.argv[1] == "1") and hm._policy_in_force()
     big, small = 16 << 20, 1 << 20
     unit = torch.empty(0)
     hm.fresh(unit.untyped_storage(), big)
@@ -60,7 +62,9 @@ PROBE = textwrap.dedent(
 
 
 def _probe(churns: bool, **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "ZEROSHARD_HOST_ALLOC")}
+    # torch's own advice (THP_MEM_ALLOC_ENABLE), a preloaded allocator or glibc settings would change what is seen
+    unset = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES", "LD_PRELOAD", "ZEROSHARD_HOST_ALLOC")
+    environ = {k: v for k, v in os.environ.items() if k not in (*unset, "THP_MEM_ALLOC_ENABLE")}
     environ.update(env, PYTHONPATH=SRC)
     out = subprocess.run(
         [sys.executable, "-c", PROBE, "1" if churns else "0"],
@@ -85,14 +89,14 @@ needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="g
 
 
 @needs_linux
-@pytest.mark.skipif(_thp_mode() in ("never", "absent"), reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(_thp_mode() == "absent", reason="no transparent huge pages in this kernel")
 def test_fresh_buffers_are_advised_for_huge_pages_under_the_policy() -> None:
     seen = _probe(churns=True)
     assert seen["policy"] is True
     assert seen["shape"] == [4 << 20] and seen["dtype"] == "torch.float32" and seen["nbytes"] == 16 << 20
     assert seen["sum"] == float(4 << 20)  # an ordinary buffer: written and read whole
     assert seen["unit"] and seen["pooled"]
-    assert not seen["tiny"]  # below _ADVISED_FROM: left in 4 KiB pages
+    assert not seen["tiny"]  # below _ADVISED_FROM (and without a 2 MiB-aligned interior)
     assert not seen["plain"]  # torch's own allocations are not ours to advise
 
 
@@ -110,3 +114,85 @@ def test_without_the_policy_nothing_is_advised(churns: bool, env: dict[str, str]
     assert seen["policy"] is False
     assert not seen["unit"] and not seen["pooled"]
     assert seen["sum"] == float(4 << 20)
+
+
+# In-process: glibc is left alone; the policy and the system calls are replaced by recorders.
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """`fresh` as under the policy, each `_advise_huge(address, nbytes)` recorded instead of made."""
+    from zeroshard.offload import host_memory as hm
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(hm, "_policy_in_force", lambda: True)
+    monkeypatch.setattr(hm, "_own_mapping", lambda address: True)
+    monkeypatch.setattr(hm, "_advise_huge", lambda address, nbytes: calls.append((address, nbytes)))
+    return calls
+
+
+def test_only_empty_cpu_storages_of_4_mib_and_more_are_advised(advised: list[tuple[int, int]]) -> None:
+    import torch
+
+    from zeroshard.offload.host_memory import fresh
+
+    below, at = torch.empty(0).untyped_storage(), torch.empty(0).untyped_storage()
+    fresh(below, 4 * MiB - 1)
+    fresh(at, 4 * MiB)
+    assert advised == [(at.data_ptr(), 4 * MiB)]
+    meta = torch.empty(0, device="meta").untyped_storage()
+    fresh(meta, 16 * MiB)
+    written = torch.ones(MiB).untyped_storage()  # resized with its data: copied, so touched already
+    fresh(written, 16 * MiB)
+    assert advised == [(at.data_ptr(), 4 * MiB)] and meta.nbytes() == written.nbytes() == 16 * MiB
+
+
+def test_fresh_empty_is_torch_empty_where_nothing_is_advised(advised: list[tuple[int, int]]) -> None:
+    import torch
+
+    from zeroshard.offload.host_memory import fresh_empty
+
+    big = fresh_empty(MiB, torch.float32, torch.device("cpu"))
+    assert big.shape == (MiB,) and big.is_contiguous() and advised == [(big.data_ptr(), 4 * MiB)]
+    assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default
+    with _deterministic():
+        small = fresh_empty(16, torch.float32, torch.device("cpu"))  # torch.empty's own: NaN-filled here
+        meta = fresh_empty(MiB, torch.float32, torch.device("meta"))
+    assert small.isnan().all() and meta.shape == (MiB,) and len(advised) == 1
+
+
+def test_the_advice_stays_inside_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeroshard.offload import host_memory as hm
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(
+        hm, "_madvise", lambda: lambda start, length, advice: calls.append((start.value, length.value, advice.value))
+    )
+    huge = hm._HUGE_PAGE
+    for address, nbytes in [
+        (huge * 7 + 4096, 6 * MiB),
+        (huge * 3, 4 * MiB),
+        (huge * 5 + 64, 3 * MiB),
+        (huge + 1, huge),
+    ]:
+        calls.clear()
+        hm._advise_huge(address, nbytes)
+        for start, length, advice in calls:
+            assert start % huge == 0 and length % huge == 0 and length > 0 and advice == hm._MADV_HUGEPAGE
+            assert address <= start and start + length <= address + nbytes
+        interior = (address + nbytes) // huge * huge - -(-address // huge) * huge
+        assert sum(length for _, length, _ in calls) == max(interior, 0)
+
+
+@contextmanager
+def _deterministic() -> Iterator[None]:
+    import torch
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)

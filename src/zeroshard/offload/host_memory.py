@@ -23,16 +23,20 @@ resident-memory benchmark compares stages under one policy that way).
 
 [Note: huge pages for fresh host buffers]
 Under the fixed threshold every large buffer comes from a fresh mmap, and the kernel maps and zeroes it one 4 KiB
-page fault at a time as it is first written: a stage-3 unit gathered, a gradient shard or staging buffer of a
-reduction, every step. Where transparent huge pages are on for advised memory (the
-common default, `/sys/kernel/mm/transparent_hugepage/enabled` = madvise), `madvise(MADV_HUGEPAGE)` on such a
-buffer before it is written makes each fault map 2 MiB. `fresh` advises zeroshard's own large host buffers this
-way, only while the fixed threshold is in force (the buffer is then its own mapping: no heap memory is advised,
-which khugepaged could fill in) and only the 2 MiB-aligned interior (the rest stays in 4 KiB pages). The resident
-set is unchanged: these buffers are written whole. Tensors torch allocates itself (activations, autograd's
-gradients) are advised only when `THP_MEM_ALLOC_ENABLE=1` is in the environment before torch starts, which a
-library imported after torch cannot arrange; docs/design.md gives the measurements of both. NVMe entries read back
-are not advised: their reads are bound by the disk, and advising them measured no gain (benchmarks/infinity.py).
+page fault at a time as it is first written: a stage-3 unit gathered, a gradient shard, a reduction's staging
+buffer (the `BufferPool` of every stage), every step. Where transparent huge pages are on for advised memory
+(`/sys/kernel/mm/transparent_hugepage/enabled` = madvise, as on Debian and Ubuntu; with "always" the advice changes
+nothing), `madvise(MADV_HUGEPAGE)` on such a buffer before it is written makes each fault map 2 MiB (a fresh 64 MiB
+buffer: 16,386 faults and 26.5 ms to write, 545 and 4.4 ms advised). `fresh` advises zeroshard's own host buffers
+of 4 MiB and more this way, and only the 2 MiB-aligned interior of a buffer that is its own mapping: the fixed
+threshold is in force, no other allocator is interposed (jemalloc or tcmalloc preloaded keep freed memory, which
+the advice would follow into tensors written in part: RSS measured 450 MiB against 247 MiB), and glibc's chunk
+header says it was mapped for this allocation (not heap memory, which khugepaged could fill in). The resident set
+is unchanged, since these buffers are written whole; the cost is that a fault may compact memory to find a huge
+page (`defrag` = madvise). Tensors torch allocates itself (activations, autograd's gradients) are advised only
+with `THP_MEM_ALLOC_ENABLE=1`, which torch reads at its first CPU allocation, before a library that is given a
+model can act; docs/design.md has the measurements of both. NVMe entries read back are not advised: their reads
+are bound by the disk (benchmarks/infinity.py with 4 layers of width 1536: step times the same within noise).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 DEFAULT_THRESHOLD = 256 << 10
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
-_ADVISED_FROM = 2 * _HUGE_PAGE  # smaller buffers have little or no aligned interior
+_ADVISED_FROM = max(2 * _HUGE_PAGE, DEFAULT_THRESHOLD)  # smaller: little aligned interior; always a mapping
+_IS_MMAPPED = 2  # glibc's chunk-size flag
 
 
 def fix_mmap_threshold() -> bool:
@@ -89,26 +94,54 @@ def _fix_once() -> bool:
 
 
 def fresh(storage: torch.UntypedStorage, nbytes: int) -> None:
-    """Give a released `storage` `nbytes` of new memory (`resize_`), advised for huge pages where it is a large
-    host buffer under the fixed threshold: [Note: huge pages for fresh host buffers]."""
+    """Give a released (empty) `storage` `nbytes` of new memory (`resize_`), advised for huge pages where it is a
+    large host buffer of its own mapping: [Note: huge pages for fresh host buffers]."""
+    empty = storage.nbytes() == 0  # a storage resized with its data is copied: written already
     storage.resize_(nbytes)
-    if storage.device.type == "cpu" and nbytes >= _ADVISED_FROM and _policy_in_force():
-        _advise_huge(storage.data_ptr(), nbytes)
+    if empty and _advisable(storage.device, nbytes):
+        address = storage.data_ptr()
+        if _own_mapping(address):
+            _advise_huge(address, nbytes)
 
 
 def fresh_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.empty(numel)` advised as `fresh` advises a storage."""
-    tensor = torch.empty(0, dtype=dtype, device=device)
+    """`torch.empty(numel)`, advised as `fresh` advises a storage where that applies."""
+    tensor = torch.empty(0 if _advisable(device, numel * dtype.itemsize) else numel, dtype=dtype, device=device)
+    if tensor.numel() == numel:  # torch.empty's own buffer (e.g. NaN-filled under deterministic algorithms)
+        return tensor
     fresh(tensor.untyped_storage(), numel * tensor.element_size())
     return tensor.set_(tensor.untyped_storage(), 0, (numel,), (1,))  # type: ignore[call-overload]
 
 
+def _advisable(device: torch.device, nbytes: int) -> bool:
+    return device.type == "cpu" and nbytes >= _ADVISED_FROM and _policy_in_force()
+
+
 def _policy_in_force() -> bool:
-    """Whether this process fixed the threshold (`fix_mmap_threshold` ran and succeeded); asks nothing of glibc."""
-    return _fix_once.cache_info().currsize > 0 and _fix_once()
+    """Whether this process fixed the threshold (`fix_mmap_threshold` ran and succeeded) and glibc's malloc is the
+    one serving torch (no allocator interposed); asks nothing of glibc."""
+    return _fix_once.cache_info().currsize > 0 and _fix_once() and _glibc_serves()
+
+
+@cache
+def _glibc_serves() -> bool:
+    """Whether torch's `posix_memalign` resolves to glibc's, not to a preloaded allocator's."""
+    try:
+        seen = ctypes.cast(ctypes.CDLL(None).posix_memalign, ctypes.c_void_p).value
+        ours = ctypes.cast(_libc().posix_memalign, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
+    return seen is not None and seen == ours
+
+
+def _own_mapping(address: int) -> bool:
+    """glibc's chunk header, the word before the memory it returned, has IS_MMAPPED (2) set when the chunk is a
+    mapping of its own (read only where glibc serves: `_policy_in_force`)."""
+    return bool(ctypes.c_size_t.from_address(address - ctypes.sizeof(ctypes.c_size_t)).value & _IS_MMAPPED)
 
 
 def _advise_huge(address: int, nbytes: int) -> None:
+    """MADV_HUGEPAGE over the 2 MiB-aligned interior of [address, address + nbytes), if there is one."""
     start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
     end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
     madvise = _madvise()
