@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.zero.stage3.schedule import GatherSchedule
 from zeroshard.zero.stage3.step import SubGroupStepper
-from zeroshard.zero.stage3.unit import ShardedUnit
+from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 
 
 class Stage3Gathering:
@@ -23,6 +24,7 @@ class Stage3Gathering:
     schedule: GatherSchedule
     stepper: SubGroupStepper
     comm: Collectives
+    agreement: CallAgreement  # [Note: gathering calls agree first]
     shard_rank: int
     _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
     _state_dict_gathered: list[bool]
@@ -31,7 +33,7 @@ class Stage3Gathering:
     @contextmanager
     def gathered(self) -> Iterator[None]:
         """Every unit gathered for the block (generation): [Note: forwards of the whole gathered model]."""
-        held = self.gather_begin([p for unit in self.units for p in unit.params])
+        held = self.gather_begin([p for unit in self.units for p in unit.params], "a whole-model gather (generation)")
         try:
             yield
         finally:
@@ -47,6 +49,7 @@ class Stage3Gathering:
         own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
         self._state_dict_gathered.append(not keep_vars)
         if not keep_vars:
+            self._agree("state_dict()", self.units)
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
@@ -59,13 +62,14 @@ class Stage3Gathering:
         self.schedule.unpin(self.units)
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
-    def gather_begin(self, params: Sequence[torch.Tensor]) -> list[Any]:
+    def gather_begin(self, params: Sequence[torch.Tensor], call: str = "") -> list[Any]:
         """[Note: forwards of the whole gathered model]
         While every unit is pinned (`gathered()`, generation; `GatheredParameters` over all of the model's
         parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
         the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
         so ranks may generate different numbers of tokens without `synced_gpus`."""
         units = self.units_of(params)
+        self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units)
         self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
             return units
@@ -75,7 +79,12 @@ class Stage3Gathering:
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
         whole = held[0] if held and isinstance(held[0], _WholeModel) else None
         units = held[1:] if whole is not None else held
-        if modifier_rank is not None:
+        if modifier_rank is not None and units:
+            indices = [u.index for u in units]
+            self.agreement.agree(
+                f"the end of GatheredParameters(modifier_rank={modifier_rank})",
+                f"broadcast from rank {modifier_rank} of units {indices}",
+            )
             with torch.no_grad():
                 for unit in units:
                     self.comm.broadcast(unit.full.data, src=modifier_rank)
@@ -84,6 +93,13 @@ class Stage3Gathering:
             self.schedule.resume_trace(whole.saved)
             self._untraced -= 1
         self.schedule.unpin(units)
+
+    def _agree(self, call: str, units: Sequence[ShardedUnit]) -> None:
+        """Before a caller's call gathers: [Note: gathering calls agree first]. Units gathered already (the
+        persistent one, or inside a forward) communicate nothing, so a call that gathers none posts nothing."""
+        needed = [u.index for u in units if u.state is UnitState.SHARDED]
+        if needed:
+            self.agreement.agree(call, f"all-gather of units {needed}")
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.checkpoint.state import ShardedState
+from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.errors import ConfigError
@@ -120,6 +121,8 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             policy.master_tier.log_split(split)
         self.pool = BufferPool(device)
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
+        # on the CPU a gather waits wait_timeout_s before the divergence report; elsewhere the group's deadline
+        self.agreement = CallAgreement(comm, policy.wait_timeout_s if device.type == "cpu" else None)
         param_store = policy.param_tier.residency
         self.schedule = GatherSchedule(
             self.units, comm, policy.prefetch, self.watch, param_store, policy.param_read_ahead, policy.overlap_comm
@@ -446,7 +449,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             return self._gather_slot(param, local)
 
     def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        held = self.gather_begin([param])
+        held = self.gather_begin([param], "safe_set_full_fp32_param")
         unit, index, slot = self._slot_of(param)
         with torch.no_grad():
             unit.views[index].copy_(value)

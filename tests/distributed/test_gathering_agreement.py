@@ -1,0 +1,126 @@
+"""[Note: gathering calls agree first] (comm/agreement.py): stage-3 calls that gather on the caller's behalf
+(`state_dict()`, `GatheredParameters`, generation's whole-model gather) agree through the store before they
+communicate, so a rank-dependent branch is named on every backend. gloo's per-collective fingerprints are switched
+off here (ZEROSHARD_VERIFY_COLLECTIVES=0), as NCCL has none: without the agreement, DeepSpeed-Chat's save (rank 0's
+`state_dict()` beside every rank's per-parameter `GatheredParameters`) pairs equal-size gathers of different
+calls."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, param_groups
+
+
+def _engine(rank: int, verify: str = "0", timeout: str = "8") -> Any:
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = verify  # NCCL's default: no per-collective fingerprints
+    os.environ["ZEROSHARD_DIVERGENCE_TIMEOUT_S"] = timeout
+    import zeroshard
+
+    case = Case(stage=3)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    return engine
+
+
+def _outcome(call: Any) -> tuple[str, str, float]:
+    import zeroshard
+
+    start = time.monotonic()
+    try:
+        call()
+    except zeroshard.ZeroshardError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+def _dschat_save(rank: int, world_size: int) -> tuple[str, str, float]:
+    import zeroshard
+
+    engine = _engine(rank)
+
+    def save() -> None:
+        if rank == 0:  # save_hf_format at stage 3: rank 0 alone
+            engine.module.state_dict()
+        for p in engine.module.parameters():  # save_zero_three_model: every rank, parameter by parameter
+            with zeroshard.GatheredParameters([p]):
+                pass
+
+    return _outcome(save)
+
+
+def test_rank_dependent_gathering_calls_are_named_without_fingerprints() -> None:
+    outcomes = run_on_ranks(_dschat_save, 2, timeout=120)
+    for name, message, seconds in outcomes:
+        assert name == "CollectiveMismatchError", outcomes
+        assert "rank 0: state_dict() (all-gather of units" in message, message
+        assert "rank 1: GatheredParameters over 1 parameter(s) (all-gather of units" in message, message
+        assert seconds < 5, seconds  # at once, not after a timeout
+
+
+def _alone(rank: int, world_size: int) -> tuple[str, str, float]:
+    import torch.distributed as dist
+
+    engine = _engine(rank, timeout="3")
+    outcome = _outcome(engine.module.state_dict) if rank == 0 else ("", "", 0.0)
+    dist.barrier()  # rank 1 waits here (the script's own collective), never in a gathering call
+    return outcome
+
+
+def test_a_gathering_call_made_on_one_rank_alone_names_the_absent_ranks() -> None:
+    outcomes = run_on_ranks(_alone, 2, timeout=120)
+    name, message, seconds = outcomes[0]
+    assert name == "CollectiveTimeoutError", outcomes
+    assert "rank 0 made state_dict()" in message and "rank(s) [1] did not make a gathering call within 3s" in message
+    assert 3 <= seconds < 20, seconds
+
+
+def _agreeing(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+
+    import zeroshard
+
+    engine = _engine(rank)
+    params = list(engine.module.parameters())
+    out: dict[str, Any] = {}
+    # different calls that gather the same units agree: rank 0's state_dict(), rank 1's whole-model block
+    if rank == 0:
+        full = engine.module.state_dict()
+    else:
+        with zeroshard.GatheredParameters(params):
+            full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["same_values"] = {
+        n: float(v.double().sum()) for n, v in full.items() if n in dict(engine.module.named_parameters())
+    }
+    # a modifier block: every rank agrees at its end, and rank 0's change reaches every rank
+    weight = engine.module.blocks[0].attn.qkv.weight
+    with zeroshard.GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data.fill_(0.5)
+    with zeroshard.GatheredParameters([weight]):
+        out["modified"] = bool(torch.all(weight == 0.5))
+    # a block over parameters gathered already posts nothing: rank 1 alone in an inner block, without a hang
+    with zeroshard.GatheredParameters(params):
+        if rank == 1:
+            with zeroshard.GatheredParameters([weight]):
+                out["nested"] = bool(torch.all(weight == 0.5))
+    out["store_keys_left"] = _agreement_keys(engine)
+    return out
+
+
+def _agreement_keys(engine: Any) -> int:
+    """The posts this rank still has on the store: one call's, at most (older ones are deleted as calls go on)."""
+    store = engine.strategy.agreement._default_store()
+    space = engine.strategy.agreement._space
+    number = int(store.add(f"{space}/calls/{engine.comm.rank}", 0))
+    return sum(store.check([f"{space}/{n}/{engine.comm.rank}"]) for n in range(1, number + 1))
+
+
+def test_calls_that_gather_the_same_units_agree_and_posts_do_not_pile_up() -> None:
+    first, second = run_on_ranks(_agreeing, 2, timeout=120)
+    assert first["same_values"] == second["same_values"]
+    assert first["modified"] and second["modified"] and second["nested"]
+    assert first["store_keys_left"] == second["store_keys_left"] == 1
