@@ -5,9 +5,9 @@
 the caller's own code, where a rank-dependent branch sends ranks into different collectives:
 `if rank == 0: torch.save(model.state_dict(), ...)`, or DeepSpeed-Chat's rank-0 `save_hf_format` beside every
 rank's per-parameter `GatheredParameters` save. gloo's per-collective fingerprints name that at the first
-collective; NCCL fingerprints nothing (a per-collective check would sync the host with the GPU), so there equal-size
-all-gathers pair up across the two calls and carry the wrong unit's values without an error, or wait out the
-collective deadline. So before such a call communicates, each rank posts on the process group's key-value store
+collective; NCCL fingerprints nothing (a per-collective check would sync the host with the GPU), so there
+all-gathers of equal sizes may pair up across the two calls and carry the wrong unit's values without an error, or
+wait out the collective deadline (gloo with its fingerprints off aborted: "Connection reset by peer"). So before such a call communicates, each rank posts on the process group's key-value store
 (host-side on every backend) which collectives the call is about to issue and what the call is, and reads the
 other ranks' posts for the same call number. Different collectives: a `CollectiveMismatchError` on every rank,
 naming each rank's call. A rank that posts nothing within the timeout (it skipped the call): a
