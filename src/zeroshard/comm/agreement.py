@@ -1,21 +1,21 @@
 """Calls that gather at stage 3 on the caller's behalf agree first, through the rendezvous store.
 
 [Note: gathering calls agree first]
-`state_dict()`, `GatheredParameters` and generation's whole-model gather are collectives at stage 3, made from
-the caller's own code, where a rank-dependent branch sends ranks into different collectives:
-`if rank == 0: torch.save(model.state_dict(), ...)`, or DeepSpeed-Chat's rank-0 `save_hf_format` beside every
-rank's per-parameter `GatheredParameters` save. gloo's per-collective fingerprints name that at the first
-collective; NCCL fingerprints nothing (a per-collective check would sync the host with the GPU), so there
-all-gathers of equal sizes may pair up across the two calls and carry the wrong unit's values without an error, or
-wait out the collective deadline (gloo with its fingerprints off aborted: "Connection reset by peer"). So before such a call communicates, each rank posts on the process group's key-value store
-(host-side on every backend) which collectives the call is about to issue and what the call is, and reads the
-other ranks' posts for the same call number. Different collectives: a `CollectiveMismatchError` on every rank,
-naming each rank's call. A rank that posts nothing within the timeout (it skipped the call): a
+`state_dict()`, `GatheredParameters` and generation's whole-model gather are collectives at stage 3, made from the
+caller's own code, where a rank-dependent branch sends ranks into different collectives: `if rank == 0:
+torch.save(model.state_dict(), ...)`, or DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's per-parameter
+`GatheredParameters` save. gloo's per-collective fingerprints name that at the first collective; NCCL fingerprints
+nothing (a per-collective check would sync the host with the GPU), so there all-gathers of equal sizes may pair up
+across the two calls and carry the wrong unit's values without an error, or wait out the collective deadline (gloo with
+its fingerprints off aborted: "Connection reset by peer"). So before such a call communicates, each rank posts on the
+process group's key-value store (host-side on every backend) which collectives the call is about to issue and what the
+call is, and reads the other ranks' posts for the same call number. Different collectives: a `CollectiveMismatchError`
+on every rank, naming each rank's call. A rank that posts nothing within the timeout (it skipped the call): a
 `CollectiveTimeoutError` naming it. Ranks whose calls issue the same collectives agree, whatever the calls are
-(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units).
-The cost is five store round trips per call that communicates (units to gather, a modifier's broadcast); calls
-that find everything gathered communicate nothing and post nothing, and the training step's own gathers (hooks)
-are checked by the per-step digest instead ([Note: divergence check] in divergence.py).
+(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units). The cost is
+five store round trips per call that communicates (units to gather, a modifier's broadcast); calls that find everything
+gathered communicate nothing and post nothing, and the training step's own gathers (hooks) are checked by the per-step
+digest instead ([Note: divergence check] in divergence.py).
 """
 
 from __future__ import annotations
