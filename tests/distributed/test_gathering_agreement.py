@@ -124,3 +124,60 @@ def test_calls_that_gather_the_same_units_agree_and_posts_do_not_pile_up() -> No
     assert first["same_values"] == second["same_values"]
     assert first["modified"] and second["modified"] and second["nested"]
     assert first["store_keys_left"] == second["store_keys_left"] == 1
+
+
+def _modifiers(rank: int, world_size: int, case: str) -> tuple[str, str, float]:
+    import zeroshard
+
+    engine = _engine(rank)
+    weight = engine.module.blocks[0].attn.qkv.weight
+
+    def block() -> None:
+        if case == "modifier":  # rank 0 modifies and broadcasts; rank 1 forgot modifier_rank
+            with zeroshard.GatheredParameters([weight], modifier_rank=0 if rank == 0 else None):
+                pass
+        else:  # rank 0 reads a full fp32 value alone while rank 1 saves the model
+            if rank == 0:
+                zeroshard.utils.safe_get_full_fp32_param(weight)
+            else:
+                engine.module.state_dict()
+
+    return _outcome(block)
+
+
+def test_a_different_modifier_rank_or_a_lone_full_value_read_is_named_at_entry() -> None:
+    for name, message, seconds in run_on_ranks(_modifiers, 2, "modifier", timeout=120):
+        assert name == "CollectiveMismatchError" and seconds < 5, (name, message)
+        assert "rank 0: GatheredParameters over 1 parameter(s), modifier_rank=0" in message, message
+        assert "broadcast from rank 0 at the end" in message and "rank 1: GatheredParameters over 1" in message
+    for name, message, seconds in run_on_ranks(_modifiers, 2, "full value", timeout=120):
+        assert name == "CollectiveMismatchError" and seconds < 5, (name, message)
+        assert "rank 0: safe_get_full_*(param)" in message and "rank 1: state_dict()" in message, message
+
+
+def _raising_block(rank: int, world_size: int) -> tuple[str, str, float]:
+    import torch.distributed as dist
+
+    import zeroshard
+
+    engine = _engine(rank, timeout="3")
+    weight = engine.module.blocks[0].attn.qkv.weight
+
+    def block() -> None:
+        with zeroshard.GatheredParameters([weight], modifier_rank=0):
+            if rank == 1:
+                raise ValueError("the script's own error inside the block")
+
+    try:
+        outcome = _outcome(block)
+    except ValueError as e:
+        outcome = ("ValueError", str(e), 0.0)
+    dist.barrier()
+    return outcome
+
+
+def test_a_block_that_raised_on_one_rank_is_named_at_its_end() -> None:
+    first, second = run_on_ranks(_raising_block, 2, timeout=120)
+    assert first[0] == "CollectiveTimeoutError", first
+    assert "rank(s) [1] did not make the end of its GatheredParameters block" in first[1], first[1]
+    assert second[0] == "ValueError"

@@ -1,27 +1,33 @@
 """Calls that gather at stage 3 on the caller's behalf agree first, through the rendezvous store.
 
 [Note: gathering calls agree first]
-`state_dict()`, `GatheredParameters` and generation's whole-model gather are collectives at stage 3, made from the
-caller's own code, where a rank-dependent branch sends ranks into different collectives: `if rank == 0:
-torch.save(model.state_dict(), ...)`, or DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's per-parameter
-`GatheredParameters` save. gloo's per-collective fingerprints name that at the first collective; NCCL fingerprints
-nothing (a per-collective check would sync the host with the GPU), so there all-gathers of equal sizes may pair up
-across the two calls and carry the wrong unit's values without an error, or wait out the collective deadline (gloo with
-its fingerprints off aborted: "Connection reset by peer"). So before such a call communicates, each rank posts on the
-process group's key-value store (host-side on every backend) which collectives the call is about to issue and what the
-call is, and reads the other ranks' posts for the same call number. Different collectives: a `CollectiveMismatchError`
-on every rank, naming each rank's call. A rank that posts nothing within the timeout (it skipped the call): a
-`CollectiveTimeoutError` naming it. Ranks whose calls issue the same collectives agree, whatever the calls are
-(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units). The cost is
-five store round trips per call that communicates (units to gather, a modifier's broadcast); calls that find everything
-gathered communicate nothing and post nothing, and the training step's own gathers (hooks) are checked by the per-step
-digest instead ([Note: divergence check] in divergence.py).
+The stage-3 calls that gather on the caller's behalf are collectives made from the caller's own code: `state_dict()`,
+`GatheredParameters` (its gather, and a modifier's broadcast), generation's whole-model gather, the consolidated
+16-bit state dict (`save_16bit_model`, accelerate's `get_state_dict`) and `safe_get_full_*` / `safe_set_full_*`.
+There a rank-dependent branch sends ranks into different collectives: `if rank == 0: torch.save(model.state_dict())`,
+or DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's per-parameter `GatheredParameters` save. gloo's
+per-collective fingerprints name that at the first collective; NCCL fingerprints nothing (a per-collective check would
+sync the host with the GPU), so there all-gathers of equal sizes may pair up across the two calls and carry the wrong
+unit's values without an error, or wait out the collective deadline (gloo with its fingerprints off aborted:
+"Connection reset by peer"). So before such a call communicates, each rank posts on the process group's key-value
+store (host-side on every backend) a digest of the collectives the call is about to issue, with the call's name; rank 0
+reads the posts of that call number and posts a verdict, which the others read. Different collectives: a
+`CollectiveMismatchError` on every rank, naming each rank's call. A rank that posts nothing within the timeout (it
+skipped the call): a `CollectiveTimeoutError` naming it, after which this engine's gathering calls refuse to run (the
+ranks' call numbers no longer line up). Ranks whose calls issue the same collectives agree, whatever the calls are
+(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units). The cost
+is four or five store round trips per call that communicates (units to gather, a modifier's broadcast; about 0.5 ms on
+2 ranks here, store traffic growing with the ranks); calls that find everything gathered communicate nothing and post
+nothing, and the training step's own gathers (hooks) are checked by the per-step digest instead ([Note: divergence
+check] in divergence.py). Not covered: `GatheredParameters` before `initialize` (pending.py), which broadcasts.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import zlib
 
 import torch.distributed as dist
 
@@ -29,55 +35,87 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import SAME_MODULES, CollectiveMismatchError, CollectiveTimeoutError
 
 _ROOT = "zeroshard/agree"
+_SHOWN = 160  # characters of a call's collectives shown in a mismatch
 
 
 class CallAgreement:
     """The agreement of [Note: gathering calls agree first] for one engine's process group."""
 
     def __init__(self, comm: Collectives, timeout_s: float | None):
-        """`timeout_s` None: the store's own, which is the process group's deadline (`zeroshard.collective_timeout_s`
-        when `initialize` creates the group), as long as a collective would wait."""
+        """`timeout_s` None: the store's own timeout (the process group's deadline, `zeroshard.collective_timeout_s`,
+        when `initialize` created the group and its store)."""
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.timeout_s = timeout_s
         ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else []
-        self._space = f"{_ROOT}/{'-'.join(map(str, ranks)) or 'world'}"
+        group = f"g{zlib.crc32(','.join(map(str, ranks)).encode()):08x}" if ranks else "world"
+        # a restarted attempt may find the store of the one before (torchrun's agent store): its own numbers
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._space = f"{_ROOT}/{group}/{attempt}"
         self._store: dist.Store | None = None
+        self._broken: str | None = None  # after a timeout the ranks' call numbers no longer line up
 
-    def agree(self, call: str, collectives: str) -> None:
+    def agree(self, call: str, collectives: str, awaited: str = "a gathering call") -> None:
         """Every rank of the group is making a call that issues `collectives` (a description every rank computes
-        alike); `call` names it in the error. Returns once all posted the same; raises otherwise."""
+        alike); `call` names it in the error, `awaited` says what an absent rank did not do. Returns once all
+        posted the same collectives; raises otherwise. Rank 0 reads the posts and posts the verdict, which the
+        others read: store traffic grows with the ranks, not with their square."""
         if self.world_size == 1:
             return
+        if self._broken is not None:
+            raise CollectiveMismatchError(
+                f"{call} cannot be checked against the other ranks: an earlier gathering call timed out "
+                f"({self._broken}), after which the ranks' calls no longer line up; the run cannot go on"
+            )
         store = self._default_store()
         timeout = self.timeout_s if self.timeout_s is not None else store.timeout.total_seconds()  # type: ignore[attr-defined]
         number = store.add(f"{self._space}/calls/{self.rank}", 1)
-        store.set(self._key(number, self.rank), json.dumps([call, collectives]))
-        keys = [self._key(number, r) for r in range(self.world_size)]
+        store.set(
+            self._post(number, self.rank), json.dumps([call, zlib.crc32(collectives.encode()), collectives[:_SHOWN]])
+        )
         try:
-            store.wait(keys, datetime.timedelta(seconds=timeout))
+            verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
         except RuntimeError as err:  # a store timeout (DistStoreError is one)
-            raise CollectiveTimeoutError(self._absent(store, keys, call, timeout)) from err
-        posts = [json.loads(value) for value in _get_all(store, keys)]
-        if number > 1:  # every rank read call number - 1 before it posted this one
-            store.delete_key(self._key(number - 1, self.rank))
-        if any(collectives != theirs for _, theirs in posts):
-            described = "; ".join(f"rank {r}: {name} ({what})" for r, (name, what) in enumerate(posts))
+            self._broken = f"{call}, call {number} of rank {self.rank}"
+            raise CollectiveTimeoutError(self._absent(store, number, call, timeout, awaited)) from err
+        if number > 1:  # rank 0 read this rank's previous post before it posted this verdict
+            store.delete_key(self._post(number - 1, self.rank))
+        if verdict:
             raise CollectiveMismatchError(
-                f"ranks made different gathering calls at stage 3 ({described}); each is a collective that every "
-                f"rank must make in the same order. {SAME_MODULES}"
+                f"ranks made different gathering calls at stage 3 ({verdict}); each is a collective that every rank "
+                f"must make in the same order. {SAME_MODULES}"
             )
 
-    def _absent(self, store: dist.Store, keys: list[str], call: str, timeout: float) -> str:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    def _verdict(self, store: dist.Store, number: int, timeout: datetime.timedelta) -> str:
+        """Empty when every rank posted the same collectives; else each rank's call, described."""
+        key = f"{self._space}/{number}/verdict"
+        if self.rank != 0:
+            store.wait([key], timeout)
+            return store.get(key).decode()
+        posts = [self._post(number, r) for r in range(self.world_size)]
+        store.wait(posts, timeout)
+        seen = [json.loads(value) for value in _get_all(store, posts)]
+        same = all(digest == seen[0][1] for _, digest, _ in seen)
+        verdict = "" if same else "; ".join(f"rank {r}: {name} ({what})" for r, (name, _, what) in enumerate(seen))
+        store.set(key, verdict)
+        if number > 1:  # every rank read the previous verdict before it posted for this call
+            store.delete_key(f"{self._space}/{number - 1}/verdict")
+        return verdict
+
+    def _absent(self, store: dist.Store, number: int, call: str, timeout: float, awaited: str) -> str:
+        missing = [r for r in range(self.world_size) if not store.check([self._post(number, r)])]
+        if not missing:  # every rank posted; rank 0, which rules, did not
+            return (
+                f"rank {self.rank} made {call}, which gathers at stage 3, and every rank posted a call, but rank 0 "
+                f"gave no verdict within {timeout:.0f}s: it is stalled, or an earlier gathering call timed out there"
+            )
         return (
             f"rank {self.rank} made {call}, which gathers at stage 3 and so is a collective, and rank(s) {missing} did "
-            f"not make a gathering call within {timeout:.0f}s: every rank must make it (a call under "
-            "`if rank == 0:` cannot gather the other ranks' shards; gather on every rank, then save on one, as "
-            "engine.save_16bit_model does)"
+            f"not make {awaited} within {timeout:.0f}s: every rank must make it (a call under `if rank == 0:` cannot "
+            "gather the other ranks' shards; gather on every rank, then save on one, as engine.save_16bit_model does)"
         )
 
-    def _key(self, number: int, rank: int) -> str:
+    def _post(self, number: int, rank: int) -> str:
         return f"{self._space}/{number}/{rank}"
 
     def _default_store(self) -> dist.Store:

@@ -210,7 +210,9 @@ class Fsdp2Strategy(Strategy):
             self._state_of(sp.master, key).copy_(own_rows(sp, value))
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
-    def gather_begin(self, params: Sequence[torch.Tensor], call: str = "") -> list[Any]:
+    def gather_begin(
+        self, params: Sequence[torch.Tensor], call: str = "", modifier_rank: int | None = None
+    ) -> list[Any]:
         names = {self._record(p).name for p in params if id(p) in self._by_id}
         units = [u for u in self.units if any(n in names for n in u.param_names)]
         block = ExitStack()

@@ -284,9 +284,12 @@ class Strategy(ABC):
         return self.comm.any_true(here, self.device)
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
-    def gather_begin(self, params: Sequence[torch.Tensor], call: str = "") -> list[Any]:
+    def gather_begin(
+        self, params: Sequence[torch.Tensor], call: str = "", modifier_rank: int | None = None
+    ) -> list[Any]:
         """Make `params` whole until `gather_end` (collective; `call` names the caller's call in a divergence
-        report); returns what to release. Stages 0-2: nothing."""
+        report, `modifier_rank` is the rank whose changes `gather_end` will broadcast); returns what to release.
+        Stages 0-2: nothing."""
         return []
 
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:

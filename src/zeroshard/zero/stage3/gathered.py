@@ -55,7 +55,7 @@ class GatheredParameters:
                 unowned.append(p)  # initialize]; a model built whole needs nothing
         self._pending = begin(unowned) if unowned else None
         for strategy, params in by_strategy.values():
-            self._plan.append((strategy, strategy.gather_begin(params)))
+            self._plan.append((strategy, strategy.gather_begin(params, modifier_rank=self.modifier_rank)))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -47,9 +47,10 @@ class Stage3Gathering:
     def on_state_dict_pre(self, keep_vars: bool) -> None:
         """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's
         own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
+        if not keep_vars:
+            self._agree("state_dict()", self.units)  # before anything is held: it may raise
         self._state_dict_gathered.append(not keep_vars)
         if not keep_vars:
-            self._agree("state_dict()", self.units)
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
@@ -62,14 +63,17 @@ class Stage3Gathering:
         self.schedule.unpin(self.units)
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
-    def gather_begin(self, params: Sequence[torch.Tensor], call: str = "") -> list[Any]:
+    def gather_begin(
+        self, params: Sequence[torch.Tensor], call: str = "", modifier_rank: int | None = None
+    ) -> list[Any]:
         """[Note: forwards of the whole gathered model]
         While every unit is pinned (`gathered()`, generation; `GatheredParameters` over all of the model's
         parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
         the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
         so ranks may generate different numbers of tokens without `synced_gpus`."""
         units = self.units_of(params)
-        self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units)
+        name = call or f"GatheredParameters over {len(params)} parameter(s)"
+        self._agree(name if modifier_rank is None else f"{name}, modifier_rank={modifier_rank}", units, modifier_rank)
         self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
             return units
@@ -79,27 +83,31 @@ class Stage3Gathering:
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
         whole = held[0] if held and isinstance(held[0], _WholeModel) else None
         units = held[1:] if whole is not None else held
-        if modifier_rank is not None and units:
-            indices = [u.index for u in units]
-            self.agreement.agree(
-                f"the end of GatheredParameters(modifier_rank={modifier_rank})",
-                f"broadcast from rank {modifier_rank} of units {indices}",
-            )
-            with torch.no_grad():
-                for unit in units:
-                    self.comm.broadcast(unit.full.data, src=modifier_rank)
-                    self.write_back(unit)
-        if whole is not None:
-            self.schedule.resume_trace(whole.saved)
-            self._untraced -= 1
-        self.schedule.unpin(units)
+        try:
+            if modifier_rank is not None and units:
+                self.agreement.agree(  # [Note: gathering calls agree first]
+                    f"the end of GatheredParameters(modifier_rank={modifier_rank})",
+                    f"broadcast from rank {modifier_rank} of units {[u.index for u in units]}",
+                    awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+                )
+                with torch.no_grad():
+                    for unit in units:
+                        self.comm.broadcast(unit.full.data, src=modifier_rank)
+                        self.write_back(unit)
+        finally:
+            if whole is not None:
+                self.schedule.resume_trace(whole.saved)
+                self._untraced -= 1
+            self.schedule.unpin(units)
 
-    def _agree(self, call: str, units: Sequence[ShardedUnit]) -> None:
+    def _agree(self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None) -> None:
         """Before a caller's call gathers: [Note: gathering calls agree first]. Units gathered already (the
-        persistent one, or inside a forward) communicate nothing, so a call that gathers none posts nothing."""
+        persistent one, or inside a forward) communicate nothing, so a call that gathers none and broadcasts nothing
+        posts nothing; a modifier's broadcast at the block's end is part of what is agreed."""
         needed = [u.index for u in units if u.state is UnitState.SHARDED]
-        if needed:
-            self.agreement.agree(call, f"all-gather of units {needed}")
+        broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
+        if needed or broadcast:
+            self.agreement.agree(call, f"all-gather of units {needed}{broadcast}")
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}

@@ -320,6 +320,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         """Full master values of every parameter, unit by unit (collective: every rank calls it); one unit whole
         on the compute device at a time."""
         out: dict[int, torch.Tensor] = {}
+        self.agreement.agree("the consolidated state dict", f"all-gather of the fp32 shards of {len(self.units)} units")
         with self.optimizer_state_resident():
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
@@ -479,6 +480,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
     def _gather_slot(self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor]) -> torch.Tensor:
         """All-gather `local(unit)` (this rank's fp32 shard of `param`'s unit, or its prefix); `param`'s part."""
         unit, index, slot = self._slot_of(param)
+        self.agreement.agree("safe_get_full_*(param)", f"all-gather of an fp32 shard of unit {unit.index}")
         full, values = torch.zeros(unit.numel, dtype=torch.float32, device=self.device), local(unit)
         mine = F.pad(values.to(self.device, torch.float32), (0, unit.layout.shard_numel - values.numel()))
         label = f"full value in {unit.name!r}"

@@ -1,0 +1,100 @@
+"""[Note: gathering calls agree first] (comm/agreement.py) without a process group: ranks are threads sharing one
+in-memory store (torch's HashStore), so the protocol's outcomes and its store traffic are checked directly."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from zeroshard.comm.agreement import CallAgreement
+from zeroshard.errors import CollectiveMismatchError, CollectiveTimeoutError
+
+
+def _agreements(world_size: int, timeout_s: float | None, store: dist.Store) -> list[CallAgreement]:
+    out = []
+    for rank in range(world_size):
+        agreement = CallAgreement(SimpleNamespace(rank=rank, world_size=world_size, group=None), timeout_s)  # type: ignore[arg-type]
+        agreement._store = store
+        out.append(agreement)
+    return out
+
+
+def _on_ranks(calls: list[Any]) -> list[BaseException | None]:
+    """Run one call per rank at once; what each raised (None: returned)."""
+    outcomes: list[BaseException | None] = [None] * len(calls)
+
+    def run(rank: int) -> None:
+        try:
+            calls[rank]()
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test's subject
+            outcomes[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcomes
+
+
+def test_same_collectives_agree_whatever_the_calls_and_old_posts_go() -> None:
+    store = dist.HashStore()
+    ranks = _agreements(3, 10, store)
+    for _ in range(5):
+        outcomes = _on_ranks([lambda a=a: a.agree(f"call {a.rank}", "all-gather of units [1, 2]") for a in ranks])
+        assert outcomes == [None, None, None]
+    space = ranks[0]._space
+    left = [k for n in range(1, 6) for k in (*(f"{space}/{n}/{r}" for r in range(3)), f"{space}/{n}/verdict")]
+    assert [k for k in left if store.check([k])] == [
+        f"{space}/5/0",
+        f"{space}/5/1",
+        f"{space}/5/2",
+        f"{space}/5/verdict",
+    ]
+
+
+def test_different_collectives_are_named_on_every_rank() -> None:
+    ranks = _agreements(2, 10, dist.HashStore())
+    outcomes = _on_ranks(
+        [
+            lambda: ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]"),
+            lambda: ranks[1].agree("GatheredParameters over 1 parameter(s)", "all-gather of units [1]"),
+        ]
+    )
+    for error in outcomes:
+        assert isinstance(error, CollectiveMismatchError)
+        assert "rank 0: state_dict() (all-gather of units [0, 1, 2])" in str(error)
+        assert "rank 1: GatheredParameters over 1 parameter(s) (all-gather of units [1])" in str(error)
+    # a mismatch leaves the numbers in step: the next calls agree
+    assert _on_ranks([lambda a=a: a.agree("x", "same") for a in ranks]) == [None, None]
+
+
+def test_an_absent_rank_is_named_and_the_numbers_are_not_trusted_after() -> None:
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=1))  # timeout_s None: the store's own
+    ranks = _agreements(2, None, store)
+    absent = r"rank 0 made state_dict\(\).*rank\(s\) \[1\] did not make a "
+    with pytest.raises(CollectiveTimeoutError, match=absent):
+        ranks[0].agree("state_dict()", "all-gather of units [0]")
+    # rank 1 arrives late, with a correct program's next call: the other rank refuses rather than pair it wrongly
+    outcomes = _on_ranks([lambda: ranks[0].agree("state_dict()", "u"), lambda: ranks[1].agree("state_dict()", "u")])
+    assert isinstance(outcomes[0], CollectiveMismatchError) and "timed out" in str(outcomes[0])
+    assert isinstance(outcomes[1], CollectiveTimeoutError) and "rank 0 gave no verdict" in str(outcomes[1])
+
+
+def test_rank_zero_absent_is_named_by_the_others() -> None:
+    ranks = _agreements(3, 1, dist.HashStore())
+    outcomes = _on_ranks([lambda: None, lambda: ranks[1].agree("c", "u"), lambda: ranks[2].agree("c", "u")])
+    for error in outcomes[1:]:
+        assert isinstance(error, CollectiveTimeoutError) and "rank(s) [0] did not make" in str(error)
+
+
+def test_one_rank_needs_no_store() -> None:
+    agreement = CallAgreement(SimpleNamespace(rank=0, world_size=1, group=None), 1)  # type: ignore[arg-type]
+    agreement.agree("state_dict()", "all-gather of units [0]")
+    assert agreement._store is None
