@@ -15,14 +15,15 @@ from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, param_groups
 
 
-def _engine(rank: int, verify: str = "0", timeout: str = "8") -> Any:
+def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "zero") -> Any:
     os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = verify  # NCCL's default: no per-collective fingerprints
     os.environ["ZEROSHARD_DIVERGENCE_TIMEOUT_S"] = timeout
     import zeroshard
 
     case = Case(stage=3)
     model = build_model(case)
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    config = {**ds_config(case), "zeroshard": {"backend": backend, "collective_timeout_s": 6}}  # the store's too
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     return engine
 
 
@@ -181,3 +182,39 @@ def test_a_block_that_raised_on_one_rank_is_named_at_its_end() -> None:
     assert first[0] == "CollectiveTimeoutError", first
     assert "rank(s) [1] did not make the end of its GatheredParameters block" in first[1], first[1]
     assert second[0] == "ValueError"
+
+
+def _fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+
+    import zeroshard
+
+    engine = _engine(rank, backend="fsdp2")
+    weight = engine.module.blocks[0].attn.qkv.weight
+    out: dict[str, Any] = {}
+    qkv = engine.module.blocks[0].attn.qkv  # inside a block FSDP2 shows the whole weight on the module
+    with zeroshard.GatheredParameters([weight], modifier_rank=0):  # every rank alike: agrees, rank 0's change kept
+        if rank == 0:
+            qkv.weight.data.fill_(0.25)
+    with zeroshard.GatheredParameters([weight]):
+        out["modified"] = bool(torch.all(qkv.weight == 0.25))
+
+    def differing() -> None:  # FSDP's own all-gathers carry no fingerprints, on gloo either
+        with zeroshard.GatheredParameters([weight], modifier_rank=0 if rank == 0 else None):
+            pass
+
+    out["differing"] = _outcome(differing)
+    out["full"] = _outcome(lambda: zeroshard.utils.safe_get_full_fp32_param(weight) if rank == 0 else None)
+    return out
+
+
+def test_the_fsdp2_backend_agrees_too() -> None:
+    outs = run_on_ranks(_fsdp2, 2, timeout=120)
+    for out in outs:
+        assert out["modified"]
+        name, message, seconds = out["differing"]
+        assert name == "CollectiveMismatchError" and seconds < 5, out
+        assert "rank 0: GatheredParameters over 1 parameter(s), modifier_rank=0" in message, message
+    name, message, seconds = outs[0]["full"]  # alone on rank 0: the store's timeout, the group's deadline (6 s)
+    assert name == "CollectiveTimeoutError" and "rank 0 made safe_get_full_fp32_param" in message, message
+    assert "within 6s" in message and 6 <= seconds < 30, seconds

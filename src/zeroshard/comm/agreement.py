@@ -19,7 +19,9 @@ ranks' call numbers no longer line up). Ranks whose calls issue the same collect
 is four or five store round trips per call that communicates (units to gather, a modifier's broadcast; about 0.5 ms on
 2 ranks here, store traffic growing with the ranks); calls that find everything gathered communicate nothing and post
 nothing, and the training step's own gathers (hooks) are checked by the per-step digest instead ([Note: divergence
-check] in divergence.py). Not covered: `GatheredParameters` before `initialize` (pending.py), which broadcasts.
+check] in divergence.py). The fsdp2 backend agrees the same way before FSDP's unshard of a unit it does not hold
+gathered, a modifier's broadcast, `safe_get_full_*` and its full state dicts. Not covered: `GatheredParameters` before
+`initialize` (pending.py), which broadcasts.
 """
 
 from __future__ import annotations

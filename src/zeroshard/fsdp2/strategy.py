@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.checkpoint.state import ShardedState
+from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.fsdp2.load import fill_shards, masters_in_fp32, streams_shards
 from zeroshard.fsdp2.params import ShardedParam, gather_full, own_rows, sharded_param
@@ -103,6 +104,7 @@ class Fsdp2Strategy(Strategy):
         ]
         self._by_id = {id(sp.param): sp for sp in self.params}
         self._placeholders: list[torch.Tensor] = []
+        self.agreement = CallAgreement(comm, None)  # [Note: gathering calls agree first]; the group's deadline
         OWNERS.register(self, self.tracked_params())
 
     # -- construction ------------------------------------------------------------------------------
@@ -178,12 +180,17 @@ class Fsdp2Strategy(Strategy):
             raise KeyError("the tensor is not a parameter of this engine's module (as sharded by fully_shard)")
         return sp
 
+    def _agree_full(self, call: str, sp: ShardedParam) -> None:
+        self.agreement.agree(call, f"all-gather of the full value of {sp.name}")
+
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
         sp = self._record(param)
+        self._agree_full("safe_get_full_fp32_param", sp)
         return gather_full(sp, sp.master, self.comm, self.device)
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         sp = self._record(param)
+        self._agree_full("safe_get_full_grad", sp)
         grad = sp.local_grad() if sp.trainable else None
         if not self.comm.any_true(grad is not None, self.device):
             return None
@@ -194,6 +201,7 @@ class Fsdp2Strategy(Strategy):
         if not self._has_state(key):
             return None
         sp = self._record(param)
+        self._agree_full("safe_get_full_optimizer_state", sp)
         state = self.optimizer.state.get(sp.master, {}) if self.optimizer is not None else {}
         local = state.get(key, torch.zeros_like(sp.master))
         return gather_full(sp, local, self.comm, self.device)
@@ -215,6 +223,12 @@ class Fsdp2Strategy(Strategy):
     ) -> list[Any]:
         names = {self._record(p).name for p in params if id(p) in self._by_id}
         units = [u for u in self.units if any(n in names for n in u.param_names)]
+        needed = [u.name for u in units if not _unsharded(u)]  # FSDP's unshard of an unsharded unit sends nothing
+        broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
+        if needed or broadcast:
+            name = call or f"GatheredParameters over {len(params)} parameter(s)"
+            shown = name if modifier_rank is None else f"{name}, modifier_rank={modifier_rank}"
+            self.agreement.agree(shown, f"unshard of units {needed}{broadcast}")
         block = ExitStack()
         block.enter_context(self._held(units))
         return [block, units]
@@ -232,7 +246,12 @@ class Fsdp2Strategy(Strategy):
     def gather_end(self, held: list[Any], modifier_rank: int | None) -> None:
         block, units = held
         try:
-            if modifier_rank is not None:
+            if modifier_rank is not None and units:
+                self.agreement.agree(
+                    f"the end of GatheredParameters(modifier_rank={modifier_rank})",
+                    f"broadcast from rank {modifier_rank} of units {[u.name for u in units]}",
+                    awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+                )
                 with torch.no_grad():
                     for unit in units:
                         for sharded, full in unsharded_views(unit):
@@ -269,6 +288,7 @@ class Fsdp2Strategy(Strategy):
         tensor."""
         done: dict[int, torch.Tensor] = {}
         out: dict[str, Any] = {}
+        self.agreement.agree("the full state dict", f"all-gather of {len(self.params)} parameters")
         for key, value in self.module.state_dict(keep_vars=True).items():
             sp = self._by_id.get(id(value))
             if sp is None:
@@ -292,6 +312,7 @@ class Fsdp2Strategy(Strategy):
         self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
     ) -> dict[int, torch.Tensor]:
         out = {}
+        self.agreement.agree("the consolidated state dict", f"all-gather of {len(self.params)} parameters")
         for sp in self.params:
             full = gather_full(sp, sp.master, self.comm, self.device)  # collective: every rank, every parameter
             if keep:
@@ -331,3 +352,10 @@ class Fsdp2Strategy(Strategy):
         """The module stays an FSDP2 module (usable without zeroshard); the registry forgets its parameters."""
         OWNERS.unregister(self.tracked_params())
         self._publish()
+
+
+def _unsharded(unit: Fsdp2Unit) -> bool:
+    """Whether FSDP holds `unit` gathered now (inside its forward, or a block): then its `unshard()` sends nothing."""
+    groups = unit.module._get_fsdp_state()._fsdp_param_groups
+    pending = [getattr(group, "_all_gather_result", None) is not None for group in groups]  # an unshard in flight
+    return bool(groups) and all(group.is_unsharded or busy for group, busy in zip(groups, pending, strict=True))
