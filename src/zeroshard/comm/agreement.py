@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import zlib
+from typing import Any
 
 import torch.distributed as dist
 
@@ -87,6 +88,23 @@ class CallAgreement:
                 f"ranks made different gathering calls at stage 3 ({verdict}); each is a collective that every rank "
                 f"must make in the same order. {SAME_MODULES}"
             )
+
+    def before_block(self, call: str, gathers: list[Any], modifier_rank: int | None, units: int) -> None:
+        """Before a `GatheredParameters`-like block over `units` units communicates: `gathers` names what it gathers
+        (nothing when all are gathered already), a modifier's broadcast at the block's end is part of what is agreed.
+        A block that sends nothing posts nothing."""
+        broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
+        if gathers or broadcast:
+            shown = call if modifier_rank is None else f"{call}, modifier_rank={modifier_rank}"
+            self.agree(shown, f"all-gather of units {gathers}{broadcast}")
+
+    def before_broadcast(self, modifier_rank: int, units: list[Any]) -> None:
+        """At a block's end, before its modifier's broadcast: a rank whose block raised does not broadcast."""
+        self.agree(
+            f"the end of GatheredParameters(modifier_rank={modifier_rank})",
+            f"broadcast from rank {modifier_rank} of units {units}",
+            awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+        )
 
     def _verdict(self, store: dist.Store, number: int, timeout: datetime.timedelta) -> str:
         """Empty when every rank posted the same collectives; else each rank's call, described."""

@@ -224,11 +224,8 @@ class Fsdp2Strategy(Strategy):
         names = {self._record(p).name for p in params if id(p) in self._by_id}
         units = [u for u in self.units if any(n in names for n in u.param_names)]
         needed = [u.name for u in units if not _unsharded(u)]  # FSDP's unshard of an unsharded unit sends nothing
-        broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
-        if needed or broadcast:
-            name = call or f"GatheredParameters over {len(params)} parameter(s)"
-            shown = name if modifier_rank is None else f"{name}, modifier_rank={modifier_rank}"
-            self.agreement.agree(shown, f"unshard of units {needed}{broadcast}")
+        call = call or f"GatheredParameters over {len(params)} parameter(s)"
+        self.agreement.before_block(call, needed, modifier_rank, len(units))  # [Note: gathering calls agree first]
         block = ExitStack()
         block.enter_context(self._held(units))
         return [block, units]
@@ -247,11 +244,7 @@ class Fsdp2Strategy(Strategy):
         block, units = held
         try:
             if modifier_rank is not None and units:
-                self.agreement.agree(
-                    f"the end of GatheredParameters(modifier_rank={modifier_rank})",
-                    f"broadcast from rank {modifier_rank} of units {[u.name for u in units]}",
-                    awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
-                )
+                self.agreement.before_broadcast(modifier_rank, [u.name for u in units])
                 with torch.no_grad():
                     for unit in units:
                         for sharded, full in unsharded_views(unit):

@@ -72,8 +72,7 @@ class Stage3Gathering:
         the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
         so ranks may generate different numbers of tokens without `synced_gpus`."""
         units = self.units_of(params)
-        name = call or f"GatheredParameters over {len(params)} parameter(s)"
-        self._agree(name if modifier_rank is None else f"{name}, modifier_rank={modifier_rank}", units, modifier_rank)
+        self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units, modifier_rank)
         self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
             return units
@@ -85,11 +84,7 @@ class Stage3Gathering:
         units = held[1:] if whole is not None else held
         try:
             if modifier_rank is not None and units:
-                self.agreement.agree(  # [Note: gathering calls agree first]
-                    f"the end of GatheredParameters(modifier_rank={modifier_rank})",
-                    f"broadcast from rank {modifier_rank} of units {[u.index for u in units]}",
-                    awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
-                )
+                self.agreement.before_broadcast(modifier_rank, [u.index for u in units])
                 with torch.no_grad():
                     for unit in units:
                         self.comm.broadcast(unit.full.data, src=modifier_rank)
@@ -102,12 +97,9 @@ class Stage3Gathering:
 
     def _agree(self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None) -> None:
         """Before a caller's call gathers: [Note: gathering calls agree first]. Units gathered already (the
-        persistent one, or inside a forward) communicate nothing, so a call that gathers none and broadcasts nothing
-        posts nothing; a modifier's broadcast at the block's end is part of what is agreed."""
+        persistent one, or inside a forward) communicate nothing."""
         needed = [u.index for u in units if u.state is UnitState.SHARDED]
-        broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
-        if needed or broadcast:
-            self.agreement.agree(call, f"all-gather of units {needed}{broadcast}")
+        self.agreement.before_block(call, needed, modifier_rank, len(units))
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
