@@ -7,6 +7,7 @@ calls."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -15,12 +16,12 @@ from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, param_groups
 
 
-def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "zero") -> Any:
+def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "zero", stage: int = 3) -> Any:
     os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = verify  # NCCL's default: no per-collective fingerprints
     os.environ["ZEROSHARD_DIVERGENCE_TIMEOUT_S"] = timeout
     import zeroshard
 
-    case = Case(stage=3)
+    case = Case(stage=stage)
     model = build_model(case)
     config = {**ds_config(case), "zeroshard": {"backend": backend, "collective_timeout_s": 6}}  # the store's too
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
@@ -153,7 +154,7 @@ def test_a_different_modifier_rank_or_a_lone_full_value_read_is_named_at_entry()
         assert "broadcast from rank 0 at the end" in message and "rank 1: GatheredParameters over 1" in message
     for name, message, seconds in run_on_ranks(_modifiers, 2, "full value", timeout=120):
         assert name == "CollectiveMismatchError" and seconds < 5, (name, message)
-        assert "rank 0: safe_get_full_*(param)" in message and "rank 1: state_dict()" in message, message
+        assert "rank 0: safe_get_full_fp32_param" in message and "rank 1: state_dict()" in message, message
 
 
 def _raising_block(rank: int, world_size: int) -> tuple[str, str, float]:
@@ -218,3 +219,55 @@ def test_the_fsdp2_backend_agrees_too() -> None:
     name, message, seconds = outs[0]["full"]  # alone on rank 0: the store's timeout, the group's deadline (6 s)
     assert name == "CollectiveTimeoutError" and "rank 0 made safe_get_full_fp32_param" in message, message
     assert "within 6s" in message and 6 <= seconds < 30, seconds
+
+
+def _mixed_reads(rank: int, world_size: int) -> dict[str, tuple[str, str, float]]:
+    """Every backend: rank 0 reads a parameter's whole gradient, rank 1 its master: gathers of the same sizes."""
+    from zeroshard import utils
+
+    out = {}
+    for label, stage, backend in [("stage 1", 1, "zero"), ("stage 2", 2, "zero"), ("stage 3", 3, "zero")] + [
+        ("fsdp2", 3, "fsdp2")
+    ]:
+        engine = _engine(rank, stage=stage, backend=backend)
+        weight = engine.module.blocks[0].attn.qkv.weight
+        read = utils.safe_get_full_grad if rank == 0 else utils.safe_get_full_fp32_param
+        out[label] = _outcome(functools.partial(read, weight))
+        engine.destroy()
+    return out
+
+
+def test_reads_of_different_values_of_one_parameter_are_named_on_every_backend() -> None:
+    for out in run_on_ranks(_mixed_reads, 2, timeout=180):
+        for label, (name, message, seconds) in out.items():
+            assert name == "CollectiveMismatchError" and seconds < 5, (label, name, message)
+            assert "rank 0: safe_get_full_grad (all-gather of the" in message, (label, message)
+            assert "gradient" in message and "rank 1: safe_get_full_fp32_param" in message, (label, message)
+            assert "fp32 master" in message, (label, message)
+
+
+def _lone_state_read(rank: int, world_size: int, stage: int) -> tuple[str, str, float]:
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    from zeroshard import utils
+
+    engine = _engine(rank, stage=stage)
+    weight = engine.module.blocks[0].attn.qkv.weight
+    store = distributed_c10d._get_default_store()
+    if rank == 1:  # waits on the store (a barrier would time out with the group's 6 s deadline first)
+        store.wait(["lone read done"], datetime.timedelta(seconds=60))
+        return "", "", 0.0
+    outcome = _outcome(lambda: utils.safe_get_full_optimizer_state(weight, "exp_avg"))
+    store.set("lone read done", "1")
+    return outcome
+
+
+def test_a_lone_full_value_read_at_stages_0_to_2_names_the_absent_rank() -> None:
+    """Stage 2 all-gathers the state's shards; stage 0 checks for the state on every rank (an all-reduce)."""
+    for stage in (2, 0):
+        name, message, seconds = run_on_ranks(_lone_state_read, 2, stage, timeout=120)[0]
+        assert name == "CollectiveTimeoutError", (stage, name, message)
+        assert "rank 0 made safe_get_full_optimizer_state" in message and "rank(s) [1]" in message, message
+        assert "within 6s" in message and 6 <= seconds < 30, seconds

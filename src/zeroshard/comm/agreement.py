@@ -1,9 +1,12 @@
-"""Calls that gather at stage 3 on the caller's behalf agree first, through the rendezvous store.
+"""Calls that gather on the caller's behalf agree first, through the rendezvous store.
 
 [Note: gathering calls agree first]
-The stage-3 calls that gather on the caller's behalf are collectives made from the caller's own code: `state_dict()`,
-`GatheredParameters` (its gather, and a modifier's broadcast), generation's whole-model gather, the consolidated
-16-bit state dict (`save_16bit_model`, accelerate's `get_state_dict`) and `safe_get_full_*` / `safe_set_full_*`.
+The calls that gather on the caller's behalf are collectives made from the caller's own code: at stage 3
+`state_dict()`, `GatheredParameters` (its gather, and a modifier's broadcast), generation's whole-model gather, the
+consolidated 16-bit state dict (`save_16bit_model`, accelerate's `get_state_dict`) and `safe_get_full_*` /
+`safe_set_full_*`; at stages 1-2 the consolidated state dict and `safe_get_full_*`, which all-gather master, gradient
+or optimizer-state shards (`safe_get_full_optimizer_state` first asks every rank whether the state exists, an
+all-reduce, at stage 0 too).
 There a rank-dependent branch sends ranks into different collectives: `if rank == 0: torch.save(model.state_dict())`,
 or DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's per-parameter `GatheredParameters` save. gloo's
 per-collective fingerprints name that at the first collective; NCCL fingerprints nothing (a per-collective check would
@@ -15,13 +18,16 @@ reads the posts of that call number and posts a verdict, which the others read. 
 `CollectiveMismatchError` on every rank, naming each rank's call. A rank that posts nothing within the timeout (it
 skipped the call): a `CollectiveTimeoutError` naming it, after which this engine's gathering calls refuse to run (the
 ranks' call numbers no longer line up). Ranks whose calls issue the same collectives agree, whatever the calls are
-(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units). The cost
+(`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units); what a
+read gathers is part of its collectives (one parameter's gradient and its master are gathers of the same sizes). The
+cost
 is four or five store round trips per call that communicates (units to gather, a modifier's broadcast; about 0.5 ms on
 2 ranks here, store traffic growing with the ranks); calls that find everything gathered communicate nothing and post
 nothing, and the training step's own gathers (hooks) are checked by the per-step digest instead ([Note: divergence
 check] in divergence.py). The fsdp2 backend agrees the same way before FSDP's unshard of a unit it does not hold
-gathered, a modifier's broadcast, `safe_get_full_*` and its full state dicts. Not covered: `GatheredParameters` before
-`initialize` (pending.py), which broadcasts.
+gathered, a modifier's broadcast, `safe_get_full_*` and its full state dicts. Stage 3 on the CPU waits its divergence
+timeout; every other strategy the store's. Not covered: `GatheredParameters` before `initialize` (pending.py), which
+broadcasts.
 """
 
 from __future__ import annotations

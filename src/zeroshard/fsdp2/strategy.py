@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.checkpoint.state import ShardedState
-from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.fsdp2.load import fill_shards, masters_in_fp32, streams_shards
 from zeroshard.fsdp2.params import ShardedParam, gather_full, own_rows, sharded_param
@@ -104,7 +103,6 @@ class Fsdp2Strategy(Strategy):
         ]
         self._by_id = {id(sp.param): sp for sp in self.params}
         self._placeholders: list[torch.Tensor] = []
-        self.agreement = CallAgreement(comm, None)  # [Note: gathering calls agree first]; the group's deadline
         OWNERS.register(self, self.tracked_params())
 
     # -- construction ------------------------------------------------------------------------------
@@ -180,17 +178,18 @@ class Fsdp2Strategy(Strategy):
             raise KeyError("the tensor is not a parameter of this engine's module (as sharded by fully_shard)")
         return sp
 
-    def _agree_full(self, call: str, sp: ShardedParam) -> None:
-        self.agreement.agree(call, f"all-gather of the full value of {sp.name}")
+    def _agree_full(self, call: str, sp: ShardedParam, what: str) -> None:
+        """What is read matters as much as where: a gradient and a master of one parameter gather the same sizes."""
+        self.agreement.agree(call, f"all-gather of the full {what} of {sp.name}")
 
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
         sp = self._record(param)
-        self._agree_full("safe_get_full_fp32_param", sp)
+        self._agree_full("safe_get_full_fp32_param", sp, "fp32 master")
         return gather_full(sp, sp.master, self.comm, self.device)
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         sp = self._record(param)
-        self._agree_full("safe_get_full_grad", sp)
+        self._agree_full("safe_get_full_grad", sp, "gradient (after a check for one on any rank)")
         grad = sp.local_grad() if sp.trainable else None
         if not self.comm.any_true(grad is not None, self.device):
             return None
@@ -198,10 +197,11 @@ class Fsdp2Strategy(Strategy):
         return gather_full(sp, local, self.comm, self.device) * self._grad_scale()
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        sp = self._record(param)
+        # `_has_state` is itself a collective: agreed with the gather that follows it
+        self._agree_full("safe_get_full_optimizer_state", sp, f"optimizer state {key!r} (after a check for it)")
         if not self._has_state(key):
             return None
-        sp = self._record(param)
-        self._agree_full("safe_get_full_optimizer_state", sp)
         state = self.optimizer.state.get(sp.master, {}) if self.optimizer is not None else {}
         local = state.get(key, torch.zeros_like(sp.master))
         return gather_full(sp, local, self.comm, self.device)

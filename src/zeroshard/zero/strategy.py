@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import nn
 
+from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradientTier, GradShard
@@ -158,6 +159,8 @@ class Strategy(ABC):
         # whether the boundary's backward already changes masters and optimizer state (stage 3's super_offload): a
         # decoupled save commits before it then ([Note: decoupled checkpoint writes])
         self.steps_in_backward = False
+        # [Note: gathering calls agree first]: the group's deadline by default (stage 3 on the CPU: its own)
+        self.agreement = CallAgreement(comm, None)
 
     # -- construction ----------------------------------------------------------------------------------
     @abstractmethod

@@ -19,7 +19,7 @@ whole module at stage 0] in zero/flat/bystanders.py).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +35,9 @@ from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
+from zeroshard.zero.flat.full_values import FlatFullValues
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
-from zeroshard.zero.flat.local import is_dtensor, local_of
+from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
 from zeroshard.zero.owners import OWNERS, weak_hook
@@ -44,7 +45,6 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
-    Strategy,
     StrategyPolicy,
     nbytes,
     optimizer_state_tensors,
@@ -64,7 +64,7 @@ class FlatPolicy(StrategyPolicy):
     param_align: int = 1
 
 
-class FlatStrategy(Strategy):
+class FlatStrategy(FlatFullValues):
     """Stage 0/1/2 state of one model on one rank."""
 
     def __init__(
@@ -360,102 +360,6 @@ class FlatStrategy(Strategy):
 
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for b in self.buffers for p in b.params]
-
-    def consolidation_refused(self) -> str | None:
-        if any(is_dtensor(p) for b in self.buffers for p in b.params):
-            return self.TP_SLICES
-        return None
-
-    def consolidated_params(
-        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
-    ) -> dict[int, torch.Tensor]:
-        with self.optimizer_state_resident():
-            out: dict[int, torch.Tensor] = {}
-            for buffers in self.buffers:
-                full = self._full_master(buffers)
-                for slot in buffers.layout.slots if keep else ():
-                    param = buffers.params[slot.index]
-                    value = full.narrow(0, slot.offset, slot.numel).view(local_of(param).shape)
-                    out[id(param)] = value.to(device or self.device, dtype, copy=True)
-            return out
-
-    def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:
-        layout = buffers.layout
-        if layout.numel == layout.shard_numel:
-            return buffers.master.to(self.device, torch.float32)
-        full = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
-        for bucket in layout.buckets:  # fp32 in and out (NCCL gathers one dtype): [Note: bf16 master weights]
-            mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device, torch.float32)
-            self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
-        return full
-
-    # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
-    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
-        with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda buffers: buffers.master)
-
-    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
-            return torch.zeros(local_of(param).shape, dtype=torch.float32, device=self.device)
-        self.reducer.settle()
-        return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * self._grad_scale())
-
-    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
-        if not self._has_state(key):
-            return None
-        with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda buffers: self._state_of(buffers.master, key))
-
-    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        with self.optimizer_state_resident():
-            self._scatter_slot(param, value, lambda buffers: buffers.master)
-        with torch.no_grad():
-            local_of(param).copy_(value)  # whole on every rank: the compute copy (the master itself when they alias)
-
-    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
-        with self.optimizer_state_resident():
-            self._scatter_slot(param, value, lambda buffers: self._state_of(buffers.master, key))
-
-    def _slot_of(self, param: torch.Tensor) -> tuple[GroupBuffers, Any]:
-        return next(
-            (buffers, slot)
-            for buffers in self.buffers
-            for slot in buffers.layout.slots
-            if buffers.params[slot.index] is param
-        )
-
-    def _scatter_slot(
-        self, param: torch.Tensor, value: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]
-    ) -> None:
-        """This rank's ranges of `local(buffers)` := the matching elements of `param`'s whole `value`."""
-        buffers, slot = self._slot_of(param)
-        target, flat = local(buffers), value.detach().reshape(-1)
-        for bucket in buffers.layout.buckets:
-            lo, hi = (
-                bucket.owner_range(self.shard_rank) if self._sharded else (bucket.start, bucket.start + bucket.numel)
-            )
-            begin, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if begin < end:
-                start = (bucket.shard_start if self._sharded else bucket.start) + begin - lo
-                target.narrow(0, start, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])
-
-    def _gather_slot(self, param: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]) -> torch.Tensor:
-        """`param`'s part of a group-wide flat tensor of which `local(buffers)` is this rank's shard: all-gathers
-        the buckets that hold the parameter (none at stage 0)."""
-        buffers, slot = self._slot_of(param)
-        shard = local(buffers).to(self.device, torch.float32)
-        if self.layout.shard_count == 1:
-            return shard.narrow(0, slot.offset, slot.numel).view(local_of(param).shape).clone()
-        lo, hi = slot.offset, slot.offset + slot.numel
-        out = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
-        for bucket in buffers.layout.buckets:
-            start, end = bucket.start, bucket.start + bucket.numel
-            if end <= lo or start >= hi:
-                continue
-            full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, shard.narrow(0, bucket.shard_start, bucket.shard_numel), label="full value")
-            out[max(lo, start) - lo : min(hi, end) - lo].copy_(full[max(lo, start) - start : min(hi, end) - start])
-        return out.view(local_of(param).shape)
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
         out = [b.master for b in self.buffers if not b.master_aliases_params]

@@ -416,7 +416,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
     # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
         with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda unit: unit.fp32_shard())
+            return self._gather_slot(param, lambda unit: unit.fp32_shard(), "safe_get_full_fp32_param", "fp32 master")
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         if not param.requires_grad:
@@ -434,9 +434,11 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             unit.grad_home.ready(unit.grad_key)
             return unit.grad_shard.float() * scale
 
-        return self._gather_slot(param, local)
+        return self._gather_slot(param, local, "safe_get_full_grad", "gradient")
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        # `_has_state` is itself a collective: agreed with the gather that follows it
+        self._agree_slot("safe_get_full_optimizer_state", param, f"optimizer state {key!r} (after a check for it)")
         if not self._has_state(key):
             return None
 
@@ -447,7 +449,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             return out
 
         with self.optimizer_state_resident():
-            return self._gather_slot(param, local)
+            return self._gather_slot(param, local)  # agreed above
 
     def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         held = self.gather_begin([param], "safe_set_full_fp32_param")
@@ -477,10 +479,18 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         unit, index = next((u, i) for u in self.units for i, p in enumerate(u.params) if p is param)
         return unit, index, next(s for s in unit.layout.slots if s.index == index)
 
-    def _gather_slot(self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor]) -> torch.Tensor:
-        """All-gather `local(unit)` (this rank's fp32 shard of `param`'s unit, or its prefix); `param`'s part."""
+    def _agree_slot(self, call: str, param: torch.Tensor, what: str) -> None:
+        """What is read matters as much as where: a gradient and a master of one unit gather the same sizes."""
+        self.agreement.agree(call, f"all-gather of the {what} shards of unit {self._slot_of(param)[0].index}")
+
+    def _gather_slot(
+        self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor], call: str = "", what: str = ""
+    ) -> torch.Tensor:
+        """All-gather `local(unit)` (this rank's fp32 shard of `param`'s unit, or its prefix); `param`'s part.
+        With `call`, agreed first on reading `what`."""
+        if call:
+            self._agree_slot(call, param, what)
         unit, index, slot = self._slot_of(param)
-        self.agreement.agree("safe_get_full_*(param)", f"all-gather of an fp32 shard of unit {unit.index}")
         full, values = torch.zeros(unit.numel, dtype=torch.float32, device=self.device), local(unit)
         mine = F.pad(values.to(self.device, torch.float32), (0, unit.layout.shard_numel - values.numel()))
         label = f"full value in {unit.name!r}"
