@@ -271,3 +271,20 @@ def test_a_lone_full_value_read_at_stages_0_to_2_names_the_absent_rank() -> None
         assert name == "CollectiveTimeoutError", (stage, name, message)
         assert "rank 0 made safe_get_full_optimizer_state" in message and "rank(s) [1]" in message, message
         assert "within 6s" in message and 6 <= seconds < 30, seconds
+
+
+def _two_engines(rank: int, world_size: int) -> dict[str, Any]:
+    import zeroshard
+
+    first, second = _engine(rank), _engine(rank)
+    kept = first.module.blocks[0].attn.qkv.weight  # the same on every rank: its engine agrees and gathers
+    differs = second.module.blocks[rank].attn.qkv.weight  # a different unit per rank: its engine refuses
+    outcome = _outcome(lambda: zeroshard.GatheredParameters([kept, differs]).__enter__())
+    units = first.strategy.units_of([kept])
+    return {"outcome": outcome, "pins": [u.pins for u in units], "states": [u.state.name for u in units]}
+
+
+def test_a_block_over_two_engines_that_one_refuses_leaves_nothing_pinned() -> None:
+    for out in run_on_ranks(_two_engines, 2, timeout=120):
+        assert out["outcome"][0] == "CollectiveMismatchError", out
+        assert out["pins"] == [0] and out["states"] == ["SHARDED"], out

@@ -53,9 +53,13 @@ class GatheredParameters:
                 by_strategy.setdefault(id(strategy), (strategy, []))[1].append(p)
             elif isinstance(p, nn.Parameter):  # zero_init's before initialize: [Note: GatheredParameters before
                 unowned.append(p)  # initialize]; a model built whole needs nothing
-        self._pending = begin(unowned) if unowned else None
-        for strategy, params in by_strategy.values():
-            self._plan.append((strategy, strategy.gather_begin(params, modifier_rank=self.modifier_rank)))
+        try:
+            self._pending = begin(unowned) if unowned else None
+            for strategy, params in by_strategy.values():
+                self._plan.append((strategy, strategy.gather_begin(params, modifier_rank=self.modifier_rank)))
+        except BaseException:
+            self._release(None)  # one engine refused (its agreement): what the others hold goes back
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -64,9 +68,20 @@ class GatheredParameters:
             from zeroshard.checkpoint.decoupled import wait_for_writes
 
             wait_for_writes()  # the shards change: a decoupled save's thread must have written them
-        for strategy, held in self._plan:
-            strategy.gather_end(held, modifier_rank)
-        self._plan.clear()
-        if self._pending is not None:
-            end(self._pending, modifier_rank)
-            self._pending = None
+        self._release(modifier_rank)
+
+    def _release(self, modifier_rank: int | None) -> None:
+        """Every engine's units go back to their shards, after `modifier_rank`'s broadcast; once one engine raised
+        (its broadcast's agreement), the rest are released without broadcasting and the first error is raised."""
+        plan, self._plan = self._plan, []
+        pending, self._pending = self._pending, None
+        failed: BaseException | None = None
+        for strategy, held in plan:
+            try:
+                strategy.gather_end(held, modifier_rank if failed is None else None)
+            except BaseException as err:
+                failed = failed or err
+        if pending is not None:
+            end(pending, modifier_rank if failed is None else None)
+        if failed is not None:
+            raise failed
