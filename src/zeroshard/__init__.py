@@ -15,7 +15,13 @@ from zeroshard import accelerator, comm, ops, runtime, utils, zero
 from zeroshard.arguments import add_config_arguments
 from zeroshard.comm.api import init_distributed
 from zeroshard.engine import Engine, MemoryReport
-from zeroshard.errors import CollectiveMismatchError, ConfigError, LossScaleError, ZeroshardError
+from zeroshard.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    LossScaleError,
+    ZeroshardError,
+)
 from zeroshard.initialize import initialize
 from zeroshard.zero.stage3.gathered import GatheredParameters
 from zeroshard.zero.stage3.meta import zero_init
@@ -46,6 +52,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "ConfigError",
     "Engine",
     "GatheredParameters",

@@ -326,3 +326,46 @@ def test_a_block_over_every_parameter_of_a_streamed_model(tmp_path) -> None:
     tiny_llama().save_pretrained(tmp_path / "model")
     for got in run_on_ranks(_every_parameter, 2, str(tmp_path / "model")):
         assert got["loss"] == got["expected"], got
+
+
+def _diverging(rank: int, world_size: int) -> dict[str, Any]:
+    """gloo's fingerprints off, as on NCCL: blocks that broadcast different tensors, or a block that raised on one
+    rank, are named by the agreement ([Note: gathering calls agree first]) instead of pairing in the backend."""
+    import datetime
+    import os
+    import time
+
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = "0"
+    import zeroshard
+
+    zeroshard.init_distributed(timeout=datetime.timedelta(seconds=6))  # the store's timeout: how long an absent rank is waited for
+    out: dict[str, Any] = {}
+    with zeroshard.zero.Init():
+        model = _MegatronStyle(rank)  # its own block agrees: every rank makes it
+    mine = model.proj.bias if rank == 0 else model.out.weight  # different modules: different broadcasts
+    start = time.monotonic()
+    with pytest.raises(zeroshard.CollectiveMismatchError) as err:
+        with zeroshard.GatheredParameters(mine, modifier_rank=0):
+            pass
+    out["mismatch"] = (str(err.value), time.monotonic() - start)
+    start = time.monotonic()
+    try:
+        with zeroshard.GatheredParameters(model.out.bias, modifier_rank=0):
+            if rank == 1:
+                raise ValueError("the script's own error inside the block")
+    except (ValueError, zeroshard.CollectiveTimeoutError) as e:
+        out["raised"] = (type(e).__name__, str(e), time.monotonic() - start)
+    return out
+
+
+def test_diverging_blocks_before_initialize_are_named() -> None:
+    first, second = run_on_ranks(_diverging, 2, timeout=120)
+    for got in (first, second):
+        message, seconds = got["mismatch"]
+        assert seconds < 5, seconds
+        assert "rank 0: GatheredParameters before initialize, modifier_rank=0 (broadcast from rank 0 of" in message
+        assert "rank 1: GatheredParameters before initialize" in message, message
+    name, message, seconds = first["raised"]
+    assert name == "CollectiveTimeoutError" and 6 <= seconds < 30, (name, message, seconds)
+    assert "rank(s) [1] did not make the end of its GatheredParameters block" in message, message
+    assert second["raised"][0] == "ValueError"

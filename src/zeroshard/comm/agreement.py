@@ -26,8 +26,8 @@ is four or five store round trips per call that communicates (units to gather, a
 nothing, and the training step's own gathers (hooks) are checked by the per-step digest instead ([Note: divergence
 check] in divergence.py). The fsdp2 backend agrees the same way before FSDP's unshard of a unit it does not hold
 gathered, a modifier's broadcast, `safe_get_full_*` and its full state dicts. Stage 3 on the CPU waits its divergence
-timeout; every other strategy the store's. Not covered: `GatheredParameters` before `initialize` (pending.py), which
-broadcasts.
+timeout; every other strategy the store's. `GatheredParameters` before `initialize` (pending.py) agrees on its
+broadcasts from rank 0 at entry and its modifier's at the end, through the store's timeout too.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class CallAgreement:
             store.delete_key(self._post(number - 1, self.rank))
         if verdict:
             raise CollectiveMismatchError(
-                f"ranks made different gathering calls at stage 3 ({verdict}); each is a collective that every rank "
+                f"ranks made different gathering calls ({verdict}); each is a collective that every rank "
                 f"must make in the same order. {SAME_MODULES}"
             )
 
@@ -132,11 +132,11 @@ class CallAgreement:
         missing = [r for r in range(self.world_size) if not store.check([self._post(number, r)])]
         if not missing:  # every rank posted; rank 0, which rules, did not
             return (
-                f"rank {self.rank} made {call}, which gathers at stage 3, and every rank posted a call, but rank 0 "
+                f"rank {self.rank} made {call}, which gathers, and every rank posted a call, but rank 0 "
                 f"gave no verdict within {timeout:.0f}s: it is stalled, or an earlier gathering call timed out there"
             )
         return (
-            f"rank {self.rank} made {call}, which gathers at stage 3 and so is a collective, and rank(s) {missing} did "
+            f"rank {self.rank} made {call}, which gathers and so is a collective, and rank(s) {missing} did "
             f"not make {awaited} within {timeout:.0f}s: every rank must make it (a call under `if rank == 0:` cannot "
             "gather the other ranks' shards; gather on every rank, then save on one, as engine.save_16bit_model does)"
         )

@@ -54,7 +54,7 @@ class GatheredParameters:
             elif isinstance(p, nn.Parameter):  # zero_init's before initialize: [Note: GatheredParameters before
                 unowned.append(p)  # initialize]; a model built whole needs nothing
         try:
-            self._pending = begin(unowned) if unowned else None
+            self._pending = begin(unowned, self.modifier_rank) if unowned else None
             for strategy, params in by_strategy.values():
                 self._plan.append((strategy, strategy.gather_begin(params, modifier_rank=self.modifier_rank)))
         except BaseException:

@@ -29,14 +29,16 @@ rank, change it after `initialize` or stream it with `from_pretrained`. A meta p
 holds (the caller's own `torch.device("meta")`) has no module to initialise it: refused in one line, as is
 `initialize` inside a block over the model. Parameters built under `zero_init` also carry DeepSpeed's attributes
 from construction ([Note: DeepSpeed's parameter attributes] in ds_param.py), NOT_AVAILABLE until a block or
-`initialize` makes them real.
+`initialize` makes them real. A block that broadcasts (values made real, adapters, a modifier) agrees first with the
+other ranks, before anything is made real ([Note: gathering calls agree first]): blocks over different parameters on
+different ranks, or a block that raised on one rank before its modifier's broadcast, are named.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,6 +47,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from zeroshard.comm.agreement import CallAgreement
+from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
 from zeroshard.loading.weights import weights_covering
@@ -191,10 +195,11 @@ class Pending:
     real: list[nn.Parameter]
 
 
-def begin(params: Sequence[nn.Parameter]) -> Pending | None:
+def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> Pending | None:
     """[Note: GatheredParameters before initialize] `params` (owned by no engine) given values for the block, on the
     CPU: their modules' (a module at a time) or a streamed checkpoint's, the same on every rank; None when none of
-    them was built under `zero_init` and none is on the meta device (a model built whole: nothing to do)."""
+    them was built under `zero_init` and none is on the meta device (a model built whole: nothing to do).
+    `modifier_rank`: the rank whose values the block's end will broadcast (agreed now, with the broadcasts here)."""
     found = BUILT.found(params)
     meta = [p for p in params if p.is_meta]
     for p in meta:
@@ -211,14 +216,17 @@ def begin(params: Sequence[nn.Parameter]) -> Pending | None:
 
         init_distributed()
     owners = {id(m): m for p in params if (m := found.get(id(p))) is not None}
+    roots = {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values()
+    new_adapters = [
+        (root, names) for root in roots if (names := _adapter_names(root)) and BUILT.adapters.get(root) != names
+    ]
+    _agree_entry(params, owners.values(), new_adapters, modifier_rank)  # before anything changes: it may raise
     made: list[nn.Parameter] = []
-    for root in {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values():
-        names = frozenset(getattr(root, "peft_config", None) or ())
-        if names and BUILT.adapters.get(root) != names:  # PEFT's initialisation (lora_B zero), once per adapter
-            adapters = materialize_adapters(root)  # real from now on (small), the same on every rank
-            BUILT.adopt(root, adapters)
-            _broadcast(adapters, 0)
-            BUILT.adapters[root] = names
+    for root, names in new_adapters:  # PEFT's initialisation (lora_B zero), once per adapter
+        adapters = materialize_adapters(root)  # real from now on (small), the same on every rank
+        BUILT.adopt(root, adapters)
+        _broadcast(adapters, 0)
+        BUILT.adapters[root] = names
     for owner in owners.values():
         if any(p.is_meta for p in owner.parameters(recurse=False)):
             made += _values_of(owner)
@@ -260,14 +268,53 @@ def end(pending: Pending, modifier_rank: int | None) -> None:
         return
     for p in both:
         BUILT.keep(p)
+    _agreement().agree(
+        f"the end of GatheredParameters(modifier_rank={modifier_rank}) before initialize",
+        f"broadcast from rank {modifier_rank} of {_shapes(both)}",
+        awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+    )
     _broadcast(both, modifier_rank)
+
+
+def _adapter_names(root: nn.Module) -> frozenset[str]:
+    return frozenset(getattr(root, "peft_config", None) or ())
+
+
+def _agree_entry(
+    params: Sequence[nn.Parameter],
+    owners: Iterable[nn.Module],
+    adapters: Sequence[tuple[nn.Module, frozenset[str]]],
+    modifier_rank: int | None,
+) -> None:
+    """[Note: gathering calls agree first] before a block's broadcasts: those of the adapters and the meta parameters
+    it makes real (from rank 0), and the modifier's at its end; described before anything is made real."""
+    made = [p for owner in owners for p in owner.parameters(recurse=False) if p.is_meta]
+    if not (made or adapters) and modifier_rank is None:
+        return  # nothing sent
+    named = [sorted(names) for _, names in adapters]
+    at_end = (
+        f"; broadcast from rank {modifier_rank} of {_shapes(params)} at the end" if modifier_rank is not None else ""
+    )
+    _agreement().agree(
+        "GatheredParameters before initialize"
+        + (f", modifier_rank={modifier_rank}" if modifier_rank is not None else ""),
+        f"broadcast from rank 0 of adapters {named} and {_shapes(made)}{at_end}",
+    )
+
+
+def _shapes(params: Sequence[nn.Parameter]) -> str:
+    return f"{len(params)} tensor(s) {[tuple(p.shape) for p in params]}"
+
+
+def _agreement() -> CallAgreement:
+    """[Note: gathering calls agree first]: a rank-dependent block is named before its broadcasts pair up with
+    another call's (NCCL fingerprints nothing); the store's timeout."""
+    return CallAgreement(Collectives(None, dist.get_world_size(), dist.get_rank()), None)
 
 
 def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
     if not params or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    from zeroshard.comm.collectives import Collectives
-
     comm = Collectives(None, dist.get_world_size(), dist.get_rank())
     # NCCL moves device memory only: the values travel through the current CUDA device
     via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
