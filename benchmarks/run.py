@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile-steps",
         type=int,
         default=None,
-        help="after timing, profile this many more steps of the DDP and zeroshard rows of the first "
+        help="after timing, profile this many more steps of the DDP, FSDP2 and zeroshard rows of the first "
         "size (<row>.profile.txt in --results-dir; default 3, 0 with --quick)",
     )
     p.add_argument(
@@ -196,7 +196,7 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
             )
             for v in selected_variants(args):
                 extra: dict[str, Any] = {"zero_overrides": args.zero_config} if args.zero_config else {}
-                if args.profile_steps and size == sizes[0] and v.framework in ("ddp", "zeroshard"):
+                if args.profile_steps and size == sizes[0] and v.framework in ("ddp", "zeroshard", "fsdp2"):
                     extra["profile_steps"] = args.profile_steps
                 rows.append(RowSpec(v, settings, n, extra))
     return rows

@@ -134,18 +134,25 @@ class DeepSpeedCalls:
         if refused is not None:
             raise ZeroshardError(refused)
         state = checkpoint["module"]
+        if self.strategy is not None:  # [Note: gathering calls agree first]: the outcome's all-reduce below
+            self.strategy.agreement.agree("load_module_state_dict", "an all-reduce of the load's outcome")
         try:
             with GatheredParameters(list(self.module.parameters()), modifier_rank=0):  # stages 0-2: nothing to gather
-                if custom_load_fn is not None:
-                    custom_load_fn(src=state, dst=self.module)
-                else:
-                    result = self.module.load_state_dict(state, strict=False)
-                    missing = set(result.missing_keys) - set(allowed_missing_keys or ())
-                    if strict and (missing or result.unexpected_keys):  # raised inside: the gathered copies drop
-                        raise ZeroshardError(
-                            f"load_module_state_dict: missing keys {sorted(missing)}, unexpected keys "
-                            f"{sorted(result.unexpected_keys)} (strict=False loads the matching ones)"
-                        )
+                failed: Exception | None = None
+                try:
+                    if custom_load_fn is not None:
+                        custom_load_fn(src=state, dst=self.module)
+                    else:
+                        result = self.module.load_state_dict(state, strict=False)
+                        missing = set(result.missing_keys) - set(allowed_missing_keys or ())
+                        if strict and (missing or result.unexpected_keys):
+                            raise ZeroshardError(
+                                f"load_module_state_dict: missing keys {sorted(missing)}, unexpected keys "
+                                f"{sorted(result.unexpected_keys)} (strict=False loads the matching ones)"
+                            )
+                except Exception as err:  # noqa: BLE001 - raised below, once every rank knows
+                    failed = err
+                _raise_if_any_failed(self.strategy, failed)  # raised inside on every rank: no broadcast anywhere
         except BaseException:
             if self.strategy is not None:
                 self.strategy.discard_module_changes()
@@ -322,4 +329,23 @@ class DeepSpeedCalls:
             num_workers=workers,
             pin_memory=pin,
             drop_last=drop_last,
+        )
+
+
+def _raise_if_any_failed(strategy: Any, failed: Exception | None) -> None:
+    """Every rank learns which ranks' module load failed (one all-reduce) and, if any did, raises inside the
+    `GatheredParameters` block: no rank then broadcasts rank 0's values while another restores its own."""
+    if strategy is None or strategy.comm.world_size == 1:
+        if failed is not None:
+            raise failed
+        return
+    flags = torch.zeros(strategy.comm.world_size, device=strategy.device)
+    flags[strategy.comm.rank] = float(failed is not None)
+    strategy.comm.all_reduce(flags, label="load_module_state_dict outcome")
+    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if failed is not None:
+        raise failed
+    if ranks:
+        raise ZeroshardError(
+            f"load_module_state_dict failed on rank(s) {ranks} (their error says why); nothing was taken from rank 0"
         )

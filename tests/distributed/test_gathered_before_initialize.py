@@ -338,7 +338,7 @@ def _diverging(rank: int, world_size: int) -> dict[str, Any]:
     os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = "0"
     import zeroshard
 
-    zeroshard.init_distributed(timeout=datetime.timedelta(seconds=6))  # the store's timeout: how long an absent rank is waited for
+    zeroshard.init_distributed(timeout=datetime.timedelta(seconds=6))  # the store's: the wait for an absent rank
     out: dict[str, Any] = {}
     with zeroshard.zero.Init():
         model = _MegatronStyle(rank)  # its own block agrees: every rank makes it
@@ -369,3 +369,48 @@ def test_diverging_blocks_before_initialize_are_named() -> None:
     assert name == "CollectiveTimeoutError" and 6 <= seconds < 30, (name, message, seconds)
     assert "rank(s) [1] did not make the end of its GatheredParameters block" in message, message
     assert second["raised"][0] == "ValueError"
+
+
+class _TwoAlike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+
+def _same_shapes(rank: int, world_size: int) -> dict[str, Any]:
+    """Blocks over different parameters of the same shape, and a block that raised on one rank: named, and nothing
+    kept that the other rank lacks."""
+    import datetime
+    import os
+
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = "0"
+    import zeroshard
+
+    zeroshard.init_distributed(timeout=datetime.timedelta(seconds=6))
+    with zeroshard.zero.Init():
+        model = _TwoAlike()
+    out: dict[str, Any] = {}
+    mine = model.a.weight if rank == 0 else model.b.weight
+    try:
+        with zeroshard.GatheredParameters(mine, modifier_rank=0):
+            pass
+    except zeroshard.CollectiveMismatchError as e:
+        out["alike"] = str(e)
+    try:
+        with zeroshard.GatheredParameters(model.a.weight, modifier_rank=0):
+            nn.init.constant_(model.a.weight, 7.0)
+            if rank == 1:
+                raise ValueError("the script's own error inside the block")
+    except (ValueError, zeroshard.CollectiveTimeoutError) as e:
+        out["raised"] = type(e).__name__
+    out["meta"] = model.a.weight.is_meta  # rank 0's 7.0 was never broadcast: not kept for initialize
+    return out
+
+
+def test_blocks_over_parameters_of_one_shape_are_told_apart() -> None:
+    first, second = run_on_ranks(_same_shapes, 2, timeout=120)
+    for got in (first, second):
+        assert "a.weight(8, 8)" in got["alike"] and "b.weight(8, 8)" in got["alike"], got
+        assert got["meta"], got
+    assert first["raised"] == "CollectiveTimeoutError" and second["raised"] == "ValueError"

@@ -288,3 +288,29 @@ def test_a_block_over_two_engines_that_one_refuses_leaves_nothing_pinned() -> No
     for out in run_on_ranks(_two_engines, 2, timeout=120):
         assert out["outcome"][0] == "CollectiveMismatchError", out
         assert out["pins"] == [0] and out["states"] == ["SHARDED"], out
+
+
+def _two_engines_at_exit(rank: int, world_size: int) -> dict[str, Any]:
+    import zeroshard
+
+    first, second = _engine(rank, timeout="3"), _engine(rank, timeout="3")
+    pair = [first.module.blocks[0].attn.qkv.weight, second.module.blocks[0].attn.qkv.weight]
+
+    def block() -> None:
+        with zeroshard.GatheredParameters(pair, modifier_rank=0):
+            if rank == 1:  # rank 0's first engine then waits for a broadcast that never comes
+                raise ValueError("the script's own error inside the block")
+
+    try:
+        outcome = _outcome(block)
+    except ValueError as e:
+        outcome = ("ValueError", str(e), 0.0)
+    units = second.strategy.units_of(pair[1:])
+    return {"outcome": outcome, "pins": [u.pins for u in units], "states": [u.state.name for u in units]}
+
+
+def test_a_block_over_two_engines_whose_first_raises_at_its_end_releases_the_second() -> None:
+    first, second = run_on_ranks(_two_engines_at_exit, 2, timeout=120)
+    assert first["outcome"][0] == "CollectiveTimeoutError" and second["outcome"][0] == "ValueError"
+    for got in (first, second):
+        assert got["pins"] == [0] and got["states"] == ["SHARDED"], got

@@ -19,15 +19,19 @@ reads the posts of that call number and posts a verdict, which the others read. 
 skipped the call): a `CollectiveTimeoutError` naming it, after which this engine's gathering calls refuse to run (the
 ranks' call numbers no longer line up). Ranks whose calls issue the same collectives agree, whatever the calls are
 (`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units); what a
-read gathers is part of its collectives (one parameter's gradient and its master are gathers of the same sizes). The
-cost
+read gathers is part of its collectives (one parameter's gradient and its master are gathers of the same sizes), and so
+are the parameters' names and the engine's number (strategies are numbered in the order the ranks built them: two
+parts of a torch_autocast split, or an actor and its reference model, hold parameters at the same bucket or unit
+numbers, the latter under the same names). The cost
 is four or five store round trips per call that communicates (units to gather, a modifier's broadcast; about 0.5 ms on
 2 ranks here, store traffic growing with the ranks); calls that find everything gathered communicate nothing and post
 nothing, and the training step's own gathers (hooks) are checked by the per-step digest instead ([Note: divergence
 check] in divergence.py). The fsdp2 backend agrees the same way before FSDP's unshard of a unit it does not hold
 gathered, a modifier's broadcast, `safe_get_full_*` and its full state dicts. Stage 3 on the CPU waits its divergence
 timeout; every other strategy the store's. `GatheredParameters` before `initialize` (pending.py) agrees on its
-broadcasts from rank 0 at entry and its modifier's at the end, through the store's timeout too.
+broadcasts from rank 0 at entry and its modifier's at the end (the parameters by name in their model), through the
+store's timeout too; `load_module_state_dict` agrees before the all-reduce of its outcome; the MoE split's full state
+dict before its expert-parallel all-gathers.
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ _SHOWN = 160  # characters of a call's collectives shown in a mismatch
 class CallAgreement:
     """The agreement of [Note: gathering calls agree first] for one engine's process group."""
 
-    def __init__(self, comm: Collectives, timeout_s: float | None):
+    def __init__(self, comm: Collectives, timeout_s: float | None, numbered: bool = False):
         """`timeout_s` None: the store's own timeout (the process group's deadline, `zeroshard.collective_timeout_s`,
-        when `initialize` created the group and its store)."""
+        when `initialize` created the group and its store). `numbered`: this agreement is one strategy's, numbered in
+        the order the group's ranks built them (every rank builds the same engines in the same order), and its
+        digests carry the number: two engines, or two parts of one, hold parameters at the same bucket or unit
+        numbers and under the same names (an actor and its reference model)."""
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.timeout_s = timeout_s
@@ -63,6 +70,9 @@ class CallAgreement:
         self._space = f"{_ROOT}/{group}/{attempt}"
         self._store: dist.Store | None = None
         self._broken: str | None = None  # after a timeout the ranks' call numbers no longer line up
+        self.instance = 0
+        if numbered and self.world_size > 1:
+            self.instance = int(self._default_store().add(f"{self._space}/instances/{self.rank}", 1))
 
     def agree(self, call: str, collectives: str, awaited: str = "a gathering call") -> None:
         """Every rank of the group is making a call that issues `collectives` (a description every rank computes
@@ -79,9 +89,10 @@ class CallAgreement:
         store = self._default_store()
         timeout = self.timeout_s if self.timeout_s is not None else store.timeout.total_seconds()  # type: ignore[attr-defined]
         number = store.add(f"{self._space}/calls/{self.rank}", 1)
-        store.set(
-            self._post(number, self.rank), json.dumps([call, zlib.crc32(collectives.encode()), collectives[:_SHOWN]])
-        )
+        if self.instance:
+            collectives = f"{collectives}, engine {self.instance}"
+        shown = collectives if len(collectives) <= _SHOWN else f"{collectives[: _SHOWN - 3]}..."
+        store.set(self._post(number, self.rank), json.dumps([call, zlib.crc32(collectives.encode()), shown]))
         try:
             verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
         except RuntimeError as err:  # a store timeout (DistStoreError is one)

@@ -140,8 +140,11 @@ class ExpertSplitStrategy(SplitStrategy):
         ([Note: expert checkpoints]); collective over each expert-parallel group."""
         from zeroshard.moe.checkpoint import expert_keys
 
+        experts = list(expert_keys(self.module))
+        names = [local_key for local_key, *_ in experts]  # [Note: gathering calls agree first]
+        self.agreement.agree("the full state dict", f"all-gather over expert-parallel groups of {names}")
         state = dict(self.module.state_dict())
-        for local_key, global_keys, param, ep in expert_keys(self.module):
+        for local_key, global_keys, param, ep in experts:
             gathered = torch.empty(len(global_keys) * param.numel(), dtype=param.dtype, device=param.device)
             ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
             del state[local_key]

@@ -159,10 +159,14 @@ class Strategy(ABC):
         # whether the boundary's backward already changes masters and optimizer state (stage 3's super_offload): a
         # decoupled save commits before it then ([Note: decoupled checkpoint writes])
         self.steps_in_backward = False
-        # [Note: gathering calls agree first]: the group's deadline by default (stage 3 on the CPU: its own)
-        self.agreement = CallAgreement(comm, None)
+        # [Note: gathering calls agree first]
+        self.agreement = CallAgreement(comm, self._agreement_timeout_s(policy, device), numbered=True)
 
     # -- construction ----------------------------------------------------------------------------------
+    def _agreement_timeout_s(self, policy: StrategyPolicy, device: torch.device) -> float | None:
+        """How long a gathering call waits for the other ranks' posts: the store's timeout (the group's deadline)."""
+        return None
+
     @abstractmethod
     def master_param_groups(self) -> list[dict[str, Any]]:
         """torch-style parameter groups over the fp32 master shards, the user's options kept."""

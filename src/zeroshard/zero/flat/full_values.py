@@ -89,20 +89,20 @@ class FlatFullValues(Strategy):
             self._scatter_slot(param, value, lambda buffers: self._state_of(buffers.master, key))
 
     def _agree_slot(self, call: str, param: torch.Tensor, what: str, checks_state: bool = False) -> None:
-        """Before a read of `param`'s whole `what`: the ranks agree on the buckets gathered and on what is read from
-        them (a gradient and a master of the same parameter are gathers of the same sizes)."""
-        check = f"any rank holding {what}; " if checks_state else ""
-        if not self._sharded and not check:
+        """Before a read of `param`'s whole `what`: the ranks agree on the parameter, the buckets gathered and what is
+        read from them (a gradient and a master of the same parameter are gathers of the same sizes)."""
+        if not (self._sharded or checks_state):
             return  # stage 0 reads its own whole copy
         buffers, slot = self._slot_of(param)
-        group = self.buffers.index(buffers)
-        ids = [
-            b.id
-            for b in buffers.layout.buckets
-            if b.start < slot.offset + slot.numel and slot.offset < b.start + b.numel
-        ]
-        gather = f"all-gather of the {what} shards of group {group}'s buckets {ids}" if self._sharded else ""
-        self.agreement.agree(call, check + gather)
+        steps = [f"a check for {what} on any rank"] if checks_state else []
+        if self._sharded:
+            ids = [
+                b.id
+                for b in buffers.layout.buckets
+                if b.start < slot.offset + slot.numel and slot.offset < b.start + b.numel
+            ]
+            steps.append(f"all-gather of the {what} shards (group {self.buffers.index(buffers)}, buckets {ids})")
+        self.agreement.agree(call, f"{'; '.join(steps)} of {slot.name}")
 
     def _slot_of(self, param: torch.Tensor) -> tuple[GroupBuffers, Any]:
         return next(

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,7 @@ class _Built:
         self.adapters: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
         self.thread: int | None = None
         self.depth = 0
+        self._agreement: tuple[Any, CallAgreement] | None = None  # (the default group, its agreement)
 
     def _track(self, module: nn.Module) -> weakref.ref[nn.Module]:
         key = id(module)
@@ -149,6 +151,14 @@ class _Built:
     def kept(self, param: nn.Parameter) -> bool:
         return id(param) in self._kept and self.owner(param) is not None
 
+    def agreement(self) -> CallAgreement:
+        """[Note: gathering calls agree first] for blocks before `initialize`, over the default group (the store's
+        timeout); one per group, so that a timeout's refusal lasts."""
+        group = dist.group.WORLD
+        if self._agreement is None or self._agreement[0] is not group:
+            self._agreement = (group, CallAgreement(Collectives(None, dist.get_world_size(), dist.get_rank()), None))
+        return self._agreement[1]
+
     def root(self, module: nn.Module) -> nn.Module:
         seen = {id(module)}
         while (parent := self._holder(module)) is not None and id(parent) not in seen:
@@ -193,6 +203,7 @@ class Pending:
 
     made: list[nn.Parameter]
     real: list[nn.Parameter]
+    names: str  # both, as the agreement at the block's end describes them
 
 
 def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> Pending | None:
@@ -220,7 +231,7 @@ def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> P
     new_adapters = [
         (root, names) for root in roots if (names := _adapter_names(root)) and BUILT.adapters.get(root) != names
     ]
-    _agree_entry(params, owners.values(), new_adapters, modifier_rank)  # before anything changes: it may raise
+    _agree_entry(params, found, new_adapters, modifier_rank)  # before anything changes: it may raise
     made: list[nn.Parameter] = []
     for root, names in new_adapters:  # PEFT's initialisation (lora_B zero), once per adapter
         adapters = materialize_adapters(root)  # real from now on (small), the same on every rank
@@ -236,7 +247,8 @@ def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> P
     set_status([*made, *real], ZeroParamStatus.AVAILABLE)
     for p in [*made, *real]:
         BUILT.open[id(p)] = BUILT.open.get(id(p), 0) + 1
-    return Pending(made, real)
+    owner_of = {**found, **{id(p): m for m in owners.values() for p in m.parameters(recurse=False)}}
+    return Pending(made, real, _named([*made, *real], owner_of))
 
 
 def _values_of(owner: nn.Module) -> list[nn.Parameter]:
@@ -259,21 +271,30 @@ def end(pending: Pending, modifier_rank: int | None) -> None:
         left = BUILT.open.pop(id(p), 1) - 1
         if left:
             BUILT.open[id(p)] = left
-    if modifier_rank is None:
-        # those a block inside this one kept, or still open in an enclosing block, stay real
-        back = [p for p in pending.made if not BUILT.kept(p) and id(p) not in BUILT.open]
-        for p in back:
-            swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
-        set_status(back, ZeroParamStatus.NOT_AVAILABLE)
+    if modifier_rank is not None:
+        try:
+            BUILT.agreement().agree(
+                f"the end of GatheredParameters(modifier_rank={modifier_rank}) before initialize",
+                f"broadcast from rank {modifier_rank} of {pending.names}",
+                awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+            )
+        except BaseException:
+            _back_to_meta(pending)  # nothing kept that the other ranks do not have
+            raise
+        for p in both:
+            BUILT.keep(p)
+        _broadcast(both, modifier_rank)
         return
-    for p in both:
-        BUILT.keep(p)
-    _agreement().agree(
-        f"the end of GatheredParameters(modifier_rank={modifier_rank}) before initialize",
-        f"broadcast from rank {modifier_rank} of {_shapes(both)}",
-        awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
-    )
-    _broadcast(both, modifier_rank)
+    _back_to_meta(pending)
+
+
+def _back_to_meta(pending: Pending) -> None:
+    """The parameters made real for the block go back to the meta device; those a block inside this one kept, or
+    still open in an enclosing block, stay real."""
+    back = [p for p in pending.made if not BUILT.kept(p) and id(p) not in BUILT.open]
+    for p in back:
+        swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
+    set_status(back, ZeroParamStatus.NOT_AVAILABLE)
 
 
 def _adapter_names(root: nn.Module) -> frozenset[str]:
@@ -282,34 +303,43 @@ def _adapter_names(root: nn.Module) -> frozenset[str]:
 
 def _agree_entry(
     params: Sequence[nn.Parameter],
-    owners: Iterable[nn.Module],
+    found: Mapping[int, nn.Module],
     adapters: Sequence[tuple[nn.Module, frozenset[str]]],
     modifier_rank: int | None,
 ) -> None:
     """[Note: gathering calls agree first] before a block's broadcasts: those of the adapters and the meta parameters
     it makes real (from rank 0), and the modifier's at its end; described before anything is made real."""
-    made = [p for owner in owners for p in owner.parameters(recurse=False) if p.is_meta]
+    owners = {id(m): m for m in found.values()}.values()
+    made = {id(p): m for m in owners for p in m.parameters(recurse=False) if p.is_meta}
     if not (made or adapters) and modifier_rank is None:
         return  # nothing sent
     named = [sorted(names) for _, names in adapters]
+    meta = [p for m in owners for p in m.parameters(recurse=False) if id(p) in made]
+    kept = [p for p in params if id(p) in found]
     at_end = (
-        f"; broadcast from rank {modifier_rank} of {_shapes(params)} at the end" if modifier_rank is not None else ""
+        f"; broadcast from rank {modifier_rank} of {_named(kept, found)} at the end"
+        if modifier_rank is not None
+        else ""
     )
-    _agreement().agree(
+    BUILT.agreement().agree(
         "GatheredParameters before initialize"
         + (f", modifier_rank={modifier_rank}" if modifier_rank is not None else ""),
-        f"broadcast from rank 0 of adapters {named} and {_shapes(made)}{at_end}",
+        f"broadcast from rank 0 of adapters {named} and {_named(meta, made)}{at_end}",
     )
 
 
-def _shapes(params: Sequence[nn.Parameter]) -> str:
-    return f"{len(params)} tensor(s) {[tuple(p.shape) for p in params]}"
-
-
-def _agreement() -> CallAgreement:
-    """[Note: gathering calls agree first]: a rank-dependent block is named before its broadcasts pair up with
-    another call's (NCCL fingerprints nothing); the store's timeout."""
-    return CallAgreement(Collectives(None, dist.get_world_size(), dist.get_rank()), None)
+def _named(params: Sequence[nn.Parameter], owner_of: Mapping[int, nn.Module]) -> str:
+    """`params` by their names in their models (a model still being built: in its part built so far) and shapes: the
+    same on every rank that makes the same block."""
+    paths: dict[int, dict[int, str]] = {}
+    names = []
+    for p in params:
+        owner = owner_of[id(p)]
+        root = BUILT.root(owner)
+        prefix = paths.setdefault(id(root), {id(m): n for n, m in root.named_modules()}).get(id(owner), "?")
+        attr = next((k for k, q in owner._parameters.items() if q is p), "?")
+        names.append(f"{prefix}.{attr}{tuple(p.shape)}" if prefix else f"{attr}{tuple(p.shape)}")
+    return f"{len(names)} tensor(s) {names}"
 
 
 def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:

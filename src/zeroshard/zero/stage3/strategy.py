@@ -21,7 +21,6 @@ from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.checkpoint.state import ShardedState
-from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.errors import ConfigError
@@ -121,8 +120,6 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             policy.master_tier.log_split(split)
         self.pool = BufferPool(device)
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
-        # on the CPU a gather waits wait_timeout_s before the divergence report; elsewhere the group's deadline
-        self.agreement = CallAgreement(comm, policy.wait_timeout_s if device.type == "cpu" else None)
         param_store = policy.param_tier.residency
         self.schedule = GatherSchedule(
             self.units, comm, policy.prefetch, self.watch, param_store, policy.param_read_ahead, policy.overlap_comm
@@ -161,6 +158,11 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         self._settle_at_exit = weakref.finalize(self, settle_live_gathers, [weakref.ref(u) for u in self.units])
 
     # -- construction ------------------------------------------------------------------------------
+    def _agreement_timeout_s(self, policy: StrategyPolicy, device: torch.device) -> float | None:
+        """On the CPU as long as a gather waits before the divergence report; elsewhere the group's deadline."""
+        assert isinstance(policy, Stage3Policy)
+        return policy.wait_timeout_s if device.type == "cpu" else None
+
     def master_param_groups(self) -> list[dict[str, Any]]:
         groups = []
         self.built.placeholders.clear()
@@ -479,9 +481,9 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         unit, index = next((u, i) for u in self.units for i, p in enumerate(u.params) if p is param)
         return unit, index, next(s for s in unit.layout.slots if s.index == index)
 
-    def _agree_slot(self, call: str, param: torch.Tensor, what: str) -> None:
-        """What is read matters as much as where: a gradient and a master of one unit gather the same sizes."""
-        self.agreement.agree(call, f"all-gather of the {what} shards of unit {self._slot_of(param)[0].index}")
+    def _agree_slot(self, call: str, param: torch.Tensor, what: str) -> None:  # a gradient and a master: same sizes
+        unit, _, slot = self._slot_of(param)
+        self.agreement.agree(call, f"all-gather of the {what} shards of {slot.name} (unit {unit.index})")
 
     def _gather_slot(
         self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor], call: str = "", what: str = ""
