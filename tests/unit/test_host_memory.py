@@ -196,3 +196,17 @@ def _deterministic() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_fsdp2s_communication_buffers_are_advised(advised: list[tuple[int, int]]) -> None:
+    """FSDP2 asks the fsdp2 backend's collectives for its whole-unit buffers (`allocate`): fresh every step."""
+    import torch
+
+    from zeroshard.comm.collectives import Collectives
+    from zeroshard.fsdp2.comms import CountedAllGather, CountedReduceScatter
+
+    comm = Collectives(None, 1, 0)
+    out = CountedAllGather(comm).allocate((2, MiB), dtype=torch.float32, device=torch.device("cpu"))
+    into = CountedReduceScatter(comm).allocate((MiB // 2,), dtype=torch.float32, device=torch.device("cpu"))
+    assert out.shape == (2, MiB) and out.is_contiguous() and into.shape == (MiB // 2,)
+    assert advised == [(out.data_ptr(), 8 * MiB)]  # 2 MiB: below the size worth advising

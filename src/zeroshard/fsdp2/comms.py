@@ -7,6 +7,7 @@ ring's bus bytes) and otherwise do exactly what FSDP2's defaults do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ from zeroshard.comm.collectives import (
     gather_in_place,
     reduce_scatter_single,
 )
+from zeroshard.offload.host_memory import fresh_empty
 
 
 def _record(stats: CommStats, kind: CollectiveKind, tensor: torch.Tensor, world_size: int, scope: Scope) -> None:
@@ -36,7 +38,9 @@ class _Counted:
         self.comm = comm  # [Note: scopes]: comm.scope is where the group FSDP2 communicates over sits
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        """FSDP2's whole-unit buffers (the all-gather's output, the reduce-scatter's input), fresh every step: on the
+        CPU under the fixed mmap threshold, advised to huge pages ([Note: huge pages for fresh host buffers])."""
+        return fresh_empty(math.prod(int(n) for n in size), dtype, device).view(*size)
 
 
 class CountedAllGather(_Counted, AllGather):
