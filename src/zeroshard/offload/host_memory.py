@@ -29,16 +29,17 @@ buffer (the `BufferPool` of every stage), every step. Where transparent huge pag
 nothing), `madvise(MADV_HUGEPAGE)` on such a buffer before it is written makes each fault map 2 MiB (a fresh 64 MiB
 buffer: 16,386 faults and 26.5 ms to write, 545 and 4.4 ms advised). `fresh` advises zeroshard's own host buffers
 of 4 MiB and more this way (the fsdp2 backend's too: FSDP2's whole-unit all-gather outputs and reduce-scatter
-inputs, which it asks the backend's collectives to allocate, fsdp2/comms.py), and only the 2 MiB-aligned interior of a buffer that is its own mapping: the fixed
-threshold is in force, no other allocator is interposed (jemalloc or tcmalloc preloaded keep freed memory, which
-the advice would follow into tensors written in part: RSS measured 450 MiB against 247 MiB), and glibc's chunk
-header says it was mapped for this allocation (not heap memory, which khugepaged could fill in). The resident set
-is unchanged, since these buffers are written whole; the cost is that a fault may compact memory to find a huge
-page (`defrag` = madvise). Tensors torch allocates itself (activations, autograd's gradients) are advised only
-with `THP_MEM_ALLOC_ENABLE=1`, which torch reads at its first CPU allocation, or glibc's
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, read at the process's start: both before a library that is given a model
-can act; docs/design.md has the measurements. NVMe entries read back are not advised: their reads
-are bound by the disk (benchmarks/infinity.py with 4 layers of width 1536: step times the same within noise).
+inputs, which it asks the backend's collectives to allocate, fsdp2/comms.py), and only the 2 MiB-aligned interior
+of a buffer that is its own mapping: the fixed threshold is in force, no other allocator is interposed (jemalloc or
+tcmalloc preloaded keep freed memory, which the advice would follow into tensors written in part: RSS measured 450
+MiB against 247 MiB), and glibc's chunk header says it was mapped for this allocation (not heap memory, which
+khugepaged could fill in). The resident set is unchanged, since these buffers are written whole; the cost is that a
+fault may compact memory to find a huge page (`defrag` = madvise). Tensors torch allocates itself (activations,
+autograd's gradients, FSDP2's unsharded parameters) are advised only with `THP_MEM_ALLOC_ENABLE=1`, which torch
+reads at its first CPU allocation, or glibc's `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, read at the process's start:
+both before a library that is given a model can act; docs/design.md has the measurements. NVMe entries read back
+are not advised: their reads are bound by the disk (benchmarks/infinity.py with 4 layers of width 1536: step times
+the same within noise).
 """
 
 from __future__ import annotations
