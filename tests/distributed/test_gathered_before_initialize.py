@@ -6,6 +6,7 @@ overwrite a change; the caller's own meta parameters are refused; attributes set
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -414,3 +415,45 @@ def test_blocks_over_parameters_of_one_shape_are_told_apart() -> None:
         assert "a.weight(8, 8)" in got["alike"] and "b.weight(8, 8)" in got["alike"], got
         assert got["meta"], got
     assert first["raised"] == "CollectiveTimeoutError" and second["raised"] == "ValueError"
+
+
+def _wrapped_and_twin(rank: int, world_size: int, folder: str) -> dict[str, str]:
+    """A PEFT-wrapped model (its LoRA layers hold the original linear as `base_layer`, built outside zero_init) and two
+    models of one architecture (an actor and its reference): blocks over different parameters of the same shape and
+    name are still told apart."""
+    import datetime
+    import os
+
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"] = "0"
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    zeroshard.init_distributed(timeout=datetime.timedelta(seconds=6))
+    with zeroshard.zero_init():
+        base = AutoModelForCausalLM.from_pretrained(folder)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    attn = model.base_model.model.model.layers[0].self_attn
+    out = {}
+    mine = attn.q_proj.base_layer.weight if rank == 0 else attn.o_proj.base_layer.weight  # both (32, 32)
+    with pytest.raises(zeroshard.CollectiveMismatchError) as err:
+        with zeroshard.GatheredParameters(mine, modifier_rank=0):
+            pass
+    out["wrapped"] = str(err.value)
+    with zeroshard.zero_init():
+        actor, reference = nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(zeroshard.CollectiveMismatchError) as err:
+        with zeroshard.GatheredParameters((actor if rank == 0 else reference)[0].weight, modifier_rank=0):
+            pass
+    out["twins"] = str(err.value)
+    return out
+
+
+def test_wrapped_layers_and_twin_models_are_told_apart_before_initialize(tmp_path) -> None:
+    tiny_llama().save_pretrained(tmp_path)
+    for got in run_on_ranks(_wrapped_and_twin, 2, str(tmp_path), timeout=120):
+        assert "self_attn.q_proj.base_layer.weight(" in got["wrapped"], got["wrapped"]
+        assert "self_attn.o_proj.base_layer.weight(" in got["wrapped"], got["wrapped"]
+        numbers = re.findall(r"model (\d+): 0\.weight\(8, 8\)", got["twins"])
+        assert len(numbers) == 2 and numbers[0] != numbers[1], got["twins"]

@@ -58,8 +58,8 @@ def test_rank_dependent_gathering_calls_are_named_without_fingerprints() -> None
     outcomes = run_on_ranks(_dschat_save, 2, timeout=120)
     for name, message, seconds in outcomes:
         assert name == "CollectiveMismatchError", outcomes
-        assert "rank 0: state_dict() (all-gather of units" in message, message
-        assert "rank 1: GatheredParameters over 1 parameter(s) (all-gather of units" in message, message
+        assert "rank 0: state_dict() (engine 1: all-gather of units" in message, message
+        assert "rank 1: GatheredParameters over 1 parameter(s) (engine 1: all-gather of units" in message, message
         assert seconds < 5, seconds  # at once, not after a timeout
 
 
@@ -241,7 +241,7 @@ def test_reads_of_different_values_of_one_parameter_are_named_on_every_backend()
     for out in run_on_ranks(_mixed_reads, 2, timeout=180):
         for label, (name, message, seconds) in out.items():
             assert name == "CollectiveMismatchError" and seconds < 5, (label, name, message)
-            assert "rank 0: safe_get_full_grad (all-gather of the" in message, (label, message)
+            assert "rank 0: safe_get_full_grad (engine " in message and "all-gather of the" in message, (label, message)
             assert "gradient" in message and "rank 1: safe_get_full_fp32_param" in message, (label, message)
             assert "fp32 master" in message, (label, message)
 

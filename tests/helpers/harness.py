@@ -20,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,25 @@ def _rank_main(
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            _outlive_the_others(world_size)
             dist.destroy_process_group()
+
+
+def _outlive_the_others(world_size: int, patience_s: float = 15.0) -> None:
+    """Rank 0 hosts the rendezvous store: it stays until every rank is done with it (a rank still reading an
+    agreement's verdict saw "Connection reset by peer" when rank 0 returned first), at most `patience_s`."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    try:
+        store = distributed_c10d._get_default_store()
+        done = store.add("harness/done", 1)
+        deadline = time.monotonic() + patience_s
+        while dist.get_rank() == 0 and done < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            done = store.add("harness/done", 0)
+    except (RuntimeError, ValueError):  # the store is gone already: nothing to outlive
+        return
 
 
 _CONTEXT: Any = None

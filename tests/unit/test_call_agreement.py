@@ -98,3 +98,49 @@ def test_one_rank_needs_no_store() -> None:
     agreement = CallAgreement(SimpleNamespace(rank=0, world_size=1, group=None), 1)  # type: ignore[arg-type]
     agreement.agree("state_dict()", "all-gather of units [0]")
     assert agreement._store is None
+
+
+class _HostGone:
+    """A store whose host exited: every wait fails as a TCPStore client's does then."""
+
+    def __init__(self, inner: dist.Store):
+        self.inner = inner
+        self.timeout = datetime.timedelta(seconds=5)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_store_whose_host_exited_is_named_as_such() -> None:
+    agreement = _agreements(2, 5, dist.HashStore())[1]
+    agreement._store = _HostGone(agreement._store)  # type: ignore[assignment]
+    with pytest.raises(CollectiveTimeoutError, match="rendezvous store stopped answering .*has exited"):
+        agreement.agree("state_dict()", "all-gather of units [0]")
+
+
+def test_digests_carry_the_engine_and_the_message_shows_where_they_differ() -> None:
+    store = dist.HashStore()
+    first = _agreements(2, 10, store)
+    for a in first:
+        a.instance = 1
+    units = f"all-gather of units {list(range(60))}"
+    outcomes = _on_ranks([lambda: first[0].agree("a", units), lambda: first[1].agree("b", units.replace("[0,", "[1,"))])
+    assert all(isinstance(o, CollectiveMismatchError) for o in outcomes), outcomes
+    same_elsewhere = _agreements(2, 10, store)
+    same_elsewhere[1].instance = 2  # another engine: the same units
+    outcomes = _on_ranks([lambda: first[0].agree("a", units), lambda: same_elsewhere[1].agree("a", units)])
+    message = str(outcomes[0])
+    assert "(engine 1: all-gather of units [0, 1," in message and "(engine 2: all-gather of units [0, 1," in message
+
+
+def test_long_descriptions_are_shown_around_their_first_difference() -> None:
+    ranks = _agreements(2, 10, dist.HashStore())
+    long = f"all-gather of units {list(range(100))}"
+    other = long.replace("98, 99]", "98, 1000]")
+    outcomes = _on_ranks([lambda: ranks[0].agree("a", long), lambda: ranks[1].agree("a", other)])
+    message = str(outcomes[1])
+    assert "rank 0: a (... 86, 87," in message and "97, 98, 99]); rank 1: a (... 86," in message, message
+    assert "97, 98, 1000]))" in message, message

@@ -49,6 +49,7 @@ from zeroshard.errors import SAME_MODULES, CollectiveMismatchError, CollectiveTi
 
 _ROOT = "zeroshard/agree"
 _SHOWN = 160  # characters of a call's collectives shown in a mismatch
+_POSTED = 4096  # characters of them posted (the digest covers them all)
 
 
 class CallAgreement:
@@ -90,13 +91,18 @@ class CallAgreement:
         timeout = self.timeout_s if self.timeout_s is not None else store.timeout.total_seconds()  # type: ignore[attr-defined]
         number = store.add(f"{self._space}/calls/{self.rank}", 1)
         if self.instance:
-            collectives = f"{collectives}, engine {self.instance}"
-        shown = collectives if len(collectives) <= _SHOWN else f"{collectives[: _SHOWN - 3]}..."
-        store.set(self._post(number, self.rank), json.dumps([call, zlib.crc32(collectives.encode()), shown]))
+            collectives = f"engine {self.instance}: {collectives}"
+        digest = zlib.crc32(collectives.encode())
+        store.set(self._post(number, self.rank), json.dumps([call, digest, collectives[:_POSTED]]))
         try:
             verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
         except RuntimeError as err:  # a store timeout (DistStoreError is one)
             self._broken = f"{call}, call {number} of rank {self.rank}"
+            if isinstance(err, dist.DistNetworkError):  # not a timeout: the store's host went away
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank} made {call} and the rendezvous store stopped answering ({err}): its host (rank "
+                    "0, or the launcher's agent) has exited, most likely on an error of its own: see its log"
+                ) from err
             raise CollectiveTimeoutError(self._absent(store, number, call, timeout, awaited)) from err
         if number > 1:  # rank 0 read this rank's previous post before it posted this verdict
             store.delete_key(self._post(number - 1, self.rank))
@@ -133,7 +139,8 @@ class CallAgreement:
         store.wait(posts, timeout)
         seen = [json.loads(value) for value in _get_all(store, posts)]
         same = all(digest == seen[0][1] for _, digest, _ in seen)
-        verdict = "" if same else "; ".join(f"rank {r}: {name} ({what})" for r, (name, _, what) in enumerate(seen))
+        shown = _where_they_differ([what for _, _, what in seen])
+        verdict = "" if same else "; ".join(f"rank {r}: {name} ({shown[r]})" for r, (name, _, _) in enumerate(seen))
         store.set(key, verdict)
         if number > 1:  # every rank read the previous verdict before it posted for this call
             store.delete_key(f"{self._space}/{number - 1}/verdict")
@@ -161,6 +168,17 @@ class CallAgreement:
 
             self._store = distributed_c10d._get_default_store()
         return self._store
+
+
+def _where_they_differ(texts: list[str]) -> list[str]:
+    """Each rank's description, cut to `_SHOWN` characters around where the descriptions first differ."""
+    common = len(os.path.commonprefix(texts))
+    start = max(0, common - _SHOWN // 3) if any(len(t) > _SHOWN for t in texts) else 0
+    cut = [t[start : start + _SHOWN] for t in texts]
+    return [
+        ("..." if start else "") + c + ("..." if start + _SHOWN < len(t) else "")
+        for c, t in zip(cut, texts, strict=True)
+    ]
 
 
 def _get_all(store: dist.Store, keys: list[str]) -> list[bytes]:

@@ -30,8 +30,10 @@ holds (the caller's own `torch.device("meta")`) has no module to initialise it: 
 `initialize` inside a block over the model. Parameters built under `zero_init` also carry DeepSpeed's attributes
 from construction ([Note: DeepSpeed's parameter attributes] in ds_param.py), NOT_AVAILABLE until a block or
 `initialize` makes them real. A block that broadcasts (values made real, adapters, a modifier) agrees first with the
-other ranks, before anything is made real ([Note: gathering calls agree first]): blocks over different parameters on
-different ranks, or a block that raised on one rank before its modifier's broadcast, are named.
+other ranks, before anything is made real ([Note: gathering calls agree first]), naming each parameter by its model
+(numbered in the order `zero_init` recorded the models: an actor and its reference model differ) and its path there
+(through modules PEFT wrapped around it later): blocks over different parameters on different ranks, or a block that
+raised on one rank before its modifier's broadcast, are named.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class _Built:
         self._params_of: dict[int, list[int]] = {}  # id(module) -> the parameters it owns here
         self._parent: dict[int, weakref.ref[nn.Module]] = {}  # id(module) -> the module holding it
         self._modules: dict[int, weakref.ref[nn.Module]] = {}
+        # id(module) -> its place in the order modules were first recorded (the same on every rank that builds the
+        # same models): a model's number in the agreement's names
+        self._number: dict[int, int] = {}
+        self._recorded = 0
         self._kept: set[int] = set()  # parameters whose values a block kept: `initialize` shards them
         self.open: dict[int, int] = {}  # parameters inside GatheredParameters blocks now: how many blocks
         # roots whose PEFT adapters are real: their adapter names (held weakly: an id can be reused)
@@ -78,11 +84,14 @@ class _Built:
         key = id(module)
         if key not in self._modules:
             self._modules[key] = weakref.ref(module)
+            self._recorded += 1
+            self._number[key] = self._recorded
             weakref.finalize(module, self._forget, key)
         return self._modules[key]
 
     def _forget(self, module_key: int) -> None:
         self._modules.pop(module_key, None)
+        self._number.pop(module_key, None)
         self._parent.pop(module_key, None)
         for key in self._params_of.pop(module_key, []):
             self._owner.pop(key, None)
@@ -150,6 +159,13 @@ class _Built:
 
     def kept(self, param: nn.Parameter) -> bool:
         return id(param) in self._kept and self.owner(param) is not None
+
+    def paths(self) -> list[tuple[int, dict[int, str]]]:
+        """Each model recorded whole (held by no recorded module, as a module still being built is), by number, with
+        the path of every module in it: a module wrapped outside `zero_init` (PEFT's LoRA layers hold the original
+        as `base_layer`) is reached through its model, not through the parent recorded at its construction."""
+        roots = [m for ref in list(self._modules.values()) if (m := ref()) is not None and self._holder(m) is None]
+        return [(self._number[id(r)], {id(m): n for n, m in r.named_modules()}) for r in roots]
 
     def agreement(self) -> CallAgreement:
         """[Note: gathering calls agree first] for blocks before `initialize`, over the default group (the store's
@@ -329,17 +345,25 @@ def _agree_entry(
 
 
 def _named(params: Sequence[nn.Parameter], owner_of: Mapping[int, nn.Module]) -> str:
-    """`params` by their names in their models (a model still being built: in its part built so far) and shapes: the
-    same on every rank that makes the same block."""
-    paths: dict[int, dict[int, str]] = {}
+    """`params` by model and name in it (the longest path that reaches them: a model still being built, in its part
+    built so far) and shape: the same on every rank that makes the same block over the same models."""
+    paths = BUILT.paths()
     names = []
     for p in params:
         owner = owner_of[id(p)]
-        root = BUILT.root(owner)
-        prefix = paths.setdefault(id(root), {id(m): n for n, m in root.named_modules()}).get(id(owner), "?")
+        number, path = max(
+            ((n, where[id(owner)]) for n, where in paths if id(owner) in where), key=_longer, default=(0, "?")
+        )
         attr = next((k for k, q in owner._parameters.items() if q is p), "?")
-        names.append(f"{prefix}.{attr}{tuple(p.shape)}" if prefix else f"{attr}{tuple(p.shape)}")
+        names.append(
+            f"model {number}: {path}.{attr}{tuple(p.shape)}" if path else f"model {number}: {attr}{tuple(p.shape)}"
+        )
     return f"{len(names)} tensor(s) {names}"
+
+
+def _longer(found: tuple[int, str]) -> tuple[int, int]:
+    """The deeper path wins; between equal depths, the model recorded first (a module shared by two models)."""
+    return len(found[1].split(".")) if found[1] else 0, -found[0]
 
 
 def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
