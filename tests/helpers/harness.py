@@ -63,9 +63,10 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def _outlive_the_others(world_size: int, patience_s: float = 15.0) -> None:
+def _outlive_the_others(world_size: int, patience_s: float = 2.0) -> None:
     """Rank 0 hosts the rendezvous store: it stays until every rank is done with it (a rank still reading an
-    agreement's verdict saw "Connection reset by peer" when rank 0 returned first), at most `patience_s`."""
+    agreement's verdict saw "Connection reset by peer" when rank 0 returned first), at most `patience_s`, short:
+    tests where a rank waits for rank 0 to be gone (its stalled collective then fails) see the exit soon after."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from helpers.config_checks import warnings_of
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -144,3 +145,14 @@ def test_long_descriptions_are_shown_around_their_first_difference() -> None:
     message = str(outcomes[1])
     assert "rank 0: a (... 86, 87," in message and "97, 98, 99]); rank 1: a (... 86," in message, message
     assert "97, 98, 1000]))" in message, message
+
+
+def test_without_a_usable_store_calls_go_unchecked_after_one_warning(monkeypatch: pytest.MonkeyPatch, log) -> None:
+    def no_store(self: CallAgreement) -> dist.Store:
+        raise RuntimeError("this backend has no key-value store")
+
+    monkeypatch.setattr(CallAgreement, "_default_store", no_store)
+    comm = SimpleNamespace(rank=1, world_size=2, group=None)
+    agreement = CallAgreement(comm, 5, numbered=True)  # type: ignore[arg-type]
+    assert any("cannot be used (RuntimeError: this backend has no key-value store)" in w for w in warnings_of(log))
+    agreement.agree("state_dict()", "all-gather of units [0]")  # returns: nothing to agree through

@@ -46,6 +46,9 @@ import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import SAME_MODULES, CollectiveMismatchError, CollectiveTimeoutError
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 _ROOT = "zeroshard/agree"
 _SHOWN = 160  # characters of a call's collectives shown in a mismatch
@@ -72,15 +75,24 @@ class CallAgreement:
         self._store: dist.Store | None = None
         self._broken: str | None = None  # after a timeout the ranks' call numbers no longer line up
         self.instance = 0
+        self._unavailable: str | None = None  # why there is no store to agree through (then calls go unchecked)
         if numbered and self.world_size > 1:
-            self.instance = int(self._default_store().add(f"{self._space}/instances/{self.rank}", 1))
+            try:
+                self.instance = int(self._default_store().add(f"{self._space}/instances/{self.rank}", 1))
+            except (RuntimeError, ValueError, AttributeError, NotImplementedError) as err:
+                self._unavailable = f"{type(err).__name__}: {err}"
+                logger.warning(
+                    "the process group's key-value store cannot be used (%s): gathering calls will not be checked "
+                    "against the other ranks first ([Note: gathering calls agree first])",
+                    self._unavailable,
+                )
 
     def agree(self, call: str, collectives: str, awaited: str = "a gathering call") -> None:
         """Every rank of the group is making a call that issues `collectives` (a description every rank computes
         alike); `call` names it in the error, `awaited` says what an absent rank did not do. Returns once all
         posted the same collectives; raises otherwise. Rank 0 reads the posts and posts the verdict, which the
         others read: store traffic grows with the ranks, not with their square."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self._unavailable is not None:
             return
         if self._broken is not None:
             raise CollectiveMismatchError(
