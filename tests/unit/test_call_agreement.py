@@ -156,3 +156,23 @@ def test_without_a_usable_store_calls_go_unchecked_after_one_warning(monkeypatch
     agreement = CallAgreement(comm, 5, numbered=True)  # type: ignore[arg-type]
     assert any("cannot be used (RuntimeError: this backend has no key-value store)" in w for w in warnings_of(log))
     agreement.agree("state_dict()", "all-gather of units [0]")  # returns: nothing to agree through
+
+
+def test_an_optional_call_that_differs_stands_down_and_the_others_meet_its_next_call() -> None:
+    """[Note: a state_dict() made alone]: rank 0's optional call differs from ranks 1 and 2, which agree: rank 0 stands
+    down (False) and makes its next call, which the others' posted-again call meets."""
+    ranks = _agreements(3, 10, dist.HashStore())
+    stood: list[bool] = []
+
+    def rank0() -> None:
+        stood.append(ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]", optional=True))
+        stood.append(ranks[0].agree("GatheredParameters", "all-gather of units [1]"))
+
+    others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [1]") for a in ranks[1:]]
+    assert _on_ranks([rank0, *others]) == [None, None, None]
+    assert stood == [False, True]
+    # optional calls that differ among themselves, with no other call to give way to: named
+    outcomes = _on_ranks(
+        [lambda a=a: a.agree("state_dict()", f"all-gather of units [{a.rank}]", optional=True) for a in ranks]
+    )
+    assert all(isinstance(o, CollectiveMismatchError) for o in outcomes), outcomes

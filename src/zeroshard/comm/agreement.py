@@ -8,7 +8,7 @@ consolidated 16-bit state dict (`save_16bit_model`, accelerate's `get_state_dict
 or optimizer-state shards (`safe_get_full_optimizer_state` first asks every rank whether the state exists, an
 all-reduce, at stage 0 too).
 There a rank-dependent branch sends ranks into different collectives: `if rank == 0: torch.save(model.state_dict())`,
-or DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's per-parameter `GatheredParameters` save. gloo's
+or rank 0's `safe_get_full_grad(p)` beside the others' `safe_get_full_fp32_param(p)`. gloo's
 per-collective fingerprints name that at the first collective; NCCL fingerprints nothing (a per-collective check would
 sync the host with the GPU), so there all-gathers of equal sizes may pair up across the two calls and carry the wrong
 unit's values without an error, or wait out the collective deadline (gloo with its fingerprints off aborted:
@@ -17,7 +17,11 @@ store (host-side on every backend) a digest of the collectives the call is about
 reads the posts of that call number and posts a verdict, which the others read. Different collectives: a
 `CollectiveMismatchError` on every rank, naming each rank's call. A rank that posts nothing within the timeout (it
 skipped the call): a `CollectiveTimeoutError` naming it, after which this engine's gathering calls refuse to run (the
-ranks' call numbers no longer line up). Ranks whose calls issue the same collectives agree, whatever the calls are
+ranks' call numbers no longer line up). One call may give way instead: stage 3's `state_dict()`, whose DeepSpeed
+counterpart communicates nothing, stands down to placeholders when the ranks that made other calls agree among
+themselves, and those post again for the next call of the ranks that stood down ([Note: a state_dict() made alone]
+in zero/stage3/gathering.py: DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's ZeRO-3 save).
+Ranks whose calls issue the same collectives agree, whatever the calls are
 (`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units); what a
 read gathers is part of its collectives (one parameter's gradient and its master are gathers of the same sizes), and so
 are the parameters' names and the engine's number (strategies are numbered in the order the ranks built them: two
@@ -53,6 +57,7 @@ logger = get_logger(__name__)
 _ROOT = "zeroshard/agree"
 _SHOWN = 160  # characters of a call's collectives shown in a mismatch
 _POSTED = 4096  # characters of them posted (the digest covers them all)
+_STAND_DOWN = "stand down: "  # a verdict: these ranks' optional calls give way ([Note: a state_dict() made alone])
 
 
 class CallAgreement:
@@ -87,13 +92,14 @@ class CallAgreement:
                     self._unavailable,
                 )
 
-    def agree(self, call: str, collectives: str, awaited: str = "a gathering call") -> None:
+    def agree(self, call: str, collectives: str, awaited: str = "a gathering call", optional: bool = False) -> bool:
         """Every rank of the group is making a call that issues `collectives` (a description every rank computes
         alike); `call` names it in the error, `awaited` says what an absent rank did not do. Returns once all
         posted the same collectives; raises otherwise. Rank 0 reads the posts and posts the verdict, which the
-        others read: store traffic grows with the ranks, not with their square."""
+        others read: store traffic grows with the ranks, not with their square. `optional`: this rank's call may
+        stand down ([Note: a state_dict() made alone]): False is returned when it did, True when the ranks agreed."""
         if self.world_size == 1 or self._unavailable is not None:
-            return
+            return True
         if self._broken is not None:
             raise CollectiveMismatchError(
                 f"{call} cannot be checked against the other ranks: an earlier gathering call timed out "
@@ -101,37 +107,46 @@ class CallAgreement:
             )
         store = self._default_store()
         timeout = self.timeout_s if self.timeout_s is not None else store.timeout.total_seconds()  # type: ignore[attr-defined]
-        number = store.add(f"{self._space}/calls/{self.rank}", 1)
         if self.instance:
             collectives = f"engine {self.instance}: {collectives}"
         digest = zlib.crc32(collectives.encode())
-        store.set(self._post(number, self.rank), json.dumps([call, digest, collectives[:_POSTED]]))
-        try:
-            verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:  # a store timeout (DistStoreError is one)
-            self._broken = f"{call}, call {number} of rank {self.rank}"
-            if isinstance(err, dist.DistNetworkError):  # not a timeout: the store's host went away
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank} made {call} and the rendezvous store stopped answering ({err}): its host (rank "
-                    "0, or the launcher's agent) has exited, most likely on an error of its own: see its log"
-                ) from err
-            raise CollectiveTimeoutError(self._absent(store, number, call, timeout, awaited)) from err
-        if number > 1:  # rank 0 read this rank's previous post before it posted this verdict
-            store.delete_key(self._post(number - 1, self.rank))
-        if verdict:
+        while True:
+            number = store.add(f"{self._space}/calls/{self.rank}", 1)
+            store.set(self._post(number, self.rank), json.dumps([call, digest, collectives[:_POSTED], optional]))
+            try:
+                verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
+            except RuntimeError as err:  # a store timeout (DistStoreError is one)
+                self._broken = f"{call}, call {number} of rank {self.rank}"
+                if isinstance(err, dist.DistNetworkError):  # not a timeout: the store's host went away
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank} made {call} and the rendezvous store stopped answering ({err}): its host "
+                        "(rank 0, or the launcher's agent) has exited, most likely on an error of its own: see its log"
+                    ) from err
+                raise CollectiveTimeoutError(self._absent(store, number, call, timeout, awaited)) from err
+            if number > 1:  # rank 0 read this rank's previous post before it posted this verdict
+                store.delete_key(self._post(number - 1, self.rank))
+            if not verdict:
+                return True
+            if verdict.startswith(_STAND_DOWN):  # [Note: a state_dict() made alone]
+                if self.rank in json.loads(verdict[len(_STAND_DOWN) :]):
+                    return False
+                continue  # the ranks that stood down make their next call: this one is posted again for it
             raise CollectiveMismatchError(
-                f"ranks made different gathering calls ({verdict}); each is a collective that every rank "
-                f"must make in the same order. {SAME_MODULES}"
+                f"ranks made different gathering calls ({verdict}); each is a collective that every rank must make "
+                f"in the same order. {SAME_MODULES}"
             )
 
-    def before_block(self, call: str, gathers: list[Any], modifier_rank: int | None, units: int) -> None:
+    def before_block(
+        self, call: str, gathers: list[Any], modifier_rank: int | None, units: int, optional: bool = False
+    ) -> bool:
         """Before a `GatheredParameters`-like block over `units` units communicates: `gathers` names what it gathers
         (nothing when all are gathered already), a modifier's broadcast at the block's end is part of what is agreed.
-        A block that sends nothing posts nothing."""
+        A block that sends nothing posts nothing. False: an `optional` call stood down (`agree`)."""
         broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
-        if gathers or broadcast:
-            shown = call if modifier_rank is None else f"{call}, modifier_rank={modifier_rank}"
-            self.agree(shown, f"all-gather of units {gathers}{broadcast}")
+        if not (gathers or broadcast):
+            return True
+        shown = call if modifier_rank is None else f"{call}, modifier_rank={modifier_rank}"
+        return self.agree(shown, f"all-gather of units {gathers}{broadcast}", optional=optional)
 
     def before_broadcast(self, modifier_rank: int, units: list[Any]) -> None:
         """At a block's end, before its modifier's broadcast: a rank whose block raised does not broadcast."""
@@ -150,9 +165,15 @@ class CallAgreement:
         posts = [self._post(number, r) for r in range(self.world_size)]
         store.wait(posts, timeout)
         seen = [json.loads(value) for value in _get_all(store, posts)]
-        same = all(digest == seen[0][1] for _, digest, _ in seen)
-        shown = _where_they_differ([what for _, _, what in seen])
-        verdict = "" if same else "; ".join(f"rank {r}: {name} ({shown[r]})" for r, (name, _, _) in enumerate(seen))
+        digests = {digest for _, digest, _, optional in seen if not optional}
+        standing = [r for r, (_, digest, _, optional) in enumerate(seen) if optional and digest not in digests]
+        if len({digest for _, digest, _, _ in seen}) == 1:
+            verdict = ""
+        elif len(digests) == 1 and standing:  # the others agree: the optional calls stand down
+            verdict = _STAND_DOWN + json.dumps(standing)
+        else:
+            shown = _where_they_differ([what for _, _, what, _ in seen])
+            verdict = "; ".join(f"rank {r}: {name} ({shown[r]})" for r, (name, *_) in enumerate(seen))
         store.set(key, verdict)
         if number > 1:  # every rank read the previous verdict before it posted for this call
             store.delete_key(f"{self._space}/{number - 1}/verdict")

@@ -14,8 +14,9 @@ save. Changed: a small OPT built from a config (no hub download), with `stage3_m
 it (1e5 for 3e7), so that the evaluation leaves the layers released at the save as it does at DeepSpeed-Chat's sizes
 (3e7 holds this whole model: nothing would be gathered by the save and no attribute read); fp32 (the CPU reference:
 DeepSpeed refuses fp16 on CPU, bf16 is slow here) and torch's AdamW (DeepSpeed's FusedAdam needs CUDA), random
-tokens, four steps; `save_hf_format` (rank 0's `model.state_dict()`, whose file the ZeRO-3 save overwrites) is left
-out: zeroshard's stage-3 `state_dict()` is a collective (docs/compat.md). The saved file is reloaded into a fresh
+tokens, four steps. Kept too: `save_hf_format` on rank 0 alone before the ZeRO-3 save, whose file replaces its
+(at ZeRO-3 its `model.state_dict()` returns placeholders under DeepSpeed, and under zeroshard it stands down to them
+beside the other ranks' gathering: [Note: a state_dict() made alone]). The saved file is reloaded into a fresh
 model in one process and evaluated; the report adds the count, the saved weights' sum of |values| and that
 evaluation (and, not compared, how many parameters the save gathered: 24 here, none under DeepSpeed, which keeps
 the layers gathered after the evaluation). The library is a switch: COMPAT_LIB=deepspeed (default) or
@@ -107,6 +108,18 @@ def saved_state(engine, rank: int) -> tuple[dict[str, torch.Tensor], int]:
     return out, fetched
 
 
+def save_hf_format(engine, output_dir: str) -> None:
+    """DeepSpeed-Chat's `save_hf_format` (rank 0 only): the module's `state_dict()` without LoRA keys; its config."""
+    model_to_save = engine.module if hasattr(engine, "module") else engine
+    save_dict = model_to_save.state_dict()
+    for key in list(save_dict.keys()):
+        if "lora" in key:
+            del save_dict[key]
+    os.makedirs(output_dir, exist_ok=True)
+    torch.save(save_dict, os.path.join(output_dir, "pytorch_model.bin"))
+    model_to_save.config.to_json_file(os.path.join(output_dir, "config.json"))
+
+
 def parameter_count(model: torch.nn.Module) -> int:
     return sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
 
@@ -145,6 +158,8 @@ def main() -> None:
     engine.eval()
     eval_loss = mean_over_ranks(evaluate(engine, rank)).item()
     count = parameter_count(engine.module)
+    if rank == 0:
+        save_hf_format(engine, args.output_dir)
     state, fetched = saved_state(engine, rank)
     if rank == 0:
         path = os.path.join(args.output_dir, "pytorch_model.bin")

@@ -12,9 +12,12 @@ import torch
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
+from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.schedule import GatherSchedule
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
+
+logger = get_logger(__name__)
 
 
 class Stage3Gathering:
@@ -46,12 +49,26 @@ class Stage3Gathering:
 
     def on_state_dict_pre(self, keep_vars: bool) -> None:
         """`state_dict()` gathers every unit (collective); `state_dict(keep_vars=True)` asks for the module's
-        own tensors (e.g. to catalogue them) and gets the placeholders without communication."""
-        if not keep_vars:
-            self._agree("state_dict()", self.units)  # before anything is held: it may raise
-        self._state_dict_gathered.append(not keep_vars)
-        if not keep_vars:
+        own tensors (e.g. to catalogue them) and gets the placeholders without communication.
+
+        [Note: a state_dict() made alone]
+        DeepSpeed's stage-3 `state_dict()` communicates nothing and returns the placeholders, and DeepSpeed-Chat
+        relies on it: `save_hf_format` runs `model.state_dict()` on rank 0 alone, while the other ranks go straight
+        to the ZeRO-3 save (`GatheredParameters` over each parameter), whose file then replaces rank 0's. zeroshard's
+        gathers the whole model when every rank calls it, so its agreement marks it optional: when the ranks that
+        made other gathering calls agree among themselves, the `state_dict()` calls that differ stand down and
+        return DeepSpeed's placeholders (with a warning), and the other ranks' calls are agreed again with those
+        ranks' next call. A `state_dict()` that the other ranks meet with no gathering call still times out, named."""
+        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=True)  # before anything is held
+        self._state_dict_gathered.append(gathers)
+        if gathers:
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
+        elif not keep_vars:
+            logger.warning(
+                "state_dict() at stage 3 on this rank while the other ranks made another gathering call: it returns "
+                "the placeholders, as DeepSpeed's does ([Note: a state_dict() made alone]); call it on every rank "
+                "for the weights"
+            )
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""
@@ -95,11 +112,13 @@ class Stage3Gathering:
                 self._untraced -= 1
             self.schedule.unpin(units)
 
-    def _agree(self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None) -> None:
+    def _agree(
+        self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None, optional: bool = False
+    ) -> bool:
         """Before a caller's call gathers: [Note: gathering calls agree first]. Units gathered already (the
-        persistent one, or inside a forward) communicate nothing."""
+        persistent one, or inside a forward) communicate nothing. False: an `optional` call stood down."""
         needed = [u.index for u in units if u.state is UnitState.SHARDED]
-        self.agreement.before_block(call, needed, modifier_rank, len(units))
+        return self.agreement.before_block(call, needed, modifier_rank, len(units), optional)
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
