@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from typing import Any
 
 from helpers.harness import run_on_ranks
+from helpers.outcomes import outcome as _outcome
 from helpers.parity import Case, build_model, ds_config, param_groups
 
 
@@ -26,17 +26,6 @@ def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "ze
     config = {**ds_config(case), "zeroshard": {"backend": backend, "collective_timeout_s": 6}}  # the store's too
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     return engine
-
-
-def _outcome(call: Any) -> tuple[str, str, float]:
-    import zeroshard
-
-    start = time.monotonic()
-    try:
-        call()
-    except zeroshard.ZeroshardError as e:
-        return type(e).__name__, str(e), time.monotonic() - start
-    return "", "", time.monotonic() - start
 
 
 def _dschat_save(rank: int, world_size: int) -> tuple[str, str, float, int]:

@@ -7,28 +7,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from helpers.harness import run_on_ranks
+from helpers.outcomes import outcome as _outcome
 from helpers.parity import Case, build_model, ds_config, param_groups
 
 _GROUP_TIMEOUT = {"collective_timeout_s": 6}  # the store's timeout too: how long an absent rank is waited for
-
-
-def _outcome(call: Callable[[], Any]) -> tuple[str, str, float]:
-    import zeroshard
-
-    start = time.monotonic()
-    try:
-        call()
-    except zeroshard.ZeroshardError as e:
-        return type(e).__name__, str(e), time.monotonic() - start
-    return "", "", time.monotonic() - start
 
 
 def _engine(stage: int) -> Any:
