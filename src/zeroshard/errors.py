@@ -21,8 +21,8 @@ SAME_MODULES = (
     "Every rank must run the same modules in the same order (a module skipped or added on some ranks only); at "
     "stage 3 a module whose children run for some inputs only (the experts of a mixture-of-experts block) is "
     "gathered whole once it is a leaf: zero_optimization.leaf_module, or deepspeed.utils.set_z3_leaf_modules. "
-    "Calls that gather at stage 3 are collectives too: every rank makes them (state_dict(), GatheredParameters, "
-    "save_checkpoint; `if rank == 0: model.state_dict()` stops here)."
+    "Calls that gather on the caller's behalf are collectives too: every rank makes them (state_dict() at stage 3, "
+    "GatheredParameters, safe_get_full_*, save_checkpoint; `if rank == 0: safe_get_full_fp32_param(p)` stops here)."
 )
 
 

@@ -24,6 +24,7 @@ def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "ze
     case = Case(stage=stage)
     model = build_model(case)
     config = {**ds_config(case), "zeroshard": {"backend": backend, "collective_timeout_s": 6}}  # the store's too
+    config["zero_optimization"] = {**config["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     return engine
 
@@ -305,3 +306,24 @@ def test_a_block_over_two_engines_whose_first_raises_at_its_end_releases_the_sec
     assert first["outcome"][0] == "CollectiveTimeoutError" and second["outcome"][0] == "ValueError"
     for got in (first, second):
         assert got["pins"] == [0] and got["states"] == ["SHARDED"], got
+
+
+def _extra_block_then_save(rank: int, world_size: int, folder: str) -> tuple[str, str, float]:
+    import zeroshard
+
+    engine = _engine(rank)
+
+    def save() -> None:
+        if rank == 1:  # a block of its own first: the ranks' calls no longer line up
+            with zeroshard.GatheredParameters([engine.module.blocks[0].attn.qkv.weight]):
+                pass
+        engine.save_16bit_model(folder)  # its state_dict() must gather: never placeholders ([Note: a state_dict()..])
+
+    return _outcome(save)
+
+
+def test_save_16bit_model_never_stands_down_to_placeholders(tmp_path) -> None:
+    for name, message, seconds in run_on_ranks(_extra_block_then_save, 2, str(tmp_path), timeout=120):
+        assert name == "CollectiveMismatchError" and seconds < 5, (name, message)
+        assert "rank 0: state_dict()" in message and "rank 1: GatheredParameters over 1" in message, message
+    assert not (tmp_path / "model.safetensors").exists()

@@ -165,14 +165,20 @@ def test_an_optional_call_that_differs_stands_down_and_the_others_meet_its_next_
     stood: list[bool] = []
 
     def rank0() -> None:
-        stood.append(ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]", optional=True))
-        stood.append(ranks[0].agree("GatheredParameters", "all-gather of units [1]"))
+        stood.append(ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]", role="optional"))
+        stood.append(ranks[0].agree("GatheredParameters", "all-gather of units [1]", role="block"))
 
-    others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [1]") for a in ranks[1:]]
+    others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [1]", role="block") for a in ranks[1:]]
     assert _on_ranks([rank0, *others]) == [None, None, None]
-    assert stood == [False, True]
+    assert stood == [False, True] and ranks[0].stood_down_for == "GatheredParameters"
     # optional calls that differ among themselves, with no other call to give way to: named
     outcomes = _on_ranks(
-        [lambda a=a: a.agree("state_dict()", f"all-gather of units [{a.rank}]", optional=True) for a in ranks]
+        [lambda a=a: a.agree("state_dict()", f"all-gather of units [{a.rank}]", role="optional") for a in ranks]
+    )
+    assert all(isinstance(o, CollectiveMismatchError) for o in outcomes), outcomes
+    # an optional call gives way to blocks only: beside another kind of call it is a mismatch
+    outcomes = _on_ranks(
+        [lambda: ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]", role="optional")]
+        + [lambda a=a: a.agree("safe_get_full_fp32_param", "all-gather of unit 1") for a in ranks[1:]]
     )
     assert all(isinstance(o, CollectiveMismatchError) for o in outcomes), outcomes

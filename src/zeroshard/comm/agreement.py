@@ -18,8 +18,9 @@ reads the posts of that call number and posts a verdict, which the others read. 
 `CollectiveMismatchError` on every rank, naming each rank's call. A rank that posts nothing within the timeout (it
 skipped the call): a `CollectiveTimeoutError` naming it, after which this engine's gathering calls refuse to run (the
 ranks' call numbers no longer line up). One call may give way instead: stage 3's `state_dict()`, whose DeepSpeed
-counterpart communicates nothing, stands down to placeholders when the ranks that made other calls agree among
-themselves, and those post again for the next call of the ranks that stood down ([Note: a state_dict() made alone]
+counterpart communicates nothing, stands down to placeholders when every other rank is in the same
+`GatheredParameters`-like block, and those post again for the next call of the ranks that stood down ([Note: a
+state_dict() made alone]
 in zero/stage3/gathering.py: DeepSpeed-Chat's rank-0 `save_hf_format` beside every rank's ZeRO-3 save).
 Ranks whose calls issue the same collectives agree, whatever the calls are
 (`state_dict()` on one rank and `GatheredParameters` over every parameter on another gather the same units); what a
@@ -81,23 +82,20 @@ class CallAgreement:
         self._broken: str | None = None  # after a timeout the ranks' call numbers no longer line up
         self.instance = 0
         self._unavailable: str | None = None  # why there is no store to agree through (then calls go unchecked)
+        self.stood_down_for = ""  # the other ranks' call an optional call last gave way to
         if numbered and self.world_size > 1:
             try:
                 self.instance = int(self._default_store().add(f"{self._space}/instances/{self.rank}", 1))
             except (RuntimeError, ValueError, AttributeError, NotImplementedError) as err:
-                self._unavailable = f"{type(err).__name__}: {err}"
-                logger.warning(
-                    "the process group's key-value store cannot be used (%s): gathering calls will not be checked "
-                    "against the other ranks first ([Note: gathering calls agree first])",
-                    self._unavailable,
-                )
+                self._no_store(err)
 
-    def agree(self, call: str, collectives: str, awaited: str = "a gathering call", optional: bool = False) -> bool:
+    def agree(self, call: str, collectives: str, awaited: str = "a gathering call", role: str = "call") -> bool:
         """Every rank of the group is making a call that issues `collectives` (a description every rank computes
         alike); `call` names it in the error, `awaited` says what an absent rank did not do. Returns once all
         posted the same collectives; raises otherwise. Rank 0 reads the posts and posts the verdict, which the
-        others read: store traffic grows with the ranks, not with their square. `optional`: this rank's call may
-        stand down ([Note: a state_dict() made alone]): False is returned when it did, True when the ranks agreed."""
+        others read: store traffic grows with the ranks, not with their square. `role`: "block" for a
+        `GatheredParameters`-like block, "optional" for a call that may stand down to one ([Note: a state_dict() made
+        alone]): False is returned when it did (`stood_down_for` names the others' call), True when the ranks agreed."""
         if self.world_size == 1 or self._unavailable is not None:
             return True
         if self._broken is not None:
@@ -105,14 +103,18 @@ class CallAgreement:
                 f"{call} cannot be checked against the other ranks: an earlier gathering call timed out "
                 f"({self._broken}), after which the ranks' calls no longer line up; the run cannot go on"
             )
-        store = self._default_store()
+        try:
+            store = self._default_store()
+        except (RuntimeError, ValueError, AttributeError, NotImplementedError) as err:
+            self._no_store(err)
+            return True
         timeout = self.timeout_s if self.timeout_s is not None else store.timeout.total_seconds()  # type: ignore[attr-defined]
         if self.instance:
             collectives = f"engine {self.instance}: {collectives}"
         digest = zlib.crc32(collectives.encode())
         while True:
             number = store.add(f"{self._space}/calls/{self.rank}", 1)
-            store.set(self._post(number, self.rank), json.dumps([call, digest, collectives[:_POSTED], optional]))
+            store.set(self._post(number, self.rank), json.dumps([call, digest, collectives[:_POSTED], role]))
             try:
                 verdict = self._verdict(store, number, datetime.timedelta(seconds=timeout))
             except RuntimeError as err:  # a store timeout (DistStoreError is one)
@@ -120,7 +122,8 @@ class CallAgreement:
                 if isinstance(err, dist.DistNetworkError):  # not a timeout: the store's host went away
                     raise CollectiveTimeoutError(
                         f"rank {self.rank} made {call} and the rendezvous store stopped answering ({err}): its host "
-                        "(rank 0, or the launcher's agent) has exited, most likely on an error of its own: see its log"
+                        "(rank 0, or the launcher's agent) has exited, on an error of its own or done before this "
+                        "rank: see its log"
                     ) from err
                 raise CollectiveTimeoutError(self._absent(store, number, call, timeout, awaited)) from err
             if number > 1:  # rank 0 read this rank's previous post before it posted this verdict
@@ -128,7 +131,9 @@ class CallAgreement:
             if not verdict:
                 return True
             if verdict.startswith(_STAND_DOWN):  # [Note: a state_dict() made alone]
-                if self.rank in json.loads(verdict[len(_STAND_DOWN) :]):
+                standing, self.stood_down_for = json.loads(verdict[len(_STAND_DOWN) :])
+                if self.rank in standing:
+                    store.set(f"{self._space}/stood/{self.rank}", json.dumps([number, call]))
                     return False
                 continue  # the ranks that stood down make their next call: this one is posted again for it
             raise CollectiveMismatchError(
@@ -146,7 +151,8 @@ class CallAgreement:
         if not (gathers or broadcast):
             return True
         shown = call if modifier_rank is None else f"{call}, modifier_rank={modifier_rank}"
-        return self.agree(shown, f"all-gather of units {gathers}{broadcast}", optional=optional)
+        role = "optional" if optional else "block"
+        return self.agree(shown, f"all-gather of units {gathers}{broadcast}", role=role)
 
     def before_broadcast(self, modifier_rank: int, units: list[Any]) -> None:
         """At a block's end, before its modifier's broadcast: a rank whose block raised does not broadcast."""
@@ -165,12 +171,13 @@ class CallAgreement:
         posts = [self._post(number, r) for r in range(self.world_size)]
         store.wait(posts, timeout)
         seen = [json.loads(value) for value in _get_all(store, posts)]
-        digests = {digest for _, digest, _, optional in seen if not optional}
-        standing = [r for r, (_, digest, _, optional) in enumerate(seen) if optional and digest not in digests]
+        others = [(name, digest, role) for name, digest, _, role in seen if role != "optional"]
+        theirs = others[0][1] if others else None
+        standing = [r for r, (_, digest, _, role) in enumerate(seen) if role == "optional" and digest != theirs]
         if len({digest for _, digest, _, _ in seen}) == 1:
             verdict = ""
-        elif len(digests) == 1 and standing:  # the others agree: the optional calls stand down
-            verdict = _STAND_DOWN + json.dumps(standing)
+        elif others and standing and all(role == "block" and d == theirs for _, d, role in others):
+            verdict = _STAND_DOWN + json.dumps([standing, others[0][0]])  # they gave way to GatheredParameters blocks
         else:
             shown = _where_they_differ([what for _, _, what, _ in seen])
             verdict = "; ".join(f"rank {r}: {name} ({shown[r]})" for r, (name, *_) in enumerate(seen))
@@ -181,6 +188,14 @@ class CallAgreement:
 
     def _absent(self, store: dist.Store, number: int, call: str, timeout: float, awaited: str) -> str:
         missing = [r for r in range(self.world_size) if not store.check([self._post(number, r)])]
+        stood = [(r, json.loads(store.get(k))) for r in missing if store.check([k := f"{self._space}/stood/{r}"])]
+        if stood and stood[-1][1][0] == number - 1:  # it gave way at the previous call and made none since
+            r, (at, what) = stood[-1]
+            return (
+                f"rank {self.rank} made {call}, which gathers, and rank {r} stood its {what} down to DeepSpeed's "
+                f"placeholders at call {at} ([Note: a state_dict() made alone]) but made no gathering call after it "
+                f"within {timeout:.0f}s: make the same calls on every rank"
+            )
         if not missing:  # every rank posted; rank 0, which rules, did not
             return (
                 f"rank {self.rank} made {call}, which gathers, and every rank posted a call, but rank 0 "
@@ -190,6 +205,14 @@ class CallAgreement:
             f"rank {self.rank} made {call}, which gathers and so is a collective, and rank(s) {missing} did "
             f"not make {awaited} within {timeout:.0f}s: every rank must make it (a call under `if rank == 0:` cannot "
             "gather the other ranks' shards; gather on every rank, then save on one, as engine.save_16bit_model does)"
+        )
+
+    def _no_store(self, err: BaseException) -> None:
+        self._unavailable = f"{type(err).__name__}: {err}"
+        logger.warning(
+            "the process group's key-value store cannot be used (%s): gathering calls will not be checked against "
+            "the other ranks first ([Note: gathering calls agree first])",
+            self._unavailable,
         )
 
     def _post(self, number: int, rank: int) -> str:
@@ -205,6 +228,8 @@ class CallAgreement:
 
 def _where_they_differ(texts: list[str]) -> list[str]:
     """Each rank's description, cut to `_SHOWN` characters around where the descriptions first differ."""
+    if len(set(texts)) == 1:  # the digests cover more than is posted
+        return [f"{t[:_SHOWN]}... (they differ beyond the first {_POSTED} characters)" for t in texts]
     common = len(os.path.commonprefix(texts))
     start = max(0, common - _SHOWN // 3) if any(len(t) > _SHOWN for t in texts) else 0
     cut = [t[start : start + _SHOWN] for t in texts]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
@@ -31,6 +32,8 @@ class Stage3Gathering:
     shard_rank: int
     _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
     _state_dict_gathered: list[bool]
+    _state_dict_required = 0  # inside full_state_dict: [Note: a state_dict() made alone] does not apply
+    module: nn.Module
 
     # -- whole-model gathering ---------------------------------------------------------------------
     @contextmanager
@@ -55,20 +58,30 @@ class Stage3Gathering:
         DeepSpeed's stage-3 `state_dict()` communicates nothing and returns the placeholders, and DeepSpeed-Chat
         relies on it: `save_hf_format` runs `model.state_dict()` on rank 0 alone, while the other ranks go straight
         to the ZeRO-3 save (`GatheredParameters` over each parameter), whose file then replaces rank 0's. zeroshard's
-        gathers the whole model when every rank calls it, so its agreement marks it optional: when the ranks that
-        made other gathering calls agree among themselves, the `state_dict()` calls that differ stand down and
-        return DeepSpeed's placeholders (with a warning), and the other ranks' calls are agreed again with those
-        ranks' next call. A `state_dict()` that the other ranks meet with no gathering call still times out, named."""
-        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=True)  # before anything is held
+        gathers the whole model when every rank calls it, so its agreement marks it optional: when every other rank is
+        in the same `GatheredParameters`-like block, the `state_dict()` calls that differ stand down and return
+        DeepSpeed's placeholders (a warning names the others' call), and the others' block is agreed again with those
+        ranks' next call. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
+        a `state_dict()` met by no gathering call times out, and one that stood down with no call after is named."""
+        optional = self._state_dict_required == 0  # save_16bit_model's must gather
+        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=optional)  # nothing held yet
         self._state_dict_gathered.append(gathers)
         if gathers:
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
         elif not keep_vars:
             logger.warning(
-                "state_dict() at stage 3 on this rank while the other ranks made another gathering call: it returns "
-                "the placeholders, as DeepSpeed's does ([Note: a state_dict() made alone]); call it on every rank "
-                "for the weights"
+                "state_dict() at stage 3 on this rank while the other ranks made %s: it returns the placeholders, as "
+                "DeepSpeed's does ([Note: a state_dict() made alone]); call it on every rank for the weights",
+                self.agreement.stood_down_for,
             )
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """`save_16bit_model`'s weights: a `state_dict()` that gathers, never standing down to placeholders."""
+        self._state_dict_required += 1
+        try:
+            return dict(self.module.state_dict())
+        finally:
+            self._state_dict_required -= 1
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""

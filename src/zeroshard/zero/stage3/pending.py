@@ -219,7 +219,7 @@ class Pending:
 
     made: list[nn.Parameter]
     real: list[nn.Parameter]
-    names: str  # both, as the agreement at the block's end describes them
+    owner_of: dict[int, nn.Module]  # the module holding each: named by the agreement at the block's end
 
 
 def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> Pending | None:
@@ -264,7 +264,7 @@ def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> P
     for p in [*made, *real]:
         BUILT.open[id(p)] = BUILT.open.get(id(p), 0) + 1
     owner_of = {**found, **{id(p): m for m in owners.values() for p in m.parameters(recurse=False)}}
-    return Pending(made, real, _named([*made, *real], owner_of))
+    return Pending(made, real, owner_of)
 
 
 def _values_of(owner: nn.Module) -> list[nn.Parameter]:
@@ -289,11 +289,12 @@ def end(pending: Pending, modifier_rank: int | None) -> None:
             BUILT.open[id(p)] = left
     if modifier_rank is not None:
         try:
-            BUILT.agreement().agree(
-                f"the end of GatheredParameters(modifier_rank={modifier_rank}) before initialize",
-                f"broadcast from rank {modifier_rank} of {pending.names}",
-                awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
-            )
+            if dist.get_world_size() > 1:  # naming the parameters walks the models
+                BUILT.agreement().agree(
+                    f"the end of GatheredParameters(modifier_rank={modifier_rank}) before initialize",
+                    f"broadcast from rank {modifier_rank} of {_named(both, pending.owner_of)}",
+                    awaited="the end of its GatheredParameters block (one that raised on a rank does not broadcast)",
+                )
         except BaseException:
             _back_to_meta(pending)  # nothing kept that the other ranks do not have
             raise
@@ -327,27 +328,31 @@ def _agree_entry(
     it makes real (from rank 0), and the modifier's at its end; described before anything is made real."""
     owners = {id(m): m for m in found.values()}.values()
     made = {id(p): m for m in owners for p in m.parameters(recurse=False) if p.is_meta}
-    if not (made or adapters) and modifier_rank is None:
+    if dist.get_world_size() == 1 or (not (made or adapters) and modifier_rank is None):
         return  # nothing sent
-    named = [sorted(names) for _, names in adapters]
+    named, paths = [sorted(names) for _, names in adapters], BUILT.paths()
     meta = [p for m in owners for p in m.parameters(recurse=False) if id(p) in made]
     kept = [p for p in params if id(p) in found]
     at_end = (
-        f"; broadcast from rank {modifier_rank} of {_named(kept, found)} at the end"
+        f"; broadcast from rank {modifier_rank} of {_named(kept, found, paths)} at the end"
         if modifier_rank is not None
         else ""
     )
     BUILT.agreement().agree(
         "GatheredParameters before initialize"
         + (f", modifier_rank={modifier_rank}" if modifier_rank is not None else ""),
-        f"broadcast from rank 0 of adapters {named} and {_named(meta, made)}{at_end}",
+        f"broadcast from rank 0 of adapters {named} and {_named(meta, made, paths)}{at_end}",
     )
 
 
-def _named(params: Sequence[nn.Parameter], owner_of: Mapping[int, nn.Module]) -> str:
+def _named(
+    params: Sequence[nn.Parameter],
+    owner_of: Mapping[int, nn.Module],
+    paths: list[tuple[int, dict[int, str]]] | None = None,
+) -> str:
     """`params` by model and name in it (the longest path that reaches them: a model still being built, in its part
     built so far) and shape: the same on every rank that makes the same block over the same models."""
-    paths = BUILT.paths()
+    paths = BUILT.paths() if paths is None else paths
     names = []
     for p in params:
         owner = owner_of[id(p)]
