@@ -42,7 +42,9 @@ class DeepSpeedTrainer:
             master = tensor_bytes(getattr(opt, "single_partition_of_fp32_groups", []))
         inner = getattr(opt, "optimizer", opt)
         state = optimizer_state_bytes(inner)
-        grads = 4 * self.numel if stage == 1 else round(4 * self.numel / n)
+        # stage 1 too: at gradient_accumulation_steps 1 every backward is a boundary, where DeepSpeed reduces through
+        # its contiguous bucket and keeps only its partition (reduce_ready_partitions_and_remove_grads)
+        grads = round(4 * self.numel / n)
         parts = {"params": params, "gradients": grads, "master_weights": master, "optimizer_state": state}
         return ModelState(sum(parts.values()), parts, "measured, gradients theory")
 

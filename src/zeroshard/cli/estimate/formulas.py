@@ -116,7 +116,9 @@ def zeroshard_states(
     """Per-rank model-state bytes of `psi` trainable parameters and `frozen` ones (see [Note: two accountings]).
 
     Stage 3 without accumulation keeps its gradient shard in the communication dtype (nothing is
-    accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate. A frozen
+    accumulated into it), with accumulation in the accumulation dtype; stages 0-2 always accumulate, stage 1 into a
+    full accumulator only with accumulation ([Note: stage 1's accumulator on demand] in zero/flat/reducer.py: a
+    `no_sync()` backward allocates it at one micro-step too, which this does not foresee). A frozen
     parameter (a LoRA base) is its compute-dtype weight only, sharded at stage 3 ([Note: frozen parameters at
     stage 3] in zero/stage3/unit.py), 1 + 4/256 bytes with `precision.quantized_frozen` (see below).
     """
@@ -135,7 +137,7 @@ def zeroshard_states(
         params = p * (psi + frozen) // n
     else:
         params = p * (psi + frozen)
-    if option.stage <= 1:
+    if option.stage == 0 or (option.stage == 1 and (gradient_accumulation_steps > 1 or n == 1)):
         # one full accumulator; its front is the reduce-scattered shard at stage 1 ([Note: stage 1's shard inside
         # its accumulator] in zero/flat/reducer.py), and it is its own shard when nothing is sharded
         grads = g * psi

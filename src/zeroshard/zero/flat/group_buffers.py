@@ -28,7 +28,7 @@ class GroupBuffers:
     param_flat: torch.Tensor  # full group, compute dtype; parameters are views into it
     master: torch.Tensor  # this rank's shard, fp32 or bf16 (aliases param_flat when unsharded and of that dtype)
     grad_shard: torch.Tensor  # this rank's reduced gradients, grad-accumulation dtype
-    grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients
+    grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients (stage 1: maybe later)
     master_aliases_params: bool = False
 
     @property
@@ -36,6 +36,15 @@ class GroupBuffers:
         """Stage 1: the gradient shard is the front of the full accumulator ([Note: stage 1's shard inside its
         accumulator] in reducer.py)."""
         return self.grad_full is not None and self.grad_shard is not self.grad_full
+
+    def add_full_accumulator(self) -> None:
+        """Stage 1 with its accumulator on demand: allocate it now, zeroed, and move the gradient shard (its values
+        are zeros: no window has been reduced) to its front, keeping the shard's tensor object ([Note: stage 1's
+        accumulator on demand] in reducer.py)."""
+        assert self.grad_full is None
+        full = torch.zeros(self.layout.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        self.grad_shard.set_(full.untyped_storage(), 0, (self.layout.shard_numel,), (1,))  # type: ignore[call-overload]
+        self.grad_full = full
 
     def bucket_params(self, start: int, numel: int) -> torch.Tensor:
         return self.param_flat.narrow(0, start, numel)

@@ -89,6 +89,7 @@ class FlatStrategy(FlatFullValues):
         # [Note: DTensor parameters] a tensor-parallel parameter is its local shard here
         specs = [[ParamSpec(name, local_of(p).numel(), order[id(p)]) for name, p in g.params] for g in groups]
         self.layout: FlatLayout = build_layout(specs, policy.bucket_numel, shard_count, policy.param_align)
+        on_demand = self._accumulator_on_demand(shard_count)  # [Note: stage 1's accumulator on demand]
         self.buffers: list[GroupBuffers] = [
             build_group_buffers(
                 layout,
@@ -96,7 +97,7 @@ class FlatStrategy(FlatFullValues):
                 self.shard_rank,
                 policy.compute_dtype,
                 policy.grad_accum_dtype,
-                keep_full_grads=policy.stage < 2,
+                keep_full_grads=policy.stage == 0 or (policy.stage == 1 and not on_demand),
                 device=device,
                 master_tier=policy.master_tier,
                 master_dtype=policy.master_dtype,
@@ -187,6 +188,12 @@ class FlatStrategy(FlatFullValues):
     def flush_coalesced(self) -> None:
         """[Note: coalesced gradient reduction]: the block's sum in `.grad`, reduced now, on the boundary or not."""
         self._collect_loose_grads(sync=True)
+
+    def _accumulator_on_demand(self, shard_count: int) -> bool:
+        """Stage 1 allocates its full accumulator only when a backward does not communicate ([Note: stage 1's
+        accumulator on demand] in reducer.py): windows of one backward that the engine counts, over several ranks."""
+        windows = self.accumulation
+        return shard_count > 1 and windows.managed and windows.gradient_accumulation_steps == 1
 
     def finish_backward(self) -> None:
         self._received(self.reducer.finish_backward())
