@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -67,8 +68,9 @@ def test_memory_and_communication_match_zero_formulas():
                     assert step_bytes["reduce_scatter"] > 0 and step_bytes["all_gather"] > 0
 
 
-def _no_sync_later(rank: int, world_size: int):
-    """Stage 1 at one micro-step per window, a no_sync() backward in its second step only; stage 0 runs the same."""
+def _no_sync_later(rank: int, world_size: int, how: str):
+    """Stage 1 at one micro-step per window, a backward that does not communicate in its second step only (inside
+    no_sync(), or after set_gradient_accumulation_boundary(False) with its own step() call); stage 0 runs the same."""
     import zeroshard
 
     out = {}
@@ -80,10 +82,16 @@ def _no_sync_later(rank: int, world_size: int):
         )
         grads, params = [], []
         for step, batch in enumerate(global_batches(case, world_size)):
-            if step == 1:
+            if step == 1 and how == "no_sync":
                 with engine.no_sync():
                     x, y = micro_batch(batch, 1, rank, world_size, case.micro)
                     engine.backward(engine(x, y))
+            if step == 1 and how == "boundary":
+                engine.set_gradient_accumulation_boundary(False)
+                x, y = micro_batch(batch, 1, rank, world_size, case.micro)
+                engine.backward(engine(x, y))
+                engine.step()  # not a boundary: no optimizer step
+                engine.set_gradient_accumulation_boundary(True)
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.backward(engine(x, y))
             grads.append(engine.memory_report().gradients)
@@ -94,10 +102,11 @@ def _no_sync_later(rank: int, world_size: int):
     return out
 
 
-def test_stage_1_allocates_its_accumulator_when_a_backward_does_not_communicate():
-    """[Note: stage 1's accumulator on demand]: the shard alone until the no_sync() backward, then the full
-    accumulator with the shard at its front; training as stage 0's, which always accumulates fully."""
-    for out in run_on_ranks(_no_sync_later, 2):
+@pytest.mark.parametrize("how", ["no_sync", "boundary"])
+def test_stage_1_allocates_its_accumulator_when_a_backward_does_not_communicate(how: str):
+    """[Note: stage 1's accumulator on demand]: the shard alone until the backward that does not communicate, then
+    the full accumulator with the shard at its front; training as stage 0's, which always accumulates fully."""
+    for out in run_on_ranks(_no_sync_later, 2, how):
         grads, params, psi = out[1]
         assert abs(grads[0] - 4 * psi / 2) <= 0.01 * 4 * psi / 2, (grads, psi)
         for later in grads[1:]:

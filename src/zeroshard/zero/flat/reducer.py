@@ -61,8 +61,10 @@ A parameter larger than the bucket size gets a bucket of its own (an LLM's embed
 hidden). Staging copied its gradient into a pooled buffer of the same size, which the pool then kept: on a 124M GPT
 at stage 2 on 2 ranks, 147 MiB of the 238 MiB the pool held between steps (the tied embedding), and on a GPU the
 caching allocator keeps such a block anyway. When the gradient fills the bucket exactly (no padding), is dense,
-contiguous, owns its storage, is in the communication dtype, and nothing but this reducer holds it (autograd
-handed it over and the hook cleared `.grad`: a user hook that kept it would see its values change), the bucket
+contiguous, owns its storage, is in the communication dtype, nothing but this reducer holds it (autograd handed it
+over and the hook cleared `.grad`: a user hook that kept it would see its values change), and no other tensor shares
+its memory (autograd hands a parameter used as `h + p.view(...)` a view of the add's gradient, which backward still
+reads along `h`: reduced in place, `h`'s parameters got the other ranks' sums; found by review), the bucket
 takes the gradient itself as its staging: reduced in place (it is scratch after), never pooled. Later arrivals in
 the same backward add into it, as into a staging buffer. The values reduced are the same, so the results are too.
 """
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -148,12 +151,10 @@ class GradientReducer:
 
     def on_grad_ready(self, group: int, slot_index: int, param: nn.Parameter) -> list[Bucket]:
         """A parameter's gradient was accumulated (its post-accumulate-grad hook)."""
-        grad = param.grad
-        param.grad = None
+        grad, refs = _take_grad(param)
         if grad is None:
             return []
-        # nothing else refers to it: this frame's name and getrefcount's argument ([Note: a bucket of one ..])
-        sole = sys.getrefcount(grad) == 2 and not grad.requires_grad
+        sole = refs == _sole_references() and _sole_storage(grad)  # [Note: a bucket of one parameter ..]
         param_grad, grad = grad, local_grad(param, grad)  # [Note: DTensor parameters]
         buffers = self.groups[group]
         slot = buffers.layout.slots[slot_index]
@@ -354,6 +355,14 @@ class GradientReducer:
         target.copy_(moved)
         self.pool.release(moved)
 
+    def _drop(self, staging: torch.Tensor, pooled: bool) -> None:
+        """A bucket's staging after its collective finished: back to the pool, or, a gradient the bucket took
+        ([Note: a bucket of one ..]), freed where the current stream, which waited for the collective, is past it."""
+        if pooled:
+            self.pool.release(staging)
+        elif staging.device.type == "cuda":
+            staging.record_stream(torch.cuda.current_stream(staging.device))
+
     def _launch_partitioned(self, buffers: GroupBuffers, bucket: Bucket, late: bool = False) -> list[Bucket]:
         """Stage 2 (and stage 0/1 after a window's first reduction: [Note: a second backward]; `late`: [Note:
         gradients after their bucket's reduction]): reduce the staged bucket and add this rank's slice into its
@@ -374,8 +383,7 @@ class GradientReducer:
 
             def finish_all_reduce() -> None:
                 target.add_(staging.narrow(0, lo - bucket.start, bucket.shard_numel))
-                if pooled:
-                    self.pool.release(staging)
+                self._drop(staging, pooled)
 
             return self._inflight.push(handle, finish_all_reduce, bucket, "all-reduce")
         # the window's first reduction lands in the zeroed shard (stage 1 without its accumulator: [Note: stage 1's ..])
@@ -388,10 +396,38 @@ class GradientReducer:
             if not direct:
                 target.add_(out)
                 self.pool.release(out)
-            if pooled:
-                self.pool.release(staging)
+            self._drop(staging, pooled)
 
         return self._inflight.push(handle, finish_reduce_scatter, bucket, "reduce-scatter")
+
+
+def _take_grad(param: nn.Parameter) -> tuple[torch.Tensor | None, int]:
+    """`param.grad`, cleared, and the Python references to it as this function sees them: `_sole_references()` when
+    nothing but this function holds it ([Note: a bucket of one parameter reduces its own gradient])."""
+    grad = param.grad
+    param.grad = None
+    return grad, sys.getrefcount(grad)
+
+
+@cache
+def _sole_references() -> int:
+    """What `_take_grad` counts for a gradient autograd accumulated and nothing else refers to, measured once in
+    this interpreter (CPython 3.14 counts borrowed local references differently from 3.11; a `.grad` assigned from
+    Python counts one more than one autograd set)."""
+    probe = nn.Parameter(torch.zeros(1))
+    with torch.enable_grad():
+        (probe * 2).sum().backward()
+    return _take_grad(probe)[1]
+
+
+def _sole_storage(grad: torch.Tensor) -> bool:
+    """No other tensor shares `grad`'s memory (a view, `.detach()`, `.data`): autograd hands a parameter that entered
+    the graph through a view and an add (`h + p.view(...)`) a view of the add's output gradient, which backward still
+    reads along the other path. Counted: `grad` and the storage object asked."""
+    if type(grad) is not torch.Tensor or grad.layout != torch.strided or grad.requires_grad:
+        return False  # a subclass (DTensor), a sparse gradient, one with a graph (create_graph)
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(grad.untyped_storage()._cdata) == 2
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -390,7 +390,9 @@ class FlatStrategy(FlatFullValues):
         memory = StrategyMemory(comm_buffers=self.pool.held_bytes)
         for b in self.buffers:
             memory.params += nbytes(b.param_flat)
-            memory.gradients += nbytes(b.grad_full) if b.grad_full is not None else nbytes(b.grad_shard)
+            full = b.grad_full
+            inside = full is not None and b.grad_shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            memory.gradients += (0 if full is None else nbytes(full)) + (0 if inside else nbytes(b.grad_shard))
         masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
         state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
         self.policy.master_tier.count_state(memory, masters, state)
