@@ -128,6 +128,7 @@ class GradientReducer:
         self._inflight: InflightQueue[Bucket] = InflightQueue(MAX_INFLIGHT if policy.overlap else 0, wait_plain)
         self._staging: dict[int, torch.Tensor] = {}
         self._adopted: set[int] = set()  # buckets whose staging is a gradient itself ([Note: a bucket of one ..])
+        _sole_references()  # measured here, not first inside a backward hook
         self._written: dict[int, set[tuple[int, int]]] = {}  # per staged bucket: the (offset, numel) copied in
         self._first_window_step = True  # stage 2: the shard still holds zeros; reduce straight into it
         self._window_reduced = False  # stage 0/1: this window's gradients were reduced ([Note: a second backward])
@@ -412,8 +413,7 @@ def _take_grad(param: nn.Parameter) -> tuple[torch.Tensor | None, int]:
 @cache
 def _sole_references() -> int:
     """What `_take_grad` counts for a gradient autograd accumulated and nothing else refers to, measured once in
-    this interpreter (CPython 3.14 counts borrowed local references differently from 3.11; a `.grad` assigned from
-    Python counts one more than one autograd set)."""
+    this interpreter (3 on CPython 3.11; 3.14 documents that borrowed local references may count fewer)."""
     probe = nn.Parameter(torch.zeros(1))
     with torch.enable_grad():
         (probe * 2).sum().backward()
