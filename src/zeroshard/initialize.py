@@ -23,7 +23,7 @@ from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
-from zeroshard.optim import build_lr_scheduler, build_optimizer, optimizer_defaults
+from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
@@ -247,6 +247,8 @@ def _build(
     precision = PrecisionPolicy.from_config(cfg)
     apply_buffer_dtypes(model, precision.compute_dtype, precision.buffer_dtype, precision.keep_in_fp32)
     groups = _param_groups(model, optimizer, model_parameters)
+    if optimizer is None and cfg.optimizer is not None and str(cfg.optimizer.type).lower() == "muon":
+        groups = _muon_groups(cfg, groups, model, split=pipe is not None or tp is not None)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     accumulation = AccumulationState(
         int(cfg.gradient_accumulation_steps or 1),
@@ -364,6 +366,29 @@ def _param_groups(
     if orphans:
         logger.warning("trainable parameters not in any optimizer group stay unchanged: %s", ", ".join(orphans[:8]))
     return groups
+
+
+def _muon_groups(
+    cfg: ZeroshardConfig, groups: list[ParamGroupSpec], model: nn.Module, split: bool
+) -> list[ParamGroupSpec]:
+    """Each group as its Muon and Adam halves ([Note: Muon on flat shards] in optim/muon.py)."""
+    from zeroshard.moe.zero import moe_layers
+
+    if split or moe_layers(model):
+        raise ConfigError(
+            'optimizer.type "Muon" does not work with a PipelineModule, tensor parallelism or MoE layers yet (their '
+            "ranks hold parts of the model's matrices); use AdamW"
+        )
+    assert cfg.optimizer is not None
+    params = cfg.optimizer.params or {}
+    muon.check_params(params)
+    halves = []
+    for group in groups:
+        for use in (True, False):
+            named = [(name, p) for name, p in group.params if muon.uses_muon(name, p.shape) is use]
+            if named:
+                halves.append(ParamGroupSpec(muon.half_options(params, group.options, use), named))
+    return halves
 
 
 def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strategy) -> torch.optim.Optimizer:

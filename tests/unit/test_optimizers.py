@@ -207,7 +207,6 @@ def test_names_are_case_insensitive(name: str, cls: type) -> None:
         "MuAdam",
         "MuAdamW",
         "MuSGD",
-        "Muon",
         "Adafactor",
     ],
 )

@@ -186,6 +186,8 @@ def load_optimizer_state(
                 reader.read_range(OPTIM, name, p.begin, p.end, p.view(p.param), state=MASTER)
             tensors = elementwise.setdefault(id(p.param), {})
             for key, dtype in info.elementwise.items():
+                if not reader.has_state(OPTIM, name, key):
+                    continue  # another group's kind of state
                 if key not in tensors:
                     tensors[key] = _state_zeros(optimizer, p.param, dtype)
                 reader.read_range(OPTIM, name, p.begin, p.end, p.view(tensors[key]), state=key)
@@ -205,13 +207,22 @@ def load_optimizer_state(
             new.update(elementwise.get(id(param), {}))
             if info.elementwise and id(param) not in elementwise and saved["scalars"]:
                 # This rank owns only padding of the group: zeros keep its state consistent with the others.
-                new.update({k: _state_zeros(optimizer, param, d) for k, d in info.elementwise.items()})
+                kept = _group_state_keys(reader, saved, info.elementwise)
+                new.update({k: _state_zeros(optimizer, param, d) for k, d in kept.items()})
             optimizer.state[param] = new
         for key, value in saved["options"].items():
             current = group.get(key)
             group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
     if type(optimizer).__name__ != info.cls:
         log_rank(logger, 30, f"optimizer is {type(optimizer).__name__}, the checkpoint's was {info.cls}")
+
+
+def _group_state_keys(reader: CheckpointReader, saved: dict[str, Any], keys: dict[str, str]) -> dict[str, str]:
+    """The elementwise state keys (with their dtypes) the checkpoint holds for the members of group `saved`."""
+    names = saved["params"]
+    if not names:
+        return keys
+    return {key: dtype for key, dtype in keys.items() if reader.has_state(OPTIM, names[0], key)}
 
 
 # -- batch ---------------------------------------------------------------------------------------------------

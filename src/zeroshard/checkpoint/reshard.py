@@ -46,6 +46,16 @@ class CheckpointReader:
     def has(self, store: str, name: str) -> bool:
         return name in self._pieces[store]
 
+    def has_state(self, store: str, name: str, state: str) -> bool:
+        """Whether `name`'s pieces hold optimizer state `state` (Muon's matrices keep a momentum, the Adam half its
+        moments: the keys differ by group). Asked of one piece: a save writes every key of a parameter's state with
+        each of its pieces."""
+        pieces = self._pieces[store].get(name)
+        if not pieces:
+            return False
+        piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
+        return piece_key(name, piece.begin, piece.end, state) in self._file(piece.file).entries
+
     def _file(self, rel: str) -> SafetensorsReader:
         reader = self._files.get(rel)
         if reader is None:

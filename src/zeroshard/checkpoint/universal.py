@@ -36,7 +36,7 @@ from zeroshard.checkpoint.format import (
     OptimizerInfo,
     TensorInfo,
 )
-from zeroshard.checkpoint.reshard import MODEL, CheckpointReader
+from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.safetensors_io import dtype_name
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -238,6 +238,9 @@ class UniversalReader(CheckpointReader):
         if store == MODEL:
             return name in self.metadata.tensors
         return os.path.isfile(self._state_file(name, MASTER))
+
+    def has_state(self, store: str, name: str, state: str) -> bool:
+        return store == OPTIM and os.path.isfile(self._state_file(name, state))
 
     def _tensor(self, store: str, name: str, state: str | None) -> torch.Tensor:
         module = self._states.get("module") or {}

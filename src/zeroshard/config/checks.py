@@ -16,12 +16,34 @@ def check_consistency(cfg: ZeroshardConfig) -> None:
     _check_precision(cfg)
     _check_zero(cfg)
     check_curriculum(cfg.curriculum_learning)
+    _check_muon(cfg)
     writer = cfg.checkpoint.writer
     if writer is not None and writer.type == "MOCK":
         raise ConfigError(
             'checkpoint.writer.type "MOCK" (DeepSpeed\'s writer that discards the bytes) would commit checkpoints that '
             'cannot load; use "FAST" or "PYTHON" (both write with zeroshard\'s writer), or remove the writer block'
         )
+
+
+def _check_muon(cfg: ZeroshardConfig) -> None:
+    """What the Muon optimizer composes with ([Note: Muon on flat shards] in optim/muon.py); initialize refuses the
+    model-level rest (a PipelineModule, tensor parallelism, MoE layers)."""
+    optimizer = cfg.optimizer
+    if optimizer is None or not isinstance(optimizer.type, str) or optimizer.type.lower() != "muon":
+        return
+    conflict = None
+    if cfg.zero_optimization.stage == 3:
+        conflict = "zero_optimization.stage 3 (Muon runs at stages 0-2)"
+    elif str(cfg.zeroshard.backend) == "fsdp2":
+        conflict = 'zeroshard.backend "fsdp2" (Muon runs on the "zero" backend)'
+    elif cfg.bf16.bf16_master_weights_and_grads is True or cfg.fp16.fp16_master_weights_and_grads is True:
+        conflict = "bf16/fp16 master weights (Muon keeps fp32 masters)"
+    elif isinstance(cfg.sequence_parallel_size, int) and cfg.sequence_parallel_size > 1:
+        conflict = "sequence_parallel_size > 1"
+    elif cfg.torch_autocast.enabled is True:
+        conflict = "torch_autocast"
+    if conflict is not None:
+        raise ConfigError(f'optimizer.type "Muon" does not work with {conflict} yet; use AdamW, or remove that setting')
 
 
 def _check_precision(cfg: ZeroshardConfig) -> None:

@@ -5,7 +5,8 @@ group, a shard that concatenates slices of many parameters. An optimizer whose u
 only on that element's own gradient and state (Adam, SGD, Lion, ...) gives the same result on the shard as on
 the original parameters. Anything that looks at a whole tensor (LAMB's trust ratio, Muon's orthogonalisation,
 Adafactor's row/column factors, muP's shape-dependent scaling, 1-bit compression, LBFGS's line search) would
-silently compute something else, so those names are refused.
+silently compute something else, so those names are refused. Muon is built anyway: the strategies make each of
+its matrices whole for the step ([Note: Muon on flat shards] in muon.py).
 
 [Note: Adam implementation] DeepSpeed maps "Adam"/"AdamW" to its FusedAdam (weight_decay default 0.0,
 decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW (or, for `bias_correction: false`,
@@ -30,6 +31,7 @@ import torch
 
 from zeroshard.config.fields import Bool, Check, Float, Nullable, show
 from zeroshard.errors import ConfigError
+from zeroshard.optim import muon
 from zeroshard.optim.adam import UncorrectedAdam
 from zeroshard.optim.lion import Lion
 
@@ -58,7 +60,6 @@ _NOT_ELEMENTWISE: Mapping[str, str] = MappingProxyType(
         "muadam": "muP optimizers scale the lr by each parameter's shape",
         "muadamw": "muP optimizers scale the lr by each parameter's shape",
         "musgd": "muP optimizers scale the lr by each parameter's shape",
-        "muon": "Muon orthogonalises each weight matrix",
         "adafactor": "Adafactor factors the second moment over each matrix's rows and columns",
         "lbfgs": "LBFGS needs a closure and a line search over all parameters",
         "sparseadam": "SparseAdam needs sparse gradients",
@@ -80,7 +81,7 @@ _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
 def supported_optimizer_names() -> list[str]:
     """The `optimizer.type` values build_optimizer accepts (matched case-insensitively)."""
-    return sorted({*_TORCH_ELEMENTWISE, "Lion"}, key=str.lower)
+    return sorted({*_TORCH_ELEMENTWISE, "Lion", "Muon"}, key=str.lower)
 
 
 def build_optimizer(
@@ -105,6 +106,8 @@ def build_optimizer(
             '"gradient_clipping" key instead.'
         )
     key = type_name.lower()
+    if key == "muon":  # whole-matrix steps on flat shards: [Note: Muon on flat shards]
+        return _build_muon(kwargs, param_groups)
     if key in ("adam", "adamw"):
         cls, kwargs = _adam_kwargs(key, kwargs, param_groups)
     else:
@@ -218,6 +221,29 @@ def _adam_kwargs(
         else:
             kwargs["foreach"] = True
     return cls, kwargs
+
+
+def _build_muon(kwargs: dict[str, Any], param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """Muon over the groups initialize split in halves (`use_muon`); a group without the mark (the probe's) is Adam."""
+    muon.check_params(kwargs)
+    groups = []
+    for group in param_groups:
+        marked = dict(group)
+        if "use_muon" not in marked:
+            marked.update(muon.half_options(kwargs, {}, muon=False))
+        groups.append(_tuples(marked))
+    try:
+        return muon.Muon(groups, adam_w_mode=kwargs.get("adam_w_mode", True))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"optimizer.params is invalid for optimizer.type='Muon': {err}") from err
+
+
+def _tuples(options: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists in `_TUPLE_KEYS` as the tuples of floats torch wants."""
+    for name in _TUPLE_KEYS:
+        if isinstance(options.get(name), list | tuple):
+            options[name] = tuple(float(value) for value in options[name])
+    return options
 
 
 def _bool_param(kwargs: Mapping[str, Any], name: str, default: bool) -> bool:

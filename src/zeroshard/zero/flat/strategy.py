@@ -34,12 +34,14 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
+from zeroshard.optim.muon import Muon
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.full_values import FlatFullValues
 from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
+from zeroshard.zero.matrices import ShardedMatrices
 from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
@@ -166,6 +168,12 @@ class FlatStrategy(FlatFullValues):
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._grad_copies = [self.gradients_tier.copy_for(b.grad_shard, b.master) for b in self.buffers]
+        if isinstance(optimizer, Muon):  # [Note: Muon on flat shards]
+            for options, b in zip(self.group_options, self.buffers, strict=True):
+                if options.get("use_muon"):
+                    shapes = [local_of(b.params[slot.index]).shape for slot in b.layout.slots]
+                    source = ShardedMatrices.of_group(b.layout, shapes, self.layout.shard_count, self.comm, self.device)
+                    optimizer.register_matrices(b.master, source)
 
     # -- backward --------------------------------------------------------------------------------
     def _grad_hook(self, group: int, slot: int) -> Any:

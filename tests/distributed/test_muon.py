@@ -1,0 +1,198 @@
+"""ds_config `"type": "Muon"` ([Note: Muon on flat shards] in optim/muon.py): stages 0-2 on 2 gloo ranks against a
+single process stepping the same Muon optimizer over the model's own parameters, every step; the matrices made
+whole across ranks (zero/matrices.py) give the single process's update bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import (
+    Case,
+    build_model,
+    ds_config,
+    flat_params,
+    global_batches,
+    micro_batch,
+    param_groups,
+    ranks_threads,
+    relative_difference,
+)
+
+PARAMS = {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}
+# bucket 1000: every matrix of the tiny GPT is cut across both ranks' shards (and across buckets). Without
+# clipping and accumulation the gradients are the single process's to the bit, and so is every update.
+EXACT = [Case(stage=0, steps=3, clip=0.0), Case(stage=1, steps=3, bucket=1000, clip=0.0)]
+EXACT += [Case(stage=2, steps=3, bucket=1000, clip=0.0)]
+# the clipping norm and a window's sum round differently from the single process's: 1e-6 as every fp32 parity test
+CLOSE = [
+    Case(stage=2, steps=3, bucket=1000, gas=2),
+    Case(stage=1, steps=3, offload="cpu"),
+    Case(stage=2, steps=3, offload="nvme"),
+]
+
+
+def _config(case: Case, params: dict) -> dict:
+    config = ds_config(case)
+    config["optimizer"] = {"type": "Muon", "params": dict(params)}
+    return config
+
+
+def reference(case: Case, world_size: int, params: dict) -> tuple[list[float], list[torch.Tensor]]:
+    """One process: the whole global batch, `clip_grad_norm_`, then zeroshard's Muon over the model's parameters,
+    grouped as initialize groups them."""
+    from zeroshard.optim import muon
+
+    model = build_model(case)
+    halves = []
+    for group in param_groups(model, case):
+        options = {k: v for k, v in group.items() if k != "params"}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for use in (True, False):
+            half = [p for p in group["params"] if muon.uses_muon(names[id(p)], p.shape) is use]
+            if half:
+                halves.append({**muon.half_options(params, options, use), "params": half})
+    for group in halves:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    optimizer = muon.Muon(halves)
+    losses, values = [], []
+    n_micro = world_size * case.gas
+    for batch in global_batches(case, world_size):
+        model.zero_grad()
+        total = 0.0
+        for k in range(case.gas):
+            for r in range(world_size):
+                x, y = micro_batch(batch, k, r, world_size, case.micro)
+                loss = model(x, y)
+                total += loss.item() / n_micro
+                (loss / n_micro).backward()
+        if case.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        losses.append(total)
+        values.append(flat_params(model))
+    return losses, values
+
+
+def _train(rank: int, world_size: int, cases: list[Case], params: dict):
+    import zeroshard
+
+    out = []
+    for case in cases:
+        model = build_model(case)
+        engine, optimizer, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=_config(case, params)
+        )
+        losses, values = [], []
+        for batch in global_batches(case, world_size):
+            total = 0.0
+            for k in range(case.gas):
+                x, y = micro_batch(batch, k, rank, world_size, case.micro)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / case.gas
+            mean = torch.tensor([total / world_size])
+            torch.distributed.all_reduce(mean)
+            losses.append(float(mean))
+            values.append(flat_params(engine.module))
+        kinds = sorted({bool(g["use_muon"]) for g in optimizer.param_groups})
+        out.append((case.name, losses, values, kinds))
+        engine.destroy()
+    return out
+
+
+def test_muon_stages_0_to_2_equal_a_single_process() -> None:
+    results = run_on_ranks(_train, 2, EXACT + CLOSE, PARAMS)
+    for i, case in enumerate(EXACT + CLOSE):
+        with ranks_threads():
+            want_losses, want_values = reference(case, 2, PARAMS)
+        for rank_result in results:
+            name, losses, values, kinds = rank_result[i]
+            assert kinds == [False, True], name
+            for step, (got, want) in enumerate(zip(values, want_values, strict=True)):
+                if case in EXACT:
+                    assert torch.equal(got, want), (name, step, (got - want).abs().max().item())
+                else:
+                    assert relative_difference(got, want) <= 1e-6, (name, step, relative_difference(got, want))
+            assert losses == pytest.approx(want_losses, rel=1e-6), name
+
+
+def test_muon_changes_the_matrices_differently_from_adam() -> None:
+    """The parity above would hold with any whole-matrix step: Muon's matrices move by lr times an orthogonalised
+    update (its nonzero singular values near 1)."""
+    case = Case(stage=0, steps=1)
+    model = build_model(case)
+    before = copy.deepcopy(model)
+    reference_losses, values = reference(case, 1, PARAMS)
+    assert reference_losses
+    torch.nn.utils.vector_to_parameters(values[-1], model.parameters())
+    weight = dict(model.named_parameters())["blocks.0.mlp.0.weight"]
+    start = dict(before.named_parameters())["blocks.0.mlp.0.weight"]
+    # W1 = W0 (1 - lr wd) - lr O  =>  O = (W0 (1 - lr wd) - W1) / lr
+    lr, wd = PARAMS["lr"], PARAMS["weight_decay"]
+    update = (start.detach() * (1 - lr * wd) - weight.detach()) / lr
+    singular = torch.linalg.svdvals(update / max(1.0, (weight.shape[0] / weight.shape[1]) ** 0.5))
+    # a layer-normed input spans 31 of its 32 directions: that one stays 0, the others come out near 1 (NS5's range)
+    kept = singular[singular > 1e-3]
+    assert len(kept) >= 30 and 0.5 < float(kept.min()) and float(kept.max()) < 1.3, singular
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"zero_optimization": {"stage": 3}}, "stage 3"),
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "master weights"),
+        ({"optimizer": {"type": "Muon", "params": {"per_head_muon": True}}}, "per_head_muon"),
+        ({"optimizer": {"type": "Muon", "params": {"nesterov": False}}}, "optimizer.params.nesterov"),
+        ({"optimizer": {"type": "Muon", "params": {"ns_method": "svd"}}}, "ns_method"),
+    ],
+)
+def test_muon_refusals_name_the_key(extra: dict, message: str) -> None:
+    from zeroshard.config import parse_config, resolve_config
+    from zeroshard.errors import ConfigError
+
+    config = _config(EXACT[1], PARAMS)
+    for key, value in extra.items():
+        config[key] = {**config.get(key, {}), **value} if key != "optimizer" else value
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(parse_config(config), world_size=2)  # what initialize runs before any work
+
+
+def _resume(rank: int, world_size: int, directory: str, params: dict):
+    """Stage 2 saves after two steps and trains two more; stage 1 with other buckets loads the save and trains the
+    same two: the momentum and the Adam half's state come back into another layout."""
+    import zeroshard
+
+    saver, loader = Case(stage=2, steps=4, clip=0.0), Case(stage=1, steps=4, bucket=1000, clip=0.0)
+    batches = global_batches(saver, world_size)
+    runs = []
+    for case, load in ((saver, False), (loader, True)):
+        model = build_model(case)
+        engine, _, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=_config(case, params)
+        )
+        if load:
+            engine.load_checkpoint(directory)
+        values = []
+        for step, batch in enumerate(batches):
+            if load and step < 2:
+                continue
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+            if step == 1:
+                engine.save_checkpoint(directory)
+            values.append(flat_params(engine.module))
+        runs.append(values[-2:])
+        engine.destroy()
+    return runs
+
+
+def test_muon_state_resumes_in_another_layout(tmp_path) -> None:
+    for continued, resumed in run_on_ranks(_resume, 2, str(tmp_path), PARAMS):
+        for got, want in zip(resumed, continued, strict=True):
+            assert torch.equal(got, want), (got - want).abs().max().item()
