@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from helpers.deepspeed_reference import import_deepspeed
 from zeroshard.optim import muon
 from zeroshard.zero.matrices import Piece, ShardedMatrices, _balanced_owners
 
@@ -15,9 +16,7 @@ from zeroshard.zero.matrices import Piece, ShardedMatrices, _balanced_owners
 @pytest.fixture
 def deepspeed_muon():
     """DeepSpeed's functions, eager (they are wrapped in torch.compile, which would compile for minutes here)."""
-    pytest.importorskip("deepspeed")
-    from deepspeed.runtime.zero.muon import original_muon
-
+    original_muon = import_deepspeed("deepspeed.runtime.zero.muon.original_muon")
     with torch._dynamo.config.patch(disable=True):
         yield original_muon
 
