@@ -27,12 +27,16 @@ PARAMS = {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.1, "be
 # bucket 1000: every matrix of the tiny GPT is cut across both ranks' shards (and across buckets). Without
 # clipping and accumulation the gradients are the single process's to the bit, and so is every update.
 EXACT = [Case(stage=0, steps=3, clip=0.0), Case(stage=1, steps=3, bucket=1000, clip=0.0)]
-EXACT += [Case(stage=2, steps=3, bucket=1000, clip=0.0)]
+EXACT += [Case(stage=2, steps=3, bucket=1000, clip=0.0), Case(stage=3, steps=3, clip=0.0)]
+# stage 3: sub-groups of about one block (each stepped alone, every rank), the persistent unit, offload tiers
+EXACT += [Case(stage=3, steps=3, clip=0.0, sub_group=3000, persistence=100)]
+EXACT += [Case(stage=3, steps=3, clip=0.0, offload="nvme", offload_param="nvme", sub_group=3000)]
 # the clipping norm and a window's sum round differently from the single process's: 1e-6 as every fp32 parity test
 CLOSE = [
     Case(stage=2, steps=3, bucket=1000, gas=2),
     Case(stage=1, steps=3, offload="cpu"),
     Case(stage=2, steps=3, offload="nvme"),
+    Case(stage=3, steps=3, gas=2, offload="cpu", offload_param="cpu"),
 ]
 
 
@@ -100,14 +104,15 @@ def _train(rank: int, world_size: int, cases: list[Case], params: dict):
             mean = torch.tensor([total / world_size])
             torch.distributed.all_reduce(mean)
             losses.append(float(mean))
-            values.append(flat_params(engine.module))
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole for the read
+                values.append(flat_params(engine.module))
         kinds = sorted({bool(g["use_muon"]) for g in optimizer.param_groups})
         out.append((case.name, losses, values, kinds))
         engine.destroy()
     return out
 
 
-def test_muon_stages_0_to_2_equal_a_single_process() -> None:
+def test_muon_equals_a_single_process() -> None:
     results = run_on_ranks(_train, 2, EXACT + CLOSE, PARAMS)
     for i, case in enumerate(EXACT + CLOSE):
         with ranks_threads():
@@ -146,7 +151,7 @@ def test_muon_changes_the_matrices_differently_from_adam() -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"zero_optimization": {"stage": 3}}, "stage 3"),
+        ({"zeroshard": {"backend": "fsdp2"}}, "fsdp2"),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "master weights"),
         ({"optimizer": {"type": "Muon", "params": {"per_head_muon": True}}}, "per_head_muon"),
         ({"optimizer": {"type": "Muon", "params": {"nesterov": False}}}, "optimizer.params.nesterov"),
@@ -164,12 +169,17 @@ def test_muon_refusals_name_the_key(extra: dict, message: str) -> None:
         resolve_config(parse_config(config), world_size=2)  # what initialize runs before any work
 
 
-def _resume(rank: int, world_size: int, directory: str, params: dict):
-    """Stage 2 saves after two steps and trains two more; stage 1 with other buckets loads the save and trains the
-    same two: the momentum and the Adam half's state come back into another layout."""
+RESUMES = [
+    (Case(stage=2, steps=4, clip=0.0), Case(stage=1, steps=4, bucket=1000, clip=0.0)),
+    (Case(stage=3, steps=4, clip=0.0, sub_group=3000), Case(stage=2, steps=4, clip=0.0)),
+]
+
+
+def _resume(rank: int, world_size: int, directory: str, params: dict, saver: Case, loader: Case):
+    """`saver` saves after two steps and trains two more; `loader` (another stage and layout) loads the save and
+    trains the same two: the momentum and the Adam half's state come back into another layout."""
     import zeroshard
 
-    saver, loader = Case(stage=2, steps=4, clip=0.0), Case(stage=1, steps=4, bucket=1000, clip=0.0)
     batches = global_batches(saver, world_size)
     runs = []
     for case, load in ((saver, False), (loader, True)):
@@ -187,20 +197,22 @@ def _resume(rank: int, world_size: int, directory: str, params: dict):
             engine.step()
             if step == 1:
                 engine.save_checkpoint(directory)
-            values.append(flat_params(engine.module))
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                values.append(flat_params(engine.module))
         runs.append(values[-2:])
         engine.destroy()
     return runs
 
 
-def test_muon_state_resumes_in_another_layout(tmp_path) -> None:
-    for continued, resumed in run_on_ranks(_resume, 2, str(tmp_path), PARAMS):
+@pytest.mark.parametrize("saver, loader", RESUMES, ids=lambda case: f"stage{case.stage}")
+def test_muon_state_resumes_in_another_layout(tmp_path, saver: Case, loader: Case) -> None:
+    for continued, resumed in run_on_ranks(_resume, 2, str(tmp_path), PARAMS, saver, loader):
         for got, want in zip(resumed, continued, strict=True):
             assert torch.equal(got, want), (got - want).abs().max().item()
 
 
-# DeepSpeed 0.19.8's own Muon engine on the same ranks. Without clipping its stages 0-2 update as ours to the bit
-# (its stage 2 with a window of two micro-steps to rounding). With clipping its stages 1-2 differ by design: their
+# DeepSpeed 0.19.8's own Muon engine on the same ranks. Without clipping its stages 0-3 update as ours to the bit
+# (its stage 2 with a window of two micro-steps to rounding). With clipping its stages 1-3 differ by design: their
 # norm counts the orthogonalised updates where the gradients stood ([Note: Muon on flat shards]); stage 0 agrees.
 DEEPSPEED_CASES = [
     (Case(stage=0, steps=3, clip=0.0), 0.0),
@@ -208,6 +220,7 @@ DEEPSPEED_CASES = [
     (Case(stage=2, steps=3, bucket=1000, clip=0.0), 0.0),
     (Case(stage=0, steps=3, clip=1.0), 1e-6),
     (Case(stage=2, steps=3, gas=2, clip=0.0), 1e-6),
+    (Case(stage=3, steps=3, clip=0.0, reduce_scatter=False), 0.0),  # DeepSpeed's stage 3 refuses Muon otherwise
 ]
 
 
@@ -229,7 +242,8 @@ def _both(rank: int, world_size: int, params: dict):
                 for k in range(case.gas):
                     engine.backward(engine(*micro_batch(batch, k, rank, world_size, case.micro)))
                     engine.step()
-                values.append(flat_params(engine.module))
+                with library.zero.GatheredParameters(list(engine.module.parameters())):
+                    values.append(flat_params(engine.module))
             runs.append(values)
             engine.destroy()
     return runs

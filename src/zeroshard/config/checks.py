@@ -32,9 +32,7 @@ def _check_muon(cfg: ZeroshardConfig) -> None:
     if optimizer is None or not isinstance(optimizer.type, str) or optimizer.type.lower() != "muon":
         return
     conflict = None
-    if cfg.zero_optimization.stage == 3:
-        conflict = "zero_optimization.stage 3 (Muon runs at stages 0-2)"
-    elif str(cfg.zeroshard.backend) == "fsdp2":
+    if str(cfg.zeroshard.backend) == "fsdp2":
         conflict = 'zeroshard.backend "fsdp2" (Muon runs on the "zero" backend)'
     elif cfg.bf16.bf16_master_weights_and_grads is True or cfg.fp16.fp16_master_weights_and_grads is True:
         conflict = "bf16/fp16 master weights (Muon keeps fp32 masters)"

@@ -14,13 +14,15 @@ this step; every other trainable parameter takes AdamW (torch's fused kernel whe
 [Note: Muon on flat shards]
 ZeRO hands the optimizer one flat tensor per parameter group ([Note: elementwise optimizers only] in
 optimizers.py), so the whole-matrix step cannot run on a shard alone. The momentum and the Nesterov blend are
-elementwise and run on the shard. The orthogonalisation asks the tensor's `MatrixSource` (registered by the
-strategy that built the tensor, `register_matrices`): which matrices its elements belong to, and how to make each
-matrix whole. Stage 0 holds every matrix whole; at stages 1-2 each matrix is sent, piece by piece, to one rank
-(balanced by Newton-Schulz cost), orthogonalised there, and its pieces sent back (zero/matrices.py). A tensor with no
-source is its own matrix (the optimizer over ordinary parameters, as in a single process). Because the pieces are
-put back together exactly, the update of every element is the one the single-process optimizer computes: the
-parity tests compare bit for bit.
+elementwise and run on the shard. The orthogonalisation asks the optimizer's `MatrixPlan`, set by the strategy
+that built the tensors: which matrices their elements belong to, and how to make each matrix whole. Stage 0 holds
+every matrix whole; at stages 1-2 (one flat master per group, zero/matrices.py) and stage 3 (one master per unit and
+group, stepped a sub-group at a time, zero/stage3/matrices.py) each matrix is sent, piece by piece, to one rank
+(balanced by Newton-Schulz cost), orthogonalised there, and its pieces sent back. Every rank calls the plan for every
+Muon group in each step, holding pieces or not, so the exchanges pair up. Without a plan each tensor is its own
+matrix (the optimizer over ordinary parameters, as in a single process). Because the pieces are put back together
+exactly, the update of every element is the one the single-process optimizer computes: the parity tests compare
+bit for bit.
 
 Groups: initialize splits each parameter group into its Muon and Adam halves (`half_options`, as DeepSpeed's
 `_muon_param_groups`): the config's shared keys, then `muon_lr` / `adam_lr`, then the group's own options, each half
@@ -97,12 +99,15 @@ def half_options(params: Mapping[str, Any], group: Mapping[str, Any], muon: bool
     return {"use_muon": muon, **options}
 
 
-class MatrixSource(Protocol):
-    """How the elements of one flat optimizer tensor form matrices ([Note: Muon on flat shards])."""
+class MatrixPlan(Protocol):
+    """Which matrices the flat tensors a strategy hands the optimizer hold ([Note: Muon on flat shards])."""
 
-    def apply(self, flat: torch.Tensor, orthogonalize: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`flat` (this rank's elements) with every matrix replaced by `orthogonalize(matrix)`; other elements 0.
-        Collective where the matrices span ranks: every rank calls it for the same tensor."""
+    def orthogonalized(
+        self, group: int, blended: dict[int, torch.Tensor], orthogonalize: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """For each tensor of optimizer group `group` being stepped (`blended`: by `id` of the tensor, its elements),
+        its update: every matrix made whole, `orthogonalize`d, and cut back; elements of no matrix are 0. Collective:
+        every rank calls it for every Muon group in each step, with what it steps (possibly nothing)."""
         ...
 
 
@@ -129,17 +134,13 @@ class Muon(torch.optim.Optimizer):
             _check_group(group)
         super().__init__(groups, {})
         self.adam_w_mode = adam_w_mode
-        self._sources: dict[int, MatrixSource] = {}
+        self.plan: MatrixPlan | None = None  # set by the strategy that built the flat tensors (attach)
         adam_groups = self._adam_groups()
         self._adam: torch.optim.Optimizer | None = None
         if adam_groups:
             cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
             fused = _fused_available(adam_groups)
             self._adam = cls(adam_groups, fused=fused or None, foreach=None if fused else True)
-
-    def register_matrices(self, tensor: torch.Tensor, source: MatrixSource) -> None:
-        """`tensor` (a parameter of a Muon group) is a flat tensor whose matrices `source` describes."""
-        self._sources[id(tensor)] = source
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -148,11 +149,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        self._muon_step(param, group)
+                self._muon_step(index, group)
         if self._adam is not None and any(p.grad is not None for g in self._adam_groups() for p in g["params"]):
             # load_state_dict replaces the group dicts and the state: the Adam half follows them
             self._adam.param_groups = self._adam_groups()
@@ -166,25 +165,34 @@ class Muon(torch.optim.Optimizer):
     def _adam_groups(self) -> list[dict[str, Any]]:
         return [group for group in self.param_groups if not group["use_muon"]]
 
-    def _muon_step(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        grad = param.grad
-        assert grad is not None
-        state = self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param)
-        momentum, beta = state["momentum_buffer"], group["momentum"]
-        momentum.lerp_(grad, 1 - beta)
-        blended = grad.lerp(momentum, beta)  # Nesterov
+    def _muon_step(self, index: int, group: dict[str, Any]) -> None:
+        stepped = [p for p in group["params"] if p.grad is not None]
+        blended = {}
+        for param in stepped:
+            grad = param.grad
+            assert grad is not None
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            momentum, beta = state["momentum_buffer"], group["momentum"]
+            momentum.lerp_(grad, 1 - beta)
+            blended[id(param)] = grad.lerp(momentum, beta)  # Nesterov
         method = group["ns_method"]
-        source = self._sources.get(id(param))
-        if source is not None:
-            update = source.apply(blended, lambda matrix: orthogonalize(matrix, method))
-        elif param.dim() >= 2:
-            update = orthogonalize(blended, method)
-        else:
-            raise ValueError(f"a Muon group holds a {param.dim()}-d tensor with no matrices registered for it")
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(update.reshape(param.shape), alpha=-group["lr"])
+        if self.plan is not None:
+            updates = self.plan.orthogonalized(index, blended, lambda matrix: orthogonalize(matrix, method))
+        else:  # ordinary parameters: each is its own matrix
+            updates = {id(p): orthogonalize(_matrix(p, blended[id(p)]), method) for p in stepped}
+        for param in stepped:
+            param.mul_(1 - group["lr"] * group["weight_decay"])
+            update = updates.get(id(param))  # none: the tensor holds no matrix element (padding, an empty stand-in)
+            if update is not None:
+                param.add_(update.reshape(param.shape), alpha=-group["lr"])
+
+
+def _matrix(param: torch.Tensor, blended: torch.Tensor) -> torch.Tensor:
+    if param.dim() < 2:
+        raise ValueError(f"a Muon group holds a {param.dim()}-d tensor and no strategy says which matrices it holds")
+    return blended
 
 
 def orthogonalize(update: torch.Tensor, method: str) -> torch.Tensor:

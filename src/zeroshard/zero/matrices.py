@@ -141,3 +141,32 @@ def _balanced_owners(shapes: Sequence[torch.Size], world: int) -> list[int]:
         owners[m] = rank
         load[rank] += costs[m]
     return owners
+
+
+class FlatMatrixPlan:
+    """Stages 0-2: one flat master per optimizer group, slot i of the group's layout its matrix i
+    ([Note: Muon on flat shards] in optim/muon.py). The strategy steps one group at a time, the same on every rank, so
+    a group whose master is not being stepped has nothing to exchange on any rank."""
+
+    def __init__(
+        self,
+        groups: dict[int, tuple[torch.Tensor, list[torch.Size], GroupLayout]],
+        shard_count: int,
+        comm: Collectives,
+        device: torch.device,
+    ):
+        self.masters: dict[int, tuple[torch.Tensor, ShardedMatrices]] = {}
+        for g, (master, shapes, layout) in groups.items():
+            pieces = [
+                [Piece(p.slot, p.param_begin, p.param_end, p.shard_offset) for p in owned_pieces(layout, r)]
+                for r in range(shard_count)
+            ]
+            self.masters[g] = (master, ShardedMatrices(shapes, pieces, comm if shard_count > 1 else None, device))
+
+    def orthogonalized(
+        self, group: int, blended: dict[int, torch.Tensor], orthogonalize: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        master, matrices = self.masters[group]
+        if id(master) not in blended:
+            return {}
+        return {id(master): matrices.apply(blended[id(master)], orthogonalize)}

@@ -41,7 +41,7 @@ from zeroshard.zero.flat.group_buffers import GroupBuffers, build_group_buffers
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
-from zeroshard.zero.matrices import ShardedMatrices
+from zeroshard.zero.matrices import FlatMatrixPlan
 from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
@@ -169,11 +169,16 @@ class FlatStrategy(FlatFullValues):
         self.optimizer = optimizer
         self._grad_copies = [self.gradients_tier.copy_for(b.grad_shard, b.master) for b in self.buffers]
         if isinstance(optimizer, Muon):  # [Note: Muon on flat shards]
-            for options, b in zip(self.group_options, self.buffers, strict=True):
-                if options.get("use_muon"):
-                    shapes = [local_of(b.params[slot.index]).shape for slot in b.layout.slots]
-                    source = ShardedMatrices.of_group(b.layout, shapes, self.layout.shard_count, self.comm, self.device)
-                    optimizer.register_matrices(b.master, source)
+            optimizer.plan = FlatMatrixPlan(
+                {
+                    g: (b.master, [local_of(b.params[slot.index]).shape for slot in b.layout.slots], b.layout)
+                    for g, (options, b) in enumerate(zip(self.group_options, self.buffers, strict=True))
+                    if options.get("use_muon")
+                },
+                self.layout.shard_count,
+                self.comm,
+                self.device,
+            )
 
     # -- backward --------------------------------------------------------------------------------
     def _grad_hook(self, group: int, slot: int) -> Any:

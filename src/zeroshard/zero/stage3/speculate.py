@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.errors import ZeroshardError
-from zeroshard.optim.rollback import undo_adam_step
+from zeroshard.errors import ConfigError, ZeroshardError
+from zeroshard.optim.rollback import undo_adam_step, undoable_reason
 from zeroshard.utils.logging import log_rank
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit
@@ -339,3 +339,13 @@ def speculation_for(
     if policy is None or not any(g.tier.offloaded for g in stepper.sub_groups):
         return None
     return SpeculativeSteps(stepper, policy, scale_of, device)
+
+
+def check_undoable(optimizer: torch.optim.Optimizer, speculation: SpeculativeSteps | None) -> None:
+    """[Note: speculative host steps] undo a skipped step's updates: refuse an optimizer whose step cannot be undone."""
+    reason = undoable_reason(optimizer) if speculation is not None else None
+    if reason is not None:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.super_offload: true needs an optimizer whose step zeroshard can "
+            f"undo, but {reason}: use Adam/AdamW or set super_offload false"
+        )

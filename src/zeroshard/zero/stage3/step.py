@@ -15,6 +15,7 @@ from zeroshard.offload.gradients import GradientTier
 from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
 from zeroshard.zero.stage3.build import BuiltUnits, Piece, SubGroup
+from zeroshard.zero.stage3.matrices import UnitMatrixPlan
 from zeroshard.zero.stage3.unit import ShardedUnit
 
 
@@ -28,6 +29,7 @@ class SubGroupStepper:
         self.param_store = param_store  # compute shards: one entry per unit
         self.gradients = gradients
         self.optimizer: torch.optim.Optimizer | None = None
+        self.matrices: UnitMatrixPlan | None = None  # Muon's: every rank steps a sub-group holding its matrices
         self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
 
     def step(self, scale: float, done: frozenset[int] = frozenset()) -> None:
@@ -81,7 +83,8 @@ class SubGroupStepper:
         stepped = self.gradients_of(k, units, scale, private)
         for master, grad in stepped:
             master.grad = grad
-        if stepped:
+        holds_matrices = self.matrices is not None and self.matrices.begin(units)
+        if stepped or holds_matrices:
             state_dtype.step(self.optimizer, [master for master, _ in stepped])  # [Note: bf16 master weights]
         for master, _ in stepped:
             master.grad = None

@@ -23,12 +23,10 @@ from torch.utils._pytree import tree_flatten
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
-from zeroshard.errors import ConfigError
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.offload.tier import Tier
-from zeroshard.optim.rollback import undoable_reason
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.build import BuildPolicy, build_units
@@ -36,13 +34,14 @@ from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
+from zeroshard.zero.stage3.matrices import muon_plan
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.root import root_unit_of
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_live_gathers
 from zeroshard.zero.stage3.sections import gather_flat, write_slot
-from zeroshard.zero.stage3.speculate import SpeculationPolicy, speculation_for
+from zeroshard.zero.stage3.speculate import SpeculationPolicy, check_undoable, speculation_for
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
 from zeroshard.zero.strategy import (
@@ -175,14 +174,9 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         return groups
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        reason = undoable_reason(optimizer) if self.speculation is not None else None
-        if reason is not None:  # [Note: speculative host steps] undoes a skipped step's updates
-            raise ConfigError(
-                f"zero_optimization.offload_optimizer.super_offload: true needs an optimizer whose step zeroshard can "
-                f"undo, but {reason}: use Adam/AdamW or set super_offload false"
-            )
-        self.optimizer = optimizer
-        self.stepper.optimizer = optimizer
+        check_undoable(optimizer, self.speculation)
+        self.optimizer = self.stepper.optimizer = optimizer
+        self.stepper.matrices = muon_plan(optimizer, self.built, self.group_options, self.comm, self.device)
 
     # -- hook events (hooks.py) --------------------------------------------------------------------
     def on_root_pre_forward(self) -> None:
