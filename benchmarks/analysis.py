@@ -128,7 +128,7 @@ def compare(rows: list[Row]) -> list[Compared | Row]:
         if reference is not None and reference is not row:
             base = float(reference["final_loss"])
             loss_rel = abs(float(row["final_loss"]) - base) / max(abs(base), 1e-30)
-        formula = zero_formula_bytes(row)
+        formula = zero_formula_bytes(row) if str(row.get("optimizer", "AdamW")).lower() in ("adam", "adamw") else None
         out.append(
             Compared(
                 row,
@@ -136,7 +136,7 @@ def compare(rows: list[Row]) -> list[Compared | Row]:
                 _ratio(row, ds),
                 _ratio(row, fsdp2),
                 loss_rel,
-                model_state_bytes(row) / formula - 1.0,
+                None if formula is None else model_state_bytes(row) / formula - 1.0,  # the formula is Adam's
             )
         )
     return out

@@ -125,6 +125,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "e.g. '{\"reduce_scatter\": false}'",
     )
     p.add_argument(
+        "--optimizer",
+        type=json.loads,
+        default=None,
+        help="JSON optimizer block replacing AdamW for DeepSpeed and zeroshard rows alike (DDP and FSDP2 rows train "
+        'torch\'s AdamW, so they are refused with it), e.g. \'{"type": "Muon", "params": {"lr": 0.02}}\'',
+    )
+    p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default=None,
@@ -196,6 +203,10 @@ def plan(args: argparse.Namespace) -> list[RowSpec]:
             )
             for v in selected_variants(args):
                 extra: dict[str, Any] = {"zero_overrides": args.zero_config} if args.zero_config else {}
+                if args.optimizer:
+                    if v.framework not in ("zeroshard", "deepspeed"):
+                        raise SystemExit(f"--optimizer applies to DeepSpeed and zeroshard rows; drop {v.key}")
+                    extra["optimizer"] = args.optimizer
                 if args.profile_steps and size == sizes[0] and v.framework in ("ddp", "zeroshard", "fsdp2"):
                     extra["profile_steps"] = args.profile_steps
                 rows.append(RowSpec(v, settings, n, extra))
@@ -324,6 +335,7 @@ def collect(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "lora_rank": s.lora_rank,
             "repeats": args.repeats,
             "zero_config": json.dumps(args.zero_config),
+            "optimizer": json.dumps(args.optimizer) if args.optimizer else "AdamW",
             "profile_steps": args.profile_steps,
         }
     )

@@ -18,6 +18,10 @@ class DeepSpeedTrainer:
 
         self.spec = spec
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the gradients' count
+        if str(ds_config(spec)["optimizer"]["type"]).lower() == "muon":
+            # DeepSpeed wraps its Newton-Schulz in torch.compile, which would compile for minutes on the CPU; the
+            # zeroshard rows run theirs eagerly too
+            torch._dynamo.config.disable = True
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config(spec)
         )

@@ -100,6 +100,7 @@ def run(spec: RowSpec, out: Path) -> None:
     dist.all_gather_object(everyone, asdict(mine))
     if rank == 0:
         row = summarize(spec, [RankResult(**r) for r in everyone], numel, trainable)
+        row["optimizer"] = str((spec.extra.get("optimizer") or {}).get("type", "AdamW"))
         row["setup_s"] = clock.phases
         if phases is not None:
             row["profile"] = phases

@@ -15,7 +15,8 @@ from zeroshard.memory import ProcessMemory
 
 
 def ds_config(spec: RowSpec) -> dict[str, Any]:
-    """The ds_config both DeepSpeed and zeroshard rows are given (fp32, AdamW, no clipping)."""
+    """The ds_config both DeepSpeed and zeroshard rows are given (fp32, AdamW unless the run names another optimizer,
+    no clipping)."""
     s = spec.settings
     zero: dict[str, Any] = {
         "stage": spec.variant.stage,
@@ -28,16 +29,17 @@ def ds_config(spec: RowSpec) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     zero.update(spec.extra.get("zero_overrides", {}))
     backend = {"zeroshard": {"backend": spec.variant.backend}} if spec.variant.backend != "zero" else {}
+    optimizer = spec.extra.get("optimizer") or {
+        "type": "AdamW",
+        "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps, "weight_decay": s.weight_decay},
+    }
     return {
         **backend,
         "train_micro_batch_size_per_gpu": s.micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1_000_000,
         "gradient_clipping": 0.0,  # DeepSpeed and zeroshard default to 1.0; DDP and FSDP2 do not clip
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps, "weight_decay": s.weight_decay},
-        },
+        "optimizer": optimizer,
         "zero_optimization": zero,
     }
 
