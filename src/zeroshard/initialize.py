@@ -374,10 +374,10 @@ def _muon_groups(
     """Each group as its Muon and Adam halves ([Note: Muon on flat shards] in optim/muon.py)."""
     from zeroshard.moe.zero import moe_layers
 
-    if split or moe_layers(model):
+    if split or moe_layers(model) or int(cfg.sequence_parallel_size or 1) > 1:  # (a sequence mpu sets the size)
         raise ConfigError(
-            'optimizer.type "Muon" does not work with a PipelineModule, tensor parallelism or MoE layers yet (their '
-            "ranks hold parts of the model's matrices); use AdamW"
+            'optimizer.type "Muon" does not work with a PipelineModule, tensor, sequence parallelism or MoE layers '
+            "yet; use AdamW"
         )
     assert cfg.optimizer is not None
     params = cfg.optimizer.params or {}

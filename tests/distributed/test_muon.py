@@ -266,3 +266,92 @@ def test_muon_trains_as_deepspeeds() -> None:
         for (case, tolerance), mine, reference in zip(DEEPSPEED_CASES, ours, theirs, strict=True):
             for step, (got, want) in enumerate(zip(mine, reference, strict=True)):
                 assert relative_difference(got, want) <= tolerance, (case.name, case.clip, step)
+
+
+def _switch(rank: int, world_size: int, directory: str, params: dict, first: str, stage: int):
+    """Train with `first` ("Muon" or "AdamW"), save, load into the other optimizer: [Note: optimizer state of another
+    kind] in checkpoint/load.py."""
+    import zeroshard
+
+    case = Case(stage=stage, steps=3, clip=0.0)
+    batches = global_batches(case, world_size)
+    out = []
+    for optimizer_type in (first, "AdamW" if first == "Muon" else "Muon"):
+        model = build_model(case)
+        config = _config(case, params) if optimizer_type == "Muon" else ds_config(case)
+        engine, optimizer, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=config
+        )
+        if optimizer_type != first:
+            engine.load_checkpoint(directory)
+        with zeroshard.GatheredParameters(list(engine.module.parameters())):
+            loaded = flat_params(engine.module)
+        steps = 2 if optimizer_type == first else 1
+        for batch in batches[:steps]:
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+        if optimizer_type == first:
+            engine.save_checkpoint(directory)
+        with zeroshard.GatheredParameters(list(engine.module.parameters())):
+            values = flat_params(engine.module)
+        kinds = [
+            (bool(g.get("use_muon")), g["lr"], sorted({k for p in g["params"] for k in optimizer.state.get(p, {})}))
+            for g in optimizer.param_groups
+        ]
+        out.append((loaded, values, kinds))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("first", ["Muon", "AdamW"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_the_other_optimizer_loads_its_weights_and_starts_its_state_fresh(
+    tmp_path, first: str, stage: int
+) -> None:
+    for (_, saved, _), (loaded, _, kinds) in run_on_ranks(_switch, 2, str(tmp_path), PARAMS, first, stage):
+        assert torch.equal(loaded, saved)
+        for use_muon, lr, keys in kinds:  # one step after the load: each group's own kind of state and lr
+            if use_muon:
+                assert keys == ["momentum_buffer"] and lr == PARAMS["lr"], (use_muon, lr, keys)
+            else:
+                assert keys == ["exp_avg", "exp_avg_sq", "step"], (use_muon, lr, keys)
+
+
+def _with_sequence_mpu(rank: int, world_size: int, params: dict) -> str:
+    import zeroshard
+    from helpers.ulysses import ulysses_model
+    from zeroshard.errors import ConfigError
+    from zeroshard.runtime.sequence_parallel import parallel_state_sp
+
+    case = Case(stage=2, steps=1)
+    model = ulysses_model(case)
+    zeroshard.init_distributed(dist_backend="gloo")
+    parallel_state_sp.initialize_sequence_parallel(2)  # the size arrives with the mpu, after the config's checks
+    with pytest.raises(ConfigError, match="sequence parallelism") as refused:
+        zeroshard.initialize(
+            model=model,
+            model_parameters=param_groups(model.gpt, case),
+            config=_config(case, params),
+            mpu=parallel_state_sp,
+        )
+    return str(refused.value)
+
+
+def test_muon_refuses_sequence_parallelism_from_an_mpu() -> None:
+    assert all("Muon" in message for message in run_on_ranks(_with_sequence_mpu, 2, PARAMS))
+
+
+def _train_in_batches(rank: int, world_size: int, cases: list[Case], params: dict, batch_numel: int):
+    from zeroshard.zero import matrices
+
+    matrices.BATCH_NUMEL = batch_numel  # [Note: Muon's exchange in batches]: one exchange per matrix or two
+    return _train(rank, world_size, cases, params)
+
+
+def test_muon_exchanged_in_small_batches_is_unchanged() -> None:
+    cases = [EXACT[1], EXACT[3]]  # stages 1 and 3
+    for rank_result in run_on_ranks(_train_in_batches, 2, cases, PARAMS, 2500):
+        for case, (name, _, values, _) in zip(cases, rank_result, strict=True):
+            with ranks_threads():
+                _, want_values = reference(case, 2, PARAMS)
+            assert all(torch.equal(got, want) for got, want in zip(values, want_values, strict=True)), name

@@ -173,6 +173,7 @@ def load_optimizer_state(
     info = reader.metadata.optimizer
     assert info is not None
     group_of_name = {name: g for g, group in enumerate(info.groups) for name in group["params"]}
+    kind_of = {id(param): _kind(group) for group in optimizer.param_groups for param in group["params"]}
     pieces = part.optim_pieces()
     elementwise: dict[int, dict[str, torch.Tensor]] = {}
     part.refresh_master()  # pieces the checkpoint lacks (non-strict loads) keep the module's values
@@ -184,6 +185,9 @@ def load_optimizer_state(
             ckpt_group.setdefault(p.group, group_of_name.get(name, p.group))
             if load_master:
                 reader.read_range(OPTIM, name, p.begin, p.end, p.view(p.param), state=MASTER)
+            saved_group = group_of_name.get(name)
+            if saved_group is not None and _kind(info.groups[saved_group]["options"]) != kind_of.get(id(p.param)):
+                continue  # [Note: optimizer state of another kind]
             tensors = elementwise.setdefault(id(p.param), {})
             for key, dtype in info.elementwise.items():
                 if not reader.has_state(OPTIM, name, key):
@@ -197,6 +201,17 @@ def load_optimizer_state(
             log_rank(logger, 30, f"optimizer group {g} has no counterpart in the checkpoint; its state starts fresh")
             continue
         saved = info.groups[source]
+        if _kind(saved["options"]) != _kind(group):  # [Note: optimizer state of another kind]
+            log_rank(
+                logger,
+                30,
+                f"optimizer group {g} ({_kind(group)}) loads the weights of checkpoint group {source} "
+                f"({_kind(saved['options'])}) but not its optimizer state or options: they start fresh",
+            )
+            for param in group["params"]:
+                if part.optimizer_params is None or id(param) in part.optimizer_params:
+                    optimizer.state.pop(param, None)
+            continue
         cpu_scalars = not (group.get("capturable") or group.get("fused"))
         for param in group["params"]:
             if part.optimizer_params is not None and id(param) not in part.optimizer_params:
@@ -215,6 +230,16 @@ def load_optimizer_state(
             group[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
     if type(optimizer).__name__ != info.cls:
         log_rank(logger, 30, f"optimizer is {type(optimizer).__name__}, the checkpoint's was {info.cls}")
+
+
+def _kind(options: dict[str, Any]) -> str:
+    """[Note: optimizer state of another kind]
+    Muon's groups keep a momentum for matrices and Adam's moments for the rest (optim/muon.py); an AdamW run's
+    groups keep Adam's moments for everything. A group saved by one kind and loaded into the other (a run that
+    switches optimizers, or a parameter whose name moved it between halves) loads its master weights only: the
+    other kind's state and options (Muon's lr, momentum) would make the optimizer fail or train with the wrong
+    settings, so its state starts fresh and a warning says so."""
+    return "Muon matrices" if options.get("use_muon") else "elementwise"
 
 
 def _group_state_keys(reader: CheckpointReader, saved: dict[str, Any], keys: dict[str, str]) -> dict[str, str]:

@@ -38,6 +38,7 @@ class CheckpointReader:
         self.tag_dir = tag_dir
         self.metadata = metadata if metadata is not None else read_metadata(tag_dir)
         self._files: dict[str, SafetensorsReader] = {}
+        self._at_hand: dict[tuple[str, str], PieceRef] = {}  # has_state's piece of each tensor
         self._pieces = {
             MODEL: _sorted_checked(self.metadata.model_pieces, "model"),
             OPTIM: _sorted_checked(self.metadata.optim_pieces, "optimizer"),
@@ -53,7 +54,10 @@ class CheckpointReader:
         pieces = self._pieces[store].get(name)
         if not pieces:
             return False
-        piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
+        piece = self._at_hand.get((store, name))
+        if piece is None:  # a file at hand: a node-local checkpoint's other pieces are on other nodes
+            piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
+            self._at_hand[(store, name)] = piece
         return piece_key(name, piece.begin, piece.end, state) in self._file(piece.file).entries
 
     def _file(self, rel: str) -> SafetensorsReader:

@@ -4,10 +4,10 @@ A flat optimizer tensor of stages 1-2 holds, on each rank, pieces of many parame
 orthogonalisation needs each matrix whole, once. `ShardedMatrices` assigns every matrix an owner (largest
 Newton-Schulz cost first, to the least loaded rank: every rank computes the same assignment from the same sizes),
 sends each piece to its matrix's owner with one all-to-all, lets the owner orthogonalise its matrices, and sends
-the pieces back with a second all-to-all. Each rank then holds whole only the matrices it owns, about 1/N of the
-group: the transient memory is the size of its shard, and no matrix is orthogonalised twice. Unsharded (stage 0),
-every rank holds every matrix and orthogonalises all of them itself, with no communication, as DeepSpeed's
-stage 0 does.
+the pieces back with a second all-to-all, a batch of matrices at a time ([Note: Muon's exchange in batches]). A
+rank holds whole only the matrices it owns, about 1/N of the group, and no matrix is orthogonalised twice.
+Unsharded (stage 0), every rank holds every matrix and orthogonalises all of them itself, with no communication,
+as DeepSpeed's stage 0 does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.utils.chunks import greedy_chunks
 from zeroshard.zero.layout import GroupLayout, owned_pieces
+
+BATCH_NUMEL = 1 << 24  # elements of matrices per exchange: [Note: Muon's exchange in batches]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,14 @@ class Piece:
 
 
 class ShardedMatrices:
-    """Where the matrices of one flat tensor lie on every rank, and the exchange that makes each whole once."""
+    """Where the matrices of one flat tensor lie on every rank, and the exchange that makes each whole once.
+
+    [Note: Muon's exchange in batches]
+    Matrices go through the exchange in batches of consecutive matrices of at most `BATCH_NUMEL` elements (a larger
+    matrix alone), the same batches on every rank, and the result is written over the input: a step holds, besides
+    the flat tensor, one batch's send and receive buffers, its owned matrices whole and their Newton-Schulz
+    temporaries, not a second flat tensor and every owned matrix at once (a 124M GPT at stage 2 on 2 ranks: a 60M-
+    element Muon shard per rank, its tied 38.6M-element embedding a matrix)."""
 
     def __init__(
         self,
@@ -47,59 +57,51 @@ class ShardedMatrices:
     ):
         """`pieces[r]`: rank r's pieces in its flat tensor (one rank, every piece whole, when `comm` is None)."""
         self.shapes = list(shapes)
-        self.pieces = [list(p) for p in pieces]
+        self.pieces = [sorted(p, key=lambda piece: piece.offset) for p in pieces]
         self.comm = comm
         self.device = device
         self.rank = comm.rank if comm is not None else 0
-        self.owners = _balanced_owners(self.shapes, len(self.pieces))
+        world = len(self.pieces)
+        self.owners = _balanced_owners(self.shapes, world)
+        self.batches = [set(b) for b in greedy_chunks([s.numel() for s in self.shapes], BATCH_NUMEL, close="before")]
+        # per batch: this rank's pieces for each owner, and each rank's pieces of the matrices this rank owns
+        self._sends = [[self._of(self.rank, batch, dest) for dest in range(world)] for batch in self.batches]
+        self._receives = [[self._of(src, batch, self.rank) for src in range(world)] for batch in self.batches]
 
-    @classmethod
-    def of_group(
-        cls,
-        layout: GroupLayout,
-        shapes: Sequence[torch.Size],
-        shard_count: int,
-        comm: Collectives,
-        device: torch.device,
-    ) -> ShardedMatrices:
-        """A flat group of stages 0-2: slot i is matrix i, of shape `shapes[i]`; stage 0 (one shard) is local."""
-        pieces = [
-            [Piece(p.slot, p.param_begin, p.param_end, p.shard_offset) for p in owned_pieces(layout, r)]
-            for r in range(shard_count)
-        ]
-        return cls(shapes, pieces, comm if shard_count > 1 else None, device)
+    def _of(self, rank: int, batch: set[int], owner: int) -> list[Piece]:
+        """Rank `rank`'s pieces of the matrices of `batch` that `owner` orthogonalises, in its flat order."""
+        return [p for p in self.pieces[rank] if p.matrix in batch and self.owners[p.matrix] == owner]
 
     def apply(self, flat: torch.Tensor, orthogonalize: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`flat` with each matrix replaced by `orthogonalize(matrix)`; elements of no matrix (padding) are 0."""
-        out = torch.zeros_like(flat)
+        """`flat` with each matrix replaced by `orthogonalize(matrix)`, in place; elements of no matrix (padding)
+        become 0. Newton-Schulz runs on `device` (a host master's matrices are copied there and back)."""
+        _zero_gaps(flat, self.pieces[self.rank])
         if self.comm is None:
             for piece in self.pieces[0]:
-                matrix = flat.narrow(0, piece.offset, piece.numel).view(self.shapes[piece.matrix])
-                out.narrow(0, piece.offset, piece.numel).copy_(orthogonalize(matrix).reshape(-1))
-            return out
-        source = flat.to(self.device)
-        whole = self._gather_owned(source)
-        done = {m: orthogonalize(matrix.view(self.shapes[m])).reshape(-1) for m, matrix in whole.items()}
-        self._scatter_back(done, out)
-        return out
+                view = flat.narrow(0, piece.offset, piece.numel)
+                view.copy_(orthogonalize(view.to(self.device).view(self.shapes[piece.matrix])).reshape(-1))
+            return flat
+        for k in range(len(self.batches)):
+            whole = self._gather_owned(flat, k)
+            done = {}
+            for m in list(whole):  # each matrix's input freed once it is orthogonalised
+                done[m] = orthogonalize(whole.pop(m).view(self.shapes[m])).reshape(-1)
+            self._scatter_back(done, flat, k)
+        return flat
 
     # -- the two exchanges -------------------------------------------------------------------------------
-    def _mine(self, rank: int, owner: int) -> list[Piece]:
-        """Rank `rank`'s pieces of the matrices `owner` orthogonalises, in its flat order."""
-        return [p for p in self.pieces[rank] if self.owners[p.matrix] == owner]
-
-    def _gather_owned(self, flat: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _gather_owned(self, flat: torch.Tensor, k: int) -> dict[int, torch.Tensor]:
         assert self.comm is not None
-        world = len(self.pieces)
-        sends = [self._mine(self.rank, dest) for dest in range(world)]
-        receives = [self._mine(src, self.rank) for src in range(world)]
+        sends, receives = self._sends[k], self._receives[k]
         payload = [flat.narrow(0, p.offset, p.numel) for pieces in sends for p in pieces]
-        send = torch.cat(payload) if payload else flat.new_empty(0)
-        recv = flat.new_empty(sum(p.numel for pieces in receives for p in pieces))
+        send = torch.cat(payload).to(self.device) if payload else torch.empty(0, dtype=flat.dtype, device=self.device)
+        recv = torch.empty(sum(_total(r) for r in receives), dtype=flat.dtype, device=self.device)
         self.comm.all_to_all_uneven(
             recv, send, [_total(r) for r in receives], [_total(s) for s in sends], label="muon: matrices to owners"
         )
-        whole = {m: flat.new_empty(self.shapes[m].numel()) for m, owner in enumerate(self.owners) if owner == self.rank}
+        del send
+        owned = {p.matrix for pieces in receives for p in pieces}
+        whole = {m: recv.new_empty(self.shapes[m].numel()) for m in sorted(owned)}
         at = 0
         for pieces in receives:
             for p in pieces:
@@ -107,23 +109,32 @@ class ShardedMatrices:
                 at += p.numel
         return whole
 
-    def _scatter_back(self, done: dict[int, torch.Tensor], out: torch.Tensor) -> None:
+    def _scatter_back(self, done: dict[int, torch.Tensor], flat: torch.Tensor, k: int) -> None:
         assert self.comm is not None
-        world = len(self.pieces)
-        sends = [self._mine(dest, self.rank) for dest in range(world)]
-        receives = [self._mine(self.rank, src) for src in range(world)]
-        payload = [done[p.matrix].narrow(0, p.begin, p.numel) for pieces in sends for p in pieces]
-        empty = torch.empty(0, dtype=out.dtype, device=self.device)
-        send = torch.cat(payload) if payload else empty
-        recv = torch.empty(sum(p.numel for pieces in receives for p in pieces), dtype=out.dtype, device=self.device)
+        back, mine = self._receives[k], self._sends[k]  # the first exchange's pieces, the other way
+        payload = [done[p.matrix].narrow(0, p.begin, p.numel) for pieces in back for p in pieces]
+        send = torch.cat(payload) if payload else torch.empty(0, dtype=flat.dtype, device=self.device)
+        done.clear()
+        recv = torch.empty(sum(_total(s) for s in mine), dtype=flat.dtype, device=self.device)
         self.comm.all_to_all_uneven(
-            recv, send, [_total(r) for r in receives], [_total(s) for s in sends], label="muon: updates to holders"
+            recv, send, [_total(s) for s in mine], [_total(r) for r in back], label="muon: updates to holders"
         )
         at = 0
-        for pieces in receives:
+        for pieces in mine:
             for p in pieces:
-                out.narrow(0, p.offset, p.numel).copy_(recv.narrow(0, at, p.numel))
+                flat.narrow(0, p.offset, p.numel).copy_(recv.narrow(0, at, p.numel))
                 at += p.numel
+
+
+def _zero_gaps(flat: torch.Tensor, pieces: Sequence[Piece]) -> None:
+    """Zero the elements of `flat` no piece covers (`pieces` sorted by offset)."""
+    at = 0
+    for p in pieces:
+        if p.offset > at:
+            flat.narrow(0, at, p.offset - at).zero_()
+        at = max(at, p.offset + p.numel)
+    if flat.numel() > at:
+        flat.narrow(0, at, flat.numel() - at).zero_()
 
 
 def _total(pieces: list[Piece]) -> int:
