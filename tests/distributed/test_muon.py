@@ -1,6 +1,7 @@
-"""ds_config `"type": "Muon"` ([Note: Muon on flat shards] in optim/muon.py): stages 0-2 on 2 gloo ranks against a
-single process stepping the same Muon optimizer over the model's own parameters, every step; the matrices made
-whole across ranks (zero/matrices.py) give the single process's update bit for bit."""
+"""ds_config `"type": "Muon"` ([Note: Muon on flat shards] in optim/muon.py): stages 0-3 on 2 gloo ranks against a
+single process stepping the same Muon optimizer over the model's own parameters (helpers/muon.py), every step, and
+against DeepSpeed 0.19.8's Muon; the matrices made whole across ranks (zero/matrices.py, zero/stage3/matrices.py)
+give the single process's update bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from helpers.deepspeed_reference import import_deepspeed
 from helpers.harness import run_on_ranks
+from helpers.muon import PARAMS, muon_config, reference
 from helpers.parity import (
     Case,
     build_model,
@@ -23,7 +25,6 @@ from helpers.parity import (
     relative_difference,
 )
 
-PARAMS = {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}
 # bucket 1000: every matrix of the tiny GPT is cut across both ranks' shards (and across buckets). Without
 # clipping and accumulation the gradients are the single process's to the bit, and so is every update.
 EXACT = [Case(stage=0, steps=3, clip=0.0), Case(stage=1, steps=3, bucket=1000, clip=0.0)]
@@ -42,60 +43,6 @@ CLOSE = [
 BF16 = [Case(stage=s, steps=2, dtype="bf16", bucket=1000) for s in (0, 2, 3)]
 
 
-def _config(case: Case, params: dict) -> dict:
-    config = ds_config(case)
-    config["optimizer"] = {"type": "Muon", "params": dict(params)}
-    return config
-
-
-def reference(case: Case, world_size: int, params: dict) -> tuple[list[float], list[torch.Tensor]]:
-    """One process: the whole global batch, `clip_grad_norm_`, then zeroshard's Muon over the model's parameters,
-    grouped as initialize groups them. bf16: the forward and backward in a bf16 copy, its gradients summed in fp32
-    into the fp32 masters, as the engine keeps them."""
-    from zeroshard.optim import muon
-
-    model = build_model(case)
-    work = copy.deepcopy(model).to(torch.bfloat16) if case.dtype == "bf16" else model
-    halves = []
-    for group in param_groups(model, case):
-        options = {k: v for k, v in group.items() if k != "params"}
-        names = {id(p): n for n, p in model.named_parameters()}
-        for use in (True, False):
-            half = [p for p in group["params"] if muon.uses_muon(names[id(p)], p.shape) is use]
-            if half:
-                halves.append({**muon.half_options(params, options, use), "params": half})
-    for group in halves:
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
-    optimizer = muon.Muon(halves)
-    losses, values = [], []
-    n_micro = world_size * case.gas
-    for batch in global_batches(case, world_size):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        total = 0.0
-        for k in range(case.gas):
-            for r in range(world_size):
-                x, y = micro_batch(batch, k, r, world_size, case.micro)
-                loss = work(x, y)
-                total += loss.item() / n_micro
-                (loss / n_micro).backward()
-                if work is not model:
-                    for m, w in zip(model.parameters(), work.parameters(), strict=True):
-                        m.grad += w.grad.float()
-                        w.grad = None
-        if case.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        optimizer.step()
-        if work is not model:
-            with torch.no_grad():
-                for m, w in zip(model.parameters(), work.parameters(), strict=True):
-                    w.copy_(m)
-        losses.append(total)
-        values.append(flat_params(work))
-    return losses, values
-
-
 def _train(rank: int, world_size: int, cases: list[Case], params: dict):
     import zeroshard
 
@@ -103,7 +50,7 @@ def _train(rank: int, world_size: int, cases: list[Case], params: dict):
     for case in cases:
         model = build_model(case)
         engine, optimizer, _, _ = zeroshard.initialize(
-            model=model, model_parameters=param_groups(model, case), config=_config(case, params)
+            model=model, model_parameters=param_groups(model, case), config=muon_config(case, params)
         )
         losses, values = [], []
         for batch in global_batches(case, world_size):
@@ -173,7 +120,7 @@ def test_muon_refusals_name_the_key(extra: dict, message: str) -> None:
     from zeroshard.config import parse_config, resolve_config
     from zeroshard.errors import ConfigError
 
-    config = _config(EXACT[1], PARAMS)
+    config = muon_config(EXACT[1], PARAMS)
     for key, value in extra.items():
         config[key] = {**config.get(key, {}), **value} if key != "optimizer" else value
     with pytest.raises(ConfigError, match=message):
@@ -196,7 +143,7 @@ def _resume(rank: int, world_size: int, directory: str, params: dict, saver: Cas
     for case, load in ((saver, False), (loader, True)):
         model = build_model(case)
         engine, _, _, _ = zeroshard.initialize(
-            model=model, model_parameters=param_groups(model, case), config=_config(case, params)
+            model=model, model_parameters=param_groups(model, case), config=muon_config(case, params)
         )
         if load:
             engine.load_checkpoint(directory)
@@ -246,7 +193,7 @@ def _both(rank: int, world_size: int, params: dict):
         for case, _ in DEEPSPEED_CASES:
             model = build_model(case)
             engine, *_ = library.initialize(
-                model=model, model_parameters=param_groups(model, case), config=_config(case, params)
+                model=model, model_parameters=param_groups(model, case), config=muon_config(case, params)
             )
             values = []
             for batch in global_batches(case, world_size):
@@ -263,8 +210,8 @@ def _both(rank: int, world_size: int, params: dict):
 def test_muon_trains_as_deepspeeds() -> None:
     for runs in run_on_ranks(_both, 2, PARAMS, timeout=900):
         ours, theirs = runs[: len(DEEPSPEED_CASES)], runs[len(DEEPSPEED_CASES) :]
-        for (case, tolerance), mine, reference in zip(DEEPSPEED_CASES, ours, theirs, strict=True):
-            for step, (got, want) in enumerate(zip(mine, reference, strict=True)):
+        for (case, tolerance), mine, deepspeeds in zip(DEEPSPEED_CASES, ours, theirs, strict=True):
+            for step, (got, want) in enumerate(zip(mine, deepspeeds, strict=True)):
                 assert relative_difference(got, want) <= tolerance, (case.name, case.clip, step)
 
 
@@ -278,7 +225,7 @@ def _switch(rank: int, world_size: int, directory: str, params: dict, first: str
     out = []
     for optimizer_type in (first, "AdamW" if first == "Muon" else "Muon"):
         model = build_model(case)
-        config = _config(case, params) if optimizer_type == "Muon" else ds_config(case)
+        config = muon_config(case, params) if optimizer_type == "Muon" else ds_config(case)
         engine, optimizer, _, _ = zeroshard.initialize(
             model=model, model_parameters=param_groups(model, case), config=config
         )
@@ -331,7 +278,7 @@ def _with_sequence_mpu(rank: int, world_size: int, params: dict) -> str:
         zeroshard.initialize(
             model=model,
             model_parameters=param_groups(model.gpt, case),
-            config=_config(case, params),
+            config=muon_config(case, params),
             mpu=parallel_state_sp,
         )
     return str(refused.value)
