@@ -190,7 +190,7 @@ def load_optimizer_state(
                 continue  # [Note: optimizer state of another kind]
             tensors = elementwise.setdefault(id(p.param), {})
             for key, dtype in info.elementwise.items():
-                if not reader.has_state(OPTIM, name, key):
+                if reader.has_state(OPTIM, name, key) is False:
                     continue  # another group's kind of state
                 if key not in tensors:
                     tensors[key] = _state_zeros(optimizer, p.param, dtype)
@@ -243,11 +243,12 @@ def _kind(options: dict[str, Any]) -> str:
 
 
 def _group_state_keys(reader: CheckpointReader, saved: dict[str, Any], keys: dict[str, str]) -> dict[str, str]:
-    """The elementwise state keys (with their dtypes) the checkpoint holds for the members of group `saved`."""
-    names = saved["params"]
-    if not names:
-        return keys
-    return {key: dtype for key, dtype in keys.items() if reader.has_state(OPTIM, names[0], key)}
+    """The elementwise state keys (with their dtypes) the checkpoint holds for the members of group `saved`, asked of
+    a member whose file is at hand; all of `keys` when none is."""
+    for name in saved["params"]:
+        if reader.has_state(OPTIM, name, MASTER) is not None:
+            return {key: dtype for key, dtype in keys.items() if reader.has_state(OPTIM, name, key)}
+    return keys
 
 
 # -- batch ---------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ class CheckpointReader:
         self.tag_dir = tag_dir
         self.metadata = metadata if metadata is not None else read_metadata(tag_dir)
         self._files: dict[str, SafetensorsReader] = {}
-        self._at_hand: dict[tuple[str, str], PieceRef] = {}  # has_state's piece of each tensor
+        self._at_hand: dict[tuple[str, str], PieceRef | None] = {}  # has_state's piece of each tensor
         self._pieces = {
             MODEL: _sorted_checked(self.metadata.model_pieces, "model"),
             OPTIM: _sorted_checked(self.metadata.optim_pieces, "optimizer"),
@@ -47,17 +47,17 @@ class CheckpointReader:
     def has(self, store: str, name: str) -> bool:
         return name in self._pieces[store]
 
-    def has_state(self, store: str, name: str, state: str) -> bool:
+    def has_state(self, store: str, name: str, state: str) -> bool | None:
         """Whether `name`'s pieces hold optimizer state `state` (Muon's matrices keep a momentum, the Adam half its
-        moments: the keys differ by group). Asked of one piece: a save writes every key of a parameter's state with
-        each of its pieces."""
-        pieces = self._pieces[store].get(name)
-        if not pieces:
-            return False
-        piece = self._at_hand.get((store, name))
-        if piece is None:  # a file at hand: a node-local checkpoint's other pieces are on other nodes
-            piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
-            self._at_hand[(store, name)] = piece
+        moments: the keys differ by group); None when none of its files is at hand (a node-local checkpoint's other
+        nodes). Asked of one piece: a save writes every key of a parameter's state with each of its pieces."""
+        key = (store, name)
+        if key not in self._at_hand:
+            pieces = self._pieces[store].get(name, [])
+            self._at_hand[key] = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), None)
+        piece = self._at_hand[key]
+        if piece is None:
+            return None
         return piece_key(name, piece.begin, piece.end, state) in self._file(piece.file).entries
 
     def _file(self, rel: str) -> SafetensorsReader:

@@ -239,7 +239,7 @@ class UniversalReader(CheckpointReader):
             return name in self.metadata.tensors
         return os.path.isfile(self._state_file(name, MASTER))
 
-    def has_state(self, store: str, name: str, state: str) -> bool:
+    def has_state(self, store: str, name: str, state: str) -> bool | None:
         return store == OPTIM and os.path.isfile(self._state_file(name, state))
 
     def _tensor(self, store: str, name: str, state: str | None) -> torch.Tensor:
