@@ -380,8 +380,7 @@ def _muon_groups(
             "yet; use AdamW"
         )
     assert cfg.optimizer is not None
-    params = cfg.optimizer.params or {}
-    muon.check_params(params)
+    params = cfg.optimizer.params or {}  # checked when the config was resolved (probe_optimizer)
     halves = []
     for group in groups:
         for use in (True, False):

@@ -115,10 +115,7 @@ def build_optimizer(
         kwargs = _drop_ds_only_keys(cls, kwargs)
     _check_keys(cls, kwargs)
     _check_values(cls, kwargs)
-    for name in _TUPLE_KEYS:
-        if isinstance(kwargs.get(name), list | tuple):
-            # torch wants a tuple, and refuses betas that mix ints and floats: JSON's 0 is an int.
-            kwargs[name] = tuple(float(value) for value in kwargs[name])
+    _tuples(kwargs)
     try:
         return cls(param_groups, **kwargs)
     except (TypeError, ValueError) as err:
@@ -239,7 +236,8 @@ def _build_muon(kwargs: dict[str, Any], param_groups: list[dict[str, Any]]) -> t
 
 
 def _tuples(options: dict[str, Any]) -> dict[str, Any]:
-    """JSON lists in `_TUPLE_KEYS` as the tuples of floats torch wants."""
+    """JSON lists in `_TUPLE_KEYS` as the tuples of floats torch wants (it refuses betas that mix ints and floats:
+    JSON's 0 is an int)."""
     for name in _TUPLE_KEYS:
         if isinstance(options.get(name), list | tuple):
             options[name] = tuple(float(value) for value in options[name])

@@ -34,6 +34,7 @@ class UnitMatrixPlan:
         self.device = device
         self.masters = {(p.unit.index, g): p.master for g, pieces in enumerate(built.pieces) for p in pieces}
         self.units: list[ShardedUnit] = []
+        self._exchanges: dict[tuple[int, tuple[int, ...]], tuple[ShardedMatrices, list, int] | None] = {}
 
     def begin(self, units: Sequence[ShardedUnit]) -> bool:
         """The stepper is about to step `units`; whether they hold a Muon matrix (then every rank steps)."""
@@ -43,10 +44,28 @@ class UnitMatrixPlan:
     def orthogonalized(
         self, group: int, blended: dict[int, torch.Tensor], orthogonalize: Callable[[torch.Tensor], torch.Tensor]
     ) -> dict[int, torch.Tensor]:
+        key = (group, tuple(unit.index for unit in self.units))
+        if key not in self._exchanges:  # the same sub-groups every step: their layout is worked out once
+            self._exchanges[key] = self._exchange(group)
+        exchange = self._exchanges[key]
+        if exchange is None:
+            return {}
+        matrices, mine, length = exchange
+        mine = [(master, offset) for master, offset in mine if id(master) in blended]
+        like = blended[id(mine[0][0])] if mine else torch.empty(0, device=self.device)  # the masters' tier
+        flat = torch.zeros(length, dtype=like.dtype, device=like.device)
+        for master, offset in mine:
+            flat.narrow(0, offset, master.numel()).copy_(blended[id(master)])
+        out = matrices.apply(flat, orthogonalize)
+        return {id(master): out.narrow(0, offset, master.numel()) for master, offset in mine}
+
+    def _exchange(self, group: int) -> tuple[ShardedMatrices, list[tuple[torch.Tensor, int]], int] | None:
+        """Group `group`'s matrices in the current units: their exchange, this rank's masters with their offsets in
+        its concatenation, and its length; None when the units hold none."""
         shapes: list[torch.Size] = []
         pieces: list[list[Piece]] = [[] for _ in range(self.shard_count)]
         at = [0] * self.shard_count  # where each rank's part of the next unit starts in its concatenation
-        mine: list[tuple[torch.Tensor, int]] = []  # this rank's masters in the concatenation, with their offsets
+        mine: list[tuple[torch.Tensor, int]] = []
         for unit in self.units if group in self.muon_groups else []:
             slots = self._slots(unit, group)
             if not slots:
@@ -66,14 +85,8 @@ class UnitMatrixPlan:
                         mine.append((self.masters[(unit.index, group)], at[rank]))
                     at[rank] += hi - lo
         if not shapes:
-            return {}
-        mine = [(master, offset) for master, offset in mine if id(master) in blended]
-        like = blended[id(mine[0][0])] if mine else torch.empty(0, device=self.device)  # the masters' tier
-        flat = torch.zeros(at[self.units[0].shard_rank], dtype=like.dtype, device=like.device)
-        for master, offset in mine:
-            flat.narrow(0, offset, master.numel()).copy_(blended[id(master)])
-        out = ShardedMatrices(shapes, pieces, self.comm, self.device).apply(flat, orthogonalize)
-        return {id(master): out.narrow(0, offset, master.numel()) for master, offset in mine}
+            return None
+        return ShardedMatrices(shapes, pieces, self.comm, self.device), mine, at[self.units[0].shard_rank]
 
     @staticmethod
     def _slots(unit: ShardedUnit, group: int) -> list:
