@@ -16,7 +16,7 @@ def _measure(rank: int, world_size: int, dtypes: list[str]) -> dict[tuple[int | 
     import torch
 
     import zeroshard
-    from zeroshard.cli.estimate.shapes import count_module
+    from zeroshard.cli.estimate.shapes import count_matrices, count_module
     from zeroshard.data import ByteBlocks, stdlib_corpus
     from zeroshard.models.gpt import GPT, PRESETS
 
@@ -61,6 +61,20 @@ def _measure(rank: int, world_size: int, dtypes: list[str]) -> dict[tuple[int | 
             host = report.host_master_weights + report.host_optimizer_state
             out[(f"offload{stage}", dtype)] = (report.model_states, host, report.host_gradients, psi)
             engine.destroy()
+        # Muon: momentum on the matrices, Adam's moments on the rest (the estimate's average per element)
+        for stage in STAGES if dtype == "fp32" else ():
+            torch.manual_seed(0)
+            model = GPT(PRESETS["small"])
+            matrices = count_matrices(model)
+            zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+            muon = {**config, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+            engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=muon)
+            x, y = (t.unsqueeze(0).repeat(2, 1) for t in data[rank])
+            engine.backward(engine(x, y))
+            engine.step()  # the momentum exists after the first step
+            engine.backward(engine(x, y))
+            out[(f"muon{stage}", dtype)] = (engine.memory_report().model_states, matrices, psi)
+            engine.destroy()
         # ZeRO-Infinity: what the estimate puts on NVMe is what the swap files hold
         torch.manual_seed(0)
         model = GPT(PRESETS["small"])
@@ -90,6 +104,14 @@ def test_estimate_matches_memory_report():
                 assert abs(host - rest[0]) <= 0.01 * rest[0], (stage, states, rest)
                 if stage == "offload3":  # the fp32 host copies of the gradient shards
                     assert abs(states.cpu - host - rest[1]) <= 0.01 * rest[1], (stage, states, rest)
+                continue
+            if str(stage).startswith("muon"):
+                matrices = rest[0]
+                assert 0 < matrices < psi
+                state = (4 * matrices + 8 * (psi - matrices)) / psi  # momentum on matrices, Adam's moments elsewhere
+                muon = Precision(param_bytes=4, grad_bytes=4, optimizer_bytes=state)
+                estimated = zeroshard_states(psi, Option(int(stage[-1])), muon, world_size).total
+                assert abs(estimated - measured) <= 0.01 * measured, (stage, estimated, measured)
                 continue
             if stage == "nvme":
                 estimated = zeroshard_states(psi, Option(3, "nvme", "nvme"), precision, world_size).nvme

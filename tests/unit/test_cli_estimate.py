@@ -296,3 +296,36 @@ def test_estimate_quantized_frozen_flag(capsys):
     assert "held as int8 blocks" in out and '"zero_quantized_nontrainable_weights": true' in out  # stage 3 chosen
     assert main(["estimate", "--params", "7e9", "--quantized-frozen"]) == 2
     assert "--quantized-frozen needs --trainable" in capsys.readouterr().err
+
+
+def test_estimate_muon_keeps_momentum_on_matrices_and_adam_moments_on_the_rest(capsys):
+    """Muon's state is 4 bytes per matrix element and Adam's 8 on embeddings, head and vectors
+    (tests/distributed/test_cli_estimate_memory.py measures the engine's bytes)."""
+    import torch
+    import transformers
+
+    from zeroshard.cli.estimate.shapes import count_matrices
+    from zeroshard.presets import model_preset
+
+    info = from_model_arg("tiny-llama")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(model_preset("tiny-llama").hf_config(vocab_size=259))
+    names = [n for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n and "lm_head" not in n]
+    assert info.matrices == count_matrices(model) == sum(model.get_parameter(n).numel() for n in names)
+    assert 0 < info.matrices < info.params
+
+    args = ["estimate", "--model", "tiny-llama", "--gpus", "2", "--dtype", "fp32", "--json"]
+    states = {}
+    for optimizer in ("adamw", "muon"):
+        assert main([*args, "--optimizer", optimizer]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        states[optimizer] = next(r for r in rows if r["stage"] == 3 and r["offload_optimizer"] == "none")
+    muon, adamw = (states[k]["model_states_bytes_per_rank"]["optimizer_state"] for k in ("muon", "adamw"))
+    assert adamw == 8 * (info.params // 2)
+    assert abs(muon - (4 * info.matrices + 8 * (info.params - info.matrices)) // 2) <= 8
+
+    assert main(["estimate", "--model", "tiny-llama", "--optimizer", "muon"]) == 0
+    assert "muon (momentum on the" in capsys.readouterr().out
+    assert main(["estimate", "--params", "7e9", "--optimizer", "muon", "--bf16-master-weights"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--optimizer muon needs fp32 master weights" in err

@@ -15,7 +15,9 @@ from zeroshard.cli.estimate.rows import DEFAULT_BUCKET_NUMEL, Row, estimate_rows
 from zeroshard.cli.estimate.shapes import ModelInfo, from_model_arg, from_params
 from zeroshard.precision.dtypes import DTYPES, bytes_of
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4, "sgd-nomomentum": 0}
+# fp32 state bytes per trainable element; Muon's momentum on its matrices, Adam's moments on the rest (MUON_SPLIT)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4, "sgd-nomomentum": 0, "muon": 4}
+MUON_SPLIT = ("muon", "adamw")
 DEFAULT_GPU_GIB = 80.0
 
 
@@ -42,7 +44,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         default=None,
         help="gradient accumulation dtype (default fp32; bf16 with --bf16-master-weights)",
     )
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw")
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_STATE_BYTES),
+        default="adamw",
+        help="its state bytes (default adamw); muon: momentum on the matrices, Adam's moments on embeddings, head and "
+        "vectors, in the model's proportion (also for --trainable)",
+    )
     p.add_argument(
         "--bf16-master-weights",
         action="store_true",
@@ -81,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     model = from_model_arg(args.model) if args.model else from_params(args.params)
     trainable = _trainable(args.trainable, model.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
-    precision = _precision(args)
+    precision = _precision(args, model)
     rows = estimate_rows(
         model,
         cluster,
@@ -114,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _precision(args: argparse.Namespace) -> Precision:
+def _precision(args: argparse.Namespace, model: ModelInfo) -> Precision:
     """Bytes per element from the dtype flags; `args.grad_dtype` is resolved in place (for the header)."""
+    if args.optimizer == "muon" and args.bf16_master_weights:
+        raise CLIError("--optimizer muon needs fp32 master weights (drop --bf16-master-weights)", EXIT_CONFIG)
     if args.bf16_master_weights and args.dtype != "bf16":
         raise CLIError(f"--bf16-master-weights needs --dtype bf16 (it is {args.dtype})", EXIT_CONFIG)
     if args.bf16_optimizer_states and not args.bf16_master_weights:
@@ -124,7 +134,10 @@ def _precision(args: argparse.Namespace) -> Precision:
         args.grad_dtype = "bf16" if args.bf16_master_weights else "fp32"
     if args.quantized_frozen and args.trainable is None:
         raise CLIError("--quantized-frozen needs --trainable (the frozen parameters it quantizes)", EXIT_CONFIG)
-    state = OPTIMIZER_STATE_BYTES[args.optimizer] // (2 if args.bf16_optimizer_states else 1)
+    state: float = OPTIMIZER_STATE_BYTES[args.optimizer] // (2 if args.bf16_optimizer_states else 1)
+    if args.optimizer == "muon":
+        matrix, rest = (OPTIMIZER_STATE_BYTES[name] for name in MUON_SPLIT)
+        state = (matrix * model.matrices + rest * (model.params - model.matrices)) / model.params
     master = 2 if args.bf16_master_weights else 4
     return Precision(
         bytes_of(args.dtype),
@@ -178,7 +191,7 @@ def render(
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
         f"{args.dtype} parameters, {'bf16' if args.bf16_master_weights else 'fp32'} master weights, "
         f"{args.grad_dtype} gradient accumulation ({args.grad_accum} micro-steps), "
-        f"{args.optimizer}{' (bf16 state)' if args.bf16_optimizer_states else ''}; "
+        f"{_optimizer_label(args, model)}; "
         f"activations for micro-batch {args.micro_batch} x {args.seq_len} tokens"
         + (" with checkpointing" if args.gradient_checkpointing else ""),
         "",
@@ -212,6 +225,12 @@ def render(
     config = {"train_micro_batch_size_per_gpu": rec.micro_batch, "zero_optimization": rec.zero_optimization}
     lines.append(f"  ds_config{'' if rec.fits is not False else ' (does not fit)'}: {json.dumps(config)}")
     return "\n".join(lines)
+
+
+def _optimizer_label(args: argparse.Namespace, model: ModelInfo) -> str:
+    if args.optimizer == "muon":
+        return f"muon (momentum on the {model.matrices / model.params:.1%} in matrices, Adam on the rest)"
+    return f"{args.optimizer}{' (bf16 state)' if args.bf16_optimizer_states else ''}"
 
 
 def _local_gpus() -> int:

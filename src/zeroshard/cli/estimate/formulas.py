@@ -66,7 +66,9 @@ class Precision:
 
     param_bytes: int = 2
     grad_bytes: int = 4
-    optimizer_bytes: int = 8  # Adam/AdamW: m and v in fp32
+    # per trainable element: Adam/AdamW's m and v in fp32; Muon's average over its matrices (momentum, 4) and the
+    # rest (Adam, 8)
+    optimizer_bytes: float = 8
     comm_bytes: int | None = None
     master_bytes: int = 4
     # zero_quantized_nontrainable_weights: stage 3 holds frozen weights as 8-bit blocks ([Note: quantized frozen
@@ -149,7 +151,7 @@ def zeroshard_states(
     m = precision.master_bytes
     master_aliases = p == m and (option.stage == 3 or not sharded_states) and same_tier
     master = 0 if master_aliases else (m * trained if option.stage >= 1 else m * psi)
-    optim = k * trained if option.stage >= 1 else k * psi
+    optim = int(k * trained) if option.stage >= 1 else int(k * psi)
     tiers = {"gpu": 0, "cpu": 0, "nvme": 0}
     tiers[_tier(option.offload_param)] += params
     tiers[_tier(option.offload_optimizer)] += master + optim

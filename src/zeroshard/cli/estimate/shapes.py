@@ -25,6 +25,8 @@ class ModelInfo:
     largest_layer: int  # parameters of the largest module, counting only its own (DeepSpeed's definition)
     shape: Shape
     assumed: str | None = None  # how the shape was guessed, when it was
+    # parameters Muon orthogonalises (2+ dims, not an embedding or head: `optim.muon.uses_muon`); the rest take Adam
+    matrices: int = 0
 
 
 def count_module(module: nn.Module) -> tuple[int, int]:
@@ -32,6 +34,13 @@ def count_module(module: nn.Module) -> tuple[int, int]:
     total = sum({id(p): p.numel() for p in module.parameters()}.values())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return total, largest
+
+
+def count_matrices(module: nn.Module) -> int:
+    """Elements of the parameters Muon's matrix half steps (DeepSpeed's rule, tied weights once)."""
+    from zeroshard.optim.muon import uses_muon
+
+    return sum(p.numel() for name, p in module.named_parameters() if uses_muon(name, p.shape))
 
 
 def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
@@ -52,7 +61,7 @@ def from_hf_config(name: str, config: Any) -> ModelInfo:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total, largest = count_module(model)
-    return ModelInfo(name, total, largest, shape_of(config, model))
+    return ModelInfo(name, total, largest, shape_of(config, model), matrices=count_matrices(model))
 
 
 def from_model_arg(model: str) -> ModelInfo:
@@ -82,4 +91,6 @@ def from_params(params: float, vocab: int = 32000) -> ModelInfo:
     note = (
         f"Llama-like shape assumed: hidden {hidden}, {layers} layers, vocabulary {vocab}; --model gives exact numbers"
     )
-    return ModelInfo(f"{params:.3g} parameters", int(params), largest, shape, note)
+    embeddings = 2 * vocab * hidden  # the embedding and the head: Muon leaves them to Adam
+    matrices = max(0, int(params) - embeddings)
+    return ModelInfo(f"{params:.3g} parameters", int(params), largest, shape, note, matrices)
