@@ -80,3 +80,82 @@ def test_partial_offload_checkpoint_resumes_with_any_split(tmp_path):
         assert on_host == saved[3:] and on_device == saved[3:], runs
         assert split.optimizer_state > 0 and split.host_optimizer_state > 0, split
         assert host_only.optimizer_state == 0 and device_only.host_optimizer_state == 0, (host_only, device_only)
+
+
+def _serial_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Each rank's load interval (wall clock, one machine) with and without pipeline_loading_checkpoint, on one
+    node of 2 and on 2 nodes of 1; and the losses after each load."""
+    import os
+    import time
+
+    import zeroshard
+    from zeroshard.checkpoint import load
+    from zeroshard.checkpoint.errors import CheckpointError
+
+    case = Case(stage=3, steps=4)
+    batches = global_batches(case, world_size)
+    inner = load._load_into
+    intervals: list[tuple[float, float]] = []
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        time.sleep(0.5)  # long enough that two loads at once overlap on any machine
+        if fail and rank == 0:
+            raise OSError("disk gone")
+        out = inner(*args, **kwargs)
+        intervals.append((start, time.time()))
+        return out
+
+    load._load_into = timed  # type: ignore[assignment]
+
+    def run(serial: bool | None) -> list[float]:
+        model = build_model(case)
+        config = ds_config(case)
+        if serial is not None:
+            config["zero_optimization"]["pipeline_loading_checkpoint"] = serial
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        if serial is not None:
+            engine.load_checkpoint(root)
+        losses = []
+        for step in range(2 if serial is not None else 0, case.steps):
+            loss = engine(*micro_batch(batches[step], 0, rank, world_size, case.micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if serial is None and step == 1:
+                engine.save_checkpoint(root)
+        engine.destroy()
+        return losses
+
+    fail = False
+    out: dict[str, Any] = {"full": run(None)}
+    for name, serial, per_node in (("off", False, "2"), ("serial", True, "2"), ("serial_two_nodes", True, "1")):
+        os.environ["ZEROSHARD_RANKS_PER_NODE"] = per_node
+        out[name] = (run(serial), intervals.pop())
+    # rank 0's load fails: rank 1 still gets its turn (not a wait for the write timeout) and both report it
+    fail, os.environ["ZEROSHARD_RANKS_PER_NODE"], os.environ["ZEROSHARD_CHECKPOINT_WRITE_TIMEOUT"] = True, "2", "60"
+    start = time.time()
+    try:
+        run(True)
+    except CheckpointError as e:
+        out["failed"] = (str(e), time.time() - start)
+    return out
+
+
+def test_pipeline_loading_checkpoint_loads_one_rank_per_node_at_a_time(tmp_path):
+    """zero_optimization.pipeline_loading_checkpoint (DeepSpeed's serial load): the ranks of a node load in turns
+    (rank 1 starts after rank 0 ends); ranks on different nodes, or with the option off, load at once; the training
+    after the load is the same, and continues the saved run bit for bit."""
+    ranks = run_on_ranks(_serial_loads, 2, str(tmp_path))
+    for name in ("off", "serial", "serial_two_nodes"):
+        for rank in range(2):
+            assert ranks[rank][name][0] == ranks[rank]["full"][2:], (name, rank)
+        (start0, end0), (start1, end1) = (ranks[r][name][1] for r in range(2))
+        overlap = min(end0, end1) - max(start0, start1)
+        if name == "serial":
+            assert start1 >= end0, (start0, end0, start1, end1)
+        else:
+            assert overlap > 0.25, (name, start0, end0, start1, end1)
+    for rank in range(2):
+        message, seconds = ranks[rank]["failed"]
+        assert "rank 0" in message and "disk gone" in message and seconds < 30, (rank, message, seconds)

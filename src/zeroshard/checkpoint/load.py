@@ -46,6 +46,7 @@ from zeroshard.checkpoint.save import (
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
 from zeroshard.checkpoint.universal import LATEST_UNIVERSAL, UniversalReader
+from zeroshard.comm.topology import NodeLayout
 from zeroshard.optim.state_dtype import state_dtype
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -378,6 +379,17 @@ def _load_into(
     return client_state, publish
 
 
+def _loads_after(engine: CheckpointableEngine) -> int | None:
+    """`zero_optimization.pipeline_loading_checkpoint` (DeepSpeed's serial load, stage 3): the ranks of a node read
+    their files one after another in local-rank order, so a node holds one rank's transient load buffers at a time
+    instead of all of them; returns the rank this one waits for (None: the first on its node, or the option off)."""
+    if not engine.config.zero_optimization.pipeline_loading_checkpoint:
+        return None
+    rank = engine.topology.rank
+    nodes = NodeLayout.from_env(engine.topology.world_size)
+    return rank - 1 if nodes.local_of(rank) > 0 else None
+
+
 def load_checkpoint(
     engine: CheckpointableEngine,
     load_dir: str | os.PathLike[str],
@@ -422,13 +434,19 @@ def load_checkpoint(
     client_state: dict[str, Any] | None = None
     publish = False
     try:
-        opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
-        if not universal:
-            check_loadable(opened.metadata, tag_dir, engine)
-        with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
-            client_state, publish = _load_into(
-                engine, reader, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
-            )
+        with sync.in_turn(_loads_after(engine), write_timeout()):
+            opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
+            if not universal:
+                check_loadable(opened.metadata, tag_dir, engine)
+            with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
+                client_state, publish = _load_into(
+                    engine,
+                    reader,
+                    load_module_strict,
+                    load_optimizer_states,
+                    load_lr_scheduler_states,
+                    load_module_only,
+                )
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     status = {"error": None if local_error is None else str(local_error)}

@@ -16,9 +16,11 @@ which a rank that went on training instead finds: see [Note: one-rank checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -199,6 +201,21 @@ class RankSync:
         mine = self._get(phase, self.rank)
         self.store.delete_key(self._key(phase, self.rank))  # metadata can be large; free the store
         return mine
+
+    @contextlib.contextmanager
+    def in_turn(self, after: int | None, timeout: float) -> Iterator[None]:
+        """Run the block once rank `after` has left its own (None: at once), and let the next rank go when the block
+        ends, raised or not: ranks that wait on each other in a chain take turns. Store keys only (no collective),
+        so a rank whose block raised still passes its turn on and the call's next exchange reports the error."""
+        if self.store is None or self.world_size == 1:
+            yield
+            return
+        try:
+            if after is not None:
+                self._wait("turn", [after], timeout)
+            yield
+        finally:  # also when the wait failed: the ranks after this one are not left to time out in turn
+            self.store.set(self._key("turn", self.rank), "1")
 
     def broadcast(self, phase: str, payload: Any, timeout: float) -> Any:
         """Rank 0's payload on every rank."""
