@@ -20,7 +20,6 @@ from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
-from zeroshard.loading.applied import APPLIED
 from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
@@ -226,8 +225,6 @@ def _build(
     if stage < 3 or str(cfg.zeroshard.backend) == "fsdp2":  # whole or FSDP2's parameters: no ZeRO-3 attributes
         unmark(list(model.parameters()))  # (zero_init set them: [Note: DeepSpeed's parameter attributes])
     meta = any(p.is_meta for p in model.parameters())
-    if not cfg.zero_optimization.override_module_apply:  # [Note: Module.apply under zero_init]
-        APPLIED.forget(model)
     if stage < 3 and meta and weights is None:
         raise ConfigError(
             "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3 "
@@ -275,7 +272,6 @@ def _build(
                 param.data = param.data.to(precision.compute_dtype)
     release(model)
     BUILT.forget(model)  # an engine has it now: blocks no longer see zero_init's pending parameters in it
-    APPLIED.forget(model)
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
     fp16 = cfg.fp16
     loss_scaler = None

@@ -65,7 +65,6 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.parameter_alignment",  # stages 1-2: FlatPolicy.param_align
         "use_data_before_expert_parallelism",  # moe/groups.py ExpertMesh.data_first
         "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.override_module_apply",  # [Note: Module.apply under zero_init] in loading/applied.py
         "zero_optimization.pipeline_loading_checkpoint",  # checkpoint/load.py `_loads_after`: a node's ranks in turn
         "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",
@@ -300,6 +299,7 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
 UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
+        "zero_optimization.override_module_apply",
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         # Offload (CPU and NVMe) and asynchronous I/O.
         "aio.use_gds",

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.applied import APPLIED
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -32,8 +31,7 @@ def initialise(
 
 def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
     """A module's own meta-device parameters made real (also those another unit will shard later) and initialised
-    by `reset_parameters()`, the root's `_init_weights` (a Hugging Face model) and the functions `apply` gave it under
-    `zero_init` ([Note: Module.apply under zero_init]). Its real parameters keep their
+    by `reset_parameters()` and the root's `_init_weights` (a Hugging Face model). Its real parameters keep their
     values: a weight tied to a module initialised earlier (a head's weight tied to the embedding, beside the head's
     own bias), or values a `GatheredParameters` block kept before initialize. A module with nothing on the meta
     device is left alone."""
@@ -50,9 +48,6 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
     init = getattr(root, "_init_weights", None)
     if callable(init):
         init(module)
-    for fn in APPLIED.of(module):  # [Note: Module.apply under zero_init]
-        if fn != init:
-            fn(module)
     with torch.no_grad():
         for p, value in kept:
             p.copy_(value)

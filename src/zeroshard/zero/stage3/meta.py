@@ -14,11 +14,9 @@ from zeroshard.zero.stage3.pending import recording
 @contextmanager
 def zero_init() -> Iterator[None]:
     """Construct modules on the meta device; `initialize` (stage 3) materialises them unit by unit,
-    each rank keeping only its shards. No torch constructor is patched: this is
+    each rank keeping only its shards. No torch constructor or nn.Module is patched: this is
     `torch.device("meta")` as a context, plus torch's global module registration hooks, which record who owns each
-    parameter while it is active, and `nn.Module.apply` recording what it applies to meta modules, which runs again
-    once they are real ([Note: Module.apply under zero_init], DeepSpeed's `override_module_apply`).
-    A Hugging Face `from_pretrained(folder)` inside it builds the model
+    parameter while it is active. A Hugging Face `from_pretrained(folder)` inside it builds the model
     on the meta device too, and `initialize` reads the folder's safetensors straight into each rank's shards
     (stage 3) or parameters (stages 0-2): [Note: from_pretrained under zero_init]. Before `initialize`,
     `GatheredParameters` gives its parameters values to read or change ([Note: GatheredParameters before initialize]).

@@ -53,7 +53,6 @@ from torch.nn.modules import module as module_hooks
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
-from zeroshard.loading.applied import recording_applies
 from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
 from zeroshard.loading.weights import weights_covering
 from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark_pending, set_status
@@ -206,8 +205,7 @@ def recording() -> Iterator[None]:
         module_hooks.register_module_module_registration_hook(BUILT.module),
     ]
     try:
-        with recording_applies():  # [Note: Module.apply under zero_init]
-            yield
+        yield
     finally:
         for handle in handles:
             handle.remove()
