@@ -5,11 +5,8 @@ Each body runs in spawned ranks (`run_on_ranks`), so no process group outlives a
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -97,9 +94,7 @@ def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict
     def build() -> Any:
         return with_lora(tiny_llama()) if lora else tiny_llama()
 
-    # nothing persistent: every parameter is an empty placeholder between uses (the tiny model is under the threshold)
-    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "stage3_param_persistence_threshold": 0}
-    config = ds_config(3, zero_optimization=zero)
+    config = ds_config(3, zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
     out = os.path.join(tmp, "run")
     kwargs = arguments(
         out, deepspeed=config, per_device_train_batch_size=2, num_train_epochs=2, save_strategy="steps", save_steps=3
@@ -112,9 +107,7 @@ def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict
 
     full = loss_recorder()
     first = trainer(full)
-    expected_trainable = sum(p.numel() for p in first.model.parameters() if p.requires_grad)
-    with _trainer_log() as lines:
-        first.train()
+    first.train()
     resumed_record = loss_recorder()
     second = trainer(resumed_record)
     second.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
@@ -135,30 +128,7 @@ def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict
         "predictions_shape": tuple(predictions.shape),
         "generated": generated,
         "checkpoint": sorted(os.listdir(os.path.join(out, "checkpoint-3"))),
-        "trainable_logged": [line for line in lines if "Number of trainable parameters" in line],
-        "trainable": expected_trainable,
     }
-
-
-@contextlib.contextmanager
-def _trainer_log() -> Iterator[list[str]]:
-    """The lines transformers' training loop logs (at info), kept in a list."""
-    from transformers.utils import logging as hf_logging
-
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    logger, handler, level = logging.getLogger("transformers.trainer"), Keep(), hf_logging.get_verbosity()
-    hf_logging.set_verbosity_info()
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-        hf_logging.set_verbosity(level)
 
 
 def _load_saved(folder: str, lora: bool) -> Any:
@@ -189,9 +159,6 @@ def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
         assert math.isclose(a, b, rel_tol=REL), f"step {step + 4}: uninterrupted {a} resumed {b}"
     assert "latest" in ours["checkpoint"] and "global_step3" in ours["checkpoint"]
     assert "trainer_state.json" in ours["checkpoint"]
-    # transformers counted stage 3's empty placeholders and logged 0 (before zeroshard's count in `train()`)
-    assert ours["trainable"] > 0
-    assert ours["trainable_logged"] == [f"  Number of trainable parameters = {ours['trainable']:,}"]
 
     model = _load_saved(str(tmp_path / "final"), lora).eval()
     loaded = model.state_dict()

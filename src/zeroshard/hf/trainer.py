@@ -25,11 +25,9 @@ Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_typ
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -309,8 +307,7 @@ class TrainerMixin:
         if resume_from_checkpoint is True:
             saver = bool(self.args.should_save)  # type: ignore[attr-defined]
             resume_from_checkpoint = newest_committed(self.args.output_dir, set_aside=saver) or True
-        with _counting_whole_parameters():
-            result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         self._commit_pending()
         return result
 
@@ -423,31 +420,6 @@ def _on_step_end_after_saves(
 ) -> Any:
     """The callbacks' `on_save` of the saves committed during this step, then the step's end."""
     return on_step_end(args, state, trainer._announce_saves(control), **kwargs)
-
-
-def _whole_count(model: nn.Module, trainable_only: bool = False) -> int:
-    """`get_model_param_count` counting a stage-3 parameter whole (`ds_numel`), not its empty placeholder."""
-    return sum(
-        int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if not trainable_only or p.requires_grad
-    )
-
-
-@contextlib.contextmanager
-def _counting_whole_parameters() -> Iterator[None]:
-    """transformers' loop logs "Number of trainable parameters" with `get_model_param_count`, which reads `ds_numel`
-    only when its own DeepSpeed flag is set; at stage 3 it counted the empty placeholders and logged 0. The module's
-    name is pointed at `_whole_count` for the duration of `train()` (transformers 4.x and 5.x look it up there)."""
-    from transformers import trainer as module
-
-    original = getattr(module, "get_model_param_count", None)
-    if original is None:
-        yield
-        return
-    module.get_model_param_count = _whole_count  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        module.get_model_param_count = original  # type: ignore[attr-defined]
 
 
 def _is_peft(model: Any) -> bool:
