@@ -130,18 +130,20 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *_persistent_buffers(model)]:
         names_of.setdefault(id(tensor), []).append(name)
         tensors[id(tensor)] = tensor
+    conversions = folder.convert_for(model)  # [Note: converted checkpoints in a streaming load]
+    available = folder.names()
     keys: dict[int, str] = {}
     missing: list[str] = []
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     used: set[str] = set()
     for ident, names in names_of.items():
-        key = next((k for n in names for k in _candidates(n, prefix) if k in folder.entries), None)
+        key = next((k for n in names for k in _candidates(n, prefix) if k in available), None)
         shape = tuple(tensors[ident].shape)
         if key is None:
             missing.append(names[0])
             continue
         used.add(key)
-        stored = folder.entry(key).shape
+        stored = available[key]
         if stored != shape:
             if not ignore_mismatched:
                 raise ConfigError(
@@ -152,8 +154,8 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
             missing.append(names[0])
             continue
         keys[ident] = key
-    unexpected = [k for k in folder.entries if k not in used]
-    _refuse_converted_layouts(model, missing, unexpected)
+    unexpected = [stored for k in available if k not in used for stored in folder.stored(k)]
+    _refuse_unconverted(conversions.unsupported, missing, prefix)
     report = LoadReport(
         tuple(_unignored(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))),
         tuple(_unignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))),
@@ -197,22 +199,17 @@ def _unignored(keys: list[str], patterns: Any) -> list[str]:
     return [k for k in keys if not any(p.search(k) for p in compiled)]
 
 
-def _refuse_converted_layouts(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """transformers renames or fuses some models' tensors while loading (mixture-of-experts checkpoints store each
-    expert apart, the model holds them fused); streaming reads tensors as stored, so such a checkpoint is refused."""
-    if not (missing and unexpected):
-        return
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:
-        return
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type and get_checkpoint_conversion_mapping(model_type):
-        raise ConfigError(
-            f"checkpoint tensors such as {unexpected[0]!r} need transformers' weight conversion for model type "
-            f"{model_type!r} (the model has {missing[0]!r}), which a streaming load does not do; load this model "
-            "without zeroshard.zero_init()"
-        )
+def _refuse_unconverted(unsupported: dict[str, str], missing: list[str], prefix: str) -> None:
+    """A parameter that only a conversion this load does not do would give (`unsupported`: target -> operation)
+    is refused, rather than left to its initialisation ([Note: converted checkpoints in a streaming load])."""
+    for name in missing:
+        target = next((k for k in _candidates(name, prefix) if k in unsupported), None)
+        if target is not None:
+            raise ConfigError(
+                f"the model's {name!r} is built by transformers' weight conversion with {unsupported[target]}, which a "
+                "streaming load does not do (it stacks and concatenates stored tensors only); load this model "
+                "without zeroshard.zero_init()"
+            )
 
 
 def _resolve_dtype(dtype: Any, config: Any) -> torch.dtype:

@@ -31,6 +31,7 @@ from torch import nn
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.safetensors_io import Entry, SafetensorsReader
+from zeroshard.loading.convert import Conversions, plan_conversions
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -73,13 +74,36 @@ class SafetensorsFolder:
             if key not in self.entries:
                 raise CheckpointError(f"{index}: lists {key!r} in {name}, but that file does not hold it")
 
-    def entry(self, key: str) -> Entry:
-        return self.entries[key][1]
+        # the model's names of converted tensors ([Note: converted checkpoints in a streaming load])
+        self.conversions = Conversions()
+
+    def convert_for(self, model: nn.Module) -> Conversions:
+        """Rename and fuse as transformers would for `model`: `names()` and `read` then speak the model's keys."""
+        self.conversions = plan_conversions(model, {k: (e.shape, e.dtype) for k, (_, e) in self.entries.items()})
+        return self.conversions
+
+    def names(self) -> dict[str, tuple[int, ...]]:
+        """Each key a model can ask for, with its shape: the stored ones no conversion took, and the converted."""
+        consumed = self.conversions.consumed
+        out = {k: e.shape for k, (_, e) in self.entries.items() if k not in consumed}
+        out.update({k: self.entries[source][1].shape for k, source in self.conversions.renamed.items()})
+        out.update({k: c.shape for k, c in self.conversions.composites.items()})
+        return out
+
+    def stored(self, key: str) -> list[str]:
+        """The stored tensors behind a model-facing key."""
+        composite = self.conversions.composites.get(key)
+        return composite.sources if composite is not None else [self.conversions.renamed.get(key, key)]
 
     def read(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements [start, stop) of the flattened tensor `key` into `out`, cast to out's dtype."""
-        reader, _ = self.entries[key]
-        reader.read_range(key, start, stop, out)
+        composite = self.conversions.composites.get(key)
+        if composite is None:
+            source = self.conversions.renamed.get(key, key)
+            self.entries[source][0].read_range(source, start, stop, out)
+            return
+        for source, lo, hi, at in composite.pieces(start, stop):
+            self.entries[source][0].read_range(source, lo, hi, out[at : at + hi - lo])
 
     @property
     def nbytes(self) -> int:

@@ -48,8 +48,8 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--optimizer",
         choices=sorted(OPTIMIZER_STATE_BYTES),
         default="adamw",
-        help="its state bytes (default adamw); muon: momentum on the matrices, Adam's moments on embeddings, head and "
-        "vectors, in the model's proportion (also for --trainable)",
+        help="its state bytes (default adamw); muon: momentum on the matrices (2+ dims, names without embed/lm_head), "
+        "Adam's moments on the rest, in the model's proportion (also for --trainable)",
     )
     p.add_argument(
         "--bf16-master-weights",
