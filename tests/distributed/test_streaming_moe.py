@@ -124,3 +124,48 @@ def test_moe_models_train_as_a_single_process(kind, stage):
     for losses in run_on_ranks(_parity, 2, kind, stage):
         for step, (a, b) in enumerate(zip(reference, losses, strict=True)):
             assert math.isclose(a, b, rel_tol=REL), (step, reference, losses)
+
+
+def _trainer(rank: int, world_size: int, folder: str, out: str) -> dict[str, torch.Tensor] | None:
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+    from helpers.hf_trainer import Tokens, arguments
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    with zeroshard.zero_init():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    config = {"zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    data = Tokens(16)
+    data.ids = data.ids % 64  # the tiny models' vocabulary
+    trainer = Trainer(
+        model=model, args=TrainingArguments(**arguments(out, deepspeed=config, max_steps=2)), train_dataset=data
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    weights = {k: v.clone() for k, v in trainer.engine.consolidated_state_dict().items()}
+    trainer.engine.destroy()
+    return weights if rank == 0 else None
+
+
+def test_the_trainer_fine_tunes_a_streamed_moe_and_saves_it_in_transformers_format(tmp_path):
+    """As ms-swift runs a MoE fine-tune at ZeRO-3: streamed in, trained, saved; transformers writes the experts apart
+    again and loads them back equal to the engine's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    folder, out = str(tmp_path / "qwen3"), str(tmp_path / "run")
+    save_moe("qwen3_moe", folder)
+    trained = run_on_ranks(_trainer, 2, folder, out)[0]
+    final = os.path.join(out, "final")
+    with safe_open(os.path.join(final, "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in set(f.keys())
+    loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert sorted(loaded) == sorted(trained)
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name
+    assert not torch.equal(
+        loaded["model.layers.0.mlp.experts.gate_up_proj"], original["model.layers.0.mlp.experts.gate_up_proj"]
+    )
