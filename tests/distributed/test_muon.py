@@ -302,3 +302,61 @@ def test_muon_exchanged_in_small_batches_is_unchanged() -> None:
             with ranks_threads():
                 _, want_values = reference(case, 2, PARAMS)
             assert all(torch.equal(got, want) for got, want in zip(values, want_values, strict=True)), name
+
+
+def _momentum_in_memory(rank: int, world_size: int, params: dict, directory: str) -> dict:
+    """Stage 3 with the optimizer state on NVMe, with and without save_muon_momentum_buffer_in_memory."""
+    import zeroshard
+
+    case = Case(stage=3, steps=3, clip=0.0, offload="nvme", sub_group=3000)
+    out: dict = {}
+    for keep in (False, True):
+        model = build_model(case)
+        config = muon_config(case, params)
+        config["zero_optimization"]["save_muon_momentum_buffer_in_memory"] = keep
+        engine, optimizer, _, _ = zeroshard.initialize(
+            model=model, model_parameters=param_groups(model, case), config=config
+        )
+        losses = []
+        for batch in global_batches(case, world_size):
+            loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        # between steps: what is in memory (storage bytes) of each kind of state
+        held: dict[str, int] = {}
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    held[key] = held.get(key, 0) + value.untyped_storage().nbytes()
+        engine.save_checkpoint(directory, tag=f"keep{keep}")
+        out[keep] = (losses, held, engine.memory_report().nvme_bytes)
+        engine.destroy()
+    # each save resumes under the other setting: the momentum is in the checkpoint either way
+    for saved, keep in ((True, False), (False, True)):
+        model = build_model(case)
+        config = muon_config(case, params)
+        config["zero_optimization"]["save_muon_momentum_buffer_in_memory"] = keep
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        engine.load_checkpoint(directory, tag=f"keep{saved}")
+        loss = engine(*micro_batch(global_batches(case, world_size)[0], 0, rank, world_size, case.micro))
+        engine.backward(loss)
+        engine.step()
+        with zeroshard.GatheredParameters(list(engine.module.parameters())):
+            out[f"resumed{saved}"] = (loss.item(), flat_params(engine.module))
+        engine.destroy()
+    return out
+
+
+def test_save_muon_momentum_buffer_in_memory_keeps_it_off_nvme(tmp_path) -> None:
+    """zero_optimization.save_muon_momentum_buffer_in_memory (DeepSpeed's, stage 3): the Muon matrices' momentum stays
+    in host memory between steps while the masters and the Adam half's moments are on NVMe; the NVMe files hold
+    that much less; the training is the same to the bit."""
+    for out in run_on_ranks(_momentum_in_memory, 2, PARAMS, str(tmp_path)):
+        (swapped_losses, swapped, swapped_nvme), (kept_losses, kept, kept_nvme) = out[False], out[True]
+        assert kept_losses == swapped_losses
+        assert swapped["momentum_buffer"] == 0 and swapped["exp_avg"] == 0  # all on NVMe between steps
+        assert kept["momentum_buffer"] > 0 and kept["exp_avg"] == 0
+        assert swapped_nvme - kept_nvme == kept["momentum_buffer"], (swapped_nvme, kept_nvme, kept)
+        assert out["resumedTrue"][0] == out["resumedFalse"][0]
+        assert torch.equal(out["resumedTrue"][1], out["resumedFalse"][1])

@@ -66,6 +66,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "use_data_before_expert_parallelism",  # moe/groups.py ExpertMesh.data_first
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.pipeline_loading_checkpoint",  # checkpoint/load.py `_loads_after`: a node's ranks in turn
+        "zero_optimization.save_muon_momentum_buffer_in_memory",  # zero/from_config.py `_resident_state`
         "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",
         "zero_optimization.stage3_max_live_parameters",
@@ -300,7 +301,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
     [
         # ZeRO-3 knobs of DeepSpeed's own implementation that have no counterpart here.
         "zero_optimization.override_module_apply",
-        "zero_optimization.save_muon_momentum_buffer_in_memory",
         # Offload (CPU and NVMe) and asynchronous I/O.
         "aio.use_gds",
         # ZeRO++, MiCS, ZenFlow and legacy ZeRO variants.

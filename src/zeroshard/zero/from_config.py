@@ -185,6 +185,7 @@ def make_strategy(
         weights=weights,
         root_by_module=bool(cfg.zeroshard.stage3_root_by_module),
         speculation=_speculation(cfg, step),
+        resident_state=_resident_state(cfg),
         zeropp=ZeroPPPolicy(
             quantized_weights=bool(z.zero_quantized_weights),
             hpz_partition_size=int(z.zero_hpz_partition_size or 1),
@@ -194,6 +195,16 @@ def make_strategy(
         ),
     )
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
+
+
+def _resident_state(cfg: ZeroshardConfig) -> frozenset[str]:
+    """zero_optimization.save_muon_momentum_buffer_in_memory: Muon's momentum stays in host memory while the masters
+    and the Adam half's moments swap to NVMe (only an NVMe optimizer tier swaps; elsewhere everything is in memory)."""
+    optimizer = cfg.optimizer
+    muon = optimizer is not None and isinstance(optimizer.type, str) and optimizer.type.lower() == "muon"
+    if muon and cfg.zero_optimization.save_muon_momentum_buffer_in_memory:
+        return frozenset({"momentum_buffer"})
+    return frozenset()
 
 
 def _autocast_strategy(

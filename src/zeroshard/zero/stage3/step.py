@@ -20,7 +20,14 @@ from zeroshard.zero.stage3.unit import ShardedUnit
 
 
 class SubGroupStepper:
-    def __init__(self, built: BuiltUnits, store: Residency, param_store: Residency, gradients: GradientTier):
+    def __init__(
+        self,
+        built: BuiltUnits,
+        store: Residency,
+        param_store: Residency,
+        gradients: GradientTier,
+        resident_state: frozenset[str] = frozenset(),
+    ):
         self.units = built.units
         self.pieces = built.pieces
         self.sub_groups = built.sub_groups
@@ -31,6 +38,9 @@ class SubGroupStepper:
         self.optimizer: torch.optim.Optimizer | None = None
         self.matrices: UnitMatrixPlan | None = None  # Muon's: every rank steps a sub-group holding its matrices
         self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
+        # optimizer state that stays in memory when the rest of a sub-group's entry swaps out: Muon's momentum with
+        # zero_optimization.save_muon_momentum_buffer_in_memory (DeepSpeed's), one read and write fewer per step
+        self.resident_state = resident_state
 
     def step(self, scale: float, done: frozenset[int] = frozenset()) -> None:
         """Step every sub-group but those in `done` (stepped during backward: [Note: speculative host steps], which
@@ -121,12 +131,17 @@ class SubGroupStepper:
                     yield piece
 
     def tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
-        """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state."""
+        """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state (but for
+        `resident_state`)."""
         out = [m for u in units for m in u.separate_master()]  # else it lives with the compute shard
         if self.optimizer is not None:
             for piece in self._pieces_of({u.index for u in units}):
                 state = self.optimizer.state.get(piece.master, {})
-                out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+                out += [
+                    v
+                    for k, v in state.items()
+                    if k not in self.resident_state and isinstance(v, torch.Tensor) and v.dim() > 0
+                ]
         return out
 
     @contextmanager

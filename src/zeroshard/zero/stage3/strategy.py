@@ -73,6 +73,7 @@ class Stage3Policy(StrategyPolicy):
     root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
     speculation: SpeculationPolicy | None = None  # offload_optimizer.super_offload ([Note: speculative host steps])
     model_persistence_threshold: int = sys.maxsize  # stage3_model_persistence_threshold ([Note: units])
+    resident_state: frozenset[str] = frozenset()  # optimizer state kept in memory when the rest swaps (step.py)
 
 
 class Stage3Strategy(Stage3Gathering, Strategy):
@@ -134,7 +135,9 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             self.watch,
         )
         self.zeropp = attach_zeropp(policy.zeropp, comm, self.units, self.schedule, self.reducer)
-        self.stepper = SubGroupStepper(self.built, policy.master_tier.residency, param_store, self.gradients_tier)
+        self.stepper = SubGroupStepper(
+            self.built, policy.master_tier.residency, param_store, self.gradients_tier, policy.resident_state
+        )
         self.speculation = speculation_for(self.stepper, policy.speculation, self._grad_scale, device)
         self.reducer.speculation = self.speculation
         self.steps_in_backward = self.speculation is not None
