@@ -159,3 +159,39 @@ def test_pipeline_loading_checkpoint_loads_one_rank_per_node_at_a_time(tmp_path)
     for rank in range(2):
         message, seconds = ranks[rank]["failed"]
         assert "rank 0" in message and "disk gone" in message and seconds < 30, (rank, message, seconds)
+
+
+def _slow_serial_load(rank: int, world_size: int, root: str) -> str:
+    """Each load takes 1 s, the write deadline is 1.5 s: the third rank of a node starts 2 s after the first."""
+    import os
+    import time
+
+    import zeroshard
+    from zeroshard.checkpoint import load
+
+    case = Case(stage=3, steps=2)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    engine.save_checkpoint(root)
+    engine.destroy()
+    inner = load._load_into
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return inner(*args, **kwargs)
+
+    load._load_into = slow  # type: ignore[assignment]
+    os.environ.update(ZEROSHARD_RANKS_PER_NODE="3", ZEROSHARD_CHECKPOINT_WRITE_TIMEOUT="1.5")
+    config = ds_config(case)
+    config["zero_optimization"]["pipeline_loading_checkpoint"] = True
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    path, _ = engine.load_checkpoint(root)
+    engine.destroy()
+    return str(path)
+
+
+def test_serial_loads_of_a_node_are_not_taken_for_a_stuck_rank(tmp_path):
+    """The deadlines of waits that span the node's loads in turn grow with the ranks in line: three healthy 1 s loads
+    under a 1.5 s write deadline complete (before, the third rank gave up on the second)."""
+    assert all(path.endswith("global_step0") for path in run_on_ranks(_slow_serial_load, 3, str(tmp_path)))

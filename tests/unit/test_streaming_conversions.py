@@ -5,6 +5,7 @@ with another operation is refused in one line naming it."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -76,3 +77,80 @@ def test_a_checkpoint_needing_another_operation_is_refused_naming_it(tmp_path, m
     with pytest.raises(ConfigError, match=r"mlp\.experts\.down_proj.*Transpose.*without zeroshard\.zero_init"):
         with zeroshard.zero_init():
             AutoModelForCausalLM.from_pretrained(folder)
+
+
+def _rewrite(folder: str, change) -> None:
+    """The single-file checkpoint of `folder` written again with `change(tensors)` applied (a dict, in place)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _saved(tmp_path) -> str:
+    from helpers.hf_moe import tiny_moe
+
+    folder = str(tmp_path / "qwen3")
+    tiny_moe("qwen3_moe").save_pretrained(folder)  # one file
+    return folder
+
+
+def _load(folder: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    with zeroshard.zero_init():
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_quantized_checkpoints_are_refused_not_cast(tmp_path):
+    """fp8 weights need their scales (transformers dequantizes them): by the config, or by a float8 tensor alone."""
+    import json
+    import os
+
+    folder = _saved(tmp_path)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite(folder, lambda t: t.update({key: t[key].to(torch.float8_e4m3fn)}))
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} is stored as torch.float8_e4m3fn"):
+        _load(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ConfigError, match="quantized checkpoint .*quant_method 'fp8'"):
+        _load(folder)
+
+
+def test_experts_stored_with_a_gap_in_their_numbers_are_refused(tmp_path):
+    """Experts 0, 1, 3, 4 of four would stack expert 3 into slot 2."""
+    folder = _saved(tmp_path)
+
+    def renumber(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if "layers.0.mlp.experts.2." in k]:
+            tensors[key.replace("experts.2.", "experts.4.")] = tensors.pop(key)
+
+    _rewrite(folder, renumber)
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.experts\.\w+.*experts numbered \[0, 1, 3, 4\]"):
+        _load(folder)
+
+
+def test_a_conversion_in_place_that_changes_the_shape_is_named(tmp_path, monkeypatch):
+    """A converter whose target keeps its source's name (qwen3_vl_moe transposes in place): the stored shape differs,
+    and the refusal names the operation rather than the configuration."""
+    import transformers.conversion_mapping as mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    folder = _saved(tmp_path)
+    key = "model.layers.0.mlp.gate.weight"
+    _rewrite(folder, lambda t: t.update({key: t[key].t().contiguous()}))
+    transposing = WeightConverter("mlp.gate.weight", "mlp.gate.weight", [Transpose(0, 1)])
+    original = mapping.get_model_conversion_mapping
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", lambda model: [transposing, *original(model)])
+    with pytest.raises(ConfigError, match=r"mlp\.gate\.weight.*Transpose"):
+        _load(folder)

@@ -379,15 +379,17 @@ def _load_into(
     return client_state, publish
 
 
-def _loads_after(engine: CheckpointableEngine) -> int | None:
+def _turns(engine: CheckpointableEngine) -> tuple[int | None, int]:
     """`zero_optimization.pipeline_loading_checkpoint` (DeepSpeed's serial load, stage 3): the ranks of a node read
     their files one after another in local-rank order, so a node holds one rank's transient load buffers at a time
-    instead of all of them; returns the rank this one waits for (None: the first on its node, or the option off)."""
+    instead of all of them. Returns the rank this one waits for (None: the first on its node, or the option off)
+    and how many loads its node runs one after another (1 with the option off): the deadlines of the waits that
+    span them grow with it, so a healthy node of many ranks is not taken for a stuck one."""
     if not engine.config.zero_optimization.pipeline_loading_checkpoint:
-        return None
+        return None, 1
     rank = engine.topology.rank
     nodes = NodeLayout.from_env(engine.topology.world_size)
-    return rank - 1 if nodes.local_of(rank) > 0 else None
+    return (rank - 1 if nodes.local_of(rank) > 0 else None), nodes.ranks_per_node
 
 
 def load_checkpoint(
@@ -433,8 +435,9 @@ def load_checkpoint(
     local_error: Exception | None = None
     client_state: dict[str, Any] | None = None
     publish = False
+    after, in_line = _turns(engine)
     try:
-        with sync.in_turn(_loads_after(engine), write_timeout()):
+        with sync.in_turn(after, write_timeout() * max(1, in_line - 1)):
             opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
             if not universal:
                 check_loadable(opened.metadata, tag_dir, engine)
@@ -450,8 +453,8 @@ def load_checkpoint(
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     status = {"error": None if local_error is None else str(local_error)}
-    statuses = sync.all_gather("loaded", status, write_timeout())
-    sync.leave(write_timeout())
+    statuses = sync.all_gather("loaded", status, write_timeout() * in_line)
+    sync.leave(write_timeout() * in_line)
     if any(s["error"] for s in statuses):
         raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).

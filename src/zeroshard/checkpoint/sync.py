@@ -212,7 +212,13 @@ class RankSync:
             return
         try:
             if after is not None:
-                self._wait("turn", [after], timeout)
+                try:
+                    self._wait("turn", [after], timeout)
+                except CheckpointError:
+                    raise CheckpointError(
+                        f"{self.op}: rank {after}, whose turn comes before this rank's ({self.rank}), did not "
+                        f"finish it within {timeout:.0f}s"
+                    ) from None
             yield
         finally:  # also when the wait failed: the ranks after this one are not left to time out in turn
             self.store.set(self._key("turn", self.rank), "1")

@@ -15,13 +15,15 @@ part of it that it keeps run by run, as it reads any tensor ([Note: streaming lo
 the fused tensor never exists whole on any rank. Keys are renamed with transformers' own `rename_source_key` over the
 model's own `get_model_conversion_mapping` (its renamings, then at most one converter), so the names are
 transformers' exactly. A converter with any other operation (a transpose, a split, a permutation, a dequantisation)
-is not a placement: a checkpoint that needs one is refused in one line naming it, as before.
+is not a placement: a checkpoint that needs one is refused in one line naming it, as before; so is one whose
+experts are numbered with a gap (stacking would shift the later ones, which transformers does not notice).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,13 +115,27 @@ def plan_conversions(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...
         groups.setdefault((index, target), {}).setdefault(pattern, []).append(key)
     for (index, target), by_pattern in groups.items():
         converter = converters[index]
-        built = _compose(converter.operations, converter.source_patterns, by_pattern, shapes)
+        gap = _numbering_gap(by_pattern)
+        built = gap or _compose(converter.operations, converter.source_patterns, by_pattern, shapes)
         if isinstance(built, str):
             out.unsupported[target] = built
             continue
         dtype = shapes[built.runs[0][0]][1]
         out.composites[target] = Composite.of(built.shape, dtype, built.runs)
     return out
+
+
+def _numbering_gap(by_pattern: Mapping[str, list[str]]) -> str | None:
+    """Stacking places the k-th stored expert at index k: the stored ones must be numbered 0..n-1 (a checkpoint
+    holding experts 0, 1, 3, 4 of four would put expert 3 in slot 2, where transformers does not notice)."""
+    for pattern, keys in by_pattern.items():
+        if "*" not in pattern:
+            continue
+        found = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        numbers = [int(m.group(1)) for key in keys if (m := found.search(key)) is not None]
+        if len(numbers) == len(keys) and numbers != list(range(len(keys))):
+            return f"experts numbered {numbers} in the checkpoint (stacking needs 0..{len(keys) - 1})"
+    return None
 
 
 def _compose(

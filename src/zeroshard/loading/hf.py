@@ -109,6 +109,16 @@ def meta_from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *model_ar
             f"from_pretrained under zeroshard.zero_init(): unknown arguments {sorted(kwargs)}; "
             "they are neither configuration fields nor load options"
         )
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:  # transformers dequantizes (fp8 with scales, mxfp4 experts) while it loads
+        method = (
+            quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", "")
+        )
+        raise ConfigError(
+            f"{path}: a quantized checkpoint (quantization_config, quant_method {method!r}); a streaming load under "
+            "zeroshard.zero_init() reads unquantized weights only: use the model's bf16 checkpoint, or load this "
+            "one without zeroshard.zero_init()"
+        )
     model_dtype = _resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = cls._from_config(config, dtype=model_dtype, **build_kwargs)
@@ -144,6 +154,9 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
             continue
         used.add(key)
         stored = available[key]
+        _refuse_quantized(folder, key, tensors[ident])
+        if stored != shape and key in conversions.unsupported:  # a conversion in place (a transpose) it needs
+            _refuse_unconverted(conversions.unsupported, [key], "")
         if stored != shape:
             if not ignore_mismatched:
                 raise ConfigError(
@@ -199,6 +212,25 @@ def _unignored(keys: list[str], patterns: Any) -> list[str]:
     return [k for k in keys if not any(p.search(k) for p in compiled)]
 
 
+_FLOAT8 = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz") if hasattr(torch, name)
+)
+
+
+def _refuse_quantized(folder: SafetensorsFolder, key: str, tensor: torch.Tensor) -> None:
+    """A float8 stored tensor into a wider parameter needs its scales (transformers' fp8 dequantization): refused,
+    not cast, whatever the config says."""
+    if tensor.dtype in _FLOAT8:
+        return
+    stored = next((s for s in folder.stored(key) if folder.entry(s).dtype in _FLOAT8), None)
+    if stored is not None:
+        raise ConfigError(
+            f"{folder.folder}: {stored} is stored as {folder.entry(stored).dtype} (a quantized checkpoint); a "
+            "streaming load under zeroshard.zero_init() reads unquantized weights only: use the model's bf16 "
+            "checkpoint, or load this one without zeroshard.zero_init()"
+        )
+
+
 def _refuse_unconverted(unsupported: dict[str, str], missing: list[str], prefix: str) -> None:
     """A parameter that only a conversion this load does not do would give (`unsupported`: target -> operation)
     is refused, rather than left to its initialisation ([Note: converted checkpoints in a streaming load])."""
@@ -206,9 +238,9 @@ def _refuse_unconverted(unsupported: dict[str, str], missing: list[str], prefix:
         target = next((k for k in _candidates(name, prefix) if k in unsupported), None)
         if target is not None:
             raise ConfigError(
-                f"the model's {name!r} is built by transformers' weight conversion with {unsupported[target]}, which a "
-                "streaming load does not do (it stacks and concatenates stored tensors only); load this model "
-                "without zeroshard.zero_init()"
+                f"the model's {name!r} needs transformers' weight conversion, which a streaming load does only by "
+                f"stacking and concatenating stored tensors, here {unsupported[target]}; load this model without "
+                "zeroshard.zero_init()"
             )
 
 

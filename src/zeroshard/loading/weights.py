@@ -82,6 +82,10 @@ class SafetensorsFolder:
         self.conversions = plan_conversions(model, {k: (e.shape, e.dtype) for k, (_, e) in self.entries.items()})
         return self.conversions
 
+    def entry(self, key: str) -> Entry:
+        """A stored tensor's record (its stored name)."""
+        return self.entries[key][1]
+
     def names(self) -> dict[str, tuple[int, ...]]:
         """Each key a model can ask for, with its shape: the stored ones no conversion took, and the converted."""
         consumed = self.conversions.consumed
