@@ -398,8 +398,7 @@ def test_unimplemented_is_one_immutable_set_of_real_keys() -> None:
 def test_non_default_unimplemented_value_warns_once(log: pytest.LogCaptureFixture) -> None:
     parse_config({"zero_optimization": {"stage": 3, "override_module_apply": False}})
     assert warnings_of(log) == [
-        "zeroshard: zero_optimization.override_module_apply=false is accepted but not implemented yet; "
-        "it has no effect"
+        "zeroshard: zero_optimization.override_module_apply=false is accepted but not implemented yet; it has no effect"
     ]
 
 
