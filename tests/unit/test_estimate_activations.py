@@ -50,10 +50,10 @@ def _estimate(folder: str, dtype: str, checkpointing: bool, capsys: pytest.Captu
 
 
 def _measure(config: object, dtype: torch.dtype, checkpointing: bool) -> int:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype).train()
+    model = AutoModelForCausalLM.from_config(config).to(dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))  # type: ignore[attr-defined]
@@ -73,3 +73,27 @@ def test_estimated_activations_are_within_15_percent_of_the_measured_peak(name, 
         estimated = _estimate(str(tmp_path), dtype, checkpointing, capsys)
         measured = _measure(config, torch_dtype, checkpointing)
         assert abs(estimated - measured) <= 0.15 * measured, (name, dtype, checkpointing, estimated, measured)
+
+
+MOE = {  # transformers 5's sparse MoE layers ([Note: activation estimate of experts])
+    "qwen3_moe": ("Qwen3MoeConfig", dict(SHAPES["gqa"], num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=64)),
+    "qwen3_moe-k4": ("Qwen3MoeConfig", dict(SHAPES["deep"], num_experts=16, num_experts_per_tok=4,
+                     moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(SHAPES["wide"], num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe-shared": ("Qwen2MoeConfig", dict(SHAPES["gqa"], num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=128)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_path, capsys):
+    import transformers
+
+    kind, sizes = MOE[name]
+    config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes)
+    config.save_pretrained(tmp_path)
+    for checkpointing in (False, True):
+        estimated = _estimate(str(tmp_path), "fp32", checkpointing, capsys)
+        measured = _measure(config, torch.float32, checkpointing)
+        assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroshard.cli.estimate.activations import Shape
+from zeroshard.cli.estimate.activations import MoeShape, Shape
 from zeroshard.errors import ConfigError
 
 
@@ -50,8 +50,29 @@ def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
     kv = getattr(config, "num_key_value_heads", None) or heads
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
-    gated = module is not None and any(name.endswith("gate_proj") for name, _ in module.named_modules())
-    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated)
+    names = [name for name, _ in module.named_modules()] if module is not None else []
+    gated = any(name.endswith("gate_proj") for name in names) or _fused_experts(module)
+    qk_norm = any(name.endswith("q_norm") for name in names)
+    moe = _moe_shape(config, sum(name.endswith(".experts") for name in names), int(inter))
+    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated, qk_norm, moe)
+
+
+def _fused_experts(module: nn.Module | None) -> bool:
+    """A model whose every MLP is fused experts (Mixtral: `experts.gate_up_proj`) is gated too."""
+    return module is not None and any(n.endswith("experts.gate_up_proj") for n, _ in module.named_parameters())
+
+
+def _moe_shape(config: Any, moe_layers: int, intermediate: int) -> MoeShape | None:
+    """[Note: activation estimate of experts] from a transformers MoE config (Qwen2/3-MoE, Mixtral, DeepSeek names)."""
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if
+                    getattr(config, k, None)), 0)  # fmt: skip
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if not (moe_layers and experts and top_k):
+        return None
+    expert = int(getattr(config, "moe_intermediate_size", 0) or intermediate)
+    shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    shared = shared or int(getattr(config, "n_shared_experts", 0) or 0) * expert
+    return MoeShape(moe_layers, int(experts), top_k, expert, shared)
 
 
 def from_hf_config(name: str, config: Any) -> ModelInfo:
