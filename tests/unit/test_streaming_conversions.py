@@ -154,3 +154,24 @@ def test_a_conversion_in_place_that_changes_the_shape_is_named(tmp_path, monkeyp
     monkeypatch.setattr(mapping, "get_model_conversion_mapping", lambda model: [transposing, *original(model)])
     with pytest.raises(ConfigError, match=r"mlp\.gate\.weight.*Transpose"):
         _load(folder)
+
+
+def test_mismatched_sizes_are_reported_as_transformers_reports_them(tmp_path):
+    """`ignore_mismatched_sizes=True`: the tensors are initialised and listed under mismatched_keys only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import zeroshard
+    from helpers.hf_trainer import tiny_llama
+
+    folder = str(tmp_path / "llama")
+    tiny_llama(vocab=128).save_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
+    config.vocab_size = 100
+    kwargs = {"config": config, "ignore_mismatched_sizes": True, "output_loading_info": True}
+    _, expected = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    with zeroshard.zero_init():
+        _, info = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    assert not info["missing_keys"] and not expected["missing_keys"]
+    assert {(k, tuple(a), tuple(b)) for k, a, b in info["mismatched_keys"]} == {
+        (k, tuple(a), tuple(b)) for k, a, b in expected["mismatched_keys"]
+    }

@@ -163,8 +163,7 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
                     f"{folder.folder}: {key} has shape {list(stored)} but the model's {names[0]} is {list(shape)}; "
                     "the configuration does not match the checkpoint (or pass ignore_mismatched_sizes=True)"
                 )
-            mismatched.append((key, stored, shape))
-            missing.append(names[0])
+            mismatched.append((key, stored, shape))  # initialised, reported apart from missing (as transformers)
             continue
         keys[ident] = key
     unexpected = [stored for k in available if k not in used for stored in folder.stored(k)]
@@ -256,7 +255,7 @@ def _resolve_dtype(dtype: Any, config: Any) -> torch.dtype:
 
 
 def _log_report(model_name: str, path: str, report: LoadReport) -> None:
-    """transformers' two warnings, once per job."""
+    """transformers' warnings, once per job."""
     if report.unexpected_keys:
         log_rank(
             logger,
@@ -270,4 +269,14 @@ def _log_report(model_name: str, path: str, report: LoadReport) -> None:
             30,
             f"Some weights of {model_name} were not initialized from the checkpoint at {path} and are newly "
             f"initialized: {list(report.missing_keys)}",
+        )
+    if report.mismatched_keys:
+        shapes = [
+            f"{key}: checkpoint {list(stored)}, model {list(shape)}" for key, stored, shape in report.mismatched_keys
+        ]
+        log_rank(
+            logger,
+            30,
+            f"Some weights of {model_name} were not initialized from the checkpoint at {path} because the shapes did "
+            f"not match, and are newly initialized: {shapes}",
         )
