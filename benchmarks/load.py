@@ -2,6 +2,7 @@
 and DeepSpeed, on the same synthetic checkpoint (issue 12).
 
     python -m benchmarks.load --layers 16 --hidden 1536 --world-size 2 --repeats 3 --json benchmarks/results/load.json
+    python -m benchmarks.load --layers 8 --hidden 1024 --experts 16 --expert-intermediate 512   # a Qwen3-MoE
 
 Saves a synthetic Llama (`LlamaConfig`, seeded random weights, fp32, sharded safetensors) into a temporary
 folder, then runs each variant as its own `torchrun --standalone` process group of `benchmarks.load_worker`
@@ -51,6 +52,8 @@ def make_checkpoint(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.load_worker", "make", "--folder", str(folder)]
     cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate)]
     cmd += ["--vocab", str(args.vocab), "--shard-size", args.shard_size]
+    cmd += ["--experts", str(args.experts), "--experts-per-token", str(args.experts_per_token)]
+    cmd += ["--expert-intermediate", str(args.expert_intermediate)]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env(args.threads), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building the checkpoint failed:\n{done.stderr[-3000:]}")
@@ -62,6 +65,9 @@ def make_checkpoint(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "layers": args.layers,
         "hidden": args.hidden,
         "vocab": args.vocab,
+        "experts": args.experts,
+        "experts_per_token": args.experts_per_token if args.experts else None,
+        "expert_intermediate": args.expert_intermediate if args.experts else None,
     }
 
 
@@ -130,7 +136,12 @@ def table(rows: list[dict[str, Any]], ckpt: dict[str, Any]) -> str:
     gb = ckpt["bytes"] / 1e9
     ref = next((r for r in rows if r["variant"] == REFERENCE and "error" not in r), None)
     lines = [
-        f"Checkpoint: {ckpt['numel'] / 1e6:.0f}M parameters, fp32, {gb:.2f} GB in {ckpt['files']} safetensors files.",
+        f"Checkpoint: {ckpt['numel'] / 1e6:.0f}M parameters, fp32, {gb:.2f} GB in {ckpt['files']} safetensors files"
+        + (
+            f"; a Qwen3-MoE of {ckpt['experts']} experts per layer, stored one tensor per expert."
+            if ckpt.get("experts")
+            else "."
+        ),
         "",
         f"Seconds: median of {rows[0].get('repeats', 1)} process groups per variant; peaks: the worst rank "
         "of the worst run.",
@@ -163,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=0, help="MLP width; 0: 8/3 of hidden, rounded to 256")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shard-size", default="500MB", help="save_pretrained's max_shard_size")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE of this many experts per layer (0: Llama)")
+    parser.add_argument("--experts-per-token", type=int, default=2)
+    parser.add_argument("--expert-intermediate", type=int, default=512, help="each expert's MLP width")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process group")

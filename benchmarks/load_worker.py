@@ -4,9 +4,9 @@
     torchrun --standalone --nproc_per_node 2 -m benchmarks.load_worker load \
         --variant zeroshard --folder /tmp/llama --out /tmp/rows
 
-`make` builds a synthetic Llama from a `LlamaConfig` (seeded random weights) and saves it as a sharded fp32
-safetensors checkpoint. `load` imports everything, reads the rank's own VmHWM, then times (barrier to barrier,
-so the slowest rank) the load of one variant:
+`make` builds a synthetic Llama from a `LlamaConfig` (or a Qwen3-MoE with `--experts`; seeded random weights) and
+saves it as a sharded fp32 safetensors checkpoint. `load` imports everything, reads the rank's own VmHWM, then
+times (barrier to barrier, so the slowest rank) the load of one variant:
 
 - `zeroshard`: `with zeroshard.zero_init(): from_pretrained(folder)` then `zeroshard.initialize`, stage 3, no
   optimizer (the load alone).
@@ -50,8 +50,25 @@ def status(field: str) -> int:
 
 
 def llama_config(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
+    """The Llama of the given sizes; with --experts a Qwen3-MoE of them (each layer's MLP is --experts experts of
+    width --expert-intermediate, --experts-per-token chosen per token), whose checkpoint stores the experts apart
+    ([Note: converted checkpoints in a streaming load])."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if args.experts:
+        return Qwen3MoeConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate or 8 * args.hidden // 3 // 256 * 256,
+            moe_intermediate_size=args.expert_intermediate,
+            num_experts=args.experts,
+            num_experts_per_tok=args.experts_per_token,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 128,
+            num_key_value_heads=args.hidden // 128,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
     return LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -128,6 +145,7 @@ def load(args: argparse.Namespace) -> None:
     # imports stay out of the timed part and under the baseline VmHWM: the library, and the Llama modeling
     # module that transformers would otherwise import lazily inside from_pretrained (seconds on this machine)
     import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     if args.variant == "deepspeed":
@@ -207,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--intermediate", type=int, default=0, help="0: 8/3 of hidden, rounded down to 256")
     mk.add_argument("--vocab", type=int, default=32000)
     mk.add_argument("--shard-size", default="500MB")
+    mk.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE with this many experts per layer (0: Llama)")
+    mk.add_argument("--experts-per-token", type=int, default=2)
+    mk.add_argument("--expert-intermediate", type=int, default=512)
     ld = sub.add_parser("load", help="time one variant's load (under torchrun)")
     ld.add_argument("--variant", choices=VARIANTS, required=True)
     ld.add_argument("--folder", required=True)
