@@ -40,8 +40,8 @@ def test_stage3_peak_rss_below_stage0_and_flat() -> None:
     stage0, _ = _growth("stage 0", 2)
     stage3, rss = _growth("stage 3, one block live", 5)
     # measured 0.60 (286 MiB of 478, three runs; the peak is now the root unit's reduction at the end of backward,
-    # see docs/benchmarks.md), 0.65 (311-313 MiB) while the gradient shards stayed allocated between steps ([Note:
-    # gradient shards exist from reduction to step]), 0.70 before the root unit was gathered by its modules;
+    # see docs/benchmarks_resident.md), 0.65 (311-313 MiB) while the gradient shards stayed allocated between steps
+    # ([Note: gradient shards exist from reduction to step]), 0.70 before the root unit was gathered by its modules;
     # glibc's default threshold gave 0.84, and 1.13 with gloo's fused collectives
     assert stage3 <= 0.65 * stage0, (stage3 / MiB, stage0 / MiB)
     for per_step in rss:

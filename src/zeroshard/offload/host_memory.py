@@ -8,7 +8,7 @@ and re-allocates the same storages every step, so the heap would grow to hold al
 process's RSS would approach what the offload was meant to save (measured: 1.45x the optimizer state
 instead of 0.68x on a 105M-parameter model). Training on the CPU does the same with stage 3's gathered
 units, reduction buffers and autograd's gradients: a 25M-parameter model's stage-3 RSS rose step after step
-and ended above stage 0's (benchmarks/resident_memory.py, docs/benchmarks.md). Fixing the threshold (which
+and ended above stage 0's (benchmarks/resident_memory.py, docs/benchmarks_resident.md). Fixing the threshold (which
 disables the adjustment) keeps large storages on mmap, so RSS follows the live tensors. A
 MALLOC_MMAP_THRESHOLD_ set by the user wins; ZEROSHARD_HOST_ALLOC=glibc leaves glibc's default alone.
 

@@ -18,7 +18,7 @@ empty saved model is the worse failure.
 A unit's gradient shard is read only from its first reduction in an accumulation window to the optimizer step.
 Kept for the whole run (fp32: 4 bytes per parameter / N, 48 MiB per rank for the 25M-parameter GPT on 2 ranks)
 it is resident at the start of backward, where stage 3's peak is (the head's backward: activations, the gathered
-tied weight and its full gradient; issue 12, docs/benchmarks.md). So, as FSDP2's sharded gradients that
+tied weight and its full gradient; issue 12, docs/benchmarks_resident.md). So, as FSDP2's sharded gradients that
 `zero_grad(set_to_none=True)` frees, a transient shard's storage is resized to zero by `zero_grad` (after every
 step) and back by the window's first reduction, whose reduce-scatter then writes straight into it; the window's
 later micro-steps add into it as before. The tensor and its storage object stay the same, so the step's views of
