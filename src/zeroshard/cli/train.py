@@ -39,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (peft); 0: full")
     m.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 2 x rank)")
     m.add_argument("--lora-dropout", type=float, default=0.0)
-    m.add_argument("--lora-targets", help="comma-separated module names (default: peft's for the model type)")
+    m.add_argument(
+        "--lora-targets",
+        help="comma-separated module names (default: peft's for the model type, else q_proj,v_proj when present)",
+    )
     d = p.add_argument_group("data")
     d.add_argument("--data", help="text/JSONL file or folder (default: the Python standard library's sources)")
     d.add_argument("--text-field", default="text", help="JSONL field holding the text (default 'text')")

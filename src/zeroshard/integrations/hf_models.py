@@ -107,6 +107,30 @@ def _check_fit(config: Any, tokenizer: Any, seq_len: int, name: str) -> None:
         raise ConfigError(f"--seq-len {seq_len} exceeds model {name}'s {positions} positions")
 
 
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's default for the Llama family
+
+
+def lora_targets(model: nn.Module, targets: Sequence[str] | None) -> list[str] | None:
+    """The modules LoRA adapts: the given ones; else peft's default for the model type (None); else, for a type
+    peft has none for (Qwen2/3-MoE, DeepSeek at peft 0.18), the Llama family's q_proj and v_proj when the model has
+    them; else ConfigError naming --lora-targets and the model's linear layers (peft's own error names neither)."""
+    if targets:
+        return list(targets)
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PEFT_DEFAULTS:
+        return None
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    if all(t in linear for t in DEFAULT_TARGETS):
+        log_rank(logger, 20, f"LoRA targets {', '.join(DEFAULT_TARGETS)} (peft has no default for {model_type!r})")
+        return list(DEFAULT_TARGETS)
+    raise ConfigError(
+        f"peft has no default LoRA targets for model type {model_type!r}: pass --lora-targets (comma-separated "
+        f"module names; this model's linear layers: {', '.join(linear[:16]) or 'none'})"
+    )
+
+
 def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -114,7 +138,7 @@ def _with_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, uses it as a float
         lora_dropout=lora.dropout,
-        target_modules=list(lora.targets) if lora.targets else None,
+        target_modules=lora_targets(model, lora.targets),
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)  # type: ignore[arg-type]
