@@ -330,7 +330,8 @@ def _momentum_in_memory(rank: int, world_size: int, params: dict, directory: str
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     held[key] = held.get(key, 0) + value.untyped_storage().nbytes()
         engine.save_checkpoint(directory, tag=f"keep{keep}")
-        out[keep] = (losses, held, engine.memory_report().nvme_bytes)
+        report = engine.memory_report()
+        out[keep] = (losses, held, report.nvme_bytes, report.host_optimizer_state)
         engine.destroy()
     # each save resumes under the other setting: the momentum is in the checkpoint either way
     for saved, keep in ((True, False), (False, True)):
@@ -353,10 +354,14 @@ def test_save_muon_momentum_buffer_in_memory_keeps_it_off_nvme(tmp_path) -> None
     in host memory between steps while the masters and the Adam half's moments are on NVMe; the NVMe files hold
     that much less; the training is the same to the bit."""
     for out in run_on_ranks(_momentum_in_memory, 2, PARAMS, str(tmp_path)):
-        (swapped_losses, swapped, swapped_nvme), (kept_losses, kept, kept_nvme) = out[False], out[True]
+        (swapped_losses, swapped, swapped_nvme, swapped_host), (kept_losses, kept, kept_nvme, kept_host) = (
+            out[False],
+            out[True],
+        )
         assert kept_losses == swapped_losses
         assert swapped["momentum_buffer"] == 0 and swapped["exp_avg"] == 0  # all on NVMe between steps
         assert kept["momentum_buffer"] > 0 and kept["exp_avg"] == 0
         assert swapped_nvme - kept_nvme == kept["momentum_buffer"], (swapped_nvme, kept_nvme, kept)
+        assert kept_host - swapped_host == kept["momentum_buffer"], (kept_host, swapped_host)  # memory_report counts it
         assert out["resumedTrue"][0] == out["resumedFalse"][0]
         assert torch.equal(out["resumedTrue"][1], out["resumedFalse"][1])

@@ -175,3 +175,13 @@ def test_mismatched_sizes_are_reported_as_transformers_reports_them(tmp_path):
     assert {(k, tuple(a), tuple(b)) for k, a, b in info["mismatched_keys"]} == {
         (k, tuple(a), tuple(b)) for k, a, b in expected["mismatched_keys"]
     }
+
+
+def test_the_numbering_gap_is_found_whatever_way_the_pattern_is_written():
+    """transformers writes some converters' patterns as regular expressions (DeepSeek-V4: `\\.experts.*.w1.weight`)."""
+    from zeroshard.loading.convert import _numbering_gap
+
+    keys = [f"model.layers.0.experts.{e}.w1.weight" for e in (0, 1, 3)]
+    for pattern in (r"\.experts.*.w1.weight", ".experts.*.w1.weight"):
+        assert "experts numbered [0, 1, 3]" in str(_numbering_gap({pattern: keys}))
+        assert _numbering_gap({pattern: keys[:2]}) is None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,13 +126,18 @@ def plan_conversions(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...
 
 def _numbering_gap(by_pattern: Mapping[str, list[str]]) -> str | None:
     """Stacking places the k-th stored expert at index k: the stored ones must be numbered 0..n-1 (a checkpoint
-    holding experts 0, 1, 3, 4 of four would put expert 3 in slot 2, where transformers does not notice)."""
-    for pattern, keys in by_pattern.items():
-        if "*" not in pattern:
+    holding experts 0, 1, 3, 4 of four would put expert 3 in slot 2, where transformers does not notice). The
+    number is the one dot-separated field that differs between a pattern's keys (they share a layer), whatever way
+    the pattern is written (glob or regular expression)."""
+    for keys in by_pattern.values():
+        fields = [key.split(".") for key in keys]
+        if len(keys) < 2 or any(len(f) != len(fields[0]) for f in fields):
             continue
-        found = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
-        numbers = [int(m.group(1)) for key in keys if (m := found.search(key)) is not None]
-        if len(numbers) == len(keys) and numbers != list(range(len(keys))):
+        varying = [i for i in range(len(fields[0])) if len({f[i] for f in fields}) > 1]
+        if len(varying) != 1 or not all(f[varying[0]].isdigit() for f in fields):
+            continue
+        numbers = [int(f[varying[0]]) for f in fields]
+        if numbers != list(range(len(keys))):
             return f"experts numbered {numbers} in the checkpoint (stacking needs 0..{len(keys) - 1})"
     return None
 

@@ -163,7 +163,7 @@ def match_weights(model: nn.Module, folder: SafetensorsFolder, ignore_mismatched
                     f"{folder.folder}: {key} has shape {list(stored)} but the model's {names[0]} is {list(shape)}; "
                     "the configuration does not match the checkpoint (or pass ignore_mismatched_sizes=True)"
                 )
-            mismatched.append((key, stored, shape))  # initialised, reported apart from missing (as transformers)
+            mismatched.append((names[0], stored, shape))  # initialised; the model's name, apart from missing
             continue
         keys[ident] = key
     unexpected = [stored for k in available if k not in used for stored in folder.stored(k)]

@@ -101,8 +101,9 @@ class Tier:
         return StepTimeCopies(self, copy_stream, check_overflow)
 
     # -- byte accounting ---------------------------------------------------------------------------------
-    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
-        """Master weights and optimizer state held on this tier."""
+    def count_state(self, memory: StrategyMemory, masters: int, state: int, unswapped: int = 0) -> None:
+        """Master weights and optimizer state held on this tier (`unswapped`: the part of `state` that stays in memory
+        where the rest swaps, Muon's momentum with save_muon_momentum_buffer_in_memory; only NVMe tells it apart)."""
         memory.master_weights += masters
         memory.optimizer_state += state
 
@@ -128,7 +129,7 @@ class HostTier(Tier):
 
         return BackwardCopies(self, copy_stream, check_overflow)
 
-    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+    def count_state(self, memory: StrategyMemory, masters: int, state: int, unswapped: int = 0) -> None:
         memory.host_master_weights += masters
         memory.host_optimizer_state += state
 
@@ -161,9 +162,10 @@ class NvmeTier(HostTier):
 
         return SwappedGradients(self, copy_stream, check_overflow)
 
-    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
-        # what is resident now (read in for a step), masters and state together; the rest is in the swap files
-        memory.host_optimizer_state += self.residency.resident_bytes
+    def count_state(self, memory: StrategyMemory, masters: int, state: int, unswapped: int = 0) -> None:
+        # what is resident now (read in for a step), masters and state together, and the state that never swaps;
+        # the rest is in the swap files
+        memory.host_optimizer_state += self.residency.resident_bytes + unswapped
         memory.nvme_bytes += self.residency.disk_bytes
 
     def count_params(self, memory: StrategyMemory, shards: int) -> None:
@@ -203,7 +205,7 @@ class PartialOffload(Tier):
         host = self.host_tier.gradients(copy_stream, check_overflow)
         return SplitGradients(self, device, host)
 
-    def count_state(self, memory: StrategyMemory, masters: int, state: int) -> None:
+    def count_state(self, memory: StrategyMemory, masters: int, state: int, unswapped: int = 0) -> None:
         raise AssertionError("partial offload: each sub-group's tier counts its own state")
 
     def count_params(self, memory: StrategyMemory, shards: int) -> None:

@@ -202,7 +202,8 @@ def _resident_state(cfg: ZeroshardConfig) -> frozenset[str]:
     and the Adam half's moments swap to NVMe (only an NVMe optimizer tier swaps; elsewhere everything is in memory)."""
     optimizer = cfg.optimizer
     muon = optimizer is not None and isinstance(optimizer.type, str) and optimizer.type.lower() == "muon"
-    if muon and cfg.zero_optimization.save_muon_momentum_buffer_in_memory:
+    swaps = str(cfg.zero_optimization.offload_optimizer.device) == "nvme"
+    if muon and swaps and cfg.zero_optimization.save_muon_momentum_buffer_in_memory:
         return frozenset({"momentum_buffer"})
     return frozenset()
 

@@ -130,17 +130,17 @@ class SubGroupStepper:
                 if piece.unit.index in members:
                     yield piece
 
-    def tensors(self, units: list[ShardedUnit]) -> list[torch.Tensor]:
-        """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state (but for
-        `resident_state`)."""
-        out = [m for u in units for m in u.separate_master()]  # else it lives with the compute shard
+    def tensors(self, units: list[ShardedUnit], resident: bool = False) -> list[torch.Tensor]:
+        """A sub-group's swap entry: masters (unless they are the compute shards) and optimizer state but for
+        `resident_state` (`resident`: that part alone)."""
+        out = [] if resident else [m for u in units for m in u.separate_master()]  # else with the compute shard
         if self.optimizer is not None:
             for piece in self._pieces_of({u.index for u in units}):
                 state = self.optimizer.state.get(piece.master, {})
                 out += [
                     v
                     for k, v in state.items()
-                    if k not in self.resident_state and isinstance(v, torch.Tensor) and v.dim() > 0
+                    if (k in self.resident_state) == resident and isinstance(v, torch.Tensor) and v.dim() > 0
                 ]
         return out
 

@@ -366,15 +366,17 @@ class Stage3Strategy(Stage3Gathering, Strategy):
     def _count_state(self, memory: StrategyMemory) -> None:
         """Masters and optimizer state, each sub-group's on its tier ([Note: partial offload])."""
         # the first sub-group's tier reports even when there is none (NVMe: its files)
-        held: dict[Tier, list[int]] = {self.policy.master_tier.for_sub_group(0, 1): [0, 0]}
+        held: dict[Tier, list[int]] = {self.policy.master_tier.for_sub_group(0, 1): [0, 0, 0]}
         for sub_group in self.built.sub_groups:
             masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in sub_group.units)
-            both = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units))  # masters and optimizer state
-            counts = held.setdefault(sub_group.tier, [0, 0])
+            both = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units))  # masters and swapped state
+            unswapped = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units, resident=True))
+            counts = held.setdefault(sub_group.tier, [0, 0, 0])
             counts[0] += masters
-            counts[1] += both - masters
-        for tier, (masters, state) in held.items():
-            tier.count_state(memory, masters, state)
+            counts[1] += both - masters + unswapped
+            counts[2] += unswapped
+        for tier, (masters, state, unswapped) in held.items():
+            tier.count_state(memory, masters, state, unswapped)
 
     def destroy(self) -> None:
         """Remove every hook; the module is left gathered (full parameters), usable without zeroshard."""
