@@ -83,6 +83,8 @@ MOE = {  # transformers 5's sparse MoE layers ([Note: activation estimate of exp
     "mixtral": ("MixtralConfig", dict(SHAPES["wide"], num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe-shared": ("Qwen2MoeConfig", dict(SHAPES["gqa"], num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=64, shared_expert_intermediate_size=128)),
+    "qwen2_moe-dense-last": ("Qwen2MoeConfig", dict(SHAPES["gqa"], num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=64, mlp_only_layers=[3])),
 }  # fmt: skip
 
 

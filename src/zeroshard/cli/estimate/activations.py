@@ -53,6 +53,7 @@ class MoeShape:
     top_k: int
     intermediate: int  # each expert's
     shared_intermediate: int = 0  # a shared expert's (0: none)
+    last_layer: bool = True  # whether the last layer has experts (its backward is the peak's other moment)
 
 
 def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
@@ -69,10 +70,10 @@ def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
     return norms + attention + mlp
 
 
-def layer_backward_elements_per_token(shape: Shape) -> int:
-    """The gradients alive inside one layer's backward, per token (the last layer's: a MoE one if any is)."""
+def layer_backward_elements_per_token(shape: Shape, experts: bool = False) -> int:
+    """The gradients alive inside one layer's backward, per token (`experts`: a MoE layer's)."""
     moe = shape.moe
-    if moe is not None and moe.layers:
+    if experts and moe is not None:
         return moe.top_k * (2 * moe.intermediate + shape.hidden) + 2 * moe.shared_intermediate + shape.hidden
     return (2 if shape.gated_mlp else 1) * shape.intermediate + shape.hidden
 
@@ -93,6 +94,9 @@ def activation_bytes(
     kept = shape.layers * shape.hidden if checkpointing else (shape.layers - moe_layers) * dense + moe_layers * sparse
     final_norm = 3 * shape.hidden
     at_loss = (kept + final_norm) * dtype_bytes + loss_bytes_per_token(shape, dtype_bytes)
-    recomputed = (sparse if moe_layers else dense) if checkpointing else 0
-    at_last_layer = (kept + recomputed + layer_backward_elements_per_token(shape)) * dtype_bytes
+    # the other moment: a layer's backward. Without checkpointing the last layer's (everything is still kept); with
+    # it every layer is recomputed in turn, and a layer with experts costs the most wherever it is
+    experts = moe_layers > 0 and (checkpointing or shape.moe is not None and shape.moe.last_layer)
+    recomputed = (sparse if experts else dense) if checkpointing else 0
+    at_last_layer = (kept + recomputed + layer_backward_elements_per_token(shape, experts)) * dtype_bytes
     return tokens * max(at_loss, at_last_layer)

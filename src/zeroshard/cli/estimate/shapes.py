@@ -53,7 +53,8 @@ def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
     names = [name for name, _ in module.named_modules()] if module is not None else []
     gated = any(name.endswith("gate_proj") for name in names) or _fused_experts(module)
     qk_norm = any(name.endswith("q_norm") for name in names)
-    moe = _moe_shape(config, sum(name.endswith(".experts") for name in names), int(inter))
+    experts = [name for name in names if name.endswith(".experts")]
+    moe = _moe_shape(config, len(experts), int(inter), _in_last_layer(experts, layers))
     return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated, qk_norm, moe)
 
 
@@ -62,7 +63,12 @@ def _fused_experts(module: nn.Module | None) -> bool:
     return module is not None and any(n.endswith("experts.gate_up_proj") for n, _ in module.named_parameters())
 
 
-def _moe_shape(config: Any, moe_layers: int, intermediate: int) -> MoeShape | None:
+def _in_last_layer(names: list[str], layers: int) -> bool:
+    """Whether one of `names` (module paths) is inside the last decoder layer (`....layers.<layers - 1>....`)."""
+    return any(f".{layers - 1}." in f".{name}." and ".layers." in f".{name}" for name in names)
+
+
+def _moe_shape(config: Any, moe_layers: int, intermediate: int, last: bool = True) -> MoeShape | None:
     """[Note: activation estimate of experts] from a transformers MoE config (Qwen2/3-MoE, Mixtral, DeepSeek names)."""
     experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if
                     getattr(config, k, None)), 0)  # fmt: skip
@@ -72,7 +78,7 @@ def _moe_shape(config: Any, moe_layers: int, intermediate: int) -> MoeShape | No
     expert = int(getattr(config, "moe_intermediate_size", 0) or intermediate)
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     shared = shared or int(getattr(config, "n_shared_experts", 0) or 0) * expert
-    return MoeShape(moe_layers, int(experts), top_k, expert, shared)
+    return MoeShape(moe_layers, int(experts), top_k, expert, shared, last)
 
 
 def from_hf_config(name: str, config: Any) -> ModelInfo:
