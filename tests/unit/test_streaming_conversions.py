@@ -30,7 +30,7 @@ def test_stacked_and_concatenated_runs_equal_transformers_operations(dim):
     by_pattern = {
         pattern: [f"experts.{e}.{pattern.split('.')[2]}.weight" for e in range(experts)] for pattern in patterns
     }
-    shapes = {k: (tuple(v.shape), v.dtype) for k, v in stored.items()}
+    shapes = {k: tuple(v.shape) for k, v in stored.items()}
     operations = [MergeModulelist(dim=0), Concatenate(dim=dim)]
     built = _compose(operations, patterns, by_pattern, shapes)
     assert not isinstance(built, str)
@@ -38,7 +38,7 @@ def test_stacked_and_concatenated_runs_equal_transformers_operations(dim):
     for op in operations:
         tensors = op.convert(tensors, source_patterns=patterns, target_patterns=["experts.gate_up_proj"])
     (expected,) = tensors.values()
-    composite = Composite.of(built.shape, torch.float32, built.runs)
+    composite = Composite.of(built.shape, built.runs)
     assert composite.shape == tuple(expected.shape)
     assert torch.equal(_flat(composite, stored), expected.reshape(-1))
     numel = math.prod(composite.shape)
@@ -52,7 +52,7 @@ def test_stacked_and_concatenated_runs_equal_transformers_operations(dim):
 def test_other_operations_and_uneven_experts_are_not_placements():
     from transformers.core_model_loading import MergeModulelist, Transpose
 
-    shapes = {"e.0.w": ((2, 3), torch.float32), "e.1.w": ((2, 3), torch.float32), "e.2.w": ((3, 3), torch.float32)}
+    shapes = {"e.0.w": (2, 3), "e.1.w": (2, 3), "e.2.w": (3, 3)}
     assert "Transpose" in str(_compose([Transpose(0, 1)], ["e.*.w"], {"e.*.w": ["e.0.w"]}, shapes))
     uneven = _compose([MergeModulelist(dim=0)], ["e.*.w"], {"e.*.w": ["e.0.w", "e.2.w"]}, shapes)
     assert isinstance(uneven, str) and "different shapes" in uneven

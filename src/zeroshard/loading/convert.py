@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 Run = tuple[str, int, int]  # (checkpoint key, first element, elements)
@@ -38,17 +37,16 @@ class Composite:
     """A model tensor whose flat elements are `runs` of checkpoint tensors' flat elements, in order."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
     runs: tuple[Run, ...]
     starts: tuple[int, ...] = field(default=())  # each run's first element in the composite
 
     @staticmethod
-    def of(shape: tuple[int, ...], dtype: torch.dtype, runs: Sequence[Run]) -> Composite:
+    def of(shape: tuple[int, ...], runs: Sequence[Run]) -> Composite:
         starts, at = [], 0
         for _, _, count in runs:
             starts.append(at)
             at += count
-        return Composite(shape, dtype, tuple(runs), tuple(starts))
+        return Composite(shape, tuple(runs), tuple(starts))
 
     @property
     def sources(self) -> list[str]:
@@ -90,8 +88,8 @@ class _Virtual:
     runs: list[Run]
 
 
-def plan_conversions(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> Conversions:
-    """Conversions of the checkpoint keys `shapes` (key -> (shape, dtype)) for `model`, by transformers' mapping."""
+def plan_conversions(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> Conversions:
+    """Conversions of the checkpoint keys `shapes` (key -> shape) for `model`, by transformers' mapping."""
     out = Conversions()
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -119,8 +117,7 @@ def plan_conversions(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...
         if isinstance(built, str):
             out.unsupported[target] = built
             continue
-        dtype = shapes[built.runs[0][0]][1]
-        out.composites[target] = Composite.of(built.shape, dtype, built.runs)
+        out.composites[target] = Composite.of(built.shape, built.runs)
     return out
 
 
@@ -146,12 +143,10 @@ def _compose(
     operations: Sequence[Any],
     patterns: Sequence[str],
     by_pattern: Mapping[str, list[str]],
-    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    shapes: Mapping[str, tuple[int, ...]],
 ) -> _Virtual | str:
     """The fused tensor's layout, or a description of the first operation that is not a placement."""
-    lists = {
-        p: [_Virtual(shapes[k][0], [(k, 0, math.prod(shapes[k][0]))]) for k in keys] for p, keys in by_pattern.items()
-    }
+    lists = {p: [_Virtual(shapes[k], [(k, 0, math.prod(shapes[k]))]) for k in keys] for p, keys in by_pattern.items()}
     tensors: dict[str, _Virtual] | None = None
     for op in operations:
         name, dim = type(op).__name__, getattr(op, "dim", None)

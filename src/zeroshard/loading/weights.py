@@ -79,7 +79,7 @@ class SafetensorsFolder:
 
     def convert_for(self, model: nn.Module) -> Conversions:
         """Rename and fuse as transformers would for `model`: `names()` and `read` then speak the model's keys."""
-        self.conversions = plan_conversions(model, {k: (e.shape, e.dtype) for k, (_, e) in self.entries.items()})
+        self.conversions = plan_conversions(model, {k: e.shape for k, (_, e) in self.entries.items()})
         return self.conversions
 
     def entry(self, key: str) -> Entry:
