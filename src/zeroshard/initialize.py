@@ -21,6 +21,7 @@ from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
+from zeroshard.loading.recorded import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
@@ -272,6 +273,7 @@ def _build(
                 param.data = param.data.to(precision.compute_dtype)
     release(model)
     BUILT.forget(model)  # an engine has it now: blocks no longer see zero_init's pending parameters in it
+    forget_recorded(model)  # every tensor of it is real: [Note: initialisation recorded under zero_init]
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
     fp16 = cfg.fp16
     loss_scaler = None

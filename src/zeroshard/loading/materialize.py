@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
+from zeroshard.loading.recorded import Replay, bindings, transformers_model
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -31,22 +32,27 @@ def initialise(
 
 def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
     """A module's own meta-device parameters made real (also those another unit will shard later) and initialised
-    by `reset_parameters()` and the root's `_init_weights` (a Hugging Face model). Its real parameters keep their
-    values: a weight tied to a module initialised earlier (a head's weight tied to the embedding, beside the head's
-    own bias), or values a `GatheredParameters` block kept before initialize. A module with nothing on the meta
-    device is left alone."""
-    own = list(module.parameters(recurse=False))
-    if not any(p.is_meta for p in own):
+    as its code did under `zero_init` ([Note: initialisation recorded under zero_init]); those without such a record
+    by `reset_parameters()` and the root's `_init_weights`, which a Hugging Face root also runs after the replay (as
+    transformers does after construction). Its real parameters keep their values: a weight tied to a module
+    initialised earlier (a head's weight tied to the embedding, beside the head's own bias), or values a
+    `GatheredParameters` block kept before initialize. A module with nothing on the meta device is left alone."""
+    own = {n: p for n, p in module._parameters.items() if p is not None}
+    meta = {n: p for n, p in own.items() if p.is_meta}
+    if not meta:
         return
-    kept = [(p, p.detach().clone()) for p in own if not p.is_meta]
-    for p in own:
-        if p.is_meta:  # zeros, not empty memory, where no initialiser writes (a parameter of a custom module)
-            make_real(p, device, zero=True)
+    kept = [(p, p.detach().clone()) for p in own.values() if not p.is_meta]
+    recorded = bindings(module, meta)
+    for p in meta.values():  # zeros, not empty memory, where no initialiser writes (a parameter of a custom module)
+        make_real(p, device, zero=True)
+    unrecorded = len(recorded) < len(meta)
     reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
+    if unrecorded and callable(reset):
         reset()
+    if recorded:
+        Replay(device).fill([(meta[n], b, f"{type(module).__name__}.{n}") for n, b in recorded.items()])
     init = getattr(root, "_init_weights", None)
-    if callable(init):
+    if callable(init) and (unrecorded or transformers_model(root)):
         init(module)
     with torch.no_grad():
         for p, value in kept:
@@ -142,23 +148,37 @@ def materialize_parameters(root: nn.Module, weights: StreamedWeights | None, dev
 
 
 def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device: torch.device) -> None:
-    """Buffers are small: real now, on every rank. From the checkpoint when it has them; a parameter-less module's
-    buffers the checkpoint lacks (a rotary embedding's `inv_freq`) computed by its init; others are zeros until
-    their unit's `initialise`."""
+    """Buffers are small: real now, on every rank. From the checkpoint when it has them; else as the model's code
+    computed them under `zero_init` ([Note: initialisation recorded under zero_init]: a causal mask, a BatchNorm's
+    running variance, a rotary embedding's `inv_freq`); a parameter-less module's buffers without such a record by
+    its init (and a Hugging Face root's `_init_weights` after the replay); others are zeros until their unit's
+    `initialise`."""
     computed: list[nn.Module] = []
-    for module in root.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is None or buf.device == device:
-                continue
-            if not buf.is_meta:
-                setattr(module, name, buf.to(device))
-                continue
-            real = torch.zeros_like(buf, device=device)
-            if weights is not None and weights.covers(buf):
-                weights.read_whole([(buf, real)])
-            elif not any(True for _ in module.parameters(recurse=False)) and module not in computed:
-                computed.append(module)
-            setattr(module, name, real)
+    replay = Replay(device)  # one for all: buffers computed from one another (a copy of `inv_freq`) stay equal
+    hf = transformers_model(root)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed())
+        for module in root.modules():
+            named = {n: b for n, b in module._buffers.items() if b is not None}
+            recorded = bindings(module, {n: b for n, b in named.items() if b.is_meta})
+            fills = []
+            for name, buf in named.items():
+                if buf.device == device:
+                    continue
+                if not buf.is_meta:
+                    setattr(module, name, buf.to(device))
+                    continue
+                real = torch.zeros_like(buf, device=device)
+                if weights is not None and weights.covers(buf):
+                    weights.read_whole([(buf, real)])
+                else:
+                    if name in recorded:
+                        fills.append((real, recorded[name], f"{type(module).__name__}.{name}"))
+                    own = any(p is not None for p in module._parameters.values())
+                    if (name not in recorded or hf) and not own and module not in computed:
+                        computed.append(module)
+                setattr(module, name, real)
+            replay.fill(fills)
     init = getattr(root, "_init_weights", None)
     for module in computed:
         reset = getattr(module, "reset_parameters", None)

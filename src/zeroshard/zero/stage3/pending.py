@@ -13,8 +13,9 @@ and which module holds each module; parameters added later to such a model (PEFT
 it. A `GatheredParameters` block over parameters of such a model that no engine owns yet:
 - gives the meta ones values on the CPU, a module at a time (a module's own parameters become real together; real
   ones, such as a weight tied to another module, keep theirs): a streamed `from_pretrained` checkpoint's values where
-  it has them, else the module's own initialisation (`reset_parameters`, and the root's `_init_weights` for a
-  Hugging Face model; zeros where neither writes); broadcast from rank 0, so every rank reads the same values (the
+  it has them, else the initialisation the model's code ran under `zero_init` ([Note: initialisation recorded under
+  zero_init]; where it wrote nothing, `reset_parameters`, and the root's `_init_weights` for a Hugging Face model;
+  zeros where neither writes); broadcast from rank 0, so every rank reads the same values (the
   process group is started if the script has not, as DeepSpeed's `zero.Init` does). PEFT's LoRA adapters become
   real once, for good (they are small), with PEFT's initialisation (lora_B zero; `materialize_adapters`; DoRA,
   whose magnitudes need the base weights, is refused);
@@ -54,6 +55,7 @@ from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
+from zeroshard.loading.recorded import Recorder, bind
 from zeroshard.loading.weights import weights_covering
 from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark_pending, set_status
 
@@ -154,6 +156,10 @@ class _Built:
         parent = ref() if ref is not None else None
         return parent if parent is not None and any(m is module for m in parent._modules.values()) else None
 
+    def modules(self) -> Iterator[nn.Module]:
+        """Every module recorded and still alive."""
+        return (m for ref in list(self._modules.values()) if (m := ref()) is not None)
+
     def keep(self, param: nn.Parameter) -> None:
         self._kept.add(id(param))
 
@@ -204,11 +210,15 @@ def recording() -> Iterator[None]:
         module_hooks.register_module_parameter_registration_hook(BUILT.parameter),
         module_hooks.register_module_module_registration_hook(BUILT.module),
     ]
+    recorder = Recorder()  # [Note: initialisation recorded under zero_init]
     try:
-        yield
+        with recorder:
+            yield
     finally:
         for handle in handles:
             handle.remove()
+        bind(recorder, BUILT.modules())
+        recorder.close()
         BUILT.depth, BUILT.thread = 0, None
 
 

@@ -1,0 +1,150 @@
+"""A nanoGPT-style model built under `zero_init` starts training from the initialisation its code writes ([Note:
+initialisation recorded under zero_init] in loading/recorded.py), at stage 3 and on the fsdp2 backend: a custom
+LayerNorm's weight is ones (it was zeros), the residual projections carry GPT-2's scaled std, a causal-mask buffer is
+the mask, a `GatheredParameters` block before `initialize` shows those values, every rank holds the same model, and
+training from it matches a single process started from the same values."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from helpers.harness import run_on_ranks
+
+LAYERS, WIDTH, VOCAB, T = 2, 32, 64, 8
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = _LayerNorm(WIDTH)
+        self.attn = nn.Linear(WIDTH, 3 * WIDTH)
+        self.c_proj = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("mask", torch.tril(torch.ones(T, T)).view(1, T, T))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.attn(self.ln(x)).split(WIDTH, dim=2)
+        scores = (q @ k.transpose(1, 2)) / math.sqrt(WIDTH)
+        scores = scores.masked_fill(self.mask[:, : x.shape[1], : x.shape[1]] == 0, float("-inf"))
+        return x + self.c_proj(scores.softmax(-1) @ v)
+
+
+class NanoGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(_Block() for _ in range(LAYERS))
+        self.ln_f = _LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * LAYERS))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
+
+
+def _config(backend: str) -> dict[str, Any]:
+    return {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zeroshard": {"backend": backend},
+    }
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, VOCAB, (4, T), generator=g) for _ in range(6)]
+    return [(tokens[2 * k], tokens[2 * k + 1]) for k in range(3)]
+
+
+def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    import zeroshard
+
+    torch.manual_seed(1234)  # the shared seed every rank's initialisation draws from
+    with zeroshard.zero_init():
+        model = NanoGPT()
+    with zeroshard.GatheredParameters([model.ln_f.weight, model.blocks[0].c_proj.weight]):
+        before = (model.ln_f.weight.detach().clone(), model.blocks[0].c_proj.weight.detach().clone())
+    engine, *_ = zeroshard.initialize(model=model, config=_config(backend))
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    losses = []
+    for idx, targets in _batches():
+        rows = slice(rank * 2, rank * 2 + 2)
+        loss = engine(idx[rows], targets[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return {"before": before, "initial": initial, "buffers": buffers, "losses": losses}
+
+
+def _reference(initial: dict[str, torch.Tensor]) -> list[float]:
+    """One process, the whole batch, from the engine's initial values."""
+    model = NanoGPT()
+    model.load_state_dict(initial, strict=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for idx, targets in _batches():
+        halves = [model(idx[k : k + 2], targets[k : k + 2]) for k in (0, 2)]
+        optimizer.zero_grad()
+        (sum(halves) / 2).backward()
+        optimizer.step()
+        losses += [sum(h.item() for h in halves) / 2]
+    return losses
+
+
+@pytest.mark.parametrize("backend", ["zero", "fsdp2"])
+def test_nanogpt_starts_from_its_own_initialisation(backend: str) -> None:
+    ranks = run_on_ranks(_run, 2, backend)
+    got = ranks[0]
+    for name, value in got["initial"].items():  # one model on every rank
+        assert torch.equal(value, ranks[1]["initial"][name]), name
+    ln, c_proj = got["before"]
+    assert ln.eq(1).all() and torch.equal(ranks[1]["before"][0], ln)
+    for name in ("ln_f.weight", "blocks.0.ln.weight", "blocks.1.ln.weight"):
+        assert got["initial"][name].eq(1).all(), name  # zeros before the recording
+    scaled = 0.02 / math.sqrt(2 * LAYERS)
+    for k in range(LAYERS):
+        assert 0.75 * scaled < got["initial"][f"blocks.{k}.c_proj.weight"].std().item() < 1.25 * scaled
+        assert got["initial"][f"blocks.{k}.attn.bias"].eq(0).all()
+        assert torch.equal(got["buffers"][f"blocks.{k}.mask"], torch.tril(torch.ones(T, T)).view(1, T, T))
+    assert 0.017 < got["initial"]["wte.weight"].std().item() < 0.023
+    assert 0.75 * scaled < c_proj.std().item() < 1.25 * scaled  # what the block before initialize showed
+    losses = [(a + b) / 2 for a, b in zip(got["losses"], ranks[1]["losses"], strict=True)]
+    reference = _reference(got["initial"])
+    for a, b in zip(losses, reference, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (losses, reference)
