@@ -21,7 +21,7 @@ from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
-from zeroshard.loading.recorded import forget as forget_recorded
+from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults

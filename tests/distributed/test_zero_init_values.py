@@ -1,8 +1,9 @@
 """A nanoGPT-style model built under `zero_init` starts training from the initialisation its code writes ([Note:
 initialisation recorded under zero_init] in loading/recorded.py), at stage 3 and on the fsdp2 backend: a custom
 LayerNorm's weight is ones (it was zeros), the residual projections carry GPT-2's scaled std, a causal-mask buffer is
-the mask, a `GatheredParameters` block before `initialize` shows those values, every rank holds the same model, and
-training from it matches a single process started from the same values."""
+the mask, a `GatheredParameters` block before `initialize` shows the very values training starts from, every rank
+holds the same model, and training from it matches a single process started from the same values; blocks inside the
+constructor see and keep the recorded values; a Hugging Face model behind PEFT still gets its `_init_weights`."""
 
 from __future__ import annotations
 
@@ -143,8 +144,74 @@ def test_nanogpt_starts_from_its_own_initialisation(backend: str) -> None:
         assert got["initial"][f"blocks.{k}.attn.bias"].eq(0).all()
         assert torch.equal(got["buffers"][f"blocks.{k}.mask"], torch.tril(torch.ones(T, T)).view(1, T, T))
     assert 0.017 < got["initial"]["wte.weight"].std().item() < 0.023
-    assert 0.75 * scaled < c_proj.std().item() < 1.25 * scaled  # what the block before initialize showed
+    assert torch.equal(c_proj, got["initial"]["blocks.0.c_proj.weight"])  # the block before showed the start
     losses = [(a + b) / 2 for a, b in zip(got["losses"], ranks[1]["losses"], strict=True)]
     reference = _reference(got["initial"])
     for a, b in zip(losses, reference, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (losses, reference)
+
+
+class _Gathers(nn.Module):
+    """Blocks in the constructor: one reads (its values are the recorded ones), one changes a slice on rank 0."""
+
+    def __init__(self) -> None:
+        import zeroshard
+
+        super().__init__()
+        self.norm = _LayerNorm(8)
+        self.gain = nn.Parameter(torch.ones(8))
+        with zeroshard.GatheredParameters([self.norm.weight]):
+            self.seen = self.norm.weight.detach().clone()
+        with torch.no_grad():
+            self.norm.weight.mul_(3.0)  # after the read-only block: still recorded
+        with zeroshard.GatheredParameters([self.gain], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                with torch.no_grad():
+                    self.gain[:2] = 0.0
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x) * self.gain).sum()
+
+
+def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    import zeroshard
+    from helpers.hf_trainer import tiny_llama
+
+    out: dict[str, Any] = {}
+    with zeroshard.zero_init():
+        model = _Gathers()
+    engine, *_ = zeroshard.initialize(model=model, config=_config("zero"))
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        out["gathers"] = (model.seen, model.norm.weight.detach().clone(), model.gain.detach().clone())
+    engine.destroy()
+    with zeroshard.zero_init():
+        llama = tiny_llama()
+    chosen = [llama.model.layers[1].mlp.up_proj.weight, llama.model.norm.weight, llama.lm_head.weight]
+    with zeroshard.GatheredParameters(chosen):
+        before = [p.detach().clone() for p in chosen]
+    engine, *_ = zeroshard.initialize(model=llama, config=_config("zero"))
+    with zeroshard.GatheredParameters(chosen):
+        out["hf_block"] = all(torch.equal(a, p) for a, p in zip(before, chosen, strict=True))
+    engine.destroy()
+    with zeroshard.zero_init():
+        llama = tiny_llama()
+    peft = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine, *_ = zeroshard.initialize(model=peft, config=_config("zero"))
+    base = llama.model.layers[0].self_attn.q_proj.base_layer.weight
+    with zeroshard.GatheredParameters([base, llama.model.embed_tokens.weight]):
+        out["peft"] = (base.std().item(), llama.model.embed_tokens.weight.std().item(), llama.config.initializer_range)
+    engine.destroy()
+    return out
+
+
+def test_blocks_in_the_constructor_and_peft() -> None:
+    for got in run_on_ranks(_blocks_and_peft, 2):
+        seen, norm, gain = got["gathers"]
+        assert seen.eq(1).all() and norm.eq(3).all()  # were zeros: the block and initialize ignored the record
+        assert gain.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+        assert got["hf_block"]  # _init_weights under the module's own seed: the same before and after initialize
+        q_std, embed_std, expected = got["peft"]
+        assert 0.8 * expected < q_std < 1.2 * expected and 0.8 * expected < embed_std < 1.2 * expected

@@ -6,8 +6,10 @@ replay cannot run is named."""
 
 from __future__ import annotations
 
+import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -82,24 +84,31 @@ def test_constructor_values_survive_zero_init() -> None:
         assert 0.06 < values[f"blocks.{k}.weight"].std().item() < 0.085
 
 
-def test_standard_layers_keep_reset_parameters_values() -> None:
-    """A model of torch's layers replays what their reset_parameters() does, in that order: bit for bit the values
-    `initialise` gave before recording existed."""
+def test_values_follow_the_seed_set_before_construction() -> None:
+    """Each random call draws from its own seed (the model's and the call's place): the values do not depend on the
+    unit's seed or on which module is materialised first, and a copy of a tensor replays the same draws."""
 
-    def build() -> nn.Module:
-        return nn.Sequential(nn.Embedding(11, 8, padding_idx=1), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+            self.teacher = copy.deepcopy(self.student)  # an EMA teacher starts as its student
+            self.register_buffer("features", torch.randn(16, 8))  # random features, not unit 0's draws
 
-    with zero_init():
-        model = build()
-    _materialise(model, seed=5)
-    reference = build()
-    modules = dict(reference.named_modules())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch.initial_seed() + 5)
-        for name in sorted({n.rsplit(".", 1)[0] for n, _ in reference.named_parameters()}):
-            modules[name].reset_parameters()  # type: ignore[operator]
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        with zero_init():
+            return Pair()
+
+    first, second, other = _materialise(build(3), seed=0), _materialise(build(3), seed=7), _materialise(build(4))
+    states = (first.state_dict().items(), second.state_dict().values(), other.state_dict().values())
+    for (name, a), b, c in zip(*states, strict=True):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c) == (a.unique().numel() == 1), name  # another seed, other draws
+    for a, b in zip(first.student.parameters(), first.teacher.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first.features[:8], first.student[0].weight)
+    assert 0.9 < first.features.std().item() < 1.1
 
 
 def test_versions_and_dtype_casts() -> None:
@@ -182,3 +191,122 @@ def test_recording_ends_with_the_block() -> None:
     assert torch._C._len_torch_function_stack() == depth
     after = torch.ones(3)  # not recorded, not on the meta device
     assert not after.is_meta
+
+
+def test_default_dtype_views_and_shared_buffers() -> None:
+    """A model built under another default dtype (transformers' `from_config(dtype=...)`) replays in it; a storage
+    read as another dtype (the real part of a complex rotary table) and a buffer two modules share replay too."""
+
+    class Rope(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            freqs = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
+            cis = torch.polar(torch.ones(6, 4), torch.outer(torch.arange(6).float(), freqs))
+            self.register_buffer("cis", torch.stack([cis.real, cis.imag], dim=-1), persistent=False)
+            self.register_buffer("pairs", torch.view_as_real(cis).clone(), persistent=False)
+
+    class Block(nn.Module):
+        def __init__(self, mask: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("mask", mask)
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mask = torch.full((4, 4), float("-inf")).triu_(1)  # one mask for every block
+            self.blocks = nn.ModuleList(Block(mask) for _ in range(2))
+            self.lin = nn.Linear(4, 4)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with zero_init():
+            half = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    finally:
+        torch.set_default_dtype(previous)
+    _materialise(half)
+    assert half[0].weight.dtype == torch.bfloat16 and half[1].weight.eq(1).all()
+    for cls in (Rope, Shared):
+        whole = cls()
+        with zero_init():
+            model = cls()
+        _materialise(model)
+        expected = dict(whole.named_buffers(remove_duplicate=False))
+        for name, value in model.named_buffers(remove_duplicate=False):
+            assert torch.equal(value, expected.pop(name)), name
+        assert not expected
+
+
+def test_real_arguments_are_copied_when_recorded() -> None:
+    """A real tensor or array given to a recorded call is kept as it was then; a replay does not write into it, and
+    replaying twice (a block before initialize, then initialize) gives the same values."""
+    from zeroshard.loading.replay import Replay, bindings
+
+    init = torch.ones(4)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            array = np.arange(4, dtype=np.float32)
+            self.register_buffer("x", torch.tensor(array))
+            array *= 10
+            scratch = torch.zeros(3, device="cpu")
+            self.a, self.b = nn.Parameter(torch.empty(3)), nn.Parameter(torch.empty(3))
+            with torch.no_grad():
+                scratch.fill_(1.0)
+                self.a.copy_(scratch)
+                scratch.fill_(2.0)
+                self.b.copy_(scratch)
+            self.gamma = nn.Parameter(torch.as_tensor(init))
+            with torch.no_grad():
+                self.gamma.mul_(2.0)
+
+    with zero_init():
+        model = Model()
+    binding = bindings(model, {"gamma": model.gamma})["gamma"]
+    twice = [torch.empty(4), torch.empty(4)]
+    for out in twice:
+        Replay(CPU).fill([(out, binding)])
+    _materialise(model)
+    assert model.x.tolist() == [0, 1, 2, 3] and model.a.tolist() == [1, 1, 1] and model.b.tolist() == [2, 2, 2]
+    assert model.gamma.tolist() == [2, 2, 2, 2] and init.tolist() == [1, 1, 1, 1]
+    assert all(t.tolist() == [2, 2, 2, 2] for t in twice)
+
+
+def test_init_functions_that_skip_the_meta_device() -> None:
+    """`trunc_normal_`, `orthogonal_`, `dirac_` return on the meta device before dispatching: recognised at their
+    `is_meta` check (timm's ViT, torchtitan); layers cloned by `copy.deepcopy` (nn.TransformerEncoder) are bound;
+    `inplace=True` writes count; a seeded generator gives each call its own draws."""
+
+    class ViT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos_embed = nn.Parameter(torch.zeros(1, 64, 32))
+            nn.init.trunc_normal_(self.pos_embed, std=0.02, a=-0.03, b=0.03)
+            self.rot = nn.Parameter(torch.empty(16, 16))
+            nn.init.orthogonal_(self.rot)
+            self.conv = nn.Conv2d(4, 4, 3, bias=False)
+            nn.init.dirac_(self.conv.weight)
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 2)
+            self.shift = nn.Parameter(torch.full((8,), -1.0))
+            with torch.no_grad():
+                nn.functional.relu(self.shift, inplace=True)
+            g = torch.Generator().manual_seed(42)
+            self.z, self.a = nn.Linear(16, 16), nn.Linear(16, 16)
+            nn.init.normal_(self.z.weight, generator=g)
+            nn.init.normal_(self.a.weight, generator=g)
+
+    whole = ViT()
+    with zero_init():
+        model = ViT()
+    _materialise(model)
+    assert 0.013 < model.pos_embed.std().item() < 0.017 and model.pos_embed.abs().max().item() <= 0.03  # 1.5 std
+    assert torch.allclose(model.rot @ model.rot.T, torch.eye(16), atol=1e-5)
+    assert torch.equal(model.conv.weight, whole.conv.weight)
+    for name, p in model.encoder.named_parameters():  # xavier and the layers' own init, not zeros
+        expected = dict(whole.encoder.named_parameters())[name]
+        if expected.dim() > 1:
+            assert 0.8 < p.std().item() / expected.std().item() < 1.25, name
+    assert model.shift.eq(0).all()
+    assert not torch.equal(model.z.weight, model.a.weight) and 0.9 < model.z.weight.std().item() < 1.1

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.recorded import Replay, bindings, transformers_model
+from zeroshard.loading.replay import Replay, bindings, module_seed, transformers_init
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -34,9 +34,10 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
     """A module's own meta-device parameters made real (also those another unit will shard later) and initialised
     as its code did under `zero_init` ([Note: initialisation recorded under zero_init]); those without such a record
     by `reset_parameters()` and the root's `_init_weights`, which a Hugging Face root also runs after the replay (as
-    transformers does after construction). Its real parameters keep their values: a weight tied to a module
-    initialised earlier (a head's weight tied to the embedding, beside the head's own bias), or values a
-    `GatheredParameters` block kept before initialize. A module with nothing on the meta device is left alone."""
+    transformers does after construction), under the module's own seed where it has records (else the unit's). Its
+    real parameters keep their values: a weight tied to a module initialised earlier (a head's weight tied to the
+    embedding, beside the head's own bias), or values a `GatheredParameters` block kept before initialize. A module
+    with nothing on the meta device is left alone."""
     own = {n: p for n, p in module._parameters.items() if p is not None}
     meta = {n: p for n, p in own.items() if p.is_meta}
     if not meta:
@@ -46,14 +47,18 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
     for p in meta.values():  # zeros, not empty memory, where no initialiser writes (a parameter of a custom module)
         make_real(p, device, zero=True)
     unrecorded = len(recorded) < len(meta)
-    reset = getattr(module, "reset_parameters", None)
-    if unrecorded and callable(reset):
-        reset()
-    if recorded:
-        Replay(device).fill([(meta[n], b, f"{type(module).__name__}.{n}") for n, b in recorded.items()])
-    init = getattr(root, "_init_weights", None)
-    if callable(init) and (unrecorded or transformers_model(root)):
-        init(module)
+    seed = module_seed(module)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        reset = getattr(module, "reset_parameters", None)
+        if unrecorded and callable(reset):
+            reset()
+        if recorded:
+            Replay(device).fill([(meta[n], b) for n, b in recorded.items()])
+        init = getattr(root, "_init_weights", None)
+        if callable(init) and (unrecorded or transformers_init(init)):
+            init(module)
     with torch.no_grad():
         for p, value in kept:
             p.copy_(value)
@@ -155,30 +160,28 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
     `initialise`."""
     computed: list[nn.Module] = []
     replay = Replay(device)  # one for all: buffers computed from one another (a copy of `inv_freq`) stay equal
-    hf = transformers_model(root)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch.initial_seed())
-        for module in root.modules():
-            named = {n: b for n, b in module._buffers.items() if b is not None}
-            recorded = bindings(module, {n: b for n, b in named.items() if b.is_meta})
-            fills = []
-            for name, buf in named.items():
-                if buf.device == device:
-                    continue
-                if not buf.is_meta:
-                    setattr(module, name, buf.to(device))
-                    continue
-                real = torch.zeros_like(buf, device=device)
-                if weights is not None and weights.covers(buf):
-                    weights.read_whole([(buf, real)])
-                else:
-                    if name in recorded:
-                        fills.append((real, recorded[name], f"{type(module).__name__}.{name}"))
-                    own = any(p is not None for p in module._parameters.values())
-                    if (name not in recorded or hf) and not own and module not in computed:
-                        computed.append(module)
-                setattr(module, name, real)
-            replay.fill(fills)
+    hf = transformers_init(getattr(root, "_init_weights", None))
+    for module in root.modules():
+        named = {n: b for n, b in module._buffers.items() if b is not None}
+        recorded = bindings(module, {n: b for n, b in named.items() if b.is_meta})
+        fills = []
+        for name, buf in named.items():
+            if buf.device == device:
+                continue
+            if not buf.is_meta:
+                setattr(module, name, buf.to(device))
+                continue
+            real = torch.zeros_like(buf, device=device)
+            if weights is not None and weights.covers(buf):
+                weights.read_whole([(buf, real)])
+            else:
+                if name in recorded:
+                    fills.append((real, recorded[name]))
+                own = any(p is not None for p in module._parameters.values())
+                if (name not in recorded or hf) and not own and module not in computed:
+                    computed.append(module)
+            setattr(module, name, real)
+        replay.fill(fills)
     init = getattr(root, "_init_weights", None)
     for module in computed:
         reset = getattr(module, "reset_parameters", None)

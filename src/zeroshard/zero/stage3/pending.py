@@ -23,8 +23,8 @@ it. A `GatheredParameters` block over parameters of such a model that no engine 
   `initialize` shards these values instead of initialising or reading them again (the checkpoint does not overwrite
   a change);
 - at exit without `modifier_rank`, returns those it made real to the meta device (DeepSpeed discards such changes
-  too); `initialize` then initialises them with its own random draw, so a read-only block shows initial values,
-  not necessarily the ones training starts from (a checkpoint's are the same).
+  too); `initialize` then gives them the same values again (each recorded random call, and each module's own
+  initialisation, draws from a seed of its own), so a read-only block shows the values training starts from.
 Every rank holds the kept parameters whole until `initialize`; to keep a large model from ever being whole on a
 rank, change it after `initialize` or stream it with `from_pretrained`. A meta parameter that no `zero_init` model
 holds (the caller's own `torch.device("meta")`) has no module to initialise it: refused in one line, as is
@@ -55,7 +55,8 @@ from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
-from zeroshard.loading.recorded import Recorder, bind
+from zeroshard.loading.recorded import recording as recording_init
+from zeroshard.loading.replay import bind, continue_recording, unrecorded
 from zeroshard.loading.weights import weights_covering
 from zeroshard.zero.stage3.ds_param import ZeroParamStatus, mark_pending, set_status
 
@@ -129,6 +130,10 @@ class _Built:
         if child is not None and threading.get_ident() == self.thread and self._holder(child) is None:
             self._track(child)
             self._parent[id(child)] = self._track(parent)
+
+    def buffer(self, module: nn.Module, _: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None and buffer.is_meta and threading.get_ident() == self.thread:
+            self._track(module)  # a model of buffers only is a model too (its buffers' records are bound)
 
     def owner(self, param: nn.Parameter) -> nn.Module | None:
         ref = self._owner.get(id(param))
@@ -209,16 +214,17 @@ def recording() -> Iterator[None]:
     handles = [
         module_hooks.register_module_parameter_registration_hook(BUILT.parameter),
         module_hooks.register_module_module_registration_hook(BUILT.module),
+        module_hooks.register_module_buffer_registration_hook(BUILT.buffer),
     ]
-    recorder = Recorder()  # [Note: initialisation recorded under zero_init]
     try:
-        with recorder:
-            yield
+        with recording_init():  # [Note: initialisation recorded under zero_init]
+            try:
+                yield
+            finally:
+                bind(BUILT.modules())
     finally:
         for handle in handles:
             handle.remove()
-        bind(recorder, BUILT.modules())
-        recorder.close()
         BUILT.depth, BUILT.thread = 0, None
 
 
@@ -320,7 +326,12 @@ def _back_to_meta(pending: Pending) -> None:
     still open in an enclosing block, stay real."""
     back = [p for p in pending.made if not BUILT.kept(p) and id(p) not in BUILT.open]
     for p in back:
-        swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
+        with unrecorded():
+            swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
+        owner = pending.owner_of.get(id(p))  # inside zero_init: the constructor's later writes still count
+        name = next((n for n, q in owner._parameters.items() if q is p), None) if owner is not None else None
+        if owner is not None and name is not None:
+            continue_recording(owner, name, p)
     set_status(back, ZeroParamStatus.NOT_AVAILABLE)
 
 
