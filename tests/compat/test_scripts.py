@@ -51,6 +51,10 @@ class Case:
     # the ds_config handed over as `accelerate launch --config_file` does (environment variables), not as a flag
     accelerate_config: dict[str, Any] | None = None
     env: tuple[tuple[str, str], ...] = ()
+    # results of models built under `zero.Init`: zeroshard replays their initialisation with seeds of its own ([Note:
+    # initialisation recorded under zero_init]), DeepSpeed runs it as the model built whole: other initial values.
+    # Compared for their steps and finiteness only
+    own_init: tuple[str, ...] = ()
 
 
 BING_BERT_CONFIG = {
@@ -108,7 +112,7 @@ CASES = [
         ("--output_dir", "{tmp}/saved_models"),
         ds_config=BING_BERT_CONFIG,
     ),
-    Case("unit_test_ds_initialize", "test_ds_initialize.py"),
+    Case("unit_test_ds_initialize", "test_ds_initialize.py", own_init=("no_optim_stage3",)),
     # DeepSpeed-Chat reads ZeRO-3's ds_* parameter attributes to save and count ([Note: DeepSpeed's parameter
     # attributes]): without them zeroshard saved every released parameter empty and counted 0 parameters
     Case("dschat_zero3_sft", "dschat_zero3_sft.py", ("--output_dir", "{tmp}/out")),
@@ -239,10 +243,16 @@ def flatten(value: Any, prefix: str = "") -> dict[str, float]:
     return {prefix.rstrip("/"): float(value)}
 
 
-def assert_losses_match(actual: Any, expected: Any, rtol: float) -> None:
+def assert_losses_match(actual: Any, expected: Any, rtol: float, own_init: tuple[str, ...] = ()) -> None:
     got, want = flatten(actual), flatten(expected)
     assert got.keys() == want.keys(), f"different steps: {sorted(got.keys() ^ want.keys())}"
-    bad = {k: (got[k], want[k]) for k in want if not math.isclose(got[k], want[k], rel_tol=rtol, abs_tol=0.0)}
+    own = {k for k in want if k.split("/")[0] in own_init}
+    assert all(math.isfinite(got[k]) for k in own), {k: got[k] for k in own}
+    bad = {
+        k: (got[k], want[k])
+        for k in want
+        if k not in own and not math.isclose(got[k], want[k], rel_tol=rtol, abs_tol=0.0)
+    }
     assert not bad, f"{len(bad)} of {len(want)} losses differ beyond rtol {rtol} (zeroshard, deepspeed): {bad}"
 
 
@@ -255,7 +265,7 @@ def reference() -> dict[str, Any]:
 )
 def test_zeroshard_matches_deepspeed(case: Case, tmp_path: Path) -> None:
     actual = losses_of(run_script(case, "zeroshard", tmp_path), f"{case.script} under zeroshard")
-    assert_losses_match(actual, reference()[case.name], case.rtol)
+    assert_losses_match(actual, reference()[case.name], case.rtol, case.own_init)
 
 
 @pytest.mark.slow
