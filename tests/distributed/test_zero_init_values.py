@@ -3,7 +3,8 @@ initialisation recorded under zero_init] in loading/recorded.py), at stage 3 and
 LayerNorm's weight is ones (it was zeros), the residual projections carry GPT-2's scaled std, a causal-mask buffer is
 the mask, a `GatheredParameters` block before `initialize` shows the very values training starts from, every rank
 holds the same model, and training from it matches a single process started from the same values; blocks inside the
-constructor see and keep the recorded values; a Hugging Face model behind PEFT still gets its `_init_weights`."""
+constructor see and keep the recorded values; a Hugging Face model behind PEFT still gets its `_init_weights`, and
+GPT-2's parent branch scales its children's `c_proj` as transformers does after construction."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
     import zeroshard
 
     torch.manual_seed(1234)  # the shared seed every rank's initialisation draws from
+    if rank == 0:
+        torch.rand(1)  # a draw on one rank only: the seed, not the generator's position, decides the model
     with zeroshard.zero_init():
         model = NanoGPT()
     with zeroshard.GatheredParameters([model.ln_f.weight, model.blocks[0].c_proj.weight]):
@@ -176,11 +179,19 @@ class _Gathers(nn.Module):
 
 def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     import zeroshard
     from helpers.hf_trainer import tiny_llama
 
     out: dict[str, Any] = {}
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=8, n_head=4, bos_token_id=0, eos_token_id=0)
+    with zeroshard.zero_init():
+        gpt2 = GPT2LMHeadModel(config)
+    engine, *_ = zeroshard.initialize(model=gpt2, config=_config("zero"))
+    with zeroshard.GatheredParameters(list(gpt2.parameters())):
+        out["gpt2"] = {n: p.std().item() for n, p in gpt2.named_parameters() if n.endswith("c_proj.weight")}
+    engine.destroy()
     with zeroshard.zero_init():
         model = _Gathers()
     engine, *_ = zeroshard.initialize(model=model, config=_config("zero"))
@@ -212,6 +223,8 @@ def test_blocks_in_the_constructor_and_peft() -> None:
         seen, norm, gain = got["gathers"]
         assert seen.eq(1).all() and norm.eq(3).all()  # were zeros: the block and initialize ignored the record
         assert gain.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+        scaled = 0.02 / math.sqrt(2 * 8)  # GPT-2's parent branch scales its children's c_proj (was 0.02)
+        assert all(0.8 * scaled < std < 1.25 * scaled for std in got["gpt2"].values()), got["gpt2"]
         assert got["hf_block"]  # _init_weights under the module's own seed: the same before and after initialize
         q_std, embed_std, expected = got["peft"]
         assert 0.8 * expected < q_std < 1.2 * expected and 0.8 * expected < embed_std < 1.2 * expected

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import cast
 
 import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.replay import Replay, bindings, module_seed, transformers_init
+from zeroshard.loading.replay import Replay, bindings, module_seed, seeded, transformers_init
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -20,6 +21,7 @@ def initialise(
     root's `_init_weights`) under a seed shared by every rank; stage 3 calls this one unit at a time."""
     if not any(p.is_meta for p in params):
         return
+    fresh = {id(p) for p in params if p.is_meta}
     owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed() + seed)
@@ -28,6 +30,31 @@ def initialise(
     for p in params:
         if p.is_meta:
             make_real(p, device, zero=True)
+    _init_enclosing(modules, owners, fresh, device)
+
+
+def _init_enclosing(
+    modules: dict[str, nn.Module], owners: Sequence[str], fresh: set[int], device: torch.device
+) -> None:
+    """transformers' `initialize_weights` calls `_init_weights` on every module, children before parents, and a
+    parent's branch may initialise a child's weight (GPT-2 scales its attention's and MLP's `c_proj` by
+    1/sqrt(2 n_layer)). Replayed here for each module enclosing the owners whose parameters are all in this call,
+    made real by it (a layer at stage 3, everything at stages 0-2), deepest first, under a seed of the module's own.
+    A module holding a parameter made real elsewhere (another unit's, or values a `GatheredParameters` block kept) is
+    left alone: its branch would write over them."""
+    init = getattr(modules[""], "_init_weights", None)
+    if not callable(init) or not transformers_init(init):
+        return
+    enclosing = {owner.rsplit(".", k)[0] for owner in owners if owner for k in range(1, owner.count(".") + 1)}
+    enclosing |= {""} if any(owners) else set()
+    for name in sorted(enclosing - set(owners), key=lambda n: (-(n.count(".") + 1) if n else 0, n)):
+        module = modules[name]
+        inside = list(module.parameters())
+        if not inside or any(id(p) not in fresh for p in inside):
+            continue
+        seed = module_seed(module, recurse=True)
+        with seeded(seed, device) if seed is not None else nullcontext():
+            init(module)
 
 
 def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
@@ -48,9 +75,7 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
         make_real(p, device, zero=True)
     unrecorded = len(recorded) < len(meta)
     seed = module_seed(module)
-    with torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
+    with seeded(seed, device) if seed is not None else nullcontext():
         reset = getattr(module, "reset_parameters", None)
         if unrecorded and callable(reset):
             reset()

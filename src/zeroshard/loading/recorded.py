@@ -22,33 +22,43 @@ buffers are bound to their storages' records, every module under the models buil
 included), in a weak map keyed by the module: nothing is added to the parameters.
 
 Materialising a module (`initialize`, unit by unit; a `GatheredParameters` block before it, also inside the `zero_init`
-block) replays its tensors' records, events in the order they happened: creators run on the target device (a
-`device="meta"` argument becomes that device), writes go into views of their results. Each random call draws from a
-seed of its own, derived from one draw of the default generator as the block starts (building the model whole
-draws from it too: after the same `torch.manual_seed` the same model) and the call's place in the recording (a
-`generator=` argument: from that generator's seed and the place): the values are the same on every rank, in every
-unit layout, in a block before `initialize` and after it, and a tensor copied from another (an EMA teacher
-deep-copied from its student, a buffer cloned from a weight) replays the same draws. They follow the same
-distributions as the model built whole, not the same numbers.
+block) replays its tensors' records: every event they depend on runs in the order it was recorded (so each call
+finds what it read at the version it read; no copies of older versions, no recursion), creators on the target device
+(a `device="meta"` argument becomes that device), writes into views of their results, real arguments copied afresh.
+Each call draws from a seed of its own: the default generator's seed when it was recorded (`torch.initial_seed()`,
+as set by `torch.manual_seed`) and the number of calls recorded since that seed was set (a `generator=` argument:
+that generator's seed and the number). So the values are the same in every unit layout, in a block before
+`initialize` and after it, and on every rank that seeded alike and built alike (as with units' seeds before; a
+rank that seeds differently builds another model, where DeepSpeed's `zero.Init` broadcasts rank 0's); the same model
+after the same `torch.manual_seed`, another one built next; a tensor copied from another inside the block (an EMA
+teacher deep-copied from its student, a buffer cloned from a weight) replays the same draws. They follow the same
+distributions as the model built whole, not the same numbers, and recording draws nothing from the generators.
+Where no record initialises a parameter, its module's `reset_parameters()` and `_init_weights` run under a seed of
+the module's own, taken the same way from its first parameter's record.
 
 - A tensor whose record is not an initialisation (made by `torch.empty`, or from such a storage, and never written,
   as under transformers' skipped initialisation; or depending on a meta tensor made outside the block) keeps its
-  module's own: `reset_parameters()` and the root's `_init_weights`, under the unit's seed.
+  module's own: `reset_parameters()` and the root's `_init_weights`, under the module's seed.
 - transformers skips `_init_weights` on the meta device (its `init_weights`) and runs it when a model is built
-  whole: for a `PreTrainedModel`'s `_init_weights` (also behind PEFT's wrapper), it runs after the replay.
+  whole, children before parents: for a `PreTrainedModel`'s `_init_weights` (also behind PEFT's wrapper), it runs
+  after the replay on each module, then on the modules enclosing them that the unit holds whole (GPT-2's attention
+  scales its child `c_proj`).
 - Not recorded: writes after the `zero_init` block (use `GatheredParameters(..., modifier_rank=0)` there, as with
-  DeepSpeed); reading a meta value into Python (`.item()` fails on the meta device); writes a call makes other than
-  into its first argument, `out=` or `inplace=True` (a batch norm's running statistics in a forward run in
-  `__init__`, `torch._foreach_*_`, an `out=` tuple).
+  DeepSpeed), and a `copy.deepcopy` of the model made after it (the copy's tensors are new: it gets its modules'
+  `reset_parameters()`; copy inside the block); reading a meta value into Python (`.item()` fails on the meta
+  device); writes a call makes other than into its first argument, `out=` or `inplace=True` (a batch norm's running
+  statistics in a forward run in `__init__`, `torch._foreach_*_`, an `out=` tuple).
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -73,6 +83,26 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
 _SEQUENCE = itertools.count()  # events of every recording, in the order they happened
 
 
+class _Places:
+    """A recorded call's seed: the default generator's seed when it is recorded, and the number of calls recorded
+    since that seed was set (by any recording: two models built one after the other differ, as they would built
+    whole; the same model after the same `torch.manual_seed` is the same)."""
+
+    def __init__(self) -> None:
+        self._seed: int | None = None
+        self._next = 0
+
+    def next(self) -> tuple[int, int]:
+        seed = torch.initial_seed()
+        if seed != self._seed:
+            self._seed, self._next = seed, 0
+        self._next += 1
+        return seed, self._next - 1
+
+
+_PLACES = _Places()
+
+
 def _early_returning_inits() -> dict[Any, Callable[..., Any]]:
     """torch's init functions that return on the meta device before dispatching: the code that checks `is_meta`,
     and the public function to replay with the same arguments."""
@@ -89,6 +119,7 @@ def _early_returning_inits() -> dict[Any, Callable[..., Any]]:
 
 _EARLY_RETURNING = _early_returning_inits()
 _IS_META = torch.Tensor.is_meta.__get__  # type: ignore[attr-defined]
+_FRAMES_UP = 8  # torch function modes stacked inside the block that `_early_return` looks past
 
 
 @dataclass(frozen=True)
@@ -141,14 +172,23 @@ class Record:
 
     def initialises(self, version: int | None = None) -> bool:
         """Whether the storage holds values at `version` (its last by default) that the replay can compute: not made by
-        `torch.empty` (or from such a storage) without a write since."""
-        writes = self.writes if version is None else self.writes[:version]
-        if self.creator.func is None or any(w.call.func is None for w in writes):
-            return False
-        if writes:
-            return True
-        refs = [r for r in leaves((self.creator.args, self.creator.kwargs)) if isinstance(r, Ref)]
-        return self.creator.name not in _UNINITIALISED and all(r.record.initialises(r.version) for r in refs)
+        `torch.empty` (or from such a storage) without a write since. Iterative: chains of calls can be long."""
+        stack, seen = [(self, len(self.writes) if version is None else version)], set()
+        while stack:
+            record, at = stack.pop()
+            if (id(record), at) in seen:
+                continue
+            seen.add((id(record), at))
+            writes = record.writes[:at]
+            if record.creator.func is None or any(w.call.func is None for w in writes):
+                return False
+            if writes:
+                continue
+            if record.creator.name in _UNINITIALISED:
+                return False
+            calls = (record.creator.args, record.creator.kwargs)
+            stack += [(r.record, r.version) for r in leaves(calls) if isinstance(r, Ref)]
+        return True
 
 
 @dataclass(frozen=True)
@@ -233,10 +273,6 @@ class Recorder(TorchFunctionMode):
         self._records: dict[int, Record] = {}  # storage -> its record
         self._alive: list[torch.Tensor] = []  # a tensor per recorded storage: keys are not reused while recording
         self._paused = 0
-        # one draw of the default generator, as building the model whole draws from it: the same model after the
-        # same `torch.manual_seed`, another one after it
-        self.seed = int(torch.randint(0, 1 << 62, (1,), device="cpu").item())
-        self._places = itertools.count()
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
@@ -273,14 +309,23 @@ class Recorder(TorchFunctionMode):
             self._alive.append(t)
 
     def _early_return(self, tensor: Any) -> None:
-        frame = sys._getframe(2)  # the code that read `is_meta` (this method, then __torch_function__)
-        public = _EARLY_RETURNING.get(frame.f_code)
-        if public is None:
-            return
-        code = frame.f_code
-        given = {name: frame.f_locals[name] for name in code.co_varnames[: code.co_argcount] if name in frame.f_locals}
-        if given.get("tensor") is tensor:
-            self._record(public, (), given, tensor)
+        """An init function's `is_meta` check: the code that read it is up the stack, past this method, ours and any
+        torch function mode entered after this one (a `torch.device` context inside the block)."""
+        frame: FrameType | None = sys._getframe(2)
+        for _ in range(_FRAMES_UP):
+            if frame is None:
+                return
+            public = _EARLY_RETURNING.get(frame.f_code)
+            if public is not None:
+                code = frame.f_code
+                names = code.co_varnames[: code.co_argcount]
+                given = {name: frame.f_locals[name] for name in names if name in frame.f_locals}
+                if given.get("tensor") is tensor:
+                    self._record(public, (), given, tensor)
+                return
+            if frame.f_code.co_name != "__torch_function__":
+                return  # someone else's `is_meta` question
+            frame = frame.f_back
 
     def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         name = str(getattr(func, "__name__", ""))
@@ -336,7 +381,8 @@ class Recorder(TorchFunctionMode):
         templated = Call(func, tree_map(args, template), tree_map(kwargs, template))
         if unknown:
             templated.func = None
-        templated.sequence, templated.seed, templated.place = next(_SEQUENCE), self.seed, next(self._places)
+        templated.sequence = next(_SEQUENCE)
+        templated.seed, templated.place = _PLACES.next()
         templated.default_dtype = torch.get_default_dtype()
         return templated
 
@@ -345,24 +391,30 @@ class Recorder(TorchFunctionMode):
         self._alive.clear()
 
 
-_ACTIVE: list[Recorder] = []  # the recording under way (zero_init enters one at a time, from one thread)
+class _Active(threading.local):
+    """The recording under way in this thread (torch function modes are per thread too)."""
+
+    recorder: Recorder | None = None
+
+
+_ACTIVE = _Active()
 
 
 @contextmanager
 def recording() -> Iterator[Recorder]:
     """A `Recorder` active for the duration: [Note: initialisation recorded under zero_init]."""
     recorder = Recorder()
-    _ACTIVE.append(recorder)
+    outer, _ACTIVE.recorder = _ACTIVE.recorder, recorder
     try:
         with recorder:
             yield recorder
     finally:
-        _ACTIVE.remove(recorder)
+        _ACTIVE.recorder = outer
         recorder.close()
 
 
 def active() -> Recorder | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+    return _ACTIVE.recorder
 
 
 def bindings_of(recorder: Recorder, module: nn.Module) -> dict[str, Binding]:

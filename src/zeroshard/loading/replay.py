@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,67 +31,60 @@ from zeroshard.loading.recorded import (
 _SEED_MIX = 0x9E3779B97F4A7C15  # a call's seed: the model's seed and its place, spread over 63 bits
 
 
-def _seed(base: int, place: int) -> int:
+def seed_of(base: int, place: int) -> int:
     return (base + (place + 1) * _SEED_MIX) % (1 << 63)
 
 
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The CPU's default generator, and `device`'s where it is a CUDA device, seeded with `seed` for the duration
+    and put back afterwards (other devices' generators untouched)."""
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    with torch.random.fork_rng(devices=[index] if index is not None else []):
+        torch.random.default_generator.manual_seed(seed)
+        if index is not None:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
 class Replay:
-    """Records evaluated on `device`: each storage once per replay, advanced write by write; a version another call
-    read is kept aside when the storage moves past it."""
+    """Records evaluated on `device`. Every event the targets depend on (each storage's creation, its writes up to
+    the version read) runs in the order it was recorded: a call then finds each storage it reads at the version it
+    read, with no copies of earlier versions and no recursion. A fresh replay per call of `fill`: values depend only
+    on the records (every call draws from its own seed), so a storage two fills reach gets the same values twice."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._results: dict[int, Any] = {}  # id(call) -> its outputs
-        self._now: dict[int, tuple[torch.Tensor, int]] = {}  # id(record) -> (over the whole storage, version)
-        self._kept: dict[tuple[int, int], torch.Tensor] = {}
 
     def fill(self, targets: list[tuple[torch.Tensor, Binding]]) -> None:
-        """Each real `tensor` gets its binding's value; the records' events replayed in the order they happened."""
+        """Each real `tensor` gets its binding's value."""
         if not targets:
             return
+        needed = _needed({b.record: len(b.record.writes) for _, b in targets})
         events: list[tuple[int, Record, int]] = []
-        for record in dict.fromkeys(b.record for _, b in targets):
+        for record, version in needed.items():
             events.append((record.creator.sequence, record, 0))
-            events += [(w.call.sequence, record, k + 1) for k, w in enumerate(record.writes)]
-        with self._own_random_state(), torch.no_grad(), torch.device(self.device):
-            for _, record, version in sorted(events, key=lambda e: e[0]):
-                now = self._now.get(id(record))
-                if now is None or now[1] < version:
-                    self._value(record, version)
+            events += [(record.writes[k].call.sequence, record, k + 1) for k in range(version)]
+        now: dict[int, tuple[torch.Tensor, int]] = {}  # id(record) -> (over the whole storage, version)
+        results: dict[int, Any] = {}  # id(call) -> its outputs (one call can create several storages)
+        with torch.no_grad(), torch.device(self.device):
+            for _, record, version in sorted(events, key=lambda e: (e[0], e[2])):
+                if version == 0:
+                    call = record.creator
+                    if id(call) not in results:
+                        results[id(call)] = self._run(call, None, now)
+                    now[id(record)] = (self._created(record, results[id(call)]), 0)
+                    continue
+                base, at = now[id(record)]
+                write = record.writes[at]
+                self._run(write.call, self._view(base, write.into), now)
+                now[id(record)] = (base, at + 1)
             for tensor, binding in targets:
-                tensor.copy_(self._view(self._value(binding.record, len(binding.record.writes)), binding.view))
+                tensor.copy_(self._view(now[id(binding.record)][0], binding.view))
 
-    @contextmanager
-    def _own_random_state(self) -> Iterator[None]:
-        """Calls seed the default generators of the CPU and the target device: put back afterwards."""
-        cuda = self.device.type == "cuda"
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device() if cuda else 0
-        with torch.random.fork_rng(devices=[index] if cuda else []):
-            yield
-
-    def _value(self, record: Record, version: int) -> torch.Tensor:
-        kept = self._kept.get((id(record), version))
-        if kept is not None:
-            return kept
-        now = self._now.get(id(record))
-        if now is None:
-            now = (self._create(record), 0)
-        base, at = now
-        if at > version:
-            raise ZeroshardError(f"zero_init replay: version {version} of a storage was not kept")  # a recorder bug
-        while at < version:
-            if at in record.read_at:
-                self._kept[(id(record), at)] = base.clone()
-            write = record.writes[at]
-            self._run(write.call, self._view(base, write.into))
-            at += 1
-        self._now[id(record)] = (base, at)
-        return base
-
-    def _create(self, record: Record) -> torch.Tensor:
-        results = self._results.get(id(record.creator))
-        if results is None:
-            results = self._results[id(record.creator)] = self._run(record.creator, None)
+    def _created(self, record: Record, results: Any) -> torch.Tensor:
         out = results
         for k in record.path:
             out = out[k]
@@ -109,27 +103,36 @@ class Replay:
         as_dtype = torch.empty(0, dtype=view.dtype, device=base.device)
         return as_dtype.set_(base.untyped_storage(), view.offset, view.size, view.stride)
 
-    def _run(self, call: Call, target: torch.Tensor | None) -> Any:
+    def _run(self, call: Call, target: torch.Tensor | None, now: dict[int, tuple[torch.Tensor, int]]) -> Any:
         def real(value: Any) -> Any:
             if value is TARGET:
                 return target
             if value is DEVICE:
                 return self.device
             if isinstance(value, Ref):
-                return self._view(self._value(value.record, value.version), value.view)
+                base, at = now[id(value.record)]
+                if at != value.version:  # a recorder bug: events run in the order they were recorded
+                    raise ZeroshardError(f"zero_init replay: {call.name} read version {value.version}, found {at}")
+                return self._view(base, value.view)
             if isinstance(value, Seeded):
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(_seed(value.seed, call.place))
+                generator.manual_seed(seed_of(value.seed, call.place))
                 return generator
+            if isinstance(value, torch.Tensor):  # a copy per replay: a call may write into it, or return it
+                return value.clone()
+            if isinstance(value, np.ndarray):
+                return value.copy()
             return value
 
         assert call.func is not None  # only records that initialise are replayed
         args, kwargs = tree_map(call.args, real), tree_map(call.kwargs, real)
-        torch.manual_seed(_seed(call.seed, call.place))
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(call.default_dtype)
         try:
-            out = call.func(*args, **kwargs)
+            with seeded(seed_of(call.seed, call.place), self.device):
+                torch.set_default_dtype(call.default_dtype)
+                return call.func(*args, **kwargs)
+        except ZeroshardError:
+            raise
         except Exception as e:
             raise ZeroshardError(
                 f"zero_init: replaying {call.name}, which the model's code ran on the meta device, failed on "
@@ -137,14 +140,27 @@ class Replay:
             ) from e
         finally:
             torch.set_default_dtype(previous)
-        if target is None:  # a creator's output must not be one of its (copied) arguments: replays would compound
-            given = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            out = tree_map(out, lambda t: t.clone() if _aliases(t, given) else t)
-        return out
 
 
-def _aliases(value: Any, pointers: set[int]) -> bool:
-    return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in pointers
+def _needed(targets: dict[Record, int]) -> dict[Record, int]:
+    """Every record the targets read, with the last version read (a worklist: reading more of a storage's writes
+    can reach more storages)."""
+    needed = dict(targets)
+    done: dict[Record, int] = {}
+    work = list(needed)
+    while work:
+        record = work.pop()
+        version = needed[record]
+        start = done.get(record)
+        calls = [w.call for w in record.writes[start or 0 : version]]
+        if start is None:
+            calls.append(record.creator)
+        done[record] = version
+        for ref in (r for c in calls for r in leaves((c.args, c.kwargs)) if isinstance(r, Ref)):
+            if needed.get(ref.record, -1) < ref.version:
+                needed[ref.record] = ref.version
+                work.append(ref.record)
+    return needed
 
 
 def _extent(view: Geometry) -> int:
@@ -190,12 +206,14 @@ def bindings(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
-def module_seed(module: nn.Module) -> int | None:
+def module_seed(module: nn.Module, recurse: bool = False) -> int | None:
     """A seed of the module's own for its `reset_parameters()` and `_init_weights` (where they run): from the place
-    of its first recorded parameter, so that those draws, too, do not depend on the unit or on a block before
-    `initialize`; None for a module without records."""
-    for binding in _BOUND.get(module, {}).values():
-        return _seed(binding.record.creator.seed, binding.record.creator.place + (1 << 40))
+    of its first recorded parameter (`recurse`: or its first module's with one), so that those draws, too, do not
+    depend on the unit or on a block before `initialize`; None for a module without records."""
+    for each in module.modules() if recurse else (module,):
+        for binding in _BOUND.get(each, {}).values():
+            creator = binding.record.creator
+            return seed_of(creator.seed, creator.place + binding.view.offset + (1 << 40) + (1 << 41) * recurse)
     return None
 
 
