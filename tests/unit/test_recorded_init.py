@@ -352,3 +352,15 @@ def test_long_chains_nested_modes_and_the_generator_untouched() -> None:
     _materialise(model)
     assert torch.allclose(model.chain, whole.chain) and torch.equal(model.rows, whole.rows)
     assert 0.013 < model.lin.weight.std().item() < 0.027
+
+
+def test_recurrent_layers_materialise() -> None:
+    """torch's RNN layers keep weak references to their weights (swap_tensors refused them: "Cannot swap t1 because
+    it has weakref"); they materialise, with their own initialisation, and run."""
+    with zero_init():
+        model = nn.Sequential(nn.LSTM(8, 16, num_layers=2, batch_first=True))
+    _materialise(model)
+    lstm = model[0]
+    bound = 1 / math.sqrt(16)
+    assert all(p.abs().max().item() <= bound and p.std().item() > 0.5 * bound / math.sqrt(3) for p in lstm.parameters())
+    assert lstm(torch.randn(2, 5, 8))[0].shape == (2, 5, 16)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import cast
 
 import torch
@@ -71,8 +71,9 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
         return
     kept = [(p, p.detach().clone()) for p in own.values() if not p.is_meta]
     recorded = bindings(module, meta)
-    for p in meta.values():  # zeros, not empty memory, where no initialiser writes (a parameter of a custom module)
-        make_real(p, device, zero=True)
+    with swappable(module):
+        for p in meta.values():  # zeros, not empty memory, where no initialiser writes (a custom module's parameter)
+            make_real(p, device, zero=True)
     unrecorded = len(recorded) < len(meta)
     seed = module_seed(module)
     with seeded(seed, device) if seed is not None else nullcontext():
@@ -137,6 +138,20 @@ def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
 
 def _params(entry: nn.Module | nn.Parameter) -> list[nn.Parameter]:
     return [entry] if isinstance(entry, nn.Parameter) else list(entry.parameters())
+
+
+@contextmanager
+def swappable(module: nn.Module) -> Iterator[None]:
+    """torch's RNN layers hold weak references to their weights, which `swap_tensors` refuses ("Cannot swap t1
+    because it has weakref"): dropped for the swap and made again after, as the layers' own `_apply` does."""
+    if not isinstance(module, nn.RNNBase):
+        yield
+        return
+    module._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        module._init_flat_weights()
 
 
 def make_real(param: nn.Parameter, device: torch.device, zero: bool = False) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ from torch.nn.modules import module as module_hooks
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
-from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes
+from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes, swappable
 from zeroshard.loading.recorded import recording as recording_init
 from zeroshard.loading.replay import bind, continue_recording, unrecorded
 from zeroshard.loading.weights import weights_covering
@@ -326,9 +326,10 @@ def _back_to_meta(pending: Pending) -> None:
     still open in an enclosing block, stay real."""
     back = [p for p in pending.made if not BUILT.kept(p) and id(p) not in BUILT.open]
     for p in back:
-        with unrecorded():
+        owner = pending.owner_of.get(id(p))
+        with unrecorded(), swappable(owner) if owner is not None else nullcontext():
             swap_keeping_attributes(p, torch.empty_like(p, device="meta"))
-        owner = pending.owner_of.get(id(p))  # inside zero_init: the constructor's later writes still count
+        # inside zero_init: the constructor's later writes still count
         name = next((n for n, q in owner._parameters.items() if q is p), None) if owner is not None else None
         if owner is not None and name is not None:
             continue_recording(owner, name, p)
