@@ -99,3 +99,29 @@ def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_pat
         estimated = _estimate(str(tmp_path), "fp32", checkpointing, capsys)
         measured = _measure(config, torch.float32, checkpointing)
         assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)
+
+
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24)
+LATENT = {  # DeepSeek's multi-head latent attention ([Note: activation estimate of MLA]); v_head_dim = nope + rope
+    # keeps the CPU on its fused attention kernel, as a GPU's kernels are with any v_head_dim
+    "deepseek_v3-dense": ("DeepseekV3Config", dict(SHAPES["gqa"], **MLA, q_lora_rank=48, first_k_dense_replace=4,
+                          n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "deepseek_v3-moe": ("DeepseekV3Config", dict(SHAPES["gqa"], **MLA, q_lora_rank=48, first_k_dense_replace=1,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=1, topk_group=1)),
+    "deepseek_v2-lite": ("DeepseekV2Config", dict(SHAPES["gqa"], **MLA, q_lora_rank=None, first_k_dense_replace=1,
+                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LATENT))
+def test_estimated_activations_of_latent_attention_are_within_15_percent(name, tmp_path, capsys):
+    import transformers
+
+    kind, sizes = LATENT[name]
+    config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes)
+    config.save_pretrained(tmp_path)
+    for checkpointing in (False, True):
+        estimated = _estimate(str(tmp_path), "fp32", checkpointing, capsys)
+        measured = _measure(config, torch.float32, checkpointing)
+        assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)

@@ -33,6 +33,7 @@ class Shape:
     gated_mlp: bool = True  # Llama/Qwen2 SwiGLU (gate, up, act, product) vs GPT-2 (fc, act)
     qk_norm: bool = False  # Qwen3's RMSNorm of each head's q and k
     moe: MoeShape | None = None  # mixture-of-experts layers ([Note: activation estimate of experts])
+    mla: MlaShape | None = None  # DeepSeek's multi-head latent attention ([Note: activation estimate of MLA])
 
     @property
     def kv_hidden(self) -> int:
@@ -56,11 +57,35 @@ class MoeShape:
     last_layer: bool = True  # whether the last layer has experts (its backward is the peak's other moment)
 
 
+@dataclass(frozen=True)
+class MlaShape:
+    """[Note: activation estimate of MLA] DeepSeek-V2/V3's attention (transformers 5) saves, per token: the query's
+    low-rank projection through its RMSNorm (input, normalized, output: 3 q_lora; none when the query is projected
+    directly), the compressed key-value (kv_lora + rope, kept whole by its norm's input view) and its norm's
+    normalized value and output (2 kv_lora), the rotated query and key (heads x (nope + rope) each), the key-value
+    expansion that the values are a view of (heads x (nope + v)) and the attention output (heads x v). Measured on
+    DeepSeek-V3 shapes with a fused attention kernel (v_head_dim = nope + rope on the CPU; with another v_head_dim
+    the CPU falls back to the math kernel, which keeps seq x seq scores, as a GPU's kernels do not)."""
+
+    q_lora: int  # 0: the query is projected directly (DeepSeek-V2-Lite)
+    kv_lora: int
+    rope: int
+    nope: int
+    v: int
+
+    def elements(self, heads: int) -> int:
+        query = 3 * self.q_lora
+        key_value = self.kv_lora + self.rope + 2 * self.kv_lora
+        return query + key_value + 2 * heads * (self.nope + self.rope) + heads * (self.nope + self.v) + heads * self.v
+
+
 def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
     """[Note: activation estimate] what one layer saves for backward, per token (`experts`: a MoE layer's)."""
     norms = 6 * shape.hidden
     attention = 2 * shape.hidden + 2 * shape.kv_hidden
-    if shape.qk_norm:  # each norm keeps its input and the normalized value
+    if shape.mla is not None:
+        attention = shape.mla.elements(shape.heads)
+    elif shape.qk_norm:  # each norm keeps its input and the normalized value
         attention += 2 * (shape.hidden + shape.kv_hidden)
     moe = shape.moe
     if experts and moe is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroshard.cli.estimate.activations import MoeShape, Shape
+from zeroshard.cli.estimate.activations import MlaShape, MoeShape, Shape
 from zeroshard.errors import ConfigError
 
 
@@ -55,7 +55,17 @@ def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
     qk_norm = any(name.endswith("q_norm") for name in names)
     experts = [name for name in names if name.endswith(".experts")]
     moe = _moe_shape(config, len(experts), int(inter), _in_last_layer(experts, layers))
-    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated, qk_norm, moe)
+    mla = _mla_shape(config)
+    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated, qk_norm, moe, mla)
+
+
+def _mla_shape(config: Any) -> MlaShape | None:
+    """[Note: activation estimate of MLA] from a DeepSeek-V2/V3 config (`kv_lora_rank` and the head dimensions)."""
+    kv_lora = getattr(config, "kv_lora_rank", None)
+    if not kv_lora:
+        return None
+    dims = [int(getattr(config, k, 0) or 0) for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
+    return MlaShape(int(getattr(config, "q_lora_rank", 0) or 0), int(kv_lora), *dims)
 
 
 def _fused_experts(module: nn.Module | None) -> bool:
