@@ -85,9 +85,9 @@ def test_constructor_values_survive_zero_init() -> None:
 
 
 def test_values_follow_the_seed_set_before_construction() -> None:
-    """Each random call draws from its own seed (the generator's seed and the call's place since it was set): the
-    values do not depend on the unit's seed or on which module is materialised first, and a copy of a tensor replays
-    the same draws."""
+    """Each random call draws from its own seed (the generator's seed and the calls recorded under it before): the
+    values do not depend on the unit's seed or on which module is materialised first; a copy of a tensor replays the
+    same draws; another seed gives another model, and so does the next model under the same seed."""
 
     class Pair(nn.Module):
         def __init__(self) -> None:
@@ -96,22 +96,24 @@ def test_values_follow_the_seed_set_before_construction() -> None:
             self.teacher = copy.deepcopy(self.student)  # an EMA teacher starts as its student
             self.register_buffer("features", torch.randn(16, 8))  # random features, not unit 0's draws
 
-    def build(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        with zero_init():
-            return Pair()
+    from zeroshard.loading.replay import Replay, bindings
 
-    # seeded again (after another seed: the count of calls since the seed starts anew), another unit seed
-    first, other, second = _materialise(build(3), seed=0), _materialise(build(4)), _materialise(build(3), seed=7)
     torch.manual_seed(3)
     with zero_init():
-        _Norm(4)  # something built before, after the same seed: the next model is another one, as built whole
-        next_one = _materialise(Pair())
-    assert not torch.equal(next_one.student[0].weight, first.student[0].weight)
-    states = (first.state_dict().items(), second.state_dict().values(), other.state_dict().values())
-    for (name, a), b, c in zip(*states, strict=True):
-        assert torch.equal(a, b), name
+        model = Pair()
+        following = Pair()
+    torch.manual_seed(4)
+    with zero_init():
+        other = Pair()
+    last = model.student[2]  # replayed alone first, under another global random state
+    alone = {n: torch.empty_like(p, device="cpu") for n, p in last.named_parameters()}
+    torch.manual_seed(99)
+    Replay(CPU).fill([(alone[n], b) for n, b in bindings(last, dict(last.named_parameters())).items()])
+    first, other, following = _materialise(model, seed=0), _materialise(other), _materialise(following)
+    assert all(torch.equal(alone[n], p) for n, p in last.named_parameters())
+    for (name, a), c in zip(first.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(a, c) == (a.unique().numel() == 1), name  # another seed, other draws
+    assert not torch.equal(following.student[0].weight, first.student[0].weight)
     for a, b in zip(first.student.parameters(), first.teacher.parameters(), strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(first.features[:8], first.student[0].weight)
@@ -364,3 +366,42 @@ def test_recurrent_layers_materialise() -> None:
     bound = 1 / math.sqrt(16)
     assert all(p.abs().max().item() <= bound and p.std().item() > 0.5 * bound / math.sqrt(3) for p in lstm.parameters())
     assert lstm(torch.randn(2, 5, 8))[0].shape == (2, 5, 16)
+
+
+def test_transformers_initialisation_is_recorded_where_it_runs() -> None:
+    """transformers skips `initialize_weights` on the meta device: it is run and recorded at that moment, children
+    before parents as transformers runs it, so a parent's branch reaches its children (CLIP's projections and patch
+    embedding, written from modules that own a parameter themselves); a seed set for a moment inside the block does
+    not make later draws repeat earlier ones."""
+    from transformers import CLIPConfig, CLIPModel
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=128, max_position_embeddings=16, **sizes),
+        vision_config=dict(image_size=32, patch_size=8, **sizes),
+        projection_dim=32,
+    )
+    whole = CLIPModel(config)
+    with zero_init():
+        model = CLIPModel(config)
+    _materialise(model)
+    expected = dict(whole.named_parameters())
+    for name, p in model.named_parameters():
+        if expected[name].std() > 0:
+            assert 0.75 < p.std().item() / expected[name].std().item() < 1.33, name
+        else:
+            assert torch.equal(p, expected[name]), name
+
+    class Scoped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(1000) * 0.02)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(123)
+                self.register_buffer("projection", torch.randn(8, 8))
+            self.b = nn.Parameter(torch.randn(1000) * 0.02)
+
+    with zero_init():
+        scoped = Scoped()
+    _materialise(scoped)
+    assert not torch.equal(scoped.a, scoped.b)

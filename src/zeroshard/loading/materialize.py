@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.replay import Replay, bindings, module_seed, seeded, transformers_init
+from zeroshard.loading.replay import Replay, bindings, module_seed, seeded
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -21,7 +21,6 @@ def initialise(
     root's `_init_weights`) under a seed shared by every rank; stage 3 calls this one unit at a time."""
     if not any(p.is_meta for p in params):
         return
-    fresh = {id(p) for p in params if p.is_meta}
     owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch.initial_seed() + seed)
@@ -30,38 +29,13 @@ def initialise(
     for p in params:
         if p.is_meta:
             make_real(p, device, zero=True)
-    _init_enclosing(modules, owners, fresh, device)
-
-
-def _init_enclosing(
-    modules: dict[str, nn.Module], owners: Sequence[str], fresh: set[int], device: torch.device
-) -> None:
-    """transformers' `initialize_weights` calls `_init_weights` on every module, children before parents, and a
-    parent's branch may initialise a child's weight (GPT-2 scales its attention's and MLP's `c_proj` by
-    1/sqrt(2 n_layer)). Replayed here for each module enclosing the owners whose parameters are all in this call,
-    made real by it (a layer at stage 3, everything at stages 0-2), deepest first, under a seed of the module's own.
-    A module holding a parameter made real elsewhere (another unit's, or values a `GatheredParameters` block kept) is
-    left alone: its branch would write over them."""
-    init = getattr(modules[""], "_init_weights", None)
-    if not callable(init) or not transformers_init(init):
-        return
-    enclosing = {owner.rsplit(".", k)[0] for owner in owners if owner for k in range(1, owner.count(".") + 1)}
-    enclosing |= {""} if any(owners) else set()
-    for name in sorted(enclosing - set(owners), key=lambda n: (-(n.count(".") + 1) if n else 0, n)):
-        module = modules[name]
-        inside = list(module.parameters())
-        if not inside or any(id(p) not in fresh for p in inside):
-            continue
-        seed = module_seed(module, recurse=True)
-        with seeded(seed, device) if seed is not None else nullcontext():
-            init(module)
 
 
 def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> None:
     """A module's own meta-device parameters made real (also those another unit will shard later) and initialised
-    as its code did under `zero_init` ([Note: initialisation recorded under zero_init]); those without such a record
-    by `reset_parameters()` and the root's `_init_weights`, which a Hugging Face root also runs after the replay (as
-    transformers does after construction), under the module's own seed where it has records (else the unit's). Its
+    as its code did under `zero_init` ([Note: initialisation recorded under zero_init]; a Hugging Face model's
+    `_init_weights` included); those without such a record by `reset_parameters()` and the root's `_init_weights`,
+    under the module's own seed where it has records (else the unit's). Its
     real parameters keep their values: a weight tied to a module initialised earlier (a head's weight tied to the
     embedding, beside the head's own bias), or values a `GatheredParameters` block kept before initialize. A module
     with nothing on the meta device is left alone."""
@@ -83,7 +57,7 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
         if recorded:
             Replay(device).fill([(meta[n], b) for n, b in recorded.items()])
         init = getattr(root, "_init_weights", None)
-        if callable(init) and (unrecorded or transformers_init(init)):
+        if callable(init) and unrecorded:
             init(module)
     with torch.no_grad():
         for p, value in kept:
@@ -200,7 +174,6 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
     `initialise`."""
     computed: list[nn.Module] = []
     replay = Replay(device)  # one for all: buffers computed from one another (a copy of `inv_freq`) stay equal
-    hf = transformers_init(getattr(root, "_init_weights", None))
     for module in root.modules():
         named = {n: b for n, b in module._buffers.items() if b is not None}
         recorded = bindings(module, {n: b for n, b in named.items() if b.is_meta})
@@ -218,7 +191,7 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
                 if name in recorded:
                     fills.append((real, recorded[name]))
                 own = any(p is not None for p in module._parameters.values())
-                if (name not in recorded or hf) and not own and module not in computed:
+                if name not in recorded and not own and module not in computed:
                     computed.append(module)
             setattr(module, name, real)
         replay.fill(fills)

@@ -18,34 +18,40 @@ earlier call read); its real tensor and array arguments as copies (the caller ma
 dtype it ran under. `torch.nn.init` functions are recorded as one call each; the four that return early on the meta
 device without dispatching (`trunc_normal_`, `orthogonal_`, `dirac_`, `sparse_`) are recognised at their `is_meta`
 check, by their code, and recorded with their arguments. At the block's end each module's meta parameters and
-buffers are bound to their storages' records, every module under the models built (a `copy.deepcopy`'d layer
-included), in a weak map keyed by the module: nothing is added to the parameters.
+buffers are bound to their storages' records, every module under the models built (a layer `copy.deepcopy`'d in a
+constructor included; a whole model deep-copied is not seen), in a weak map keyed by the module: nothing is added to
+the parameters.
 
 Materialising a module (`initialize`, unit by unit; a `GatheredParameters` block before it, also inside the `zero_init`
 block) replays its tensors' records: every event they depend on runs in the order it was recorded (so each call
 finds what it read at the version it read; no copies of older versions, no recursion), creators on the target device
 (a `device="meta"` argument becomes that device), writes into views of their results, real arguments copied afresh.
 Each call draws from a seed of its own: the default generator's seed when it was recorded (`torch.initial_seed()`,
-as set by `torch.manual_seed`) and the number of calls recorded since that seed was set (a `generator=` argument:
-that generator's seed and the number). So the values are the same in every unit layout, in a block before
-`initialize` and after it, and on every rank that seeded alike and built alike (as with units' seeds before; a
-rank that seeds differently builds another model, where DeepSpeed's `zero.Init` broadcasts rank 0's); the same model
-after the same `torch.manual_seed`, another one built next; a tensor copied from another inside the block (an EMA
-teacher deep-copied from its student, a buffer cloned from a weight) replays the same draws. They follow the same
-distributions as the model built whole, not the same numbers, and recording draws nothing from the generators.
+as set by `torch.manual_seed`) and the number of calls recorded under that seed before it in this process (a
+`generator=` argument: that generator's seed and the number). So the values are the same in every unit layout, in a
+block before `initialize` and after it (on the same device type: `initialize` on a GPU draws there, a block before
+it on the CPU), and on every rank that seeded alike and built alike (as with units' seeds before; a rank that seeds
+differently builds another model, where DeepSpeed's `zero.Init` broadcasts rank 0's); the next model built, even
+after setting the same seed again, is another one (a fresh process starts the counts anew); a tensor copied from
+another inside the constructor (an EMA teacher deep-copied from its student, a buffer cloned from a weight) replays
+the same draws. They follow the same distributions as the model built whole, not the same numbers, and recording
+draws nothing from the generators.
 Where no record initialises a parameter, its module's `reset_parameters()` and `_init_weights` run under a seed of
 the module's own, taken the same way from its first parameter's record.
 
 - A tensor whose record is not an initialisation (made by `torch.empty`, or from such a storage, and never written,
   as under transformers' skipped initialisation; or depending on a meta tensor made outside the block) keeps its
   module's own: `reset_parameters()` and the root's `_init_weights`, under the module's seed.
-- transformers skips `_init_weights` on the meta device (its `init_weights`) and runs it when a model is built
-  whole, children before parents: for a `PreTrainedModel`'s `_init_weights` (also behind PEFT's wrapper), it runs
-  after the replay on each module, then on the modules enclosing them that the unit holds whole (GPT-2's attention
-  scales its child `c_proj`).
+- transformers skips its models' initialisation on the meta device (`init_weights` asks for the device with
+  `torch.tensor([])`); seen there (by its code, up the stack), `initialize_weights()` is run and recorded at that
+  moment, as it runs when a model is built whole: `_init_weights` on every module, children before parents, so a
+  parent's branch reaches its children wherever they are materialised (GPT-2 scales its attention's `c_proj`, CLIP
+  initialises its projections from the root); a streamed `from_pretrained` records it too, for the keys its
+  checkpoint lacks.
 - Not recorded: writes after the `zero_init` block (use `GatheredParameters(..., modifier_rank=0)` there, as with
-  DeepSpeed), and a `copy.deepcopy` of the model made after it (the copy's tensors are new: it gets its modules'
-  `reset_parameters()`; copy inside the block); reading a meta value into Python (`.item()` fails on the meta
+  DeepSpeed), and a `copy.deepcopy` of a whole model (its tensors are new and no registration hook sees the copy:
+  it gets its modules' `reset_parameters()`; copy the layers inside a constructor, or build the copy as the first
+  one was); reading a meta value into Python (`.item()` fails on the meta
   device); writes a call makes other than into its first argument, `out=` or `inplace=True` (a batch norm's running
   statistics in a forward run in `__init__`, `torch._foreach_*_`, an `out=` tuple).
 """
@@ -83,21 +89,44 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
 _SEQUENCE = itertools.count()  # events of every recording, in the order they happened
 
 
+def _empty_list(args: tuple[Any, ...]) -> bool:
+    return len(args) == 1 and isinstance(args[0], list) and not args[0]
+
+
+def _skipping_init() -> Any:
+    """The transformers model whose `init_weights` is asking `get_torch_context_manager_or_global_device()` for the
+    device (its `torch.tensor([])`), seen up the stack by their code; None for any other `torch.tensor([])`."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    asking = getattr(getattr(modeling, "get_torch_context_manager_or_global_device", None), "__code__", None)
+    init_weights = getattr(getattr(getattr(modeling, "PreTrainedModel", None), "init_weights", None), "__code__", None)
+    if asking is None or init_weights is None:
+        return None
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_FRAMES_UP):
+        if frame is None:
+            return None
+        if frame.f_code is asking:
+            caller = frame.f_back
+            return caller.f_locals.get("self") if caller is not None and caller.f_code is init_weights else None
+        frame = frame.f_back
+    return None
+
+
 class _Places:
     """A recorded call's seed: the default generator's seed when it is recorded, and the number of calls recorded
-    since that seed was set (by any recording: two models built one after the other differ, as they would built
-    whole; the same model after the same `torch.manual_seed` is the same)."""
+    under that seed before it in this process (by any recording: two models built one after the other differ, as
+    they would built whole; a seed set for a moment inside the block does not make later calls repeat earlier
+    draws). Setting the same seed again continues its count: the next model is another one (built whole it would be
+    the same one; a fresh process starts every count anew)."""
 
     def __init__(self) -> None:
-        self._seed: int | None = None
-        self._next = 0
+        self._next: dict[int, int] = {}  # seed -> calls recorded under it so far
 
     def next(self) -> tuple[int, int]:
         seed = torch.initial_seed()
-        if seed != self._seed:
-            self._seed, self._next = seed, 0
-        self._next += 1
-        return seed, self._next - 1
+        place = self._next.get(seed, 0)
+        self._next[seed] = place + 1
+        return seed, place
 
 
 _PLACES = _Places()
@@ -283,6 +312,11 @@ class Recorder(TorchFunctionMode):
             return out
         if func == _IS_META and out is True:
             self._early_return(args[0])
+        elif func is torch.tensor and _empty_list(args) and isinstance(out, torch.Tensor) and out.is_meta:
+            model = _skipping_init()
+            if model is not None:  # transformers' check of the device, about to skip: what it skips, recorded now
+                with self:  # (a mode is off its stack while it handles a call)
+                    model.initialize_weights()
         elif any(storage_key(t) is not None for t in itertools.chain(leaves(args), leaves(kwargs), leaves(out))):
             self._record(func, args, kwargs, out)
         return out
@@ -306,7 +340,7 @@ class Recorder(TorchFunctionMode):
         key = storage_key(t)
         if key is not None and binding.view == binding.record.made and Geometry.of(t) == binding.view:
             self._records[key] = binding.record
-            self._alive.append(t)
+            self._alive.append(t.detach())  # the storage itself: the parameter may be swapped again
 
     def _early_return(self, tensor: Any) -> None:
         """An init function's `is_meta` check: the code that read it is up the stack, past this method, ours and any
@@ -328,6 +362,8 @@ class Recorder(TorchFunctionMode):
             frame = frame.f_back
 
     def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if func is torch.Tensor.__deepcopy__:  # a buffer's `copy.deepcopy` (its memo is no argument): a clone
+            func, args, kwargs = torch.Tensor.clone, args[:1], {}
         name = str(getattr(func, "__name__", ""))
         if name in _NOT_WRITES or name in ("__get__", "__set__"):
             return  # `.data` read (an alias) or rebound (the parameter's storage is another one's from now on)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -240,11 +239,3 @@ def forget(model: nn.Module) -> None:
     """`initialize` made the model real: its records are not needed any more."""
     for module in model.modules():
         _BOUND.pop(module, None)
-
-
-def transformers_init(init: Any) -> bool:
-    """`init` is a transformers `PreTrainedModel`'s `_init_weights` (reached through PEFT's wrapper too), which
-    transformers skipped on the meta device and runs at materialisation."""
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
-    return base is not None and isinstance(getattr(init, "__self__", None), base)
