@@ -7,6 +7,7 @@ replay cannot run is named."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import numpy as np
@@ -405,3 +406,37 @@ def test_transformers_initialisation_is_recorded_where_it_runs() -> None:
         scoped = Scoped()
     _materialise(scoped)
     assert not torch.equal(scoped.a, scoped.b)
+
+
+def test_transformers_init_that_reads_values_runs_after_the_replay(caplog: pytest.LogCaptureFixture) -> None:
+    """An `_init_weights` that reads a value (`.item()`) cannot run on the meta device: the model still builds, what
+    its attempt wrote is dropped, and `_init_weights` runs module by module on real tensors, as before."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class ReadingConfig(PretrainedConfig):
+        model_type = "zeroshard-reading"
+
+    class Reading(PreTrainedModel):
+        config_class = ReadingConfig
+
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.post_init()
+
+        def _init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                module.weight.data.normal_(0.0, 0.3)
+                module.bias.data.fill_(module.weight.std().item())
+
+    logging.getLogger("zeroshard").addHandler(caplog.handler)  # zeroshard's logger does not propagate
+    try:
+        with zero_init():
+            model = Reading(ReadingConfig())
+    finally:
+        logging.getLogger("zeroshard").removeHandler(caplog.handler)
+    assert caplog.text.count("Reading's _init_weights cannot run on the meta device") == 1
+    _materialise(model)
+    for layer in (model.a, model.b):
+        assert 0.27 < layer.weight.std().item() < 0.33
+        assert torch.allclose(layer.bias, layer.weight.std().expand(64))

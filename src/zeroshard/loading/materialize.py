@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.replay import Replay, bindings, module_seed, seeded
+from zeroshard.loading.replay import Replay, bindings, init_after, module_seed, seeded
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -57,7 +57,7 @@ def init_module(module: nn.Module, root: nn.Module, device: torch.device) -> Non
         if recorded:
             Replay(device).fill([(meta[n], b) for n, b in recorded.items()])
         init = getattr(root, "_init_weights", None)
-        if callable(init) and unrecorded:
+        if callable(init) and (unrecorded or init_after(init)):
             init(module)
     with torch.no_grad():
         for p, value in kept:
@@ -170,10 +170,11 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
     """Buffers are small: real now, on every rank. From the checkpoint when it has them; else as the model's code
     computed them under `zero_init` ([Note: initialisation recorded under zero_init]: a causal mask, a BatchNorm's
     running variance, a rotary embedding's `inv_freq`); a parameter-less module's buffers without such a record by
-    its init (and a Hugging Face root's `_init_weights` after the replay); others are zeros until their unit's
-    `initialise`."""
+    its init (and by `_init_weights` after the replay where transformers' initialisation could not be recorded);
+    others are zeros until their unit's `initialise`."""
     computed: list[nn.Module] = []
-    replay = Replay(device)  # one for all: buffers computed from one another (a copy of `inv_freq`) stay equal
+    replay = Replay(device)
+    after = init_after(getattr(root, "_init_weights", None))
     for module in root.modules():
         named = {n: b for n, b in module._buffers.items() if b is not None}
         recorded = bindings(module, {n: b for n, b in named.items() if b.is_meta})
@@ -191,7 +192,7 @@ def materialize_buffers(root: nn.Module, weights: StreamedWeights | None, device
                 if name in recorded:
                     fills.append((real, recorded[name]))
                 own = any(p is not None for p in module._parameters.values())
-                if name not in recorded and not own and module not in computed:
+                if (name not in recorded or after) and not own and module not in computed:
                     computed.append(module)
             setattr(module, name, real)
         replay.fill(fills)

@@ -61,6 +61,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -71,6 +72,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 # calls named like in-place ones that change no values (metadata, autograd, storage rebinding)
 _NOT_WRITES = frozenset(
@@ -87,6 +92,8 @@ _INPLACE_DUNDERS = frozenset(
 )  # fmt: skip
 _UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 _SEQUENCE = itertools.count()  # events of every recording, in the order they happened
+# transformers models whose `_init_weights` runs after the replay, module by module (it could not be recorded)
+INIT_AFTER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _empty_list(args: tuple[Any, ...]) -> bool:
@@ -302,6 +309,7 @@ class Recorder(TorchFunctionMode):
         self._records: dict[int, Record] = {}  # storage -> its record
         self._alive: list[torch.Tensor] = []  # a tensor per recorded storage: keys are not reused while recording
         self._paused = 0
+        self.initialised: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # transformers models recorded whole
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
@@ -315,8 +323,7 @@ class Recorder(TorchFunctionMode):
         elif func is torch.tensor and _empty_list(args) and isinstance(out, torch.Tensor) and out.is_meta:
             model = _skipping_init()
             if model is not None:  # transformers' check of the device, about to skip: what it skips, recorded now
-                with self:  # (a mode is off its stack while it handles a call)
-                    model.initialize_weights()
+                self._initialise(model)
         elif any(storage_key(t) is not None for t in itertools.chain(leaves(args), leaves(kwargs), leaves(out))):
             self._record(func, args, kwargs, out)
         return out
@@ -329,6 +336,29 @@ class Recorder(TorchFunctionMode):
             yield
         finally:
             self._paused -= 1
+
+    def _initialise(self, model: Any) -> None:
+        """transformers' `initialize_weights()` on the meta model, recorded (the mode is off its stack while it
+        handles a call: entered again). A model whose `_init_weights` cannot run there (it reads a value) has what
+        it wrote dropped and runs `_init_weights` module by module after the replay, on real tensors, as before."""
+        lengths = [(record, len(record.writes)) for record in self._records.values()]
+        try:
+            with self:
+                model.initialize_weights()
+        except Exception as e:  # noqa: BLE001 - any failure of the model's own code on the meta device
+            for record, length in lengths:
+                del record.writes[length:]
+            if model in INIT_AFTER:  # post_init again (a subclass calling it twice): said once
+                return
+            INIT_AFTER.add(model)
+            logger.warning(
+                "zeroshard.zero_init: %s's _init_weights cannot run on the meta device (%s); it runs module by module "
+                "when each is materialised instead, where a parent's branch cannot reach its children",
+                type(model).__name__,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
+            return
+        self.initialised.add(model)
 
     def binding(self, t: torch.Tensor) -> Binding | None:
         key = storage_key(t)

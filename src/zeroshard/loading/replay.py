@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from torch import nn
 from zeroshard.errors import ZeroshardError
 from zeroshard.loading.recorded import (
     DEVICE,
+    INIT_AFTER,
     TARGET,
     Binding,
     Call,
@@ -183,6 +185,8 @@ def bind(modules: Iterable[nn.Module]) -> None:
             if id(module) in seen:
                 continue
             seen.add(id(module))
+            if _transformers_model(module) and module not in recorder.initialised:
+                INIT_AFTER.add(module)  # its initialisation was not seen: `_init_weights` after the replay, as before
             bound = _BOUND.setdefault(module, {})
             for name, b in bindings_of(recorder, module).items():
                 if name not in bound or b.record.initialises() or not bound[name].record.initialises():
@@ -239,3 +243,15 @@ def forget(model: nn.Module) -> None:
     """`initialize` made the model real: its records are not needed any more."""
     for module in model.modules():
         _BOUND.pop(module, None)
+
+
+def _transformers_model(module: nn.Module) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling, "PreTrainedModel", None)
+    return base is not None and isinstance(module, base)
+
+
+def init_after(init: Any) -> bool:
+    """`init` is the `_init_weights` of a transformers model whose initialisation was not recorded (it could not run
+    on the meta device, or was not seen): it runs module by module after the replay."""
+    return getattr(init, "__self__", None) in INIT_AFTER
