@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from helpers.harness import run_on_ranks
+from zeroshard.models.gpt import GPT
 
 LAYERS, WIDTH, VOCAB, T = 2, 32, 64, 8
 
@@ -59,13 +60,7 @@ class NanoGPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * LAYERS))
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    _init_weights = staticmethod(GPT._init_weights)  # nanoGPT's: normal(0.02) linears and embeddings, zero biases
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)

@@ -88,19 +88,6 @@ MOE = {  # transformers 5's sparse MoE layers ([Note: activation estimate of exp
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(MOE))
-def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_path, capsys):
-    import transformers
-
-    kind, sizes = MOE[name]
-    config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes)
-    config.save_pretrained(tmp_path)
-    for checkpointing in (False, True):
-        estimated = _estimate(str(tmp_path), "fp32", checkpointing, capsys)
-        measured = _measure(config, torch.float32, checkpointing)
-        assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)
-
-
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24)
 LATENT = {  # DeepSeek's multi-head latent attention ([Note: activation estimate of MLA]); v_head_dim = nope + rope
     # keeps the CPU on its fused attention kernel, as a GPU's kernels are with any v_head_dim
@@ -114,11 +101,11 @@ LATENT = {  # DeepSeek's multi-head latent attention ([Note: activation estimate
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(LATENT))
-def test_estimated_activations_of_latent_attention_are_within_15_percent(name, tmp_path, capsys):
+@pytest.mark.parametrize("name", sorted(MOE) + sorted(LATENT))
+def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_path, capsys):
     import transformers
 
-    kind, sizes = LATENT[name]
+    kind, sizes = {**MOE, **LATENT}[name]
     config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes)
     config.save_pretrained(tmp_path)
     for checkpointing in (False, True):
