@@ -204,7 +204,6 @@ class Record:
     path: tuple[int, ...]
     made: Geometry
     writes: list[Write] = field(default_factory=list)
-    read_at: set[int] = field(default_factory=set)  # versions other calls read: kept while a replay advances
 
     def initialises(self, version: int | None = None) -> bool:
         """Whether the storage holds values at `version` (its last by default) that the replay can compute: not made by
@@ -441,7 +440,6 @@ class Recorder(TorchFunctionMode):
             if record is None:
                 unknown = True
                 return value
-            record.read_at.add(len(record.writes))
             return Ref(record, len(record.writes), Geometry.of(value))
 
         templated = Call(func, tree_map(args, template), tree_map(kwargs, template))
