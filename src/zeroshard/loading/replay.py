@@ -21,6 +21,7 @@ from zeroshard.loading.recorded import (
     Call,
     Geometry,
     Record,
+    Recorder,
     Ref,
     Seeded,
     active,
@@ -174,8 +175,8 @@ _BOUND: weakref.WeakKeyDictionary[nn.Module, dict[str, Binding]] = weakref.WeakK
 
 def bind(modules: Iterable[nn.Module]) -> None:
     """At the end of a `zero_init` block: each module's (and each module's under them: `copy.deepcopy`'d layers that
-    no registration hook saw) meta parameters and buffers bound to their records. A binding made earlier (a block
-    inside the recording) stays where the tensor's storage now has no initialising record."""
+    no registration hook saw) meta parameters and buffers bound to their records; a transformers model whose
+    initialisation the recorder did not see runs `_init_weights` after the replay, as before."""
     recorder = active()
     if recorder is None:
         return
@@ -186,20 +187,27 @@ def bind(modules: Iterable[nn.Module]) -> None:
                 continue
             seen.add(id(module))
             if _transformers_model(module) and module not in recorder.initialised:
-                INIT_AFTER.add(module)  # its initialisation was not seen: `_init_weights` after the replay, as before
-            bound = _BOUND.setdefault(module, {})
-            for name, b in bindings_of(recorder, module).items():
-                if name not in bound or b.record.initialises() or not bound[name].record.initialises():
-                    bound[name] = b
-            if not bound:
-                del _BOUND[module]
+                INIT_AFTER.add(module)
+            _bind_one(recorder, module)
+
+
+def _bind_one(recorder: Recorder, module: nn.Module) -> None:
+    """A binding made earlier (a block inside the recording) stays where the tensor's storage now has no initialising
+    record (the block gave the parameter a fresh meta tensor)."""
+    bound = _BOUND.setdefault(module, {})
+    for name, b in bindings_of(recorder, module).items():
+        if name not in bound or b.record.initialises() or not bound[name].record.initialises():
+            bound[name] = b
+    if not bound:
+        del _BOUND[module]
 
 
 def bindings(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, Binding]:
     """The bindings of `tensors` (the module's own, by name, still on the meta device) that initialise them; inside
     the recording (a `GatheredParameters` block in `__init__`) also those recorded so far, kept for later."""
-    if active() is not None:
-        bind([module])
+    recorder = active()
+    if recorder is not None:  # mid-construction: this module's records so far
+        _bind_one(recorder, module)
     bound = _BOUND.get(module, {})
     out = {}
     for name, t in tensors.items():
