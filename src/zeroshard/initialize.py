@@ -20,6 +20,7 @@ from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
+from zeroshard.loading.agree import differing_start
 from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
 from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
@@ -233,8 +234,12 @@ def _build(
         )
     # buffers are small and become real now (also when a GatheredParameters block before initialize made every
     # parameter real); stage 3 materialises parameters unit by unit
+    # stage 3 and fsdp2 replay zero_init's records on each rank: every rank must replay the same ones
+    source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
     if meta or any(b.is_meta for b in model.buffers()):
         materialize_buffers(model, weights, topology.device)
+    if source is not None:  # [Note: one start on every rank] in loading/agree.py
+        comm.broadcast_coalesced(list(model.buffers()), src=source, label="zero_init start")
     if meta:
         materialize_adapters(model)  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
@@ -260,13 +265,15 @@ def _build(
     if has_optimizer:
         model_parallel = pipe.model_parallel if pipe is not None else tp.tp_comm if tp is not None else None
         strategy = make_strategy(
-            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp
+            cfg, stage, precision, model, groups, comm, topology, accumulation, weights, model_parallel, tp, source
         )
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         keep_state_in(engine_optimizer, precision.optimizer_state_dtype)  # [Note: bf16 master weights]
         strategy.attach(engine_optimizer)
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
-        strategy = make_strategy(cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp)
+        strategy = make_strategy(
+            cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp, source
+        )
     else:  # parameters only: buffers follow [Note: buffer dtypes]
         for param in model.parameters():
             if param.is_floating_point():

@@ -14,76 +14,9 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from helpers.harness import run_on_ranks
-from zeroshard.models.gpt import GPT
-
-LAYERS, WIDTH, VOCAB, T = 2, 32, 64, 8
-
-
-class _LayerNorm(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.bias = nn.Parameter(torch.zeros(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = _LayerNorm(WIDTH)
-        self.attn = nn.Linear(WIDTH, 3 * WIDTH)
-        self.c_proj = nn.Linear(WIDTH, WIDTH)
-        self.register_buffer("mask", torch.tril(torch.ones(T, T)).view(1, T, T))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.attn(self.ln(x)).split(WIDTH, dim=2)
-        scores = (q @ k.transpose(1, 2)) / math.sqrt(WIDTH)
-        scores = scores.masked_fill(self.mask[:, : x.shape[1], : x.shape[1]] == 0, float("-inf"))
-        return x + self.c_proj(scores.softmax(-1) @ v)
-
-
-class NanoGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(_Block() for _ in range(LAYERS))
-        self.ln_f = _LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * LAYERS))
-
-    _init_weights = staticmethod(GPT._init_weights)  # nanoGPT's: normal(0.02) linears and embeddings, zero biases
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
-
-
-def _config(backend: str) -> dict[str, Any]:
-    return {
-        "train_batch_size": 4,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-        "zeroshard": {"backend": backend},
-    }
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    tokens = [torch.randint(0, VOCAB, (4, T), generator=g) for _ in range(6)]
-    return [(tokens[2 * k], tokens[2 * k + 1]) for k in range(3)]
+from helpers.nanogpt import LAYERS, LayerNorm, NanoGPT, T, nanogpt_batches, nanogpt_config
 
 
 def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
@@ -96,12 +29,12 @@ def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
         model = NanoGPT()
     with zeroshard.GatheredParameters([model.ln_f.weight, model.blocks[0].c_proj.weight]):
         before = (model.ln_f.weight.detach().clone(), model.blocks[0].c_proj.weight.detach().clone())
-    engine, *_ = zeroshard.initialize(model=model, config=_config(backend))
+    engine, *_ = zeroshard.initialize(model=model, config=nanogpt_config(backend))
     with zeroshard.GatheredParameters(list(model.parameters())):
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     losses = []
-    for idx, targets in _batches():
+    for idx, targets in nanogpt_batches():
         rows = slice(rank * 2, rank * 2 + 2)
         loss = engine(idx[rows], targets[rows])
         engine.backward(loss)
@@ -117,7 +50,7 @@ def _reference(initial: dict[str, torch.Tensor]) -> list[float]:
     model.load_state_dict(initial, strict=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
-    for idx, targets in _batches():
+    for idx, targets in nanogpt_batches():
         halves = [model(idx[k : k + 2], targets[k : k + 2]) for k in (0, 2)]
         optimizer.zero_grad()
         (sum(halves) / 2).backward()
@@ -156,7 +89,7 @@ class _Gathers(nn.Module):
         import zeroshard
 
         super().__init__()
-        self.norm = _LayerNorm(8)
+        self.norm = LayerNorm(8)
         self.gain = nn.Parameter(torch.ones(8))
         with zeroshard.GatheredParameters([self.norm.weight]):
             self.seen = self.norm.weight.detach().clone()
@@ -190,7 +123,7 @@ def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
     c_proj = gpt2.transformer.h[0].attn.c_proj.weight
     with zeroshard.GatheredParameters([c_proj]):
         shown = c_proj.detach().clone()
-    engine, *_ = zeroshard.initialize(model=gpt2, config=_config("zero"))
+    engine, *_ = zeroshard.initialize(model=gpt2, config=nanogpt_config("zero"))
     with zeroshard.GatheredParameters([c_proj]):
         out["gpt2_block"] = torch.equal(shown, c_proj)
     with zeroshard.GatheredParameters(list(gpt2.parameters())):
@@ -198,7 +131,7 @@ def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
     engine.destroy()
     with zeroshard.zero_init():
         model = _Gathers()
-    engine, *_ = zeroshard.initialize(model=model, config=_config("zero"))
+    engine, *_ = zeroshard.initialize(model=model, config=nanogpt_config("zero"))
     with zeroshard.GatheredParameters(list(model.parameters())):
         out["gathers"] = (model.seen, model.norm.weight.detach().clone(), model.gain.detach().clone())
         out["zeros"] = all(p.eq(0).all() for p in model.zeros)
@@ -208,14 +141,14 @@ def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
     chosen = [llama.model.layers[1].mlp.up_proj.weight, llama.model.norm.weight, llama.lm_head.weight]
     with zeroshard.GatheredParameters(chosen):
         before = [p.detach().clone() for p in chosen]
-    engine, *_ = zeroshard.initialize(model=llama, config=_config("zero"))
+    engine, *_ = zeroshard.initialize(model=llama, config=nanogpt_config("zero"))
     with zeroshard.GatheredParameters(chosen):
         out["hf_block"] = all(torch.equal(a, p) for a, p in zip(before, chosen, strict=True))
     engine.destroy()
     with zeroshard.zero_init():
         llama = tiny_llama()
     peft = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    engine, *_ = zeroshard.initialize(model=peft, config=_config("zero"))
+    engine, *_ = zeroshard.initialize(model=peft, config=nanogpt_config("zero"))
     base = llama.model.layers[0].self_attn.q_proj.base_layer.weight
     with zeroshard.GatheredParameters([base, llama.model.embed_tokens.weight]):
         out["peft"] = (base.std().item(), llama.model.embed_tokens.weight.std().item(), llama.config.initializer_range)
@@ -243,7 +176,7 @@ def _default_threshold(rank: int, world_size: int) -> dict[str, Any]:
 
     import zeroshard
 
-    config = {**_config("zero"), "zero_optimization": {"stage": 3}}
+    config = {**nanogpt_config("zero"), "zero_optimization": {"stage": 3}}
     out: dict[str, Any] = {}
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     builds = {

@@ -160,6 +160,10 @@ class Collectives:
             group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats, in_flight=self.in_flight
         )
 
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of `group_rank` in this group (what `broadcast`'s `src` takes)."""
+        return _global_rank(self.group, group_rank)
+
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str = "") -> Handle:
         self._check(CollectiveKind.ALL_REDUCE, tensor, label)

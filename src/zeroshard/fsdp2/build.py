@@ -34,6 +34,7 @@ def build_fsdp2_strategy(
     weights: StreamedWeights | None,
     tp: TensorParallelContext | None = None,
     leaves: LeafModules = NO_LEAVES,
+    init_source: int | None = None,
 ) -> Fsdp2Strategy:
     """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping]); with
     `tp`, FSDP2 over its data-parallel mesh dimension ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py)."""
@@ -53,6 +54,7 @@ def build_fsdp2_strategy(
         master_tier=Tier(torch.device("cpu") if plan.cpu_offload else device),
         plan=plan,
         weights=weights,
+        init_source=init_source,
         mesh=tp.dp_mesh if tp is not None else None,
         leaves=leaves,
     )

@@ -30,6 +30,7 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, StepTimeCopies
 from zeroshard.offload.tier import Tier
 from zeroshard.precision.loss_scaler import has_inf_or_nan
+from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy
 from zeroshard.zero.strategy import (
@@ -50,6 +51,7 @@ class Fsdp2Policy(StrategyPolicy):
     unit_policy: UnitPolicy | None = None
     leaves: LeafModules = NO_LEAVES  # zero_optimization.leaf_module ([Note: leaf modules])
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    init_source: int | None = None  # the rank whose initialisation every rank takes: [Note: one start on every rank]
     mesh: DeviceMesh | None = None  # a dp x tp mesh's dp dimension ([Note: tensor parallelism on fsdp2])
 
 
@@ -88,7 +90,12 @@ class Fsdp2Strategy(Strategy):
         group_of = {name: g for g, spec in enumerate(groups) for name, _ in spec.params}
         # FSDP2 sums; the step turns sums into means exactly as for the zero stages ([Note: pre- and post-scaling])
         divide = 1.0 / policy.step.prescale(comm.world_size)
+        replayed = [p for p in module.parameters() if p.is_meta and not (policy.weights and policy.weights.covers(p))]
         streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
+        if policy.init_source is not None:  # made whole on every rank: [Note: one start on every rank]
+            comm.broadcast_coalesced(
+                [local_of(p).data for p in replayed], src=policy.init_source, label="zero_init start"
+            )
         masters_in_fp32(module, policy.compute_dtype)
         units = (policy.unit_policy, policy.leaves)
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, units, comm, device, divide, policy.mesh)

@@ -30,8 +30,8 @@ Each call draws from a seed of its own: the default generator's seed when it was
 as set by `torch.manual_seed`) and the number of calls recorded under that seed before it in this process (a
 `generator=` argument: that generator's seed and the number). So the values are the same in every unit layout, in a
 block before `initialize` and after it (on the same device type: `initialize` on a GPU draws there, a block before
-it on the CPU), and on every rank that seeded alike and built alike (as with units' seeds before; a rank that seeds
-differently builds another model, where DeepSpeed's `zero.Init` broadcasts rank 0's); the next model built, even
+it on the CPU), and on every rank that seeded alike and built alike (ranks that did not take rank 0's values at
+`initialize`: [Note: one start on every rank] in agree.py); the next model built, even
 after setting the same seed again, is another one (a fresh process starts the counts anew); a tensor copied from
 another inside the constructor (an EMA teacher deep-copied from its student, a buffer cloned from a weight) replays
 the same draws. They follow the same distributions as the model built whole, not the same numbers, and recording

@@ -64,7 +64,7 @@ class Replay:
         """Each real `tensor` gets its binding's value."""
         if not targets:
             return
-        needed = _needed({b.record: len(b.record.writes) for _, b in targets})
+        needed = needed_records({b.record: len(b.record.writes) for _, b in targets})
         events: list[tuple[int, Record, int]] = []
         for record, version in needed.items():
             events.append((record.creator.sequence, record, 0))
@@ -144,7 +144,7 @@ class Replay:
             torch.set_default_dtype(previous)
 
 
-def _needed(targets: dict[Record, int]) -> dict[Record, int]:
+def needed_records(targets: dict[Record, int]) -> dict[Record, int]:
     """Every record the targets read, with the last version read (a worklist: reading more of a storage's writes
     can reach more storages)."""
     needed = dict(targets)

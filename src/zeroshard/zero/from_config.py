@@ -101,9 +101,11 @@ def make_strategy(
     weights: StreamedWeights | None,
     model_parallel: Collectives | None = None,
     tp: TensorParallelContext | None = None,
+    init_source: int | None = None,
 ) -> Strategy:
     """The strategy `cfg` asks for at `stage`: its step policy, the tiers its state lives on (NVMe paths preflighted
-    now) and the class (flat stages 0-2, tensor-parallel or expert-split, stage 3, or the fsdp2 backend)."""
+    now) and the class (flat stages 0-2, tensor-parallel or expert-split, stage 3, or the fsdp2 backend);
+    `init_source`: the rank whose replayed initialisation every rank takes ([Note: one start on every rank])."""
     z = cfg.zero_optimization
     need = _nvme_bytes(cfg, model, topology.world_size, precision)
     step = StepPolicy(
@@ -130,7 +132,9 @@ def make_strategy(
         leaves = leaf_modules(cfg, model)
         if precision.autocast_dtype is not None:
             _warn_fp32_reduction("zeroshard.backend fsdp2")
-        return build_fsdp2_strategy(cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp, leaves)
+        return build_fsdp2_strategy(
+            cfg, dtype, model, groups, comm, device, accumulation, step, weights, tp, leaves, init_source
+        )
     common: dict[str, Any] = {
         "compute_dtype": precision.compute_dtype,
         "grad_accum_dtype": precision.grad_accum_dtype,
@@ -183,6 +187,7 @@ def make_strategy(
             min(int(par.max_in_cpu), int(par.buffer_count) * int(par.buffer_size)),
         ),
         weights=weights,
+        init_source=init_source,
         root_by_module=bool(cfg.zeroshard.stage3_root_by_module),
         speculation=_speculation(cfg, step),
         resident_state=_resident_state(cfg),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zeroshard.comm.collectives import Collectives
 from zeroshard.loading.materialize import initialise, load_parameters, make_real
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.gradients import GradientTier, GradShard
@@ -81,6 +82,7 @@ class BuildPolicy:
     master_tier: Tier
     param_tier: Tier
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    init_source: int | None = None  # the rank whose initialisation every rank takes: [Note: one start on every rank]
     keeps_gradients: bool = True  # False: inference without an optimizer
     # the persistent unit (reduced only when backward ends) in a sub-group of its own, not in the last layers' one,
     # so that sub-group can be stepped during backward ([Note: speculative host steps])
@@ -95,12 +97,12 @@ def build_units(
     module: nn.Module,
     groups: Sequence[ParamGroupSpec],
     policy: BuildPolicy,
-    shard_rank: int,
-    world_size: int,
+    comm: Collectives,
     device: torch.device,
     gradients: GradientTier,
 ) -> BuiltUnits:
     group_of = {id(p): gi for gi, g in enumerate(groups) for _, p in g.params}
+    shard_rank, world_size = comm.rank, comm.world_size
     # outside the optimizer: still reduced when trainable, last of all when frozen ([Note: frozen parameters at
     # stage 3] in unit.py)
     untracked, frozen = len(groups), len(groups) + 1
@@ -132,9 +134,12 @@ def build_units(
         params = [named[n] for n in spec.param_names]
         fill = _fill_from(policy.weights, params, layout, device)
         if fill is None:
+            replayed = [p for p in params if p.is_meta and not (policy.weights and policy.weights.covers(p))]
             initialise(modules, spec.param_names, params, device, index)
             # values a GatheredParameters block set before initialize win over the checkpoint's
             load_parameters([p for p in params if not BUILT.kept(p)], policy.weights)
+            if policy.init_source is not None:  # [Note: one start on every rank] in loading/agree.py
+                comm.broadcast_coalesced([p.data for p in replayed], src=policy.init_source, label="zero_init start")
         unit = ShardedUnit(
             index,
             spec.name,

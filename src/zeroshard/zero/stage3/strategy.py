@@ -69,6 +69,7 @@ class Stage3Policy(StrategyPolicy):
     unit_policy: UnitPolicy | None = None
     leaves: LeafModules = NO_LEAVES  # zero_optimization.leaf_module ([Note: leaf modules])
     weights: StreamedWeights | None = None  # the checkpoint of a model `zero_init` built from one
+    init_source: int | None = None  # the rank whose initialisation every rank takes: [Note: one start on every rank]
     zeropp: ZeroPPPolicy | None = None  # qwZ / hpZ / qgZ ([Note: ZeRO++])
     root_by_module: bool = True  # zeroshard.stage3_root_by_module ([Note: root unit by module])
     speculation: SpeculationPolicy | None = None  # offload_optimizer.super_offload ([Note: speculative host steps])
@@ -106,6 +107,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             policy.master_tier,
             policy.param_tier,
             policy.weights,
+            policy.init_source,
             keeps_gradients=bool(groups),
             persistent_alone=policy.speculation is not None,
             model_persistence_threshold=policy.model_persistence_threshold,
@@ -113,7 +115,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             master_dtype=policy.master_dtype,
             frozen_quantizer=policy.zeropp.frozen_quantizer if policy.zeropp is not None else None,
         )
-        self.built = build_units(module, groups, build, self.shard_rank, comm.world_size, device, self.gradients_tier)
+        self.built = build_units(module, groups, build, comm, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
         if comm.rank == 0:
             split = [(g.tier, sum(u.layout.trainable_shard_numel for u in g.units)) for g in self.built.sub_groups]
@@ -154,9 +156,8 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
-        # [Note: nothing in flight at exit] runs at interpreter exit unless `destroy` ran it first
-        # (holding the units weakly: what the finalizer holds lives until it runs, [Note: tensor hooks hold their
-        # owner weakly])
+        # [Note: nothing in flight at exit] runs at interpreter exit unless `destroy` ran it first (holding the
+        # units weakly: what the finalizer holds lives until it runs, [Note: tensor hooks hold their owner weakly])
         self._settle_at_exit = weakref.finalize(self, settle_live_gathers, [weakref.ref(u) for u in self.units])
 
     # -- construction ------------------------------------------------------------------------------
