@@ -224,6 +224,8 @@ def _build(
         compose(pipe, tp, mpu, model, topology.device)
     refuse_open_block(model)  # [Note: GatheredParameters before initialize]
     weights = weights_for(model)  # a model zero_init built from a checkpoint: [Note: streaming load]
+    if weights is not None:
+        weights.refuse_resized(model)
     if stage < 3 or str(cfg.zeroshard.backend) == "fsdp2":  # whole or FSDP2's parameters: no ZeRO-3 attributes
         unmark(list(model.parameters()))  # (zero_init set them: [Note: DeepSpeed's parameter attributes])
     meta = any(p.is_meta for p in model.parameters())

@@ -148,6 +148,7 @@ class StreamedWeights:
         self._keys = dict(keys)  # id(tensor) -> checkpoint key
         self._tensors = list(tensors)  # the ids stay theirs while the weights are attached
         self.report = report
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # each key's stored shape, read once
 
     def covers(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._keys
@@ -155,9 +156,33 @@ class StreamedWeights:
     def read(self, tensor: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
         self.folder.read(self._keys[id(tensor)], start, stop, out)
 
+    def refuse_resized(self, model: nn.Module) -> None:
+        """A meta tensor this checkpoint gives values to must still have the checkpoint's shape: one resized after
+        `zero_init` built it (`resize_token_embeddings` on the meta device, which transformers' mean resizing refuses
+        and `mean_resizing=False` lets through) has no rows to read for its new shape. Refused in one line, with the
+        way that works (DeepSpeed's: transformers gathers the embeddings around the resize under ZeRO-3)."""
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+            if t.is_meta and self.covers(t):
+                self._refuse_resized(t, name)
+
+    def _refuse_resized(self, t: torch.Tensor, name: str) -> None:
+        if self._shapes is None:
+            self._shapes = self.folder.names()
+        shapes, key = self._shapes, self._keys[id(t)]
+        if tuple(t.shape) != tuple(shapes[key]):
+            raise CheckpointError(
+                f"{name} is {list(t.shape)} but {key} in {self.folder.folder} is {list(shapes[key])}: the model was "
+                "resized after zero_init built it from the checkpoint; resize inside `with zeroshard."
+                "GatheredParameters([model.get_input_embeddings().weight, model.get_output_embeddings().weight], "
+                "modifier_rank=0):` (what transformers does under DeepSpeed's ZeRO-3)"
+            )
+
     def read_whole(self, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """For each (model tensor, contiguous real destination): the destination filled from the checkpoint,
         in parallel."""
+        items = list(items)
+        for t, _ in items:
+            self._refuse_resized(t, self._keys[id(t)])
         self._run([(t, 0, out.numel(), out.detach().view(-1)) for t, out in items])
 
     def read_flat(self, slots: Sequence[tuple[torch.Tensor, int, int]], out: torch.Tensor, lo: int, hi: int) -> None:
