@@ -236,14 +236,16 @@ def _build(
         )
     # buffers are small and become real now (also when a GatheredParameters block before initialize made every
     # parameter real); stage 3 materialises parameters unit by unit
-    # stage 3 and fsdp2 replay zero_init's records on each rank: every rank must replay the same ones
-    source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
     if meta or any(b.is_meta for b in model.buffers()):
         materialize_buffers(model, weights, topology.device)
-    if source is not None:  # [Note: one start on every rank] in loading/agree.py
-        comm.broadcast_coalesced(list(model.buffers()), src=source, label="zero_init start")
-    if meta:
-        materialize_adapters(model)  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them
+    if meta:  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them; lora_A as rank 0 drew it
+        adapters = materialize_adapters(model)
+        if stage == 3:  # (stages 0-2 broadcast every parameter below)
+            comm.broadcast_coalesced(
+                [p.data for p in adapters], src=comm.global_rank(0), via=topology.device, label="zero_init start"
+            )
+    # stage 3 and fsdp2 replay zero_init's records on each rank: the rank whose values all take where they differ
+    source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
         materialize_parameters(model, weights, topology.device)
         meta = False

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from helpers.harness import run_on_ranks
 from helpers.nanogpt import NanoGPT, nanogpt_batches, nanogpt_config
@@ -74,3 +76,78 @@ def _block_before(rank: int, world_size: int) -> bool:
 
 def test_a_block_before_initialize_shows_the_start_on_every_rank() -> None:
     assert run_on_ranks(_block_before, 2) == [True, True]
+
+
+class _Drawn(nn.Module):
+    """A parameter and a buffer made empty, drawn by `reset_parameters()` at `initialize` (no initialising record)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(8, 32))
+        self.register_buffer("noise", torch.empty(8))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        self.noise.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.noise
+
+
+class _Mixed(nn.Module):
+    """Random biases beside large weights (split between a layer's unit and the persistent one at threshold 100),
+    a shape argument, a slice and a numpy scalar that may depend on the rank, and `_Drawn`."""
+
+    def __init__(self, k: int, std: np.floating) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.c = nn.Parameter(torch.randn(self.a.weight.shape) * 0.1)
+        with torch.no_grad():
+            self.a.weight[:k] = 1.0
+        nn.init.normal_(self.b.weight, std=std)
+        self.drawn = _Drawn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drawn(self.b(self.a(x) @ self.c)).square().mean()
+
+
+def _mixed(rank: int, world_size: int, backend: str, vary: str) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    import zeroshard
+
+    torch.manual_seed(1234 + (rank if vary == "before" else 0))
+    k, std = (2 + rank, np.float32(0.02 * (1 + rank))) if vary == "code" else (2, np.float32(0.02))
+    with zeroshard.zero_init():
+        model = _Mixed(k, std)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["a"]))  # lora_A drawn at initialize
+    torch.manual_seed(99 + (rank if vary == "after" else 0))
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zeroshard": {"backend": backend},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    sent = engine.comm_stats.kinds["broadcast"].payload_bytes
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        state = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    engine.destroy()
+    return {"state": state, "sent": sent}
+
+
+@pytest.mark.parametrize("backend", ["zero", "fsdp2"])
+def test_every_part_of_the_start_is_rank_zeros(backend: str) -> None:
+    """Seeds that differ before building or only after it, and code that depends on the rank, all give rank 0's
+    model on every rank: split persistent biases, a shape argument, `reset_parameters()` draws of parameters and
+    buffers, PEFT's lora_A; seeds that differ only after building move no parameter values."""
+    reference = run_on_ranks(_mixed, 2, backend, "none")[0]["state"]
+    numel = sum(t.numel() for t in reference.values())
+    for vary in ("before", "after", "code"):
+        ranks = run_on_ranks(_mixed, 2, backend, vary)
+        for rank, got in enumerate(ranks):
+            for name, value in reference.items():
+                assert torch.equal(got["state"][name], value), (vary, rank, name)
+        if vary == "after":
+            assert all(r["sent"] < numel for r in ranks), [r["sent"] for r in ranks]

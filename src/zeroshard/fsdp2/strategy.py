@@ -92,10 +92,10 @@ class Fsdp2Strategy(Strategy):
         divide = 1.0 / policy.step.prescale(comm.world_size)
         replayed = [p for p in module.parameters() if p.is_meta and not (policy.weights and policy.weights.covers(p))]
         streamed = streams_shards(module, policy.weights, device)  # [Note: fsdp2 streaming load]
-        if policy.init_source is not None:  # made whole on every rank: [Note: one start on every rank]
-            comm.broadcast_coalesced(
-                [local_of(p).data for p in replayed], src=policy.init_source, label="zero_init start"
-            )
+        if replayed:  # made whole on every rank: [Note: one start on every rank] (buffers too, as at stage 3)
+            src = policy.init_source if policy.init_source is not None else comm.global_rank(0)
+            agreed = [local_of(p).data for p in replayed] if policy.init_source is not None else []
+            comm.broadcast_coalesced(agreed + list(module.buffers()), src=src, label="zero_init start")
         masters_in_fp32(module, policy.compute_dtype)
         units = (policy.unit_policy, policy.leaves)
         self.units: list[Fsdp2Unit] = shard_units(module, policy.plan, units, comm, device, divide, policy.mesh)

@@ -112,6 +112,9 @@ def build_units(
         return group_of.get(id(param), untracked) if trains else frozen
 
     named = dict(module.named_parameters())
+    # made real below from records, a module's init (one unit's init can make another's parameters real) or the
+    # checkpoint: those not from the checkpoint are the ones ranks may disagree on ([Note: one start on every rank])
+    replayed = {id(p) for p in named.values() if p.is_meta and not (policy.weights and policy.weights.covers(p))}
     number(named.values())  # DeepSpeed's ds_id, in this order: [Note: DeepSpeed's parameter attributes]
     modules = dict(module.named_modules())
     persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
@@ -134,12 +137,12 @@ def build_units(
         params = [named[n] for n in spec.param_names]
         fill = _fill_from(policy.weights, params, layout, device)
         if fill is None:
-            replayed = [p for p in params if p.is_meta and not (policy.weights and policy.weights.covers(p))]
             initialise(modules, spec.param_names, params, device, index)
             # values a GatheredParameters block set before initialize win over the checkpoint's
             load_parameters([p for p in params if not BUILT.kept(p)], policy.weights)
             if policy.init_source is not None:  # [Note: one start on every rank] in loading/agree.py
-                comm.broadcast_coalesced([p.data for p in replayed], src=policy.init_source, label="zero_init start")
+                agreed = [p.data for p in params if id(p) in replayed]
+                comm.broadcast_coalesced(agreed, src=policy.init_source, label="zero_init start")
         unit = ShardedUnit(
             index,
             spec.name,
@@ -172,6 +175,9 @@ def build_units(
         store.place(built.sub_groups[chunk_of[index]].key, unit.separate_master())
         grads.place(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
         unit.zero_grad_shard()
+    if replayed:  # buffers a module's init drew as its unit was built, or from the process's generator
+        src = policy.init_source if policy.init_source is not None else comm.global_rank(0)
+        comm.broadcast_coalesced(list(module.buffers()), src=src, label="zero_init start")
     if policy.frozen_quantizer is not None and shard_rank == 0:
         _log_packed(built.units)
     return built
