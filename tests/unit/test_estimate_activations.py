@@ -42,8 +42,22 @@ SHAPES = {
 SEQ, MICRO = 128, 2
 
 
-def _estimate(folder: str, dtype: str, checkpointing: bool, capsys: pytest.CaptureFixture[str]) -> int:
-    argv = ["estimate", "--model", folder, "--json", "--gpus", "1", "--seq-len", str(SEQ), "--micro-batch", str(MICRO)]
+def _estimate(
+    folder: str, dtype: str, checkpointing: bool, capsys: pytest.CaptureFixture[str], attention: str | None = None
+) -> int:
+    argv = [
+        "estimate",
+        *(["--attn-implementation", attention] if attention else []),
+        "--model",
+        folder,
+        "--json",
+        "--gpus",
+        "1",
+        "--seq-len",
+        str(SEQ),
+        "--micro-batch",
+        str(MICRO),
+    ]
     argv += ["--dtype", dtype] + (["--gradient-checkpointing"] if checkpointing else [])
     assert main(argv) == 0
     return int(json.loads(capsys.readouterr().out)[0]["activation_bytes_per_rank"])
@@ -111,4 +125,34 @@ def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_pat
     for checkpointing in (False, True):
         estimated = _estimate(str(tmp_path), "fp32", checkpointing, capsys)
         measured = _measure(config, torch.float32, checkpointing)
+        assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)
+
+
+EAGER = {  # attention run eagerly ([Note: activation estimate of eager attention]): seq x seq scores per layer
+    # Llama asked for eager (`--attn-implementation eager`), fp32 and bf16
+    "llama-eager": ("LlamaConfig", dict(SHAPES["gqa"]), "fp32", "eager"),
+    "llama-eager-bf16": ("LlamaConfig", dict(SHAPES["gqa"]), "bf16", "eager"),
+    # eager by default: Gemma-2 (score and logit softcapping, four norms per layer), GPT-OSS (sinks, clamped GLU)
+    "gemma2": ("Gemma2Config", dict(SHAPES["gqa"], head_dim=16), "fp32", None),
+    "gpt_oss": ("GptOssConfig", dict(SHAPES["gqa"], head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+                "fp32", None),
+    # SDPA with four norms per layer
+    "gemma3": ("Gemma3TextConfig", dict(SHAPES["gqa"], head_dim=16), "fp32", None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(EAGER))
+def test_estimated_activations_of_eager_attention_are_within_15_percent(name, tmp_path, capsys):
+    import transformers
+
+    kind, sizes, dtype, attention = EAGER[name]
+    extra = {"rope_scaling": None} if kind == "GptOssConfig" else {}
+    config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes, **extra)
+    config.save_pretrained(tmp_path)
+    if attention is not None:  # as training asks for it: from_pretrained(..., attn_implementation="eager")
+        config._attn_implementation = attention
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    for checkpointing in (False, True):
+        estimated = _estimate(str(tmp_path), dtype, checkpointing, capsys, attention)
+        measured = _measure(config, torch_dtype, checkpointing)
         assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)

@@ -13,6 +13,15 @@ gradient cast back when the compute dtype is narrower. The peak is the larger of
 (everything saved, plus the loss's gradients) and the last layer's backward (its saved values, plus its working
 gradients: 2 x intermediate + h). With activation checkpointing each layer keeps only its input (h) and one layer
 is recomputed at a time.
+
+[Note: activation estimate of eager attention] A model that runs attention eagerly (transformers' "eager": Gemma-2 by
+default, GPT-OSS, whose sinks no fused kernel takes, or `attn_implementation="eager"`) keeps what a fused kernel does
+not: each layer's softmax output over the whole seq x seq scores, heads x seq per token, in fp32 (transformers'
+softmax runs in fp32), plus its cast to a narrower compute dtype (what the product with v saves), plus the tanh of
+Gemma-2's score softcapping in the compute dtype. A final logit softcap (Gemma-2) keeps its tanh over the vocabulary
+in the compute dtype. Models with four norms per layer (Gemma-2/3: before and after attention and the MLP) keep
+3h for each. Measured (tests/unit/test_estimate_activations.py): Llama eager fp32 and bf16, Gemma-2, Gemma-3 and
+GPT-OSS shapes, with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -34,10 +43,23 @@ class Shape:
     qk_norm: bool = False  # Qwen3's RMSNorm of each head's q and k
     moe: MoeShape | None = None  # mixture-of-experts layers ([Note: activation estimate of experts])
     mla: MlaShape | None = None  # DeepSeek's multi-head latent attention ([Note: activation estimate of MLA])
+    eager: EagerShape | None = None  # attention run eagerly ([Note: activation estimate of eager attention])
+    norms: int = 2  # norms per layer (Gemma-2/3: 4)
+    final_softcap: bool = False  # Gemma-2's tanh over the logits
 
     @property
     def kv_hidden(self) -> int:
         return self.hidden * self.kv_heads // max(self.heads, 1)
+
+
+@dataclass(frozen=True)
+class EagerShape:
+    """[Note: activation estimate of eager attention] what an eager attention layer keeps of its seq x seq scores."""
+
+    softcap: bool = False  # Gemma-2's tanh of the scores
+
+    def bytes_per_score(self, dtype_bytes: int) -> int:
+        return 4 + (dtype_bytes if dtype_bytes < 4 else 0) + (dtype_bytes if self.softcap else 0)
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,7 @@ class MoeShape:
     top_k: int
     intermediate: int  # each expert's
     shared_intermediate: int = 0  # a shared expert's (0: none)
+    activation: int = 4  # kept per intermediate element by an expert's activation: [Note: GPT-OSS experts]
     last_layer: bool = True  # whether the last layer has experts (its backward is the peak's other moment)
 
 
@@ -81,7 +104,7 @@ class MlaShape:
 
 def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
     """[Note: activation estimate] what one layer saves for backward, per token (`experts`: a MoE layer's)."""
-    norms = 6 * shape.hidden
+    norms = 3 * shape.norms * shape.hidden
     attention = 2 * shape.hidden + 2 * shape.kv_hidden
     if shape.mla is not None:
         attention = shape.mla.elements(shape.heads)
@@ -89,7 +112,11 @@ def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
         attention += 2 * (shape.hidden + shape.kv_hidden)
     moe = shape.moe
     if experts and moe is not None:
-        mlp = moe.top_k * (2 * shape.hidden + 4 * moe.intermediate) + moe.experts + 4 * moe.shared_intermediate
+        mlp = (
+            moe.top_k * (2 * shape.hidden + moe.activation * moe.intermediate)
+            + moe.experts
+            + 4 * moe.shared_intermediate
+        )
     else:
         mlp = (4 if shape.gated_mlp else 2) * shape.intermediate
     return norms + attention + mlp
@@ -105,7 +132,7 @@ def layer_backward_elements_per_token(shape: Shape, experts: bool = False) -> in
 
 def loss_bytes_per_token(shape: Shape, dtype_bytes: int) -> int:
     """The fp32 loss: log-softmax output and two logit gradients, and the gradient cast to a narrower dtype."""
-    return shape.vocab * (12 + (dtype_bytes if dtype_bytes < 4 else 0))
+    return shape.vocab * (12 + (dtype_bytes if dtype_bytes < 4 else 0) + (dtype_bytes if shape.final_softcap else 0))
 
 
 def activation_bytes(
@@ -118,10 +145,16 @@ def activation_bytes(
     # per layer, between its forward and its backward
     kept = shape.layers * shape.hidden if checkpointing else (shape.layers - moe_layers) * dense + moe_layers * sparse
     final_norm = 3 * shape.hidden
-    at_loss = (kept + final_norm) * dtype_bytes + loss_bytes_per_token(shape, dtype_bytes)
+    # eager attention's scores, in bytes: every layer's without checkpointing, the recomputed layer's with it
+    eager = shape.eager
+    scores = shape.heads * seq_len * eager.bytes_per_score(dtype_bytes) if eager is not None else 0
+    scores *= 1 if checkpointing else shape.layers
+    at_loss = (
+        (kept + final_norm) * dtype_bytes + scores * (not checkpointing) + loss_bytes_per_token(shape, dtype_bytes)
+    )
     # the other moment: a layer's backward. Without checkpointing the last layer's (everything is still kept); with
     # it every layer is recomputed in turn, and a layer with experts costs the most wherever it is
     experts = moe_layers > 0 and (checkpointing or shape.moe is not None and shape.moe.last_layer)
     recomputed = (sparse if experts else dense) if checkpointing else 0
-    at_last_layer = (kept + recomputed + layer_backward_elements_per_token(shape, experts)) * dtype_bytes
+    at_last_layer = (kept + recomputed + layer_backward_elements_per_token(shape, experts)) * dtype_bytes + scores
     return tokens * max(at_loss, at_last_layer)

@@ -12,7 +12,7 @@ from zeroshard.cli.estimate.activations import activation_bytes
 from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.recommend import Recommendation, recommend
 from zeroshard.cli.estimate.rows import DEFAULT_BUCKET_NUMEL, Row, estimate_rows
-from zeroshard.cli.estimate.shapes import ModelInfo, from_model_arg, from_params
+from zeroshard.cli.estimate.shapes import ATTENTION, ModelInfo, from_model_arg, from_params
 from zeroshard.precision.dtypes import DTYPES, bytes_of
 
 # fp32 state bytes per trainable element; Muon's momentum on its matrices, Adam's moments on the rest (MUON_SPLIT)
@@ -75,6 +75,13 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "(with --trainable)",
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
+    p.add_argument(
+        "--attn-implementation",
+        choices=ATTENTION,
+        default=None,
+        help="attention as training sets it (from_pretrained's attn_implementation; default: the model's own): eager "
+        "keeps each layer's seq x seq scores, the fused kernels do not",
+    )
     p.add_argument("--bucket-size", type=float, default=DEFAULT_BUCKET_NUMEL, help="reduce_bucket_size (elements)")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: this GPU, or 80)")
     p.add_argument("--json", action="store_true", help="print a JSON list of rows (and nothing else)")
@@ -86,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    model = from_model_arg(args.model) if args.model else from_params(args.params)
+    attention = args.attn_implementation
+    model = (
+        from_model_arg(args.model, attention) if args.model else from_params(args.params, eager=attention == "eager")
+    )
     trainable = _trainable(args.trainable, model.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
     precision = _precision(args, model)

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroshard.cli.estimate.activations import MlaShape, MoeShape, Shape
+from zeroshard.cli.estimate.activations import EagerShape, MlaShape, MoeShape, Shape
 from zeroshard.errors import ConfigError
 
 
@@ -56,7 +56,13 @@ def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
     experts = [name for name in names if name.endswith(".experts")]
     moe = _moe_shape(config, len(experts), int(inter), _in_last_layer(experts, layers))
     mla = _mla_shape(config)
-    return Shape(hidden, layers, heads, int(kv), int(inter), int(config.vocab_size), gated, qk_norm, moe, mla)
+    eager = None
+    if str(getattr(getattr(module, "config", None), "_attn_implementation", "")) == "eager":
+        eager = EagerShape(softcap=bool(getattr(config, "attn_logit_softcapping", None)))
+    norms = 4 if any(name.endswith(".0.pre_feedforward_layernorm") for name in names) else 2
+    final_softcap = bool(getattr(config, "final_logit_softcapping", None))
+    sizes = (hidden, layers, heads, int(kv), int(inter), int(config.vocab_size))
+    return Shape(*sizes, gated, qk_norm, moe, mla, eager, norms, final_softcap)
 
 
 def _mla_shape(config: Any) -> MlaShape | None:
@@ -88,21 +94,33 @@ def _moe_shape(config: Any, moe_layers: int, intermediate: int, last: bool = Tru
     expert = int(getattr(config, "moe_intermediate_size", 0) or intermediate)
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     shared = shared or int(getattr(config, "n_shared_experts", 0) or 0) * expert
-    return MoeShape(moe_layers, int(experts), top_k, expert, shared, last)
+    activation = 8 if getattr(config, "model_type", "") == "gpt_oss" else 4  # [Note: GPT-OSS experts]
+    return MoeShape(moe_layers, int(experts), top_k, expert, shared, last_layer=last, activation=activation)
 
 
-def from_hf_config(name: str, config: Any) -> ModelInfo:
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def from_hf_config(name: str, config: Any, attention: str | None = None) -> ModelInfo:
+    """`attention`: the `attn_implementation` training will use (None: the model's default)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    chosen = {} if attention is None else {"attn_implementation": attention}
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **chosen)
+    except (ValueError, ImportError) as e:  # an implementation the model or this machine does not have
+        if attention is None:
+            raise
+        raise ConfigError(f"--attn-implementation {attention}: {str(e).splitlines()[0]}") from None
     total, largest = count_module(model)
     return ModelInfo(name, total, largest, shape_of(config, model), matrices=count_matrices(model))
 
 
-def from_model_arg(model: str) -> ModelInfo:
-    """`--model`: a Hugging Face model folder (its config.json) or a built-in config name."""
+def from_model_arg(model: str, attention: str | None = None) -> ModelInfo:
+    """`--model`: a Hugging Face model folder (its config.json) or a built-in config name; `attention` as in
+    `from_hf_config`."""
     from zeroshard.presets import model_preset
 
     if os.path.isdir(model):
@@ -110,12 +128,12 @@ def from_model_arg(model: str) -> ModelInfo:
 
         if not os.path.exists(os.path.join(model, "config.json")):
             raise ConfigError(f"model folder {model} has no config.json; pass a Hugging Face model folder")
-        return from_hf_config(model, AutoConfig.from_pretrained(model))
+        return from_hf_config(model, AutoConfig.from_pretrained(model), attention)
     preset = model_preset(model)
-    return from_hf_config(preset.name, preset.hf_config(vocab_size=259))
+    return from_hf_config(preset.name, preset.hf_config(vocab_size=259), attention)
 
 
-def from_params(params: float, vocab: int = 32000) -> ModelInfo:
+def from_params(params: float, vocab: int = 32000, eager: bool = False) -> ModelInfo:
     """A Llama-like shape with `params` parameters: 12·L·h² + 2·V·h with L = h/128 (Llama-2 7B/13B, GPT-3)."""
     if params <= 0:
         raise ConfigError(f"--params {params:g} must be positive")
@@ -123,7 +141,7 @@ def from_params(params: float, vocab: int = 32000) -> ModelInfo:
     layers = max(1, round(params / (12 * hidden * hidden)))
     heads = max(1, hidden // 128)
     intermediate = int(math.ceil(8 * hidden / 3 / 64) * 64)  # SwiGLU's 8/3 h, rounded as Llama does
-    shape = Shape(hidden, layers, heads, heads, intermediate, vocab, True)
+    shape = Shape(hidden, layers, heads, heads, intermediate, vocab, True, eager=EagerShape() if eager else None)
     largest = max(vocab * hidden, shape.intermediate * hidden)
     note = (
         f"Llama-like shape assumed: hidden {hidden}, {layers} layers, vocabulary {vocab}; --model gives exact numbers"
