@@ -35,6 +35,18 @@ other ranks, before anything is made real ([Note: gathering calls agree first]),
 (numbered in the order `zero_init` recorded the models: an actor and its reference model differ) and its path there
 (through modules PEFT wrapped around it later): blocks over different parameters on different ranks, or a block that
 raised on one rank before its modifier's broadcast, are named.
+
+[Note: loads before initialize]
+`load_state_dict` into a `zero_init` model's meta tensors was a no-op (torch skips a meta parameter with a warning):
+`PeftModel.from_pretrained(base, adapter)` on a meta base created the adapters on the meta device and dropped the
+saved weights, so training resumed from a fresh LoRA; a state dict loaded into the model before `initialize` was
+lost the same way. Under DeepSpeed the adapters are real (made after `zero.Init`) and load. So at the end of the
+`zero_init` block every module built gets a `load_state_dict` pre-hook (torch's public hook; handles kept, removed
+when `initialize` takes the model): the meta parameters and buffers under it that the state dict has, with the
+same shape, become real on the CPU with the loaded values and are kept as a `GatheredParameters(modifier_rank=...)`
+block keeps them (`initialize` shards them; a `from_pretrained` checkpoint does not overwrite them). Every rank
+loads its own copy (the same file on every rank gives the same values); a large load makes those tensors whole on
+every rank until `initialize`, as such a block does.
 """
 
 from __future__ import annotations
@@ -50,11 +62,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
-from zeroshard.loading.materialize import init_module, materialize_adapters, swap_keeping_attributes, swappable
+from zeroshard.loading.materialize import (
+    init_module,
+    make_real,
+    materialize_adapters,
+    swap_keeping_attributes,
+    swappable,
+)
 from zeroshard.loading.recorded import recording as recording_init
 from zeroshard.loading.replay import bind, continue_recording, unrecorded
 from zeroshard.loading.weights import weights_covering
@@ -82,6 +101,7 @@ class _Built:
         self.thread: int | None = None
         self.depth = 0
         self._agreement: tuple[Any, CallAgreement] | None = None  # (the default group, its agreement)
+        self._load_hooks: dict[int, RemovableHandle] = {}  # id(module) -> its load_state_dict pre-hook
 
     def _track(self, module: nn.Module) -> weakref.ref[nn.Module]:
         key = id(module)
@@ -93,6 +113,9 @@ class _Built:
         return self._modules[key]
 
     def _forget(self, module_key: int) -> None:
+        handle = self._load_hooks.pop(module_key, None)
+        if handle is not None:
+            handle.remove()
         self._modules.pop(module_key, None)
         self._number.pop(module_key, None)
         self._parent.pop(module_key, None)
@@ -165,6 +188,37 @@ class _Built:
         """Every module recorded and still alive."""
         return (m for ref in list(self._modules.values()) if (m := ref()) is not None)
 
+    def hook_loads(self) -> None:
+        """[Note: loads before initialize] every recorded module takes a state dict into its meta tensors."""
+        for module in self.modules():
+            if id(module) not in self._load_hooks:
+                self._load_hooks[id(module)] = module.register_load_state_dict_pre_hook(self._loading)
+
+    def _loading(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
+        """[Note: loads before initialize] the meta parameters and buffers under `module` that `state_dict` has
+        (same shape) become real with its values, kept for `initialize` as a `GatheredParameters(modifier_rank=...)`
+        block keeps them; torch's own load then copies the same values (it skipped meta tensors with a warning)."""
+        made: list[nn.Parameter] = []
+        tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for name, t in tensors:
+            value = state_dict.get(prefix + name)
+            if not t.is_meta or not isinstance(value, torch.Tensor) or value.is_meta or value.shape != t.shape:
+                continue
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path)
+            if isinstance(t, nn.Parameter):
+                with unrecorded(), swappable(owner):
+                    make_real(t, torch.device("cpu"))
+                with torch.no_grad():
+                    t.copy_(value)
+                made.append(t)
+            else:
+                owner._buffers[leaf] = value.detach().to("cpu", t.dtype, copy=True)
+        self.adopt(module, made)  # PEFT's adapters, made after zero_init, are the model's
+        for p in made:
+            self.keep(p)
+        set_status([p for p in made if hasattr(p, "ds_status")], ZeroParamStatus.AVAILABLE)
+
     def keep(self, param: nn.Parameter) -> None:
         self._kept.add(id(param))
 
@@ -222,6 +276,7 @@ def recording() -> Iterator[None]:
                 yield
             finally:
                 bind(BUILT.modules())
+                BUILT.hook_loads()
     finally:
         for handle in handles:
             handle.remove()
