@@ -238,12 +238,14 @@ def _build(
     # parameter real); stage 3 materialises parameters unit by unit
     if meta or any(b.is_meta for b in model.buffers()):
         materialize_buffers(model, weights, topology.device)
-    if meta:  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them; lora_A as rank 0 drew it
-        adapters = materialize_adapters(model)
-        if stage == 3:  # (stages 0-2 broadcast every parameter below)
-            comm.broadcast_coalesced(
-                [p.data for p in adapters], src=comm.global_rank(0), via=topology.device, label="zero_init start"
-            )
+    if meta:  # PEFT's LoRA adapters of a meta base: lora_B zero, as PEFT initialises them
+        materialize_adapters(model)
+    if meta and stage == 3:  # [Note: one start on every rank]: what is whole on every rank now, as the first rank has
+        # it (adapters, a head attached after zero_init, a constructor's real tensors; not what a block or a load
+        # kept); stages 0-2 broadcast every parameter below
+        whole, first = [p.data for p in model.parameters() if not p.is_meta and not BUILT.kept(p)], comm.global_rank(0)
+        comm.broadcast_coalesced(whole, src=first, via=topology.device, label="zero_init start")
+        comm.broadcast_coalesced(list(model.buffers()), src=first, label="zero_init start")
     # stage 3 and fsdp2 replay zero_init's records on each rank: the rank whose values all take where they differ
     source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter

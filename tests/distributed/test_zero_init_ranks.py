@@ -53,8 +53,10 @@ def test_ranks_seeded_differently_start_from_rank_zeros_model(backend: str, thre
             assert torch.equal(differ[rank]["initial"][name], value), (rank, name)
         assert torch.equal(differ[rank]["buffer"], alike[0]["buffer"]), rank
         assert differ[rank]["losses"] == alike[0]["losses"], rank
-    numel = sum(v.numel() for v in alike[0]["initial"].values()) + alike[0]["buffer"].numel()
-    assert all(r["sent"] < 1024 for r in alike), [r["sent"] for r in alike]  # the fingerprint, no values
+    numel = sum(v.numel() for v in alike[0]["initial"].values())
+    # the fingerprint (16 bytes) and the buffers (at initialize and once the units are built): no parameter values
+    buffers = 4 * sum(b.numel() for b in _Noisy().buffers())
+    assert all(r["sent"] <= 16 + 2 * buffers for r in alike), ([r["sent"] for r in alike], buffers)
     assert all(r["sent"] >= 4 * numel for r in differ), ([r["sent"] for r in differ], 4 * numel)
 
 
@@ -151,3 +153,49 @@ def test_every_part_of_the_start_is_rank_zeros(backend: str) -> None:
                 assert torch.equal(got["state"][name], value), (vary, rank, name)
         if vary == "after":
             assert all(r["sent"] < numel for r in ranks), [r["sent"] for r in ranks]
+
+
+class _Real(nn.Module):
+    """A parameter the constructor makes real under `zero_init` (from numpy); a head is attached after the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.from_numpy(np.random.randn(16, 16).astype(np.float32)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) @ self.table).sum()
+
+
+def _real(rank: int, world_size: int, backend: str, threshold: int) -> dict[str, Any]:
+    import zeroshard
+
+    torch.manual_seed(1)
+    np.random.seed(1 + rank)  # accelerate's set_seed(device_specific=True) seeds numpy per rank too
+    with zeroshard.zero_init():
+        model = _Real()
+    torch.manual_seed(5 + rank)
+    model.head = nn.Linear(16, 2)  # a value head a wrapper attaches outside zero_init
+    own = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    config = _real_config(backend, threshold)
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    with zeroshard.GatheredParameters(list(model.parameters())):
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        state = {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in state.items()}
+    engine.destroy()
+    return {"own": own, "state": state}
+
+
+def _real_config(backend: str, threshold: int) -> dict[str, Any]:
+    config = nanogpt_config(backend)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    config["train_batch_size"], config["train_micro_batch_size_per_gpu"] = 2, 1
+    return config
+
+
+@pytest.mark.parametrize("backend, threshold", [("zero", 0), ("zero", 100_000), ("fsdp2", 0)])
+def test_real_parameters_of_a_zero_init_model_start_as_rank_zeros(backend: str, threshold: int) -> None:
+    ranks = run_on_ranks(_real, 2, backend, threshold)
+    for name, value in ranks[0]["own"].items():  # the table and the head, as rank 0 made them
+        for rank in ranks:
+            assert torch.equal(rank["state"][name], value), name

@@ -18,9 +18,11 @@ the first step: a first forward, or an evaluation before training, gave each ran
   compared exactly (an object of an unknown kind), that rank's values are broadcast once: unit by unit at stage 3
   (each parameter with its own unit, after the unit's replay and before it is sharded, also when another unit's
   module init made it real earlier), whole on the fsdp2 backend (before `fully_shard`), with one line in the log;
-- always broadcasts, from that rank, the buffers once every unit is built (a module's `reset_parameters()` may draw
-  them as its unit is built, a parameter-less module's init from the process's generator; they are small) and
-  PEFT's LoRA adapters of a meta base as they are made (lora_A draws from the process's generator).
+- always broadcasts from that rank, in `initialize`, what is already whole on every rank: the real parameters no
+  `GatheredParameters` block or load kept (PEFT's LoRA adapters of a meta base, whose lora_A draws from the process's
+  generator; a head attached after the `zero_init` block; a constructor's real tensors, e.g. from numpy) and the
+  buffers (a parameter-less module's init draws from the process's generator), and the buffers again once every unit
+  is built where any was replayed (a module's `reset_parameters()` may draw them as its unit is built).
 Tensors a checkpoint fills (`from_pretrained` under `zero_init`) are the same on every rank and are left out.
 Tested (tests/distributed/test_zero_init_ranks.py): seeds that differ before building, only after it, and code that
 depends on the rank (a slice, a numpy scalar) give the first rank's model at stage 3 (thresholds 0, 100, 1e5) and
