@@ -21,7 +21,12 @@ from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.agree import differing_start
-from zeroshard.loading.materialize import materialize_adapters, materialize_buffers, materialize_parameters
+from zeroshard.loading.materialize import (
+    materialize_adapters,
+    materialize_buffers,
+    materialize_parameters,
+    share_with_saved_copies,
+)
 from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
@@ -229,6 +234,8 @@ def _build(
     if stage < 3 or str(cfg.zeroshard.backend) == "fsdp2":  # whole or FSDP2's parameters: no ZeRO-3 attributes
         unmark(list(model.parameters()))  # (zero_init set them: [Note: DeepSpeed's parameter attributes])
     meta = any(p.is_meta for p in model.parameters())
+    if meta:  # PEFT's modules_to_save copies start from their originals' values
+        share_with_saved_copies(model, weights)
     if stage < 3 and meta and weights is None:
         raise ConfigError(
             "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3 "

@@ -128,3 +128,40 @@ def test_a_state_dict_loaded_before_initialize_is_the_start(tmp_path: Path) -> N
             assert torch.equal(got[f"built.{name}"], state[name]), name
             expected = state[name] if ".0." in name else p.detach()
             assert torch.equal(got[f"loaded.{name}"], expected), name
+
+
+def _saved_copy(rank: int, world_size: int, folder: str | None) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    import zeroshard
+
+    torch.manual_seed(3)
+    with zeroshard.zero_init():
+        model = LlamaForCausalLM.from_pretrained(folder) if folder else LlamaForCausalLM(_tiny())
+    lora = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model = get_peft_model(model, lora)
+    engine, *_ = zeroshard.initialize(model=model, config=_config(3))
+    head = model.base_model.model.lm_head
+    pair = [head.original_module.weight, head.modules_to_save["default"].weight]
+    with zeroshard.GatheredParameters(pair):
+        out = {"original": pair[0].detach().clone(), "copy": pair[1].detach().clone()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("from_checkpoint", [True, False])
+def test_modules_to_save_copies_start_as_their_originals(tmp_path: Path, from_checkpoint: bool) -> None:
+    """PEFT's `modules_to_save` trains a deep copy of the module, made on the meta device: it starts from the
+    original's values (the checkpoint's, or the recorded initialisation), not from `reset_parameters()`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    stored = LlamaForCausalLM(_tiny())
+    stored.save_pretrained(tmp_path)
+    for got in run_on_ranks(_saved_copy, 2, str(tmp_path) if from_checkpoint else None):
+        assert torch.equal(got["copy"], got["original"])
+        if from_checkpoint:
+            assert torch.equal(got["original"], stored.lm_head.weight)
+        else:  # Llama's _init_weights: normal(0, 0.02)
+            assert 0.015 < got["copy"].std().item() < 0.025

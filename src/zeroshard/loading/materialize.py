@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.loading.replay import Replay, bindings, init_after, module_seed, seeded
+from zeroshard.loading.replay import Replay, bindings, init_after, module_seed, seeded, share_bindings
 from zeroshard.loading.weights import StreamedWeights
 
 
@@ -108,6 +108,31 @@ def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
                 reset(name, init)
             made += fresh
     return made
+
+
+def share_with_saved_copies(model: nn.Module, weights: StreamedWeights | None) -> None:
+    """PEFT's `modules_to_save` (a classification head, `lm_head`, `embed_tokens` trained in full beside LoRA) wraps
+    the module and trains a `copy.deepcopy` of it, made on the meta device for a `zero_init` model: no checkpoint
+    entry or record was the copy's, so it got `reset_parameters()` and trained from random values where PEFT's copy
+    starts from the original's. Each copy's meta tensors now read the original's checkpoint tensors, or replay the
+    original's records (its modules' seeds too), or take the values a block or a load kept in the original."""
+    for wrapper in model.modules():
+        original, copies = getattr(wrapper, "original_module", None), getattr(wrapper, "modules_to_save", None)
+        if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+            continue
+        for copy in copies.values():
+            share_bindings(copy, original)
+            pairs = [*zip(original.named_parameters(), copy.named_parameters(), strict=False)]
+            pairs += [*zip(original.named_buffers(), copy.named_buffers(), strict=False)]
+            for (name, source), (copied_name, target) in pairs:
+                if name != copied_name or not target.is_meta or source.shape != target.shape:
+                    continue
+                if weights is not None and weights.covers(source):
+                    weights.alias(target, source)
+                elif not source.is_meta and isinstance(target, nn.Parameter):
+                    make_real(target, source.device)
+                    with torch.no_grad():
+                        target.copy_(source)
 
 
 def _params(entry: nn.Module | nn.Parameter) -> list[nn.Parameter]:

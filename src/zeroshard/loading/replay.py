@@ -217,6 +217,16 @@ def bindings(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
+def share_bindings(copy: nn.Module, original: nn.Module) -> None:
+    """`copy` (a deep copy of `original` made after the `zero_init` block, which no recording saw) takes the
+    original's bindings, module by module: its meta tensors get the original's values, and its modules the original's
+    seeds."""
+    for name, source in original.named_modules():
+        bound = _BOUND.get(source)
+        if bound is not None:
+            _BOUND.setdefault(copy.get_submodule(name), {}).update(bound)
+
+
 def module_seed(module: nn.Module, recurse: bool = False) -> int | None:
     """A seed of the module's own for its `reset_parameters()` and `_init_weights` (where they run): from the place
     of its first recorded parameter (`recurse`: or its first module's with one), so that those draws, too, do not

@@ -153,6 +153,11 @@ class StreamedWeights:
     def covers(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._keys
 
+    def alias(self, tensor: torch.Tensor, same_as: torch.Tensor) -> None:
+        """`tensor` (a copy of `same_as` made on the meta device) is read from `same_as`'s checkpoint tensor."""
+        self._keys[id(tensor)] = self._keys[id(same_as)]
+        self._tensors.append(tensor)
+
     def read(self, tensor: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
         self.folder.read(self._keys[id(tensor)], start, stop, out)
 
