@@ -43,34 +43,28 @@ SEQ, MICRO = 128, 2
 
 
 def _estimate(
-    folder: str, dtype: str, checkpointing: bool, capsys: pytest.CaptureFixture[str], attention: str | None = None
+    folder: str,
+    dtype: str,
+    checkpointing: bool,
+    capsys: pytest.CaptureFixture[str],
+    attention: str | None = None,
+    seq: int = SEQ,
 ) -> int:
-    argv = [
-        "estimate",
-        *(["--attn-implementation", attention] if attention else []),
-        "--model",
-        folder,
-        "--json",
-        "--gpus",
-        "1",
-        "--seq-len",
-        str(SEQ),
-        "--micro-batch",
-        str(MICRO),
-    ]
+    argv = ["estimate", *(["--attn-implementation", attention] if attention else []), "--model", folder, "--json"]
+    argv += ["--gpus", "1", "--seq-len", str(seq), "--micro-batch", str(MICRO)]
     argv += ["--dtype", dtype] + (["--gradient-checkpointing"] if checkpointing else [])
     assert main(argv) == 0
     return int(json.loads(capsys.readouterr().out)[0]["activation_bytes_per_rank"])
 
 
-def _measure(config: object, dtype: torch.dtype, checkpointing: bool) -> int:
+def _measure(config: object, dtype: torch.dtype, checkpointing: bool, seq: int = SEQ) -> int:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(0, config.vocab_size, (MICRO, SEQ))  # type: ignore[attr-defined]
+    ids = torch.randint(0, config.vocab_size, (MICRO, seq))  # type: ignore[attr-defined]
     with peak_activation_bytes(model) as measured:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     return measured.peak
@@ -128,16 +122,23 @@ def test_estimated_activations_of_moe_models_are_within_15_percent(name, tmp_pat
         assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)
 
 
+TINY = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            vocab_size=128)  # fmt: skip
 EAGER = {  # attention run eagerly ([Note: activation estimate of eager attention]): seq x seq scores per layer
-    # Llama asked for eager (`--attn-implementation eager`), fp32 and bf16
-    "llama-eager": ("LlamaConfig", dict(SHAPES["gqa"]), "fp32", "eager"),
-    "llama-eager-bf16": ("LlamaConfig", dict(SHAPES["gqa"]), "bf16", "eager"),
-    # eager by default: Gemma-2 (score and logit softcapping, four norms per layer), GPT-OSS (sinks, clamped GLU)
-    "gemma2": ("Gemma2Config", dict(SHAPES["gqa"], head_dim=16), "fp32", None),
+    # Llama asked for eager (`--attn-implementation eager`), fp32 and bf16; at 512 tokens the scores dominate
+    "llama-eager": ("LlamaConfig", dict(SHAPES["gqa"]), "fp32", "eager", SEQ),
+    "llama-eager-bf16": ("LlamaConfig", dict(SHAPES["gqa"]), "bf16", "eager", SEQ),
+    "llama-eager-512": ("LlamaConfig", TINY, "fp32", "eager", 512),
+    # eager by default: Gemma-2 (score and logit softcapping, four norms per layer, sliding-window layers), GPT-OSS
+    # (sinks, clamped GLU experts, its softmax in the compute dtype)
+    "gemma2": ("Gemma2Config", dict(SHAPES["gqa"], head_dim=16), "fp32", None, SEQ),
+    "gemma2-512-bf16": ("Gemma2Config", dict(TINY, head_dim=8, sliding_window=64), "bf16", None, 512),
     "gpt_oss": ("GptOssConfig", dict(SHAPES["gqa"], head_dim=16, num_local_experts=4, num_experts_per_tok=2),
-                "fp32", None),
+                "fp32", None, SEQ),
+    "gpt_oss-512-bf16": ("GptOssConfig", dict(TINY, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+                         "bf16", None, 512),
     # SDPA with four norms per layer
-    "gemma3": ("Gemma3TextConfig", dict(SHAPES["gqa"], head_dim=16), "fp32", None),
+    "gemma3": ("Gemma3TextConfig", dict(SHAPES["gqa"], head_dim=16), "fp32", None, SEQ),
 }  # fmt: skip
 
 
@@ -145,14 +146,14 @@ EAGER = {  # attention run eagerly ([Note: activation estimate of eager attentio
 def test_estimated_activations_of_eager_attention_are_within_15_percent(name, tmp_path, capsys):
     import transformers
 
-    kind, sizes, dtype, attention = EAGER[name]
+    kind, sizes, dtype, attention, seq = EAGER[name]
     extra = {"rope_scaling": None} if kind == "GptOssConfig" else {}
-    config = getattr(transformers, kind)(max_position_embeddings=SEQ, **sizes, **extra)
+    config = getattr(transformers, kind)(max_position_embeddings=seq, **sizes, **extra)
     config.save_pretrained(tmp_path)
     if attention is not None:  # as training asks for it: from_pretrained(..., attn_implementation="eager")
         config._attn_implementation = attention
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     for checkpointing in (False, True):
-        estimated = _estimate(str(tmp_path), dtype, checkpointing, capsys, attention)
-        measured = _measure(config, torch_dtype, checkpointing)
+        estimated = _estimate(str(tmp_path), dtype, checkpointing, capsys, attention, seq)
+        measured = _measure(config, torch_dtype, checkpointing, seq)
         assert abs(estimated - measured) <= 0.15 * measured, (name, checkpointing, estimated, measured)

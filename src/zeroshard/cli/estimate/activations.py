@@ -17,11 +17,15 @@ is recomputed at a time.
 [Note: activation estimate of eager attention] A model that runs attention eagerly (transformers' "eager": Gemma-2 by
 default, GPT-OSS, whose sinks no fused kernel takes, or `attn_implementation="eager"`) keeps what a fused kernel does
 not: each layer's softmax output over the whole seq x seq scores, heads x seq per token, in fp32 (transformers'
-softmax runs in fp32), plus its cast to a narrower compute dtype (what the product with v saves), plus the tanh of
-Gemma-2's score softcapping in the compute dtype. A final logit softcap (Gemma-2) keeps its tanh over the vocabulary
-in the compute dtype. Models with four norms per layer (Gemma-2/3: before and after attention and the MLP) keep
-3h for each. Measured (tests/unit/test_estimate_activations.py): Llama eager fp32 and bf16, Gemma-2, Gemma-3 and
-GPT-OSS shapes, with and without checkpointing.
+softmax runs in fp32; GPT-OSS's in the compute dtype), plus its cast to a narrower compute dtype (what the product
+with v saves), plus the tanh of Gemma-2's score softcapping in the compute dtype. A layer's attention backward (after
+its MLP's backward let go of what the MLP saved) also holds the probabilities' gradient and the softmax's (fp32).
+With checkpointing, the additive seq x seq masks in the compute dtype (one, and one more for sliding-window layers)
+stay alive to the end, as every checkpointed layer's input; sliding-window layers compute the whole seq x seq too.
+A final logit softcap (Gemma-2) keeps its tanh over the vocabulary in the compute dtype. Norms per layer are counted
+in the first decoder layer (Gemma-2/3: four, 3h each; Cohere's parallel block: one). Measured
+(tests/unit/test_estimate_activations.py): Llama eager fp32 and bf16, Gemma-2 and GPT-OSS at 128 tokens and at 512
+(where the scores dominate, bf16, a sliding window), Gemma-3, with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -57,9 +61,17 @@ class EagerShape:
     """[Note: activation estimate of eager attention] what an eager attention layer keeps of its seq x seq scores."""
 
     softcap: bool = False  # Gemma-2's tanh of the scores
+    fp32_softmax: bool = True  # GPT-OSS's softmax runs in the compute dtype
+    masks: int = 1  # additive seq x seq masks in the compute dtype (sliding-window layers have their own)
 
     def bytes_per_score(self, dtype_bytes: int) -> int:
-        return 4 + (dtype_bytes if dtype_bytes < 4 else 0) + (dtype_bytes if self.softcap else 0)
+        """Kept per score until the layer's backward: the softmax output (and its cast), the softcap's tanh."""
+        kept = 4 + (dtype_bytes if dtype_bytes < 4 else 0) if self.fp32_softmax else dtype_bytes
+        return kept + (dtype_bytes if self.softcap else 0)
+
+    def working_bytes_per_score(self, dtype_bytes: int) -> int:
+        """Alive per score in the attention's backward: the probabilities' gradient and the softmax's."""
+        return 4 + dtype_bytes if self.fp32_softmax else 2 * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,11 @@ def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
         attention = shape.mla.elements(shape.heads)
     elif shape.qk_norm:  # each norm keeps its input and the normalized value
         attention += 2 * (shape.hidden + shape.kv_hidden)
+    return norms + attention + mlp_elements_per_token(shape, experts)
+
+
+def mlp_elements_per_token(shape: Shape, experts: bool = False) -> int:
+    """What one layer's MLP (its experts, with `experts`) saves for backward, per token."""
     moe = shape.moe
     if experts and moe is not None:
         mlp = (
@@ -119,7 +136,7 @@ def per_layer_elements_per_token(shape: Shape, experts: bool = False) -> int:
         )
     else:
         mlp = (4 if shape.gated_mlp else 2) * shape.intermediate
-    return norms + attention + mlp
+    return mlp
 
 
 def layer_backward_elements_per_token(shape: Shape, experts: bool = False) -> int:
@@ -149,6 +166,9 @@ def activation_bytes(
     eager = shape.eager
     scores = shape.heads * seq_len * eager.bytes_per_score(dtype_bytes) if eager is not None else 0
     scores *= 1 if checkpointing else shape.layers
+    working = shape.heads * seq_len * eager.working_bytes_per_score(dtype_bytes) if eager is not None else 0
+    if eager is not None and checkpointing:  # the masks are every checkpointed layer's input: kept until the end
+        kept += eager.masks * seq_len
     at_loss = (
         (kept + final_norm) * dtype_bytes + scores * (not checkpointing) + loss_bytes_per_token(shape, dtype_bytes)
     )
@@ -156,5 +176,8 @@ def activation_bytes(
     # it every layer is recomputed in turn, and a layer with experts costs the most wherever it is
     experts = moe_layers > 0 and (checkpointing or shape.moe is not None and shape.moe.last_layer)
     recomputed = (sparse if experts else dense) if checkpointing else 0
-    at_last_layer = (kept + recomputed + layer_backward_elements_per_token(shape, experts)) * dtype_bytes + scores
+    at_mlp = (kept + recomputed + layer_backward_elements_per_token(shape, experts)) * dtype_bytes + scores
+    # eager attention's backward comes after the layer's MLP let go of what it saved (and of the norm before it)
+    at_attention = (kept + recomputed - mlp_elements_per_token(shape, experts) - 3 * shape.hidden) * dtype_bytes
+    at_last_layer = max(at_mlp, at_attention + scores + working) if eager is not None else at_mlp
     return tokens * max(at_loss, at_last_layer)

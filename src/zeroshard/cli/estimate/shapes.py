@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +59,29 @@ def shape_of(config: Any, module: nn.Module | None = None) -> Shape:
     mla = _mla_shape(config)
     eager = None
     if str(getattr(getattr(module, "config", None), "_attn_implementation", "")) == "eager":
-        eager = EagerShape(softcap=bool(getattr(config, "attn_logit_softcapping", None)))
-    norms = 4 if any(name.endswith(".0.pre_feedforward_layernorm") for name in names) else 2
+        softcap = bool(getattr(config, "attn_logit_softcapping", None))
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        eager = EagerShape(softcap, fp32_softmax=getattr(config, "model_type", "") != "gpt_oss", masks=1 + sliding)
+    norms = _norms_per_layer(module)
     final_softcap = bool(getattr(config, "final_logit_softcapping", None))
     sizes = (hidden, layers, heads, int(kv), int(inter), int(config.vocab_size))
     return Shape(*sizes, gated, qk_norm, moe, mla, eager, norms, final_softcap)
+
+
+_LAYER_ZERO = re.compile(r"(^|\.)(layers|layer|h|blocks)\.0$")
+_HEAD_NORMS = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm"})
+
+
+def _norms_per_layer(module: nn.Module | None) -> int:
+    """The norms directly in the first decoder layer (Gemma-2/3: four; Cohere's parallel block: one), not the
+    per-head q/k norms; two where no layer is found."""
+    if module is None:
+        return 2
+    layer = next((m for name, m in module.named_modules() if _LAYER_ZERO.search(name)), None)
+    if layer is None:
+        return 2
+    norms = [n for n, child in layer.named_children() if "Norm" in type(child).__name__ and n not in _HEAD_NORMS]
+    return max(len(norms), 1)
 
 
 def _mla_shape(config: Any) -> MlaShape | None:
@@ -106,14 +125,19 @@ def from_hf_config(name: str, config: Any, attention: str | None = None) -> Mode
     import torch
     from transformers import AutoModelForCausalLM
 
-    chosen = {} if attention is None else {"attn_implementation": attention}
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **chosen)
-    except (ValueError, ImportError) as e:  # an implementation the model or this machine does not have
-        if attention is None:
-            raise
-        raise ConfigError(f"--attn-implementation {attention}: {str(e).splitlines()[0]}") from None
+    # only eager changes what is kept: a fused kernel is checked against the model's support, not built (its package
+    # may be missing where the estimate runs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, **({"attn_implementation": "eager"} if attention == "eager" else {})
+        )
+    if attention not in (None, "eager"):
+        flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(
+            attention, "_supports_flash_attn"
+        )
+        if not getattr(model, flag, False):
+            raise ConfigError(f"--attn-implementation {attention}: {type(model).__name__} does not support it")
+        model.config._attn_implementation = attention
     total, largest = count_module(model)
     return ModelInfo(name, total, largest, shape_of(config, model), matrices=count_matrices(model))
 
