@@ -251,7 +251,9 @@ def _build(
         # it (adapters, a head attached after zero_init, a constructor's real tensors; not what a block or a load
         # kept); stages 0-2 broadcast every parameter below
         whole, first = [p.data for p in model.parameters() if not p.is_meta and not BUILT.kept(p)], comm.global_rank(0)
-        comm.broadcast_coalesced(whole, src=first, via=topology.device, label="zero_init start")
+        comm.broadcast_coalesced(
+            whole, src=first, via=topology.device, label="zero_init start", bucket_bytes=_BROADCAST_BUCKET
+        )
         comm.broadcast_coalesced(list(model.buffers()), src=first, label="zero_init start")
     # stage 3 and fsdp2 replay zero_init's records on each rank: the rank whose values all take where they differ
     source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
@@ -452,6 +454,9 @@ def _pipeline_engine(parts: tuple[Any, ...], loader: Any, pipe: PipeContext) -> 
     return PipelineEngine(*parts, loader, pipe=pipe)
 
 
+_BROADCAST_BUCKET = 1 << 28  # bytes per flat broadcast of whole parameters: not a second model on the device
+
+
 def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) -> None:
     """Every rank starts from the group's first rank's (global rank `src`) parameters and buffers (as DDP and
     DeepSpeed do); MoE experts from the first rank of their expert-data-parallel group ([Note: expert groups] in
@@ -465,4 +470,4 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) 
         layer.groups.broadcast_experts(layer.expert_parameters())
     # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters])
     tensors = [local_of(t).data for t in module.parameters() if id(t) not in experts] + list(module.buffers())
-    comm.broadcast_coalesced(tensors, src=src)
+    comm.broadcast_coalesced(tensors, src=src, bucket_bytes=_BROADCAST_BUCKET)

@@ -165,3 +165,68 @@ def test_modules_to_save_copies_start_as_their_originals(tmp_path: Path, from_ch
             assert torch.equal(got["original"], stored.lm_head.weight)
         else:  # Llama's _init_weights: normal(0, 0.02)
             assert 0.015 < got["copy"].std().item() < 0.025
+
+
+class _Buffers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("kept", torch.zeros(4))
+        self.register_buffer("scratch", torch.arange(4.0), persistent=False)
+
+
+def _edges(rank: int, world_size: int, base: str, adapter: str) -> dict[str, Any]:
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    import zeroshard
+
+    out: dict[str, Any] = {}
+    with zeroshard.zero_init():
+        model = LlamaForCausalLM.from_pretrained(base)
+        small = _Buffers()
+    # after a block before initialize (its agreement holds a process group), copies of hooked modules still work
+    with zeroshard.GatheredParameters([model.model.norm.weight], modifier_rank=0):
+        pass
+    copied = copy.deepcopy(small)
+    out["copied"] = copied is not small
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    # torch never loads a non-persistent buffer
+    small.load_state_dict({"linear.weight": torch.ones(4, 4), "linear.bias": torch.ones(4), "kept": torch.ones(4),
+                           "scratch": torch.full((4,), 7.0)}, strict=False)  # fmt: skip
+    out["kept"], out["scratch_meta"] = small.kept.clone(), small.scratch.is_meta
+    for tag, kwargs in (("assign", {"low_cpu_mem_usage": True}), ("tokens", {})):
+        with zeroshard.zero_init():
+            base_model = LlamaForCausalLM.from_pretrained(base)
+        try:
+            if tag == "assign":  # PEFT loads the adapter with assign=True, then moves it to the base's meta device
+                PeftModel.from_pretrained(base_model, adapter, **kwargs)
+            else:
+                tokens = get_peft_model(base_model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[1]))
+                zeroshard.initialize(model=tokens, config=_config(3))
+            out[tag] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the message is the test
+            out[tag] = str(e)
+    return out
+
+
+def test_copies_buffers_assign_loads_and_trainable_tokens(tmp_path: Path) -> None:
+    """A hooked module deep-copies after a block before initialize; non-persistent buffers are not loaded; PEFT's
+    low_cpu_mem_usage=True load (assign=True, then moved to meta) and trainable_token_indices on a zero_init base are
+    refused in one line each (they dropped the adapter, or left the tokens' rows zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(_tiny()).save_pretrained(tmp_path / "base")
+    lora = get_peft_model(LlamaForCausalLM(_tiny()), LoraConfig(r=2, target_modules=["q_proj"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    for got in run_on_ranks(_edges, 2, str(tmp_path / "base"), str(tmp_path / "adapter")):
+        assert got["copied"]
+        assert torch.equal(got["kept"], torch.ones(4)) and got["scratch_meta"]
+        assert (
+            got["assign"].startswith("load_state_dict(assign=True) into ")
+            and "low_cpu_mem_usage=False" in got["assign"]
+        )
+        assert got["tokens"].startswith("PEFT's trainable_token_indices around a model built under zero_init")

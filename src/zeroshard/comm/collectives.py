@@ -223,15 +223,30 @@ class Collectives:
         )
 
     def broadcast_coalesced(
-        self, tensors: list[torch.Tensor], src: int, via: torch.device | None = None, label: str = ""
+        self,
+        tensors: list[torch.Tensor],
+        src: int,
+        via: torch.device | None = None,
+        label: str = "",
+        bucket_bytes: int | None = None,
     ) -> None:
-        """`tensors` from rank `src`, one flat broadcast per dtype; `via`: the device the flat buffer travels
-        through (NCCL moves device memory only), the tensors staying where they are."""
+        """`tensors` from rank `src`, one flat broadcast per dtype (per `bucket_bytes` of it, where given: a whole
+        model need not be one buffer on the device); `via`: the device the flat buffer travels through (NCCL moves
+        device memory only), the tensors staying where they are."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
+        groups: list[list[torch.Tensor]] = []
         for dtype in sorted(by_dtype, key=str):
-            group = by_dtype[dtype]
+            groups.append([])
+            filled = 0
+            for t in by_dtype[dtype]:
+                if bucket_bytes is not None and groups[-1] and filled + t.nbytes > bucket_bytes:
+                    groups.append([])
+                    filled = 0
+                groups[-1].append(t)
+                filled += t.nbytes
+        for group in groups:
             flat = _flatten_dense_tensors(group)
             flat = flat.to(via) if via is not None else flat
             self.broadcast(flat, src=src, label=label)

@@ -74,6 +74,13 @@ def materialize_adapters(model: nn.Module) -> list[nn.Parameter]:
     if not configs:
         return made
     for module in model.modules():
+        tokens = getattr(module, "trainable_tokens_delta", None)
+        if isinstance(tokens, nn.ParameterDict) and any(p.is_meta for p in tokens.values()):
+            raise ConfigError(
+                "PEFT's trainable_token_indices around a model built under zero_init: their deltas start as rows of "
+                "the base embedding, which stays on the meta device until initialize (they were zeros); train the "
+                "embedding with modules_to_save instead, or build the base model without zero_init"
+            )
         reset = getattr(module, "reset_lora_parameters", None)
         if not callable(reset):
             continue
@@ -127,12 +134,12 @@ def share_with_saved_copies(model: nn.Module, weights: StreamedWeights | None) -
             for (name, source), (copied_name, target) in pairs:
                 if name != copied_name or not target.is_meta or source.shape != target.shape:
                     continue
-                if weights is not None and weights.covers(source):
-                    weights.alias(target, source)
-                elif not source.is_meta and isinstance(target, nn.Parameter):
+                if not source.is_meta and isinstance(target, nn.Parameter):  # kept by a block or a load: those values
                     make_real(target, source.device)
                     with torch.no_grad():
                         target.copy_(source)
+                elif weights is not None and weights.covers(source):
+                    weights.alias(target, source)
 
 
 def _params(entry: nn.Module | nn.Parameter) -> list[nn.Parameter]:

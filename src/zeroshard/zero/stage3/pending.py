@@ -41,12 +41,15 @@ raised on one rank before its modifier's broadcast, are named.
 `PeftModel.from_pretrained(base, adapter)` on a meta base created the adapters on the meta device and dropped the
 saved weights, so training resumed from a fresh LoRA; a state dict loaded into the model before `initialize` was
 lost the same way. Under DeepSpeed the adapters are real (made after `zero.Init`) and load. So at the end of the
-`zero_init` block every module built gets a `load_state_dict` pre-hook (torch's public hook; handles kept, removed
-when `initialize` takes the model): the meta parameters and buffers under it that the state dict has, with the
-same shape, become real on the CPU with the loaded values and are kept as a `GatheredParameters(modifier_rank=...)`
-block keeps them (`initialize` shards them; a `from_pretrained` checkpoint does not overwrite them). Every rank
-loads its own copy (the same file on every rank gives the same values); a large load makes those tensors whole on
-every rank until `initialize`, as such a block does.
+`zero_init` block every module built gets a `load_state_dict` pre-hook (torch's public hook, a module-level
+function so that copying a module does not copy zeroshard's state; handles kept, removed when `initialize` takes
+the model): the meta parameters and persistent buffers under it that the state dict has, with the same shape,
+become real on the CPU with the loaded values and are kept as a `GatheredParameters(modifier_rank=...)` block keeps
+them (`initialize` shards them; a `from_pretrained` checkpoint does not overwrite them). Every rank loads its own
+copy (the same file on every rank gives the same values); a large load makes those tensors whole on every rank until
+`initialize`, as such a block does; a load that raises (a strict load with missing keys) keeps what it matched, as
+torch's own load does. An `assign=True` load into parameters added after the block is refused in one line: PEFT's
+`low_cpu_mem_usage=True` assigns the adapter, then moves it to the base's meta device, dropping it.
 """
 
 from __future__ import annotations
@@ -192,12 +195,15 @@ class _Built:
         """[Note: loads before initialize] every recorded module takes a state dict into its meta tensors."""
         for module in self.modules():
             if id(module) not in self._load_hooks:
-                self._load_hooks[id(module)] = module.register_load_state_dict_pre_hook(self._loading)
+                # a module-level function: a hook that is a bound method of BUILT would be deep-copied (and pickled)
+                # with every module copied, and BUILT with it
+                self._load_hooks[id(module)] = module.register_load_state_dict_pre_hook(_load_pre_hook)
 
-    def _loading(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any) -> None:
-        """[Note: loads before initialize] the meta parameters and buffers under `module` that `state_dict` has
-        (same shape) become real with its values, kept for `initialize` as a `GatheredParameters(modifier_rank=...)`
-        block keeps them; torch's own load then copies the same values (it skipped meta tensors with a warning)."""
+    def loading(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, assign: bool) -> None:
+        """[Note: loads before initialize] the meta parameters and persistent buffers under `module` that
+        `state_dict` has (same shape) become real with its values, kept for `initialize` as a
+        `GatheredParameters(modifier_rank=...)` block keeps them; torch's own load then copies the same values (it
+        skipped meta tensors with a warning)."""
         made: list[nn.Parameter] = []
         tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
         for name, t in tensors:
@@ -206,6 +212,15 @@ class _Built:
                 continue
             path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(path)
+            if not isinstance(t, nn.Parameter) and leaf in owner._non_persistent_buffers_set:
+                continue  # torch never loads those
+            if assign and isinstance(t, nn.Parameter) and self.owner(t) is None:
+                raise ZeroshardError(
+                    f"load_state_dict(assign=True) into {prefix + name}, a meta parameter added to a zero_init model "
+                    "after it was built (PEFT's low_cpu_mem_usage=True loads an adapter so, then moves it to the meta "
+                    "device, dropping its values): load with assign=False (PeftModel.from_pretrained(..., "
+                    "low_cpu_mem_usage=False), the default)"
+                )
             if isinstance(t, nn.Parameter):
                 with unrecorded(), swappable(owner):
                     make_real(t, torch.device("cpu"))
@@ -249,6 +264,10 @@ class _Built:
 
 
 BUILT = _Built()
+
+
+def _load_pre_hook(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, metadata: Any, *_: Any) -> None:
+    BUILT.loading(module, state_dict, prefix, bool((metadata or {}).get("assign_to_params_buffers")))
 
 
 @contextmanager
