@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from helpers.harness import run_on_ranks
 from helpers.pipeline import PipeCase, batches, build, reference
@@ -132,3 +133,42 @@ def test_three_d_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
     for rank, result in enumerate(run_on_ranks(_three_d, 4, str(tmp_path), False)):
         assert result["gas"] == 8, result
         assert _close(result["losses"], want[SAVED:]), ("dp2 -> dp1", rank, result["losses"], want[SAVED:])
+
+
+def _stages_at_once(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """pp2 x dp2: both stages save at once, each with its store keys under its own prefix; then stage 1's folder is a
+    file, so its save fails, and every rank raises (stage 0's naming stage 1)."""
+    import os
+
+    from torch.distributed import distributed_c10d
+
+    engine = build(PipeCase(2, "1f1b", zero=1))
+    engine.save_checkpoint(folder, tag="first")
+    store = distributed_c10d._get_default_store()
+    prefix = f"zeroshard/pipe_stage_{engine.pipe.groups.stage:02d}/"  # torch's PrefixStore joins with "/"
+    out: dict[str, Any] = {
+        "stage": engine.pipe.groups.stage,
+        "keys": store.check([prefix + "zeroshard/checkpoint/calls/0"]),
+    }
+    broken = os.path.join(folder, "broken")
+    if rank == 0:
+        os.makedirs(broken)
+        open(os.path.join(broken, "pipe_stage_01"), "w").close()  # stage 1 cannot make its folder
+    engine.pipe.world.all_reduce(torch.zeros(1), label="test")
+    try:
+        engine.save_checkpoint(broken, tag="second")
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    engine.destroy()
+    return out
+
+
+def test_pipeline_stages_save_at_once_and_a_failed_stage_fails_every_rank(tmp_path: Path) -> None:
+    ranks = run_on_ranks(_stages_at_once, 4, str(tmp_path))
+    assert sorted(r["stage"] for r in ranks) == [0, 0, 1, 1] and all(r["keys"] for r in ranks)
+    for r in ranks:
+        if r["stage"] == 1:
+            assert r["error"] is not None and "pipeline stage(s)" not in r["error"]  # its own cause
+        else:
+            assert r["error"].startswith("CheckpointError: pipeline stage(s) [1] failed in this checkpoint call")

@@ -53,14 +53,14 @@ logger = get_logger(__name__)
 
 def decoupled(engine: Any) -> bool:
     """Whether this engine's saves are decoupled: `checkpoint.writer.decoupled`, unless the state is swapped to NVMe
-    or the engine saves in turns (a pipeline), which one log line per engine says."""
+    or the engine saves per pipeline stage, which one log line per engine says."""
     writer = engine.config.checkpoint.writer
     if writer is None or not writer.decoupled:
         return False
     z = engine.config.zero_optimization
     swapped = ("offload_optimizer", "offload_param") if int(z.stage) == 3 else ("offload_optimizer",)
     nvme = [k for k in swapped if str(getattr(z, k).device) == "nvme"]
-    why = f"{' and '.join(nvme)} on NVMe" if nvme else "a pipeline engine" if engine._saves_in_turns else None
+    why = f"{' and '.join(nvme)} on NVMe" if nvme else "a pipeline engine" if engine._saves_per_stage else None
     if why is None:
         return True
     if not getattr(engine, "_told_not_decoupled", False):

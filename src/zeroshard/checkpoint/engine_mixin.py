@@ -29,7 +29,8 @@ class CheckpointMixin:
 
     _pending_save: PendingSave | None = None  # a decoupled save between its call and its commit
     _checkpoint_stream: torch.cuda.Stream | None = None
-    _saves_in_turns = False  # pipeline engines: their stages save one after another ([Note: pipeline checkpoints])
+    # pipeline engines: each stage saves its own folder, the call ends with every stage ([Note: pipeline checkpoints])
+    _saves_per_stage = False
 
     def save_checkpoint(
         self,

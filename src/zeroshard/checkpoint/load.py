@@ -404,7 +404,7 @@ def load_checkpoint(
     """See `CheckpointMixin.load_checkpoint`."""
     rank, world_size = engine.topology.rank, engine.topology.world_size
     root = os.path.abspath(os.fspath(load_dir))
-    sync = RankSync("load_checkpoint", rank, world_size)
+    sync = RankSync("load_checkpoint", rank, world_size, prefix=engine.topology.store_prefix)
     resolved: dict[str, Any] = {"dir": None, "error": None}
     universal = bool(engine.config.checkpoint.load_universal)  # [Note: universal checkpoints]
     try:

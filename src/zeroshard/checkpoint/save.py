@@ -301,7 +301,7 @@ def start_save(
             "checkpoint.use_node_local_storage with MoE expert parallelism (ep_size > 1) is not supported: save to a "
             "folder every node sees"
         )
-    sync = RankSync("save_checkpoint", rank, world_size)
+    sync = RankSync("save_checkpoint", rank, world_size, prefix=engine.topology.store_prefix)
     hello = sync.all_gather(
         ENTRY_PHASE,
         {

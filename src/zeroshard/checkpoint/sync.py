@@ -73,12 +73,22 @@ class RankSync:
     """Phases of one collective checkpoint call. `op` names the call in error messages."""
 
     def __init__(
-        self, op: str, rank: int, world_size: int, store: dist.Store | None = None, announce: bool = True
+        self,
+        op: str,
+        rank: int,
+        world_size: int,
+        store: dist.Store | None = None,
+        announce: bool = True,
+        prefix: str = "",
     ) -> None:
+        """`prefix`: the call's keys under it, apart from other groups' calls made at the same time (a pipeline's
+        stages)."""
         self.op = op
         self.rank = rank
         self.world_size = world_size
         self.store = store if store is not None or world_size == 1 else default_store()
+        if prefix and store is None and self.store is not None:
+            self.store = dist.PrefixStore(prefix, self.store)
         if self.world_size > 1 and self.store is None:
             raise CheckpointError(f"{op}: world size {world_size} but torch.distributed is not initialised")
         self.call = 0

@@ -24,6 +24,9 @@ class Topology:
     device: torch.device
     backend: str
     group: dist.ProcessGroup | None = None
+    # the store keys of checkpoint calls live under this prefix: a pipeline's stages save at once, each with its own
+    # ranks 0..dp-1 ([Note: pipeline checkpoints])
+    store_prefix: str = ""
 
     @property
     def is_distributed(self) -> bool:

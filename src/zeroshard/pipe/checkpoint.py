@@ -4,8 +4,9 @@
 Each stage holds different layers, so each stage writes a complete zeroshard checkpoint of its own module (its
 ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, with the usual tags, `latest` and
 crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
-rank of the group it is given; the stages take turns (a barrier over the whole world between turns) so that the
-dp ranks of one stage are the only ones in a call at a time and every rank counts the same calls. Loading needs
+rank of the group it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a
+prefix of its own (they took turns, a barrier over the whole world between turns: a save took the sum of the
+stages' times), and one all-reduce over the world at the end tells every rank which stages failed. Loading needs
 the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
 reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
 batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
@@ -40,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
+from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
@@ -87,7 +89,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
 
     pipe: PipeContext
     topology: Topology
-    _saves_in_turns = True
+    _saves_per_stage = True
 
     def save_checkpoint(
         self,
@@ -133,32 +135,42 @@ class PipelineCheckpointMixin(CheckpointMixin):
         return {"num_stages": self.pipe.groups.grid.stages, "tensor_parallel": self.pipe.tp_size}
 
     def _stagewise(self, call: Callable[[], T]) -> T:
+        """`call` on every stage at once, each over its own data-parallel group and store keys; then every rank
+        learns which stages failed (one all-reduce) and, where one did, raises: its own error, or one naming them."""
         result: T | None = None
         error: BaseException | None = None
-        for stage in range(self.pipe.groups.grid.stages):
-            if stage == self.pipe.groups.stage:
-                try:
-                    with self._stage_topology():
-                        result = call()
-                except BaseException as e:  # noqa: BLE001 - the other stages must still reach the barrier
-                    error = e
-            self._world_barrier()
+        try:
+            with self._stage_topology():
+                result = call()
+        except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
+            error = e
+        failed = torch.zeros(self.pipe.groups.grid.stages, device=self.topology.device)
+        failed[self.pipe.groups.stage] = 1.0 if error is not None else 0.0
+        self.pipe.world.all_reduce(failed, op="max", label="pipe.checkpoint_stages")
         if error is not None:
             raise error
+        stages = [s for s, flag in enumerate(failed.tolist()) if flag > 0]
+        if stages:
+            raise CheckpointError(
+                f"pipeline stage(s) {stages} failed in this checkpoint call (their ranks raised the cause); this "
+                f"stage ({self.pipe.groups.stage}) finished its part"
+            )
         return result  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def _stage_topology(self) -> Iterator[None]:
-        """The checkpoint code sees this stage's data-parallel group as the world."""
+        """The checkpoint code sees this stage's data-parallel group as the world, and its store keys apart from
+        the other stages' (which save at the same time)."""
         world = self.topology
         groups = self.pipe.groups
         self.topology = dataclasses.replace(
-            world, rank=groups.replica, world_size=groups.grid.dp, group=groups.dp_group
+            world,
+            rank=groups.replica,
+            world_size=groups.grid.dp,
+            group=groups.dp_group,
+            store_prefix=f"zeroshard/pipe_stage_{groups.stage:02d}",
         )
         try:
             yield
         finally:
             self.topology = world
-
-    def _world_barrier(self) -> None:
-        self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
