@@ -137,7 +137,8 @@ def test_three_d_checkpoint_loads_into_another_dp(tmp_path: Path) -> None:
 
 def _stages_at_once(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """pp2 x dp2: both stages save at once, each with its store keys under its own prefix; then stage 1's folder is a
-    file, so its save fails, and every rank raises (stage 0's naming stage 1)."""
+    file, so its save fails, and every rank raises (stage 0's naming stage 1); loading that folder's `latest` is
+    refused on every rank (the stages' tags differ)."""
     import os
 
     from torch.distributed import distributed_c10d
@@ -160,6 +161,11 @@ def _stages_at_once(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         out["error"] = None
     except Exception as e:  # noqa: BLE001 - the message is the test
         out["error"] = f"{type(e).__name__}: {e}"
+    try:  # stage 0's `latest` moved on, stage 1's did not: loading each stage's own would mix two checkpoints
+        engine.load_checkpoint(broken)
+        out["loaded"] = None
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        out["loaded"] = f"{type(e).__name__}: {e}"
     engine.destroy()
     return out
 
@@ -172,3 +178,4 @@ def test_pipeline_stages_save_at_once_and_a_failed_stage_fails_every_rank(tmp_pa
             assert r["error"] is not None and "pipeline stage(s)" not in r["error"]  # its own cause
         else:
             assert r["error"].startswith("CheckpointError: pipeline stage(s) [1] failed in this checkpoint call")
+        assert "the pipeline stages' `latest` tags differ" in r["loaded"]

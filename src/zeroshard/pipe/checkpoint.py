@@ -6,7 +6,8 @@ ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, wit
 crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
 rank of the group it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a
 prefix of its own (they took turns, a barrier over the whole world between turns: a save took the sum of the
-stages' times), and one all-reduce over the world at the end tells every rank which stages failed. Loading needs
+stages' times), and one all-reduce over the world at the end tells every rank which stages failed. A stage that
+failed leaves the others' `latest` moved on: a load by `latest` checks that every stage names the same tag. Loading needs
 the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
 reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
 batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
@@ -35,13 +36,16 @@ import contextlib
 import dataclasses
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.format import LATEST_FILE
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
@@ -119,6 +123,8 @@ class PipelineCheckpointMixin(CheckpointMixin):
     ) -> tuple[str | None, dict[str, Any] | None]:
         check_mesh(load_dir, self._mesh())
         folder = stage_dir(load_dir, self.pipe.groups.stage)
+        if tag is None:
+            self._same_latest(folder)
         return self._stagewise(
             lambda: CheckpointMixin.load_checkpoint(
                 self,
@@ -130,6 +136,21 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 load_module_only,
             )
         )
+
+    def _same_latest(self, folder: str) -> None:
+        """Every stage's `latest` names the same tag (one all-reduce): a save that failed on some stage moved the
+        others' `latest` only, and loading each stage's own would mix two checkpoints into one model."""
+        path = os.path.join(folder, LATEST_FILE)
+        tag = Path(path).read_text(encoding="utf-8").strip() if os.path.isfile(path) else ""
+        mine = zlib.crc32(tag.encode())
+        bounds = torch.tensor([mine, -mine], dtype=torch.int64, device=self.topology.device)
+        self.pipe.world.all_reduce(bounds, op="max", label="pipe.checkpoint_latest")
+        if int(bounds[0]) != mine or -int(bounds[1]) != mine:
+            raise CheckpointError(
+                f"load_checkpoint({os.path.dirname(folder)!r}): the pipeline stages' `latest` tags differ (stage "
+                f"{self.pipe.groups.stage}: {tag or 'none'!r}), as after a save that failed on some stage; pass tag= "
+                "a tag every stage folder holds"
+            )
 
     def _mesh(self) -> dict[str, int]:
         return {"num_stages": self.pipe.groups.grid.stages, "tensor_parallel": self.pipe.tp_size}
