@@ -1,20 +1,20 @@
 """Checkpoints of a pipeline engine: one zeroshard checkpoint per stage, loaded with the same stages and tp, any dp.
 
 [Note: pipeline checkpoints]
-Each stage holds different layers, so each stage writes a complete zeroshard checkpoint of its own module (its
-ZeRO shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, with the usual tags, `latest` and
-crash-safe commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per
-rank of the group it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a
-prefix of its own (they took turns, a barrier over the whole world between turns: a save took the sum of the
-stages' times), and one all-reduce over the world at the end tells every rank which stages failed. A stage that
-failed leaves the others' `latest` moved on: a load by `latest` checks that every stage names the same tag. Loading needs
-the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
-reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
-batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
-that ran a schedule before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2
--> pp2 x dp1 and pp2 x dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last
-within 1e-5 relative of the single-process reference for the same global batch. Untested across dp: GPipe and
-interleaved, ZeRO-0, and the engine's own loader over training_data (its sampler position).
+Each stage holds different layers, so each stage writes a complete zeroshard checkpoint of its own module (its ZeRO
+shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, with the usual tags, `latest` and crash-safe
+commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per rank of the group
+it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a prefix of its own (they
+took turns, a barrier over the whole world between turns: a save took the sum of the stages' times), and one
+all-reduce over the world at the end tells every rank which stages failed. A stage that failed leaves the others'
+`latest` moved on: a load by `latest` checks that every stage names the same tag. Loading needs the same num_stages
+and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank reads its ZeRO ranges
+of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global batch by changing
+gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine that ran a schedule
+before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2 -> pp2 x dp1 and pp2 x
+dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last within 1e-5 relative of the
+single-process reference for the same global batch. Untested across dp: GPipe and interleaved, ZeRO-0, and the
+engine's own loader over training_data (its sampler position).
 
 [Note: 3D checkpoints]
 With an mpu's tensor-parallel layers ([Note: 3D mesh]) the "world" a stage's checkpoint sees is its lane group
