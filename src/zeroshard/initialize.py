@@ -31,6 +31,7 @@ from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
+from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
@@ -285,6 +286,8 @@ def _build(
         engine_optimizer = _make_optimizer(cfg, optimizer, strategy)
         keep_state_in(engine_optimizer, precision.optimizer_state_dtype)  # [Note: bf16 master weights]
         strategy.attach(engine_optimizer)
+        if isinstance(engine_optimizer, Lamb) and engine_optimizer.plan is None:
+            refuse_unplanned(engine_optimizer, f"this engine's {type(strategy).__name__}")
     elif stage == 3:  # inference (evaluation, generation) with sharded parameters, as DeepSpeed allows
         strategy = make_strategy(
             cfg, stage, precision, model, [], comm, topology, accumulation, weights, None, tp, source

@@ -166,12 +166,21 @@ def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
     assert type(FusedAdam([w], bias_correction=False)) is UncorrectedAdam
 
 
-def test_fused_lamb_is_refused_with_the_reason():
+def test_fused_lamb_is_zeroshards_lamb_with_deepspeeds_signature():
     from zeroshard.errors import ConfigError
     from zeroshard.ops.lamb import FusedLamb
+    from zeroshard.optim.lamb import Lamb
 
-    with pytest.raises(ConfigError, match="trust ratio"):
-        FusedLamb([torch.zeros(2, requires_grad=True)], lr=1e-3)
+    w = torch.zeros(2, requires_grad=True)
+    opt = FusedLamb([w], 1e-3, True, (0.9, 0.99), 1e-6, False, 0.01, 0.0, 0.5, 0.02)
+    assert type(opt) is Lamb
+    assert (
+        opt.defaults["max_coeff"] == 0.5 and opt.defaults["min_coeff"] == 0.02 and opt.defaults["betas"] == (0.9, 0.99)
+    )
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        FusedLamb([w], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="AMSGrad"):
+        FusedLamb([w], amsgrad=True)
 
 
 @pytest.mark.parametrize(

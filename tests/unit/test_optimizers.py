@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -200,7 +202,6 @@ def test_names_are_case_insensitive(name: str, cls: type) -> None:
     [
         "LBFGS",
         "SparseAdam",
-        "Lamb",
         "OneBitAdam",
         "ZeroOneAdam",
         "OneBitLamb",
@@ -248,7 +249,8 @@ def test_invalid_value_is_a_config_error() -> None:
         build_optimizer("SGD", {"nesterov": True}, _groups(4))
 
 
-@pytest.mark.parametrize("name", supported_optimizer_names())
+# LAMB's trust ratio reads whole parameters: a flat tensor needs its plan (test_lamb_on_a_flat_tensor_with_its_plan)
+@pytest.mark.parametrize("name", [n for n in supported_optimizer_names() if n != "Lamb"])
 def test_every_supported_optimizer_is_elementwise(name: str) -> None:
     """Stepping one flat tensor equals stepping the tensors it concatenates (what ZeRO relies on)."""
     sizes = (5, 3, 8)
@@ -267,6 +269,65 @@ def test_every_supported_optimizer_is_elementwise(name: str) -> None:
         split_opt.step()
         flat_opt.step()
     torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7)
+
+
+class _OnePlan:
+    """A flat tensor of one rank holding `sizes` parameters whole, one after another ([Note: LAMB on flat shards])."""
+
+    def __init__(self, flat: torch.Tensor, sizes: tuple[int, ...]):
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.flat, self.pieces = (
+            flat,
+            [(offset, n, k) for k, (offset, n) in enumerate(zip(offsets, sizes, strict=True))],
+        )
+
+    def segments(self, group, stepped):
+        return (len(self.pieces), {id(self.flat): self.pieces}) if any(t is self.flat for t in stepped) else (0, {})
+
+    def reduce(self, sums):
+        pass
+
+
+def test_lamb_on_a_flat_tensor_with_its_plan() -> None:
+    """Stepping one flat tensor through a plan that names its parameters equals stepping the parameters."""
+    sizes = (5, 3, 8)
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    pieces = [t.clone().requires_grad_() for t in init]
+    flat = torch.cat(init).requires_grad_()
+    params = {"lr": 0.01, "weight_decay": 0.1, "max_coeff": 10.0}
+    split_opt = build_optimizer("Lamb", params, [{"params": pieces}])
+    flat_opt = build_optimizer("Lamb", params, [{"params": [flat]}])
+    flat_opt.plan = _OnePlan(flat, sizes)
+    for _ in range(3):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p, g in zip(pieces, grads, strict=True):
+            p.grad = g.clone()
+        flat.grad = torch.cat(grads)
+        split_opt.step()
+        flat_opt.step()
+    torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7)
+
+
+def test_lamb_is_deepspeeds_fused_lamb_step() -> None:
+    """One step against DeepSpeed's kernel written out (csrc/lamb/fused_lamb_cuda_kernel.cu): moments, u with the
+    decay, the clamped |W| / |u|, bias correction in the step size; a zero weight takes the coefficient 1."""
+    w = torch.tensor([3.0, 4.0])
+    zero = torch.zeros(2)
+    g = torch.tensor([0.5, -1.0])
+    b1, b2, eps, lr, wd = 0.9, 0.999, 1e-8, 0.1, 0.01
+    params = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(zero.clone())]
+    for p in params:
+        p.grad = g.clone()
+    build_optimizer(
+        "Lamb", {"lr": lr, "weight_decay": wd, "max_coeff": 10.0, "min_coeff": 0.01}, [{"params": params}]
+    ).step()
+    for start, got in ((w, params[0]), (zero, params[1])):
+        m, v = (1 - b1) * g, (1 - b2) * g * g
+        u = m / (v.sqrt() + eps) + wd * start
+        coeff = min(max(float(start.norm() / u.norm()), 0.01), 10.0) if start.norm() > 0 else 1.0
+        step_size = lr * math.sqrt(1 - b2) / (1 - b1)
+        torch.testing.assert_close(got.detach(), start - step_size * coeff * u)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ def share_with_saved_copies(model: nn.Module, weights: StreamedWeights | None) -
             continue
         for copy in copies.values():
             share_bindings(copy, original)
-            pairs = [*zip(original.named_parameters(), copy.named_parameters(), strict=False)]
-            pairs += [*zip(original.named_buffers(), copy.named_buffers(), strict=False)]
+            pairs: list[tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]] = []
+            pairs += zip(original.named_parameters(), copy.named_parameters(), strict=False)
+            pairs += zip(original.named_buffers(), copy.named_buffers(), strict=False)
             for (name, source), (copied_name, target) in pairs:
                 if name != copied_name or not target.is_meta or source.shape != target.shape:
                     continue

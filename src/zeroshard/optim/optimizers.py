@@ -5,8 +5,9 @@ group, a shard that concatenates slices of many parameters. An optimizer whose u
 only on that element's own gradient and state (Adam, SGD, Lion, ...) gives the same result on the shard as on
 the original parameters. Anything that looks at a whole tensor (LAMB's trust ratio, Muon's orthogonalisation,
 Adafactor's row/column factors, muP's shape-dependent scaling, 1-bit compression, LBFGS's line search) would
-silently compute something else, so those names are refused. Muon is built anyway: the strategies make each of
-its matrices whole for the step ([Note: Muon on flat shards] in muon.py).
+silently compute something else, so those names are refused. Muon and LAMB are built anyway: the strategies make
+each of Muon's matrices whole for the step ([Note: Muon on flat shards] in muon.py) and give LAMB each parameter's
+whole norms ([Note: LAMB on flat shards] in lamb.py).
 
 [Note: Adam implementation] DeepSpeed maps "Adam"/"AdamW" to its FusedAdam (weight_decay default 0.0,
 decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW (or, for `bias_correction: false`,
@@ -33,6 +34,7 @@ from zeroshard.config.fields import Bool, Check, Float, Nullable, show
 from zeroshard.errors import ConfigError
 from zeroshard.optim import muon
 from zeroshard.optim.adam import UncorrectedAdam
+from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
 
 # torch.optim classes whose update is elementwise, by their exact names.
@@ -53,7 +55,6 @@ _TORCH_ELEMENTWISE: tuple[str, ...] = (
 # Names (lower case) refused by [Note: elementwise optimizers only], with the reason shown to the user.
 _NOT_ELEMENTWISE: Mapping[str, str] = MappingProxyType(
     {
-        "lamb": "LAMB scales each tensor's update by a per-tensor trust ratio",
         "onebitadam": "1-bit Adam compresses whole-tensor communication and needs DeepSpeed's backend",
         "zerooneadam": "0/1 Adam compresses whole-tensor communication and needs DeepSpeed's backend",
         "onebitlamb": "1-bit LAMB uses per-tensor trust ratios and compressed communication",
@@ -81,7 +82,7 @@ _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
 def supported_optimizer_names() -> list[str]:
     """The `optimizer.type` values build_optimizer accepts (matched case-insensitively)."""
-    return sorted({*_TORCH_ELEMENTWISE, "Lion", "Muon"}, key=str.lower)
+    return sorted({*_TORCH_ELEMENTWISE, "Lamb", "Lion", "Muon"}, key=str.lower)
 
 
 def build_optimizer(
@@ -177,6 +178,8 @@ def _resolve_class(type_name: str) -> type[torch.optim.Optimizer]:
         )
     if key == "lion":
         return Lion
+    if key == "lamb":  # per-parameter trust ratios on flat shards: [Note: LAMB on flat shards]
+        return Lamb
     for name in _TORCH_ELEMENTWISE:
         if name.lower() == key:
             cls: type[torch.optim.Optimizer] = getattr(torch.optim, name)

@@ -21,6 +21,7 @@ from torch import nn
 from zeroshard.comm.collectives import Collectives
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
+from zeroshard.optim.lamb import refuse_unplanned
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy, nbytes, optimizer_state_tensors
 
@@ -60,6 +61,7 @@ class SplitStrategy(Strategy):
         return [g for part in self.parts for g in part.master_param_groups()]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        refuse_unplanned(optimizer, "tensor parallelism or MoE experts (a split flat strategy)")
         self.optimizer = optimizer
         for part in self.parts:  # each steps its own groups: the others' masters have no .grad then
             part.attach(optimizer)

@@ -34,6 +34,7 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, publish_master
 from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
+from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.muon import Muon
 from zeroshard.zero.flat.bystanders import PIPE_REPLICATED, Bystanders, find_bystanders
 from zeroshard.zero.flat.full_values import FlatFullValues
@@ -42,6 +43,7 @@ from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.flat.reducer import GradientReducer, ReducePolicy
 from zeroshard.zero.layout import Bucket, FlatLayout, ParamSpec, build_layout, counted_ranges
 from zeroshard.zero.matrices import FlatMatrixPlan
+from zeroshard.zero.norms import FlatNormPlan
 from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
@@ -179,6 +181,9 @@ class FlatStrategy(FlatFullValues):
                 self.comm,
                 self.device,
             )
+        if isinstance(optimizer, Lamb):  # [Note: LAMB on flat shards]
+            masters = {g: (b.master, b.layout) for g, b in enumerate(self.buffers)}
+            optimizer.plan = FlatNormPlan(masters, self.layout.shard_count, self.comm)
 
     # -- backward --------------------------------------------------------------------------------
     def _grad_hook(self, group: int, slot: int) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
@@ -15,8 +16,15 @@ from zeroshard.offload.gradients import GradientTier
 from zeroshard.offload.residency import Residency
 from zeroshard.optim import state_dtype
 from zeroshard.zero.stage3.build import BuiltUnits, Piece, SubGroup
-from zeroshard.zero.stage3.matrices import UnitMatrixPlan
 from zeroshard.zero.stage3.unit import ShardedUnit
+
+
+class SubGroupPlan(Protocol):
+    """What an optimizer that reaches across ranks in its step (Muon, LAMB) needs to hear of each sub-group."""
+
+    def begin(self, units: list[ShardedUnit]) -> bool:
+        """The stepper is about to step `units`; whether every rank must step them (holding elements or not)."""
+        ...
 
 
 class SubGroupStepper:
@@ -36,7 +44,8 @@ class SubGroupStepper:
         self.param_store = param_store  # compute shards: one entry per unit
         self.gradients = gradients
         self.optimizer: torch.optim.Optimizer | None = None
-        self.matrices: UnitMatrixPlan | None = None  # Muon's: every rank steps a sub-group holding its matrices
+        # the optimizer's plan (Muon's matrices, LAMB's norms: stage3/norms.py): every rank steps a sub-group it names
+        self.plan: SubGroupPlan | None = None
         self.host_copies_in_backward = 0  # units whose step found the host gradient copy already made
         # optimizer state that stays in memory when the rest of a sub-group's entry swaps out: Muon's momentum with
         # zero_optimization.save_muon_momentum_buffer_in_memory (DeepSpeed's), one read and write fewer per step
@@ -93,8 +102,8 @@ class SubGroupStepper:
         stepped = self.gradients_of(k, units, scale, private)
         for master, grad in stepped:
             master.grad = grad
-        holds_matrices = self.matrices is not None and self.matrices.begin(units)
-        if stepped or holds_matrices:
+        collective = self.plan is not None and self.plan.begin(units)
+        if stepped or collective:
             state_dtype.step(self.optimizer, [master for master, _ in stepped])  # [Note: bf16 master weights]
         for master, _ in stepped:
             master.grad = None

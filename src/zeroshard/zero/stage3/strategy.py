@@ -34,7 +34,7 @@ from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.matrices import muon_plan
+from zeroshard.zero.stage3.norms import step_plan
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
@@ -180,7 +180,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_undoable(optimizer, self.speculation)
         self.optimizer = self.stepper.optimizer = optimizer
-        self.stepper.matrices = muon_plan(optimizer, self.built, self.group_options, self.comm, self.device)
+        self.stepper.plan = step_plan(optimizer, self.built, self.group_options, self.comm, self.device)
 
     # -- hook events (hooks.py) --------------------------------------------------------------------
     def on_root_pre_forward(self) -> None:

@@ -1,0 +1,42 @@
+"""Which parameters the flat tensors of stages 0-2 hold pieces of, for LAMB's per-parameter norms ([Note: LAMB on flat
+shards] in optim/lamb.py).
+
+A flat master of stages 1-2 holds, on each rank, pieces of the parameters of one optimizer group (zero/layout.py):
+slot i of the group's layout is parameter i, and `owned_pieces` says where each piece lies in this rank's shard. The
+partial sums are added over the data-parallel group. At stage 0 every rank holds every parameter whole: nothing is
+added (every rank computes the whole norms itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zeroshard.comm.collectives import Collectives
+from zeroshard.zero.layout import GroupLayout, owned_pieces
+
+
+class FlatNormPlan:
+    """Stages 0-2: one flat master per optimizer group. The strategy steps the groups in the same order on every rank,
+    so a group whose master is being stepped is being stepped everywhere."""
+
+    def __init__(self, groups: dict[int, tuple[torch.Tensor, GroupLayout]], shard_count: int, comm: Collectives):
+        self.comm = comm if shard_count > 1 else None
+        self.masters: dict[int, tuple[torch.Tensor, int, list[tuple[int, int, int]]]] = {}
+        for g, (master, layout) in groups.items():
+            rank = comm.rank if shard_count > 1 else 0
+            pieces = [(p.shard_offset, p.param_end - p.param_begin, p.slot) for p in owned_pieces(layout, rank)]
+            self.masters[g] = (master, len(layout.slots), pieces)
+
+    def segments(
+        self, group: int, stepped: Sequence[torch.Tensor]
+    ) -> tuple[int, dict[int, list[tuple[int, int, int]]]]:
+        master, count, pieces = self.masters[group]
+        if not any(t is master for t in stepped):
+            return 0, {}
+        return count, {id(master): pieces}
+
+    def reduce(self, sums: torch.Tensor) -> None:
+        if self.comm is not None:
+            self.comm.all_reduce(sums, label="lamb: parameter norms")

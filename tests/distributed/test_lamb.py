@@ -1,0 +1,180 @@
+"""ds_config `"type": "Lamb"` ([Note: LAMB on flat shards] in optim/lamb.py): stages 0-3 on 2 gloo ranks against a
+single process stepping the same LAMB over the model's own parameters, every step, with parameters cut across the
+ranks' shards (small buckets, stage 3's sub-groups and persistent unit, CPU offload, accumulation and clipping); a
+step's trust ratios differ from per-shard ones (what LAMB on flat shards computed without the plan); refusals name
+what LAMB cannot run with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import (
+    Case,
+    build_model,
+    ds_config,
+    flat_params,
+    global_batches,
+    micro_batch,
+    param_groups,
+    ranks_threads,
+    relative_difference,
+)
+
+PARAMS = {"lr": 2e-3, "weight_decay": 0.01, "max_coeff": 10.0, "min_coeff": 0.01}  # FusedLamb's coefficient range
+CASES = [
+    Case(stage=0, steps=3),
+    Case(stage=1, steps=3, bucket=1000),  # every parameter of the tiny GPT cut across both ranks' shards
+    Case(stage=2, steps=3, bucket=1000, gas=2),
+    Case(stage=3, steps=3),
+    Case(stage=3, steps=3, sub_group=3000, persistence=100),  # sub-groups stepped alone, the persistent unit
+    Case(stage=1, steps=3, offload="cpu"),
+    Case(stage=3, steps=3, offload="cpu", offload_param="cpu"),
+]
+
+
+def _config(case: Case) -> dict[str, Any]:
+    config = ds_config(case)
+    config["optimizer"] = {"type": "Lamb", "params": dict(PARAMS, lr=case.lr)}
+    return config
+
+
+def _train(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list[float], list[torch.Tensor]]]:
+    import zeroshard
+
+    out = []
+    for case in cases:
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=_config(case))
+        losses, values = [], []
+        for batch in global_batches(case, world_size):
+            total = 0.0
+            for k in range(case.gas):
+                x, y = micro_batch(batch, k, rank, world_size, case.micro)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / case.gas
+            mean = torch.tensor([total / world_size])
+            torch.distributed.all_reduce(mean)
+            losses.append(float(mean))
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                values.append(flat_params(engine.module))
+        out.append((losses, values))
+        engine.destroy()
+    return out
+
+
+def _reference(case: Case, world_size: int) -> tuple[list[float], list[torch.Tensor]]:
+    """One process, the whole global batch, `clip_grad_norm_`, then LAMB over the model's own parameters."""
+    from zeroshard.optim.lamb import Lamb
+
+    model = build_model(case)
+    optimizer = Lamb(param_groups(model, case), lr=case.lr, **{k: v for k, v in PARAMS.items() if k != "lr"})
+    losses, values = [], []
+    n_micro = world_size * case.gas
+    for batch in global_batches(case, world_size):
+        optimizer.zero_grad()
+        total = 0.0
+        for k in range(case.gas):
+            for r in range(world_size):
+                loss = model(*micro_batch(batch, k, r, world_size, case.micro))
+                total += loss.item() / n_micro
+                (loss / n_micro).backward()
+        if case.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        losses.append(total)
+        values.append(flat_params(model))
+    return losses, values
+
+
+def test_lamb_equals_a_single_process() -> None:
+    results = run_on_ranks(_train, 2, CASES)
+    for i, case in enumerate(CASES):
+        with ranks_threads():
+            want_losses, want_values = _reference(case, 2)
+        for rank_result in results:
+            losses, values = rank_result[i]
+            for step, (got, want) in enumerate(zip(values, want_values, strict=True)):
+                assert relative_difference(got, want) <= 1e-6, (case.name, step, relative_difference(got, want))
+            assert losses == pytest.approx(want_losses, rel=1e-6), case.name
+
+
+def test_per_parameter_trust_ratios_are_not_per_shard() -> None:
+    """The parity above needs whole-parameter norms: LAMB over two halves of each parameter (a shard's view without
+    the plan) moves the weights differently after one step."""
+    from zeroshard.optim.lamb import Lamb
+
+    torch.manual_seed(0)
+    whole = torch.nn.Parameter(torch.randn(64))
+    halves = [torch.nn.Parameter(whole.detach()[:32].clone()), torch.nn.Parameter(whole.detach()[32:].clone())]
+    grad = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-3)])
+    whole.grad, halves[0].grad, halves[1].grad = grad, grad[:32].clone(), grad[32:].clone()
+    Lamb([whole], lr=0.1, max_coeff=10.0).step()
+    Lamb(halves, lr=0.1, max_coeff=10.0).step()
+    assert relative_difference(torch.cat([h.detach() for h in halves]), whole.detach()) > 1e-4  # parity: 1e-6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"zeroshard": {"backend": "fsdp2"}}, "Lamb is not supported with this engine's Fsdp2Strategy"),
+        ({"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+        ({"optimizer": {"type": "Lamb", "params": {"trust": 1.0}}}, "optimizer.params.trust"),
+    ],
+)
+def test_lamb_refusals_name_the_reason(extra: dict, message: str) -> None:
+    results = run_on_ranks(_refused, 2, extra)
+    assert all(message in r for r in results), results
+
+
+def _refused(rank: int, world_size: int, extra: dict) -> str:
+    import zeroshard
+
+    case = Case(stage=3, steps=1)
+    config = _config(case)
+    config.update(extra)
+    model = build_model(case)
+    try:
+        zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        return str(e)
+    return "accepted"
+
+
+def _resume(rank: int, world_size: int, directory: str, saver: Case, loader: Case) -> list[list[torch.Tensor]]:
+    """`saver` saves after two steps and trains two more; `loader` (another stage and layout) loads the save and
+    trains the same two: LAMB's moments and step counts come back into another layout."""
+    import zeroshard
+
+    batches = global_batches(saver, world_size)
+    runs = []
+    for case, load in ((saver, False), (loader, True)):
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=_config(case))
+        if load:
+            engine.load_checkpoint(directory)
+        values = []
+        for step, batch in enumerate(batches):
+            if load and step < 2:
+                continue
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+            if step == 1 and not load:
+                engine.save_checkpoint(directory)
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                values.append(flat_params(engine.module))
+        runs.append(values[-2:])
+        engine.destroy()
+    return runs
+
+
+def test_lamb_state_resumes_in_another_layout(tmp_path) -> None:
+    saver, loader = Case(stage=3, steps=4, clip=0.0, sub_group=3000), Case(stage=1, steps=4, bucket=1000, clip=0.0)
+    for continued, resumed in run_on_ranks(_resume, 2, str(tmp_path), saver, loader):
+        for got, want in zip(resumed, continued, strict=True):
+            assert relative_difference(got, want) <= 1e-6
