@@ -125,6 +125,13 @@ def test_per_parameter_trust_ratios_are_not_per_shard() -> None:
         ({"zeroshard": {"backend": "fsdp2"}}, "Lamb is not supported with this engine's Fsdp2Strategy"),
         ({"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
         ({"optimizer": {"type": "Lamb", "params": {"trust": 1.0}}}, "optimizer.params.trust"),
+        (
+            {
+                "gradient_clipping": 0.0,  # (with clipping, super_offload steps after backward: nothing to undo)
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}},
+            },
+            "optimizer.type is 'Lamb': use Adam/AdamW or set super_offload false",
+        ),
     ],
 )
 def test_lamb_refusals_name_the_reason(extra: dict, message: str) -> None:
