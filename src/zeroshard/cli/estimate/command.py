@@ -16,7 +16,16 @@ from zeroshard.cli.estimate.shapes import ATTENTION, ModelInfo, from_model_arg, 
 from zeroshard.precision.dtypes import DTYPES, bytes_of
 
 # fp32 state bytes per trainable element; Muon's momentum on its matrices, Adam's moments on the rest (MUON_SPLIT)
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4, "adagrad": 4, "sgd-nomomentum": 0, "muon": 4}
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8,
+    "adam": 8,
+    "lamb": 8,
+    "lion": 4,
+    "sgd": 4,
+    "adagrad": 4,
+    "sgd-nomomentum": 0,
+    "muon": 4,
+}
 MUON_SPLIT = ("muon", "adamw")
 DEFAULT_GPU_GIB = 80.0
 
