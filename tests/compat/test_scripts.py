@@ -419,3 +419,27 @@ def write_reference(names: list[str]) -> None:
 
 if __name__ == "__main__":
     write_reference(sys.argv[1:])
+
+
+# DeepSpeedExamples bing_bert's LAMB configs (deepspeed_bsz64k_lamb_config_seq128.json: FusedLamb without bias
+# correction, trust ratios clamped to [0.01, 0.3]), at this test's batch and in fp32. DeepSpeed's FusedLamb is a CUDA
+# extension, so no DeepSpeed run on this CPU records a reference: zeroshard's LAMB is checked against DeepSpeed's
+# kernel formula and a single process in tests/unit/test_optimizers.py and tests/distributed/test_lamb.py.
+BING_BERT_LAMB = {
+    **BING_BERT_CONFIG,
+    "optimizer": {
+        "type": "Lamb",
+        "params": {"lr": 4e-3, "weight_decay": 0.01, "bias_correction": False, "max_coeff": 0.3, "min_coeff": 0.01},
+    },
+}
+
+
+def test_bing_bert_trains_with_its_lamb_config(tmp_path: Path) -> None:
+    """The script reads `optimizer_name() == LAMB_OPTIMIZER`, trains, saves, reloads and trains on: every loss finite,
+    the first epoch's falling."""
+    case = Case(
+        "bing_bert_lamb", "bing_bert_deepspeed_train.py", ("--output_dir", "{tmp}/saved_models"), BING_BERT_LAMB
+    )
+    losses = list(flatten(losses_of(run_script(case, "zeroshard", tmp_path), "bing_bert with LAMB")).values())
+    assert losses and all(math.isfinite(x) for x in losses), losses
+    assert losses[len(losses) // 2 - 1] < losses[0], losses

@@ -179,3 +179,25 @@ def test_pipeline_stages_save_at_once_and_a_failed_stage_fails_every_rank(tmp_pa
         else:
             assert r["error"].startswith("CheckpointError: pipeline stage(s) [1] failed in this checkpoint call")
         assert "the pipeline stages' `latest` tags differ" in r["loaded"]
+
+
+def _short_of_space(rank: int, world_size: int, folder: str) -> str:
+    """pp2 x dp1 on one filesystem with 1 byte free: refused before any stage writes, naming both stages' ranks (each
+    stage's own check sees its own ranks only, and the stages write at once)."""
+    import zeroshard.checkpoint.space as space
+
+    engine = build(PipeCase(2, "1f1b", zero=1))
+    space.free_bytes = lambda path: 1  # this rank process's own module: the test's stand-in for a full disk
+    try:
+        engine.save_checkpoint(folder, tag="full")
+        return "saved"
+    except Exception as e:  # noqa: BLE001 - the message is the test
+        return str(e)
+    finally:
+        engine.destroy()
+
+
+def test_pipeline_stages_check_their_shared_space_together(tmp_path: Path) -> None:
+    for message in run_on_ranks(_short_of_space, 2, str(tmp_path)):
+        assert "not enough space" in message and "rank(s) [0, 1] write about" in message, message
+    assert not list(tmp_path.glob("pipe_stage_*/full"))

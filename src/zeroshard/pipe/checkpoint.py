@@ -7,14 +7,16 @@ commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d s
 it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a prefix of its own (they
 took turns, a barrier over the whole world between turns: a save took the sum of the stages' times), and one
 all-reduce over the world at the end tells every rank which stages failed. A stage that failed leaves the others'
-`latest` moved on: a load by `latest` checks that every stage names the same tag. Loading needs the same num_stages
-and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank reads its ZeRO ranges
-of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global batch by changing
-gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine that ran a schedule
-before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2 -> pp2 x dp1 and pp2 x
-dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last within 1e-5 relative of the
-single-process reference for the same global batch. Untested across dp: GPipe and interleaved, ZeRO-0, and the
-engine's own loader over training_data (its sampler position).
+`latest` moved on: a load by `latest` checks that every stage names the same tag. The space check ([Note: checkpoint
+space]) runs over the whole world first (the stages share filesystems and write at once); with
+`pipeline_loading_checkpoint` the stages load in turns (a node holds one rank's load buffers at a time). Loading needs
+the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
+reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
+batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
+that ran a schedule before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2 ->
+pp2 x dp1 and pp2 x dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last within 1e-5
+relative of the single-process reference for the same global batch. Untested across dp: GPipe and interleaved, ZeRO-0,
+and the engine's own loader over training_data (its sampler position).
 
 [Note: 3D checkpoints]
 With an mpu's tensor-parallel layers ([Note: 3D mesh]) the "world" a stage's checkpoint sees is its lane group
@@ -46,6 +48,9 @@ import torch
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE
+from zeroshard.checkpoint.save import engine_state
+from zeroshard.checkpoint.space import bytes_to_write, check_space, space_report
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
@@ -103,14 +108,19 @@ class PipelineCheckpointMixin(CheckpointMixin):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
+        if not save_dir:
+            raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
         folder = stage_dir(save_dir, self.pipe.groups.stage)
-        if self.pipe.world.rank == 0:  # the engine's mesh, not its data: [Note: 3D checkpoints]
-            write_mesh(save_dir, self._mesh())
-        return self._stagewise(
-            lambda: CheckpointMixin.save_checkpoint(
+        self._world_space(folder)  # [Note: checkpoint space] over every stage's writes
+
+        def save() -> bool:
+            if self.pipe.world.rank == 0:  # the engine's mesh, not its data: [Note: 3D checkpoints]
+                write_mesh(save_dir, self._mesh())
+            return CheckpointMixin.save_checkpoint(
                 self, folder, tag, client_state, save_latest, exclude_frozen_parameters
             )
-        )
+
+        return self._stagewise(save)
 
     def load_checkpoint(
         self,
@@ -125,6 +135,8 @@ class PipelineCheckpointMixin(CheckpointMixin):
         folder = stage_dir(load_dir, self.pipe.groups.stage)
         if tag is None:
             self._same_latest(folder)
+        # pipeline_loading_checkpoint: a node holds one rank's load buffers at a time, so the stages take turns
+        at_once = not self.config.zero_optimization.pipeline_loading_checkpoint
         return self._stagewise(
             lambda: CheckpointMixin.load_checkpoint(
                 self,
@@ -134,17 +146,24 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 load_optimizer_states,
                 load_lr_scheduler_states,
                 load_module_only,
-            )
+            ),
+            at_once,
         )
 
     def _same_latest(self, folder: str) -> None:
         """Every stage's `latest` names the same tag (one all-reduce): a save that failed on some stage moved the
-        others' `latest` only, and loading each stage's own would mix two checkpoints into one model."""
+        others' `latest` only, and loading each stage's own would mix two checkpoints into one model. A `latest` this
+        rank cannot read counts as a tag of its own (the all-reduce is reached on every rank), then raises here."""
         path = os.path.join(folder, LATEST_FILE)
-        tag = Path(path).read_text(encoding="utf-8").strip() if os.path.isfile(path) else ""
-        mine = zlib.crc32(tag.encode())
+        try:
+            tag = Path(path).read_text(encoding="utf-8").strip() if os.path.isfile(path) else ""
+            mine, error = zlib.crc32(tag.encode()), None
+        except (OSError, UnicodeDecodeError) as e:
+            tag, mine, error = "", -1, e
         bounds = torch.tensor([mine, -mine], dtype=torch.int64, device=self.topology.device)
         self.pipe.world.all_reduce(bounds, op="max", label="pipe.checkpoint_latest")
+        if error is not None:
+            raise CheckpointError(f"load_checkpoint: {path}: cannot be read ({error})") from error
         if int(bounds[0]) != mine or -int(bounds[1]) != mine:
             raise CheckpointError(
                 f"load_checkpoint({os.path.dirname(folder)!r}): the pipeline stages' `latest` tags differ (stage "
@@ -152,19 +171,35 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 "a tag every stage folder holds"
             )
 
+    def _world_space(self, folder: str) -> None:
+        """[Note: checkpoint space] over the whole world before any stage writes: the stages write at once, so a
+        filesystem they share must hold all of their bytes (each stage's own check sees its own ranks only)."""
+        with self._stage_topology():
+            need = bytes_to_write(self, engine_state(self))
+        world = self.pipe.world
+        sync = RankSync("save_checkpoint", world.rank, world.world_size, prefix="zeroshard/pipe_world")
+        hello = sync.all_gather(ENTRY_PHASE, space_report(os.path.abspath(folder), need), entry_timeout())
+        check_space(hello, os.path.abspath(os.path.dirname(folder)))
+        sync.leave(entry_timeout())
+
     def _mesh(self) -> dict[str, int]:
         return {"num_stages": self.pipe.groups.grid.stages, "tensor_parallel": self.pipe.tp_size}
 
-    def _stagewise(self, call: Callable[[], T]) -> T:
-        """`call` on every stage at once, each over its own data-parallel group and store keys; then every rank
-        learns which stages failed (one all-reduce) and, where one did, raises: its own error, or one naming them."""
+    def _stagewise(self, call: Callable[[], T], at_once: bool = True) -> T:
+        """`call` on every stage at once (or stage after stage: a barrier between turns), each over its own
+        data-parallel group and store keys; then every rank learns which stages failed (one all-reduce) and, where one
+        did, raises: its own error, or one naming them."""
         result: T | None = None
         error: BaseException | None = None
-        try:
-            with self._stage_topology():
-                result = call()
-        except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
-            error = e
+        for turn in range(1 if at_once else self.pipe.groups.grid.stages):
+            if at_once or turn == self.pipe.groups.stage:
+                try:
+                    with self._stage_topology():
+                        result = call()
+                except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
+                    error = e
+            if not at_once:
+                self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
         failed = torch.zeros(self.pipe.groups.grid.stages, device=self.topology.device)
         failed[self.pipe.groups.stage] = 1.0 if error is not None else 0.0
         self.pipe.world.all_reduce(failed, op="max", label="pipe.checkpoint_stages")
