@@ -136,11 +136,13 @@ class Lamb(torch.optim.Optimizer):
                 denom = exp_avg_sq.add(group["eps"]).sqrt_()
             else:
                 denom = exp_avg_sq.sqrt().add_(group["eps"])
-            update = exp_avg / denom
+            update = torch.div(exp_avg, denom, out=denom)  # one temporary the size of the tensor, not two
             if group["weight_decay"]:
                 update.add_(param, alpha=group["weight_decay"])
             updates[id(param)] = update
             flat, flat_update = param.view(-1), update.view(-1)
+            if param.numel() and id(param) not in segments:  # a plan that does not know a tensor would not step it
+                raise RuntimeError(f"Lamb: the plan names no parameter of a stepped tensor of group {index}")
             for offset, length, k in segments.get(id(param), []):
                 sums[0, k] += _squares(flat.narrow(0, offset, length)).to(device)
                 sums[1, k] += _squares(flat_update.narrow(0, offset, length)).to(device)

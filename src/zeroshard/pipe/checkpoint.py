@@ -41,13 +41,14 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE
+from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.save import engine_state
 from zeroshard.checkpoint.space import bytes_to_write, check_space, space_report
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
@@ -98,6 +99,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
 
     pipe: PipeContext
     topology: Topology
+    config: Any  # ZeroshardConfig
     _saves_per_stage = True
 
     def save_checkpoint(
@@ -175,7 +177,8 @@ class PipelineCheckpointMixin(CheckpointMixin):
         """[Note: checkpoint space] over the whole world before any stage writes: the stages write at once, so a
         filesystem they share must hold all of their bytes (each stage's own check sees its own ranks only)."""
         with self._stage_topology():
-            need = bytes_to_write(self, engine_state(self))
+            engine = cast(CheckpointableEngine, self)
+            need = bytes_to_write(engine, engine_state(engine))
         world = self.pipe.world
         sync = RankSync("save_checkpoint", world.rank, world.world_size, prefix="zeroshard/pipe_world")
         hello = sync.all_gather(ENTRY_PHASE, space_report(os.path.abspath(folder), need), entry_timeout())

@@ -21,8 +21,15 @@ class FlatNormPlan:
     """Stages 0-2: one flat master per optimizer group. The strategy steps the groups in the same order on every rank,
     so a group whose master is being stepped is being stepped everywhere."""
 
-    def __init__(self, groups: dict[int, tuple[torch.Tensor, GroupLayout]], shard_count: int, comm: Collectives):
+    def __init__(
+        self,
+        groups: dict[int, tuple[torch.Tensor, GroupLayout]],
+        shard_count: int,
+        comm: Collectives,
+        device: torch.device,
+    ):
         self.comm = comm if shard_count > 1 else None
+        self.device = device  # where the all-reduce runs (NCCL reduces device memory only; host masters sum on the CPU)
         self.masters: dict[int, tuple[torch.Tensor, int, list[tuple[int, int, int]]]] = {}
         for g, (master, layout) in groups.items():
             rank = comm.rank if shard_count > 1 else 0
@@ -39,4 +46,12 @@ class FlatNormPlan:
 
     def reduce(self, sums: torch.Tensor) -> None:
         if self.comm is not None:
-            self.comm.all_reduce(sums, label="lamb: parameter norms")
+            reduce_on(self.comm, self.device, sums)
+
+
+def reduce_on(comm: Collectives, device: torch.device, sums: torch.Tensor) -> None:
+    """`sums` summed over `comm`'s ranks, through `device` (a rank's sums may be on the host: offloaded masters, or
+    none of a group's pieces on this rank), in place."""
+    on_device = sums.to(device)
+    comm.all_reduce(on_device, label="lamb: parameter norms")
+    sums.copy_(on_device)

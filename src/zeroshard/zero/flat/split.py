@@ -61,7 +61,7 @@ class SplitStrategy(Strategy):
         return [g for part in self.parts for g in part.master_param_groups()]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        refuse_unplanned(optimizer, "tensor parallelism or MoE experts (a split flat strategy)")
+        refuse_unplanned(optimizer, "tensor parallelism, MoE experts or torch_autocast (a split flat strategy)")
         self.optimizer = optimizer
         for part in self.parts:  # each steps its own groups: the others' masters have no .grad then
             part.attach(optimizer)

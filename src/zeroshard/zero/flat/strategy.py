@@ -183,7 +183,7 @@ class FlatStrategy(FlatFullValues):
             )
         if isinstance(optimizer, Lamb):  # [Note: LAMB on flat shards]
             masters = {g: (b.master, b.layout) for g, b in enumerate(self.buffers)}
-            optimizer.plan = FlatNormPlan(masters, self.layout.shard_count, self.comm)
+            optimizer.plan = FlatNormPlan(masters, self.layout.shard_count, self.comm, self.device)
 
     # -- backward --------------------------------------------------------------------------------
     def _grad_hook(self, group: int, slot: int) -> Any:

@@ -16,6 +16,7 @@ import torch
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.optim.lamb import Lamb
+from zeroshard.zero.norms import reduce_on
 from zeroshard.zero.stage3.build import BuiltUnits
 from zeroshard.zero.stage3.matrices import muon_plan
 from zeroshard.zero.stage3.unit import ShardedUnit
@@ -24,8 +25,9 @@ from zeroshard.zero.stage3.unit import ShardedUnit
 class UnitNormPlan:
     """Which parameters the masters of the sub-group being stepped hold pieces of."""
 
-    def __init__(self, built: BuiltUnits, shard_count: int, comm: Collectives):
+    def __init__(self, built: BuiltUnits, shard_count: int, comm: Collectives, device: torch.device):
         self.comm = comm if shard_count > 1 else None
+        self.device = device
         self.masters = {(p.unit.index, g): p.master for g, pieces in enumerate(built.pieces) for p in pieces}
         self.units: list[ShardedUnit] = []
         self._segments: dict[tuple[int, tuple[int, ...]], tuple[int, dict[int, list[tuple[int, int, int]]]]] = {}
@@ -65,7 +67,7 @@ class UnitNormPlan:
 
     def reduce(self, sums: torch.Tensor) -> None:
         if self.comm is not None:
-            self.comm.all_reduce(sums, label="lamb: parameter norms")
+            reduce_on(self.comm, self.device, sums)
 
 
 def step_plan(
@@ -78,6 +80,6 @@ def step_plan(
     """The plan the optimizer steps this strategy's masters with (set as its `plan`): Muon's matrices, LAMB's norms;
     None for an elementwise optimizer."""
     if isinstance(optimizer, Lamb):
-        optimizer.plan = UnitNormPlan(built, comm.world_size, comm)
+        optimizer.plan = UnitNormPlan(built, comm.world_size, comm, device)
         return optimizer.plan
     return muon_plan(optimizer, built, group_options, comm, device)
