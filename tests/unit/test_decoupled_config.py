@@ -13,11 +13,11 @@ from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
 
 
-def _engine(writer: dict | None, in_turns: bool = False, **zero: object) -> SimpleNamespace:
+def _engine(writer: dict | None, per_stage: bool = False, **zero: object) -> SimpleNamespace:
     raw: dict = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **zero}}
     if writer is not None:
         raw["checkpoint"] = {"writer": writer}
-    return SimpleNamespace(config=parse_config(raw), _saves_in_turns=in_turns)
+    return SimpleNamespace(config=parse_config(raw), _saves_per_stage=per_stage)
 
 
 def test_which_engines_save_decoupled(log: pytest.LogCaptureFixture) -> None:
@@ -31,7 +31,7 @@ def test_which_engines_save_decoupled(log: pytest.LogCaptureFixture) -> None:
     assert said == [
         "checkpoint.writer.decoupled: saves are written before save_checkpoint returns (offload_optimizer on NVMe)"
     ]  # once per engine
-    assert not decoupled(_engine({"decoupled": True}, in_turns=True))
+    assert not decoupled(_engine({"decoupled": True}, per_stage=True))
     stage2 = _engine({"decoupled": True}, stage=2, offload_param={"device": "nvme", "nvme_path": "/tmp"})
     assert decoupled(stage2)  # offload_param is ignored below stage 3: nothing is swapped
 
