@@ -16,6 +16,7 @@ from helpers.parity import (
     Case,
     build_model,
     ds_config,
+    engine_run,
     flat_params,
     global_batches,
     micro_batch,
@@ -43,28 +44,10 @@ def _config(case: Case) -> dict[str, Any]:
 
 
 def _train(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list[float], list[torch.Tensor]]]:
-    import zeroshard
-
     out = []
     for case in cases:
-        model = build_model(case)
-        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=_config(case))
-        losses, values = [], []
-        for batch in global_batches(case, world_size):
-            total = 0.0
-            for k in range(case.gas):
-                x, y = micro_batch(batch, k, rank, world_size, case.micro)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                total += loss.item() / case.gas
-            mean = torch.tensor([total / world_size])
-            torch.distributed.all_reduce(mean)
-            losses.append(float(mean))
-            with zeroshard.GatheredParameters(list(engine.module.parameters())):
-                values.append(flat_params(engine.module))
+        losses, values, _ = engine_run(rank, world_size, case, configure=lambda config, case=case: _config(case))
         out.append((losses, values))
-        engine.destroy()
     return out
 
 
@@ -98,10 +81,10 @@ def test_lamb_equals_a_single_process() -> None:
         with ranks_threads():
             want_losses, want_values = _reference(case, 2)
         for rank_result in results:
-            losses, values = rank_result[i]
-            for step, (got, want) in enumerate(zip(values, want_values, strict=True)):
+            for step, (got, want) in enumerate(zip(rank_result[i][1], want_values, strict=True)):
                 assert relative_difference(got, want) <= 1e-6, (case.name, step, relative_difference(got, want))
-            assert losses == pytest.approx(want_losses, rel=1e-6), case.name
+        losses = [sum(values) / len(values) for values in zip(*(r[i][0] for r in results), strict=True)]
+        assert losses == pytest.approx(want_losses, rel=1e-6), case.name  # the ranks' mean: the global batch's
 
 
 def test_per_parameter_trust_ratios_are_not_per_shard() -> None:

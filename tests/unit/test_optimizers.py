@@ -158,22 +158,7 @@ def test_bias_correction_false_against_deepspeed_cpu_adam(adam_w_mode: bool) -> 
 
 
 def test_bias_correction_false_is_elementwise() -> None:
-    sizes = (5, 3, 8)
-    gen = torch.Generator().manual_seed(1)
-    init = [torch.randn(n, generator=gen) for n in sizes]
-    pieces = [t.clone().requires_grad_() for t in init]
-    flat = torch.cat(init).requires_grad_()
-    params = {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False}
-    split_opt = build_optimizer("Adam", params, [{"params": pieces}])
-    flat_opt = build_optimizer("Adam", params, [{"params": [flat]}])
-    for _ in range(3):
-        grads = [torch.randn(n, generator=gen) for n in sizes]
-        for p, g in zip(pieces, grads, strict=True):
-            p.grad = g.clone()
-        flat.grad = torch.cat(grads)
-        split_opt.step()
-        flat_opt.step()
-    torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7)
+    _assert_flat_steps_as_its_pieces("Adam", {"lr": 0.01, "weight_decay": 0.1, "bias_correction": False})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -253,16 +238,25 @@ def test_invalid_value_is_a_config_error() -> None:
 @pytest.mark.parametrize("name", [n for n in supported_optimizer_names() if n != "Lamb"])
 def test_every_supported_optimizer_is_elementwise(name: str) -> None:
     """Stepping one flat tensor equals stepping the tensors it concatenates (what ZeRO relies on)."""
-    sizes = (5, 3, 8)
+    _assert_flat_steps_as_its_pieces(name, {"lr": 0.01, "weight_decay": 0.1} if name != "Rprop" else {"lr": 0.01})
+
+
+_SIZES = (5, 3, 8)
+
+
+def _assert_flat_steps_as_its_pieces(name: str, params: dict, with_plan: bool = False) -> None:
+    """Three steps of optimizer `name` over one flat tensor equal three over the tensors it concatenates (`with_plan`:
+    the flat tensor's optimizer is told where its parameters lie, as LAMB's strategies tell it)."""
     gen = torch.Generator().manual_seed(1)
-    init = [torch.randn(n, generator=gen) for n in sizes]
+    init = [torch.randn(n, generator=gen) for n in _SIZES]
     pieces = [t.clone().requires_grad_() for t in init]
     flat = torch.cat(init).requires_grad_()
-    params = {"lr": 0.01, "weight_decay": 0.1} if name != "Rprop" else {"lr": 0.01}
     split_opt = build_optimizer(name, params, [{"params": pieces}])
     flat_opt = build_optimizer(name, params, [{"params": [flat]}])
+    if with_plan:
+        flat_opt.plan = _OnePlan(flat, _SIZES)
     for _ in range(3):
-        grads = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [torch.randn(n, generator=gen) for n in _SIZES]
         for p, g in zip(pieces, grads, strict=True):
             p.grad = g.clone()
         flat.grad = torch.cat(grads)
@@ -290,23 +284,7 @@ class _OnePlan:
 
 def test_lamb_on_a_flat_tensor_with_its_plan() -> None:
     """Stepping one flat tensor through a plan that names its parameters equals stepping the parameters."""
-    sizes = (5, 3, 8)
-    gen = torch.Generator().manual_seed(1)
-    init = [torch.randn(n, generator=gen) for n in sizes]
-    pieces = [t.clone().requires_grad_() for t in init]
-    flat = torch.cat(init).requires_grad_()
-    params = {"lr": 0.01, "weight_decay": 0.1, "max_coeff": 10.0}
-    split_opt = build_optimizer("Lamb", params, [{"params": pieces}])
-    flat_opt = build_optimizer("Lamb", params, [{"params": [flat]}])
-    flat_opt.plan = _OnePlan(flat, sizes)
-    for _ in range(3):
-        grads = [torch.randn(n, generator=gen) for n in sizes]
-        for p, g in zip(pieces, grads, strict=True):
-            p.grad = g.clone()
-        flat.grad = torch.cat(grads)
-        split_opt.step()
-        flat_opt.step()
-    torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7)
+    _assert_flat_steps_as_its_pieces("Lamb", {"lr": 0.01, "weight_decay": 0.1, "max_coeff": 10.0}, with_plan=True)
 
 
 def test_lamb_is_deepspeeds_fused_lamb_step() -> None:
