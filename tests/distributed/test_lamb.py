@@ -23,6 +23,7 @@ from helpers.parity import (
     param_groups,
     ranks_threads,
     relative_difference,
+    save_and_resume,
 )
 
 PARAMS = {"lr": 2e-3, "weight_decay": 0.01, "max_coeff": 10.0, "min_coeff": 0.01}  # FusedLamb's coefficient range
@@ -137,30 +138,8 @@ def _refused(rank: int, world_size: int, extra: dict) -> str:
 
 
 def _resume(rank: int, world_size: int, directory: str, saver: Case, loader: Case) -> list[list[torch.Tensor]]:
-    """`saver` saves after two steps and trains two more; `loader` (another stage and layout) loads the save and
-    trains the same two: LAMB's moments and step counts come back into another layout."""
-    import zeroshard
-
-    batches = global_batches(saver, world_size)
-    runs = []
-    for case, load in ((saver, False), (loader, True)):
-        model = build_model(case)
-        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=_config(case))
-        if load:
-            engine.load_checkpoint(directory)
-        values = []
-        for step, batch in enumerate(batches):
-            if load and step < 2:
-                continue
-            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
-            engine.step()
-            if step == 1 and not load:
-                engine.save_checkpoint(directory)
-            with zeroshard.GatheredParameters(list(engine.module.parameters())):
-                values.append(flat_params(engine.module))
-        runs.append(values[-2:])
-        engine.destroy()
-    return runs
+    """LAMB's moments and step counts come back into another layout."""
+    return save_and_resume(rank, world_size, directory, saver, loader, _config)
 
 
 def test_lamb_state_resumes_in_another_layout(tmp_path) -> None:

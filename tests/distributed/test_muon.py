@@ -23,6 +23,7 @@ from helpers.parity import (
     param_groups,
     ranks_threads,
     relative_difference,
+    save_and_resume,
 )
 
 # bucket 1000: every matrix of the tiny GPT is cut across both ranks' shards (and across buckets). Without
@@ -134,32 +135,8 @@ RESUMES = [
 
 
 def _resume(rank: int, world_size: int, directory: str, params: dict, saver: Case, loader: Case):
-    """`saver` saves after two steps and trains two more; `loader` (another stage and layout) loads the save and
-    trains the same two: the momentum and the Adam half's state come back into another layout."""
-    import zeroshard
-
-    batches = global_batches(saver, world_size)
-    runs = []
-    for case, load in ((saver, False), (loader, True)):
-        model = build_model(case)
-        engine, _, _, _ = zeroshard.initialize(
-            model=model, model_parameters=param_groups(model, case), config=muon_config(case, params)
-        )
-        if load:
-            engine.load_checkpoint(directory)
-        values = []
-        for step, batch in enumerate(batches):
-            if load and step < 2:
-                continue
-            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
-            engine.step()
-            if step == 1:
-                engine.save_checkpoint(directory)
-            with zeroshard.GatheredParameters(list(engine.module.parameters())):
-                values.append(flat_params(engine.module))
-        runs.append(values[-2:])
-        engine.destroy()
-    return runs
+    """The momentum and the Adam half's state come back into another layout."""
+    return save_and_resume(rank, world_size, directory, saver, loader, lambda case: muon_config(case, params))
 
 
 @pytest.mark.parametrize("saver, loader", RESUMES, ids=lambda case: f"stage{case.stage}")

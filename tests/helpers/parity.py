@@ -403,3 +403,33 @@ def engine_run(
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def save_and_resume(
+    rank: int, world_size: int, directory: str, saver: Case, loader: Case, config: Callable[[Case], dict]
+) -> list[list[torch.Tensor]]:
+    """`saver` saves after two steps and trains two more; `loader` (another stage and layout) loads the save and
+    trains the same two: [the saver's last two parameter vectors, the loader's]. The optimizer state must come back
+    into the other layout for them to agree."""
+    import zeroshard
+
+    batches = global_batches(saver, world_size)
+    runs = []
+    for case, load in ((saver, False), (loader, True)):
+        model = build_model(case)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config(case))
+        if load:
+            engine.load_checkpoint(directory)
+        values = []
+        for step, batch in enumerate(batches):
+            if load and step < 2:
+                continue
+            engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
+            engine.step()
+            if step == 1 and not load:
+                engine.save_checkpoint(directory)
+            with zeroshard.GatheredParameters(list(engine.module.parameters())):
+                values.append(flat_params(engine.module))
+        runs.append(values[-2:])
+        engine.destroy()
+    return runs

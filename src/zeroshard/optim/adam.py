@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.optim.closure import evaluate
+
 
 class UncorrectedAdam(torch.optim.Optimizer):
     """Adam (L2 weight decay) or AdamW (decoupled) whose moments are not bias-corrected.
@@ -60,10 +62,7 @@ class UncorrectedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Apply one update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:

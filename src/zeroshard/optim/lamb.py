@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.errors import ConfigError
+from zeroshard.optim.closure import evaluate
 
 LAMB_KEYS = ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff", "min_coeff")
 
@@ -98,10 +99,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for index, group in enumerate(self.param_groups):
             self._step_group(index, group)
         return loss

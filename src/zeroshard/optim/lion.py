@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.optim.closure import evaluate
+
 
 class Lion(torch.optim.Optimizer):
     """Lion optimizer with decoupled weight decay; defaults are DeepSpeed's (lr 1e-3, betas (0.9, 0.999)).
@@ -53,10 +55,7 @@ class Lion(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Apply one Lion update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for group in self.param_groups:
             params, grads, moments = self._gather(group)
             if params:

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.errors import ConfigError
+from zeroshard.optim.closure import evaluate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -145,10 +146,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step of every parameter that has a gradient: Muon groups, then the Adam half."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate(closure)
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 self._muon_step(index, group)
