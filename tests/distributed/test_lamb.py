@@ -38,16 +38,23 @@ CASES = [
 ]
 
 
+# the fsdp2 backend: each master is one parameter's rows (zero/norms.py ShardNormPlan), on the device and offloaded
+FSDP2 = [Case(stage=3, steps=3), Case(stage=3, steps=3, gas=2, offload="cpu", offload_param="cpu")]
+
+
 def _config(case: Case) -> dict[str, Any]:
     config = ds_config(case)
     config["optimizer"] = {"type": "Lamb", "params": dict(PARAMS, lr=case.lr)}
     return config
 
 
-def _train(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list[float], list[torch.Tensor]]]:
+def _train(
+    rank: int, world_size: int, cases: list[Case], backend: str = "zero"
+) -> list[tuple[list[float], list[torch.Tensor]]]:
     out = []
     for case in cases:
-        losses, values, _ = engine_run(rank, world_size, case, configure=lambda config, case=case: _config(case))
+        configure = lambda config, case=case: {**_config(case), "zeroshard": {"backend": backend}}  # noqa: E731
+        losses, values, _ = engine_run(rank, world_size, case, configure=configure)
         out.append((losses, values))
     return out
 
@@ -76,9 +83,10 @@ def _reference(case: Case, world_size: int) -> tuple[list[float], list[torch.Ten
     return losses, values
 
 
-def test_lamb_equals_a_single_process() -> None:
-    results = run_on_ranks(_train, 2, CASES)
-    for i, case in enumerate(CASES):
+@pytest.mark.parametrize("backend, cases", [("zero", CASES), ("fsdp2", FSDP2)], ids=["zero", "fsdp2"])
+def test_lamb_equals_a_single_process(backend: str, cases: list[Case]) -> None:
+    results = run_on_ranks(_train, 2, cases, backend)
+    for i, case in enumerate(cases):
         with ranks_threads():
             want_losses, want_values = _reference(case, 2)
         for rank_result in results:
@@ -106,7 +114,6 @@ def test_per_parameter_trust_ratios_are_not_per_shard() -> None:
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"zeroshard": {"backend": "fsdp2"}}, "Lamb is not supported with this engine's Fsdp2Strategy"),
         ({"optimizer": {"type": "Lamb", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
         ({"optimizer": {"type": "Lamb", "params": {"trust": 1.0}}}, "optimizer.params.trust"),
         (

@@ -29,8 +29,10 @@ from zeroshard.loading.weights import StreamedWeights
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard, StepTimeCopies
 from zeroshard.offload.tier import Tier
+from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.zero.flat.local import local_of
+from zeroshard.zero.norms import ShardNormPlan
 from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy
 from zeroshard.zero.strategy import (
@@ -126,6 +128,11 @@ class Fsdp2Strategy(Strategy):
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        if isinstance(optimizer, Lamb):  # [Note: LAMB on flat shards]: each master is one parameter's rows
+            if self.policy.mesh is not None:  # a tensor-parallel slice's norm needs its tp peers too
+                refuse_unplanned(optimizer, "tensor parallelism on the fsdp2 backend")
+            groups = [[sp.master for sp in self.params if sp.group == g] for g in range(len(self.group_options))]
+            optimizer.plan = ShardNormPlan(groups, self.comm, self.device)
 
     # -- backward: FSDP2's hooks reduce-scatter every unit and wait at the end of backward ---------------------
     def begin_backward(self) -> None:

@@ -10,8 +10,9 @@ For each tensor W with gradient g (DeepSpeed's kernel, `csrc/lamb/fused_lamb_cud
 [Note: LAMB on flat shards]
 The trust ratio c needs each tensor's whole norms, where ZeRO hands the optimizer flat tensors holding pieces of many
 parameters ([Note: elementwise optimizers only] in optimizers.py). The moments and u are elementwise and run on the
-shard; the norms ask the optimizer's `NormPlan`, set by the strategy that built the tensors: which parameter each
-piece of a flat tensor belongs to (`segments`), and a sum over the ranks that hold pieces of the same parameters
+shard; the norms ask the optimizer's `NormPlan`, set by the strategy that built the tensors (zero/norms.py: stages 0-2
+and the fsdp2 backend's per-parameter rows; zero/stage3/norms.py): which parameter each piece of a flat tensor
+belongs to (`segments`), and a sum over the ranks that hold pieces of the same parameters
 (`reduce`: one all-reduce of two float64 numbers per parameter and group stepped, nothing at stage 0, where every rank
 holds every parameter). Every rank calls it for every group it steps, holding pieces or not, so the all-reduces pair
 up; the sums run in float64, so the coefficients equal the single-process optimizer's to rounding. Without a plan

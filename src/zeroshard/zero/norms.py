@@ -55,3 +55,23 @@ def reduce_on(comm: Collectives, device: torch.device, sums: torch.Tensor) -> No
     on_device = sums.to(device)
     comm.all_reduce(on_device, label="lamb: parameter norms")
     sums.copy_(on_device)
+
+
+class ShardNormPlan:
+    """The fsdp2 backend: each master is this rank's rows of one parameter (FSDP2's Shard(0)), the group's parameters
+    in the same order on every rank; every rank steps every group at once."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], comm: Collectives, device: torch.device):
+        self.groups = [list(members) for members in groups]
+        self.comm = comm if comm.world_size > 1 else None
+        self.device = device
+
+    def segments(
+        self, group: int, stepped: Sequence[torch.Tensor]
+    ) -> tuple[int, dict[int, list[tuple[int, int, int]]]]:
+        members = self.groups[group]
+        return len(members), {id(t): [(0, t.numel(), k)] for k, t in enumerate(members)}
+
+    def reduce(self, sums: torch.Tensor) -> None:
+        if self.comm is not None:
+            reduce_on(self.comm, self.device, sums)
