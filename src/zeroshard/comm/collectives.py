@@ -27,6 +27,7 @@ Sub-group collectives (`Collectives.subgroup`) share the world's counters and co
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 import zlib
@@ -43,6 +44,7 @@ from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.in_flight import InFlight
 from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import SAME_MODULES, CollectiveMismatchError
+from zeroshard.utils.chunks import greedy_chunks
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -236,17 +238,10 @@ class Collectives:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        groups: list[list[torch.Tensor]] = []
-        for dtype in sorted(by_dtype, key=str):
-            groups.append([])
-            filled = 0
-            for t in by_dtype[dtype]:
-                if bucket_bytes is not None and groups[-1] and filled + t.nbytes > bucket_bytes:
-                    groups.append([])
-                    filled = 0
-                groups[-1].append(t)
-                filled += t.nbytes
-        for group in groups:
+        limit = bucket_bytes if bucket_bytes is not None else sys.maxsize
+        chunks = [[same[i] for i in chunk] for dtype in sorted(by_dtype, key=str) for same in [by_dtype[dtype]]
+                  for chunk in greedy_chunks([t.nbytes for t in same], limit, close="before")]  # fmt: skip
+        for group in chunks:
             flat = _flatten_dense_tensors(group)
             flat = flat.to(via) if via is not None else flat
             self.broadcast(flat, src=src, label=label)
