@@ -29,6 +29,7 @@ from zeroshard.loading.materialize import (
 )
 from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
+from zeroshard.moe.auto import apply_autoep, autoep_of, refuse_combinations
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
@@ -176,6 +177,9 @@ def _build(
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization
     offloads = str(z.offload_optimizer.device) != "none" or (stage == 3 and str(z.offload_param.device) != "none")
+    autoep = autoep_of(cfg.expert_parallel)  # [Note: AutoEP]: refused combinations before any work
+    if autoep is not None:
+        refuse_combinations(autoep, stage, str(cfg.zeroshard.backend), offloads, model, tp_degree(cfg, mpu), sp)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL
@@ -261,6 +265,8 @@ def _build(
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
         materialize_parameters(model, weights, topology.device)
         meta = False
+    if autoep is not None:  # each rank keeps its experts before the model moves to the device
+        apply_autoep(model, autoep, bool(cfg.use_data_before_expert_parallelism))
     if not meta:
         model.to(topology.device)
         _broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)
@@ -351,9 +357,9 @@ def publish_groups(
     model: nn.Module, dp: Collectives, tp: TensorParallelContext | None, sequence: SequenceParallel | None = None
 ) -> None:
     """`deepspeed.utils.groups` answers for this engine from now on ([Note: groups follow the engine])."""
-    from zeroshard.moe.layer import MoE
+    from zeroshard.moe.zero import moe_layers
 
-    experts = {m.expert_group_name: m.groups for m in model.modules() if isinstance(m, MoE)}
+    experts = {m.expert_group_name: m.groups for m in moe_layers(model)}
     tp_comm = tp.tp_comm if tp is not None else None
     parallel_groups.publish(parallel_groups.EngineGroups(dp, tp_comm, experts, sequence))
 

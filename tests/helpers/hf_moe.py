@@ -42,6 +42,20 @@ def tiny_moe(kind: str, seed: int = 0) -> Any:
             first_k_dense_replace=1, n_group=1, topk_group=1,
         )  # fmt: skip
         return DeepseekV3ForCausalLM(config)
+    if kind == "gpt_oss":  # biased, interleaved gate/up with a clamped GLU; a biased router; sliding windows
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        del common["max_position_embeddings"]  # (its YaRN factor is set for the default length)
+        config = GptOssConfig(
+            **common, num_local_experts=4, head_dim=8, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():  # transformers starts the expert biases at zero
+            for name, param in model.named_parameters():
+                if name.endswith("_bias"):
+                    param.normal_(0.0, 0.02)
+        return model
     raise ValueError(kind)
 
 

@@ -38,6 +38,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "gradient_clipping",
         "pipeline",  # with a PipelineModule: pipe/context.py ([Note: pipeline config])
         "tensor_parallel",  # tp/build.py ([Note: tensor_parallel config])
+        "expert_parallel",  # moe/auto.py ([Note: AutoEP])
         # elasticity: resolve_config sets the batch triple through checkpoint/elasticity.apply_elasticity.
         "elasticity.enabled",
         "elasticity.max_train_batch_size",
@@ -329,7 +330,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         "hybrid_engine.tp_gather_partition_size",
         "hybrid_engine.enable_cuda_graph",
         "compile",
-        "expert_parallel",
         "weight_quantization",
         "data_efficiency",
         "compression_training",

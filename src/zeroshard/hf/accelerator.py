@@ -296,7 +296,7 @@ class Accelerator(accelerate.Accelerator):
     def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
         """The full weights (every rank must call it). Stage 3: in the compute dtype on rank 0 (None elsewhere), and
         only with `stage3_gather_16bit_weights_on_model_save`, as under DeepSpeed; stages 0-2: a CPU copy of the
-        module's state dict on every rank."""
+        module's state dict on every rank (experts split over ranks whole)."""
         if self.distributed_type != DistributedType.DEEPSPEED or not isinstance(model, Engine):
             return super().get_state_dict(model, unwrap=unwrap)
         if model.zero_stage == 3:
@@ -307,7 +307,10 @@ class Accelerator(accelerate.Accelerator):
                     "the sharded checkpoint with save_state / engine.save_checkpoint"
                 )
             return model._zero3_consolidated_16bit_state_dict()
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap_model(model).state_dict().items()}
+        # the strategy's: whole experts where they are split over ranks ([Note: expert checkpoints])
+        strategy = model.strategy
+        state = strategy.full_state_dict() if strategy is not None else self.unwrap_model(model).state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 class EngineWrapper:

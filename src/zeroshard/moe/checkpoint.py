@@ -9,10 +9,16 @@ optimizer state is) are written under those names, every rank lists the other ra
 `peer_tensors` (known to the checkpoint, absent from its module) and loads only its own. Since the names do not
 depend on the mesh, a checkpoint also loads into another world size, stage (1-2) or `ep_size` (ep_size 1 calls
 every expert by its global index already), optimizer state included (tests/distributed/test_moe.py).
+AutoEP's fused experts ([Note: AutoEP] in moe/auto.py) keep one key per `[E, ...]` tensor, the Hugging Face one:
+expert-parallel rank j holds its rows `j*L .. j*L+L-1`, which are elements `j*n .. j*n+n-1` of the whole tensor
+(`n` the local tensor's size), so its pieces are written at that offset into the whole tensor's shape, and a
+checkpoint loads into another `autoep_size` (1 included) or a plain Hugging Face model (tests/distributed/
+test_autoep.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -27,22 +33,49 @@ if TYPE_CHECKING:
     from zeroshard.moe.zero import ExpertSplitStrategy
 
 
-def expert_keys(module: nn.Module) -> list[tuple[str, list[str], nn.Parameter, Collectives]]:
-    """Per local expert parameter: its state_dict key, the global keys of it and its peers on every
-    expert-parallel rank (in rank order, its own among them), and the expert-parallel group."""
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One of this rank's expert tensors: its state_dict key, the keys of it and its peers on every
+    expert-parallel rank (in rank order, its own among them; fused: the one key whose rows the ranks hold in turn),
+    the parameter and the expert-parallel group."""
+
+    local_key: str
+    keys: list[str]
+    param: nn.Parameter
+    ep: Collectives
+    fused: bool = False
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.param.shape)
+        return (shape[0] * self.ep.world_size, *shape[1:]) if self.fused else shape
+
+    @property
+    def offset(self) -> int:
+        """Where this rank's elements start in the checkpoint's tensor."""
+        return self.ep.rank * self.param.numel() if self.fused else 0
+
+
+def expert_keys(module: nn.Module) -> list[ExpertTensor]:
+    """This rank's expert tensors ([Note: expert checkpoints])."""
     from zeroshard.moe.layer import MoE
+    from zeroshard.moe.parallel_experts import ParallelExperts
 
     rows = []
     for prefix, layer in module.named_modules():
+        base = f"{prefix}." if prefix else ""
+        if isinstance(layer, ParallelExperts):
+            for name, param in layer.named_parameters(recurse=False):
+                rows.append(ExpertTensor(base + name, [base + name], param, layer.groups.ep, fused=True))
+            continue
         if not isinstance(layer, MoE):
             continue
         local = layer.num_local_experts
-        base = f"{prefix}." if prefix else ""
         base += "deepspeed_moe.experts.deepspeed_experts"
         for index, expert in enumerate(layer.experts.deepspeed_experts):
             for name, param in expert.named_parameters():
                 everyone = [f"{base}.{j * local + index}.{name}" for j in range(layer.ep_size)]
-                rows.append((f"{base}.{index}.{name}", everyone, param, layer.groups.ep))
+                rows.append(ExpertTensor(f"{base}.{index}.{name}", everyone, param, layer.groups.ep))
     return rows
 
 
@@ -50,11 +83,11 @@ def global_expert_names(strategy: ExpertSplitStrategy) -> tuple[dict[str, str], 
     """[Note: expert checkpoints] local name -> global name of this rank's experts; infos of the others'."""
     renamed: dict[str, str] = {}
     peers: dict[str, TensorInfo] = {}
-    for local_key, everyone, param, ep in expert_keys(strategy.module):
-        mine = everyone[ep.rank]
-        renamed[local_key] = mine
-        info = TensorInfo(tuple(param.shape), dtype_name(param.dtype), "param", True, param.requires_grad)
-        peers.update({key: info for key in everyone if key != mine})
+    for row in expert_keys(strategy.module):
+        mine = row.keys[0] if row.fused else row.keys[row.ep.rank]
+        renamed[row.local_key] = mine
+        info = TensorInfo(row.full_shape, dtype_name(row.param.dtype), "param", True, row.param.requires_grad)
+        peers.update({key: info for key in row.keys if key != mine})
     return renamed, peers
 
 
@@ -68,14 +101,18 @@ class ExpertSplitState:
         dense, experts = strategy.parts
         self.dense, self.experts = FlatState(dense), FlatState(experts)
         self.renamed, self.peers = global_expert_names(strategy)
+        fused = [row for row in expert_keys(strategy.module) if row.fused]
+        self.offsets = {row.local_key: row.offset for row in fused}  # local name -> start in the whole tensor
+        self.shapes = {id(row.param): row.full_shape for row in fused}
         self.group_offset = len(dense.buffers)  # the expert part's groups follow the dense ones in the optimizer
         self.strategy = strategy
 
     def _model(self, pieces: list[ModelPiece]) -> list[ModelPiece]:
-        return [ModelPiece(self.renamed[p.name], p.begin, p.end, p.values) for p in pieces]
+        moved = [(p, self.offsets.get(p.name, 0)) for p in pieces]
+        return [ModelPiece(self.renamed[p.name], p.begin + at, p.end + at, p.values) for p, at in moved]
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
-        return {}
+        return dict(self.shapes)
 
     def peer_tensors(self) -> dict[str, TensorInfo]:
         return self.peers
@@ -100,8 +137,8 @@ class ExpertSplitState:
 
     def optim_pieces(self) -> list[OptimPiece]:
         experts = [
-            OptimPiece(self.renamed[p.name], p.begin, p.end, p.param, p.offset, p.group + self.group_offset)
-            for p in self.experts.optim_pieces()
+            OptimPiece(self.renamed[p.name], p.begin + at, p.end + at, p.param, p.offset, p.group + self.group_offset)
+            for p, at in ((p, self.offsets.get(p.name, 0)) for p in self.experts.optim_pieces())
         ]
         return self.dense.optim_pieces() + experts
 

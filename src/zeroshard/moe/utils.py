@@ -26,8 +26,8 @@ def split_params_into_different_moe_groups_for_optimizer(
 def is_moe_param(param: nn.Parameter, model: nn.Module | None = None) -> bool:
     """Whether `param` belongs to an MoE layer's experts. zeroshard bolts no attribute onto parameters, so the
     model to look in is an argument (DeepSpeed reads `param.allreduce`); without it the answer is False."""
-    from zeroshard.moe.layer import MoE
+    from zeroshard.moe.zero import moe_layers
 
     if model is None:
         return False
-    return any(param is p for m in model.modules() if isinstance(m, MoE) for p in m.expert_parameters())
+    return any(param is p for m in moe_layers(model) for p in m.expert_parameters())

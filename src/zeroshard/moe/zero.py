@@ -30,6 +30,7 @@ from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
+from zeroshard.moe.parallel_experts import ParallelExperts
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy
@@ -42,8 +43,9 @@ from zeroshard.zero.strategy import (
 logger = get_logger(__name__)
 
 
-def moe_layers(module: nn.Module) -> list[MoE]:
-    return [m for m in module.modules() if isinstance(m, MoE)]
+def moe_layers(module: nn.Module) -> list[MoE | ParallelExperts]:
+    """The model's expert layers: `MoE` layers and AutoEP's split experts ([Note: AutoEP] in moe/auto.py)."""
+    return [m for m in module.modules() if isinstance(m, (MoE, ParallelExperts))]
 
 
 def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload: bool) -> ExpertGroups | None:
@@ -65,7 +67,7 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload:
     return groups
 
 
-def refuse_expert_settings(layers: list[MoE], stage: int, offload: bool) -> None:
+def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offload: bool) -> None:
     """What MoE layers with ep_size > 1 do not train with, in one line (pure: the caller makes every rank agree
     where the layers differ across ranks, as a pipeline's stages do)."""
     if all(layer.ep_size == 1 for layer in layers):
@@ -140,15 +142,19 @@ class ExpertSplitStrategy(SplitStrategy):
         ([Note: expert checkpoints]); collective over each expert-parallel group."""
         from zeroshard.moe.checkpoint import expert_keys
 
-        experts = list(expert_keys(self.module))
-        names = [local_key for local_key, *_ in experts]  # [Note: gathering calls agree first]
+        experts = expert_keys(self.module)
+        names = [row.local_key for row in experts]  # [Note: gathering calls agree first]
         self.agreement.agree("the full state dict", f"all-gather over expert-parallel groups of {names}")
         state = dict(self.module.state_dict())
-        for local_key, global_keys, param, ep in experts:
-            gathered = torch.empty(len(global_keys) * param.numel(), dtype=param.dtype, device=param.device)
-            ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
-            del state[local_key]
-            for key, value in zip(global_keys, gathered.view(len(global_keys), *param.shape), strict=True):
+        for row in experts:
+            param, count = row.param, row.ep.world_size
+            gathered = torch.empty(count * param.numel(), dtype=param.dtype, device=param.device)
+            row.ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
+            del state[row.local_key]
+            if row.fused:  # rank j's rows follow rank j-1's ([Note: expert checkpoints])
+                state[row.local_key] = gathered.view(row.full_shape)
+                continue
+            for key, value in zip(row.keys, gathered.view(count, *param.shape), strict=True):
                 state[key] = value
         return state
 

@@ -1,0 +1,82 @@
+"""A Hugging Face experts module split over an expert-parallel group: `expert_parallel` ([Note: AutoEP] in
+moe/auto.py).
+
+[Note: routed rows]
+transformers 5's MoE blocks route with their own router and call their experts module as
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`: each expert's rows are
+computed, weighted and summed into the token's output in ascending expert order. `ParallelExperts` takes that
+call. Rank j of the expert-parallel group holds experts `j*L .. j*L+L-1` (`L = E / ep`, the rows of every
+`[E, ...]` parameter). The `T*k` (token, choice) pairs are sorted by expert (stable, so by owning rank), one
+all-to-all of the `[ep, L]` counts tells each rank what it receives, and one uneven all-to-all each moves the
+hidden rows and their routing weights (differentiable: the router's gradient comes back through it). The
+receiver calls the model's own experts module, sliced to its `L` experts, with one choice per row: each row is
+exactly what the single-process module computes for that (token, expert) pair (its activation, biases, clamps
+and weighting included, whatever the model or its `experts_implementation`). The rows travel back and are added
+into the tokens' outputs in the sorted order, which is ascending expert order per token: the summation order of
+the module on one process. Nothing is dropped (no capacity), and every rank issues the same collectives however
+the tokens are routed ([Note: expert exchange]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.moe.exchange import _Exchange
+from zeroshard.moe.groups import ExpertGroups
+
+
+class ParallelExperts(nn.Module):
+    """[Note: routed rows] A model's experts module (sliced in place to this rank's experts) behind the exchange.
+
+    Its parameters are the wrapped module's own `Parameter` objects under the same names, so state_dict keys
+    and optimizer groups built before `initialize` stay valid; each holds this rank's `L` rows of the `[E, ...]`
+    tensor ([Note: expert checkpoints] in moe/checkpoint.py names them in the whole tensor).
+    """
+
+    def __init__(self, experts: nn.Module, groups: ExpertGroups, num_experts: int):
+        super().__init__()
+        self.__dict__["local"] = experts  # not a submodule: its parameters are registered here, under their names
+        for name, param in experts.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in experts.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in experts._non_persistent_buffers_set)
+        self.groups = groups
+        self.ep_size = groups.mesh.ep_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_group_name = f"ep_size_{self.ep_size}"
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters that differ across the expert-parallel group ([Note: expert groups])."""
+        return list(self.parameters())
+
+    def train(self, mode: bool = True) -> ParallelExperts:
+        super().train(mode)
+        self.local.train(mode)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{type(self.local).__name__}, experts {self.num_local_experts} of {self.num_experts} on this rank"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        ep, local = self.groups.ep, self.num_local_experts
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        k = top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # by expert, so by owning rank
+        token_of = order // k
+        counts = torch.bincount(chosen, minlength=self.num_experts).reshape(self.ep_size, local)
+        received = torch.empty_like(counts)  # [source rank, local expert]
+        ep.all_to_all_uneven(received, counts, [1] * self.ep_size, [1] * self.ep_size, label="autoep.counts")
+        send, receive = counts.sum(1).tolist(), received.sum(1).tolist()  # one device-to-host read per call
+        rows = _Exchange.apply(tokens[token_of], ep, send, receive, "autoep.dispatch")
+        weights = _Exchange.apply(top_k_weights.reshape(-1, 1)[order], ep, send, receive, "autoep.weights")
+        ids = torch.arange(local, device=chosen.device, dtype=chosen.dtype).repeat(self.ep_size)
+        local_ids = torch.repeat_interleave(ids, received.reshape(-1))
+        out = self.local(rows, local_ids.unsqueeze(1), weights) if rows.shape[0] else rows
+        back = _Exchange.apply(out, ep, receive, send, "autoep.combine")
+        combined = torch.zeros_like(tokens).index_add(0, token_of, back.to(tokens.dtype))
+        return combined.reshape(hidden_states.shape)
