@@ -175,14 +175,16 @@ class DeepSpeedCalls:
         state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            seen: set[int] = set()
+            seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
             unique = {}
             for name, tensor in state.items():
-                key = tensor.untyped_storage().data_ptr()
-                if key in seen:  # tied weights: safetensors stores each storage once
+                # tied weights once (safetensors refuses shared memory); parameters that are views of one flat
+                # buffer (stages 0-2) are distinct tensors: the key is the view's own start, shape and dtype
+                key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+                if key in seen:
                     continue
                 seen.add(key)
-                unique[name] = tensor.detach().contiguous().cpu()
+                unique[name] = tensor.detach().to("cpu", copy=True).contiguous()
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
 

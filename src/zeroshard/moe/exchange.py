@@ -20,20 +20,42 @@ from zeroshard.comm.collectives import Collectives
 
 
 class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, rows: torch.Tensor, comm: Collectives, send: list[int], receive: list[int], label: str
-    ) -> torch.Tensor:
-        ctx.comm, ctx.send, ctx.receive, ctx.label = comm, send, receive, label
-        out = rows.new_empty((sum(receive), *rows.shape[1:]))
-        comm.all_to_all_uneven(out, rows.contiguous(), receive, send, label=label)
-        return out
+    """Rows of each tensor to their ranks; one autograd node for all of them, so that every rank runs their
+    backward exchanges together and in one order (two separate nodes could become ready in a different order on
+    ranks whose local graphs differ, e.g. with the experts each rank's tokens hit)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        ctx.comm.all_to_all_uneven(out, grad.contiguous(), ctx.send, ctx.receive, label=ctx.label + ".backward")
-        return out, None, None, None, None
+    def forward(  # type: ignore[override]
+        ctx: Any, comm: Collectives, send: list[int], receive: list[int], label: str, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.comm, ctx.send, ctx.receive, ctx.label = comm, send, receive, label
+        ctx.rows = [(t.shape[1:], t.dtype, t.device) for t in tensors]
+        outs = []
+        for index, rows in enumerate(tensors):
+            out = rows.new_empty((sum(receive), *rows.shape[1:]))
+            comm.all_to_all_uneven(out, rows.contiguous(), receive, send, label=label + (f".{index}" if index else ""))
+            outs.append(out)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        outs = []
+        for index, (grad, (shape, dtype, device)) in enumerate(zip(grads, ctx.rows, strict=True)):
+            if grad is None:  # an output this rank did not use: its senders still expect their rows' gradients
+                grad = torch.zeros((sum(ctx.receive), *shape), dtype=dtype, device=device)
+            out = grad.new_empty((sum(ctx.send), *shape))
+            label = ctx.label + (f".{index}" if index else "") + ".backward"
+            ctx.comm.all_to_all_uneven(out, grad.contiguous(), ctx.send, ctx.receive, label=label)
+            outs.append(out)
+        return (None, None, None, None, *outs)
+
+
+def exchange(
+    comm: Collectives, send: list[int], receive: list[int], label: str, *tensors: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """[Note: expert exchange] `send[j]` rows of each tensor to rank j, `receive[i]` from rank i; differentiable."""
+    out = _Exchange.apply(comm, send, receive, label, *tensors)
+    return tuple(out)
 
 
 def exchange_capacities(comm: Collectives, capacity: int, device: torch.device) -> list[int]:
@@ -50,7 +72,7 @@ def to_experts(dispatched: torch.Tensor, comm: Collectives, capacities: list[int
     local = experts // ep
     send = [local * capacity] * ep
     receive = [local * c for c in capacities]
-    rows = _Exchange.apply(dispatched.reshape(experts * capacity, model), comm, send, receive, "moe.dispatch")
+    (rows,) = exchange(comm, send, receive, "moe.dispatch", dispatched.reshape(experts * capacity, model))
     per_sender = [chunk.reshape(local, c, model) for chunk, c in zip(rows.split(receive), capacities, strict=True)]
     return list(torch.cat(per_sender, dim=1).unbind(0))
 
@@ -62,5 +84,5 @@ def from_experts(outputs: list[torch.Tensor], comm: Collectives, capacities: lis
     per_sender = [chunk.reshape(-1, model) for chunk in stacked.split(capacities, dim=1)]
     send = [local * c for c in capacities]
     receive = [local * capacity] * ep
-    rows = _Exchange.apply(torch.cat(per_sender), comm, send, receive, "moe.combine")
+    (rows,) = exchange(comm, send, receive, "moe.combine", torch.cat(per_sender))
     return rows.reshape(ep * local, capacity, model)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.moe.exchange import _Exchange
+from zeroshard.moe.exchange import exchange
 from zeroshard.moe.groups import ExpertGroups
 
 
@@ -72,11 +72,13 @@ class ParallelExperts(nn.Module):
         received = torch.empty_like(counts)  # [source rank, local expert]
         ep.all_to_all_uneven(received, counts, [1] * self.ep_size, [1] * self.ep_size, label="autoep.counts")
         send, receive = counts.sum(1).tolist(), received.sum(1).tolist()  # one device-to-host read per call
-        rows = _Exchange.apply(tokens[token_of], ep, send, receive, "autoep.dispatch")
-        weights = _Exchange.apply(top_k_weights.reshape(-1, 1)[order], ep, send, receive, "autoep.weights")
+        # one node for both: their backward exchanges run in one order on every rank
+        rows, weights = exchange(
+            ep, send, receive, "autoep.dispatch", tokens[token_of], top_k_weights.reshape(-1, 1)[order]
+        )
         ids = torch.arange(local, device=chosen.device, dtype=chosen.dtype).repeat(self.ep_size)
         local_ids = torch.repeat_interleave(ids, received.reshape(-1))
         out = self.local(rows, local_ids.unsqueeze(1), weights) if rows.shape[0] else rows
-        back = _Exchange.apply(out, ep, receive, send, "autoep.combine")
+        (back,) = exchange(ep, receive, send, "autoep.combine", out)
         combined = torch.zeros_like(tokens).index_add(0, token_of, back.to(tokens.dtype))
         return combined.reshape(hidden_states.shape)

@@ -135,7 +135,29 @@ class ExpertSplitStrategy(SplitStrategy):
 
     # -- state ---------------------------------------------------------------------------------------------
     def consolidation_refused(self) -> str | None:
-        return "experts of ep_size > 1 live on their expert-parallel ranks (only this rank's would be gathered)"
+        if any(isinstance(layer, MoE) for layer in moe_layers(self.module)):  # its experts' keys are per rank
+            return "experts of ep_size > 1 live on their expert-parallel ranks (only this rank's would be gathered)"
+        return None
+
+    def consolidated_params(
+        self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
+    ) -> dict[int, torch.Tensor]:
+        """AutoEP's fused experts whole: each rank's rows, whole over its expert-data-parallel group, gathered over
+        the expert-parallel group in rank order ([Note: expert checkpoints]; collective)."""
+        from zeroshard.moe.checkpoint import expert_keys
+
+        dense, experts = self.parts
+        out = dense.consolidated_params(dtype, keep, device)
+        local = experts.consolidated_params(dtype, True, None)  # every rank's rows, for the all-gather below
+        for row in expert_keys(self.module):
+            value = local.pop(id(row.param), None)
+            if value is None:
+                continue
+            gathered = value.new_empty(row.ep.world_size * value.numel())
+            row.ep.all_gather(gathered, value.reshape(-1).contiguous(), label="moe.consolidate")
+            if keep:
+                out[id(row.param)] = gathered.view(row.full_shape).to(device or gathered.device)
+        return out
 
     def full_state_dict(self) -> dict[str, Any]:
         """The module's state_dict with every expert of every expert-parallel rank, under its global name
