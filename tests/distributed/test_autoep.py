@@ -229,3 +229,43 @@ def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path) -
         assert torch.allclose(saved[name], value, rtol=0, atol=1e-5), name
         assert torch.equal(results[0]["consolidated"][name], saved[name]), name
     assert results[1]["consolidated"] == {}
+
+
+def _trainer(rank: int, world: int, out: str) -> dict[str, Any]:
+    from helpers.hf_trainer import arguments, ds_config, loss_recorder
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(5))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    config = ds_config(2, expert_parallel={"enabled": True, "autoep_size": 2})
+    record = loss_recorder()
+    args = TrainingArguments(**arguments(out, deepspeed=config, per_device_train_batch_size=2))
+    trainer = Trainer(model=tiny_moe("mixtral"), args=args, train_dataset=Data(), callbacks=[record])
+    trainer.train()
+    trainer.save_model(out)
+    assert trainer.engine is not None
+    whole = trainer.accelerator.get_state_dict(trainer.engine)
+    return {"losses": record.losses, "shapes": {k: tuple(v.shape) for k, v in whole.items()}}
+
+
+def test_autoep_with_the_hugging_face_trainer(tmp_path) -> None:
+    """A ds_config with expert_parallel through zeroshard.hf.Trainer: it trains, and save_model and accelerate's
+    get_state_dict give the whole model, which from_pretrained reads (each rank's module holds half the experts)."""
+    from transformers import AutoModelForCausalLM
+
+    results = run_on_ranks(_trainer, 2, str(tmp_path), timeout=600)
+    losses = results[0]["losses"]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), losses
+    want = {k: tuple(v.shape) for k, v in tiny_moe("mixtral").state_dict().items()}
+    assert results[0]["shapes"] == results[1]["shapes"] == want
+    reloaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info.values()), info
+    assert reloaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)

@@ -56,6 +56,7 @@ from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
 from zeroshard.hf.arguments import launched_with_deepspeed
 from zeroshard.hf.auto import hidden_size
+from zeroshard.hf.link import engine_state_dict
 from zeroshard.hf.ulysses import adapt_dataloader, register
 from zeroshard.initialize import initialize
 from zeroshard.runtime.lr_schedules import VALID_LR_SCHEDULES
@@ -299,18 +300,7 @@ class Accelerator(accelerate.Accelerator):
         module's state dict on every rank (experts split over ranks whole)."""
         if self.distributed_type != DistributedType.DEEPSPEED or not isinstance(model, Engine):
             return super().get_state_dict(model, unwrap=unwrap)
-        if model.zero_stage == 3:
-            if not model.zero_gather_16bit_weights_on_model_save():
-                raise ConfigError(
-                    "get_state_dict at ZeRO stage 3 gathers the whole model: set zero_optimization."
-                    "stage3_gather_16bit_weights_on_model_save true (accelerate: zero3_save_16bit_model), or save "
-                    "the sharded checkpoint with save_state / engine.save_checkpoint"
-                )
-            return model._zero3_consolidated_16bit_state_dict()
-        # the strategy's: whole experts where they are split over ranks ([Note: expert checkpoints])
-        strategy = model.strategy
-        state = strategy.full_state_dict() if strategy is not None else self.unwrap_model(model).state_dict()
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return engine_state_dict(model)
 
 
 class EngineWrapper:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard.errors import ConfigError
+
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
 
@@ -59,6 +61,24 @@ class EngineLink:
         if engine.is_gradient_accumulation_boundary():
             self.last_lr = engine.get_lr()
         engine.step()
+
+
+def engine_state_dict(engine: Engine) -> dict[str, Any] | None:
+    """accelerate's `get_state_dict` under DeepSpeed, for a zeroshard engine (every rank must call it). Stage 3: in
+    the compute dtype on rank 0 (None elsewhere), and only with `stage3_gather_16bit_weights_on_model_save`, as
+    under DeepSpeed; stages 0-2: a CPU copy of the strategy's full state dict on every rank (experts split over
+    ranks whole: [Note: expert checkpoints])."""
+    if engine.zero_stage == 3:
+        if not engine.zero_gather_16bit_weights_on_model_save():
+            raise ConfigError(
+                "get_state_dict at ZeRO stage 3 gathers the whole model: set zero_optimization."
+                "stage3_gather_16bit_weights_on_model_save true (accelerate: zero3_save_16bit_model), or save "
+                "the sharded checkpoint with save_state / engine.save_checkpoint"
+            )
+        return engine._zero3_consolidated_16bit_state_dict()
+    strategy = engine.strategy
+    state = strategy.full_state_dict() if strategy is not None else engine.module.state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 class EngineAccelerator:
@@ -103,6 +123,13 @@ class EngineAccelerator:
     def optimizer_step_was_skipped(self) -> bool:
         engine = self._link.engine
         return engine is not None and not engine.was_step_applied()
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> Any:
+        """The whole model's weights for the engine or its module (the wrapped accelerator knows neither)."""
+        engine = self._link.engine
+        if engine is not None and (model is engine or model is engine.module):
+            return engine_state_dict(engine)
+        return self._accelerator.get_state_dict(model, unwrap=unwrap)
 
     def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
         engine = self._link.engine

@@ -306,8 +306,8 @@ def _check_experts(name: str, experts: nn.Module, size: int) -> None:
         )
     if any(child_params for child in experts.children() for child_params in child.parameters()):
         raise ConfigError(
-            f"expert_parallel: {name}'s experts ({type(experts).__name__}) hold parameters in submodules; AutoEP splits "
-            "fused [num_experts, ...] weights only"
+            f"expert_parallel: {name}'s experts ({type(experts).__name__}) hold parameters in submodules; AutoEP "
+            "splits fused [num_experts, ...] weights only"
         )
     for pname, param in experts.named_parameters(recurse=False):
         if param.dim() == 0 or param.shape[0] != total:

@@ -1,0 +1,126 @@
+"""The `expert_parallel` block ([Note: AutoEP]): what is read, what is refused in one line, before any work."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from torch import nn
+
+from helpers.hf_moe import tiny_moe
+from zeroshard.errors import ConfigError
+from zeroshard.moe.auto import apply_autoep, autoep_of, find_experts, refuse_combinations
+
+
+def test_absent_or_disabled_block_is_nothing() -> None:
+    assert autoep_of(None) is None
+    assert autoep_of({"enabled": False, "autoep_size": 4}) is None
+    assert autoep_of({"enabled": True, "autoep_size": 4}).size == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("block", "words"),
+    [
+        ({"enabled": True, "autoep_size": 0}, "autoep_size=0"),
+        ({"enabled": "yes"}, "enabled='yes'"),
+        ({"enabled": True, "autoep_sise": 2}, "unknown keys ['autoep_sise']"),
+        ({"enabled": True, "expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size must be 1"),
+        ({"enabled": False, "load_balance_coeff": 0.01}, "load_balance_coeff"),
+        ({"enabled": True, "score_func": "sigmoid"}, "score_func='sigmoid' would override the model's routing"),
+        ({"enabled": True, "route_scale": 2.5}, "route_scale=2.5 would override"),
+        ({"enabled": True, "preset_model": "llama"}, "preset_model='llama'"),
+        ({"enabled": True, "top_k": 0}, "top_k=0"),
+        ({"enabled": True, "expert_pattern": "mlp.experts"}, "without dots"),
+    ],
+)
+def test_refused_in_one_line(block: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        autoep_of(block)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_routing_keys_at_their_defaults_are_accepted() -> None:
+    block = {"enabled": True, "autoep_size": 2, "score_func": "auto", "route_scale": 1.0, "route_norm": None}
+    assert autoep_of(block) is not None
+
+
+def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> None:
+    logging.getLogger("zeroshard").propagate = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="zeroshard"):
+            autoep_of({"enabled": True, "use_grouped_mm": False, "comm_backend": "deepep", "comm_num_sm": 12})
+    finally:
+        logging.getLogger("zeroshard").propagate = False
+    text = caplog.text
+    assert "comm_backend, use_grouped_mm" in text and "comm_num_sm" not in text  # 12 is the default
+
+
+@pytest.mark.parametrize(
+    ("stage", "backend", "offload", "tp", "sp", "words"),
+    [
+        (3, "zero", False, 1, 1, "stage 1 or 2 (got 3)"),
+        (0, "zero", False, 1, 1, "stage 1 or 2 (got 0)"),
+        (2, "fsdp2", False, 1, 1, 'backend "fsdp2"'),
+        (2, "zero", True, 1, 1, "offload_optimizer"),
+        (2, "zero", False, 2, 1, "tp x ep"),
+        (1, "zero", False, 1, 2, "sequence parallelism"),
+    ],
+)
+def test_combinations_refused(stage: int, backend: str, offload: bool, tp: int, sp: int, words: str) -> None:
+    autoep = autoep_of({"enabled": True, "autoep_size": 2})
+    assert autoep is not None
+    with pytest.raises(ConfigError) as info:
+        refuse_combinations(autoep, stage, backend, offload, nn.Linear(2, 2), tp, sp)
+    assert words in str(info.value)
+    one = autoep_of({"enabled": True, "autoep_size": 1})
+    assert one is not None
+    refuse_combinations(one, stage, backend, offload, nn.Linear(2, 2), tp, sp)  # nothing is split: nothing refused
+
+
+def test_experts_found_in_each_family_and_patterns_narrow_them() -> None:
+    every = autoep_of({"enabled": True, "autoep_size": 2})
+    assert every is not None
+    for kind, blocks in (("mixtral", 2), ("qwen3_moe", 2), ("gpt_oss", 2), ("deepseek_v3", 1)):  # v3: dense first
+        assert len(find_experts(tiny_moe(kind), every)) == blocks, kind
+    one = autoep_of({"enabled": True, "autoep_size": 2, "moe_layer_pattern": r"model\.layers\.1\.mlp"})
+    assert one is not None
+    assert [name for name, *_ in find_experts(tiny_moe("mixtral"), one)] == ["model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "block", "words"),
+    [
+        ("mixtral", {"autoep_size": 3}, "must divide model.layers.0.mlp's 4 experts"),
+        ("mixtral", {"autoep_size": 8}, "must divide"),
+        ("mixtral", {"preset_model": "qwen3_moe"}, "is for model types ['qwen3_moe', 'qwen2_moe']"),
+        ("mixtral", {"top_k": 3}, "routes each token to 2 experts"),
+        ("mixtral", {"router_pattern": "router"}, "router_pattern='router': block 'model.layers.0.mlp'"),
+        ("gpt_oss", {"router_pattern": "router", "expert_w1": "w1"}, "expert_w1='w1'"),
+        ("mixtral", {"moe_layer_pattern": r"model\.layers\.\d+\.self_attn"}, "has no experts child 'experts'"),
+        ("mixtral", {"num_experts_attr": "n_routed_experts"}, "no such attribute"),
+    ],
+)
+def test_model_checks_before_any_split(kind: str, block: dict, words: str) -> None:
+    autoep = autoep_of({"enabled": True, "autoep_size": 2, **block})
+    assert autoep is not None
+    model = tiny_moe(kind)
+    with pytest.raises(ConfigError) as info:
+        apply_autoep(model, autoep, data_first=False)  # refused before the groups: no process group needed
+    assert words in str(info.value), str(info.value)
+
+
+def test_a_model_without_experts_is_refused() -> None:
+    autoep = autoep_of({"enabled": True, "autoep_size": 2})
+    assert autoep is not None
+    with pytest.raises(ConfigError, match="no MoE block with an experts child 'experts' in Sequential"):
+        find_experts(nn.Sequential(nn.Linear(2, 2)), autoep)
+
+
+def test_frozen_experts_are_refused_when_split() -> None:
+    model = tiny_moe("mixtral")
+    for name, param in model.named_parameters():
+        param.requires_grad_("experts" not in name)
+    autoep = autoep_of({"enabled": True, "autoep_size": 2})
+    assert autoep is not None
+    with pytest.raises(ConfigError, match="gate_up_proj is frozen"):
+        apply_autoep(model, autoep, data_first=False)
