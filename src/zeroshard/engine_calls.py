@@ -195,14 +195,22 @@ class DeepSpeedCalls:
         return own_generate(self.module)
 
     def _generate_kwargs(self, own: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """[Note: generation at stage 3] `synced_gpus=True` by default at stage 3 on several ranks."""
+        """[Note: generation at stage 3] `synced_gpus=True` by default where every forward communicates."""
         from zeroshard.generation import synced
 
-        return synced(self.module, own, kwargs) if self.zero_stage == 3 and self.world_size > 1 else kwargs
+        return synced(self.module, own, kwargs) if self.forward_communicates() else kwargs
+
+    def forward_communicates(self) -> bool:
+        """Whether each forward is collective across ranks: stage 3 gathers, experts split over ranks exchange
+        tokens ([Note: generation at stage 3])."""
+        from zeroshard.moe.zero import moe_layers
+
+        split = any(layer.ep_size > 1 for layer in moe_layers(self.module))
+        return self.world_size > 1 and (self.zero_stage == 3 or split)
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The module's `generate`, with `synced_gpus=True` by default at stage 3 on several ranks (every rank must
-        call it there, as under DeepSpeed ZeRO-3)."""
+        """The module's `generate`, with `synced_gpus=True` by default at stage 3 or with experts split over ranks, on
+        several ranks (every rank must call it there, as under DeepSpeed ZeRO-3)."""
         own = self._own_generate()
         if own is None:
             raise ZeroshardError(f"{type(self.module).__name__} has no generate()")

@@ -8,9 +8,11 @@ same way, but transformers cannot tell it is there: a rank that finished early l
 (two ranks asking for 4 and 7 new tokens: "Connection closed by peer"). So at stage 3 on several ranks (and with the
 hybrid engine, at any stage) `initialize` makes `engine.module.generate` the engine's `generate`, which at stage 3 on
 several ranks passes `synced_gpus=True` to a `generate` that takes it, unless the call says otherwise, as
-transformers does under DeepSpeed (inside a whole-model gather the extra forwards communicate nothing). The HF
-Seq2SeqTrainer passes `synced_gpus` itself, from the same DeepSpeed test: zeroshard's Trainer sets it there. It is
-the one method of a user's module zeroshard replaces, because the call is made there (DeepSpeed-Chat, TRL's
+transformers does under DeepSpeed (inside a whole-model gather the extra forwards communicate nothing). Experts split
+over ranks (`MoE` layers with ep_size > 1, `expert_parallel`) exchange tokens in every forward: there too, at any
+stage (a rank asking for fewer tokens left the other in an all-to-all; transformers' default asks for ZeRO-3 only).
+The HF Seq2SeqTrainer passes `synced_gpus` itself, from the same DeepSpeed test: zeroshard's Trainer sets it there.
+It is the one method of a user's module zeroshard replaces, because the call is made there (DeepSpeed-Chat, TRL's
 generation); a copy or a pickle of the module gets its class's own `generate` back, a module whose engine is gone
 its own, and `engine.destroy()` puts the module's own back.
 """

@@ -340,7 +340,7 @@ def _build(
     else:
         engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
     engine.sequence = sequence
-    if cfg.hybrid_engine.enabled or (int(cfg.zero_optimization.stage) == 3 and topology.world_size > 1):
+    if cfg.hybrid_engine.enabled or engine.forward_communicates():
         from zeroshard.generation import install
 
         install(engine)  # [Note: generation at stage 3]

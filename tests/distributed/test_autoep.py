@@ -269,3 +269,26 @@ def test_autoep_with_the_hugging_face_trainer(tmp_path) -> None:
     reloaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not any(info.values()), info
     assert reloaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)
+
+
+def _generate(rank: int, world: int) -> list[int]:
+    import zeroshard
+
+    zeroshard.init_distributed()
+    model = tiny_moe("mixtral")
+    engine, *_ = zeroshard.initialize(model=model, config=config(EpCase("mixtral"), world))
+    model.eval()
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(rank))
+    return model.generate(prompt, max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0)[0].tolist()
+
+
+def test_autoep_generation_with_different_lengths_per_rank() -> None:
+    """Every forward exchanges tokens, so generate() keeps the ranks in step (synced_gpus, as at ZeRO-3): a rank
+    asking for 3 tokens while the other asks for 7 left the other in an all-to-all. Greedy tokens equal the
+    single-process model's."""
+    got = run_on_ranks(_generate, 2, timeout=300)
+    model = tiny_moe("mixtral").eval()
+    for rank, tokens in enumerate(got):
+        prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(rank))
+        want = model.generate(prompt, max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0)[0].tolist()
+        assert tokens == want, (rank, tokens, want)

@@ -341,10 +341,11 @@ class TrainerMixin:
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None, **gen_kwargs: Any
     ) -> Any:
         """[Note: generation at stage 3] the Seq2SeqTrainer passes `synced_gpus` from transformers' DeepSpeed test,
-        False under zeroshard: at stage 3 on several ranks it is True here, as under DeepSpeed."""
+        False under zeroshard: where every forward communicates (stage 3, experts split over ranks) on several ranks
+        it is True here, as under DeepSpeed ZeRO-3."""
         engine = self.engine
         generates = bool(getattr(self.args, "predict_with_generate", False)) and not prediction_loss_only
-        if not generates or engine is None or engine.zero_stage != 3 or engine.world_size == 1:
+        if not generates or engine is None or not engine.forward_communicates():
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)  # type: ignore[misc]
         if not gen_kwargs and hasattr(self, "_gen_kwargs"):  # what Seq2SeqTrainer would fall back to
             gen_kwargs = dict(self._gen_kwargs)
