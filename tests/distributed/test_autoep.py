@@ -26,11 +26,13 @@ class EpCase:
     eager: bool = False  # experts_implementation "eager" (the default here is transformers' grouped_mm)
     skew: bool = False  # every token to experts 0 and 1: the last expert-parallel rank receives no row
     client: bool = False  # a torch AdamW built on the model before initialize
+    halves: bool = False  # the first half of the ranks' tokens go to experts 0-1, the others' to 2-3 (4 ranks, ep2)
+    frozen: bool = False  # only the experts and the head train: nothing before the MoE layers needs a gradient
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("eager", "skew", "client") if getattr(self, f)] + [*self.extra]
+        flags = [f for f in ("eager", "skew", "client", "halves", "frozen") if getattr(self, f)] + [*self.extra]
         return f"{self.kind}-stage{self.stage}-ep{self.ep}-gas{self.gas}" + "".join(f"-{f}" for f in flags)
 
 
@@ -43,6 +45,17 @@ def build(case: EpCase) -> torch.nn.Module:
             for name, param in model.named_parameters():
                 if name.endswith("router.bias"):
                     param.copy_(torch.tensor([9.0, 9.0, -9.0, -9.0]))
+    if case.halves:  # token ids below 32 lean one way on hidden feature 0, the others the other way; the routers
+        with torch.no_grad():  # read that feature alone: experts 0-1 for the first, 2-3 for the second
+            embedding = model.model.embed_tokens.weight
+            embedding[:32, 0] += 3.0
+            embedding[32:, 0] -= 3.0
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.zero_()
+                layer.mlp.gate.weight[:, 0] = torch.tensor([50.0, 49.0, -49.0, -50.0])
+    if case.frozen:
+        for name, param in model.named_parameters():
+            param.requires_grad_(".experts." in name or name.startswith("lm_head"))
     return model
 
 
@@ -62,14 +75,18 @@ def config(case: EpCase, world: int) -> dict[str, Any]:
 def micro_batches(case: EpCase, world: int) -> list[list[torch.Tensor]]:
     """Per step, the global batch's micro-batches in (micro step, rank) order."""
     steps = token_batches(world * case.gas, steps=case.steps, micro=MICRO)
-    return [list(batch.split(MICRO)) for batch in steps]
+    out = [list(batch.split(MICRO)) for batch in steps]
+    if case.halves:  # micro-batch i is rank i % world's
+        out = [[x % 32 + (32 if i % world >= world // 2 else 0) for i, x in enumerate(step)] for step in out]
+    return out
 
 
 def engine_losses(rank: int, world: int, case: EpCase) -> list[float]:
     import zeroshard
 
     model = build(case)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1) if case.client else None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1) if case.client else None
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config(case, world))
     losses = []
     for batch in micro_batches(case, world):
@@ -86,7 +103,8 @@ def reference(case: EpCase, world: int, steps: int | None = None) -> tuple[list[
     """One process, the whole model: each rank's micro-batch loss (the auxiliary loss is per micro-batch),
     gradients averaged over them, zero where no token reached an expert (as flat ZeRO shards give)."""
     model = build(case)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1)
     out = []
     for batch in micro_batches(case, world)[:steps]:
         losses = []
@@ -94,10 +112,10 @@ def reference(case: EpCase, world: int, steps: int | None = None) -> tuple[list[
             loss = model(input_ids=x, labels=x).loss
             (loss / len(batch)).backward()
             losses.append(loss.item())
-        for param in model.parameters():
+        for param in trainable:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out.append(losses)
@@ -118,11 +136,14 @@ GRID_2 = [
     EpCase("qwen3_moe", stage=1, gas=2),
     EpCase("gpt_oss"),
     EpCase("gpt_oss", stage=1, skew=True),
+    EpCase("gpt_oss", skew=True, frozen=True),  # the idle rank's combine exchange had no gradient to wait for
     EpCase("deepseek_v3", stage=1),
     EpCase("mixtral", eager=True, client=True),
 ]
 GRID_4 = [
     EpCase("mixtral", stage=1),  # ep2 x dp2
+    # ranks 1 and 2 get no row, their expert-data-parallel peers 3 and 0 do: expert buckets reduced in one order
+    EpCase("mixtral", halves=True),
     EpCase("qwen3_moe", extra={"use_data_before_expert_parallelism": True}),  # "D + E"
     EpCase("gpt_oss", ep=4),
 ]
@@ -137,14 +158,16 @@ def _grid(rank: int, world: int, cases: list[EpCase]) -> dict[str, list[float]]:
 
 def test_autoep_losses_match_the_single_process_model() -> None:
     """ep2 on 2 ranks: four model families, ZeRO 1 and 2, accumulation, the eager and grouped-mm experts, a client
-    optimizer built before initialize, and a rank that receives no token (its experts get zero gradients)."""
+    optimizer built before initialize, and a rank that receives no token (its experts get zero gradients; also when
+    nothing before the MoE layers trains)."""
     results = run_on_ranks(_grid, 2, GRID_2, timeout=600)
     for case in GRID_2:
         check(case, 2, [r[case.name] for r in results])
 
 
 def test_autoep_over_four_ranks() -> None:
-    """ep2 x dp2 (experts reduced over their expert-data-parallel pairs), the "D + E" layout, and ep4."""
+    """ep2 x dp2 (experts reduced over their expert-data-parallel pairs; also with half the ranks receiving no
+    row while their peers do), the "D + E" layout, and ep4."""
     results = run_on_ranks(_grid, 4, GRID_4, timeout=600)
     for case in GRID_4:
         check(case, 4, [r[case.name] for r in results])

@@ -13,8 +13,11 @@ receiver calls the model's own experts module, sliced to its `L` experts, with o
 exactly what the single-process module computes for that (token, expert) pair (its activation, biases, clamps
 and weighting included, whatever the model or its `experts_implementation`). The rows travel back and are added
 into the tokens' outputs in the sorted order, which is ascending expert order per token: the summation order of
-the module on one process. Nothing is dropped (no capacity), and every rank issues the same collectives however
-the tokens are routed ([Note: expert exchange]).
+transformers' eager experts on one process (its grouped_mm and batched_mm add a token's k rows in fp32 and round
+once; here each row is rounded to the compute dtype first: bf16 results then differ in the last bits, fp32 ones
+agree to 1e-6). Nothing is dropped (no capacity), and every rank issues the same collectives in the same order
+however the tokens are routed ([Note: expert exchange]): a rank no token reached still puts its experts'
+parameters in the graph between the exchanges (`_no_rows`), so that their gradients arrive where its peers' do.
 """
 
 from __future__ import annotations
@@ -58,6 +61,23 @@ class ParallelExperts(nn.Module):
         self.local.train(mode)
         return self
 
+    def _apply(self, fn: Any, recurse: bool = True) -> ParallelExperts:
+        """`.to()`, `.half()`, ...: the wrapped module computes with the parameters registered here, also when torch
+        replaces parameter objects on conversion (`torch.__future__.set_overwrite_module_params_on_conversion`)."""
+        super()._apply(fn, recurse)
+        self.local._parameters.update(self._parameters)
+        self.local._buffers.update({k: v for k, v in self._buffers.items() if k in self.local._buffers})
+        return self
+
+    def _no_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[Note: routed rows] No token reached this rank's experts. Their parameters join the graph here all the
+        same, between the two exchanges, where a peer's experts use theirs: their (zero) gradients arrive at the
+        point in backward where the peer's do, so both ranks reduce their expert buckets in one order (an expert
+        bucket launched mid-backward on one rank, at the end on the other, hung ZeRO 1-2 with overlap_comm false),
+        and the combine exchange is in this rank's graph even when nothing before the layer trains."""
+        touched = [p.reshape(-1)[:1].sum() for p in self.parameters() if p.requires_grad]
+        return rows + torch.stack(touched).sum() * 0 if touched else rows
+
     def extra_repr(self) -> str:
         return f"{type(self.local).__name__}, experts {self.num_local_experts} of {self.num_experts} on this rank"
 
@@ -78,7 +98,7 @@ class ParallelExperts(nn.Module):
         )
         ids = torch.arange(local, device=chosen.device, dtype=chosen.dtype).repeat(self.ep_size)
         local_ids = torch.repeat_interleave(ids, received.reshape(-1))
-        out = self.local(rows, local_ids.unsqueeze(1), weights) if rows.shape[0] else rows
+        out = self.local(rows, local_ids.unsqueeze(1), weights) if rows.shape[0] else self._no_rows(rows)
         (back,) = exchange(ep, receive, send, "autoep.combine", out)
         combined = torch.zeros_like(tokens).index_add(0, token_of, back.to(tokens.dtype))
         return combined.reshape(hidden_states.shape)
