@@ -29,7 +29,7 @@ from zeroshard.loading.materialize import (
 )
 from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
-from zeroshard.moe.auto import apply_autoep, autoep_of, refuse_combinations
+from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, refuse_combinations
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
@@ -179,7 +179,11 @@ def _build(
     offloads = str(z.offload_optimizer.device) != "none" or (stage == 3 and str(z.offload_param.device) != "none")
     autoep = autoep_of(cfg.expert_parallel)  # [Note: AutoEP]: refused combinations before any work
     if autoep is not None:
-        refuse_combinations(autoep, stage, str(cfg.zeroshard.backend), offloads, model, tp_degree(cfg, mpu), sp)
+        has_optimizer = optimizer is not None or cfg.optimizer is not None
+        around = Surroundings(
+            stage, str(cfg.zeroshard.backend), offloads, topology.world_size, tp_degree(cfg, mpu), sp, has_optimizer
+        )
+        refuse_combinations(autoep, around, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL

@@ -9,7 +9,7 @@ from torch import nn
 
 from helpers.hf_moe import tiny_moe
 from zeroshard.errors import ConfigError
-from zeroshard.moe.auto import apply_autoep, autoep_of, find_experts, refuse_combinations
+from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, find_experts, refuse_combinations
 
 
 def test_absent_or_disabled_block_is_nothing() -> None:
@@ -26,8 +26,6 @@ def test_absent_or_disabled_block_is_nothing() -> None:
         ({"enabled": True, "autoep_sise": 2}, "unknown keys ['autoep_sise']"),
         ({"enabled": True, "expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size must be 1"),
         ({"enabled": False, "load_balance_coeff": 0.01}, "load_balance_coeff"),
-        ({"enabled": True, "score_func": "sigmoid"}, "score_func='sigmoid' would override the model's routing"),
-        ({"enabled": True, "route_scale": 2.5}, "route_scale=2.5 would override"),
         ({"enabled": True, "preset_model": "llama"}, "preset_model='llama'"),
         ({"enabled": True, "top_k": 0}, "top_k=0"),
         ({"enabled": True, "expert_pattern": "mlp.experts"}, "without dots"),
@@ -56,25 +54,27 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
 
 
 @pytest.mark.parametrize(
-    ("stage", "backend", "offload", "tp", "sp", "words"),
+    ("around", "words"),
     [
-        (3, "zero", False, 1, 1, "stage 1 or 2 (got 3)"),
-        (0, "zero", False, 1, 1, "stage 1 or 2 (got 0)"),
-        (2, "fsdp2", False, 1, 1, 'backend "fsdp2"'),
-        (2, "zero", True, 1, 1, "offload_optimizer"),
-        (2, "zero", False, 2, 1, "tp x ep"),
-        (1, "zero", False, 1, 2, "sequence parallelism"),
+        (Surroundings(3, "zero", False, 2), "stage 1 or 2 (got 3)"),
+        (Surroundings(0, "zero", False, 2), "stage 1 or 2 (got 0)"),
+        (Surroundings(2, "fsdp2", False, 2), 'backend "fsdp2"'),
+        (Surroundings(2, "zero", True, 2), "offload_optimizer"),
+        (Surroundings(2, "zero", False, 4, tp=2), "tp x ep"),
+        (Surroundings(1, "zero", False, 2, sp=2), "sequence parallelism"),
+        (Surroundings(2, "zero", False, 1), "must divide the number of ranks (1)"),
+        (Surroundings(2, "zero", False, 2, has_optimizer=False), "without an optimizer"),
     ],
 )
-def test_combinations_refused(stage: int, backend: str, offload: bool, tp: int, sp: int, words: str) -> None:
+def test_combinations_refused(around: Surroundings, words: str) -> None:
     autoep = autoep_of({"enabled": True, "autoep_size": 2})
     assert autoep is not None
     with pytest.raises(ConfigError) as info:
-        refuse_combinations(autoep, stage, backend, offload, nn.Linear(2, 2), tp, sp)
+        refuse_combinations(autoep, around, nn.Linear(2, 2))
     assert words in str(info.value)
     one = autoep_of({"enabled": True, "autoep_size": 1})
     assert one is not None
-    refuse_combinations(one, stage, backend, offload, nn.Linear(2, 2), tp, sp)  # nothing is split: nothing refused
+    refuse_combinations(one, around, nn.Linear(2, 2))  # nothing is split: nothing refused
 
 
 def test_experts_found_in_each_family_and_patterns_narrow_them() -> None:
@@ -90,13 +90,16 @@ def test_experts_found_in_each_family_and_patterns_narrow_them() -> None:
 @pytest.mark.parametrize(
     ("kind", "block", "words"),
     [
-        ("mixtral", {"autoep_size": 3}, "must divide model.layers.0.mlp's 4 experts"),
+        ("mixtral", {"autoep_size": 3}, "must divide the 4 experts of model.layers.0.mlp.experts"),
+        ("deepseek_v3", {"score_func": "softmax"}, "but model.layers.1.mlp routes with 'sigmoid'"),
+        ("mixtral", {"route_scale": 2.5}, "route_scale=2.5, but model.layers.0.mlp routes with 1.0"),
+        ("mixtral", {"has_shared_experts": True}, "has_shared_experts=True, but"),
         ("mixtral", {"autoep_size": 8}, "must divide"),
         ("mixtral", {"preset_model": "qwen3_moe"}, "is for model types ['qwen3_moe', 'qwen2_moe']"),
         ("mixtral", {"top_k": 3}, "routes each token to 2 experts"),
         ("mixtral", {"router_pattern": "router"}, "router_pattern='router': block 'model.layers.0.mlp'"),
         ("gpt_oss", {"router_pattern": "router", "expert_w1": "w1"}, "expert_w1='w1'"),
-        ("mixtral", {"moe_layer_pattern": r"model\.layers\.\d+\.self_attn"}, "has no experts child 'experts'"),
+        ("mixtral", {"moe_layer_pattern": r"model\.layers\.\d+\.self_attn"}, "matching moe_layer_pattern"),
         ("mixtral", {"num_experts_attr": "n_routed_experts"}, "no such attribute"),
     ],
 )
@@ -122,5 +125,23 @@ def test_frozen_experts_are_refused_when_split() -> None:
         param.requires_grad_("experts" not in name)
     autoep = autoep_of({"enabled": True, "autoep_size": 2})
     assert autoep is not None
-    with pytest.raises(ConfigError, match="gate_up_proj is frozen"):
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.experts\.gate_up_proj is frozen"):
         apply_autoep(model, autoep, data_first=False)
+
+
+def test_routing_keys_that_match_the_model_and_dense_layers_a_pattern_matches() -> None:
+    """DeepSpeed's DeepSeek-V3 preset values, written out: they are the model's own routing, so accepted; the
+    pattern also matches the dense first layer, which is skipped (as DeepSpeed skips it)."""
+    block = {
+        "enabled": True, "autoep_size": 2, "moe_layer_pattern": r"model\.layers\.\d+\.mlp", "score_func": "sigmoid",
+        "route_norm": True, "routed_scaling_factor": 2.5, "has_shared_experts": True, "num_expert_groups": 1,
+        "num_limited_groups": 1, "expert_activation": "swiglu", "score_apply": "post", "top_k": 2,
+    }  # fmt: skip
+    autoep = autoep_of(block)
+    assert autoep is not None
+    model = tiny_moe("deepseek_v3")
+    found = find_experts(model, autoep)
+    assert [name for name, *_ in found] == ["model.layers.1.mlp"]
+    from zeroshard.moe.auto import _check_model
+
+    _check_model(model, autoep, found)

@@ -16,8 +16,14 @@ checkpoints] in moe/checkpoint.py). Then the experts train as `MoE` layers' do (
   to exist), num_experts_attr / top_k_attr / top_k (checked against the model).
 - Routing overrides (score_func, score_apply, route_norm, route_scale, routed_scaling_factor, expert groups,
   expert_activation, has_shared_experts) would change the model's routing: accepted at their "auto"/unset
-  defaults, refused otherwise; load_balance_coeff and expert_tensor_parallel_size != 1 are refused, as
-  DeepSpeed refuses them.
+  defaults and where they state what the model does (DeepSpeed's preset values for it), refused otherwise;
+  load_balance_coeff and expert_tensor_parallel_size != 1 are refused, as DeepSpeed refuses them. A block the
+  pattern matches that has no experts (DeepSeek's dense first layers) is skipped, as DeepSpeed skips it.
+- Every forward of every rank must call each split experts module (the exchanges are collective): a block that
+  calls its experts for some batches only (Ernie-4.5-VL's vision experts run when the batch holds image tokens)
+  needs `moe_layer_pattern` naming the blocks every forward runs. `generate()` keeps the ranks in step
+  ([Note: generation at stage 3]). An engine without an optimizer is refused (it would checkpoint this rank's
+  experts as if they were all).
 - DeepSpeed's kernel and transport choices (grouped GEMM, Triton, DeepEP, its split-plan overlap) select code
   zeroshard does not have; set to other than their defaults they get one warning naming them (the model's own
   `experts_implementation` computes the experts).
@@ -66,7 +72,6 @@ _ROUTING = {
     "num_limited_groups": None,
     "expert_activation": None,
     "has_shared_experts": None,
-    "load_balance_coeff": None,
 }
 _KERNELS = {
     "use_grouped_mm": True,
@@ -116,7 +121,8 @@ def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
         raise ConfigError(f"expert_parallel.enabled={enabled!r}: expected true or false")
     if not enabled:
         return None
-    unknown = sorted(set(block) - _READ - set(_ROUTING) - set(_KERNELS) - {"expert_tensor_parallel_size"})
+    known = _READ | set(_ROUTING) | set(_KERNELS) | {"expert_tensor_parallel_size", "load_balance_coeff"}
+    unknown = sorted(set(block) - known)
     if unknown:
         raise ConfigError(f"expert_parallel: unknown keys {unknown}; see DeepSpeed's AutoEP config for the names")
     size = block.get("autoep_size", 1)
@@ -124,13 +130,6 @@ def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
         raise ConfigError(f"expert_parallel.autoep_size={size!r}: expected a positive int (ranks per set of experts)")
     if block.get("expert_tensor_parallel_size", 1) != 1:
         raise ConfigError("expert_parallel.expert_tensor_parallel_size must be 1 (as in DeepSpeed); remove the key")
-    overrides = [k for k, default in _ROUTING.items() if k in block and block[k] != default]
-    if overrides:
-        raise ConfigError(
-            f"expert_parallel: {overrides[0]}={block[overrides[0]]!r} would override the model's routing; zeroshard "
-            "routes with the model's own router and experts ([Note: AutoEP]): set it in the model's config, or "
-            "remove the key"
-        )
     preset = block.get("preset_model")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"expert_parallel.preset_model={preset!r}: expected one of {sorted(PRESETS)} or null")
@@ -155,15 +154,34 @@ def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
     return AutoEp(size, block)
 
 
-def refuse_combinations(
-    autoep: AutoEp, stage: int, backend: str, offload: bool, model: nn.Module, tp: int, sp: int
-) -> None:
+@dataclass(frozen=True)
+class Surroundings:
+    """What else the engine is built with, for `refuse_combinations`."""
+
+    stage: int
+    backend: str
+    offload: bool
+    world: int
+    tp: int = 1
+    sp: int = 1
+    has_optimizer: bool = True
+
+
+def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) -> None:
     """What AutoEP does not train with here, in one line, before any work."""
     from zeroshard.pipe.module import PipelineModule
 
     if autoep.size == 1:
         return
     what = f"expert_parallel.autoep_size={autoep.size}"
+    stage, backend, offload, tp, sp = around.stage, around.backend, around.offload, around.tp, around.sp
+    if around.world % autoep.size:
+        raise ConfigError(f"{what} must divide the number of ranks ({around.world})")
+    if not around.has_optimizer:
+        raise ConfigError(
+            f"{what} without an optimizer: an engine for inference only would save and load this rank's experts "
+            "as if they were all; give the config an optimizer, or build the model without expert_parallel"
+        )
     if backend == "fsdp2":
         raise ConfigError(f'{what} with zeroshard.backend "fsdp2": not implemented; use the "zero" backend')
     if stage not in (1, 2):
@@ -202,10 +220,12 @@ def find_experts(model: nn.Module, autoep: AutoEp) -> list[tuple[str, nn.Module,
         if pattern is not None:
             if not re.fullmatch(pattern, name):
                 continue
-            if experts is None or not isinstance(getattr(experts, "num_experts", None), int):
+            if experts is None:  # a dense layer the pattern also matches (DeepSeek's first): skipped, as DeepSpeed
+                continue
+            if not isinstance(getattr(experts, "num_experts", None), int):
                 raise ConfigError(
-                    f"expert_parallel: block {name!r} matches moe_layer_pattern but has no experts child {attr!r} "
-                    "with an int num_experts; set expert_pattern to its experts attribute"
+                    f"expert_parallel: {name}.{attr} (matched by moe_layer_pattern) has no int num_experts; set "
+                    "expert_pattern to the block's experts attribute"
                 )
         elif experts is None or not _marked(experts):
             continue
@@ -233,6 +253,16 @@ def _check_model(model: nn.Module, autoep: AutoEp, found: list[tuple[str, nn.Mod
         if attr is not None and not hasattr(config, attr):
             raise ConfigError(f"expert_parallel.{key}={attr!r}: the model's config has no such attribute")
     for name, block, _, experts in found:
+        routing = _model_routing(config, block)
+        for key, default in _ROUTING.items():
+            value, model = autoep.get(key, default), routing.get(key)
+            if value in (default, "auto") or value == model:
+                continue
+            does = f"routes with {model!r}" if model is not None else "has no such setting zeroshard can read"
+            raise ConfigError(
+                f"expert_parallel.{key}={value!r}, but {name} {does}: zeroshard routes with the model's own router "
+                "and experts ([Note: AutoEP]); set it in the model's config, or remove the key"
+            )
         for key in ("router_pattern", "shared_experts_pattern", "shared_experts_gate_pattern"):
             child = autoep.get(key)
             if child is not None and child not in block._modules:
@@ -255,6 +285,32 @@ def _check_model(model: nn.Module, autoep: AutoEp, found: list[tuple[str, nn.Mod
             )
 
 
+_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}
+# how the routers of transformers 5's families score (read from their modeling files); others are not known here
+_SCORING = {"deepseek_v3": "sigmoid", "glm4_moe": "sigmoid", "dots1": "sigmoid"}
+_SCORING |= dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "olmoe", "gpt_oss"), "softmax")
+
+
+def _model_routing(config: Any, block: nn.Module) -> dict[str, Any]:
+    """What the model's own routing does, in DeepSpeed's AutoEP terms (None: not known here)."""
+    scale = getattr(config, "routed_scaling_factor", 1.0)
+    activation = _ACTIVATIONS.get(getattr(config, "hidden_act", ""))
+    if hasattr(config, "swiglu_limit"):  # GPT-OSS's clamped GLU
+        activation = "swiglu_oai"
+    groups = {"num_expert_groups": getattr(config, "n_group", None)}
+    groups["num_limited_groups"] = getattr(config, "topk_group", None)
+    return {
+        "score_func": getattr(config, "scoring_func", _SCORING.get(getattr(config, "model_type", None))),
+        "score_apply": "post",  # transformers' experts weight each expert's output
+        "route_norm": getattr(config, "norm_topk_prob", True),
+        "route_scale": scale,
+        "routed_scaling_factor": scale,
+        "expert_activation": activation,
+        "has_shared_experts": any(k in block._modules for k in ("shared_expert", "shared_experts")),
+        **groups,
+    }
+
+
 def _model_top_k(config: Any, block: nn.Module, autoep: AutoEp) -> int | None:
     attr = autoep.get("top_k_attr") or "num_experts_per_tok"
     value = getattr(config, attr, getattr(block, "top_k", None))
@@ -267,8 +323,8 @@ def apply_autoep(model: nn.Module, autoep: AutoEp, data_first: bool) -> list[Par
     `ParallelExperts` in the experts' place. Collective (the groups): every rank, the same model."""
     found = find_experts(model, autoep)
     _check_model(model, autoep, found)
-    for name, _, _, experts in found:
-        _check_experts(name, experts, autoep.size)
+    for name, _, attr, experts in found:
+        _check_experts(f"{name}.{attr}" if name else attr, experts, autoep.size)
     if autoep.size == 1:
         log_rank(logger, 20, f"expert_parallel: autoep_size 1, {len(found)} MoE block(s) stay data-parallel")
         return []
@@ -301,13 +357,13 @@ def _check_experts(name: str, experts: nn.Module, size: int) -> None:
     total = experts.num_experts
     if total < size or total % size:
         raise ConfigError(
-            f"expert_parallel.autoep_size={size} must divide {name}'s {total} experts (as in DeepSpeed: every rank "
-            "holds the same number of experts)"
+            f"expert_parallel.autoep_size={size} must divide the {total} experts of {name} (as in DeepSpeed: every "
+            "rank holds the same number of experts)"
         )
     if any(child_params for child in experts.children() for child_params in child.parameters()):
         raise ConfigError(
-            f"expert_parallel: {name}'s experts ({type(experts).__name__}) hold parameters in submodules; AutoEP "
-            "splits fused [num_experts, ...] weights only"
+            f"expert_parallel: {name} ({type(experts).__name__}) holds parameters in submodules; AutoEP splits "
+            "fused [num_experts, ...] weights only"
         )
     for pname, param in experts.named_parameters(recurse=False):
         if param.dim() == 0 or param.shape[0] != total:

@@ -173,10 +173,11 @@ class ExpertSplitStrategy(SplitStrategy):
             gathered = torch.empty(count * param.numel(), dtype=param.dtype, device=param.device)
             row.ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
             del state[row.local_key]
+            # on the host as each is gathered: all of a model's experts need not fit on the device
             if row.fused:  # rank j's rows follow rank j-1's ([Note: expert checkpoints])
-                state[row.local_key] = gathered.view(row.full_shape)
+                state[row.local_key] = gathered.view(row.full_shape).cpu()
                 continue
-            for key, value in zip(row.keys, gathered.view(count, *param.shape), strict=True):
+            for key, value in zip(row.keys, gathered.view(count, *param.shape).cpu(), strict=True):
                 state[key] = value
         return state
 
