@@ -3,7 +3,7 @@
     python -m benchmarks.autoep [--steps 4] [--variants a,b]   (the table of docs/benchmarks_autoep.md, ~4 min)
 
 A DeepSeek-V3-shaped model from its config (`_model`: 4 layers, the first dense, 16 routed experts of which each
-token takes 4, one shared expert, latent attention; 26.5M parameters, 80% of them routed experts), fp32, AdamW,
+token takes 4, one shared expert, latent attention; 12.1M parameters, 78% of them routed experts), fp32, AdamW,
 clipping at 1.0, 2 gloo ranks with one thread each, micro-batch 2 of 128 tokens per rank. DeepSeek-V3 because
 DeepSpeed 0.19.8's AutoEP runs it with transformers 5.24 (its Mixtral and Qwen presets fail at initialize). Each
 variant runs in fresh processes (`run_on_ranks`), so VmHWM is that variant's own peak. Per rank:
