@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -28,11 +29,13 @@ class EpCase:
     client: bool = False  # a torch AdamW built on the model before initialize
     halves: bool = False  # the first half of the ranks' tokens go to experts 0-1, the others' to 2-3 (4 ranks, ep2)
     frozen: bool = False  # only the experts and the head train: nothing before the MoE layers needs a gradient
+    lora: bool = False  # PEFT LoRA on the attention projections; everything else, the experts too, frozen
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("eager", "skew", "client", "halves", "frozen") if getattr(self, f)] + [*self.extra]
+        flags = [f for f in ("eager", "skew", "client", "halves", "frozen", "lora") if getattr(self, f)]
+        flags += [*self.extra]
         return f"{self.kind}-stage{self.stage}-ep{self.ep}-gas{self.gas}" + "".join(f"-{f}" for f in flags)
 
 
@@ -56,6 +59,12 @@ def build(case: EpCase) -> torch.nn.Module:
     if case.frozen:
         for name, param in model.named_parameters():
             param.requires_grad_(".experts." in name or name.startswith("lm_head"))
+    if case.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+        model = get_peft_model(model, config)
     return model
 
 
@@ -139,6 +148,7 @@ GRID_2 = [
     EpCase("gpt_oss", skew=True, frozen=True),  # the idle rank's combine exchange had no gradient to wait for
     EpCase("deepseek_v3", stage=1),
     EpCase("mixtral", eager=True, client=True),
+    EpCase("qwen3_moe", lora=True),  # the experts split and frozen
 ]
 GRID_4 = [
     EpCase("mixtral", stage=1),  # ep2 x dp2
@@ -196,11 +206,10 @@ def test_autoep_keeps_hugging_face_names_and_each_ranks_experts() -> None:
         assert got["rows"] and all(got["rows"].values()), (rank, got["rows"])
 
 
-def _checkpoint(rank: int, world: int, folder: str) -> dict[str, Any]:
+def _checkpoint(rank: int, world: int, folder: str, case: EpCase) -> dict[str, Any]:
     import zeroshard
 
     zeroshard.init_distributed()
-    case = EpCase("mixtral", steps=4)
     batches = micro_batches(case, world)
 
     def train(engine: Any, steps: list[list[torch.Tensor]]) -> list[float]:
@@ -226,19 +235,26 @@ def _checkpoint(rank: int, world: int, folder: str) -> dict[str, Any]:
             del cfg["expert_parallel"]
         else:
             cfg["expert_parallel"] = block
-        again, *_ = zeroshard.initialize(model=build(case), config=cfg)
+        model = build(case)
+        with torch.no_grad():  # the load must bring every expert back (frozen ones would otherwise start equal)
+            for name_, param in model.named_parameters():
+                if ".experts." in name_:
+                    param.zero_()
+        again, *_ = zeroshard.initialize(model=model, config=cfg)
         again.load_checkpoint(folder, tag="ep2")
         resumed[name] = train(again, batches[2:])
     return {"first": first, "resumed": resumed, "consolidated": consolidated}
 
 
-def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path, lora: bool) -> None:
     """Saved at ep2 (ZeRO-2), resumed at ep1 and without the block (ZeRO-1): the reference's next losses; the
-    16-bit save and the consolidated state dict are the reference model's weights, loadable by transformers."""
+    16-bit save and the consolidated state dict are the reference model's weights, loadable by transformers. With
+    LoRA the split experts are frozen: each expert-data-parallel group's first rank writes its rows whole."""
     from safetensors.torch import load_file
 
-    case = EpCase("mixtral", steps=4)
-    results = run_on_ranks(_checkpoint, 2, str(tmp_path), timeout=600)
+    case = EpCase("mixtral", steps=4, lora=lora)
+    results = run_on_ranks(_checkpoint, 2, str(tmp_path), case, timeout=600)
     want, _ = reference(case, 2)
     _, after_two = reference(case, 2, steps=2)
     for rank, got in enumerate(results):
@@ -246,7 +262,7 @@ def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path) -
             expected = [want[s][rank] for s in ((0, 1) if name == "first" else (2, 3))]
             assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected, strict=True)), (name, losses)
     saved = load_file(os.path.join(tmp_path, "model.safetensors"))
-    reloaded = tiny_moe("mixtral")
+    reloaded = build(case)
     assert not reloaded.load_state_dict(saved, strict=False).missing_keys
     for name, value in after_two.state_dict().items():  # Adam's steps of near-zero gradients: a few 1e-6 apart
         assert torch.allclose(saved[name], value, rtol=0, atol=1e-5), name

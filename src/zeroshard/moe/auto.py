@@ -371,8 +371,3 @@ def _check_experts(name: str, experts: nn.Module, size: int) -> None:
                 f"expert_parallel: {name}.{pname} has shape {tuple(param.shape)}, not [{total}, ...]: AutoEP splits "
                 "fused [num_experts, ...] weights only"
             )
-        if size > 1 and not param.requires_grad:
-            raise ConfigError(
-                f"expert_parallel: {name}.{pname} is frozen; split experts must train (frozen expert slices are "
-                "not checkpointed yet): unfreeze them or set autoep_size 1"
-            )

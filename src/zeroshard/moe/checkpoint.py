@@ -9,6 +9,8 @@ optimizer state is) are written under those names, every rank lists the other ra
 `peer_tensors` (known to the checkpoint, absent from its module) and loads only its own. Since the names do not
 depend on the mesh, a checkpoint also loads into another world size, stage (1-2) or `ep_size` (ep_size 1 calls
 every expert by its global index already), optimizer state included (tests/distributed/test_moe.py).
+Frozen experts (a LoRA elsewhere in the model) are no part's, but their keys name other ranks' experts too: they
+are written the same way, whole, by the first rank of each expert-data-parallel group.
 AutoEP's fused experts ([Note: AutoEP] in moe/auto.py) keep one key per `[E, ...]` tensor, the Hugging Face one:
 expert-parallel rank j holds its rows `j*L .. j*L+L-1`, which are elements `j*n .. j*n+n-1` of the whole tensor
 (`n` the local tensor's size), so its pieces are written at that offset into the whole tensor's shape, and a
@@ -106,6 +108,16 @@ class ExpertSplitState:
         self.shapes = {id(row.param): row.full_shape for row in fused}
         self.group_offset = len(dense.buffers)  # the expert part's groups follow the dense ones in the optimizer
         self.strategy = strategy
+        # frozen experts (LoRA elsewhere): no strategy holds them, yet their keys name other tensors on other ranks;
+        # the first rank of each expert-data-parallel group writes its rows whole, every rank reads its own
+        self.frozen = [row for row in expert_keys(strategy.module) if not row.param.requires_grad]
+        self.writes_frozen = experts.comm.rank == 0
+
+    def _frozen(self, writing: bool) -> list[ModelPiece]:
+        if writing and not (self.writes_frozen and self.writes_optim):
+            return []
+        rows = [(row, row.param.data.reshape(-1)) for row in self.frozen]
+        return [ModelPiece(self.renamed[r.local_key], r.offset, r.offset + v.numel(), v) for r, v in rows]
 
     def _model(self, pieces: list[ModelPiece]) -> list[ModelPiece]:
         moved = [(p, self.offsets.get(p.name, 0)) for p in pieces]
@@ -124,16 +136,20 @@ class ExpertSplitState:
 
     def sharded_params(self) -> dict[int, str]:
         experts = {ident: self.renamed[name] for ident, name in self.experts.sharded_params().items()}
-        return {**self.dense.sharded_params(), **experts}
+        frozen = {id(row.param): self.renamed[row.local_key] for row in self.frozen}
+        return {**self.dense.sharded_params(), **experts, **frozen}
 
     def model_pieces_to_save(self) -> list[ModelPiece]:
-        return self.dense.model_pieces_to_save() + self._model(self.experts.model_pieces_to_save())
+        trained = self._model(self.experts.model_pieces_to_save())
+        return self.dense.model_pieces_to_save() + trained + self._frozen(writing=True)
 
     def model_bytes_to_save(self) -> int:
-        return self.dense.model_bytes_to_save() + self.experts.model_bytes_to_save()
+        frozen = sum(p.values.numel() * p.values.element_size() for p in self._frozen(writing=True))
+        return self.dense.model_bytes_to_save() + self.experts.model_bytes_to_save() + frozen
 
     def model_targets_to_load(self) -> list[ModelPiece]:
-        return self.dense.model_targets_to_load() + self._model(self.experts.model_targets_to_load())
+        trained = self._model(self.experts.model_targets_to_load())
+        return self.dense.model_targets_to_load() + trained + self._frozen(writing=False)
 
     def optim_pieces(self) -> list[OptimPiece]:
         experts = [

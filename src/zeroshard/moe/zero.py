@@ -151,8 +151,8 @@ class ExpertSplitStrategy(SplitStrategy):
         local = experts.consolidated_params(dtype, True, None)  # every rank's rows, for the all-gather below
         for row in expert_keys(self.module):
             value = local.pop(id(row.param), None)
-            if value is None:
-                continue
+            if value is None:  # a frozen expert: its parameter is all there is
+                value = row.param.detach().to(dtype=dtype)
             gathered = value.new_empty(row.ep.world_size * value.numel())
             row.ep.all_gather(gathered, value.reshape(-1).contiguous(), label="moe.consolidate")
             if keep:
