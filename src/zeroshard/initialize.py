@@ -180,9 +180,8 @@ def _build(
     autoep = autoep_of(cfg.expert_parallel)  # [Note: AutoEP]: refused combinations before any work
     if autoep is not None:
         has_optimizer = optimizer is not None or cfg.optimizer is not None
-        around = Surroundings(
-            stage, str(cfg.zeroshard.backend), offloads, topology.world_size, tp_degree(cfg, mpu), sp, has_optimizer
-        )
+        offload, world = str(z.offload_optimizer.device), topology.world_size
+        around = Surroundings(stage, str(cfg.zeroshard.backend), offload, world, tp_degree(cfg, mpu), sp, has_optimizer)
         refuse_combinations(autoep, around, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)

@@ -30,6 +30,7 @@ GRID = [
     MoeCase(k=1, drop_tokens=False, uneven=True, stage=2),
     MoeCase(k=2, capacity_factor=0.5, uneven=True, stage=1),
     MoeCase(k=1, stage=2, gas=2, steps=2),
+    MoeCase(k=2, stage=1, offload=True),  # both parts' masters and Adam state on the host
 ]
 
 
@@ -82,16 +83,18 @@ def test_moe_losses_match_reference(world_size: int) -> None:
     _check(run_on_ranks(_grid, world_size, 2, timeout=300), world_size, 2)
 
 
-def _resume(rank: int, world_size: int, ep_size: int, save_dir: str) -> tuple[list[float], list[float]]:
+def _resume(rank: int, world_size: int, ep_size: int, save_dir: str, offload: bool) -> tuple[list[float], list[float]]:
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()
-    return resume_losses(rank, MoeCase(k=2, stage=2, steps=5), ep_size, save_dir, save_at=2)
+    return resume_losses(rank, MoeCase(k=2, stage=2, steps=5, offload=offload), ep_size, save_dir, save_at=2)
 
 
-def test_moe_checkpoint_resumes_with_equal_losses(tmp_path) -> None:
-    """ep2 x dp2: the experts (under their global names) and their optimizer shards come back exactly."""
-    for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), timeout=300):
+@pytest.mark.parametrize("offload", [False, True])
+def test_moe_checkpoint_resumes_with_equal_losses(tmp_path, offload: bool) -> None:
+    """ep2 x dp2: the experts (under their global names) and their optimizer shards come back exactly (also from
+    the host with offload_optimizer cpu)."""
+    for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), offload, timeout=300):
         assert resumed == straight[2:]
 
 

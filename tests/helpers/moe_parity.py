@@ -26,11 +26,13 @@ class MoeCase:
     stage: int = 1
     steps: int = 4
     gas: int = 1
+    offload: bool = False  # offload_optimizer cpu
 
     @property
     def name(self) -> str:
         drop, uneven = int(self.drop_tokens), int(self.uneven)
-        return f"k{self.k}-E{self.num_experts}-drop{drop}-uneven{uneven}-s{self.stage}-gas{self.gas}"
+        extra = "-offload" if self.offload else ""
+        return f"k{self.k}-E{self.num_experts}-drop{drop}-uneven{uneven}-s{self.stage}-gas{self.gas}{extra}"
 
 
 class MoeNet(nn.Module):
@@ -104,7 +106,12 @@ def config(case: MoeCase) -> dict:
         "gradient_accumulation_steps": case.gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64},
+        "zero_optimization": {
+            "stage": case.stage,
+            "reduce_bucket_size": 64,
+            "allgather_bucket_size": 64,
+            **({"offload_optimizer": {"device": "cpu"}} if case.offload else {}),
+        },
     }
 
 

@@ -56,14 +56,14 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.parametrize(
     ("around", "words"),
     [
-        (Surroundings(3, "zero", False, 2), "stage 1 or 2 (got 3)"),
-        (Surroundings(0, "zero", False, 2), "stage 1 or 2 (got 0)"),
-        (Surroundings(2, "fsdp2", False, 2), 'backend "fsdp2"'),
-        (Surroundings(2, "zero", True, 2), "offload_optimizer"),
-        (Surroundings(2, "zero", False, 4, tp=2), "tp x ep"),
-        (Surroundings(1, "zero", False, 2, sp=2), "sequence parallelism"),
-        (Surroundings(2, "zero", False, 1), "must divide the number of ranks (1)"),
-        (Surroundings(2, "zero", False, 2, has_optimizer=False), "without an optimizer"),
+        (Surroundings(3, "zero", "none", 2), "stage 1 or 2 (got 3)"),
+        (Surroundings(0, "zero", "none", 2), "stage 1 or 2 (got 0)"),
+        (Surroundings(2, "fsdp2", "none", 2), 'backend "fsdp2"'),
+        (Surroundings(2, "zero", "nvme", 2), 'offload_optimizer "nvme"'),
+        (Surroundings(2, "zero", "none", 4, tp=2), "tp x ep"),
+        (Surroundings(1, "zero", "none", 2, sp=2), "sequence parallelism"),
+        (Surroundings(2, "zero", "none", 1), "must divide the number of ranks (1)"),
+        (Surroundings(2, "zero", "none", 2, has_optimizer=False), "without an optimizer"),
     ],
 )
 def test_combinations_refused(around: Surroundings, words: str) -> None:

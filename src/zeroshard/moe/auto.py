@@ -9,7 +9,8 @@ data-parallel over the `world / N` ranks that hold it ([Note: expert groups], "D
 (per-model presets that re-implement the routing; GPT-OSS has none), zeroshard keeps the model's router, shared
 experts and experts code and moves only the routed rows ([Note: routed rows] in moe/parallel_experts.py): the
 losses are the single-process model's, and state_dict keys stay the Hugging Face names ([Note: expert
-checkpoints] in moe/checkpoint.py). Then the experts train as `MoE` layers' do ([Note: experts under ZeRO]).
+checkpoints] in moe/checkpoint.py). Then the experts train as `MoE` layers' do ([Note: experts under ZeRO]; ZeRO 1-2,
+`offload_optimizer` cpu too).
 - Read: enabled, autoep_size; preset_model (checked against `config.model_type`), moe_layer_pattern (a
   `fullmatch` on block names; without it every marked experts module), expert_pattern (the block's experts
   child, "experts"), router_pattern / shared_experts_pattern / shared_experts_gate_pattern / expert_w1-3 (checked
@@ -160,7 +161,7 @@ class Surroundings:
 
     stage: int
     backend: str
-    offload: bool
+    offload: str  # offload_optimizer.device
     world: int
     tp: int = 1
     sp: int = 1
@@ -174,7 +175,9 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
     if autoep.size == 1:
         return
     what = f"expert_parallel.autoep_size={autoep.size}"
-    stage, backend, offload, tp, sp = around.stage, around.backend, around.offload, around.tp, around.sp
+    stage, backend, tp, sp = around.stage, around.backend, around.tp, around.sp
+    if around.offload == "nvme":
+        raise ConfigError(f'{what} does not combine with offload_optimizer "nvme" yet; use "cpu"')
     if around.world % autoep.size:
         raise ConfigError(f"{what} must divide the number of ranks ({around.world})")
     if not around.has_optimizer:
@@ -190,8 +193,6 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
             "parameters over their expert-data-parallel group yet, and stage 0 would count replicated expert "
             "gradients more than once in the norm; use stage 1 for the same math as stage 0"
         )
-    if offload:
-        raise ConfigError(f"{what} does not combine with offload_optimizer yet; set its device none")
     if tp > 1:
         raise ConfigError(f"{what} with tensor parallelism (autotp_size or an mpu): tp x ep is not implemented")
     if sp > 1:

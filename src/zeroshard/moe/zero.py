@@ -48,7 +48,7 @@ def moe_layers(module: nn.Module) -> list[MoE | ParallelExperts]:
     return [m for m in module.modules() if isinstance(m, (MoE, ParallelExperts))]
 
 
-def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload: bool) -> ExpertGroups | None:
+def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload: str = "none") -> ExpertGroups | None:
     """The expert groups of `module`'s MoE layers, counted in `world`'s counters; None without any, or when every
     layer has ep_size 1 (its experts are then ordinary data-parallel parameters, at any stage)."""
     layers = moe_layers(module)
@@ -67,7 +67,7 @@ def expert_groups_of(module: nn.Module, stage: int, world: Collectives, offload:
     return groups
 
 
-def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offload: bool) -> None:
+def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offload: str = "none") -> None:
     """What MoE layers with ep_size > 1 do not train with, in one line (pure: the caller makes every rank agree
     where the layers differ across ranks, as a pipeline's stages do)."""
     if all(layer.ep_size == 1 for layer in layers):
@@ -79,8 +79,8 @@ def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offl
             "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
             "(ep_size 1 trains at every stage)"
         )
-    if offload:
-        raise ConfigError("MoE layers with ep_size > 1 do not combine with offload_optimizer yet")
+    if offload == "nvme":  # (cpu: [Note: experts under ZeRO] holds, each part's masters on the host)
+        raise ConfigError('MoE layers with ep_size > 1 do not combine with offload_optimizer "nvme" yet; use "cpu"')
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")

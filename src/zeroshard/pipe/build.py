@@ -47,7 +47,11 @@ def _stage_experts(
     refused, layers = None, moe_layers(model)
     offload = str(cfg.zero_optimization.offload_optimizer.device) != "none"
     try:
-        refuse_expert_settings(layers, int(cfg.zero_optimization.stage), offload)
+        refuse_expert_settings(
+            layers, int(cfg.zero_optimization.stage), str(cfg.zero_optimization.offload_optimizer.device)
+        )
+        if offload and any(layer.ep_size > 1 for layer in layers):  # tested without a pipeline only
+            raise ConfigError("MoE layers with ep_size > 1 in a PipelineModule do not combine with offload_optimizer")
     except ConfigError as e:
         refused = e
     for layer in layers:

@@ -122,7 +122,7 @@ def make_strategy(
     from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
 
     offload = str(z.offload_optimizer.device) != "none"
-    expert_groups = expert_groups_of(model, stage, comm, offload)  # None unless MoE with ep_size > 1
+    expert_groups = expert_groups_of(model, stage, comm, str(z.offload_optimizer.device))  # None unless ep_size > 1
     if str(cfg.zeroshard.backend) == "fsdp2":
         if expert_groups is not None:
             raise ConfigError("MoE layers train with the flat ZeRO backend (stages 1-2), not zeroshard.backend fsdp2")
