@@ -181,7 +181,10 @@ def _build(
     if autoep is not None:
         has_optimizer = optimizer is not None or cfg.optimizer is not None
         offload, world = str(z.offload_optimizer.device), topology.world_size
-        around = Surroundings(stage, str(cfg.zeroshard.backend), offload, world, tp_degree(cfg, mpu), sp, has_optimizer)
+        node_local = bool(cfg.checkpoint.use_node_local_storage)
+        around = Surroundings(
+            stage, str(cfg.zeroshard.backend), offload, world, tp_degree(cfg, mpu), sp, has_optimizer, node_local
+        )
         refuse_combinations(autoep, around, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)

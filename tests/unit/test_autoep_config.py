@@ -64,6 +64,7 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
         (Surroundings(1, "zero", "none", 2, sp=2), "sequence parallelism"),
         (Surroundings(2, "zero", "none", 1), "must divide the number of ranks (1)"),
         (Surroundings(2, "zero", "none", 2, has_optimizer=False), "without an optimizer"),
+        (Surroundings(2, "zero", "none", 2, node_local=True), "use_node_local_storage"),
     ],
 )
 def test_combinations_refused(around: Surroundings, words: str) -> None:
@@ -97,6 +98,7 @@ def test_experts_found_in_each_family_and_patterns_narrow_them() -> None:
         ("mixtral", {"autoep_size": 8}, "must divide"),
         ("mixtral", {"preset_model": "qwen3_moe"}, "is for model types ['qwen3_moe', 'qwen2_moe']"),
         ("mixtral", {"top_k": 3}, "routes each token to 2 experts"),
+        ("mixtral", {"top_k_attr": "num_local_experts"}, "top_k_attr='num_local_experts' (top-k 4)"),
         ("mixtral", {"router_pattern": "router"}, "router_pattern='router': block 'model.layers.0.mlp'"),
         ("gpt_oss", {"router_pattern": "router", "expert_w1": "w1"}, "expert_w1='w1'"),
         ("mixtral", {"moe_layer_pattern": r"model\.layers\.\d+\.self_attn"}, "matching moe_layer_pattern"),

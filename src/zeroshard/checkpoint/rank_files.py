@@ -212,16 +212,19 @@ def add_rank_files(
     state: ShardedState | None,
     snapshot: RankSnapshot,
     placement: NodeLocal | None = None,
+    excluded: frozenset[str] = frozenset(),
 ) -> None:
     """This rank's model and optimizer pieces (`replicated`: the tensors no strategy shards, rank 0's), RNG state
-    and (rank 0) engine state, part by part; `placement`: [Note: node-local checkpoints]."""
+    and (rank 0) engine state, part by part; `placement`: [Note: node-local checkpoints]; `excluded`: names
+    exclude_frozen_parameters leaves out."""
     parts = state.parts() if state is not None else []
     if not parts:
         add_model_file(files, replicated)
     for i, part in enumerate(parts):  # one part in memory at a time ([Note: state parts])
         assert state is not None
         with part.hold(False):
-            add_model_file(files, model_pieces(part, state, placement) + (replicated if i == 0 else []), part.suffix)
+            pieces = [p for p in model_pieces(part, state, placement) if p.name not in excluded]
+            add_model_file(files, pieces + (replicated if i == 0 else []), part.suffix)
             if engine.optimizer is not None and writes_optim(state, placement):
                 owned = (part.optim_pieces_to_save or part.optim_pieces)()
                 add_optim_file(files, engine.optimizer, owned, part.suffix)

@@ -53,10 +53,13 @@ def catalog_module(
     exclude_frozen: bool = False,
     shapes: dict[int, tuple[int, ...]] | None = None,
     peers: dict[str, TensorInfo] | None = None,
+    excludable: frozenset[int] = frozenset(),
 ) -> ModuleCatalog:
     """Canonical name per distinct tensor (the strategy's name for sharded parameters, else the first key).
     `shapes` gives the full shape of parameters whose module tensor is a placeholder (stage 3); `peers` the
-    tensors other ranks hold and this module does not (`ShardedState.peer_tensors`): in `infos`, not `tensors`."""
+    tensors other ranks hold and this module does not (`ShardedState.peer_tensors`): in `infos`, not `tensors`;
+    `excludable`: sharded frozen parameters `exclude_frozen` leaves out too (an expert-parallel model's frozen
+    experts: [Note: expert checkpoints])."""
     shapes = shapes or {}
     catalog = ModuleCatalog({}, {})
     param_ids = {id(p) for p in module.parameters()}
@@ -72,7 +75,7 @@ def catalog_module(
             catalog.aliases[key] = name
         is_param = ident in param_ids
         requires_grad = bool(is_param and tensor.requires_grad)
-        if exclude_frozen and is_param and not requires_grad and ident not in sharded:
+        if exclude_frozen and is_param and not requires_grad and (ident not in sharded or ident in excludable):
             catalog.excluded.append(name)
             continue
         catalog.tensors[name] = tensor
@@ -342,6 +345,7 @@ def start_save(
             exclude_frozen_parameters,
             full_shapes(state),
             peer_tensors(state),
+            getattr(state, "frozen_ids", frozenset()),
         )
         if rank == 0:
             call.meta = start_metadata(engine, tag, catalog)
@@ -353,7 +357,7 @@ def start_save(
         replicated = _replicated(catalog, shared_writer, deferred)
         with torch.profiler.record_function("zeroshard.save_checkpoint"):
             snapshot = take_snapshot(engine, client_state, shared_writer)
-            add_rank_files(engine, call.files, replicated, state, snapshot, placement)
+            add_rank_files(engine, call.files, replicated, state, snapshot, placement, frozenset(catalog.excluded))
         if not deferred:
             call.written()
     except Exception as e:  # noqa: BLE001 - reported to every rank by finish_save

@@ -166,6 +166,7 @@ class Surroundings:
     tp: int = 1
     sp: int = 1
     has_optimizer: bool = True
+    node_local: bool = False  # checkpoint.use_node_local_storage
 
 
 def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) -> None:
@@ -180,6 +181,11 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         raise ConfigError(f'{what} does not combine with offload_optimizer "nvme" yet; use "cpu"')
     if around.world % autoep.size:
         raise ConfigError(f"{what} must divide the number of ranks ({around.world})")
+    if around.node_local:
+        raise ConfigError(
+            f"{what} with checkpoint.use_node_local_storage: not supported (each node's leader would write its own "
+            "experts only); save to a folder every node sees, or remove the key"
+        )
     if not around.has_optimizer:
         raise ConfigError(
             f"{what} without an optimizer: an engine for inference only would save and load this rank's experts "
@@ -206,7 +212,7 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         )
 
 
-def _marked(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> bool:
     """transformers 5's `use_experts_implementation` marks its experts classes (fused `[E, ...]` weights, called
     with `(hidden_states, top_k_index, top_k_weights)`)."""
     return hasattr(module, "is_concatenated") and isinstance(getattr(module, "num_experts", None), int)
@@ -228,7 +234,7 @@ def find_experts(model: nn.Module, autoep: AutoEp) -> list[tuple[str, nn.Module,
                     f"expert_parallel: {name}.{attr} (matched by moe_layer_pattern) has no int num_experts; set "
                     "expert_pattern to the block's experts attribute"
                 )
-        elif experts is None or not _marked(experts):
+        elif experts is None or not is_fused_experts(experts):
             continue
         found.append((name, block, attr, experts))
     if not found:
@@ -278,12 +284,17 @@ def _check_model(model: nn.Module, autoep: AutoEp, found: list[tuple[str, nn.Mod
                 f"expert_parallel: {name} has {experts.num_experts} experts, config."
                 f"{autoep.get('num_experts_attr')} says {expected}"
             )
-        top_k, model_k = autoep.get("top_k", "auto"), _model_top_k(config, block, autoep)
-        if top_k != "auto" and model_k is not None and top_k != model_k:
-            raise ConfigError(
-                f"expert_parallel.top_k={top_k} but the model routes each token to {model_k} experts; zeroshard "
-                'routes with the model\'s router: set num_experts_per_tok in its config, or top_k "auto"'
-            )
+        model_k = _model_top_k(config, block)
+        for key, value in (("top_k", autoep.get("top_k", "auto")), ("top_k_attr", autoep.get("top_k_attr"))):
+            if value in ("auto", None):
+                continue
+            stated = getattr(config, value, None) if key == "top_k_attr" else value
+            if model_k is None or stated != model_k:
+                routes = f"routes each token to {model_k} experts" if model_k else "has a router whose top-k is unknown"
+                raise ConfigError(
+                    f"expert_parallel.{key}={value!r} (top-k {stated}) but {name} {routes}; zeroshard routes with "
+                    'the model\'s router: set num_experts_per_tok in its config, or remove the key (top_k "auto")'
+                )
 
 
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}
@@ -312,9 +323,15 @@ def _model_routing(config: Any, block: nn.Module) -> dict[str, Any]:
     }
 
 
-def _model_top_k(config: Any, block: nn.Module, autoep: AutoEp) -> int | None:
-    attr = autoep.get("top_k_attr") or "num_experts_per_tok"
-    value = getattr(config, attr, getattr(block, "top_k", None))
+def _model_top_k(config: Any, block: nn.Module) -> int | None:
+    """How many experts the block's router picks per token: the router's (or the block's) own `top_k`, else the
+    config's `num_experts_per_tok` (None: not known here)."""
+    routers = [block._modules.get(name) for name in ("gate", "router")]
+    for holder in (*routers, block):
+        value = getattr(holder, "top_k", None) if holder is not None else None
+        if isinstance(value, int):
+            return value
+    value = getattr(config, "num_experts_per_tok", None)
     return value if isinstance(value, int) else None
 
 

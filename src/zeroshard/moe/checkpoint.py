@@ -110,8 +110,11 @@ class ExpertSplitState:
         self.strategy = strategy
         # frozen experts (LoRA elsewhere): no strategy holds them, yet their keys name other tensors on other ranks;
         # the first rank of each expert-data-parallel group writes its rows whole, every rank reads its own
-        self.frozen = [row for row in expert_keys(strategy.module) if not row.param.requires_grad]
+        held = self.experts.sharded_params()  # (frozen after initialize, or left out of the optimizer: no part's)
+        self.frozen = [row for row in expert_keys(strategy.module) if id(row.param) not in held]
         self.writes_frozen = experts.comm.rank == 0
+        # what exclude_frozen_parameters may leave out although sharded here (checkpoint/save.py catalog_module)
+        self.frozen_ids = frozenset(id(row.param) for row in self.frozen if not row.param.requires_grad)
 
     def _frozen(self, writing: bool) -> list[ModelPiece]:
         if writing and not (self.writes_frozen and self.writes_optim):

@@ -83,6 +83,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="zero_optimization.zero_quantized_nontrainable_weights: stage 3 holds the frozen weights as int8 blocks "
         "(with --trainable)",
     )
+    p.add_argument(
+        "--autoep-size",
+        type=int,
+        default=1,
+        help="expert_parallel.autoep_size: the model's routed experts split over this many ranks (stages 1-2)",
+    )
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
     p.add_argument(
         "--attn-implementation",
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     )
     trainable = _trainable(args.trainable, model.params)
     cluster = Cluster(gpus_per_node=args.gpus or _local_gpus(), nodes=args.nodes)
+    _check_autoep(args.autoep_size, model, cluster)
     precision = _precision(args, model)
     rows = estimate_rows(
         model,
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         int(args.bucket_size),
         args.grad_accum,
         trainable,
+        args.autoep_size,
     )
     gpu_memory = (
         int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
@@ -132,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         args.gradient_checkpointing,
         args.micro_batch,
     )
+    if args.autoep_size > 1:
+        rec = replace(rec, extra={"expert_parallel": {"enabled": True, "autoep_size": args.autoep_size}})
     if args.quantized_frozen and rec.option.stage == 3:  # the rows counted it: the config says it
         rec = replace(rec, zero_optimization={**rec.zero_optimization, "zero_quantized_nontrainable_weights": True})
     if args.json:
@@ -139,6 +149,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         out(render(model, cluster, args, rows, rec, gpu_memory))
     return 0
+
+
+def _check_autoep(size: int, model: ModelInfo, cluster: Cluster) -> None:
+    if size == 1:
+        return
+    if size < 1 or not model.experts:
+        why = "must be >= 1" if size < 1 else "needs a model with fused experts (--model of a transformers MoE model)"
+        raise CLIError(f"--autoep-size {size} {why}", EXIT_CONFIG)
+    if cluster.world_size % size or model.num_experts % size:
+        raise CLIError(
+            f"--autoep-size {size} must divide the ranks ({cluster.world_size}) and the experts per layer "
+            f"({model.num_experts})",
+            EXIT_CONFIG,
+        )
 
 
 def _precision(args: argparse.Namespace, model: ModelInfo) -> Precision:
@@ -206,6 +230,12 @@ def render(
                 else ""
             )
         )
+    if args.autoep_size > 1:
+        lines.append(
+            f"  {model.experts:,} in routed experts ({model.experts / model.params:.1%}) split over "
+            f"{args.autoep_size} ranks (expert_parallel; stages 1-2), each expert data-parallel over "
+            f"{cluster.world_size // args.autoep_size}"
+        )
     lines += [
         f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = {cluster.world_size} ranks; "
         f"{args.dtype} parameters, {'bf16' if args.bf16_master_weights else 'fp32'} master weights, "
@@ -242,6 +272,7 @@ def render(
     lines += [f"  - {reason}" for reason in rec.reasons]
     lines += [f"  - {note}" for note in rec.notes]
     config = {"train_micro_batch_size_per_gpu": rec.micro_batch, "zero_optimization": rec.zero_optimization}
+    config |= rec.extra
     lines.append(f"  ds_config{'' if rec.fits is not False else ' (does not fit)'}: {json.dumps(config)}")
     return "\n".join(lines)
 

@@ -147,7 +147,8 @@ def zeroshard_states(
         grads = g * trained
     # masters are the parameters themselves where both have the same dtype and extent (unsharded, or stage 3) and
     # live on the same tier.
-    same_tier = option.stage < 3 or option.offload_param == option.offload_optimizer
+    # (stages 0-2 keep the parameters on the device: offloaded masters are a host copy even when unsharded)
+    same_tier = option.offload_param == option.offload_optimizer
     m = precision.master_bytes
     master_aliases = p == m and (option.stage == 3 or not sharded_states) and same_tier
     master = 0 if master_aliases else (m * trained if option.stage >= 1 else m * psi)

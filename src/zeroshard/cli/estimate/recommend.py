@@ -40,11 +40,13 @@ class Recommendation:
     gpu_bytes: int | None = None  # per rank, with the levers above
     tree_option: Option | None = None  # the decision tree's choice, when it is not the recommendation
     notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # more ds_config blocks (expert_parallel)
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.option.to_json(),
             "zero_optimization": self.zero_optimization,
+            **self.extra,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "activation_checkpointing": self.checkpointing,
             "gpu_bytes_per_rank": self.gpu_bytes,
@@ -69,9 +71,12 @@ def recommend(
     the rows as given (the micro-batch and checkpointing they were computed with) are considered."""
     by_option = {row.option: row for row in rows}
     tree, why, notes = _tree(params, cluster)
-    if tree not in by_option:  # stage 0 has no row with bf16 master weights (DeepSpeed: stages 1-3 only)
+    if tree not in by_option and tree.stage == 0:  # no stage-0 row with bf16 master weights (DeepSpeed: 1-3 only)
         tree = Option(1)
         why.append("bf16 master weights need ZeRO stage 1-3: stage 1")
+    elif tree not in by_option:  # expert_parallel: rows of stages 1-2 only
+        tree = Option(1) if tree.stage < 2 else Option(2, "cpu")
+        why.append(f"expert_parallel trains at ZeRO stages 1-2: {tree.label()}")
     need = by_option[tree].gpu_bytes_per_rank
     sufficient = gpu_memory is not None and fits(need, gpu_memory)
     if params >= SMALL and params <= LARGE:

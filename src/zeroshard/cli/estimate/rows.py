@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from zeroshard.cli.estimate.activations import activation_bytes
@@ -69,13 +69,36 @@ def estimate_rows(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
     grad_accum: int = 1,
     trainable: int | None = None,
+    autoep: int = 1,
 ) -> list[Row]:
     """A row for every option in `OPTIONS`; `trainable` parameters of the model's (default: all), the rest frozen.
-    bf16 masters (`precision.master_bytes` 2) exist at stages 1-3 only, as in DeepSpeed: no stage-0 row."""
+    bf16 masters (`precision.master_bytes` 2) exist at stages 1-3 only, as in DeepSpeed: no stage-0 row. With
+    `autoep` > 1 (`expert_parallel.autoep_size`) the routed experts are split over that many ranks and data-parallel
+    over the rest, at stages 1-2 only ([Note: AutoEP] in moe/auto.py)."""
     acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
     psi = model.params if trainable is None else trainable
     options = [o for o in OPTIONS if o.stage > 0 or precision.master_bytes == 4]
-    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi) for option in options]
+    if autoep > 1:
+        options = [o for o in options if o.stage in (1, 2)]
+    return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi, autoep) for option in options]
+
+
+def _states(
+    model: ModelInfo, option: Option, precision: Precision, n: int, accum: int, psi: int, ep: int
+) -> ModelStates:
+    """Per-rank model states; with `ep` > 1 the dense part over all `n` ranks plus this rank's `1/ep` of the
+    experts over their `n/ep` expert-data-parallel ranks. The trainable count fills the dense part first (a LoRA
+    on attention leaves the experts frozen)."""
+    if ep == 1:
+        return zeroshard_states(psi, option, precision, n, accum, model.params - psi)
+    dense = model.params - model.experts
+    dense_psi = min(psi, dense)
+    experts_psi = psi - dense_psi
+    parts = [
+        zeroshard_states(dense_psi, option, precision, n, accum, dense - dense_psi),
+        zeroshard_states(experts_psi // ep, option, precision, n // ep, accum, (model.experts - experts_psi) // ep),
+    ]
+    return ModelStates(*(sum(getattr(p, f.name) for p in parts) for f in fields(ModelStates)))
 
 
 def _row(
@@ -87,12 +110,13 @@ def _row(
     bucket_numel: int,
     grad_accum: int,
     psi: int,
+    autoep: int = 1,
 ) -> Row:
     """The row of `option`, given the activation bytes per rank (the same for every option) and the trainable
     parameter count `psi`."""
     n = cluster.world_size
     frozen = model.params - psi
-    states = zeroshard_states(psi, option, precision, n, grad_accum, frozen)
+    states = _states(model, option, precision, n, grad_accum, psi, autoep)
     buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
         option, psi, bucket_numel, precision.reduce_bytes
     )
@@ -113,6 +137,6 @@ def _row(
         # DeepSpeed's estimators count every parameter as trainable, with fp32 masters: no column for a frozen base
         # or bf16 masters
         deepspeed=None
-        if frozen or precision.master_bytes != 4
+        if frozen or precision.master_bytes != 4 or autoep > 1
         else deepspeed_states(model.params, model.largest_layer, option, cluster),
     )

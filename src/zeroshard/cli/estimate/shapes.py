@@ -28,6 +28,9 @@ class ModelInfo:
     assumed: str | None = None  # how the shape was guessed, when it was
     # parameters Muon orthogonalises (2+ dims, not an embedding or head: `optim.muon.uses_muon`); the rest take Adam
     matrices: int = 0
+    # routed experts held fused (transformers 5's experts modules): what `expert_parallel` splits ([Note: AutoEP])
+    experts: int = 0
+    num_experts: int = 0
 
 
 def count_module(module: nn.Module) -> tuple[int, int]:
@@ -35,6 +38,15 @@ def count_module(module: nn.Module) -> tuple[int, int]:
     total = sum({id(p): p.numel() for p in module.parameters()}.values())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return total, largest
+
+
+def count_experts(module: nn.Module) -> tuple[int, int]:
+    """(elements of the fused routed experts, experts per layer) as `expert_parallel` finds them (moe/auto.py)."""
+    from zeroshard.moe.auto import is_fused_experts
+
+    found = [m for m in module.modules() if is_fused_experts(m)]
+    elements = sum(p.numel() for m in found for p in m.parameters(recurse=False))
+    return elements, max((int(m.num_experts) for m in found), default=0)
 
 
 def count_matrices(module: nn.Module) -> int:
@@ -139,7 +151,10 @@ def from_hf_config(name: str, config: Any, attention: str | None = None) -> Mode
             raise ConfigError(f"--attn-implementation {attention}: {type(model).__name__} does not support it")
         model.config._attn_implementation = attention
     total, largest = count_module(model)
-    return ModelInfo(name, total, largest, shape_of(config, model), matrices=count_matrices(model))
+    experts, num_experts = count_experts(model)
+    shape = shape_of(config, model)
+    matrices = count_matrices(model)
+    return ModelInfo(name, total, largest, shape, matrices=matrices, experts=experts, num_experts=num_experts)
 
 
 def from_model_arg(model: str, attention: str | None = None) -> ModelInfo:

@@ -171,8 +171,13 @@ class SplitStrategy(Strategy):
         for part in self.parts:
             for name, value in part.memory().as_dict().items():
                 setattr(total, name, getattr(total, name) + value)
+        # every part counted the shared optimizer's state, where its tier keeps it (the device, or the host with
+        # offload_optimizer): take the extra counts off the same fields
         extra = (len(self.parts) - 1) * sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
-        total.optimizer_state -= extra  # every part counted the shared optimizer's state
+        counted = StrategyMemory()
+        self.parts[0].policy.master_tier.count_state(counted, 0, extra)
+        for name, value in counted.as_dict().items():
+            setattr(total, name, getattr(total, name) - value)
         return total
 
     def destroy(self) -> None:
