@@ -1,18 +1,19 @@
 """AutoEP (`expert_parallel`) against replicated experts, ZeRO-3, FSDP2, DDP and DeepSpeed's AutoEP, in one run.
 
-    python -m benchmarks.autoep [--steps 4] [--variants a,b]   (the table of docs/benchmarks_autoep.md, ~4 min)
+    python -m benchmarks.autoep [--steps 4] [--variants a,b]   (the table of docs/benchmarks_autoep.md, ~1 min)
 
 A DeepSeek-V3-shaped model from its config (`_model`: 4 layers, the first dense, 16 routed experts of which each
 token takes 4, one shared expert, latent attention; 12.1M parameters, 78% of them routed experts), fp32, AdamW,
 clipping at 1.0, 2 gloo ranks with one thread each, micro-batch 2 of 128 tokens per rank. DeepSeek-V3 because
 DeepSpeed 0.19.8's AutoEP runs it with transformers 5.24 (its Mixtral and Qwen presets fail at initialize). Each
 variant runs in fresh processes (`run_on_ranks`), so VmHWM is that variant's own peak. Per rank:
-- step time: the mean of the measured steps (after one warm-up), the slowest rank's; tokens/s from it;
-- bytes: what the step puts on the wire, counted the same way for every framework by `C10dBytes`, a dispatch mode
-  that sees every c10d collective (ring-model bus bytes: S(N-1)/N, twice for an all-reduce; an all-to-all counts the
-  rows it sends to other ranks), in three columns: the token exchange, gathers (all-gathers, and the broadcasts
-  zeroshard gathers with on gloo) and reductions (reduce-scatters, all-reduces, and the reduces zeroshard
-  reduce-scatters with on gloo);
+- step time: the mean of the timed steps (after a warm-up step and the counted one), the slowest rank's; tokens/s
+  from it;
+- bytes: what one step (the second) puts on the wire, counted the same way for every framework by `C10dBytes`, a
+  dispatch mode that sees every c10d collective (ring-model bus bytes: S(N-1)/N, twice for an all-reduce; an
+  all-to-all counts the rows it sends to other ranks), in three columns: the token exchange, gathers (all-gathers,
+  and the broadcasts zeroshard gathers with on gloo) and reductions (reduce-scatters, all-reduces, and the reduces
+  zeroshard reduce-scatters with on gloo);
 - RSS growth (VmRSS after the steps minus before building the model) and VmHWM, from /proc/self/status;
 - rank 0's first losses (the zeroshard rows train the same model: equal to 1e-6; DeepSpeed routes with its own
   re-implementation, DDP's mean is the same math).
@@ -151,8 +152,6 @@ def _engine(framework: str, stage: int, ep: int, model: torch.nn.Module) -> tupl
     if framework == "deepspeed":
         import deepspeed
 
-        if ep > 1:
-            config["expert_parallel"]["use_grouped_mm"] = False  # its grouped-mm backward fails on the CPU
         engine, *_ = deepspeed.initialize(model=model, config=config)
     else:
         import zeroshard
@@ -181,21 +180,21 @@ def measure(rank: int, world: int, variant: str, steps: int) -> dict[str, Any]:
     numel = sum(p.numel() for p in model.parameters())
     forward, step = _engine(framework, stage, ep, model)
     generator = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, VOCAB, (world * MICRO, SEQ), generator=generator) for _ in range(steps + 1)]
+    batches = [torch.randint(0, VOCAB, (world * MICRO, SEQ), generator=generator) for _ in range(steps + 2)]
     losses, times, counter = [], [], C10dBytes()
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(batches):  # a warm-up step, one counted step, then the timed ones (outside the mode)
         x = batch[rank * MICRO : (rank + 1) * MICRO]
         dist.barrier()
         start = time.perf_counter()
-        with counter if i else contextlib.nullcontext():  # the warm-up step is not counted
+        with counter if i == 1 else contextlib.nullcontext():
             loss = forward(input_ids=x, labels=x).loss
             step(loss)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     return {
         "numel": numel,
-        "time": statistics.mean(times[1:]),
-        "bytes": {k: v / steps for k, v in counter.kinds.items()},
+        "time": statistics.mean(times[2:]),
+        "bytes": dict(counter.kinds),
         "grown": proc_status("VmRSS") - before,
         "hwm": proc_status("VmHWM"),
         "losses": losses[:3],

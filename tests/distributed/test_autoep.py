@@ -383,3 +383,38 @@ def test_autoep_frozen_experts_saves(tmp_path) -> None:
         experts = sorted(name for name in got["excluded"] if ".experts." in name)
         assert len(experts) == 4, got["excluded"]  # gate_up_proj and down_proj of 2 layers
         assert got["lora_equal"] and got["late_equal"], got
+
+
+def _memory(rank: int, world: int) -> dict[str, dict[str, int]]:
+    import zeroshard
+
+    zeroshard.init_distributed()
+    out = {}
+    for stage in (1, 2):
+        case = EpCase("mixtral", stage=stage)
+        engine, *_ = zeroshard.initialize(model=build(case), config=config(case, world))
+        x = micro_batches(case, world)[0][rank]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        report = engine.memory_report()
+        out[str(stage)] = {
+            "params": report.params,
+            "gradients": report.gradients,
+            "master_weights": report.master_weights,
+            "optimizer_state": report.optimizer_state,
+        }
+    return out
+
+
+def test_autoep_memory_report_is_what_zeroshard_estimate_counts() -> None:
+    """The engine's model-state bytes per rank equal `zeroshard estimate --autoep-size 2`'s (fp32, 2 ranks)."""
+    from zeroshard.cli.estimate.formulas import Cluster, Option, Precision
+    from zeroshard.cli.estimate.rows import estimate_rows
+    from zeroshard.cli.estimate.shapes import from_hf_config
+
+    info = from_hf_config("tiny", tiny_moe("mixtral").config)
+    rows = {row.option: row.states for row in estimate_rows(info, Cluster(2), Precision(4, 4, 8), 12, MICRO, autoep=2)}
+    for got in run_on_ranks(_memory, 2, timeout=300):
+        for stage, report in got.items():
+            states = rows[Option(int(stage))]
+            assert report == {k: getattr(states, k) for k in report}, (stage, report, states)
