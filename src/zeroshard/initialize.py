@@ -180,10 +180,10 @@ def _build(
     autoep = autoep_of(cfg.expert_parallel)  # [Note: AutoEP]: refused combinations before any work
     if autoep is not None:
         has_optimizer = optimizer is not None or cfg.optimizer is not None
-        offload, world = str(z.offload_optimizer.device), topology.world_size
+        offload, ranks = str(z.offload_optimizer.device), topology.world_size
         node_local = bool(cfg.checkpoint.use_node_local_storage)
         around = Surroundings(
-            stage, str(cfg.zeroshard.backend), offload, world, tp_degree(cfg, mpu), sp, has_optimizer, node_local
+            stage, str(cfg.zeroshard.backend), offload, ranks, tp_degree(cfg, mpu), sp, has_optimizer, node_local
         )
         refuse_combinations(autoep, around, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]

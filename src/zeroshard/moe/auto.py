@@ -262,10 +262,10 @@ def _check_model(model: nn.Module, autoep: AutoEp, found: list[tuple[str, nn.Mod
     for name, block, _, experts in found:
         routing = _model_routing(config, block)
         for key, default in _ROUTING.items():
-            value, model = autoep.get(key, default), routing.get(key)
-            if value in (default, "auto") or value == model:
+            value, stated = autoep.get(key, default), routing.get(key)
+            if value in (default, "auto") or value == stated:
                 continue
-            does = f"routes with {model!r}" if model is not None else "has no such setting zeroshard can read"
+            does = f"routes with {stated!r}" if stated is not None else "has no such setting zeroshard can read"
             raise ConfigError(
                 f"expert_parallel.{key}={value!r}, but {name} {does}: zeroshard routes with the model's own router "
                 "and experts ([Note: AutoEP]); set it in the model's config, or remove the key"
@@ -312,7 +312,7 @@ def _model_routing(config: Any, block: nn.Module) -> dict[str, Any]:
     groups = {"num_expert_groups": getattr(config, "n_group", None)}
     groups["num_limited_groups"] = getattr(config, "topk_group", None)
     return {
-        "score_func": getattr(config, "scoring_func", _SCORING.get(getattr(config, "model_type", None))),
+        "score_func": getattr(config, "scoring_func", _SCORING.get(str(getattr(config, "model_type", "")))),
         "score_apply": "post",  # transformers' experts weight each expert's output
         "route_norm": getattr(config, "norm_topk_prob", True),
         "route_scale": scale,
@@ -351,14 +351,14 @@ def apply_autoep(model: nn.Module, autoep: AutoEp, data_first: bool) -> list[Par
     rank = groups.mesh.ep_rank(groups.rank)
     split = []
     for _, block, attr, experts in found:
-        total = experts.num_experts
+        total = num_experts(experts)
         local = total // autoep.size
         for param in experts.parameters(recurse=False):
             param.data = param.data[rank * local : (rank + 1) * local].clone()  # the whole tensor is freed
         for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
             if buffer.dim() and buffer.shape[0] == total:
                 setattr(experts, buffer_name, buffer[rank * local : (rank + 1) * local].clone())
-        experts.num_experts = local  # the module's own forward loops over its local experts
+        setattr(experts, "num_experts", local)  # noqa: B010 - its own forward loops over its local experts
         wrapper = ParallelExperts(experts, groups, total)
         setattr(block, attr, wrapper)
         split.append(wrapper)
@@ -371,8 +371,13 @@ def apply_autoep(model: nn.Module, autoep: AutoEp, data_first: bool) -> list[Par
     return split
 
 
+def num_experts(experts: nn.Module) -> int:
+    """An experts module's `num_experts` (transformers' attribute)."""
+    return int(getattr(experts, "num_experts"))  # noqa: B009 - not a Module attribute mypy knows
+
+
 def _check_experts(name: str, experts: nn.Module, size: int) -> None:
-    total = experts.num_experts
+    total = num_experts(experts)
     if total < size or total % size:
         raise ConfigError(
             f"expert_parallel.autoep_size={size} must divide the {total} experts of {name} (as in DeepSpeed: every "

@@ -39,6 +39,8 @@ class ParallelExperts(nn.Module):
     tensor ([Note: expert checkpoints] in moe/checkpoint.py names them in the whole tensor).
     """
 
+    local: nn.Module  # the wrapped module, kept out of the module tree (its parameters are registered here)
+
     def __init__(self, experts: nn.Module, groups: ExpertGroups, num_experts: int):
         super().__init__()
         self.__dict__["local"] = experts  # not a submodule: its parameters are registered here, under their names

@@ -42,11 +42,11 @@ def count_module(module: nn.Module) -> tuple[int, int]:
 
 def count_experts(module: nn.Module) -> tuple[int, int]:
     """(elements of the fused routed experts, experts per layer) as `expert_parallel` finds them (moe/auto.py)."""
-    from zeroshard.moe.auto import is_fused_experts
+    from zeroshard.moe.auto import is_fused_experts, num_experts
 
     found = [m for m in module.modules() if is_fused_experts(m)]
     elements = sum(p.numel() for m in found for p in m.parameters(recurse=False))
-    return elements, max((int(m.num_experts) for m in found), default=0)
+    return elements, max((num_experts(m) for m in found), default=0)
 
 
 def count_matrices(module: nn.Module) -> int:
