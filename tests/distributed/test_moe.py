@@ -83,18 +83,27 @@ def test_moe_losses_match_reference(world_size: int) -> None:
     _check(run_on_ranks(_grid, world_size, 2, timeout=300), world_size, 2)
 
 
-def _resume(rank: int, world_size: int, ep_size: int, save_dir: str, offload: bool) -> tuple[list[float], list[float]]:
+def _resume(rank: int, world_size: int, ep_size: int, save_dir: str, case: MoeCase) -> tuple[list[float], list[float]]:
     from zeroshard.comm.topology import init_distributed
 
     init_distributed()
-    return resume_losses(rank, MoeCase(k=2, stage=2, steps=5, offload=offload), ep_size, save_dir, save_at=2)
+    return resume_losses(rank, case, ep_size, save_dir, save_at=2)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_moe_checkpoint_resumes_with_equal_losses(tmp_path, offload: bool) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        MoeCase(k=2, stage=2, steps=5),
+        MoeCase(k=2, stage=2, steps=5, offload=True),
+        MoeCase(k=2, stage=2, steps=5, frozen_experts=True),
+    ],
+    ids=lambda case: case.name,
+)
+def test_moe_checkpoint_resumes_with_equal_losses(tmp_path, case: MoeCase) -> None:
     """ep2 x dp2: the experts (under their global names) and their optimizer shards come back exactly (also from
-    the host with offload_optimizer cpu)."""
-    for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), offload, timeout=300):
+    the host with offload_optimizer cpu, and frozen experts, which each expert-data-parallel group's first rank
+    writes whole)."""
+    for straight, resumed in run_on_ranks(_resume, 4, 2, str(tmp_path), case, timeout=300):
         assert resumed == straight[2:]
 
 

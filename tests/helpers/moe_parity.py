@@ -27,11 +27,12 @@ class MoeCase:
     steps: int = 4
     gas: int = 1
     offload: bool = False  # offload_optimizer cpu
+    frozen_experts: bool = False  # the experts do not train (no part holds them: [Note: expert checkpoints])
 
     @property
     def name(self) -> str:
         drop, uneven = int(self.drop_tokens), int(self.uneven)
-        extra = "-offload" if self.offload else ""
+        extra = ("-offload" if self.offload else "") + ("-frozen" if self.frozen_experts else "")
         return f"k{self.k}-E{self.num_experts}-drop{drop}-uneven{uneven}-s{self.stage}-gas{self.gas}{extra}"
 
 
@@ -67,6 +68,8 @@ class MoeNet(nn.Module):
         first = (ep_rank(ep_size, data_first)) * self.moe.num_local_experts
         for local, module in enumerate(self.moe.experts.deepspeed_experts):
             seed_expert(module, first + local)
+        if case.frozen_experts:
+            self.moe.experts.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
