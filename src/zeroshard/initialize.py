@@ -181,10 +181,10 @@ def _build(
     if autoep is not None:
         has_optimizer = optimizer is not None or cfg.optimizer is not None
         offload, ranks = str(z.offload_optimizer.device), topology.world_size
-        node_local = bool(cfg.checkpoint.use_node_local_storage)
         around = Surroundings(
-            stage, str(cfg.zeroshard.backend), offload, ranks, tp_degree(cfg, mpu), sp, has_optimizer, node_local
-        )
+            stage, str(cfg.zeroshard.backend), offload, ranks, tp_degree(cfg, mpu), sp, has_optimizer,
+            bool(cfg.checkpoint.use_node_local_storage), bool(cfg.torch_autocast.enabled),
+        )  # fmt: skip
         refuse_combinations(autoep, around, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)

@@ -65,6 +65,7 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
         (Surroundings(2, "zero", "none", 1), "must divide the number of ranks (1)"),
         (Surroundings(2, "zero", "none", 2, has_optimizer=False), "without an optimizer"),
         (Surroundings(2, "zero", "none", 2, node_local=True), "use_node_local_storage"),
+        (Surroundings(2, "zero", "none", 2, autocast=True), "torch_autocast"),
     ],
 )
 def test_combinations_refused(around: Surroundings, words: str) -> None:

@@ -167,6 +167,7 @@ class Surroundings:
     sp: int = 1
     has_optimizer: bool = True
     node_local: bool = False  # checkpoint.use_node_local_storage
+    autocast: bool = False  # torch_autocast.enabled
 
 
 def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) -> None:
@@ -186,6 +187,8 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
             f"{what} with checkpoint.use_node_local_storage: not supported (each node's leader would write its own "
             "experts only); save to a folder every node sees, or remove the key"
         )
+    if around.autocast:  # (zero/from_config.py refuses it for every split strategy at stages 1-2)
+        raise ConfigError(f"{what} with torch_autocast: not implemented; use bf16 or fp16 mixed precision")
     if not around.has_optimizer:
         raise ConfigError(
             f"{what} without an optimizer: an engine for inference only would save and load this rank's experts "
