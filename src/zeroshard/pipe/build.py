@@ -45,12 +45,10 @@ def _stage_experts(
     span the world) in a pipeline of several stages, experts with an mpu's tensor parallelism, and what experts
     do not train with (`refuse_expert_settings`): only some stages hold MoE layers. Collective."""
     refused, layers = None, moe_layers(model)
-    offload = str(cfg.zero_optimization.offload_optimizer.device) != "none"
+    offload = str(cfg.zero_optimization.offload_optimizer.device)
     try:
-        refuse_expert_settings(
-            layers, int(cfg.zero_optimization.stage), str(cfg.zero_optimization.offload_optimizer.device)
-        )
-        if offload and any(layer.ep_size > 1 for layer in layers):  # tested without a pipeline only
+        refuse_expert_settings(layers, int(cfg.zero_optimization.stage), offload)
+        if offload != "none" and any(layer.ep_size > 1 for layer in layers):  # tested without a pipeline only
             raise ConfigError("MoE layers with ep_size > 1 in a PipelineModule do not combine with offload_optimizer")
     except ConfigError as e:
         refused = e
