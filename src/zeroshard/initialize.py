@@ -30,6 +30,7 @@ from zeroshard.loading.materialize import (
 from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, refuse_combinations
+from zeroshard.moe.zero import refuse_expert_stage3
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
@@ -186,6 +187,8 @@ def _build(
             bool(cfg.checkpoint.use_node_local_storage), bool(cfg.torch_autocast.enabled),
         )  # fmt: skip
         refuse_combinations(autoep, around, model)
+        if stage == 3 and autoep.size > 1:  # [Note: experts at stage 3]
+            refuse_expert_stage3(z, model)
     # before the model is copied and sharded: [Note: glibc's mmap threshold]
     apply_host_policy(topology.device, churns=stage == 3 or offloads)
     # [Note: divergence check] fingerprints before every collective: on by default for stage 3 on gloo; on NCCL

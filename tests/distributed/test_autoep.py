@@ -78,6 +78,7 @@ def config(case: EpCase, world: int) -> dict[str, Any]:
         "zero_optimization": {
             "stage": case.stage,
             **({"offload_optimizer": {"device": "cpu"}} if case.offload else {}),
+            **({"stage3_gather_16bit_weights_on_model_save": True} if case.stage == 3 else {}),
         },
         **({} if case.client else {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}}),
         "expert_parallel": {"enabled": True, "autoep_size": case.ep},
@@ -154,6 +155,10 @@ GRID_2 = [
     EpCase("mixtral", eager=True, client=True),
     EpCase("qwen3_moe", lora=True),  # the experts split and frozen
     EpCase("qwen3_moe", stage=1, gas=2, offload=True),
+    # ZeRO-3: the experts' units over their expert-data-parallel group ([Note: experts at stage 3])
+    EpCase("mixtral", stage=3),
+    EpCase("gpt_oss", stage=3, skew=True, frozen=True),
+    EpCase("qwen3_moe", stage=3, gas=2, lora=True),
 ]
 GRID_4 = [
     EpCase("mixtral", stage=1),  # ep2 x dp2
@@ -162,6 +167,8 @@ GRID_4 = [
     EpCase("qwen3_moe", extra={"use_data_before_expert_parallelism": True}),  # "D + E"
     EpCase("gpt_oss", ep=4),
     EpCase("mixtral", offload=True),  # the experts' host state sharded over their expert-data-parallel pairs
+    EpCase("mixtral", stage=3, halves=True),  # expert units gathered and reduced over pairs, half of them idle
+    EpCase("qwen3_moe", stage=3, offload=True, extra={"use_data_before_expert_parallelism": True}),
 ]
 
 
@@ -173,9 +180,9 @@ def _grid(rank: int, world: int, cases: list[EpCase]) -> dict[str, list[float]]:
 
 
 def test_autoep_losses_match_the_single_process_model() -> None:
-    """ep2 on 2 ranks: four model families, ZeRO 1 and 2, accumulation, the eager and grouped-mm experts, a client
-    optimizer built before initialize, and a rank that receives no token (its experts get zero gradients; also when
-    nothing before the MoE layers trains)."""
+    """ep2 on 2 ranks: four model families, ZeRO 1, 2 and 3, accumulation, the eager and grouped-mm experts, a
+    client optimizer built before initialize, and a rank that receives no token (its experts get zero gradients; also
+    when nothing before the MoE layers trains)."""
     results = run_on_ranks(_grid, 2, GRID_2, timeout=600)
     for case in GRID_2:
         check(case, 2, [r[case.name] for r in results])
@@ -183,7 +190,7 @@ def test_autoep_losses_match_the_single_process_model() -> None:
 
 def test_autoep_over_four_ranks() -> None:
     """ep2 x dp2 (experts reduced over their expert-data-parallel pairs; also with half the ranks receiving no
-    row while their peers do), the "D + E" layout, and ep4."""
+    row while their peers do), the "D + E" layout, and ep4; at ZeRO-3 the experts' units sharded over the pairs."""
     results = run_on_ranks(_grid, 4, GRID_4, timeout=600)
     for case in GRID_4:
         check(case, 4, [r[case.name] for r in results])
@@ -252,14 +259,20 @@ def _checkpoint(rank: int, world: int, folder: str, case: EpCase) -> dict[str, A
     return {"first": first, "resumed": resumed, "consolidated": consolidated}
 
 
-@pytest.mark.parametrize(("lora", "offload"), [(False, False), (True, False), (False, True)])
-def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path, lora: bool, offload: bool) -> None:
-    """Saved at ep2 (ZeRO-2), resumed at ep1 and without the block (ZeRO-1): the reference's next losses; the
-    16-bit save and the consolidated state dict are the reference model's weights, loadable by transformers. With
-    LoRA the split experts are frozen: each expert-data-parallel group's first rank writes its rows whole."""
+@pytest.mark.parametrize(
+    ("lora", "offload", "stage"),
+    [(False, False, 2), (True, False, 2), (False, True, 2), (False, False, 3), (True, False, 3)],
+)
+def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(
+    tmp_path, lora: bool, offload: bool, stage: int
+) -> None:
+    """Saved at ep2 (ZeRO-2 or ZeRO-3), resumed at ep1 and without the block (ZeRO-1): the reference's next losses;
+    the 16-bit save and the consolidated state dict are the reference model's weights, loadable by transformers.
+    With LoRA the split experts are frozen: at ZeRO-2 each expert-data-parallel group's first rank writes its rows
+    whole, at ZeRO-3 they are in the experts' units."""
     from safetensors.torch import load_file
 
-    case = EpCase("mixtral", steps=4, lora=lora, offload=offload)
+    case = EpCase("mixtral", stage=stage, steps=4, lora=lora, offload=offload)
     results = run_on_ranks(_checkpoint, 2, str(tmp_path), case, timeout=600)
     want, _ = reference(case, 2)
     _, after_two = reference(case, 2, steps=2)
@@ -274,6 +287,71 @@ def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(tmp_path, l
         assert torch.allclose(saved[name], value, rtol=0, atol=1e-5), name
         assert torch.equal(results[0]["consolidated"][name], saved[name]), name
     assert results[1]["consolidated"] == {}
+
+
+def _stage3(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """ep2 x dp2 at ZeRO-3: where the units live, a GatheredParameters modifier over experts, and a checkpoint
+    resumed at ZeRO-3 ep4 and ZeRO-2 ep2."""
+    import zeroshard
+    from zeroshard.moe.parallel_experts import ParallelExperts
+
+    zeroshard.init_distributed()
+    case = EpCase("qwen3_moe", stage=3, steps=4)
+    batches = micro_batches(case, world)
+    engine, *_ = zeroshard.initialize(model=build(case), config=config(case, world))
+    units = {u.name: (u.comm.world_size, u.layout.shard_count) for u in engine.strategy.units}
+    split = [n for n, m in engine.module.named_modules() if isinstance(m, ParallelExperts)]
+    experts = [p for n, p in engine.module.named_parameters() if ".experts." in n]
+    parts = [(p.ds_tensor.numel(), p.ds_numel) for p in experts]
+
+    def train(engine: Any, steps: list[list[torch.Tensor]]) -> list[float]:
+        losses = []
+        for batch in steps:
+            x = batch[rank]
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    first = train(engine, batches[:2])
+    engine.save_checkpoint(folder, tag="s3")
+    with zeroshard.zero.GatheredParameters(experts, modifier_rank=0):
+        for param in experts:
+            param.data.fill_(float(rank))
+    with zeroshard.zero.GatheredParameters(experts):
+        kept = sorted({float(v) for p in experts for v in p.detach().unique()})
+    resumed = {}
+    for name, stage, ep in (("stage3-ep4", 3, 4), ("stage2-ep2", 2, 2)):
+        other = EpCase("qwen3_moe", stage=stage, ep=ep, steps=4)
+        model = build(other)
+        with torch.no_grad():
+            for name_, param in model.named_parameters():
+                if ".experts." in name_:
+                    param.zero_()
+        again, *_ = zeroshard.initialize(model=model, config=config(other, world))
+        again.load_checkpoint(folder, tag="s3")
+        resumed[name] = train(again, batches[2:])
+    return {"units": units, "split": split, "parts": parts, "kept": kept, "first": first, "resumed": resumed}
+
+
+def test_autoep_at_zero_3_over_four_ranks(tmp_path) -> None:
+    """ep2 x dp2 at ZeRO-3: each experts module is a unit of its own sharded over its expert-data-parallel pair
+    (each rank holds half of its experts' elements), the other units over all four ranks; a `modifier_rank` 0 block over
+    experts keeps, in the pair {1, 3}, rank 1's values (rank 0's place there); the checkpoint resumes at ZeRO-3 ep4
+    and ZeRO-2 ep2 with the single-process model's losses."""
+    results = run_on_ranks(_stage3, 4, str(tmp_path), timeout=600)
+    want, _ = reference(EpCase("qwen3_moe", stage=3, steps=4), 4)
+    for rank, got in enumerate(results):
+        assert len(got["split"]) == 2, got["split"]
+        for name, sizes in got["units"].items():
+            assert sizes == ((2, 2) if name in got["split"] else (4, 4)), (name, sizes)
+        mine, whole = (sum(column) for column in zip(*got["parts"], strict=True))  # a unit's buffer is what is split
+        assert whole and 2 * mine == whole, got["parts"]
+        assert got["kept"] == [float(rank % 2)], (rank, got["kept"])
+        for name, losses in {"first": got["first"], **got["resumed"]}.items():
+            expected = [want[s][rank] for s in ((0, 1) if name == "first" else (2, 3))]
+            assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected, strict=True)), (name, losses)
 
 
 def _trainer(rank: int, world: int, out: str) -> dict[str, Any]:

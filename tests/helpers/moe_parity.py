@@ -150,7 +150,10 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
         engine.backward(loss)
         engine.step()
         out["losses"].append(float(loss.detach()))
-    if ep_size > 1:
+    if ep_size > 1 and case.stage == 3:  # the experts' units ([Note: experts at stage 3])
+        unit = next(u for u in engine.strategy.units if u.name.endswith("deepspeed_moe.experts"))
+        out["expert_sharding"] = [float(unit.comm.world_size), float(unit.layout.shard_count)]
+    elif ep_size > 1:
         experts = engine.strategy.parts[1]
         out["expert_sharding"] = [float(experts.comm.world_size), float(experts.layout.shard_count)]
     engine.destroy()
@@ -182,8 +185,9 @@ def resume_losses(
     experts = sorted({k.split("deepspeed_experts.")[1].split(".")[0] for k in whole if "deepspeed_experts." in k})
     assert experts == [str(e) for e in range(case.num_experts)], experts
     mine = ep_rank(ep_size) * model.moe.num_local_experts
-    first = model.moe.experts.deepspeed_experts[0]
-    assert torch.equal(whole[f"moe.deepspeed_moe.experts.deepspeed_experts.{mine}.0.weight"], first[0].weight)
+    first = model.moe.experts.deepspeed_experts[0][0].weight
+    with zeroshard.zero.GatheredParameters([first]):  # (whole at stages 1-2 already)
+        assert torch.equal(whole[f"moe.deepspeed_moe.experts.deepspeed_experts.{mine}.0.weight"], first)
     engine.destroy()
     fresh = MoeNet(case, ep_size)
     with torch.no_grad():
@@ -204,7 +208,7 @@ def full_states(engine: object, model: nn.Module) -> dict[str, torch.Tensor]:
     strategy = engine.strategy  # type: ignore[attr-defined]
     split = isinstance(strategy, ExpertSplitStrategy)
     out = {k: v.clone() for k, v in (strategy.full_state_dict() if split else model.state_dict()).items()}
-    names = global_expert_names(strategy)[0] if split else {}
+    names = global_expert_names(strategy.module)[0] if split else {}
     for key in ("exp_avg", "exp_avg_sq"):
         for name, param in model.named_parameters():
             out[f"{key}:{names.get(name, name)}"] = strategy.full_optimizer_state(param, key).clone()

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from helpers.hf_moe import tiny_moe
+from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
 from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, find_experts, refuse_combinations
+from zeroshard.moe.zero import refuse_expert_stage3
 
 
 def test_absent_or_disabled_block_is_nothing() -> None:
@@ -56,8 +60,7 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.parametrize(
     ("around", "words"),
     [
-        (Surroundings(3, "zero", "none", 2), "stage 1 or 2 (got 3)"),
-        (Surroundings(0, "zero", "none", 2), "stage 1 or 2 (got 0)"),
+        (Surroundings(0, "zero", "none", 2), "stage 1, 2 or 3 (got 0)"),
         (Surroundings(2, "fsdp2", "none", 2), 'backend "fsdp2"'),
         (Surroundings(2, "zero", "nvme", 2), 'offload_optimizer "nvme"'),
         (Surroundings(2, "zero", "none", 4, tp=2), "tp x ep"),
@@ -138,3 +141,26 @@ def test_routing_keys_that_match_the_model_and_dense_layers_a_pattern_matches() 
     from zeroshard.moe.auto import _check_model
 
     _check_model(model, autoep, found)
+
+
+@pytest.mark.parametrize(
+    ("zero", "words"),
+    [
+        ({"zero_quantized_weights": True, "zero_hpz_partition_size": 2}, "ZeRO++ (zero_quantized_weights, zero_hpz"),
+        ({"zero_quantized_nontrainable_weights": True}, "ZeRO++ (zero_quantized_nontrainable_weights)"),
+        ({"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, 'offload to "nvme"'),
+        ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload"),
+    ],
+)
+def test_stage_3_refusals(zero: dict[str, Any], words: str) -> None:
+    """What the experts' units at stage 3 do not combine with ([Note: experts at stage 3]), in one line."""
+    cfg = parse_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, **zero}})
+    with pytest.raises(ConfigError) as info:
+        refuse_expert_stage3(cfg.zero_optimization, nn.Linear(2, 2))
+    assert words in str(info.value)
+    plain = parse_config({"train_batch_size": 2}).zero_optimization
+    refuse_expert_stage3(plain, nn.Linear(2, 2))
+    with torch.device("meta"):
+        meta = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="meta device"):
+        refuse_expert_stage3(plain, meta)

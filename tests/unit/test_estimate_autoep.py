@@ -1,4 +1,4 @@
-"""`zeroshard estimate --autoep-size N`: the experts split over N ranks ([Note: AutoEP]), stages 1-2 only."""
+"""`zeroshard estimate --autoep-size N`: the experts split over N ranks ([Note: AutoEP]), stages 1-3 without NVMe."""
 
 from __future__ import annotations
 
@@ -34,7 +34,15 @@ def test_the_experts_are_counted_as_autoep_finds_them() -> None:
 def test_rows_hold_the_dense_part_over_all_ranks_and_each_expert_over_its_group() -> None:
     info = from_hf_config("tiny", tiny_moe("mixtral").config)
     rows = estimate_rows(info, Cluster(4), BF16, 16, 1, autoep=2)
-    assert [r.option for r in rows] == [Option(1), Option(1, "cpu"), Option(2), Option(2, "cpu")]
+    assert [r.option for r in rows] == [
+        Option(1),
+        Option(1, "cpu"),
+        Option(2),
+        Option(2, "cpu"),
+        Option(3),
+        Option(3, "cpu"),
+        Option(3, "cpu", "cpu"),
+    ]
     dense = info.params - info.experts
     for row in rows:
         want = [zeroshard_states(dense, row.option, BF16, 4), zeroshard_states(info.experts // 2, row.option, BF16, 2)]
@@ -56,7 +64,7 @@ def test_offloaded_masters_never_alias_the_parameters() -> None:
 def test_cli_prints_the_expert_parallel_block(mixtral_folder: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--model", mixtral_folder, "--gpus", "4", "--autoep-size", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {row["stage"] for row in rows} == {1, 2}
+    assert {row["stage"] for row in rows} == {1, 2, 3}
     chosen = next(row["recommendation"] for row in rows if row["recommended"])
     assert chosen["expert_parallel"] == {"enabled": True, "autoep_size": 2}
     assert main(["estimate", "--model", mixtral_folder, "--gpus", "4", "--autoep-size", "2"]) == 0

@@ -196,10 +196,9 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         )
     if backend == "fsdp2":
         raise ConfigError(f'{what} with zeroshard.backend "fsdp2": not implemented; use the "zero" backend')
-    if stage not in (1, 2):
+    if stage == 0:
         raise ConfigError(
-            f"{what} trains with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does not partition expert "
-            "parameters over their expert-data-parallel group yet, and stage 0 would count replicated expert "
+            f"{what} trains with zero_optimization.stage 1, 2 or 3 (got 0): stage 0 would count replicated expert "
             "gradients more than once in the norm; use stage 1 for the same math as stage 0"
         )
     if tp > 1:

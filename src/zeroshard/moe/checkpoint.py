@@ -20,6 +20,7 @@ test_autoep.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,14 +49,19 @@ class ExpertTensor:
     fused: bool = False
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """The local tensor's shape (at stage 3 its `ds_shape`: the data is a placeholder while released)."""
+        return tuple(getattr(self.param, "ds_shape", self.param.shape))
+
+    @property
     def full_shape(self) -> tuple[int, ...]:
-        shape = tuple(self.param.shape)
+        shape = self.shape
         return (shape[0] * self.ep.world_size, *shape[1:]) if self.fused else shape
 
     @property
     def offset(self) -> int:
         """Where this rank's elements start in the checkpoint's tensor."""
-        return self.ep.rank * self.param.numel() if self.fused else 0
+        return self.ep.rank * math.prod(self.shape) if self.fused else 0
 
 
 def expert_keys(module: nn.Module) -> list[ExpertTensor]:
@@ -81,11 +87,11 @@ def expert_keys(module: nn.Module) -> list[ExpertTensor]:
     return rows
 
 
-def global_expert_names(strategy: ExpertSplitStrategy) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+def global_expert_names(module: nn.Module) -> tuple[dict[str, str], dict[str, TensorInfo]]:
     """[Note: expert checkpoints] local name -> global name of this rank's experts; infos of the others'."""
     renamed: dict[str, str] = {}
     peers: dict[str, TensorInfo] = {}
-    for row in expert_keys(strategy.module):
+    for row in expert_keys(module):
         mine = row.keys[0] if row.fused else row.keys[row.ep.rank]
         renamed[row.local_key] = mine
         info = TensorInfo(row.full_shape, dtype_name(row.param.dtype), "param", True, row.param.requires_grad)
@@ -102,7 +108,7 @@ class ExpertSplitState:
     def __init__(self, strategy: ExpertSplitStrategy):
         dense, experts = strategy.parts
         self.dense, self.experts = FlatState(dense), FlatState(experts)
-        self.renamed, self.peers = global_expert_names(strategy)
+        self.renamed, self.peers = global_expert_names(strategy.module)
         fused = [row for row in expert_keys(strategy.module) if row.fused]
         self.offsets = {row.local_key: row.offset for row in fused}  # local name -> start in the whole tensor
         self.shapes = {id(row.param): row.full_shape for row in fused}

@@ -10,7 +10,8 @@ the world, the expert part over the expert-data-parallel group (its master weigh
 state sharded `W/ep` ways, as DeepSpeed's ZeRO 1/2 shards them). The step is the common skeleton: one global
 norm (each shard counts once when the per-rank squares are summed over the world: the world's ranks hold
 disjoint shards of the non-expert buffer, and of each expert group's buffer), one scale, then each part steps
-its own groups. Stage 0 (replicated copies would be counted more than once) and stage 3 are refused.
+its own groups. Stage 0 (replicated copies would be counted more than once) is refused; stage 3 shards the experts'
+units over the same group ([Note: experts at stage 3] in moe/stage3.py).
 DeepSpeed's ZeRO 1/2 divide an expert's gradient by the expert-data-parallel size instead (`average_tensor`
 in stage_1_and_2.py), which makes it `ep_size` times the gradient of the mean loss; we keep the true gradient
 (the single-process reference's), which Adam barely notices but gradient clipping and SGD do.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
 )
+
+if TYPE_CHECKING:
+    from zeroshard.moe.checkpoint import ExpertTensor
 
 logger = get_logger(__name__)
 
@@ -72,10 +76,9 @@ def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offl
     where the layers differ across ranks, as a pipeline's stages do)."""
     if all(layer.ep_size == 1 for layer in layers):
         return
-    if stage not in (1, 2):
+    if stage == 0:
         raise ConfigError(
-            f"MoE layers with ep_size > 1 train with zero_optimization.stage 1 or 2 (got {stage}): stage 3 does "
-            "not partition expert parameters over their expert-data-parallel group yet, and stage 0 would count "
+            "MoE layers with ep_size > 1 train with zero_optimization.stage 1, 2 or 3 (got 0): stage 0 would count "
             "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
             "(ep_size 1 trains at every stage)"
         )
@@ -84,6 +87,36 @@ def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offl
     sizes = {m.ep_size for m in layers}
     if len(sizes) > 1:
         raise ConfigError(f"MoE layers with different ep_size {sorted(sizes)} are not supported in one model")
+
+
+def refuse_expert_stage3(zero: Any, model: nn.Module) -> None:
+    """What stage 3 with experts of ep_size > 1 does not train with ([Note: experts at stage 3] in moe/stage3.py),
+    in one line, before any work; `zero`: the config's zero_optimization block."""
+    where = "MoE layers with ep_size > 1 (or expert_parallel) at zero_optimization.stage 3"
+    zeropp = [
+        key
+        for key, on in (
+            ("zero_quantized_weights", bool(zero.zero_quantized_weights)),
+            ("zero_hpz_partition_size", int(zero.zero_hpz_partition_size or 1) > 1),
+            ("zero_quantized_gradients", bool(zero.zero_quantized_gradients)),
+            ("zero_quantized_nontrainable_weights", bool(zero.zero_quantized_nontrainable_weights)),
+        )
+        if on
+    ]
+    if zeropp:
+        raise ConfigError(
+            f"{where} with ZeRO++ ({', '.join(zeropp)}): not implemented (its gathers and reductions run over the "
+            "whole world); remove the key"
+        )
+    if "nvme" in (str(zero.offload_param.device), str(zero.offload_optimizer.device)):
+        raise ConfigError(f'{where} with offload to "nvme": not implemented; use "cpu" or no offload')
+    if bool(zero.offload_optimizer.super_offload):
+        raise ConfigError(f"{where} with offload_optimizer.super_offload: not implemented; remove the key")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            f"{where} with a model on the meta device (built under zeroshard.zero_init()): not implemented; build the "
+            "model with real weights"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +168,7 @@ class ExpertSplitStrategy(SplitStrategy):
 
     # -- state ---------------------------------------------------------------------------------------------
     def consolidation_refused(self) -> str | None:
-        if any(isinstance(layer, MoE) for layer in moe_layers(self.module)):  # its experts' keys are per rank
-            return "experts of ep_size > 1 live on their expert-parallel ranks (only this rank's would be gathered)"
-        return None
+        return experts_consolidation_refused(self.module)
 
     def consolidated_params(
         self, dtype: torch.dtype, keep: bool = True, device: torch.device | None = None
@@ -153,10 +184,9 @@ class ExpertSplitStrategy(SplitStrategy):
             value = local.pop(id(row.param), None)
             if value is None:  # a frozen expert: its parameter is all there is
                 value = row.param.detach().to(dtype=dtype)
-            gathered = value.new_empty(row.ep.world_size * value.numel())
-            row.ep.all_gather(gathered, value.reshape(-1).contiguous(), label="moe.consolidate")
+            whole = whole_expert(row, value)
             if keep:
-                out[id(row.param)] = gathered.view(row.full_shape).to(device or gathered.device)
+                out[id(row.param)] = whole.to(device or whole.device)
         return out
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -164,24 +194,45 @@ class ExpertSplitStrategy(SplitStrategy):
         ([Note: expert checkpoints]); collective over each expert-parallel group."""
         from zeroshard.moe.checkpoint import expert_keys
 
-        experts = expert_keys(self.module)
-        names = [row.local_key for row in experts]  # [Note: gathering calls agree first]
+        names = [row.local_key for row in expert_keys(self.module)]  # [Note: gathering calls agree first]
         self.agreement.agree("the full state dict", f"all-gather over expert-parallel groups of {names}")
-        state = dict(self.module.state_dict())
-        for row in experts:
-            param, count = row.param, row.ep.world_size
-            gathered = torch.empty(count * param.numel(), dtype=param.dtype, device=param.device)
-            row.ep.all_gather(gathered, param.detach().reshape(-1), label="moe.full_state_dict")
-            del state[row.local_key]
-            # on the host as each is gathered: all of a model's experts need not fit on the device
-            if row.fused:  # rank j's rows follow rank j-1's ([Note: expert checkpoints])
-                state[row.local_key] = gathered.view(row.full_shape).cpu()
-                continue
-            for key, value in zip(row.keys, gathered.view(count, *param.shape).cpu(), strict=True):
-                state[key] = value
-        return state
+        return with_every_expert(self.module, dict(self.module.state_dict()))
 
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.moe.checkpoint import ExpertSplitState
 
         return ExpertSplitState(self)
+
+
+def experts_consolidation_refused(module: nn.Module) -> str | None:
+    """Why the whole model of `module` cannot be consolidated: `MoE` layers' experts are named per rank."""
+    if any(isinstance(layer, MoE) for layer in moe_layers(module)):  # its experts' keys are per rank
+        return "experts of ep_size > 1 live on their expert-parallel ranks (only this rank's would be gathered)"
+    return None
+
+
+def whole_expert(row: ExpertTensor, value: torch.Tensor) -> torch.Tensor:
+    """AutoEP's fused `row` whole: this rank's `value` of it (its rows) and its expert-parallel peers', in rank
+    order ([Note: expert checkpoints]; collective over the expert-parallel group)."""
+    gathered = value.new_empty(row.ep.world_size * value.numel())
+    row.ep.all_gather(gathered, value.reshape(-1).contiguous(), label="moe.consolidate")
+    return gathered.view(row.full_shape)
+
+
+def with_every_expert(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`module`'s state_dict `state` (this rank's experts under their local keys, each whole over its
+    expert-data-parallel group) with every expert of every expert-parallel rank under its global name ([Note:
+    expert checkpoints]), on the host; collective over each expert-parallel group."""
+    from zeroshard.moe.checkpoint import expert_keys
+
+    for row in expert_keys(module):
+        value, count = state.pop(row.local_key), row.ep.world_size
+        gathered = torch.empty(count * value.numel(), dtype=value.dtype, device=value.device)
+        row.ep.all_gather(gathered, value.detach().reshape(-1).contiguous(), label="moe.full_state_dict")
+        # on the host as each is gathered: all of a model's experts need not fit on the device
+        if row.fused:  # rank j's rows follow rank j-1's ([Note: expert checkpoints])
+            state[row.local_key] = gathered.view(row.full_shape).cpu()
+            continue
+        for key, part in zip(row.keys, gathered.view(count, *value.shape).cpu(), strict=True):
+            state[key] = part
+    return state

@@ -199,6 +199,12 @@ def make_strategy(
             nodes=NodeLayout.from_env(topology.world_size),
         ),
     )
+    if expert_groups is not None:  # [Note: experts at stage 3] in moe/stage3.py
+        from zeroshard.moe.stage3 import ExpertStage3Strategy
+        from zeroshard.moe.zero import refuse_expert_stage3
+
+        refuse_expert_stage3(z, model)
+        return ExpertStage3Strategy(model, groups, policy, comm, topology.device, accumulation, expert_groups)
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
 
 

@@ -74,9 +74,9 @@ def recommend(
     if tree not in by_option and tree.stage == 0:  # no stage-0 row with bf16 master weights (DeepSpeed: 1-3 only)
         tree = Option(1)
         why.append("bf16 master weights need ZeRO stage 1-3: stage 1")
-    elif tree not in by_option:  # expert_parallel: rows of stages 1-2 only
-        tree = Option(1) if tree.stage < 2 else Option(2, "cpu")
-        why.append(f"expert_parallel trains at ZeRO stages 1-2: {tree.label()}")
+    elif tree not in by_option:  # expert_parallel: rows of stages 1-3 without NVMe
+        tree = Option(1) if tree.stage < 2 else Option(3, "cpu", "cpu")
+        why.append(f"expert_parallel trains at ZeRO stages 1-3 without NVMe: {tree.label()}")
     need = by_option[tree].gpu_bytes_per_rank
     sufficient = gpu_memory is not None and fits(need, gpu_memory)
     if params >= SMALL and params <= LARGE:

@@ -74,12 +74,13 @@ def estimate_rows(
     """A row for every option in `OPTIONS`; `trainable` parameters of the model's (default: all), the rest frozen.
     bf16 masters (`precision.master_bytes` 2) exist at stages 1-3 only, as in DeepSpeed: no stage-0 row. With
     `autoep` > 1 (`expert_parallel.autoep_size`) the routed experts are split over that many ranks and data-parallel
-    over the rest, at stages 1-2 only ([Note: AutoEP] in moe/auto.py)."""
+    over the rest, at stages 1-3 without NVMe ([Note: AutoEP] in moe/auto.py, [Note: experts at stage 3] in
+    moe/stage3.py)."""
     acts = activation_bytes(model.shape, seq_len, micro_batch, precision.param_bytes, checkpointing)
     psi = model.params if trainable is None else trainable
     options = [o for o in OPTIONS if o.stage > 0 or precision.master_bytes == 4]
     if autoep > 1:
-        options = [o for o in options if o.stage in (1, 2)]
+        options = [o for o in options if o.stage > 0 and "nvme" not in (o.offload_optimizer, o.offload_param)]
     return [_row(model, option, cluster, precision, acts, bucket_numel, grad_accum, psi, autoep) for option in options]
 
 

@@ -9,7 +9,7 @@ straight into the shards ([Note: streaming load]): a unit the checkpoint covers 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +91,8 @@ class BuildPolicy:
     leaves: LeafModules = NO_LEAVES  # [Note: leaf modules] in plan.py
     master_dtype: torch.dtype = torch.float32  # [Note: bf16 master weights] in optim/state_dtype.py
     frozen_quantizer: BlockQuantizer | None = None  # [Note: quantized frozen weights] in packed.py
+    # [Note: units apart] in plan.py: module name -> the group its unit is sharded over (others: the world's)
+    unit_groups: Mapping[str, Collectives] = field(default_factory=dict)
 
 
 def build_units(
@@ -101,8 +103,10 @@ def build_units(
     device: torch.device,
     gradients: GradientTier,
 ) -> BuiltUnits:
+    persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
+    specs = plan_units(module, policy.unit_policy, *persistence, leaves=policy.leaves)
     group_of = {id(p): gi for gi, g in enumerate(groups) for _, p in g.params}
-    shard_rank, world_size = comm.rank, comm.world_size
+    unit_comms = [policy.unit_groups.get(spec.name, comm) for spec in specs]
     # outside the optimizer: still reduced when trainable, last of all when frozen ([Note: frozen parameters at
     # stage 3] in unit.py)
     untracked, frozen = len(groups), len(groups) + 1
@@ -117,12 +121,10 @@ def build_units(
     replayed = {id(p) for p in named.values() if p.is_meta and not (policy.weights and policy.weights.covers(p))}
     number(named.values())  # DeepSpeed's ds_id, in this order: [Note: DeepSpeed's parameter attributes]
     modules = dict(module.named_modules())
-    persistence = (policy.persistence_threshold, policy.model_persistence_threshold)
-    specs = plan_units(module, policy.unit_policy, *persistence, leaves=policy.leaves)
     layouts: list[UnitLayout] = []
-    for spec in specs:
+    for spec, unit_comm in zip(specs, unit_comms, strict=True):
         rows = [(n, named[n].numel(), group_number(named[n])) for n in spec.param_names]
-        layouts.append(layout_unit(rows, world_size, frozen_group=frozen))
+        layouts.append(layout_unit(rows, unit_comm.world_size, frozen_group=frozen))
     sizes = [layout.trainable_shard_numel for layout in layouts]  # the masters' and optimizer state's extent
     alone = policy.persistent_alone and len(specs) > 1 and specs[-1].name == PERSISTENT  # planned last
     chunks = greedy_chunks(sizes[:-1] if alone else sizes, policy.sub_group_numel, close="after")
@@ -149,7 +151,7 @@ def build_units(
             None if spec.name == PERSISTENT else modules[spec.name],
             layout,
             params,
-            shard_rank,
+            unit_comms[index],
             policy.compute_dtype,
             policy.grad_dtype,
             device,
@@ -166,7 +168,7 @@ def build_units(
         unit.grad_transient = bool(unit.trainable) and not grads.holds_shards
         built.units.append(unit)
         built.sub_groups[chunk_of[index]].units.append(unit)
-        for group, begin, end in layout.group_pieces(shard_rank):
+        for group, begin, end in layout.group_pieces(unit.shard_rank):
             if group < len(groups):
                 master, grad = unit.master.narrow(0, begin, end - begin), unit.grad_shard.narrow(0, begin, end - begin)
                 built.pieces[group].append(Piece(unit, master, grad))
@@ -178,7 +180,7 @@ def build_units(
     if replayed:  # buffers a module's init drew as its unit was built, or from the process's generator
         src = policy.init_source if policy.init_source is not None else comm.global_rank(0)
         comm.broadcast_coalesced(list(module.buffers()), src=src, label="zero_init start")
-    if policy.frozen_quantizer is not None and shard_rank == 0:
+    if policy.frozen_quantizer is not None and comm.rank == 0:
         _log_packed(built.units)
     return built
 

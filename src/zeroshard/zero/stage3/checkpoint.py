@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class _Owned:
+class OwnedRange:
     unit: ShardedUnit
     name: str
     begin: int  # element range of the flattened parameter
@@ -51,15 +51,15 @@ class Stage3State:
     def writes_optim(self) -> bool:
         return True  # every rank owns distinct ranges
 
-    def _owned(self, units: Collection[int] | None = None) -> list[_Owned]:
+    def _owned(self, units: Collection[int] | None = None) -> list[OwnedRange]:
         rows = []
         for unit in self.strategy.units:
             if units is not None and unit.index not in units:
                 continue
             for slot in unit.layout.slots:
-                parts = unit.layout.owned_parts(self.strategy.shard_rank, slot.offset, slot.offset + slot.numel)
+                parts = unit.layout.owned_parts(unit.shard_rank, slot.offset, slot.offset + slot.numel)
                 for b, e, at in parts:
-                    rows.append(_Owned(unit, slot.name, b - slot.offset, e - slot.offset, at, slot.group))
+                    rows.append(OwnedRange(unit, slot.name, b - slot.offset, e - slot.offset, at, slot.group))
         return rows
 
     def sharded_params(self) -> dict[int, str]:

@@ -29,11 +29,11 @@ class Stage3Gathering:
     stepper: SubGroupStepper
     comm: Collectives
     agreement: CallAgreement  # [Note: gathering calls agree first]
-    shard_rank: int
     _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
     _state_dict_gathered: list[bool]
     _state_dict_required = 0  # inside full_state_dict: [Note: a state_dict() made alone] does not apply
     module: nn.Module
+    device: torch.device
 
     # -- whole-model gathering ---------------------------------------------------------------------
     @contextmanager
@@ -117,13 +117,32 @@ class Stage3Gathering:
                 self.agreement.before_broadcast(modifier_rank, [u.index for u in units])
                 with torch.no_grad():
                     for unit in units:
-                        self.comm.broadcast(unit.full.data, src=modifier_rank)
+                        unit.comm.broadcast(unit.full.data, src=self.modifier_in(unit, modifier_rank))
                         self.write_back(unit)
         finally:
             if whole is not None:
                 self.schedule.resume_trace(whole.saved)
                 self._untraced -= 1
             self.schedule.unpin(units)
+
+    def consolidated_value(
+        self,
+        param: nn.Parameter,
+        value: torch.Tensor,
+        out: dict[int, torch.Tensor] | None,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        """`consolidated_params`: `param`'s whole fp32 master `value` (its unit's gather) into `out` (None: this
+        rank keeps nothing), in `dtype` on `device` (default: the compute device). A subclass may communicate here."""
+        if out is not None:
+            out[id(param)] = value.to(device or self.device, dtype, copy=True)
+
+    def modifier_in(self, unit: ShardedUnit, modifier_rank: int) -> int:
+        """The global rank whose values of `unit` a `modifier_rank` block keeps: the modifier's own, for a unit
+        sharded over the strategy's group ([Note: units apart] in plan.py: a subclass that makes other groups says)."""
+        assert unit.comm is self.comm, f"unit {unit.name!r} is sharded over another group"
+        return modifier_rank
 
     def _agree(
         self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None, optional: bool = False
@@ -141,7 +160,7 @@ class Stage3Gathering:
         """After the full parameters of a gathered unit were modified: update this rank's shards."""
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
-            unit.overwrite_shard(unit.layout.take(unit.full, self.shard_rank))
+            unit.overwrite_shard(unit.layout.take(unit.full, unit.shard_rank))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ every unit becomes a unit of its own. This is what a module whose children run f
 mixture-of-experts block that skips experts no token was routed to: with each expert a unit, ranks whose tokens
 went to different experts would gather different units (a `CollectiveMismatchError`); with the block a leaf, every
 rank gathers the block and an expert left out on one rank gets a zero gradient there.
+
+[Note: units apart]
+Some modules hold parameters that are sharded over a group other than the world's: MoE experts with ep_size > 1
+over their expert-data-parallel group ([Note: experts at stage 3] in moe/stage3.py). Such a module is a unit of
+its own wherever it lies (inside a block, inside a leaf), gathered whole (no unit is made inside it), and its
+parameters are never persistent (the persistent unit is sharded over the world). `LeafModules.apart` names them.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class LeafModules:
     classes: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
     name_suffixes: tuple[str, ...] = ()
+    apart: frozenset[str] = frozenset()  # [Note: units apart]: qualified names of modules that are units of their own
 
     def __call__(self, name: str, module: nn.Module) -> bool:
         if getattr(module, "_z3_leaf", False):
@@ -98,7 +105,10 @@ def _unit_of_module(root: nn.Module, policy: UnitPolicy | None, leaves: LeafModu
     for name, module in root.named_modules():
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         inherited = unit_of_module.get(parent, "") if name else ""
-        if name and parent in whole:
+        if name in leaves.apart:  # [Note: units apart]
+            unit_of_module[name] = name
+            whole.add(name)
+        elif name and parent in whole:
             unit_of_module[name] = inherited
             whole.add(name)
         elif leaves(name, module):
@@ -142,7 +152,8 @@ def plan_units(
     for name, param in root.named_parameters():
         units = {unit_of_module[m] for m in owners[id(param)]}
         unit = units.pop() if len(units) == 1 else _common_ancestor([unit_of_module[m] for m in owners[id(param)]])
-        if param.numel() <= persistence_threshold and persistent_numel + param.numel() <= model_persistence_threshold:
+        small = param.numel() <= persistence_threshold and unit not in leaves.apart  # [Note: units apart]
+        if small and persistent_numel + param.numel() <= model_persistence_threshold:
             persistent.append(name)
             persistent_numel += param.numel()
         else:

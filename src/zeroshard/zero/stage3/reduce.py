@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zeroshard.comm.collectives import Collectives, Handle
+from zeroshard.comm.collectives import Handle
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.zero.pool import BufferPool, InflightQueue
@@ -28,7 +28,6 @@ MAX_INFLIGHT_REDUCES = 2
 class UnitReducer:
     def __init__(
         self,
-        comm: Collectives,
         pool: BufferPool,
         comm_dtype: torch.dtype,
         prescale: float,
@@ -37,8 +36,7 @@ class UnitReducer:
         accumulation: AccumulationState,
         watch: DivergenceWatch,
     ):
-        self.comm = comm
-        self.pool = pool
+        self.pool = pool  # each unit reduce-scatters over its own group (`unit.comm`)
         self.comm_dtype = comm_dtype
         self.prescale = prescale
         self.overlap = overlap
@@ -64,7 +62,7 @@ class UnitReducer:
         if unit.reduce_launched or not unit.trainable:
             return
         handle, finish = unit.launch_reduce(
-            self.comm, self.pool, self.comm_dtype, self.prescale, self.first_window_step, self.overlap, self.scatter
+            self.pool, self.comm_dtype, self.prescale, self.first_window_step, self.overlap, self.scatter
         )
         self._delivered(self._inflight.push(handle, finish, unit, f"reduce-scatter of unit {unit.name!r}"))
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import DivergenceWatch
 from zeroshard.offload.residency import Residency
 from zeroshard.utils.logging import get_logger
@@ -48,15 +47,13 @@ class GatherSchedule:
     def __init__(
         self,
         units: list[ShardedUnit],
-        comm: Collectives,
         policy: PrefetchPolicy,
         watch: DivergenceWatch,
         param_store: Residency,
         read_ahead: tuple[int, int],
         overlap: bool,
     ):
-        self.units = units
-        self.comm = comm
+        self.units = units  # each gathered over its own group (`unit.comm`)
         self.policy = policy
         self.watch = watch
         self.param_store = param_store
@@ -189,7 +186,7 @@ class GatherSchedule:
         `why`: the caller's call, named in a divergence report."""
         self.watch.gather_log.append(unit.index)
         collect = self.zeropp.collect(unit) if self.zeropp is not None and not exact else None
-        unit.gather(self.comm, async_op=self.overlap, collect=collect, why=why)
+        unit.gather(async_op=self.overlap, collect=collect, why=why)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._live_numel())
 
     def wait_gathered(self, unit: ShardedUnit) -> None:
@@ -200,7 +197,7 @@ class GatherSchedule:
     def refresh(self, unit: ShardedUnit) -> None:
         """A gathered unit (the persistent one) gets its shards' new values (after a step or a load)."""
         unit.state = UnitState.SHARDED
-        unit.gather(self.comm, async_op=False)
+        unit.gather(async_op=False)
         unit.wait_gathered()
 
     # -- whole-model gathering -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +75,7 @@ class Stage3Policy(StrategyPolicy):
     speculation: SpeculationPolicy | None = None  # offload_optimizer.super_offload ([Note: speculative host steps])
     model_persistence_threshold: int = sys.maxsize  # stage3_model_persistence_threshold ([Note: units])
     resident_state: frozenset[str] = frozenset()  # optimizer state kept in memory when the rest swaps (step.py)
+    unit_groups: Mapping[str, Collectives] = field(default_factory=dict)  # [Note: units apart] in plan.py
 
 
 class Stage3Strategy(Stage3Gathering, Strategy):
@@ -91,7 +92,6 @@ class Stage3Strategy(Stage3Gathering, Strategy):
     ):
         super().__init__(module, groups, policy, comm, device, accumulation)
         self.policy = policy
-        self.shard_rank = comm.rank
         # gradients stay in the reduction's dtype with one micro-step per step, else they accumulate (a window the
         # caller owns may have any length: [Note: caller-owned windows])
         one_micro_step = accumulation.gradient_accumulation_steps == 1 and accumulation.managed
@@ -114,6 +114,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             leaves=policy.leaves,
             master_dtype=policy.master_dtype,
             frozen_quantizer=policy.zeropp.frozen_quantizer if policy.zeropp is not None else None,
+            unit_groups=policy.unit_groups,
         )
         self.built = build_units(module, groups, build, comm, device, self.gradients_tier)
         self.units: list[ShardedUnit] = self.built.units
@@ -124,10 +125,9 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         self.watch = DivergenceWatch(comm, device, policy.wait_timeout_s, lambda i: self.units[i].name)
         param_store = policy.param_tier.residency
         self.schedule = GatherSchedule(
-            self.units, comm, policy.prefetch, self.watch, param_store, policy.param_read_ahead, policy.overlap_comm
+            self.units, policy.prefetch, self.watch, param_store, policy.param_read_ahead, policy.overlap_comm
         )
         self.reducer = UnitReducer(
-            comm,
             self.pool,
             policy.comm_dtype,
             policy.step.prescale(comm.world_size),
@@ -325,12 +325,10 @@ class Stage3Strategy(Stage3Gathering, Strategy):
             for unit in self.units:
                 full = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
                 mine, label = unit.fp32_shard().to(self.device), f"consolidate {unit.name!r}"
-                gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
-                for slot in unit.layout.slots if keep else ():
-                    param = unit.params[slot.index]
-                    shape = unit.views[slot.index].shape
-                    value = full.narrow(0, slot.offset, slot.numel).view(shape)
-                    out[id(param)] = value.to(device or self.device, dtype, copy=True)
+                gather_flat(unit.comm.all_gather, unit.layout, full, mine, unit.shard_rank, label=label).wait()
+                for slot in unit.layout.slots:
+                    value = full.narrow(0, slot.offset, slot.numel).view(unit.views[slot.index].shape)
+                    self.consolidated_value(unit.params[slot.index], value, out if keep else None, dtype, device)
         return out
 
     def offloadable_tensors(self) -> list[torch.Tensor]:
@@ -390,7 +388,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         for unit in self.units:
             self.schedule.wait_gathered(unit)
             if unit.state is UnitState.SHARDED:
-                unit.gather(self.comm, async_op=False)
+                unit.gather(async_op=False)
                 unit.wait_gathered()
         unmark(self.tracked_params())  # whole again: [Note: DeepSpeed's parameter attributes] in ds_param.py
         self.stepper.param_store.close()
@@ -461,7 +459,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         self.write_back(unit)  # the shards := the gathered values (compute dtype)
         if unit.master is not unit.shard and param.requires_grad:  # the master gets the fp32 value (a frozen one:
             with self.optimizer_state_resident():  # the compute values write_back gave it, as elsewhere)
-                write_slot(unit.layout, self.shard_rank, slot, value, unit.master)
+                write_slot(unit.layout, unit.shard_rank, slot, value, unit.master)
         self.gather_end(held, None)
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
@@ -471,7 +469,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
                 state = self._state_of(piece.master, key)
                 whole = torch.zeros(unit.layout.shard_numel, dtype=state.dtype, device=state.device)
                 whole.narrow(0, piece.offset, piece.master.numel()).copy_(state)
-                write_slot(unit.layout, self.shard_rank, slot, value, whole)
+                write_slot(unit.layout, unit.shard_rank, slot, value, whole)
                 state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
 
     def _pieces_of(self, unit: ShardedUnit) -> list[Any]:
@@ -496,5 +494,5 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         full, values = torch.zeros(unit.numel, dtype=torch.float32, device=self.device), local(unit)
         mine = F.pad(values.to(self.device, torch.float32), (0, unit.layout.shard_numel - values.numel()))
         label = f"full value in {unit.name!r}"
-        gather_flat(self.comm.all_gather, unit.layout, full, mine, self.shard_rank, label=label).wait()
+        gather_flat(unit.comm.all_gather, unit.layout, full, mine, unit.shard_rank, label=label).wait()
         return full.narrow(0, slot.offset, slot.numel).view(unit.views[index].shape).clone()

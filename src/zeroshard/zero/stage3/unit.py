@@ -86,7 +86,7 @@ class ShardedUnit:
         module: nn.Module | None,
         layout: UnitLayout,
         params: list[nn.Parameter],
-        shard_rank: int,
+        comm: Collectives,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         device: torch.device,
@@ -106,7 +106,8 @@ class ShardedUnit:
         self.module = module
         self.layout = layout
         self.params = params
-        self.shard_rank = shard_rank
+        self.comm = comm  # the group the unit is sharded over: the world's, or [Note: units apart] in plan.py
+        self.shard_rank = shard_rank = comm.rank
         self.persistent = name == PERSISTENT
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad and keeps_gradients]
         # a streamed unit's full buffer is not written before its first gather: untouched, it costs no memory
@@ -201,17 +202,17 @@ class ShardedUnit:
         return sum(self._slots[i].numel for i in self.trainable)
 
     # -- gather / release --------------------------------------------------------------------------
-    def gather(
-        self, comm: Collectives, async_op: bool, collect: Callable[..., Handle] | None = None, why: str = ""
-    ) -> None:
-        """Start (or finish) bringing the full parameters back; no-op when already gathered. `collect`, when
-        given, replaces `comm.all_gather` (ZeRO++'s quantized or secondary-partition gathers, zero/zeropp/); `why`
-        names the caller's call in a divergence report (`state_dict()`, which every rank must make)."""
+    def gather(self, async_op: bool, collect: Callable[..., Handle] | None = None, why: str = "") -> None:
+        """Start (or finish) bringing the full parameters back over the unit's group; no-op when already gathered.
+        `collect`, when given, replaces `comm.all_gather` (ZeRO++'s quantized or secondary-partition gathers,
+        zero/zeropp/); `why` names the caller's call in a divergence report (`state_dict()`, which every rank must
+        make)."""
         if self.state is not UnitState.SHARDED:
             return
         fresh(self.full.untyped_storage(), self.full.numel() * self.full.element_size())
         self.home.fetch(self.key)  # no-op when resident (in memory, or read ahead)
         self.home.ready(self.key)
+        comm = self.comm
         if collect is None and self.tail is not None:  # [Note: quantized frozen weights] in packed.py
             collect = self.tail.gather(self, comm)
         label = f"gather of unit {self.name!r}" + (f" for {why}" if why else "")
@@ -299,7 +300,6 @@ class ShardedUnit:
 
     def launch_reduce(
         self,
-        comm: Collectives,
         pool: BufferPool,
         comm_dtype: torch.dtype,
         prescale: float,
@@ -308,7 +308,7 @@ class ShardedUnit:
         scatter: Callable[..., Handle] | None = None,
     ) -> tuple[Handle, Callable[[], None]]:
         """Reduce-scatter the staged gradients into this rank's gradient shard (accumulating); `scatter`, when
-        given, replaces `comm.reduce_scatter` (ZeRO++ qgZ, zero/zeropp/grads.py)."""
+        given, replaces the unit's `comm.reduce_scatter` (ZeRO++ qgZ, zero/zeropp/grads.py)."""
         if self.staging is None:  # no gradient arrived on this rank
             staging = pool.acquire(self.layout.trainable_extent, comm_dtype)
         else:
@@ -327,7 +327,7 @@ class ShardedUnit:
         if scatter is not None:  # ZeRO++'s quantized reduction (zero/zeropp/grads.py)
             handle = scatter(out, staging, async_op=async_op, label=label)
         else:
-            handle = comm.reduce_scatter(out, staging, async_op=async_op, label=label, input_is_scratch=True)
+            handle = self.comm.reduce_scatter(out, staging, async_op=async_op, label=label, input_is_scratch=True)
 
         def finish() -> None:
             if not into_shard:
