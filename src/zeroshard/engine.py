@@ -361,7 +361,11 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             raise ValueError("this function requires ZeRO-3 mode")
         # unit by unit, each on the CPU of rank 0 as soon as it is whole (DeepSpeed: layer by layer)
         keep = self.global_rank == 0
-        state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
+        if self.strategy is not None and self.strategy.consolidation_refused():  # MoE layers' experts, named per
+            whole = self.strategy.full_state_dict()  # rank: the full state dict names each globally
+            state = {k: v.detach().to("cpu", copy=True) for k, v in whole.items()}
+        else:
+            state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
         if not keep:
             return None
         if exclude_frozen_parameters:

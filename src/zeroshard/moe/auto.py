@@ -10,7 +10,7 @@ data-parallel over the `world / N` ranks that hold it ([Note: expert groups], "D
 experts and experts code and moves only the routed rows ([Note: routed rows] in moe/parallel_experts.py): the
 losses are the single-process model's, and state_dict keys stay the Hugging Face names ([Note: expert
 checkpoints] in moe/checkpoint.py). Then the experts train as `MoE` layers' do ([Note: experts under ZeRO]; ZeRO 1-2,
-`offload_optimizer` cpu too).
+`offload_optimizer` cpu too; at ZeRO-3 [Note: experts at stage 3] in moe/stage3.py).
 - Read: enabled, autoep_size; preset_model (checked against `config.model_type`), moe_layer_pattern (a
   `fullmatch` on block names; without it every marked experts module), expert_pattern (the block's experts
   child, "experts"), router_pattern / shared_experts_pattern / shared_experts_gate_pattern / expert_w1-3 (checked

@@ -36,25 +36,28 @@ from torch import nn
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ConfigError
 from zeroshard.moe.checkpoint import ExpertTensor, expert_keys, global_expert_names
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.zero import experts_consolidation_refused, moe_layers, whole_expert, with_every_expert
 from zeroshard.optim.lamb import refuse_unplanned
+from zeroshard.optim.muon import Muon
 from zeroshard.zero.stage3.checkpoint import OwnedRange, Stage3State
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
+from zeroshard.zero.flat.split import split_groups
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
 
-def expert_unit_modules(module: nn.Module) -> list[str]:
-    """The qualified names of the modules whose parameters are experts: AutoEP's split experts, `MoE` layers'
-    `deepspeed_moe.experts` ([Note: experts at stage 3])."""
+def expert_unit_modules(module: nn.Module) -> dict[str, ExpertGroups]:
+    """The qualified names of the modules whose parameters are experts (AutoEP's split experts, `MoE` layers'
+    `deepspeed_moe.experts`) and their layer's groups ([Note: experts at stage 3])."""
     names = {id(m): n for n, m in module.named_modules()}
-    out = []
+    out = {}
     for layer in moe_layers(module):
         if layer.ep_size > 1:
-            out.append(names[id(layer.deepspeed_moe.experts if isinstance(layer, MoE) else layer)])
+            out[names[id(layer.deepspeed_moe.experts if isinstance(layer, MoE) else layer)]] = layer.groups
     return out
 
 
@@ -69,26 +72,34 @@ class ExpertStage3Strategy(Stage3Strategy):
         comm: Collectives,
         device: torch.device,
         accumulation: AccumulationState,
-        expert_groups: ExpertGroups,
     ):
-        self.expert_groups = expert_groups
-        apart = expert_unit_modules(module)
+        self._apart = expert_unit_modules(module)  # each layer's own groups
         policy = dataclasses.replace(
             policy,
-            leaves=dataclasses.replace(policy.leaves, apart=frozenset(apart)),
-            unit_groups={name: expert_groups.edp for name in apart},
+            leaves=dataclasses.replace(policy.leaves, apart=frozenset(self._apart)),
+            unit_groups={name: layer_groups.edp for name, layer_groups in self._apart.items()},
         )
-        super().__init__(module, groups, policy, comm, device, accumulation)
+        # the experts in optimizer groups of their own after the others', as stages 1-2 keep them (a checkpoint's
+        # per-group state, e.g. a scheduler's learning rates, then loads across the stages)
+        experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
+        dense_groups, expert_param_groups = split_groups(groups, experts)
+        super().__init__(module, dense_groups + expert_param_groups, policy, comm, device, accumulation)
         self._experts = {id(row.param): row for row in expert_keys(module)}
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         refuse_unplanned(optimizer, "MoE experts at stage 3")
+        if isinstance(optimizer, Muon):  # (a config's "Muon" is refused at initialize: _muon_groups)
+            raise ConfigError(
+                "Muon is not supported with MoE experts at stage 3: its matrix exchange runs over the whole world, "
+                "not the experts' groups; use AdamW"
+            )
         super().attach(optimizer)
 
     def modifier_in(self, unit: ShardedUnit, modifier_rank: int) -> int:
         if unit.comm is self.comm:
             return modifier_rank
-        return unit.comm.global_rank(self.expert_groups.mesh.edp_rank(modifier_rank))
+        mesh = self._apart[unit.name].mesh
+        return unit.comm.global_rank(mesh.edp_rank(modifier_rank))
 
     # -- the whole model ---------------------------------------------------------------------------------
     def consolidation_refused(self) -> str | None:

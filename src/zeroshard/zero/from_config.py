@@ -107,6 +107,11 @@ def make_strategy(
     now) and the class (flat stages 0-2, tensor-parallel or expert-split, stage 3, or the fsdp2 backend);
     `init_source`: the rank whose replayed initialisation every rank takes ([Note: one start on every rank])."""
     z = cfg.zero_optimization
+    from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of, refuse_expert_stage3
+
+    expert_groups = expert_groups_of(model, stage, comm, str(z.offload_optimizer.device))  # None unless ep_size > 1
+    if expert_groups is not None and stage == 3:  # before the NVMe preflight: [Note: experts at stage 3]
+        refuse_expert_stage3(z, model)
     need = _nvme_bytes(cfg, model, topology.world_size, precision)
     step = StepPolicy(
         gradient_clipping=float(cfg.gradient_clipping or 0.0),
@@ -119,10 +124,7 @@ def make_strategy(
         compute_norm=z.compute_grad_norm is not False,
         sequence_parallel=int(cfg.sequence_parallel_size or 1),  # [Note: sequence parallelism]
     )
-    from zeroshard.moe.zero import ExpertSplitStrategy, expert_groups_of
-
     offload = str(z.offload_optimizer.device) != "none"
-    expert_groups = expert_groups_of(model, stage, comm, str(z.offload_optimizer.device))  # None unless ep_size > 1
     if str(cfg.zeroshard.backend) == "fsdp2":
         if expert_groups is not None:
             raise ConfigError("MoE layers train with the flat ZeRO backend (stages 1-2), not zeroshard.backend fsdp2")
@@ -201,10 +203,8 @@ def make_strategy(
     )
     if expert_groups is not None:  # [Note: experts at stage 3] in moe/stage3.py
         from zeroshard.moe.stage3 import ExpertStage3Strategy
-        from zeroshard.moe.zero import refuse_expert_stage3
 
-        refuse_expert_stage3(z, model)
-        return ExpertStage3Strategy(model, groups, policy, comm, topology.device, accumulation, expert_groups)
+        return ExpertStage3Strategy(model, groups, policy, comm, topology.device, accumulation)
     return Stage3Strategy(model, groups, policy, comm, topology.device, accumulation)
 
 

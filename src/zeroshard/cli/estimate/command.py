@@ -87,7 +87,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--autoep-size",
         type=int,
         default=1,
-        help="expert_parallel.autoep_size: the model's routed experts split over this many ranks (stages 1-2)",
+        help="expert_parallel.autoep_size: the model's routed experts split over this many ranks (stages 1-3)",
     )
     p.add_argument("--gradient-checkpointing", action="store_true", help="activations with recomputation")
     p.add_argument(
@@ -233,7 +233,7 @@ def render(
     if args.autoep_size > 1:
         lines.append(
             f"  {model.experts:,} in routed experts ({model.experts / model.params:.1%}) split over "
-            f"{args.autoep_size} ranks (expert_parallel; stages 1-2), each expert data-parallel over "
+            f"{args.autoep_size} ranks (expert_parallel; stages 1-3), each expert data-parallel over "
             f"{cluster.world_size // args.autoep_size}"
         )
     lines += [
