@@ -43,9 +43,9 @@ from zeroshard.moe.layer import MoE
 from zeroshard.moe.zero import experts_consolidation_refused, moe_layers, whole_expert, with_every_expert
 from zeroshard.optim.lamb import refuse_unplanned
 from zeroshard.optim.muon import Muon
+from zeroshard.zero.flat.split import split_groups
 from zeroshard.zero.stage3.checkpoint import OwnedRange, Stage3State
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
-from zeroshard.zero.flat.split import split_groups
 from zeroshard.zero.stage3.unit import ShardedUnit
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
