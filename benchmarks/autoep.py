@@ -1,4 +1,5 @@
-"""AutoEP (`expert_parallel`) against replicated experts, ZeRO-3, FSDP2, DDP and DeepSpeed's AutoEP, in one run.
+"""AutoEP (`expert_parallel`, ZeRO-2 and ZeRO-3) against replicated experts, ZeRO-3, FSDP2, DDP and DeepSpeed's
+AutoEP (ZeRO-2 and ZeRO-3), in one run.
 
     python -m benchmarks.autoep [--steps 4] [--variants a,b]   (the table of docs/benchmarks_autoep.md, ~1 min)
 
@@ -46,11 +47,13 @@ MICRO, SEQ, VOCAB = 2, 128, 2048
 VARIANTS = {
     "zeroshard ZeRO-2 + AutoEP 2": ("zeroshard", 2, 2),
     "zeroshard ZeRO-2 (experts replicated)": ("zeroshard", 2, 1),
+    "zeroshard ZeRO-3 + AutoEP 2": ("zeroshard", 3, 2),
     "zeroshard ZeRO-3": ("zeroshard", 3, 1),
     "FSDP2 (zeroshard fsdp2 backend)": ("fsdp2", 3, 1),
     "DDP": ("ddp", 0, 1),
     "DeepSpeed ZeRO-2 + AutoEP 2": ("deepspeed", 2, 2),
     "DeepSpeed ZeRO-2 (experts replicated)": ("deepspeed", 2, 1),
+    "DeepSpeed ZeRO-3 + AutoEP 2": ("deepspeed", 3, 2),
 }
 
 
