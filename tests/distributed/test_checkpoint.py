@@ -309,6 +309,29 @@ def _export_and_options(rank: int, world_size: int, root: str):
     path, _ = engine.load_checkpoint(os.path.join(root, "frozen"))
     excluded = read_metadata(path).excluded
     results["frozen excluded"] = sorted(excluded) == ["blocks.0.ln_1.weight", "wpe.weight"]
+    # at stage 3 too (the frozen parameters are sharded there; they were written whole all the same): a fresh engine
+    # loads the rest and keeps its own frozen values
+    frozen3_case = Case(stage=3, variant="frozen")
+    model3 = build_model(frozen3_case)
+    config3 = ds_config(frozen3_case)
+    engine3, *_ = zeroshard.initialize(
+        model=model3, model_parameters=param_groups(model3, frozen3_case), config=config3
+    )
+    x = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(rank))
+    engine3.backward(engine3(x, x))
+    engine3.step()
+    engine3.save_checkpoint(os.path.join(root, "frozen3"), tag="t", exclude_frozen_parameters=True)
+    meta = read_metadata(os.path.join(root, "frozen3", "t"))
+    fresh = build_model(frozen3_case)
+    again, *_ = zeroshard.initialize(model=fresh, model_parameters=param_groups(fresh, frozen3_case), config=config3)
+    again.load_checkpoint(os.path.join(root, "frozen3"), tag="t")
+    with zeroshard.zero.GatheredParameters(list(engine3.module.parameters())):
+        before = [p.detach().clone() for p in engine3.module.parameters()]
+    with zeroshard.zero.GatheredParameters(list(again.module.parameters())):
+        same = all(torch.equal(a, b) for a, b in zip(before, again.module.parameters(), strict=True))
+    results["frozen excluded at stage 3"] = sorted(meta.excluded) == ["blocks.0.ln_1.weight", "wpe.weight"] and same
+    engine3.destroy()
+    again.destroy()
     results["one-rank call"] = _one_rank_call(engine, rank, root)
     engine.destroy()
     return results
@@ -336,7 +359,7 @@ def _one_rank_call(engine, rank: int, root: str) -> bool:
 def test_export_load_options_and_one_rank_calls(tmp_path):
     """Exported safetensors shards (Hugging Face naming and index) give the engine's logits in a fresh model;
     the DeepSpeed-named helpers consolidate fp32 weights; load_module_only, strictness and frozen exclusion
-    behave as DeepSpeed's; a save or load called on one rank only raises instead of hanging."""
+    (at stage 3 too) behave as DeepSpeed's; a save or load called on one rank only raises instead of hanging."""
     results = run_on_ranks(_export_and_options, 2, str(tmp_path), timeout=120)
     assert all(results[0].values()), results[0]
     assert all(results[1].values()), results[1]

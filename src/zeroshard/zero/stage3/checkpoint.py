@@ -51,6 +51,12 @@ class Stage3State:
     def writes_optim(self) -> bool:
         return True  # every rank owns distinct ranges
 
+    @property
+    def frozen_ids(self) -> frozenset[int]:
+        """What `exclude_frozen_parameters` leaves out although sharded here: every frozen parameter (DeepSpeed's stage
+        3 then writes none either; a PEFT checkpoint was the whole base model). A load keeps the module's values."""
+        return frozenset(id(p) for unit in self.strategy.units for p in unit.params if not p.requires_grad)
+
     def _owned(self, units: Collection[int] | None = None) -> list[OwnedRange]:
         rows = []
         for unit in self.strategy.units:
