@@ -361,11 +361,10 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             raise ValueError("this function requires ZeRO-3 mode")
         # unit by unit, each on the CPU of rank 0 as soon as it is whole (DeepSpeed: layer by layer)
         keep = self.global_rank == 0
-        if self.strategy is not None and self.strategy.consolidation_refused():  # MoE layers' experts, named per
-            whole = self.strategy.full_state_dict()  # rank: the full state dict names each globally
-            state = {k: v.detach().to("cpu", copy=True) for k, v in whole.items()}
-        else:
-            state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
+        whole = self.strategy.whole_state_dict(exclude_frozen_parameters) if self.strategy is not None else None
+        if whole is not None:  # MoE layers' experts at stage 3, named per rank: the strategy names each globally
+            return whole if keep else None
+        state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
         if not keep:
             return None
         if exclude_frozen_parameters:

@@ -52,7 +52,6 @@ from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.flat.local import local_of
-from zeroshard.zero.flat.split import SplitStrategy
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.pending import BUILT, refuse_open_block
@@ -440,7 +439,7 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
                 "the client optimizer already has state; pass a freshly constructed optimizer "
                 "(load optimizer state with engine.load_checkpoint)"
             )
-        if len(groups) == len(optimizer.param_groups) and not isinstance(zero, SplitStrategy):
+        if len(groups) == len(optimizer.param_groups) and not zero.regroups:
             for target, group in zip(optimizer.param_groups, groups, strict=True):
                 target["params"] = group["params"]
         else:  # a split strategy has each user group once per part (in part order), options kept ([Note: split flat
@@ -460,6 +459,14 @@ def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.op
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             return lr_scheduler(optimizer)
+        built_for = len(lr_scheduler.get_last_lr()) if hasattr(lr_scheduler, "get_last_lr") else None
+        if optimizer is not None and built_for is not None and built_for != len(optimizer.param_groups):
+            raise ConfigError(
+                f"lr_scheduler was built over {built_for} optimizer group(s), and the engine's optimizer has "
+                f"{len(optimizer.param_groups)} (MoE experts, tensor-parallel shards or torch_autocast's halves take "
+                "groups of their own): pass lr_scheduler as a callable taking the optimizer, or configure it in the "
+                "config's scheduler block"
+            )
         return lr_scheduler
     if cfg.scheduler is not None and optimizer is not None:
         return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)

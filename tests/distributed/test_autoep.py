@@ -27,6 +27,7 @@ class EpCase:
     eager: bool = False  # experts_implementation "eager" (the default here is transformers' grouped_mm)
     skew: bool = False  # every token to experts 0 and 1: the last expert-parallel rank receives no row
     client: bool = False  # a torch AdamW built on the model before initialize
+    experts_first: bool = False  # (with client) two groups: the experts at a tenth of the rate, then the rest
     halves: bool = False  # the first half of the ranks' tokens go to experts 0-1, the others' to 2-3 (4 ranks, ep2)
     frozen: bool = False  # only the experts and the head train: nothing before the MoE layers needs a gradient
     lora: bool = False  # PEFT LoRA on the attention projections; everything else, the experts too, frozen
@@ -35,7 +36,8 @@ class EpCase:
 
     @property
     def name(self) -> str:
-        flags = [f for f in ("eager", "skew", "client", "halves", "frozen", "lora", "offload") if getattr(self, f)]
+        flags = ["eager", "skew", "client", "experts_first", "halves", "frozen", "lora", "offload"]
+        flags = [f for f in flags if getattr(self, f)]
         flags += [*self.extra]
         return f"{self.kind}-stage{self.stage}-ep{self.ep}-gas{self.gas}" + "".join(f"-{f}" for f in flags)
 
@@ -95,12 +97,20 @@ def micro_batches(case: EpCase, world: int) -> list[list[torch.Tensor]]:
     return out
 
 
+def param_groups(model: torch.nn.Module, case: EpCase) -> list[dict[str, Any]]:
+    """The client optimizer's groups: one, or the experts at a tenth of the rate first (`experts_first`)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not case.experts_first:
+        return [{"params": [p for _, p in named]}]
+    experts = [p for n, p in named if ".experts." in n]
+    return [{"params": experts, "lr": LR / 10}, {"params": [p for n, p in named if ".experts." not in n]}]
+
+
 def engine_losses(rank: int, world: int, case: EpCase) -> list[float]:
     import zeroshard
 
     model = build(case)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1) if case.client else None
+    optimizer = torch.optim.AdamW(param_groups(model, case), lr=LR, weight_decay=0.1) if case.client else None
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config(case, world))
     losses = []
     for batch in micro_batches(case, world):
@@ -118,7 +128,7 @@ def reference(case: EpCase, world: int, steps: int | None = None) -> tuple[list[
     gradients averaged over them, zero where no token reached an expert (as flat ZeRO shards give)."""
     model = build(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(param_groups(model, case), lr=LR, weight_decay=0.1)
     out = []
     for batch in micro_batches(case, world)[:steps]:
         losses = []
@@ -159,6 +169,7 @@ GRID_2 = [
     EpCase("mixtral", stage=3),
     EpCase("gpt_oss", stage=3, skew=True, frozen=True),
     EpCase("qwen3_moe", stage=3, gas=2, lora=True),
+    EpCase("mixtral", stage=3, client=True, experts_first=True),  # options stay with their parameters
 ]
 GRID_4 = [
     EpCase("mixtral", stage=1),  # ep2 x dp2

@@ -6,6 +6,8 @@ uneven routing (rank 0 sends every token to one expert: the others get none from
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -170,6 +172,64 @@ def test_moe_checkpoint_moves_between_stage_3_and_stage_2(tmp_path, first: int, 
         assert got["resumed_lrs"] == got["straight_lrs"][2:], got
         for a, b in zip(got["resumed"], got["straight"][2:], strict=True):
             assert abs(a - b) <= 1e-6 * abs(b) + 1e-7, got
+
+
+def _frozen_experts(rank: int, world_size: int, folder: str, stage: int) -> dict[str, object]:
+    """Frozen experts (ep2 on 2 ranks) with exclude_frozen_parameters: the checkpoint names every rank's experts
+    excluded, loads, converts, and stage 3's 16-bit state dict leaves them out too; a scheduler built over the client
+    optimizer before initialize, which the experts' groups outgrow, is refused in one line."""
+    import zeroshard
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    from zeroshard.checkpoint.format import read_metadata
+    from zeroshard.comm.topology import init_distributed
+
+    init_distributed()
+    case = MoeCase(k=2, stage=stage, frozen_experts=True)
+    settings = {**config(case), "zero_optimization": {**config(case)["zero_optimization"]}}
+    settings["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    model = MoeNet(case, 2)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=settings)
+    loss = engine(*batch(case, 0, rank))
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(folder, tag="t", exclude_frozen_parameters=True)
+    out: dict[str, object] = {"excluded": sorted(read_metadata(os.path.join(folder, "t")).excluded)}
+    again_model = MoeNet(case, 2)
+    again, *_ = zeroshard.initialize(model=again_model, model_parameters=again_model.parameters(), config=settings)
+    again.load_checkpoint(folder, tag="t")
+    out["loaded"] = True
+    if rank == 0:
+        out["converted"] = sorted(get_fp32_state_dict_from_zero_checkpoint(folder, tag="t"))
+    if stage == 3:
+        whole = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+        out["16bit"] = sorted(whole or {})
+    client = MoeNet(MoeCase(k=2, stage=stage), 2)
+    optimizer = torch.optim.AdamW(client.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    settings = {k: v for k, v in settings.items() if k != "optimizer"}
+    try:
+        zeroshard.initialize(model=client, optimizer=optimizer, lr_scheduler=schedule, config=settings)
+    except ValueError as e:
+        out["scheduler"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moe_frozen_experts_left_out_of_checkpoints(tmp_path, stage: int) -> None:
+    """Each rank leaves its own frozen experts out and the catalog the other ranks' (they were listed without data:
+    the load and the conversion failed on 'no model data'); the 16-bit state dict at stage 3 leaves every rank's
+    out, not only rank 0's. A scheduler built before initialize over one group, which the experts' split made two,
+    failed later in a zip; it is refused up front."""
+    results = run_on_ranks(_frozen_experts, 2, str(tmp_path), stage, timeout=300)
+    experts = [f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{layer}.{kind}" for e in range(4) for layer in (0, 2)
+               for kind in ("bias", "weight")]  # fmt: skip
+    for rank, got in enumerate(results):
+        assert got["excluded"] == sorted(experts) and got["loaded"], got
+        assert "built over 1 optimizer group(s)" in str(got["scheduler"]), got["scheduler"]
+        if rank == 0:
+            assert got["converted"] and not any("deepspeed_experts" in k for k in got["converted"]), got  # type: ignore[union-attr]
+            if stage == 3:
+                assert got["16bit"] and not any("deepspeed_experts" in k for k in got["16bit"]), got  # type: ignore[union-attr]
 
 
 def _stages(rank: int, world_size: int) -> tuple[list[str], dict[str, dict[str, list[float]]]]:

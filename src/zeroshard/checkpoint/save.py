@@ -88,6 +88,10 @@ def catalog_module(
         )
     catalog.aliases = {a: c for a, c in catalog.aliases.items() if c not in catalog.excluded}
     for name, info in (peers or {}).items():
+        if exclude_frozen and not info.requires_grad:  # its own rank leaves it out: so does the catalog
+            if name not in catalog.excluded:
+                catalog.excluded.append(name)
+            continue
         catalog.infos.setdefault(name, info)
     return catalog
 

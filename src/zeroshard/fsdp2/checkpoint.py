@@ -30,6 +30,13 @@ class Fsdp2State:
     def writes_optim(self) -> bool:
         return True  # every rank owns distinct rows
 
+    @property
+    def frozen_ids(self) -> frozenset[int]:
+        """What `exclude_frozen_parameters` leaves out although sharded here: the parameters without optimizer state
+        (frozen when the engine was built), as the zero backend's stage 3 (zero/stage3/checkpoint.py). A load keeps the
+        module's values."""
+        return frozenset(id(sp.param) for sp in self.strategy.params if not sp.trainable)
+
     def sharded_params(self) -> dict[int, str]:
         return {id(sp.param): sp.name for sp in self.strategy.params}
 

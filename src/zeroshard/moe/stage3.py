@@ -64,6 +64,8 @@ def expert_unit_modules(module: nn.Module) -> dict[str, ExpertGroups]:
 class ExpertStage3Strategy(Stage3Strategy):
     """[Note: experts at stage 3] stage 3 with the experts' units over their expert-data-parallel group."""
 
+    regroups = True  # the experts' optimizer groups follow the others', as at stages 1-2
+
     def __init__(
         self,
         module: nn.Module,
@@ -123,6 +125,14 @@ class ExpertStage3Strategy(Stage3Strategy):
 
     def full_state_dict(self) -> dict[str, Any]:
         return with_every_expert(self.module, super().full_state_dict())
+
+    def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
+        if experts_consolidation_refused(self.module) is None:  # AutoEP's experts: consolidated_params names them
+            return None
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        frozen |= {key for row in self._experts.values() if not row.param.requires_grad for key in row.keys}
+        whole = self.full_state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in whole.items() if not (exclude_frozen and k in frozen)}
 
     def checkpoint_state(self) -> ShardedState:
         return ExpertStage3State(self, list(self._experts.values()))

@@ -313,9 +313,19 @@ class Strategy(ABC):
         zero stages' module already gives that (stage 3's state_dict hooks gather)."""
         return self.module.state_dict()
 
+    def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
+        """The whole model under names `consolidated_params` cannot give, in the compute dtype on the host (every
+        rank holds all of it; collective); None where the consolidated parameters name the whole model. Only MoE
+        layers' experts at stage 3 need it: they are named per rank ([Note: expert checkpoints])."""
+        return None
+
     @abstractmethod
     def gathered(self) -> AbstractContextManager[None]:
         """Full parameters for the block (stage 3 gathers every unit; others are always whole)."""
+
+    # `master_param_groups()` holds a user group once per part (split strategies, MoE experts at stage 3): a client
+    # optimizer's groups are then replaced, options kept, rather than paired with these by position
+    regroups: bool = False
 
     def window_change_refused(self, gradient_accumulation_steps: int) -> str | None:
         """Why the accumulation window cannot become `gradient_accumulation_steps` micro-steps now (None: it can)."""

@@ -55,6 +55,7 @@ class SplitStrategy(Strategy):
     """[Note: split flat strategies] the delegation to `self.parts` (built by the subclass)."""
 
     parts: list[FlatStrategy]
+    regroups = True
 
     # -- construction ----------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:

@@ -53,9 +53,10 @@ class Stage3State:
 
     @property
     def frozen_ids(self) -> frozenset[int]:
-        """What `exclude_frozen_parameters` leaves out although sharded here: every frozen parameter (DeepSpeed's stage
-        3 then writes none either; a PEFT checkpoint was the whole base model). A load keeps the module's values."""
-        return frozenset(id(p) for unit in self.strategy.units for p in unit.params if not p.requires_grad)
+        """What `exclude_frozen_parameters` leaves out although sharded here: the parameters frozen when the engine
+        was built (DeepSpeed's stage 3 then writes none either; a PEFT checkpoint was the whole base model). One
+        frozen later keeps its optimizer state, so its weights are written with it. A load keeps the module's values."""
+        return frozenset(id(p) for u in self.strategy.units for i, p in enumerate(u.params) if i not in u.trainable_set)
 
     def _owned(self, units: Collection[int] | None = None) -> list[OwnedRange]:
         rows = []

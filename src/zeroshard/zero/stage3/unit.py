@@ -110,6 +110,7 @@ class ShardedUnit:
         self.shard_rank = shard_rank = comm.rank
         self.persistent = name == PERSISTENT
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad and keeps_gradients]
+        self.trainable_set = frozenset(self.trainable)
         # a streamed unit's full buffer is not written before its first gather: untouched, it costs no memory
         alloc = torch.empty if fill is not None and not self.persistent else torch.zeros
         self.full = alloc(layout.numel, dtype=compute_dtype, device=device)
