@@ -365,6 +365,50 @@ def test_autoep_at_zero_3_over_four_ranks(tmp_path) -> None:
             assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected, strict=True)), (name, losses)
 
 
+def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
+    """[Note: AutoEP under zero_init] from_pretrained under zero_init, then AutoEP: at ZeRO-3 each rank reads only
+    its rows of its experts' shards (at ZeRO-1/2 each rank reads the model whole, as without AutoEP)."""
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    zeroshard.init_distributed()
+    case = EpCase("mixtral", stage=stage, steps=2)
+    with zeroshard.zero_init():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    meta = all(p.is_meta for n, p in model.named_parameters() if ".experts." in n)  # nothing read yet
+    engine, *_ = zeroshard.initialize(model=model, config=config(case, world))
+    whole = engine.consolidated_state_dict(torch.float32, rank == 0, torch.device("cpu"))
+    losses = []
+    for batch in micro_batches(case, world):
+        x = batch[rank]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"whole": whole, "losses": losses}
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_autoep_streams_each_ranks_experts_from_the_checkpoint(tmp_path, stage: int) -> None:
+    """A Mixtral checkpoint (experts stored apart, in several files) read under zero_init into AutoEP on ep2 x dp2:
+    the consolidated weights are the checkpoint's and the losses the single-process model's (it was refused: every
+    rank had to build the whole model before its experts were split)."""
+    from helpers.hf_moe import save_moe
+
+    save_moe("mixtral", str(tmp_path))
+    results = run_on_ranks(_streamed, 4, str(tmp_path), stage, timeout=600)
+    case = EpCase("mixtral", stage=stage, steps=2)
+    want, _ = reference(case, 4)
+    saved = build(case).state_dict()
+    assert set(results[0]["whole"]) == set(saved)
+    assert all(torch.equal(results[0]["whole"][k], v) for k, v in saved.items())
+    for rank, got in enumerate(results):
+        expected = [want[step][rank] for step in range(case.steps)]
+        assert got["meta"], rank
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], expected, strict=True)), got["losses"]
+
+
 def _trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     from helpers.hf_trainer import arguments, ds_config, loss_recorder
     from zeroshard.hf import Trainer, TrainingArguments

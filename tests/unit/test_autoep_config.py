@@ -12,6 +12,7 @@ from torch import nn
 from helpers.hf_moe import tiny_moe
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
+from zeroshard.moe import MoE
 from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, find_experts, refuse_combinations
 from zeroshard.moe.zero import refuse_expert_stage3
 
@@ -162,5 +163,20 @@ def test_stage_3_refusals(zero: dict[str, Any], words: str) -> None:
     refuse_expert_stage3(plain, nn.Linear(2, 2))
     with torch.device("meta"):
         meta = nn.Linear(2, 2)
+        layer = MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=1)
+    refuse_expert_stage3(plain, meta)  # only MoE layers' experts would start alike on every rank
     with pytest.raises(ConfigError, match="meta device"):
-        refuse_expert_stage3(plain, meta)
+        refuse_expert_stage3(plain, layer)
+
+
+def test_a_model_built_from_a_config_under_zero_init_is_refused() -> None:
+    """[Note: AutoEP under zero_init]: the experts are split as they are read from a checkpoint; a meta model built
+    from a config has none to read."""
+    import zeroshard
+
+    with zeroshard.zero_init():
+        model = tiny_moe("mixtral")
+    autoep = autoep_of({"enabled": True, "autoep_size": 2})
+    assert autoep is not None
+    with pytest.raises(ConfigError, match="from a config"):
+        refuse_combinations(autoep, Surroundings(3, "zero", "none", 2), model)

@@ -20,6 +20,7 @@ the entry goes away with the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -149,6 +150,8 @@ class StreamedWeights:
         self._tensors = list(tensors)  # the ids stay theirs while the weights are attached
         self.report = report
         self._shapes: dict[str, tuple[int, ...]] | None = None  # each key's stored shape, read once
+        # tensors that hold some rows of their checkpoint tensor (AutoEP's experts): element offset, rows kept
+        self._rows: dict[int, tuple[int, int]] = {}
 
     def covers(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._keys
@@ -159,7 +162,14 @@ class StreamedWeights:
         self._tensors.append(tensor)
 
     def read(self, tensor: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
-        self.folder.read(self._keys[id(tensor)], start, stop, out)
+        offset = self._rows.get(id(tensor), (0, 0))[0]
+        self.folder.read(self._keys[id(tensor)], start + offset, stop + offset, out)
+
+    def keep_rows(self, tensor: torch.Tensor, first: int, count: int) -> None:
+        """`tensor` (on the meta device, about to become rows `first .. first + count - 1` of its checkpoint tensor:
+        AutoEP's split experts, [Note: AutoEP] in moe/auto.py) reads those rows from now on."""
+        per_row = math.prod(tensor.shape[1:])
+        self._rows[id(tensor)] = (first * per_row, count)
 
     def refuse_resized(self, model: nn.Module) -> None:
         """A meta tensor this checkpoint gives values to must still have the checkpoint's shape: one resized after
@@ -174,7 +184,10 @@ class StreamedWeights:
         if self._shapes is None:
             self._shapes = self.folder.names()
         shapes, key = self._shapes, self._keys[id(t)]
-        if tuple(t.shape) != tuple(shapes[key]):
+        stored = tuple(shapes[key])
+        if id(t) in self._rows:  # some rows of it
+            stored = (self._rows[id(t)][1], *stored[1:])
+        if tuple(t.shape) != stored:
             raise CheckpointError(
                 f"{name} is {list(t.shape)} but {key} in {self.folder.folder} is {list(shapes[key])}: the model was "
                 "resized after zero_init built it from the checkpoint; resize inside `with zeroshard."

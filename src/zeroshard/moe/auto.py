@@ -28,6 +28,15 @@ checkpoints] in moe/checkpoint.py). Then the experts train as `MoE` layers' do (
 - DeepSpeed's kernel and transport choices (grouped GEMM, Triton, DeepEP, its split-plan overlap) select code
   zeroshard does not have; set to other than their defaults they get one warning naming them (the model's own
   `experts_implementation` computes the experts).
+
+[Note: AutoEP under zero_init]
+Built whole, every rank of a Mixtral-8x7B holds all 47B parameters before its experts are split. Built under
+`zeroshard.zero_init()` from a checkpoint (`from_pretrained(folder)`), the experts are meta tensors that know their
+checkpoint tensor ([Note: weights of a meta model] in loading/weights.py): the split keeps this rank's rows as
+a meta slice and tells the checkpoint to read those rows (`StreamedWeights.keep_rows`: an element offset into the
+whole tensor, fused from per-expert tensors where the file stores them apart). At stage 3 each experts unit then
+reads only its shard of those rows ([Note: streaming load]); at stages 1-2 every rank reads the model whole first,
+as without AutoEP. A meta model built from a config has nothing to read its experts from: refused in one line.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any
 from torch import nn
 
 from zeroshard.errors import ConfigError
+from zeroshard.loading.weights import weights_covering
 from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.parallel_experts import ParallelExperts
 from zeroshard.utils.logging import get_logger, log_rank
@@ -207,10 +217,15 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         raise ConfigError(f"{what} with sequence parallelism: not implemented; use one of them")
     if isinstance(model, PipelineModule):
         raise ConfigError(f"{what} with a PipelineModule: give MoE layers (zeroshard.moe.MoE) as LayerSpecs instead")
-    if any(p.is_meta for p in model.parameters()):
+    meta = any(p.is_meta for p in model.parameters())
+    experts = (
+        [p for *_, module in find_experts(model, autoep) for p in module.parameters(recurse=False)] if meta else []
+    )
+    if any(p.is_meta and weights_covering(p) is None for p in experts):
         raise ConfigError(
-            f"{what} with a model on the meta device (built under zeroshard.zero_init()): build it with real "
-            "weights (from_pretrained without zero_init) so its experts can be split"
+            f"{what} with a model built on the meta device (zeroshard.zero_init()) from a config: its experts can be "
+            "split only as they are read from a checkpoint; build it with from_pretrained(folder) under zero_init, "
+            "or without zero_init"
         )
 
 
@@ -356,6 +371,10 @@ def apply_autoep(model: nn.Module, autoep: AutoEp, data_first: bool) -> list[Par
         total = num_experts(experts)
         local = total // autoep.size
         for param in experts.parameters(recurse=False):
+            if param.is_meta:  # [Note: AutoEP under zero_init]: these rows are what will be read
+                weights = weights_covering(param)
+                assert weights is not None, "refuse_combinations refused experts no checkpoint gives"
+                weights.keep_rows(param, rank * local, local)
             param.data = param.data[rank * local : (rank + 1) * local].clone()  # the whole tensor is freed
         for buffer_name, buffer in list(experts.named_buffers(recurse=False)):
             if buffer.dim() and buffer.shape[0] == total:

@@ -112,10 +112,10 @@ def refuse_expert_stage3(zero: Any, model: nn.Module) -> None:
         raise ConfigError(f'{where} with offload to "nvme": not implemented; use "cpu" or no offload')
     if bool(zero.offload_optimizer.super_offload):
         raise ConfigError(f"{where} with offload_optimizer.super_offload: not implemented; remove the key")
-    if any(p.is_meta for p in model.parameters()):
+    if any(p.is_meta for layer in moe_layers(model) if isinstance(layer, MoE) for p in layer.expert_parameters()):
         raise ConfigError(
-            f"{where} with a model on the meta device (built under zeroshard.zero_init()): not implemented; build the "
-            "model with real weights"
+            "MoE layers with ep_size > 1 at zero_optimization.stage 3 built on the meta device (zeroshard.zero_init()): "
+            "not implemented (each rank's experts would start alike); build the model with real weights"
         )
 
 

@@ -126,9 +126,9 @@ def _row(
         staging += NVME_PARAM_BUFFERS * min(NVME_BUFFER_NUMEL, model.params) * precision.param_bytes
     if option.offload_optimizer == "nvme":
         staging += NVME_OPTIMIZER_BUFFERS * min(NVME_BUFFER_NUMEL, model.params // n) * 4
-    # AutoEP splits a model built whole on every rank (zero_init is refused with it): fp32 in every process
-    load = load_bytes_per_rank(option if autoep == 1 else Option(0), model.params, model.largest_layer)
-    cpu_rank = max(load, states.cpu + staging)
+    # (with AutoEP too: at stage 3 a model built under zero_init from a checkpoint reads each rank's experts' rows
+    # unit by unit, [Note: AutoEP under zero_init])
+    cpu_rank = max(load_bytes_per_rank(option, model.params, model.largest_layer), states.cpu + staging)
     return Row(
         option=option,
         states=states,
