@@ -386,7 +386,7 @@ def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"whole": whole, "losses": losses}
+    return {"whole": whole, "losses": losses, "meta": meta}
 
 
 @pytest.mark.parametrize("stage", [3, 1])

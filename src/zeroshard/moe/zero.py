@@ -114,8 +114,8 @@ def refuse_expert_stage3(zero: Any, model: nn.Module) -> None:
         raise ConfigError(f"{where} with offload_optimizer.super_offload: not implemented; remove the key")
     if any(p.is_meta for layer in moe_layers(model) if isinstance(layer, MoE) for p in layer.expert_parameters()):
         raise ConfigError(
-            "MoE layers with ep_size > 1 at zero_optimization.stage 3 built on the meta device (zeroshard.zero_init()): "
-            "not implemented (each rank's experts would start alike); build the model with real weights"
+            "MoE layers with ep_size > 1 at zero_optimization.stage 3 built on the meta device (zeroshard."
+            "zero_init()): not implemented (each rank's experts would start alike); build the model with real weights"
         )
 
 
