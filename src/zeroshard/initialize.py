@@ -270,11 +270,11 @@ def _build(
         comm.broadcast_coalesced(list(model.buffers()), src=first, label="zero_init start")
     # stage 3 and fsdp2 replay zero_init's records on each rank: the rank whose values all take where they differ
     source = differing_start(model, comm, topology.device, weights) if meta and stage == 3 else None
+    if autoep is not None:  # each rank keeps its experts (reads only their rows: [Note: AutoEP under zero_init])
+        apply_autoep(model, autoep, bool(cfg.use_data_before_expert_parallelism))
     if stage < 3 and meta:  # each rank reads the whole checkpoint: it keeps every parameter
         materialize_parameters(model, weights, topology.device)
         meta = False
-    if autoep is not None:  # each rank keeps its experts before the model moves to the device
-        apply_autoep(model, autoep, bool(cfg.use_data_before_expert_parallelism))
     if not meta:
         model.to(topology.device)
         _broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)

@@ -371,13 +371,18 @@ def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     import zeroshard
+    from zeroshard.loading.weights import weights_for
 
     zeroshard.init_distributed()
     case = EpCase("mixtral", stage=stage, steps=2)
     with zeroshard.zero_init():
         model = AutoModelForCausalLM.from_pretrained(folder)
     meta = all(p.is_meta for n, p in model.named_parameters() if ".experts." in n)  # nothing read yet
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    weights = weights_for(model)
+    assert weights is not None
     engine, *_ = zeroshard.initialize(model=model, config=config(case, world))
+    read = sum(n for key, n in weights.elements_read.items() if ".experts." in key)
     whole = engine.consolidated_state_dict(torch.float32, rank == 0, torch.device("cpu"))
     losses = []
     for batch in micro_batches(case, world):
@@ -386,14 +391,15 @@ def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"whole": whole, "losses": losses, "meta": meta}
+    return {"whole": whole, "losses": losses, "meta": meta, "read": read / experts}
 
 
 @pytest.mark.parametrize("stage", [3, 1])
 def test_autoep_streams_each_ranks_experts_from_the_checkpoint(tmp_path, stage: int) -> None:
     """A Mixtral checkpoint (experts stored apart, in several files) read under zero_init into AutoEP on ep2 x dp2:
-    the consolidated weights are the checkpoint's and the losses the single-process model's (it was refused: every
-    rank had to build the whole model before its experts were split)."""
+    each rank reads half of the experts' elements (its rows), a quarter at ZeRO-3 (its shard of them); the
+    consolidated weights are the checkpoint's and the losses the single-process model's (it was refused: every rank
+    had to build the whole model before its experts were split)."""
     from helpers.hf_moe import save_moe
 
     save_moe("mixtral", str(tmp_path))
@@ -406,6 +412,8 @@ def test_autoep_streams_each_ranks_experts_from_the_checkpoint(tmp_path, stage: 
     for rank, got in enumerate(results):
         expected = [want[step][rank] for step in range(case.steps)]
         assert got["meta"], rank
+        # each rank reads its experts' rows (half of them), at ZeRO-3 its half of those
+        assert got["read"] == (0.25 if stage == 3 else 0.5), (rank, got["read"])
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], expected, strict=True)), got["losses"]
 
 

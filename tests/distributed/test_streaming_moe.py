@@ -169,3 +169,27 @@ def test_the_trainer_fine_tunes_a_streamed_moe_and_saves_it_in_transformers_form
     assert not torch.equal(
         loaded["model.layers.0.mlp.experts.gate_up_proj"], original["model.layers.0.mlp.experts.gate_up_proj"]
     )
+
+
+def _submodule(rank: int, world_size: int, folder: str) -> dict[str, Any] | None:
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard
+
+    with zeroshard.zero_init():
+        full = AutoModelForCausalLM.from_pretrained(folder)
+    engine, *_ = zeroshard.initialize(model=full.model, config=_config(3))  # the checkpoint is full's
+    weights = engine.consolidated_state_dict(torch.float32, rank == 0, torch.device("cpu"))
+    engine.destroy()
+    return weights if rank == 0 else None
+
+
+def test_a_submodule_of_a_streamed_model_reads_the_checkpoint(tmp_path) -> None:
+    """`initialize(model=full.model)` for a model from_pretrained built under zero_init: its parameters come from the
+    checkpoint (the checkpoint was looked up on the module passed and its children only, so every parameter kept
+    its random initialisation, silently)."""
+    save_moe("mixtral", str(tmp_path))
+    got = run_on_ranks(_submodule, 2, str(tmp_path), timeout=300)[0]
+    want = tiny_moe("mixtral").model.state_dict()
+    assert got is not None and set(got) == set(want)
+    assert [k for k, v in want.items() if not torch.equal(got[k], v)] == []

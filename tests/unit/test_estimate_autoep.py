@@ -45,7 +45,7 @@ def test_rows_hold_the_dense_part_over_all_ranks_and_each_expert_over_its_group(
     ]
     dense = info.params - info.experts
     cluster = Cluster(4)
-    for row in rows:  # every rank builds the whole model in fp32 at stages 1-2; at stage 3 zero_init streams it
+    for row in rows:  # the whole model in fp32 at stages 1-2 (built without zero_init); at stage 3 streamed
         whole = row.cpu_bytes_per_node >= 4 * info.params * cluster.gpus_per_node
         assert whole if row.option.stage < 3 else (row.option != Option(3) or not whole), row.option
         want = [zeroshard_states(dense, row.option, BF16, 4), zeroshard_states(info.experts // 2, row.option, BF16, 2)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -152,6 +153,8 @@ class StreamedWeights:
         self._shapes: dict[str, tuple[int, ...]] | None = None  # each key's stored shape, read once
         # tensors that hold some rows of their checkpoint tensor (AutoEP's experts): element offset, rows kept
         self._rows: dict[int, tuple[int, int]] = {}
+        self.elements_read: dict[str, int] = {}  # per checkpoint key, by this process: what streaming saved shows
+        self._counting = threading.Lock()
 
     def covers(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._keys
@@ -164,6 +167,10 @@ class StreamedWeights:
     def read(self, tensor: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
         offset = self._rows.get(id(tensor), (0, 0))[0]
         self.folder.read(self._keys[id(tensor)], start + offset, stop + offset, out)
+        with self._counting:  # (reads run on a thread pool)
+            self.elements_read[self._keys[id(tensor)]] = (
+                self.elements_read.get(self._keys[id(tensor)], 0) + stop - start
+            )
 
     def keep_rows(self, tensor: torch.Tensor, first: int, count: int) -> None:
         """`tensor` (on the meta device, about to become rows `first .. first + count - 1` of its checkpoint tensor:
@@ -236,12 +243,15 @@ def attach(model: nn.Module, weights: StreamedWeights) -> None:
 
 
 def weights_for(root: nn.Module) -> StreamedWeights | None:
-    """The checkpoint a meta model (or the module that wraps it) was built from by `zero_init`."""
+    """The checkpoint a meta model (the module that wraps it, or one of its submodules: `full.model`) was built from
+    by `zero_init`."""
     for module in root.modules():
         weights = _ATTACHED.get(module)
         if weights is not None:
             return weights
-    return None
+    # a submodule of what from_pretrained returned, or a module holding one: found by the tensors it gives values
+    # to (its parameters were replayed from their random initialisation, silently)
+    return next((w for p in root.parameters() if p.is_meta and (w := weights_covering(p)) is not None), None)
 
 
 def weights_covering(tensor: torch.Tensor) -> StreamedWeights | None:

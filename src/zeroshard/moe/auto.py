@@ -35,8 +35,8 @@ Built whole, every rank of a Mixtral-8x7B holds all 47B parameters before its ex
 checkpoint tensor ([Note: weights of a meta model] in loading/weights.py): the split keeps this rank's rows as
 a meta slice and tells the checkpoint to read those rows (`StreamedWeights.keep_rows`: an element offset into the
 whole tensor, fused from per-expert tensors where the file stores them apart). At stage 3 each experts unit then
-reads only its shard of those rows ([Note: streaming load]); at stages 1-2 every rank reads the model whole first,
-as without AutoEP. A meta model built from a config has nothing to read its experts from: refused in one line.
+reads only its shard of those rows ([Note: streaming load]); at stages 1-2 each rank reads its experts' rows and the
+rest of the model whole. A meta model built from a config has nothing to read its experts from: refused in one line.
 """
 
 from __future__ import annotations
@@ -223,9 +223,10 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
     )
     if any(p.is_meta and weights_covering(p) is None for p in experts):
         raise ConfigError(
-            f"{what} with a model built on the meta device (zeroshard.zero_init()) from a config: its experts can be "
-            "split only as they are read from a checkpoint; build it with from_pretrained(folder) under zero_init, "
-            "or without zero_init"
+            f"{what} with a model built on the meta device (zeroshard.zero_init()) whose experts no checkpoint holds "
+            "(built from a config, or layers the checkpoint lacks): its experts can be split only as they are read "
+            "from a checkpoint; build it with from_pretrained(folder) of a checkpoint with every expert, or without "
+            "zero_init"
         )
 
 

@@ -21,7 +21,8 @@ per-rank squares over the world, where each shard of each expert is held by exac
   values of the member in `r`'s place in its own group (rank `r` holds other experts than most groups do).
 - Refused in one line: ZeRO++ (qwZ, hpZ, qgZ, quantized frozen weights: their gathers run over the world's
   partition), NVMe for parameters or optimizer state, `super_offload`, LAMB and Muon (a per-parameter plan over
-  the world), a model built on the meta device (`zero_init`).
+  the world), `MoE` layers built on the meta device (`zero_init`: each rank's experts would start alike). AutoEP's
+  experts under `zero_init` are read from the checkpoint, each rank its rows ([Note: AutoEP under zero_init]).
 """
 
 from __future__ import annotations
