@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, ShardedState, StatePart
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ZeroshardError
 from zeroshard.fsdp2.checkpoint import Fsdp2State
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.offload.gradients import GradShard
@@ -52,6 +55,7 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
     ):
         # by name: fully_shard replaces the parameter objects
         self.tp_sliced = {name for name, p in module.named_parameters() if is_tp_sharded(p)}
+        self.tp_dims = {name: _shard_dim(p) for name, p in module.named_parameters() if name in self.tp_sliced}
         self.tp_comm: Collectives = tp.tp_comm
         super().__init__(module, groups, policy, comm, device, accumulation)
 
@@ -64,8 +68,33 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
         weight = 1.0 / math.sqrt(self.tp_comm.world_size)
         return [n.to(self.device, torch.float32) * weight for n in tensor_norms(whole)]
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """Whole tensors: each parameter gathered over dp (its tensor-parallel slice), then the slices over tp along
+        the dimension the plan split (collective; `save_16bit_model` wrote the slices)."""
+        state = super().full_state_dict()
+        for name, dim in self.tp_dims.items():  # (the same order on every rank)
+            local = state[name].contiguous()
+            gathered = local.new_empty(self.tp_comm.world_size * local.numel())
+            self.tp_comm.all_gather(gathered, local.view(-1), label="tp full state dict")
+            state[name] = torch.cat(gathered.view(self.tp_comm.world_size, *local.shape).unbind(0), dim=dim)
+        return state
+
+    def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
+        """The 16-bit state dict (accelerate's `get_state_dict`) from `full_state_dict`: the consolidated fp32 masters
+        are slices here."""
+        frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+        whole = self.full_state_dict()
+        return {k: v.detach().to("cpu", copy=True) for k, v in whole.items() if not (exclude_frozen and k in frozen)}
+
     def checkpoint_state(self) -> ShardedState:
         return TensorParallelFsdp2State(self)
+
+
+def _shard_dim(param: torch.Tensor) -> int:
+    """The dimension the tensor-parallel plan split `param` along (its DTensor's Shard placement)."""
+    if isinstance(param, DTensor):
+        return next(p.dim for p in param.placements if isinstance(p, Shard))
+    raise ZeroshardError("tensor parallelism on the fsdp2 backend needs DTensor parameters ([Note: autotp plan])")
 
 
 class TensorParallelFsdp2State(Fsdp2State):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ZeroshardError
 from zeroshard.offload.gradients import GradShard
 from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy
@@ -72,6 +74,19 @@ class TensorParallelStrategy(SplitStrategy):
         # [Note: clipping over the whole module at stage 0] the bystanders (all in the first part) alike
         bystanders = [n if is_tp_sharded(p) else n * weight for p, n in self.sharded.bystanders.norms()]
         return replicated + bystanders
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with each tensor-parallel slice made whole (`save_16bit_model`, accelerate's
+        `get_state_dict`; collective over the tensor-parallel group, in the state dict's order, as DeepSpeed's
+        `_replace_module_consolidated_state_dict` gathers AutoTP's layers). An mpu's own split layers (Megatron-marked
+        parameters) are laid out as only the caller knows (a fused qkv, ...): refused."""
+        mine = [name for name, p in self.module.named_parameters() if is_tp_sharded(p) and not isinstance(p, DTensor)]
+        if mine:
+            raise ZeroshardError(
+                f"the whole model cannot be gathered here: {mine[0]} and {len(mine) - 1} more are the mpu's own "
+                "tensor-parallel slices, whose layout zeroshard does not know; save_checkpoint keeps every slice"
+            )
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
 
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.tp.checkpoint import TensorParallelState
