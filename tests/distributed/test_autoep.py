@@ -230,24 +230,26 @@ def test_autoep_keeps_hugging_face_names_and_each_ranks_experts() -> None:
         assert got["rows"] and all(got["rows"].values()), (rank, got["rows"])
 
 
+def _train(engine: Any, rank: int, steps: list[list[torch.Tensor]]) -> list[float]:
+    """This rank's losses over `steps` (each a list of every rank's micro-batch), one optimizer step each."""
+    losses = []
+    for batch in steps:
+        x = batch[rank]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _checkpoint(rank: int, world: int, folder: str, case: EpCase) -> dict[str, Any]:
     import zeroshard
 
     zeroshard.init_distributed()
     batches = micro_batches(case, world)
 
-    def train(engine: Any, steps: list[list[torch.Tensor]]) -> list[float]:
-        losses = []
-        for batch in steps:
-            x = batch[rank]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
-
     engine, *_ = zeroshard.initialize(model=build(case), config=config(case, world))
-    first = train(engine, batches[:2])
+    first = _train(engine, rank, batches[:2])
     engine.save_checkpoint(folder, tag="ep2")
     engine.save_16bit_model(folder, "model.safetensors")
     consolidated = engine.consolidated_state_dict(torch.float32, rank == 0, torch.device("cpu"))
@@ -266,7 +268,7 @@ def _checkpoint(rank: int, world: int, folder: str, case: EpCase) -> dict[str, A
                     param.zero_()
         again, *_ = zeroshard.initialize(model=model, config=cfg)
         again.load_checkpoint(folder, tag="ep2")
-        resumed[name] = train(again, batches[2:])
+        resumed[name] = _train(again, rank, batches[2:])
     return {"first": first, "resumed": resumed, "consolidated": consolidated}
 
 
@@ -315,17 +317,7 @@ def _stage3(rank: int, world: int, folder: str) -> dict[str, Any]:
     experts = [p for n, p in engine.module.named_parameters() if ".experts." in n]
     parts = [(p.ds_tensor.numel(), p.ds_numel) for p in experts]
 
-    def train(engine: Any, steps: list[list[torch.Tensor]]) -> list[float]:
-        losses = []
-        for batch in steps:
-            x = batch[rank]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
-
-    first = train(engine, batches[:2])
+    first = _train(engine, rank, batches[:2])
     engine.save_checkpoint(folder, tag="s3")
     with zeroshard.zero.GatheredParameters(experts, modifier_rank=0):
         for param in experts:
@@ -342,7 +334,7 @@ def _stage3(rank: int, world: int, folder: str) -> dict[str, Any]:
                     param.zero_()
         again, *_ = zeroshard.initialize(model=model, config=config(other, world))
         again.load_checkpoint(folder, tag="s3")
-        resumed[name] = train(again, batches[2:])
+        resumed[name] = _train(again, rank, batches[2:])
     return {"units": units, "split": split, "parts": parts, "kept": kept, "first": first, "resumed": resumed}
 
 
@@ -384,13 +376,7 @@ def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
     engine, *_ = zeroshard.initialize(model=model, config=config(case, world))
     read = sum(n for key, n in weights.elements_read.items() if ".experts." in key)
     whole = engine.consolidated_state_dict(torch.float32, rank == 0, torch.device("cpu"))
-    losses = []
-    for batch in micro_batches(case, world):
-        x = batch[rank]
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _train(engine, rank, micro_batches(case, world))
     return {"whole": whole, "losses": losses, "meta": meta, "read": read / experts}
 
 
