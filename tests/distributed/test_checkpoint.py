@@ -475,3 +475,42 @@ def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(re
         assert "call it on every rank, not only under `if rank == 0`" in message, message
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
     assert left == ["everyone", "latest"], left  # the refused saves wrote nothing
+
+
+def _frozen_save_space(rank: int, world_size: int, root: str) -> dict[str, object]:
+    import zeroshard
+    import zeroshard.checkpoint.space as space_module
+    from zeroshard.checkpoint.save import engine_state
+
+    case = Case(stage=3, variant="mostly_frozen")
+    model = build_model(case)
+    for name, p in model.named_parameters():  # a PEFT-like run: the base frozen, one small tensor trains
+        p.requires_grad_(name == "ln_f.weight")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=trainable, config=ds_config(case))
+    x = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x, x))
+    engine.step()
+    engine.save_checkpoint(root, tag="a", exclude_frozen_parameters=True)
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "a")) for f in fs)
+    asked = space_module.bytes_to_write(engine, engine_state(engine), exclude_frozen=True)
+    real = space_module.free_bytes
+    space_module.free_bytes = lambda path: 3 * written  # room for the real write, not for the frozen base
+    try:
+        engine.save_checkpoint(root, tag="b", exclude_frozen_parameters=True)
+        outcome = "saved"
+    except Exception as err:  # noqa: BLE001 - the result
+        outcome = str(err)
+    finally:
+        space_module.free_bytes = real
+    engine.destroy()
+    return {"asked": asked, "written": written, "outcome": outcome}
+
+
+def test_the_space_check_counts_what_exclude_frozen_parameters_writes(tmp_path) -> None:
+    """Stage 3, everything frozen but one small tensor (a PEFT run): the free-space check before a save with
+    exclude_frozen_parameters asks for what is written, not for the frozen base (it refused such a save on a disk
+    with three times the room it needed)."""
+    for got in run_on_ranks(_frozen_save_space, 2, str(tmp_path), timeout=120):
+        assert got["outcome"] == "saved", got
+        assert got["asked"] <= got["written"], got

@@ -316,7 +316,7 @@ def start_save(
             "dir": root,
             "nonce": uuid.uuid4().hex[:12],
             "per_node": placement.layout.ranks_per_node if placement is not None else None,
-            **space_report(root, bytes_to_write(engine, state)),
+            **space_report(root, bytes_to_write(engine, state, exclude_frozen_parameters)),
         },
         entry_timeout(),
     )
@@ -338,7 +338,7 @@ def start_save(
         save_latest,
         RankFiles(tmp_dir, rank, deferred),
         None,
-        rank_bytes(state, engine.optimizer),
+        rank_bytes(state, engine.optimizer, exclude_frozen=exclude_frozen_parameters),
         bool(writer is not None and writer.show_statistics),
         placement,
     )

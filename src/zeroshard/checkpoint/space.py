@@ -28,13 +28,20 @@ def describe_write_error(error: Exception, tmp_dir: str, need: int) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def rank_bytes(state: ShardedState | None, optimizer: torch.optim.Optimizer | None, leader: bool = False) -> int:
-    """What this rank's checkpoint files hold: its model pieces, and its optimizer pieces as they are kept (the
-    master and each elementwise optimizer state tensor, Adam's two once it has stepped, in their dtypes: fp32, or
-    bf16 with [Note: bf16 master weights]). From shapes and dtypes only: nothing is read in from NVMe."""
+def rank_bytes(
+    state: ShardedState | None,
+    optimizer: torch.optim.Optimizer | None,
+    leader: bool = False,
+    exclude_frozen: bool = False,
+) -> int:
+    """What this rank's checkpoint files hold: its model pieces (without the frozen ones `exclude_frozen` leaves out),
+    and its optimizer pieces as they are kept (the master and each elementwise optimizer state tensor, Adam's two
+    once it has stepped, in their dtypes: fp32, or bf16 with [Note: bf16 master weights]). From shapes and dtypes
+    only: nothing is read in from NVMe."""
     if state is None:
         return 0
-    total = state.model_bytes_to_save()
+    skip: frozenset[int] = getattr(state, "frozen_ids", frozenset()) if exclude_frozen else frozenset()
+    total = state.model_bytes_to_save(skip)
     if optimizer is not None and (state.writes_optim or leader):  # `leader`: a node-local node's leader
         per_element = max((_element_bytes(optimizer, p) for p in _optimizer_params(optimizer)), default=4)
         total += per_element * sum(p.end - p.begin for p in state.optim_pieces())
@@ -63,15 +70,16 @@ def _existing_ancestor(path: str) -> str:
     return path
 
 
-def bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None) -> int:
+def bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None, exclude_frozen: bool = False) -> int:
     """This rank's shard files, plus (rank 0) the tensors no strategy shards, which rank 0 writes whole; node-local,
     each node's leader writes those, the module weights whole where every rank loads them whole, and the optimizer
     state where one rank writes it for all ([Note: node-local checkpoints])."""
     placement = node_local(engine)
-    total = rank_bytes(state, engine.optimizer, placement is not None and placement.leader)
+    total = rank_bytes(state, engine.optimizer, placement is not None and placement.leader, exclude_frozen)
     if placement.leader if placement is not None else engine.topology.rank == 0:
         sharded = state.sharded_params() if state is not None else {}
         frozen = [p for p in engine.module.parameters() if id(p) not in sharded and not p.requires_grad]
+        frozen = [] if exclude_frozen else frozen  # (unsharded frozen parameters are what it leaves out)
         total += sum(t.numel() * t.element_size() for t in [*frozen, *engine.module.buffers()])
         if placement is not None and state is not None and state.loads_whole:
             total += sum(p.numel() * p.element_size() for p in engine.module.parameters() if id(p) in sharded)

@@ -85,8 +85,9 @@ class ShardedState(Protocol):
         """Pieces of sharded parameters that this rank writes (every element written by exactly one rank)."""
         ...
 
-    def model_bytes_to_save(self) -> int:
-        """Bytes of `model_pieces_to_save`, read from shapes only (the shards may be on NVMe)."""
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        """Bytes of `model_pieces_to_save`, read from shapes only (the shards may be on NVMe); without those of the
+        parameters `skip` names by id (what `exclude_frozen_parameters` leaves out: `frozen_ids`)."""
         ...
 
     def model_targets_to_load(self) -> list[ModelPiece]:

@@ -35,7 +35,7 @@ class Fsdp2State:
         """What `exclude_frozen_parameters` leaves out although sharded here: the parameters without optimizer state
         (frozen when the engine was built), as the zero backend's stage 3 (zero/stage3/checkpoint.py). A load keeps the
         module's values."""
-        return frozenset(id(sp.param) for sp in self.strategy.params if not sp.trainable)
+        return frozenset(id(sp.param) for sp in self.strategy.params if not sp.trainable and not sp.param.requires_grad)
 
     def sharded_params(self) -> dict[int, str]:
         return {id(sp.param): sp.name for sp in self.strategy.params}
@@ -45,8 +45,8 @@ class Fsdp2State:
             ModelPiece(sp.name, sp.begin, sp.end, sp.master.view(-1)) for sp in self.strategy.params if sp.numel > 0
         ]
 
-    def model_bytes_to_save(self) -> int:
-        return sum(sp.numel * sp.master.element_size() for sp in self.strategy.params)
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        return sum(sp.numel * sp.master.element_size() for sp in self.strategy.params if id(sp.param) not in skip)
 
     def model_targets_to_load(self) -> list[ModelPiece]:
         return self.model_pieces_to_save()

@@ -152,9 +152,11 @@ class ExpertSplitState:
         trained = self._model(self.experts.model_pieces_to_save())
         return self.dense.model_pieces_to_save() + trained + self._frozen(writing=True)
 
-    def model_bytes_to_save(self) -> int:
-        frozen = sum(p.values.numel() * p.values.element_size() for p in self._frozen(writing=True))
-        return self.dense.model_bytes_to_save() + self.experts.model_bytes_to_save() + frozen
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        left_out = {self.renamed[row.local_key] for row in self.frozen if id(row.param) in skip}
+        pieces = [p for p in self._frozen(writing=True) if p.name not in left_out]
+        frozen = sum(p.values.numel() * p.values.element_size() for p in pieces)
+        return self.dense.model_bytes_to_save(skip) + self.experts.model_bytes_to_save(skip) + frozen
 
     def model_targets_to_load(self) -> list[ModelPiece]:
         trained = self._model(self.experts.model_targets_to_load())

@@ -95,8 +95,9 @@ class TensorParallelState:
         replicated = self.replicated.model_pieces_to_save() if self.first else []
         return self._model(self.sharded.model_pieces_to_save()) + replicated
 
-    def model_bytes_to_save(self) -> int:
-        return self.sharded.model_bytes_to_save() + (self.replicated.model_bytes_to_save() if self.first else 0)
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        replicated = self.replicated.model_bytes_to_save(skip) if self.first else 0
+        return self.sharded.model_bytes_to_save(skip) + replicated
 
     def model_targets_to_load(self) -> list[ModelPiece]:
         return self._model(self.sharded.model_targets_to_load()) + self.replicated.model_targets_to_load()

@@ -131,8 +131,9 @@ class TensorParallelFsdp2State(Fsdp2State):
     def model_pieces_to_save(self) -> list[ModelPiece]:
         return self._model(True)
 
-    def model_bytes_to_save(self) -> int:
-        return sum(p.values.numel() * p.values.element_size() for p in self._model(True))
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        left_out = {self._name(sp.name) for sp in self.strategy.params if id(sp.param) in skip}
+        return sum(p.values.numel() * p.values.element_size() for p in self._model(True) if p.name not in left_out)
 
     def model_targets_to_load(self) -> list[ModelPiece]:
         return self._model(False)

@@ -109,8 +109,8 @@ class AutocastSplitState:
     def model_pieces_to_save(self) -> list[ModelPiece]:
         return self.low.model_pieces_to_save() + self.rest.model_pieces_to_save()
 
-    def model_bytes_to_save(self) -> int:
-        return self.low.model_bytes_to_save() + self.rest.model_bytes_to_save()
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        return self.low.model_bytes_to_save(skip) + self.rest.model_bytes_to_save(skip)
 
     def model_targets_to_load(self) -> list[ModelPiece]:
         return self.low.model_targets_to_load() + self.rest.model_targets_to_load()

@@ -64,7 +64,8 @@ class FlatState:
             for g, name, begin, end, flat, _ in self._owned()
         ]
 
-    def model_bytes_to_save(self) -> int:
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        # (`skip`: the trainable parameters are what a flat part shards)
         if not self.writes_optim:
             return 0
         buffers = self.strategy.buffers

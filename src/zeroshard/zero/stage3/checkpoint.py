@@ -32,6 +32,7 @@ class OwnedRange:
     end: int
     shard_offset: int  # where it starts in the unit's shard
     group: int
+    param: int  # id of the parameter
 
 
 _HOST = torch.device("cpu")
@@ -56,7 +57,10 @@ class Stage3State:
         """What `exclude_frozen_parameters` leaves out although sharded here: the parameters frozen when the engine
         was built (DeepSpeed's stage 3 then writes none either; a PEFT checkpoint was the whole base model). One
         frozen later keeps its optimizer state, so its weights are written with it. A load keeps the module's values."""
-        return frozenset(id(p) for u in self.strategy.units for i, p in enumerate(u.params) if i not in u.trainable_set)
+        units = self.strategy.units
+        return frozenset(
+            id(p) for u in units for i, p in enumerate(u.params) if i not in u.trainable_set and not p.requires_grad
+        )
 
     def _owned(self, units: Collection[int] | None = None) -> list[OwnedRange]:
         rows = []
@@ -66,7 +70,8 @@ class Stage3State:
             for slot in unit.layout.slots:
                 parts = unit.layout.owned_parts(unit.shard_rank, slot.offset, slot.offset + slot.numel)
                 for b, e, at in parts:
-                    rows.append(OwnedRange(unit, slot.name, b - slot.offset, e - slot.offset, at, slot.group))
+                    ident = id(unit.params[slot.index])
+                    rows.append(OwnedRange(unit, slot.name, b - slot.offset, e - slot.offset, at, slot.group, ident))
         return rows
 
     def sharded_params(self) -> dict[int, str]:
@@ -85,8 +90,8 @@ class Stage3State:
             out.append(ModelPiece(o.name, o.begin, o.end, shard.narrow(0, o.shard_offset, o.end - o.begin)))
         return out
 
-    def model_bytes_to_save(self) -> int:
-        return sum((o.end - o.begin) * o.unit.shard.element_size() for o in self._owned())
+    def model_bytes_to_save(self, skip: frozenset[int] = frozenset()) -> int:
+        return sum((o.end - o.begin) * o.unit.shard.element_size() for o in self._owned() if o.param not in skip)
 
     def model_targets_to_load(self, units: Collection[int] | None = None) -> list[ModelPiece]:
         wanted = [u for u in self.strategy.units if u.tail is not None and (units is None or u.index in units)]
