@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
+from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.checkpoint.watch import AbsenceWatch, Activity
 from zeroshard.comm.collectives import Collectives
 from zeroshard.comm.divergence import named_on_timeout
@@ -167,6 +168,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
 
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_torn(self, "forward")
         if self.module.training:  # [Note: progressive layer drop], [Note: legacy curriculum learning]
             kwargs.update(self.schedules.forward_kwargs(self.global_steps))
         if self._auto_cast:
@@ -484,6 +486,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             )
 
     def _require_optimizer(self, what: str) -> Strategy:
+        refuse_torn(self, what)
         if self.strategy is None or self.optimizer is None:
             raise ZeroshardError(
                 f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.errors import ZeroshardError
 
 
@@ -30,6 +31,7 @@ class DeepSpeedCalls:
     loss_scaler: Any
     _manual: Any  # ManualBackward
     _compute: Any  # the engine's compute context (tensor parallelism's vocab-parallel loss), else nullcontext
+    _torn_load: Any  # CheckpointMixin's: [Note: a torn load]
     # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
     # route shuffles) of the data
     collate_fn: Callable[..., Any] | None = None
@@ -167,6 +169,7 @@ class DeepSpeedCalls:
         (DeepSpeed's rule), since it gathers the whole model."""
         from safetensors.torch import save_file
 
+        refuse_torn(self, "save_16bit_model")
         if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             raise ZeroshardError(
                 "save_16bit_model under stage 3 gathers the whole model; set "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from zeroshard.checkpoint.load import adapt_batch
+from zeroshard.checkpoint.batch import adapt_batch
 from zeroshard.config import parse_config, resolve_config
 from zeroshard.zero.strategy import AccumulationState
 

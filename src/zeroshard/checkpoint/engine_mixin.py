@@ -11,6 +11,7 @@ import torch
 from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint import save as _save
 from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
+from zeroshard.checkpoint.torn import TornLoad, refuse_torn
 
 
 class CheckpointMixin:
@@ -31,6 +32,7 @@ class CheckpointMixin:
     _checkpoint_stream: torch.cuda.Stream | None = None
     # pipeline engines: each stage saves its own folder, the call ends with every stage ([Note: pipeline checkpoints])
     _saves_per_stage = False
+    _torn_load: TornLoad | None = None  # a load that failed part way: [Note: a torn load]
 
     def save_checkpoint(
         self,
@@ -52,6 +54,7 @@ class CheckpointMixin:
         once the ranks agreed, writes on a thread and commits at the next optimizer step ([Note: decoupled
         checkpoint writes]).
         """
+        refuse_torn(self, "save_checkpoint")
         self.commit_checkpoint("save_checkpoint")
         deferred = decoupled(self)
         call = _save.start_save(

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.batch import adapt_batch
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import (
     ENGINE_STATE_FILE,
@@ -45,6 +46,7 @@ from zeroshard.checkpoint.save import (
 )
 from zeroshard.checkpoint.state import ModelPiece, ShardedState, StatePart
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, describe_errors, entry_timeout, write_timeout
+from zeroshard.checkpoint.torn import load_scope, mark_torn, repaired
 from zeroshard.checkpoint.universal import LATEST_UNIVERSAL, UniversalReader
 from zeroshard.comm.topology import NodeLayout
 from zeroshard.optim.state_dtype import state_dtype
@@ -114,11 +116,10 @@ def check_module_keys(meta: CheckpointMetadata, catalog: ModuleCatalog, strict: 
 
 
 def load_module_weights(
-    reader: CheckpointReader, catalog: ModuleCatalog, state: ShardedState | None, strict: bool
-) -> dict[str, str]:
-    """Fill the module's tensors no strategy shards; returns engine -> checkpoint names. The ranges of sharded
-    ones are filled part by part (`fill_targets`, [Note: state parts])."""
-    mapping = check_module_keys(reader.metadata, catalog, strict)
+    reader: CheckpointReader, catalog: ModuleCatalog, state: ShardedState | None, mapping: dict[str, str]
+) -> None:
+    """Fill the module's tensors no strategy shards (`mapping`: engine -> checkpoint names, `check_module_keys`). The
+    ranges of sharded ones are filled part by part (`fill_targets`, [Note: state parts])."""
     sharded = set(state.sharded_params().values()) if state is not None else set()
     targets = [
         ModelPiece(name, 0, tensor.numel(), tensor.detach())
@@ -126,7 +127,6 @@ def load_module_weights(
         if name not in sharded
     ]
     fill_targets(reader, targets, mapping)
-    return mapping
 
 
 def fill_targets(reader: CheckpointReader, targets: list[ModelPiece], mapping: dict[str, str]) -> None:
@@ -253,52 +253,6 @@ def _group_state_keys(reader: CheckpointReader, saved: dict[str, Any], keys: dic
 
 
 # -- batch ---------------------------------------------------------------------------------------------------
-def adapt_batch(engine: CheckpointableEngine, meta: CheckpointMetadata) -> bool:
-    """Keep the checkpoint's global batch on a new data-parallel degree by changing gradient accumulation.
-
-    Returns whether gradient_accumulation_steps changed. Not done when the config pins train_batch_size
-    (the user asked for that batch) or when the micro-batch times the replicas does not divide it. The replicas
-    are those the config's batch counts (train_batch_size / (micro x accumulation)), not the ranks of the
-    checkpoint's world: a tensor-parallel or pp x tp lane group holds tp ranks per replica.
-    """
-    cfg = engine.config
-    saved = int(meta.batch["train_batch_size"])
-    current = int(cfg.train_batch_size)
-    if saved == current:
-        return False
-    if not engine.accumulation.managed:  # [Note: caller-owned windows]: the script sizes its windows itself
-        log_rank(
-            logger,
-            30,
-            f"global batch changes from {saved} (checkpoint) to {current}: with managed_gradient_accumulation false "
-            "the script's windows decide it; gradient_accumulation_steps (the loss divisor) stays as configured",
-        )
-        return False
-    micro = int(cfg.train_micro_batch_size_per_gpu)
-    replicas = current // (micro * int(cfg.gradient_accumulation_steps))
-    pinned = cfg.raw.get("train_batch_size") not in (None, "auto")
-    if pinned or saved % (micro * replicas):
-        why = "train_batch_size is set in the config" if pinned else f"{micro} x {replicas} replicas does not divide it"
-        log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {why}")
-        return False
-    gas = saved // (micro * replicas)
-    refused = engine.strategy.window_change_refused(gas) if engine.strategy is not None else None
-    if refused is not None:
-        log_rank(logger, 30, f"global batch changes from {saved} (checkpoint) to {current}: {refused}")
-        return False
-    engine.config = dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
-    engine.accumulation.gradient_accumulation_steps = gas  # the strategy reads the window from here
-    batch = meta.batch
-    before = saved // (int(batch["train_micro_batch_size_per_gpu"]) * int(batch["gradient_accumulation_steps"]))
-    log_rank(
-        logger,
-        30,
-        f"data-parallel replicas {before} -> {replicas}: gradient_accumulation_steps "
-        f"{cfg.gradient_accumulation_steps} -> {gas} keeps the global batch at {saved}",
-    )
-    return True
-
-
 # -- the collective call -------------------------------------------------------------------------------
 def _restore_training_state(
     engine: CheckpointableEngine, reader: CheckpointReader, blob: dict[str, Any], load_lr_scheduler_states: bool
@@ -328,15 +282,20 @@ def _restore_training_state(
         )
 
 
-def _load_into(
-    engine: CheckpointableEngine,
-    reader: CheckpointReader,
-    strict: bool,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-    load_module_only: bool,
-) -> tuple[dict[str, Any], bool]:
-    """Restore this rank's state; returns (client_state, whether parameters must be re-published)."""
+@dataclasses.dataclass
+class _Plan:
+    """What this rank's load will write, worked out without writing anything ([Note: a torn load])."""
+
+    reader: CheckpointReader
+    state: ShardedState | None
+    catalog: ModuleCatalog
+    mapping: dict[str, str]  # engine name -> checkpoint name, `check_module_keys`
+    blob: dict[str, Any]  # engine_state.pt: client state, lr scheduler, loss scaler, sampler
+
+
+def _plan(engine: CheckpointableEngine, reader: CheckpointReader, strict: bool) -> _Plan:
+    """The checks a load can make before it writes: keys, shapes, the tensor-parallel slicing and the engine state
+    file (its CRC), so that a checkpoint refused on any rank is refused before any rank has written."""
     from zeroshard.tp.reshard import tensor_parallel_reader
 
     state = engine_state(engine)
@@ -348,9 +307,22 @@ def _load_into(
     )
     caller_split = bool(getattr(state, "caller_split", False))  # [Note: tensor-parallel checkpoints]
     reader = tensor_parallel_reader(reader, catalog.infos, caller_split)  # [Note: tensor-parallel resharding]
-    meta = reader.metadata
-    mapping = load_module_weights(reader, catalog, state, strict)
+    mapping = check_module_keys(reader.metadata, catalog, strict)
     blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
+    return _Plan(reader, state, catalog, mapping, blob)
+
+
+def _load_into(
+    engine: CheckpointableEngine,
+    plan: _Plan,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[dict[str, Any], bool]:
+    """Restore this rank's state; returns (client_state, whether parameters must be re-published)."""
+    reader, state, blob = plan.reader, plan.state, plan.blob
+    meta = reader.metadata
+    load_module_weights(reader, plan.catalog, state, plan.mapping)
     optimizer_too = (
         not load_module_only and load_optimizer_states and state is not None and engine.optimizer is not None
     )
@@ -363,10 +335,10 @@ def _load_into(
     ckpt_group: dict[int, int] = {}
     for part in state.parts() if state is not None else []:  # one part in memory at a time
         with part.hold(True):
-            fill_targets(reader, part.model_targets(), mapping)
+            fill_targets(reader, part.model_targets(), plan.mapping)
             if optimizer_too:
                 assert engine.optimizer is not None
-                load_optimizer_state(reader, engine.optimizer, part, mapping, master_loaded, ckpt_group)
+                load_optimizer_state(reader, engine.optimizer, part, plan.mapping, master_loaded, ckpt_group)
             if engine.strategy is not None and not master_loaded:
                 part.refresh_master()
     if optimizer_too and engine.loss_scaler is not None and blob["loss_scaler"] is not None:
@@ -434,29 +406,51 @@ def load_checkpoint(
         return None, None
     local_error: Exception | None = None
     client_state: dict[str, Any] | None = None
-    publish = False
+    publish, plan, wrote = False, None, False
     after, in_line = _turns(engine)
-    try:
-        with sync.in_turn(after, write_timeout() * max(1, in_line - 1)):
-            opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
+    try:  # the checks that write nothing, on every rank at once ([Note: a torn load])
+        opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
+        try:
             if not universal:
                 check_loadable(opened.metadata, tag_dir, engine)
-            with torch.profiler.record_function("zeroshard.load_checkpoint"), opened as reader:
+            plan = _plan(engine, opened, load_module_strict)
+        except BaseException:
+            opened.close()
+            raise
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        local_error = e
+    checked = sync.all_gather("checked", {"error": None if local_error is None else str(local_error)}, write_timeout())
+    if any(s["error"] for s in checked):
+        if plan is not None:
+            plan.reader.close()
+        sync.leave(write_timeout())
+        raise CheckpointError(
+            f"load_checkpoint({tag_dir!r}) refused, nothing was loaded: {describe_errors(checked)}"
+        ) from local_error
+    assert plan is not None
+    try:
+        with sync.in_turn(after, write_timeout() * max(1, in_line - 1)), opened:
+            with torch.profiler.record_function("zeroshard.load_checkpoint"):
+                wrote = True
                 client_state, publish = _load_into(
-                    engine,
-                    reader,
-                    load_module_strict,
-                    load_optimizer_states,
-                    load_lr_scheduler_states,
-                    load_module_only,
+                    engine, plan, load_optimizer_states, load_lr_scheduler_states, load_module_only
                 )
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
-    status = {"error": None if local_error is None else str(local_error)}
+    status = {"error": None if local_error is None else str(local_error), "wrote": wrote}
     statuses = sync.all_gather("loaded", status, write_timeout() * in_line)
     sync.leave(write_timeout() * in_line)
+    scope = load_scope(load_optimizer_states, load_module_only)
     if any(s["error"] for s in statuses):
-        raise CheckpointError("load_checkpoint failed: " + describe_errors(statuses)) from local_error
+        described = describe_errors(statuses)
+        if any(s["wrote"] for s in statuses):
+            mark_torn(engine, f"load_checkpoint({tag_dir!r}) failed part way ({described})", scope)
+            raise CheckpointError(
+                f"load_checkpoint failed part way: {described}; the engine holds part of the checkpoint and refuses to "
+                "train or save until a load_checkpoint succeeds"
+            ) from local_error
+        raise CheckpointError("load_checkpoint failed, nothing was loaded: " + described) from local_error
+    repaired(engine, scope)
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).
     if engine.strategy is not None:
         state = engine_state(engine)

@@ -11,6 +11,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.precision.policy import PrecisionPolicy
 
 if TYPE_CHECKING:
+    from zeroshard.checkpoint.torn import TornLoad
     from zeroshard.zero.strategy import AccumulationState, Strategy
 
 
@@ -29,3 +30,4 @@ class CheckpointableEngine(Protocol):
     global_samples: int
     micro_steps: int
     skipped_steps: int
+    _torn_load: TornLoad | None  # [Note: a torn load]

@@ -52,6 +52,7 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.save import engine_state
 from zeroshard.checkpoint.space import bytes_to_write, check_space, space_report
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
+from zeroshard.checkpoint.torn import load_scope, mark_torn
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
@@ -150,6 +151,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 load_module_only,
             ),
             at_once,
+            load_scope(load_optimizer_states, load_module_only),
         )
 
     def _same_latest(self, folder: str) -> None:
@@ -188,10 +190,11 @@ class PipelineCheckpointMixin(CheckpointMixin):
     def _mesh(self) -> dict[str, int]:
         return {"num_stages": self.pipe.groups.grid.stages, "tensor_parallel": self.pipe.tp_size}
 
-    def _stagewise(self, call: Callable[[], T], at_once: bool = True) -> T:
+    def _stagewise(self, call: Callable[[], T], at_once: bool = True, load: int | None = None) -> T:
         """`call` on every stage at once (or stage after stage: a barrier between turns), each over its own
         data-parallel group and store keys; then every rank learns which stages failed (one all-reduce) and, where one
-        did, raises: its own error, or one naming them."""
+        did, raises: its own error, or one naming them. `load`: the call is a load of that scope, and a failure
+        where any stage wrote leaves every stage torn ([Note: a torn load])."""
         result: T | None = None
         error: BaseException | None = None
         for turn in range(1 if at_once else self.pipe.groups.grid.stages):
@@ -203,16 +206,26 @@ class PipelineCheckpointMixin(CheckpointMixin):
                     error = e
             if not at_once:
                 self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
-        failed = torch.zeros(self.pipe.groups.grid.stages, device=self.topology.device)
-        failed[self.pipe.groups.stage] = 1.0 if error is not None else 0.0
-        self.pipe.world.all_reduce(failed, op="max", label="pipe.checkpoint_stages")
+        stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
+        flags = torch.zeros(2, stages, device=self.topology.device)  # failed; wrote (a load: done, or torn)
+        flags[0, stage] = 1.0 if error is not None else 0.0
+        flags[1, stage] = 1.0 if error is None or self._torn_load is not None else 0.0
+        self.pipe.world.all_reduce(flags, op="max", label="pipe.checkpoint_stages")
+        failed = [s for s, flag in enumerate(flags[0].tolist()) if flag > 0]
+        if load is not None and failed and flags[1].max() > 0:
+            why = f"load_checkpoint failed part way on pipeline stage(s) {failed}"
+            mark_torn(self, why, load)
+            cause = error if error is not None else "their ranks raised the cause"
+            raise CheckpointError(
+                f"{why} ({cause}) while other stages loaded; the engine refuses to train or save until a "
+                "load_checkpoint succeeds"
+            ) from error
         if error is not None:
             raise error
-        stages = [s for s, flag in enumerate(failed.tolist()) if flag > 0]
-        if stages:
+        if failed:
             raise CheckpointError(
-                f"pipeline stage(s) {stages} failed in this checkpoint call (their ranks raised the cause); this "
-                f"stage ({self.pipe.groups.stage}) finished its part"
+                f"pipeline stage(s) {failed} failed in this checkpoint call (their ranks raised the cause); this "
+                f"stage ({stage}) finished its part"
             )
         return result  # type: ignore[return-value]
 

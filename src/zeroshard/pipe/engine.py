@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.checkpoint import PipelineCheckpointMixin
@@ -104,6 +105,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         (and the last stage's outputs with `return_logits=True`)."""
         if not compute_loss:
             raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
+        refuse_torn(self, "eval_batch")
         self.set_dataiterator(data_iter)
         self.module.eval()
         with self._deadline("engine.eval_batch"), torch.no_grad():
