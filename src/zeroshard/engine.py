@@ -124,7 +124,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         self._step_applied = False
         self._offloader = StateOffloader()
         self._activity = Activity()  # [Note: one-rank checkpoint calls]
-        self._watch = AbsenceWatch.start(self._activity, topology.rank, topology.world_size, topology.device)
+        self._watch = AbsenceWatch.start(
+            self._activity, topology.rank, topology.world_size, topology.device, self._checkpoint_prefix
+        )
         if self._watch is not None:
             weakref.finalize(self, self._watch.stop)
         self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)

@@ -32,6 +32,8 @@ class CheckpointMixin:
     _checkpoint_stream: torch.cuda.Stream | None = None
     # pipeline engines: each stage saves its own folder, the call ends with every stage ([Note: pipeline checkpoints])
     _saves_per_stage = False
+    # where the engine's first checkpoint rendezvous keys are (a pipeline's world calls: pipe/checkpoint.py)
+    _checkpoint_prefix = ""
     _torn_load: TornLoad | None = None  # a load that failed part way: [Note: a torn load]
 
     def save_checkpoint(

@@ -17,7 +17,9 @@ launcher stops it, or the collective deadline) and the engine raises the same na
 backend's. The price is a false alarm for a rank that really is still inside one engine call more than the
 grace after the others entered the call (local work after its last collective): it fails at once when it
 arrives, saying so and naming the variable to raise. Ranks blocked outside engine calls (the script's own
-collectives) are not seen: the entry timeout still names them.
+collectives) are not seen: the entry timeout still names them. A pipeline engine's checkpoint calls begin with a
+rendezvous over the whole world under a prefix of their own (each stage's keys are under another): its watch reads
+that prefix (`_checkpoint_prefix`), so a save or load on one rank of a pipeline is named in seconds too.
 """
 
 from __future__ import annotations
@@ -110,9 +112,12 @@ class AbsenceWatch:
         self._thread = threading.Thread(target=self._run, name=f"zeroshard-checkpoint-watch-{rank}", daemon=True)
 
     @classmethod
-    def start(cls, activity: Activity, rank: int, world_size: int, device: torch.device) -> AbsenceWatch | None:
+    def start(
+        cls, activity: Activity, rank: int, world_size: int, device: torch.device, prefix: str = ""
+    ) -> AbsenceWatch | None:
         """Collective over the default group: every rank opens its connection, then they agree (one MAX all-reduce)
-        that all of them watch, or none does. The agreement is also what keeps a rank from going on before its peers
+        that all of them watch, or none does. `prefix`: where the engine's checkpoint calls keep their keys (a
+        pipeline's calls over the whole world). The agreement is also what keeps a rank from going on before its peers
         are connected: rank 0 serves the store, and a rank 0 that finished and exited while a peer was still opening
         its connection left that peer retrying a dead address for the store's timeout (300 s, then again)."""
         store = default_store() if world_size > 1 else None
@@ -126,7 +131,7 @@ class AbsenceWatch:
         dist.all_reduce(missing, op=dist.ReduceOp.MAX)
         if own is None or missing.item() > 0:
             return None
-        watch = cls(activity, rank, world_size, own)
+        watch = cls(activity, rank, world_size, dist.PrefixStore(prefix, own) if prefix else own)
         watch._thread.start()
         return watch
 

@@ -6,9 +6,10 @@ shards over its data-parallel group) under `<save_dir>/pipe_stage_XX/`, with the
 commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d store with keys per rank of the group
 it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a prefix of its own (they
 took turns, a barrier over the whole world between turns: a save took the sum of the stages' times), and one
-all-reduce over the world at the end tells every rank which stages failed. A stage that failed leaves the others'
-`latest` moved on: a load by `latest` checks that every stage names the same tag. The space check ([Note: checkpoint
-space]) runs over the whole world first (the stages share filesystems and write at once); with
+all-reduce over the world at the end tells every rank which stages failed. A save and a load start with a rendezvous
+over the whole world (`WORLD_PREFIX`: the space check; a load's entry), which the absence watch reads ([Note:
+one-rank checkpoint calls]). A stage that failed leaves the others' `latest` moved on: a load by `latest` checks that
+every stage names the same tag. The space check ([Note: checkpoint space]) runs over the whole world first (the stages share filesystems and write at once); with
 `pipeline_loading_checkpoint` the stages load in turns (a node holds one rank's load buffers at a time). Loading needs
 the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
 reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
@@ -65,6 +66,9 @@ def stage_dir(root: str | os.PathLike[str], stage: int) -> str:
 
 
 MESH_FILE = "pipe_mesh.json"
+# the store keys of the calls over the whole world (global ranks), apart from each stage's: the absence watch reads
+# them ([Note: one-rank checkpoint calls])
+WORLD_PREFIX = "zeroshard/pipe_world"
 
 
 def write_mesh(root: str | os.PathLike[str], mesh: dict[str, int]) -> None:
@@ -102,6 +106,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
     topology: Topology
     config: Any  # ZeroshardConfig
     _saves_per_stage = True
+    _checkpoint_prefix = WORLD_PREFIX
 
     def save_checkpoint(
         self,
@@ -134,6 +139,11 @@ class PipelineCheckpointMixin(CheckpointMixin):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
+        # every rank arrives over the world first: a rank that trains on instead is named in seconds
+        world = self.pipe.world
+        sync = RankSync("load_checkpoint", world.rank, world.world_size, prefix=WORLD_PREFIX)
+        sync.all_gather(ENTRY_PHASE, {}, entry_timeout())
+        sync.leave(entry_timeout())
         check_mesh(load_dir, self._mesh())
         folder = stage_dir(load_dir, self.pipe.groups.stage)
         if tag is None:
@@ -182,7 +192,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
             engine = cast(CheckpointableEngine, self)
             need = bytes_to_write(engine, engine_state(engine))
         world = self.pipe.world
-        sync = RankSync("save_checkpoint", world.rank, world.world_size, prefix="zeroshard/pipe_world")
+        sync = RankSync("save_checkpoint", world.rank, world.world_size, prefix=WORLD_PREFIX)
         hello = sync.all_gather(ENTRY_PHASE, space_report(os.path.abspath(folder), need), entry_timeout())
         check_space(hello, os.path.abspath(os.path.dirname(folder)))
         sync.leave(entry_timeout())
