@@ -259,6 +259,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
                 self._step(strategy, boundary)
             self.tput_timer.stop(boundary, self.global_rank == 0, self.global_samples - samples)
             self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
+            if boundary:  # after the wall clock: its times of this step go into the profile
+                self.telemetry.profile_report(self.global_steps - 1, self.wall_clock.snapshot())
         see_memory_usage("Engine after step", force=self._memory_breakdown)
         self.accumulation.micro_steps += 1
 

@@ -130,6 +130,38 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
     assert "params per GPU:" in profile and str(K * N + N * OUT) in profile
 
 
+def test_flops_profile_under_wall_clock_breakdown_adds_deepspeeds_backward_lines(tmp_path: pathlib.Path) -> None:
+    """With wall_clock_breakdown the profile takes the engine's timings of the profiled step's last micro-step and
+    counts a backward as 2 + recompute_fwd_factor forwards, as DeepSpeed's does."""
+    from zeroshard.monitor.flops import duration_to_string, flops_to_string
+
+    last = STEPS - 1  # the snapshot read below is the profiled step's
+    profiler = {"enabled": True, "profile_step": last, "output_file": str(tmp_path / "flops.txt")}
+    cfg = _config(tmp_path, wall_clock_breakdown=True, flops_profiler={**profiler, "recompute_fwd_factor": 1.0})
+    engine, *_ = _train(cfg)
+    times = engine.get_wall_clock_timers()
+    engine.destroy()
+    lines = dict(
+        line.rsplit(":  ", 1) if ":  " in line else (line, "")
+        for line in (tmp_path / "flops.txt").read_text().splitlines()
+    )
+    fwd, bwd, step = (times[f"{name}_microstep"] / 1e3 for name in ("fwd", "bwd", "step"))
+    flops = 2 * MICRO * K * N + 2 * MICRO * N * OUT
+    assert lines["fwd latency"].strip() == duration_to_string(fwd)
+    assert lines["bwd latency"].strip() == duration_to_string(bwd)
+    assert lines["bwd FLOPS per GPU = 3 * fwd flops per GPU / bwd latency"].strip() == flops_to_string(3 * flops / bwd)
+    iteration = fwd + bwd + step
+    assert lines["iter latency"].strip() == duration_to_string(iteration)
+    assert lines["FLOPS per GPU = 4 * fwd flops per GPU / iter latency"].strip() == flops_to_string(
+        4 * flops / iteration
+    )
+    assert float(lines["samples/second"]) == round(MICRO / iteration, 2)
+    # without the breakdown: the hooks' forward latency, no backward lines (DeepSpeed's report without its timers)
+    engine, *_ = _train(_config(tmp_path, flops_profiler=profiler))
+    engine.destroy()
+    assert "bwd latency: " not in (tmp_path / "flops.txt").read_text()
+
+
 def test_flops_profiler_totals_equal_the_matmul_count() -> None:
     from zeroshard.config.monitor import FlopsProfilerConfig
     from zeroshard.monitor.flops import FlopsProfiler

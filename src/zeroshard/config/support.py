@@ -166,6 +166,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "flops_profiler.top_modules",
         "flops_profiler.detailed",
         "flops_profiler.output_file",
+        "flops_profiler.recompute_fwd_factor",  # monitor/flops.py: the backward lines under wall_clock_breakdown
         "wall_clock_breakdown",  # monitor/wall_clock.py ([Note: wall clock breakdown])
         # monitor/throughput.py ([Note: throughput timer]); runtime/utils.see_memory_usage; utils/logging.py
         "timers.throughput.enabled",
@@ -315,7 +316,6 @@ UNIMPLEMENTED: Final[frozenset[str]] = frozenset(
         # Communication extras.
         "sparse_gradients",
         # Monitoring, profiling and logging.
-        "flops_profiler.recompute_fwd_factor",  # only in DeepSpeed's backward-FLOPS lines of wall_clock_breakdown
         # Memory, checkpointing and data.
         "checkpoint.parallel_write",
         # checkpoint.writer: `decoupled` and `show_statistics` are implemented; these tune DeepSpeed's aio writer

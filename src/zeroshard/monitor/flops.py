@@ -6,7 +6,11 @@ time each module with forward pre/post hooks whose handles are removed after the
 exact for the operations FlopCounterMode counts. Parameters are counted from their full shapes (`shapes`, the
 strategy's record of what each shard belongs to): under stage 3 a parameter outside its forward is an empty
 placeholder. The first forward (one micro-batch, as "batch size per GPU" says) of step `profile_step` is profiled and
-the report written at that step's boundary, on rank 0, to `output_file` or the log.
+the report written at that step's boundary, on rank 0, to `output_file` or the log. With `wall_clock_breakdown` the
+report takes its latencies from the engine's timers of that step's last micro-step, as DeepSpeed's takes its from
+the engine's, and adds DeepSpeed's backward, step and iteration lines: a backward counted as 2 forwards plus
+`recompute_fwd_factor` (the forwards activation checkpointing recomputes: 1 where every layer is checkpointed); a
+pipeline engine times neither forward nor backward, so its report keeps the hooks' forward latency alone.
 """
 
 from __future__ import annotations
@@ -94,11 +98,15 @@ class FlopsProfiler:
                 h.remove()
         self._record(counter, durations)
 
-    def report(self, step: int) -> str | None:
-        """At `profile_step`'s boundary: the report text, written to `output_file` or returned for the log."""
+    def report(self, step: int, timings: dict[str, float] | None = None) -> str | None:
+        """At `profile_step`'s boundary: the report text, written to `output_file` or returned for the log.
+        `timings`: the wall-clock breakdown's milliseconds ([Note: wall clock breakdown]), which add DeepSpeed's
+        backward, step and iteration lines."""
         if self.profile is None or self.profile.step != step:
             return None
-        text = format_profile(self.profile, self.config, self.world_size, self.micro_batch_size, self.model)
+        text = format_profile(
+            self.profile, self.config, self.world_size, self.micro_batch_size, self.model, timings or {}
+        )
         if self.config.output_file:
             path = os.path.abspath(str(self.config.output_file))
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -180,10 +188,16 @@ def duration_to_string(seconds: float) -> str:
 
 
 def format_profile(
-    profile: Profile, config: FlopsProfilerConfig, world_size: int, micro_batch_size: int, model: nn.Module
+    profile: Profile,
+    config: FlopsProfilerConfig,
+    world_size: int,
+    micro_batch_size: int,
+    model: nn.Module,
+    timings: dict[str, float] | None = None,
 ) -> str:
     total = profile.total
-    latency = total.duration
+    timed = _timed_micro_step(timings or {})
+    latency = timed[0] if timed is not None else total.duration
     lines = [
         "",
         "-------------------------- DeepSpeed Flops Profiler --------------------------",
@@ -208,6 +222,7 @@ def format_profile(
             "fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ",
             flops_to_string(total.flops / latency if latency else 0.0),
         ),
+        *(_backward_lines(total.flops, timed, float(config.recompute_fwd_factor), micro_batch_size * world_size)),
         "",
         "----------------------------- Aggregated Profile per GPU -----------------------------",
         *_aggregated(profile, model, int(config.module_depth), int(config.top_modules)),
@@ -223,6 +238,44 @@ def format_profile(
         ]
     lines.append("------------------------------------------------------------------------------")
     return "\n".join(lines)
+
+
+def _timed_micro_step(timings: dict[str, float]) -> tuple[float, float, float] | None:
+    """(fwd, bwd, step) seconds of the profiled step's last micro-step (the one whose step updates the weights), from
+    the wall-clock breakdown; None without it, or where forward and backward are not timed (a pipeline engine)."""
+    fwd, bwd = timings.get("fwd_microstep", 0.0), timings.get("bwd_microstep", 0.0)
+    if fwd <= 0.0 or bwd <= 0.0:
+        return None
+    return fwd / 1e3, bwd / 1e3, timings.get("step_microstep", 0.0) / 1e3
+
+
+def _backward_lines(
+    flops: int, timed: tuple[float, float, float] | None, recompute_fwd_factor: float, samples: int
+) -> list[str]:
+    """DeepSpeed's lines under wall_clock_breakdown: a backward costs 2 forwards, plus `recompute_fwd_factor` more
+    where activation checkpointing recomputes forwards ([Note: flops profile])."""
+    if timed is None:
+        return []
+    fwd, bwd, step = timed
+    factor = 2 + recompute_fwd_factor
+    iteration = fwd + bwd + step
+    return [
+        _LINE.format("bwd latency: ", duration_to_string(bwd)),
+        _LINE.format(
+            f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency: ", flops_to_string(factor * flops / bwd)
+        ),
+        _LINE.format(
+            f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency): ",
+            flops_to_string((factor + 1) * flops / (fwd + bwd)),
+        ),
+        _LINE.format("step latency: ", duration_to_string(step)),
+        _LINE.format("iter latency: ", duration_to_string(iteration)),
+        _LINE.format(
+            f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency: ",
+            flops_to_string((factor + 1) * flops / iteration),
+        ),
+        _LINE.format("samples/second: ", round(samples / iteration, 2)),
+    ]
 
 
 def _aggregated(profile: Profile, model: nn.Module, module_depth: int, top_modules: int) -> list[str]:

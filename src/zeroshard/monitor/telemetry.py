@@ -115,13 +115,17 @@ class Telemetry:
         self._write([("Train/Samples/train_loss", value, samples)])
 
     def after_step(self, step: int, samples: int, lr: float, loss_scale: float | None) -> None:
-        """After an optimizer step (`step` counted before it): lr, loss scale, and the FLOPs profile at its step."""
+        """After an optimizer step (`step` counted before it): lr and loss scale."""
         events: list[Event] = [("Train/Samples/lr", lr, samples)]
         if loss_scale is not None:
             events.append(("Train/Samples/loss_scale", loss_scale, samples))
         self._write(events)
+
+    def profile_report(self, step: int, timings: dict[str, float]) -> None:
+        """The FLOPs profile, at the end of `engine.step()` on the boundary of `step` (counted before it);
+        `timings`: the wall-clock breakdown's milliseconds (empty without it)."""
         if self.profiler is not None:
-            text = self.profiler.report(step)
+            text = self.profiler.report(step, timings)
             if text is not None:
                 logger.info(text)
 

@@ -7,17 +7,18 @@ commit (docs/checkpoint.md). The checkpoint code rendezvouses through the c10d s
 it is given; every stage saves at the same time (as DeepSpeed's stages do), its keys under a prefix of its own (they
 took turns, a barrier over the whole world between turns: a save took the sum of the stages' times), and one
 all-reduce over the world at the end tells every rank which stages failed. A save and a load start with a rendezvous
-over the whole world (`WORLD_PREFIX`: the space check; a load's entry), which the absence watch reads ([Note:
-one-rank checkpoint calls]). A stage that failed leaves the others' `latest` moved on: a load by `latest` checks that
-every stage names the same tag. The space check ([Note: checkpoint space]) runs over the whole world first (the stages share filesystems and write at once); with
-`pipeline_loading_checkpoint` the stages load in turns (a node holds one rank's load buffers at a time). Loading needs
-the same num_stages and partition; the data-parallel degree may differ, as for any zeroshard checkpoint: each rank
-reads its ZeRO ranges of its stage's folder ([Note: resharding at load]) and `adapt_batch` keeps the saved global
-batch by changing gradient_accumulation_steps (dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine
-that ran a schedule before the load builds new ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2 ->
-pp2 x dp1 and pp2 x dp1 -> pp2 x dp2, ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last within 1e-5
-relative of the single-process reference for the same global batch. Untested across dp: GPipe and interleaved, ZeRO-0,
-and the engine's own loader over training_data (its sampler position).
+over the whole world (`WORLD_PREFIX`: the space check; a load's entry), which the absence watch reads
+([Note: one-rank checkpoint calls]). A stage that failed leaves the others' `latest` moved on: a load by `latest`
+checks that every stage names the same tag. The space check ([Note: checkpoint space]) runs over the whole world
+first (the stages share filesystems and write at once); with `pipeline_loading_checkpoint` the stages load in turns
+(a node holds one rank's load buffers at a time). Loading needs the same num_stages and partition; the data-parallel
+degree may differ, as for any zeroshard checkpoint: each rank reads its ZeRO ranges of its stage's folder
+([Note: resharding at load]) and `adapt_batch` keeps the saved global batch by changing gradient_accumulation_steps
+(dp2 -> dp1: 4 -> 8), which the schedules are keyed by, so an engine that ran a schedule before the load builds new
+ones. Tested (tests/distributed/test_pipeline_reshard.py): pp2 x dp2 -> pp2 x dp1 and pp2 x dp1 -> pp2 x dp2,
+ZeRO-1, 1F1B, data_iter, every step and an eval_batch after the last within 1e-5 relative of the single-process
+reference for the same global batch. Untested across dp: GPipe and interleaved, ZeRO-0, and the engine's own loader
+over training_data (its sampler position).
 
 [Note: 3D checkpoints]
 With an mpu's tensor-parallel layers ([Note: 3D mesh]) the "world" a stage's checkpoint sees is its lane group
