@@ -124,9 +124,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         self._step_applied = False
         self._offloader = StateOffloader()
         self._activity = Activity()  # [Note: one-rank checkpoint calls]
-        self._watch = AbsenceWatch.start(
-            self._activity, topology.rank, topology.world_size, topology.device, self._checkpoint_prefix
-        )
+        self._watch = AbsenceWatch.start(self._activity, topology, self._checkpoint_prefix)
         if self._watch is not None:
             weakref.finalize(self, self._watch.stop)
         self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)
@@ -342,6 +340,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
         `module.state_dict()` included (tied weights under each name, one tensor). Every rank must call it; with
         `keep` False a rank takes part and gets {}; `device`: where the values go (default: where they are)."""
+        refuse_torn(self, "consolidated_state_dict")
         why = self.strategy.consolidation_refused() if self.strategy is not None else None
         if why:
             raise ZeroshardError(
@@ -365,6 +364,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         None on the other ranks; stage 3 only. Every rank must call it."""
         if self.zero_stage != 3:
             raise ValueError("this function requires ZeRO-3 mode")
+        refuse_torn(self, "_zero3_consolidated_16bit_state_dict")
         # unit by unit, each on the CPU of rank 0 as soon as it is whole (DeepSpeed: layer by layer)
         keep = self.global_rank == 0
         whole = self.strategy.whole_state_dict(exclude_frozen_parameters) if self.strategy is not None else None

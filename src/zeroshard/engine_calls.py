@@ -109,6 +109,7 @@ class DeepSpeedCalls:
     ) -> dict[str, Any]:
         """The module's state_dict (gathered under stage 3; every rank must call it then), without the frozen
         parameters when asked."""
+        refuse_torn(self, "module_state_dict")
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             for name, param in self.module.named_parameters():

@@ -1,14 +1,16 @@
 """[Note: a torn load] (checkpoint/torn.py): a load refused by a check on any rank writes nothing on every rank; one
 that fails after ranks began writing leaves the engine refusing to train or save, on every rank, until a load
-succeeds.
+succeeds that restores at least what the failed one would have.
 
-2 gloo ranks, fp32. Checkpoint "good" is saved after 2 steps; "damaged" is a copy with one byte of rank 1's
-optimizer shard flipped (its CRC fails while rank 1 reads it, after rank 0 has loaded all of its part). Stages 2 and
-3, and a pp2 pipeline whose stage 1's shard is damaged the same way (stage 0 loads).
+2 gloo ranks, fp32, WarmupLR (the lr differs at every step). Checkpoint "good" is saved after 2 steps; "damaged"
+is a copy with one byte of rank 1's optimizer shard flipped (its CRC fails while rank 1 reads it, after rank 0 has
+loaded all of its part); "missing" lacks its module-weight files (every rank fails as it opens the first, before
+anything is written). Stages 2 and 3, and a pp2 pipeline.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from typing import Any
@@ -21,7 +23,15 @@ from helpers.parity import Case, build_model, ds_config, global_batches, micro_b
 
 SAVED = 2
 STEPS = 4
-CALLS = ("forward", "backward", "step", "save_checkpoint", "save_16bit_model")
+CALLS = (
+    "forward",
+    "backward",
+    "step",
+    "save_checkpoint",
+    "save_16bit_model",
+    "consolidated_state_dict",
+    "module_state_dict",
+)
 
 
 def _flip(path: str) -> None:
@@ -32,10 +42,9 @@ def _flip(path: str) -> None:
         f.write(bytes([byte[0] ^ 0x55]))
 
 
-def _damaged_copy(root: str, shard: str) -> None:
-    """`root`/damaged: `root`/good with one data byte of `shard` (a path inside the tag folder) flipped."""
-    shutil.copytree(os.path.join(root, "good"), os.path.join(root, "damaged"))
-    _flip(os.path.join(root, "damaged", shard))
+def _copy(folder: str, tag: str, new: str) -> str:
+    shutil.copytree(os.path.join(folder, tag), os.path.join(folder, new))
+    return os.path.join(folder, new)
 
 
 def _engine(stage: int) -> Any:
@@ -45,6 +54,7 @@ def _engine(stage: int) -> Any:
     model = build_model(case)
     config = ds_config(case)
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": case.lr}}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     return engine
 
@@ -73,6 +83,8 @@ def _refusals(engine: Any, rank: int, world_size: int, root: str) -> dict[str, s
         "step": engine.step,
         "save_checkpoint": lambda: engine.save_checkpoint(os.path.join(root, "after"), tag="after"),
         "save_16bit_model": lambda: engine.save_16bit_model(os.path.join(root, "after16")),
+        "consolidated_state_dict": engine.consolidated_state_dict,
+        "module_state_dict": engine.module_state_dict,
     }
     out = {}
     for name, call in calls.items():
@@ -81,6 +93,16 @@ def _refusals(engine: Any, rank: int, world_size: int, root: str) -> dict[str, s
         except CheckpointError as e:
             out[name] = str(e)
     return out
+
+
+def _load_error(engine: Any, root: str, tag: str, **kwargs: Any) -> str:
+    from zeroshard.checkpoint import CheckpointError
+
+    try:
+        engine.load_checkpoint(root, tag=tag, **kwargs)
+    except CheckpointError as e:
+        return str(e)
+    return ""
 
 
 def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> dict[str, Any]:
@@ -93,12 +115,14 @@ def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> di
     out["continued"] = _train(engine, rank, world_size, range(SAVED, STEPS))
     engine.destroy()
     if rank == 0:
-        _damaged_copy(root, os.path.join("optim", "rank00001.safetensors"))
+        _flip(os.path.join(_copy(root, "good", "damaged"), "optim", "rank00001.safetensors"))
+        for path in glob.glob(os.path.join(_copy(root, "good", "missing"), "model", "*.safetensors")):
+            os.remove(path)
     torch.distributed.barrier()
 
     # refused by a check on rank 1 only: nothing is written anywhere, the engine trains as a fresh one
     engine = _engine(stage)
-    before = [p.detach().clone() for p in engine.module.parameters()]
+    before = engine.consolidated_state_dict()
     plan = load_module._plan
 
     def refused_on_rank_1(*args: Any, **kwargs: Any) -> Any:
@@ -107,28 +131,24 @@ def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> di
         return plan(*args, **kwargs)
 
     load_module._plan = refused_on_rank_1  # type: ignore[assignment]
-    try:
-        engine.load_checkpoint(root, tag="good")
-    except CheckpointError as e:
-        out["refused"] = str(e)
+    out["refused"] = _load_error(engine, root, "good")
     load_module._plan = plan  # type: ignore[assignment]
-    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
-    out["steps_after_refusal"] = engine.global_steps
-    out["fresh"] = _train(engine, rank, world_size, range(2))
+    after = engine.consolidated_state_dict()
+    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and engine.global_steps == 0
+    # the module-weight files are gone: every rank fails opening the first, before writing anything
+    out["missing"] = _load_error(engine, root, "missing")
+    out["fresh"] = _train(engine, rank, world_size, range(SAVED))
     engine.destroy()
 
     # torn: rank 0 loads its part, rank 1's optimizer shard fails its CRC
     engine = _engine(stage)
-    try:
-        engine.load_checkpoint(root, tag="damaged")
-    except CheckpointError as e:
-        out["torn"] = str(e)
+    out["torn"] = _load_error(engine, root, "damaged")
     out["refusals"] = _refusals(engine, rank, world_size, root)
-    try:  # a load of the module weights alone does not repair a torn full load
-        engine.load_checkpoint(root, tag="good", load_module_only=True)
-        out["module_only_refusal"] = _refusals(engine, rank, world_size, root).get("step", "")
-    except CheckpointError as e:
-        out["module_only_refusal"] = f"load raised: {e}"
+    # loads that restore less than the failed one would have do not repair it
+    out["partial_loads"] = [
+        _load_error(engine, root, "good", **kwargs) + _refusals(engine, rank, world_size, root).get("step", "")
+        for kwargs in ({"load_module_only": True}, {"load_lr_scheduler_states": False})
+    ]
     engine.load_checkpoint(root, tag="good")
     out["repaired"] = _train(engine, rank, world_size, range(SAVED, STEPS))
     engine.destroy()
@@ -140,21 +160,22 @@ def test_a_load_refused_writes_nothing_and_a_torn_one_refuses_to_train_until_rep
     ranks = run_on_ranks(_torn_then_repaired, 2, str(tmp_path), stage)
     for rank, out in enumerate(ranks):
         assert "refused, nothing was loaded" in out["refused"] and "rank 1: a check failed" in out["refused"], out
-        assert out["untouched"] and out["steps_after_refusal"] == 0, rank
-        assert out["fresh"] == ranks[rank]["saved"], rank  # bit for bit the run from the same initialisation
+        assert out["missing"].startswith("load_checkpoint failed, nothing was loaded:"), out["missing"]
+        assert out["untouched"], rank
+        assert out["fresh"] == out["saved"], rank  # bit for bit the run from the same initialisation
         assert "failed part way" in out["torn"] and "rank 1" in out["torn"], out["torn"]
         assert "checksum mismatch" in out["torn"] and "rank00001.safetensors" in out["torn"], out["torn"]
         assert set(out["refusals"]) == set(CALLS), (rank, out["refusals"])
         for call, message in out["refusals"].items():
             assert message.startswith(f"engine.{call}(): load_checkpoint("), message
-            assert "damaged" in message and "build a new engine" in message, message
-        assert out["module_only_refusal"].startswith("engine.step(): load_checkpoint("), out["module_only_refusal"]
+            assert "damaged" in message and "the lr scheduler and the optimizer state clears this" in message, message
+        for refusal in out["partial_loads"]:  # each load succeeded, and the engine still refuses
+            assert refusal.startswith("engine.step(): load_checkpoint("), refusal
         assert out["repaired"] == out["continued"], rank  # the good load resumes the saved run bit for bit
 
 
-def _pipeline_torn(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _pipeline_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from helpers.pipeline import PipeCase, batches, build
-    from zeroshard.checkpoint import CheckpointError
 
     case = PipeCase(2, "1f1b", zero=1)
     data = batches(case, 1)
@@ -163,42 +184,83 @@ def _pipeline_torn(rank: int, world_size: int, root: str) -> dict[str, Any]:
         it = iter([mb for s in steps for mb in data[s][0]])
         return [float(engine.train_batch(data_iter=it)) for _ in steps]
 
+    def refusals(engine: Any, where: str = "after") -> dict[str, str]:
+        from zeroshard.checkpoint import CheckpointError
+
+        out = {}
+        for name, call in (
+            ("train_batch", lambda: train(engine, range(SAVED, SAVED + 1))),
+            ("eval_batch", lambda: engine.eval_batch(data_iter=iter(data[0][0]))),
+            ("save_checkpoint", lambda: engine.save_checkpoint(os.path.join(root, where), tag="after")),
+        ):
+            try:
+                call()
+            except CheckpointError as e:
+                out[name] = str(e)
+        return out
+
     engine = build(case)
     train(engine, range(SAVED))
     engine.save_checkpoint(root, tag="good")
     continued = train(engine, range(SAVED, case.steps))
     engine.destroy()
-    if rank == 0:  # each stage's folder copied, stage 1's shard damaged
-        for stage in ("pipe_stage_00", "pipe_stage_01"):
-            shutil.copytree(os.path.join(root, stage, "good"), os.path.join(root, stage, "damaged"))
-        _flip(os.path.join(root, "pipe_stage_01", "damaged", "optim", "rank00000.safetensors"))
+    if rank == 0:  # each stage's folder copied; stage 1's engine state, optimizer or module shard damaged
+        damage = {
+            "state": "engine_state.pt",
+            "optim": "optim/rank00000.safetensors",
+            "model": "model/rank00000.safetensors",
+        }
+        for tag, path in damage.items():
+            for stage in ("pipe_stage_00", "pipe_stage_01"):
+                _copy(os.path.join(root, stage), "good", tag)
+            _flip(os.path.join(root, "pipe_stage_01", tag, path))
+        _copy(os.path.join(root, "pipe_stage_00"), "good", "half")  # stage 1 has no folder of this tag
     torch.distributed.barrier()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"continued": continued}
+    # stage 1 refuses its engine state file (a check): no stage writes, the engine trains
     engine = build(case)
-    try:
-        engine.load_checkpoint(root, tag="damaged")
-    except CheckpointError as e:
-        out["torn"] = str(e)
-    for name, call in (
-        ("train_batch", lambda: train(engine, range(SAVED, SAVED + 1))),
-        ("eval_batch", lambda: engine.eval_batch(data_iter=iter(data[0][0]))),
-        ("save_checkpoint", lambda: engine.save_checkpoint(os.path.join(root, "after"), tag="after")),
-    ):
-        try:
-            call()
-        except CheckpointError as e:
-            out[name] = str(e)
+    out["refused"] = _load_error(engine, root, "state")
+    out["half"] = _load_error(engine, root, "half")  # stage 1 fails before its checks: stage 0 must not wait
+    out["untorn"] = refusals(engine)
+    engine.destroy()
+    # a module-only load failing on stage 1 tears the engine; a later failed load writes nothing and asks no more
+    # of the repair than a module-only load
+    engine = build(case)
+    out["module_torn"] = _load_error(engine, root, "model", load_module_only=True)
+    out["nope"] = _load_error(engine, root, "nope")
+    out["module_repair"] = _load_error(engine, root, "good", load_module_only=True) + str(refusals(engine))
+    engine.destroy()
+    # a full load failing on stage 1: every stage refuses until a full load
+    engine = build(case)
+    out["torn"] = _load_error(engine, root, "optim")
+    out["refusals"] = refusals(engine, "after-torn")
+    if rank == 0:
+        out["mesh_written"] = os.path.exists(os.path.join(root, "after-torn", "pipe_mesh.json"))
     engine.load_checkpoint(root, tag="good")
-    out["repaired"], out["continued"] = train(engine, range(SAVED, case.steps)), continued
+    out["repaired"] = train(engine, range(SAVED, case.steps))
     engine.destroy()
     return out
 
 
-def test_a_pipeline_load_failing_on_one_stage_leaves_every_stage_refusing(tmp_path):
-    """Stage 0 loads its folder, stage 1's shard fails its CRC: both stages' ranks refuse to train, evaluate or
-    save; a good load repairs both and resumes the saved run bit for bit."""
-    for rank, out in enumerate(run_on_ranks(_pipeline_torn, 2, str(tmp_path))):
+def test_pipeline_loads_agree_across_stages_and_a_torn_one_refuses_on_every_stage(tmp_path):
+    """pp2: a check stage 1 fails refuses the load on both stages before either writes; a load failing on stage 1
+    after stage 0 loaded leaves both refusing to train, evaluate or save; a failed load that wrote nothing neither
+    reports a torn engine nor raises what the repair must restore; a good load repairs and resumes bit for bit."""
+    for rank, out in enumerate(run_on_ranks(_pipeline_loads, 2, str(tmp_path))):
+        assert "refused, nothing was loaded" in out["refused"], (rank, out["refused"])
+        if rank == 0:
+            assert "refused, nothing was loaded: another pipeline stage refused its part" in out["half"], out["half"]
+        else:
+            assert "half: checkpoint directory does not exist" in out["half"], out["half"]
+        assert out["untorn"] == {}, (rank, out["untorn"])  # it trained, evaluated and saved
+        assert "failed part way on pipeline stage(s) [1]" in out["module_torn"], (rank, out["module_torn"])
+        assert "part way" not in out["nope"] and "does not exist" in out["nope"], (rank, out["nope"])
+        assert out["module_repair"] == "{}", (rank, out["module_repair"])
         assert "failed part way on pipeline stage(s) [1]" in out["torn"], (rank, out["torn"])
         for call in ("train_batch", "eval_batch", "save_checkpoint"):
-            assert out.get(call, "").startswith(f"engine.{call}(): load_checkpoint failed part way"), (rank, out)
+            assert out["refusals"].get(call, "").startswith(f"engine.{call}(): load_checkpoint failed part way"), (
+                rank,
+                out["refusals"],
+            )
+        assert not out.get("mesh_written", False), rank
         assert out["repaired"] == out["continued"], rank

@@ -38,6 +38,9 @@ class CheckpointReader:
         self.tag_dir = tag_dir
         self.metadata = metadata if metadata is not None else read_metadata(tag_dir)
         self._files: dict[str, SafetensorsReader] = {}
+        # a read has begun to fill a caller's tensor: once a file opened, its bytes go straight into `out`
+        # ([Note: a torn load])
+        self.delivered = False
         self._at_hand: dict[tuple[str, str], PieceRef | None] = {}  # has_state's piece of each tensor
         self._pieces = {
             MODEL: _sorted_checked(self.metadata.model_pieces, "model"),
@@ -82,7 +85,9 @@ class CheckpointReader:
             lo, hi = max(begin, piece.begin), min(end, piece.end)
             if lo < hi:
                 key = piece_key(name, piece.begin, piece.end, state)
-                self._file(piece.file).read_range(key, lo - piece.begin, hi - piece.begin, out[lo - begin : hi - begin])
+                file = self._file(piece.file)
+                self.delivered = True
+                file.read_range(key, lo - piece.begin, hi - piece.begin, out[lo - begin : hi - begin])
                 covered += hi - lo
         if covered != end - begin:
             raise CheckpointError(

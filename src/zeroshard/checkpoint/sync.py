@@ -213,17 +213,18 @@ class RankSync:
         return mine
 
     @contextlib.contextmanager
-    def in_turn(self, after: int | None, timeout: float) -> Iterator[None]:
+    def in_turn(self, after: int | None, timeout: float, phase: str = "turn") -> Iterator[None]:
         """Run the block once rank `after` has left its own (None: at once), and let the next rank go when the block
         ends, raised or not: ranks that wait on each other in a chain take turns. Store keys only (no collective),
-        so a rank whose block raised still passes its turn on and the call's next exchange reports the error."""
+        so a rank whose block raised still passes its turn on and the call's next exchange reports the error. A call
+        that takes turns twice names the second round's `phase` apart."""
         if self.store is None or self.world_size == 1:
             yield
             return
         try:
             if after is not None:
                 try:
-                    self._wait("turn", [after], timeout)
+                    self._wait(phase, [after], timeout)
                 except CheckpointError:
                     raise CheckpointError(
                         f"{self.op}: rank {after}, whose turn comes before this rank's ({self.rank}), did not "
@@ -231,7 +232,7 @@ class RankSync:
                     ) from None
             yield
         finally:  # also when the wait failed: the ranks after this one are not left to time out in turn
-            self.store.set(self._key("turn", self.rank), "1")
+            self.store.set(self._key(phase, self.rank), "1")
 
     def broadcast(self, phase: str, payload: Any, timeout: float) -> Any:
         """Rank 0's payload on every rank."""

@@ -5,13 +5,19 @@ A load writes the checkpoint's values into the engine as it reads them, so one t
 CRC does not match, a disk gone, an lr scheduler that refuses its state), on any rank, leaves the engine holding
 part of the checkpoint and part of what it held before: some ranks' shards loaded and others' not, module weights
 without their optimizer state, counters from the checkpoint. Training on would be training a model no one saved.
-So a load is split in two: every rank first makes the checks that write nothing (`_plan`: keys, shapes, the
-engine state file) and the ranks agree on them (one round on the store), so a checkpoint refused anywhere is
-refused before any rank writes ("nothing was loaded"); what fails after that marks the engine torn on every rank,
-and its forward, backward, step, train_batch, eval_batch and saves then refuse in one line naming the failed
-load, until a load_checkpoint that writes at least as much succeeds (a load_module_only one repairs a torn
-load_module_only load, not a torn full one). DeepSpeed has no such guard. A pipeline
-engine is torn on every stage when any stage's load failed and any stage wrote ([Note: pipeline checkpoints]).
+So a load is split in two (load_plan.py). Every rank first makes the checks that write nothing (`plan_load`: the
+metadata, keys, shapes, the tensor-parallel slicing, the engine state file and its CRC) and the ranks agree on them
+(one round on the store; a pipeline's stages too, one all-reduce, unless they load in turns), so a checkpoint
+refused anywhere is refused before any rank writes: "nothing was loaded". Then `load_into` writes the tensors first
+and the counters last, and a reader records when its first byte went into an engine tensor (`delivered`: a file
+that is missing or truncated fails as it opens, before that). A failure once any rank wrote marks the engine torn on
+every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch and every save
+(save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save) then refuse in
+one line naming the failed load, until a load succeeds that restores at least what the failed one would have
+written: every module weight for a load_module_only one; the counters and lr scheduler too for a full one; the
+optimizer state too unless it was load_optimizer_states=False (a load with load_module_strict=False that misses
+some weights, or from a checkpoint without optimizer state, restores less and does not clear it). DeepSpeed has no
+such guard.
 """
 
 from __future__ import annotations
@@ -21,11 +27,21 @@ from typing import Protocol
 
 from zeroshard.checkpoint.errors import CheckpointError
 
+# What a load restores, in order: every module weight (masters refreshed from them); also the counters, RNG, sampler
+# and lr scheduler; also the optimizer state and loss scaler.
+MODULE, TRAINING, OPTIMIZER = 0, 1, 2
+_CURE = {
+    MODULE: "a load_checkpoint that restores every module weight",
+    TRAINING: "a load_checkpoint that restores every module weight, the counters and the lr scheduler",
+    OPTIMIZER: "a load_checkpoint that restores every module weight, the counters, the lr scheduler and the optimizer "
+    "state",
+}
+
 
 @dataclass(frozen=True)
 class TornLoad:
     why: str  # the failed call and each rank's error
-    scope: int  # what it would have written (`load_scope`)
+    scope: int  # what it would have written (`load_scope`): what a load must restore to repair it
 
 
 class Tearable(Protocol):
@@ -33,15 +49,19 @@ class Tearable(Protocol):
 
 
 def load_scope(load_optimizer_states: bool, load_module_only: bool) -> int:
-    """How much a load writes: 0 the module weights (masters refreshed from them), 1 also counters, scheduler, RNG
-    and sampler, 2 also the optimizer state."""
-    return 0 if load_module_only else (2 if load_optimizer_states else 1)
+    """What a load with these arguments writes."""
+    return MODULE if load_module_only else (OPTIMIZER if load_optimizer_states else TRAINING)
 
 
-def mark_torn(engine: Tearable, why: str, scope: int = 2) -> None:
+def mark_torn(engine: Tearable, why: str, scope: int = OPTIMIZER) -> None:
     """Record that a load failed after it began writing ([Note: a torn load])."""
     held = engine._torn_load
-    engine._torn_load = TornLoad(why, max(scope, held.scope if held is not None else 0))
+    engine._torn_load = TornLoad(why, max(scope, held.scope if held is not None else MODULE))
+
+
+def cure(engine: Tearable) -> str:
+    """What clears the engine's torn state, for the messages."""
+    return _CURE[engine._torn_load.scope if engine._torn_load is not None else MODULE]
 
 
 def refuse_torn(engine: Tearable, call: str) -> None:
@@ -49,11 +69,12 @@ def refuse_torn(engine: Tearable, call: str) -> None:
     if engine._torn_load is not None:
         raise CheckpointError(
             f"engine.{call}(): {engine._torn_load.why}, so this engine holds part of that checkpoint and part of its "
-            "earlier state; load a checkpoint again (a load_checkpoint that succeeds clears this) or build a new engine"
+            f"earlier state; {cure(engine)} clears this, or build a new engine"
         )
 
 
-def repaired(engine: Tearable, scope: int) -> None:
-    """A load of `scope` succeeded: it rewrote what a torn load of at most that scope left mixed."""
-    if engine._torn_load is not None and scope >= engine._torn_load.scope:
+def repaired(engine: Tearable, restored: int) -> None:
+    """A load succeeded that restored `restored` (-1: not every module weight): it clears a torn load of at most that
+    scope."""
+    if engine._torn_load is not None and restored >= engine._torn_load.scope:
         engine._torn_load = None

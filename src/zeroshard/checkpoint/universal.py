@@ -116,6 +116,7 @@ class UniversalReader(CheckpointReader):
 
     def __init__(self, tag_dir: str):  # noqa: D107 - the base class's state is built here, not by its reader
         self.tag_dir = tag_dir
+        self.delivered = False  # [Note: a torn load]
         self._states = _model_states(tag_dir)
         self._zero = os.path.join(tag_dir, "zero")
         self._common = _load(os.path.join(self._zero, "optimizer_state.pt"))
@@ -281,6 +282,7 @@ class UniversalReader(CheckpointReader):
         flat = self._tensor(store, name, state)
         if end > flat.numel():
             raise CheckpointError(f"{self.tag_dir}: {name!r} has {flat.numel()} elements, [{begin}, {end}) asked")
+        self.delivered = True
         out.copy_(flat[begin:end])
 
     def stored_dtype(self, store: str, name: str, state: str | None = None) -> torch.dtype:

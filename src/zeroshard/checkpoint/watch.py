@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.sync import ENTRY_PHASE, call_counter_key, default_store, grace_s, open_key, phase_key
+from zeroshard.comm.topology import Topology
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -112,14 +113,13 @@ class AbsenceWatch:
         self._thread = threading.Thread(target=self._run, name=f"zeroshard-checkpoint-watch-{rank}", daemon=True)
 
     @classmethod
-    def start(
-        cls, activity: Activity, rank: int, world_size: int, device: torch.device, prefix: str = ""
-    ) -> AbsenceWatch | None:
+    def start(cls, activity: Activity, topology: Topology, prefix: str = "") -> AbsenceWatch | None:
         """Collective over the default group: every rank opens its connection, then they agree (one MAX all-reduce)
         that all of them watch, or none does. `prefix`: where the engine's checkpoint calls keep their keys (a
         pipeline's calls over the whole world). The agreement is also what keeps a rank from going on before its peers
         are connected: rank 0 serves the store, and a rank 0 that finished and exited while a peer was still opening
         its connection left that peer retrying a dead address for the store's timeout (300 s, then again)."""
+        rank, world_size = topology.rank, topology.world_size
         store = default_store() if world_size > 1 else None
         if store is None:
             return None
@@ -127,7 +127,7 @@ class AbsenceWatch:
             own = store.clone()  # type: ignore[attr-defined]  # torch >= 2.4; the main connection may be busy
         except Exception:  # noqa: BLE001 - a store that cannot (FileStore, HashStore): the entry timeout remains
             own = None
-        missing = torch.tensor([1.0 if own is None else 0.0], device=device)
+        missing = torch.tensor([1.0 if own is None else 0.0], device=topology.device)
         dist.all_reduce(missing, op=dist.ReduceOp.MAX)
         if own is None or missing.item() > 0:
             return None

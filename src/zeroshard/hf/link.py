@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def engine_state_dict(engine: Engine) -> dict[str, Any] | None:
     the compute dtype on rank 0 (None elsewhere), and only with `stage3_gather_16bit_weights_on_model_save`, as
     under DeepSpeed; stages 0-2: a CPU copy of the strategy's full state dict on every rank (experts split over
     ranks whole: [Note: expert checkpoints])."""
+    refuse_torn(engine, "get_state_dict")  # accelerate's save of the model: [Note: a torn load]
     if engine.zero_stage == 3:
         if not engine.zero_gather_16bit_weights_on_model_save():
             raise ConfigError(

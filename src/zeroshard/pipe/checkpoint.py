@@ -47,6 +47,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE
@@ -54,7 +55,7 @@ from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.save import engine_state
 from zeroshard.checkpoint.space import bytes_to_write, check_space, space_report
 from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
-from zeroshard.checkpoint.torn import load_scope, mark_torn
+from zeroshard.checkpoint.torn import cure, load_scope, mark_torn, refuse_torn
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
@@ -119,6 +120,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
     ) -> bool:
         if not save_dir:
             raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
+        refuse_torn(self, "save_checkpoint")  # before the mesh file: [Note: a torn load]
         folder = stage_dir(save_dir, self.pipe.groups.stage)
         self._world_space(folder)  # [Note: checkpoint space] over every stage's writes
 
@@ -151,19 +153,27 @@ class PipelineCheckpointMixin(CheckpointMixin):
             self._same_latest(folder)
         # pipeline_loading_checkpoint: a node holds one rank's load buffers at a time, so the stages take turns
         at_once = not self.config.zero_optimization.pipeline_loading_checkpoint
-        return self._stagewise(
-            lambda: CheckpointMixin.load_checkpoint(
-                self,
+
+        def across(refused: bool) -> bool:
+            """Whether any stage refused its checks ([Note: a torn load]): at once, no stage writes unless none did."""
+            flag = torch.tensor([1.0 if refused else 0.0], device=self.topology.device)
+            self.pipe.world.all_reduce(flag, op="max", label="pipe.checkpoint_checked")
+            return bool(flag.item() > 0)
+
+        def load() -> tuple[str | None, dict[str, Any] | None]:
+            self.commit_checkpoint("load_checkpoint")
+            return _load.load_checkpoint(
+                self,  # type: ignore[arg-type]
                 folder,
                 tag,
                 load_module_strict,
                 load_optimizer_states,
                 load_lr_scheduler_states,
                 load_module_only,
-            ),
-            at_once,
-            load_scope(load_optimizer_states, load_module_only),
-        )
+                across if at_once else None,
+            )
+
+        return self._stagewise(load, at_once, load_scope(load_optimizer_states, load_module_only))
 
     def _same_latest(self, folder: str) -> None:
         """Every stage's `latest` names the same tag (one all-reduce): a save that failed on some stage moved the
@@ -208,6 +218,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         where any stage wrote leaves every stage torn ([Note: a torn load])."""
         result: T | None = None
         error: BaseException | None = None
+        torn_before = self._torn_load
         for turn in range(1 if at_once else self.pipe.groups.grid.stages):
             if at_once or turn == self.pipe.groups.stage:
                 try:
@@ -218,9 +229,9 @@ class PipelineCheckpointMixin(CheckpointMixin):
             if not at_once:
                 self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
         stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
-        flags = torch.zeros(2, stages, device=self.topology.device)  # failed; wrote (a load: done, or torn)
+        flags = torch.zeros(2, stages, device=self.topology.device)  # failed; wrote (a load: done, or torn by it)
         flags[0, stage] = 1.0 if error is not None else 0.0
-        flags[1, stage] = 1.0 if error is None or self._torn_load is not None else 0.0
+        flags[1, stage] = 1.0 if error is None or self._torn_load is not torn_before else 0.0
         self.pipe.world.all_reduce(flags, op="max", label="pipe.checkpoint_stages")
         failed = [s for s, flag in enumerate(flags[0].tolist()) if flag > 0]
         if load is not None and failed and flags[1].max() > 0:
@@ -228,8 +239,8 @@ class PipelineCheckpointMixin(CheckpointMixin):
             mark_torn(self, why, load)
             cause = error if error is not None else "their ranks raised the cause"
             raise CheckpointError(
-                f"{why} ({cause}) while other stages loaded; the engine refuses to train or save until a "
-                "load_checkpoint succeeds"
+                f"{why} ({cause}) while other stages loaded; the engine refuses to train or save until {cure(self)} "
+                "succeeds"
             ) from error
         if error is not None:
             raise error
