@@ -378,3 +378,46 @@ def test_data_before_expert_parallelism_makes_deepspeeds_d_plus_e_groups() -> No
         for step, value in enumerate(got["losses"]):
             want = ref[step][rank]
             assert abs(value - want) <= 1e-5 * abs(want) + 1e-7, (rank, step, value, want)
+
+
+def _landings(rank: int, world_size: int) -> list[tuple[list[int], list[int]]]:
+    """Per optimizer step with offload_optimizer cpu at ZeRO-2: the gradient tiers (by id) that received host copies
+    during the backward, and those waited for (`landed`) before the step read them."""
+    from zeroshard.comm.topology import init_distributed
+    from zeroshard.offload.gradients import BackwardCopies, GradientTier
+    from zeroshard.zero.flat.strategy import FlatStrategy
+
+    init_distributed()
+    received: set[int] = set()
+    landed: set[int] = set()
+    steps: list[tuple[list[int], list[int]]] = []
+    copy, land, step_chunks = BackwardCopies.received, GradientTier.landed, FlatStrategy._step_chunks
+
+    def record_copy(self, slot, copied, boundary):  # noqa: ANN001, ANN202 - the patched method's signature
+        done = copy(self, slot, copied, boundary)
+        if done:
+            received.add(id(self))
+        return done
+
+    def record_landing(self):  # noqa: ANN001, ANN202
+        landed.add(id(self))
+        return land(self)
+
+    def record_step(self, scale):  # noqa: ANN001, ANN202
+        steps.append((sorted(received), sorted(landed)))
+        return step_chunks(self, scale)
+
+    BackwardCopies.received, GradientTier.landed = record_copy, record_landing  # type: ignore[method-assign]
+    FlatStrategy._step_chunks = record_step  # type: ignore[method-assign]
+    engine_losses(rank, MoeCase(k=2, stage=2, offload=True, steps=2), 2)
+    return steps
+
+
+def test_every_parts_host_gradient_copies_land_before_the_step() -> None:
+    """The dense and expert parts of a split strategy each copy their gradients to the host on their own stream
+    (CUDA); the step must wait for every part's copies, not only for the split's own (unused) stream: on the CPU
+    the copies are synchronous, so this checks the waits by what is waited for."""
+    for steps in run_on_ranks(_landings, 2):
+        assert len(steps) == 4  # two parts, two steps
+        for received, landed in steps:
+            assert len(received) == 2 and set(received) <= set(landed), (received, landed)

@@ -69,7 +69,7 @@ def main() -> None:
         zeroshard.accelerator.get_accelerator().synchronize()
         if step >= args.start:
             times.append(time.perf_counter() - begin)
-    worst = torch.tensor([float(_peak(baseline))] + times, dtype=torch.float64)
+    worst = torch.tensor([float(_peak(baseline))] + times, dtype=torch.float64, device=engine.device)  # NCCL: on it
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     step_s = statistics.median(worst[1:].tolist())
     result = {

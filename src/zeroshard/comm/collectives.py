@@ -416,7 +416,12 @@ def _min_across_ranks(ref: weakref.ref[Collectives]) -> Callable[[torch.Tensor],
         comm = ref()
         if comm is None:
             raise RuntimeError("comms logger: its engine's collectives are gone (the engine was destroyed)")
-        comm.all_reduce(t, op="min", label="comms_logger stragglers")
+        # the logger's latencies are host tensors; NCCL reduces device tensors only
+        on_device = comm.world_size > 1 and dist.get_backend(comm.group) == "nccl"
+        moved = t.to(torch.device("cuda", torch.cuda.current_device())) if on_device else t
+        comm.all_reduce(moved, op="min", label="comms_logger stragglers")
+        if moved is not t:
+            t.copy_(moved)
 
     return reduce
 

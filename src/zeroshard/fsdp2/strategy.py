@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
@@ -260,11 +261,15 @@ class Fsdp2Strategy(Strategy):
             if modifier_rank is not None and units:
                 self.agreement.before_broadcast(modifier_rank, [u.name for u in units])
                 with torch.no_grad():
+                    # a data-parallel rank (DeepSpeed's rule on a group that is not the world, as under tensor
+                    # parallelism); each tensor-parallel rank broadcasts its own slice
+                    src = self.comm.global_rank(modifier_rank)
                     for unit in units:
                         for sharded, full in unsharded_views(unit):
-                            self.comm.broadcast(full.data, src=modifier_rank, label="GatheredParameters modifier")
+                            local = full.to_local() if isinstance(full, DTensor) else full
+                            self.comm.broadcast(local.data, src=src, label="GatheredParameters modifier")
                             sp = self._by_id[id(sharded)]
-                            sp.master.copy_(own_rows(sp, full))
+                            sp.master.copy_(own_rows(sp, local))
         finally:
             block.close()
 

@@ -156,6 +156,11 @@ class ExpertSplitStrategy(SplitStrategy):
         )
         halves = [(dense_groups, policy, comm), (expert_param_groups, expert_policy, expert_groups.edp)]
         self.parts = flat_parts(module, halves, device, accumulation)
+        self._experts = experts
+
+    def holders(self, param: torch.Tensor) -> Collectives:
+        # an expert (frozen ones too) is held alike by its expert-data-parallel group only
+        return self.parts[1].comm if id(param) in self._experts else self.parts[0].comm
 
     @property
     def _sharded(self) -> bool:

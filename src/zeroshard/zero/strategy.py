@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
@@ -167,6 +168,10 @@ class Strategy(ABC):
         """How long a gathering call waits for the other ranks' posts: the store's timeout (the group's deadline)."""
         return None
 
+    def _land_gradients(self) -> None:
+        """The host copies of gradients made during backward have arrived (before the step reads them)."""
+        self.gradients_tier.landed()
+
     @abstractmethod
     def master_param_groups(self) -> list[dict[str, Any]]:
         """torch-style parameter groups over the fp32 master shards, the user's options kept."""
@@ -196,10 +201,10 @@ class Strategy(ABC):
         norms += self._extra_norms() if with_norms else []
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
-            self.gradients_tier.landed()  # no copy into host memory outlives the step, skipped or not
+            self._land_gradients()  # no copy into host memory outlives the step, skipped or not
             self.zero_grad()
             return StepOutcome(skipped=True, grad_norm=None)
-        self.gradients_tier.landed()
+        self._land_gradients()
         with torch.profiler.record_function("zeroshard.optimizer_step"):
             self._step_chunks(decided.scale)
         with torch.profiler.record_function("zeroshard.all_gather_params"):
@@ -354,17 +359,25 @@ class Strategy(ABC):
 
     def take_module_params(self, src: int) -> None:
         """`load_module_state_dict` wrote each rank's module parameters: rank `src`'s values become every rank's and
-        the master weights follow (collective). Whole parameters (stages 0-2) are broadcast here; strategies that
-        shard parameters took them through GatheredParameters's `modifier_rank` and override this with nothing."""
+        the master weights follow (collective). Whole parameters (stages 0-2) are broadcast here, each over the group
+        that holds it alike (`src` a rank of that group: tensor parallelism's data-parallel group, each tensor-parallel
+        rank its own slice; MoE experts' expert-data-parallel group); strategies that shard parameters took them
+        through GatheredParameters's `modifier_rank` and override this with nothing."""
         with torch.no_grad():
             for param in self.module.parameters():
-                data = param.data if param.data.is_contiguous() else param.data.contiguous()
-                self.comm.broadcast(data, src=src, label="load_module_state_dict")
-                if data is not param.data:
-                    param.data.copy_(data)
+                local = param.data.to_local() if isinstance(param.data, DTensor) else param.data
+                data = local if local.is_contiguous() else local.contiguous()
+                comm = self.holders(param)
+                comm.broadcast(data, src=comm.global_rank(src), label="load_module_state_dict")
+                if data is not local:
+                    local.copy_(data)
         for part in self.checkpoint_state().parts():
             with part.hold(True):
                 part.refresh_master()
+
+    def holders(self, param: torch.Tensor) -> Collectives:
+        """The ranks that hold `param` alike (its reductions' group)."""
+        return self.comm
 
     def module_load_refused(self) -> str | None:
         """Why `load_module_state_dict` cannot load into this strategy's module (None: it can)."""

@@ -98,6 +98,11 @@ class SplitStrategy(Strategy):
     def _extra_norms(self) -> list[torch.Tensor]:
         return [n for part in self.parts for n in part._extra_norms()]
 
+    def _land_gradients(self) -> None:
+        # each part copies its gradients to the host on its own stream (its tier's), which the step must wait for
+        for part in self.parts:
+            part._land_gradients()
+
     def _step_chunks(self, scale: float) -> None:
         for part in self.parts:
             part._step_chunks(scale)
@@ -116,6 +121,10 @@ class SplitStrategy(Strategy):
             part.publish_params()
 
     # -- one parameter ---------------------------------------------------------------------------------------
+    def holders(self, param: torch.Tensor) -> Collectives:
+        owner = next((p for p in self.parts if any(t is param for t in p.tracked_params())), None)
+        return owner.comm if owner is not None else self.comm  # untracked (frozen): the first part's group
+
     def _owner(self, param: torch.Tensor) -> FlatStrategy:
         return next(p for p in self.parts if any(t is param for t in p.tracked_params()))
 
