@@ -421,3 +421,27 @@ def test_every_parts_host_gradient_copies_land_before_the_step() -> None:
         assert len(steps) == 4  # two parts, two steps
         for received, landed in steps:
             assert len(received) == 2 and set(received) <= set(landed), (received, landed)
+
+
+def _shared_groups(rank: int, world_size: int) -> list[bool]:
+    from torch import nn
+
+    from zeroshard.comm.topology import init_distributed
+    from zeroshard.moe import MoE
+
+    init_distributed()
+    layers = [MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2) for _ in range(3)]
+    other = MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=1)
+    first = layers[0].groups
+    return [
+        all(layer.groups.ep is first.ep and layer.groups.edp is first.edp for layer in layers),
+        first.ep.group is not None and first.ep.world_size == 2 and first.edp.world_size == 2,
+        other.groups.ep is not first.ep,
+    ]
+
+
+def test_moe_layers_without_expert_groups_share_one_pair_of_process_groups() -> None:
+    """[Note: expert groups shared by layers]: DeepSpeed models build each MoE layer without groups; their layers of
+    one ep_size share the process groups (on NCCL, two communicators in all instead of two per layer)."""
+    for checks in run_on_ranks(_shared_groups, 4):
+        assert all(checks), checks

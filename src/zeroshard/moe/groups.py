@@ -18,6 +18,14 @@ A MoE layer is built by its stage's ranks only (`LayerSpec`), so it cannot make 
 takes part in a group's creation): it takes the stage's mesh and leaves its groups pending, and
 `initialize` makes every stage's pending groups on every rank, in one order (`make_stage_groups`), before the
 engine uses them. A layer built outside the PipelineModule has groups over the whole world and is refused there.
+
+[Note: expert groups shared by layers]
+MoE layers built without `expert_groups=` (every DeepSpeed model: its layers never pass groups) share one pair of
+process groups per mesh, as DeepSpeed's `groups` keeps one `ep_size_N` pair for all of them: a group per layer
+would cost, on NCCL, two communicators per layer (their buffers in device memory, their set-up at the first
+collective), 64 for a 32-layer model. The pairs are kept per default process group (a group made for another
+default group is never reused); every rank builds the same layers in one order, so every rank reaches the same
+`new_group` calls.
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ class ExpertGroups:
             self.mesh = ExpertMesh(stage.size, ep_size, stage.first)
             return
         self.mesh = ExpertMesh(world, ep_size)
-        self.ep, self.edp = build_collectives(self.mesh, rank, world)
+        self.ep, self.edp = shared_collectives(self.mesh, rank, world)
 
     def broadcast_experts(self, params: Sequence[torch.Tensor]) -> None:
         """The experts start from the first rank of their expert-data-parallel group (the world's rank 0 holds
@@ -117,12 +125,29 @@ class ExpertGroups:
         self.mesh = replace(self.mesh, data_first=data_first)
         if not self.pending:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            self.ep, self.edp = build_collectives(self.mesh, self.rank, world)
+            self.ep, self.edp = shared_collectives(self.mesh, self.rank, world)
 
     def counted_by(self, world: Collectives) -> None:
         """Count this mesh's collectives in `world`'s counters (the engine's), as its sub-groups do."""
         self.ep = world.subgroup(self.ep.group, self.ep.world_size, self.ep.rank, self.ep.scope)
         self.edp = world.subgroup(self.edp.group, self.edp.world_size, self.edp.rank, self.edp.scope)
+
+
+_SHARED: dict[tuple[int, int, int, bool], tuple[Collectives, Collectives]] = {}
+_SHARED_UNDER: list[object] = [None]  # the default process group `_SHARED` was made under
+
+
+def shared_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collectives, Collectives]:
+    """`build_collectives`, one pair per mesh under the current default process group ([Note: expert groups shared
+    by layers])."""
+    under = dist.group.WORLD if dist.is_initialized() else None
+    if _SHARED_UNDER[0] is not under:
+        _SHARED.clear()
+        _SHARED_UNDER[0] = under
+    key = (mesh.base, mesh.world_size, mesh.ep_size, mesh.data_first)
+    if key not in _SHARED:
+        _SHARED[key] = build_collectives(mesh, rank, world)
+    return _SHARED[key]
 
 
 def build_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collectives, Collectives]:
