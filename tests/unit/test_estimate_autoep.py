@@ -90,3 +90,20 @@ def test_cli_refusals(mixtral_folder: str, argv: list[str], words: str, capsys: 
 def test_cli_refuses_a_model_without_experts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--params", "7e9", "--gpus", "2", "--autoep-size", "2"]) != 0
     assert "needs a model with fused experts" in capsys.readouterr().err
+
+
+def test_the_stage_3_gather_buffer_is_the_largest_unit_with_the_experts_split() -> None:
+    """At stage 3 each experts module is a unit holding its 1/autoep of the experts ([Note: experts at stage 3]): the
+    gathered-unit buffer is the larger of that and the largest dense layer, not the whole experts module."""
+    model = tiny_moe("mixtral")
+    info = from_hf_config("tiny", model.config)
+    experts = max(
+        sum(p.numel() for p in m.parameters(recurse=False)) for n, m in model.named_modules() if n.endswith("experts")
+    )
+    assert info.largest_layer == info.largest_experts == experts and info.largest_dense < experts // 2
+    assert info.largest_unit(1) == experts and info.largest_unit(2) == experts // 2
+    whole, split = (
+        next(r for r in estimate_rows(info, Cluster(4), BF16, 16, 1, autoep=ep) if r.option == Option(3))
+        for ep in (1, 2)
+    )
+    assert whole.buffer_bytes - split.buffer_bytes == 2 * BF16.param_bytes * (experts - experts // 2)

@@ -118,7 +118,7 @@ def _row(
     n = cluster.world_size
     frozen = model.params - psi
     states = _states(model, option, precision, n, grad_accum, psi, autoep)
-    buffers = gather_buffer_bytes(option, model.largest_layer, precision) + comm_buffer_bytes(
+    buffers = gather_buffer_bytes(option, model.largest_unit(autoep), precision) + comm_buffer_bytes(
         option, psi, bucket_numel, precision.reduce_bytes
     )
     staging = 0

@@ -31,6 +31,15 @@ class ModelInfo:
     # routed experts held fused (transformers 5's experts modules): what `expert_parallel` splits ([Note: AutoEP])
     experts: int = 0
     num_experts: int = 0
+    largest_experts: int = 0  # the largest fused experts module's own parameters (a stage-3 unit of its own)
+    largest_dense: int = 0  # the largest module's own parameters, the fused experts modules left out
+
+    def largest_unit(self, autoep: int = 1) -> int:
+        """The largest stage-3 gathered unit's parameters: with `autoep` > 1 an experts module holds its 1/autoep
+        of the experts ([Note: experts at stage 3]), so the largest layer may be a dense one."""
+        if autoep == 1 or not self.largest_experts:
+            return self.largest_layer
+        return max(self.largest_dense, self.largest_experts // autoep)
 
 
 def count_module(module: nn.Module) -> tuple[int, int]:
@@ -40,13 +49,17 @@ def count_module(module: nn.Module) -> tuple[int, int]:
     return total, largest
 
 
-def count_experts(module: nn.Module) -> tuple[int, int]:
-    """(elements of the fused routed experts, experts per layer) as `expert_parallel` finds them (moe/auto.py)."""
+def count_experts(module: nn.Module) -> tuple[int, int, int, int]:
+    """(elements of the fused routed experts, experts per layer, the largest experts module's own elements, the
+    largest other module's own elements) as `expert_parallel` finds them (moe/auto.py)."""
     from zeroshard.moe.auto import is_fused_experts, num_experts
 
     found = [m for m in module.modules() if is_fused_experts(m)]
-    elements = sum(p.numel() for m in found for p in m.parameters(recurse=False))
-    return elements, max((num_experts(m) for m in found), default=0)
+    own = {id(m): sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()}
+    elements = sum(own[id(m)] for m in found)
+    ids = {id(m) for m in found}
+    dense = max((n for i, n in own.items() if i not in ids), default=0)
+    return elements, max((num_experts(m) for m in found), default=0), max((own[i] for i in ids), default=0), dense
 
 
 def count_matrices(module: nn.Module) -> int:
@@ -151,10 +164,20 @@ def from_hf_config(name: str, config: Any, attention: str | None = None) -> Mode
             raise ConfigError(f"--attn-implementation {attention}: {type(model).__name__} does not support it")
         model.config._attn_implementation = attention
     total, largest = count_module(model)
-    experts, num_experts = count_experts(model)
+    experts, num_experts, largest_experts, largest_dense = count_experts(model)
     shape = shape_of(config, model)
     matrices = count_matrices(model)
-    return ModelInfo(name, total, largest, shape, matrices=matrices, experts=experts, num_experts=num_experts)
+    return ModelInfo(
+        name,
+        total,
+        largest,
+        shape,
+        matrices=matrices,
+        experts=experts,
+        num_experts=num_experts,
+        largest_experts=largest_experts,
+        largest_dense=largest_dense,
+    )
 
 
 def from_model_arg(model: str, attention: str | None = None) -> ModelInfo:
