@@ -96,13 +96,7 @@ def _refusals(engine: Any, rank: int, world_size: int, root: str) -> dict[str, s
 
 
 def _load_error(engine: Any, root: str, tag: str, **kwargs: Any) -> str:
-    from zeroshard.checkpoint import CheckpointError
-
-    try:
-        engine.load_checkpoint(root, tag=tag, **kwargs)
-    except CheckpointError as e:
-        return str(e)
-    return ""
+    return _error_of(lambda: engine.load_checkpoint(root, tag=tag, **kwargs))
 
 
 def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> dict[str, Any]:
@@ -239,7 +233,46 @@ def _pipeline_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     engine.load_checkpoint(root, tag="good")
     out["repaired"] = train(engine, range(SAVED, case.steps))
     engine.destroy()
+    out["uneven_repair"] = _uneven_repair(rank, root, case)
     return out
+
+
+def _uneven_repair(rank: int, root: str, case: Any) -> dict[str, str]:
+    """A torn pp2 engine whose last Linear has a bias the "good" checkpoint lacks: a load_module_strict=False load of
+    "good" restores every weight on stage 0 and not on stage 1; both stages stay torn (one stage refusing while the
+    other sends to it would hang)."""
+    from torch import nn
+
+    import zeroshard
+    from helpers.pipeline import config, layers
+    from zeroshard.pipe import PipelineModule
+
+    specs = layers()
+    torch.manual_seed(3)
+    specs[-2] = nn.Linear(16, 16, bias=True)
+    net = PipelineModule(layers=specs, num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform")
+    engine, *_ = zeroshard.initialize(model=net, config=config(case))
+    engine.save_checkpoint(os.path.join(root, "biased"), tag="b")
+    if rank == 0:
+        for stage in ("pipe_stage_00", "pipe_stage_01"):
+            _copy(os.path.join(root, "biased", stage), "b", "damaged")
+        _flip(os.path.join(root, "biased", "pipe_stage_01", "damaged", "optim", "rank00000.safetensors"))
+    torch.distributed.barrier()
+    _load_error(engine, os.path.join(root, "biased"), "damaged")
+    engine.load_checkpoint(root, tag="good", load_module_strict=False)
+    out = {"train_batch": _error_of(lambda: engine.train_batch(data_iter=iter([])))}
+    engine.destroy()
+    return out
+
+
+def _error_of(call: Any) -> str:
+    from zeroshard.checkpoint import CheckpointError
+
+    try:
+        call()
+    except CheckpointError as e:
+        return str(e)
+    return ""
 
 
 def test_pipeline_loads_agree_across_stages_and_a_torn_one_refuses_on_every_stage(tmp_path):
@@ -263,4 +296,8 @@ def test_pipeline_loads_agree_across_stages_and_a_torn_one_refuses_on_every_stag
                 out["refusals"],
             )
         assert not out.get("mesh_written", False), rank
+        refusal = out["uneven_repair"]["train_batch"]
+        assert refusal.startswith("engine.train_batch(): "), (rank, out["uneven_repair"])
+        if rank == 0:
+            assert "pipeline stage(s) [1] are still torn" in refusal, refusal
         assert out["repaired"] == out["continued"], rank

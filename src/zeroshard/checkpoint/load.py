@@ -184,7 +184,7 @@ def load_checkpoint(
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     plan.close()
-    status = {"error": _said(local_error), "wrote": plan.wrote}
+    status = {"error": _said(local_error), "wrote": plan.wrote, "restored": restored}
     statuses = sync.all_gather("loaded", status, write_timeout() * in_line)
     sync.leave(write_timeout() * in_line)
     if any(s["error"] for s in statuses):
@@ -197,7 +197,7 @@ def load_checkpoint(
                 "succeeds"
             ) from local_error
         raise CheckpointError("load_checkpoint failed, nothing was loaded: " + described) from local_error
-    repaired(engine, restored)
+    repaired(engine, min(s["restored"] for s in statuses))  # what every rank restored: the engine's state is theirs
     # Collectives only once every rank is known to have loaded (a failed rank would never join them).
     if engine.strategy is not None:
         state = engine_state(engine)

@@ -95,7 +95,8 @@ class ExpertGroups:
     """The process groups of one `ExpertMesh` on this rank. Collective to build: every rank, the same order.
 
     One object can serve many MoE layers with the same `ep_size` (pass it as `MoE(..., expert_groups=...)`);
-    otherwise each layer builds its own.
+    otherwise each layer builds its own, over the process groups layers of its mesh share ([Note: expert groups
+    shared by layers]).
     """
 
     def __init__(self, ep_size: int):
@@ -133,7 +134,7 @@ class ExpertGroups:
         self.edp = world.subgroup(self.edp.group, self.edp.world_size, self.edp.rank, self.edp.scope)
 
 
-_SHARED: dict[tuple[int, int, int, bool], tuple[Collectives, Collectives]] = {}
+_SHARED: dict[tuple[int, int, int, bool, int], tuple[Collectives, Collectives]] = {}
 _SHARED_UNDER: list[object] = [None]  # the default process group `_SHARED` was made under
 
 
@@ -144,7 +145,8 @@ def shared_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collect
     if _SHARED_UNDER[0] is not under:
         _SHARED.clear()
         _SHARED_UNDER[0] = under
-    key = (mesh.base, mesh.world_size, mesh.ep_size, mesh.data_first)
+    # (the node layout too: it decides whether a group's traffic counts as inside a node)
+    key = (mesh.base, mesh.world_size, mesh.ep_size, mesh.data_first, NodeLayout.from_env(world).ranks_per_node)
     if key not in _SHARED:
         _SHARED[key] = build_collectives(mesh, rank, world)
     return _SHARED[key]

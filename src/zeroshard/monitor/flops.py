@@ -1,14 +1,15 @@
 """`flops_profiler`: per-module parameters, FLOPs and forward latency of one training step, DeepSpeed's report.
 
 [Note: flops profile] DeepSpeed patches torch.nn.functional to count FLOPs; we count them with PyTorch's
-`FlopCounterMode` (matmul, convolution, attention: the operations that dominate; element-wise ones count 0) and
-time each module with forward pre/post hooks whose handles are removed after the step. MACs are FLOPs / 2, which is
-exact for the operations FlopCounterMode counts. Parameters are counted from their full shapes (`shapes`, the
-strategy's record of what each shard belongs to): under stage 3 a parameter outside its forward is an empty
-placeholder. The first forward (one micro-batch, as "batch size per GPU" says) of step `profile_step` is profiled and
-the report written at that step's boundary, on rank 0, to `output_file` or the log. With `wall_clock_breakdown` the
-report takes its latencies from the engine's timers of that step's last micro-step, as DeepSpeed's takes its from
-the engine's, and adds DeepSpeed's backward, step and iteration lines: a backward counted as 2 forwards plus
+`FlopCounterMode` (matmul, convolution, attention: the operations that dominate; element-wise ones count 0) and time
+each module with forward pre/post hooks whose handles are removed after the step. MACs are FLOPs / 2, which is exact
+for the operations FlopCounterMode counts. Parameters are counted from their full shapes (`shapes`, the strategy's
+record of what each shard belongs to): under stage 3 a parameter outside its forward is an empty placeholder. The
+first forward (one micro-batch, as "batch size per GPU" says) of step `profile_step` is profiled and the report
+written at that step's boundary, on rank 0, to `output_file` or the log. With `wall_clock_breakdown` the report
+takes its latencies from the engine's timers of that step's last micro-step (the one forward it counted; DeepSpeed
+counts every forward of the window and prints the window's summed times, gradient_accumulation_steps times these,
+with the same FLOPS), and adds DeepSpeed's backward, step and iteration lines: a backward counted as 2 forwards plus
 `recompute_fwd_factor` (the forwards activation checkpointing recomputes: 1 where every layer is checkpointed); a
 pipeline engine times neither forward nor backward, so its report keeps the hooks' forward latency alone.
 """

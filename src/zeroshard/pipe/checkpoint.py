@@ -229,9 +229,11 @@ class PipelineCheckpointMixin(CheckpointMixin):
             if not at_once:
                 self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
         stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
-        flags = torch.zeros(2, stages, device=self.topology.device)  # failed; wrote (a load: done, or torn by it)
+        # failed; wrote (a load: done, or torn by it); torn after it (a load that repaired some stages only)
+        flags = torch.zeros(3, stages, device=self.topology.device)
         flags[0, stage] = 1.0 if error is not None else 0.0
         flags[1, stage] = 1.0 if error is None or self._torn_load is not torn_before else 0.0
+        flags[2, stage] = 1.0 if self._torn_load is not None else 0.0
         self.pipe.world.all_reduce(flags, op="max", label="pipe.checkpoint_stages")
         failed = [s for s, flag in enumerate(flags[0].tolist()) if flag > 0]
         if load is not None and failed and flags[1].max() > 0:
@@ -249,6 +251,9 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 f"pipeline stage(s) {failed} failed in this checkpoint call (their ranks raised the cause); this "
                 f"stage ({stage}) finished its part"
             )
+        torn = [s for s, flag in enumerate(flags[2].tolist()) if flag > 0]
+        if load is not None and torn and self._torn_load is None:  # the stages refuse together, or none does
+            mark_torn(self, f"pipeline stage(s) {torn} are still torn after a load_checkpoint that restored less there")
         return result  # type: ignore[return-value]
 
     @contextlib.contextmanager
