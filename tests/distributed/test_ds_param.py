@@ -82,6 +82,13 @@ def _stage3(rank: int, world_size: int, nvme: str) -> dict[str, Any]:
         t.untyped_storage().nbytes() >= t.numel() * t.element_size() and torch.equal(t, expected[n])
         for n, t in kept.items()
     )
+
+    def held() -> int:  # the released units' buffers: nothing once the blocks handed theirs over
+        return sum(u.full.untyped_storage().nbytes() for u in engine.strategy.units if not u.persistent)
+
+    out["held_after_blocks"] = held()
+    state = engine.module.state_dict()
+    out["held_after_state_dict"] = held(), all(v.untyped_storage().nbytes() > 0 for v in state.values())
     with zeroshard.GatheredParameters([named["blocks.0.attn.qkv.weight"]]):
         out["gathered"] = (named["blocks.0.attn.qkv.weight"].ds_status, named["blocks.1.attn.qkv.weight"].ds_status)
     out["after"] = named["blocks.0.attn.qkv.weight"].ds_status
@@ -129,6 +136,7 @@ def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path) -> None:
         assert [s for s, _ in got["ahead"]] == [ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT], got["ahead"]
         assert all(numel == 0 for _, numel in got["ahead"])  # as the status says: not there yet
         assert got["kept_valid"], "tensors read inside GatheredParameters stay valid after it"
+        assert got["held_after_blocks"] == 0 and got["held_after_state_dict"] == (0, True), got  # not a new whole unit
         assert got["gathered"] == (ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE), got["gathered"]
         assert got["after"] is ZeroParamStatus.NOT_AVAILABLE
         assert got["parts_after_step"], "the ranks' ds_tensor parts, concatenated, are the parameter"

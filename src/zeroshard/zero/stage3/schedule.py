@@ -191,6 +191,7 @@ class GatherSchedule:
 
     def wait_gathered(self, unit: ShardedUnit) -> None:
         if unit.state is UnitState.GATHERING:
+            unit.after_copy_in()  # before the handle's finishers run on this stream
             self.watch.wait(unit._pending, f"all-gather of unit {unit.name!r}")
             unit.wait_gathered()
 

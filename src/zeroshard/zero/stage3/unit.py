@@ -166,16 +166,14 @@ class ShardedUnit:
         self._copied_in: torch.cuda.Event | None = None
         self._published: torch.cuda.Event | None = None  # publish_master's, until the copy has read the master
         self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
-        # where the compute shard lives between uses: in memory, or on NVMe (offload_param.device "nvme"),
-        # read back for each gather and written after each optimizer step
+        # the compute shard between uses: in memory, or on NVMe (offload_param nvme: read per gather, written per step)
         self.home: Residency = param_tier.residency
         # the parameters show the views, with DeepSpeed's ds_* attributes ([Note: DeepSpeed's parameter attributes])
         parts = rank_parts(layout, self._slots, self.shard, shard_rank, resident=not self.home.leaves_memory)
         mark(params, self.views, parts, self.persistent)
         self.key = f"param/{index}"  # `place_shard` moves it to its home once every view of it exists
-        # where the gradient shard lives between its reduction and the step: in memory, or on NVMe with the
-        # optimizer state (offload_optimizer.device "nvme", as DeepSpeed's ZeRO-Infinity); `grad_zero` marks
-        # a shard whose value is zero without being in memory (after the step: on NVMe, or transient)
+        # the gradient shard from its reduction to the step: in memory, or on NVMe with the optimizer state (ZeRO-
+        # Infinity); `grad_zero`: its value is zero without its being in memory (after the step: on NVMe, transient)
         self.grad_home: Residency = master_tier.residency
         self.grad_key = f"grad/{index}"
         self.grad_zero = False
@@ -242,13 +240,19 @@ class ShardedUnit:
             return collect(self.full, source, async_op=async_op, label=label)
         return gather_flat(comm.all_gather, self.layout, self.full, source, self.shard_rank, None, async_op, label)
 
+    def after_copy_in(self) -> None:
+        """CUDA, offloaded shards: the compute stream waits for the copy stream (copy, ZeRO++'s packing) before the
+        handle's finishers run on it (ZeRO++'s unpacking, hpZ's fill read what the copy stream wrote)."""
+        if self._copied_in is not None:
+            torch.cuda.current_stream(self.full.device).wait_event(self._copied_in)
+
     def wait_gathered(self) -> None:
         if self.state is UnitState.GATHERING:
             assert self._pending is not None
+            self.after_copy_in()
             self._pending.wait()
             self._pending = None
             if self._copied_in is not None:
-                torch.cuda.current_stream(self.full.device).wait_event(self._copied_in)
                 if self.home.leaves_memory:  # the host buffer goes back to the swapper below
                     self._copied_in.synchronize()
                 self._copied_in = None
@@ -263,10 +267,11 @@ class ShardedUnit:
         self.wait_gathered()
         show(self.params, self._placeholders, ZeroParamStatus.NOT_AVAILABLE)
         if hand_over:
-            storage = torch.UntypedStorage(0, device=self.full.device)
-            self.full = self.full.new_empty(0).set_(storage, 0, (self.layout.numel,), (1,))  # type: ignore[call-overload]
+            full = torch.empty_like(self.full)  # views need memory; emptied after (set_ would keep a whole unit)
             slots = zip(self._slots, self.views, strict=True)
-            self.views = [self.full.narrow(0, s.offset, s.numel).view(v.shape) for s, v in slots]
+            self.views = [full.narrow(0, s.offset, s.numel).view(v.shape) for s, v in slots]
+            full.untyped_storage().resize_(0)
+            self.full = full
         else:
             self.full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
