@@ -219,3 +219,24 @@ def test_a_universal_checkpoints_micro_steps_follow_who_ended_the_windows():
     assert reader._counters()["micro_steps"] == 12
     reader._states = {"global_steps": 3, "ds_config": {**config, "managed_gradient_accumulation": False}}
     assert reader._counters()["micro_steps"] == 3
+
+
+def test_threads_sharing_a_reader_read_their_own_bytes(tmp_path):
+    """The streaming loader's threads share one reader per file: reads of tensors with CRCs are positional (a seek
+    then a read let one thread read another's bytes, which the CRC then refused as a checksum mismatch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = str(tmp_path / "x.safetensors")
+    tensors = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 1 MiB each: several chunks
+    _write(path, tensors)
+    with SafetensorsReader(path) as reader:
+        assert all(reader.entry(n).crc32 is not None for n in tensors)
+
+        def read(name: str) -> bool:
+            out = torch.empty(4, dtype=torch.bfloat16)  # not the stored dtype: the chunked path
+            reader.read_range(name, 1000, 1004, out)
+            return bool((out == tensors[name][:4].to(torch.bfloat16)).all())
+
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(10):
+                assert all(pool.map(read, list(tensors) * 4))

@@ -164,7 +164,8 @@ class Accelerator:
 
     def total_memory(self, device_index: int | None = None) -> int:
         if self._cuda:
-            return torch.cuda.get_device_properties(device_index or 0).total_memory
+            index = torch.cuda.current_device() if device_index is None else device_index  # DeepSpeed's: current
+            return torch.cuda.get_device_properties(index).total_memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     # Misc

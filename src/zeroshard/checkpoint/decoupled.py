@@ -101,6 +101,8 @@ class PendingSave:
         if self._stream is None or self._ready is None:
             yield
             return
+        # a new thread starts on device 0: on the stream's own device, leaving the block makes no context on device 0
+        torch.cuda.set_device(self._stream.device)
         self._stream.wait_event(self._ready)
         with torch.cuda.stream(self._stream):
             yield

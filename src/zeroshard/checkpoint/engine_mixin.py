@@ -12,6 +12,8 @@ from zeroshard.checkpoint import load as _load
 from zeroshard.checkpoint import save as _save
 from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
 from zeroshard.checkpoint.torn import TornLoad, refuse_torn
+from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import StateOffloader
 
 
 class CheckpointMixin:
@@ -35,6 +37,7 @@ class CheckpointMixin:
     # where the engine's first checkpoint rendezvous keys are (a pipeline's world calls: pipe/checkpoint.py)
     _checkpoint_prefix = ""
     _torn_load: TornLoad | None = None  # a load that failed part way: [Note: a torn load]
+    _offloader: StateOffloader  # the engine's offload_states() (set by Engine)
 
     def save_checkpoint(
         self,
@@ -57,6 +60,7 @@ class CheckpointMixin:
         checkpoint writes]).
         """
         refuse_torn(self, "save_checkpoint")
+        self._refuse_offloaded("save_checkpoint")
         self.commit_checkpoint("save_checkpoint")
         deferred = decoupled(self)
         call = _save.start_save(
@@ -72,6 +76,11 @@ class CheckpointMixin:
             return _save.finish_save(call)
         self._pending_save = PendingSave(call, self._writer_stream())
         return True
+
+    def _refuse_offloaded(self, op: str) -> None:
+        """The states `offload_states()` moved out are empty storages here until `reload_states()`."""
+        if self._offloader.active:
+            raise ZeroshardError(f"{op}: the optimizer states are offloaded; call engine.reload_states() first")
 
     def _writer_stream(self) -> torch.cuda.Stream | None:
         """The engine's one CUDA stream for its writer thread's copies (a stream from torch's shared pool could be
@@ -117,6 +126,7 @@ class CheckpointMixin:
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: restore the module weights only (warm start).
         """
+        self._refuse_offloaded("load_checkpoint")
         self.commit_checkpoint("load_checkpoint")
         return _load.load_checkpoint(
             self,  # type: ignore[arg-type]

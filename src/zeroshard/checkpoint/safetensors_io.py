@@ -358,14 +358,9 @@ class SafetensorsReader:
             position += n
 
     def _readinto(self, offset: int, data: torch.Tensor) -> None:
-        self._file.seek(offset)
-        view = _buffer(data)
-        got = 0
-        while got < len(view):
-            n = self._file.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + got}; truncated")
-            got += n
+        # positional: the streaming loader's threads share this reader (a seek then a read let one read the other's
+        # bytes, which the CRC then refused)
+        self._pread(offset, data)
 
     def _check_crc(self, entry: Entry, crc: int) -> None:
         if entry.crc32 is not None and f"{crc:08x}" != entry.crc32:

@@ -22,8 +22,7 @@ def initialise(
     if not any(p.is_meta for p in params):
         return
     owners = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in names})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch.initial_seed() + seed)
+    with seeded(torch.initial_seed() + seed, device):  # the device's generator put back too (manual_seed reseeds all)
         for owner in owners:
             init_module(modules[owner], modules[""], device)
     for p in params:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.pinned import pinned_zeros
 
 
 class StateOffloader:
@@ -40,7 +41,11 @@ class StateOffloader:
                 continue
             seen.add(storage.data_ptr())
             base = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage)
-            host = torch.empty(base.shape, dtype=base.dtype, device=device, pin_memory=pin)
+            if pin:  # exact size, unpinned when freed ([Note: pinned memory without rounding]): torch's pinned
+                # allocator would round each copy up to a power of two and keep the memory pinned after reload
+                host = pinned_zeros(base.numel(), base.dtype)
+            else:
+                host = torch.empty(base.shape, dtype=base.dtype, device=device)
             host.copy_(base, non_blocking=non_blocking)
             self._held.append((base, host))
         if non_blocking and torch.cuda.is_available():
