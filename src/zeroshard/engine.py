@@ -341,6 +341,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         `module.state_dict()` included (tied weights under each name, one tensor). Every rank must call it; with
         `keep` False a rank takes part and gets {}; `device`: where the values go (default: where they are)."""
         refuse_torn(self, "consolidated_state_dict")
+        self._refuse_offloaded("consolidated_state_dict")
         why = self.strategy.consolidation_refused() if self.strategy is not None else None
         if why:
             raise ZeroshardError(
@@ -377,25 +378,6 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
-
-    def offload_states(
-        self,
-        include: Any = None,
-        device: str | torch.device = "cpu",
-        pin_memory: bool = True,
-        non_blocking: bool = False,
-    ) -> None:
-        """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
-        memory until `reload_states()`; training steps are refused in between. State that lives off the device
-        already (`offload_optimizer`) stays where it is."""
-        strategy = self._require_optimizer("offload_states")
-        self.commit_checkpoint()
-        on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]
-        self._offloader.offload(on_device, torch.device(device), pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what `offload_states()` moved."""
-        self._offloader.reload(non_blocking)
 
     def compile(
         self,

@@ -32,6 +32,8 @@ class DeepSpeedCalls:
     _manual: Any  # ManualBackward
     _compute: Any  # the engine's compute context (tensor parallelism's vocab-parallel loss), else nullcontext
     _torn_load: Any  # CheckpointMixin's: [Note: a torn load]
+    _offloader: Any  # StateOffloader: offload_states()
+    device: torch.device
     # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
     # route shuffles) of the data
     collate_fn: Callable[..., Any] | None = None
@@ -134,6 +136,8 @@ class DeepSpeedCalls:
         from zeroshard.zero.stage3.gathered import GatheredParameters
 
         refused = self.strategy.module_load_refused() if self.strategy is not None else None
+        if self.strategy is not None:
+            self.strategy.refuse_offloaded("load_module_state_dict")
         if refused is not None:
             raise ZeroshardError(refused)
         state = checkpoint["module"]
@@ -283,6 +287,29 @@ class DeepSpeedCalls:
     def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """DeepSpeed's old name of `save_16bit_model`."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    def offload_states(
+        self,
+        include: Any = None,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
+        memory until `reload_states()`; training steps, checkpoint saves and loads and the calls that read or write the
+        masters (`safe_get_full_fp32_param`, ...) are refused in between. State that lives off the device
+        already (`offload_optimizer`) stays where it is."""
+        strategy = self._require_optimizer("offload_states")
+        self.commit_checkpoint()
+        on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]
+        self._offloader.offload(on_device, torch.device(device), pin_memory, non_blocking)
+        strategy.states_offloaded = self._offloader.active
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states()` moved."""
+        self._offloader.reload(non_blocking)
+        if self.strategy is not None:
+            self.strategy.states_offloaded = False
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter, persistent ones too (they are gathered again when next used),

@@ -131,13 +131,22 @@ def _offload_states_round_trip(rank: int, world_size: int, folder: str):
                     with torch.no_grad():
                         engine(x, y)  # evaluation while offloaded
                     refusals = []
-                    calls = [("step", ()), ("save_checkpoint", (folder, "s")), ("load_checkpoint", (folder, "s"))]
-                    for name, args in calls:  # the save would read empty storages
+                    param = next(engine.module.parameters())
+                    calls = [  # each would read or write empty storages
+                        (engine.step, ()),
+                        (engine.save_checkpoint, (folder, "s")),
+                        (engine.load_checkpoint, (folder, "s")),
+                        (engine.consolidated_state_dict, ()),
+                        (engine.load_module_state_dict, ({"module": {}},)),
+                        (zeroshard.utils.safe_get_full_fp32_param, (param,)),
+                        (zeroshard.utils.safe_set_full_optimizer_state, (param, torch.zeros(1), "exp_avg")),
+                    ]
+                    for call, args in calls:
                         try:
-                            getattr(engine, name)(*args)
+                            call(*args)
                         except zeroshard.ZeroshardError as e:
                             refusals.append("reload_states" in str(e))
-                    refused = refusals == [True] * 3
+                    refused = refusals == [True] * len(calls)
                     engine.reload_states()
                 loss = engine(x, y)
                 engine.backward(loss)

@@ -14,7 +14,8 @@ workers): pages shared copy-on-write with one could leave the device reading a p
 driver reports registered memory as pinned host memory, so `is_pinned()` is true and copies to and from it run
 asynchronously, as from `cudaHostAlloc`'s. Below `EXACT_FROM` bytes torch's allocator serves (its rounding costs
 little there). Such storages cannot be resized: state swapped to NVMe (freed and re-allocated around each use) keeps
-torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is.
+torch's allocator (`NvmeTier`), and `engine.offload_states` leaves state that lives off the device where it is; its
+own host copies are exact-size pinned buffers too, kept from one offload to the next (offload/states.py).
 The unregistration runs on the registering device, after that device's work is done, from whichever thread frees the
 memory; at interpreter exit it is left to the driver. A registration the driver refuses falls back to torch's
 allocator with one warning naming the cause (the thread's CUDA error is cleared first, so it cannot surface at an

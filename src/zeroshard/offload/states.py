@@ -19,6 +19,9 @@ from zeroshard.offload.pinned import pinned_zeros
 class StateOffloader:
     def __init__(self) -> None:
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # pinned host copies kept after a reload for the next offload (an RL loop offloads every iteration): exact
+        # size ([Note: pinned memory without rounding]), registered once, as DeepSpeed keeps its pinned buffers
+        self._spare: list[torch.Tensor] = []
 
     @property
     def active(self) -> bool:
@@ -41,15 +44,13 @@ class StateOffloader:
                 continue
             seen.add(storage.data_ptr())
             base = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage)
-            if pin:  # exact size, unpinned when freed ([Note: pinned memory without rounding]): torch's pinned
-                # allocator would round each copy up to a power of two and keep the memory pinned after reload
-                host = pinned_zeros(base.numel(), base.dtype)
+            if pin:
+                host = self._pinned(base.numel(), base.dtype)
             else:
                 host = torch.empty(base.shape, dtype=base.dtype, device=device)
             host.copy_(base, non_blocking=non_blocking)
             self._held.append((base, host))
-        if non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self._settle(non_blocking)
         for base, _ in self._held:
             base.untyped_storage().resize_(0)
 
@@ -57,6 +58,18 @@ class StateOffloader:
         for base, host in self._held:
             base.untyped_storage().resize_(host.numel() * host.element_size())
             base.data.copy_(host, non_blocking=non_blocking)
-        if non_blocking and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self._settle(non_blocking)
+        self._spare = [host for _, host in self._held if host.is_pinned()]
         self._held.clear()
+
+    def _pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        for i, spare in enumerate(self._spare):
+            if spare.numel() == numel and spare.dtype == dtype:
+                return self._spare.pop(i)
+        return pinned_zeros(numel, dtype)
+
+    def _settle(self, non_blocking: bool) -> None:
+        """The asynchronous copies are done (on the devices the states are on, not only the current one)."""
+        if non_blocking and torch.cuda.is_available():
+            for device in {base.device for base, _ in self._held if base.is_cuda}:
+                torch.cuda.synchronize(device)

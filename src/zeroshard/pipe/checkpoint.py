@@ -121,6 +121,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         if not save_dir:
             raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
         refuse_torn(self, "save_checkpoint")  # before the mesh file: [Note: a torn load]
+        self._refuse_offloaded("save_checkpoint")
         folder = stage_dir(save_dir, self.pipe.groups.stage)
         self._world_space(folder)  # [Note: checkpoint space] over every stage's writes
 
@@ -142,6 +143,7 @@ class PipelineCheckpointMixin(CheckpointMixin):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
+        self._refuse_offloaded("load_checkpoint")
         # every rank arrives over the world first: a rank that trains on instead is named in seconds
         world = self.pipe.world
         sync = RankSync("load_checkpoint", world.rank, world.world_size, prefix=WORLD_PREFIX)

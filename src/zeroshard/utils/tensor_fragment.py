@@ -26,6 +26,8 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
         >>> full = safe_get_full_fp32_param(model.fc.weight)  # doctest: +SKIP
     """
     strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.refuse_offloaded("safe_get_full_fp32_param")
     return None if strategy is None else strategy.full_fp32_param(param)
 
 
@@ -47,6 +49,8 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     """The whole fp32 optimizer state `optim_state_key` (e.g. "exp_avg", "exp_avg_sq") of `param`; None before
     the first step made it, or for a parameter no engine trains (collective)."""
     strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.refuse_offloaded("safe_get_full_optimizer_state")
     return None if strategy is None else strategy.full_optimizer_state(param, optim_state_key)
 
 
@@ -55,6 +59,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     and the parameter the next forward uses. Nothing for a parameter no engine trains, as in DeepSpeed."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
+        strategy.refuse_offloaded("safe_set_full_fp32_param")
         _wait_for_writes()
         strategy.set_full_fp32_param(param, value)
 
@@ -64,6 +69,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     the key before the optimizer created it (its first step)."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
+        strategy.refuse_offloaded("safe_set_full_optimizer_state")
         _wait_for_writes()
         strategy.set_full_optimizer_state(param, value, optim_state_key)
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ZeroshardError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
@@ -160,6 +161,8 @@ class Strategy(ABC):
         # whether the boundary's backward already changes masters and optimizer state (stage 3's super_offload): a
         # decoupled save commits before it then ([Note: decoupled checkpoint writes])
         self.steps_in_backward = False
+        # engine.offload_states(): masters and optimizer state are empty storages until reload_states()
+        self.states_offloaded = False
         # [Note: gathering calls agree first]
         self.agreement = CallAgreement(comm, self._agreement_timeout_s(policy, device), numbered=True)
 
@@ -374,6 +377,11 @@ class Strategy(ABC):
         for part in self.checkpoint_state().parts():
             with part.hold(True):
                 part.refresh_master()
+
+    def refuse_offloaded(self, what: str) -> None:
+        """A call that reads or writes masters or optimizer state, while `offload_states()` holds them elsewhere."""
+        if self.states_offloaded:
+            raise ZeroshardError(f"{what}: the optimizer states are offloaded; call engine.reload_states() first")
 
     def holders(self, param: torch.Tensor) -> Collectives:
         """The ranks that hold `param` alike (its reductions' group)."""

@@ -255,6 +255,7 @@ def settle_gathers(units: Sequence[ShardedUnit], timeout_s: float = 60.0) -> Non
         if unit.state is not UnitState.GATHERING or pending is None:
             continue
         try:
+            unit.after_copy_in()  # before the handle's finishers run on this stream
             pending.wait(datetime.timedelta(seconds=timeout_s))  # type: ignore[call-arg]
             unit.wait_gathered()  # done: only the bookkeeping is left
         except Exception:  # noqa: BLE001 - at exit a failed wait (a peer gone) has nobody to report to
