@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What issue 13 still has to measure on a GPU (docs/benchmarks_gpu.md, "Still to do on a GPU"), as device calls of
-# under 10 minutes each, in order of what the issue needs most. From the repository root, on the GPU machine:
+# under 10 minutes each, in order of what the issue needs most: one call per GPU session (15 minutes of device time
+# a session, the machine's start included). From the repository root, on the GPU machine:
 #
 #     bash benchmarks/gpu_calls.sh 1   # make test-gpu; rows a, b, b+ at 18 layers
 #     bash benchmarks/gpu_calls.sh 2   # rows a0, so (super_offload, no clipping) at 18 layers; the overlap profile
