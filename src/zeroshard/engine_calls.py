@@ -296,9 +296,9 @@ class DeepSpeedCalls:
         non_blocking: bool = False,
     ) -> None:
         """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
-        memory until `reload_states()`; training steps, checkpoint saves and loads and the calls that read or write the
-        masters (`safe_get_full_fp32_param`, ...) are refused in between. State that lives off the device
-        already (`offload_optimizer`) stays where it is."""
+        memory until `reload_states()`. Training steps, checkpoint saves and loads, and the calls that read or write
+        the masters (`safe_get_full_fp32_param`, the setters, `GatheredParameters(modifier_rank=...)`) are refused in
+        between. State that lives off the device already (`offload_optimizer`) stays where it is."""
         strategy = self._require_optimizer("offload_states")
         self.commit_checkpoint()
         on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]

@@ -418,3 +418,54 @@ def test_nvme_checkpoints_are_written_one_sub_group_at_a_time(tmp_path):
         assert torch.equal(saved, loaded)
         for report in (before, after):  # nothing left in memory by the save
             assert report.host_optimizer_state == 0 and report.host_params == 0 and report.params == 0, report
+
+
+def _split_offloaded(rank: int, world_size: int) -> list[str]:
+    """A split strategy (torch_autocast at stage 2: two flat parts, each the registered owner of its parameters)."""
+    import torch
+    from torch import nn
+
+    import zeroshard
+    from zeroshard import utils
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4, bias=False))
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+    }
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(torch.tensor([1, 2])).sum())
+    engine.step()
+    weight = model[1].weight
+    engine.offload_states()
+    refused = []
+    for call in (
+        lambda: utils.safe_get_full_fp32_param(weight),
+        lambda: utils.safe_get_full_optimizer_state(weight, "exp_avg"),
+        lambda: utils.safe_set_full_fp32_param(weight, torch.ones(4, 4)),
+        lambda: zeroshard.GatheredParameters([weight], modifier_rank=0).__enter__(),
+    ):
+        try:
+            call()
+            refused.append("not refused")
+        except zeroshard.ZeroshardError as e:
+            refused.append(str(e).split(":")[0])
+    engine.reload_states()
+    assert utils.safe_get_full_fp32_param(weight) is not None
+    engine.destroy()
+    return refused
+
+
+def test_a_split_strategys_parts_refuse_while_offloaded():
+    """The parameter registry names a split strategy's part as a parameter's owner: the parts know the states are
+    offloaded too (before, the calls read and wrote empty storages)."""
+    for refused in run_on_ranks(_split_offloaded, 2):
+        assert refused == [
+            "safe_get_full_fp32_param",
+            "safe_get_full_optimizer_state",
+            "safe_set_full_fp32_param",
+            "GatheredParameters(modifier_rank=...)",
+        ], refused

@@ -13,11 +13,11 @@ and the counters last, and a reader records when its first byte went into an eng
 that is missing or truncated fails as it opens, before that). A failure once any rank wrote marks the engine torn on
 every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch and every save
 (save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save) then refuse in
-one line naming the failed load, until a load succeeds that restores at least what the failed one would have
-written: every module weight for a load_module_only one; the counters and lr scheduler too for a full one; the
-optimizer state too unless it was load_optimizer_states=False (a load with load_module_strict=False that misses
-some weights, or from a checkpoint without optimizer state, restores less and does not clear it). DeepSpeed has no
-such guard.
+one line naming the failed load, until a load succeeds on every rank that restores: every module weight, after a
+failed load_module_only one; also the counters and the lr scheduler (if the engine has one, whatever the failed
+call's load_lr_scheduler_states said), after a failed full one; also the optimizer state, unless the failed one had
+load_optimizer_states=False (a load with load_module_strict=False that misses some weights, or from a checkpoint
+without optimizer state, restores less and does not clear it). DeepSpeed has no such guard.
 """
 
 from __future__ import annotations

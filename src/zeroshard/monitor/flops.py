@@ -7,7 +7,8 @@ for the operations FlopCounterMode counts. Parameters are counted from their ful
 record of what each shard belongs to): under stage 3 a parameter outside its forward is an empty placeholder. The
 first forward (one micro-batch, as "batch size per GPU" says) of step `profile_step` is profiled and the report
 written at that step's boundary, on rank 0, to `output_file` or the log. With `wall_clock_breakdown` the report
-takes its latencies from the engine's timers of that step's last micro-step (the one forward it counted; DeepSpeed
+takes its latencies from the engine's timers of that step's last micro-step (its flops are the first forward's, the
+micro-batches alike; DeepSpeed
 counts every forward of the window and prints the window's summed times, gradient_accumulation_steps times these,
 with the same FLOPS), and adds DeepSpeed's backward, step and iteration lines: a backward counted as 2 forwards plus
 `recompute_fwd_factor` (the forwards activation checkpointing recomputes: 1 where every layer is checkpointed); a

@@ -120,6 +120,17 @@ class SplitStrategy(Strategy):
         for part in self.parts:
             part.publish_params()
 
+    @property
+    def states_offloaded(self) -> bool:
+        """engine.offload_states() on the parts too: the parameter registry names a part as a parameter's owner."""
+        return self._states_offloaded
+
+    @states_offloaded.setter
+    def states_offloaded(self, value: bool) -> None:
+        self._states_offloaded = value
+        for part in getattr(self, "parts", []):  # (Strategy.__init__ sets it before the parts exist)
+            part.states_offloaded = value
+
     # -- one parameter ---------------------------------------------------------------------------------------
     def holders(self, param: torch.Tensor) -> Collectives:
         owner = next((p for p in self.parts if any(t is param for t in p.tracked_params())), None)

@@ -56,6 +56,8 @@ class GatheredParameters:
         try:
             self._pending = begin(unowned, self.modifier_rank) if unowned else None
             for strategy, params in by_strategy.values():
+                if self.modifier_rank is not None:  # the block's changes go into the masters
+                    strategy.refuse_offloaded("GatheredParameters(modifier_rank=...)")
                 self._plan.append((strategy, strategy.gather_begin(params, modifier_rank=self.modifier_rank)))
         except BaseException:
             self._release(None)  # one engine refused (its agreement): what the others hold goes back
