@@ -3,18 +3,16 @@
 [Note: one call site]
 Every collective goes through `Collectives`, which
 - hides API differences across torch versions and backends (`all_gather_single` in torch >= 2.13,
-  `all_gather_into_tensor` before; no AVG/PREMUL_SUM on gloo, so averaging is SUM + a scale done by
-  the caller, folded into one multiply at step time);
-- counts what each rank sends, per collective kind, so tests and benchmarks read communication
-  volume from one counter (`CommStats`);
-- optionally times each collective for DeepSpeed's comms logger ([Note: comms logger] in comms_logger.py);
-- optionally checks, before each collective, that every rank is about to issue the same one
-  (`verify=True`): a mismatch raises `CollectiveMismatchError` naming the ranks instead of hanging.
+  `all_gather_into_tensor` before; no AVG/PREMUL_SUM on gloo, so averaging is SUM + a scale done by the caller,
+  folded into one multiply at step time);
+- counts what each rank sends, per collective kind, so tests and benchmarks read communication volume from one
+  counter (`CommStats`); optionally times each collective for DeepSpeed's comms logger ([Note: comms logger]);
+- optionally checks, before each collective, that every rank is about to issue the same one (`verify=True`): a
+  mismatch raises `CollectiveMismatchError` naming the ranks instead of hanging.
 
-Bytes are counted with the ring model nccl-tests calls "bus bytes": an all-reduce of S bytes sends
-2·S·(N-1)/N per rank, a reduce-scatter of an S-byte input and an all-gather of an S-byte output
-each send S·(N-1)/N, an all-to-all of an S-byte input S·(N-1)/N (a rank keeps its own chunk). With one rank
-nothing is sent and nothing is called.
+Bytes are counted with the ring model nccl-tests calls "bus bytes": an all-reduce of S bytes sends 2·S·(N-1)/N per
+rank, a reduce-scatter of an S-byte input and an all-gather of an S-byte output each send S·(N-1)/N, an all-to-all
+of an S-byte input S·(N-1)/N (a rank keeps its own chunk). With one rank nothing is sent and nothing is called.
 
 [Note: scopes]
 Each `Collectives` has a scope, where its group's ranks sit: `intra_node` when they are all on one node,
@@ -416,9 +414,8 @@ def _min_across_ranks(ref: weakref.ref[Collectives]) -> Callable[[torch.Tensor],
         comm = ref()
         if comm is None:
             raise RuntimeError("comms logger: its engine's collectives are gone (the engine was destroyed)")
-        # the logger's latencies are host tensors; NCCL reduces device tensors only
-        on_device = comm.world_size > 1 and dist.get_backend(comm.group) == "nccl"
-        moved = t.to(torch.device("cuda", torch.cuda.current_device())) if on_device else t
+        nccl = comm.world_size > 1 and dist.get_backend(comm.group) == "nccl"  # host latencies; NCCL: device only
+        moved = t.to(torch.device("cuda", torch.cuda.current_device())) if nccl else t
         comm.all_reduce(moved, op="min", label="comms_logger stragglers")
         if moved is not t:
             t.copy_(moved)
