@@ -27,7 +27,7 @@ from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
 from zeroshard.monitor import Telemetry
 from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
-from zeroshard.offload.states import StateOffloader
+from zeroshard.offload.states import GRADS, PARAMS, StateOffloader
 from zeroshard.precision.cast import inputs_to_half
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.python_gc import PYTHON_GC
@@ -55,6 +55,7 @@ class MemoryReport(StrategyMemory, ProcessMemory):
     stage: int = 0
     trainable_numel: int = 0
     frozen_params: int = 0
+    offload_spare: int = 0  # pinned host buffers offload_states() keeps for its next offload (CUDA)
 
     @property
     def model_states(self) -> int:
@@ -169,6 +170,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
     # -- the loop ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_torn(self, "forward")
+        if self.strategy is not None:  # [Note: offloaded states]; a forward that can be back-propagated needs both
+            self.strategy.refuse_away("engine.forward", (PARAMS, GRADS) if torch.is_grad_enabled() else (PARAMS,))
         if self.module.training:  # [Note: progressive layer drop], [Note: legacy curriculum learning]
             kwargs.update(self.schedules.forward_kwargs(self.global_steps))
         if self._auto_cast:
@@ -217,6 +220,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
         `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
         strategy = self._require_optimizer("backward")
+        strategy.refuse_away("engine.backward", (PARAMS, GRADS))
         if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
             self.commit_checkpoint()  # super_offload steps during this backward
         see_memory_usage("Engine before backward", force=self._memory_breakdown)
@@ -246,7 +250,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         `managed_gradient_accumulation` is false: [Note: caller-owned windows])."""
         strategy = self._require_optimizer("step")
         if self._offloader.active:
-            raise ZeroshardError("optimizer states are offloaded; call engine.reload_states() before engine.step()")
+            self._refuse_offloaded("engine.step")
         if self.accumulation.coalescing:  # as DeepSpeed
             raise ZeroshardError("engine.step() inside coalesce_grad_reduction(); leave the block first")
         with self.accumulation.inside_step():
@@ -428,6 +432,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
     def destroy(self) -> None:
         """Remove every hook from the module and release optimizer state and buffers."""
         self.commit_checkpoint("destroy")
+        if self._offloader.active:  # the module is left whole and usable ([Note: offloaded states])
+            self.reload_states()
+        self._offloader.release()
         release = getattr(self, "_gc_release", None)
         if release is not None:
             release()  # [Note: python gc per process]
@@ -450,12 +457,19 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         tracked = {id(p) for p in self.strategy.tracked_params()} if self.strategy is not None else set()
         # stage 3 holds frozen parameters as shards inside `params`
         frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in tracked)
+        # the strategies count what the device holds now; offload_states()'s host copies go in the host columns
+        moved = self._offloader.host_bytes()
+        memory.host_optimizer_state += moved.get("optim_states", 0)
+        memory.host_master_weights += moved.get("hp_params", 0)
+        memory.host_params += moved.get(PARAMS, 0)
+        memory.host_gradients += moved.get(GRADS, 0)
         return MemoryReport(
             rank=self.global_rank,
             world_size=self.world_size,
             stage=self.zero_stage,
             trainable_numel=self.strategy.trainable_numel if self.strategy is not None else 0,
             frozen_params=frozen,
+            offload_spare=self._offloader.spare_bytes,
             **memory.as_dict(),
             **asdict(process_memory(self.device)),
         )

@@ -17,6 +17,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import BUFFERS, GRADS, PARAMS, offload_device, offload_kinds
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 class DeepSpeedCalls:
@@ -268,6 +272,7 @@ class DeepSpeedCalls:
     def _manual_backward_begins(self) -> None:
         """What `engine.backward` does before `loss.backward()`, for a backward the script started."""
         strategy = self._require_optimizer("backward")
+        strategy.refuse_away("loss.backward()", (PARAMS, GRADS))
         if self._compute is not contextlib.nullcontext:
             raise ZeroshardError(
                 "loss.backward() with tensor parallelism's vocab-parallel loss: its backward must run inside "
@@ -291,25 +296,44 @@ class DeepSpeedCalls:
     def offload_states(
         self,
         include: Any = None,
-        device: str | torch.device = "cpu",
+        device: Any = "cpu",
         pin_memory: bool = True,
         non_blocking: bool = False,
     ) -> None:
-        """Move fp32 master weights and optimizer state to `device` (DeepSpeed's API), freeing their device
-        memory until `reload_states()`. Training steps, checkpoint saves and loads, and the calls that read or write
-        the masters (`safe_get_full_fp32_param`, the setters, `GatheredParameters(modifier_rank=...)`) are refused in
-        between. State that lives off the device already (`offload_optimizer`) stays where it is."""
+        """Move model states off the device until `reload_states()` (DeepSpeed's API; [Note: offloaded states]):
+        `include` names DeepSpeed's kinds (`OffloadStateTypeEnum`: optim_states, hp_params, lp_params, lp_grads,
+        contiguous_grad_buffer; None: all), `device` is "cpu" (`OffloadDeviceEnum.none` moves nothing). Training
+        steps, checkpoint saves and loads, and the calls that read or write model states (`safe_get_full_*`, the
+        setters, `GatherParameters(modifier_rank=...)`) are refused in between; with lp_params, forwards too. State
+        that lives off the device already (`offload_optimizer`, `offload_param`) stays where it is."""
         strategy = self._require_optimizer("offload_states")
+        kinds = offload_kinds(include)
+        target = offload_device(device)
+        if target is None:
+            logger.warning("offload_states(device='none'): no device given, nothing moves (as DeepSpeed)")
+            return
+        why = strategy.offload_refused(kinds)
+        if why is not None:
+            raise ZeroshardError(f"offload_states(include={list(kinds)}): refused {why}")
         self.commit_checkpoint()
-        on_device = [t for t in strategy.offloadable_tensors() if t.device == self.device]
-        self._offloader.offload(on_device, torch.device(device), pin_memory, non_blocking)
-        strategy.states_offloaded = self._offloader.active
+        if PARAMS in kinds:
+            strategy.release_gathered()  # DeepSpeed's empty_partition_cache first
+        on_device = {k: [t for t in ts if t.device == self.device] for k, ts in strategy.offloadable().items()}
+        moved = self._offloader.offload(on_device, kinds, target, pin_memory, non_blocking)
+        if BUFFERS in kinds:
+            strategy.release_buffers()
+        if PARAMS in moved:
+            strategy.show_params(away=True)
+        strategy.offloaded = strategy.offloaded | moved
+        _return_to_device(self.device)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states()` moved."""
         self._offloader.reload(non_blocking)
         if self.strategy is not None:
-            self.strategy.states_offloaded = False
+            if PARAMS in self.strategy.offloaded:
+                self.strategy.show_params(away=False)
+            self.strategy.offloaded = frozenset()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter, persistent ones too (they are gathered again when next used),
@@ -390,3 +414,11 @@ def _raise_if_any_failed(strategy: Any, failed: Exception | None) -> None:
         raise ZeroshardError(
             f"load_module_state_dict failed on rank(s) {ranks} (their error says why); nothing was taken from rank 0"
         )
+
+
+def _return_to_device(device: torch.device) -> None:
+    """The caching allocator's freed blocks go back to the driver, where another process can use them (an inference
+    engine beside an RL loop's trainer); a no-op on the CPU."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()

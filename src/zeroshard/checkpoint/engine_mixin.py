@@ -80,7 +80,8 @@ class CheckpointMixin:
     def _refuse_offloaded(self, op: str) -> None:
         """The states `offload_states()` moved out are empty storages here until `reload_states()`."""
         if self._offloader.active:
-            raise ZeroshardError(f"{op}: the optimizer states are offloaded; call engine.reload_states() first")
+            kinds = ", ".join(sorted(self._offloader.host_bytes()))
+            raise ZeroshardError(f"{op}: {kinds} offloaded by offload_states(); call engine.reload_states() first")
 
     def _writer_stream(self) -> torch.cuda.Stream | None:
         """The engine's one CUDA stream for its writer thread's copies (a stream from torch's shared pool could be

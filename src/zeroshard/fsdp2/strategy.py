@@ -41,6 +41,7 @@ from zeroshard.zero.strategy import (
     ParamGroupSpec,
     Strategy,
     StrategyPolicy,
+    held,
     nbytes,
     optimizer_state_tensors,
 )
@@ -331,8 +332,9 @@ class Fsdp2Strategy(Strategy):
                 out[id(sp.param)] = full.to(device or self.device, dtype, copy=True)
         return out
 
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        return optimizer_state_tensors(self.optimizer)  # the masters are the module's sharded parameters
+    def offloadable(self) -> dict[str, list[torch.Tensor]]:
+        # the masters are the module's sharded parameters, which FSDP2 reads at every all-gather: they stay
+        return {"optim_states": optimizer_state_tensors(self.optimizer)}
 
     def tracked_params(self) -> list[nn.Parameter]:
         return [sp.param for sp in self.params]
@@ -345,7 +347,7 @@ class Fsdp2Strategy(Strategy):
         memory = StrategyMemory()
         shards = sum(nbytes(sp.master) for sp in self.params)
         grads = sum(nbytes(sp.local_grad()) for sp in self.params)
-        state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
+        state = sum(held(t) for t in optimizer_state_tensors(self.optimizer))  # 0 while offload_states() holds it
         gathered = 0
         for unit in self.units:
             for _, full in unsharded_views(unit):

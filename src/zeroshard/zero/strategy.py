@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -136,6 +136,12 @@ def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
+def held(tensor: torch.Tensor | None) -> int:
+    """The bytes `tensor` holds now: 0 while its storage is empty (moved away by `engine.offload_states()`, a
+    released stage-3 unit)."""
+    return 0 if tensor is None else min(nbytes(tensor), tensor.untyped_storage().nbytes())
+
+
 class Strategy(ABC):
     """One model's ZeRO state on one rank. See [Note: strategy contract]."""
 
@@ -161,8 +167,9 @@ class Strategy(ABC):
         # whether the boundary's backward already changes masters and optimizer state (stage 3's super_offload): a
         # decoupled save commits before it then ([Note: decoupled checkpoint writes])
         self.steps_in_backward = False
-        # engine.offload_states(): masters and optimizer state are empty storages until reload_states()
-        self.states_offloaded = False
+        # engine.offload_states(): the kinds of state whose storages are empty until reload_states() ([Note:
+        # offloaded states] in offload/states.py)
+        self.offloaded: frozenset[str] = frozenset()
         # [Note: gathering calls agree first]
         self.agreement = CallAgreement(comm, self._agreement_timeout_s(policy, device), numbered=True)
 
@@ -378,10 +385,25 @@ class Strategy(ABC):
             with part.hold(True):
                 part.refresh_master()
 
+    @property
+    def states_offloaded(self) -> bool:
+        return bool(self.offloaded)
+
     def refuse_offloaded(self, what: str) -> None:
-        """A call that reads or writes masters or optimizer state, while `offload_states()` holds them elsewhere."""
-        if self.states_offloaded:
-            raise ZeroshardError(f"{what}: the optimizer states are offloaded; call engine.reload_states() first")
+        """A call that reads or writes model states, while `offload_states()` holds some of them elsewhere."""
+        if self.offloaded:
+            raise ZeroshardError(
+                f"{what}: {', '.join(sorted(self.offloaded))} offloaded by offload_states(); call "
+                "engine.reload_states() first"
+            )
+
+    def refuse_away(self, what: str, kinds: Collection[str]) -> None:
+        """A call that uses the `kinds` of state (the parameters, the gradient buffers) `offload_states()` holds."""
+        away = sorted(self.offloaded & set(kinds))
+        if away:
+            raise ZeroshardError(
+                f"{what}: {', '.join(away)} offloaded by offload_states(); call engine.reload_states() first"
+            )
 
     def holders(self, param: torch.Tensor) -> Collectives:
         """The ranks that hold `param` alike (its reductions' group)."""
@@ -420,8 +442,21 @@ class Strategy(ABC):
         whole (e.g. the CPU on one rank for an export), else the compute device."""
 
     @abstractmethod
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        """What `engine.offload_states()` moves: masters that are not parameters, and optimizer state."""
+    def offloadable(self) -> dict[str, list[torch.Tensor]]:
+        """What `engine.offload_states()` may move, by DeepSpeed's kind of state ([Note: offloaded states])."""
+
+    def offload_refused(self, kinds: Sequence[str]) -> str | None:
+        """Why `engine.offload_states()` cannot move `kinds` now (None: it can)."""
+        return None
+
+    def show_params(self, away: bool) -> None:
+        """`lp_params` left (`away`) or came back: the module's parameters show placeholders, or their views again
+        (nothing to do where `offloadable` names no parameters)."""
+        return None
+
+    def release_buffers(self) -> None:
+        """`contiguous_grad_buffer`: free the pooled communication buffers (allocated again when next used)."""
+        return None
 
     @abstractmethod
     def tracked_params(self) -> list[nn.Parameter]:

@@ -1,7 +1,7 @@
 """`deepspeed.runtime.zero` (which `deepspeed.zero` also names): `zeroshard.zero`'s DeepSpeed names, and
 `partition_parameters`, the module scripts import `ZeroParamStatus` from."""
 
-from zeroshard.runtime.zero import partition_parameters
+from zeroshard.runtime.zero import offload_config, partition_parameters
 from zeroshard.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -15,6 +15,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "offload_config",
     "partition_parameters",
     "register_external_parameter",
     "unregister_external_parameter",

@@ -9,7 +9,7 @@ into those views: there is no copy-out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ class GroupBuffers:
     grad_shard: torch.Tensor  # this rank's reduced gradients, grad-accumulation dtype
     grad_full: torch.Tensor | None = None  # stage 0/1: local accumulation of full gradients (stage 1: maybe later)
     master_aliases_params: bool = False
+    _shapes: dict[int, torch.Size] = field(default_factory=dict)  # the parameters' shapes while they are offloaded
 
     @property
     def shard_in_accumulator(self) -> bool:
@@ -48,6 +49,18 @@ class GroupBuffers:
 
     def bucket_params(self, start: int, numel: int) -> torch.Tensor:
         return self.param_flat.narrow(0, start, numel)
+
+    def show_params(self, away: bool) -> None:
+        """The parameters show empty placeholders while `param_flat` is offloaded, and their views again after
+        ([Note: offloaded states] in offload/states.py)."""
+        for slot in self.layout.slots:
+            param = self.params[slot.index]
+            if away:
+                self._shapes[slot.index] = local_of(param).shape
+                rebind(param, self.param_flat.new_empty(0))
+            else:
+                view = self.param_flat.narrow(0, slot.offset, slot.numel)
+                rebind(param, view.view(self._shapes.pop(slot.index)))
 
 
 def build_group_buffers(

@@ -23,7 +23,7 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.optim.lamb import refuse_unplanned
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
-from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy, nbytes, optimizer_state_tensors
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy, held, optimizer_state_tensors
 
 
 def split_groups(
@@ -121,15 +121,15 @@ class SplitStrategy(Strategy):
             part.publish_params()
 
     @property
-    def states_offloaded(self) -> bool:
+    def offloaded(self) -> frozenset[str]:
         """engine.offload_states() on the parts too: the parameter registry names a part as a parameter's owner."""
-        return self._states_offloaded
+        return self._offloaded
 
-    @states_offloaded.setter
-    def states_offloaded(self, value: bool) -> None:
-        self._states_offloaded = value
+    @offloaded.setter
+    def offloaded(self, value: frozenset[str]) -> None:
+        self._offloaded = value
         for part in getattr(self, "parts", []):  # (Strategy.__init__ sets it before the parts exist)
-            part.states_offloaded = value
+            part.offloaded = value
 
     # -- one parameter ---------------------------------------------------------------------------------------
     def holders(self, param: torch.Tensor) -> Collectives:
@@ -174,11 +174,20 @@ class SplitStrategy(Strategy):
     ) -> dict[int, torch.Tensor]:
         return {k: v for part in self.parts for k, v in part.consolidated_params(dtype, keep, device).items()}
 
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        seen: dict[int, torch.Tensor] = {}
+    def offloadable(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, dict[int, torch.Tensor]] = {}
+        for part in self.parts:  # the shared optimizer's state once
+            for kind, tensors in part.offloadable().items():
+                out.setdefault(kind, {}).update({id(t): t for t in tensors})
+        return {kind: list(tensors.values()) for kind, tensors in out.items()}
+
+    def show_params(self, away: bool) -> None:
         for part in self.parts:
-            seen.update({id(t): t for t in part.offloadable_tensors()})
-        return list(seen.values())
+            part.show_params(away)
+
+    def release_buffers(self) -> None:
+        for part in self.parts:
+            part.release_buffers()
 
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.tracked_params()]
@@ -194,7 +203,7 @@ class SplitStrategy(Strategy):
                 setattr(total, name, getattr(total, name) + value)
         # every part counted the shared optimizer's state, where its tier keeps it (the device, or the host with
         # offload_optimizer): take the extra counts off the same fields
-        extra = (len(self.parts) - 1) * sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
+        extra = (len(self.parts) - 1) * sum(held(t) for t in optimizer_state_tensors(self.optimizer))
         counted = StrategyMemory()
         self.parts[0].policy.master_tier.count_state(counted, 0, extra)
         for name, value in counted.as_dict().items():

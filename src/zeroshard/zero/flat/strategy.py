@@ -50,7 +50,7 @@ from zeroshard.zero.strategy import (
     AccumulationState,
     ParamGroupSpec,
     StrategyPolicy,
-    nbytes,
+    held,
     optimizer_state_tensors,
 )
 
@@ -386,11 +386,22 @@ class FlatStrategy(FlatFullValues):
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for b in self.buffers for p in b.params]
 
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        out = [b.master for b in self.buffers if not b.master_aliases_params]
+    def offloadable(self) -> dict[str, list[torch.Tensor]]:
         copies = zip(self._grad_copies, self.buffers, strict=True)
-        out += [g for g, b in copies if g is not None and g is not b.grad_shard]
-        return out + optimizer_state_tensors(self.optimizer)
+        return {
+            "optim_states": optimizer_state_tensors(self.optimizer),
+            "hp_params": [b.master for b in self.buffers if not b.master_aliases_params],
+            "lp_params": [b.param_flat for b in self.buffers],
+            "lp_grads": [b.grad_full if b.grad_full is not None else b.grad_shard for b in self.buffers]
+            + [g for g, b in copies if g is not None and g is not b.grad_shard],
+        }
+
+    def show_params(self, away: bool) -> None:
+        for b in self.buffers:
+            b.show_params(away)
+
+    def release_buffers(self) -> None:
+        self.pool.clear()
 
     @property
     def trainable_numel(self) -> int:
@@ -406,16 +417,16 @@ class FlatStrategy(FlatFullValues):
 
     def memory(self) -> StrategyMemory:
         memory = StrategyMemory(comm_buffers=self.pool.held_bytes)
-        for b in self.buffers:
-            memory.params += nbytes(b.param_flat)
+        for b in self.buffers:  # as held now: 0 for what offload_states() moved ([Note: offloaded states])
+            memory.params += held(b.param_flat)
             full = b.grad_full
             inside = full is not None and b.grad_shard.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-            memory.gradients += (0 if full is None else nbytes(full)) + (0 if inside else nbytes(b.grad_shard))
-        masters = sum(0 if b.master_aliases_params else nbytes(b.master) for b in self.buffers)
-        state = sum(nbytes(t) for t in optimizer_state_tensors(self.optimizer))
+            memory.gradients += held(full) + (0 if inside else held(b.grad_shard))
+        masters = sum(0 if b.master_aliases_params else held(b.master) for b in self.buffers)
+        state = sum(held(t) for t in optimizer_state_tensors(self.optimizer))
         self.policy.master_tier.count_state(memory, masters, state)
         copies = zip(self._grad_copies, self.buffers, strict=True)
-        self.gradients_tier.count(memory, sum(0 if g is b.grad_shard else nbytes(g) for g, b in copies))
+        self.gradients_tier.count(memory, sum(0 if g is b.grad_shard else held(g) for g, b in copies))
         return memory
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.comm.divergence import DivergenceWatch
+from zeroshard.errors import ZeroshardError
 from zeroshard.offload.residency import Residency
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.stage3.prefetch import ExecutionTrace, PrefetchPolicy, reused_soon, units_to_prefetch
@@ -67,10 +68,16 @@ class GatherSchedule:
         self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
         self.zeropp: UnitGathers | None = None  # ZeRO++ qwZ/hpZ gathers (zero/zeropp/weights.py)
+        self.params_away = False  # offload_states(lp_params): shards are empty storages ([Note: offloaded states])
+
+    def _refuse_away(self, what: str) -> None:
+        if self.params_away:
+            raise ZeroshardError(f"{what}: lp_params offloaded by offload_states(); call engine.reload_states() first")
 
     # -- events ----------------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         """A new forward: close the previous trace (a forward without backward, e.g. evaluation)."""
+        self._refuse_away("a forward")
         if self.in_backward or not self.trace.current:
             return
         self.trace.end_step()
@@ -184,6 +191,7 @@ class GatherSchedule:
     def gather(self, unit: ShardedUnit, exact: bool = False, why: str = "") -> None:
         """`exact`: full-precision values whatever ZeRO++ does for training gathers (state_dict, GatheredParameters);
         `why`: the caller's call, named in a divergence report."""
+        self._refuse_away(f"a gather of unit {unit.name!r}")
         self.watch.gather_log.append(unit.index)
         collect = self.zeropp.collect(unit) if self.zeropp is not None and not exact else None
         unit.gather(async_op=self.overlap, collect=collect, why=why)
@@ -204,6 +212,7 @@ class GatherSchedule:
     # -- whole-model gathering -------------------------------------------------------------------------
     def pin(self, units: Sequence[ShardedUnit], why: str) -> None:
         """Gather `units` (every rank must call this: `why` names the call) and keep them gathered until `unpin`."""
+        self._refuse_away(why)
         for unit in units:
             unit.pins += 1
             if unit.state is UnitState.SHARDED:

@@ -35,6 +35,7 @@ from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
 from zeroshard.zero.stage3.norms import step_plan
+from zeroshard.zero.stage3.offloaded import Stage3Offload
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
@@ -49,9 +50,8 @@ from zeroshard.zero.strategy import (
     ParamGroupSpec,
     Strategy,
     StrategyPolicy,
-    nbytes,
-    optimizer_state_tensors,
 )
+from zeroshard.zero.strategy import held as held_now
 from zeroshard.zero.zeropp.policy import ZeroPPPolicy
 from zeroshard.zero.zeropp.stage3 import attach_zeropp
 
@@ -78,7 +78,7 @@ class Stage3Policy(StrategyPolicy):
     unit_groups: Mapping[str, Collectives] = field(default_factory=dict)  # [Note: units apart] in plan.py
 
 
-class Stage3Strategy(Stage3Gathering, Strategy):
+class Stage3Strategy(Stage3Gathering, Stage3Offload, Strategy):
     """Stage-3 state of one model on one rank."""
 
     def __init__(
@@ -98,6 +98,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         grad_dtype = policy.comm_dtype if one_micro_step else policy.grad_accum_dtype
         self._grads_accumulate_in = grad_dtype if grad_dtype == policy.grad_accum_dtype else None
         self._untraced = 0  # inside gathered(): forwards out of the trace and the digest
+        self._ds_tensors: dict[nn.Parameter, torch.Tensor] = {}  # offload_states(lp_params): the parts, kept
         build = BuildPolicy(
             policy.compute_dtype,
             grad_dtype,
@@ -331,10 +332,6 @@ class Stage3Strategy(Stage3Gathering, Strategy):
                     self.consolidated_value(unit.params[slot.index], value, out if keep else None, dtype, device)
         return out
 
-    def offloadable_tensors(self) -> list[torch.Tensor]:
-        out = [m for u in self.units for m in u.separate_master()]
-        return out + optimizer_state_tensors(self.optimizer)
-
     def tracked_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
 
@@ -359,7 +356,7 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         self.policy.param_tier.count_params(memory, sum(held(t) for u in self.units for t in u.stored()))
         self._count_state(memory)
         copies = [u.grad_copy for u in self.units if u.grad_copy is not None and u.grad_copy is not u.grad_shard]
-        self.gradients_tier.count(memory, sum(nbytes(c) for c in copies))
+        self.gradients_tier.count(memory, sum(held_now(c) for c in copies))
         return memory
 
     def _count_state(self, memory: StrategyMemory) -> None:
@@ -367,9 +364,9 @@ class Stage3Strategy(Stage3Gathering, Strategy):
         # the first sub-group's tier reports even when there is none (NVMe: its files)
         held: dict[Tier, list[int]] = {self.policy.master_tier.for_sub_group(0, 1): [0, 0, 0]}
         for sub_group in self.built.sub_groups:
-            masters = sum(0 if u.master is u.shard else nbytes(u.master) for u in sub_group.units)
-            both = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units))  # masters and swapped state
-            unswapped = sum(nbytes(t) for t in self.stepper.tensors(sub_group.units, resident=True))
+            masters = sum(0 if u.master is u.shard else held_now(u.master) for u in sub_group.units)
+            both = sum(held_now(t) for t in self.stepper.tensors(sub_group.units))  # masters and swapped state
+            unswapped = sum(held_now(t) for t in self.stepper.tensors(sub_group.units, resident=True))
             counts = held.setdefault(sub_group.tier, [0, 0, 0])
             counts[0] += masters
             counts[1] += both - masters + unswapped

@@ -165,7 +165,7 @@ class ShardedUnit:
         self._pending: Handle | None = None
         self._copied_in: torch.cuda.Event | None = None
         self._published: torch.cuda.Event | None = None  # publish_master's, until the copy has read the master
-        self._placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
+        self.placeholders = [torch.empty(0, dtype=compute_dtype, device=device) for _ in params]
         # the compute shard between uses: in memory, or on NVMe (offload_param nvme: read per gather, written per step)
         self.home: Residency = param_tier.residency
         # the parameters show the views, with DeepSpeed's ds_* attributes ([Note: DeepSpeed's parameter attributes])
@@ -265,7 +265,7 @@ class ShardedUnit:
         if self.state is UnitState.SHARDED or self.persistent or self.pins:
             return
         self.wait_gathered()
-        show(self.params, self._placeholders, ZeroParamStatus.NOT_AVAILABLE)
+        show(self.params, self.placeholders, ZeroParamStatus.NOT_AVAILABLE)
         if hand_over:
             full = torch.empty_like(self.full)  # views need memory; emptied after (set_ would keep a whole unit)
             slots = zip(self._slots, self.views, strict=True)
@@ -285,7 +285,7 @@ class ShardedUnit:
 
     def return_shape(self, index: int) -> None:
         if self.state is UnitState.SHARDED:
-            self.params[index].data = self._placeholders[index]
+            self.params[index].data = self.placeholders[index]
 
     # -- gradients ---------------------------------------------------------------------------------
     def stage_grad(self, param_index: int, grad: torch.Tensor, pool: BufferPool, comm_dtype: torch.dtype) -> bool:
