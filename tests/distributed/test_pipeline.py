@@ -168,3 +168,31 @@ def _io(rank: int, world_size: int) -> list[list[int]]:
 def test_deepspeed_io_reads_the_replicas_share_in_order() -> None:
     """Two stages of one replica: each stage's rank reads the whole data, in order, as the pipeline's own loader."""
     assert run_on_ranks(_io, 2) == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+
+
+def _offloaded(rank: int, world_size: int) -> tuple[list[str], bool]:
+    import zeroshard
+
+    case = PipeCase(2, "1f1b", zero=1)
+    engine = build(case)
+    train(engine, case, range(1))
+    before = evaluate(engine, case)
+    engine.offload_states()  # every kind: [Note: offloaded states]
+    refused = []
+    for call in (lambda: evaluate(engine, case), lambda: train(engine, case, range(1, 2))):
+        try:
+            call()
+            refused.append("")
+        except zeroshard.ZeroshardError as e:
+            refused.append(str(e).split(":")[0])
+    engine.reload_states()
+    after = evaluate(engine, case)
+    engine.destroy()
+    return refused, before == after
+
+
+def test_pipeline_eval_and_train_batch_refuse_while_offloaded() -> None:
+    """With the states offloaded a pipeline's eval_batch (the parameters away) and train_batch refuse in one line on
+    every stage, before any stage communicates; after reload_states() the evaluation is unchanged."""
+    for refused, same in run_on_ranks(_offloaded, 2):
+        assert refused == ["eval_batch", "train_batch"] and same, (refused, same)

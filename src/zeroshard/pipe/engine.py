@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import PARAMS
 from zeroshard.pipe.checkpoint import PipelineCheckpointMixin
 from zeroshard.pipe.context import PipeContext
 from zeroshard.pipe.module import PipelineModule
@@ -84,6 +85,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
         self._require_optimizer("train_batch")
+        self._refuse_offloaded("train_batch")  # it ends in a step: [Note: offloaded states]
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
@@ -106,6 +108,8 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         if not compute_loss:
             raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
         refuse_torn(self, "eval_batch")
+        if self.strategy is not None:
+            self.strategy.refuse_away("eval_batch", (PARAMS,))
         self.set_dataiterator(data_iter)
         self.module.eval()
         with self._deadline("engine.eval_batch"), torch.no_grad():
