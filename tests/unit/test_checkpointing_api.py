@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zeroshard import checkpointing
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, ZeroshardError
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +89,51 @@ def test_rng_tracker_forks_a_named_stream():
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("model-parallel-rng", 99)
     tracker.reset()
+
+
+def _in_flight(count: int | None) -> list[torch.Tensor]:
+    """A 1F1B steady state with two micro-batches in flight (f1 f2 b1 f3 b2 f4 b3 b4), each forward one checkpoint:
+    the input gradients of the four micro-batches."""
+    if count is not None:
+        checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=count)
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())  # its input gradient depends on the input kept
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(4)]
+    run = checkpointing.checkpoint if count is not None else (lambda fn, x: fn(x))
+    outs = [run(layer, xs[0]), run(layer, xs[1])]
+    for k in range(2, 4):
+        (outs[k - 2] ** 2).sum().backward()
+        outs.append(run(layer, xs[k]))
+    for k in range(2, 4):
+        (outs[k] ** 2).sum().backward()
+    return [x.grad for x in xs]
+
+
+def test_contiguous_pieces_are_held_until_their_backward():
+    """[Note: contiguous pieces are taken and given back]: a piece is free again only once its input is restored, so
+    micro-batches in flight never share one (handed out in a circle and rewound at each backward, the fourth forward
+    overwrote the third's input: its gradients were another micro-batch's); more held inputs than number_checkpoints
+    are refused in one line (they wrapped around silently)."""
+    want = _in_flight(None)
+    got = _in_flight(2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=1)
+    layer = nn.Linear(8, 8)
+    with pytest.raises(ZeroshardError, match="number_checkpoints is 1, and 1 checkpointed inputs are held"):
+        checkpointing.checkpoint(layer, checkpointing.checkpoint(layer, torch.randn(4, 8, requires_grad=True)))
+
+
+def test_the_recompute_runs_under_the_forwards_autocast():
+    """Autograd does not carry autocast into backward: the recompute re-enters the forward's (it ran in fp32 under
+    torch_autocast's bf16, so the gradients were another function's)."""
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        x = torch.randn(4, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpointing.checkpoint(layer, x) if use_checkpoint else layer(x)
+        assert y.dtype == torch.bfloat16
+        y.float().pow(2).sum().backward()
+        grads.append([x.grad, *[p.grad for p in layer.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

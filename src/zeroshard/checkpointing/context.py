@@ -8,6 +8,8 @@ globals, and `configure`/`reset` replace or clear that object's fields in one pl
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 
 from zeroshard.checkpointing.rng import CudaRNGStatesTracker
 from zeroshard.checkpointing.settings import CheckpointingSettings
+from zeroshard.errors import ZeroshardError
 
 
 @dataclass
@@ -39,32 +42,55 @@ class ModelParallel:
         return cls(mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), mpu.get_model_parallel_group())
 
 
+_ALLOCATIONS = itertools.count()  # numbers each allocation of pieces, so a piece of an older one is not given back
+
+
 @dataclass
 class ContiguousBuffers:
     """contiguous_memory_optimization: for the i-th checkpointed input of a function, `number_checkpoints`
-    preallocated pieces filled in forward order; `rewind` (backward started, or `reset()`) starts over."""
+    preallocated pieces.
+
+    [Note: contiguous pieces are taken and given back] A checkpoint's forward takes a free piece and its input is
+    held there until it has been restored in backward (or the checkpoint's graph is freed without one): the Kept
+    input gives its piece back when it dies. Handing them out in a circle and starting over at each backward, as
+    before, let a checkpoint past `number_checkpoints` or a pipeline's later micro-batch (1F1B keeps several forwards
+    alive) overwrite an input still to be recomputed: wrong gradients, without an error. With every piece held the
+    next take is refused in one line naming number_checkpoints (DeepSpeed fails there too, indexing past its
+    buffer)."""
 
     pieces: list[list[torch.Tensor]] = field(default_factory=list)
-    next_slot: list[int] = field(default_factory=list)
+    free: list[list[int]] = field(default_factory=list)
+    allocation: list[int] = field(default_factory=list)
 
-    def take(self, position: int, like: torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
+    def take(self, position: int, like: torch.Tensor, count: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """A free piece holding `like`'s values, and the token that gives it back (`give_back(*token)`)."""
         while len(self.pieces) <= position:
             self.pieces.append([])
-            self.next_slot.append(0)
+            self.free.append([])
+            self.allocation.append(-1)
         slots = self.pieces[position]
         if not slots or slots[0].numel() != like.numel() or slots[0].dtype != like.dtype:
+            # another size: new pieces (inputs held in the old ones keep those alive until they are restored)
             slots[:] = [torch.empty(like.numel(), dtype=like.dtype, device=device) for _ in range(count)]
-            self.next_slot[position] = 0
-        slot = self.next_slot[position] % count  # more checkpoints than announced reuse the oldest buffer
-        self.next_slot[position] += 1
-        return slots[slot].copy_(like.reshape(-1))
+            self.free[position] = list(range(count))
+            self.allocation[position] = next(_ALLOCATIONS)
+        if not self.free[position]:
+            raise ZeroshardError(
+                f"activation_checkpointing.number_checkpoints is {count}, and {count} checkpointed inputs are held "
+                "already (each until its backward: a forward checkpointing more layers, or a pipeline's micro-batches "
+                "in flight, hold more); raise number_checkpoints or turn contiguous_memory_optimization off"
+            )
+        index = self.free[position].pop(0)
+        return slots[index].copy_(like.reshape(-1)), (position, index, self.allocation[position])
 
-    def rewind(self) -> None:
-        self.next_slot = [0] * len(self.next_slot)
+    def give_back(self, position: int, index: int, allocation: int) -> None:
+        if position < len(self.allocation) and self.allocation[position] == allocation:
+            bisect.insort(self.free[position], index)
 
     def release(self) -> None:
         self.pieces.clear()
-        self.next_slot.clear()
+        self.free.clear()
+        self.allocation.clear()
 
 
 @dataclass

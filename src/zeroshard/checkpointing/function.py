@@ -3,12 +3,16 @@
 [Note: reentrant checkpoint] As DeepSpeed's `CheckpointFunction` (itself torch's reentrant checkpoint): forward
 runs `fn` under no_grad and keeps only the inputs (storage.py decides how); backward restores the inputs and the
 RNG states, runs `fn` again with grad and back-propagates through that recomputed graph. Stage 3 sees the
-recompute as a forward inside backward ([Note: recompute] in zero/stage3/schedule.py). Under no_grad (evaluation)
-`fn` just runs. Outputs that are not tensors are passed through; non-floating-point outputs get no gradient.
+recompute as a forward inside backward ([Note: recompute] in zero/stage3/schedule.py). The recompute runs under the
+autocast state of the forward (autograd does not carry it into backward: under `torch_autocast` the recompute ran in
+fp32, another function than the forward's bf16 one; DeepSpeed's has that gap, torch's checkpoint does not). Under
+no_grad (evaluation) `fn` just runs. Outputs that are not tensors are passed through; non-floating-point outputs get
+no gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +35,7 @@ class CheckpointFunction(torch.autograd.Function):
         with _boundary(state, "forward"), record_function("zeroshard.checkpoint.forward"):
             ctx.run = run
             ctx.rng = rng.capture(state.rng_tracker, _uses_cuda(args))
+            ctx.autocast = _autocast_now(args)
             with torch.no_grad():
                 result = run(*args)
             ctx.kept = [keep(a, i, state) if is_activation(a, state) else a for i, a in enumerate(args)]
@@ -44,12 +49,12 @@ class CheckpointFunction(torch.autograd.Function):
         state = CONTEXT
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("zeroshard.checkpointing.checkpoint works with .backward(), not torch.autograd.grad()")
-        if state.settings.contiguous_memory_optimization:
-            state.buffers.rewind()
         with _boundary(state, "backward"), record_function("zeroshard.checkpoint.recompute"):
             inputs = [restore(a, state) if isinstance(a, Kept) else _detached(a) for a in ctx.kept]
             ctx.kept = None
-            with _rng_restored(state, ctx.rng):
+            with _rng_restored(state, ctx.rng), contextlib.ExitStack() as autocast:
+                for kwargs in ctx.autocast:  # as the forward ran: autograd does not carry it into backward
+                    autocast.enter_context(torch.amp.autocast(**kwargs))
                 with torch.enable_grad():
                     result = ctx.run(*inputs)
             pairs = [(o, g) for o, g in zip(_tensors(result), grads, strict=True) if o.requires_grad and g is not None]
@@ -97,6 +102,20 @@ def _detached(arg: Any) -> Any:
     if isinstance(arg, torch.Tensor):
         return arg.detach().requires_grad_(arg.requires_grad)
     return arg
+
+
+def _autocast_now(args: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """The autocast state the forward runs under (the engine's torch_autocast, a caller's), for the recompute."""
+    kinds = ["cpu", "cuda"] if _uses_cuda(args) else ["cpu"]
+    return [
+        {
+            "device_type": kind,
+            "enabled": torch.is_autocast_enabled(kind),
+            "dtype": torch.get_autocast_dtype(kind),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        }
+        for kind in kinds
+    ]
 
 
 def _uses_cuda(args: tuple[Any, ...]) -> bool:

@@ -15,6 +15,7 @@ runs on the same stream and the compute stream waits for it before the recompute
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class Kept:
     requires_grad: bool
     partitioned: bool
     on_host: bool
+    in_piece: bool = False  # held in a contiguous piece, given back when this dies
 
     @property
     def nbytes(self) -> int:
@@ -49,6 +51,7 @@ def keep(tensor: torch.Tensor, position: int, ctx: CheckpointingContext) -> Kept
     mp = ctx.model_parallel
     data = tensor.detach()
     partitioned = s.partition_activations and mp.size > 1
+    piece = None
     if partitioned:
         chunk = -(-data.numel() // mp.size)
         flat = data.reshape(-1)
@@ -58,12 +61,15 @@ def keep(tensor: torch.Tensor, position: int, ctx: CheckpointingContext) -> Kept
     if s.contiguous_memory_optimization:
         device = torch.device("cpu") if s.cpu_checkpointing else data.device
         assert s.number_checkpoints is not None  # settings.validate
-        data = ctx.buffers.take(position, data, s.number_checkpoints, device)
+        data, piece = ctx.buffers.take(position, data, s.number_checkpoints, device)
     elif s.cpu_checkpointing:
         data = _to_host(data, ctx)
     elif partitioned:
         data = data.clone()  # the piece alone: the whole input can be freed
     kept = Kept(data, tensor.shape, tensor.device, tensor.requires_grad, partitioned, s.cpu_checkpointing)
+    if piece is not None:  # [Note: contiguous pieces are taken and given back] in context.py
+        kept.in_piece = True
+        weakref.finalize(kept, ctx.buffers.give_back, *piece)
     ctx.stats.keep(kept.nbytes, kept.on_host)
     return kept
 
@@ -82,7 +88,7 @@ def restore(kept: Kept, ctx: CheckpointingContext) -> torch.Tensor:
     for dim in kept.shape:
         numel *= dim
     out = data.reshape(-1).narrow(0, 0, numel).view(kept.shape).detach()
-    if kept.data.data_ptr() == out.data_ptr():  # a preallocated buffer is reused by a later forward
+    if kept.in_piece and kept.data.data_ptr() == out.data_ptr():  # the piece goes to a later forward
         out = out.clone()
     ctx.stats.drop(kept.nbytes, kept.on_host)
     return out.requires_grad_(kept.requires_grad)
