@@ -39,7 +39,7 @@ test-all: install-compat
 # The GPU suite (issue 13) on a CUDA machine, at world size 1 (and 2 with two GPUs). No install step: GPU machines
 # here have torch, transformers and peft but no package registry, so the tree runs from src/ as it is.
 test-gpu:
-	PYTHONPATH=src $(PYTHON) -m pytest tests/gpu -m cuda -q -p no:cacheprovider
+	PYTHONPATH=src $(PYTHON) -m pytest tests/gpu -m cuda -q -rfE -p no:cacheprovider
 
 # Issue 13 item 4: one stage-3 step and one offloaded step profiled; exposed-communication fractions in one call.
 overlap-gpu:

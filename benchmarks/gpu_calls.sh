@@ -3,7 +3,7 @@
 # under 10 minutes each, in order of what the issue needs most: one call per GPU session (15 minutes of device time
 # a session, the machine's start included). From the repository root, on the GPU machine:
 #
-#     bash benchmarks/gpu_calls.sh 1   # make test-gpu; rows a, b, b+ at 18 layers
+#     bash benchmarks/gpu_calls.sh 1   # the GPU suite (make test-gpu); rows a, b, b+ at 18 layers; the compiled test
 #     bash benchmarks/gpu_calls.sh 2   # rows a0, so (super_offload, no clipping) at 18 layers; the overlap profile
 #     bash benchmarks/gpu_calls.sh 3   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
 #     bash benchmarks/gpu_calls.sh 4   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
@@ -25,15 +25,27 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=src:. PYTHONUNBUFFERED=1
 
-# `step NAME SECONDS COMMAND...`: COMMAND bounded by SECONDS, its output in $out/NAME.log and on stdout
+# `step NAME SECONDS COMMAND...`: COMMAND bounded by SECONDS, its output in $out/NAME.log and on stdout. At the
+# bound it gets SIGINT (pytest then prints its failures, summary and durations; Python its traceback), and SIGKILL
+# 20 s later
 step() {
     local name=$1 seconds=$2
     shift 2
     echo "== $name (at most ${seconds} s): $*"
     local start=$SECONDS
-    timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+    timeout -s INT -k 20 "$seconds" "$@" 2>&1 | tee "$out/$name.log"
     echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
+
+# `gpu_tests NAME SECONDS PYTEST-ARGS...`: the GPU suite (what `make test-gpu` runs; called directly, as the machine
+# may have no make), each test bounded, failures listed, a JUnit file beside the log
+gpu_tests() {
+    local name=$1 seconds=$2
+    shift 2
+    step "$name" "$seconds" python -m pytest tests/gpu -m cuda -q -rfE -p no:cacheprovider --timeout 120 \
+        --junitxml "$out/$name.xml" --durations 0 "$@"
+}
+COMPILE=tests/gpu/test_cuda.py::test_compiled_engine_on_cuda  # ~40 cold inductor compiles: run last
 
 offload() {  # `offload NAME SECONDS ARGS...`: benchmarks.gpu_offload with its JSON beside the log
     local name=$1 seconds=$2
@@ -44,8 +56,9 @@ offload() {  # `offload NAME SECONDS ARGS...`: benchmarks.gpu_offload with its J
 case ${1:-} in
 1)
     { nvidia-smi; python -m zeroshard.cli.main report; } >"$out/machine.txt" 2>&1  # versions, pinning, disk
-    step test_gpu 260 make test-gpu
+    gpu_tests test_gpu 220 --deselect "$COMPILE"
     offload rows_ab 200 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 100
+    gpu_tests test_gpu_compile 120 "$COMPILE"
     ;;
 2)
     offload rows_so 360 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150

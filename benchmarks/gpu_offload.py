@@ -347,6 +347,8 @@ def main() -> None:
     from benchmarks.machine import describe
 
     rows = []
+    settings = {k: getattr(args, k) for k in ("hidden", "seq", "micro", "steps", "warmup", "ratio", "sub_group_size")}
+    machine = describe()
     for spec in args.tries:
         row, _, depths = spec.partition(":")
         if row not in ROWS or not depths:
@@ -359,12 +361,12 @@ def main() -> None:
             result = attempt(row, layers, args)
             rows.append(result)
             print(table([result]).splitlines()[-1], flush=True)
+            report = {"machine": machine, "settings": settings, "tries": rows}
+            if args.json:  # after every try: a call cut short by its bound keeps what finished
+                args.json.write_text(json.dumps(report, indent=1, default=str))
             if result["ok"]:
                 break
-    settings = {k: getattr(args, k) for k in ("hidden", "seq", "micro", "steps", "warmup", "ratio", "sub_group_size")}
-    report = {"machine": describe(), "settings": settings, "tries": rows}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1, default=str))
+    report = {"machine": machine, "settings": settings, "tries": rows}
     print(f"\nmachine: {report['machine']}\nsettings: {settings}\n\n{table(rows)}")
 
 

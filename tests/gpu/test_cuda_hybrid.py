@@ -38,7 +38,9 @@ def _generate(rank: int, world_size: int) -> dict[str, Any]:
         weights = {k: v.clone() for k, v in engine.module_state_dict().items()}
         ids = prompts.to(engine.device)
         engine.eval()
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # this thread's cuBLAS workspace (32 MiB)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what generation leaves reserved is then its own blocks, not older ones
         before = torch.cuda.memory_reserved()
         seq = engine.module.generate(input_ids=ids, max_new_tokens=8, do_sample=False, synced_gpus=True)
         torch.cuda.synchronize()

@@ -106,14 +106,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         p.start()
     collected: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
         while len(collected) + len(errors) < world_size:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s"
-                ) from None
+                # a rank killed by a signal (a CUDA or NCCL abort, a segfault, the OOM killer) reports nothing: it is
+                # named at once instead of after the whole timeout
+                dead = {r: p.exitcode for r, p in enumerate(procs) if r not in collected and p.exitcode is not None}
+                if any(code != 0 for code in dead.values()):
+                    errors.append(f"rank(s) died without reporting (exit codes {dead})")
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s"
+                    ) from None
+                continue
             if status == "ok":
                 collected[rank] = pickle.loads(payload)
             else:
