@@ -148,3 +148,18 @@ def test_the_trainer_needs_a_config_and_refuses_deepspeeds_arguments():
     with pytest.raises(ConfigError, match="both"):
         _config_source(_args(deepspeed={"zero_optimization": {"stage": 1}}), {"zero_optimization": {"stage": 2}})
     assert _config_source(_args(), {"zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
+
+
+def test_a_lone_process_on_several_gpus_trains_one_micro_batch_per_step():
+    """transformers' plain path (no DeepSpeed) counts a single process's GPUs for nn.DataParallel: its DataLoader
+    fed N micro-batches as one and the loss divided the token count by N. The Trainer keeps one device per process,
+    as DeepSpeed's branch does (simulated: the CPU counts no GPU)."""
+    from torch import nn
+
+    from zeroshard.hf import Trainer
+
+    args = _args(deepspeed={"zero_optimization": {"stage": 2}})
+    _ = args.device
+    args._n_gpu = 2  # what transformers sets from torch.cuda.device_count() without torchrun
+    trainer = Trainer(model=nn.Linear(4, 4), args=args)
+    assert trainer.args.n_gpu == 1 and trainer._train_batch_size == args.per_device_train_batch_size == 4

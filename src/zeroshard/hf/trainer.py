@@ -75,8 +75,13 @@ class TrainerMixin:
 
     def __init__(self, *args: Any, zeroshard_config: Any = None, **kwargs: Any):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and training_args.n_gpu > 1:
+            # one device per process, as under DeepSpeed: transformers' plain path counts a lone process's GPUs (for
+            # nn.DataParallel), fed N micro-batches as one and divided the loss's token count by N
+            training_args._n_gpu = 1
         self.zeroshard_link = EngineLink()
         self._zeroshard_source = _config_source(training_args, zeroshard_config)
+        _refuse_precompute_at_stage3(self._zeroshard_source, training_args, kwargs)
         self._zeroshard_steps: int | None = None
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
@@ -112,7 +117,11 @@ class TrainerMixin:
         return super().call_model_init(trial)  # type: ignore[misc,no-any-return]
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        pass  # initialize places the model (and at stage 3 shards it)
+        """At stages 0-2 where `initialize` would put it anyway, now: TRL runs the model in its constructor
+        (`precompute_ref_log_probs` without a ref_model) on batches its accelerator put on the device. At stage 3
+        `initialize` shards it, and a whole copy on every GPU is what ZeRO-3 avoids."""
+        if int(self._zeroshard_source.zero_optimization.stage) < 3:
+            super()._move_model_to_device(model, device)  # type: ignore[misc]
 
     def _build_engine(self, num_training_steps: int) -> Engine:
         """The engine, built once: [Note: which Trainer methods we override]."""
@@ -466,3 +475,19 @@ def _committed_before(folder: str) -> str | None:
         if name.startswith("checkpoint-") and step.isdigit() and os.path.exists(os.path.join(parent, name, "latest")):
             found.append((int(step), os.path.join(parent, name)))
     return max(found)[1] if found else None
+
+
+def _refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, kwargs: dict[str, Any]) -> None:
+    """TRL's DPO computes the reference log-probs in its constructor; without a ref_model it runs the trained model
+    there, which at stage 3 is still on the CPU (or the meta device) while its batches are on the GPU (DeepSpeed wraps
+    it in an inference engine at that point)."""
+    if (
+        int(source.zero_optimization.stage) == 3
+        and getattr(training_args, "precompute_ref_log_probs", False)
+        and kwargs.get("ref_model") is None
+        and training_args.device.type == "cuda"
+    ):
+        raise ConfigError(
+            "precompute_ref_log_probs without a ref_model at ZeRO-3: TRL runs the model in its constructor, before "
+            "the engine places and shards it; pass ref_model= (sharded at stage 3), or precompute at stage 2"
+        )
