@@ -41,6 +41,13 @@ def _pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def local_device() -> torch.device:
+    """This rank's device as `init_distributed` picks it (cuda:LOCAL_RANK modulo the GPUs, made current; the CPU
+    without CUDA), for collectives a script's own process group runs before `initialize` (DeepSpeed's zero.Init
+    picks and sets it alike)."""
+    return _pick_device(int(os.environ.get("LOCAL_RANK", "0")))[0]
+
+
 def init_distributed(
     backend: str | None = None, timeout_s: float | None = None, mpi_discovery: bool = True, mpi_port: int = 29500
 ) -> Topology:

@@ -69,6 +69,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm.agreement import CallAgreement
 from zeroshard.comm.collectives import Collectives
+from zeroshard.comm.topology import local_device
 from zeroshard.errors import ZeroshardError
 from zeroshard.loading.materialize import (
     init_module,
@@ -471,8 +472,9 @@ def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
     if not params or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     comm = Collectives(None, dist.get_world_size(), dist.get_rank())
-    # NCCL moves device memory only: the values travel through the current CUDA device
-    via = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    # NCCL moves device memory only: the values travel through this rank's GPU (the current device is GPU 0 on
+    # every rank when the script started NCCL without set_device: NCCL refuses, or hangs on, duplicate GPUs)
+    via = local_device() if dist.get_backend() == "nccl" else None
     with torch.no_grad():
         comm.broadcast_coalesced([p.data for p in params], src, via, label="GatheredParameters before initialize")
 
