@@ -112,3 +112,15 @@ def test_zeroshard_report_checks_exact_pinning(monkeypatch):
     assert check.ok is False and "out of memory" in check.detail
     monkeypatch.setattr(pinned, "pinned_zeros", lambda numel, dtype, fallback: torch.zeros(numel, dtype=dtype))
     assert _exact_pinning().ok is False  # not pinned: reported as such
+
+
+def test_nvme_staging_buffers_are_pinned_at_their_exact_size(monkeypatch: pytest.MonkeyPatch):
+    """A staging buffer of 8 MiB (block_size x queue_depth) asked torch's pinned allocator for 8 MiB + 4096 for the
+    alignment, which it rounds to 16 MiB: now the exact, page-aligned pinned pages."""
+    from zeroshard.offload import buffers
+
+    fake = Registry()
+    monkeypatch.setattr(buffers, "pinned_zeros", lambda n, dtype: pinned_zeros(n, dtype, fake.registry()))
+    buffer = buffers.aligned_empty(8 << 20, pin=True)
+    assert buffer.numel() == 8 << 20 and buffer.data_ptr() % 4096 == 0
+    assert buffer.untyped_storage().nbytes() == 8 << 20 and fake.locked == {buffer.data_ptr(): 8 << 20}

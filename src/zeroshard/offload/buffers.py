@@ -23,10 +23,17 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.offload.aio import ALIGNMENT, align_up
+from zeroshard.offload.pinned import EXACT_FROM, pinned_zeros
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` whose data pointer is a multiple of 4096 (pinned if `pin`)."""
+    if pin and nbytes >= EXACT_FROM:
+        # page-aligned and exactly sized ([Note: pinned memory without rounding]): torch's pinned allocator rounds
+        # `nbytes + 4096` up to a power of two, twice the default 8 MiB buffer (block_size x queue_depth)
+        exact = pinned_zeros(nbytes, torch.uint8)
+        if exact.data_ptr() % ALIGNMENT == 0:  # (not if the driver refused the registration: torch's then)
+            return exact
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % ALIGNMENT
     return raw[start : start + nbytes]
