@@ -78,20 +78,24 @@ class TrainResult:
 
 
 class LossWindow:
-    """Micro-batch losses since the last log line, averaged over all ranks when read."""
+    """Micro-batch losses since the last log line, averaged over all ranks when read. They are summed on the device
+    (in float64, as Python's floats summed them): reading each one waited for the GPU every micro-step."""
 
     def __init__(self) -> None:
-        self.total = 0.0
+        self.total: torch.Tensor | None = None
         self.count = 0
 
-    def add(self, value: float) -> None:
-        self.total += value
+    def add(self, loss: torch.Tensor) -> None:
+        value = loss.detach().reshape(()).to(torch.float64)
+        self.total = value if self.total is None else self.total + value
         self.count += 1
 
     def mean(self, engine: Any) -> float:
-        t = torch.tensor([self.total, float(self.count)], dtype=torch.float64, device=engine.device)
+        total = torch.zeros((), dtype=torch.float64) if self.total is None else self.total
+        count = torch.tensor(float(self.count), dtype=torch.float64)
+        t = torch.stack([total.to(engine.device), count.to(engine.device)])
         engine.comm.all_reduce(t)
-        self.total, self.count = 0.0, 0
+        self.total, self.count = None, 0
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
 
@@ -177,7 +181,7 @@ def _loop(
         loss = engine(input_ids=batch, labels=batch).loss
         engine.backward(loss)
         engine.step()
-        window.add(float(loss.detach()))
+        window.add(loss)
         position.batches_in_epoch += 1
         if engine.global_steps == before:
             continue
@@ -272,10 +276,9 @@ def evaluate(engine: Any, eval_set: TokenBlocks, max_batches: int) -> float | No
             chunk = mine[r * micro : (r + 1) * micro]
             ids = torch.stack([eval_set[i] for i in (chunk or [0])]).to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss  # ranks without data still run the forward
-            if chunk:
-                totals += torch.tensor(
-                    [float(loss) * len(chunk), len(chunk)], dtype=torch.float64, device=totals.device
-                )
+            if chunk:  # summed on the device: no wait for the GPU per batch
+                count = torch.tensor(float(len(chunk)), dtype=torch.float64, device=totals.device)
+                totals += torch.stack([loss.detach().reshape(()).to(torch.float64) * count, count])
     finally:
         engine.train()
     engine.comm.all_reduce(totals)

@@ -116,6 +116,7 @@ class SwapEngine:
         self._serial = 0
         self.io_threads = io_threads(aio)
         self._io = Workers(self.io_threads, 2 * self.io_threads, "zeroshard-nvme-io")
+        self._streams: dict[tuple[int, torch.device], torch.cuda.Stream] = {}  # per I/O thread and device
         self._driver = Workers(1, 0, "zeroshard-nvme-driver")
 
     # -- submission (caller's thread) ----------------------------------------------------------------
@@ -207,12 +208,12 @@ class SwapEngine:
                 assert request.data is not None and buffer is not None
                 view = buffer.view[start : start + length]
                 if request.write:
-                    _copy(buffer.tensor[start : start + valid], request.data[lo : lo + valid])
+                    self._copy(buffer.tensor[start : start + valid], request.data[lo : lo + valid])
                     buffer.tensor[start + valid : start + length].zero_()
                     pwrite_all(request.fd, view, lo)
                 else:
                     pread_exact(request.fd, view, lo, request.record.path)
-                    _copy(request.data[lo : lo + valid], buffer.tensor[start : start + valid])
+                    self._copy(request.data[lo : lo + valid], buffer.tensor[start : start + valid])
         except BaseException as err:
             request.fail(err)
         with segment.lock:
@@ -220,6 +221,23 @@ class SwapEngine:
             last = segment.remaining == 0
         if last:
             self._segment_done(segment)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A staging copy; one of a device tensor runs on a stream of this thread's own. On the thread's default
+        stream (the legacy one, the compute stream's) it waited for every kernel queued, and the synchronize after
+        it for those queued since, holding the I/O thread and the compute stream back alike; the request's ready
+        event already orders it after the tensor's producer."""
+        device = dst.device if dst.is_cuda else src.device if src.is_cuda else None
+        if device is None:
+            _copy(dst, src)
+            return
+        key = (threading.get_ident(), device)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            _copy(dst, src)
 
     def _segment_done(self, segment: SwapSegment) -> None:
         if segment.buffer is not None:
@@ -239,7 +257,7 @@ class SwapEngine:
             if request.fd >= 0 and request.error is None and self.mode is IoMode.BUFFERED:
                 drop_cached_pages(request.fd, request.write)
             if request.out is not None and request.data is not None and request.error is None:
-                _copy(request.out, request.data.view(request.out.dtype).view(request.out.shape))
+                self._copy(request.out, request.data.view(request.out.dtype).view(request.out.shape))
         except BaseException as err:
             request.fail(err)
         finally:
