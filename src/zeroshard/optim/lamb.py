@@ -118,6 +118,8 @@ class Lamb(torch.optim.Optimizer):
         sums = torch.zeros(2, count, dtype=torch.float64, device=device)  # |W|^2 and |u|^2 per parameter
         updates: dict[int, torch.Tensor] = {}
         steps: dict[int, int] = {}
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weights, update) of each segment, in plan order
+        ks: list[int] = []
         for param in stepped:
             grad = param.grad
             assert grad is not None
@@ -143,8 +145,12 @@ class Lamb(torch.optim.Optimizer):
             if param.numel() and id(param) not in segments:  # a plan that does not know a tensor would not step it
                 raise RuntimeError(f"Lamb: the plan names no parameter of a stepped tensor of group {index}")
             for offset, length, k in segments.get(id(param), []):
-                sums[0, k] += _squares(flat.narrow(0, offset, length)).to(device)
-                sums[1, k] += _squares(flat_update.narrow(0, offset, length)).to(device)
+                pieces.append((flat.narrow(0, offset, length), flat_update.narrow(0, offset, length)))
+                ks.append(k)
+        if ks:  # one call per device for all segments (a few kernels per segment cost 30% of a 400-segment step)
+            at = torch.tensor(ks, device=device)
+            sums[0].index_add_(0, at, _squares([w for w, _ in pieces], device))
+            sums[1].index_add_(0, at, _squares([u for _, u in pieces], device))
         if self.plan is not None:
             self.plan.reduce(sums)
         norms = sums.sqrt()
@@ -160,8 +166,17 @@ class Lamb(torch.optim.Optimizer):
                 flat.narrow(0, offset, length).add_(flat_update.narrow(0, offset, length), alpha=-step_size * coeff[k])
 
 
-def _squares(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, dtype=torch.float64).square()
+def _squares(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each view's sum of squares in float64, on `device` (torch's foreach norm per device the views are on: on the CPU
+    the same kernel as `vector_norm`, without a Python call per view)."""
+    out = torch.empty(len(views), dtype=torch.float64, device=device)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, view in enumerate(views):
+        by_device.setdefault(view.device, []).append(i)
+    for positions in by_device.values():
+        norms = torch._foreach_norm([views[i] for i in positions], 2, dtype=torch.float64)
+        out[torch.tensor(positions, device=device)] = torch.stack(norms).square().to(device)
+    return out
 
 
 def refuse_unplanned(optimizer: torch.optim.Optimizer, where: str) -> None:
