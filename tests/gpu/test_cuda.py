@@ -230,7 +230,10 @@ def _stage3_features(rank: int, world_size: int, root: str):
         engine.backward(engine(x, x))
         report = engine.memory_report()  # with the gradient shards, which the step frees ([Note: gradient shards
         engine.step()  # exist from reduction to step])
-    accounted = report.model_states + report.peak_gathered_params + report.persistent_params + report.comm_buffers
+    # the communication buffers at their peak in use (on CUDA the pool keeps none between uses: [Note: pooled
+    # buffers between passes])
+    gathered = report.peak_gathered_params + report.persistent_params
+    accounted = report.model_states + gathered + engine.strategy.pool.peak_bytes
     measured = torch.cuda.max_memory_allocated() - baseline
     head = engine.module.lm_head.weight
     with zeroshard.GatheredParameters([head], modifier_rank=0):
