@@ -12,7 +12,7 @@ import torch
 from zeroshard.zero.flat.group_buffers import GroupBuffers
 from zeroshard.zero.flat.local import is_dtensor, local_of
 from zeroshard.zero.flat.reducer import GradientReducer
-from zeroshard.zero.layout import FlatLayout
+from zeroshard.zero.layout import Bucket, FlatLayout
 from zeroshard.zero.strategy import Strategy
 
 
@@ -40,21 +40,23 @@ class FlatFullValues(Strategy):
         with self.optimizer_state_resident():
             out: dict[int, torch.Tensor] = {}
             for buffers in self.buffers:
-                full = self._full_master(buffers)
-                for slot in buffers.layout.slots if keep else ():
-                    param = buffers.params[slot.index]
-                    value = full.narrow(0, slot.offset, slot.numel).view(local_of(param).shape)
-                    out[id(param)] = value.to(device or self.device, dtype, copy=True)
+                layout = buffers.layout
+                for bucket in layout.buckets:  # a bucket at a time: a whole group's fp32 copy was on the device
+                    full = self._full_master(buffers, bucket)
+                    for slot in (layout.slots[i] for i in bucket.slots) if keep else ():
+                        param = buffers.params[slot.index]
+                        value = full.narrow(0, slot.offset - bucket.start, slot.numel).view(local_of(param).shape)
+                        out[id(param)] = value.to(device or self.device, dtype, copy=True)
             return out
 
-    def _full_master(self, buffers: GroupBuffers) -> torch.Tensor:
-        layout = buffers.layout
-        if layout.numel == layout.shard_numel:
-            return buffers.master.to(self.device, torch.float32)
-        full = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
-        for bucket in layout.buckets:  # fp32 in and out (NCCL gathers one dtype): [Note: bf16 master weights]
-            mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device, torch.float32)
-            self.comm.all_gather(full.narrow(0, bucket.start, bucket.numel), mine)
+    def _full_master(self, buffers: GroupBuffers, bucket: Bucket) -> torch.Tensor:
+        """The whole fp32 master values of one bucket (a parameter lies in one bucket)."""
+        if buffers.layout.numel == buffers.layout.shard_numel:
+            return buffers.master.narrow(0, bucket.start, bucket.numel).to(self.device, torch.float32)
+        full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+        # fp32 in and out (NCCL gathers one dtype): [Note: bf16 master weights]
+        mine = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel).to(self.device, torch.float32)
+        self.comm.all_gather(full, mine)
         return full
 
     # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
@@ -68,7 +70,7 @@ class FlatFullValues(Strategy):
         if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
             return torch.zeros(local_of(param).shape, dtype=torch.float32, device=self.device)
         self.reducer.settle()
-        return self._gather_slot(param, lambda buffers: buffers.grad_shard.float() * self._grad_scale())
+        return self._gather_slot(param, lambda buffers: buffers.grad_shard, self._grad_scale())
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         # `_has_state` is itself a collective (at stage 0 too): agreed with the gather that follows it
@@ -127,13 +129,21 @@ class FlatFullValues(Strategy):
                 start = (bucket.shard_start if self._sharded else bucket.start) + begin - lo
                 target.narrow(0, start, end - begin).copy_(flat[begin - slot.offset : end - slot.offset])
 
-    def _gather_slot(self, param: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor]) -> torch.Tensor:
-        """`param`'s part of a group-wide flat tensor of which `local(buffers)` is this rank's shard: all-gathers
-        the buckets that hold the parameter (none at stage 0)."""
+    def _gather_slot(
+        self, param: torch.Tensor, local: Callable[[GroupBuffers], torch.Tensor], scale: float = 1.0
+    ) -> torch.Tensor:
+        """`param`'s part of a group-wide flat tensor of which `local(buffers)` is this rank's shard, in fp32 times
+        `scale`: all-gathers the buckets that hold the parameter (none at stage 0). Only those buckets' pieces are
+        converted and moved (the whole shard was: a host-to-device copy of an offloaded master per parameter)."""
         buffers, slot = self._slot_of(param)
-        shard = local(buffers).to(self.device, torch.float32)
+        shard = local(buffers)
+
+        def piece(start: int, numel: int) -> torch.Tensor:
+            values = shard.narrow(0, start, numel).to(self.device, torch.float32, copy=True)
+            return values * scale if scale != 1.0 else values
+
         if self.layout.shard_count == 1:
-            return shard.narrow(0, slot.offset, slot.numel).view(local_of(param).shape).clone()
+            return piece(slot.offset, slot.numel).view(local_of(param).shape)
         lo, hi = slot.offset, slot.offset + slot.numel
         out = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
         for bucket in buffers.layout.buckets:
@@ -141,6 +151,6 @@ class FlatFullValues(Strategy):
             if end <= lo or start >= hi:
                 continue
             full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, shard.narrow(0, bucket.shard_start, bucket.shard_numel), label="full value")
+            self.comm.all_gather(full, piece(bucket.shard_start, bucket.shard_numel), label="full value")
             out[max(lo, start) - lo : min(hi, end) - lo].copy_(full[max(lo, start) - start : min(hi, end) - start])
         return out.view(local_of(param).shape)
