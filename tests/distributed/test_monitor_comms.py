@@ -42,6 +42,11 @@ def _run(rank: int, world_size: int, out: str) -> dict:
     with_stragglers = engine.comms_logger.log_all(print_log=False, show_straggler=True, return_dict=True)
     assert with_stragglers is not None
     stragglers = with_stragglers["straggler_analysis"]
+    # an all-to-all of uneven sizes is logged at each rank's own size (Muon's exchange, MoE): the ranks' rows differ
+    # and the straggler reductions, one per row, would pair different all-reduces; they are left out
+    sends, receives = ([1, 1], [1, 2]) if rank == 0 else ([2, 1], [1, 1])
+    engine.comm.all_to_all_uneven(torch.empty(sum(receives)), torch.ones(sum(sends)), receives, sends)
+    uneven = engine.comms_logger.log_all(print_log=False, show_straggler=True, return_dict=True)
     engine.destroy()
     assert table is not None
     counts = {op: sum(row["count"] for row in sizes.values()) for op, sizes in table["summary"].items()}
@@ -51,6 +56,7 @@ def _run(rank: int, world_size: int, out: str) -> dict:
         "monitors": monitors,
         "same": summary["summary"] == table["summary"],
         "stragglers": {op: sum(row["count"] for row in sizes.values()) for op, sizes in stragglers.items()},
+        "uneven": uneven["straggler_analysis"] if uneven is not None else None,
     }
 
 
@@ -67,6 +73,7 @@ def test_comms_logger_counts_and_stage3_flops_profile(tmp_path: pathlib.Path) ->
         assert {names[k]: v for k, v in r["calls"].items() if v} == r["counts"]
         assert r["same"]
         assert r["stragglers"] == r["counts"]  # the minimum latency over ranks, per collective and size
+        assert r["uneven"] == {}  # not computed (before: mismatched all-reduces, a hang on NCCL)
     assert [r["monitors"] for r in results] == [1, 0]
     profile = (tmp_path / "flops.txt").read_text()
     params = profile.split("params per GPU:")[1].splitlines()[0].strip()

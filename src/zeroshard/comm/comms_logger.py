@@ -16,6 +16,7 @@ the one piece of module state here: DeepSpeed's API is global) and `comm/api.py`
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 import sys
@@ -209,6 +210,17 @@ class CommsLogger:
             "metadata": {"world_size": self.world_size, "rank": self.rank, "timestamp": datetime.now().isoformat()},
         }
 
+    def _same_records_on_every_rank(self, snapshot: dict[str, dict[int, list[float]]]) -> bool:
+        """Whether every rank logged the same (op, size, count) rows: the straggler reductions are one all-reduce per
+        row, so rows that differ (an uneven all-to-all is logged at each rank's own size: Muon's exchange, MoE,
+        Ulysses) would pair different all-reduces across ranks (a hang on NCCL). One min-reduction of a digest."""
+        assert self.min_across_ranks is not None
+        rows = [(op, size, len(latencies)) for op, sizes in snapshot.items() for size, latencies in sizes.items()]
+        digest = int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:6], "big")  # exact in float64
+        probe = torch.tensor([digest, -digest], dtype=torch.float64)
+        self.min_across_ranks(probe)
+        return bool(probe[0] == -probe[1])  # the smallest digest is the largest: all equal
+
     def _stragglers(self, lines: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
         if self.min_across_ranks is None:
             raise RuntimeError("comms logger: show_straggler needs the engine's collectives")
@@ -234,6 +246,9 @@ class CommsLogger:
         snapshot = {
             op: {size: list(r.latencies_ms) for size, r in sorted(d.items())} for op, d in self.comms_dict.items()
         }
+        if not self._same_records_on_every_rank(snapshot):
+            lines.append("(not computed: the ranks logged different collectives, e.g. all-to-alls of uneven sizes)")
+            return out
         for op, sizes in snapshot.items():
             lines.append(op)
             out[op] = {}
