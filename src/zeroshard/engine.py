@@ -301,6 +301,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""
         if self.strategy is not None:
+            self.strategy.refuse_away("engine.zero_grad", (GRADS,))  # [Note: offloaded states]
             self.strategy.zero_grad()
         self.accumulation.pending = False
 

@@ -330,7 +330,7 @@ class DeepSpeedCalls:
         if BUFFERS in kinds:
             strategy.release_buffers()
         if PARAMS in moved:
-            strategy.show_params(away=True)
+            strategy.show_params(away=True, host_view=self._offloader.host_view)
         strategy.offloaded = strategy.offloaded | moved
         _return_to_device(self.device)
 

@@ -45,6 +45,7 @@ import torch
 from zeroshard.comm.collectives import Collectives
 from zeroshard.engine import Engine
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import PARAMS
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -113,6 +114,8 @@ class HybridEngine(Engine):
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's `generate(*inputs, **kwargs)`, the model gathered once for the call at stage 3 (with
         `pin_parameters`)."""
+        if self.strategy is not None:  # [Note: offloaded states]
+            self.strategy.refuse_away("generate", (PARAMS,))
         own = self._own_generate()
         if own is None:
             raise ZeroshardError(

@@ -26,8 +26,11 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
         engine.consolidated_state_dict,
         lambda: engine.load_module_state_dict({"module": {}}),
         lambda: zeroshard.utils.safe_get_full_fp32_param(param),
+        lambda: zeroshard.utils.safe_get_full_grad(param),
         lambda: zeroshard.utils.safe_set_full_optimizer_state(param, torch.zeros(1), "exp_avg"),
     ]
+    if engine.zero_optimization_stage() < 3:
+        calls.append(engine.zero_grad)  # writes the gradient buffers (stage 3's exist from reduction to step only)
     if engine.zero_optimization_stage() == 3:
         calls.append(engine.module.state_dict)  # gathers the shards
     out = []
@@ -38,6 +41,15 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
         except zeroshard.ZeroshardError as e:
             out.append(str(e) if "reload_states" in str(e) else f"other: {e}")
     return out
+
+
+def _visible(model, stage: int) -> list[torch.Tensor]:
+    """What a script reads of the parameters without gathering: the parameters at stages 0-2, the persistent ones
+    and each rank's part (`ds_tensor`) at stage 3."""
+    if stage < 3:
+        return [p.detach().clone() for p in model.parameters()]
+    persistent = [p.detach().clone() for p in model.parameters() if p.ds_persist]
+    return persistent + [p.ds_tensor.clone() for p in model.parameters()]
 
 
 def _away(engine, kinds: tuple[str, ...]) -> bool:
@@ -68,15 +80,17 @@ def _round_trip(rank: int, world_size: int, folder: str):
                         evaluated = engine(x, y).item()
                     before = engine.memory_report()
                     if variant == "all":
+                        values = _visible(model, case.stage)
                         engine.offload_states()
                         during = engine.memory_report()
                         seen["away"] = _away(engine, ("optim_states", "hp_params", "lp_params", "lp_grads"))
                         seen["offloaded"] = sorted(engine.strategy.offloaded)
-                        seen["placeholders"] = (
-                            [p.ds_tensor.numel() for p in model.parameters()]
-                            if case.stage == 3
-                            else [p.numel() for p in model.parameters()]
-                        )
+                        # the parameters (stage 3: the persistent ones and every ds_tensor) read the host copies
+                        now = _visible(model, case.stage)
+                        seen["host_views"] = all(torch.equal(a, b) for a, b in zip(values, now, strict=True))
+                        if case.stage < 3:  # what a save reads
+                            saved = engine.module_state_dict()
+                            seen["saved"] = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
                         seen["refused"] = _refusals(engine, folder, x, y)
                         seen["device"] = [getattr(during, c) for c in COLUMNS] + [during.comm_buffers]
                         seen["moved"] = sum(getattr(during, c) for c in HOST) - sum(getattr(before, c) for c in HOST)
@@ -136,7 +150,7 @@ def test_offload_states_by_kind_and_reload_continue_bit_identically(tmp_path):
             kinds = ["hp_params", "lp_grads", "lp_params", "optim_states"]
             kinds = kinds if stage < 3 else ["lp_params", "optim_states"]
             assert seen["away"] and seen["offloaded"] == kinds, seen
-            assert set(seen["placeholders"]) == {0}, seen["placeholders"]  # parameters show empty placeholders
+            assert seen["host_views"] and seen.get("saved", True), seen
             assert all(message.endswith("call engine.reload_states() first") for message in seen["refused"]), seen
             assert "lp_params offloaded" in seen["refused"][0], seen["refused"][0]  # the forward names what is away
             assert seen["device"] == [0] * (len(COLUMNS) + 1), seen["device"]  # the device holds none of it now
@@ -191,22 +205,25 @@ def _split_offloaded(rank: int, world_size: int) -> list[str]:
             refused.append("not refused")
         except zeroshard.ZeroshardError as e:
             refused.append(str(e).split(":")[0])
+    values = [p.detach().clone() for p in model.parameters()]
     engine.offload_states(include=["lp_params"])
-    placeholders = [p.numel() for p in model.parameters()]
+    # both parts' parameters read their host copies (their flat buffers hold no memory now)
+    params = zip(model.parameters(), values, strict=True)
+    hosts = [p.untyped_storage().nbytes() > 0 and torch.equal(p, v) for p, v in params]
     engine.reload_states()
     assert utils.safe_get_full_fp32_param(weight) is not None
     engine.destroy()
-    return refused, placeholders
+    return refused, hosts
 
 
 def test_a_split_strategys_parts_refuse_while_offloaded():
     """The parameter registry names a split strategy's part as a parameter's owner: the parts know the states are
-    offloaded too (before, the calls read and wrote empty storages), and both parts' parameters leave."""
-    for refused, placeholders in run_on_ranks(_split_offloaded, 2):
+    offloaded too (before, the calls read and wrote empty storages), and both parts' parameters move to the host."""
+    for refused, hosts in run_on_ranks(_split_offloaded, 2):
         assert refused == [
             "safe_get_full_fp32_param",
             "safe_get_full_optimizer_state",
             "safe_set_full_fp32_param",
             "GatheredParameters(modifier_rank=...)",
         ], refused
-        assert placeholders == [0, 0], placeholders
+        assert hosts == [True, True], hosts

@@ -163,3 +163,25 @@ def test_a_lone_process_on_several_gpus_trains_one_micro_batch_per_step():
     args._n_gpu = 2  # what transformers sets from torch.cuda.device_count() without torchrun
     trainer = Trainer(model=nn.Linear(4, 4), args=args)
     assert trainer.args.n_gpu == 1 and trainer._train_batch_size == args.per_device_train_batch_size == 4
+
+
+def test_a_trl_style_trainer_takes_its_reference_model_by_position():
+    """TRL's DPO takes (model, ref_model, args, ...): the arguments are read by name (the second position was taken
+    for the TrainingArguments and its n_gpu read from a model)."""
+    import transformers
+    from torch import nn
+
+    from zeroshard.hf import TrainerMixin
+
+    class DPOLike(transformers.Trainer):
+        def __init__(self, model, ref_model=None, args=None, **kwargs):
+            self.ref_model = ref_model
+            super().__init__(model=model, args=args, **kwargs)
+
+    class Trainer(TrainerMixin, DPOLike):
+        pass
+
+    args = _args(deepspeed={"zero_optimization": {"stage": 2}})
+    reference = nn.Linear(4, 4)
+    trainer = Trainer(nn.Linear(4, 4), reference, args)
+    assert trainer.args is args and trainer.ref_model is reference

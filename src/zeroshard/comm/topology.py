@@ -44,8 +44,10 @@ def _pick_device(local_rank: int) -> tuple[torch.device, str]:
 def local_device() -> torch.device:
     """This rank's device as `init_distributed` picks it (cuda:LOCAL_RANK modulo the GPUs, made current; the CPU
     without CUDA), for collectives a script's own process group runs before `initialize` (DeepSpeed's zero.Init
-    picks and sets it alike)."""
-    return _pick_device(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    picks and sets it alike). Without LOCAL_RANK (a launcher that does not set it) the current device, as it is."""
+    if "LOCAL_RANK" not in os.environ:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return _pick_device(int(os.environ["LOCAL_RANK"]))[0]
 
 
 def init_distributed(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -74,14 +75,15 @@ class TrainerMixin:
     control: Any
 
     def __init__(self, *args: Any, zeroshard_config: Any = None, **kwargs: Any):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None and training_args.n_gpu > 1:
+        given = _arguments(super().__init__, args, kwargs)  # by name: TRL's DPO takes (model, ref_model, args, ...)
+        training_args: Any = given.get("args")
+        if getattr(training_args, "n_gpu", 1) > 1:
             # one device per process, as under DeepSpeed: transformers' plain path counts a lone process's GPUs (for
             # nn.DataParallel), fed N micro-batches as one and divided the loss's token count by N
             training_args._n_gpu = 1
         self.zeroshard_link = EngineLink()
         self._zeroshard_source = _config_source(training_args, zeroshard_config)
-        _refuse_precompute_at_stage3(self._zeroshard_source, training_args, kwargs)
+        _refuse_precompute_at_stage3(self._zeroshard_source, training_args, given.get("ref_model"))
         self._zeroshard_steps: int | None = None
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
@@ -477,14 +479,31 @@ def _committed_before(folder: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def _refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, kwargs: dict[str, Any]) -> None:
+def _arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The partner Trainer's arguments by name, however they were passed (transformers' Trainer takes (model, args,
+    ...), TRL's DPO (model, ref_model, args, ...)); a constructor taking `*args` leaves the positions to the Trainer's
+    order."""
+    named = dict(kwargs)
+    try:
+        parameters = inspect.signature(init).parameters
+        bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # (its own error comes from its constructor)
+        parameters, bound = {}, {}  # type: ignore[assignment]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named.update({k: v for k, v in bound.items() if parameters[k].kind not in variadic})
+    if "args" not in named and len(args) > 1:
+        named["args"] = args[1]
+    return named
+
+
+def _refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, ref_model: Any) -> None:
     """TRL's DPO computes the reference log-probs in its constructor; without a ref_model it runs the trained model
     there, which at stage 3 is still on the CPU (or the meta device) while its batches are on the GPU (DeepSpeed wraps
     it in an inference engine at that point)."""
     if (
         int(source.zero_optimization.stage) == 3
         and getattr(training_args, "precompute_ref_log_probs", False)
-        and kwargs.get("ref_model") is None
+        and ref_model is None
         and training_args.device.type == "cuda"
     ):
         raise ConfigError(

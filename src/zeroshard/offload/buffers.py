@@ -16,6 +16,7 @@ buffer is filled with zeros, sequentially from one thread, before its first use.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,6 +79,9 @@ class HostBufferPool:
         self.count = count
         self.buffer_bytes = align_up(nbytes)
         self.pinned = pin
+        # the buffers are made on the swapper's driver thread, whose current device is GPU 0: the exact pinned pages
+        # register on the device current here (the rank's), not in a context made on GPU 0 by every rank
+        self._device = torch.cuda.current_device() if pin and torch.cuda.is_available() else None
         self._free: list[HostBuffer] = []
         self._allocated = 0
         self._high_water = 0
@@ -101,7 +105,8 @@ class HostBufferPool:
                 buf = self._free.pop()
             else:
                 # Allocated under the lock so that `allocated` can never overshoot `count`.
-                tensor = aligned_empty(self.buffer_bytes, self.pinned)
+                with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
+                    tensor = aligned_empty(self.buffer_bytes, self.pinned)
                 array = tensor.numpy()
                 array.fill(0)  # see [Note: touch buffers before O_DIRECT]
                 buf = HostBuffer(tensor, array.data)

@@ -7,10 +7,13 @@ pass a subset (OpenRLHF: optimizer state, masters and the gradient buckets, keep
 still generates). A strategy says which of its tensors each kind is (`Strategy.offloadable`):
 - `optim_states`: the optimizer's state tensors; `hp_params`: master weights that are tensors of their own;
 - `lp_params`: the compute-dtype parameters (stages 0-2: the flat buffers the module's parameters view; stage 3:
-  this rank's shards and the persistent unit). While they are away the module's parameters show empty
-  placeholders (as DeepSpeed's `param.data = torch.empty(0)`), since a view of a storage resized to zero crashes
-  the process when read; the engine's forward, stage 3's gathers and its hooks refuse in one line instead;
-- `lp_grads`: the gradient accumulators and the fp32 gradient copies the step reads;
+  this rank's shards and the persistent unit). While they are away the module's parameters (stage 3: the
+  persistent unit's, and every `ds_tensor`) are the same views of the host copies, as DeepSpeed points them at its
+  pinned buffers: a view of a storage resized to zero crashes the process when read, and `state_dict()` and the
+  16-bit saves read the host values. The engine's forward, `generate`, stage 3's gathers and its hooks refuse in
+  one line;
+- `lp_grads`: the gradient accumulators and the fp32 gradient copies the step reads (a backward, a forward with
+  grad enabled, `zero_grad` and `safe_get_full_grad` refuse while they are away);
 - `contiguous_grad_buffer`: the pooled communication buffers, freed and allocated again when next used (DeepSpeed
   keeps no data of its bucket either).
 A kind is moved once: a second call moves what the first left (DeepSpeed's `needs_offload`), and
@@ -92,6 +95,7 @@ class StateOffloader:
 
     def __init__(self) -> None:
         self._held: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (kind, device tensor, host copy)
+        self._hosts: dict[int, torch.Tensor] = {}  # host copy by the moved storage's identity (`_cdata`)
         self.kinds: frozenset[str] = frozenset()  # what was asked for since the last reload (moved once)
         # pinned host copies kept after a reload for the next offload (an RL loop offloads every iteration): exact
         # size ([Note: pinned memory without rounding]), registered once, as DeepSpeed keeps its pinned buffers
@@ -130,8 +134,8 @@ class StateOffloader:
             for kind in kinds:
                 for tensor in tensors.get(kind, ()):
                     storage = tensor.untyped_storage()
-                    if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                        continue
+                    if storage.nbytes() == 0 or storage.data_ptr() in seen or not storage.resizable():
+                        continue  # (a storage that cannot be resized, memory it does not own, cannot be freed)
                     seen.add(storage.data_ptr())
                     base = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage)
                     host = self._host(base, device, pin)
@@ -142,7 +146,8 @@ class StateOffloader:
             _settle([base for _, base, _ in added], non_blocking)
             self._spare += [host for _, _, host in added if host.is_pinned()]
             raise
-        for _, base, _ in added:
+        for _, base, host in added:
+            self._hosts[base.untyped_storage()._cdata] = host
             base.untyped_storage().resize_(0)
         self._held += added
         self.kinds |= set(kinds)
@@ -156,7 +161,15 @@ class StateOffloader:
         _settle([base for _, base, _ in self._held], non_blocking)
         self._spare += [host for _, _, host in self._held if host.is_pinned()]
         self._held.clear()
+        self._hosts.clear()
         self.kinds = frozenset()
+
+    def host_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor`, a view of a storage this offloader moved, as the same view of its host copy (None: not moved)."""
+        host = self._hosts.get(tensor.untyped_storage()._cdata)
+        if host is None or host.dtype != tensor.dtype:
+            return None
+        return host.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
     def release(self) -> None:
         """Drop the spare pinned buffers (the engine is destroyed)."""

@@ -42,6 +42,8 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
         >>> engine.step()  # doctest: +SKIP
     """
     strategy = OWNERS.strategy_of(param)
+    if strategy is not None:
+        strategy.refuse_offloaded("safe_get_full_grad")
     return param.grad if strategy is None else strategy.full_grad(param)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -130,6 +130,9 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
     return [
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
     ]
+
+
+HostView = Callable[[torch.Tensor], "torch.Tensor | None"]  # a moved tensor's view of its host copy (offload_states)
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
@@ -449,9 +452,9 @@ class Strategy(ABC):
         """Why `engine.offload_states()` cannot move `kinds` now (None: it can)."""
         return None
 
-    def show_params(self, away: bool) -> None:
-        """`lp_params` left (`away`) or came back: the module's parameters show placeholders, or their views again
-        (nothing to do where `offloadable` names no parameters)."""
+    def show_params(self, away: bool, host_view: HostView | None = None) -> None:
+        """`lp_params` left (`away`: the module's parameters become `host_view`'s views of the host copies) or came
+        back (their device views again); nothing to do where `offloadable` names no parameters."""
         return None
 
     def release_buffers(self) -> None:

@@ -9,6 +9,7 @@ into those views: there is no copy-out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,14 +51,16 @@ class GroupBuffers:
     def bucket_params(self, start: int, numel: int) -> torch.Tensor:
         return self.param_flat.narrow(0, start, numel)
 
-    def show_params(self, away: bool) -> None:
-        """The parameters show empty placeholders while `param_flat` is offloaded, and their views again after
-        ([Note: offloaded states] in offload/states.py)."""
+    def show_params(self, away: bool, host_view: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
+        """While `param_flat` is offloaded the parameters are the same views of its host copy (`host_view`), and its
+        views again after ([Note: offloaded states] in offload/states.py)."""
+        host = host_view(self.param_flat) if away and host_view is not None else None  # (its storage is empty)
         for slot in self.layout.slots:
             param = self.params[slot.index]
             if away:
-                self._shapes[slot.index] = local_of(param).shape
-                rebind(param, self.param_flat.new_empty(0))
+                shape = self._shapes[slot.index] = local_of(param).shape
+                shown = host.narrow(0, slot.offset, slot.numel).view(shape) if host is not None else None
+                rebind(param, shown if shown is not None else self.param_flat.new_empty(0))
             else:
                 view = self.param_flat.narrow(0, slot.offset, slot.numel)
                 rebind(param, view.view(self._shapes.pop(slot.index)))

@@ -23,7 +23,14 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.optim.lamb import refuse_unplanned
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
-from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy, held, optimizer_state_tensors
+from zeroshard.zero.strategy import (
+    AccumulationState,
+    HostView,
+    ParamGroupSpec,
+    Strategy,
+    held,
+    optimizer_state_tensors,
+)
 
 
 def split_groups(
@@ -181,9 +188,9 @@ class SplitStrategy(Strategy):
                 out.setdefault(kind, {}).update({id(t): t for t in tensors})
         return {kind: list(tensors.values()) for kind, tensors in out.items()}
 
-    def show_params(self, away: bool) -> None:
+    def show_params(self, away: bool, host_view: HostView | None = None) -> None:
         for part in self.parts:
-            part.show_params(away)
+            part.show_params(away, host_view)
 
     def release_buffers(self) -> None:
         for part in self.parts:

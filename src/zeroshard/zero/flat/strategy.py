@@ -48,6 +48,7 @@ from zeroshard.zero.owners import OWNERS, weak_hook
 from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.strategy import (
     AccumulationState,
+    HostView,
     ParamGroupSpec,
     StrategyPolicy,
     held,
@@ -396,9 +397,9 @@ class FlatStrategy(FlatFullValues):
             + [g for g, b in copies if g is not None and g is not b.grad_shard],
         }
 
-    def show_params(self, away: bool) -> None:
+    def show_params(self, away: bool, host_view: HostView | None = None) -> None:
         for b in self.buffers:
-            b.show_params(away)
+            b.show_params(away, host_view)
 
     def release_buffers(self) -> None:
         self.pool.clear()

@@ -12,7 +12,7 @@ from zeroshard.zero.pool import BufferPool
 from zeroshard.zero.stage3.ds_param import ZeroParamStatus, show
 from zeroshard.zero.stage3.schedule import GatherSchedule
 from zeroshard.zero.stage3.unit import ShardedUnit
-from zeroshard.zero.strategy import optimizer_state_tensors
+from zeroshard.zero.strategy import HostView, optimizer_state_tensors
 
 
 class Stage3Offload:
@@ -35,23 +35,29 @@ class Stage3Offload:
         }
 
     def offload_refused(self, kinds: Sequence[str]) -> str | None:
-        if "lp_params" in kinds and any(unit.pins for unit in self.units):
+        if any(unit.pins for unit in self.units):  # its end writes a modifier's changes into shards and masters
             return "inside GatheredParameters or generation (the gathered parameters are in use)"
         return None
 
-    def show_params(self, away: bool) -> None:
-        """[Note: offloaded states]: while the shards are away, gathers and forwards refuse, the persistent unit's
-        parameters show placeholders and every `ds_tensor` is empty (as DeepSpeed's swapped-out ones)."""
+    def show_params(self, away: bool, host_view: HostView | None = None) -> None:
+        """[Note: offloaded states]: while the shards are away, gathers and forwards refuse, and the persistent unit's
+        parameters and every `ds_tensor` are the same views of the host copies (DeepSpeed points `ds_tensor` at its
+        pinned buffer); empty where a tensor has no host copy."""
         self.schedule.params_away = away
         for unit in self.units:
             if unit.persistent:
-                status = ZeroParamStatus.NOT_AVAILABLE if away else ZeroParamStatus.AVAILABLE
-                show(unit.params, unit.placeholders if away else unit.views, status)
+                if away:
+                    hosts = [host_view(v) if host_view is not None else None for v in unit.views]
+                    shown = [h if h is not None else p for h, p in zip(hosts, unit.placeholders, strict=True)]
+                    show(unit.params, shown, ZeroParamStatus.AVAILABLE)
+                else:
+                    show(unit.params, unit.views, ZeroParamStatus.AVAILABLE)
             for param in unit.params:
                 part: torch.Tensor = param.ds_tensor  # type: ignore[attr-defined]
                 if away and part.device == self.device:  # (a shard offload_param keeps on the host stays)
                     self._ds_tensors[param] = part
-                    param.ds_tensor = part.new_empty(0)  # type: ignore[attr-defined]
+                    host = host_view(part) if host_view is not None else None
+                    param.ds_tensor = host if host is not None else part.new_empty(0)  # type: ignore[attr-defined]
                 elif not away and param in self._ds_tensors:
                     param.ds_tensor = self._ds_tensors.pop(param)  # type: ignore[attr-defined]
 
