@@ -44,3 +44,30 @@ def test_autotune_picks_the_fastest_trial_under_the_cap(tmp_path, capsys, monkey
     assert f"best (throughput): {winner['name']}" in text and "x the baseline" in text
     assert main([*argv, "--resume"]) == 0
     assert capsys.readouterr().out.count("(reused)") == 4
+
+
+def test_a_trial_that_times_out_leaves_no_worker_behind(tmp_path):
+    """torchrun starts its workers in sessions of their own: killing torchrun alone at a trial's timeout left them
+    running (on a GPU, holding its memory through the next trials). It gets SIGTERM now and stops them."""
+    import subprocess
+    import time
+    from dataclasses import dataclass
+
+    from zeroshard.autotuning.trial import TrialRunner
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(120)\n")
+
+    @dataclass(frozen=True)
+    class Sleeping(TrialRunner):  # a worker still busy at the timeout
+        def program(self, job):
+            return [str(sleeper), str(job)]
+
+    runner = Sleeping(model="unused", nproc=1, seq_len=8, start_step=1, end_step=2, timeout_s=8)
+    start = time.monotonic()
+    result = runner(tmp_path / "trial", {"train_micro_batch_size_per_gpu": 1})
+    assert result == {"status": "failed", "error": "timed out after 8 s"}, result
+    assert time.monotonic() - start < 40  # (the orphaned worker held the pipes open until it ended: 120 s)
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert str(sleeper) not in ps, [line for line in ps.splitlines() if str(sleeper) in line]

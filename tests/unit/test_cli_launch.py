@@ -93,7 +93,8 @@ def test_multi_node_static_and_elastic_rendezvous():
     assert "CUDA_VISIBLE_DEVICES" not in static[0].env
     command = static[1].full_argv("/work dir")
     assert command[:3] == ["ssh", "-o", "BatchMode=yes"] and command[3] == "worker-1"
-    assert command[4].startswith("cd '/work dir' && env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ")
+    threads = "export OMP_NUM_THREADS=$(( $(nproc) / 2 )); [ $OMP_NUM_THREADS -ge 1 ] || export OMP_NUM_THREADS=1; "
+    assert command[4].startswith(f"cd '/work dir' && {threads}env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ")
     elastic = multi_node(LaunchOptions("train.py", max_restarts=3, master_port=7000), resources, {})
     argv = elastic[0].argv
     assert "--node_rank" not in argv and argv[argv.index("--rdzv_endpoint") + 1] == "worker-0:7000"
@@ -154,3 +155,30 @@ def test_launch_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().endswith(f"hostfile {bad} line 2: expected 'HOST slots=N', got 'worker-1'")
     assert "Traceback" not in err
+
+
+def test_slots_of_this_machine_count_the_gpus_it_was_given(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=4,5,6,7 set, slots 1,2 are GPUs 5 and 6 (they were written as GPUs 1 and 2, outside
+    the set; slots 0,1 inherited the whole set), as slot numbers count the GPUs this process sees."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    for slots, ids in (([1, 2], "5,6"), ([0, 1], "4,5")):
+        (node,) = multi_node(LaunchOptions("train.py"), {"localhost": slots}, {})
+        assert node.env["CUDA_VISIBLE_DEVICES"] == ids, node.env
+    with pytest.raises(LaunchError, match=r"slot\(s\) \[4\].*CUDA_VISIBLE_DEVICES=4,5,6,7 gives this machine 4"):
+        multi_node(LaunchOptions("train.py"), {"localhost": [0, 4]}, {})
+    (remote,) = multi_node(LaunchOptions("train.py"), {"worker-1": [1, 3]}, {})  # another machine's own numbering
+    assert remote.env["CUDA_VISIBLE_DEVICES"] == "1,3"
+
+
+def test_remote_nodes_get_the_allocator_settings_and_a_share_of_their_own_cores(tmp_path):
+    """The local node inherits everything: a remote one gets PYTORCH_/CUDA_ settings too (not this machine's
+    CUDA_VISIBLE_DEVICES), and without OMP_NUM_THREADS divides its own cores as a local launch does (torchrun: 1)."""
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_VISIBLE_DEVICES": "0", "HOME": "/h"}
+    assert exported_environment(environ, str(tmp_path), str(tmp_path)) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+    shares = []
+    for exports in ({}, {"OMP_NUM_THREADS": "3"}):
+        (node,) = multi_node(LaunchOptions("train.py"), {"worker-1": [0, 1, 2, 3]}, exports)
+        shares.append("$(( $(nproc) / 4 ))" in node.shell_command("/w"))
+    assert shares == [True, False]

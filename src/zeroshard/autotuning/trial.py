@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeroshard.launcher.runner import stop_group
+
 
 @dataclass(frozen=True)
 class TrialRunner:
@@ -44,20 +46,32 @@ class TrialRunner:
                 }
             )
         )
-        cmd += ["--master-port", str(_free_port()), "-m", "zeroshard.autotuning.worker", str(job)]
+        cmd += ["--master-port", str(_free_port()), *self.program(job)]
         env = {
             **os.environ,
             "ZEROSHARD_LOG_LEVEL": "WARNING",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
+        # a session of its own: at the timeout torchrun gets SIGTERM and stops its workers (they run in sessions of
+        # their own; killing torchrun alone left them holding the GPU for the next trials)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
+            stdout, stderr = proc.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
+            stop_group(proc)
+            proc.communicate()
             return {"status": "failed", "error": f"timed out after {self.timeout_s:.0f} s"}
-        (folder / "log.txt").write_text(proc.stdout + proc.stderr)
+        (folder / "log.txt").write_text(stdout + stderr)
         if proc.returncode != 0 or not out.exists():
-            return {"status": "failed", "error": _reason(proc.stderr, proc.returncode)}
+            return {"status": "failed", "error": _reason(stderr, proc.returncode)}
         return {"status": "ok", **json.loads(out.read_text())}
+
+
+    def program(self, job: Path) -> list[str]:
+        """What torchrun runs on each rank: the trial worker over `job`."""
+        return ["-m", "zeroshard.autotuning.worker", str(job)]
 
 
 def _reason(stderr: str, code: int) -> str:

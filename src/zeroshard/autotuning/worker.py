@@ -26,8 +26,8 @@ def _rss() -> int:
 def _peak(baseline: int) -> int:
     import torch
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+    if torch.cuda.is_available():  # what the allocator took from the device, its cached blocks included: a trial
+        return int(torch.cuda.max_memory_reserved())  # under the cap by allocated bytes alone can still run out
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
 
 

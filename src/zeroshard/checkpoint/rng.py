@@ -28,7 +28,10 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": _encode(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
+        # the rank's own generator (its current device), restored onto the rank's device whatever the node layout
+        # of the run that loads it; every device's by index, as before, put rank 5's state of cuda:5 on cuda:1 of
+        # a 2x4 resume, and nothing where another count of GPUs was visible
+        state["cuda_device"] = _encode(torch.cuda.get_rng_state(torch.cuda.current_device()))
     return state
 
 
@@ -39,7 +42,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(_decode(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_decode(state["cuda_device"]), torch.cuda.current_device())
+    elif "cuda" in state and torch.cuda.is_available():  # a checkpoint of an earlier release: every device's
         saved = [_decode(s) for s in state["cuda"]]
         if len(saved) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(saved)

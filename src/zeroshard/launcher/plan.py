@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from zeroshard.launcher.hostfile import LaunchError, Resources
 
 DEFAULT_MASTER_PORT = 29500
-EXPORT_PREFIXES = ("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_", "ACCELERATE_")
+# what a remote node takes from here (the local node inherits everything): DeepSpeed's prefixes and ours; PYTORCH_
+# and CUDA_ (the allocator's PYTORCH_CUDA_ALLOC_CONF, CUDA_LAUNCH_BLOCKING) so that every node runs alike, except
+# CUDA_VISIBLE_DEVICES, which each node's slots decide
+EXPORT_PREFIXES = (
+    *("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_", "ACCELERATE_"),
+    *("PYTORCH_", "CUDA_"),
+)
+NOT_EXPORTED = frozenset({"CUDA_VISIBLE_DEVICES"})
 ENV_FILES = (".zeroshard_env", ".deepspeed_env")
 
 
@@ -57,10 +64,15 @@ class NodeCommand:
     ssh_port: int | None = None
 
     def shell_command(self, cwd: str) -> str:
-        """The command line the node runs (cd, environment, torchrun)."""
+        """The command line the node runs (cd, environment, torchrun). Without OMP_NUM_THREADS the node divides its
+        own cores between its processes, as a local launch does (`runner.thread_env`; torchrun would set 1)."""
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         env = f"env {exports} " if exports else ""
-        return f"cd {shlex.quote(cwd)} && {env}{shlex.join(self.argv)}"
+        threads = ""
+        if "OMP_NUM_THREADS" not in self.env and self.nproc > 1:
+            share = f"$(( $(nproc) / {self.nproc} ))"
+            threads = f"export OMP_NUM_THREADS={share}; [ $OMP_NUM_THREADS -ge 1 ] || export OMP_NUM_THREADS=1; "
+        return f"cd {shlex.quote(cwd)} && {threads}{env}{shlex.join(self.argv)}"
 
     def full_argv(self, cwd: str) -> list[str]:
         """The argv to run here: ssh for a remote node, bash for the local one."""
@@ -125,6 +137,19 @@ def _rendezvous(opts: LaunchOptions, nnodes: int | None, node_rank: int, master_
     ]
 
 
+def _through(visible: str, slots: list[int], host: str) -> str:
+    """`slots` (indices of the GPUs this process sees) as the device ids of CUDA_VISIBLE_DEVICES=`visible`: with
+    4,5,6,7 given, slots 1,2 are GPUs 5 and 6 (written as 1,2 they named GPUs 1 and 2, outside what was given)."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    beyond = [s for s in slots if s >= len(ids)]
+    if beyond:
+        raise LaunchError(
+            f"{host}: slot(s) {beyond} of --include/--exclude or the hostfile, but CUDA_VISIBLE_DEVICES={visible} "
+            f"gives this machine {len(ids)} GPU(s) (slots count them from 0)"
+        )
+    return ",".join(ids[s] for s in slots)
+
+
 def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, str]) -> list[NodeCommand]:
     """One torchrun per host of `resources`; the first host is the master unless --master_addr says otherwise."""
     hosts = list(resources)
@@ -133,7 +158,10 @@ def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, 
     for rank, host in enumerate(hosts):
         slots = resources[host]
         env = dict(exports)
-        if slots != list(range(len(slots))):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if is_local_host(host) else ""
+        if visible:  # this machine's slot numbers count the GPUs it sees: map them through what it was given
+            env["CUDA_VISIBLE_DEVICES"] = _through(visible, slots, host)
+        elif slots != list(range(len(slots))):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         argv = [*torchrun_prefix(), "--nproc_per_node", str(len(slots))]
         argv += _rendezvous(opts, len(hosts), rank, master) + _program(opts)
@@ -150,7 +178,7 @@ def is_local_host(host: str) -> bool:
 
 def exported_environment(environ: Mapping[str, str], cwd: str, home: str) -> dict[str, str]:
     """Variables a remote node needs from here: DeepSpeed's prefixes, plus KEY=VALUE lines of env files."""
-    env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}
+    env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES) and k not in NOT_EXPORTED}
     for folder in (home, cwd):
         for name in ENV_FILES:
             path = os.path.join(folder, name)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from zeroshard.launcher.node_watch import NodeWatch
 from zeroshard.launcher.plan import NodeCommand
@@ -68,7 +69,7 @@ def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int
             lost = watch.lost()
             if lost is not None and max_restarts == 0:
                 logger.error(f"zeroshard launch: lost {lost}; stopping this node's workers")
-                _stop_group(proc)
+                stop_group(proc)
                 code = 1
                 break
             if lost is not None:
@@ -79,14 +80,14 @@ def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int
             if code != 0 and (lost := watch.wait_verdict(watch.lost_after_s + 5)) is not None:
                 logger.error(f"zeroshard launch: lost {lost}; this node's workers failed with it")
     except KeyboardInterrupt:
-        _stop_group(proc)
+        stop_group(proc)
         raise
     finally:
         watch.stop(1 if code is None else code)
     return code
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
     """SIGTERM torchrun's process group (it forwards to its workers), SIGKILL what is left after `grace_s`."""
     if proc.poll() is not None:
         return
