@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zeroshard.errors import ZeroshardError
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -65,6 +66,11 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, default_backend = _pick_device(local_rank)
     chosen = backend or default_backend
+    if chosen == "nccl" and local_rank >= torch.cuda.device_count():  # (NCCL refuses two ranks on one GPU)
+        raise ZeroshardError(
+            f"LOCAL_RANK {local_rank} on a node with {torch.cuda.device_count()} visible GPU(s): start at most that "
+            "many processes per node (nproc_per_node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
     if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:
