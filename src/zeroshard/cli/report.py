@@ -125,11 +125,8 @@ def devices() -> list[Check]:
                     f"{props.name}, {human_bytes(props.total_memory)}, capability {props.major}.{props.minor}",
                 )
             )
-        checks.append(
-            Check(
-                "bf16 on GPU", torch.cuda.is_bf16_supported(), "supported" if torch.cuda.is_bf16_supported() else "no"
-            )
-        )
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        checks.append(Check("bf16 on GPU", native, "supported" if native else "emulated or no (train in fp16)"))
     else:
         checks.append(Check("cuda", None, "no CUDA device; zeroshard trains on CPU with gloo (fp32 is fastest)"))
     mps = getattr(torch.backends, "mps", None)

@@ -111,7 +111,12 @@ def hyper_from_args(args: argparse.Namespace) -> Any:
     if dtype == "auto":
         import torch
 
-        dtype = "bf16" if torch.cuda.is_available() else "fp32"  # bf16 matmuls are far slower than fp32 on CPUs
+        # bf16 matmuls are far slower than fp32 on CPUs, and emulated (slow) on GPUs without bf16 units (V100, T4:
+        # fp16 there, with its loss scaler)
+        if not torch.cuda.is_available():
+            dtype = "fp32"
+        else:
+            dtype = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 10
     return TrainHyper(
         micro_batch=args.micro_batch,
