@@ -100,6 +100,7 @@ def test_slurm_recipe(monkeypatch, capsys):
     assert main(["launch", "--print-sbatch", "--nnodes", "2", "--nproc_per_node", "4", "train.py", "--lr", "1"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "#SBATCH --exclusive" in script and '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # the node's cores
     assert "zeroshard launch --print-sbatch" in _cli_md_block("### Slurm")
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     launch = shlex.split(srun)[shlex.split(srun).index("zeroshard") + 2 :]
