@@ -35,7 +35,9 @@ asynchronously instead and are cast on the GPU (twice the bytes over PCIe at ful
 pass, nothing blocks; one unit's fp32 temporary on the GPU). Rounding to bf16 is the same on either side.
 The host must not write the master again before that copy has read it: the returned event is waited on before
 the step returns (stage 3: `ShardedUnit.wait_published`, a sub-group's copies running while the next sub-group's
-Adam does; stages 1-2: after all buckets are queued), so no copy outlives the step.
+Adam does; stages 1-2: a group's copies run while the next group's Adam does, all waited for at the step's end,
+except that a group whose master goes back to NVMe after its step waits for its own first), so no copy outlives the
+step.
 """
 
 from __future__ import annotations

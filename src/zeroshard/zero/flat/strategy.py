@@ -150,6 +150,7 @@ class FlatStrategy(FlatFullValues):
         self._got_grad: set[tuple[int, int]] = set()  # (group, slot) with a gradient in this window
         self._group_buckets = [{b.id for b in buffers.layout.buckets} for buffers in self.buffers]
         self.host_copies_in_backward = 0  # groups whose step found the host gradients already copied
+        self._copies_in_flight: list[Any] = []  # the step's host-to-GPU master copies, waited for at its end
         # [Note: tied copies in the norm] (pipe/context.py): per group, the ranges of the shard the norm counts
         copies = [{s for s, slot in enumerate(b.layout.slots) if _tied_copy(b, slot)} for b in self.buffers]
         rank = self.shard_rank
@@ -300,8 +301,12 @@ class FlatStrategy(FlatFullValues):
     def _step_chunks(self, scale: float) -> None:
         # one group at a time (the same arithmetic as one call: the optimizers are elementwise per tensor), so
         # that with NVMe offload only the group being stepped is in memory
-        for g in self.store.in_turn(self._keyed, self._group_tensors):
-            self._step_group(g, scale)
+        self._copies_in_flight = []
+        try:
+            for g in self.store.in_turn(self._keyed, self._group_tensors):
+                self._step_group(g, scale)
+        finally:
+            _wait(self._copies_in_flight)
 
     def _step_group(self, g: int, scale: float) -> None:
         assert self.optimizer is not None
@@ -311,7 +316,9 @@ class FlatStrategy(FlatFullValues):
         buffers.master.grad = self.gradients_tier.for_step(buffers.grad_shard, buffers.master, copy, ready, scale)
         state_dtype.step(self.optimizer, [buffers.master])  # [Note: bf16 master weights]
         buffers.master.grad = None
-        self._write_owned(buffers)
+        # host masters copied to the GPU while the next group steps; masters on NVMe leave memory after their step,
+        # so their copies are waited for first ([Note: publishing a host master to the GPU])
+        self._write_owned(buffers, None if self.store.leaves_memory else self._copies_in_flight)
 
     def _publish(self) -> None:
         self._gather_params()
@@ -333,8 +340,9 @@ class FlatStrategy(FlatFullValues):
                 self._write_owned(buffers)
         self._gather_params()
 
-    def _write_owned(self, buffers: GroupBuffers) -> None:
-        """This rank's ranges of the parameter buffer := its master shard."""
+    def _write_owned(self, buffers: GroupBuffers, in_flight: list[Any] | None = None) -> None:
+        """This rank's ranges of the parameter buffer := its master shard; copies from pinned host memory are waited
+        for here, or put in `in_flight` for the caller to wait for before the masters are written again."""
         if buffers.master_aliases_params:
             return
         if self.layout.shard_count == 1:
@@ -345,9 +353,10 @@ class FlatStrategy(FlatFullValues):
                 lo, hi = bucket.owner_range(self.shard_rank)
                 master = buffers.master.narrow(0, bucket.shard_start, bucket.shard_numel)
                 pending.append(publish_master(buffers.param_flat[lo:hi], master))
-        for event in pending:  # [Note: publishing a host master to the GPU]: none outlives the step
-            if event is not None:
-                event.synchronize()
+        if in_flight is not None:
+            in_flight.extend(pending)
+        else:
+            _wait(pending)
 
     def _gather_params(self) -> None:
         """All-gather every bucket of the parameter buffers in place (each rank wrote its own ranges)."""
@@ -429,6 +438,13 @@ class FlatStrategy(FlatFullValues):
         copies = zip(self._grad_copies, self.buffers, strict=True)
         self.gradients_tier.count(memory, sum(0 if g is b.grad_shard else held(g) for g, b in copies))
         return memory
+
+
+def _wait(events: list[Any]) -> None:
+    """[Note: publishing a host master to the GPU]: none outlives the step."""
+    for event in events:
+        if event is not None:
+            event.synchronize()
 
 
 def _tied_copy(buffers: GroupBuffers, slot: Any) -> bool:
