@@ -414,7 +414,7 @@ def _min_across_ranks(ref: weakref.ref[Collectives]) -> Callable[[torch.Tensor],
         comm = ref()
         if comm is None:
             raise RuntimeError("comms logger: its engine's collectives are gone (the engine was destroyed)")
-        nccl = comm.world_size > 1 and dist.get_backend(comm.group) == "nccl"  # host latencies; NCCL: device only
+        nccl = comm.world_size > 1 and "nccl" in str(dist.get_backend(comm.group))  # (also "cuda:nccl"): device only
         moved = t.to(torch.device("cuda", torch.cuda.current_device())) if nccl else t
         comm.all_reduce(moved, op="min", label="comms_logger stragglers")
         if moved is not t:

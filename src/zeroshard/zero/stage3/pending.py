@@ -474,7 +474,7 @@ def _broadcast(params: Sequence[nn.Parameter], src: int) -> None:
     comm = Collectives(None, dist.get_world_size(), dist.get_rank())
     # NCCL moves device memory only: the values travel through this rank's GPU (the current device is GPU 0 on
     # every rank when the script started NCCL without set_device: NCCL refuses, or hangs on, duplicate GPUs)
-    via = local_device() if dist.get_backend() == "nccl" else None
+    via = local_device() if "nccl" in str(dist.get_backend()) else None
     with torch.no_grad():
         comm.broadcast_coalesced([p.data for p in params], src, via, label="GatheredParameters before initialize")
 
