@@ -34,7 +34,7 @@ class CheckpointFunction(torch.autograd.Function):
         state = CONTEXT
         with _boundary(state, "forward"), record_function("zeroshard.checkpoint.forward"):
             ctx.run = run
-            ctx.rng = rng.capture(state.rng_tracker, _uses_cuda(args))
+            ctx.rng = rng.capture(state.rng_tracker, _cuda_device(args))
             ctx.autocast = _autocast_now(args)
             with torch.no_grad():
                 result = run(*args)
@@ -106,7 +106,7 @@ def _detached(arg: Any) -> Any:
 
 def _autocast_now(args: tuple[Any, ...]) -> list[dict[str, Any]]:
     """The autocast state the forward runs under (the engine's torch_autocast, a caller's), for the recompute."""
-    kinds = ["cpu", "cuda"] if _uses_cuda(args) else ["cpu"]
+    kinds = ["cpu", "cuda"] if _cuda_device(args) is not None else ["cpu"]
     return [
         {
             "device_type": kind,
@@ -118,8 +118,11 @@ def _autocast_now(args: tuple[Any, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def _uses_cuda(args: tuple[Any, ...]) -> bool:
-    return torch.cuda.is_available() and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+def _cuda_device(args: tuple[Any, ...]) -> torch.device | None:
+    """The CUDA device of the first CUDA tensor among the inputs (None: none)."""
+    if not torch.cuda.is_available():
+        return None
+    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
 
 
 class _rng_restored:  # noqa: N801 - a context manager read as a phrase
@@ -127,7 +130,7 @@ class _rng_restored:  # noqa: N801 - a context manager read as a phrase
         self.state, self.saved = state, saved
 
     def __enter__(self) -> None:
-        self.current = rng.capture(self.state.rng_tracker, self.saved[1] is not None)
+        self.current = rng.capture(self.state.rng_tracker, self.saved[1][0])
         rng.restore(self.state.rng_tracker, self.saved)
 
     def __exit__(self, *exc: object) -> None:

@@ -77,14 +77,17 @@ def seed_model_parallel(tracker: CudaRNGStatesTracker, seed: int, tp_rank: int) 
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
 
 
-def capture(tracker: CudaRNGStatesTracker, devices: bool) -> tuple[Any, ...]:
-    """Every RNG state a checkpointed function may draw from."""
-    return (torch.get_rng_state(), torch.cuda.get_rng_state() if devices else None, tracker.get_states())
+def capture(tracker: CudaRNGStatesTracker, device: torch.device | None) -> tuple[Any, ...]:
+    """Every RNG state a checkpointed function may draw from: the CPU's, `device`'s (the CUDA device its inputs are
+    on: the recompute runs on autograd's thread for that device, whatever the forward's current device was), the
+    tracker's."""
+    cuda = torch.cuda.get_rng_state(device) if device is not None else None
+    return (torch.get_rng_state(), (device, cuda), tracker.get_states())
 
 
 def restore(tracker: CudaRNGStatesTracker, states: tuple[Any, ...]) -> None:
-    cpu, cuda, named = states
+    cpu, (device, cuda), named = states
     torch.set_rng_state(cpu)
     if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
+        torch.cuda.set_rng_state(cuda, device)
     tracker.set_states(named)
