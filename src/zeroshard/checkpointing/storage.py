@@ -8,9 +8,11 @@ without an mpu (or with a model-parallel size of 1) the input is kept whole. Unl
 whose size N does not divide instead of refusing it.
 
 [Note: host copies on a side stream] cpu_checkpointing on CUDA copies the input to pinned host memory on a side
-stream that first waits for the compute stream, so the copy overlaps the layer's forward; the device tensor is
-marked as used by that stream so its memory is not reused before the copy has read it. In backward the copy back
-runs on the same stream and the compute stream waits for it before the recompute.
+stream that first waits for the compute stream, so the copy overlaps the following layers' forward; the device
+tensor is marked as used by that stream so its memory is not reused before the copy has read it. In backward the
+copy back runs on the same stream and the compute stream waits for it before the recompute. An input the script
+writes in place after its checkpoint (before the copy ran) would be kept with the new values: the recompute needs
+the input as the forward saw it, as torch's own checkpoint does (DeepSpeed copies synchronously).
 """
 
 from __future__ import annotations
