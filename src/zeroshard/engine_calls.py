@@ -59,8 +59,6 @@ class DeepSpeedCalls:
 
         def _require_optimizer(self, what: str) -> Any: ...
 
-        def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any: ...
-
         def is_gradient_accumulation_boundary(self) -> bool: ...
 
         def commit_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -186,12 +184,7 @@ class DeepSpeedCalls:
                 "save_16bit_model under stage 3 gathers the whole model; set "
                 '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
             )
-        if self.zero_stage == 3:
-            # unit by unit onto rank 0's CPU, as DeepSpeed gathers layer by layer: a state_dict() held every unit
-            # gathered on every rank's device at once, and a copy of each (two models per GPU)
-            state = self._zero3_consolidated_16bit_state_dict() or {}
-        else:
-            state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
+        state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()

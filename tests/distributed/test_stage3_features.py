@@ -95,10 +95,14 @@ def _gathering_apis(rank: int, world_size: int, out_dir: str):
         engine(x, y)
         engine(x, y)
         generation_bytes = engine.comm_stats.total_bus_bytes - before
+    schedule = engine.strategy.schedule
+    schedule.peak_gathered_numel = 0
     engine.save_16bit_model(out_dir)
+    units = [u.numel for u in engine.strategy.units if not u.persistent]
+    one_at_a_time = 0 < schedule.peak_gathered_numel <= max(units) < sum(units)  # (it gathered all at once)
     final = engine.module.state_dict()
     engine.destroy()
-    return released_shape, shapes, bool((after == 0.5).all()), generation_bytes, final
+    return released_shape, shapes, bool((after == 0.5).all()), generation_bytes, final, one_at_a_time
 
 
 def test_stage3_state_dict_gathered_parameters_and_save(tmp_path):
@@ -107,13 +111,15 @@ def test_stage3_state_dict_gathered_parameters_and_save(tmp_path):
     results = run_on_ranks(_gathering_apis, 2, str(tmp_path))
     reference = build_model(Case(stage=3))
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    for released_shape, shapes, modified, generation_bytes, _ in results:
+    for released_shape, shapes, modified, generation_bytes, _, one_at_a_time in results:
+        assert one_at_a_time, "save_16bit_model gathers one unit at a time"
         assert released_shape == (0,), "a released parameter is an empty placeholder"
         assert shapes == expected, "state_dict must hold full tensors"
         assert modified, "GatheredParameters(modifier_rank=0) change lost"
         assert generation_bytes == 0
     saved = load_file(str(tmp_path / "model.safetensors"))
     state = results[0][4]
+    assert set(saved) == set(state), set(state) ^ set(saved)  # every name, a tied weight's too
     for name, tensor in saved.items():
         assert torch.equal(tensor, state[name]), name
 

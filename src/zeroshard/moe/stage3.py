@@ -125,7 +125,7 @@ class ExpertStage3Strategy(Stage3Strategy):
             out[id(param)] = whole.to(device or self.device, copy=True)
 
     def full_state_dict(self) -> dict[str, Any]:
-        return with_every_expert(self.module, super().full_state_dict())
+        return with_every_expert(self.module, super().full_state_dict(), self.device)
 
     def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
         if experts_consolidation_refused(self.module) is None:  # AutoEP's experts: consolidated_params names them

@@ -201,7 +201,7 @@ class ExpertSplitStrategy(SplitStrategy):
 
         names = [row.local_key for row in expert_keys(self.module)]  # [Note: gathering calls agree first]
         self.agreement.agree("the full state dict", f"all-gather over expert-parallel groups of {names}")
-        return with_every_expert(self.module, dict(self.module.state_dict()))
+        return with_every_expert(self.module, dict(self.module.state_dict()), self.device)
 
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.moe.checkpoint import ExpertSplitState
@@ -224,7 +224,7 @@ def whole_expert(row: ExpertTensor, value: torch.Tensor) -> torch.Tensor:
     return gathered.view(row.full_shape)
 
 
-def with_every_expert(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+def with_every_expert(module: nn.Module, state: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """`module`'s state_dict `state` (this rank's experts under their local keys, each whole over its
     expert-data-parallel group) with every expert of every expert-parallel rank under its global name ([Note:
     expert checkpoints]), on the host; collective over each expert-parallel group."""
@@ -232,6 +232,7 @@ def with_every_expert(module: nn.Module, state: dict[str, Any]) -> dict[str, Any
 
     for row in expert_keys(module):
         value, count = state.pop(row.local_key), row.ep.world_size
+        value = value.to(device)  # (stage 3's state is on the host already: NCCL gathers device memory)
         gathered = torch.empty(count * value.numel(), dtype=value.dtype, device=value.device)
         row.ep.all_gather(gathered, value.detach().reshape(-1).contiguous(), label="moe.full_state_dict")
         # on the host as each is gathered: all of a model's experts need not fit on the device

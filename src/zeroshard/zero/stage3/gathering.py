@@ -31,7 +31,6 @@ class Stage3Gathering:
     agreement: CallAgreement  # [Note: gathering calls agree first]
     _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
     _state_dict_gathered: list[bool]
-    _state_dict_required = 0  # inside full_state_dict: [Note: a state_dict() made alone] does not apply
     module: nn.Module
     device: torch.device
 
@@ -63,8 +62,7 @@ class Stage3Gathering:
         DeepSpeed's placeholders (a warning names the others' call), and the others' block is agreed again with those
         ranks' next call. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
         a `state_dict()` met by no gathering call times out, and one that stood down with no call after is named."""
-        optional = self._state_dict_required == 0  # save_16bit_model's must gather
-        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=optional)  # nothing held yet
+        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=True)  # nothing held yet
         self._state_dict_gathered.append(gathers)
         if gathers:
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
@@ -76,12 +74,33 @@ class Stage3Gathering:
             )
 
     def full_state_dict(self) -> dict[str, Any]:
-        """`save_16bit_model`'s weights: a `state_dict()` that gathers, never standing down to placeholders."""
-        self._state_dict_required += 1
-        try:
-            return dict(self.module.state_dict())
-        finally:
-            self._state_dict_required -= 1
+        """`save_16bit_model`'s weights: `state_dict()`'s names (buffers, extra state, a tied weight under each of its
+        names) with whole values in the compute dtype on the host, every rank taking part (never standing down to
+        placeholders). The units are gathered one at a time, as DeepSpeed gathers layer by layer: a `state_dict()`
+        gathers them all at once, which held the whole model on every rank's device, and a copy of it."""
+        self._agree("state_dict()", self.units)
+        named = self.module.state_dict(keep_vars=True)  # the module's own tensors: nothing gathered
+        whole: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            self.schedule.pin([unit], "state_dict(), a collective at stage 3")
+            try:
+                whole.update({id(p): p.detach().to("cpu", copy=True) for p in unit.params})
+            finally:
+                self.schedule.unpin([unit])
+        out: dict[str, Any] = {}
+        named_before: set[int] = set()
+        for name, value in named.items():
+            if not isinstance(value, torch.Tensor):
+                out[name] = value
+                continue
+            copy = whole.get(id(value))
+            if copy is None:  # a buffer (whole on every rank)
+                copy = value.detach().to("cpu", copy=True)
+            elif id(value) in named_before:  # a tied weight: one tensor per name, as state_dict() gave them
+                copy = copy.clone()
+            named_before.add(id(value))
+            out[name] = copy
+        return out
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""
