@@ -223,6 +223,8 @@ class DeepSpeedCalls:
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's `generate`, with `synced_gpus=True` by default at stage 3 or with experts split over ranks, on
         several ranks (every rank must call it there, as under DeepSpeed ZeRO-3)."""
+        if self.strategy is not None:  # [Note: offloaded states]
+            self.strategy.refuse_away("generate", (PARAMS,))
         own = self._own_generate()
         if own is None:
             raise ZeroshardError(f"{type(self.module).__name__} has no generate()")

@@ -20,6 +20,7 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
     param = next(engine.module.parameters())
     calls = [  # each would read or write empty storages
         lambda: engine(x, y),
+        lambda: engine.generate(x),
         engine.step,
         lambda: engine.save_checkpoint(folder, "s"),
         lambda: engine.load_checkpoint(folder, "s"),
@@ -101,7 +102,7 @@ def _round_trip(rank: int, world_size: int, folder: str):
                         seen["offloaded"] = sorted(engine.strategy.offloaded)
                         with torch.no_grad():
                             seen["evaluated"] = engine(x, y).item() == evaluated
-                        seen["refused"] = _refusals(engine, folder, x, y)[1:2]  # the step
+                        seen["refused"] = _refusals(engine, folder, x, y)[2:3]  # the step
                     elif variant == "in_turn":  # a second call moves what the first left, a third nothing
                         engine.offload_states(include=["optim_states"])
                         engine.offload_states(include=["hp_params", "lp_params"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -93,7 +95,7 @@ def test_multi_node_static_and_elastic_rendezvous():
     assert "CUDA_VISIBLE_DEVICES" not in static[0].env
     command = static[1].full_argv("/work dir")
     assert command[:3] == ["ssh", "-o", "BatchMode=yes"] and command[3] == "worker-1"
-    threads = "export OMP_NUM_THREADS=$(( $(nproc) / 2 )); [ $OMP_NUM_THREADS -ge 1 ] || export OMP_NUM_THREADS=1; "
+    threads = '{ t=$(( $(nproc) / 2 )); [ "$t" -ge 1 ] || t=1; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$t}"; } && '
     assert command[4].startswith(f"cd '/work dir' && {threads}env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ")
     elastic = multi_node(LaunchOptions("train.py", max_restarts=3, master_port=7000), resources, {})
     argv = elastic[0].argv
@@ -174,11 +176,21 @@ def test_remote_nodes_get_the_allocator_settings_and_a_share_of_their_own_cores(
     """The local node inherits everything: a remote one gets PYTORCH_/CUDA_ settings too (not this machine's
     CUDA_VISIBLE_DEVICES), and without OMP_NUM_THREADS divides its own cores as a local launch does (torchrun: 1)."""
     environ = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_VISIBLE_DEVICES": "0", "HOME": "/h"}
+    environ |= {"CUDA_HOME": "/usr/local/cuda-12", "CUDA_LAUNCH_BLOCKING": "1"}  # the toolkit's path is the node's own
     assert exported_environment(environ, str(tmp_path), str(tmp_path)) == {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "CUDA_LAUNCH_BLOCKING": "1",
     }
     shares = []
     for exports in ({}, {"OMP_NUM_THREADS": "3"}):
         (node,) = multi_node(LaunchOptions("train.py"), {"worker-1": [0, 1, 2, 3]}, exports)
         shares.append("$(( $(nproc) / 4 ))" in node.shell_command("/w"))
     assert shares == [True, False]
+    # the share is computed in the node's shell, and a failed cd still stops the command
+    (node,) = multi_node(LaunchOptions("-c", module=False, no_python=True), {"localhost": [0, 1]}, {})
+    local = node.shell_command(str(tmp_path)).replace(shlex.join(node.argv), "echo $OMP_NUM_THREADS")
+    ran = subprocess.run(["bash", "-c", local], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert ran.returncode == 0 and int(ran.stdout) >= 1, ran
+    gone = node.shell_command(str(tmp_path / "missing")).replace(shlex.join(node.argv), "echo ran")
+    ran = subprocess.run(["bash", "-c", gone], capture_output=True, text=True)
+    assert ran.returncode != 0 and "ran" not in ran.stdout, ran

@@ -6,6 +6,7 @@ Each trial's folder under `exps_dir` holds its ds_config.json and result.json, s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -60,8 +61,9 @@ class TrialRunner:
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            stop_group(proc)
-            proc.communicate()
+            stop_group(proc, grace_s=40.0)  # torchrun waits up to 30 s for its workers to stop
+            with contextlib.suppress(subprocess.TimeoutExpired):  # (a worker that outlived it holds the pipes)
+                proc.communicate(timeout=10)
             return {"status": "failed", "error": f"timed out after {self.timeout_s:.0f} s"}
         (folder / "log.txt").write_text(stdout + stderr)
         if proc.returncode != 0 or not out.exists():

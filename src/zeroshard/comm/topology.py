@@ -66,9 +66,12 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, default_backend = _pick_device(local_rank)
     chosen = backend or default_backend
-    if chosen == "nccl" and local_rank >= torch.cuda.device_count():  # (NCCL refuses two ranks on one GPU)
+    # two local ranks wrapped onto one GPU (NCCL refuses them as duplicates); not where each process is given its
+    # own GPU (srun --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES: one visible), nor a group the script made
+    gpus = torch.cuda.device_count()
+    if chosen == "nccl" and not dist.is_initialized() and gpus > 1 and local_rank >= gpus:
         raise ZeroshardError(
-            f"LOCAL_RANK {local_rank} on a node with {torch.cuda.device_count()} visible GPU(s): start at most that "
+            f"LOCAL_RANK {local_rank} on a node with {gpus} visible GPUs: start at most that "
             "many processes per node (nproc_per_node), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
         )
     if not dist.is_initialized():

@@ -484,14 +484,15 @@ def _arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
     ...), TRL's DPO (model, ref_model, args, ...)); a constructor taking `*args` leaves the positions to the Trainer's
     order."""
     named = dict(kwargs)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     try:
         parameters = inspect.signature(init).parameters
         bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):  # (its own error comes from its constructor)
         parameters, bound = {}, {}  # type: ignore[assignment]
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     named.update({k: v for k, v in bound.items() if parameters[k].kind not in variadic})
-    if "args" not in named and len(args) > 1:
+    by_position = not bound or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values())
+    if by_position and "args" not in named and len(args) > 1:
         named["args"] = args[1]
     return named
 

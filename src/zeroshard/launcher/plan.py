@@ -22,14 +22,25 @@ from dataclasses import dataclass, field
 from zeroshard.launcher.hostfile import LaunchError, Resources
 
 DEFAULT_MASTER_PORT = 29500
-# what a remote node takes from here (the local node inherits everything): DeepSpeed's prefixes and ours; PYTORCH_
-# and CUDA_ (the allocator's PYTORCH_CUDA_ALLOC_CONF, CUDA_LAUNCH_BLOCKING) so that every node runs alike, except
-# CUDA_VISIBLE_DEVICES, which each node's slots decide
+# what a remote node takes from here (the local node inherits everything): DeepSpeed's prefixes and ours, PYTORCH_
+# (the allocator's PYTORCH_CUDA_ALLOC_CONF) and the CUDA runtime's switches, so that every node runs alike; not the
+# toolkit's paths (CUDA_HOME), which are each node's own, nor CUDA_VISIBLE_DEVICES, which each node's slots decide
 EXPORT_PREFIXES = (
-    *("NCCL_", "PYTHON", "MV2_", "UCX_", "GLOO_", "TORCH_", "ZEROSHARD_", "HF_", "OMP_", "ACCELERATE_"),
-    *("PYTORCH_", "CUDA_"),
+    "NCCL_",
+    "PYTHON",
+    "MV2_",
+    "UCX_",
+    "GLOO_",
+    "TORCH_",
+    "ZEROSHARD_",
+    "HF_",
+    "OMP_",
+    "ACCELERATE_",
+    "PYTORCH_",
 )
-NOT_EXPORTED = frozenset({"CUDA_VISIBLE_DEVICES"})
+EXPORT_NAMES = frozenset(
+    {"CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_DEVICE_ORDER"}
+)
 ENV_FILES = (".zeroshard_env", ".deepspeed_env")
 
 
@@ -69,9 +80,9 @@ class NodeCommand:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         env = f"env {exports} " if exports else ""
         threads = ""
-        if "OMP_NUM_THREADS" not in self.env and self.nproc > 1:
-            share = f"$(( $(nproc) / {self.nproc} ))"
-            threads = f"export OMP_NUM_THREADS={share}; [ $OMP_NUM_THREADS -ge 1 ] || export OMP_NUM_THREADS=1; "
+        if "OMP_NUM_THREADS" not in self.env and self.nproc > 1:  # (one set on the node itself wins)
+            share = f't=$(( $(nproc) / {self.nproc} )); [ "$t" -ge 1 ] || t=1'
+            threads = f'{{ {share}; export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$t}}"; }} && '
         return f"cd {shlex.quote(cwd)} && {threads}{env}{shlex.join(self.argv)}"
 
     def full_argv(self, cwd: str) -> list[str]:
@@ -178,7 +189,7 @@ def is_local_host(host: str) -> bool:
 
 def exported_environment(environ: Mapping[str, str], cwd: str, home: str) -> dict[str, str]:
     """Variables a remote node needs from here: DeepSpeed's prefixes, plus KEY=VALUE lines of env files."""
-    env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES) and k not in NOT_EXPORTED}
+    env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES) or k in EXPORT_NAMES}
     for folder in (home, cwd):
         for name in ENV_FILES:
             path = os.path.join(folder, name)

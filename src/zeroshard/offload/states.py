@@ -9,9 +9,9 @@ still generates). A strategy says which of its tensors each kind is (`Strategy.o
 - `lp_params`: the compute-dtype parameters (stages 0-2: the flat buffers the module's parameters view; stage 3:
   this rank's shards and the persistent unit). While they are away the module's parameters (stage 3: the
   persistent unit's, and every `ds_tensor`) are the same views of the host copies, as DeepSpeed points them at its
-  pinned buffers: a view of a storage resized to zero crashes the process when read, and `state_dict()` and the
-  16-bit saves read the host values. The engine's forward, `generate`, stage 3's gathers and its hooks refuse in
-  one line;
+  pinned buffers: a view of a storage resized to zero crashes the process when read, and at stages 0-2
+  `state_dict()` and the 16-bit saves read the host values (stage 3's gather, and refuse). The engine's forward,
+  `generate`, stage 3's gathers and its hooks refuse in one line;
 - `lp_grads`: the gradient accumulators and the fp32 gradient copies the step reads (a backward, a forward with
   grad enabled, `zero_grad` and `safe_get_full_grad` refuse while they are away);
 - `contiguous_grad_buffer`: the pooled communication buffers, freed and allocated again when next used (DeepSpeed
@@ -159,7 +159,9 @@ class StateOffloader:
             base.untyped_storage().resize_(host.numel() * host.element_size())
             base.data.copy_(host, non_blocking=non_blocking)
         _settle([base for _, base, _ in self._held], non_blocking)
-        self._spare += [host for _, _, host in self._held if host.is_pinned()]
+        # kept for the next offload, except the parameters' copies, which the parameters viewed while away (a
+        # state_dict() taken then still holds them: reused for another tensor, its values would change)
+        self._spare += [host for kind, _, host in self._held if host.is_pinned() and kind != PARAMS]
         self._held.clear()
         self._hosts.clear()
         self.kinds = frozenset()
