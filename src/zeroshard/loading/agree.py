@@ -56,6 +56,9 @@ def fingerprint(model: nn.Module, filled: Callable[[torch.Tensor], bool] = lambd
     computes: equal on two ranks when their replays and their modules' own initialisations give the same values;
     None when a recorded argument cannot be compared exactly (an object of an unknown kind: the caller broadcasts)."""
     digest = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
+    if torch.cuda.is_available():  # CUDA's random fills depend on the device's SM count (their Philox offsets): ranks
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())  # on other GPU models (MIG) differ
+        digest.update(f"device {props.name} {props.multi_processor_count}\n".encode())
     bound: list[tuple[str, Binding]] = []
     for path, module in model.named_modules():
         tensors = {n: t for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None}
