@@ -184,12 +184,16 @@ class DeepSpeedCalls:
                 "save_16bit_model under stage 3 gathers the whole model; set "
                 '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
             )
-        state = self.strategy.full_state_dict() if self.strategy is not None else self.module.state_dict()
-        if self.global_rank == 0:
+        keep = self.global_rank == 0
+        state = self.strategy.save_state_dict(keep) if self.strategy is not None else self.module.state_dict()
+        if keep:
             os.makedirs(save_dir, exist_ok=True)
             seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
             unique = {}
-            for name, tensor in state.items():
+            left = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+            if left:  # a module's extra state that is no tensor (safetensors holds tensors only)
+                logger.warning(f"save_16bit_model: {', '.join(left)} left out (not tensors)")
+            for name, tensor in ((n, t) for n, t in state.items() if isinstance(t, torch.Tensor)):
                 # tied weights once (safetensors refuses shared memory); parameters that are views of one flat
                 # buffer (stages 0-2) are distinct tensors: the key is the view's own start, shape and dtype
                 key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)

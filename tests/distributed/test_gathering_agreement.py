@@ -325,5 +325,30 @@ def _extra_block_then_save(rank: int, world_size: int, folder: str) -> tuple[str
 def test_save_16bit_model_never_stands_down_to_placeholders(tmp_path) -> None:
     for name, message, seconds in run_on_ranks(_extra_block_then_save, 2, str(tmp_path), timeout=120):
         assert name == "CollectiveMismatchError" and seconds < 5, (name, message)
-        assert "rank 0: state_dict()" in message and "rank 1: GatheredParameters over 1" in message, message
+        assert "rank 0: save_16bit_model" in message and "rank 1: GatheredParameters over 1" in message, message
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def _lone_state_dict_then_save(rank: int, world_size: int, folder: str) -> tuple[bool, int, bool]:
+    import zeroshard  # noqa: F401
+
+    engine = _engine(rank)
+    shapes = {tuple(v.shape) for v in engine.module.state_dict().values()} if rank == 0 else set()
+    saved = engine.save_16bit_model(folder)
+    engine.destroy()
+    return saved, len(shapes), (0,) in shapes
+
+
+def test_a_lone_state_dict_stands_down_beside_the_others_save(tmp_path) -> None:
+    """DeepSpeed-Chat's shape again, with save_16bit_model on the other ranks: rank 0's own state_dict() gets the
+    placeholders (the others' call is the save's, of its own name) and the save then writes the whole model (it
+    paired with the lone state_dict() and timed out)."""
+    from safetensors.torch import load_file
+
+    results = run_on_ranks(_lone_state_dict_then_save, 2, str(tmp_path), timeout=120)
+    assert [saved for saved, _, _ in results] == [True, True], results
+    assert results[0][2], results  # placeholders on rank 0, as DeepSpeed's state_dict() gives them
+    reference = build_model(Case(stage=3)).state_dict()
+    assert {k: tuple(v.shape) for k, v in load_file(str(tmp_path / "model.safetensors")).items()} == {
+        k: tuple(v.shape) for k, v in reference.items()
+    }

@@ -93,7 +93,7 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(grace_s)
+        proc.communicate(timeout=grace_s)  # reading its pipes, if it has them: a full pipe would stall it
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -48,7 +48,7 @@ from zeroshard.zero.flat.split import split_groups
 from zeroshard.zero.stage3.checkpoint import OwnedRange, Stage3State
 from zeroshard.zero.stage3.strategy import Stage3Policy, Stage3Strategy
 from zeroshard.zero.stage3.unit import ShardedUnit
-from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
+from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec, Strategy
 
 
 def expert_unit_modules(module: nn.Module) -> dict[str, ExpertGroups]:
@@ -126,6 +126,9 @@ class ExpertStage3Strategy(Stage3Strategy):
 
     def full_state_dict(self) -> dict[str, Any]:
         return with_every_expert(self.module, super().full_state_dict(), self.device)
+
+    def save_state_dict(self, keep: bool) -> dict[str, Any]:
+        return Strategy.save_state_dict(self, keep)  # every rank gathers its experts for the others
 
     def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
         if experts_consolidation_refused(self.module) is None:  # AutoEP's experts: consolidated_params names them

@@ -331,6 +331,11 @@ class Strategy(ABC):
         zero stages' module already gives that (stage 3's state_dict hooks gather)."""
         return self.module.state_dict()
 
+    def save_state_dict(self, keep: bool) -> dict[str, Any]:
+        """`save_16bit_model`'s weights on the ranks that `keep` them (collective: every rank takes part)."""
+        state = self.full_state_dict()
+        return state if keep else {}
+
     def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
         """The whole model under names `consolidated_params` cannot give, in the compute dtype on the host (every
         rank holds all of it; collective); None where the consolidated parameters name the whole model. Only MoE

@@ -31,6 +31,7 @@ class Stage3Gathering:
     agreement: CallAgreement  # [Note: gathering calls agree first]
     _untraced: int  # inside whole-model blocks: [Note: forwards of the whole gathered model]
     _state_dict_gathered: list[bool]
+    _state_dict_required = 0  # inside save_state_dict: [Note: a state_dict() made alone] does not apply
     module: nn.Module
     device: torch.device
 
@@ -62,7 +63,8 @@ class Stage3Gathering:
         DeepSpeed's placeholders (a warning names the others' call), and the others' block is agreed again with those
         ranks' next call. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
         a `state_dict()` met by no gathering call times out, and one that stood down with no call after is named."""
-        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=True)  # nothing held yet
+        optional = self._state_dict_required == 0  # save_16bit_model's must gather
+        gathers = not keep_vars and self._agree("state_dict()", self.units, optional=optional)  # nothing held yet
         self._state_dict_gathered.append(gathers)
         if gathers:
             self.schedule.pin(self.units, "state_dict(), a collective at stage 3")
@@ -74,33 +76,58 @@ class Stage3Gathering:
             )
 
     def full_state_dict(self) -> dict[str, Any]:
+        return self._gathered_state(keep=True)
+
+    def save_state_dict(self, keep: bool) -> dict[str, Any]:
+        return self._gathered_state(keep)
+
+    def _gathered_state(self, keep: bool) -> dict[str, Any]:
         """`save_16bit_model`'s weights: `state_dict()`'s names (buffers, extra state, a tied weight under each of its
-        names) with whole values in the compute dtype on the host, every rank taking part (never standing down to
-        placeholders). The units are gathered one at a time, as DeepSpeed gathers layer by layer: a `state_dict()`
-        gathers them all at once, which held the whole model on every rank's device, and a copy of it."""
-        self._agree("state_dict()", self.units)
+        names) with whole values in the compute dtype on the host of the ranks that `keep` them, every rank taking
+        part (never standing down to placeholders). The units are gathered one at a time, as DeepSpeed gathers layer
+        by layer: a `state_dict()` gathers them all at once, which held the whole model on every rank's device, and a
+        copy of it. A module whose own state-dict code gives a parameter's name another tensor (a cast, a packed
+        form) is served by that `state_dict()` after all."""
         named = self.module.state_dict(keep_vars=True)  # the module's own tensors: nothing gathered
+        held = {id(p) for unit in self.units for p in unit.params}
+        names = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        if any(isinstance(v, torch.Tensor) and id(v) not in held and n in names for n, v in named.items()):
+            return self._state_dict_at_once(keep)
+        needed = [u.index for u in self.units if u.state is UnitState.SHARDED]
+        if needed:  # gathers of its own kind: a lone state_dict() on a rank stands down beside it, not pairs with it
+            self.agreement.agree("save_16bit_model", f"all-gather of units {needed}, one at a time", role="block")
         whole: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            self.schedule.pin([unit], "state_dict(), a collective at stage 3")
+            self.schedule.pin([unit], "save_16bit_model, a collective at stage 3")
             try:
-                whole.update({id(p): p.detach().to("cpu", copy=True) for p in unit.params})
+                whole.update({id(p): p.detach().to("cpu", copy=True) for p in unit.params} if keep else {})
             finally:
-                self.schedule.unpin([unit])
+                self.schedule.unpin([unit], hand_over=False)  # nothing is held: no new buffer for the views
         out: dict[str, Any] = {}
         named_before: set[int] = set()
-        for name, value in named.items():
+        for name, value in named.items() if keep else ():
+            copy = whole.get(id(value)) if isinstance(value, torch.Tensor) else None
             if not isinstance(value, torch.Tensor):
-                out[name] = value
-                continue
-            copy = whole.get(id(value))
-            if copy is None:  # a buffer (whole on every rank)
+                copy = value
+            elif copy is None:  # a buffer (whole on every rank)
                 copy = value.detach().to("cpu", copy=True)
-            elif id(value) in named_before:  # a tied weight: one tensor per name, as state_dict() gave them
+            elif id(value) in named_before:  # a tied weight: one tensor per name, as state_dict() gives them
                 copy = copy.clone()
             named_before.add(id(value))
             out[name] = copy
         return out
+
+    def _state_dict_at_once(self, keep: bool) -> dict[str, Any]:
+        self._state_dict_required += 1
+        try:
+            state = dict(self.module.state_dict())
+        finally:
+            self._state_dict_required -= 1
+        return (
+            {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            if keep
+            else {}
+        )
 
     def detach_state(self, state_dict: dict[str, Any]) -> None:
         """state_dict post-hook: full tensors are copied out before the units are released."""

@@ -240,10 +240,11 @@ class GatherSchedule:
         for unit in self.units:
             unit.release()
 
-    def unpin(self, units: Sequence[ShardedUnit]) -> None:
+    def unpin(self, units: Sequence[ShardedUnit], hand_over: bool = True) -> None:
+        """`hand_over`: the caller may keep what it read ([Note: gathered storage]); False where it keeps nothing."""
         for unit in units:
             unit.pins = max(0, unit.pins - 1)
-            unit.release(hand_over=True)  # the caller may keep what it read: [Note: gathered storage]
+            unit.release(hand_over=hand_over)
 
 
 def recomputing() -> bool:
