@@ -64,3 +64,16 @@ def test_a_copy_that_fails_part_way_moves_nothing():
     assert offloader.host_bytes() == {"optim_states": 24}
     offloader.reload()
     assert torch.equal(first, torch.arange(6.0)) and not offloader.active
+
+
+def test_a_parameters_host_copy_is_reused_only_once_no_one_holds_it():
+    """The parameters view their host copies while away: a state_dict() taken then keeps a view, and the copy is not
+    handed to another tensor's offload until it is dropped (its values would change under it)."""
+    offloader = StateOffloader()
+    copy = torch.zeros(8)
+    offloader._viewed.add(id(copy))
+    assert offloader._free(copy)
+    held = copy[2:]  # what a state_dict() taken while offloaded holds
+    assert not offloader._free(copy)
+    del held
+    assert offloader._free(copy) and offloader._free(torch.zeros(8))  # (state no one viewed: always)

@@ -100,6 +100,7 @@ class StateOffloader:
         # pinned host copies kept after a reload for the next offload (an RL loop offloads every iteration): exact
         # size ([Note: pinned memory without rounding]), registered once, as DeepSpeed keeps its pinned buffers
         self._spare: list[torch.Tensor] = []
+        self._viewed: set[int] = set()  # spares the parameters viewed while away: reused once no one else holds them
 
     @property
     def active(self) -> bool:
@@ -159,9 +160,10 @@ class StateOffloader:
             base.untyped_storage().resize_(host.numel() * host.element_size())
             base.data.copy_(host, non_blocking=non_blocking)
         _settle([base for _, base, _ in self._held], non_blocking)
-        # kept for the next offload, except the parameters' copies, which the parameters viewed while away (a
-        # state_dict() taken then still holds them: reused for another tensor, its values would change)
-        self._spare += [host for kind, _, host in self._held if host.is_pinned() and kind != PARAMS]
+        # kept for the next offload; the parameters' copies, which the parameters viewed while away, only once no
+        # one else holds them (a state_dict() taken then: reused for another tensor, its values would change)
+        self._spare += [host for _, _, host in self._held if host.is_pinned()]
+        self._viewed |= {id(host) for kind, _, host in self._held if kind == PARAMS}
         self._held.clear()
         self._hosts.clear()
         self.kinds = frozenset()
@@ -173,6 +175,13 @@ class StateOffloader:
             return None
         return host.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
+    def _free(self, spare: torch.Tensor) -> bool:
+        """Whether no one but this offloader holds `spare`: always for state the module never viewed."""
+        if id(spare) not in self._viewed:
+            return True
+        count = getattr(torch._C, "_storage_Use_Count", None)  # (the storage object asked for counts once)
+        return count is not None and int(count(spare.untyped_storage()._cdata)) <= 2
+
     def release(self) -> None:
         """Drop the spare pinned buffers (the engine is destroyed)."""
         self._spare.clear()
@@ -180,7 +189,7 @@ class StateOffloader:
     def _host(self, base: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
         if pin:
             for i, spare in enumerate(self._spare):
-                if spare.numel() == base.numel() and spare.dtype == base.dtype:
+                if spare.numel() == base.numel() and spare.dtype == base.dtype and self._free(spare):
                     return self._spare.pop(i)
             return pinned_zeros(base.numel(), base.dtype)
         return torch.empty(base.shape, dtype=base.dtype, device=device)
