@@ -70,7 +70,6 @@ class TrialRunner:
             return {"status": "failed", "error": _reason(stderr, proc.returncode)}
         return {"status": "ok", **json.loads(out.read_text())}
 
-
     def program(self, job: Path) -> list[str]:
         """What torchrun runs on each rank: the trial worker over `job`."""
         return ["-m", "zeroshard.autotuning.worker", str(job)]

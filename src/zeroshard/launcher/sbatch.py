@@ -29,6 +29,6 @@ def sbatch_script(
         "# zeroshard launch reads SLURM_NODEID, SLURM_JOB_NUM_NODES and SLURM_JOB_NODELIST (its first host is the\n"
         "# c10d rendezvous host); the port is MASTER_PORT if exported, else 20000 + SLURM_JOB_ID % 20000. The task\n"
         "# gets the node's cores, which the launcher divides between its workers (OMP_NUM_THREADS).\n"
-        "srun --ntasks-per-node=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" --kill-on-bad-exit=1 "
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 '
         f"{command}\n"
     )
