@@ -174,7 +174,7 @@ def test_the_trainer_arguments_take_the_launchs_deepspeed_settings(monkeypatch):
     assert launched_with_deepspeed()  # what zeroshard.hf.Accelerator asks
     explicit = TrainingArguments("out", use_cpu=True, report_to=[], deepspeed={"zero_optimization": {"stage": 1}})
     assert explicit.zeroshard_config == {"zero_optimization": {"stage": 1}}  # an explicit deepspeed= wins
-    from zeroshard.hf.trainer import _config_source
+    from zeroshard.hf.arguments import config_source as _config_source
 
     trainer_own = _config_source(args, {"zero_optimization": {"stage": 2}})  # and a Trainer's zeroshard_config=
     assert trainer_own.zero_optimization.stage == 2

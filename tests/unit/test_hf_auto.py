@@ -139,7 +139,7 @@ def test_the_command_line_deepspeed_flag_is_parsed_as_before(tmp_path):
 
 
 def test_the_trainer_needs_a_config_and_refuses_deepspeeds_arguments():
-    from zeroshard.hf.trainer import _config_source
+    from zeroshard.hf.arguments import config_source as _config_source
 
     with pytest.raises(ConfigError, match="no ds_config"):
         _config_source(_args(), None)

@@ -25,10 +25,14 @@ Trainer's `zeroshard_config=`) wins. The process remembers the launch (`launched
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
 import transformers
+
+from zeroshard.config import ZeroshardConfig, parse_config
+from zeroshard.errors import ConfigError
 
 ACCELERATE_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
 _taken = False  # a TrainingArguments took the variable out of this process's environment
@@ -100,3 +104,59 @@ class TrainingArguments(TrainingArgumentsMixin, transformers.TrainingArguments):
         >>> args.zeroshard_config, args.deepspeed
         ('ds_config.json', None)
     """
+
+
+def config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
+    """The parsed ds_config, from `args` (zeroshard's TrainingArguments) or `zeroshard_config=`."""
+    if getattr(args, "deepspeed", None):
+        raise ConfigError(
+            "the TrainingArguments carry deepspeed=, which transformers has already handed to DeepSpeed; use "
+            "zeroshard.hf.TrainingArguments (or put zeroshard.hf.TrainingArgumentsMixin in front of your config "
+            "class), or leave deepspeed unset and pass zeroshard_config= to the Trainer"
+        )
+    from_args = getattr(args, "zeroshard_config", None) if isinstance(args, TrainingArgumentsMixin) else None
+    if getattr(args, "_zeroshard_config_launched", False) and zeroshard_config is not None:
+        from_args = None  # the Trainer's own config wins over accelerate launch's variables
+    if from_args is not None and zeroshard_config is not None:
+        raise ConfigError("a ds_config came from both TrainingArguments(deepspeed=...) and zeroshard_config=")
+    source = zeroshard_config if zeroshard_config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no ds_config: pass deepspeed= (or --deepspeed) to zeroshard.hf.TrainingArguments, or zeroshard_config= "
+            "to the Trainer, or launch with accelerate's DeepSpeed config (zeroshard accelerate-launch)"
+        )
+    return parse_config(source)
+
+
+def trainer_arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The partner Trainer's arguments by name, however they were passed (transformers' Trainer takes (model, args,
+    ...), TRL's DPO (model, ref_model, args, ...)); a constructor taking `*args` leaves the positions to the Trainer's
+    order."""
+    named = dict(kwargs)
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    try:
+        parameters = inspect.signature(init).parameters
+        bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # (its own error comes from its constructor)
+        parameters, bound = {}, {}  # type: ignore[assignment]
+    named.update({k: v for k, v in bound.items() if parameters[k].kind not in variadic})
+    by_position = not bound or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values())
+    if by_position and "args" not in named and len(args) > 1:
+        named["args"] = args[1]
+    return named
+
+
+def refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, ref_model: Any) -> None:
+    """TRL's DPO computes the reference log-probs in its constructor; without a ref_model it runs the trained model
+    there, which at stage 3 is still on the CPU (or the meta device) while its batches are on the GPU (DeepSpeed wraps
+    it in an inference engine at that point)."""
+    if (
+        int(source.zero_optimization.stage) == 3
+        and getattr(training_args, "precompute_ref_log_probs", False)
+        and ref_model is None
+        and training_args.device.type == "cuda"
+    ):
+        raise ConfigError(
+            "precompute_ref_log_probs without a ref_model at ZeRO-3: TRL runs the model in its constructor, before "
+            "the engine places and shards it; pass ref_model= (sharded at stage 3), or precompute at stage 2"
+        )

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import os
 from typing import Any
 
@@ -36,10 +35,10 @@ import transformers
 from torch import nn
 
 from zeroshard.checkpoint.decoupled import decoupled
-from zeroshard.config import ZeroshardConfig, parse_config
+from zeroshard.config import ZeroshardConfig
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
-from zeroshard.hf.arguments import TrainingArgumentsMixin
+from zeroshard.hf.arguments import config_source, refuse_precompute_at_stage3, trainer_arguments
 from zeroshard.hf.auto import trainer_config
 from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer, EngineScheduler
 from zeroshard.hf.ulysses import register, sequence_parallel_loss, ulysses_parallelism
@@ -75,15 +74,15 @@ class TrainerMixin:
     control: Any
 
     def __init__(self, *args: Any, zeroshard_config: Any = None, **kwargs: Any):
-        given = _arguments(super().__init__, args, kwargs)  # by name: TRL's DPO takes (model, ref_model, args, ...)
+        given = trainer_arguments(super().__init__, args, kwargs)  # TRL's DPO takes (model, ref_model, args, ...)
         training_args: Any = given.get("args")
         if getattr(training_args, "n_gpu", 1) > 1:
             # one device per process, as under DeepSpeed: transformers' plain path counts a lone process's GPUs (for
             # nn.DataParallel), fed N micro-batches as one and divided the loss's token count by N
             training_args._n_gpu = 1
         self.zeroshard_link = EngineLink()
-        self._zeroshard_source = _config_source(training_args, zeroshard_config)
-        _refuse_precompute_at_stage3(self._zeroshard_source, training_args, given.get("ref_model"))
+        self._zeroshard_source = config_source(training_args, zeroshard_config)
+        refuse_precompute_at_stage3(self._zeroshard_source, training_args, given.get("ref_model"))
         self._zeroshard_steps: int | None = None
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
@@ -391,28 +390,6 @@ class Trainer(TrainerMixin, transformers.Trainer):
     """
 
 
-def _config_source(args: Any, zeroshard_config: Any) -> ZeroshardConfig:
-    """The parsed ds_config, from `args` (zeroshard's TrainingArguments) or `zeroshard_config=`."""
-    if getattr(args, "deepspeed", None):
-        raise ConfigError(
-            "the TrainingArguments carry deepspeed=, which transformers has already handed to DeepSpeed; use "
-            "zeroshard.hf.TrainingArguments (or put zeroshard.hf.TrainingArgumentsMixin in front of your config "
-            "class), or leave deepspeed unset and pass zeroshard_config= to the Trainer"
-        )
-    from_args = getattr(args, "zeroshard_config", None) if isinstance(args, TrainingArgumentsMixin) else None
-    if getattr(args, "_zeroshard_config_launched", False) and zeroshard_config is not None:
-        from_args = None  # the Trainer's own config wins over accelerate launch's variables
-    if from_args is not None and zeroshard_config is not None:
-        raise ConfigError("a ds_config came from both TrainingArguments(deepspeed=...) and zeroshard_config=")
-    source = zeroshard_config if zeroshard_config is not None else from_args
-    if source is None:
-        raise ConfigError(
-            "no ds_config: pass deepspeed= (or --deepspeed) to zeroshard.hf.TrainingArguments, or zeroshard_config= "
-            "to the Trainer, or launch with accelerate's DeepSpeed config (zeroshard accelerate-launch)"
-        )
-    return parse_config(source)
-
-
 def _on_save_once_committed(trainer: TrainerMixin, on_save: Any, args: Any, state: Any, control: Any) -> Any:
     """The callbacks' `on_save` for a decoupled save runs once it is committed (at the next step, or the end of
     training), with the state as it was at the save; what they change in `control` then applies from that step."""
@@ -477,37 +454,3 @@ def _committed_before(folder: str) -> str | None:
         if name.startswith("checkpoint-") and step.isdigit() and os.path.exists(os.path.join(parent, name, "latest")):
             found.append((int(step), os.path.join(parent, name)))
     return max(found)[1] if found else None
-
-
-def _arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The partner Trainer's arguments by name, however they were passed (transformers' Trainer takes (model, args,
-    ...), TRL's DPO (model, ref_model, args, ...)); a constructor taking `*args` leaves the positions to the Trainer's
-    order."""
-    named = dict(kwargs)
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    try:
-        parameters = inspect.signature(init).parameters
-        bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):  # (its own error comes from its constructor)
-        parameters, bound = {}, {}  # type: ignore[assignment]
-    named.update({k: v for k, v in bound.items() if parameters[k].kind not in variadic})
-    by_position = not bound or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values())
-    if by_position and "args" not in named and len(args) > 1:
-        named["args"] = args[1]
-    return named
-
-
-def _refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, ref_model: Any) -> None:
-    """TRL's DPO computes the reference log-probs in its constructor; without a ref_model it runs the trained model
-    there, which at stage 3 is still on the CPU (or the meta device) while its batches are on the GPU (DeepSpeed wraps
-    it in an inference engine at that point)."""
-    if (
-        int(source.zero_optimization.stage) == 3
-        and getattr(training_args, "precompute_ref_log_probs", False)
-        and ref_model is None
-        and training_args.device.type == "cuda"
-    ):
-        raise ConfigError(
-            "precompute_ref_log_probs without a ref_model at ZeRO-3: TRL runs the model in its constructor, before "
-            "the engine places and shards it; pass ref_model= (sharded at stage 3), or precompute at stage 2"
-        )
