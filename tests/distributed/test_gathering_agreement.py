@@ -11,6 +11,8 @@ import functools
 import os
 from typing import Any
 
+import pytest
+
 from helpers.harness import run_on_ranks
 from helpers.outcomes import outcome as _outcome
 from helpers.parity import Case, build_model, ds_config, param_groups
@@ -256,6 +258,7 @@ def _lone_state_read(rank: int, world_size: int, stage: int) -> tuple[str, str, 
     return outcome
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-30 (thirty-fifth session; a timeout each)
 def test_a_lone_full_value_read_at_stages_0_to_2_names_the_absent_rank() -> None:
     """Stage 2 all-gathers the state's shards; stage 0 checks for the state on every rank (an all-reduce)."""
     for stage in (2, 0):

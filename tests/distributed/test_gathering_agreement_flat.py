@@ -9,6 +9,7 @@ import datetime
 import os
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,6 +104,7 @@ def _alone(rank: int, world_size: int, call: str) -> tuple[str, str, float] | No
     return outcome
 
 
+@pytest.mark.slow  # default-suite budget: moved 2026-11-30 (thirty-fifth session; a timeout each)
 def test_a_lone_consolidated_state_dict_or_moe_save_names_the_absent_rank(tmp_path) -> None:
     os.environ["ALONE_DIR"] = str(tmp_path)
     try:
