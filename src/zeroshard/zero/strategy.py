@@ -393,10 +393,6 @@ class Strategy(ABC):
             with part.hold(True):
                 part.refresh_master()
 
-    @property
-    def states_offloaded(self) -> bool:
-        return bool(self.offloaded)
-
     def refuse_offloaded(self, what: str) -> None:
         """A call that reads or writes model states, while `offload_states()` holds some of them elsewhere."""
         if self.offloaded:
