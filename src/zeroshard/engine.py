@@ -20,6 +20,7 @@ from zeroshard.comm.divergence import named_on_timeout
 from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.engine_calls import DeepSpeedCalls
+from zeroshard.engine_optimizer import engine_optimizer
 from zeroshard.errors import ZeroshardError
 from zeroshard.generation import uninstall as uninstall_generate
 from zeroshard.manual_backward import ENGINE_BACKWARDS, ManualBackward
@@ -113,7 +114,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         self.precision = precision
         self.strategy = strategy
         self.accumulation = accumulation  # shared with the strategy: [Note: strategy contract]
-        self.optimizer = optimizer
+        self.basic_optimizer = optimizer  # the torch optimizer; engine.optimizer: [Note: the engine's optimizer]
+        self.optimizer = engine_optimizer(self, optimizer)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
         self.training_dataloader = training_dataloader
@@ -123,6 +125,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
         self.skipped_steps = 0
         self._last_grad_norm: float | None = None
         self._step_applied = False
+        self.last_step_overflowed = False  # engine.optimizer.overflow
         self._offloader = StateOffloader()
         self._activity = Activity()  # [Note: one-rank checkpoint calls]
         self._watch = AbsenceWatch.start(self._activity, topology, self._checkpoint_prefix)
@@ -292,6 +295,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
                 self.lr_scheduler.step()
             self._last_grad_norm = outcome.grad_norm
             self._step_applied = not outcome.skipped
+            self.last_step_overflowed = outcome.skipped
             self.global_steps += 1
             self.global_samples += self.accumulation.after_step(self.train_batch_size())
             self._report_progress()
@@ -447,9 +451,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             self.strategy.destroy()
             self.strategy = None
         self.telemetry.close()
-        if self.optimizer is not None:
-            self.optimizer.state.clear()
-        self.optimizer = None
+        if self.basic_optimizer is not None:
+            self.basic_optimizer.state.clear()
+        self.optimizer = self.basic_optimizer = None
         self.lr_scheduler = None
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -488,7 +492,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
 
     def _require_optimizer(self, what: str) -> Strategy:
         refuse_torn(self, what)
-        if self.strategy is None or self.optimizer is None:
+        if self.strategy is None or self.basic_optimizer is None:
             raise ZeroshardError(
                 f'engine.{what}() needs an optimizer: pass optimizer= to initialize or add an "optimizer" '
                 "block to the config (or the engine was destroyed)"

@@ -27,7 +27,7 @@ class EngineAccessors(DeepSpeedSettings):
     topology: Topology
     comm: Collectives
     accumulation: AccumulationState
-    optimizer: torch.optim.Optimizer | None
+    basic_optimizer: torch.optim.Optimizer | None
     loss_scaler: Any
     _last_grad_norm: float | None
     telemetry: Telemetry
@@ -165,7 +165,7 @@ class EngineAccessors(DeepSpeedSettings):
         if self.config.optimizer is not None:
             name = str(self.config.optimizer.type)
             return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
-        return type(self.optimizer).__name__ if self.optimizer is not None else None
+        return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
@@ -175,9 +175,9 @@ class EngineAccessors(DeepSpeedSettings):
         return self._step_applied
 
     def get_lr(self) -> list[float]:
-        if self.optimizer is None:
+        if self.basic_optimizer is None:
             return []
-        return [float(group["lr"]) for group in self.optimizer.param_groups]
+        return [float(group["lr"]) for group in self.basic_optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:

@@ -85,7 +85,7 @@ class DeepSpeedSettings:
     """[Note: DeepSpeed's configuration accessors]; a base of `EngineAccessors`."""
 
     config: Any
-    optimizer: torch.optim.Optimizer | None
+    basic_optimizer: torch.optim.Optimizer | None
     accumulation: Any  # AccumulationState
 
     def _stage(self) -> int:
@@ -381,13 +381,13 @@ class DeepSpeedSettings:
     # -- optimizer groups ----------------------------------------------------------------------------------
     def _optimizer_param(self, name: str) -> list[Any]:
         """Each param group's `name` (0.0 where a group has none), as DeepSpeed's `_get_optimizer_param`."""
-        if self.optimizer is None:
+        if self.basic_optimizer is None:
             return []
-        return [group.get(name, 0.0) for group in self.optimizer.param_groups]
+        return [group.get(name, 0.0) for group in self.basic_optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
         """Each group's momentum (SGD, RMSprop) or betas (the others)."""
-        name = type(self.optimizer).__name__ if self.optimizer is not None else ""
+        name = type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else ""
         return self._optimizer_param("momentum" if name in ("SGD", "RMSprop") else "betas")
 
     def get_type(self) -> list[Any]:

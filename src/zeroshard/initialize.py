@@ -18,6 +18,7 @@ from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
+from zeroshard.engine_optimizer import ScriptOptimizer
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.loading.agree import differing_start
@@ -76,7 +77,7 @@ def initialize(
     config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     config_params: Mapping[str, Any] | None = None,
     backend: str | None = None,
-) -> tuple[Engine, Any, Any, Any]:
+) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     """Build the engine; returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
     Runs as a single process (`python train.py`) or under `torchrun`; sets up torch.distributed
@@ -170,7 +171,7 @@ def _build(
     collate_fn: Callable[..., Any] | None,
     mpu: Any = None,
     sp_mpu: Any = None,
-) -> tuple[Engine, Any, Any, Any]:
+) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage = int(cfg.zero_optimization.stage)
     sp = int(cfg.sequence_parallel_size or 1)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
@@ -358,7 +359,7 @@ def _build(
     else:
         engine.data_replica = (replicas.rank, replicas.world_size, True)
     publish_groups(model, comm, tp, sequence)
-    return engine, engine_optimizer, loader, scheduler
+    return engine, engine.optimizer, loader, scheduler  # [Note: the engine's optimizer]
 
 
 def publish_groups(

@@ -10,7 +10,8 @@ from helpers.parity import Case, build_model, ds_config, global_batches, micro_b
 
 
 def _client_objects(rank: int, world_size: int):
-    """A client optimizer and scheduler objects are used (re-pointed at the shards), not rebuilt."""
+    """A client optimizer and scheduler objects are used (re-pointed at the shards), not rebuilt; `initialize`
+    returns DeepSpeed's `engine.optimizer`, a view around it ([Note: the engine's optimizer])."""
     import zeroshard
 
     case = Case(stage=1, steps=4)
@@ -21,7 +22,8 @@ def _client_objects(rank: int, world_size: int):
     engine, optimizer, _, lr_scheduler = zeroshard.initialize(
         model=model, optimizer=opt, lr_scheduler=sched, config=config
     )
-    assert optimizer is opt and lr_scheduler is sched
+    assert optimizer is engine.optimizer and optimizer.optimizer is opt is engine.basic_optimizer
+    assert lr_scheduler is sched and optimizer.param_groups is opt.param_groups and optimizer.state is opt.state
     lrs = []
     for batch in global_batches(case, world_size):
         x, y = micro_batch(batch, 0, rank, world_size, case.micro)
@@ -35,8 +37,17 @@ def _client_objects(rank: int, world_size: int):
         engine.get_global_grad_norm() is not None,
         len(opt.param_groups),
     )
+    refused = []
+    try:  # the engine's step also reduces, clips and steps the scheduler: stepping the optimizer alone is refused
+        optimizer.step()
+    except zeroshard.ZeroshardError as e:
+        refused.append(str(e))
     engine.destroy()
-    return lrs, api
+    try:
+        optimizer.zero_grad()
+    except zeroshard.ZeroshardError as e:
+        refused.append(str(e))
+    return lrs, api + (refused,)
 
 
 def _callable_optimizer_and_dataloader(rank: int, world_size: int):
@@ -55,7 +66,7 @@ def _callable_optimizer_and_dataloader(rank: int, world_size: int):
         training_data=dataset,
         config=config,
     )
-    assert isinstance(optimizer, torch.optim.SGD)
+    assert isinstance(optimizer.optimizer, torch.optim.SGD)
     seen = []
     for index, x, y in loader:
         assert x.shape[0] == case.micro
@@ -132,7 +143,8 @@ def test_engine_api():
     results = run_on_ranks(_all, 2)
     (lrs, api), _, _, _ = results[0]
     assert [round(x[0], 10) for x in lrs] == [5e-4, 2.5e-4, 1.25e-4, 6.25e-5]
-    assert api == (4, 2, 1, True, 2)
+    assert api[:5] == (4, 2, 1, True, 2)
+    assert "call engine.step()" in api[5][0] and "engine was destroyed" in api[5][1], api[5]
     (n0, seen0), (n1, seen1) = results[0][1], results[1][1]
     assert n0 == n1 == 10 and not set(seen0) & set(seen1) and sorted(seen0 + seen1) == list(range(40))
     for r in results:

@@ -42,7 +42,7 @@ def _dropped(rank: int, world_size: int):
             x, y = micro_batch(batch, 0, rank, world_size, case.micro)
             engine.backward(engine(x, y))
             engine.step()
-        held = [weakref.ref(x) for x in (engine, engine.strategy, engine.optimizer, model)]
+        held = [weakref.ref(x) for x in (engine, engine.strategy, engine.optimizer, engine.basic_optimizer, model)]
         del engine, model
         gc.collect()
         out.append([ref() is None for ref in held])
@@ -51,10 +51,11 @@ def _dropped(rank: int, world_size: int):
 
 def test_an_engine_dropped_without_destroy_is_freed():
     """Every stage (and super_offload's worker thread, and the fsdp2 backend), after training steps: engine,
-    strategy, optimizer and model are collected once the script lets go of them."""
+    strategy, optimizer (the torch one and engine.optimizer's view of it) and model are collected once the script
+    lets go of them."""
     for per_rank in run_on_ranks(_dropped, 2):
         for kind, freed in zip(_KINDS, per_rank, strict=True):
-            assert freed == [True] * 4, (kind, freed)
+            assert freed == [True] * 5, (kind, freed)
 
 
 def _model_kept(rank: int, world_size: int):

@@ -96,8 +96,8 @@ def _round_trip(rank: int, world_size: int, folder: str):
                         seen["device"] = [getattr(during, c) for c in COLUMNS] + [during.comm_buffers]
                         seen["moved"] = sum(getattr(during, c) for c in HOST) - sum(getattr(before, c) for c in HOST)
                         seen["held"] = sum(getattr(before, c) for c in COLUMNS)
-                    elif variant == "rl":  # OpenRLHF's set: the model still evaluates
-                        engine.offload_states(include=rl, device=OffloadDeviceEnum.cpu, non_blocking=True)
+                    elif variant == "rl":  # OpenRLHF's set and call, through engine.optimizer: the model evaluates
+                        engine.optimizer.offload_states(include=rl, device=OffloadDeviceEnum.cpu, non_blocking=True)
                         seen["away"] = _away(engine, ("optim_states", "hp_params"))
                         seen["offloaded"] = sorted(engine.strategy.offloaded)
                         with torch.no_grad():
@@ -117,7 +117,7 @@ def _round_trip(rank: int, world_size: int, folder: str):
                                 seen.setdefault("errors", []).append(str(e))
                         engine.offload_states(device=OffloadDeviceEnum.none)
                         seen["offloaded"] = sorted(engine.strategy.offloaded)
-                    engine.reload_states()
+                    (engine.optimizer if variant == "rl" else engine).reload_states()
                     after = engine.memory_report()
                     seen["restored"] = [getattr(after, c) for c in COLUMNS] == [getattr(before, c) for c in COLUMNS]
                 loss = engine(x, y)

@@ -205,7 +205,7 @@ BLOCKS = {"zero_offload_optimizer": ("device", "pin_memory", "ratio"), "zero_off
 class _Settings(DeepSpeedSettings):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = parse_config(config)
-        self.optimizer = None
+        self.basic_optimizer = None
         self.accumulation = SimpleNamespace(gradient_accumulation_steps=self.config.gradient_accumulation_steps)
 
 

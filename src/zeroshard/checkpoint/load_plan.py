@@ -241,7 +241,7 @@ def _load_tensors_and_state(
     meta = reader.metadata
     load_module_weights(reader, plan.catalog, state, plan.mapping)
     optimizer_too = (
-        not load_module_only and load_optimizer_states and state is not None and engine.optimizer is not None
+        not load_module_only and load_optimizer_states and state is not None and engine.basic_optimizer is not None
     )
     if optimizer_too and meta.optimizer is None:
         log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
@@ -252,8 +252,8 @@ def _load_tensors_and_state(
         with part.hold(True):
             fill_targets(reader, part.model_targets(), plan.mapping)
             if optimizer_too:
-                assert engine.optimizer is not None
-                load_optimizer_state(reader, engine.optimizer, part, plan.mapping, master_loaded, ckpt_group)
+                assert engine.basic_optimizer is not None
+                load_optimizer_state(reader, engine.basic_optimizer, part, plan.mapping, master_loaded, ckpt_group)
             if engine.strategy is not None and not master_loaded:
                 part.refresh_master()
     level = -1 if plan.missing else MODULE
@@ -263,7 +263,7 @@ def _load_tensors_and_state(
             engine.loss_scaler.load_state_dict(blob["loss_scaler"])
         if _restore_training_state(engine, reader, blob, load_lr_scheduler_states) and level == MODULE:
             level = TRAINING
-            if optimizer_too or state is None or engine.optimizer is None:
+            if optimizer_too or state is None or engine.basic_optimizer is None:
                 level = OPTIMIZER
     publish = False
     if state is not None and engine.strategy is not None:

@@ -22,7 +22,7 @@ class CheckpointableEngine(Protocol):
     precision: PrecisionPolicy
     strategy: Strategy | None
     accumulation: AccumulationState
-    optimizer: torch.optim.Optimizer | None
+    basic_optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     loss_scaler: Any
     training_dataloader: Any

@@ -225,9 +225,9 @@ def add_rank_files(
         with part.hold(False):
             pieces = [p for p in model_pieces(part, state, placement) if p.name not in excluded]
             add_model_file(files, pieces + (replicated if i == 0 else []), part.suffix)
-            if engine.optimizer is not None and writes_optim(state, placement):
+            if engine.basic_optimizer is not None and writes_optim(state, placement):
                 owned = (part.optim_pieces_to_save or part.optim_pieces)()
-                add_optim_file(files, engine.optimizer, owned, part.suffix)
+                add_optim_file(files, engine.basic_optimizer, owned, part.suffix)
     files.add(FileJob(rng_file(files.rank), data=snapshot.rng))
     if snapshot.engine_state is not None:
         files.add(FileJob(ENGINE_STATE_FILE, data=snapshot.engine_state))

@@ -140,7 +140,7 @@ def start_metadata(engine: CheckpointableEngine, tag: str, catalog: ModuleCatalo
     import zeroshard
 
     cfg = engine.config
-    optimizer = engine.optimizer if engine.strategy is not None else None
+    optimizer = engine.basic_optimizer if engine.strategy is not None else None
     return CheckpointMetadata(
         tag=tag,
         world_size=engine.topology.world_size,
@@ -338,7 +338,7 @@ def start_save(
         save_latest,
         RankFiles(tmp_dir, rank, deferred),
         None,
-        rank_bytes(state, engine.optimizer, exclude_frozen=exclude_frozen_parameters),
+        rank_bytes(state, engine.basic_optimizer, exclude_frozen=exclude_frozen_parameters),
         bool(writer is not None and writer.show_statistics),
         placement,
     )

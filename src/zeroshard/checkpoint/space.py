@@ -75,7 +75,7 @@ def bytes_to_write(engine: CheckpointableEngine, state: ShardedState | None, exc
     each node's leader writes those, the module weights whole where every rank loads them whole, and the optimizer
     state where one rank writes it for all ([Note: node-local checkpoints])."""
     placement = node_local(engine)
-    total = rank_bytes(state, engine.optimizer, placement is not None and placement.leader, exclude_frozen)
+    total = rank_bytes(state, engine.basic_optimizer, placement is not None and placement.leader, exclude_frozen)
     if placement.leader if placement is not None else engine.topology.rank == 0:
         sharded = state.sharded_params() if state is not None else {}
         frozen = [p for p in engine.module.parameters() if id(p) not in sharded and not p.requires_grad]

@@ -53,6 +53,7 @@ from accelerate.utils.other import compile_regions_deepspeed
 from torch.optim.lr_scheduler import LRScheduler
 
 from zeroshard.engine import Engine
+from zeroshard.engine_optimizer import ScriptOptimizer
 from zeroshard.errors import ConfigError
 from zeroshard.hf.arguments import launched_with_deepspeed
 from zeroshard.hf.auto import hidden_size
@@ -324,7 +325,7 @@ class EngineOptimizerWrapper(DeepSpeedOptimizerWrapper):  # type: ignore[misc]
     """The optimizer `prepare` returns: `step`/`zero_grad` do nothing (the engine stepped in `backward`);
     `step_was_skipped` is the engine's answer (an fp16 overflow), which accelerate's scheduler wrapper reads."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
+    def __init__(self, optimizer: ScriptOptimizer, engine: Engine):
         super().__init__(optimizer)
         self._engine = engine
 

@@ -150,7 +150,7 @@ class EngineOptimizer:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self._link.require().optimizer
+        optimizer = self._link.require().basic_optimizer
         assert optimizer is not None
         return optimizer
 

@@ -19,12 +19,13 @@ t = 0, 1, ...:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from zeroshard.errors import ConfigError, LossScaleError
+from zeroshard.errors import ConfigError, LossScaleError, ZeroshardError
 from zeroshard.utils.logging import get_logger, log_rank
 
 _LOGGER_NAME = "zeroshard.precision"
@@ -49,8 +50,12 @@ class StaticLossScaler:
 
     @property
     def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before backward."""
+        """The factor the loss is multiplied by before backward (settable, as DeepSpeed's `cur_scale`)."""
         return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._scale = _set_scale(value)
 
     def update_scale(self, overflow: bool) -> None:
         """Record one step's overflow status; a static scale only logs the skipped step."""
@@ -113,8 +118,12 @@ class DynamicLossScaler:
 
     @property
     def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before backward."""
+        """The factor the loss is multiplied by before backward (settable, as DeepSpeed's `cur_scale`)."""
         return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._scale = _set_scale(value)
 
     @property
     def hysteresis_left(self) -> int:
@@ -193,6 +202,13 @@ class DynamicLossScaler:
 
 
 LossScaler = StaticLossScaler | DynamicLossScaler
+
+
+def _set_scale(value: float) -> float:
+    scale = float(value)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ZeroshardError(f"loss scale {value!r}: set a finite scale > 0")
+    return scale
 
 
 def build_loss_scaler(

@@ -1,0 +1,140 @@
+"""`engine.optimizer`: the optimizer as DeepSpeed scripts reach it ([Note: the engine's optimizer]).
+
+[Note: the engine's optimizer]
+DeepSpeed's `engine.optimizer`, which `initialize` also returns second, is its ZeRO optimizer: a wrapper around the
+torch optimizer (`.optimizer`) that owns the loss scale and the model states. Scripts reach through it. RL trainers
+(OpenRLHF and others) call `engine.optimizer.offload_states(...)` and `reload_states()` around generation, and
+training loops log `engine.optimizer.cur_scale` or read `overflow`. Here the engine owns those things, so
+`ZeroOptimizer` is a view of the engine, not a second owner:
+* `offload_states`, `reload_states` and `zero_grad` are the engine's calls;
+* `cur_scale`/`loss_scale` are the engine's loss scale, and writing them sets it (1.0, unscaled, without fp16);
+* `overflow` says whether the latest optimizer step was skipped for inf/nan gradients;
+* `param_groups`, `state` and `defaults` are the torch optimizer's own objects, so an lr written into a group is
+  the one the next step reads, and `state_dict()`/`load_state_dict()` are the torch optimizer's (this rank's shards);
+* `step()` is refused in one line: the engine's step also reduces, unscales, clips and steps the lr scheduler, and
+  a script that stepped the optimizer directly would skip all of it.
+The torch optimizer is `engine.basic_optimizer` (DeepSpeed's name) and the view's `.optimizer`; the engine steps that
+one. The view is no `torch.optim.Optimizer`, as DeepSpeed's is none: torch's lr schedulers take the torch optimizer.
+It holds the engine weakly, so it keeps no destroyed engine alive, and after `destroy()` its engine calls refuse.
+At stage 0 in fp32 DeepSpeed wraps nothing, and its own tests assert that `initialize` returns the client optimizer
+there: so does `engine_optimizer`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zeroshard.errors import ZeroshardError
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+
+
+def engine_optimizer(engine: Engine, optimizer: torch.optim.Optimizer | None) -> ScriptOptimizer:
+    """What `engine.optimizer` is: [Note: the engine's optimizer]."""
+    if optimizer is None:
+        return None
+    if engine.zero_stage == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        return optimizer
+    return ZeroOptimizer(engine, optimizer)
+
+
+class ZeroOptimizer:
+    """What `engine.optimizer` and `initialize`'s second value are: [Note: the engine's optimizer].
+
+    Example:
+        >>> engine, optimizer, _, _ = zeroshard.initialize(model=model, config=cfg)  # doctest: +SKIP
+        >>> optimizer.param_groups[0]["lr"], optimizer.cur_scale, optimizer.overflow  # doctest: +SKIP
+        (0.001, 1.0, False)
+        >>> optimizer.offload_states(); optimizer.reload_states()  # doctest: +SKIP
+    """
+
+    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer):
+        self._engine = weakref.ref(engine)
+        self.optimizer = optimizer
+
+    def _live(self, what: str) -> Engine:
+        engine = self._engine()
+        if engine is None or engine.optimizer is not self:
+            raise ZeroshardError(f"engine.optimizer.{what}: its engine was destroyed")
+        return engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    @property
+    def cur_scale(self) -> float:
+        return self._live("cur_scale").loss_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self._set_scale("cur_scale", value)
+
+    @property
+    def loss_scale(self) -> float:
+        return self._live("loss_scale").loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._set_scale("loss_scale", value)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        scaler = self._live("dynamic_loss_scale").loss_scaler
+        return scaler is not None and bool(scaler.dynamic)
+
+    @property
+    def overflow(self) -> bool:
+        return self._live("overflow").last_step_overflowed
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._live("zero_grad").zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        raise ZeroshardError(
+            "engine.optimizer.step(): the engine steps its optimizer; call engine.step() (it also reduces, unscales "
+            "and clips the gradients and steps the lr scheduler)"
+        )
+
+    def offload_states(
+        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """The engine's `offload_states` (DeepSpeed's engine passes its own call on to this one)."""
+        self._live("offload_states").offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._live("reload_states").reload_states(non_blocking)
+
+    def _set_scale(self, name: str, value: float) -> None:
+        engine = self._live(name)
+        if engine.loss_scaler is not None:
+            engine.loss_scaler.loss_scale = value
+        elif float(value) != 1.0:
+            raise ZeroshardError(
+                f"engine.optimizer.{name} = {value!r}: this engine scales no loss (bf16 or fp32; only fp16 has a "
+                'loss scale); enable "fp16" in the config to train with one'
+            )
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r})"
+
+
+ScriptOptimizer = ZeroOptimizer | torch.optim.Optimizer | None
