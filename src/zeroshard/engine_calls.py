@@ -65,6 +65,10 @@ class DeepSpeedCalls:
 
         def _deadline(self, what: str) -> contextlib.AbstractContextManager[None]: ...
 
+        def autotp_size(self) -> Any: ...
+
+        def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any: ...
+
     # -- batch sizes ----------------------------------------------------------------------------------
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch from the next micro-step on, by changing `gradient_accumulation_steps` (the micro-batch
@@ -203,6 +207,28 @@ class DeepSpeedCalls:
                 unique[name] = tensor.detach().to("cpu", copy=True).contiguous()
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """DeepSpeed's: the whole model in the compute dtype on rank 0's CPU (None on the other ranks) where the
+        weights are split: stage 3 (`_zero3_consolidated_16bit_state_dict`) and AutoTP (`tensor_parallel.autotp_size`
+        > 1, the slices made whole; buffers too, which DeepSpeed leaves out). Every rank must call it. Where every
+        rank holds the whole model it raises ValueError, as DeepSpeed: read `module.state_dict()` there."""
+        if self.zero_stage == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if int(self.autotp_size() or 0) > 1 and self.strategy is not None:
+            refuse_torn(self, "_consolidated_16bit_state_dict")
+            keep = self.global_rank == 0
+            state = self.strategy.save_state_dict(keep)
+            if not keep:
+                return None
+            frozen = set()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            return {k: v.detach().to("cpu", copy=True) for k, v in state.items() if k not in frozen}
+        raise ValueError(
+            "consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, including "
+            "Zero Stage 3 and tensor parallelism."
+        )
 
     # -- [Note: generation at stage 3] ---------------------------------------------------------------------
     def _own_generate(self) -> Callable[..., Any] | None:

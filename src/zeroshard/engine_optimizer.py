@@ -6,16 +6,20 @@ torch optimizer (`.optimizer`) that owns the loss scale and the model states. Sc
 (OpenRLHF and others) call `engine.optimizer.offload_states(...)` and `reload_states()` around generation, and
 training loops log `engine.optimizer.cur_scale` or read `overflow`. Here the engine owns those things, so
 `ZeroOptimizer` is a view of the engine, not a second owner:
-* `offload_states`, `reload_states` and `zero_grad` are the engine's calls;
+* `offload_states` and `reload_states` are the engine's calls, and so is `zero_grad`, with DeepSpeed's one quirk
+  kept: at stage 2 its `zero_grad` inside an accumulation window leaves the window's reduced gradients alone
+  (stages 1 and 3 drop them), so a ZeRO-2 script that zeroes before every micro-step still accumulates;
 * `cur_scale`/`loss_scale` are the engine's loss scale, and writing them sets it (1.0, unscaled, without fp16);
 * `overflow` says whether the latest optimizer step was skipped for inf/nan gradients;
 * `param_groups`, `state` and `defaults` are the torch optimizer's own objects, so an lr written into a group is
-  the one the next step reads, and `state_dict()`/`load_state_dict()` are the torch optimizer's (this rank's shards);
+  the one the next step reads, and `state_dict()`/`load_state_dict()` are the torch optimizer's (this rank's shards).
+  While `offload_states` holds the optimizer state, `state` and those two refuse in one line: the state's device
+  storages are empty then (DeepSpeed's point at host copies);
 * `step()` is refused in one line: the engine's step also reduces, unscales, clips and steps the lr scheduler, and
   a script that stepped the optimizer directly would skip all of it.
 The torch optimizer is `engine.basic_optimizer` (DeepSpeed's name) and the view's `.optimizer`; the engine steps that
 one. The view is no `torch.optim.Optimizer`, as DeepSpeed's is none: torch's lr schedulers take the torch optimizer.
-It holds the engine weakly, so it keeps no destroyed engine alive, and after `destroy()` its engine calls refuse.
+It holds the engine weakly, so it keeps no destroyed engine alive, and after `destroy()` its calls refuse.
 At stage 0 in fp32 DeepSpeed wraps nothing, and its own tests assert that `initialize` returns the client optimizer
 there: so does `engine_optimizer`.
 """
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.states import OPTIM_STATES
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
@@ -59,25 +64,46 @@ class ZeroOptimizer:
     def _live(self, what: str) -> Engine:
         engine = self._engine()
         if engine is None or engine.optimizer is not self:
-            raise ZeroshardError(f"engine.optimizer.{what}: its engine was destroyed")
+            raise ZeroshardError(
+                f"engine.optimizer.{what}: its engine was destroyed (or this is a copy of engine.optimizer, which is "
+                "a view of its engine)"
+            )
+        return engine
+
+    def _state_here(self, what: str) -> Engine:
+        engine = self._live(what)
+        if engine.strategy is not None:
+            engine.strategy.refuse_away(f"engine.optimizer.{what}", (OPTIM_STATES,))  # [Note: offloaded states]
         return engine
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups  # DeepSpeed's setter (accelerate's wrapper forwards to it)
+
     @property
     def state(self) -> Any:
+        self._state_here("state")
         return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._state_here("state")
+        self.optimizer.state = state
 
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
+        self._state_here("state_dict")
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state_here("load_state_dict")
         self.optimizer.load_state_dict(state_dict)
 
     @property
@@ -106,7 +132,10 @@ class ZeroOptimizer:
         return self._live("overflow").last_step_overflowed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._live("zero_grad").zero_grad(set_to_none)
+        engine = self._live("zero_grad")
+        if engine.zero_stage == 2 and engine.accumulation.pending:
+            return  # DeepSpeed's stage 2 keeps the window's reduced gradients: [Note: the engine's optimizer]
+        engine.zero_grad(set_to_none)
 
     def step(self, closure: Any = None) -> None:
         raise ZeroshardError(

@@ -42,6 +42,17 @@ def _client_objects(rank: int, world_size: int):
         optimizer.step()
     except zeroshard.ZeroshardError as e:
         refused.append(str(e))
+    try:  # every rank holds the whole model at stage 1: DeepSpeed's ValueError
+        engine._consolidated_16bit_state_dict()
+    except ValueError as e:
+        refused.append(str(e))
+    # DeepSpeed-Chat's and OpenRLHF's save at stages 0-2: each tensor its own storage (a parameter here is a view of
+    # the flat buffer, and torch.save would write the whole buffer under it)
+    state = engine.module.state_dict()
+    lean = zeroshard.checkpoint.utils.clone_tensors_for_torch_save(state)
+    own = [v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in lean.values()]
+    refused.append((all(own), all(torch.equal(lean[k], v) for k, v in state.items()), len(own) > 1))
+    refused.append(any(v.untyped_storage().nbytes() > v.numel() * v.element_size() for v in state.values()))
     engine.destroy()
     try:
         optimizer.zero_grad()
@@ -144,7 +155,9 @@ def test_engine_api():
     (lrs, api), _, _, _ = results[0]
     assert [round(x[0], 10) for x in lrs] == [5e-4, 2.5e-4, 1.25e-4, 6.25e-5]
     assert api[:5] == (4, 2, 1, True, 2)
-    assert "call engine.step()" in api[5][0] and "engine was destroyed" in api[5][1], api[5]
+    assert "call engine.step()" in api[5][0] and "applicable to cases where weights are partitioned" in api[5][1]
+    assert api[5][2] == (True, True, True) and api[5][3], api[5]  # the clones' own storages; the views' shared one
+    assert "engine was destroyed" in api[5][4], api[5]
     (n0, seen0), (n1, seen1) = results[0][1], results[1][1]
     assert n0 == n1 == 10 and not set(seen0) & set(seen1) and sorted(seen0 + seen1) == list(range(40))
     for r in results:
@@ -268,3 +281,38 @@ def test_a_stalled_rank_fails_the_job_by_the_deadline_naming_it():
     name, message, seconds = run_on_ranks(_stalled, 2, timeout=120)[0]
     assert name == "CollectiveTimeoutError" and seconds < 30, (name, message, seconds)
     assert "engine.backward" in message and "rank 1: did not answer" in message and "rank 0: in" in message, message
+
+
+# -- engine.optimizer.zero_grad inside an accumulation window -----------------------------------------------------
+def _zero_grad_each_micro_step(rank: int, world_size: int):
+    """Per stage: the weights after two windows of two micro-steps, with and without `optimizer.zero_grad()` before
+    each micro-step (a habit of scripts written for torch)."""
+    import zeroshard
+
+    out = {}
+    for stage in (1, 2, 3):
+        case = Case(stage=stage, gas=2, steps=2)
+        for zeroing in (False, True):
+            model = build_model(case)
+            engine, optimizer, _, _ = zeroshard.initialize(
+                model=model, model_parameters=param_groups(model, case), config=ds_config(case)
+            )
+            for batch in global_batches(case, world_size):
+                for micro in range(case.gas):
+                    if zeroing:
+                        optimizer.zero_grad()
+                    engine.backward(engine(*micro_batch(batch, micro, rank, world_size, case.micro)))
+                    engine.step()
+            out[(stage, zeroing)] = [v.clone() for v in engine.module.state_dict().values()]
+            engine.destroy()
+    return out
+
+
+def test_optimizer_zero_grad_inside_a_window_keeps_or_drops_it_as_deepspeed():
+    """DeepSpeed 0.19.8 measured: its stage-2 optimizer's `zero_grad` inside a window leaves the reduced gradients
+    (the window still accumulates), stages 1 and 3 drop them ([Note: the engine's optimizer])."""
+    for out in run_on_ranks(_zero_grad_each_micro_step, 2):
+        same = {
+            s: all(torch.equal(a, b) for a, b in zip(out[(s, False)], out[(s, True)], strict=True)) for s in (1, 2, 3)
+        }
+        assert same == {1: False, 2: True, 3: False}, same

@@ -103,6 +103,10 @@ def _round_trip(rank: int, world_size: int, folder: str):
                         with torch.no_grad():
                             seen["evaluated"] = engine(x, y).item() == evaluated
                         seen["refused"] = _refusals(engine, folder, x, y)[2:3]  # the step
+                        try:  # the state's device storages are empty: read through the view, refused
+                            engine.optimizer.state_dict()
+                        except zeroshard.ZeroshardError as e:
+                            seen["refused"].append(str(e))
                     elif variant == "in_turn":  # a second call moves what the first left, a third nothing
                         engine.offload_states(include=["optim_states"])
                         engine.offload_states(include=["hp_params", "lp_params"])
@@ -161,6 +165,7 @@ def test_offload_states_by_kind_and_reload_continue_bit_identically(tmp_path):
             assert seen["away"] and seen["evaluated"], seen
             assert seen["offloaded"] == (["hp_params", "optim_states"] if stage < 3 else ["optim_states"]), seen
             assert "reload_states" in seen["refused"][0], seen
+            assert seen["refused"][1].startswith("engine.optimizer.state_dict: optim_states offloaded"), seen
             _, seen = result[(stage, "in_turn")]
             assert seen["away"] and seen["offloaded"] == (kinds[:1] + kinds[2:] if stage < 3 else kinds), seen
             _, seen = result[(stage, "bad")]

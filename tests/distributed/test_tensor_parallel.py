@@ -169,6 +169,9 @@ def _save_16bit(rank: int, world_size: int, folder: str, stage: int, backend: st
     if stage == 3:  # accelerate's get_state_dict
         whole = engine._zero3_consolidated_16bit_state_dict()
         out["shapes"] = {k: tuple(v.shape) for k, v in (whole or {}).items()}
+    # OpenRLHF's save under AutoTP or stage 3: the whole model on rank 0's CPU, None elsewhere
+    whole = engine._consolidated_16bit_state_dict()
+    out["consolidated"] = None if whole is None else {k: (v.device.type, v.float()) for k, v in whole.items()}
     engine.destroy()
     return out
 
@@ -177,7 +180,8 @@ def _save_16bit(rank: int, world_size: int, folder: str, stage: int, backend: st
 def test_save_16bit_model_gathers_the_tensor_parallel_slices(tmp_path, stage: int, backend: str) -> None:
     """tp2 on 2 ranks: `save_16bit_model` writes the whole model, equal to the unsplit one (at stage 2 it failed on
     the DTensors, on fsdp2 it wrote each rank's slices), as DeepSpeed's AutoTP gathers its layers; at stage 3 on
-    fsdp2 accelerate's `get_state_dict` has the whole shapes too (it refused)."""
+    fsdp2 accelerate's `get_state_dict` has the whole shapes too (it refused); `_consolidated_16bit_state_dict`
+    (OpenRLHF's save) is the whole model on rank 0's CPU."""
     from safetensors.torch import load_file
 
     results = run_on_ranks(_save_16bit, 2, str(tmp_path), stage, backend, timeout=300)
@@ -187,3 +191,6 @@ def test_save_16bit_model_gathers_the_tensor_parallel_slices(tmp_path, stage: in
     assert [k for k, v in want.items() if not torch.equal(saved[k].float(), v.float())] == []
     if stage == 3:
         assert results[0]["shapes"] == {k: tuple(v.shape) for k, v in want.items()}
+    whole = results[0]["consolidated"]
+    assert results[1]["consolidated"] is None and set(whole) == set(want), results[1]["consolidated"]
+    assert [k for k, v in want.items() if whole[k][0] != "cpu" or not torch.equal(whole[k][1], v.float())] == []

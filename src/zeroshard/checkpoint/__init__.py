@@ -8,6 +8,7 @@ Example:
     >>> convert_zero_checkpoint_to_fp32_state_dict("ckpt", "hf_model")  # doctest: +SKIP
 """
 
+from zeroshard.checkpoint import utils  # deepspeed.checkpoint.utils
 from zeroshard.checkpoint.elasticity import ElasticityError, compute_elastic_config, elastic_batch_sizes
 from zeroshard.checkpoint.engine_mixin import CheckpointMixin
 from zeroshard.checkpoint.errors import CheckpointError
@@ -34,4 +35,5 @@ __all__ = [
     "elastic_batch_sizes",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "utils",
 ]

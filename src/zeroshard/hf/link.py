@@ -34,6 +34,7 @@ from zeroshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
+    from zeroshard.engine_optimizer import ZeroOptimizer
 
 
 @dataclass
@@ -149,8 +150,10 @@ class EngineOptimizer:
         self._link = link
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        optimizer = self._link.require().basic_optimizer
+    def optimizer(self) -> ZeroOptimizer | torch.optim.Optimizer:
+        """`engine.optimizer`, as `trainer.optimizer.optimizer` is DeepSpeed's under transformers ([Note: the engine's
+        optimizer]): callbacks read `cur_scale`/`overflow` and call `offload_states` through it."""
+        optimizer = self._link.require().optimizer
         assert optimizer is not None
         return optimizer
 

@@ -59,6 +59,7 @@ KINDS = tuple(kind.value for kind in OffloadStateTypeEnum)
 BUFFERS = OffloadStateTypeEnum.contiguous_grad_buffer.value  # nothing to keep: freed, allocated again on use
 PARAMS = OffloadStateTypeEnum.lp_params.value
 GRADS = OffloadStateTypeEnum.lp_grads.value
+OPTIM_STATES = OffloadStateTypeEnum.optim_states.value
 
 
 def offload_kinds(include: Any) -> tuple[str, ...]:
