@@ -335,9 +335,10 @@ class DeepSpeedCalls:
         """Move model states off the device until `reload_states()` (DeepSpeed's API; [Note: offloaded states]):
         `include` names DeepSpeed's kinds (`OffloadStateTypeEnum`: optim_states, hp_params, lp_params, lp_grads,
         contiguous_grad_buffer; None: all), `device` is "cpu" (`OffloadDeviceEnum.none` moves nothing). Training
-        steps, checkpoint saves and loads, and the calls that read or write model states (`safe_get_full_*`, the
-        setters, `GatherParameters(modifier_rank=...)`) are refused in between; with lp_params, forwards too. State
-        that lives off the device already (`offload_optimizer`, `offload_param`) stays where it is."""
+        steps, checkpoint loads, and the calls that read or write model states (`safe_get_full_*`, the setters,
+        `GatherParameters(modifier_rank=...)`) are refused in between; with lp_params, forwards too. A checkpoint
+        save brings the states back for itself and moves them out again. State that lives off the device already
+        (`offload_optimizer`, `offload_param`) stays where it is."""
         strategy = self._require_optimizer("offload_states")
         kinds = offload_kinds(include)
         target = offload_device(device)

@@ -4,6 +4,9 @@ follows, and training continues bit for bit."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from helpers.harness import run_on_ranks
@@ -22,7 +25,6 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
         lambda: engine(x, y),
         lambda: engine.generate(x),
         engine.step,
-        lambda: engine.save_checkpoint(folder, "s"),
         lambda: engine.load_checkpoint(folder, "s"),
         engine.consolidated_state_dict,
         lambda: engine.load_module_state_dict({"module": {}}),
@@ -42,6 +44,26 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
         except zeroshard.ZeroshardError as e:
             out.append(str(e) if "reload_states" in str(e) else f"other: {e}")
     return out
+
+
+def _same_files(a: str, b: str) -> list[str]:
+    """The files that differ between two checkpoint folders (their paths, or what is missing)."""
+
+    def files(top: str) -> dict[str, bytes]:
+        out = {}
+        for folder, _, names in os.walk(top):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(folder, name), top)] = f.read()
+        return out
+
+    first, second = files(a), files(b)
+    if sorted(first) != sorted(second):
+        return [f"paths: {sorted(first)} / {sorted(second)}"]
+    for meta in (first, second):  # the metadata names its tag (and its checksum covers the name)
+        fields = json.loads(meta.pop("metadata.json"))
+        meta["metadata"] = repr({k: v for k, v in fields.items() if k not in ("tag", "metadata_crc32")}).encode()
+    return sorted(path for path in first if first[path] != second[path])
 
 
 def _visible(model, stage: int) -> list[torch.Tensor]:
@@ -93,6 +115,12 @@ def _round_trip(rank: int, world_size: int, folder: str):
                             saved = engine.module_state_dict()
                             seen["saved"] = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
                         seen["refused"] = _refusals(engine, folder, x, y)
+                        # a save while offloaded (OpenRLHF saves after its offload): the states come back for it and
+                        # move out again; the files equal a save made after reload_states() below
+                        tag = f"{case.stage}-{case.dtype}"
+                        engine.save_checkpoint(folder, f"away-{tag}")
+                        kinds = ("optim_states", "hp_params", "lp_params", "lp_grads")
+                        seen["away_after_save"] = _away(engine, kinds) and sorted(engine.strategy.offloaded)
                         seen["device"] = [getattr(during, c) for c in COLUMNS] + [during.comm_buffers]
                         seen["moved"] = sum(getattr(during, c) for c in HOST) - sum(getattr(before, c) for c in HOST)
                         seen["held"] = sum(getattr(before, c) for c in COLUMNS)
@@ -122,6 +150,11 @@ def _round_trip(rank: int, world_size: int, folder: str):
                         engine.offload_states(device=OffloadDeviceEnum.none)
                         seen["offloaded"] = sorted(engine.strategy.offloaded)
                     (engine.optimizer if variant == "rl" else engine).reload_states()
+                    if variant == "all":
+                        engine.save_checkpoint(folder, f"back-{tag}")
+                        seen["saved_alike"] = _same_files(
+                            os.path.join(folder, f"away-{tag}"), os.path.join(folder, f"back-{tag}")
+                        )
                     after = engine.memory_report()
                     seen["restored"] = [getattr(after, c) for c in COLUMNS] == [getattr(before, c) for c in COLUMNS]
                 loss = engine(x, y)
@@ -161,6 +194,7 @@ def test_offload_states_by_kind_and_reload_continue_bit_identically(tmp_path):
             assert seen["device"] == [0] * (len(COLUMNS) + 1), seen["device"]  # the device holds none of it now
             assert seen["moved"] == seen["held"] > 0, seen  # ... and the host all of it
             assert seen["whole_after_destroy"]
+            assert seen["away_after_save"] == kinds and seen["saved_alike"] == [], seen
             _, seen = result[(stage, "rl")]
             assert seen["away"] and seen["evaluated"], seen
             assert seen["offloaded"] == (["hp_params", "optim_states"] if stage < 3 else ["optim_states"]), seen

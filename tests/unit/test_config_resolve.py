@@ -471,3 +471,17 @@ def test_seed_002_python_dict_with_repeated_key() -> None:
     assert cfg.zero_optimization.offload_param.device == "cpu"
     with pytest.raises(ConfigError, match="world_size 8"):
         resolve_config(parse_config(_seed_002()), world_size=8, known=KNOWN)
+
+
+def test_the_config_reads_by_key_as_the_dict_the_script_gave() -> None:
+    """DeepSpeed's `engine.config` is the script's dict: OpenRLHF reads
+    `engine.config["zero_optimization"]["offload_optimizer"]["device"]`. The keys read what was given ("auto" too);
+    the fields hold what the engine uses."""
+    given = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    cfg = resolve_config(parse_config(given), world_size=2, known={"train_micro_batch_size_per_gpu": 4})
+    assert cfg["zero_optimization"] == {"stage": 2} and cfg["train_micro_batch_size_per_gpu"] == "auto"
+    assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.zero_optimization.stage == 2
+    assert "bf16" in cfg and "fp16" not in cfg and cfg.get("fp16", "absent") == "absent"
+    assert dict(cfg.items()) == given and list(cfg.keys()) == list(given) and cfg  # an empty dict would be falsy
+    with pytest.raises(KeyError):
+        cfg["fp16"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +16,9 @@ from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
 from zeroshard.checkpoint.torn import TornLoad, refuse_torn
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.states import StateOffloader
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
 
 
 class CheckpointMixin:
@@ -39,6 +44,14 @@ class CheckpointMixin:
     _torn_load: TornLoad | None = None  # a load that failed part way: [Note: a torn load]
     _offloader: StateOffloader  # the engine's offload_states() (set by Engine)
 
+    if TYPE_CHECKING:  # DeepSpeedCalls'
+
+        def offload_states(
+            self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+        ) -> None: ...
+
+        def reload_states(self, non_blocking: bool = False) -> None: ...
+
     def save_checkpoint(
         self,
         save_dir: str | os.PathLike[str],
@@ -60,22 +73,36 @@ class CheckpointMixin:
         checkpoint writes]).
         """
         refuse_torn(self, "save_checkpoint")
-        self._refuse_offloaded("save_checkpoint")
-        self.commit_checkpoint("save_checkpoint")
-        deferred = decoupled(self)
-        call = _save.start_save(
-            self,  # type: ignore[arg-type]
-            save_dir,
-            tag,
-            dict(client_state or {}),
-            save_latest,
-            exclude_frozen_parameters,
-            deferred,
-        )
-        if not deferred:
-            return _save.finish_save(call)
-        self._pending_save = PendingSave(call, self._writer_stream())
-        return True
+        with self._states_back("save_checkpoint"):
+            self.commit_checkpoint("save_checkpoint")
+            deferred = decoupled(self)
+            call = _save.start_save(
+                self,  # type: ignore[arg-type]
+                save_dir,
+                tag,
+                dict(client_state or {}),
+                save_latest,
+                exclude_frozen_parameters,
+                deferred,
+            )
+            if not deferred:
+                return _save.finish_save(call)
+            self._pending_save = PendingSave(call, self._writer_stream())
+            return True
+
+    @contextlib.contextmanager
+    def _states_back(self, op: str) -> Iterator[None]:
+        """DeepSpeed's save reads the host copies `offload_states()` made (its states are CPU tensors then); here the
+        moved storages are empty, so the states come back to the device for the save and move out again after it,
+        which waits for a decoupled save's writes first ([Note: offloaded states]). A failed save leaves them back."""
+        if not self._offloader.active:
+            yield
+            return
+        kinds, pinned = sorted(self._offloader.kinds), self._offloader.pinned
+        log_rank(logger, logging.INFO, f"{op}: {', '.join(kinds)} back from offload_states() for it, then out again")
+        self.reload_states()
+        yield
+        self.offload_states(include=kinds, pin_memory=pinned)
 
     def _refuse_offloaded(self, op: str) -> None:
         """The states `offload_states()` moved out are empty storages here until `reload_states()`."""

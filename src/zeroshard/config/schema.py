@@ -216,3 +216,24 @@ class ZeroshardConfig(ConfigBlock):
     # Bookkeeping, not ds_config keys.
     raw: Mapping[str, Any] = internal(dict, "The mapping the user gave, unchanged (a deep copy).")
     resolved: bool = internal(bool, 'True once resolve_config has filled every "auto" and the batch triple.')
+
+    # DeepSpeed's `engine.config` is the dict the script passed, and scripts read it by key (OpenRLHF:
+    # `engine.config["zero_optimization"]["offload_optimizer"]["device"]`): reading by key reads that mapping, as
+    # given (the fields above are the values the engine uses: "auto" filled, DeepSpeed's defaults in).
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def keys(self) -> Any:
+        return self.raw.keys()
+
+    def items(self) -> Any:
+        return self.raw.items()
+
+    def values(self) -> Any:
+        return self.raw.values()

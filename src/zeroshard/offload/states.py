@@ -16,13 +16,15 @@ still generates). A strategy says which of its tensors each kind is (`Strategy.o
   grad enabled, `zero_grad` and `safe_get_full_grad` refuse while they are away);
 - `contiguous_grad_buffer`: the pooled communication buffers, freed and allocated again when next used (DeepSpeed
   keeps no data of its bucket either).
-A kind is moved once: a second call moves what the first left (DeepSpeed's `needs_offload`), and
-`reload_states()` brings everything back. The bytes are copied to host buffers and each device storage is resized
-to zero, then resized back and refilled on reload, so the optimizer's state dict, its parameter keys and every
-view (stage-3 master pieces, the module's parameter views) stay valid. State that lives off the device already
-(`offload_optimizer`, `offload_param`) stays where it is. A copy that fails part way leaves nothing moved. On CUDA
-the freed blocks go back to the driver (`empty_cache`), so another process (an inference engine sharing the GPU)
-can use them, and the host copies are exact-size pinned buffers kept for the next offload.
+A kind is moved once: a second call moves what the first left (DeepSpeed's `needs_offload`), and `reload_states()`
+brings everything back. Steps and checkpoint loads refuse while anything is away; a checkpoint save (OpenRLHF saves
+after its offload; DeepSpeed's reads its host copies) brings the states back to the device for itself and moves them out
+again (`CheckpointMixin._states_back`), so it needs their device memory for its duration. The bytes are copied to host
+buffers and each device storage is resized to zero, then resized back and refilled on reload, so the optimizer's state
+dict, its parameter keys and every view (stage-3 master pieces, the module's parameter views) stay valid. State that
+lives off the device already (`offload_optimizer`, `offload_param`) stays where it is. A copy that fails part way leaves
+nothing moved. On CUDA the freed blocks go back to the driver (`empty_cache`), so another process (an inference engine
+sharing the GPU) can use them, and the host copies are exact-size pinned buffers kept for the next offload.
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ class StateOffloader:
         for kind, _, host in self._held:
             out[kind] = out.get(kind, 0) + host.numel() * host.element_size()
         return out
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host copies are pinned (what `offload_states(pin_memory=...)` gave, where pinning exists)."""
+        return any(host.is_pinned() for _, _, host in self._held)
 
     @property
     def spare_bytes(self) -> int:

@@ -121,7 +121,6 @@ class PipelineCheckpointMixin(CheckpointMixin):
         if not save_dir:
             raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
         refuse_torn(self, "save_checkpoint")  # before the mesh file: [Note: a torn load]
-        self._refuse_offloaded("save_checkpoint")
         folder = stage_dir(save_dir, self.pipe.groups.stage)
         self._world_space(folder)  # [Note: checkpoint space] over every stage's writes
 
