@@ -84,10 +84,16 @@ def _gathering_apis(rank: int, world_size: int, out_dir: str):
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     # GatheredParameters: rank 0 changes a weight; every rank sees it afterwards, also in the shards
     target = engine.module.blocks[1].attn.proj.weight
-    with zeroshard.GatheredParameters(target, modifier_rank=0):
+    # fwd_module (PEFT's gather_params_ctx passes it): a module that owns the parameter needs no hint
+    with zeroshard.GatheredParameters(target, modifier_rank=0, fwd_module=engine.module.blocks[1]):
         if rank == 0:
             with torch.no_grad():
                 target.fill_(0.5)
+    try:  # one that does not own it would compute with a placeholder: refused before anything is gathered
+        zeroshard.GatheredParameters(target, fwd_module=engine.module.blocks[0])
+        external = ""
+    except NotImplementedError as e:
+        external = str(e)
     after = engine.module.state_dict()["blocks.1.attn.proj.weight"]
     # generation-style forwards inside gathered_for_generation communicate nothing
     with engine.gathered_for_generation(), torch.no_grad():
@@ -102,7 +108,7 @@ def _gathering_apis(rank: int, world_size: int, out_dir: str):
     one_at_a_time = 0 < schedule.peak_gathered_numel <= max(units) < sum(units)  # (it gathered all at once)
     final = engine.module.state_dict()
     engine.destroy()
-    return released_shape, shapes, bool((after == 0.5).all()), generation_bytes, final, one_at_a_time
+    return released_shape, shapes, bool((after == 0.5).all()) and external, generation_bytes, final, one_at_a_time
 
 
 def test_stage3_state_dict_gathered_parameters_and_save(tmp_path):
@@ -115,7 +121,7 @@ def test_stage3_state_dict_gathered_parameters_and_save(tmp_path):
         assert one_at_a_time, "save_16bit_model gathers one unit at a time"
         assert released_shape == (0,), "a released parameter is an empty placeholder"
         assert shapes == expected, "state_dict must hold full tensors"
-        assert modified, "GatheredParameters(modifier_rank=0) change lost"
+        assert modified and "register_external_parameter" in modified, "GatheredParameters(modifier_rank=0) change lost"
         assert generation_bytes == 0
     saved = load_file(str(tmp_path / "model.safetensors"))
     state = results[0][4]

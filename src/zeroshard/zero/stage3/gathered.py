@@ -34,9 +34,22 @@ class GatheredParameters:
     """
 
     def __init__(
-        self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter],
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
     ):
+        """`fwd_module`: DeepSpeed's hint that the module's forward uses `params` (its `register_external_parameter`,
+        for the stage-3 parameters; PEFT passes it, often None): a no-op for a module that owns them, refused for one
+        that does not ([Note: units] in zero/stage3/plan.py gather a parameter with the modules that own it)."""
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if fwd_module is not None and enabled:
+            from zeroshard.zero.deepspeed_api import register_external_parameter
+
+            for p in self.params:
+                if isinstance(p, nn.Parameter) and hasattr(p, "ds_id"):
+                    register_external_parameter(fwd_module, p)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._plan: list[tuple[Strategy, list[Any]]] = []
