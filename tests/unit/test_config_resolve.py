@@ -308,13 +308,6 @@ def test_literal_auto_value_is_kept() -> None:
             "to initialize",
         ),
         (
-            HF_AUTO,
-            {"train_micro_batch_size_per_gpu": 4, "optimizer.params.lr": 1e-4},
-            'zero_optimization.reduce_bucket_size is "auto" and depends on '
-            "the model's hidden size; pass hidden_size "
-            "to initialize or set a number in the config",
-        ),
-        (
             {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
             {},
             'scheduler.params.warmup_max_lr is "auto" and follows '
@@ -485,3 +478,23 @@ def test_the_config_reads_by_key_as_the_dict_the_script_gave() -> None:
     assert dict(cfg.items()) == given and list(cfg.keys()) == list(given) and cfg  # an empty dict would be falsy
     with pytest.raises(KeyError):
         cfg["fp16"]
+
+
+def test_hidden_size_autos_without_a_hidden_size_take_deepspeeds_defaults() -> None:
+    """OpenRLHF passes "auto" bucket sizes straight to `deepspeed.initialize`, whose zero_optimization block reads
+    "auto" as its default (0.19.8: 5e8, 5e7, 1e5); with a hidden size known, the HF Trainer's rules apply."""
+    zero = {
+        "stage": 3,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "sub_group_size": "auto",
+    }
+    cfg = resolve_config(parse_config({"train_batch_size": 8, "zero_optimization": zero}), world_size=2)
+    z = cfg.zero_optimization
+    got = (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.sub_group_size)
+    assert got == (500_000_000, 50_000_000, 100_000, 1_000_000_000), got
+    known = {"hidden_size": 64}
+    z = resolve_config(parse_config({"train_batch_size": 8, "zero_optimization": zero}), world_size=2, known=known)
+    assert z.zero_optimization.reduce_bucket_size == 64 * 64
+    assert z.zero_optimization.stage3_param_persistence_threshold == 640

@@ -111,7 +111,7 @@ def test_the_hidden_size_rules_of_transformers():
     text = SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(hidden_size=48)))
     assert hidden_size(text) == 48
     assert hidden_size(SimpleNamespace()) is None
-    with pytest.raises(ConfigError, match="hidden size"):
+    with pytest.raises(ConfigError, match="neither hidden_size nor hidden_sizes"):
         trainer_config(AUTO_EVERYWHERE, _args(), SimpleNamespace(), num_training_steps=10, world_size=1)
 
 

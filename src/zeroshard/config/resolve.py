@@ -7,7 +7,7 @@ Where a value comes from, first match wins:
    says nothing: gradient_clipping 1.0; fp16/bf16/amp.enabled false; optimizer betas [0.9, 0.999],
    eps 1e-8, weight_decay 0.0; scheduler warmup_min_lr 0, warmup_max_lr = the optimizer lr,
    warmup_num_steps 0; reduce_bucket_size h*h, stage3_prefetch_bucket_size int(0.9*h*h) and
-   stage3_param_persistence_threshold 10*h for h = known["hidden_size"].
+   stage3_param_persistence_threshold 10*h for h = known["hidden_size"] (with no hidden size known, 3.).
 3. The DeepSpeed default, for keys of the blocks where DeepSpeed itself reads "auto" as "default".
 Anything else ("optimizer.params.lr", "scheduler.params.total_num_steps", ...) is a ConfigError.
 
@@ -62,14 +62,12 @@ def _const(value: object) -> Rule:
 
 
 def _hidden(scale: Callable[[int], int]) -> Rule:
-    def rule(ctx: _Context, key: str) -> int:
+    """HF's rule over the model's hidden size; None without one (DeepSpeed's default then, as a script passing
+    "auto" straight to DeepSpeed gets: its zero_optimization block reads "auto" as the default)."""
+
+    def rule(ctx: _Context, key: str) -> int | None:
         hidden = ctx.known.get("hidden_size")
-        if hidden is None:
-            raise ConfigError(
-                f'{key} is "auto" and depends on the model\'s hidden size; pass hidden_size to initialize '
-                "or set a number in the config"
-            )
-        return scale(Int(minimum=1)(hidden, "hidden_size (from known)"))
+        return None if hidden is None else scale(Int(minimum=1)(hidden, "hidden_size (from known)"))
 
     return rule
 
@@ -193,8 +191,9 @@ def _resolve_key(block: ConfigBlock, f: dataclasses.Field[Any], key: str, ctx: _
     if key in ctx.known:
         return spec.check(ctx.known[key], f"{key} (from known)")
     rule = RULES.get(key)
-    if rule is not None:
-        return spec.check(rule(ctx, key), key)
+    if rule is not None:  # a rule's None: DeepSpeed's default (`_hidden`)
+        value = rule(ctx, key)
+        return spec.check(default_of(f) if value is None else value, key)
     if (spec.auto or type(block).AUTO_POLICY) is AutoPolicy.DEFAULT:
         current = {name: getattr(block, name) for name in block.key_fields()}
         return type(block).dynamic_defaults(current).get(f.name, default_of(f))

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
+from zeroshard.config.fields import AUTO
 from zeroshard.config.parse import ConfigSource
 from zeroshard.errors import ConfigError
 
@@ -133,4 +134,15 @@ def trainer_config(
             + "\n".join(wrong)
             + '\nset them to "auto" (or change the arguments)'
         )
+    zero = cfg.zero_optimization
+    open_keys = [f"zero_optimization.{k}" for k in HIDDEN_SIZE_KEYS if getattr(zero, k) is AUTO]
+    if open_keys and "hidden_size" not in known:  # transformers' rule (plain DeepSpeed takes its defaults)
+        raise ConfigError(
+            f'the model\'s config has neither hidden_size nor hidden_sizes, so the "auto" of {", ".join(open_keys)} '
+            "cannot be filled in; set a number for each"
+        )
     return resolve_config(cfg, world_size=world_size, known=known)
+
+
+# the keys transformers fills in from the model's hidden size
+HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
