@@ -224,6 +224,21 @@ def test_reshard_world_size_and_stage(tmp_path):
 
 
 # -- export and load options ------------------------------------------------------------------------------------
+def _run_recovery_script(ckpt: str, out: str) -> bool:
+    """`python ckpt/zero_to_fp32.py ckpt out`, in this process."""
+    import runpy
+    import sys
+
+    argv, sys.argv = sys.argv, [os.path.join(ckpt, "zero_to_fp32.py"), ckpt, out]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code == 0 and os.access(sys.argv[0], os.X_OK)
+    finally:
+        sys.argv = argv
+    return False
+
+
 def _export_and_options(rank: int, world_size: int, root: str):
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -273,6 +288,11 @@ def _export_and_options(rank: int, world_size: int, root: str):
                 )
                 and fp32["lm_head.weight"] is fp32["wte.weight"]
             )
+            if dtype == "fp32":  # the recovery script save_checkpoint wrote, as DeepSpeed's: pytorch_model.bin
+                results["recovery script"] = _run_recovery_script(ckpt, os.path.join(root, "bin")) and all(
+                    torch.equal(v, fp32[k])
+                    for k, v in torch.load(os.path.join(root, "bin", "pytorch_model.bin")).items()
+                )
             reloaded = load_state_dict_from_zero_checkpoint(build_model(Case(stage=0)), ckpt)
             with torch.no_grad():
                 results[f"{dtype} load_state_dict_from_zero_checkpoint"] = (
@@ -410,7 +430,7 @@ def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tmp_path
         assert "rank 1: no space left on the device of " + str(tmp_path) in message, message
         assert "MiB are free" in message and "nothing was committed" in message
         assert left == [], left  # no .tmp.full.* directory keeps the disk full
-        assert after == ["later", "latest"], after
+        assert after == ["later", "latest", "zero_to_fp32.py"], after  # (DeepSpeed's recovery script beside latest)
 
 
 # -- saves that cannot work: refused up front, in seconds (one spawn for both) ----------------------------------
@@ -474,4 +494,4 @@ def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(re
     for message in (message0, message1):
         assert "call it on every rank, not only under `if rank == 0`" in message, message
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
-    assert left == ["everyone", "latest"], left  # the refused saves wrote nothing
+    assert left == ["everyone", "latest", "zero_to_fp32.py"], left  # the refused saves wrote nothing

@@ -13,9 +13,11 @@ A decoupled save (`checkpoint.writer.decoupled`) returns after phase 1, writes o
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -195,7 +197,23 @@ def _commit(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: str, save_l
     fault_point("before_latest", 0)
     if save_latest:
         replace_file_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
+    _write_recovery_script(save_dir)
     return final
+
+
+def _write_recovery_script(save_dir: str) -> None:
+    """`zero_to_fp32.py` beside `latest`, as DeepSpeed copies its recovery script there at every save: `python
+    zero_to_fp32.py . OUT` in a checkpoint folder consolidates it (`zeroshard.utils.zero_to_fp32.main`)."""
+    from zeroshard.utils.zero_to_fp32 import RECOVERY_SCRIPT, RECOVERY_SOURCE
+
+    path = os.path.join(save_dir, RECOVERY_SCRIPT)
+    with contextlib.suppress(OSError):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == RECOVERY_SOURCE:
+                return
+    replace_file_atomically(path, RECOVERY_SOURCE.encode())
+    with contextlib.suppress(OSError):  # (a file share may refuse it; DeepSpeed goes on too)
+        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
 # -- the collective call -------------------------------------------------------------------------------

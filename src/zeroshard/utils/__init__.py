@@ -1,6 +1,7 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
 `logger`, `log_dist`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` (every stage), and the ZeRO-3
-leaf-module marks (`set_z3_leaf_modules` and its relatives)."""
+leaf-module marks (`set_z3_leaf_modules` and its relatives). `zero_to_fp32` (the checkpoint consolidation under
+DeepSpeed's module path) is a submodule, imported on first use."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.logging import log_dist, logger
@@ -38,5 +39,14 @@ __all__ = [
     "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
+    "zero_to_fp32",
     "z3_leaf_module",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "zero_to_fp32":  # `deepspeed.utils.zero_to_fp32.get_...`, without importing the checkpoint code early
+        import importlib
+
+        return importlib.import_module("zeroshard.utils.zero_to_fp32")
+    raise AttributeError(f"module 'zeroshard.utils' has no attribute {name!r}")

@@ -1,0 +1,76 @@
+"""`deepspeed.utils.zero_to_fp32`: consolidate a sharded checkpoint into whole fp32 weights, under DeepSpeed's
+module path, function names and command line (the implementation is `zeroshard.checkpoint.export`).
+
+`save_checkpoint` writes a `zero_to_fp32.py` beside `latest` that runs `main`, as DeepSpeed copies its recovery
+script there: `python ckpt/zero_to_fp32.py ckpt out` works in a checkpoint folder as it does under DeepSpeed.
+
+Example:
+    >>> from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    >>> model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint("ckpt"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from zeroshard.checkpoint.export import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    convert_zero_checkpoint_to_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
+
+# what save_checkpoint writes beside `latest` (DeepSpeed's `_copy_recovery_script`)
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+RECOVERY_SOURCE = '''#!/usr/bin/env python
+"""Written by zeroshard's save_checkpoint, as DeepSpeed writes its recovery script here: `python zero_to_fp32.py
+CHECKPOINT_DIR OUTPUT_DIR` consolidates a checkpoint of this folder into whole fp32 weights (`-h` for the options;
+needs zeroshard installed)."""
+from zeroshard.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """DeepSpeed's `zero_to_fp32.py` command line: `pytorch_model.bin` (sharded past `--max_shard_size`) unless
+    `--safe_serialization`, as DeepSpeed's script writes."""
+    p = argparse.ArgumentParser(prog="zero_to_fp32.py", description=__doc__)
+    p.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote (with `latest`), e.g. path/checkpoint-12")
+    p.add_argument("output_dir", help="folder for the fp32 state_dict files")
+    p.add_argument("--max_shard_size", default="5GB", help="largest file before sharding, e.g. 5GB")
+    p.add_argument("--safe_serialization", action="store_true", help="safetensors instead of pytorch_model.bin")
+    p.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
+    p.add_argument("-d", "--debug", action="store_true", help="log zeroshard's debug messages")
+    args = p.parse_args(argv)
+    if args.debug:
+        logging.basicConfig()
+        logging.getLogger("zeroshard").setLevel(logging.DEBUG)
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization,
+        tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
+    )
+    sys.stdout.write("".join(os.path.join(args.output_dir, f) + "\n" for f in files))
+    return 0
+
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+    "main",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
