@@ -21,6 +21,7 @@ from zeroshard.comm.topology import Topology
 from zeroshard.engine_accessors import EngineAccessors
 from zeroshard.engine_calls import DeepSpeedCalls
 from zeroshard.engine_optimizer import engine_optimizer
+from zeroshard.engine_weights import WholeModelCalls
 from zeroshard.errors import ZeroshardError
 from zeroshard.generation import uninstall as uninstall_generate
 from zeroshard.manual_backward import ENGINE_BACKWARDS, ManualBackward
@@ -79,7 +80,7 @@ class MemoryReport(StrategyMemory, ProcessMemory):
         return line
 
 
-class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
+class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, nn.Module):
     """What `zeroshard.initialize` returns first. `engine(batch)`, `engine.backward(loss)`, `engine.step()`.
 
     Example:
@@ -342,51 +343,6 @@ class Engine(CheckpointMixin, DeepSpeedCalls, EngineAccessors, nn.Module):
             return
         with self.strategy.gathered():
             yield
-
-    def consolidated_state_dict(
-        self, dtype: torch.dtype = torch.float32, keep: bool = True, device: torch.device | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The full model from the fp32 master weights (not the bf16/fp16 compute copies), every name of
-        `module.state_dict()` included (tied weights under each name, one tensor). Every rank must call it; with
-        `keep` False a rank takes part and gets {}; `device`: where the values go (default: where they are)."""
-        refuse_torn(self, "consolidated_state_dict")
-        self._refuse_offloaded("consolidated_state_dict")
-        why = self.strategy.consolidation_refused() if self.strategy is not None else None
-        if why:
-            raise ZeroshardError(
-                f"the whole model cannot be consolidated here: {why}; save_checkpoint keeps every shard"
-            )
-        masters = self.strategy.consolidated_params(dtype, keep, device) if self.strategy is not None else {}
-        out: dict[str, torch.Tensor] = {}
-        if not keep:
-            return out
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            value = masters.get(id(param))
-            out[name] = value if value is not None else param.detach().to(device or param.device, dtype, copy=True)
-        for prefix, sub in self.module.named_modules(remove_duplicate=False):
-            for name, buf in sub.named_buffers(recurse=False):
-                if buf is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() does
-                    out[f"{prefix}.{name}" if prefix else name] = buf.detach().to(device or buf.device, copy=True)
-        return out
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        """DeepSpeed's name (accelerate's `get_state_dict` calls it): the full model in the compute dtype on rank 0,
-        None on the other ranks; stage 3 only. Every rank must call it."""
-        if self.zero_stage != 3:
-            raise ValueError("this function requires ZeRO-3 mode")
-        refuse_torn(self, "_zero3_consolidated_16bit_state_dict")
-        # unit by unit, each on the CPU of rank 0 as soon as it is whole (DeepSpeed: layer by layer)
-        keep = self.global_rank == 0
-        whole = self.strategy.whole_state_dict(exclude_frozen_parameters) if self.strategy is not None else None
-        if whole is not None:  # MoE layers' experts at stage 3, named per rank: the strategy names each globally
-            return whole if keep else None
-        state = self.consolidated_state_dict(self.precision.compute_dtype, keep, torch.device("cpu"))
-        if not keep:
-            return None
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
 
     def compile(
         self,

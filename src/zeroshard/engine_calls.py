@@ -1,5 +1,5 @@
 """DeepSpeed's engine calls that change or hand out what the configuration set up: `set_train_batch_size`,
-`set_train_micro_batch_size`, `module_state_dict`, `load_module_state_dict`, `save_fp16_model`,
+`set_train_micro_batch_size`, `module_state_dict`, `load_module_state_dict`,
 `empty_partition_cache`, `deepspeed_io`. A mixin of `Engine`; the configuration accessors are in engine_settings.py
 ([Note: DeepSpeed's configuration accessors])."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +63,6 @@ class DeepSpeedCalls:
         def commit_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
 
         def _deadline(self, what: str) -> contextlib.AbstractContextManager[None]: ...
-
-        def autotp_size(self) -> Any: ...
-
-        def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any: ...
 
     # -- batch sizes ----------------------------------------------------------------------------------
     def set_train_batch_size(self, train_batch_size: int) -> None:
@@ -175,61 +170,6 @@ class DeepSpeedCalls:
         if self.strategy is not None:
             self.strategy.take_module_params(src=0)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """Write the full model in its compute dtype as safetensors (rank 0 writes; every rank must call).
-
-        Under stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`
-        (DeepSpeed's rule), since it gathers the whole model."""
-        from safetensors.torch import save_file
-
-        refuse_torn(self, "save_16bit_model")
-        if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            raise ZeroshardError(
-                "save_16bit_model under stage 3 gathers the whole model; set "
-                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to allow it'
-            )
-        keep = self.global_rank == 0
-        state = self.strategy.save_state_dict(keep) if self.strategy is not None else self.module.state_dict()
-        if keep:
-            os.makedirs(save_dir, exist_ok=True)
-            seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
-            unique = {}
-            left = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
-            if left:  # a module's extra state that is no tensor (safetensors holds tensors only)
-                logger.warning(f"save_16bit_model: {', '.join(left)} left out (not tensors)")
-            for name, tensor in ((n, t) for n, t in state.items() if isinstance(t, torch.Tensor)):
-                # tied weights once (safetensors refuses shared memory); parameters that are views of one flat
-                # buffer (stages 0-2) are distinct tensors: the key is the view's own start, shape and dtype
-                key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-                if key in seen:
-                    continue
-                seen.add(key)
-                unique[name] = tensor.detach().to("cpu", copy=True).contiguous()
-            save_file(unique, os.path.join(save_dir, save_filename))
-        return True
-
-    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
-        """DeepSpeed's: the whole model in the compute dtype on rank 0's CPU (None on the other ranks) where the
-        weights are split: stage 3 (`_zero3_consolidated_16bit_state_dict`) and AutoTP (`tensor_parallel.autotp_size`
-        > 1, the slices made whole; buffers too, which DeepSpeed leaves out). Every rank must call it. Where every
-        rank holds the whole model it raises ValueError, as DeepSpeed: read `module.state_dict()` there."""
-        if self.zero_stage == 3:
-            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        if int(self.autotp_size() or 0) > 1 and self.strategy is not None:
-            refuse_torn(self, "_consolidated_16bit_state_dict")
-            keep = self.global_rank == 0
-            state = self.strategy.save_state_dict(keep)
-            if not keep:
-                return None
-            frozen = set()
-            if exclude_frozen_parameters:
-                frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            return {k: v.detach().to("cpu", copy=True) for k, v in state.items() if k not in frozen}
-        raise ValueError(
-            "consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, including "
-            "Zero Stage 3 and tensor parallelism."
-        )
-
     # -- [Note: generation at stage 3] ---------------------------------------------------------------------
     def _own_generate(self) -> Callable[..., Any] | None:
         from zeroshard.generation import own_generate
@@ -320,10 +260,6 @@ class DeepSpeedCalls:
         self._require_optimizer("backward").finish_backward()
         self.accumulation.pending = True
         self.accumulation.window_backwards += 1
-
-    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """DeepSpeed's old name of `save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename)
 
     def offload_states(
         self,

@@ -26,7 +26,6 @@ def _refusals(engine, folder: str, x, y) -> list[str]:
         lambda: engine.generate(x),
         engine.step,
         lambda: engine.load_checkpoint(folder, "s"),
-        engine.consolidated_state_dict,
         lambda: engine.load_module_state_dict({"module": {}}),
         lambda: zeroshard.utils.safe_get_full_fp32_param(param),
         lambda: zeroshard.utils.safe_get_full_grad(param),
@@ -135,6 +134,17 @@ def _round_trip(rank: int, world_size: int, folder: str):
                             engine.optimizer.state_dict()
                         except zeroshard.ZeroshardError as e:
                             seen["refused"].append(str(e))
+                        if case.stage == 3:  # OpenRLHF's 16-bit save after its offload: works, the states stay out
+                            whole = engine._consolidated_16bit_state_dict()
+                            keys = sorted(model.state_dict()) if rank == 0 else None  # (gathers: every rank)
+                            seen["consolidated"] = (sorted(whole) if whole is not None else None) == keys
+                            with zeroshard.GatheredParameters([next(model.parameters())]):
+                                try:  # the states could not move out again in here: refused before anything
+                                    engine.save_checkpoint(folder, "inside")
+                                except zeroshard.ZeroshardError as e:
+                                    seen["inside"] = str(e)
+                            seen["consolidated"] &= _away(engine, ("optim_states",))
+                            seen["consolidated"] &= not os.path.exists(os.path.join(folder, "inside"))
                     elif variant == "in_turn":  # a second call moves what the first left, a third nothing
                         engine.offload_states(include=["optim_states"])
                         engine.offload_states(include=["hp_params", "lp_params"])
@@ -200,6 +210,8 @@ def test_offload_states_by_kind_and_reload_continue_bit_identically(tmp_path):
             assert seen["offloaded"] == (["hp_params", "optim_states"] if stage < 3 else ["optim_states"]), seen
             assert "reload_states" in seen["refused"][0], seen
             assert seen["refused"][1].startswith("engine.optimizer.state_dict: optim_states offloaded"), seen
+            if stage == 3:
+                assert seen["consolidated"] and "inside GatheredParameters" in seen["inside"], seen
             _, seen = result[(stage, "in_turn")]
             assert seen["away"] and seen["offloaded"] == (kinds[:1] + kinds[2:] if stage < 3 else kinds), seen
             _, seen = result[(stage, "bad")]

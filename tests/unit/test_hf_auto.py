@@ -78,6 +78,10 @@ def test_every_auto_is_filled_as_transformers_fills_it():
     assert zero.reduce_bucket_size == 64 * 64
     assert zero.stage3_prefetch_bucket_size == int(0.9 * 64 * 64)
     assert zero.stage3_param_persistence_threshold == 10 * 64
+    # transformers fills the dict in place before DeepSpeed sees it: engine.config[...] reads the filled values
+    assert cfg["optimizer"]["params"] == cfg.optimizer.params and cfg["gradient_clipping"] == 0.5
+    assert cfg["train_batch_size"] == 24 and cfg["fp16"] == {"enabled": False}
+    assert "auto" not in repr(cfg.raw) and cfg["zero_optimization"]["reduce_bucket_size"] == 64 * 64
 
 
 def test_bf16_and_warmup_follow_the_arguments():

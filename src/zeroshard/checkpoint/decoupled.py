@@ -24,8 +24,9 @@ backward overlap the writes. A crash before the commit leaves `latest` at the pr
 safety] holds); an error of the writes is raised by the commit, on every rank.
 
 Written before the call returns instead, with one log line: state swapped to NVMe (`offload_optimizer` or
-`offload_param` device "nvme": the swap buffers belong to training) and pipeline engines (the call ends with every
-stage's save and an all-reduce naming the stages that failed, [Note: pipeline checkpoints]).
+`offload_param` device "nvme": the swap buffers belong to training), pipeline engines (the call ends with every
+stage's save and an all-reduce naming the stages that failed, [Note: pipeline checkpoints]), and a save while
+`offload_states()` holds states (they move out again after the writes: [Note: offloaded states]).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class CheckpointMixin:
     _checkpoint_prefix = ""
     _torn_load: TornLoad | None = None  # a load that failed part way: [Note: a torn load]
     _offloader: StateOffloader  # the engine's offload_states() (set by Engine)
+    strategy: Any  # Engine's Strategy (None after destroy)
 
     if TYPE_CHECKING:  # DeepSpeedCalls'
 
@@ -94,11 +95,18 @@ class CheckpointMixin:
     def _states_back(self, op: str) -> Iterator[None]:
         """DeepSpeed's save reads the host copies `offload_states()` made (its states are CPU tensors then); here the
         moved storages are empty, so the states come back to the device for the save and move out again after it,
-        which waits for a decoupled save's writes first ([Note: offloaded states]). A failed save leaves them back."""
+        which waits for a decoupled save's writes first ([Note: offloaded states]). A failed save leaves them back;
+        a save where they could not move out again (inside stage 3's GatheredParameters) is refused first."""
         if not self._offloader.active:
             yield
             return
         kinds, pinned = sorted(self._offloader.kinds), self._offloader.pinned
+        why = self.strategy.offload_refused(kinds) if self.strategy is not None else None
+        if why is not None:
+            raise ZeroshardError(
+                f"{op}: {', '.join(kinds)} offloaded by offload_states() would come back for it and could not move "
+                f"out again {why}; call engine.reload_states() first"
+            )
         log_rank(logger, logging.INFO, f"{op}: {', '.join(kinds)} back from offload_states() for it, then out again")
         self.reload_states()
         yield

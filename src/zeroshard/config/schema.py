@@ -8,7 +8,7 @@ zeroshard reads but does not act on yet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,9 +219,14 @@ class ZeroshardConfig(ConfigBlock):
 
     # DeepSpeed's `engine.config` is the dict the script passed, and scripts read it by key (OpenRLHF:
     # `engine.config["zero_optimization"]["offload_optimizer"]["device"]`): reading by key reads that mapping, as
-    # given (the fields above are the values the engine uses: "auto" filled, DeepSpeed's defaults in).
+    # given (the fields above are the values the engine uses: "auto" filled, DeepSpeed's defaults in). Writing into
+    # its nested dicts changes nothing the engine does, as DeepSpeed's engine read its dict once; no length, so that
+    # a config stays truthy.
     def __getitem__(self, key: str) -> Any:
         return self.raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
 
     def __contains__(self, key: object) -> bool:
         return key in self.raw

@@ -28,13 +28,16 @@ these values.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
-from zeroshard.config.fields import AUTO
+from zeroshard.config.fields import AUTO, ConfigBlock
 from zeroshard.config.parse import ConfigSource
 from zeroshard.errors import ConfigError
+from zeroshard.integrations.ds_config import auto_paths
 
 # keys transformers fills without comparing a set value with the Trainer's (`fill_only`)
 UNCHECKED = frozenset({"scheduler.params.warmup_min_lr", "hidden_size"})
@@ -141,7 +144,27 @@ def trainer_config(
             f'the model\'s config has neither hidden_size nor hidden_sizes, so the "auto" of {", ".join(open_keys)} '
             "cannot be filled in; set a number for each"
         )
-    return resolve_config(cfg, world_size=world_size, known=known)
+    return _filled_raw(resolve_config(cfg, world_size=world_size, known=known))
+
+
+def _filled_raw(cfg: ZeroshardConfig) -> ZeroshardConfig:
+    """The config with its "auto" entries written into the mapping it keeps as given: transformers fills the dict in
+    place before DeepSpeed sees it, so under the Trainer `engine.config[...]` reads the filled values."""
+    raw = copy.deepcopy(dict(cfg.raw))
+    for path in auto_paths(raw):
+        *parents, last = path.split(".")
+        node: Any = cfg
+        for part in path.split("."):
+            if isinstance(node, ConfigBlock):
+                node = getattr(node, node.spellings().get(part, part), None)
+            else:
+                node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None and node is not AUTO:
+            target: Any = raw
+            for part in parents:
+                target = target[part]
+            target[last] = node
+    return dataclasses.replace(cfg, raw=raw)
 
 
 # the keys transformers fills in from the model's hidden size

@@ -47,9 +47,10 @@ class GatheredParameters:
         if fwd_module is not None and enabled:
             from zeroshard.zero.deepspeed_api import register_external_parameter
 
+            owned = {id(p) for p in fwd_module.parameters()}  # (one pass: the check per parameter is a scan)
             for p in self.params:
-                if isinstance(p, nn.Parameter) and hasattr(p, "ds_id"):
-                    register_external_parameter(fwd_module, p)
+                if isinstance(p, nn.Parameter) and hasattr(p, "ds_id") and id(p) not in owned:
+                    register_external_parameter(fwd_module, p)  # one it does not own: refused, naming the ways
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._plan: list[tuple[Strategy, list[Any]]] = []
