@@ -99,8 +99,23 @@ class ParallelExperts(nn.Module):
             ep, send, receive, "autoep.dispatch", tokens[token_of], top_k_weights.reshape(-1, 1)[order]
         )
         ids = torch.arange(local, device=chosen.device, dtype=chosen.dtype).repeat(self.ep_size)
-        local_ids = torch.repeat_interleave(ids, received.reshape(-1))
+        # (the length known on the host: no device-to-host sync to size the result)
+        local_ids = torch.repeat_interleave(ids, received.reshape(-1), output_size=sum(receive))
         out = self.local(rows, local_ids.unsqueeze(1), weights) if rows.shape[0] else self._no_rows(rows)
         (back,) = exchange(ep, receive, send, "autoep.combine", out)
-        combined = torch.zeros_like(tokens).index_add(0, token_of, back.to(tokens.dtype))
-        return combined.reshape(hidden_states.shape)
+        return _combine(tokens, top_k_index.reshape(-1, k), order, token_of, back).reshape(hidden_states.shape)
+
+
+def _combine(
+    tokens: torch.Tensor, top_k: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, back: torch.Tensor
+) -> torch.Tensor:
+    """The rows `back` (sorted by expert) summed into their tokens in ascending expert order, one `index_add_` per
+    choice rank: each pass adds at most one row per token, so the order holds on CUDA too, where one `index_add`
+    over repeated indices adds with atomics in any order (and top-k >= 3 sums would differ from run to run)."""
+    rank = torch.argsort(torch.argsort(top_k, dim=1), dim=1).reshape(-1)[order]  # a row's place among its token's
+    back = back.to(tokens.dtype)
+    combined = torch.zeros_like(tokens)
+    for j in range(top_k.shape[1]):
+        rows = (rank == j).nonzero().squeeze(1)
+        combined.index_add_(0, token_of[rows], back[rows])
+    return combined

@@ -227,8 +227,10 @@ class PipelineCheckpointMixin(CheckpointMixin):
                         result = call()
                 except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
                     error = e
-            if not at_once:
-                self.pipe.world.all_reduce(torch.zeros(1, device=self.topology.device), label="pipe.checkpoint_turn")
+            if not at_once:  # a turn ends on the host (.item()): on NCCL the all-reduce alone only orders streams
+                turn_over = torch.zeros(1, device=self.topology.device)
+                self.pipe.world.all_reduce(turn_over, label="pipe.checkpoint_turn")
+                turn_over.item()
         stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
         # failed; wrote (a load: done, or torn by it); torn after it (a load that repaired some stages only)
         flags = torch.zeros(3, stages, device=self.topology.device)
