@@ -78,12 +78,12 @@ class _Entry:
 
 
 class InFlight:
-    """Recent collectives' sole-owned tensors and works, weakly; `drain` runs at exit."""
+    """Recent collectives' sole-owned tensors and works, weakly; `drain` runs at exit for every one still alive."""
 
     def __init__(self, capacity: int = 256) -> None:
         # older entries belong to collectives that completed long ago: a bounded window is enough
         self._entries: deque[_Entry] = deque(maxlen=capacity)
-        atexit.register(self._at_exit)
+        _ALIVE.add(self)  # weakly: a Collectives made per call (a user's sequence-parallel group) leaves nothing
 
     def issue(self, tensors: Iterable[torch.Tensor], call: Callable[[], _R]) -> _R:
         """`call()`, the collective handed `tensors`, followed to exit: those only their Python wrapper owned before
@@ -109,10 +109,17 @@ class InFlight:
         self._entries.clear()
         return True
 
-    def _at_exit(self) -> None:
-        self.drain()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            quiesce()
+
+# the exit hook's followers: one hook for the process, each InFlight only while something else holds it
+_ALIVE: weakref.WeakSet[InFlight] = weakref.WeakSet()
+
+
+@atexit.register
+def _at_exit() -> None:
+    for in_flight in list(_ALIVE):
+        in_flight.drain()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        quiesce()
 
 
 def quiesce(timeout_s: float = QUIESCE_TIMEOUT_S) -> bool:

@@ -84,7 +84,9 @@ def collectives_for(group: Any) -> Collectives:
     """The engine's sequence-parallel collectives when `group` is theirs or None (counted in its counters);
     otherwise uncounted collectives over `group`."""
     published = parallel_groups.sequence_parallel_collectives()
-    if published is not None and (group is None or group is published.group):
+    # (a mesh over the whole world publishes its group as None, the mpu's `parallel_state_sp` as WORLD: the same)
+    world = published is not None and published.group is None and group is dist.group.WORLD
+    if published is not None and (group is None or group is published.group or world):
         return published
     if group is None:
         raise ValueError(
