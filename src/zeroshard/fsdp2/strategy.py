@@ -299,18 +299,36 @@ class Fsdp2Strategy(Strategy):
     def full_state_dict(self) -> dict[str, Any]:
         """Whole tensors in the compute dtype, parameters gathered one at a time (collective); tied names share one
         tensor."""
-        done: dict[int, torch.Tensor] = {}
+        return self.whole_tensors(keep=True, device=None)
+
+    def save_state_dict(self, keep: bool) -> dict[str, Any]:
+        """Each tensor on the host as soon as it is whole, on the ranks that keep it (the others take part in the
+        gathers only): the whole model is never on a GPU, as stage 3's unit-by-unit save."""
+        return self.whole_tensors(keep, torch.device("cpu"))
+
+    def whole_tensors(self, keep: bool, device: torch.device | None) -> dict[str, Any]:
+        """The module's state dict, each parameter gathered whole in turn (every rank, in state-dict order) and moved
+        to `device` (None: left where it was gathered); {} where not `keep`."""
+        done: dict[int, torch.Tensor | None] = {}
         out: dict[str, Any] = {}
         self.agreement.agree("the full state dict", f"all-gather of {len(self.params)} parameters")
         for key, value in self.module.state_dict(keep_vars=True).items():
             sp = self._by_id.get(id(value))
             if sp is None:
-                out[key] = value.detach()
+                if keep:
+                    out[key] = value.detach() if device is None else value.detach().to(device, copy=True)
                 continue
             if id(value) not in done:
-                done[id(value)] = gather_full(sp, sp.master, self.comm, self.device).to(self.policy.compute_dtype)
-            out[key] = done[id(value)]
+                gathered = gather_full(sp, sp.master, self.comm, self.device).to(self.policy.compute_dtype)
+                whole = self._made_whole(key, gathered)
+                done[id(value)] = None if not keep else whole if device is None else whole.to(device)
+            if keep:
+                out[key] = done[id(value)]
         return out
+
+    def _made_whole(self, key: str, gathered: torch.Tensor) -> torch.Tensor:
+        """A parameter whole after its gather over the data-parallel ranks (tensor parallelism: its slices too)."""
+        return gathered
 
     # -- state, checkpoints -------------------------------------------------------------------------
     def checkpoint_state(self) -> ShardedState:

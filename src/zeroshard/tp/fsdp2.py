@@ -68,23 +68,23 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
         weight = 1.0 / math.sqrt(self.tp_comm.world_size)
         return [n.to(self.device, torch.float32) * weight for n in tensor_norms(whole)]
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Whole tensors: each parameter gathered over dp (its tensor-parallel slice), then the slices over tp along
-        the dimension the plan split (collective; `save_16bit_model` wrote the slices)."""
-        state = super().full_state_dict()
-        for name, dim in self.tp_dims.items():  # (the same order on every rank)
-            local = state[name].contiguous()
-            gathered = local.new_empty(self.tp_comm.world_size * local.numel())
-            self.tp_comm.all_gather(gathered, local.view(-1), label="tp full state dict")
-            state[name] = torch.cat(gathered.view(self.tp_comm.world_size, *local.shape).unbind(0), dim=dim)
-        return state
+    def _made_whole(self, key: str, gathered: torch.Tensor) -> torch.Tensor:
+        """Each parameter gathered over dp (its tensor-parallel slice), then its slices over tp along the dimension
+        the plan split, one parameter at a time (collective; `save_16bit_model` wrote the slices)."""
+        dim = self.tp_dims.get(key)
+        if dim is None:
+            return gathered
+        local = gathered.contiguous()
+        whole = local.new_empty(self.tp_comm.world_size * local.numel())
+        self.tp_comm.all_gather(whole, local.view(-1), label="tp full state dict")
+        return torch.cat(whole.view(self.tp_comm.world_size, *local.shape).unbind(0), dim=dim)
 
     def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
-        """The 16-bit state dict (accelerate's `get_state_dict`) from `full_state_dict`: the consolidated fp32 masters
-        are slices here."""
+        """The 16-bit state dict (accelerate's `get_state_dict`), each tensor on the host as soon as it is whole: the
+        consolidated fp32 masters are slices here."""
         frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
-        whole = self.full_state_dict()
-        return {k: v.detach().to("cpu", copy=True) for k, v in whole.items() if not (exclude_frozen and k in frozen)}
+        whole = self.whole_tensors(keep=True, device=torch.device("cpu"))
+        return {k: v for k, v in whole.items() if not (exclude_frozen and k in frozen)}
 
     def checkpoint_state(self) -> ShardedState:
         return TensorParallelFsdp2State(self)

@@ -80,13 +80,27 @@ class TensorParallelStrategy(SplitStrategy):
         `get_state_dict`; collective over the tensor-parallel group, in the state dict's order, as DeepSpeed's
         `_replace_module_consolidated_state_dict` gathers AutoTP's layers). An mpu's own split layers (Megatron-marked
         parameters) are laid out as only the caller knows (a fused qkv, ...): refused."""
+        self._refuse_mpu_slices()
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+
+    def _refuse_mpu_slices(self) -> None:
         mine = [name for name, p in self.module.named_parameters() if is_tp_sharded(p) and not isinstance(p, DTensor)]
         if mine:
             raise ZeroshardError(
                 f"the whole model cannot be gathered here: {mine[0]} and {len(mine) - 1} more are the mpu's own "
                 "tensor-parallel slices, whose layout zeroshard does not know; save_checkpoint keeps every slice"
             )
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+
+    def save_state_dict(self, keep: bool) -> dict[str, Any]:
+        """`full_state_dict`'s tensors, each on the host as soon as it is whole and only where `keep`: the whole model
+        is never on a GPU (every rank gathers, in state-dict order)."""
+        self._refuse_mpu_slices()
+        out = {}
+        for key, value in self.module.state_dict().items():
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            if keep:
+                out[key] = whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
+        return out
 
     def checkpoint_state(self) -> ShardedState:
         from zeroshard.tp.checkpoint import TensorParallelState
