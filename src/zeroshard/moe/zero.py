@@ -184,12 +184,13 @@ class ExpertSplitStrategy(SplitStrategy):
 
         dense, experts = self.parts
         out = dense.consolidated_params(dtype, keep, device)
-        local = experts.consolidated_params(dtype, True, None)  # every rank's rows, for the all-gather below
+        # every rank's rows, for the all-gathers below: on the host, and one expert tensor at a time on the device
+        local = experts.consolidated_params(dtype, True, torch.device("cpu"))
         for row in expert_keys(self.module):
             value = local.pop(id(row.param), None)
             if value is None:  # a frozen expert: its parameter is all there is
                 value = row.param.detach().to(dtype=dtype)
-            whole = whole_expert(row, value)
+            whole = whole_expert(row, value.to(self.device))
             if keep:
                 out[id(row.param)] = whole.to(device or whole.device)
         return out
