@@ -55,6 +55,7 @@ class WholeModelCalls:
         if keep:
             os.makedirs(save_dir, exist_ok=True)
             seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+            live = live_storages(self.module)
             unique = {}
             left = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
             if left:  # a module's extra state that is no tensor (safetensors holds tensors only)
@@ -66,7 +67,7 @@ class WholeModelCalls:
                 if key in seen:
                     continue
                 seen.add(key)
-                unique[name] = tensor.detach().to("cpu", copy=True).contiguous()
+                unique[name] = on_host(tensor, live).contiguous()
             save_file(unique, os.path.join(save_dir, save_filename))
         return True
 
@@ -88,7 +89,10 @@ class WholeModelCalls:
             if exclude_frozen_parameters:
                 frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             # (a module's extra state that is no tensor passes as it is)
-            return {k: _on_host(v) for k, v in state.items() if k not in frozen}
+            live = live_storages(self.module)
+            return {
+                k: on_host(v, live) if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in frozen
+            }
         raise ValueError(
             "consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, including "
             "Zero Stage 3 and tensor parallelism."
@@ -151,5 +155,23 @@ class WholeModelCalls:
         return state
 
 
-def _on_host(value: Any) -> Any:
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+def live_storages(module: torch.nn.Module) -> set[int]:
+    """The storages of `module`'s parameters and buffers (by address): what `on_host` must copy."""
+    from torch.distributed.tensor import DTensor
+
+    out = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # (a DTensor's own storage is no data)
+        if local.device.type != "meta":
+            out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def on_host(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    """`tensor` on the host in a storage of its own: a copy, unless it is a host tensor that owns all of its storage
+    and is none of the module's (`live`): what the fsdp2 and tensor-parallel saves hand over, made for the caller,
+    where a second copy would hold the model twice."""
+    tensor = tensor.detach()
+    storage = tensor.untyped_storage()
+    fresh = storage.data_ptr() not in live and storage.nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if tensor.device.type == "cpu" and fresh and tensor.is_contiguous() else tensor.to("cpu", copy=True)

@@ -314,9 +314,11 @@ class Fsdp2Strategy(Strategy):
         self.agreement.agree("the full state dict", f"all-gather of {len(self.params)} parameters")
         for key, value in self.module.state_dict(keep_vars=True).items():
             sp = self._by_id.get(id(value))
-            if sp is None:
+            if sp is None:  # (a buffer under several names: one tensor, as a tied parameter)
+                if keep and id(value) not in done:
+                    done[id(value)] = value.detach() if device is None else value.detach().to(device, copy=True)
                 if keep:
-                    out[key] = value.detach() if device is None else value.detach().to(device, copy=True)
+                    out[key] = done[id(value)]
                 continue
             if id(value) not in done:
                 gathered = gather_full(sp, sp.master, self.comm, self.device).to(self.policy.compute_dtype)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.checkpoint.torn import refuse_torn
+from zeroshard.engine_weights import live_storages, on_host
 from zeroshard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -80,8 +81,10 @@ def engine_state_dict(engine: Engine) -> dict[str, Any] | None:
             )
         return engine._zero3_consolidated_16bit_state_dict()
     strategy = engine.strategy
-    state = strategy.full_state_dict() if strategy is not None else engine.module.state_dict()
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+    # each tensor on the host as the strategy makes it whole (fsdp2, tensor parallelism: never the whole model on a GPU)
+    state = strategy.save_state_dict(keep=True) if strategy is not None else engine.module.state_dict()
+    live = live_storages(engine.module)
+    return {k: on_host(v, live) for k, v in state.items()}
 
 
 class EngineAccelerator:

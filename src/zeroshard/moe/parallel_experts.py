@@ -110,12 +110,15 @@ def _combine(
     tokens: torch.Tensor, top_k: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, back: torch.Tensor
 ) -> torch.Tensor:
     """The rows `back` (sorted by expert) summed into their tokens in ascending expert order, one `index_add_` per
-    choice rank: each pass adds at most one row per token, so the order holds on CUDA too, where one `index_add`
-    over repeated indices adds with atomics in any order (and top-k >= 3 sums would differ from run to run)."""
+    choice rank: each pass adds one row per token, so the order holds on CUDA too, where one `index_add` over
+    repeated indices adds with atomics in any order (and top-k >= 3 sums would differ from run to run). Each add
+    rounds to the compute dtype, as transformers' eager loop over experts does (the CPU's one `index_add` over
+    repeated indices summed bf16 rows in fp32 and rounded once). No count is read on the host: every choice rank
+    has exactly one row per token."""
     rank = torch.argsort(torch.argsort(top_k, dim=1), dim=1).reshape(-1)[order]  # a row's place among its token's
+    by_rank = torch.argsort(rank, stable=True).view(top_k.shape[1], -1)
     back = back.to(tokens.dtype)
     combined = torch.zeros_like(tokens)
-    for j in range(top_k.shape[1]):
-        rows = (rank == j).nonzero().squeeze(1)
+    for rows in by_rank:
         combined.index_add_(0, token_of[rows], back[rows])
     return combined

@@ -95,11 +95,14 @@ class TensorParallelStrategy(SplitStrategy):
         """`full_state_dict`'s tensors, each on the host as soon as it is whole and only where `keep`: the whole model
         is never on a GPU (every rank gathers, in state-dict order)."""
         self._refuse_mpu_slices()
-        out = {}
-        for key, value in self.module.state_dict().items():
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
+        out, done = {}, {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) not in done:  # a tied weight once (the save writes it once)
+                whole = value.full_tensor() if isinstance(value, DTensor) else value  # (collective: every rank)
+                on_host = whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) and keep else whole
+                done[id(value)] = on_host if keep else None
             if keep:
-                out[key] = whole.detach().to("cpu", copy=True) if isinstance(whole, torch.Tensor) else whole
+                out[key] = done[id(value)]
         return out
 
     def checkpoint_state(self) -> ShardedState:
