@@ -73,8 +73,13 @@ def run_grid(rank: int, world_size: int) -> dict:
         safe_get_full_fp32_param,
         safe_get_full_grad,
         safe_get_full_optimizer_state,
+        safe_get_local_fp32_param,
+        safe_get_local_grad,
+        safe_get_local_optimizer_state,
         safe_set_full_fp32_param,
         safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
     )
 
     out: dict = {}
@@ -96,6 +101,8 @@ def run_grid(rank: int, world_size: int) -> dict:
             x = _batch(step)[2 * rank : 2 * rank + 2]
             engine.backward(engine(x).pow(2).mean())
             grads = [safe_get_full_grad(p) for p in params]
+            if stage == 3:  # [Note: local values]: this rank's parts, no collective
+                local_grads = [safe_get_local_grad(p) for p in params]
             engine.step()
             steps.append(
                 {
@@ -105,8 +112,26 @@ def run_grid(rank: int, world_size: int) -> dict:
                     "exp_avg_sq": [safe_get_full_optimizer_state(p, "exp_avg_sq") for p in params],
                 }
             )
+        local: dict = {}
+        if stage == 3:
+            local = {
+                "grad": local_grads,
+                "param": [safe_get_local_fp32_param(p) for p in params],
+                "exp_avg": [safe_get_local_optimizer_state(p, "exp_avg") for p in params],
+            }
+            mine = local["param"][0]
+            safe_set_local_fp32_param(params[0], torch.full_like(mine, rank + 1.0))
+            safe_set_local_optimizer_state(params[-1], torch.full_like(local["exp_avg"][-1], -rank - 1.0), "exp_avg")
+            local["set"] = (safe_get_full_fp32_param(params[0]), safe_get_full_optimizer_state(params[-1], "exp_avg"))
+            local["sizes"] = (mine.numel(), local["exp_avg"][-1].numel())
+        else:
+            try:
+                safe_get_local_fp32_param(params[0])
+            except zeroshard.ZeroshardError as e:
+                local["refused"] = str(e)
         stranger = nn.Parameter(torch.ones(2))
         out[stage] = {
+            "local": local,
             "was_set": was_set,
             "before": before,
             "steps": steps,
@@ -135,3 +160,16 @@ def check_grid(results: list[dict]) -> None:
                         assert a is not None and a.dtype == torch.float32 and a.shape == b.shape, (where, key)
                         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{where} step {step} {key}[{i}]")
             assert got["stranger"] == (None, None), where
+            if stage < 3:
+                assert "defined for ZeRO-3 partitioned parameters only" in got["local"]["refused"], where
+    # stage 3: the ranks' parts, in rank order, are the whole values; the setters wrote each rank's part
+    last = [result[3]["steps"][-1] for result in results]
+    for key in ("grad", "param", "exp_avg"):
+        for i, whole in enumerate(last[0][key]):
+            parts = torch.cat([result[3]["local"][key][i] for result in results])
+            torch.testing.assert_close(parts, whole.reshape(-1), rtol=0, atol=0, msg=f"stage 3 local {key}[{i}]")
+    for index, fill in ((0, 1.0), (1, -1.0)):  # the first weight's master, the last bias's exp_avg
+        sizes = [result[3]["local"]["sizes"][index] for result in results]
+        want = torch.cat([torch.full((n,), fill * (r + 1)) for r, n in enumerate(sizes)])
+        for result in results:
+            torch.testing.assert_close(result[3]["local"]["set"][index].reshape(-1), want, rtol=0, atol=0)

@@ -8,14 +8,18 @@ for the same parameters in the same order. They return new fp32 tensors on the c
 Where zeroshard differs: at fp32 stage 0 DeepSpeed has no fp32 copy and returns None from
 `safe_get_full_fp32_param` / `safe_get_full_optimizer_state`; we return the master value and the state, as at
 the other stages. `safe_set_full_fp32_param` also updates the parameter the next forward uses (DeepSpeed
-updates its low-precision copy at the next step). `safe_set_full_grad` and the `safe_*_local_*` functions are not
-provided (docs/compat.md).
+updates its low-precision copy at the next step). The `safe_*_local_*` calls read and write one rank's part of a
+stage-3 parameter ([Note: local values]); `safe_set_full_grad` and `safe_set_local_grad` are not provided
+(docs/compat.md).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from zeroshard.errors import ZeroshardError
 from zeroshard.zero.owners import OWNERS
 
 
@@ -74,6 +78,57 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         strategy.refuse_offloaded("safe_set_full_optimizer_state")
         _wait_for_writes()
         strategy.set_full_optimizer_state(param, value, optim_state_key)
+
+
+# -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/local_values.py) -------------------
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a ZeRO-3 parameter's fp32 master, 1-D (empty where the rank holds none of it); no
+    collective.
+
+    Example:
+        >>> mine = safe_get_local_fp32_param(model.fc.weight)  # doctest: +SKIP
+    """
+    return _local(param, "safe_get_local_fp32_param").local_fp32_param(param)
+
+
+def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of a ZeRO-3 parameter's reduced gradient, fp32 and unscaled (between the boundary's backward
+    and `step()`, as `safe_get_full_grad`); None for a frozen parameter."""
+    return _local(param, "safe_get_local_grad").local_grad(param)
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """This rank's part of a ZeRO-3 parameter's optimizer state `optim_state_key`, fp32; None before the first
+    step made it, or for a frozen parameter."""
+    return _local(param, "safe_get_local_optimizer_state").local_optimizer_state(param, optim_state_key)
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's part of a ZeRO-3 parameter's fp32 master := `value` (the getter's length); the compute values
+    follow at the next step, as DeepSpeed's."""
+    _wait_for_writes()
+    _local(param, "safe_set_local_fp32_param").set_local_fp32_param(param, value)
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """This rank's part of a ZeRO-3 parameter's optimizer state `optim_state_key` := `value` (the getter's length)."""
+    _wait_for_writes()
+    _local(param, "safe_set_local_optimizer_state").set_local_optimizer_state(param, value, optim_state_key)
+
+
+def _local(param: torch.Tensor, call: str) -> Any:
+    """The stage-3 strategy holding `param` (DeepSpeed defines the local API for ZeRO-3 partitioned ones only)."""
+    from zeroshard.zero.stage3.local_values import Stage3LocalValues
+
+    strategy = OWNERS.strategy_of(param)
+    if not isinstance(strategy, Stage3LocalValues):
+        raise ZeroshardError(
+            f"{call}: defined for ZeRO-3 partitioned parameters only, as in DeepSpeed (this one is "
+            f"{'not trained by an engine' if strategy is None else 'whole on every rank or on the fsdp2 backend'}); "
+            "use the safe_get_full_* calls"
+        )
+    strategy.refuse_offloaded(call)
+    return strategy
 
 
 def _wait_for_writes() -> None:

@@ -34,6 +34,7 @@ from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
+from zeroshard.zero.stage3.local_values import Stage3LocalValues
 from zeroshard.zero.stage3.norms import step_plan
 from zeroshard.zero.stage3.offloaded import Stage3Offload
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
@@ -78,7 +79,7 @@ class Stage3Policy(StrategyPolicy):
     unit_groups: Mapping[str, Collectives] = field(default_factory=dict)  # [Note: units apart] in plan.py
 
 
-class Stage3Strategy(Stage3Gathering, Stage3Offload, Strategy):
+class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3LocalValues, Strategy):
     """Stage-3 state of one model on one rank."""
 
     def __init__(
@@ -418,20 +419,20 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Strategy):
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         if not param.requires_grad:
             return None
+        return self._gather_slot(param, self._grad_fp32_shard, "safe_get_full_grad", "gradient")
+
+    def _grad_fp32_shard(self, unit: ShardedUnit) -> torch.Tensor:
+        """This rank's reduced gradient shard of `unit`, unscaled, in fp32 on the compute device."""
         scale = self._grad_scale()
-
-        def local(unit: ShardedUnit) -> torch.Tensor:
-            if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
-                self.gradients_tier.landed()
-                assert unit.grad_copy is not None
-                if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
-                    return unit.grad_copy.to(self.device)
-                return unit.grad_copy.to(self.device) * scale
-            unit.grad_resident()
-            unit.grad_home.ready(unit.grad_key)
-            return unit.grad_shard.float() * scale
-
-        return self._gather_slot(param, local, "safe_get_full_grad", "gradient")
+        if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
+            self.gradients_tier.landed()
+            assert unit.grad_copy is not None
+            if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
+                return unit.grad_copy.to(self.device)
+            return unit.grad_copy.to(self.device) * scale
+        unit.grad_resident()
+        unit.grad_home.ready(unit.grad_key)
+        return unit.grad_shard.float() * scale
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         # `_has_state` is itself a collective: agreed with the gather that follows it
