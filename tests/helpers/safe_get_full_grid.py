@@ -91,6 +91,8 @@ def run_grid(rank: int, world_size: int) -> dict:
             "param": [safe_get_full_fp32_param(p) for p in params],
             "exp_avg": [safe_get_full_optimizer_state(p, "exp_avg") for p in params],
         }
+        if stage == 3:  # before the first step: None on every rank, whatever part it holds
+            before["local_exp_avg"] = [safe_get_local_optimizer_state(p, "exp_avg") for p in params]
         steps = []
         for step in range(STEPS + 1):
             if step == STEPS:
@@ -124,6 +126,10 @@ def run_grid(rank: int, world_size: int) -> dict:
             safe_set_local_optimizer_state(params[-1], torch.full_like(local["exp_avg"][-1], -rank - 1.0), "exp_avg")
             local["set"] = (safe_get_full_fp32_param(params[0]), safe_get_full_optimizer_state(params[-1], "exp_avg"))
             local["sizes"] = (mine.numel(), local["exp_avg"][-1].numel())
+            try:  # Adam's scalar step count has no parts
+                safe_get_local_optimizer_state(params[0], "step")
+            except zeroshard.ZeroshardError as e:
+                local["scalar"] = str(e)
         else:
             try:
                 safe_get_local_fp32_param(params[0])
@@ -163,6 +169,9 @@ def check_grid(results: list[dict]) -> None:
             if stage < 3:
                 assert "defined for ZeRO-3 partitioned parameters only" in got["local"]["refused"], where
     # stage 3: the ranks' parts, in rank order, are the whole values; the setters wrote each rank's part
+    for result in results:
+        assert result[3]["before"]["local_exp_avg"] == [None] * len(init)
+        assert "'step' is a scalar" in result[3]["local"]["scalar"], result[3]["local"]["scalar"]
     last = [result[3]["steps"][-1] for result in results]
     for key in ("grad", "param", "exp_avg"):
         for i, whole in enumerate(last[0][key]):

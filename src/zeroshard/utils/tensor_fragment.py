@@ -81,9 +81,9 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 
 
 # -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/local_values.py) -------------------
-def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a ZeRO-3 parameter's fp32 master, 1-D (empty where the rank holds none of it); no
-    collective.
+def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of a ZeRO-3 parameter's fp32 master, 1-D on the compute device (empty where the rank holds
+    none of it; None for a frozen parameter, as in DeepSpeed); no collective.
 
     Example:
         >>> mine = safe_get_local_fp32_param(model.fc.weight)  # doctest: +SKIP
@@ -125,7 +125,7 @@ def _local(param: torch.Tensor, call: str) -> Any:
         raise ZeroshardError(
             f"{call}: defined for ZeRO-3 partitioned parameters only, as in DeepSpeed (this one is "
             f"{'not trained by an engine' if strategy is None else 'whole on every rank or on the fsdp2 backend'}); "
-            "use the safe_get_full_* calls"
+            f"use safe_{'get' if 'get' in call else 'set'}_full_{call.split('_local_')[1]}"
         )
     strategy.refuse_offloaded(call)
     return strategy

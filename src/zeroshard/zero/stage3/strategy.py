@@ -428,8 +428,8 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3LocalValues, Strategy
             self.gradients_tier.landed()
             assert unit.grad_copy is not None
             if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
-                return unit.grad_copy.to(self.device)
-            return unit.grad_copy.to(self.device) * scale
+                return unit.grad_copy.to(self.device, torch.float32)
+            return unit.grad_copy.to(self.device, torch.float32) * scale  # (bf16 masters: a bf16 copy)
         unit.grad_resident()
         unit.grad_home.ready(unit.grad_key)
         return unit.grad_shard.float() * scale
