@@ -98,6 +98,20 @@ def _bytes_run(rank: int, world_size: int, cases: list[Case]):
         masters = [p for g in optimizer.param_groups for p in g["params"] if p.numel()]
         states = {v.dtype for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
         report = engine.memory_report()
+        kept = None
+        if case.stage == 3 and case.master == "fp32":  # a modifier rank's change: the other masters keep their bits
+            from zeroshard.utils import safe_get_full_fp32_param
+
+            params = list(model.parameters())
+            before = [safe_get_full_fp32_param(p) for p in params]
+            with zeroshard.GatheredParameters([params[0]], modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        params[0].fill_(0.5)
+            after = [safe_get_full_fp32_param(p) for p in params]
+            kept = bool((after[0] == 0.5).all()) and all(
+                torch.equal(a, b) for a, b in zip(after[1:], before[1:], strict=True)
+            )
         out.append(
             {
                 "master_dtypes": {p.dtype for p in masters},
@@ -105,6 +119,7 @@ def _bytes_run(rank: int, world_size: int, cases: list[Case]):
                 "elements": sum(p.numel() for p in masters),
                 "master_bytes": report.master_weights + report.host_master_weights,
                 "state_bytes": report.optimizer_state + report.host_optimizer_state,
+                "masters_kept": kept,
             }
         )
         engine.destroy()
@@ -130,6 +145,9 @@ def test_masters_and_state_take_the_bytes_their_dtypes_say(stage):
     own_master = 0 if stage == 3 else 2 * n
     assert fp32_state["master_bytes"] == bf16_state["master_bytes"] == own_master
     assert fp32_state["state_bytes"] == 8 * n and bf16_state["state_bytes"] == 4 * n
+    # stage 3: GatheredParameters(modifier_rank=0) over one parameter left the unit's other fp32 masters as they were
+    # (they were the whole unit's compute values rounded to bf16 before)
+    assert mixed["masters_kept"] is (True if stage == 3 else None), mixed["masters_kept"]
 
 
 def _checkpoints(rank: int, world_size: int, root: str, phase: str):

@@ -203,10 +203,17 @@ class Stage3Gathering:
         return [u for u in self.units if any(id(p) in wanted for p in u.params)]
 
     def write_back(self, unit: ShardedUnit) -> None:
-        """After the full parameters of a gathered unit were modified: update this rank's shards."""
+        """After the full parameters of a gathered unit were modified: update this rank's shards, and a separate
+        master where the compute values changed only (elsewhere it keeps its fp32 bits: the compute values are the
+        master rounded, and the unit's other parameters lost their low bits to a rounded copy)."""
         group = self.stepper.sub_group_of(unit)
         with self.stepper.store.resident([(group.key, group.units)], self.stepper.tensors):
-            unit.overwrite_shard(unit.layout.take(unit.full, unit.shard_rank))
+            kept = unit.master.clone() if unit.master is not unit.shard and unit.master.numel() else None
+            unit.overwrite_shard(unit.layout.take(unit.full, unit.shard_rank))  # the master := the compute values
+            if kept is not None:
+                with torch.no_grad():
+                    same = unit.master == kept.to(unit.shard.dtype).to(kept.dtype)
+                    unit.master.copy_(torch.where(same, kept, unit.master))
 
 
 @dataclass(frozen=True)
