@@ -21,6 +21,7 @@ from helpers.moe_parity import (
     config,
     engine_losses,
     loaded_states,
+    reference_grads,
     reference_losses,
     resume_losses,
     saved_states,
@@ -71,10 +72,13 @@ def _check(results: list[dict[str, dict[str, list[float]]]], world_size: int, ep
         want = [float(10 * i + rank) for i in range(1, world_size) for _ in range(i + rank)]
         assert got["uneven_all_to_all"]["received"] == want
     for case in GRID:
-        ref = reference_losses(case, world_size)
+        ref, grads = reference_losses(case, world_size), reference_grads(case, world_size)
         for rank, got in enumerate(results):
             # the experts' master weights, gradients and optimizer state are sharded over their edp group
             assert got[case.name]["expert_sharding"] == [world_size // ep_size] * 2
+            assert got[case.name]["set_grad_round_trip"] == [0.0], (case.name, rank)
+            for name, grad in got[case.name]["grads"].items():  # safe_get_full_grad: the true mean gradient
+                torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-7, msg=f"{case.name} {rank} {name}")
             if case.uneven and rank == 0:  # every token's first choice is expert 0 (top-2: second expert 1)
                 counts = got[case.name]["counts"]
                 assert counts[0] == B * T and counts[case.k :] == [0.0] * (case.num_experts - case.k), counts

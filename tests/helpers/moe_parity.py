@@ -148,6 +148,9 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
                 out["counts"] = [float(c) for c in model.moe(model.inp(x))[2]]
         loss = engine(x, y)
         engine.backward(loss)
+        if step == case.gas - 1:  # the first boundary: the reduced gradients, by global name
+            out["grads"] = _full_grads(model, ep_size)  # type: ignore[assignment]
+            out["set_grad_round_trip"] = [_set_grad_round_trip(model)]
         engine.step()
         out["losses"].append(float(loss.detach()))
     if ep_size > 1 and case.stage == 3:  # the experts' units ([Note: experts at stage 3])
@@ -158,6 +161,49 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
         out["expert_sharding"] = [float(experts.comm.world_size), float(experts.layout.shard_count)]
     engine.destroy()
     return out
+
+
+def _global_name(name: str, first: int) -> str:
+    """A local expert's parameter name with its global expert id (`first`: this rank's first expert)."""
+    head, sep, tail = name.partition("deepspeed_experts.")
+    if not sep:
+        return name
+    local, _, rest = tail.partition(".")
+    return f"{head}{sep}{first + int(local)}.{rest}"
+
+
+def _full_grads(model: nn.Module, ep_size: int) -> dict[str, torch.Tensor]:
+    from zeroshard.utils import safe_get_full_grad
+
+    first = ep_rank(ep_size) * model.moe.num_local_experts
+    out = {}
+    for name, param in model.named_parameters():
+        grad = safe_get_full_grad(param)  # every rank, every parameter: collective
+        if grad is not None:
+            out[_global_name(name, first)] = grad
+    return out
+
+
+def reference_grads(case: MoeCase, world_size: int) -> dict[str, torch.Tensor]:
+    """The first step's gradients (of the mean loss over its micro-steps and ranks) in one process."""
+    model = MoeNet(case, ep_size=1)
+    losses = [model(*batch(case, m, r)) for m in range(case.gas) for r in range(world_size)]
+    torch.stack(losses).mean().backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _set_grad_round_trip(model: nn.Module) -> float:
+    """`safe_set_full_grad` of twice each gradient, read back (the expert part's scale differs from the dense part's:
+    [Note: setting a gradient]); the largest difference, then every gradient set back as it was."""
+    from zeroshard.utils import safe_get_full_grad, safe_set_full_grad
+
+    worst = 0.0
+    for param in (p for p in model.parameters() if p.requires_grad):
+        grad = safe_get_full_grad(param)
+        safe_set_full_grad(param, grad * 2)
+        worst = max(worst, float((safe_get_full_grad(param) - grad * 2).abs().max()))
+        safe_set_full_grad(param, grad)
+    return worst
 
 
 def resume_losses(

@@ -328,6 +328,24 @@ def test_safe_set_full_takes_deepspeeds_arguments(name):
     assert torch.equal(stranger, torch.zeros(2))
 
 
+def test_safe_set_full_grad_and_the_vectorized_update_take_deepspeeds_arguments():
+    """A parameter no engine trains: its `.grad` is set (or updated), none is made, as in DeepSpeed."""
+    import zeroshard.utils
+
+    ds_utils = import_deepspeed("deepspeed.utils")
+    for name in ("safe_set_full_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized"):
+        ours, theirs = getattr(zeroshard.utils, name), getattr(ds_utils, name)
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
+    for lib in (zeroshard.utils, ds_utils):
+        stranger = torch.nn.Parameter(torch.zeros(2))
+        lib.safe_set_full_grad(stranger, torch.ones(2))
+        assert stranger.grad is None
+        stranger.grad = torch.zeros(2)
+        lib.safe_set_full_grad(stranger, torch.full((2,), 3.0))
+        lib.safe_update_full_grad_vectorized([stranger], lambda grad, param: grad * 2)
+        assert torch.equal(stranger.grad, torch.full((2,), 6.0)), lib
+
+
 def test_initialize_reads_the_deprecated_deepscale_config_and_refuses_two_configs(tmp_path):
     """As DeepSpeed: `--deepscale_config` still names the config; a config both in args and config= is refused."""
     import argparse

@@ -233,6 +233,17 @@ class Fsdp2Strategy(Strategy):
         with torch.no_grad():
             self._state_of(sp.master, key).copy_(own_rows(sp, value))
 
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        sp = self._record(param)
+        if not sp.trainable:
+            return  # nothing to set, as DeepSpeed
+        if sp.param.grad is None:  # no rank's backward reached it: FSDP2's sharded form, zero
+            sp.param.grad = torch.zeros_like(sp.param)
+        local = sp.local_grad()
+        assert local is not None
+        with torch.no_grad():
+            local.copy_(own_rows(sp, self._unscaled(value)))
+
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
     def gather_begin(
         self, params: Sequence[torch.Tensor], call: str = "", modifier_rank: int | None = None

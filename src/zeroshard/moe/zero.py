@@ -155,7 +155,7 @@ class ExpertSplitStrategy(SplitStrategy):
             policy, step=_WorldPrescale(**_fields(policy.step), world_size=comm.world_size)
         )
         halves = [(dense_groups, policy, comm), (expert_param_groups, expert_policy, expert_groups.edp)]
-        self.parts = flat_parts(module, halves, device, accumulation)
+        self._hold(flat_parts(module, halves, device, accumulation))
         self._experts = experts
 
     def holders(self, param: torch.Tensor) -> Collectives:
@@ -170,6 +170,10 @@ class ExpertSplitStrategy(SplitStrategy):
         part = self._owner(param)
         grad = part.full_grad(param)  # scaled by the part's own post-scale: the world's is the true one
         return None if grad is None else grad * (self._grad_scale() / part._grad_scale())
+
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        part = self._owner(param)
+        part.set_full_grad(param, value * (part._grad_scale() / self._grad_scale()))
 
     # -- state ---------------------------------------------------------------------------------------------
     def consolidation_refused(self) -> str | None:

@@ -26,6 +26,18 @@ reduction finishes (at most MAX_PENDING_WRITES in memory); their norms and inf/n
 accumulation boundary right before the write, so the step computes the clipping scale without reading them
 back, then reads them chunk by chunk with the optimizer state.
 
+[Note: setting a gradient]
+DeepSpeed's `safe_set_full_grad` / `safe_set_local_grad` / `safe_update_full_grad_vectorized` replace a parameter's
+reduced gradient between the boundary's backward and the step (gradient surgery: masking rows of an embedding,
+clipping one layer). The value is in `safe_get_full_grad`'s terms (averaged over ranks, unscaled), so this rank's
+elements are divided by the step's scale and written into the gradient shard in its own dtype; reading it back gives
+the value (exactly when the scale is a power of two). Wherever else the step would read the old values, they go: a
+shard released after its host copy is first made resident again from the copy (as for a further backward), the host
+copy is marked stale (the step refreshes it from the shard), the boundary record that stands for a shard on NVMe is
+taken again from the new values (`rewritten`: the clipping norm and the inf/nan check see them) before the shard is
+written back to its swap file. Stage 1 before the window's reduction has no gradient shard yet (its range holds the
+unreduced accumulation): refused, as are super_offload's sub-groups stepped during the backward.
+
 [Note: publishing a host master to the GPU]
 With the optimizer offloaded and the compute parameters on the GPU, `param.copy_(master)` (fp32 host -> bf16
 device) makes torch cast on the host into a pageable temporary and copy that synchronously: an extra pass
@@ -172,6 +184,12 @@ class GradientTier:
         """The boundary record `let_go` took of shard `key` in this window, if any."""
         return self._stats.get(key)
 
+    def rewritten(self, slot: GradShard) -> None:
+        """`slot.shard` (resident) got new values after the boundary ([Note: setting a gradient]): a record taken of
+        the old ones is taken again."""
+        if slot.key in self._stats:
+            self._stats[slot.key] = BoundaryStats.of(slot.shard, self.check_overflow)
+
     def finish_backward(self) -> None:
         """Every shard of this backward was `received`: nothing is left in flight to the tier."""
 
@@ -269,6 +287,10 @@ class SplitGradients(GradientTier):
 
     def recorded(self, key: str) -> BoundaryStats | None:
         return self._parts[key].recorded(key) if key in self._parts else None
+
+    def rewritten(self, slot: GradShard) -> None:
+        if slot.key in self._parts:
+            self._parts[slot.key].rewritten(slot)
 
     def finish_backward(self) -> None:
         self.device.finish_backward()

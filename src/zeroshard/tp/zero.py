@@ -60,8 +60,7 @@ class TensorParallelStrategy(SplitStrategy):
         replicated_groups, sharded_groups = split_groups(groups, sharded)
         self.tp_comm = tp_comm
         halves = [(sharded_groups, policy, comm), (replicated_groups, policy, comm)]
-        self.parts = flat_parts(module, halves, device, accumulation)
-        self.sharded, self.replicated = self.parts
+        self.sharded, self.replicated = self._hold(flat_parts(module, halves, device, accumulation))
 
     def _grad_slots(self) -> list[GradShard]:
         return self.sharded._grad_slots()

@@ -1,7 +1,8 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
-`logger`, `log_dist`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` (every stage), and the ZeRO-3
-leaf-module marks (`set_z3_leaf_modules` and its relatives). `zero_to_fp32` (the checkpoint consolidation under
-DeepSpeed's module path) is a submodule, imported on first use."""
+`logger`, `log_dist`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` and
+`safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
+(`set_z3_leaf_modules` and its relatives). `zero_to_fp32` (the checkpoint consolidation under DeepSpeed's module
+path) is a submodule, imported on first use."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.logging import log_dist, logger
@@ -14,9 +15,12 @@ from zeroshard.utils.tensor_fragment import (
     safe_get_local_grad,
     safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
     safe_set_local_fp32_param,
+    safe_set_local_grad,
     safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 from zeroshard.utils.z3_leaf_module import (
     get_z3_leaf_modules,
@@ -41,9 +45,12 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
+    "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",

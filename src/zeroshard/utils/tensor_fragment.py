@@ -9,12 +9,14 @@ Where zeroshard differs: at fp32 stage 0 DeepSpeed has no fp32 copy and returns 
 `safe_get_full_fp32_param` / `safe_get_full_optimizer_state`; we return the master value and the state, as at
 the other stages. `safe_set_full_fp32_param` also updates the parameter the next forward uses (DeepSpeed
 updates its low-precision copy at the next step). The `safe_*_local_*` calls read and write one rank's part of a
-stage-3 parameter ([Note: local values]); `safe_set_full_grad` and `safe_set_local_grad` are not provided
-(docs/compat.md).
+stage-3 parameter ([Note: local values]). The gradient setters write where the step reads ([Note: setting a
+gradient] in offload/gradients.py), in `safe_get_full_grad`'s terms: averaged and unscaled (DeepSpeed's are its
+partitions' own terms, the loss scale included with fp16).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +82,39 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
         strategy.set_full_optimizer_state(param, value, optim_state_key)
 
 
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param`'s gradient := `value`, whole and the same on every rank, in `safe_get_full_grad`'s terms (averaged
+    over ranks, unscaled); the step applies it, clipping and the inf/nan check included. Between the boundary's
+    backward and `engine.step()`; a parameter no engine trains gets it in its `.grad`, as in DeepSpeed.
+
+    Example:
+        >>> grad = safe_get_full_grad(model.embed.weight)  # doctest: +SKIP
+        >>> grad[:old_vocab] = 0  # train only the new tokens' rows  # doctest: +SKIP
+        >>> safe_set_full_grad(model.embed.weight, grad)  # doctest: +SKIP
+    """
+    strategy = OWNERS.strategy_of(param)
+    if strategy is None:
+        if param.grad is not None:
+            param.grad.copy_(value)
+        return
+    strategy.refuse_offloaded("safe_set_full_grad")
+    strategy.set_full_grad(param, value)
+
+
+def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor], update_func: Callable[..., Any]) -> None:
+    """Each parameter's gradient := `update_func(its full gradient, param)`, as `safe_get_full_grad` then
+    `safe_set_full_grad` (collective at stages 1-3: every rank, the same parameters in the same order)."""
+    for param in param_list:
+        strategy = OWNERS.strategy_of(param)
+        if strategy is None:
+            if param.grad is not None:
+                param.grad.copy_(update_func(param.grad, param))
+            continue
+        if not param.requires_grad:
+            continue
+        safe_set_full_grad(param, update_func(safe_get_full_grad(param), param))
+
+
 # -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/local_values.py) -------------------
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of a ZeRO-3 parameter's fp32 master, 1-D on the compute device (empty where the rank holds
@@ -108,6 +143,12 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     follow at the next step, as DeepSpeed's."""
     _wait_for_writes()
     _local(param, "safe_set_local_fp32_param").set_local_fp32_param(param, value)
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's part of a ZeRO-3 parameter's reduced gradient := `value` (the getter's length), in
+    `safe_get_local_grad`'s terms (unscaled); nothing for a frozen parameter, as in DeepSpeed."""
+    _local(param, "safe_set_local_grad").set_local_grad(param, value)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:

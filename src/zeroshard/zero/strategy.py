@@ -291,6 +291,12 @@ class Strategy(ABC):
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
         """`param`'s slice of the optimizer state `key` := `value` (whole, the same on every rank)."""
 
+    @abstractmethod
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """`param`'s gradient := `value`, in `full_grad`'s terms (averaged, unscaled; whole, the same on every
+        rank): this rank's part of the reduced gradient the step reads, where it waits for it ([Note: setting a
+        gradient]). Between the accumulation boundary's backward and `step()`; no collective."""
+
     def _state_of(self, master: torch.Tensor, key: str) -> torch.Tensor:
         """Optimizer state `key` of a master tensor, or an error naming the key when the optimizer has none."""
         state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
@@ -302,6 +308,11 @@ class Strategy(ABC):
     def _grad_scale(self) -> float:
         """Turns a reduced gradient shard into the true mean gradient (as the step's scale, without clipping)."""
         return self.step_policy.post_scale(self.comm.world_size) / self.accumulation.loss_scale
+
+    def _unscaled(self, value: torch.Tensor) -> torch.Tensor:
+        """A gradient in `full_grad`'s terms as the shards hold it (the step multiplies them by `_grad_scale`), fp32."""
+        value, scale = value.detach().to(torch.float32), self._grad_scale()
+        return value / scale if scale != 1.0 else value
 
     def _has_state(self, key: str) -> bool:
         """Whether the optimizer holds state `key` on any rank (decided together, so every rank gathers or none)."""

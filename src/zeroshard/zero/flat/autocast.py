@@ -74,8 +74,8 @@ class AutocastSplitStrategy(SplitStrategy):
         rest, picked = split_groups(groups, low)
         low_policy = dataclasses.replace(policy, comm_dtype=low_dtype)
         fp32_policy = dataclasses.replace(policy, comm_dtype=torch.float32)
-        self.parts = flat_parts(module, [(picked, low_policy, comm), (rest, fp32_policy, comm)], device, accumulation)
-        self.low, self.rest = self.parts
+        halves = [(picked, low_policy, comm), (rest, fp32_policy, comm)]
+        self.low, self.rest = self._hold(flat_parts(module, halves, device, accumulation))
 
     def checkpoint_state(self) -> AutocastSplitState:
         return AutocastSplitState(self)

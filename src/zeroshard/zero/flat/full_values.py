@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.errors import ZeroshardError
 from zeroshard.zero.flat.group_buffers import GroupBuffers
 from zeroshard.zero.flat.local import is_dtensor, local_of
 from zeroshard.zero.flat.reducer import GradientReducer
@@ -23,6 +24,7 @@ class FlatFullValues(Strategy):
     layout: FlatLayout
     reducer: GradientReducer
     shard_rank: int
+    _copied: set[int]  # buckets whose host gradient copy backward refreshed
 
     def consolidation_refused(self) -> str | None:
         if any(is_dtensor(p) for b in self.buffers for p in b.params):
@@ -89,6 +91,17 @@ class FlatFullValues(Strategy):
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
         with self.optimizer_state_resident():
             self._scatter_slot(param, value, lambda buffers: self._state_of(buffers.master, key))
+
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
+            raise ZeroshardError(
+                "safe_set_full_grad: this window's gradients are not reduced yet; set them after the backward of "
+                "the accumulation boundary (engine.is_gradient_accumulation_boundary()), before engine.step()"
+            )
+        self.reducer.settle()
+        buffers, _ = self._slot_of(param)  # [Note: setting a gradient] in offload/gradients.py
+        self._scatter_slot(param, self._unscaled(value), lambda b: b.grad_shard)
+        self._copied -= {bucket.id for bucket in buffers.layout.buckets}  # the step copies the group again
 
     def _agree_slot(self, call: str, param: torch.Tensor, what: str, checks_state: bool = False) -> None:
         """Before a read of `param`'s whole `what`: the ranks agree on the parameter, the buckets gathered and what is

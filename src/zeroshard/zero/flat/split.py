@@ -23,6 +23,7 @@ from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradShard
 from zeroshard.optim.lamb import refuse_unplanned
 from zeroshard.zero.flat.strategy import FlatPolicy, FlatStrategy
+from zeroshard.zero.owners import OWNERS
 from zeroshard.zero.strategy import (
     AccumulationState,
     HostView,
@@ -63,6 +64,13 @@ class SplitStrategy(Strategy):
 
     parts: list[FlatStrategy]
     regroups = True
+
+    def _hold(self, parts: list[FlatStrategy]) -> list[FlatStrategy]:
+        """`parts` become this strategy's, and DeepSpeed's per-parameter calls find it rather than a part ([Note:
+        parameter registry]): a part's gradient scale is its own group's, the true one the whole split's (experts)."""
+        self.parts = parts
+        OWNERS.register(self, self.tracked_params())
+        return parts
 
     # -- construction ----------------------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -160,6 +168,9 @@ class SplitStrategy(Strategy):
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
         self._owner(param).set_full_optimizer_state(param, value, key)
+
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        self._owner(param).set_full_grad(param, value)
 
     # -- state ---------------------------------------------------------------------------------------------
     @contextmanager

@@ -11,20 +11,25 @@ with only the parameter's sub-group made resident; the setters write a tensor of
 compute values follow from it at the next step, as DeepSpeed's) or into the optimizer state. As in DeepSpeed a frozen
 parameter has none of them: the getters give None and the setters refuse. The gradient is the reduced one, unscaled,
 as `safe_get_full_grad` reads it (between the boundary's backward and `step()`). The setters are refused while
-super_offload has stepped sub-groups during the backward (an undo or the step would not see the new values). Setting a
-gradient is not provided (neither is the full one).
+super_offload has stepped sub-groups during the backward (an undo or the step would not see the new values). The
+gradient setters (the local one and `safe_set_full_grad`'s) write where the step reads: [Note: setting a gradient] in
+offload/gradients.py.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload.gradients import GradShard
+from zeroshard.zero.stage3.sections import write_slot
 
 if TYPE_CHECKING:
+    from zeroshard.offload.gradients import GradientTier
     from zeroshard.zero.stage3.unit import ShardedUnit
 
 
@@ -35,6 +40,7 @@ class Stage3LocalValues:
         optimizer: torch.optim.Optimizer | None
         device: torch.device
         stepper: Any  # SubGroupStepper
+        gradients_tier: GradientTier
         speculation: Any  # Speculation | None
 
         def _slot_of(self, param: torch.Tensor) -> tuple[ShardedUnit, int, Any]: ...
@@ -42,6 +48,8 @@ class Stage3LocalValues:
         def _pieces_of(self, unit: ShardedUnit) -> list[Any]: ...
 
         def _grad_fp32_shard(self, unit: ShardedUnit) -> torch.Tensor: ...
+
+        def _unscaled(self, value: torch.Tensor) -> torch.Tensor: ...
 
     def local_range(self, param: torch.Tensor) -> tuple[ShardedUnit, int, int]:
         """`param`'s unit, and where its part starts in this rank's shard and how long it is (0: none here)."""
@@ -95,13 +103,57 @@ class Stage3LocalValues:
                 state = self._state(piece, key, "safe_set_local_optimizer_state")
                 state.narrow(0, lo - piece.offset, hi - lo).copy_(flat.narrow(0, lo - at, hi - lo))
 
-    def _settable(self, param: torch.Tensor, value: torch.Tensor, call: str) -> tuple[ShardedUnit, int, int]:
+    # -- gradients: [Note: setting a gradient] in offload/gradients.py ------------------------------------------
+    def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
         if not param.requires_grad or self.optimizer is None:
-            raise ZeroshardError(f"{call}: the parameter is frozen (or the engine has no optimizer): no master to set")
+            return  # nothing to set, as DeepSpeed
+        self._unspeculated("safe_set_full_grad")
+        unit, _, slot = self._slot_of(param)
+        if not unit.layout.owned_parts(unit.shard_rank, slot.offset, slot.offset + slot.numel):
+            return  # this rank holds none of it
+        with self._grad_target(unit) as target:
+            write_slot(unit.layout, unit.shard_rank, slot, self._unscaled(value), target)
+
+    def set_local_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if not param.requires_grad or self.optimizer is None:
+            return
+        unit, at, numel = self._settable(param, value, "safe_set_local_grad")
+        with self._grad_target(unit) as target:
+            target.narrow(0, at, numel).copy_(self._unscaled(value).reshape(-1))
+
+    @contextmanager
+    def _grad_target(self, unit: ShardedUnit) -> Iterator[torch.Tensor]:
+        """What the step reads `unit`'s gradient shard from, for the block to write: the host copy the shard was
+        released into, else the shard itself (resident); then the norm's record and the copy follow."""
+        if unit.grad_in_copy:  # the shard stays released; the step reads the copy (still `grad_copy_ready`)
+            assert unit.grad_copy is not None
+            self.gradients_tier.landed()
+            with torch.no_grad():
+                yield unit.grad_copy
+            values = unit.grad_copy.to(self.device)
+            self.gradients_tier.rewritten(GradShard(unit.grad_key, values, bool(unit.trainable)))
+            return
+        unit.grad_resident()
+        unit.grad_home.ready(unit.grad_key)
+        with torch.no_grad():
+            yield unit.grad_shard
+        if unit.grad_copy is not None and unit.grad_copy is not unit.grad_shard:
+            unit.grad_copy_ready = False  # the step copies the shard again
+        self.gradients_tier.rewritten(GradShard(unit.grad_key, unit.grad_shard, bool(unit.trainable)))
+        if self.gradients_tier.holds_shards:  # NVMe: back to its swap file
+            unit.grad_home.evict(unit.grad_key)
+            unit.grad_home.settle(unit.grad_key)
+
+    def _unspeculated(self, call: str) -> None:
         if self.speculation is not None and self.speculation.stepped:
             raise ZeroshardError(
                 f"{call}: super_offload stepped sub-groups during this backward; set values after engine.step()"
             )
+
+    def _settable(self, param: torch.Tensor, value: torch.Tensor, call: str) -> tuple[ShardedUnit, int, int]:
+        if not param.requires_grad or self.optimizer is None:
+            raise ZeroshardError(f"{call}: the parameter is frozen (or the engine has no optimizer): no master to set")
+        self._unspeculated(call)
         unit, at, numel = self.local_range(param)
         if value.numel() != numel:
             raise ZeroshardError(
