@@ -122,6 +122,17 @@ CASES = [
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
+    # deepspeed.utils.safe_get_*/safe_set_*/safe_update_full_grad_vectorized at stages 1-3, offloaded or not: the
+    # values set read back exactly and train as DeepSpeed's ([Note: setting a gradient])
+    Case(
+        "unit_test_zero_tensor_fragment",
+        "test_zero_tensor_fragment.py",
+        own_init=tuple(
+            f"get_stage3_{o}_{api}_frozen{f}" for o in ("none", "cpu") for api in ("full", "local") for f in "01"
+        )
+        + tuple(f"set_stage3_{o}_local_{d}" for o in ("none", "cpu") for d in ("float32", "bfloat16"))
+        + ("update_stage3_none", "update_stage3_cpu"),
+    ),
     # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
     # process on a machine without an accelerator (2 ranks: test_accelerate_script_on_two_ranks)
     Case(

@@ -198,8 +198,10 @@ class Fsdp2Strategy(Strategy):
         """What is read matters as much as where: a gradient and a master of one parameter gather the same sizes."""
         self.agreement.agree(call, f"all-gather of the full {what} of {sp.name}")
 
-    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
         sp = self._record(param)
+        if not sp.trainable:
+            return None  # no master, as DeepSpeed
         self._agree_full("safe_get_full_fp32_param", sp, "fp32 master")
         return gather_full(sp, sp.master, self.comm, self.device)
 
@@ -214,6 +216,8 @@ class Fsdp2Strategy(Strategy):
 
     def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
         sp = self._record(param)
+        if not sp.trainable:
+            return None
         # `_has_state` is itself a collective: agreed with the gather that follows it
         self._agree_full("safe_get_full_optimizer_state", sp, f"optimizer state {key!r} (after a check for it)")
         if not self._has_state(key):

@@ -115,7 +115,7 @@ def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor], update_
         safe_set_full_grad(param, update_func(safe_get_full_grad(param), param))
 
 
-# -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/local_values.py) -------------------
+# -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/param_values.py) -------------------
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of a ZeRO-3 parameter's fp32 master, 1-D on the compute device (empty where the rank holds
     none of it; None for a frozen parameter, as in DeepSpeed); no collective.
@@ -159,10 +159,10 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
 
 def _local(param: torch.Tensor, call: str) -> Any:
     """The stage-3 strategy holding `param` (DeepSpeed defines the local API for ZeRO-3 partitioned ones only)."""
-    from zeroshard.zero.stage3.local_values import Stage3LocalValues
+    from zeroshard.zero.stage3.param_values import Stage3ParamValues
 
     strategy = OWNERS.strategy_of(param)
-    if not isinstance(strategy, Stage3LocalValues):
+    if not isinstance(strategy, Stage3ParamValues):
         raise ZeroshardError(
             f"{call}: defined for ZeRO-3 partitioned parameters only, as in DeepSpeed (this one is "
             f"{'not trained by an engine' if strategy is None else 'whole on every rank or on the fsdp2 backend'}); "

@@ -270,8 +270,8 @@ class Strategy(ABC):
 
     # -- one parameter's full values: DeepSpeed's safe_get_full_* (collective: every rank, same parameter) ---------
     @abstractmethod
-    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
-        """`param`'s fp32 master value, whole, on the compute device."""
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s fp32 master value, whole, on the compute device (None for a frozen parameter, as DeepSpeed's)."""
 
     @abstractmethod
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:

@@ -34,15 +34,15 @@ from zeroshard.zero.stage3.checkpoint import Stage3State
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.gathering import Stage3Gathering
 from zeroshard.zero.stage3.hooks import Stage3Hooks
-from zeroshard.zero.stage3.local_values import Stage3LocalValues
 from zeroshard.zero.stage3.norms import step_plan
 from zeroshard.zero.stage3.offloaded import Stage3Offload
+from zeroshard.zero.stage3.param_values import Stage3ParamValues
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
 from zeroshard.zero.stage3.root import root_unit_of
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_live_gathers
-from zeroshard.zero.stage3.sections import gather_flat, write_slot
+from zeroshard.zero.stage3.sections import gather_flat
 from zeroshard.zero.stage3.speculate import SpeculationPolicy, check_undoable, speculation_for
 from zeroshard.zero.stage3.step import SubGroupStepper
 from zeroshard.zero.stage3.unit import ShardedUnit, UnitState
@@ -79,7 +79,7 @@ class Stage3Policy(StrategyPolicy):
     unit_groups: Mapping[str, Collectives] = field(default_factory=dict)  # [Note: units apart] in plan.py
 
 
-class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3LocalValues, Strategy):
+class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3ParamValues, Strategy):
     """Stage-3 state of one model on one rank."""
 
     def __init__(
@@ -410,65 +410,6 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3LocalValues, Strategy
         if self.speculation is not None:
             return "super_offload steps the optimizer during backward, which a coalesced block holds back"
         return None
-
-    # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
-    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor:
-        with self.optimizer_state_resident():
-            return self._gather_slot(param, lambda unit: unit.fp32_shard(), "safe_get_full_fp32_param", "fp32 master")
-
-    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        if not param.requires_grad:
-            return None
-        return self._gather_slot(param, self._grad_fp32_shard, "safe_get_full_grad", "gradient")
-
-    def _grad_fp32_shard(self, unit: ShardedUnit) -> torch.Tensor:
-        """This rank's reduced gradient shard of `unit`, unscaled, in fp32 on the compute device."""
-        scale = self._grad_scale()
-        if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
-            self.gradients_tier.landed()
-            assert unit.grad_copy is not None
-            if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
-                return unit.grad_copy.to(self.device, torch.float32)
-            return unit.grad_copy.to(self.device, torch.float32) * scale  # (bf16 masters: a bf16 copy)
-        unit.grad_resident()
-        unit.grad_home.ready(unit.grad_key)
-        return unit.grad_shard.float() * scale
-
-    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
-        # `_has_state` is itself a collective: agreed with the gather that follows it
-        self._agree_slot("safe_get_full_optimizer_state", param, f"optimizer state {key!r} (after a check for it)")
-        if not self._has_state(key):
-            return None
-
-        def local(unit: ShardedUnit) -> torch.Tensor:
-            out = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=self.device)
-            for piece in self._pieces_of(unit):
-                out.narrow(0, piece.offset, piece.master.numel()).copy_(self._state_of(piece.master, key))
-            return out
-
-        with self.optimizer_state_resident():
-            return self._gather_slot(param, local)  # agreed above
-
-    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        held = self.gather_begin([param], "safe_set_full_fp32_param")
-        unit, index, slot = self._slot_of(param)
-        with torch.no_grad():
-            unit.views[index].copy_(value)
-        self.write_back(unit)  # the shards := the gathered values (compute dtype)
-        if unit.master is not unit.shard and param.requires_grad:  # the master gets the fp32 value (a frozen one:
-            with self.optimizer_state_resident():  # the compute values write_back gave it, as elsewhere)
-                write_slot(unit.layout, unit.shard_rank, slot, value, unit.master)
-        self.gather_end(held, None)
-
-    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
-        unit, _, slot = self._slot_of(param)
-        with self.optimizer_state_resident():
-            for piece in self._pieces_of(unit):
-                state = self._state_of(piece.master, key)
-                whole = torch.zeros(unit.layout.shard_numel, dtype=state.dtype, device=state.device)
-                whole.narrow(0, piece.offset, piece.master.numel()).copy_(state)
-                write_slot(unit.layout, unit.shard_rank, slot, value, whole)
-                state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
 
     def _pieces_of(self, unit: ShardedUnit) -> list[Any]:
         return [piece for pieces in self.built.pieces for piece in pieces if piece.unit is unit]

@@ -1,4 +1,6 @@
-"""One parameter's values on this rank at stage 3: DeepSpeed's `safe_get_local_*` / `safe_set_local_*`.
+"""One parameter's values at stage 3: whole (DeepSpeed's `safe_get_full_*` / `safe_set_full_*`, collectives over the
+unit's ranks: [Note: parameter registry]) and this rank's part (`safe_get_local_*` / `safe_set_local_*`). As in
+DeepSpeed a frozen parameter has no fp32 master, gradient or optimizer state: the getters give None.
 
 [Note: local values]
 DeepSpeed's local API reads and writes a ZeRO-3 parameter's partition on this rank, with no collective: the fp32
@@ -18,7 +20,7 @@ offload/gradients.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +35,8 @@ if TYPE_CHECKING:
     from zeroshard.zero.stage3.unit import ShardedUnit
 
 
-class Stage3LocalValues:
-    """Mixed into `Stage3Strategy`: [Note: local values]."""
+class Stage3ParamValues:
+    """Mixed into `Stage3Strategy`: one parameter's whole values and [Note: local values]."""
 
     if TYPE_CHECKING:
         optimizer: torch.optim.Optimizer | None
@@ -43,14 +45,104 @@ class Stage3LocalValues:
         gradients_tier: GradientTier
         speculation: Any  # Speculation | None
 
+        agreement: Any  # GatheringAgreement
+
         def _slot_of(self, param: torch.Tensor) -> tuple[ShardedUnit, int, Any]: ...
+
+        def _agree_slot(self, call: str, param: torch.Tensor, what: str) -> None: ...
+
+        def _gather_slot(
+            self, param: torch.Tensor, local: Callable[[ShardedUnit], torch.Tensor], call: str = "", what: str = ""
+        ) -> torch.Tensor: ...
+
+        def _has_state(self, key: str) -> bool: ...
+
+        def _state_of(self, master: torch.Tensor, key: str) -> torch.Tensor: ...
+
+        def _grad_scale(self) -> float: ...
+
+        def optimizer_state_resident(self) -> AbstractContextManager[None]: ...
+
+        def gather_begin(
+            self, params: Sequence[torch.Tensor], call: str = "", modifier_rank: int | None = None
+        ) -> list[Any]: ...
+
+        def gather_end(self, held: list[Any], modifier_rank: int | None) -> None: ...
+
+        def write_back(self, unit: ShardedUnit) -> None: ...
 
         def _pieces_of(self, unit: ShardedUnit) -> list[Any]: ...
 
-        def _grad_fp32_shard(self, unit: ShardedUnit) -> torch.Tensor: ...
-
         def _unscaled(self, value: torch.Tensor) -> torch.Tensor: ...
 
+    # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
+    def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
+        if not param.requires_grad:
+            return None
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, lambda unit: unit.fp32_shard(), "safe_get_full_fp32_param", "fp32 master")
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        if not param.requires_grad:
+            return None
+        return self._gather_slot(param, self._grad_fp32_shard, "safe_get_full_grad", "gradient")
+
+    def _grad_fp32_shard(self, unit: ShardedUnit) -> torch.Tensor:
+        """This rank's reduced gradient shard of `unit`, unscaled, in fp32 on the compute device."""
+        scale = self._grad_scale()
+        if unit.grad_in_copy:  # read where it is: the shard stays released (the fp32 copy is exact)
+            self.gradients_tier.landed()
+            assert unit.grad_copy is not None
+            if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
+                return unit.grad_copy.to(self.device, torch.float32)
+            return unit.grad_copy.to(self.device, torch.float32) * scale  # (bf16 masters: a bf16 copy)
+        away = not unit.grad_home.is_resident(unit.grad_key)  # NVMe: read in for this, then freed again
+        unit.grad_resident()
+        unit.grad_home.ready(unit.grad_key)
+        out = unit.grad_shard.float() * scale
+        if away:
+            unit.grad_home.drop(unit.grad_key)
+        return out
+
+    def full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        if not param.requires_grad:
+            return None
+        # `_has_state` is itself a collective: agreed with the gather that follows it
+        self._agree_slot("safe_get_full_optimizer_state", param, f"optimizer state {key!r} (after a check for it)")
+        if not self._has_state(key):
+            return None
+
+        def local(unit: ShardedUnit) -> torch.Tensor:
+            out = torch.zeros(unit.layout.shard_numel, dtype=torch.float32, device=self.device)
+            for piece in self._pieces_of(unit):
+                out.narrow(0, piece.offset, piece.master.numel()).copy_(self._state_of(piece.master, key))
+            return out
+
+        with self.optimizer_state_resident():
+            return self._gather_slot(param, local)  # agreed above
+
+    def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        held = self.gather_begin([param], "safe_set_full_fp32_param")
+        unit, index, slot = self._slot_of(param)
+        with torch.no_grad():
+            unit.views[index].copy_(value)
+        self.write_back(unit)  # the shards := the gathered values (compute dtype)
+        if unit.master is not unit.shard and param.requires_grad:  # the master gets the fp32 value (a frozen one:
+            with self.optimizer_state_resident():  # the compute values write_back gave it, as elsewhere)
+                write_slot(unit.layout, unit.shard_rank, slot, value, unit.master)
+        self.gather_end(held, None)
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        unit, _, slot = self._slot_of(param)
+        with self.optimizer_state_resident():
+            for piece in self._pieces_of(unit):
+                state = self._state_of(piece.master, key)
+                whole = torch.zeros(unit.layout.shard_numel, dtype=state.dtype, device=state.device)
+                whole.narrow(0, piece.offset, piece.master.numel()).copy_(state)
+                write_slot(unit.layout, unit.shard_rank, slot, value, whole)
+                state.copy_(whole.narrow(0, piece.offset, piece.master.numel()))
+
+    # -- this rank's part ([Note: local values]) ---------------------------------------------------------
     def local_range(self, param: torch.Tensor) -> tuple[ShardedUnit, int, int]:
         """`param`'s unit, and where its part starts in this rank's shard and how long it is (0: none here)."""
         unit, _, slot = self._slot_of(param)
