@@ -119,7 +119,7 @@ def _footprints(rank: int, world_size: int) -> dict[str, tuple[int, int, int]]:
         for step, batch in enumerate(global_batches(case, world_size)):
             before = engine.comm_stats.snapshot()["reduce_scatter"]["bus_bytes"]
             engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro)))
-            if step == 0:  # an adapter-like gradient and a frozen weight, read whole: equal in both variants
+            if step == 0:  # an adapter-like gradient (equal in both variants) and a weight frozen in one (None there)
                 block = model.blocks[0]
                 reads = (safe_get_full_grad(block.attn.proj.weight), safe_get_full_fp32_param(block.mlp[0].weight))
             engine.step()
@@ -139,4 +139,5 @@ def test_frozen_parameters_hold_no_master_and_send_no_gradients():
         assert 4 * trainable / 2 <= master <= 1.05 * 4 * trainable / 2 < 0.3 * plain_master, got
         assert 0 < sent < 0.3 * plain_sent, got
         assert 0 < pool < 0.3 * plain_pool, got  # gradients are staged for the trainable sections only
-        assert all(torch.equal(a, b) for a, b in zip(reads, plain_reads, strict=True)), (reads, plain_reads)
+        assert torch.equal(reads[0], plain_reads[0]), (reads, plain_reads)
+        assert reads[1] is None and plain_reads[1] is not None  # a frozen parameter has no fp32 master, as DeepSpeed

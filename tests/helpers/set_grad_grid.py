@@ -117,6 +117,7 @@ def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, in
     """Per step: the flat parameters, and what `edit` returned with whether the step was applied; the host copies
     made in backward."""
     import zeroshard
+    from zeroshard.utils import safe_get_full_grad
 
     model = build_model(case)
     config = {**ds_config(case), **extra}
@@ -124,6 +125,9 @@ def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, in
     params, seen = [], []
     for step, batch in enumerate(global_batches(case, WORLD)):
         engine.module.flip = step % 2 == 1
+        if step > 0:  # between windows a gradient reads as zero (None on fsdp2), and reading it changes nothing
+            between = safe_get_full_grad(next(engine.module.parameters()))
+            assert between is None or not between.any(), (step, between.abs().max())
         for k in range(case.gas):
             x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, WORLD, case.micro))
             engine.backward(engine(x, y))

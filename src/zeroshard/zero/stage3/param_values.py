@@ -96,7 +96,8 @@ class Stage3ParamValues:
             if self.speculation is not None and self.speculation.scaled(unit):  # by the step, in place
                 return unit.grad_copy.to(self.device, torch.float32)
             return unit.grad_copy.to(self.device, torch.float32) * scale  # (bf16 masters: a bf16 copy)
-        away = not unit.grad_home.is_resident(unit.grad_key)  # NVMe: read in for this, then freed again
+        # NVMe: read in for this, then freed again (a zero shard is made in memory, not read: it stays)
+        away = not unit.grad_zero and not unit.grad_home.is_resident(unit.grad_key)
         unit.grad_resident()
         unit.grad_home.ready(unit.grad_key)
         out = unit.grad_shard.float() * scale
