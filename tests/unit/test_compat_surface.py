@@ -376,3 +376,20 @@ def test_deepspeeds_top_level_class_names_are_zeroshards():
     deepspeed = import_deepspeed()
     for name in ("DeepSpeedEngine", "DeepSpeedHybridEngine", "PipelineEngine", "PipelineModule", "log_dist"):
         assert hasattr(deepspeed, name), name
+
+
+def test_zero_to_fp32_takes_deepspeeds_arguments():
+    """`deepspeed.utils.zero_to_fp32`'s functions, `lazy_mode` and `to_torch_tensor` included (values:
+    tests/distributed/test_checkpoint.py)."""
+    import zeroshard.utils.zero_to_fp32 as ours
+
+    theirs = import_deepspeed("deepspeed.utils.zero_to_fp32")
+    for name in (
+        "get_fp32_state_dict_from_zero_checkpoint",
+        "convert_zero_checkpoint_to_fp32_state_dict",
+        "convert_zero_checkpoint_to_state_dict",
+        "load_state_dict_from_zero_checkpoint",
+        "to_torch_tensor",
+    ):
+        mine, reference = getattr(ours, name), getattr(theirs, name)
+        assert list(inspect.signature(mine).parameters) == list(inspect.signature(reference).parameters), name

@@ -62,31 +62,86 @@ def _exported_names(meta: CheckpointMetadata, exclude_frozen: bool) -> list[str]
     ]
 
 
+_OUTPUT_DTYPES = {**DTYPES, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def output_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """An output dtype as DeepSpeed's conversion takes it: a torch dtype or its name ("bf16", "bfloat16",
+    "torch.bfloat16"), fp32, fp16 or bf16."""
+    name = dtype.removeprefix("torch.").lower() if isinstance(dtype, str) else None
+    resolved = _OUTPUT_DTYPES.get(name) if name is not None else dtype
+    if resolved not in _OUTPUT_DTYPES.values():
+        raise ValueError(f"output dtype {dtype!r}: choose one of {', '.join(sorted(_OUTPUT_DTYPES))}")
+    assert isinstance(resolved, torch.dtype)
+    return resolved
+
+
 def _out_dtype(stored: str, dtype: torch.dtype) -> torch.dtype:
     kept = dtype_from_name(stored)
     return dtype if kept.is_floating_point else kept
 
 
+class LazyTensor:
+    """One consolidated tensor of a checkpoint, read only by `contiguous()` (DeepSpeed's `lazy_mode` tensors): `shape`
+    and `dtype` are known from the metadata, so a caller can plan (shards, say) before any byte is read."""
+
+    def __init__(self, tag_dir: str, meta: CheckpointMetadata, name: str) -> None:
+        self._tag_dir, self._meta, self.name = tag_dir, meta, name
+        self.shape = torch.Size(meta.tensors[name].shape)
+        self.dtype = _out_dtype(meta.tensors[name].dtype, torch.float32)
+
+    def contiguous(self) -> torch.Tensor:
+        """The whole tensor, on the CPU (a new tensor per call)."""
+        with CheckpointReader(self._tag_dir, self._meta) as reader:
+            store, state = _source(reader, self.name)
+            return reader.read_tensor(store, self.name, dtype=self.dtype, state=state)
+
+
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], tag: str | None = None, exclude_frozen_parameters: bool = False
-) -> dict[str, torch.Tensor]:
-    """The consolidated fp32 state_dict (CPU). Tied names share one tensor, as in the module.
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+    lazy_mode: bool = False,
+) -> dict[str, Any]:
+    """The consolidated fp32 state_dict (CPU). Tied names share one tensor, as in the module. With `lazy_mode`, as
+    DeepSpeed's, `LazyTensor`s that read their tensor at `.contiguous()` (`to_torch_tensor` turns the dict into
+    tensors): one tensor in memory at a time.
 
     Example:
         >>> sd = get_fp32_state_dict_from_zero_checkpoint("ckpt")  # doctest: +SKIP
         >>> model.load_state_dict(sd)  # doctest: +SKIP
     """
-    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+    tag_dir = resolve_checkpoint(checkpoint_dir, tag)
+    with CheckpointReader(tag_dir) as reader:
         meta = reader.metadata
-        result: dict[str, torch.Tensor] = {}
+        result: dict[str, Any] = {}
         for name in _exported_names(meta, exclude_frozen_parameters):
-            store, state = _source(reader, name)
-            dtype = _out_dtype(meta.tensors[name].dtype, torch.float32)
-            result[name] = reader.read_tensor(store, name, dtype=dtype, state=state)
+            result[name] = LazyTensor(tag_dir, meta, name)
         for alias, canonical in meta.aliases.items():
             if canonical in result:
                 result[alias] = result[canonical]
-        return result
+    return result if lazy_mode else to_torch_tensor(result)
+
+
+def to_torch_tensor(
+    state_dict: dict[str, Any], return_empty_tensor: bool = False, dtype: torch.dtype | str | None = None
+) -> dict[str, torch.Tensor]:
+    """A lazy state_dict's tensors (DeepSpeed's `to_torch_tensor`): read (or, with `return_empty_tensor`, allocated
+    empty, for planning), floating ones in `dtype` if given; names sharing a tensor keep sharing one."""
+    out_dtype = None if dtype is None else output_dtype(dtype)
+    out: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for name, lazy in state_dict.items():
+        if id(lazy) in first:
+            out[name] = out[first[id(lazy)]]
+            continue
+        first[id(lazy)] = name
+        target = out_dtype if out_dtype is not None and lazy.dtype.is_floating_point else lazy.dtype
+        if return_empty_tensor:
+            out[name] = torch.empty(lazy.shape, dtype=target)
+        else:
+            out[name] = lazy.contiguous().to(target)
+    return out
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -185,7 +240,7 @@ def convert_zero_checkpoint_to_state_dict(
     (`pytorch_model*.bin` with `safe_serialization=False`). Tied aliases are written once, under the
     canonical name, as `save_pretrained` does. See [Note: streaming export] for the memory bound.
     """
-    out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    out_dtype = output_dtype(dtype)
     out = os.fspath(output_dir)
     created = not os.path.isdir(out)
     started: list[str] = []

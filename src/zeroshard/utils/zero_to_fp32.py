@@ -18,10 +18,12 @@ import sys
 from collections.abc import Sequence
 
 from zeroshard.checkpoint.export import (
+    LazyTensor,
     convert_zero_checkpoint_to_fp32_state_dict,
     convert_zero_checkpoint_to_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
+    to_torch_tensor,
 )
 
 # what save_checkpoint writes beside `latest` (DeepSpeed's `_copy_recovery_script`)
@@ -65,11 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
+    "LazyTensor",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "main",
+    "to_torch_tensor",
 ]
 
 if __name__ == "__main__":
