@@ -25,10 +25,11 @@ def test_set_gradients_train_as_the_reference_edits_them(ranks: list[dict]) -> N
         want = reference_params(case)
         for rank, result in enumerate(ranks):
             params, seen, _ = result[name]
-            for step, ((read_back, applied), got) in enumerate(zip(seen, params, strict=True)):
+            for step, ((read_back, applied, resident), got) in enumerate(zip(seen, params, strict=True)):
                 where = f"{name} rank {rank} step {step}"
                 assert read_back == 0.0, f"{where}: safe_get_full_grad read back {read_back} off the value set"
                 assert applied, where
+                assert resident == 0, f"{where}: {resident} gradient shards left in memory, not in their swap files"
                 assert relative_difference(got, want[step]) <= 1e-6, (where, relative_difference(got, want[step]))
 
 
@@ -44,7 +45,7 @@ def test_gradients_set_in_host_copies_train_as_without_offload(ranks: list[dict]
             # stage 3 wrote the released shards' copies, which the step used; stages 1-2 wrote the shards, so the step
             # copied every group again (the copies made in backward were stale)
             assert copies > 0 if case.stage == 3 else copies == 0, (name, copies)
-            assert seen == plain_seen and all(read == 0.0 and applied for read, applied in seen), (name, seen)
+            assert seen == plain_seen and all(read == 0.0 and applied for read, applied, _ in seen), (name, seen)
             for step, (got, want) in enumerate(zip(params, plain_params, strict=True)):
                 assert torch.equal(got, want), (name, rank, step, relative_difference(got, want))
 
@@ -57,3 +58,13 @@ def test_a_nan_set_after_the_boundary_skips_the_step(ranks: list[dict]) -> None:
             unchanged, released, applied = result[f"overflow-{name}"]
             assert unchanged and not applied, (name, rank, unchanged, applied)
             assert released == (name == "stage3-cpu"), (name, "the released shard's copy is not reached")
+
+
+def test_setting_a_gradient_not_reduced_yet_or_of_the_wrong_length_is_refused_in_one_line(ranks: list[dict]) -> None:
+    for result in ranks:
+        stage0_mid, stage1_mid, caller_owned, short, long = result["refused"]
+        for message in (stage0_mid, stage1_mid, caller_owned):
+            assert "safe_set_full_grad: this window's gradients are not reduced yet" in message, message
+        assert "managed_gradient_accumulation false" in caller_owned, caller_owned
+        assert short == "safe_set_full_grad: the gradient has 2048 elements; the value given has 2016", short
+        assert long.startswith("safe_set_local_grad: ") and "values for this rank's part of" in long, long

@@ -20,15 +20,16 @@ CASES: list[tuple[str, Case, dict[str, Any]]] = [
     ("stage0", Case(stage=0, gas=2, steps=3, clip=CLIP), {}),
     ("stage1", Case(stage=1, gas=2, steps=3, clip=CLIP), {}),
     ("stage1-gas1", Case(stage=1, gas=1, steps=3, clip=CLIP), {}),  # no accumulator ([Note: stage 1's ... demand])
-    ("stage2-cpu", Case(stage=2, gas=2, steps=3, clip=CLIP, offload="cpu"), {}),  # host copies made in backward
+    ("stage2-cpu", Case(stage=2, gas=2, steps=3, clip=CLIP, offload="cpu"), {}),  # (host copies: COPY_CASES)
     ("stage3", Case(stage=3, gas=2, steps=3, clip=CLIP), {}),
-    ("stage3-cpu", Case(stage=3, gas=2, steps=3, clip=CLIP, offload="cpu"), {}),  # shards released to host copies
+    ("stage3-cpu", Case(stage=3, gas=2, steps=3, clip=CLIP, offload="cpu"), {}),
     ("stage3-partial", Case(stage=3, gas=1, steps=3, clip=CLIP, offload="cpu", ratio=0.5), {}),
     ("stage3-nvme", Case(stage=3, gas=2, steps=3, clip=CLIP, offload="nvme"), {}),  # shards in swap files
     ("fsdp2", Case(stage=3, gas=2, steps=3, clip=CLIP), {"zeroshard": {"backend": "fsdp2"}}),
 ]
 # On the CPU a host copy exists only where the dtype changes ([Note: gradients to the host during backward]): bf16
-# gradient shards. These runs match the same run without offload bit for bit (where stage 3 keeps the shard).
+# gradient shards (stage 3 releases them into the fp32 copies). These runs match the same run without offload bit for
+# bit, the values set rounded to bf16 alike on both.
 BF16_GRADS = {"data_types": {"grad_accum_dtype": "bf16"}}
 COPY_CASES: list[tuple[str, Case]] = [
     ("stage2", Case(stage=2, dtype="bf16", gas=2, steps=2, clip=CLIP, offload="cpu")),
@@ -43,15 +44,15 @@ OVERFLOW_CASES: list[tuple[str, Case]] = [
 
 
 def surgery(index: int, step: int, grad: torch.Tensor) -> torch.Tensor | None:
-    """The new gradient of the `index`-th parameter (None: left alone): half its elements masked, scaled and
-    negated and doubled, or halved (stage 3 does the last through the local API): exact in bf16, so a bf16 shard
-    holds the value set as exactly as an fp32 host copy does."""
+    """The new gradient of the `index`-th parameter (None: left alone): half its elements masked, doubled (negated
+    every other step) and shifted by an amount bf16 cannot hold, or halved (stage 3 does the last through the local
+    API)."""
     if index % 4 == 0:
         out = grad.clone()
         out.view(-1)[: out.numel() // 2] = 0
         return out
     if index % 4 == 1:
-        return grad * (-2 if step % 2 else 2)
+        return grad * (-2 if step % 2 else 2) + 1e-3 / 3
     if index % 4 == 2:
         return grad * 0.5
     return None
@@ -81,9 +82,9 @@ def reference_params(case: Case) -> list[torch.Tensor]:
     return out
 
 
-def _edit(engine: Any, step: int, local: bool) -> float:
-    """The boundary's surgery through DeepSpeed's calls; the largest difference between a value set and what
-    `safe_get_full_grad` then reads (0: exact)."""
+def _edit(engine: Any, step: int, local: bool, held: torch.dtype = torch.float32) -> float:
+    """The boundary's surgery through DeepSpeed's calls; the largest difference between a value set, as gradients of
+    dtype `held` hold it, and what `safe_get_full_grad` then reads (0: exact)."""
     from zeroshard.utils import (
         safe_get_full_grad,
         safe_get_local_grad,
@@ -110,7 +111,8 @@ def _edit(engine: Any, step: int, local: bool) -> float:
             safe_set_local_grad(p, safe_get_local_grad(p) * 0.5)
         elif i % 4 == 2:
             safe_set_full_grad(p, surgery(i, step, safe_get_full_grad(p)))
-    return max(float((safe_get_full_grad(trainable[i]) - value).abs().max()) for i, value in written.items())
+    back = [(safe_get_full_grad(trainable[i]), value.to(held).float()) for i, value in written.items()]
+    return max(float((got - value).abs().max()) for got, value in back)
 
 
 def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, int], Any]) -> tuple[list, list, int]:
@@ -133,8 +135,9 @@ def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, in
             engine.backward(engine(x, y))
             if k == case.gas - 1:
                 seen.append(edit(engine, step))
+                resident = _swapped_in(engine)
             engine.step()
-        seen[-1] = (seen[-1], engine.was_step_applied())
+        seen[-1] = (seen[-1], engine.was_step_applied(), resident)
         with engine.gathered_for_generation():
             params.append(flat_params(engine.module))
     copies = getattr(engine.strategy, "host_copies_in_backward", 0)  # the fsdp2 backend has none
@@ -154,7 +157,8 @@ def run_grid(rank: int, world_size: int) -> dict[str, Any]:
         local = case.stage == 3
         for offload in ("cpu", "none"):
             twin = replace(case, offload=offload)
-            out[f"copies-{name}-{offload}"] = _train(rank, twin, BF16_GRADS, lambda e, s, k=local: _edit(e, s, k))
+            edit = lambda e, s, k=local: _edit(e, s, k, torch.bfloat16)  # noqa: E731
+            out[f"copies-{name}-{offload}"] = _train(rank, twin, BF16_GRADS, edit)
 
     def poison(engine: Any, step: int) -> bool:
         """NaN into wte.weight's gradient; whether stage 3 had released its shard into the host copy."""
@@ -166,5 +170,50 @@ def run_grid(rank: int, world_size: int) -> dict[str, Any]:
     for name, case in OVERFLOW_CASES:
         before = flat_params(build_model(case).to(torch.bfloat16))
         params, seen, _ = _train(rank, case, BF16_GRADS, poison)
-        out[f"overflow-{name}"] = (bool(torch.equal(params[-1], before)), *seen[-1])
+        out[f"overflow-{name}"] = (bool(torch.equal(params[-1], before)), *seen[-1][:2])
+    out["refused"] = _refusals(rank)
+    return out
+
+
+def _swapped_in(engine: Any) -> int:
+    """Stage-3 gradient shards kept in swap files that are in memory now (the gets and sets read them in and let
+    them go again: 0)."""
+    if engine.zero_optimization_stage() != 3 or not engine.strategy.gradients_tier.holds_shards:
+        return 0
+    return sum(u.grad_home.is_resident(u.grad_key) and not u.grad_zero for u in engine.strategy.units if u.trainable)
+
+
+def _refusals(rank: int) -> list[str]:
+    """Where no reduced gradient exists yet, and values of the wrong length: one line each."""
+    import zeroshard
+    from zeroshard.utils import safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+
+    out = []
+    for stage, gas, managed in ((0, 2, True), (1, 2, True), (0, 1, False)):
+        case = Case(stage=stage, gas=gas, steps=1)
+        model = build_model(case)
+        config = {**ds_config(case), "managed_gradient_accumulation": managed}
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+        x, y = micro_batch(global_batches(case, WORLD)[0], 0, rank, WORLD, case.micro)
+        engine.backward(engine(x, y))  # mid-window (gas 2), or before step() reduces a caller-owned window
+        try:
+            safe_set_full_grad(next(model.parameters()), torch.zeros(64, 32))
+        except zeroshard.ZeroshardError as e:
+            out.append(str(e))
+        engine.destroy()
+    case = Case(stage=3, steps=1)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    x, y = micro_batch(global_batches(case, WORLD)[0], 0, rank, WORLD, case.micro)
+    engine.backward(engine(x, y))
+    weight = next(model.parameters())
+    for call, value in (
+        (safe_set_full_grad, torch.zeros(63, 32)),
+        (safe_set_local_grad, torch.zeros(safe_get_local_grad(weight).numel() + 1)),
+    ):
+        try:
+            call(weight, value)
+        except zeroshard.ZeroshardError as e:
+            out.append(str(e))
+    engine.destroy()
     return out

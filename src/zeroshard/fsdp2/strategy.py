@@ -246,7 +246,7 @@ class Fsdp2Strategy(Strategy):
         local = sp.local_grad()
         assert local is not None
         with torch.no_grad():
-            local.copy_(own_rows(sp, self._unscaled(value)))
+            local.copy_(own_rows(sp, self._unscaled(value, sp.full_numel, local.dtype)))
 
     # -- gathering (GatheredParameters) ------------------------------------------------------------------
     def gather_begin(

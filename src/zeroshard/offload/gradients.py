@@ -29,14 +29,17 @@ back, then reads them chunk by chunk with the optimizer state.
 [Note: setting a gradient]
 DeepSpeed's `safe_set_full_grad` / `safe_set_local_grad` / `safe_update_full_grad_vectorized` replace a parameter's
 reduced gradient between the boundary's backward and the step (gradient surgery: masking rows of an embedding,
-clipping one layer). The value is in `safe_get_full_grad`'s terms (averaged over ranks, unscaled), so this rank's
-elements are divided by the step's scale and written into the gradient shard in its own dtype; reading it back gives
-the value (exactly when the scale is a power of two). Wherever else the step would read the old values, they go: a
-shard released after its host copy is first made resident again from the copy (as for a further backward), the host
-copy is marked stale (the step refreshes it from the shard), the boundary record that stands for a shard on NVMe is
-taken again from the new values (`rewritten`: the clipping norm and the inf/nan check see them) before the shard is
-written back to its swap file. Stage 1 before the window's reduction has no gradient shard yet (its range holds the
-unreduced accumulation): refused, as are super_offload's sub-groups stepped during the backward.
+clipping one layer). The value is in `safe_get_full_grad`'s terms (averaged over ranks, unscaled); the shards hold
+sums that the step multiplies by its scale, so this rank's elements are divided by that scale and rounded to the
+shard's dtype (wherever they are written: the same value on every tier), then written where the step will read them:
+the shard itself; a stage-3 shard released into its host copy stays released and the copy takes the values (still
+`grad_copy_ready`); a shard on NVMe is read in, written and written back. Whatever else the step would have read
+goes: a host copy that stages 1-2 made in backward is made again at the step, and the boundary record that stands
+for a released or swapped-out shard is taken again from the new values (`rewritten`), so the clipping norm and the
+inf/nan check see them. Reading the value back gives it exactly when the division is exact in the shard's dtype
+(a power-of-two scale: world size and gradient_predivide_factor powers of two; bf16 gradients hold bf16 values).
+Refused where no reduced gradient exists yet: stages 0-1 before their window's reduction (mid-window, or with
+caller-owned windows, which `step()` reduces), and super_offload's sub-groups stepped during the backward.
 
 [Note: publishing a host master to the GPU]
 With the optimizer offloaded and the compute parameters on the GPU, `param.copy_(master)` (fp32 host -> bf16

@@ -110,9 +110,9 @@ def safe_update_full_grad_vectorized(param_list: Sequence[torch.Tensor], update_
             if param.grad is not None:
                 param.grad.copy_(update_func(param.grad, param))
             continue
-        if not param.requires_grad:
-            continue
-        safe_set_full_grad(param, update_func(safe_get_full_grad(param), param))
+        grad = safe_get_full_grad(param) if param.requires_grad else None
+        if grad is not None:  # (None: fsdp2 with no gradient on any rank)
+            safe_set_full_grad(param, update_func(grad, param))
 
 
 # -- one rank's part of a stage-3 parameter ([Note: local values] in zero/stage3/param_values.py) -------------------

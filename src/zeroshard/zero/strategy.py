@@ -309,10 +309,16 @@ class Strategy(ABC):
         """Turns a reduced gradient shard into the true mean gradient (as the step's scale, without clipping)."""
         return self.step_policy.post_scale(self.comm.world_size) / self.accumulation.loss_scale
 
-    def _unscaled(self, value: torch.Tensor) -> torch.Tensor:
-        """A gradient in `full_grad`'s terms as the shards hold it (the step multiplies them by `_grad_scale`), fp32."""
+    def _unscaled(
+        self, value: torch.Tensor, numel: int, dtype: torch.dtype, call: str = "safe_set_full_grad"
+    ) -> torch.Tensor:
+        """A gradient in `full_grad`'s terms (of `numel` elements, else a one-line error) as a shard of `dtype` holds
+        it: divided by the step's scale (`_grad_scale`), rounded to `dtype` wherever it is written (a host copy in
+        fp32 too), returned in fp32 ([Note: setting a gradient])."""
+        if value.numel() != numel:
+            raise ZeroshardError(f"{call}: the gradient has {numel} elements; the value given has {value.numel()}")
         value, scale = value.detach().to(torch.float32), self._grad_scale()
-        return value / scale if scale != 1.0 else value
+        return (value / scale if scale != 1.0 else value).to(dtype).to(torch.float32)
 
     def _has_state(self, key: str) -> bool:
         """Whether the optimizer holds state `key` on any rank (decided together, so every rank gathers or none)."""

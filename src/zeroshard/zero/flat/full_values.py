@@ -93,14 +93,16 @@ class FlatFullValues(Strategy):
             self._scatter_slot(param, value, lambda buffers: self._state_of(buffers.master, key))
 
     def set_full_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
+        if self.reducer.window_unreduced:  # stages 0-1 reduce a window once, at its end
             raise ZeroshardError(
-                "safe_set_full_grad: this window's gradients are not reduced yet; set them after the backward of "
-                "the accumulation boundary (engine.is_gradient_accumulation_boundary()), before engine.step()"
+                "safe_set_full_grad: this window's gradients are not reduced yet (stages 0-1 reduce a window at its "
+                "end); set them after the accumulation boundary's backward, before engine.step() (with "
+                "managed_gradient_accumulation false, step() reduces the window: set gradients at stage 2 or 3)"
             )
         self.reducer.settle()
-        buffers, _ = self._slot_of(param)  # [Note: setting a gradient] in offload/gradients.py
-        self._scatter_slot(param, self._unscaled(value), lambda b: b.grad_shard)
+        buffers, slot = self._slot_of(param)  # [Note: setting a gradient] in offload/gradients.py
+        value = self._unscaled(value, slot.numel, buffers.grad_shard.dtype)
+        self._scatter_slot(param, value, lambda b: b.grad_shard)
         self._copied -= {bucket.id for bucket in buffers.layout.buckets}  # the step copies the group again
 
     def _agree_slot(self, call: str, param: torch.Tensor, what: str, checks_state: bool = False) -> None:

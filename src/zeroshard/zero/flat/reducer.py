@@ -224,6 +224,12 @@ class GradientReducer:
                 buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel).zero_()
 
     @property
+    def window_unreduced(self) -> bool:
+        """Stages 0-1 hold this window's gradients unreduced in the full accumulator (before the boundary's backward
+        reduces them, or `step()` with caller-owned windows): no rank holds a reduced gradient yet."""
+        return not self._window_reduced and any(b.grad_full is not None for b in self.groups)
+
+    @property
     def shard_is_scratch(self) -> bool:
         """Stage 1 before this window's reduction: the shard's range of the accumulator holds unreduced gradients
         ([Note: stage 1's shard inside its accumulator])."""

@@ -73,7 +73,9 @@ class Stage3ParamValues:
 
         def _pieces_of(self, unit: ShardedUnit) -> list[Any]: ...
 
-        def _unscaled(self, value: torch.Tensor) -> torch.Tensor: ...
+        def _unscaled(
+            self, value: torch.Tensor, numel: int, dtype: torch.dtype, call: str = "safe_set_full_grad"
+        ) -> torch.Tensor: ...
 
     # -- one parameter's full values ([Note: parameter registry]) -------------------------------------------
     def full_fp32_param(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -204,15 +206,17 @@ class Stage3ParamValues:
         unit, _, slot = self._slot_of(param)
         if not unit.layout.owned_parts(unit.shard_rank, slot.offset, slot.offset + slot.numel):
             return  # this rank holds none of it
+        value = self._unscaled(value, slot.numel, unit.grad_shard.dtype)
         with self._grad_target(unit) as target:
-            write_slot(unit.layout, unit.shard_rank, slot, self._unscaled(value), target)
+            write_slot(unit.layout, unit.shard_rank, slot, value, target)
 
     def set_local_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
         if not param.requires_grad or self.optimizer is None:
             return
         unit, at, numel = self._settable(param, value, "safe_set_local_grad")
+        value = self._unscaled(value, numel, unit.grad_shard.dtype, "safe_set_local_grad")
         with self._grad_target(unit) as target:
-            target.narrow(0, at, numel).copy_(self._unscaled(value).reshape(-1))
+            target.narrow(0, at, numel).copy_(value.reshape(-1))
 
     @contextmanager
     def _grad_target(self, unit: ShardedUnit) -> Iterator[torch.Tensor]:
