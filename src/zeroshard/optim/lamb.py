@@ -115,7 +115,7 @@ class Lamb(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         device = stepped[0].device if stepped else torch.device("cpu")
-        sums = torch.zeros(2, count, dtype=torch.float64, device=device)  # |W|^2 and |u|^2 per parameter
+        sums = torch.zeros(2, count, dtype=torch.float64)  # |W|^2 and |u|^2 per parameter, summed on the host
         updates: dict[int, torch.Tensor] = {}
         steps: dict[int, int] = {}
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weights, update) of each segment, in plan order
@@ -148,9 +148,13 @@ class Lamb(torch.optim.Optimizer):
                 pieces.append((flat.narrow(0, offset, length), flat_update.narrow(0, offset, length)))
                 ks.append(k)
         if ks:  # one call per device for all segments (a few kernels per segment cost 30% of a 400-segment step)
-            at = torch.tensor(ks, device=device)
-            sums[0].index_add_(0, at, _squares([w for w, _ in pieces], device))
-            sums[1].index_add_(0, at, _squares([u for _, u in pieces], device))
+            # a parameter's segments are added on the host, in order: CUDA's index_add_ adds repeated indices with
+            # atomics, in any order (float64 sums then differ in their last bits from run to run); the coefficients
+            # are read on the host below anyway
+            at = torch.tensor(ks)
+            sums[0].index_add_(0, at, _squares([w for w, _ in pieces], device).cpu())
+            sums[1].index_add_(0, at, _squares([u for _, u in pieces], device).cpu())
+        sums = sums.to(device)  # the plan all-reduces it over the ranks' device group
         if self.plan is not None:
             self.plan.reduce(sums)
         norms = sums.sqrt()
