@@ -84,9 +84,10 @@ def _resume(rank: int, world_size: int, case: PipeCase, folder: str) -> tuple[li
     return first + straight, first + resumed
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_pipeline_checkpoint_resume(world_size: int, tmp_path: Path) -> None:
-    case = PipeCase(2, "1f1b", zero=1)
+@pytest.mark.parametrize(("world_size", "serial"), [(2, False), (4, False), (4, True)])
+def test_pipeline_checkpoint_resume(world_size: int, serial: bool, tmp_path: Path) -> None:
+    """`serial`: pipeline_loading_checkpoint, the stages load in turns (each turn ends through the store)."""
+    case = PipeCase(2, "1f1b", zero=1, serial_load=serial)
     per_rank = run_on_ranks(_resume, world_size, case, str(tmp_path))
     want = reference(case, world_size // case.stages)[:-1]
     for straight, resumed in per_rank:

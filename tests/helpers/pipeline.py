@@ -31,6 +31,7 @@ class PipeCase:
     tied: bool = False  # first and last layer one TiedLayerSpec (the last applies its transpose)
     checkpoint_every: int = 0  # activation_checkpoint_interval
     sgd: bool = False  # SGD instead of AdamW: the update follows the clipping norm (Adam's hardly does)
+    serial_load: bool = False  # zero_optimization.pipeline_loading_checkpoint: the stages load in turns
 
     @property
     def name(self) -> str:
@@ -104,7 +105,7 @@ def config(case: PipeCase) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.gas,
         "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}} if case.sgd else ADAMW,
-        "zero_optimization": {"stage": case.zero},
+        "zero_optimization": {"stage": case.zero, "pipeline_loading_checkpoint": case.serial_load},
         "gradient_clipping": case.clip,
         "pipeline": {"stages": case.stages, "schedule": case.schedule},
     }

@@ -54,9 +54,9 @@ from zeroshard.checkpoint.format import LATEST_FILE
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.save import engine_state
 from zeroshard.checkpoint.space import bytes_to_write, check_space, space_report
-from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout
+from zeroshard.checkpoint.sync import ENTRY_PHASE, RankSync, entry_timeout, write_timeout
 from zeroshard.checkpoint.torn import cure, load_scope, mark_torn, refuse_torn
-from zeroshard.comm.topology import Topology
+from zeroshard.comm.topology import NodeLayout, Topology
 from zeroshard.errors import ZeroshardError
 from zeroshard.pipe.context import PipeContext
 
@@ -220,6 +220,11 @@ class PipelineCheckpointMixin(CheckpointMixin):
         result: T | None = None
         error: BaseException | None = None
         torn_before = self._torn_load
+        world = self.pipe.world
+        # turns end through the store, each wait bounded by a load's own deadline (a node's ranks in turn): an
+        # all-reduce would leave the waiting stages to the process group's timeout (NCCL's 10 minutes)
+        turns = None if at_once else RankSync("checkpoint turns", world.rank, world.world_size, prefix=WORLD_PREFIX)
+        wait = write_timeout() * NodeLayout.from_env(world.world_size).ranks_per_node
         for turn in range(1 if at_once else self.pipe.groups.grid.stages):
             if at_once or turn == self.pipe.groups.stage:
                 try:
@@ -227,10 +232,10 @@ class PipelineCheckpointMixin(CheckpointMixin):
                         result = call()
                 except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
                     error = e
-            if not at_once:  # a turn ends on the host (.item()): on NCCL the all-reduce alone only orders streams
-                turn_over = torch.zeros(1, device=self.topology.device)
-                self.pipe.world.all_reduce(turn_over, label="pipe.checkpoint_turn")
-                turn_over.item()
+            if turns is not None:
+                turns.all_gather(f"turn{turn}", {}, wait)
+        if turns is not None:
+            turns.leave(wait)
         stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
         # failed; wrote (a load: done, or torn by it); torn after it (a load that repaired some stages only)
         flags = torch.zeros(3, stages, device=self.topology.device)
