@@ -4,7 +4,8 @@
 # a session, the machine's start included). From the repository root, on the GPU machine:
 #
 #     bash benchmarks/gpu_calls.sh 1   # the GPU suite (make test-gpu); rows a, b, b+ at 18 layers; the compiled test
-#     bash benchmarks/gpu_calls.sh 2   # rows a0, so (super_offload, no clipping) at 18 layers; the overlap profile
+#     bash benchmarks/gpu_calls.sh 2   # rows a0, so (super_offload, no clipping) at 18 layers; the gradient setters'
+#                                      # GPU test; the overlap profile
 #     bash benchmarks/gpu_calls.sh 3   # row c+ at 49 layers (10.18B parameters; else 46): the 10B target of (c)
 #     bash benchmarks/gpu_calls.sh 4   # row c at 32/28/24 layers, FSDP2 at c's depth, DeepSpeed's row at 18 layers
 #     bash benchmarks/gpu_calls.sh 5   # row d (NVMe) at 14 layers
@@ -46,6 +47,7 @@ gpu_tests() {
         --junitxml "$out/$name.xml" --durations 0 "$@"
 }
 COMPILE=tests/gpu/test_cuda.py::test_compiled_engine_on_cuda  # ~40 cold inductor compiles: run last
+SET_GRAD=tests/gpu/test_cuda_set_grad.py  # added after call 1's budget was set: run in call 2
 
 offload() {  # `offload NAME SECONDS ARGS...`: benchmarks.gpu_offload with its JSON beside the log
     local name=$1 seconds=$2
@@ -57,12 +59,14 @@ case ${1:-} in
 1)
     { nvidia-smi; python -m zeroshard.cli.main report; } >"$out/machine.txt" 2>&1  # versions, pinning, disk
     # bounds with their 20 s grace each: 200 + 190 + 110 + 60 < 600 s, the device tool's limit for one command
-    gpu_tests test_gpu 200 tests/gpu --deselect "$COMPILE"
+    gpu_tests test_gpu 200 tests/gpu --deselect "$COMPILE" --deselect "$SET_GRAD"
     offload rows_ab 190 --try a:18 b:=a b+:=a --ratio 0.55 --steps 5 --warmup 2 --timeout 95
     gpu_tests test_gpu_compile 110 "$COMPILE"
     ;;
 2)
-    offload rows_so 360 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150
+    # bounds with their 20 s grace each: 300 + 60 + 170 < 600 s (two tries of at most 150 s each)
+    offload rows_so 300 --try a0:18 so:=a0 --sub-group-size 200000000 --steps 5 --warmup 2 --timeout 150
+    gpu_tests test_gpu_set_grad 60 "$SET_GRAD"
     step overlap 170 python -m benchmarks.overlap --ops 25 --json "$out/overlap.json"
     ;;
 3)

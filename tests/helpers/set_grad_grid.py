@@ -1,6 +1,7 @@
 """`safe_set_full_grad`, `safe_update_full_grad_vectorized` and `safe_set_local_grad` ([Note: setting a gradient])
-on 2 gloo ranks, every stage and gradient tier, against a single-process reference that edits `p.grad` the same
-way before clipping and AdamW. `run_grid` runs on every rank; `reference_params` is the reference."""
+on 2 gloo ranks (or CUDA ranks: tests/gpu), every stage and gradient tier, against a single-process reference that
+edits `p.grad` the same way before clipping and AdamW. `run_grid` runs on every rank; `reference_params` is the
+reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 
 from helpers.parity import Case, build_model, ds_config, flat_params, global_batches, micro_batch, param_groups
 
-WORLD = 2
 CLIP = 0.5  # the surgery raises the norm: clipping acts, so it must see the new gradients
 
 # (name, Case, extra config): every place a reduced gradient waits for the step
@@ -58,19 +58,19 @@ def surgery(index: int, step: int, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def reference_params(case: Case) -> list[torch.Tensor]:
+def reference_params(case: Case, world: int = 2) -> list[torch.Tensor]:
     """Plain PyTorch on the whole global batch; `surgery` on `p.grad` before clipping and AdamW."""
     model = build_model(case)
     optimizer = torch.optim.AdamW(param_groups(model, case), lr=case.lr)
     trainable = [p for p in model.parameters() if p.requires_grad]
     out = []
-    for step, batch in enumerate(global_batches(case, WORLD)):
+    for step, batch in enumerate(global_batches(case, world)):
         model.flip = step % 2 == 1
         model.zero_grad()
         for k in range(case.gas):
-            for r in range(WORLD):
-                x, y = micro_batch(batch, k, r, WORLD, case.micro)
-                (model(x, y) / (WORLD * case.gas)).backward()
+            for r in range(world):
+                x, y = micro_batch(batch, k, r, world, case.micro)
+                (model(x, y) / (world * case.gas)).backward()
         with torch.no_grad():
             for i, p in enumerate(trainable):
                 new = surgery(i, step, p.grad)
@@ -115,7 +115,9 @@ def _edit(engine: Any, step: int, local: bool, held: torch.dtype = torch.float32
     return max(float((got - value).abs().max()) for got, value in back)
 
 
-def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, int], Any]) -> tuple[list, list, int]:
+def _train(
+    rank: int, world: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, int], Any]
+) -> tuple[list, list, int]:
     """Per step: the flat parameters, and what `edit` returned with whether the step was applied; the host copies
     made in backward."""
     import zeroshard
@@ -125,13 +127,13 @@ def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, in
     config = {**ds_config(case), **extra}
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     params, seen = [], []
-    for step, batch in enumerate(global_batches(case, WORLD)):
+    for step, batch in enumerate(global_batches(case, world)):
         engine.module.flip = step % 2 == 1
         if step > 0:  # between windows a gradient reads as zero (None on fsdp2), and reading it changes nothing
             between = safe_get_full_grad(next(engine.module.parameters()))
             assert between is None or not between.any(), (step, between.abs().max())
         for k in range(case.gas):
-            x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, WORLD, case.micro))
+            x, y = (t.to(engine.device) for t in micro_batch(batch, k, rank, world, case.micro))
             engine.backward(engine(x, y))
             if k == case.gas - 1:
                 seen.append(edit(engine, step))
@@ -148,17 +150,16 @@ def _train(rank: int, case: Case, extra: dict[str, Any], edit: Callable[[Any, in
 def run_grid(rank: int, world_size: int) -> dict[str, Any]:
     from zeroshard.utils import safe_set_full_grad
 
-    assert world_size == WORLD
     out: dict[str, Any] = {}
     for name, case, extra in CASES:
         local = case.stage == 3 and not extra
-        out[name] = _train(rank, case, extra, lambda engine, step, local=local: _edit(engine, step, local))
+        out[name] = _train(rank, world_size, case, extra, lambda engine, step, local=local: _edit(engine, step, local))
     for name, case in COPY_CASES:
         local = case.stage == 3
         for offload in ("cpu", "none"):
             twin = replace(case, offload=offload)
             edit = lambda e, s, k=local: _edit(e, s, k, torch.bfloat16)  # noqa: E731
-            out[f"copies-{name}-{offload}"] = _train(rank, twin, BF16_GRADS, edit)
+            out[f"copies-{name}-{offload}"] = _train(rank, world_size, twin, BF16_GRADS, edit)
 
     def poison(engine: Any, step: int) -> bool:
         """NaN into wte.weight's gradient; whether stage 3 had released its shard into the host copy."""
@@ -168,10 +169,10 @@ def run_grid(rank: int, world_size: int) -> dict[str, Any]:
         return released
 
     for name, case in OVERFLOW_CASES:
-        before = flat_params(build_model(case).to(torch.bfloat16))
-        params, seen, _ = _train(rank, case, BF16_GRADS, poison)
+        before = flat_params(build_model(case).to(torch.bfloat16))  # (flat_params: on the host)
+        params, seen, _ = _train(rank, world_size, case, BF16_GRADS, poison)
         out[f"overflow-{name}"] = (bool(torch.equal(params[-1], before)), *seen[-1][:2])
-    out["refused"] = _refusals(rank)
+    out["refused"] = _refusals(rank, world_size)
     return out
 
 
@@ -183,7 +184,7 @@ def _swapped_in(engine: Any) -> int:
     return sum(u.grad_home.is_resident(u.grad_key) and not u.grad_zero for u in engine.strategy.units if u.trainable)
 
 
-def _refusals(rank: int) -> list[str]:
+def _refusals(rank: int, world: int) -> list[str]:
     """Where no reduced gradient exists yet, and values of the wrong length: one line each."""
     import zeroshard
     from zeroshard.utils import safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
@@ -194,7 +195,7 @@ def _refusals(rank: int) -> list[str]:
         model = build_model(case)
         config = {**ds_config(case), "managed_gradient_accumulation": managed}
         engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
-        x, y = micro_batch(global_batches(case, WORLD)[0], 0, rank, WORLD, case.micro)
+        x, y = (t.to(engine.device) for t in micro_batch(global_batches(case, world)[0], 0, rank, world, case.micro))
         engine.backward(engine(x, y))  # mid-window (gas 2), or before step() reduces a caller-owned window
         try:
             safe_set_full_grad(next(model.parameters()), torch.zeros(64, 32))
@@ -204,7 +205,7 @@ def _refusals(rank: int) -> list[str]:
     case = Case(stage=3, steps=1)
     model = build_model(case)
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
-    x, y = micro_batch(global_batches(case, WORLD)[0], 0, rank, WORLD, case.micro)
+    x, y = (t.to(engine.device) for t in micro_batch(global_batches(case, world)[0], 0, rank, world, case.micro))
     engine.backward(engine(x, y))
     weight = next(model.parameters())
     for call, value in (
