@@ -194,3 +194,28 @@ def test_save_16bit_model_gathers_the_tensor_parallel_slices(tmp_path, stage: in
     whole = results[0]["consolidated"]
     assert results[1]["consolidated"] is None and set(whole) == set(want), results[1]["consolidated"]
     assert [k for k, v in want.items() if whole[k][0] != "cpu" or not torch.equal(whole[k][1], v.float())] == []
+
+
+def _nan_in_a_replicated_gradient(rank: int, world_size: int) -> tuple[bool, bool]:
+    import zeroshard
+    from zeroshard.utils import safe_set_full_grad
+
+    cfg = config(TpCase(stage=2, clip=0.0))
+    cfg["bf16"] = {"enabled": True}  # overflow is checked (bf16.check_grad_overflow, DeepSpeed's default)
+    cfg["zero_optimization"]["compute_grad_norm"] = False  # no norm to turn non-finite either
+    model = llama()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ids = batch(0, 0)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    weight = model.model.norm.weight  # replicated over tp: its gradient is outside the split's sharded part
+    safe_set_full_grad(weight, torch.full(tuple(weight.shape), float("nan")))
+    engine.step()
+    out = (engine.was_step_applied(), bool(torch.isnan(weight.float()).any()))
+    engine.destroy()
+    return out
+
+
+def test_a_nan_in_a_replicated_parameters_gradient_skips_the_step() -> None:
+    """tp2, bf16, stage 2 without compute_grad_norm: the inf/nan check covers the replicated parameters too (it
+    read the tensor-parallel part's shards only, and the step applied the NaN)."""
+    assert run_on_ranks(_nan_in_a_replicated_gradient, 2) == [(False, False), (False, False)]

@@ -27,6 +27,7 @@ from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.gradients import GradShard
+from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.stepmath import tensor_norms
@@ -64,6 +65,9 @@ class TensorParallelStrategy(SplitStrategy):
 
     def _grad_slots(self) -> list[GradShard]:
         return self.sharded._grad_slots()
+
+    def _extra_overflow(self) -> bool:
+        return has_inf_or_nan([s.shard for s in self.replicated._grad_slots()])
 
     def _extra_norms(self) -> list[torch.Tensor]:
         """The replicated parameters' norms, weighted to count once in the sum over tp ([Note: tensor-parallel

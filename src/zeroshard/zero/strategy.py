@@ -211,6 +211,7 @@ class Strategy(ABC):
         self._before_step()
         with_norms = self.step_policy.compute_norm
         norms, overflow = self.gradients_tier.norms(self._grad_slots(), self._make_grads_resident, with_norms)
+        overflow = overflow or (self.step_policy.check_overflow and self._extra_overflow())
         norms += self._extra_norms() if with_norms else []
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
@@ -238,6 +239,11 @@ class Strategy(ABC):
         """Norms of gradients outside the shards that count in the global norm, in the same terms (summed over
         ranks, prescaled); none by default."""
         return []
+
+    def _extra_overflow(self) -> bool:
+        """Whether gradients the step applies outside `_grad_slots` hold inf/nan (asked when overflow is checked:
+        the norm alone misses them without compute_grad_norm); none by default."""
+        return False
 
     @abstractmethod
     def _grad_slots(self) -> list[GradShard]:
