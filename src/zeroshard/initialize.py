@@ -40,7 +40,7 @@ from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
-from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.precision.policy import PrecisionPolicy, module_precision
 from zeroshard.sequence.mesh import (
     SequenceParallel,
     build_sequence_parallel,
@@ -119,7 +119,7 @@ def initialize(
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the
     # tensor-parallel size ([Note: tensor-parallel mesh]), and / the sequence-parallel size
     dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu) // sp
-    cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
+    cfg = module_precision(resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer)), model)
     if sp > 1:  # the step divides by the replicas; gradients travel in their own dtype
         cfg = dataclasses.replace(
             cfg, sequence_parallel_size=sp, communication_data_type=cfg.seq_parallel_communication_data_type

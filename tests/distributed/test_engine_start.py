@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
+
+import torch
 
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, param_groups
@@ -38,3 +41,44 @@ def test_no_rank_leaves_initialize_before_its_peers_have_connected():
     """Before, rank 1 retried the address of rank 0's finished store for 300 s (and again): the test timed out. The
     fsdp2 dtype test hit it twice under load (600 s, then a timeout) when rank 1 started late."""
     assert run_on_ranks(_late_connection, 2, timeout=60) == [True, True]
+
+
+def _in_the_module_dtype(rank: int, world_size: int) -> dict:
+    import contextlib
+
+    import zeroshard
+
+    out = {}
+    for dtype, block in ((torch.bfloat16, None), (torch.bfloat16, "bf16"), (torch.float16, None)):
+        for stage in (0, 3):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(dtype)
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": stage},
+                **({block: {"enabled": True}} if block else {}),
+            }
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+            generator, losses = torch.Generator().manual_seed(rank), []
+            for _ in range(3):  # inputs in the module's dtype: the forward failed when the module was cast to fp32
+                loss = engine(torch.randn(2, 8, generator=generator).to(dtype)).float().pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            with engine.gathered_for_generation() if stage == 3 else contextlib.nullcontext():
+                kept = next(engine.module.parameters()).dtype == dtype
+            out[(str(dtype), block, stage)] = (losses, kept, engine.bfloat16_enabled(), engine.fp16_enabled())
+            engine.destroy()
+    return out
+
+
+def test_a_module_in_bf16_or_fp16_without_a_precision_block_trains_in_its_dtype() -> None:
+    """As DeepSpeed, which casts nothing without fp16/bf16 in the config: a bf16 module trains in bf16 (as with the
+    bf16 block, loss for loss), an fp16 one in fp16 (with the fp16 block's loss scaler); zeroshard cast both to fp32."""
+    for out in run_on_ranks(_in_the_module_dtype, 2):
+        for stage in (0, 3):
+            unset, named = out[("torch.bfloat16", None, stage)], out[("torch.bfloat16", "bf16", stage)]
+            assert unset == named and unset[1:] == (True, True, False), (stage, unset, named)
+            half = out[("torch.float16", None, stage)]
+            assert half[1:] == (True, False, True) and all(math.isfinite(x) for x in half[0]), (stage, half)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from zeroshard.precision.dtypes import dtype_of
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,3 +79,25 @@ class PrecisionPolicy:
             master_dtype=master,
             optimizer_state_dtype=torch.float32 if low_master and not low_state else None,
         )
+
+
+def module_precision(cfg: Any, model: nn.Module) -> Any:
+    """The config a module in bf16 (fp16) trains under when the config enables neither bf16 nor fp16: DeepSpeed's
+    engine casts nothing then, so the module trains in its own dtype (over fp32 masters at ZeRO 1-3); zeroshard cast
+    it to fp32 (twice the memory, and inputs in the module's dtype failed at the first forward). So a module whose
+    floating parameters are all bf16 (fp16) gets `bf16` (`fp16`, with its dynamic loss scale) enabled, with one
+    warning naming the key; `engine.bfloat16_enabled()` then says so (DeepSpeed's says False)."""
+    if cfg.fp16.enabled or cfg.bf16.enabled or cfg.torch_autocast.enabled:
+        return cfg
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    key = {frozenset({torch.bfloat16}): "bf16", frozenset({torch.float16}): "fp16"}.get(frozenset(dtypes))
+    if key is None:
+        return cfg
+    log_rank(
+        logger,
+        30,
+        f"the module's parameters are all {key} and the config enables neither bf16 nor fp16: training in {key} "
+        f'(as DeepSpeed trains a module in its own dtype); set "{key}": {{"enabled": true}} to say so, or cast the '
+        "module to fp32",
+    )
+    return dataclasses.replace(cfg, **{key: dataclasses.replace(getattr(cfg, key), enabled=True)})
