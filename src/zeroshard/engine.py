@@ -221,8 +221,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
             yield
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); with
-        `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already divided the loss."""
+        """Back-propagate `loss / gradient_accumulation_steps` (times the fp16 loss scale), which is returned (without
+        the loss scale), as DeepSpeed's; with `scale_wrt_gas=False` (DeepSpeed's argument) the caller has already
+        divided the loss."""
         strategy = self._require_optimizer("backward")
         strategy.refuse_away("engine.backward", (PARAMS, GRADS))
         if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
@@ -247,7 +248,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         self.accumulation.window_backwards += 1
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
         see_memory_usage("Engine after backward", force=self._memory_breakdown)
-        return loss
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        return loss / gas if gas != 1 else loss
 
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary take the optimizer step on every rank (on every call when

@@ -82,3 +82,22 @@ def test_a_module_in_bf16_or_fp16_without_a_precision_block_trains_in_its_dtype(
             assert unset == named and unset[1:] == (True, True, False), (stage, unset, named)
             half = out[("torch.float16", None, stage)]
             assert half[1:] == (True, False, True) and all(math.isfinite(x) for x in half[0]), (stage, half)
+
+
+def _backward_returns(rank: int, world_size: int) -> list[float]:
+    import zeroshard
+
+    model = torch.nn.Linear(4, 1)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loss = engine(torch.ones(1, 4)).sum()
+    returned = [engine.backward(loss, retain_graph=True).item(), engine.backward(loss, scale_wrt_gas=False).item()]
+    engine.destroy()
+    return [loss.item(), *returned]
+
+
+def test_backward_returns_the_loss_divided_by_the_accumulation_steps() -> None:
+    """As DeepSpeed's: the loss it back-propagates (loss / gradient_accumulation_steps; the loss as given with
+    scale_wrt_gas=False), without the fp16 loss scale (DeepSpeed's multi-output tests compare it)."""
+    for loss, scaled, unscaled in run_on_ranks(_backward_returns, 2):
+        assert (scaled, unscaled) == (loss / 2, loss), (loss, scaled, unscaled)
