@@ -27,6 +27,9 @@ from zeroshard.zero.stage3.gathered import GatheredParameters
 from zeroshard.zero.stage3.meta import zero_init
 
 __version__ = "0.1.0"
+# DeepSpeed's version attributes (its build writes the git ones; "[none]" is what an uninstalled DeepSpeed says)
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+__git_hash__ = __git_branch__ = "[none]"
 
 # DeepSpeed's top-level names for zeroshard's classes (`isinstance(model, deepspeed.DeepSpeedEngine)`), loaded on first
 # use: the pipeline's pulls torch.distributed.pipelining in

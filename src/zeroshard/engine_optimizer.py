@@ -127,6 +127,10 @@ class ZeroOptimizer:
         scaler = self._live("dynamic_loss_scale").loss_scaler
         return scaler is not None and bool(scaler.dynamic)
 
+    def needs_scaler(self) -> bool:
+        """Whether backward needs the loss scaled (DeepSpeed's: fp16 with a dynamic loss scale; bf16 and fp32 never)."""
+        return self.dynamic_loss_scale
+
     @property
     def overflow(self) -> bool:
         return self._live("overflow").last_step_overflowed

@@ -66,6 +66,7 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
         view.append(engine.loss_scale)
     except zeroshard.ZeroshardError as e:
         view.append(str(e))
+    view.append(wrapped and optimizer.needs_scaler())  # DeepSpeed's: fp16's dynamic scale only
     engine.destroy()
     return result + (moved, view)
 
@@ -89,7 +90,7 @@ def test_inf_on_one_rank_skips_step_everywhere(stage, offload):
         assert skipped == 1
         # engine.optimizer (initialize's second value): overflow after the skipped step only; the scale readable
         # and settable through it
-        assert view == [True, False, True, True, False, 64.0], view
+        assert view == [True, False, True, True, False, 64.0, True], view
         assert unchanged, "parameters changed on a skipped step"
         assert scale == scale_before / 2, (scale, scale_before)
         assert lr == lr_before, "the lr scheduler must not advance on a skipped step"
@@ -114,7 +115,7 @@ def test_bf16_inf_gradient_skips_step_unless_unchecked():
         _overflow, 2, 2, "none", "bf16"
     ):
         assert skipped == 1 and unchanged, skipped
-        assert view[:5] == [True, False, True, True, False] and "scales no loss" in view[5], view
+        assert view[:5] == [True, False, True, True, False] and "scales no loss" in view[5] and view[6] is False, view
         assert scale == scale_before == 1.0 and lr == lr_before and moved
     # check_grad_overflow false at stage 2: the inf goes into the update (the norm is inf, clipping makes every
     # gradient nan), as DeepSpeed's stage 1-2 optimizer does with the check off; stage 3 skips whatever the key

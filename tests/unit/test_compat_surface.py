@@ -393,3 +393,14 @@ def test_zero_to_fp32_takes_deepspeeds_arguments():
     ):
         mine, reference = getattr(ours, name), getattr(theirs, name)
         assert list(inspect.signature(mine).parameters) == list(inspect.signature(reference).parameters), name
+
+
+def test_version_attributes_are_deepspeeds():
+    """`deepspeed.__version_major__` and friends (DeepSpeed's TestBasicConfig reads them): zeroshard's own version."""
+    import zeroshard
+
+    assert (zeroshard.__version_major__, zeroshard.__version_minor__, zeroshard.__version_patch__) == tuple(
+        int(part) for part in zeroshard.__version__.split(".")
+    )
+    ds = import_deepspeed("deepspeed")
+    assert isinstance(ds.__git_hash__, str) and zeroshard.__git_hash__ == zeroshard.__git_branch__ == "[none]"
