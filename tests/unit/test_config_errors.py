@@ -122,10 +122,18 @@ def test_missing_file_names_the_file(tmp_path: pathlib.Path) -> None:
 
 def test_bad_json_names_file_line_and_column(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true]\n}\n')  # neither JSON nor hjson
     message = error_of(path)
     assert message.startswith(f"ds_config file {path} is not valid JSON: ")
-    assert "at line 3 column" in message
+    assert "at line 3 column" in message and "nor hjson" in message
+
+
+def test_an_hjson_file_reads_as_deepspeed_reads_it(tmp_path: pathlib.Path) -> None:
+    """DeepSpeed reads config files with hjson: comments, unquoted keys and trailing commas."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  # a comment\n  train_batch_size: 8,\n  "fp16": {"enabled": true,},\n}\n')
+    cfg = parse_config(str(path))
+    assert cfg.train_batch_size == 8 and cfg.fp16.enabled
 
 
 def test_json_that_is_not_an_object(tmp_path: pathlib.Path) -> None:

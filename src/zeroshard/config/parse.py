@@ -82,15 +82,31 @@ def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
         raise ConfigError(f"ds_config file {path} is not UTF-8 text: {err.reason}") from None
     except OSError as err:
         raise ConfigError(f"ds_config file {path} cannot be read: {err.strerror or err}") from None
+    hook = lambda pairs: _unique_keys(pairs, path, logger)  # noqa: E731
     try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path, logger))
+        data = json.loads(text, object_pairs_hook=hook)
     except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"ds_config file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
-        ) from None
+        data = _hjson(text, hook)  # DeepSpeed reads its config files with hjson (comments, unquoted keys)
+        if data is None:
+            raise ConfigError(
+                f"ds_config file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+                " (nor hjson, which DeepSpeed also reads: `pip install hjson` for files written in it)"
+            ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"ds_config file {path} holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def _hjson(text: str, hook: Any) -> Any:
+    """`text` read as hjson, a superset of JSON (None when it is not hjson either, or hjson is not installed)."""
+    try:
+        import hjson
+    except ImportError:
+        return None
+    try:
+        return hjson.loads(text, object_pairs_hook=hook)
+    except hjson.HjsonDecodeError:
+        return None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]], path: str, logger: logging.Logger) -> dict[str, Any]:
