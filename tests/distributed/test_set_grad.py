@@ -62,7 +62,9 @@ def test_a_nan_set_after_the_boundary_skips_the_step(ranks: list[dict]) -> None:
 
 def test_setting_a_gradient_not_reduced_yet_or_of_the_wrong_length_is_refused_in_one_line(ranks: list[dict]) -> None:
     for result in ranks:
-        stage0_mid, stage1_mid, caller_owned, short, long = result["refused"]
+        read0, stage0_mid, read1, stage1_mid, read_caller, caller_owned, short, long = result["refused"]
+        # mid-window at stages 0-1, safe_get_full_grad is this rank's own accumulation (DeepSpeed's p.grad)
+        assert max(read0, read1, read_caller) <= 1e-6, (read0, read1, read_caller)
         for message in (stage0_mid, stage1_mid, caller_owned):
             assert "safe_set_full_grad: this window's gradients are not reduced yet" in message, message
         assert "managed_gradient_accumulation false" in caller_owned, caller_owned

@@ -184,12 +184,13 @@ def _swapped_in(engine: Any) -> int:
     return sum(u.grad_home.is_resident(u.grad_key) and not u.grad_zero for u in engine.strategy.units if u.trainable)
 
 
-def _refusals(rank: int, world: int) -> list[str]:
-    """Where no reduced gradient exists yet, and values of the wrong length: one line each."""
+def _refusals(rank: int, world: int) -> list[Any]:
+    """Where no reduced gradient exists yet, and values of the wrong length: one line each; mid-window at stages
+    0-1, `safe_get_full_grad` against this rank's own gradient of its micro-batch (DeepSpeed's `p.grad` then)."""
     import zeroshard
-    from zeroshard.utils import safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+    from zeroshard.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
 
-    out = []
+    out: list[Any] = []
     for stage, gas, managed in ((0, 2, True), (1, 2, True), (0, 1, False)):
         case = Case(stage=stage, gas=gas, steps=1)
         model = build_model(case)
@@ -197,6 +198,10 @@ def _refusals(rank: int, world: int) -> list[str]:
         engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
         x, y = (t.to(engine.device) for t in micro_batch(global_batches(case, world)[0], 0, rank, world, case.micro))
         engine.backward(engine(x, y))  # mid-window (gas 2), or before step() reduces a caller-owned window
+        alone = build_model(case).to(engine.device)
+        (alone(x, y) / gas).backward()
+        mine = [safe_get_full_grad(p) for p in engine.module.parameters()]
+        out.append(max(float((a - p.grad).abs().max()) for a, p in zip(mine, alone.parameters(), strict=True)))
         try:
             safe_set_full_grad(next(model.parameters()), torch.zeros(64, 32))
         except zeroshard.ZeroshardError as e:

@@ -69,8 +69,10 @@ class FlatFullValues(Strategy):
 
     def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         self._agree_slot("safe_get_full_grad", param, "gradient")
-        if self.reducer.shard_is_scratch:  # [Note: stage 1's shard inside its accumulator] in reducer.py
-            return torch.zeros(local_of(param).shape, dtype=torch.float32, device=self.device)
+        if self.reducer.window_unreduced:  # stages 0-1 mid-window: this rank's own accumulation, as DeepSpeed's
+            buffers, slot = self._slot_of(param)
+            local = self.reducer.local_accumulation(self.buffers.index(buffers), slot.offset, slot.numel)
+            return (local.to(self.device) / self.accumulation.loss_scale).view(local_of(param).shape)
         self.reducer.settle()
         return self._gather_slot(param, lambda buffers: buffers.grad_shard, self._grad_scale())
 

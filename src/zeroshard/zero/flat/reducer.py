@@ -39,9 +39,10 @@ in-place form; gloo's reduce to the owner leaves the sum there), and when it fin
 bucket's slice of the shard, [shard_start, shard_start + shard_numel). Within a group a bucket starts at N x its
 shard_start, so the slice ends at or below the next bucket's start: it covers only buckets launched before or with
 it, and a group's buckets launch in buffer order and finish oldest first, so nothing it overwrites is still to be
-reduced. Until the window's reduction the shard's range holds the accumulation itself (`shard_is_scratch`): the
-step then reads zeros (`settle`), `full_grad` returns zeros, as they did when the shard was a zeroed buffer of its
-own. This saves 4Ψ/N bytes per rank (fp32 accumulation): stage 1's gradients are 4Ψ, not 4Ψ + 4Ψ/N.
+reduced. Until the window's reduction the shard's range holds the accumulation itself (`window_unreduced`): the
+step then reads zeros (`settle`), as it did when the shard was a zeroed buffer of its own, and `full_grad` reads this
+rank's own accumulation (`local_accumulation`), as DeepSpeed's reads its gradients then. This saves 4Ψ/N bytes per
+rank (fp32 accumulation): stage 1's gradients are 4Ψ, not 4Ψ + 4Ψ/N.
 
 [Note: stage 1's accumulator on demand]
 The full accumulator is what stage 1 needs to reduce a window of several micro-steps once. A window of one backward
@@ -212,7 +213,7 @@ class GradientReducer:
         anything reads the buffers outside a reduction (the optimizer step, `full_grad`), this makes a window that
         reduced nothing read as zeros, as it did when they were zero-filled. The stage-1 shard is the front of the
         accumulator ([Note: stage 1's shard inside its accumulator]): zeroing it ends the window's accumulation, so
-        only the step calls this then (`full_grad` answers zeros itself)."""
+        only the step calls this then (`full_grad` reads the accumulation itself)."""
         if self.active or self._window_reduced:
             return
         for bucket in self._order:
@@ -223,17 +224,25 @@ class GradientReducer:
             if buffers.grad_shard is not buffers.grad_full:
                 buffers.grad_shard.narrow(0, bucket.shard_start, bucket.shard_numel).zero_()
 
+    def local_accumulation(self, group: int, offset: int, numel: int) -> torch.Tensor:
+        """Elements [offset, offset + numel) of `group`'s full accumulator as this window has written them so far
+        (zero where no gradient arrived yet: [Note: the full accumulator is not zero-filled per window]), in fp32;
+        before the window's reduction (`window_unreduced`)."""
+        full = self.groups[group].grad_full
+        assert full is not None
+        out = torch.zeros(numel, dtype=torch.float32, device=full.device)
+        for bucket in (b for b in self._order if b.group == group):
+            for start, length in self._full_written[bucket.id]:
+                lo, hi = max(start, offset), min(start + length, offset + numel)
+                if lo < hi:
+                    out[lo - offset : hi - offset].copy_(full[lo:hi])
+        return out
+
     @property
     def window_unreduced(self) -> bool:
         """Stages 0-1 hold this window's gradients unreduced in the full accumulator (before the boundary's backward
         reduces them, or `step()` with caller-owned windows): no rank holds a reduced gradient yet."""
         return not self._window_reduced and any(b.grad_full is not None for b in self.groups)
-
-    @property
-    def shard_is_scratch(self) -> bool:
-        """Stage 1 before this window's reduction: the shard's range of the accumulator holds unreduced gradients
-        ([Note: stage 1's shard inside its accumulator])."""
-        return not self._window_reduced and any(b.shard_in_accumulator for b in self.groups)
 
     def _zero_unwritten_full(self, buffers: GroupBuffers, bucket: Bucket) -> None:
         assert buffers.grad_full is not None
