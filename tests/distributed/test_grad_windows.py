@@ -99,12 +99,12 @@ def _mid_window(rank: int, world_size: int, peek: bool):
 
 def test_stage1_gradient_read_inside_a_window_leaves_its_accumulation_alone() -> None:
     """Stage 1's gradient shard is the front of its full accumulator ([Note: stage 1's shard inside its
-    accumulator] in zero/flat/reducer.py): `safe_get_full_grad` before the window's reduction answers zeros, as the
-    shard's own zeroed buffer did, and must not zero the gradients accumulated so far."""
+    accumulator] in zero/flat/reducer.py): `safe_get_full_grad` before the window's reduction reads this rank's own
+    accumulation so far, as DeepSpeed's does (it answered zeros), and must not change it."""
     peeking = run_on_ranks(_mid_window, 2, True)
     plain = run_on_ranks(_mid_window, 2, False)
     for (peeked, grads, params), (_, plain_grads, plain_params) in zip(peeking, plain, strict=True):
-        assert peeked and max(peeked) == 0.0
+        assert peeked and max(peeked) > 0.0
         assert len(grads) == 2 and all(float(g.abs().max()) > 0 for g in grads)
         for g, p in zip(grads, plain_grads, strict=True):
             assert torch.equal(g, p)
