@@ -40,7 +40,7 @@ from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
-from zeroshard.precision.policy import PrecisionPolicy, module_precision
+from zeroshard.precision.policy import PrecisionPolicy, warn_module_dtype
 from zeroshard.sequence.mesh import (
     SequenceParallel,
     build_sequence_parallel,
@@ -119,7 +119,7 @@ def initialize(
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the
     # tensor-parallel size ([Note: tensor-parallel mesh]), and / the sequence-parallel size
     dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu) // sp
-    cfg = module_precision(resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer)), model)
+    cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
     if sp > 1:  # the step divides by the replicas; gradients travel in their own dtype
         cfg = dataclasses.replace(
             cfg, sequence_parallel_size=sp, communication_data_type=cfg.seq_parallel_communication_data_type
@@ -172,8 +172,8 @@ def _build(
     mpu: Any = None,
     sp_mpu: Any = None,
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
-    stage = int(cfg.zero_optimization.stage)
-    sp = int(cfg.sequence_parallel_size or 1)
+    stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
+    warn_module_dtype(cfg, model)  # before any work: DeepSpeed would train a bf16 module in bf16
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization

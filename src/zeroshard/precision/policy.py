@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,23 +80,18 @@ class PrecisionPolicy:
         )
 
 
-def module_precision(cfg: Any, model: nn.Module) -> Any:
-    """The config a module in bf16 (fp16) trains under when the config enables neither bf16 nor fp16: DeepSpeed's
-    engine casts nothing then, so the module trains in its own dtype (over fp32 masters at ZeRO 1-3); zeroshard cast
-    it to fp32 (twice the memory, and inputs in the module's dtype failed at the first forward). So a module whose
-    floating parameters are all bf16 (fp16) gets `bf16` (`fp16`, with its dynamic loss scale) enabled, with one
-    warning naming the key; `engine.bfloat16_enabled()` then says so (DeepSpeed's says False)."""
+def warn_module_dtype(cfg: Any, model: nn.Module) -> None:
+    """One warning, before any work, when a module in bf16 (fp16) meets a config that enables neither bf16 nor fp16:
+    zeroshard casts it to fp32 (twice the memory; inputs in the module's dtype then fail at the first forward), where
+    DeepSpeed's engine casts nothing and trains the module in its own dtype."""
     if cfg.fp16.enabled or cfg.bf16.enabled or cfg.torch_autocast.enabled:
-        return cfg
+        return
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     key = {frozenset({torch.bfloat16}): "bf16", frozenset({torch.float16}): "fp16"}.get(frozenset(dtypes))
-    if key is None:
-        return cfg
-    log_rank(
-        logger,
-        30,
-        f"the module's parameters are all {key} and the config enables neither bf16 nor fp16: training in {key} "
-        f'(as DeepSpeed trains a module in its own dtype); set "{key}": {{"enabled": true}} to say so, or cast the '
-        "module to fp32",
-    )
-    return dataclasses.replace(cfg, **{key: dataclasses.replace(getattr(cfg, key), enabled=True)})
+    if key is not None:
+        log_rank(
+            logger,
+            30,
+            f"the module's parameters are all {key} and the config enables neither bf16 nor fp16: the module is cast "
+            f'to fp32 (DeepSpeed trains it in {key}); set "{key}": {{"enabled": true}} to train it in {key}',
+        )
