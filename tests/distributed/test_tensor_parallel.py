@@ -196,11 +196,11 @@ def test_save_16bit_model_gathers_the_tensor_parallel_slices(tmp_path, stage: in
     assert [k for k, v in want.items() if whole[k][0] != "cpu" or not torch.equal(whole[k][1], v.float())] == []
 
 
-def _nan_in_a_replicated_gradient(rank: int, world_size: int) -> tuple[bool, bool]:
+def _nan_in_a_replicated_gradient(rank: int, world_size: int, backend: str) -> tuple[bool, bool]:
     import zeroshard
     from zeroshard.utils import safe_set_full_grad
 
-    cfg = config(TpCase(stage=2, clip=0.0))
+    cfg = config(TpCase(stage=2, clip=0.0, backend=backend))
     cfg["bf16"] = {"enabled": True}  # overflow is checked (bf16.check_grad_overflow, DeepSpeed's default)
     cfg["zero_optimization"]["compute_grad_norm"] = False  # no norm to turn non-finite either
     model = llama()
@@ -215,7 +215,8 @@ def _nan_in_a_replicated_gradient(rank: int, world_size: int) -> tuple[bool, boo
     return out
 
 
-def test_a_nan_in_a_replicated_parameters_gradient_skips_the_step() -> None:
+@pytest.mark.parametrize("backend", ["zero", "fsdp2"])
+def test_a_nan_in_a_replicated_parameters_gradient_skips_the_step(backend: str) -> None:
     """tp2, bf16, stage 2 without compute_grad_norm: the inf/nan check covers the replicated parameters too (it
-    read the tensor-parallel part's shards only, and the step applied the NaN)."""
-    assert run_on_ranks(_nan_in_a_replicated_gradient, 2) == [(False, False), (False, False)]
+    read the tensor-parallel slices' gradients only, and the step applied the NaN), on both backends."""
+    assert run_on_ranks(_nan_in_a_replicated_gradient, 2, backend) == [(False, False), (False, False)]

@@ -81,20 +81,38 @@ def _out_dtype(stored: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if kept.is_floating_point else kept
 
 
+class _OpenCheckpoint:
+    """One reader for every `LazyTensor` of a lazy state dict: opened at the first read, closed with the last tensor
+    (each read opened its own, re-checking every piece and header: quadratic in the number of tensors)."""
+
+    def __init__(self, tag_dir: str, meta: CheckpointMetadata) -> None:
+        self.tag_dir, self.meta = tag_dir, meta
+        self._reader: CheckpointReader | None = None
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if self._reader is None:
+            self._reader = CheckpointReader(self.tag_dir, self.meta)
+        store, state = _source(self._reader, name)
+        return self._reader.read_tensor(store, name, dtype=dtype, state=state)
+
+    def __del__(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+
 class LazyTensor:
     """One consolidated tensor of a checkpoint, read only by `contiguous()` (DeepSpeed's `lazy_mode` tensors): `shape`
-    and `dtype` are known from the metadata, so a caller can plan (shards, say) before any byte is read."""
+    and `dtype` are known from the metadata, so a caller can plan (shards, say) before any byte is read. It reads the
+    checkpoint's files when asked (DeepSpeed's hold the rank files in memory): keep them until then."""
 
-    def __init__(self, tag_dir: str, meta: CheckpointMetadata, name: str) -> None:
-        self._tag_dir, self._meta, self.name = tag_dir, meta, name
-        self.shape = torch.Size(meta.tensors[name].shape)
-        self.dtype = _out_dtype(meta.tensors[name].dtype, torch.float32)
+    def __init__(self, source: _OpenCheckpoint, name: str) -> None:
+        self._source, self.name = source, name
+        self.shape = torch.Size(source.meta.tensors[name].shape)
+        self.dtype = _out_dtype(source.meta.tensors[name].dtype, torch.float32)
 
     def contiguous(self) -> torch.Tensor:
         """The whole tensor, on the CPU (a new tensor per call)."""
-        with CheckpointReader(self._tag_dir, self._meta) as reader:
-            store, state = _source(reader, self.name)
-            return reader.read_tensor(store, self.name, dtype=self.dtype, state=state)
+        return self._source.read(self.name, self.dtype)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
@@ -115,12 +133,18 @@ def get_fp32_state_dict_from_zero_checkpoint(
     with CheckpointReader(tag_dir) as reader:
         meta = reader.metadata
         result: dict[str, Any] = {}
+        source = _OpenCheckpoint(tag_dir, meta)
         for name in _exported_names(meta, exclude_frozen_parameters):
-            result[name] = LazyTensor(tag_dir, meta, name)
+            if lazy_mode:
+                result[name] = LazyTensor(source, name)
+            else:
+                store, state = _source(reader, name)
+                dtype = _out_dtype(meta.tensors[name].dtype, torch.float32)
+                result[name] = reader.read_tensor(store, name, dtype=dtype, state=state)
         for alias, canonical in meta.aliases.items():
             if canonical in result:
                 result[alias] = result[canonical]
-    return result if lazy_mode else to_torch_tensor(result)
+    return result
 
 
 def to_torch_tensor(

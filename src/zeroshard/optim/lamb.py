@@ -152,10 +152,10 @@ class Lamb(torch.optim.Optimizer):
             # atomics, in any order (float64 sums then differ in their last bits from run to run); the coefficients
             # are read on the host below anyway
             at = torch.tensor(ks)
-            sums[0].index_add_(0, at, _squares([w for w, _ in pieces], device).cpu())
-            sums[1].index_add_(0, at, _squares([u for _, u in pieces], device).cpu())
-        sums = sums.to(device)  # the plan all-reduces it over the ranks' device group
-        if self.plan is not None:
+            squares = torch.stack([_squares([w for w, _ in pieces], device), _squares([u for _, u in pieces], device)])
+            sums.index_add_(1, at, squares.cpu())  # one device-to-host copy
+        if self.plan is not None:  # all-reduced over the ranks' device group
+            sums = sums.to(device)
             self.plan.reduce(sums)
         norms = sums.sqrt()
         ratio = (norms[0] / norms[1]).clamp(group["min_coeff"], group["max_coeff"])

@@ -176,6 +176,19 @@ class PipelineCheckpointMixin(CheckpointMixin):
 
         return self._stagewise(load, at_once, load_scope(load_optimizer_states, load_module_only))
 
+    def _turn_over(self, turns: RankSync, turn: int, wait: float, error: BaseException | None) -> BaseException | None:
+        """Stage `turn`'s load is over on every rank (its device work too: the next stage's reads follow it)."""
+        if self.topology.device.type == "cuda":
+            torch.cuda.synchronize(self.topology.device)
+        try:
+            turns.all_gather(f"turn{turn}", {}, wait)
+        except CheckpointError as e:
+            return error or CheckpointError(
+                f"load_checkpoint: pipeline stage {turn} did not finish its turn within {wait:.0f}s (its ranks loading "
+                f"with pipeline_loading_checkpoint); {e}"
+            )
+        return error
+
     def _same_latest(self, folder: str) -> None:
         """Every stage's `latest` names the same tag (one all-reduce): a save that failed on some stage moved the
         others' `latest` only, and loading each stage's own would mix two checkpoints into one model. A `latest` this
@@ -221,10 +234,11 @@ class PipelineCheckpointMixin(CheckpointMixin):
         error: BaseException | None = None
         torn_before = self._torn_load
         world = self.pipe.world
-        # turns end through the store, each wait bounded by a load's own deadline (a node's ranks in turn): an
-        # all-reduce would leave the waiting stages to the process group's timeout (NCCL's 10 minutes)
-        turns = None if at_once else RankSync("checkpoint turns", world.rank, world.world_size, prefix=WORLD_PREFIX)
-        wait = write_timeout() * NodeLayout.from_env(world.world_size).ranks_per_node
+        # turns end through the store, each wait bounded by a stage's own load deadlines (its plan and its reads, a
+        # node's ranks in turn): an all-reduce would leave the waiting stages to the process group's timeout (NCCL's
+        # 10 minutes). A wait that times out is this rank's error, and it still reaches the all-reduce below.
+        turns = None if at_once else RankSync("load_checkpoint", world.rank, world.world_size, prefix=WORLD_PREFIX)
+        wait = 2 * write_timeout() * NodeLayout.from_env(world.world_size).ranks_per_node
         for turn in range(1 if at_once else self.pipe.groups.grid.stages):
             if at_once or turn == self.pipe.groups.stage:
                 try:
@@ -233,9 +247,12 @@ class PipelineCheckpointMixin(CheckpointMixin):
                 except BaseException as e:  # noqa: BLE001 - the other stages must still reach the all-reduce
                     error = e
             if turns is not None:
-                turns.all_gather(f"turn{turn}", {}, wait)
+                error = self._turn_over(turns, turn, wait, error)
         if turns is not None:
-            turns.leave(wait)
+            try:
+                turns.leave(wait)
+            except CheckpointError as e:  # (rank 0 only) still to the all-reduce, with the others
+                error = error or e
         stage, stages = self.pipe.groups.stage, self.pipe.groups.grid.stages
         # failed; wrote (a load: done, or torn by it); torn after it (a load that repaired some stages only)
         flags = torch.zeros(3, stages, device=self.topology.device)

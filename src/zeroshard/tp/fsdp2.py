@@ -30,6 +30,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.fsdp2.checkpoint import Fsdp2State
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.offload.gradients import GradShard
+from zeroshard.precision.loss_scaler import has_inf_or_nan
 from zeroshard.tp.checkpoint import slice_name
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.tp.zero import is_tp_sharded
@@ -61,6 +62,9 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
 
     def _grad_slots(self) -> list[GradShard]:
         return [s for s in super()._grad_slots() if s.key in self.tp_sliced]
+
+    def _extra_overflow(self) -> bool:
+        return has_inf_or_nan([s.shard for s in super()._grad_slots() if s.key not in self.tp_sliced])
 
     def _extra_norms(self) -> list[torch.Tensor]:
         """The whole parameters' norms, weighted to count once in the sum over tp ([Note: tensor-parallel norm])."""
