@@ -11,6 +11,8 @@ Example:
 names of zeroshard's own); docs/compat.md lists them.
 """
 
+import re as _re
+
 from zeroshard import accelerator, comm, ops, runtime, utils, zero
 from zeroshard.arguments import add_config_arguments
 from zeroshard.comm.api import init_distributed
@@ -28,7 +30,9 @@ from zeroshard.zero.stage3.meta import zero_init
 
 __version__ = "0.1.0"
 # DeepSpeed's version attributes (its build writes the git ones; "[none]" is what an uninstalled DeepSpeed says)
-__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+__version_major__, __version_minor__, __version_patch__ = (
+    int(_re.sub(r"\D.*", "", part) or 0) for part in (__version__.split(".") + ["0"] * 3)[:3]
+)  # "0.1.0rc1" -> 0, 1, 0: each part's leading digits
 __git_hash__ = __git_branch__ = "[none]"
 
 # DeepSpeed's top-level names for zeroshard's classes (`isinstance(model, deepspeed.DeepSpeedEngine)`), loaded on first
