@@ -132,7 +132,7 @@ def test_fp32_nonfinite_norm_skips_step_except_stage_0(stage):
     for skipped, unchanged, _, _, lr, lr_before, moved, view in run_on_ranks(_overflow, 2, stage, "none", "fp32"):
         if stage == 0:
             assert skipped == 0 and not unchanged
-            assert view == [True, False, False, False, False, 1.0], view  # DeepSpeed wraps nothing here
+            assert view == [True, False, False, False, False, 1.0, False], view  # DeepSpeed wraps nothing here
         else:
             assert skipped == 1 and unchanged and lr == lr_before and moved, stage
             assert view[:5] == [True, False, True, True, False], view  # the skipped step is an overflow to DeepSpeed
