@@ -145,28 +145,18 @@ def random_values(model, keys: list[str], grad_dtype: torch.dtype, api: str, ste
 
 
 def read(lp, key: str, api: str):
-    if key == GRADIENT:
-        return (ds_utils.safe_get_full_grad if api == "full" else ds_utils.safe_get_local_grad)(lp)
-    if key == WEIGHT:
-        return (ds_utils.safe_get_full_fp32_param if api == "full" else ds_utils.safe_get_local_fp32_param)(lp)
-    getter = ds_utils.safe_get_full_optimizer_state if api == "full" else ds_utils.safe_get_local_optimizer_state
-    return getter(lp, key)
+    """`safe_get_{api}_*` of `key`: the gradient, the fp32 weight or an optimizer state."""
+    if key in (GRADIENT, WEIGHT):
+        return getattr(ds_utils, f"safe_get_{api}_{'grad' if key == GRADIENT else 'fp32_param'}")(lp)
+    return getattr(ds_utils, f"safe_get_{api}_optimizer_state")(lp, key)
 
 
 def write(lp, key: str, value, api: str) -> None:
-    if api == "full":
-        if key == GRADIENT:
-            ds_utils.safe_set_full_grad(lp, value)
-        elif key == WEIGHT:
-            ds_utils.safe_set_full_fp32_param(lp, value)
-        else:
-            ds_utils.safe_set_full_optimizer_state(lp, value, key)
-    elif key == GRADIENT:
-        ds_utils.safe_set_local_grad(lp, value)
-    elif key == WEIGHT:
-        ds_utils.safe_set_local_fp32_param(lp, value)
+    """`safe_set_{api}_*` of `key`."""
+    if key in (GRADIENT, WEIGHT):
+        getattr(ds_utils, f"safe_set_{api}_{'grad' if key == GRADIENT else 'fp32_param'}")(lp, value)
     else:
-        ds_utils.safe_set_local_optimizer_state(lp, value, key)
+        getattr(ds_utils, f"safe_set_{api}_optimizer_state")(lp, value, key)
 
 
 def set_and_validate(model, values: dict, api: str) -> None:
