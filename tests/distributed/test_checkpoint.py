@@ -243,13 +243,13 @@ def _export_and_options(rank: int, world_size: int, root: str):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
+    from helpers.export_checks import lazy_mode_matches
     from zeroshard.checkpoint import (
         CheckpointError,
         convert_zero_checkpoint_to_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
         load_state_dict_from_zero_checkpoint,
     )
-    from zeroshard.utils.zero_to_fp32 import to_torch_tensor
 
     results = {}
     for dtype in ("fp32", "bf16"):
@@ -289,20 +289,7 @@ def _export_and_options(rank: int, world_size: int, root: str):
                 )
                 and fp32["lm_head.weight"] is fp32["wte.weight"]
             )
-            # DeepSpeed's lazy_mode: shapes and dtypes before any read, the same values at .contiguous(); its
-            # to_torch_tensor keeps tied names on one tensor and casts to a dtype given by DeepSpeed's names
-            lazy = get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True)
-            cast = to_torch_tensor(lazy, dtype="torch.bfloat16")
-            empty = to_torch_tensor(lazy, return_empty_tensor=True)
-            results[f"{dtype} lazy_mode"] = (
-                lazy.keys() == fp32.keys()
-                and all(lazy[n].shape == v.shape and torch.equal(lazy[n].contiguous(), v) for n, v in fp32.items())
-                and all(
-                    torch.equal(cast[n], v.to(torch.bfloat16)) and empty[n].shape == v.shape for n, v in fp32.items()
-                )
-                and lazy["lm_head.weight"] is lazy["wte.weight"]
-                and cast["lm_head.weight"] is cast["wte.weight"]
-            )
+            results[f"{dtype} lazy_mode"] = lazy_mode_matches(ckpt, fp32)
             if dtype == "fp32":  # the recovery script save_checkpoint wrote, as DeepSpeed's: pytorch_model.bin
                 results["recovery script"] = _run_recovery_script(ckpt, os.path.join(root, "bin")) and all(
                     torch.equal(v, fp32[k])

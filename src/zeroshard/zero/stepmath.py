@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm.collectives import Collectives
+from zeroshard.errors import ZeroshardError
 
 
 @dataclass(frozen=True)
@@ -121,3 +122,13 @@ def _global_norm(
     if model_parallel is not None:
         model_parallel.all_reduce(total_sq, label="step.norm_across_stages")
     return math.sqrt(float(total_sq.item()))
+
+
+def shard_gradient(value: torch.Tensor, numel: int, dtype: torch.dtype, scale: float, call: str) -> torch.Tensor:
+    """A gradient in `full_grad`'s terms (of `numel` elements, else a one-line error naming `call`) as a shard of
+    `dtype` holds it: divided by the step's `scale`, rounded to `dtype` wherever it is written (a host copy in fp32
+    too), returned in fp32 ([Note: setting a gradient] in offload/gradients.py)."""
+    if value.numel() != numel:
+        raise ZeroshardError(f"{call}: the gradient has {numel} elements; the value given has {value.numel()}")
+    value = value.detach().to(torch.float32)
+    return (value / scale if scale != 1.0 else value).to(dtype).to(torch.float32)

@@ -41,7 +41,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.memory import StrategyMemory
 from zeroshard.offload.gradients import GradientTier, GradShard
 from zeroshard.offload.tier import Tier
-from zeroshard.zero.stepmath import StepPolicy, scale_from_norms
+from zeroshard.zero.stepmath import StepPolicy, scale_from_norms, shard_gradient
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.state import ShardedState
@@ -318,13 +318,8 @@ class Strategy(ABC):
     def _unscaled(
         self, value: torch.Tensor, numel: int, dtype: torch.dtype, call: str = "safe_set_full_grad"
     ) -> torch.Tensor:
-        """A gradient in `full_grad`'s terms (of `numel` elements, else a one-line error) as a shard of `dtype` holds
-        it: divided by the step's scale (`_grad_scale`), rounded to `dtype` wherever it is written (a host copy in
-        fp32 too), returned in fp32 ([Note: setting a gradient])."""
-        if value.numel() != numel:
-            raise ZeroshardError(f"{call}: the gradient has {numel} elements; the value given has {value.numel()}")
-        value, scale = value.detach().to(torch.float32), self._grad_scale()
-        return (value / scale if scale != 1.0 else value).to(dtype).to(torch.float32)
+        """`value` set as a gradient, as the shards hold it: `shard_gradient` at this step's scale."""
+        return shard_gradient(value, numel, dtype, self._grad_scale(), call)
 
     def _has_state(self, key: str) -> bool:
         """Whether the optimizer holds state `key` on any rank (decided together, so every rank gathers or none)."""
