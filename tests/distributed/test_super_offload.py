@@ -147,6 +147,7 @@ def _refusals(rank: int, world_size: int):
         engine.backward(engine(x, y))
     except ZeroshardError as error:
         out["second backward"] = str(error)
+    out["setters"] = _setters_refused(engine)
     before = engine.strategy.speculation.steps_undone
     engine.zero_grad()  # gradients dropped without a step: what backward stepped is undone
     out["undone by zero_grad"] = engine.strategy.speculation.steps_undone - before
@@ -172,6 +173,24 @@ def _refusals(rank: int, world_size: int):
     out["after the load"] = engine.strategy.speculation.steps_taken
     if rank == 0:  # both ranks loaded: the step after it has collectives
         shutil.rmtree(folder)
+
+    # every gradient inf/nan: no rank steps anything during backward, and the refusals hold all the same (decided
+    # by what arrived, the same on every rank, not by what this rank stepped: else one rank raises while another
+    # goes on into the step's collectives)
+    def infinite(module, inputs, loss):
+        loss.register_hook(lambda g: g * math.inf)
+
+    handle = model.register_forward_hook(infinite)
+    engine.backward(engine(x, y))
+    handle.remove()
+    out["stepped with inf"] = list(engine.strategy.speculation.stepped)
+    try:
+        engine.backward(engine(x, y))
+    except ZeroshardError as error:
+        out["second backward with inf"] = str(error)
+    out["setters with inf"] = _setters_refused(engine)
+    engine.step()
+    out["skipped with inf"] = engine.skipped_steps
     worker = next(t for t in threading.enumerate() if t.name == "zeroshard-super-offload")
     out["holds only a weak reference"] = isinstance(worker._args[0], weakref.ref)  # type: ignore[attr-defined]
     engine.destroy()
@@ -197,14 +216,57 @@ def _refusals(rank: int, world_size: int):
     return out
 
 
+def _setters_refused(engine) -> list[str]:
+    """DeepSpeed's setters between the boundary's backward and the step: each refused in one line."""
+    from zeroshard.errors import ZeroshardError
+    from zeroshard.utils import (
+        safe_get_full_fp32_param,
+        safe_get_local_fp32_param,
+        safe_set_full_fp32_param,
+        safe_set_full_grad,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_grad,
+    )
+
+    param = next(p for p in engine.module.parameters() if p.requires_grad)
+    full, local = safe_get_full_fp32_param(param), safe_get_local_fp32_param(param)
+    calls = (
+        lambda: safe_set_full_grad(param, torch.zeros_like(full)),
+        lambda: safe_set_full_fp32_param(param, full),
+        lambda: safe_set_full_optimizer_state(param, torch.zeros_like(full), "exp_avg"),
+        lambda: safe_set_local_grad(param, torch.zeros_like(local)),
+        lambda: safe_set_local_fp32_param(param, local),
+    )
+    refused = []
+    for call in calls:
+        try:
+            call()
+        except ZeroshardError as error:
+            refused.append(str(error))
+    return refused
+
+
 def test_what_super_offload_refuses():
-    """A second backward before the step is refused (its gradients would miss the update already taken);
+    """A second backward before the step, and DeepSpeed's setters, are refused (the update was taken already), on
+    every rank alike, also when no rank stepped anything (every gradient inf);
     zero_grad without a step undoes what backward stepped; the worker thread refers to its engine weakly (an
     engine dropped without destroy() is not kept alive by it) and ends with destroy(); a failure on the worker is
     raised as backward ends and every later call refuses until a checkpoint is loaded; with clipping nothing is
     speculated (DeepSpeed's behaviour); an optimizer whose step cannot be undone is refused before training."""
     for out in run_on_ranks(_refusals, 2):
         assert "second backward before engine.step()" in out["second backward"]
+        for key in ("setters", "setters with inf"):  # every setter, in one line naming it
+            assert len(out[key]) == 5 and all("between backward and engine.step()" in m for m in out[key]), out[key]
+            assert [m.split()[0] for m in out[key]] == [
+                "safe_set_full_grad",
+                "safe_set_full_fp32_param",
+                "safe_set_full_optimizer_state",
+                "safe_set_local_grad",
+                "safe_set_local_fp32_param",
+            ]
+        assert out["stepped with inf"] == [] and "second backward" in out["second backward with inf"]
+        assert out["skipped with inf"] == 1
         assert out["undone by zero_grad"] >= 2
         assert out["worker"] and out["holds only a weak reference"] and out["stopped by destroy"]
         failures = out["after a failure"]  # raised as backward ends, then refused until a checkpoint is loaded

@@ -12,8 +12,8 @@ views of its flat fp32 buffers; here the master may live on the host or NVMe bet
 with only the parameter's sub-group made resident; the setters write a tensor of the same length into the master (the
 compute values follow from it at the next step, as DeepSpeed's) or into the optimizer state. As in DeepSpeed a frozen
 parameter has none of them: the getters give None and the setters refuse. The gradient is the reduced one, unscaled,
-as `safe_get_full_grad` reads it (between the boundary's backward and `step()`). The setters are refused while
-super_offload has stepped sub-groups during the backward (an undo or the step would not see the new values). The
+as `safe_get_full_grad` reads it (between the boundary's backward and `step()`). The setters are refused
+between the boundary's backward and the step with super_offload (the step has run: [Note: speculative host steps]). The
 gradient setters (the local one and `safe_set_full_grad`'s) write where the step reads: [Note: setting a gradient] in
 offload/gradients.py.
 """
@@ -125,6 +125,8 @@ class Stage3ParamValues:
             return self._gather_slot(param, local)  # agreed above
 
     def set_full_fp32_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        if param.requires_grad:
+            self._unspeculated("safe_set_full_fp32_param")
         held = self.gather_begin([param], "safe_set_full_fp32_param")
         unit, index, slot = self._slot_of(param)
         with torch.no_grad():
@@ -136,6 +138,7 @@ class Stage3ParamValues:
         self.gather_end(held, None)
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        self._unspeculated("safe_set_full_optimizer_state")
         unit, _, slot = self._slot_of(param)
         with self.optimizer_state_resident():
             for piece in self._pieces_of(unit):
@@ -242,10 +245,8 @@ class Stage3ParamValues:
             unit.grad_home.settle(unit.grad_key)
 
     def _unspeculated(self, call: str) -> None:
-        if self.speculation is not None and self.speculation.stepped:
-            raise ZeroshardError(
-                f"{call}: super_offload stepped sub-groups during this backward; set values after engine.step()"
-            )
+        if self.speculation is not None:
+            self.speculation.check_unchanged(call)
 
     def _settable(self, param: torch.Tensor, value: torch.Tensor, call: str) -> tuple[ShardedUnit, int, int]:
         if not param.requires_grad or self.optimizer is None:

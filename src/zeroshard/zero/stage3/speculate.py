@@ -20,11 +20,14 @@ When the step is taken, the sub-groups stepped during backward are not stepped a
 bit-identical to stepping after backward (the same gradients, factors and kernels per element; the order of
 sub-groups does not matter). What a user can see: when `engine.backward()` returns, every offloaded sub-group's
 masters, optimizer state and parameters hold the step's update (`engine.step()` commits it, with the learning rate
-and weight decay they were stepped with); a second backward after one that stepped, before the step, is refused
-(its gradients would miss that update). Only sub-groups complete while autograd still runs overlap it: more
-sub-groups mean more overlap (`sub_group_size`); the root unit's (embeddings, the head) and the sub-groups whose
-last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped as backward
-ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last layers'.
+and weight decay they were stepped with); between the boundary's backward and the step, a second backward (its
+gradients would miss that update) and the setters of masters, gradients and optimizer states (DeepSpeed's
+`safe_set_*`: the step they would change has run) are refused, on every rank alike, whether or not this rank
+stepped anything (its own gradients may have held inf/nan). Only sub-groups complete while autograd still runs
+overlap it: more sub-groups mean more overlap (`sub_group_size`); the root unit's (embeddings, the head) and the
+sub-groups whose last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped
+as backward ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last
+layers'.
 A failure on the worker leaves the step's state unknown: it is re-raised when backward ends, and every later
 backward, step and zero_grad refuses with the same message (resume from a checkpoint).
 
@@ -142,7 +145,8 @@ class SpeculativeSteps:
         self._threads = torch.get_num_threads()  # the main thread's intra-op count: the process's default
         self._default_restored = False
         self._stream: torch.cuda.Stream | None = None  # the worker's (CUDA)
-        self._backward_done = False  # a backward that took speculative steps has returned (`settle`)
+        self._delivered = False  # this window's boundary gradients have arrived (the same on every rank)
+        self._backward_done = False  # the boundary's backward has returned (`settle`): no backward until the step
         self.steps_taken = 0  # sub-group steps taken by the worker, over the run
         self.taken_during_backward = 0  # of which submitted while autograd still ran (not as backward ended)
         self.steps_undone = 0
@@ -154,6 +158,7 @@ class SpeculativeSteps:
         k = self._group_of.get(unit.index)
         if k is None:
             return
+        self._delivered = True
         self._waiting[k] -= 1
         if self._waiting[k] == 0:
             from zeroshard.checkpoint.decoupled import wait_for_writes  # zeroshard.zero is imported before checkpoint
@@ -180,8 +185,8 @@ class SpeculativeSteps:
         self._jobs.put(job)
 
     def check_no_backward(self) -> None:
-        """A backward starts, or a gradient arrives: refused once a backward that took speculative steps has
-        returned, until the step (its gradients would miss the update already taken)."""
+        """A backward starts, or a gradient arrives: refused once the boundary's backward has returned, until the
+        step (its gradients would miss the update already taken)."""
         self._check_whole()
         if self._backward_done:
             raise ZeroshardError(
@@ -190,12 +195,26 @@ class SpeculativeSteps:
                 "passes (gradient_accumulation_steps accumulates) or set super_offload false"
             )
 
+    def check_unchanged(self, call: str) -> None:
+        """`call` changes a value the step reads or writes (a master, a gradient, an optimizer state): refused
+        between the boundary's backward and the step, on every rank alike ([Note: speculative host steps])."""
+        self._check_whole()
+        if self._backward_done:
+            raise ZeroshardError(
+                f"{call} between backward and engine.step(): with zero_optimization.offload_optimizer.super_offload "
+                "the optimizer steps of this window ran during backward; set values after engine.step() or set "
+                "super_offload false"
+            )
+
     def settle(self) -> None:
         """Wait until the worker has taken every step queued (end of backward, before the step); re-raises its error."""
+        # whether the boundary's gradients arrived, not whether this rank stepped: a rank whose gradients hold
+        # inf/nan steps nothing, and the refusals that follow must be the same on every rank (else one rank raises
+        # while the others wait in the step's collectives)
+        self._backward_done = self._delivered
         if self._thread is None:
             return
         self._jobs.join()
-        self._backward_done = bool(self.stepped)
         if self._failure is not None:
             failure, self._failure = self._failure, None
             self._broken = (
@@ -300,6 +319,7 @@ class SpeculativeSteps:
         self.stepped = []
         self.scale = None
         self._halted = False
+        self._delivered = False
         self._backward_done = False
         self._waiting = dict(self._expected)
 
