@@ -168,6 +168,10 @@ def test_stage_3_optimizer_offload_is_refined_to_the_smallest_partial_ratio_that
     resolve_config(parse_config(config), world_size=16)  # a config initialize accepts
     tight, _ = _levers("llama-2-70b", 8, 2, 20)  # room for under 0.05 of it on the GPU: all offloaded
     assert tight.option == Option(3, "cpu") and "ratio" not in tight.zero_optimization["offload_optimizer"]
+    # the tree's choice did not fit: memory is tight, and the config does what the reasons say
+    assert any("GPU memory tight" in reason and "pin_memory on" in reason for reason in tight.reasons)
+    assert tight.zero_optimization["offload_optimizer"]["pin_memory"] is True
+    assert tight.zero_optimization["overlap_comm"] is False
 
 
 def test_micro_batch_is_the_last_lever_and_nothing_fitting_is_said_plainly(capsys):

@@ -60,9 +60,9 @@ def resolve_tag_dir(load_dir: str, tag: str | None, latest_file: str = LATEST_FI
 
 # -- the collective call -------------------------------------------------------------------------------
 def _turns(engine: CheckpointableEngine) -> tuple[int | None, int]:
-    """`zero_optimization.pipeline_loading_checkpoint` (DeepSpeed's serial load, stage 3): the ranks of a node read
-    their files one after another in local-rank order, so a node holds one rank's transient load buffers at a time
-    instead of all of them. Returns the rank this one waits for (None: the first on its node, or the option off)
+    """`zero_optimization.pipeline_loading_checkpoint` (DeepSpeed's serial load; every stage here): the ranks of a
+    node read their files one after another in local-rank order, so a node holds one rank's transient load buffers at
+    a time instead of all of them. Returns the rank this one waits for (None: the first on its node, or the option off)
     and how many loads its node runs one after another (1 with the option off): the deadlines of the waits that
     span them grow with it, so a healthy node of many ranks is not taken for a stuck one."""
     if not engine.config.zero_optimization.pipeline_loading_checkpoint:

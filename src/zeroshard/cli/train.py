@@ -67,7 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend", choices=("zero", "fsdp2"), help='engine: "zero" (default) or "fsdp2" (PyTorch FSDP2, stages 2-3)'
     )
     z.add_argument(
-        "--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto", help="auto: bf16 on CUDA, else fp32"
+        "--dtype",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="auto: bf16 on CUDA (fp16 on GPUs without bf16), else fp32",
     )
     r = p.add_argument_group("output")
     r.add_argument("--output-dir", default="runs/zeroshard-train", help="where metrics, checkpoints, export go")

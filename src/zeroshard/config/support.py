@@ -66,7 +66,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "zero_optimization.parameter_alignment",  # stages 1-2: FlatPolicy.param_align
         "use_data_before_expert_parallelism",  # moe/groups.py ExpertMesh.data_first
         "zero_optimization.stage3_prefetch_bucket_size",
-        "zero_optimization.pipeline_loading_checkpoint",  # checkpoint/load.py `_loads_after`: a node's ranks in turn
+        "zero_optimization.pipeline_loading_checkpoint",  # checkpoint/load.py `_turns`: a node's ranks in turn
         "zero_optimization.save_muon_momentum_buffer_in_memory",  # zero/from_config.py `_resident_state`
         "zero_optimization.stage3_param_persistence_threshold",
         "zero_optimization.stage3_model_persistence_threshold",

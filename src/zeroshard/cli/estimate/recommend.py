@@ -190,7 +190,9 @@ def _as_given(rows: list[Row], checkpointing: bool, micro_batch: int) -> Iterato
 
 
 def _from_plan(plan: Plan, ok: bool, why: list[str], tree: Option, notes: list[str]) -> Recommendation:
-    zero = _zero_config(plan.option, ok)
+    """A plan chosen because the tree's choice did not fit: GPU memory is tight, as the reasons say (pinned host
+    buffers, no overlap_comm buckets), whether or not the plan itself fits."""
+    zero = _zero_config(plan.option, sufficient=False)
     return Recommendation(plan.option, zero, why, ok, plan.checkpointing, plan.micro_batch, plan.gpu_bytes, tree, notes)
 
 
