@@ -28,7 +28,9 @@ def test_absent_or_disabled_block_is_nothing() -> None:
     [
         ({"enabled": True, "autoep_size": 0}, "autoep_size=0"),
         ({"enabled": "yes"}, "enabled='yes'"),
-        ({"enabled": True, "autoep_sise": 2}, "unknown keys ['autoep_sise']"),
+        ({"enabled": True, "autoep_sise": 2}, "expert_parallel.autoep_sise: unknown key; did you mean autoep_size?"),
+        ({"enabled": True, "zzz": 2}, "expert_parallel: unknown keys ['zzz']"),
+        ({"enabeld": True}, "expert_parallel.enabeld: unknown key; did you mean enabled?"),  # not left off
         ({"enabled": True, "expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size must be 1"),
         ({"enabled": False, "load_balance_coeff": 0.01}, "load_balance_coeff"),
         ({"enabled": True, "preset_model": "llama"}, "preset_model='llama'"),

@@ -92,17 +92,15 @@ def test_batch_triple_is_completed(
             None,
             None,
             4,
-            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them, or "
-            "pass train_micro_batch_size_per_gpu to initialize); gradient_accumulation_steps alone does "
-            "not fix the batch size",
+            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them in the "
+            "config); gradient_accumulation_steps alone does not fix the batch size",
         ),
         (
             None,
             None,
             None,
-            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them, or "
-            "pass train_micro_batch_size_per_gpu to initialize); gradient_accumulation_steps alone "
-            "does not fix the batch size",
+            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them in the "
+            "config); gradient_accumulation_steps alone does not fix the batch size",
         ),
     ],
 )
@@ -125,7 +123,7 @@ def test_batch_error_says_which_numbers_came_from_known() -> None:
         resolve_config(cfg, world_size=8, known={"train_micro_batch_size_per_gpu": 4})
     assert str(info.value) == (
         "train_batch_size 32 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps "
-        "4 * world_size 8 (= 128) (train_micro_batch_size_per_gpu passed to initialize)"
+        "4 * world_size 8 (= 128) (train_micro_batch_size_per_gpu given outside the config)"
     )
 
 
@@ -294,8 +292,8 @@ def test_literal_auto_value_is_kept() -> None:
         (
             HF_AUTO,
             {"train_micro_batch_size_per_gpu": 4, "hidden_size": 64},
-            'optimizer.params.lr is "auto" and nothing resolved it; set a '
-            "number in the config or pass it to initialize",
+            'optimizer.params.lr is "auto" and nothing resolved it; set a number in the config (the Hugging '
+            "Face Trainer fills such values from its arguments; initialize alone cannot)",
         ),
         (
             {
@@ -303,22 +301,20 @@ def test_literal_auto_value_is_kept() -> None:
                 "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
             },
             {},
-            'scheduler.params.total_num_steps is "auto" and nothing '
-            "resolved it; set a number in the config or pass it "
-            "to initialize",
+            'scheduler.params.total_num_steps is "auto" and nothing resolved it; set a number in the config '
+            "(the Hugging Face Trainer fills such values from its arguments; initialize alone cannot)",
         ),
         (
             {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
             {},
             'scheduler.params.warmup_max_lr is "auto" and follows '
             "optimizer.params.lr, which nothing resolved; set a "
-            "number in the config or pass optimizer.params.lr to initialize",
+            "number in the config, or pass initialize a client optimizer (its lr is taken)",
         ),
         (
             {"train_batch_size": "auto", "gradient_accumulation_steps": "auto"},
             {},
-            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them, or pass "
-            "train_micro_batch_size_per_gpu to initialize); "
+            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them in the config); "
             "gradient_accumulation_steps alone does not fix the batch size",
         ),
         (

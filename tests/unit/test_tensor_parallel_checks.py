@@ -29,8 +29,10 @@ def _llama(**overrides: Any) -> torch.nn.Module:
 
 def test_block_keys_and_size() -> None:
     assert autotp_size(None) == 1 and autotp_size({"autotp_size": 0}) == 1 and autotp_size({"autotp_size": 4}) == 4
-    with pytest.raises(ConfigError, match=r"tensor_parallel: keys \['tp_size'\]"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel.tp_size: unknown key; did you mean autotp_size\?"):
         autotp_size({"autotp_size": 2, "tp_size": 2})
+    with pytest.raises(ConfigError, match=r"tensor_parallel: keys \['injection_policy'\] are not supported"):
+        autotp_size({"autotp_size": 2, "injection_policy": {}})
     with pytest.raises(ConfigError, match="tp_overlap_comm=true"):
         autotp_size({"autotp_size": 2, "tp_overlap_comm": True})
     with pytest.raises(ConfigError, match="autotp_size='2'"):

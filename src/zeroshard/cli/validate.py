@@ -6,8 +6,11 @@ that only a training run knows (learning rate, batch sizes, total steps, ...) ar
 `zeroshard train` fills them with its defaults, and listed; `--set KEY=VALUE` gives them other values,
 `--strict` leaves them unfilled (an error, as plain DeepSpeed would raise). Exit code 2 on any error.
 
-Every rule `initialize` applies to a config lives in `zeroshard.config` and runs inside `resolve_config`, which
-both call, so a config this command accepts is one `initialize` accepts (the model aside).
+Every rule `initialize` applies to a config alone runs inside `resolve_config`, which both call (the blocks other
+modules read, through their own checks: [Note: blocks checked by their readers] in config/blocks.py), and the
+world's (`check_world`) on `--world-size`; so a config this command accepts is one `initialize` accepts, but for
+what needs the model (a PipelineModule's stages, MoE layers, a model tensor parallelism can split) or the process
+group (tensor/sequence-parallel degrees that divide the world, taken here as the data-parallel size).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zeroshard.config import parse_config, resolve_config
+    from zeroshard.config.blocks import check_world
     from zeroshard.errors import ConfigError
     from zeroshard.presets import load_ds_config
 
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = parse_config(raw)
             known, filled = _known(args, raw)
             resolved = resolve_config(cfg, world_size=args.world_size, known=known)
+            check_world(resolved, args.world_size)
         except ConfigError as err:
             hint = " (--set KEY=VALUE gives it a value)" if '"auto"' in str(err) else ""
             raise ConfigError(f"{args.file}: {err}{hint}") from None

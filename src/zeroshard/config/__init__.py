@@ -14,6 +14,7 @@ optimizer, monitor, features), parse, resolve, batch, checks, support (UNIMPLEME
 """
 
 from zeroshard.config.batch import BatchSizes, complete_batch
+from zeroshard.config.blocks import check_world
 from zeroshard.config.features import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "WandbConfig",
     "ZeroConfig",
     "ZeroshardConfig",
+    "check_world",
     "complete_batch",
     "is_unimplemented",
     "parse_config",

@@ -57,7 +57,7 @@ def complete_batch(train: int | None, micro: int | None, accum: int | None, worl
         train = micro * accum * world_size if train is None else train
     if train is None or micro is None or accum is None:
         raise ConfigError(
-            f"none of {TRAIN} and {MICRO} is set (set one of them, or pass {MICRO} to initialize); "
+            f"none of {TRAIN} and {MICRO} is set (set one of them in the config); "
             f"{ACCUM} alone does not fix the batch size"
         )
     if train != micro * accum * world_size:

@@ -49,10 +49,16 @@ def _check_precision(cfg: ZeroshardConfig) -> None:
     if fp16.enabled is True and bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     if fp16.enabled is True and fp16.loss_scale == 0:
-        for key in ("loss_scale_window", "min_loss_scale"):
+        for key in ("loss_scale_window", "min_loss_scale", "hysteresis"):
             value = getattr(fp16, key)
             if isinstance(value, int) and value <= 0:
                 raise ConfigError(f"fp16.{key}: {value} is out of range; dynamic loss scaling needs > 0")
+        power = fp16.initial_scale_power
+        if isinstance(power, int) and not -126 <= power <= 127:  # 2**power a normal fp32 number
+            raise ConfigError(
+                f"fp16.initial_scale_power: {power} is out of range; the loss is multiplied by 2**power in fp32, so "
+                "it must be between -126 and 127 (DeepSpeed's default is 16)"
+            )
     if bf16.bf16_optimizer_states is True and bf16.bf16_master_weights_and_grads is not True:
         raise ConfigError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true")
     for block, name in ((bf16, "bf16"), (fp16, "fp16")):  # [Note: bf16 master weights]
@@ -241,9 +247,14 @@ def zeropp_keys(zero: Any) -> list[str]:
         key
         for key, on in (
             ("zero_quantized_weights", zero.zero_quantized_weights is True),
-            ("zero_hpz_partition_size", int(zero.zero_hpz_partition_size or 1) > 1),
+            ("zero_hpz_partition_size", _int(zero.zero_hpz_partition_size) > 1),
             ("zero_quantized_gradients", zero.zero_quantized_gradients is True),
             ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights is True),
         )
         if on
     ]
+
+
+def _int(value: Any) -> int:
+    """An int key's value, 1 while it is still "auto" (resolved to DeepSpeed's default, 1, by resolve_config)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1

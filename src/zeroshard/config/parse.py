@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from zeroshard.config.checks import check_consistency, warn_ignored
@@ -88,9 +89,18 @@ def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         data = _hjson(text, hook)  # DeepSpeed reads its config files with hjson (comments, unquoted keys)
         if data is None:
+            hjson = (
+                "nor hjson, which DeepSpeed also reads"
+                if importlib.util.find_spec("hjson") is not None
+                else "hjson, which DeepSpeed also reads, is not installed: `pip install hjson` for files written in it"
+            )
             raise ConfigError(
-                f"ds_config file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
-                " (nor hjson, which DeepSpeed also reads: `pip install hjson` for files written in it)"
+                f"ds_config file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno} ({hjson})"
+            ) from None
+        if data == {} and "{" not in text:  # hjson reads nothing at all as {}: a truncated or unwritten file
+            raise ConfigError(
+                f"ds_config file {path} is empty (or holds only comments); write the config as a JSON object ({{}} "
+                "for DeepSpeed's defaults)"
             ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"ds_config file {path} holds a JSON {type(data).__name__}, not an object")
@@ -133,6 +143,11 @@ def _legacy_zero_switch(mapping: dict[str, Any], logger: logging.Logger) -> dict
     allgather = mapping.pop("allgather_size", None)
     if switch and allgather is not None:
         zero["allgather_bucket_size"] = allgather
+    elif allgather is not None:
+        logger.warning(
+            "zeroshard: allgather_size is ignored with zero_optimization=false, as DeepSpeed ignores it: it sizes "
+            "stage 1's buckets"
+        )
     return {**mapping, "zero_optimization": zero}
 
 
@@ -185,6 +200,16 @@ def unknown_key_message(cls: type[ConfigBlock], key: str, path: str) -> str:
         return f"{join(path, key)}: unknown key; did you mean {close[0]}?"
     where = f" of {path}" if path else ""
     return f"{join(path, key)}: unknown key; valid keys{where} are: {', '.join(sorted(cls.key_fields()))}"
+
+
+def misspelt(path: str, keys: Iterable[str], known: Iterable[str]) -> str | None:
+    """`path.key: unknown key; did you mean ...?` for the first of `keys` (of an opaque block, which its reader checks)
+    close to one of `known`; None when none is."""
+    for key in sorted(keys):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        if close:
+            return f"{join(path, key)}: unknown key; did you mean {close[0]}?"
+    return None
 
 
 def _apply_moved(moved: Moved, value: object, given: dict[str, Any], path: str, logger: logging.Logger) -> None:

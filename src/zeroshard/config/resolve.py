@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
 from zeroshard.config.batch import ACCUM, BATCH_KEYS, MICRO, TRAIN, complete_batch
+from zeroshard.config.blocks import check_blocks
 from zeroshard.config.checks import check_consistency
 from zeroshard.config.elasticity import apply_elasticity
 from zeroshard.config.fields import (
@@ -80,7 +81,7 @@ def _optimizer_lr(ctx: _Context, key: str) -> object:
     if lr is None:
         raise ConfigError(
             f'{key} is "auto" and follows optimizer.params.lr, which nothing resolved; set a number in the '
-            "config or pass optimizer.params.lr to initialize"
+            "config, or pass initialize a client optimizer (its lr is taken)"
         )
     return lr
 
@@ -131,6 +132,7 @@ def resolve_config(
     out = _resolve_batch(out, world_size, ctx)
     out = dataclasses.replace(out, resolved=True)
     check_consistency(out)
+    check_blocks(out)
     check_buildable(out.optimizer, out.scheduler)
     if filled:
         get_logger("zeroshard.config").info(f'zeroshard: resolved "auto": {", ".join(filled)}')
@@ -221,7 +223,10 @@ def _unresolved(key: str, check: object) -> ConfigError:
     if isinstance(check, Nullable):
         check = check.inner
     what = "true or false" if isinstance(check, Bool) else "a number" if isinstance(check, Int | Float) else "a value"
-    return ConfigError(f'{key} is "auto" and nothing resolved it; set {what} in the config or pass it to initialize')
+    return ConfigError(
+        f'{key} is "auto" and nothing resolved it; set {what} in the config (the Hugging Face Trainer fills such '
+        "values from its arguments; initialize alone cannot)"
+    )
 
 
 def _apply_elasticity(cfg: ZeroshardConfig, world_size: int) -> ZeroshardConfig:
@@ -255,5 +260,5 @@ def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> Zero
     except ConfigError as err:
         if not from_known:
             raise
-        raise ConfigError(f"{err} ({', '.join(from_known)} passed to initialize)") from None
+        raise ConfigError(f"{err} ({', '.join(from_known)} given outside the config)") from None
     return dataclasses.replace(cfg, **dataclasses.asdict(sizes))

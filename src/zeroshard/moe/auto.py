@@ -48,6 +48,7 @@ from typing import Any
 
 from torch import nn
 
+from zeroshard.config.parse import misspelt
 from zeroshard.errors import ConfigError
 from zeroshard.loading.weights import weights_covering
 from zeroshard.moe.groups import ExpertGroups
@@ -119,9 +120,17 @@ class AutoEp:
         return self.block.get(key, default)
 
 
-def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
-    """The block, checked; None without it or when not enabled. Pure."""
+def autoep_of(block: Mapping[str, Any] | None, quiet: bool = False) -> AutoEp | None:
+    """The block, checked; None without it or when not enabled. Pure but for a warning (none when `quiet`: the
+    check `resolve_config` makes, [Note: blocks checked by their readers])."""
     block = dict(block or {})
+    known = _READ | set(_ROUTING) | set(_KERNELS) | {"expert_tensor_parallel_size", "load_balance_coeff", "enabled"}
+    unknown = sorted(set(block) - known)
+    if unknown:  # also when not enabled: a misspelt "enabled" would otherwise turn AutoEP off unnoticed
+        raise ConfigError(
+            misspelt("expert_parallel", unknown, known)
+            or f"expert_parallel: unknown keys {unknown}; see DeepSpeed's AutoEP config for the names"
+        )
     if block.get("load_balance_coeff") is not None:  # DeepSpeed refuses it even when disabled
         raise ConfigError(
             "expert_parallel.load_balance_coeff is not supported (as in DeepSpeed): the model's own "
@@ -132,10 +141,6 @@ def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
         raise ConfigError(f"expert_parallel.enabled={enabled!r}: expected true or false")
     if not enabled:
         return None
-    known = _READ | set(_ROUTING) | set(_KERNELS) | {"expert_tensor_parallel_size", "load_balance_coeff"}
-    unknown = sorted(set(block) - known)
-    if unknown:
-        raise ConfigError(f"expert_parallel: unknown keys {unknown}; see DeepSpeed's AutoEP config for the names")
     size = block.get("autoep_size", 1)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"expert_parallel.autoep_size={size!r}: expected a positive int (ranks per set of experts)")
@@ -154,7 +159,7 @@ def autoep_of(block: Mapping[str, Any] | None) -> AutoEp | None:
         if "." in str(block.get(key) or ""):
             raise ConfigError(f"expert_parallel.{key}={block[key]!r}: a child attribute name, without dots")
     kernels = sorted(k for k, default in _KERNELS.items() if k in block and block[k] != default)
-    if kernels:
+    if kernels and not quiet:
         log_rank(
             logger,
             30,

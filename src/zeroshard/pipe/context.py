@@ -23,6 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zeroshard.comm.collectives import Collectives, scope_of
 from zeroshard.comm.topology import NodeLayout
+from zeroshard.config.parse import misspelt
 from zeroshard.errors import ConfigError
 from zeroshard.pipe.mesh import PipeGroups
 from zeroshard.pipe.module import PipelineModule
@@ -46,13 +47,25 @@ OURS = {"schedule", "virtual_stages"}
 def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -> tuple[str, int]:
     """The schedule named by the `pipeline` block and the chunks per rank, after checking them against the module
     ([Note: pipeline config])."""
+    stages, schedule, virtual = check_pipeline_block(block)
+    if stages is not None and stages != module.num_stages:
+        raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
+    return schedule, virtual
+
+
+def check_pipeline_block(block: Mapping[str, Any] | None) -> tuple[int | None, str, int]:
+    """The block's stages (None: "auto"), schedule and chunks per rank, checked without the module ([Note: blocks
+    checked by their readers] in config/blocks.py)."""
     block = dict(block or {})
     unknown = set(block) - DEEPSPEED_KEYS - OURS
     if unknown:
-        raise ConfigError(f"pipeline: unknown keys {sorted(unknown)}; expected {sorted(DEEPSPEED_KEYS | OURS)}")
+        raise ConfigError(
+            misspelt("pipeline", unknown, DEEPSPEED_KEYS | OURS)
+            or f"pipeline: unknown keys {sorted(unknown)}; expected {sorted(DEEPSPEED_KEYS | OURS)}"
+        )
     stages = block.get("stages", "auto")
-    if stages != "auto" and int(stages) != module.num_stages:
-        raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
+    if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+        raise ConfigError(f'pipeline.stages={stages!r}: expected "auto" or a positive int (the PipelineModule\'s)')
     schedule = str(block.get("schedule", "1f1b")).lower()
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r}: expected one of {SCHEDULES}")
@@ -62,7 +75,7 @@ def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -
             f"pipeline.virtual_stages={virtual!r}: chunks per rank, at least 2 and only with "
             '"schedule": "interleaved" (default 2 there)'
         )
-    return schedule, virtual
+    return None if stages == "auto" else stages, schedule, virtual
 
 
 def refuse_unsupported(stage: int, backend: str) -> None:

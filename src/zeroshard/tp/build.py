@@ -22,6 +22,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.config import ZeroshardConfig
+from zeroshard.config.parse import misspelt
 from zeroshard.errors import ConfigError
 from zeroshard.tp.mesh import TensorParallelContext
 
@@ -33,7 +34,10 @@ def autotp_size(block: Mapping[str, Any] | None) -> int:
     block = dict(block or {})
     unknown = sorted(set(block) - KEYS)
     if unknown:
-        raise ConfigError(f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size only")
+        raise ConfigError(
+            misspelt("tensor_parallel", unknown, KEYS)
+            or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size only"
+        )
     if block.get("tp_overlap_comm"):
         raise ConfigError("tensor_parallel.tp_overlap_comm=true is not supported; set it to false")
     size = block.get("autotp_size", 1)

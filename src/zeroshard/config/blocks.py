@@ -1,0 +1,60 @@
+"""The checks of blocks that other parts of zeroshard read, run at `resolve_config`.
+
+[Note: blocks checked by their readers]
+Some blocks are read where they act, by pure functions that also check them: the opaque `tensor_parallel`,
+`expert_parallel` and `pipeline` blocks, `comms_logger.prof_ops`, `activation_checkpointing` (DeepSpeed's
+assertions), and what the fsdp2 backend cannot do. `initialize` runs each before any work, but `zeroshard
+validate-config` builds no engine, so a config it called valid could still be refused. `resolve_config`, which both
+call, runs the same functions here: the rule stays in one place, its reader's module (imported here when
+resolving, since those modules import this package). What needs the model (a PipelineModule's stages, MoE layers)
+or the launched world (`check_world`, which `initialize` runs on the whole world and validate-config on
+`--world-size`) is checked where it is known.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroshard.config.checks import zeropp_keys
+from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.errors import ConfigError
+
+
+def check_blocks(cfg: ZeroshardConfig) -> None:
+    """ConfigError for what a block's reader would refuse ([Note: blocks checked by their readers])."""
+    from zeroshard.comm.comms_logger import check_prof_ops
+    from zeroshard.moe.auto import autoep_of
+    from zeroshard.pipe.context import check_pipeline_block
+    from zeroshard.tp.build import autotp_size, loss_parallel_of
+
+    autotp_size(cfg.tensor_parallel)
+    loss_parallel_of(cfg.tensor_parallel)
+    autoep_of(cfg.expert_parallel, quiet=True)
+    check_pipeline_block(cfg.pipeline)
+    check_prof_ops(cfg.comms_logger.prof_ops)
+    if "activation_checkpointing" in (cfg.raw or {}):  # initialize configures checkpointing from it
+        from zeroshard.checkpointing.settings import from_block
+
+        from_block(cfg.activation_checkpointing).validate()
+    if cfg.torch_autocast.enabled is True:  # the classes it names import ([Note: torch autocast])
+        from zeroshard.zero.flat.autocast import safe_module_classes
+
+        safe_module_classes(cfg.torch_autocast.lower_precision_safe_modules)
+    if str(cfg.zeroshard.backend) == "fsdp2":
+        import torch
+
+        from zeroshard.fsdp2.plan import plan_from_config
+
+        plan_from_config(cfg, torch.float32)
+
+
+def check_world(cfg: Any, world_size: int) -> None:
+    """What the launched world must satisfy, before any work: ZeRO++ hpZ's partitions tile it."""
+    z = cfg.zero_optimization
+    size = z.zero_hpz_partition_size
+    on = "zero_hpz_partition_size" in zeropp_keys(z) and int(z.stage) == 3 and str(cfg.zeroshard.backend) == "zero"
+    if on and world_size > 1 and world_size % int(size):
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size {size} does not divide the {world_size} ranks; use a divisor "
+            "of the world size (usually the GPUs per node)"
+        )

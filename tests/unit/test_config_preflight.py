@@ -1,0 +1,131 @@
+"""ds_config errors caught before any work, by `resolve_config` (which `initialize` and `zeroshard validate-config`
+both call) and `check_world`: values that would only fail inside training, the blocks other modules read ([Note:
+blocks checked by their readers] in config/blocks.py), empty files."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from helpers.config_checks import log, warnings_of  # noqa: F401  (the fixture)
+from zeroshard.cli.main import main
+from zeroshard.config import check_world, parse_config, resolve_config
+from zeroshard.errors import ConfigError
+
+BASE = {"train_micro_batch_size_per_gpu": 1}
+
+
+def _resolve_error(source: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        resolve_config(parse_config({**BASE, **source}), world_size=1)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        # the loss scaler's and the readers' refusals, which came after the model was sharded
+        (
+            {"fp16": {"enabled": True, "initial_scale_power": 1100}},
+            "fp16.initial_scale_power: 1100 is out of range; the loss is multiplied by 2**power in fp32",
+        ),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis: 0 is out of range"),
+        (
+            {"tensor_parallel": {"autotp_sise": 2}},
+            "tensor_parallel.autotp_sise: unknown key; did you mean autotp_size?",
+        ),
+        ({"tensor_parallel": {"autotp_size": "2"}}, "tensor_parallel.autotp_size='2': expected a positive int"),
+        # a misspelt "enabled" left AutoEP off without a word
+        (
+            {"expert_parallel": {"enabeld": True, "autoep_size": 2}},
+            "expert_parallel.enabeld: unknown key; did you mean",
+        ),
+        ({"expert_parallel": {"enabled": "yes"}}, "expert_parallel.enabled='yes': expected true or false"),
+        ({"pipeline": {"stages": "two"}}, "pipeline.stages='two': expected \"auto\" or a positive int"),
+        ({"pipeline": {"stages": 2.5}}, "pipeline.stages=2.5: expected"),  # was truncated to 2
+        ({"pipeline": {"schedle": "gpipe"}}, "pipeline.schedle: unknown key; did you mean schedule?"),
+        (
+            {"zeroshard": {"backend": "fsdp2"}, "zero_optimization": {"stage": 1}},
+            '"zeroshard": {"backend": "fsdp2"} runs ZeRO stages 2 and 3',
+        ),
+        (
+            {"comms_logger": {"enabled": True, "prof_ops": ["allreduce_typo"]}},
+            "comms_logger.prof_ops: unknown collective(s) ['allreduce_typo']",
+        ),
+        (
+            {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True}},
+            "activation_checkpointing.contiguous_memory_optimization needs number_checkpoints",
+        ),
+        # ignored at stage 0 before (DeepSpeed refuses it)
+        (
+            {
+                "torch_autocast": {
+                    "enabled": True,
+                    "dtype": "bf16",
+                    "lower_precision_safe_modules": ["torch.nn.Linearr"],
+                }
+            },
+            "torch_autocast.lower_precision_safe_modules: cannot import 'torch.nn.Linearr'",
+        ),
+    ],
+)
+def test_resolve_refuses_what_initialize_would_after_building(source: dict[str, Any], message: str) -> None:
+    assert _resolve_error(source).startswith(message)
+
+
+def test_auto_hpz_size_resolves_instead_of_crashing() -> None:
+    """`zero_hpz_partition_size: "auto"` was a TypeError from int() while the config was still being parsed."""
+    cfg = parse_config({**BASE, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": "auto"}})
+    assert resolve_config(cfg, world_size=1).zero_optimization.zero_hpz_partition_size == 1
+
+
+def test_a_disabled_autoep_block_with_known_keys_is_accepted() -> None:
+    resolve_config(parse_config({**BASE, "expert_parallel": {"enabled": False, "autoep_size": 4}}), world_size=1)
+
+
+def test_hpz_partitions_must_tile_the_world_before_any_work() -> None:
+    """The check initialize runs on the launched world (it came after the units were built), and validate-config
+    on --world-size."""
+    cfg = resolve_config(
+        parse_config({**BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}), world_size=4
+    )
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size 3 does not divide the 4 ranks"):
+        check_world(cfg, 4)
+    check_world(cfg, 6)
+    check_world(cfg, 1)  # one rank: hpZ has nothing to do, as DeepSpeed
+    stage2 = resolve_config(
+        parse_config({**BASE, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 3}}), world_size=4
+    )
+    check_world(stage2, 4)  # ignored below stage 3, with a warning at parse
+
+
+def test_validate_config_refuses_what_initialize_would(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]):
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}'
+    )
+    assert main(["validate-config", str(path), "--world-size", "4"]) != 0
+    assert "zero_hpz_partition_size 3 does not divide the 4 ranks" in capsys.readouterr().err
+    path.write_text('{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_sise": 2}}')
+    assert main(["validate-config", str(path)]) != 0
+    assert "did you mean autotp_size?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "// nothing yet\n# still nothing\n"])
+def test_an_empty_config_file_is_refused(tmp_path: pathlib.Path, text: str) -> None:
+    """hjson reads an empty (truncated, never written) file as {}: it trained with every default."""
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"ds_config file .*ds\.json is empty \(or holds only comments\)"):
+        parse_config(str(path))
+    path.write_text("{}")  # written on purpose: DeepSpeed's defaults
+    assert parse_config(str(path)).zero_optimization.stage == 0
+
+
+def test_allgather_size_ignored_with_zero_off_says_so(log: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    cfg = parse_config({**BASE, "zero_optimization": False, "allgather_size": 100})
+    assert cfg.zero_optimization.stage == 0
+    assert any("allgather_size is ignored with zero_optimization=false" in w for w in warnings_of(log))
