@@ -129,3 +129,10 @@ def test_allgather_size_ignored_with_zero_off_says_so(log: pytest.LogCaptureFixt
     cfg = parse_config({**BASE, "zero_optimization": False, "allgather_size": 100})
     assert cfg.zero_optimization.stage == 0
     assert any("allgather_size is ignored with zero_optimization=false" in w for w in warnings_of(log))
+
+
+def test_a_switched_off_unimplemented_block_does_not_warn(log: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    parse_config({**BASE, "data_efficiency": {"enabled": False, "data_sampling": {"enabled": True}}})
+    assert warnings_of(log) == []
+    parse_config({**BASE, "data_efficiency": {"enabled": True}})
+    assert any("data_efficiency" in w and "not implemented" in w for w in warnings_of(log))

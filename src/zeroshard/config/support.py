@@ -53,7 +53,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         # ZeRO.
         "zero_optimization.stage",
         "zero_optimization.reduce_scatter",
-        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.reduce_bucket_size",  # stages 1-2 (zero/from_config.py); stage 3: per unit (docs/compat.md)
         "zero_optimization.allgather_bucket_size",
         "zero_optimization.overlap_comm",
         "zero_optimization.load_from_fp32_weights",
@@ -382,8 +382,13 @@ def unimplemented_settings(cfg: ConfigBlock, path: str = "") -> Iterator[tuple[s
         value = getattr(cfg, name)
         if isinstance(value, ConfigBlock):
             yield from unimplemented_settings(value, key)
-        elif value is not AUTO and is_unimplemented(key) and value != default_of(f):
+        elif value is not AUTO and is_unimplemented(key) and value != default_of(f) and not _switched_off(value):
             yield key, value
+
+
+def _switched_off(value: object) -> bool:
+    """An opaque block that says `"enabled": false` (DeepSpeed's data_efficiency off): nothing to warn about."""
+    return isinstance(value, Mapping) and value.get("enabled") is False
 
 
 def warn_unimplemented(cfg: ConfigBlock, logger: logging.Logger) -> None:
