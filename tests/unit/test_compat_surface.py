@@ -262,11 +262,15 @@ def test_set_random_seed_and_see_memory_usage():
 
 
 def test_zero_init_builds_on_meta_and_takes_deepspeeds_arguments():
+    import torch.distributed as dist
+
     import zeroshard
 
+    started = not dist.is_initialized()
     with zeroshard.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16, config_dict_or_path={}):
         built = torch.nn.Linear(2, 2)
     assert built.weight.device.type == "meta"
+    assert dist.is_initialized() and dist.get_world_size() == 1  # started by it, as DeepSpeed's
     with zeroshard.zero.Init(enabled=False):
         plain = torch.nn.Linear(2, 2)
     assert plain.weight.device.type == "cpu"
@@ -275,6 +279,8 @@ def test_zero_init_builds_on_meta_and_takes_deepspeeds_arguments():
     with pytest.raises(zeroshard.ConfigError, match="mpu"):
         zeroshard.zero.Init(mpu=object())
     assert zeroshard.zero.GatheredParameters is zeroshard.GatheredParameters
+    if started:  # the other tests of this process find none, as before
+        dist.destroy_process_group()
 
 
 def test_register_external_parameter():

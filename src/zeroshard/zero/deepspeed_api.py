@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.errors import ConfigError
@@ -35,6 +36,9 @@ class Init:
       `data_parallel_group`: accepted and unused; the ds_config passed to `initialize` decides placement
       (`offload_param`) and dtype (`bf16`/`fp16`).
     - `mpu=`: refused (ZeRO-3 does not compose with model parallelism here; `initialize(mpu=...)` does at stages 0-2).
+
+    As DeepSpeed's, it starts the process group when the script has not (`init_distributed()`: from the launcher's
+    environment, or a one-process group), whether enabled or not.
 
     Example:
         >>> import torch, zeroshard
@@ -60,6 +64,10 @@ class Init:
     ) -> None:
         if mpu is not None:
             raise ConfigError("zero.Init(mpu=...): ZeRO-3 with model parallelism is not supported; pass mpu=None")
+        if not dist.is_initialized():  # as DeepSpeed's: the script may ask for its rank from here on
+            from zeroshard.comm.topology import init_distributed
+
+            init_distributed()
         if unused:
             logger.debug("zero.Init: ignoring %s", ", ".join(sorted(unused)))
         # A built module needs nothing here: initialize() shards whatever module it is given at stage 3.
