@@ -26,7 +26,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.generation import uninstall as uninstall_generate
 from zeroshard.manual_backward import ENGINE_BACKWARDS, ManualBackward
 from zeroshard.memory import ProcessMemory, StrategyMemory, process_memory
-from zeroshard.monitor import Telemetry
+from zeroshard.monitor import Monitor, Telemetry, open_monitors
 from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import GRADS, PARAMS, StateOffloader
@@ -102,9 +102,11 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         loss_scaler: Any,
         training_dataloader: Any,
         compute_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        monitors: list[Monitor] | None = None,
     ):
         """`compute_context`: entered around every forward and backward (tensor parallelism's vocab-parallel loss,
-        [Note: vocab-parallel loss] in tp/plan.py)."""
+        [Note: vocab-parallel loss] in tp/plan.py). `monitors`: what `initialize` opened on rank 0 ([Note: monitors
+        open first]); None opens them here."""
         super().__init__()
         if config.log_level is not None:
             set_log_level_from_string(config.log_level)
@@ -132,7 +134,9 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         self._watch = AbsenceWatch.start(self._activity, topology, self._checkpoint_prefix)
         if self._watch is not None:
             weakref.finalize(self, self._watch.stop)
-        self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy)
+        if monitors is None:
+            monitors = open_monitors(config, comm, topology.rank, topology.device)
+        self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy, monitors)
         self.wall_clock = WallClock(bool(config.wall_clock_breakdown), topology.device)
         self.schedules = TrainingSchedules.from_config(config)
         # DeepSpeed's attribute names, which scripts read (Megatron-DeepSpeed: the legacy curriculum)

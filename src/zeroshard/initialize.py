@@ -14,7 +14,7 @@ from zeroshard import checkpointing
 from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
-from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
+from zeroshard.config import ZeroshardConfig, check_world, parse_config, resolve_config
 from zeroshard.config.features import ZeroshardExtrasConfig
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
@@ -32,11 +32,12 @@ from zeroshard.loading.replay import forget as forget_recorded
 from zeroshard.loading.weights import release, weights_for
 from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, refuse_combinations
 from zeroshard.moe.zero import refuse_expert_stage3
+from zeroshard.monitor import open_monitors
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.state_dtype import keep_state_in
-from zeroshard.pipe.build import PipeContext, build_pipe, pipe_dataloader
+from zeroshard.pipe.build import build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
@@ -111,6 +112,7 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=_collective_timeout(parsed))
+    check_world(parsed, topology.world_size)
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
     mpu = None if sp_mpu is not None else mpu
@@ -203,6 +205,7 @@ def _build(
         logger=CommsLogger(cfg.comms_logger, topology.world_size, topology.rank),
         scope=Scope.INTER_NODE if nodes.nodes > 1 else Scope.INTRA_NODE,  # [Note: scopes]
     )
+    monitors = open_monitors(cfg, comm, topology.rank, topology.device)  # before any work: [Note: monitors open first]
     world = comm
     sequence = build_sequence_parallel(sp, sp_mpu, world)  # [Note: sequence parallelism]
     if cfg.use_data_before_expert_parallelism:  # DeepSpeed's "D + E" expert groups ([Note: expert groups])
@@ -345,9 +348,13 @@ def _build(
         from zeroshard.hybrid_engine import HybridEngine, share_rank0_rng
 
         share_rank0_rng(world, topology.device)
-        engine: Engine = HybridEngine(*parts, loader, compute)
+        engine: Engine = HybridEngine(*parts, loader, compute, monitors)
+    elif pipe is not None:
+        from zeroshard.pipe.engine import PipelineEngine  # torch.distributed.pipelining loads only for a pipeline
+
+        engine = PipelineEngine(*parts, loader, None, monitors, pipe=pipe)
     else:
-        engine = Engine(*parts, loader, compute) if pipe is None else _pipeline_engine(parts, loader, pipe)
+        engine = Engine(*parts, loader, compute, monitors)
     engine.sequence = sequence
     if cfg.hybrid_engine.enabled or engine.forward_communicates():
         from zeroshard.generation import install
@@ -472,12 +479,6 @@ def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.op
     if cfg.scheduler is not None and optimizer is not None:
         return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
     return None
-
-
-def _pipeline_engine(parts: tuple[Any, ...], loader: Any, pipe: PipeContext) -> Engine:
-    from zeroshard.pipe.engine import PipelineEngine  # torch.distributed.pipelining loads only for a pipeline
-
-    return PipelineEngine(*parts, loader, pipe=pipe)
 
 
 _BROADCAST_BUCKET = 1 << 28  # bytes per flat broadcast of whole parameters: not a second model on the device

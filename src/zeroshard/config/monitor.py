@@ -17,6 +17,8 @@ from zeroshard.config.fields import (
     option,
 )
 
+COMET_START_MODES = ("get_or_create", "create", "get")  # what comet_ml.start accepts (DeepSpeed passes `mode` on)
+
 
 @dataclass(frozen=True)
 class TensorBoardConfig(ConfigBlock):
@@ -66,7 +68,12 @@ class CometConfig(ConfigBlock):
     experiment_name: str | None = option(None, "Comet experiment name.", Nullable(Str()))
     experiment_key: str | None = option(None, "Key of an existing Comet experiment.", Nullable(Str()))
     online: bool | None = option(None, "Log online (true) or store an offline experiment.", Nullable(Bool()))
-    mode: str | None = option(None, 'How the experiment starts: "get", "create" or "get_or_create".', Nullable(Str()))
+    mode: str | None = option(
+        None,
+        'How the experiment starts: "get" (an existing one, by experiment_key), "create" or "get_or_create" '
+        "(comet_ml.start's modes; null: comet_ml's default, get_or_create).",
+        Nullable(Str(choices=COMET_START_MODES)),
+    )
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class FlopsProfilerConfig(ConfigBlock):
 
     enabled: bool = option(False, "Run the FLOPs profiler.", Bool())
     recompute_fwd_factor: float = option(0.0, "Extra forward passes from activation recomputation.", Float())
-    profile_step: int = option(1, "Global step at which to profile.", Int())
+    profile_step: int = option(1, "Global step at which to profile.", Int(minimum=0))
     module_depth: int = option(-1, "Depth of the per-module report; -1 is all.", Int())
     top_modules: int = option(1, "Modules listed in the aggregated report.", Int())
     detailed: bool = option(True, "Print the per-module profile.", Bool())

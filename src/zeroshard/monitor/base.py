@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Protocol
+
+from zeroshard.errors import ConfigError
 
 Event = tuple[str, float, int]  # (name such as "Train/Samples/lr", value, x-axis: global samples)
 
 
 class Monitor(Protocol):
-    """A backend that records scalar events; built on rank 0 only (telemetry.py)."""
+    """A backend that records scalar events; built on rank 0 only (opening.py)."""
 
     def write_events(self, events: list[Event]) -> None: ...
 
     def close(self) -> None: ...
 
 
-def log_dir(output_path: str, job_name: str) -> str:
-    """`<output_path>/<job_name>`, created, as DeepSpeed's monitors lay it out (empty output_path: the cwd)."""
+def log_dir(output_path: str, job_name: str, block: str) -> str:
+    """`<output_path>/<job_name>`, created, as DeepSpeed's monitors lay it out (empty output_path: the cwd).
+
+    It is also written to once (a file made and removed), so that a directory the logs cannot go to is one line
+    naming `<block>.output_path` now, not an OSError at the first event ([Note: monitors open first])."""
     path = os.path.join(output_path, job_name)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".zeroshard_probe_", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = f"'{output_path}'" if output_path else "empty (the current directory)"
+        raise ConfigError(
+            f"{block}.output_path is {where}, and the logs cannot be written to {os.path.abspath(path)} "
+            f"({e.strerror or e}); set {block}.output_path to a directory this process can write to"
+        ) from e
     return path

@@ -14,7 +14,7 @@ class CSVMonitor:
     `step,lr` (the last part of the name), one `samples,value` row per event, as DeepSpeed's csvMonitor."""
 
     def __init__(self, config: CSVMonitorConfig):
-        self.log_dir = log_dir(config.output_path, config.job_name)
+        self.log_dir = log_dir(config.output_path, config.job_name, "csv_monitor")
         self._started: set[str] = set()  # files given their header by this run (DeepSpeed appends to old ones)
 
     def write_events(self, events: list[Event]) -> None:

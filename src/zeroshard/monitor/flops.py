@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from zeroshard.config.monitor import FlopsProfilerConfig
-from zeroshard.errors import ConfigError
 
 _LINE = "{:<70}  {:<8}"
 
@@ -69,8 +68,6 @@ class FlopsProfiler:
         world_size: int,
         micro_batch_size: int,
     ):
-        if int(config.profile_step) < 0:
-            raise ConfigError(f"flops_profiler.profile_step must be >= 0, got {config.profile_step}")
         self.config = config
         self.model = model
         self._shapes = shapes

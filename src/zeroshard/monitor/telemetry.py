@@ -13,47 +13,18 @@ The loss is this rank's (not averaged over ranks), as DeepSpeed logs it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Any
 
 import torch
 from torch import nn
 
-from zeroshard.errors import ConfigError
 from zeroshard.monitor.base import Event, Monitor
-from zeroshard.monitor.comet import CometMonitor
-from zeroshard.monitor.csv_monitor import CSVMonitor
 from zeroshard.monitor.flops import FlopsProfiler
-from zeroshard.monitor.tensorboard import TensorBoardMonitor
-from zeroshard.monitor.wandb import WandbMonitor
+from zeroshard.monitor.opening import monitors_enabled
 from zeroshard.utils.logging import get_logger
 from zeroshard.zero.strategy import Strategy
 
 logger = get_logger(__name__)
-
-
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}  # block -> the package it needs
-
-
-def check_packages(config: Any) -> None:
-    """On every rank, before training: one line naming the block and the package it needs."""
-    for block, package in _PACKAGES.items():
-        if getattr(config, block).enabled and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{block}.enabled needs the {package} package: pip install {package}")
-
-
-def build_monitors(config: Any) -> list[Monitor]:
-    """The enabled backends of `config` (a ZeroshardConfig); call on rank 0 only."""
-    monitors: list[Monitor] = []
-    if config.tensorboard.enabled:
-        monitors.append(TensorBoardMonitor(config.tensorboard))
-    if config.csv_monitor.enabled:
-        monitors.append(CSVMonitor(config.csv_monitor))
-    if config.wandb.enabled:
-        monitors.append(WandbMonitor(config.wandb))
-    if config.comet.enabled:
-        monitors.append(CometMonitor(config.comet))
-    return monitors
 
 
 class Telemetry:
@@ -74,10 +45,11 @@ class Telemetry:
         rank: int,
         world_size: int,
         strategy: Strategy | None,
+        monitors: list[Monitor],
     ) -> Telemetry:
-        """Monitors and profiler on rank 0 (DeepSpeed builds and profiles there only); nothing elsewhere."""
-        check_packages(config)
-        enabled = any(getattr(config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb", "comet"))
+        """`monitors` (opened on rank 0: opening.py) and the profiler on rank 0 (DeepSpeed builds and profiles there
+        only); nothing elsewhere."""
+        enabled = monitors_enabled(config)
         if rank != 0:
             return cls([], None, enabled)
         profiler = None
@@ -88,7 +60,7 @@ class Telemetry:
                 return strategy.checkpoint_state().full_shapes() if strategy is not None else {}
 
             profiler = FlopsProfiler(config.flops_profiler, model, shapes, world_size, micro)
-        return cls(build_monitors(config), profiler, enabled)
+        return cls(monitors, profiler, enabled)
 
     def forward(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Around the module's forward: the FLOPs profiler counts at its step."""

@@ -16,7 +16,7 @@ class TensorBoardMonitor:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise ConfigError("tensorboard.enabled needs the tensorboard package: pip install tensorboard") from e
-        self.writer = SummaryWriter(log_dir=log_dir(config.output_path, config.job_name))
+        self.writer = SummaryWriter(log_dir=log_dir(config.output_path, config.job_name, "tensorboard"))
 
     def write_events(self, events: list[Event]) -> None:
         for name, value, step in events:
