@@ -91,6 +91,19 @@ def test_an_output_path_the_logs_cannot_go_to_names_the_key(
     assert message.startswith(f"{block}.output_path is '{a_file}', and the logs cannot be written to {a_file}/run (")
 
 
+def test_a_flops_report_file_that_cannot_be_written_names_the_key(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 writes it at profile_step, after training started: its folder is checked with the monitors."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    blocks = {"flops_profiler": {"enabled": True, "output_file": str(a_file / "flops.txt")}}
+    message = _refused(blocks, monkeypatch)
+    assert message.startswith(
+        f"flops_profiler.output_file is '{a_file}/flops.txt', and {a_file} cannot be written to ("
+    )
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
 def test_wandb_without_an_api_key(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb

@@ -37,3 +37,19 @@ def log_dir(output_path: str, job_name: str, block: str) -> str:
             f"({e.strerror or e}); set {block}.output_path to a directory this process can write to"
         ) from e
     return path
+
+
+def writable_file(path: str, key: str) -> None:
+    """The folder of the file `key` names is made and written to once (rank 0 writes it at a later step): a path
+    that cannot take it is one line naming `key` now ([Note: monitors open first])."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".zeroshard_probe_", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"{key} is '{path}', and {folder} cannot be written to ({e.strerror or e}); set {key} to a file in a "
+            "directory this process can write to"
+        ) from e

@@ -27,7 +27,7 @@ import torch
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
-from zeroshard.monitor.base import Monitor
+from zeroshard.monitor.base import Monitor, writable_file
 from zeroshard.monitor.comet import CometMonitor
 from zeroshard.monitor.csv_monitor import CSVMonitor
 from zeroshard.monitor.tensorboard import TensorBoardMonitor
@@ -39,8 +39,10 @@ _MESSAGE_BYTES = 1024  # of a failure's line sent to the other ranks (longer one
 
 
 def monitors_enabled(config: Any) -> bool:
-    """Whether any monitor block of `config` (a ZeroshardConfig) is enabled: DeepSpeed's `monitor.enabled`."""
-    return any(getattr(config, block).enabled for block in MONITOR_BLOCKS)
+    """Whether any monitor block of `config` (a ZeroshardConfig) is enabled: DeepSpeed's `monitor.enabled`; or the
+    FLOPs profiler writes a file (rank 0, at `profile_step`: its folder is checked here too)."""
+    flops = config.flops_profiler
+    return any(getattr(config, block).enabled for block in MONITOR_BLOCKS) or bool(flops.enabled and flops.output_file)
 
 
 def check_packages(config: Any) -> None:
@@ -80,6 +82,9 @@ def open_monitors(config: Any, comm: Collectives, rank: int, device: torch.devic
     try:
         check_packages(config)
         if rank == 0:
+            flops = config.flops_profiler
+            if flops.enabled and flops.output_file:
+                writable_file(str(flops.output_file), "flops_profiler.output_file")
             monitors = build_monitors(config)
     except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it is raised here
         failure = e
