@@ -15,7 +15,7 @@ from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, check_world, parse_config, resolve_config
-from zeroshard.config.features import ZeroshardExtrasConfig
+from zeroshard.config.features import collective_timeout
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
 from zeroshard.engine_optimizer import ScriptOptimizer
@@ -111,7 +111,7 @@ def initialize(
     if source is None:
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
-    topology = init_distributed(timeout_s=_collective_timeout(parsed))
+    topology = init_distributed(timeout_s=collective_timeout(parsed.raw))
     check_world(parsed, topology.world_size)
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
@@ -138,16 +138,6 @@ def _with_backend(cfg: ZeroshardConfig, backend: str | None) -> ZeroshardConfig:
     if backend not in ("zero", "fsdp2"):
         raise ConfigError(f'initialize(backend={backend!r}): expected "zero" or "fsdp2"')
     return dataclasses.replace(cfg, zeroshard=dataclasses.replace(cfg.zeroshard, backend=backend))
-
-
-def _collective_timeout(cfg: ZeroshardConfig) -> float:
-    """`zeroshard.collective_timeout_s`; DeepSpeed's DEEPSPEED_TIMEOUT (minutes) when the config leaves it unset. It
-    becomes the process group's timeout, so it applies when initialize creates the group."""
-    timeout = float(cfg.zeroshard.collective_timeout_s)
-    legacy = os.environ.get("DEEPSPEED_TIMEOUT")
-    if legacy and timeout == ZeroshardExtrasConfig().collective_timeout_s:
-        return 60.0 * float(legacy)
-    return timeout
 
 
 def _known_values(model: nn.Module, optimizer: OptimizerArg) -> dict[str, Any]:

@@ -216,6 +216,13 @@ def _refusals(rank: int, world_size: int):
     return out
 
 
+def _gathered_write(param) -> None:
+    import zeroshard
+
+    with zeroshard.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        param.fill_(0.5)
+
+
 def _setters_refused(engine) -> list[str]:
     """DeepSpeed's setters between the boundary's backward and the step: each refused in one line."""
     from zeroshard.errors import ZeroshardError
@@ -237,6 +244,7 @@ def _setters_refused(engine) -> list[str]:
         lambda: safe_set_full_optimizer_state(param, torch.zeros_like(full), "exp_avg"),
         lambda: safe_set_local_grad(param, torch.zeros_like(local)),
         lambda: safe_set_local_fp32_param(param, local),
+        lambda: _gathered_write(param),
     )
     refused = []
     for call in calls:
@@ -257,13 +265,14 @@ def test_what_super_offload_refuses():
     for out in run_on_ranks(_refusals, 2):
         assert "second backward before engine.step()" in out["second backward"]
         for key in ("setters", "setters with inf"):  # every setter, in one line naming it
-            assert len(out[key]) == 5 and all("between backward and engine.step()" in m for m in out[key]), out[key]
+            assert len(out[key]) == 6 and all("between backward and engine.step()" in m for m in out[key]), out[key]
             assert [m.split()[0] for m in out[key]] == [
                 "safe_set_full_grad",
                 "safe_set_full_fp32_param",
                 "safe_set_full_optimizer_state",
                 "safe_set_local_grad",
                 "safe_set_local_fp32_param",
+                "GatheredParameters(modifier_rank=0)",
             ]
         assert out["stepped with inf"] == [] and "second backward" in out["second backward with inf"]
         assert out["skipped with inf"] == 1

@@ -267,10 +267,14 @@ def test_zero_init_builds_on_meta_and_takes_deepspeeds_arguments():
     import zeroshard
 
     started = not dist.is_initialized()
-    with zeroshard.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16, config_dict_or_path={}):
+    timeout = {"zeroshard": {"collective_timeout_s": 42}}  # the group it starts has the config's deadline
+    with zeroshard.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16, config_dict_or_path=timeout):
         built = torch.nn.Linear(2, 2)
     assert built.weight.device.type == "meta"
     assert dist.is_initialized() and dist.get_world_size() == 1  # started by it, as DeepSpeed's
+    if started:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == 42
     with zeroshard.zero.Init(enabled=False):
         plain = torch.nn.Linear(2, 2)
     assert plain.weight.device.type == "cpu"

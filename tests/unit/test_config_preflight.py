@@ -136,3 +136,15 @@ def test_a_switched_off_unimplemented_block_does_not_warn(log: pytest.LogCapture
     assert warnings_of(log) == []
     parse_config({**BASE, "data_efficiency": {"enabled": True}})
     assert any("data_efficiency" in w and "not implemented" in w for w in warnings_of(log))
+
+
+def test_the_collective_timeout_is_the_configs_else_deepspeeds_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zeroshard.config.features import collective_timeout
+
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
+    assert collective_timeout() == collective_timeout({}) == 300.0
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "2")  # minutes, read when the config leaves the key unset
+    assert collective_timeout() == collective_timeout({"zeroshard": {}}) == 120.0
+    assert collective_timeout({"zeroshard": {"collective_timeout_s": 300}}) == 300.0  # set, even to the default
+    with pytest.raises(ConfigError, match="zeroshard.collective_timeout_s"):
+        collective_timeout({"zeroshard": {"collective_timeout_s": 0}})

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from zeroshard.config.fields import (
     AutoPolicy,
@@ -18,6 +21,7 @@ from zeroshard.config.fields import (
     block,
     option,
 )
+from zeroshard.errors import ConfigError
 
 _SIZE = Int(minimum=0)
 
@@ -200,3 +204,21 @@ class ZeroshardExtrasConfig(ConfigBlock):
         "that reads a root parameter outside those modules only on paths its first forward does not take.",
         Bool(),
     )
+
+
+def collective_timeout(raw: Any = None) -> float:
+    """The deadline in seconds of a process group zeroshard starts: `zeroshard.collective_timeout_s` where the ds_config
+    `raw` (the user's mapping; None: no config yet) sets it, else DeepSpeed's DEEPSPEED_TIMEOUT (minutes) where that
+    is set, else the key's default. `initialize`, `zero.Init` and a `GatheredParameters` block before `initialize`
+    start the group with it, whichever comes first."""
+    block = raw.get("zeroshard") if isinstance(raw, Mapping) else None
+    if isinstance(block, Mapping) and "collective_timeout_s" in block:
+        return float(Float(minimum=1.0)(block["collective_timeout_s"], "zeroshard.collective_timeout_s"))
+    legacy = os.environ.get("DEEPSPEED_TIMEOUT")
+    if legacy:
+        try:
+            minutes = float(legacy)
+        except ValueError:
+            raise ConfigError(f"DEEPSPEED_TIMEOUT={legacy!r}: expected minutes, a number") from None
+        return 60.0 * minutes
+    return float(ZeroshardExtrasConfig().collective_timeout_s)

@@ -66,8 +66,12 @@ class Init:
             raise ConfigError("zero.Init(mpu=...): ZeRO-3 with model parallelism is not supported; pass mpu=None")
         if not dist.is_initialized():  # as DeepSpeed's: the script may ask for its rank from here on
             from zeroshard.comm.topology import init_distributed
+            from zeroshard.config.features import collective_timeout
+            from zeroshard.config.parse import load_source
 
-            init_distributed()
+            given = config_dict_or_path if config_dict_or_path is not None else config
+            raw = load_source(given, logger) if given is not None else None
+            init_distributed(timeout_s=collective_timeout(raw))  # the config's deadline, as initialize would
         if unused:
             logger.debug("zero.Init: ignoring %s", ", ".join(sorted(unused)))
         # A built module needs nothing here: initialize() shards whatever module it is given at stage 3.

@@ -34,6 +34,7 @@ class Stage3Gathering:
     _state_dict_required = 0  # inside save_state_dict: [Note: a state_dict() made alone] does not apply
     module: nn.Module
     device: torch.device
+    speculation: Any = None  # super_offload's worker ([Note: speculative host steps])
 
     # -- whole-model gathering ---------------------------------------------------------------------
     @contextmanager
@@ -147,6 +148,8 @@ class Stage3Gathering:
         parameters, DeepSpeed's and TRL's way to generate at ZeRO-3), forwards communicate nothing: they stay out of
         the prefetch trace (the training step's recorded order survives) and out of the per-step divergence digest,
         so ranks may generate different numbers of tokens without `synced_gpus`."""
+        if modifier_rank is not None and self.speculation is not None:  # the masters it writes were stepped already
+            self.speculation.check_unchanged(call or f"GatheredParameters(modifier_rank={modifier_rank})")
         units = self.units_of(params)
         self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units, modifier_rank)
         self.schedule.pin(units, "GatheredParameters")

@@ -331,8 +331,9 @@ def begin(params: Sequence[nn.Parameter], modifier_rank: int | None = None) -> P
         return None
     if not dist.is_initialized():  # every rank enters the block; DeepSpeed's zero.Init starts the group too
         from zeroshard.comm.topology import init_distributed
+        from zeroshard.config.features import collective_timeout
 
-        init_distributed()
+        init_distributed(timeout_s=collective_timeout())  # no config yet: DEEPSPEED_TIMEOUT or the default
     owners = {id(m): m for p in params if (m := found.get(id(p))) is not None}
     roots = {id(r): r for r in (BUILT.root(m) for m in owners.values())}.values()
     new_adapters = [
