@@ -41,7 +41,7 @@ from zeroshard.pipe.build import build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
 from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
-from zeroshard.precision.policy import PrecisionPolicy, warn_module_dtype
+from zeroshard.precision.policy import PrecisionPolicy, check_before_work
 from zeroshard.sequence.mesh import (
     SequenceParallel,
     build_sequence_parallel,
@@ -165,7 +165,7 @@ def _build(
     sp_mpu: Any = None,
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
-    warn_module_dtype(cfg, model)  # before any work: DeepSpeed would train a bf16 module in bf16
+    check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization

@@ -172,6 +172,8 @@ def test_stage_3_optimizer_offload_is_refined_to_the_smallest_partial_ratio_that
     assert any("GPU memory tight" in reason and "pin_memory on" in reason for reason in tight.reasons)
     assert tight.zero_optimization["offload_optimizer"]["pin_memory"] is True
     assert tight.zero_optimization["overlap_comm"] is False
+    small, _ = _levers("llama-2-7b", 8, 1, 24)  # under 10B no memory reason is given: a plan that fits overlaps
+    assert small.fits and small.option.stage == 3 and small.zero_optimization["overlap_comm"] is True
 
 
 def test_micro_batch_is_the_last_lever_and_nothing_fitting_is_said_plainly(capsys):

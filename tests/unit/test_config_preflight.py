@@ -43,9 +43,6 @@ def _resolve_error(source: dict[str, Any]) -> str:
             "expert_parallel.enabeld: unknown key; did you mean",
         ),
         ({"expert_parallel": {"enabled": "yes"}}, "expert_parallel.enabled='yes': expected true or false"),
-        ({"pipeline": {"stages": "two"}}, "pipeline.stages='two': expected \"auto\" or a positive int"),
-        ({"pipeline": {"stages": 2.5}}, "pipeline.stages=2.5: expected"),  # was truncated to 2
-        ({"pipeline": {"schedle": "gpipe"}}, "pipeline.schedle: unknown key; did you mean schedule?"),
         (
             {"zeroshard": {"backend": "fsdp2"}, "zero_optimization": {"stage": 1}},
             '"zeroshard": {"backend": "fsdp2"} runs ZeRO stages 2 and 3',
@@ -57,17 +54,6 @@ def _resolve_error(source: dict[str, Any]) -> str:
         (
             {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True}},
             "activation_checkpointing.contiguous_memory_optimization needs number_checkpoints",
-        ),
-        # ignored at stage 0 before (DeepSpeed refuses it)
-        (
-            {
-                "torch_autocast": {
-                    "enabled": True,
-                    "dtype": "bf16",
-                    "lower_precision_safe_modules": ["torch.nn.Linearr"],
-                }
-            },
-            "torch_autocast.lower_precision_safe_modules: cannot import 'torch.nn.Linearr'",
         ),
     ],
 )
@@ -81,8 +67,29 @@ def test_auto_hpz_size_resolves_instead_of_crashing() -> None:
     assert resolve_config(cfg, world_size=1).zero_optimization.zero_hpz_partition_size == 1
 
 
-def test_a_disabled_autoep_block_with_known_keys_is_accepted() -> None:
-    resolve_config(parse_config({**BASE, "expert_parallel": {"enabled": False, "autoep_size": 4}}), world_size=1)
+def test_a_disabled_autoep_block_is_not_read_but_for_a_misspelt_switch() -> None:
+    """DeepSpeed reads nothing else of a block that is off (a "_comment" key included)."""
+    block = {"enabled": False, "autoep_size": 4, "_comment": "off for now"}
+    resolve_config(parse_config({**BASE, "expert_parallel": block}), world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"stages": "two"}, "pipeline.stages='two': expected \"auto\" or a positive int"),
+        ({"stages": 2.5}, "pipeline.stages=2.5: expected"),  # was truncated to 2
+        ({"schedle": "gpipe"}, "pipeline.schedle: unknown key; did you mean schedule?"),
+    ],
+)
+def test_the_pipeline_block_is_checked_in_one_line(block: dict[str, Any], message: str) -> None:
+    """With a PipelineModule (DeepSpeed reads the block only then): `stages` of another type was a ValueError or
+    TypeError from int(), a float truncated."""
+    from zeroshard.pipe.context import check_pipeline_block
+
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_block(block)
+    assert str(info.value).startswith(message)
+    resolve_config(parse_config({**BASE, "pipeline": block}), world_size=1)  # a model without stages ignores it
 
 
 def test_hpz_partitions_must_tile_the_world_before_any_work() -> None:
@@ -132,8 +139,11 @@ def test_allgather_size_ignored_with_zero_off_says_so(log: pytest.LogCaptureFixt
 
 
 def test_a_switched_off_unimplemented_block_does_not_warn(log: pytest.LogCaptureFixture) -> None:  # noqa: F811
-    parse_config({**BASE, "data_efficiency": {"enabled": False, "data_sampling": {"enabled": True}}})
+    parse_config({**BASE, "data_efficiency": {"enabled": False, "data_sampling": {"enabled": False}}})
     assert warnings_of(log) == []
+    parse_config({**BASE, "data_efficiency": {"enabled": False, "data_routing": {"random_ltd": {"enabled": True}}}})
+    assert any("data_efficiency" in w for w in warnings_of(log))  # DeepSpeed runs random-LTD on its own switch
+    log.clear()
     parse_config({**BASE, "data_efficiency": {"enabled": True}})
     assert any("data_efficiency" in w and "not implemented" in w for w in warnings_of(log))
 
@@ -148,3 +158,28 @@ def test_the_collective_timeout_is_the_configs_else_deepspeeds_variable(monkeypa
     assert collective_timeout({"zeroshard": {"collective_timeout_s": 300}}) == 300.0  # set, even to the default
     with pytest.raises(ConfigError, match="zeroshard.collective_timeout_s"):
         collective_timeout({"zeroshard": {"collective_timeout_s": 0}})
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_autocast_safe_module_classes_import_before_any_work_at_every_stage(stage: int) -> None:
+    """Stage 0 ignored a class that does not import, stages 1-2 refused it once the strategy was built; DeepSpeed
+    imports them at initialize. `zeroshard validate-config` leaves them to initialize (a script's own classes import
+    only in the script's process)."""
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+
+    had = dist.is_initialized()
+    model = torch.nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    autocast = {"enabled": True, "dtype": "bf16", "lower_precision_safe_modules": ["torch.nn.Linearr"]}
+    config = {**BASE, "zero_optimization": {"stage": stage}, "torch_autocast": autocast}
+    try:
+        with pytest.raises(ConfigError, match="lower_precision_safe_modules: cannot import 'torch.nn.Linearr'"):
+            zeroshard.initialize(model=model, config=config)
+        assert torch.equal(model.weight, before)
+        resolve_config(parse_config(config), world_size=1)  # no import at resolve
+    finally:
+        if not had and dist.is_initialized():
+            dist.destroy_process_group()

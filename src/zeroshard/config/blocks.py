@@ -1,13 +1,14 @@
 """The checks of blocks that other parts of zeroshard read, run at `resolve_config`.
 
 [Note: blocks checked by their readers]
-Some blocks are read where they act, by pure functions that also check them: the opaque `tensor_parallel`,
-`expert_parallel` and `pipeline` blocks, `comms_logger.prof_ops`, `activation_checkpointing` (DeepSpeed's
-assertions), and what the fsdp2 backend cannot do. `initialize` runs each before any work, but `zeroshard
+Some blocks are read where they act, by pure functions that also check them: the opaque `tensor_parallel` and
+`expert_parallel` blocks, `comms_logger.prof_ops`, `activation_checkpointing` (DeepSpeed's assertions), and what the
+fsdp2 backend cannot do. `initialize` runs each before any work, but `zeroshard
 validate-config` builds no engine, so a config it called valid could still be refused. `resolve_config`, which both
 call, runs the same functions here: the rule stays in one place, its reader's module (imported here when
-resolving, since those modules import this package). What needs the model (a PipelineModule's stages, MoE layers)
-or the launched world (`check_world`, which `initialize` runs on the whole world and validate-config on
+resolving, since those modules import this package). What needs the model (the `pipeline` block, which DeepSpeed reads
+only for a PipelineModule; MoE layers) or the script's process (torch_autocast's safe module classes) or the
+launched world (`check_world`, which `initialize` runs on the whole world and validate-config on
 `--world-size`) is checked where it is known.
 """
 
@@ -24,22 +25,16 @@ def check_blocks(cfg: ZeroshardConfig) -> None:
     """ConfigError for what a block's reader would refuse ([Note: blocks checked by their readers])."""
     from zeroshard.comm.comms_logger import check_prof_ops
     from zeroshard.moe.auto import autoep_of
-    from zeroshard.pipe.context import check_pipeline_block
     from zeroshard.tp.build import autotp_size, loss_parallel_of
 
     autotp_size(cfg.tensor_parallel)
     loss_parallel_of(cfg.tensor_parallel)
     autoep_of(cfg.expert_parallel, quiet=True)
-    check_pipeline_block(cfg.pipeline)
     check_prof_ops(cfg.comms_logger.prof_ops)
     if "activation_checkpointing" in (cfg.raw or {}):  # initialize configures checkpointing from it
         from zeroshard.checkpointing.settings import from_block
 
         from_block(cfg.activation_checkpointing).validate()
-    if cfg.torch_autocast.enabled is True:  # the classes it names import ([Note: torch autocast])
-        from zeroshard.zero.flat.autocast import safe_module_classes
-
-        safe_module_classes(cfg.torch_autocast.lower_precision_safe_modules)
     if str(cfg.zeroshard.backend) == "fsdp2":
         import torch
 

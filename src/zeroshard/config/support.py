@@ -387,8 +387,15 @@ def unimplemented_settings(cfg: ConfigBlock, path: str = "") -> Iterator[tuple[s
 
 
 def _switched_off(value: object) -> bool:
-    """An opaque block that says `"enabled": false` (DeepSpeed's data_efficiency off): nothing to warn about."""
-    return isinstance(value, Mapping) and value.get("enabled") is False
+    """An opaque block that says `"enabled": false` and turns on nothing inside it: nothing to warn about (DeepSpeed's
+    data_efficiency off; its sub-features read their own switches, so one enabled inside still warns)."""
+    return isinstance(value, Mapping) and value.get("enabled") is False and not _turns_on(value)
+
+
+def _turns_on(value: object) -> bool:
+    if not isinstance(value, Mapping):
+        return False
+    return value.get("enabled") is True or any(_turns_on(inner) for inner in value.values())
 
 
 def warn_unimplemented(cfg: ConfigBlock, logger: logging.Logger) -> None:

@@ -126,11 +126,9 @@ def autoep_of(block: Mapping[str, Any] | None, quiet: bool = False) -> AutoEp | 
     block = dict(block or {})
     known = _READ | set(_ROUTING) | set(_KERNELS) | {"expert_tensor_parallel_size", "load_balance_coeff", "enabled"}
     unknown = sorted(set(block) - known)
-    if unknown:  # also when not enabled: a misspelt "enabled" would otherwise turn AutoEP off unnoticed
-        raise ConfigError(
-            misspelt("expert_parallel", unknown, known)
-            or f"expert_parallel: unknown keys {unknown}; see DeepSpeed's AutoEP config for the names"
-        )
+    typo = "enabled" not in block and misspelt("expert_parallel", unknown, {"enabled"})
+    if typo:  # a misspelt "enabled" would turn AutoEP off unnoticed (other keys of a block that is off: ignored)
+        raise ConfigError(typo)
     if block.get("load_balance_coeff") is not None:  # DeepSpeed refuses it even when disabled
         raise ConfigError(
             "expert_parallel.load_balance_coeff is not supported (as in DeepSpeed): the model's own "
@@ -141,6 +139,11 @@ def autoep_of(block: Mapping[str, Any] | None, quiet: bool = False) -> AutoEp | 
         raise ConfigError(f"expert_parallel.enabled={enabled!r}: expected true or false")
     if not enabled:
         return None
+    if unknown:
+        raise ConfigError(
+            misspelt("expert_parallel", unknown, known)
+            or f"expert_parallel: unknown keys {unknown}; see DeepSpeed's AutoEP config for the names"
+        )
     size = block.get("autoep_size", 1)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"expert_parallel.autoep_size={size!r}: expected a positive int (ranks per set of experts)")

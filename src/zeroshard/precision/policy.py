@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from zeroshard.errors import ConfigError
 from zeroshard.precision.dtypes import dtype_of
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -80,6 +83,15 @@ class PrecisionPolicy:
         )
 
 
+def check_before_work(cfg: Any, model: nn.Module) -> None:
+    """What the precision settings need from the model and the environment, before `initialize` does any work: the
+    classes `torch_autocast.lower_precision_safe_modules` names import (at every stage, as DeepSpeed imports them at
+    initialize), and `warn_module_dtype`."""
+    if cfg.torch_autocast.enabled:
+        safe_module_classes(cfg.torch_autocast.lower_precision_safe_modules)
+    warn_module_dtype(cfg, model)
+
+
 def warn_module_dtype(cfg: Any, model: nn.Module) -> None:
     """One warning, before any work, when a module in bf16 (fp16) meets a config that enables neither bf16 nor fp16:
     zeroshard casts it to fp32 (twice the memory; inputs in the module's dtype then fail at the first forward), where
@@ -95,3 +107,22 @@ def warn_module_dtype(cfg: Any, model: nn.Module) -> None:
             f"the module's parameters are all {key} and the config enables neither bf16 nor fp16: the module is cast "
             f'to fp32 (DeepSpeed trains it in {key}); set "{key}": {{"enabled": true}} to train it in {key}',
         )
+
+
+DEFAULT_SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
+
+
+def safe_module_classes(names: Sequence[str] | None) -> tuple[type, ...]:
+    """The classes `torch_autocast.lower_precision_safe_modules` names (module path and class), DeepSpeed's four
+    when None; one that cannot be imported is a ConfigError naming it."""
+    classes = []
+    for name in DEFAULT_SAFE_MODULES if names is None else names:
+        module_name, _, class_name = name.rpartition(".")
+        try:
+            classes.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(
+                f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({err}); give classes as "
+                '"package.module.ClassName"'
+            ) from None
+    return tuple(classes)

@@ -230,7 +230,8 @@ def _autocast_strategy(
     other_split: bool,
 ) -> Strategy:
     """[Note: torch autocast] stages 1-2: the lower-precision-safe modules' gradients reduced in the autocast dtype."""
-    from zeroshard.zero.flat.autocast import AutocastSplitStrategy, lower_precision_params, safe_module_classes
+    from zeroshard.precision.policy import safe_module_classes
+    from zeroshard.zero.flat.autocast import AutocastSplitStrategy, lower_precision_params
 
     if other_split:
         raise ConfigError(

@@ -79,6 +79,7 @@ def recommend(
         why.append(f"expert_parallel trains at ZeRO stages 1-3 without NVMe: {tree.label()}")
     need = by_option[tree].gpu_bytes_per_rank
     sufficient = gpu_memory is not None and fits(need, gpu_memory)
+    tight = SMALL <= params <= LARGE and not sufficient  # the tree's memory branch, said in the reasons
     if params >= SMALL and params <= LARGE:
         budget = "unknown" if gpu_memory is None else f"{_gib(need)} of {_gib(gpu_memory)}"
         why.append(
@@ -104,7 +105,7 @@ def recommend(
             f"nothing fits: the smallest, {smallest.label()}, needs {_gib(smallest.gpu_bytes)} per GPU; add GPUs "
             "or nodes, shorten --seq-len, or add tensor/pipeline parallelism"
         )
-        return _from_plan(smallest, False, why, tree, notes)
+        return _from_plan(smallest, False, why, tree, notes, tight)
     why.append(
         f"fits: {chosen.label()} needs {_gib(chosen.gpu_bytes)} per GPU, at most {limit}; "
         f"and {_gib(chosen.cpu_bytes_per_node)} of CPU memory per node"
@@ -119,7 +120,7 @@ def recommend(
             f"micro-batch {micro_batch} -> {chosen.micro_batch}: raise gradient_accumulation_steps to keep "
             "the global batch"
         )
-    recommendation = _from_plan(chosen, True, why, tree, notes)
+    recommendation = _from_plan(chosen, True, why, tree, notes, tight)
     return _partial_offload(recommendation, rows, gpu_memory, params, cluster.world_size)
 
 
@@ -189,10 +190,11 @@ def _as_given(rows: list[Row], checkpointing: bool, micro_batch: int) -> Iterato
         yield Plan(row.option, checkpointing, micro_batch, row.gpu_bytes_per_rank, row.cpu_bytes_per_node)
 
 
-def _from_plan(plan: Plan, ok: bool, why: list[str], tree: Option, notes: list[str]) -> Recommendation:
-    """A plan chosen because the tree's choice did not fit: GPU memory is tight, as the reasons say (pinned host
-    buffers, no overlap_comm buckets), whether or not the plan itself fits."""
-    zero = _zero_config(plan.option, sufficient=False)
+def _from_plan(plan: Plan, ok: bool, why: list[str], tree: Option, notes: list[str], tight: bool) -> Recommendation:
+    """A plan chosen because the tree's choice did not fit. `tight`: the reasons said GPU memory is tight (10B-100B
+    parameters: the tree's branch), so the config does what they say (pinned host buffers, no overlap_comm
+    buckets) whether or not the plan itself fits; else a plan that fits gets overlap_comm."""
+    zero = _zero_config(plan.option, sufficient=ok and not tight)
     return Recommendation(plan.option, zero, why, ok, plan.checkpointing, plan.micro_batch, plan.gpu_bytes, tree, notes)
 
 

@@ -17,7 +17,6 @@ offload_optimizer, tensor and expert parallelism at stages 1-2 (they split the f
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Sequence
 
 import torch
@@ -25,29 +24,10 @@ from torch import nn
 
 from zeroshard.checkpoint.state import ModelPiece, OptimPiece, StatePart
 from zeroshard.comm.collectives import Collectives
-from zeroshard.errors import ConfigError
 from zeroshard.zero.flat.checkpoint import FlatState, one_resident_part
 from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
-
-DEFAULT_SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
-
-
-def safe_module_classes(names: Sequence[str] | None) -> tuple[type, ...]:
-    """The classes `torch_autocast.lower_precision_safe_modules` names (module path and class), DeepSpeed's four
-    when None; one that cannot be imported is a ConfigError naming it."""
-    classes = []
-    for name in DEFAULT_SAFE_MODULES if names is None else names:
-        module_name, _, class_name = name.rpartition(".")
-        try:
-            classes.append(getattr(importlib.import_module(module_name), class_name))
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ConfigError(
-                f"torch_autocast.lower_precision_safe_modules: cannot import {name!r} ({err}); give classes as "
-                '"package.module.ClassName"'
-            ) from None
-    return tuple(classes)
 
 
 def lower_precision_params(module: nn.Module, classes: tuple[type, ...]) -> set[int]:
