@@ -189,14 +189,14 @@ class DeepSpeedSettings:
         """Whether fp16's loss scale is dynamic (`fp16.loss_scale` 0)."""
         return float(self.config.fp16.loss_scale) == 0
 
-    def initial_dynamic_scale(self) -> int:
-        return int(2**self.config.fp16.initial_scale_power)
+    def initial_dynamic_scale(self) -> float:
+        return 2**self.config.fp16.initial_scale_power  # as DeepSpeed's: an int, a float for a negative power
 
     def dynamic_loss_scale_args(self) -> dict[str, Any]:
         """The dynamic loss scaler's arguments under DeepSpeed's names (with a static scale too, as DeepSpeed)."""
         fp16 = self.config.fp16
         return {
-            "init_scale": int(2**fp16.initial_scale_power),
+            "init_scale": 2**fp16.initial_scale_power,
             "scale_window": fp16.loss_scale_window,
             "delayed_shift": fp16.hysteresis,
             "consecutive_hysteresis": fp16.consecutive_hysteresis,

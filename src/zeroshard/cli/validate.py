@@ -9,8 +9,9 @@ that only a training run knows (learning rate, batch sizes, total steps, ...) ar
 Every rule `initialize` applies to a config alone runs inside `resolve_config`, which both call (the blocks other
 modules read, through their own checks: [Note: blocks checked by their readers] in config/blocks.py), and the
 world's (`check_world`) on `--world-size`; so a config this command accepts is one `initialize` accepts, but for
-what needs the model (a PipelineModule's stages, MoE layers, a model tensor parallelism can split) or the process
-group (tensor/sequence-parallel degrees that divide the world, taken here as the data-parallel size).
+what needs the model (the `pipeline` block, MoE layers, a model tensor parallelism can split), the script's process
+(autocast's safe module classes) or the process group (tensor/sequence-parallel degrees that divide the world,
+taken here as the data-parallel size).
 """
 
 from __future__ import annotations

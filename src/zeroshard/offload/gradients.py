@@ -39,7 +39,8 @@ for a released or swapped-out shard is taken again from the new values (`rewritt
 inf/nan check see them. Reading the value back gives it exactly when the division is exact in the shard's dtype
 (a power-of-two scale: world size and gradient_predivide_factor powers of two; bf16 gradients hold bf16 values).
 Refused where no reduced gradient exists yet: stages 0-1 before their window's reduction (mid-window, or with
-caller-owned windows, which `step()` reduces), and super_offload's sub-groups stepped during the backward.
+caller-owned windows, which `step()` reduces), and with super_offload between the boundary's backward and the step
+(its optimizer steps ran in that backward: [Note: speculative host steps]).
 
 [Note: publishing a host master to the GPU]
 With the optimizer offloaded and the compute parameters on the GPU, `param.copy_(master)` (fp32 host -> bf16
