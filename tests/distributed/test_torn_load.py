@@ -5,7 +5,8 @@ succeeds that restores at least what the failed one would have.
 2 gloo ranks, fp32, WarmupLR (the lr differs at every step). Checkpoint "good" is saved after 2 steps; "damaged"
 is a copy with one byte of rank 1's optimizer shard flipped (its CRC fails while rank 1 reads it, after rank 0 has
 loaded all of its part); "missing" lacks its module-weight files (every rank fails as it opens the first, before
-anything is written). Stages 2 and 3, and a pp2 pipeline.
+anything is written); "lost" lacks rank 1's optimizer shard and RNG state, which a load opens after writing
+tensors, so the checks look for every file first. Stages 2 and 3, and a pp2 pipeline.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> di
         _flip(os.path.join(_copy(root, "good", "damaged"), "optim", "rank00001.safetensors"))
         for path in glob.glob(os.path.join(_copy(root, "good", "missing"), "model", "*.safetensors")):
             os.remove(path)
+        lost = _copy(root, "good", "lost")  # rank 1's optimizer shard and RNG state: opened after tensors were written
+        os.remove(os.path.join(lost, "optim", "rank00001.safetensors"))
+        os.remove(os.path.join(lost, "rng", "rank00001.json"))
     torch.distributed.barrier()
 
     # refused by a check on rank 1 only: nothing is written anywhere, the engine trains as a fresh one
@@ -131,6 +135,9 @@ def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> di
     out["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and engine.global_steps == 0
     # the module-weight files are gone: every rank fails opening the first, before writing anything
     out["missing"] = _load_error(engine, root, "missing")
+    out["lost"] = _load_error(engine, root, "lost")  # found by the checks: nothing written anywhere
+    after = engine.consolidated_state_dict()
+    out["untouched"] = out["untouched"] and all(torch.equal(before[k], after[k]) for k in before)
     out["fresh"] = _train(engine, rank, world_size, range(SAVED))
     engine.destroy()
 
@@ -143,6 +150,7 @@ def _torn_then_repaired(rank: int, world_size: int, root: str, stage: int) -> di
         _load_error(engine, root, "good", **kwargs) + _refusals(engine, rank, world_size, root).get("step", "")
         for kwargs in ({"load_module_only": True}, {"load_lr_scheduler_states": False})
     ]
+    out["lost_module_only"] = _load_error(engine, root, "lost", load_module_only=True)  # needs neither file
     engine.load_checkpoint(root, tag="good")
     out["repaired"] = _train(engine, rank, world_size, range(SAVED, STEPS))
     engine.destroy()
@@ -154,7 +162,9 @@ def test_a_load_refused_writes_nothing_and_a_torn_one_refuses_to_train_until_rep
     ranks = run_on_ranks(_torn_then_repaired, 2, str(tmp_path), stage)
     for rank, out in enumerate(ranks):
         assert "refused, nothing was loaded" in out["refused"] and "rank 1: a check failed" in out["refused"], out
-        assert out["missing"].startswith("load_checkpoint failed, nothing was loaded:"), out["missing"]
+        assert "refused, nothing was loaded" in out["missing"] and "checkpoint file is missing" in out["missing"]
+        assert "refused, nothing was loaded" in out["lost"] and "rank00001" in out["lost"], out["lost"]
+        assert out["lost_module_only"] == "", out["lost_module_only"]
         assert out["untouched"], rank
         assert out["fresh"] == out["saved"], rank  # bit for bit the run from the same initialisation
         assert "failed part way" in out["torn"] and "rank 1" in out["torn"], out["torn"]

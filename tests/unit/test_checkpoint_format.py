@@ -89,14 +89,14 @@ def _metadata(pieces: dict[str, list[PieceRef]]) -> CheckpointMetadata:
         compute_dtype="bfloat16",
         library_version="0",
         torch_version="0",
-        batch={"train_batch_size": 8},
-        counters={"global_steps": 1},
+        batch={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1},
+        counters={"global_steps": 1, "global_samples": 8, "micro_steps": 1, "skipped_steps": 0},
         tensors={"w": TensorInfo((2, 5), "float32", "param", True, True)},
         aliases={"w2": "w"},
         excluded=[],
         model_pieces=pieces,
         optim_pieces={},
-        optimizer=OptimizerInfo("AdamW", {"exp_avg": "float32"}, [{"options": {"lr": 0.1}, "params": ["w"]}]),
+        optimizer=OptimizerInfo("AdamW", {"exp_avg": "float32"}, [{"options": {"lr": 0.1}, "params": ["w"], "scalars": {}}]),
         files={f: {"bytes": 0} for f in {p.file for refs in pieces.values() for p in refs}},
     )
 
@@ -112,6 +112,10 @@ def test_metadata_json_roundtrip_and_version_check():
         CheckpointMetadata.from_json(newer, "metadata.json")
     with pytest.raises(CheckpointError, match="metadata.json: not valid JSON"):
         CheckpointMetadata.from_json(meta.to_json()[:50], "metadata.json")
+    # a key a load reads only after writing tensors (an edit that also dropped the checksum): refused at once
+    lacking = unchecked.replace('"global_steps": 1, ', "")
+    with pytest.raises(CheckpointError, match=r"metadata.json: metadata is incomplete .*counters\.global_steps"):
+        CheckpointMetadata.from_json(lacking, "metadata.json")
 
 
 def test_changed_metadata_is_refused_by_its_checksum(tmp_path):

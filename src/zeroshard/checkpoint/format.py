@@ -99,6 +99,20 @@ class OptimizerInfo:
     groups: list[dict[str, Any]]  # {"options": {...}, "params": [names], "scalars": {key: value record}}
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_COUNTER_KEYS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def _require(block: Any, keys: tuple[str, ...], where: str) -> None:
+    """A KeyError naming `where.key` for the first of `keys` the metadata's `block` lacks (caught by `from_json`):
+    a load reads them after writing tensors, so they are checked before anything is written."""
+    if not isinstance(block, dict):
+        raise TypeError(f"{where} is not an object")
+    for key in keys:
+        if key not in block:
+            raise KeyError(f"{where}.{key}")
+
+
 @dataclass
 class CheckpointMetadata:
     """Everything `metadata.json` says; see [Note: checkpoint format]."""
@@ -154,6 +168,10 @@ class CheckpointMetadata:
             )
         try:
             optimizer = doc["optimizer"]
+            _require(doc["batch"], _BATCH_KEYS, "batch")
+            _require(doc["counters"], _COUNTER_KEYS, "counters")
+            for index, group in enumerate(optimizer["groups"] if optimizer is not None else []):
+                _require(group, ("options", "params", "scalars"), f"optimizer.groups[{index}]")
             return cls(
                 tag=doc["tag"],
                 world_size=int(doc["world_size"]),

@@ -22,7 +22,7 @@ import torch
 
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE
-from zeroshard.checkpoint.load_plan import LoadPlan
+from zeroshard.checkpoint.load_plan import LoadPlan, Reads
 from zeroshard.checkpoint.load_plan import load_into as _load_into
 from zeroshard.checkpoint.load_plan import plan_load as _plan
 from zeroshard.checkpoint.node_local import node_local, saved_by
@@ -89,7 +89,7 @@ class _Checked:
 
 
 def _check(
-    engine: CheckpointableEngine, load_dir: str | os.PathLike[str], tag: Any, load_module_strict: bool
+    engine: CheckpointableEngine, load_dir: str | os.PathLike[str], tag: Any, load_module_strict: bool, reads: Reads
 ) -> _Checked | None:
     """The entry phase and the checks that write nothing, agreed by every rank ([Note: a torn load]); None when
     there is no `latest` to load."""
@@ -127,7 +127,7 @@ def _check(
     plan, local_error = None, None
     try:  # with pipeline_loading_checkpoint in the node's turns, as the reads
         with sync.in_turn(after, write_timeout() * max(1, in_line - 1), "plan_turn"):
-            plan = _plan(engine, tag_dir, universal, load_module_strict, keep_open=in_line == 1)
+            plan = _plan(engine, tag_dir, universal, load_module_strict, keep_open=in_line == 1, reads=reads)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     refused = describe_errors(sync.all_gather("checked", {"error": _said(local_error)}, write_timeout() * in_line))
@@ -155,7 +155,8 @@ def load_checkpoint(
     the same time: [Note: a torn load])."""
     checked, refusal = None, None
     try:
-        checked = _check(engine, load_dir, tag, load_module_strict)
+        optimizer = load_optimizer_states and not load_module_only and engine.basic_optimizer is not None
+        checked = _check(engine, load_dir, tag, load_module_strict, Reads(optimizer, not load_module_only))
     except BaseException as e:  # noqa: BLE001 - raised below, once the other groups have been told
         refusal = e
     if across is not None and across(refusal is not None) and refusal is None:

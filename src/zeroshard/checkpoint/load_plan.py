@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +18,11 @@ from zeroshard.checkpoint.batch import adapt_batch
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import ENGINE_STATE_FILE, CheckpointMetadata, rng_file
 from zeroshard.checkpoint.load_optim import load_optimizer_state
-from zeroshard.checkpoint.node_local import check_loadable
+from zeroshard.checkpoint.node_local import check_loadable, node_local
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.reshard import MODEL, CheckpointReader
 from zeroshard.checkpoint.rng import restore_rng_state
+from zeroshard.checkpoint.safetensors_io import SafetensorsReader
 from zeroshard.checkpoint.save import (
     ModuleCatalog,
     catalog_module,
@@ -139,6 +141,45 @@ def _restore_training_state(
     return scheduler or engine.lr_scheduler is None
 
 
+# -- the files, before anything is written -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """Which files a load opens besides the module weights': the optimizer's, and this rank's RNG state."""
+
+    optimizer: bool
+    training: bool  # counters, scheduler, RNG (not `load_module_only`)
+
+
+def check_files(meta: CheckpointMetadata, tag_dir: str, rank: int, reads: Reads, node_local_load: bool) -> None:
+    """[Note: a torn load]: the files are opened as their tensors are read, after the first tensors were written, so a
+    missing, truncated or replaced one would stop a load part way. Before anything is written: every file the load may
+    read exists at the size the metadata records (with node-local storage another node's files are not here), and
+    this rank's own files, which a load at the saving layout reads, have the header the metadata records."""
+    files = {ref.file for refs in meta.model_pieces.values() for ref in refs}
+    if reads.optimizer and meta.optimizer is not None:
+        files |= {ref.file for refs in meta.optim_pieces.values() for ref in refs}
+    if reads.training and rng_file(rank) in meta.files:
+        files.add(rng_file(rank))
+    own = f"rank{rank:05d}"
+    for rel in sorted(files):
+        path, record = os.path.join(tag_dir, rel), meta.files.get(rel)
+        if record is None:
+            raise CheckpointError(f"{path}: not listed in the checkpoint metadata; the checkpoint is incomplete")
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            if node_local_load:
+                continue
+            raise CheckpointError(f"{path}: checkpoint file is missing; load another checkpoint") from None
+        if size != record["bytes"]:
+            raise CheckpointError(
+                f"{path}: file is {size} bytes but the checkpoint metadata says {record['bytes']}; it is truncated or "
+                "was modified after the save"
+            )
+        if os.path.basename(rel).startswith(own) and rel.endswith(".safetensors"):
+            SafetensorsReader(path, record["bytes"], record.get("header_crc32")).close()
+
+
 # -- the two halves --------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class LoadPlan:
@@ -186,13 +227,17 @@ class LoadPlan:
         return self.touched or any(r.delivered for r in readers) or self._delivered
 
 
-def plan_load(engine: CheckpointableEngine, tag_dir: str, universal: bool, strict: bool, keep_open: bool) -> LoadPlan:
+def plan_load(
+    engine: CheckpointableEngine, tag_dir: str, universal: bool, strict: bool, keep_open: bool, reads: Reads
+) -> LoadPlan:
     """The checks a load can make before it writes, so that a checkpoint refused on any rank is refused before any rank
-    writes. `keep_open`: keep the reader for `load_into` (else it is opened again there, in this rank's turn)."""
+    writes. `keep_open`: keep the reader for `load_into` (else it is opened again there, in this rank's turn);
+    `reads`: which of the files the load will open."""
     opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
     try:
         if not universal:
             check_loadable(opened.metadata, tag_dir, engine)
+            check_files(opened.metadata, tag_dir, engine.topology.rank, reads, node_local(engine) is not None)
         state = engine_state(engine)
         catalog = catalog_module(
             engine.module,

@@ -6,11 +6,11 @@ CRC does not match, a disk gone, an lr scheduler that refuses its state), on any
 part of the checkpoint and part of what it held before: some ranks' shards loaded and others' not, module weights
 without their optimizer state, counters from the checkpoint. Training on would be training a model no one saved.
 So a load is split in two (load_plan.py). Every rank first makes the checks that write nothing (`plan_load`: the
-metadata, keys, shapes, the tensor-parallel slicing, the engine state file and its CRC) and the ranks agree on them
+metadata, keys, shapes, the tensor-parallel slicing, the engine state file and its CRC, the files it will open:
+`check_files`) and the ranks agree on them
 (one round on the store; a pipeline's stages too, one all-reduce, unless they load in turns), so a checkpoint
 refused anywhere is refused before any rank writes: "nothing was loaded". Then `load_into` writes the tensors first
-and the counters last, and a reader records when its first byte went into an engine tensor (`delivered`: a file
-that is missing or truncated fails as it opens, before that). A failure once any rank wrote marks the engine torn on
+and the counters last, and a reader records when its first byte went into an engine tensor (`delivered`). A failure once any rank wrote marks the engine torn on
 every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch and every save
 (save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save) then refuse in
 one line naming the failed load, until a load succeeds on every rank that restores: every module weight, after a
