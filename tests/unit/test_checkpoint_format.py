@@ -96,7 +96,9 @@ def _metadata(pieces: dict[str, list[PieceRef]]) -> CheckpointMetadata:
         excluded=[],
         model_pieces=pieces,
         optim_pieces={},
-        optimizer=OptimizerInfo("AdamW", {"exp_avg": "float32"}, [{"options": {"lr": 0.1}, "params": ["w"], "scalars": {}}]),
+        optimizer=OptimizerInfo(
+            "AdamW", {"exp_avg": "float32"}, [{"options": {"lr": 0.1}, "params": ["w"], "scalars": {}}]
+        ),
         files={f: {"bytes": 0} for f in {p.file for refs in pieces.values() for p in refs}},
     )
 
@@ -244,3 +246,18 @@ def test_threads_sharing_a_reader_read_their_own_bytes(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             for _ in range(10):
                 assert all(pool.map(read, list(tensors) * 4))
+
+
+def test_a_latest_file_that_names_nothing_or_a_missing_tag_says_so(tmp_path):
+    from zeroshard.checkpoint.load import resolve_tag_dir
+
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match=r"latest: empty, it names no checkpoint; write a tag"):
+        resolve_tag_dir(str(tmp_path), None)
+    (tmp_path / "latest").write_text("global_step9")
+    with pytest.raises(
+        CheckpointError, match=r"global_step9: checkpoint directory does not exist \(named by .*latest\)"
+    ):
+        resolve_tag_dir(str(tmp_path), None)
+    with pytest.raises(CheckpointError, match=r"global_step9: checkpoint directory does not exist$"):
+        resolve_tag_dir(str(tmp_path), "global_step9")

@@ -47,6 +47,13 @@ def resolve_tag_dir(load_dir: str, tag: str | None, latest_file: str = LATEST_FI
             return None
         with open(latest, encoding="utf-8") as f:
             tag = f.read().strip()
+        if not tag:
+            raise CheckpointError(
+                f"{latest}: empty, it names no checkpoint; write a tag of {load_dir} into it or pass tag="
+            )
+        named = f" (named by {latest})"
+    else:
+        named = ""
     tag_dir = os.path.join(load_dir, str(tag))
     if os.path.isdir(tag_dir):
         return tag_dir
@@ -55,7 +62,7 @@ def resolve_tag_dir(load_dir: str, tag: str | None, latest_file: str = LATEST_FI
         if os.path.isfile(os.path.join(old, METADATA_FILE)):
             log_rank(logger, 30, f"{tag_dir} is missing (a save of it was interrupted); using its old copy {old}")
             return old
-    raise CheckpointError(f"{tag_dir}: checkpoint directory does not exist")
+    raise CheckpointError(f"{tag_dir}: checkpoint directory does not exist{named}")
 
 
 # -- the collective call -------------------------------------------------------------------------------
