@@ -4,20 +4,20 @@
 A load writes the checkpoint's values into the engine as it reads them, so one that fails part way (a shard whose
 CRC does not match, a disk gone, an lr scheduler that refuses its state), on any rank, leaves the engine holding
 part of the checkpoint and part of what it held before: some ranks' shards loaded and others' not, module weights
-without their optimizer state, counters from the checkpoint. Training on would be training a model no one saved.
-So a load is split in two (load_plan.py). Every rank first makes the checks that write nothing (`plan_load`: the
+without their optimizer state, counters from the checkpoint. Training on would be training a model no one saved. So
+a load is split in two (load_plan.py). Every rank first makes the checks that write nothing (`plan_load`: the
 metadata, keys, shapes, the tensor-parallel slicing, the engine state file and its CRC, the files it will open:
 `check_files`) and the ranks agree on them (one round on the store; a pipeline's stages too, one all-reduce, unless
 they load in turns), so a checkpoint refused anywhere is refused before any rank writes: "nothing was loaded". Then
 `load_into` writes the tensors first and the counters last, and a reader records when its first byte went into an
 engine tensor (`delivered`). A failure once any rank wrote (a tensor whose CRC fails as it is read, a disk gone)
-marks the engine torn on every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch and every save
-(save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save) then refuse in
-one line naming the failed load, until a load succeeds on every rank that restores: every module weight, after a
-failed load_module_only one; also the counters and the lr scheduler (if the engine has one, whatever the failed
-call's load_lr_scheduler_states said), after a failed full one; also the optimizer state, unless the failed one had
-load_optimizer_states=False (a load with load_module_strict=False that misses some weights, or from a checkpoint
-without optimizer state, restores less and does not clear it). DeepSpeed has no such guard.
+marks the engine torn on every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch
+and every save (save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save)
+then refuse in one line naming the failed load, until a load succeeds on every rank that restores: every module
+weight, after a failed load_module_only one; also the counters and the lr scheduler (if the engine has one, whatever
+the failed call's load_lr_scheduler_states said), after a failed full one; also the optimizer state, unless the
+failed one had load_optimizer_states=False (a load with load_module_strict=False that misses some weights, or from a
+checkpoint without optimizer state, restores less and does not clear it). DeepSpeed has no such guard.
 """
 
 from __future__ import annotations
