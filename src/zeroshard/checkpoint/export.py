@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.checkpoint.atomic import fsync_dir, write_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import MASTER, METADATA_FILE, CheckpointMetadata
 from zeroshard.checkpoint.load import resolve_tag_dir
@@ -39,12 +41,40 @@ from zeroshard.utils.chunks import greedy_chunks
 def resolve_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> str:
     """The tagged directory: `checkpoint_dir` itself if it holds metadata.json, else `<dir>/<tag or latest>`."""
     root = os.fspath(checkpoint_dir)
+    if not os.path.isdir(root):
+        what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
+        raise CheckpointError(f"{root}: {what}; pass the save_dir of save_checkpoint (or one tagged checkpoint folder)")
     if tag is None and os.path.isfile(os.path.join(root, METADATA_FILE)):
         return root
+    if tag is None and _deepspeed_files(root):
+        raise _deepspeed_checkpoint(root, os.path.dirname(os.path.abspath(root)))
     tag_dir = resolve_tag_dir(root, tag)
     if tag_dir is None:
         raise CheckpointError(f"{root}: no 'latest' file and no tag given; pass tag= (e.g. 'global_step100')")
+    if not os.path.isfile(os.path.join(tag_dir, METADATA_FILE)) and _deepspeed_files(tag_dir):
+        raise _deepspeed_checkpoint(tag_dir, root)
     return tag_dir
+
+
+def _deepspeed_files(folder: str) -> bool:
+    return bool(glob.glob(os.path.join(glob.escape(folder), "*model_states.pt")))
+
+
+def _deepspeed_checkpoint(tag_dir: str, save_dir: str) -> CheckpointError:
+    """What can export a DeepSpeed checkpoint, which this module does not read: DeepSpeed's own script, or a resume
+    here ([Note: universal checkpoints]) and a zeroshard save (format.py's refusal advises a resume only)."""
+    resume = '"checkpoint": {"load_universal": true}, save_checkpoint, and export that checkpoint'
+    if os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")):
+        return CheckpointError(
+            f"{tag_dir}: a DeepSpeed universal checkpoint, which zeroshard's export does not read: resume it with "
+            f"{resume}, or export the DeepSpeed checkpoint it was converted from with DeepSpeed's zero_to_fp32"
+        )
+    tag = os.path.basename(os.path.normpath(tag_dir))
+    return CheckpointError(
+        f"{tag_dir}: a DeepSpeed checkpoint, which zeroshard's export does not read: export it with DeepSpeed's "
+        f"`python -m deepspeed.utils.zero_to_fp32 {save_dir} OUT -t {tag}` (the zero_to_fp32.py DeepSpeed saved "
+        f"beside `latest` does the same), or convert it with ds_to_universal, resume it with {resume}"
+    )
 
 
 def _source(reader: CheckpointReader, name: str) -> tuple[str, str | None]:
@@ -171,23 +201,51 @@ def to_torch_tensor(
 def load_state_dict_from_zero_checkpoint(
     model: nn.Module, checkpoint_dir: str | os.PathLike[str], tag: str | None = None
 ) -> nn.Module:
-    """Move `model` to CPU and copy the checkpoint's fp32 weights into it, tensor by tensor (strict=False).
+    """Move `model` to CPU and copy the checkpoint's fp32 weights into it (strict=False: names only one side has are
+    left alone). Like DeepSpeed's `load_state_dict(strict=False)`, a shape that differs is refused, naming the
+    tensors; every tensor is read and checked before the first is copied, so a refusal leaves the model as it was
+    (it holds one copy of the weights, in the model's dtypes, meanwhile, as DeepSpeed's state dict does).
 
     Like DeepSpeed's, the model is then a plain module: build a new engine to train it again.
     """
-    model = model.cpu()
-    with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
+    tag_dir = resolve_checkpoint(checkpoint_dir, tag)
+    targets = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict(keep_vars=True).items()}
+    with CheckpointReader(tag_dir) as reader:
         meta = reader.metadata
-        with torch.no_grad():
-            for key, tensor in model.state_dict(keep_vars=True).items():
-                name = key if key in meta.tensors else meta.aliases.get(key)
-                if name is None or tuple(tensor.shape) != meta.tensors[name].shape:
-                    continue
+        names = {key: key if key in meta.tensors else meta.aliases.get(key) for key in targets}
+        matched = {key: name for key, name in names.items() if name is not None}
+        _refuse_other_shapes(
+            tag_dir, {key: (targets[key][0], meta.tensors[name].shape) for key, name in matched.items()}
+        )
+        values: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        for key, name in matched.items():
+            dtype = targets[key][1]
+            if (name, dtype) not in values:  # tied names read once
                 store, state = _source(reader, name)
-                flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
-                reader.read_range(store, name, 0, tensor.numel(), flat, state)
-                tensor.data.copy_(flat.view(tensor.shape))
+                flat = torch.empty(meta.tensors[name].numel, dtype=dtype)
+                reader.read_range(store, name, 0, flat.numel(), flat, state)
+                values[name, dtype] = flat.view(meta.tensors[name].shape)
+    model = model.cpu()
+    with torch.no_grad():
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if key in matched:
+                tensor.data.copy_(values[matched[key], tensor.dtype])
     return model
+
+
+def _refuse_other_shapes(tag_dir: str, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """torch's size-mismatch error of `load_state_dict(strict=False)`, in one line."""
+    differ = [
+        f"{key} {ours} in the model, {theirs} in the checkpoint"
+        for key, (ours, theirs) in shapes.items()
+        if ours != theirs
+    ]
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise CheckpointError(
+            f"{tag_dir}: the model's shapes differ from the checkpoint's, nothing was loaded: {'; '.join(differ[:3])}"
+            f"{more}; build the model with the configuration the checkpoint was trained with"
+        )
 
 
 # -- sharded output --------------------------------------------------------------------------------------------
@@ -225,19 +283,16 @@ def _write_safetensors_shard(
 ) -> None:
     meta = reader.metadata
     specs = [TensorSpec(n, dtypes[n], meta.tensors[n].shape) for n in names]
-    tmp = path + ".tmp"
-    writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
+    writer = SafetensorsWriter(path, specs, {"format": "pt"})
     try:
         for name in names:
             store, state = _source(reader, name)
             for chunk in reader.stream(store, name, state):
                 writer.write(chunk.to(dtypes[name]))
-        writer.close()
+        writer.close()  # fsyncs
     except BaseException:
         writer.abort()
-        os.unlink(tmp)
         raise
-    os.replace(tmp, path)
 
 
 def _write_bin_shard(reader: CheckpointReader, path: str, names: list[str], dtypes: dict[str, torch.dtype]) -> None:
@@ -245,8 +300,14 @@ def _write_bin_shard(reader: CheckpointReader, path: str, names: list[str], dtyp
     for name in names:
         store, state = _source(reader, name)
         shard[name] = reader.read_tensor(store, name, dtype=dtypes[name], state=state)
-    torch.save(shard, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    with open(path, "wb") as f:
+        torch.save(shard, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _temporary(out: str, file: str) -> str:
+    return os.path.join(out, f".{file}.{os.getpid()}.tmp")
 
 
 def convert_zero_checkpoint_to_state_dict(
@@ -262,13 +323,14 @@ def convert_zero_checkpoint_to_state_dict(
 
     `model.safetensors`, or `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`
     (`pytorch_model*.bin` with `safe_serialization=False`). Tied aliases are written once, under the
-    canonical name, as `save_pretrained` does. See [Note: streaming export] for the memory bound.
+    canonical name, as `save_pretrained` does. See [Note: streaming export] for the memory bound and
+    [Note: export commit] for what a failure leaves.
     """
     out_dtype = output_dtype(dtype)
     out = os.fspath(output_dir)
     created = not os.path.isdir(out)
-    started: list[str] = []
-    try:  # a refused checkpoint fails before anything is created; a failed write leaves nothing behind
+    temporaries: dict[str, str] = {}  # final name -> this call's temporary file
+    try:
         with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
             meta = reader.metadata
             names = _exported_names(meta, exclude_frozen_parameters)
@@ -279,29 +341,39 @@ def convert_zero_checkpoint_to_state_dict(
             write = _write_safetensors_shard if safe_serialization else _write_bin_shard
             os.makedirs(out, exist_ok=True)
             for file, shard in zip(files, shards, strict=True):
-                started.append(os.path.join(out, file))
-                write(reader, started[-1], shard, dtypes)
+                temporaries[file] = _temporary(out, file)
+                write(reader, temporaries[file], shard, dtypes)
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": sum(size for _, size in sizes)},
+                "weight_map": {n: f for f, shard in zip(files, shards, strict=True) for n in shard},
+            }
+            temporaries[index_name] = _temporary(out, index_name)
+            write_file(temporaries[index_name], (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
     except BaseException:
-        for path in started:
+        for path in temporaries.values():
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
-    written = list(files)
+    _commit(out, temporaries, index_name)
+    return list(temporaries)
+
+
+def _commit(out: str, temporaries: dict[str, str], index_name: str) -> None:
+    """[Note: export commit]
+    An export writes every file under a temporary name of its own and renames them only once all are written (the
+    index last): a conversion that fails (a corrupted checkpoint, a full disk) removes its temporaries and nothing
+    else, so an earlier export in the folder stays whole, and a reader never finds an index naming a shard that is
+    not there yet. A crash during the renames leaves each file whole, old or new (a crash before them, hidden
+    `.<file>.<pid>.tmp` files only)."""
+    for file, tmp in temporaries.items():
+        os.replace(tmp, os.path.join(out, file))
     index_path = os.path.join(out, index_name)
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(size for _, size in sizes)},
-            "weight_map": {n: f for f, shard in zip(files, shards, strict=True) for n in shard},
-        }
-        with open(index_path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        os.replace(index_path + ".tmp", index_path)
-        written.append(index_name)
-    elif os.path.exists(index_path):
+    if index_name not in temporaries and os.path.exists(index_path):
         os.unlink(index_path)  # a stale index from an earlier, sharded export would shadow the single file
-    return written
+    fsync_dir(out)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
@@ -345,9 +417,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def convert_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m zeroshard.checkpoint.export CHECKPOINT OUT ...`: returns the exit status."""
+    """`python -m zeroshard.checkpoint.export CHECKPOINT OUT ...`: returns the exit status (an error is one line on
+    stderr, as `zeroshard convert` prints it)."""
+    from zeroshard.cli.main import run_guarded
+
     parser = add_convert_arguments(argparse.ArgumentParser(prog="zeroshard convert", description=__doc__))
-    return run_convert(parser.parse_args(argv))
+    return run_guarded(run_convert, parser.parse_args(argv), parser.prog)
 
 
 def run_convert(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ import glob
 import io
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.safetensors_io import dtype_name
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+MASTER_FILE = "fp32.pt"  # a parameter's fp32 master weights, in its zero/<name>/ folder
 LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's pointer to its output, read when no tag is given
 CONVERT = (
     "python -m deepspeed.checkpoint.ds_to_universal --input_folder <checkpoint>/<tag> --output_folder "
@@ -76,8 +78,11 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
 def _load(path: str, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    except ImportError as e:  # DeepSpeed's own objects (its loss scaler, enums) are pickled in these files
+        raise CheckpointError(f"{path}: cannot be read without {e.name or 'a module'} ({e}); install it") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, AttributeError) as e:
+        # a truncated or foreign file: torch.load's errors do not name it
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e}); the file is corrupted") from None
 
 
 def _model_states(tag_dir: str) -> dict[str, Any]:
@@ -97,6 +102,23 @@ def _model_states(tag_dir: str) -> dict[str, Any]:
             "DeepSpeed universal checkpoints of data-parallel (ZeRO) runs only"
         )
     return states
+
+
+def _checked(path: str, saved: Any, info: TensorInfo | None) -> torch.Tensor:
+    """A per-parameter file's tensor, if it has its parameter's shape (`param_shapes`): a file copied from another
+    parameter would load that one's values. ds_to_universal keeps the shape at ZeRO 1-2 and writes a ZeRO-3
+    checkpoint's tensors flat, so a 1-D tensor of as many elements passes too."""
+    tensor = saved.get("param") if isinstance(saved, dict) else saved
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"{path}: holds no tensor (a {type(tensor).__name__}); the file is corrupted")
+    shape = tuple(tensor.shape)
+    if info is not None and shape != info.shape and not (tensor.dim() == 1 and tensor.numel() == info.numel):
+        raise CheckpointError(
+            f"{path}: a tensor of shape {shape} where the parameter has {info.shape} ({MODEL_STATES}'s "
+            "param_shapes); the file is another parameter's or was modified: convert the DeepSpeed checkpoint "
+            "again with ds_to_universal"
+        )
+    return tensor
 
 
 def _loss_scaler_state(scaler: Any) -> dict[str, Any] | None:
@@ -122,11 +144,45 @@ class UniversalReader(CheckpointReader):
         self._common = _load(os.path.join(self._zero, "optimizer_state.pt"))
         self._cache: tuple[str, str, torch.Tensor] | None = None
         self._fragments: list[dict[str, torch.Tensor]] | None = None  # ZeRO-3 frozen parameters, per rank
+        self._check_state_files()
         self.metadata = self._metadata()
 
     # -- what the checkpoint holds -------------------------------------------------------------------------
     def _state_file(self, name: str, state: str | None) -> str:
         return os.path.join(self._zero, name, f"{'fp32' if state in (None, MASTER) else state}.pt")
+
+    def _check_state_files(self) -> None:
+        """[Note: a universal checkpoint's missing files]
+        ds_to_universal writes every trainable parameter's master weights (`fp32.pt`) and, per parameter, the
+        optimizer state it had (Adam's `exp_avg.pt`, `exp_avg_sq.pt`). DeepSpeed's loader reads whichever files a
+        folder holds, so a deleted one loads as nothing: the module's weights stay, a moment stays zero. Here a
+        parameter without its `fp32.pt`, or without a state file the other parameters of its group (a
+        `param_shapes` entry) have, is refused before anything is loaded. A checkpoint with no master weights at
+        all loads the module weights, and one with no moments (another optimizer's run) the master weights only,
+        as before ([Note: universal checkpoints])."""
+        aliases = set(self._states.get("shared_params") or {})
+        groups = [[n for n in group if n not in aliases] for group in self._trainable()]
+        held = {n: self._held_states(n) for group in groups for n in group}
+        masters = any(MASTER_FILE in files for files in held.values())
+        for group in groups:
+            wanted = set().union(*(held[n] for n in group)) | ({MASTER_FILE} if masters else set())
+            missing = [(n, f) for n in group for f in sorted(wanted - held[n])]
+            if missing:
+                name, file = missing[0]
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                others = (
+                    "every trainable parameter has" if file == MASTER_FILE else "the other parameters of its group have"
+                )
+                raise CheckpointError(
+                    f"{os.path.join(self._zero, name, file)}: missing{more}, where {others} one; the universal "
+                    f"checkpoint is incomplete: convert the DeepSpeed checkpoint again with {CONVERT}"
+                )
+
+    def _held_states(self, name: str) -> set[str]:
+        """The master-weight and elementwise-state files of `name`'s folder (`step.pt` has a fallback, `_step`)."""
+        folder = os.path.join(self._zero, name)
+        files = os.listdir(folder) if os.path.isdir(folder) else []
+        return {f for f in files if f.endswith(".pt") and f != "step.pt"}
 
     def _trainable(self) -> list[list[str]]:
         """Parameter names per `param_shapes` entry: an optimizer group at ZeRO 1-2, a sub-group at ZeRO-3."""
@@ -205,12 +261,13 @@ class UniversalReader(CheckpointReader):
         saved = self._common.get("param_groups") or []
         if not groups or not os.path.isfile(self._state_file(groups[0][0], MASTER)):
             return None
-        adam = os.path.isfile(self._state_file(groups[0][0], "exp_avg"))
+        adam_groups = [bool(names) and os.path.isfile(self._state_file(names[0], "exp_avg")) for names in groups]
+        adam = any(adam_groups)  # a group without moments: `has_state` says so, and its state starts fresh
         by_group = len(groups) == len(saved)
         info_groups = []
         for g, names in enumerate(groups):
             options = saved[g] if by_group else {}
-            step = {"step": {"tensor": "float32", "value": self._step(names[0])}} if adam else {}
+            step = {"step": {"tensor": "float32", "value": self._step(names[0])}} if adam_groups[g] else {}
             info_groups.append(
                 {"options": {k: options[k] for k in _HYPERPARAMETERS if k in options}, "params": names, "scalars": step}
             )
@@ -255,8 +312,7 @@ class UniversalReader(CheckpointReader):
         if self._cache is None or self._cache[:2] != (name, key):
             path = self._state_file(name, state)
             if os.path.isfile(path):
-                saved = _load(path)
-                tensor = saved["param"] if isinstance(saved, dict) else saved
+                tensor = _checked(path, _load(path), info)
             elif store == MODEL and name in (self._states.get("frozen_param_shapes") or {}):
                 tensor = self._frozen_zero3(name)
             else:

@@ -49,11 +49,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--safe_serialization", action="store_true", help="safetensors instead of pytorch_model.bin")
     p.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
     p.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
-    p.add_argument("-d", "--debug", action="store_true", help="log zeroshard's debug messages")
+    p.add_argument("-d", "--debug", action="store_true", help="log zeroshard's debug messages; show tracebacks")
     args = p.parse_args(argv)
     if args.debug:
         logging.basicConfig()
         logging.getLogger("zeroshard").setLevel(logging.DEBUG)
+    from zeroshard.cli.main import run_guarded
+
+    return run_guarded(_convert, args, p.prog)  # an error is one line on stderr (a traceback with -d)
+
+
+def _convert(args: argparse.Namespace) -> int:
     files = convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir,
         args.output_dir,
