@@ -261,3 +261,14 @@ def test_a_latest_file_that_names_nothing_or_a_missing_tag_says_so(tmp_path):
         resolve_tag_dir(str(tmp_path), None)
     with pytest.raises(CheckpointError, match=r"global_step9: checkpoint directory does not exist$"):
         resolve_tag_dir(str(tmp_path), "global_step9")
+
+
+def test_a_universal_folder_loaded_as_a_zeroshard_one_says_how_to_load_it(tmp_path):
+    """ds_to_universal's output holds model-states files too: the advice to convert it again would loop."""
+    from zeroshard.checkpoint.format import read_metadata
+
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "optimizer_state.pt").write_bytes(b"")
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r'a DeepSpeed universal checkpoint; load it with "checkpoint": \{"load_'):
+        read_metadata(str(tmp_path))

@@ -222,6 +222,11 @@ def read_metadata(tag_dir: str) -> CheckpointMetadata:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); the file is corrupted") from None
     except FileNotFoundError:
+        if os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")):  # ds_to_universal's output
+            raise CheckpointError(
+                f'{tag_dir}: a DeepSpeed universal checkpoint; load it with "checkpoint": {{"load_universal": true}} '
+                "in the config ([Note: universal checkpoints])"
+            ) from None
         if glob.glob(os.path.join(glob.escape(tag_dir), "*model_states.pt")):
             raise CheckpointError(
                 f"{tag_dir}: a DeepSpeed checkpoint, not a zeroshard one: convert it with `python -m "
