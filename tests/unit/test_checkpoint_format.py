@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -272,3 +273,16 @@ def test_a_universal_folder_loaded_as_a_zeroshard_one_says_how_to_load_it(tmp_pa
     (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r'a DeepSpeed universal checkpoint; load it with "checkpoint": \{"load_'):
         read_metadata(str(tmp_path))
+
+
+def test_pieces_beyond_their_tensor_are_refused_when_the_reader_opens(tmp_path):
+    """An edited metadata (its checksum made again) whose shape is smaller than its pieces: refused at once, not read
+    into a tensor of the smaller size."""
+    from zeroshard.checkpoint.reshard import CheckpointReader
+
+    meta = _metadata({"w": [PieceRef("m0", 0, 10)]})
+    with pytest.raises(CheckpointError, match=r"model pieces of 'w' reach elements \[0, 10\) of a tensor of 6;"):
+        CheckpointReader(
+            str(tmp_path), dataclasses.replace(meta, tensors={"w": TensorInfo((2, 3), "float32", "param", True, True)})
+        )
+    CheckpointReader(str(tmp_path), meta).close()

@@ -43,8 +43,8 @@ class CheckpointReader:
         self.delivered = False
         self._at_hand: dict[tuple[str, str], PieceRef | None] = {}  # has_state's piece of each tensor
         self._pieces = {
-            MODEL: _sorted_checked(self.metadata.model_pieces, "model"),
-            OPTIM: _sorted_checked(self.metadata.optim_pieces, "optimizer"),
+            MODEL: _sorted_checked(self.metadata.model_pieces, "model", self.metadata),
+            OPTIM: _sorted_checked(self.metadata.optim_pieces, "optimizer", self.metadata),
         }
 
     def has(self, store: str, name: str) -> bool:
@@ -130,11 +130,20 @@ class CheckpointReader:
         self.close()
 
 
-def _sorted_checked(pieces: dict[str, list[PieceRef]], what: str) -> dict[str, list[PieceRef]]:
-    """Pieces by name, sorted by `begin`; overlapping pieces mean the metadata is wrong."""
+def _sorted_checked(
+    pieces: dict[str, list[PieceRef]], what: str, meta: CheckpointMetadata
+) -> dict[str, list[PieceRef]]:
+    """Pieces by name, sorted by `begin`; overlapping pieces, or pieces beyond the tensor's elements, mean the
+    metadata is wrong."""
     result: dict[str, list[PieceRef]] = {}
     for name, refs in pieces.items():
         ordered = sorted(refs, key=lambda p: p.begin)
+        info = meta.tensors.get(name)
+        if info is not None and ordered and (ordered[0].begin < 0 or ordered[-1].end > info.numel):
+            raise CheckpointError(
+                f"{what} pieces of {name!r} reach elements [{ordered[0].begin}, {ordered[-1].end}) of a tensor of "
+                f"{info.numel}; the metadata is corrupted"
+            )
         for a, b in zip(ordered, ordered[1:], strict=False):
             if b.begin < a.end:
                 raise CheckpointError(f"{what} pieces of {name!r} overlap ({a} and {b}); the metadata is corrupted")
