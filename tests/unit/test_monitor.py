@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import importlib.util
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 import zeroshard
+from helpers.process_group import own_process_group  # noqa: F401 (an autouse fixture)
 from zeroshard.comm.comms_logger import CommsLogger, bandwidths
 from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import ConfigError
@@ -29,17 +29,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x))).float().pow(2).mean()
-
-
-@pytest.fixture(autouse=True)
-def _own_process_group() -> Iterator[None]:
-    """zeroshard.initialize makes a one-process group; leave none behind for the tests that follow."""
-    import torch.distributed as dist
-
-    had = dist.is_initialized()
-    yield
-    if not had and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _config(out: pathlib.Path, **blocks: object) -> dict:

@@ -7,7 +7,6 @@ import importlib.util
 import pathlib
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 
 import zeroshard
 from helpers.harness import run_on_ranks
+from helpers.process_group import own_process_group  # noqa: F401 (an autouse fixture)
 from zeroshard.config import parse_config
 from zeroshard.errors import ConfigError
 
@@ -23,17 +23,6 @@ BASE = {
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # would shard every parameter
 }
-
-
-@pytest.fixture(autouse=True)
-def _own_process_group() -> Iterator[None]:
-    """zeroshard.initialize makes a one-process group; leave none behind for the tests that follow."""
-    import torch.distributed as dist
-
-    had = dist.is_initialized()
-    yield
-    if not had and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _model() -> nn.Module:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Protocol
 
 from zeroshard.errors import ConfigError
+from zeroshard.utils.files import probe_writable
 
 Event = tuple[str, float, int]  # (name such as "Train/Samples/lr", value, x-axis: global samples)
 
@@ -26,10 +26,7 @@ def log_dir(output_path: str, job_name: str, block: str) -> str:
     naming `<block>.output_path` now, not an OSError at the first event ([Note: monitors open first])."""
     path = os.path.join(output_path, job_name)
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".zeroshard_probe_", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(path)
     except OSError as e:
         where = f"'{output_path}'" if output_path else "empty (the current directory)"
         raise ConfigError(
@@ -44,10 +41,7 @@ def writable_file(path: str, key: str) -> None:
     that cannot take it is one line naming `key` now ([Note: monitors open first])."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".zeroshard_probe_", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(folder)
     except OSError as e:
         raise ConfigError(
             f"{key} is '{path}', and {folder} cannot be written to ({e.strerror or e}); set {key} to a file in a "

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from zeroshard.errors import ConfigError
 from zeroshard.offload.nvme_files import remove_stale_swap_directories
+from zeroshard.utils.files import probe_writable
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -40,9 +39,7 @@ def preflight(path: str | Path | None, bytes_needed: int, key: str = "nvme_path"
     if not root.is_dir():
         raise ConfigError(f"{key} = '{root}' is not a directory; point it at a directory, {need}")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".zeroshard_preflight_", dir=root)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(str(root), ".zeroshard_preflight_", make=False)
     except OSError as err:
         raise ConfigError(
             f"{key} = '{root}' is not writable ({err.strerror or err}); choose a directory this process can "
