@@ -160,3 +160,18 @@ def test_convert_names_a_missing_folder_and_what_exports_a_deepspeed_one(tmp_pat
     err = refusal(str(deepspeed / "global_step2"))
     assert "a DeepSpeed universal checkpoint" in err and '"load_universal": true}, save_checkpoint' in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_new_export_leaves_nothing_of_an_earlier_one_a_loader_would_read(ckpt: str, tmp_path: Path) -> None:
+    """As save_pretrained: the earlier export's shards the new one lacks, and the other form's single file or index
+    (which from_pretrained reads first, or mixes in), go; the user's files stay."""
+    out = tmp_path / "hf"
+    shards = convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, max_shard_size="20KB")
+    assert len(shards) > 3, shards
+    (out / "README.md").write_text("mine")
+    fewer = convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, max_shard_size="40KB")
+    assert 1 < len(fewer) < len(shards) and _listing(out).keys() == {*fewer, "README.md"}, _listing(out)
+    single = convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+    assert single == ["model.safetensors"] and _listing(out).keys() == {"model.safetensors", "README.md"}
+    again = convert_zero_checkpoint_to_fp32_state_dict(ckpt, out, max_shard_size="40KB")
+    assert _listing(out).keys() == {*again, "README.md"}  # the single file would shadow the shards

@@ -367,12 +367,19 @@ def _commit(out: str, temporaries: dict[str, str], index_name: str) -> None:
     index last): a conversion that fails (a corrupted checkpoint, a full disk) removes its temporaries and nothing
     else, so an earlier export in the folder stays whole, and a reader never finds an index naming a shard that is
     not there yet. A crash during the renames leaves each file whole, old or new (a crash before them, hidden
-    `.<file>.<pid>.tmp` files only)."""
+    `.<file>.<pid>.tmp` files only). Then what is left of an earlier export of the same kind goes, as
+    `save_pretrained` removes it: its shards that the new one does not have (`model-00003-of-00003.safetensors`
+    beside a new export of two), and the single file or the index of the other form, which `from_pretrained` would
+    read instead of (or mix with) the new files."""
     for file, tmp in temporaries.items():
         os.replace(tmp, os.path.join(out, file))
-    index_path = os.path.join(out, index_name)
-    if index_name not in temporaries and os.path.exists(index_path):
-        os.unlink(index_path)  # a stale index from an earlier, sharded export would shadow the single file
+    weights = index_name.removesuffix(".index.json")
+    stem, ext = weights.rsplit(".", 1)
+    shard = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.{re.escape(ext)}")
+    for name in os.listdir(out):
+        stale = name not in temporaries and (shard.fullmatch(name) or name in (weights, index_name))
+        if stale and os.path.isfile(os.path.join(out, name)):
+            os.unlink(os.path.join(out, name))
     fsync_dir(out)
 
 
