@@ -171,6 +171,18 @@ def _refusals(rank: int, world_size: int):
     engine.backward(engine(x, y))
     engine.step()
     out["after the load"] = engine.strategy.speculation.steps_taken
+    # a load between backward and step drops the window: what backward stepped is stepped back first (a module-only
+    # load keeps the optimizer state, which held that step)
+    from zeroshard.utils import safe_get_full_optimizer_state
+
+    param = next(p for p in engine.module.parameters() if p.requires_grad)
+    moments = safe_get_full_optimizer_state(param, "exp_avg")
+    engine.backward(engine(x, y))
+    stepped = (safe_get_full_optimizer_state(param, "exp_avg") - moments).abs().max().item()
+    undone = engine.strategy.speculation.steps_undone
+    engine.load_checkpoint(folder, tag="good", load_module_only=True)
+    out["undone by a load"] = engine.strategy.speculation.steps_undone - undone
+    out["moments back"] = (stepped, (safe_get_full_optimizer_state(param, "exp_avg") - moments).abs().max().item())
     if rank == 0:  # both ranks loaded: the step after it has collectives
         shutil.rmtree(folder)
 
@@ -283,6 +295,9 @@ def test_what_super_offload_refuses():
             len(failures) == 3 and "injected" in failures[0] and all("load the last checkpoint" in f for f in failures)
         )
         assert out["after the load"] > 0
+        assert out["undone by a load"] >= 2
+        stepped, left = out["moments back"]
+        assert stepped > 1e-4 and left < 1e-7 * max(1.0, stepped), out["moments back"]
         assert out["with clipping"] is None
         assert "super_offload" in out["client SGD"] and "SGD" in out["client SGD"]
 

@@ -184,6 +184,8 @@ def load_checkpoint(
     client_state: dict[str, Any] | None = None
     publish, restored = False, -1
     try:
+        if engine.strategy is not None:  # every rank passed the checks: this load writes
+            engine.strategy.loading(done=False)
         with sync.in_turn(after, write_timeout() * max(1, in_line - 1)):
             with torch.profiler.record_function("zeroshard.load_checkpoint"):
                 client_state, publish, restored = _load_into(
@@ -212,7 +214,7 @@ def load_checkpoint(
         # stage 3 loads shards only: copies gathered from them (its persistent unit) must be gathered again
         if state is not None and (publish or state.regather_after_load):
             state.publish_params()
-        engine.strategy.loaded()
+        engine.strategy.loading(done=True)
         engine.strategy.zero_grad()
         engine.accumulation.pending, engine.accumulation.window_backwards = False, 0
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")

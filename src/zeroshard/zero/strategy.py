@@ -265,8 +265,9 @@ class Strategy(ABC):
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last step."""
 
-    def loaded(self) -> None:
-        """`load_checkpoint` replaced the state: nothing from before it is pending (nothing to forget by default)."""
+    def loading(self, done: bool) -> None:
+        """`load_checkpoint` is about to write (`done` false) or has replaced the state: nothing from before it is
+        pending (nothing to undo or forget by default)."""
         return None
 
     def end_window(self) -> None:

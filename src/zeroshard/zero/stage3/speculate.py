@@ -15,7 +15,8 @@ the GIL, so both run at once. This is DeepSpeed's SuperOffload ("speculation-the
   own gradients are not finite is not stepped and ends speculation for the window. If the step is skipped anyway
   (another sub-group, another rank), the sub-groups stepped already are stepped back ([Note: undoing an Adam step]
   in optim/rollback.py: arithmetically, as DeepSpeed does, so not to the bit) and published again;
-  `engine.zero_grad()` without a step does the same. Hence Adam/AdamW only.
+  `engine.zero_grad()` without a step does the same, and so does a `load_checkpoint` before it writes (a
+  module-only load keeps the optimizer state, which would otherwise hold a step never taken). Hence Adam/AdamW only.
 When the step is taken, the sub-groups stepped during backward are not stepped again, and the result is
 bit-identical to stepping after backward (the same gradients, factors and kernels per element; the order of
 sub-groups does not matter). What a user can see: when `engine.backward()` returns, every offloaded sub-group's
@@ -309,6 +310,14 @@ class SpeculativeSteps:
                 "(to within float rounding)",
             )
         self._reset()
+
+    def before_load(self) -> None:
+        """A load is about to write: the window's steps taken during backward are stepped back first, as zero_grad
+        would (the load drops the window's gradients), so what the load does not replace (a module-only load keeps
+        the optimizer state) holds no step that was never taken. After a worker failure nothing is known to be
+        whole: `forget` follows the load."""
+        if self._broken is None and self.stepped:
+            self.undo("load_checkpoint drops the window's gradients")
 
     def forget(self) -> None:
         """A checkpoint was loaded: this window's speculative steps, and a failure's doubt, went with the old state."""

@@ -301,8 +301,10 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3ParamValues, Strategy
         self.gradients_tier.reset()
         self.reducer.first_window_step = True
 
-    def loaded(self) -> None:
-        if self.speculation is not None:  # what backward stepped is gone with the state it changed
+    def loading(self, done: bool) -> None:
+        if self.speculation is not None and not done:  # what backward stepped is stepped back, as zero_grad would
+            self.speculation.before_load()
+        elif self.speculation is not None:  # what backward stepped is gone with the state it changed
             self.speculation.forget()
 
     @property
