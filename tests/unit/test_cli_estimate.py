@@ -335,3 +335,13 @@ def test_estimate_muon_keeps_momentum_on_matrices_and_adam_moments_on_the_rest(c
     assert main(["estimate", "--params", "7e9", "--optimizer", "muon", "--bf16-master-weights"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--optimizer muon needs fp32 master weights" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--params", "inf"), ("--params", "nan"), ("--gpu-memory", "0"), ("--bucket-size", "-1")]
+)
+def test_numbers_that_parse_as_floats_but_mean_nothing_are_refused(flag, value, capsys):
+    """inf was an OverflowError traceback, nan a bare ValueError, 0 GiB silently 80, a negative bucket -4 B."""
+    argv = ["estimate", "--params", "7e9", flag, value] if flag != "--params" else ["estimate", flag, value]
+    assert main(argv) == 2
+    assert f"{flag} " in capsys.readouterr().err

@@ -194,3 +194,19 @@ def test_remote_nodes_get_the_allocator_settings_and_a_share_of_their_own_cores(
     gone = node.shell_command(str(tmp_path / "missing")).replace(shlex.join(node.argv), "echo ran")
     ran = subprocess.run(["bash", "-c", gone], capture_output=True, text=True)
     assert ran.returncode != 0 and "ran" not in ran.stdout, ran
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--master_port", "99999", "s.py"], "--master_port 99999 is not a TCP port (1-65535)"),
+        (["--nnodes", "2", "--node_rank", "5", "--master_addr", "h", "s.py"], "--node_rank 5 must be in 0..1"),
+        (["--nproc_per_node", "2", "nope.py"], "nope.py: no such script"),
+    ],
+)
+def test_what_no_rank_could_get_past_is_refused_before_starting(argv, message, capsys):
+    """They started every rank before (a traceback from torchrun's port check; a wait with no output for a node rank
+    that can never join; each rank failing on a missing script alone, the launcher naming rank 0 first)."""
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--{name} {value} must be >= 1", EXIT_CONFIG)
     if args.max_restarts < 0:
         raise CLIError(f"--max_restarts {args.max_restarts} must be >= 0", EXIT_CONFIG)
+    _check_before_starting(args)
     opts = LaunchOptions(
         script=args.script,
         script_args=list(args.script_args),
@@ -203,3 +204,15 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     rest += ["-m"] if args.module else ["--no_python"] if args.no_python else []
     out(sbatch_script([*rest, args.script, *args.script_args], nnodes, nproc).rstrip("\n"))
     return 0
+
+
+def _check_before_starting(args: argparse.Namespace) -> None:
+    """What no rank could get past, refused before any process starts: a port outside TCP's range, a node rank outside
+    the nodes, a script that is not there (each rank failed on it alone, and the launcher named rank 0 first)."""
+    if args.master_port is not None and args.master_port > 65535:
+        raise CLIError(f"--master_port {args.master_port} is not a TCP port (1-65535)", EXIT_CONFIG)
+    if args.node_rank is not None and not 0 <= args.node_rank < (args.nnodes or 1):
+        raise CLIError(f"--node_rank {args.node_rank} must be in 0..{(args.nnodes or 1) - 1} (--nnodes)", EXIT_CONFIG)
+    starts = not args.dry_run and not args.print_sbatch and args.hostfile is None  # (other hosts: their own files)
+    if starts and not args.module and not args.no_python and not os.path.isfile(args.script):
+        raise CLIError(f"{args.script}: no such script (the path is relative to {os.getcwd()})", EXIT_CONFIG)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -108,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CLIError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    for name in ("params", "bucket_size", "gpu_memory"):  # floats: inf, nan and 0 parse too
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise CLIError(f"--{name.replace('_', '-')} {value} must be a positive number", EXIT_CONFIG)
     attention = args.attn_implementation
     model = (
         from_model_arg(args.model, attention) if args.model else from_params(args.params, eager=attention == "eager")
@@ -128,9 +133,8 @@ def run(args: argparse.Namespace) -> int:
         trainable,
         args.autoep_size,
     )
-    gpu_memory = (
-        int(args.gpu_memory * 2**30) if args.gpu_memory else _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
-    )
+    gpu_memory = int(args.gpu_memory * 2**30) if args.gpu_memory is not None else None
+    gpu_memory = gpu_memory or _local_gpu_memory() or int(DEFAULT_GPU_GIB * 2**30)
     rec = recommend(
         model.params,
         rows,
