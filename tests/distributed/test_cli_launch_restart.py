@@ -51,3 +51,26 @@ def test_launch_reports_failed_ranks_without_a_traceback(tmp_path):
     assert done.returncode == 5
     assert re.search(r"rank [01] \(local rank [01], pid \d+\) failed first, exit code 5", done.stderr), done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, sig):
+    """[Note: stopping a local run]: `kill` of the launcher (a scheduler, `timeout`), not a terminal's Ctrl-C of the
+    whole group, left the workers running with the launcher gone."""
+    import signal
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nopen(sys.argv[1] + str(os.getpid()), 'w').close()\ntime.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", str(script)]
+    launcher = subprocess.Popen([*command, str(tmp_path / "pid.")], env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")]
+    assert len(workers) == 2, "the workers did not start"
+    launcher.send_signal(getattr(signal, sig))
+    assert launcher.wait(timeout=40) == 130
+    for pid in workers:  # reaped by torchrun before it exited
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the launcher"

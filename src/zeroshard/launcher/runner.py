@@ -3,9 +3,11 @@ torchrun of a scheduler's multi-node job while a NodeWatch follows the other nod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,9 +19,47 @@ from zeroshard.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-def run_local(argv: list[str], nproc: int) -> int:
-    """Run torchrun here in the foreground; its exit code is ours (Ctrl-C reaches it through the terminal)."""
-    return subprocess.call(argv, env={**os.environ, **thread_env(nproc, os.environ)})
+class _Terminated(Exception):
+    """This process got SIGTERM while it waited for torchrun."""
+
+
+def run_local(argv: list[str], nproc: int, grace_s: float = 30.0) -> int:
+    """Run torchrun here and wait; its exit code is ours.
+
+    [Note: stopping a local run]
+    torchrun runs in a session of its own, and an interrupt or a SIGTERM of this process is passed on to torchrun's
+    whole group (torchrun and its workers) once: a terminal's Ctrl-C and a signal sent to this process alone (`kill`,
+    a scheduler, `timeout`) then stop the run alike. (With torchrun in the terminal's group, a signal to this process
+    alone left the workers training, and this process killed torchrun before it could stop them.) After `grace_s`
+    what is left is killed."""
+    proc = subprocess.Popen(argv, env={**os.environ, **thread_env(nproc, os.environ)}, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    try:
+        return proc.wait()
+    except (KeyboardInterrupt, _Terminated) as stopped:
+        _pass_on(proc, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM, grace_s)
+        raise KeyboardInterrupt from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _pass_on(proc: subprocess.Popen[bytes], sig: signal.Signals, grace_s: float) -> None:
+    """`sig` to torchrun's group, then SIGKILL to what is left after `grace_s` (or at a second interrupt)."""
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
 
 
 def thread_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:

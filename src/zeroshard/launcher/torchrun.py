@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -33,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         code = first.exitcode
         return code if 0 < code < 256 else 1
+    except SignalException as err:  # stopped: its workers were told and have said so ([Note: stopping a local run])
+        return 128 + int(err.sigval)
     return 0
 
 
