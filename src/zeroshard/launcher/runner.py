@@ -38,7 +38,7 @@ def run_local(argv: list[str], nproc: int, grace_s: float = 30.0) -> int:
     try:
         return proc.wait()
     except (KeyboardInterrupt, _Terminated) as stopped:
-        _pass_on(proc, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM, grace_s)
+        stop_group(proc, grace_s, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM)
         raise KeyboardInterrupt from None
     finally:
         if main:
@@ -47,19 +47,6 @@ def run_local(argv: list[str], nproc: int, grace_s: float = 30.0) -> int:
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated()
-
-
-def _pass_on(proc: subprocess.Popen[bytes], sig: signal.Signals, grace_s: float) -> None:
-    """`sig` to torchrun's group, then SIGKILL to what is left after `grace_s` (or at a second interrupt)."""
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout=grace_s)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        proc.wait()
 
 
 def thread_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
@@ -127,13 +114,17 @@ def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int
     return code
 
 
-def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
-    """SIGTERM torchrun's process group (it forwards to its workers), SIGKILL what is left after `grace_s`."""
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> None:
+    """`sig` to torchrun's process group (torchrun and its workers), SIGKILL what is left after `grace_s` (or at a
+    second interrupt while it waits)."""
     if proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
+        os.killpg(proc.pid, sig)
         proc.communicate(timeout=grace_s)  # reading its pipes, if it has them: a full pipe would stall it
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Terminated):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # it was gone already
         proc.wait()
