@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
         sys.exit(3)  # a crash in the first attempt; rank 0 waits in the barrier until it is stopped
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as handle:
+        with open(sys.argv[-1], "w") as handle:  # (after the --local_rank=N zeroshard launch passes)
             handle.write(f"{restart_count()} {int(total.item())} {dist.get_world_size()}")
     dist.destroy_process_group()
     """
@@ -61,7 +61,7 @@ def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, sig):
     import time
 
     script = tmp_path / "sleeper.py"
-    script.write_text("import os, sys, time\nopen(sys.argv[1] + str(os.getpid()), 'w').close()\ntime.sleep(120)\n")
+    script.write_text("import os, sys, time\nopen(sys.argv[-1] + str(os.getpid()), 'w').close()\ntime.sleep(120)\n")
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
     command = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", str(script)]
     launcher = subprocess.Popen([*command, str(tmp_path / "pid.")], env=env, cwd=tmp_path)

@@ -28,8 +28,12 @@ def samples(start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    out, config_path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    sleep_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    argv = sys.argv[1:]
+    if "LOCAL_RANK" in os.environ:  # launched: zeroshard launch's --local_rank=N first, as DeepSpeed's launcher's
+        given = argv.pop(0)
+        assert given == f"--local_rank={os.environ['LOCAL_RANK']}", given
+    out, config_path, steps = argv[0], argv[1], int(argv[2])
+    sleep_s = float(argv[3]) if len(argv) > 3 else 0.0
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     with open(config_path, encoding="utf-8") as handle:

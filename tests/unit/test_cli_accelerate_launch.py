@@ -73,7 +73,7 @@ def test_a_zero3_config_file_gives_accelerates_environment_and_the_launch(tmp_pa
     assert "mixed_precision" in env["ACCELERATE_CONFIG_DS_FIELDS"].split(",")  # as accelerate launch lists them
     assert launch[:4] == ["--nproc_per_node", "8", "--cluster", "none"], launch
     assert launch[4] == "--master_port" and int(launch[5]) > 0, launch
-    assert launch[6:] == ["train.py", "--lr", "1e-4", "--bf16"], launch  # the script's own options untouched
+    assert launch[6:] == ["--no_local_rank", "train.py", "--lr", "1e-4", "--bf16"], launch  # the script's untouched
 
 
 def test_command_line_options_override_the_file_as_in_accelerate(tmp_path, capsys):

@@ -108,7 +108,7 @@ def test_slurm_recipe(monkeypatch, capsys):
     argv = _dry_run(monkeypatch, capsys, {**env, "SLURM_JOB_NODELIST": "node[01-02]"}, launch)
     assert _flag(argv, "--rdzv_backend") == "c10d" and _flag(argv, "--rdzv_endpoint") == "node01:20917"
     assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--nproc_per_node") == "4"
-    assert _flag(argv, "--rdzv_conf") == "is_host=0" and argv[-3:] == ["train.py", "--lr", "1"]
+    assert _flag(argv, "--rdzv_conf") == "is_host=0" and argv[-3:] == ["zeroshard-worker", "--lr", "1"]
 
 
 def test_mpi_recipe(monkeypatch, capsys):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -133,7 +135,8 @@ def test_dry_run_prints_one_command_per_node(tmp_path, capsys, monkeypatch):
     assert node1[:4] == ["ssh", "-o", "BatchMode=yes", "worker-1"]
     remote = shlex.split(node1[4])
     assert remote[remote.index("--nnodes") + 1] == "2" and remote[remote.index("--node_rank") + 1] == "1"
-    assert remote[-3:] == ["train.py", "--lr", "1e-4"]
+    worker = f'exec {shlex.quote(sys.executable)} -u train.py --local_rank="$LOCAL_RANK" "$@"'
+    assert remote[-7:] == ["--no_python", "/bin/sh", "-c", worker, "zeroshard-worker", "--lr", "1e-4"]
 
 
 def test_dry_run_single_node_and_module(capsys):
@@ -142,12 +145,49 @@ def test_dry_run_single_node_and_module(capsys):
         == 0
     )
     argv = shlex.split(capsys.readouterr().out)
-    assert argv[argv.index("--nproc_per_node") + 1] == "2" and argv[-4:] == [
-        "-m",
-        "zeroshard.cli.train",
-        "--model",
-        "tiny-llama",
-    ]
+    worker = f'exec {shlex.quote(sys.executable)} -u -m zeroshard.cli.train --local_rank="$LOCAL_RANK" "$@"'
+    assert argv[argv.index("--nproc_per_node") + 1] == "2"
+    assert argv[-4:] == [worker, "zeroshard-worker", "--model", "tiny-llama"]
+    assert main(["launch", "--dry-run", "--no_local_rank", "-m", "zeroshard.cli.train", "--model", "m"]) == 0
+    assert shlex.split(capsys.readouterr().out)[-4:] == ["-m", "zeroshard.cli.train", "--model", "m"]
+
+
+ARGV_SCRIPT = "import json, os, sys; print(json.dumps([os.environ['LOCAL_RANK'], sys.argv]))\n"
+TRICKY = ["--x", "a b", "$HOME", "'q'", '"$LOCAL_RANK"', "--local_rank=7", ""]
+
+
+@pytest.mark.parametrize("how", ["script", "module", "no_python"])
+def test_each_worker_runs_the_command_line_deepspeeds_launcher_gives_it(how, tmp_path):
+    """[Note: the --local_rank argument]: `python -u script --local_rank=N ARGS` with the worker's own N, the arguments
+    passed untouched (the worker's shell runs here as torchrun would start it, with LOCAL_RANK set)."""
+    (tmp_path / "show.py").write_text(ARGV_SCRIPT)
+    script = {"script": "show.py", "module": "show", "no_python": str(tmp_path / "show")}[how]
+    if how == "no_python":
+        (tmp_path / "show").write_text(f"#!{sys.executable}\n{ARGV_SCRIPT}")
+        (tmp_path / "show").chmod(0o755)
+    opts = LaunchOptions(script, TRICKY, module=how == "module", no_python=how == "no_python", local_rank_arg=True)
+    argv = single_node(opts, nproc=2)
+    worker = argv[argv.index("--no_python") + 1 :]
+    for rank in ("0", "1"):
+        ran = subprocess.run(worker, cwd=tmp_path, env={**os.environ, "LOCAL_RANK": rank}, capture_output=True)
+        seen_rank, seen = json.loads(ran.stdout)
+        assert seen_rank == rank and seen[1:] == [f"--local_rank={rank}", *TRICKY], ran
+        assert seen[0] == {"script": "show.py", "module": str(tmp_path / "show.py"), "no_python": script}[how]
+
+
+def test_a_script_without_local_rank_is_told_about_no_local_rank(tmp_path):
+    """A real two-worker launch: every worker gets its own --local_rank; a script refusing it (argparse's exit 2)
+    fails with a line saying how to leave it out (--no_local_rank: test_dry_run_single_node_and_module)."""
+    (tmp_path / "show.py").write_text(ARGV_SCRIPT)
+    strict = "import argparse\np = argparse.ArgumentParser()\np.add_argument('--x')\np.parse_args()\n"
+    (tmp_path / "strict.py").write_text(strict)
+    launch = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2"]
+    ran = subprocess.run([*launch, "show.py", "--x", "a b"], cwd=tmp_path, capture_output=True, text=True)
+    seen = sorted(json.loads(line) for line in ran.stdout.splitlines())
+    assert seen == [[r, ["show.py", f"--local_rank={r}", "--x", "a b"]] for r in ("0", "1")], ran
+    ran = subprocess.run([*launch, "strict.py", "--x", "1"], cwd=tmp_path, capture_output=True, text=True)
+    assert ran.returncode == 2 and "unrecognized arguments: --local_rank=" in ran.stderr
+    assert ran.stderr.strip().splitlines()[-1].endswith("pass --no_local_rank to zeroshard launch)"), ran.stderr
 
 
 def test_launch_errors_are_one_line(tmp_path, capsys):
@@ -202,6 +242,7 @@ def test_remote_nodes_get_the_allocator_settings_and_a_share_of_their_own_cores(
         (["--master_port", "99999", "s.py"], "--master_port 99999 is not a TCP port (1-65535)"),
         (["--nnodes", "2", "--node_rank", "5", "--master_addr", "h", "s.py"], "--node_rank 5 must be in 0..1"),
         (["--nproc_per_node", "2", "nope.py"], "nope.py: no such script"),
+        (["-m", "--no_python", "mod"], "-m/--module and --no_python cannot be used together"),
     ],
 )
 def test_what_no_rank_could_get_past_is_refused_before_starting(argv, message, capsys):

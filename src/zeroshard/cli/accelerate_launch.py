@@ -161,6 +161,7 @@ def _launch_argv(a: argparse.Namespace, machines: int, launcher: str) -> list[st
             argv += ["--master_addr", a.main_process_ip]
     if int(a.max_restarts or 0):
         argv += ["--max_restarts", str(a.max_restarts)]
+    argv += ["--no_local_rank"]  # accelerate starts its scripts without it (torchrun; DeepSpeed's with --no_local_rank)
     argv += ["-m"] if a.module else ["--no_python"] if a.no_python else []
     return [*argv, a.training_script, *a.training_script_args]
 

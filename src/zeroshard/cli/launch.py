@@ -4,7 +4,8 @@
     zeroshard launch --nproc_per_node 2 -m zeroshard.cli.train --model tiny-llama --zero-stage 2
     zeroshard launch --hostfile hosts --include "worker-0@worker-1:0,1" --dry-run train.py
 
-Multi-node starts one torchrun per host over ssh (`--dry-run` prints the per-node commands instead).
+Every worker runs `python -u script --local_rank=N args` as under DeepSpeed's launcher (`--no_local_rank` leaves the
+argument out; the LOCAL_RANK variable is set either way). Multi-node starts one torchrun per host over ssh (`--dry-run` prints the per-node commands instead).
 `--max_restarts R` restarts the whole group after a failure (torchrun's elastic agent); `zeroshard
 train` then resumes from the latest checkpoint.
 
@@ -53,6 +54,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("--ssh_port", "--ssh-port", type=int, help="ssh port of the remote hosts")
     p.add_argument("-m", "--module", action="store_true", help="the script is a Python module name (python -m)")
     p.add_argument("--no_python", "--no-python", action="store_true", help="run the script as an executable")
+    p.add_argument(
+        "--no_local_rank",
+        "--no-local-rank",
+        action="store_true",
+        help="do not pass --local_rank=N to the script (passed by default, as DeepSpeed's launcher does)",
+    )
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the commands instead of running them")
     p.add_argument(
         "--cluster",
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         module=args.module,
         no_python=args.no_python,
+        local_rank_arg=not args.no_local_rank,
         rdzv_id=args.rdzv_id,
         ssh_port=args.ssh_port,
     )
@@ -202,6 +210,7 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     nproc = args.nproc_per_node or _local_slots()
     rest = ["--max_restarts", str(args.max_restarts)] if args.max_restarts else []
     rest += ["-m"] if args.module else ["--no_python"] if args.no_python else []
+    rest += ["--no_local_rank"] if args.no_local_rank else []
     out(sbatch_script([*rest, args.script, *args.script_args], nnodes, nproc).rstrip("\n"))
     return 0
 
@@ -209,6 +218,8 @@ def _print_sbatch(args: argparse.Namespace) -> int:
 def _check_before_starting(args: argparse.Namespace) -> None:
     """What no rank could get past, refused before any process starts: a port outside TCP's range, a node rank outside
     the nodes, a script that is not there (each rank failed on it alone, and the launcher named rank 0 first)."""
+    if args.module and args.no_python:
+        raise CLIError("-m/--module and --no_python cannot be used together (a module runs with python)", EXIT_CONFIG)
     if args.master_port is not None and args.master_port > 65535:
         raise CLIError(f"--master_port {args.master_port} is not a TCP port (1-65535)", EXIT_CONFIG)
     if args.node_rank is not None and not 0 <= args.node_rank < (args.nnodes or 1):

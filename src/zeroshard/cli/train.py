@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     n = p.add_argument_group("processes")
     n.add_argument("--nproc-per-node", type=int, default=1, help="processes to start through torchrun (default 1)")
     n.add_argument("--max-restarts", type=int, default=0, help="elastic restarts (resume from the latest checkpoint)")
+    n.add_argument(
+        "--local_rank", "--local-rank", type=int, help="given by `zeroshard launch` (as DeepSpeed's): the LOCAL_RANK"
+    )
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -263,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.launcher.rendezvous import under_torchrun
 
     launching = args.nproc_per_node > 1 and not under_torchrun()
+    given = os.environ.get("LOCAL_RANK", "0")
+    if args.local_rank is not None and str(args.local_rank) != given:  # the device follows LOCAL_RANK
+        raise CLIError(f"--local_rank {args.local_rank} but this process's LOCAL_RANK is {given}", EXIT_CONFIG)
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     opts = preflight(args, world_size)
     if launching:

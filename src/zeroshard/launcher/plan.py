@@ -56,6 +56,8 @@ class LaunchOptions:
     max_restarts: int = 0
     module: bool = False
     no_python: bool = False
+    # `--local_rank=N` right after the script, as DeepSpeed's launcher passes it: [Note: the --local_rank argument]
+    local_rank_arg: bool = False
     rdzv_id: str = "zeroshard"
     ssh_port: int | None = None
     # c10d rendezvous even without restarts: [Note: one launcher per node under a scheduler]
@@ -100,7 +102,18 @@ def torchrun_prefix() -> list[str]:
 
 def _program(opts: LaunchOptions) -> list[str]:
     flags = ["-m"] if opts.module else ["--no_python"] if opts.no_python else []
-    return [*flags, opts.script, *opts.script_args]
+    if not opts.local_rank_arg:
+        return [*flags, opts.script, *opts.script_args]
+    # [Note: the --local_rank argument]
+    # DeepSpeed's launcher starts every worker as `python -u script --local_rank=N ARGS` (unless --no_local_rank), and
+    # DeepSpeed scripts take their device from it (`torch.cuda.set_device(args.local_rank)`; without it every rank
+    # would use GPU 0). torchrun gives all its workers the same arguments and each its LOCAL_RANK variable, so every
+    # worker is a shell that puts its own LOCAL_RANK into that command line and execs it: the script runs in the
+    # worker's process (torchrun's signals reach it) with DeepSpeed's exact argv; the script's arguments pass as the
+    # shell's positional parameters, untouched.
+    python = "" if opts.no_python else f"{shlex.quote(sys.executable)} -u {'-m ' if opts.module else ''}"
+    command = f'exec {python}{shlex.quote(opts.script)} --local_rank="$LOCAL_RANK" "$@"'
+    return ["--no_python", "/bin/sh", "-c", command, "zeroshard-worker", *opts.script_args]
 
 
 def single_node(opts: LaunchOptions, nproc: int) -> list[str]:

@@ -8,6 +8,7 @@ failed first and exits with its exit code (so a configuration error in the worke
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -30,13 +31,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         also = f"; rank(s) {others} stopped too" if others else ""
         sys.stderr.write(
             f"zeroshard launch: rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) failed first, "
-            f"{_how(first.exitcode)}{also}\n"
+            f"{_how(first.exitcode)}{also}{_hint(args, first.exitcode)}\n"
         )
         code = first.exitcode
         return code if 0 < code < 256 else 1
     except SignalException as err:  # stopped: its workers were told and have said so ([Note: stopping a local run])
         return 128 + int(err.sigval)
     return 0
+
+
+def _hint(args: argparse.Namespace, exitcode: int) -> str:
+    """Exit code 2 is argparse's: a script that does not take the --local_rank=N given to it says so above."""
+    given = args.training_script == "/bin/sh" and "--local_rank=" in " ".join(args.training_script_args[:2])
+    if exitcode != 2 or not given:  # [Note: the --local_rank argument]
+        return ""
+    return (
+        " (every script was given --local_rank=N, as DeepSpeed's launcher gives it; if the script does not take it, "
+        "pass --no_local_rank to zeroshard launch)"
+    )
 
 
 def _how(exitcode: int) -> str:
