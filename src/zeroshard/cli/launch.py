@@ -5,7 +5,8 @@
     zeroshard launch --hostfile hosts --include "worker-0@worker-1:0,1" --dry-run train.py
 
 Every worker runs `python -u script --local_rank=N args` as under DeepSpeed's launcher (`--no_local_rank` leaves the
-argument out; the LOCAL_RANK variable is set either way). Multi-node starts one torchrun per host over ssh (`--dry-run` prints the per-node commands instead).
+argument out; the LOCAL_RANK variable is set either way). Multi-node starts one torchrun per host over ssh
+(`--dry-run` prints the per-node commands instead).
 `--max_restarts R` restarts the whole group after a failure (torchrun's elastic agent); `zeroshard
 train` then resumes from the latest checkpoint.
 
