@@ -79,6 +79,15 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _dot_dirs(root: str) -> list[str]:
+    """What interrupted saves left, nonces cut off: ".tmp.b", ".old.a"."""
+    return sorted(
+        name.rsplit(".", 1)[0]
+        for name in os.listdir(root)
+        if os.path.isdir(os.path.join(root, name)) and name[0] == "."
+    )
+
+
 def _child(base: str) -> dict:
     import torch
 
@@ -105,6 +114,10 @@ def _child(base: str) -> dict:
         path, _ = fresh.load_checkpoint(root)
         report["loaded"][fault] = [os.path.basename(path), fresh.global_steps]
         fresh.destroy()
+    report["left before"] = {f: _dot_dirs(root) for f, root in roots.items()}
+    for root in roots.values():  # a save of another tag removes what the killed saves left
+        engine.save_checkpoint(root, tag="c", save_latest=False)
+    report["left after"] = {f: _dot_dirs(root) for f, root in roots.items()}
     report["errors"] = {}
     for what, root in _damage(roots["before_latest"], base).items():
         fresh = _engine()
@@ -132,6 +145,15 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path):
     assert report["b readable"] == ["before_latest"]
     for fault, (tag, steps) in report["loaded"].items():
         assert steps == 1 and (tag == "a" or (fault == "between_renames" and tag.startswith(".old.a."))), fault
+    # every save killed before its rename left its temporary folder (the re-save its old copy too); a save of another tag removes them
+    # all but the old copy of the missing tag `a`, which loading fell back to
+    left = {
+        f: [] if f == "before_latest" else [".old.a", ".tmp.a"] if f == "between_renames" else [".tmp.b"]
+        for f in FAULTS
+    }
+    assert report["left before"] == left, report["left before"]
+    kept = {f: [".old.a"] if f == "between_renames" else [] for f in FAULTS}
+    assert report["left after"] == kept, report["left after"]
     errors = report["errors"]
     assert SHARD in errors["truncated"] and "truncated" in errors["truncated"], errors
     assert SHARD in errors["flipped"] and "checksum mismatch" in errors["flipped"], errors

@@ -13,6 +13,7 @@ any moment leaves the previous checkpoint intact and `latest` naming a complete 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import zlib
@@ -20,6 +21,7 @@ import zlib
 from zeroshard.checkpoint.errors import CheckpointError
 
 FAULT_ENV = "ZEROSHARD_CHECKPOINT_FAULT"
+_NONCE = re.compile("[0-9a-f]{12}")  # a save's nonce (save.py: uuid4().hex[:12])
 
 
 def fault_point(name: str, rank: int) -> None:
@@ -97,8 +99,16 @@ def commit_directory(tmp: str, final: str, nonce: str, rank: int) -> None:
 
 
 def remove_leftovers(save_dir: str, tag: str, keep: str) -> None:
-    """Remove the directories that interrupted saves of `tag` left, except those of the save `keep`."""
+    """Remove what interrupted saves left in `save_dir`, whatever their tag (a save interrupted at step 100 is not
+    retried under that tag): temporary directories other than this save's, and old copies a re-save set aside whose
+    tag is in place again. An old copy whose tag is missing is what loading falls back to ([Note: crash safety]):
+    kept."""
     for name in os.listdir(save_dir):
-        for prefix in (f".tmp.{tag}.", f".old.{tag}."):
-            if name.startswith(prefix) and name != prefix + keep:
-                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        kind = name[:5]
+        left_tag, _, nonce = name[5:].rpartition(".")
+        if kind not in (".tmp.", ".old.") or not left_tag or not _NONCE.fullmatch(nonce):
+            continue
+        if (left_tag, nonce) == (tag, keep):
+            continue
+        if kind == ".tmp." or os.path.isdir(os.path.join(save_dir, left_tag)):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
