@@ -145,8 +145,8 @@ def test_killed_saves_leave_a_loadable_checkpoint(tmp_path):
     assert report["b readable"] == ["before_latest"]
     for fault, (tag, steps) in report["loaded"].items():
         assert steps == 1 and (tag == "a" or (fault == "between_renames" and tag.startswith(".old.a."))), fault
-    # every save killed before its rename left its temporary folder (the re-save its old copy too); a save of another tag removes them
-    # all but the old copy of the missing tag `a`, which loading fell back to
+    # every save killed before its rename left its temporary folder (the re-save its old copy too); a save of another
+    # tag removes them all but the old copy of the missing tag `a`, which loading fell back to
     left = {
         f: [] if f == "before_latest" else [".old.a", ".tmp.a"] if f == "between_renames" else [".tmp.b"]
         for f in FAULTS

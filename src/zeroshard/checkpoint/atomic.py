@@ -95,20 +95,20 @@ def commit_directory(tmp: str, final: str, nonce: str, rank: int) -> None:
     fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    remove_leftovers(parent, tag, keep=nonce)
+    remove_leftovers(parent, keep=nonce)
 
 
-def remove_leftovers(save_dir: str, tag: str, keep: str) -> None:
+def remove_leftovers(save_dir: str, keep: str) -> None:
     """Remove what interrupted saves left in `save_dir`, whatever their tag (a save interrupted at step 100 is not
-    retried under that tag): temporary directories other than this save's, and old copies a re-save set aside whose
-    tag is in place again. An old copy whose tag is missing is what loading falls back to ([Note: crash safety]):
-    kept."""
+    retried under that tag): temporary directories other than this save's (nonce `keep`), and old copies a re-save
+    set aside whose tag is in place again. An old copy whose tag is missing is what loading falls back to
+    ([Note: crash safety]): kept."""
     for name in os.listdir(save_dir):
         kind = name[:5]
         left_tag, _, nonce = name[5:].rpartition(".")
         if kind not in (".tmp.", ".old.") or not left_tag or not _NONCE.fullmatch(nonce):
             continue
-        if (left_tag, nonce) == (tag, keep):
+        if nonce == keep:  # this save's (an export commits two folders)
             continue
         if kind == ".tmp." or os.path.isdir(os.path.join(save_dir, left_tag)):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

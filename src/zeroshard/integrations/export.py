@@ -8,7 +8,11 @@ every stage), so the export never upcasts compute-dtype weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,17 +42,47 @@ def export_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], tokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress lines say what happens
-    os.makedirs(folder, exist_ok=True)
-    adapter_folder = None
-    if _is_peft(model):
-        adapter_folder = folder.rstrip(os.sep) + "-adapter"
-        model.save_pretrained(adapter_folder, state_dict=state)  # type: ignore[operator]
-        merged = _merged_copy(model, state)
-        merged.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
-    else:
-        model.save_pretrained(folder, state_dict=state, safe_serialization=True)  # type: ignore[operator]
-    tokenizer.save_pretrained(folder)
+    folder = folder.rstrip(os.sep)
+    if not _is_peft(model):
+        with _committed(folder) as (writing,):
+            model.save_pretrained(writing, state_dict=state, safe_serialization=True)  # type: ignore[operator]
+            tokenizer.save_pretrained(writing)
+        return None
+    adapter_folder = folder + "-adapter"
+    with _committed(folder, adapter_folder) as (writing, adapter_writing):
+        model.save_pretrained(adapter_writing, state_dict=state)  # type: ignore[operator]
+        _merged_copy(model, state).save_pretrained(writing, safe_serialization=True)  # type: ignore[operator]
+        tokenizer.save_pretrained(writing)
     return adapter_folder
+
+
+@contextlib.contextmanager
+def _committed(*folders: str) -> Iterator[list[str]]:
+    """Folders to write `folders` into: temporary ones beside them, put in their places (earlier exports replaced)
+    only once everything is written and synced, so an interrupted export (Ctrl-C, a failure) leaves the earlier
+    folders, never weights without their tokenizer or an adapter of another run ([Note: crash safety] in
+    checkpoint/atomic.py: the same commit)."""
+    from zeroshard.checkpoint.atomic import commit_directory, fsync_tree
+
+    nonce = uuid.uuid4().hex[:12]
+    places = [os.path.split(os.path.abspath(folder)) for folder in folders]
+    temporary = [os.path.join(parent, f".tmp.{name}.{nonce}") for parent, name in places]
+    try:
+        for tmp in temporary:
+            os.makedirs(tmp)
+        yield temporary
+        for tmp in temporary:
+            for dirpath, _, files in os.walk(tmp):
+                for file in files:
+                    with open(os.path.join(dirpath, file), "rb") as handle:
+                        os.fsync(handle.fileno())
+            fsync_tree(tmp)
+    except BaseException:
+        for tmp in temporary:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for tmp, (parent, name) in zip(temporary, places, strict=True):
+        commit_directory(tmp, os.path.join(parent, name), nonce, rank=0)
 
 
 def _is_peft(model: nn.Module) -> bool:
