@@ -71,3 +71,46 @@ def test_a_trial_that_times_out_leaves_no_worker_behind(tmp_path):
     time.sleep(0.5)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert str(sleeper) not in ps, [line for line in ps.splitlines() if str(sleeper) in line]
+
+
+DRIVER = """
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from zeroshard.autotuning.trial import TrialRunner
+
+
+@dataclass(frozen=True)
+class Sleeping(TrialRunner):
+    def program(self, job):
+        return [sys.argv[1], str(job)]
+
+
+Sleeping(model="unused", nproc=1, seq_len=8, start_step=1, end_step=2, timeout_s=100)(Path(sys.argv[2]), {})
+"""
+
+
+def test_stopping_the_autotuner_stops_its_trial(tmp_path):
+    """A trial runs in a session of its own (above): a SIGTERM of the autotuner (a scheduler, `timeout`; a terminal's
+    Ctrl-C alike) ended it and left the trial's torchrun and worker running. It is passed on to the trial now."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1] + '.started').touch()\ntime.sleep(120)\n")
+    (tmp_path / "driver.py").write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(sleeper), str(tmp_path / "trial")])
+    started = tmp_path / "trial" / "job.json.started"
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists()
+    os.kill(driver.pid, signal.SIGTERM)
+    assert driver.wait(timeout=60) != 0
+    time.sleep(0.5)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert str(sleeper) not in ps, [line for line in ps.splitlines() if str(sleeper) in line]

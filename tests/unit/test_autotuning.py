@@ -148,3 +148,35 @@ def test_bf16_master_weights_leave_out_stage_0_and_count_two_byte_masters():
     assert _precision(fp32_moments) == Precision(2, 2, 8, master_bytes=2)
     space, _ = build_space(from_params(1e8), Cluster(gpus_per_node=2), precision, 256, None, None, "gridsearch")
     assert space and all(e.stage > 0 for e in space)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+        (["--trial-timeout", "0"], "--trial-timeout 0 must be a positive number of seconds"),
+        (["--trial-timeout", "nan"], "--trial-timeout nan must be a positive number of seconds"),
+        (["--max-memory-per-rank", "0"], "--max-memory-per-rank 0 must be a positive number of bytes"),
+        (["--tuner-num-trials", "0"], "autotuning.tuner_num_trials 0: a whole number >= 1"),
+        (["--results-dir", "afile"], "autotuning.results_dir afile: cannot write there"),
+        (["--exps-dir", "afile/x"], "autotuning.exps_dir afile/x: cannot write there"),
+    ],
+)
+def test_what_no_trial_could_run_with_is_one_line_before_any_trial(extra, message, tmp_path, capsys, monkeypatch):
+    """--seq-len 0 and a results folder that is a file were found after every trial had run (or by each trial);
+    --max-memory-per-rank 0 meant no cap."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    assert main(["autotune", "--model", "tiny-llama", "--nproc-per-node", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "autotuning_exps").exists()
+
+
+def test_a_built_in_model_name_builds_in_the_trial_worker():
+    """`--model tiny-llama` passed the estimate and then failed in every trial (the worker listed it as a folder)."""
+    from zeroshard.autotuning.worker import _model
+    from zeroshard.presets import model_preset
+
+    model = _model("tiny-llama")
+    assert model.config.hidden_size == model_preset("tiny-llama").hidden_size and model.config.vocab_size == 259

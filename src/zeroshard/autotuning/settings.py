@@ -37,6 +37,10 @@ class AutotuningSettings:
             raise ConfigError("autotuning.mp_size: zeroshard has no model parallelism; only 1 is accepted")
         if not 0 <= self.start_profile_step < self.end_profile_step:
             raise ConfigError("autotuning: start_profile_step must be below end_profile_step (and >= 0)")
+        for key in ("tuner_num_trials", "tuner_early_stopping", "max_train_batch_size"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"autotuning.{key} {value!r}: a whole number >= 1")
         return self
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zeroshard.launcher.runner import stop_group
+from zeroshard.launcher.runner import passing_stops_on, stop_group
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class TrialRunner:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
         )
         try:
-            stdout, stderr = proc.communicate(timeout=self.timeout_s)
+            with passing_stops_on(proc, grace_s=40.0):  # a Ctrl-C or SIGTERM of the autotuner stops the trial too
+                stdout, stderr = proc.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             stop_group(proc, grace_s=40.0)  # torchrun waits up to 30 s for its workers to stop
             with contextlib.suppress(subprocess.TimeoutExpired):  # (a worker that outlived it holds the pipes)

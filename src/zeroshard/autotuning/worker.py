@@ -32,8 +32,14 @@ def _peak(baseline: int) -> int:
 
 
 def _model(folder: str) -> Any:
+    """The model of `--model`: a Hugging Face folder (its weights if it has them), or a built-in config's name (as
+    `zeroshard estimate` and `zeroshard train` take it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not os.path.isdir(folder):
+        from zeroshard.presets import model_preset
+
+        return AutoModelForCausalLM.from_config(model_preset(folder).hf_config(vocab_size=259))
     weights = any(name.endswith((".safetensors", ".bin")) for name in os.listdir(folder))
     if weights:
         return AutoModelForCausalLM.from_pretrained(folder)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from zeroshard.cli.common import CLIError, human_bytes, out
+from zeroshard.cli.common import EXIT_CONFIG, CLIError, human_bytes, out
 from zeroshard.cli.estimate.formulas import Cluster, Precision
 from zeroshard.cli.estimate.shapes import from_model_arg
 from zeroshard.config.parse import parse_config
@@ -57,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.autotuning.space import BUCKETS, Experiment
     from zeroshard.autotuning.trial import TrialRunner
 
-    if args.nproc_per_node < 1:
-        raise CLIError(f"--nproc-per-node {args.nproc_per_node} must be >= 1")
+    _check_numbers(args)
     base = json.loads(Path(args.config).read_text()) if args.config else {}
     if base:
         parse_config(base)  # a bad base config fails here, once, not in every trial
@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         settings = type(settings)(**{**settings.__dict__, "overwrite": False})
     model = from_model_arg(args.model)
+    for key in ("results_dir", "exps_dir"):  # found after the trials, or by every trial
+        _check_writable(f"autotuning.{key}", getattr(settings, key))
     cap = int(args.max_memory_per_rank) if args.max_memory_per_rank else None
     precision = _precision(base)
     cluster = Cluster(gpus_per_node=args.nproc_per_node)
@@ -117,6 +119,30 @@ def run(args: argparse.Namespace) -> int:
         need = least.result["peak_bytes"] if least else smallest[0].estimated_bytes
         raise CLIError(_nothing_fits(cap, label, need, "measured" if least else "estimated"), EXIT_NOTHING_FITS)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Options no trial could run with, refused before any starts."""
+    if args.nproc_per_node < 1:
+        raise CLIError(f"--nproc-per-node {args.nproc_per_node} must be >= 1", EXIT_CONFIG)
+    if args.seq_len < 1:
+        raise CLIError(f"--seq-len {args.seq_len} must be >= 1", EXIT_CONFIG)
+    if not (math.isfinite(args.trial_timeout) and args.trial_timeout > 0):
+        raise CLIError(f"--trial-timeout {args.trial_timeout:g} must be a positive number of seconds", EXIT_CONFIG)
+    cap = args.max_memory_per_rank
+    if cap is not None and not (math.isfinite(cap) and cap >= 1):
+        raise CLIError(f"--max-memory-per-rank {cap:g} must be a positive number of bytes", EXIT_CONFIG)
+
+
+def _check_writable(key: str, folder: str) -> None:
+    from zeroshard.utils.files import probe_writable
+
+    try:
+        probe_writable(folder)
+    except OSError as err:
+        raise CLIError(
+            f"{key} {folder}: cannot write there ({err.strerror}); choose another folder", EXIT_CONFIG
+        ) from None
 
 
 def _precision(base: dict[str, Any]) -> Precision:

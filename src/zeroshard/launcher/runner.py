@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from zeroshard.launcher.node_watch import NodeWatch
@@ -33,10 +33,18 @@ def run_local(argv: list[str], nproc: int, grace_s: float = 30.0) -> int:
     alone left the workers training, and this process killed torchrun before it could stop them.) After `grace_s`
     what is left is killed."""
     proc = subprocess.Popen(argv, env={**os.environ, **thread_env(nproc, os.environ)}, start_new_session=True)
+    with passing_stops_on(proc, grace_s):
+        return proc.wait()
+
+
+@contextlib.contextmanager
+def passing_stops_on(proc: subprocess.Popen[Any], grace_s: float) -> Iterator[None]:
+    """While inside, an interrupt or a SIGTERM of this process stops `proc`'s group (a session of its own) with the
+    same signal ([Note: stopping a local run]) and comes out as KeyboardInterrupt."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     try:
-        return proc.wait()
+        yield
     except (KeyboardInterrupt, _Terminated) as stopped:
         stop_group(proc, grace_s, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM)
         raise KeyboardInterrupt from None
