@@ -30,6 +30,7 @@ from zeroshard.monitor import Monitor, Telemetry, open_monitors
 from zeroshard.monitor.throughput import ThroughputTimer
 from zeroshard.monitor.wall_clock import WallClock
 from zeroshard.offload.states import GRADS, PARAMS, StateOffloader
+from zeroshard.optim.schedulers.base import step_scheduler
 from zeroshard.precision.cast import inputs_to_half
 from zeroshard.precision.policy import PrecisionPolicy
 from zeroshard.runtime.python_gc import PYTHON_GC
@@ -255,9 +256,10 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         return loss / gas if gas != 1 else loss
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; on the accumulation boundary take the optimizer step on every rank (on every call when
-        `managed_gradient_accumulation` is false: [Note: caller-owned windows])."""
+        `managed_gradient_accumulation` is false: [Note: caller-owned windows]). `lr_kwargs` go to the scheduler's
+        `step` (DeepSpeed's; Megatron-DeepSpeed passes `{"increment": n}`)."""
         strategy = self._require_optimizer("step")
         if self._offloader.active:
             self._refuse_offloaded("engine.step")
@@ -268,7 +270,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
             see_memory_usage("Engine before step", force=self._memory_breakdown)
             samples = self.global_samples
             with self.wall_clock.time("step"):
-                self._step(strategy, boundary)
+                self._step(strategy, boundary, lr_kwargs)
             self.tput_timer.stop(boundary, self.global_rank == 0, self.global_samples - samples)
             self.wall_clock.after_step(boundary, self.global_samples, self.telemetry.write_events)
             if boundary:  # after the wall clock: its times of this step go into the profile
@@ -276,7 +278,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         see_memory_usage("Engine after step", force=self._memory_breakdown)
         self.accumulation.micro_steps += 1
 
-    def _step(self, strategy: Strategy, boundary: bool) -> None:
+    def _step(self, strategy: Strategy, boundary: bool, lr_kwargs: dict[str, Any] | None = None) -> None:
         self._step_applied = False
         if boundary:
             if self.accumulation.no_sync_depth:
@@ -299,7 +301,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
                     f"step {self.global_steps}: inf/nan gradients, step skipped; loss scale now {self.loss_scale:g}",
                 )
             elif self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                step_scheduler(self.lr_scheduler, lr_kwargs, self.train_batch_size())
             self._last_grad_norm = outcome.grad_norm
             self._step_applied = not outcome.skipped
             self.last_step_overflowed = outcome.skipped

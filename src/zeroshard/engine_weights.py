@@ -37,13 +37,16 @@ class WholeModelCalls:
 
         def _states_back(self, op: str) -> contextlib.AbstractContextManager[None]: ...
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """Write the full model in its compute dtype as safetensors (rank 0 writes; every rank must call).
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the full model in its compute dtype to `save_dir/save_filename` (rank 0 writes; every rank must call):
+        a `.safetensors` name as safetensors (tied weights once, as `save_pretrained` writes them), any other name with
+        `torch.save`, as DeepSpeed writes its default `pytorch_model.bin` (every name of the state dict, tied weights
+        sharing one tensor). `exclude_frozen_parameters` leaves out the parameters that do not require grad.
 
         Under stage 3 this needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`
         (DeepSpeed's rule), since it gathers the whole model."""
-        from safetensors.torch import save_file
-
         refuse_torn(self, "save_16bit_model")
         if self.zero_stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             raise ZeroshardError(
@@ -52,23 +55,21 @@ class WholeModelCalls:
             )
         keep = self.global_rank == 0
         state = self.strategy.save_state_dict(keep) if self.strategy is not None else self.module.state_dict()
-        if keep:
-            os.makedirs(save_dir, exist_ok=True)
-            seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
-            live = live_storages(self.module)
-            unique = {}
-            left = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
-            if left:  # a module's extra state that is no tensor (safetensors holds tensors only)
-                logger.warning(f"save_16bit_model: {', '.join(left)} left out (not tensors)")
-            for name, tensor in ((n, t) for n, t in state.items() if isinstance(t, torch.Tensor)):
-                # tied weights once (safetensors refuses shared memory); parameters that are views of one flat
-                # buffer (stages 0-2) are distinct tensors: the key is the view's own start, shape and dtype
-                key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-                if key in seen:
-                    continue
-                seen.add(key)
-                unique[name] = on_host(tensor, live).contiguous()
-            save_file(unique, os.path.join(save_dir, save_filename))
+        if not keep:
+            return True
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        tmp = f"{path}.tmp.{os.getpid()}"  # in place once whole: an interrupted save leaves the earlier file
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(_safetensors_state(state, live_storages(self.module)), tmp)
+        else:
+            torch.save(_pickled_state(state, live_storages(self.module)), tmp)
+        os.replace(tmp, path)
         return True
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
@@ -98,9 +99,11 @@ class WholeModelCalls:
             "Zero Stage 3 and tensor parallelism."
         )
 
-    def save_fp16_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+    def save_fp16_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """DeepSpeed's old name of `save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename)
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     def consolidated_state_dict(
         self, dtype: torch.dtype = torch.float32, keep: bool = True, device: torch.device | None = None
@@ -153,6 +156,40 @@ class WholeModelCalls:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
+
+
+def _safetensors_state(state: dict[str, Any], live: set[int]) -> dict[str, torch.Tensor]:
+    """The tensors of `state` on the host, tied weights once (safetensors refuses shared memory)."""
+    left = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+    if left:  # a module's extra state that is no tensor (safetensors holds tensors only)
+        logger.warning(f"save_16bit_model: {', '.join(left)} left out (not tensors)")
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    unique = {}
+    for name, tensor in ((n, t) for n, t in state.items() if isinstance(t, torch.Tensor)):
+        # parameters that are views of one flat buffer (stages 0-2) are distinct tensors: the key is the view's own
+        # start, shape and dtype
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        unique[name] = on_host(tensor, live).contiguous()
+    return unique
+
+
+def _pickled_state(state: dict[str, Any], live: set[int]) -> dict[str, Any]:
+    """`state` for torch.save: each tensor on the host in a storage of its own (a view of a flat buffer would save the
+    whole buffer), tied weights one tensor under each name; other values as they are."""
+    copies: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            out[name] = value
+            continue
+        key = (value.data_ptr(), tuple(value.shape), value.dtype)
+        if key not in copies:
+            copies[key] = on_host(value, live).contiguous()
+        out[name] = copies[key]
+    return out
 
 
 def live_storages(module: torch.nn.Module) -> set[int]:

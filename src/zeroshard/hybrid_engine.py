@@ -158,8 +158,8 @@ class HybridEngine(Engine):
         self._latency.training_since = time.perf_counter() if mode else None
         return self
 
-    def step(self) -> None:
-        super().step()
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        super().step(lr_kwargs)
         started = self._latency.training_since
         if started is not None:
             now = time.perf_counter()

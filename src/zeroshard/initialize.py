@@ -455,8 +455,8 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
 
 def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:
     if lr_scheduler is not None:
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            return lr_scheduler(optimizer)
+        if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
+            return lr_scheduler(optimizer)  # a class too, as DeepSpeed calls any callable (it had `step`: used as is)
         built_for = len(lr_scheduler.get_last_lr()) if hasattr(lr_scheduler, "get_last_lr") else None
         if optimizer is not None and built_for is not None and built_for != len(optimizer.param_groups):
             raise ConfigError(

@@ -140,7 +140,7 @@ def _api(rank: int, world_size: int, out_dir: str):
         engine(x, y)
         out["generation_bytes"] = engine.comm_stats.total_bus_bytes - bytes_before
         out["gathered_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
-    engine.save_16bit_model(out_dir)
+    engine.save_16bit_model(out_dir, "model.safetensors")
     out["consolidated"] = engine.consolidated_state_dict()
     out["report"] = engine.memory_report()
     # training goes on after all of the above

@@ -320,7 +320,9 @@ def _extra_block_then_save(rank: int, world_size: int, folder: str) -> tuple[str
         if rank == 1:  # a block of its own first: the ranks' calls no longer line up
             with zeroshard.GatheredParameters([engine.module.blocks[0].attn.qkv.weight]):
                 pass
-        engine.save_16bit_model(folder)  # it must gather: never placeholders ([Note: a state_dict() made alone])
+        engine.save_16bit_model(
+            folder, "model.safetensors"
+        )  # it must gather: never placeholders ([Note: a state_dict() made alone])
 
     return _outcome(save)
 
@@ -337,7 +339,7 @@ def _lone_state_dict_then_save(rank: int, world_size: int, folder: str) -> tuple
 
     engine = _engine(rank)
     shapes = {tuple(v.shape) for v in engine.module.state_dict().values()} if rank == 0 else set()
-    saved = engine.save_16bit_model(folder)
+    saved = engine.save_16bit_model(folder, "model.safetensors")
     engine.destroy()
     return saved, len(shapes), (0,) in shapes
 

@@ -103,7 +103,7 @@ def _gathering_apis(rank: int, world_size: int, out_dir: str):
         generation_bytes = engine.comm_stats.total_bus_bytes - before
     schedule = engine.strategy.schedule
     schedule.peak_gathered_numel = 0
-    engine.save_16bit_model(out_dir)
+    engine.save_16bit_model(out_dir, "model.safetensors")
     units = [u.numel for u in engine.strategy.units if not u.persistent]
     one_at_a_time = 0 < schedule.peak_gathered_numel <= max(units) < sum(units)  # (it gathered all at once)
     final = engine.module.state_dict()
@@ -431,7 +431,7 @@ def _custom_state_dict_save(rank: int, world_size: int, out_dir: str):
     }
     engine, *_ = zeroshard.initialize(model=model, config=config)
     whole = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
-    engine.save_16bit_model(out_dir)
+    engine.save_16bit_model(out_dir, "model.safetensors")
     engine.destroy()
     return whole
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -78,3 +79,24 @@ def write_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[fl
 def as_float(value: Any) -> float:
     """An lr held as a float or a one-element tensor, as a float."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def step_scheduler(scheduler: Any, lr_kwargs: dict[str, Any] | None, train_batch_size: int) -> None:
+    """The engine's scheduler step, as DeepSpeed's: `step(**lr_kwargs)`; without them, a scheduler whose `step` needs
+    an argument (Megatron's `AnnealingLR.step(increment)`, under the pipeline engine) is given the train batch
+    size, where DeepSpeed retries after a TypeError (which also hid TypeErrors raised inside `step`)."""
+    if lr_kwargs:
+        scheduler.step(**lr_kwargs)
+        return
+    try:
+        needs = [
+            p
+            for p in inspect.signature(scheduler.step).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        needs = []
+    if needs:
+        scheduler.step(train_batch_size)
+    else:
+        scheduler.step()
