@@ -233,7 +233,7 @@ dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(total)
 if dist.get_rank() == 0:
-    open(sys.argv[1], "w").write(f"{int(total.item())} {dist.get_world_size()}")
+    open(sys.argv[-1], "w").write(f"{int(total.item())} {dist.get_world_size()}")  # (after --local_rank=N)
 dist.destroy_process_group()
 """
 
@@ -255,6 +255,49 @@ def test_hostfile_fan_out_runs_through_ssh(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted((bin_dir / "hosts_reached").read_text().split()) == ["node-a", "node-b"]
     assert result.read_text() == "3 2"  # ranks 0 and 1 on the two "hosts" in one all-reduce
+
+
+SLEEPER = """
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[-1], str(os.getpid())).touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, how):
+    """[Note: stopping remote nodes]: ssh runs the remote torchrun without a terminal, so ending ssh left the remote
+    workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "pids").mkdir()
+    env = {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    command = [*LAUNCH, "--hostfile", str(tmp_path / "hosts"), "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(free_port_pair()), str(tmp_path / "sleeper.py"), str(tmp_path / "pids")]
+    launcher = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path / "pids")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = [int(pid) for pid in os.listdir(tmp_path / "pids")]
+    assert len(workers) == 2
+    launcher.send_signal(getattr(signal, how))
+    launcher.wait(timeout=60)
+    deadline = time.monotonic() + 45
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _scheduler_env(scheduler: str, node: int, port: int) -> dict[str, str]:

@@ -42,6 +42,12 @@ EXPORT_NAMES = frozenset(
     {"CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_DEVICE_ORDER"}
 )
 ENV_FILES = (".zeroshard_env", ".deepspeed_env")
+# [Note: stopping remote nodes]
+# A remote node's torchrun runs under ssh without a terminal, so ending ssh (a Ctrl-C or SIGTERM of the launcher, a
+# failed node, the launcher killed) does not end the remote command: its workers trained on, holding their GPUs.
+# The launcher gives ssh a pipe it never writes to (runner.run_nodes) and the remote torchrun wrapper, told by this
+# variable, watches its input: when the input closes it sends itself SIGTERM, and torchrun stops its workers.
+STOP_WHEN_INPUT_CLOSES = "ZEROSHARD_STOP_WHEN_INPUT_CLOSES"
 
 
 @dataclass(frozen=True)
@@ -189,9 +195,10 @@ def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, 
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         argv = [*torchrun_prefix(), "--nproc_per_node", str(len(slots))]
         argv += _rendezvous(opts, len(hosts), rank, master) + _program(opts)
-        commands.append(
-            NodeCommand(host, rank, len(slots), argv, env, remote=not is_local_host(host), ssh_port=opts.ssh_port)
-        )
+        remote = not is_local_host(host)
+        if remote:  # [Note: stopping remote nodes]
+            env[STOP_WHEN_INPUT_CLOSES] = "1"
+        commands.append(NodeCommand(host, rank, len(slots), argv, env, remote=remote, ssh_port=opts.ssh_port))
     return commands
 
 

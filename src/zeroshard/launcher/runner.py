@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from zeroshard.launcher.node_watch import NodeWatch
@@ -37,16 +37,22 @@ def run_local(argv: list[str], nproc: int, grace_s: float = 30.0) -> int:
         return proc.wait()
 
 
-@contextlib.contextmanager
-def passing_stops_on(proc: subprocess.Popen[Any], grace_s: float) -> Iterator[None]:
+def passing_stops_on(proc: subprocess.Popen[Any], grace_s: float) -> contextlib.AbstractContextManager[None]:
     """While inside, an interrupt or a SIGTERM of this process stops `proc`'s group (a session of its own) with the
     same signal ([Note: stopping a local run]) and comes out as KeyboardInterrupt."""
+    return passing_stops(lambda sig: stop_group(proc, grace_s, sig))
+
+
+@contextlib.contextmanager
+def passing_stops(stop: Callable[[signal.Signals], None]) -> Iterator[None]:
+    """While inside, an interrupt or a SIGTERM of this process calls `stop(signal)` and comes out as
+    KeyboardInterrupt."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     try:
         yield
     except (KeyboardInterrupt, _Terminated) as stopped:
-        stop_group(proc, grace_s, signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM)
+        stop(signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM)
         raise KeyboardInterrupt from None
     finally:
         if main:
@@ -66,10 +72,16 @@ def thread_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_nodes(nodes: list[NodeCommand], cwd: str, poll_s: float = 0.5) -> int:
-    """Start every node, wait for all; when one fails, stop the others and return its exit code."""
-    procs = [(node, subprocess.Popen(node.full_argv(cwd), start_new_session=True)) for node in nodes]
+    """Start every node, wait for all; when one fails, stop the others and return its exit code.
+
+    A remote node's ssh reads from a pipe this process holds open and never writes: when ssh ends (stopped here, or
+    this process killed) the remote torchrun sees its input close and stops its workers ([Note: stopping remote
+    nodes])."""
+    procs = [
+        (node, subprocess.Popen(node.full_argv(cwd), start_new_session=True, stdin=_input(node))) for node in nodes
+    ]
     failed = 0
-    try:
+    with passing_stops(lambda sig: _terminate(procs, sig)):
         while any(p.poll() is None for _, p in procs):
             for node, p in procs:
                 code = p.poll()
@@ -78,19 +90,24 @@ def run_nodes(nodes: list[NodeCommand], cwd: str, poll_s: float = 0.5) -> int:
                     logger.error(
                         "node %d (%s) exited with %d; stopping the other nodes", node.node_rank, node.host, code
                     )
-                    _terminate(procs)
+                    _terminate(procs, signal.SIGTERM)
             time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _terminate(procs)
-        raise
     codes = [p.returncode for _, p in procs]
     return failed or next((c for c in codes if c), 0)
 
 
-def _terminate(procs: list[tuple[NodeCommand, subprocess.Popen[bytes]]]) -> None:
+def _input(node: NodeCommand) -> int | None:
+    return subprocess.PIPE if node.remote else None
+
+
+def _terminate(procs: list[tuple[NodeCommand, subprocess.Popen[bytes]]], sig: signal.Signals) -> None:
+    """`sig` to every node still running: the local one's group, a remote one's ssh (its input closes with it)."""
     for _, p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        if p.stdin is not None:
+            p.stdin.close()
 
 
 def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int, poll_s: float = 0.5) -> int:

@@ -9,10 +9,15 @@ failed first and exits with its exit code (so a configuration error in the worke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
+
+from zeroshard.launcher.plan import STOP_WHEN_INPUT_CLOSES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if os.environ.pop(STOP_WHEN_INPUT_CLOSES, "") == "1":  # (popped: not the workers')
+        threading.Thread(target=_stop_when_input_closes, name="zeroshard-input-watch", daemon=True).start()
     # its "failed (exitcode: 1) local_rank: 0 ..." lines say what the one line below says
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
@@ -38,6 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SignalException as err:  # stopped: its workers were told and have said so ([Note: stopping a local run])
         return 128 + int(err.sigval)
     return 0
+
+
+def _stop_when_input_closes() -> None:
+    """[Note: stopping remote nodes]: read (and drop) this process's input until it closes, then SIGTERM this
+    process: torchrun stops its workers as for any SIGTERM."""
+    with contextlib.suppress(OSError):
+        while os.read(0, 1 << 16):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _hint(args: argparse.Namespace, exitcode: int) -> str:
