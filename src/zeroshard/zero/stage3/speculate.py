@@ -29,8 +29,9 @@ overlap it: more sub-groups mean more overlap (`sub_group_size`); the root unit'
 sub-groups whose last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped
 as backward ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last
 layers'.
-A failure on the worker leaves the step's state unknown: it is re-raised when backward ends, and every later
-backward, step and zero_grad refuses with the same message (resume from a checkpoint).
+A failure on the worker leaves the step's state unknown: it is re-raised when backward ends, on every rank (one small
+all-reduce at the boundary: a rank whose worker did not fail names the ranks whose did), and every later backward,
+step and zero_grad refuses with the same message (resume from a checkpoint).
 
 `cpuadam_cores_perc` (CUDA only): the worker thread, and the intra-op threads it starts, keep to that fraction of
 this rank's cores (the last ones; at least one, and one fewer than all; a rank whose mask is the whole machine
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError, ZeroshardError
 from zeroshard.optim.rollback import undo_adam_step, undoable_reason
 from zeroshard.utils.logging import log_rank
@@ -207,20 +209,31 @@ class SpeculativeSteps:
                 "super_offload false"
             )
 
-    def settle(self) -> None:
-        """Wait until the worker has taken every step queued (end of backward, before the step); re-raises its error."""
+    def settle(self, comm: Collectives) -> None:
+        """Wait until the worker has taken every step queued (end of backward, before the step); re-raises its error,
+        and at the boundary every rank learns whether any rank's worker failed (one small all-reduce over `comm`)
+        and raises too: else the others went on into the step's collectives and waited there to the deadline."""
         # whether the boundary's gradients arrived, not whether this rank stepped: a rank whose gradients hold
         # inf/nan steps nothing, and the refusals that follow must be the same on every rank (else one rank raises
         # while the others wait in the step's collectives)
         self._backward_done = self._delivered
-        if self._thread is None:
-            return
-        self._jobs.join()
-        if self._failure is not None:
+        failure = None
+        if self._thread is not None:
+            self._jobs.join()
             failure, self._failure = self._failure, None
+        failed = [comm.rank] if failure is not None else []
+        if self._delivered and comm.world_size > 1:
+            flags = torch.zeros(comm.world_size, device=self.device)
+            flags[comm.rank] = float(failure is not None)
+            comm.all_reduce(flags, label="super_offload outcome")
+            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if failed:
+            what = (
+                f"failed ({failure!r})" if failure is not None else f"failed on rank(s) {failed} (their error says why)"
+            )
             self._broken = (
-                f"super_offload's optimizer step during backward failed ({failure!r}), so this step's master weights "
-                "and optimizer state may be partly updated; load the last checkpoint (engine.load_checkpoint) to go on"
+                f"super_offload's optimizer step during backward {what}, so this step's master weights and optimizer "
+                "state may be partly updated; load the last checkpoint (engine.load_checkpoint) to go on"
             )
             raise ZeroshardError(self._broken) from failure
         if self.device.type == "cuda" and self._stream is not None:

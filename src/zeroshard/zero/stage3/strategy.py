@@ -256,7 +256,7 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3ParamValues, Strategy
         self.schedule.end_backward()
         self.pool.end_pass()
         if self.speculation is not None:  # [Note: speculative host steps]: taken by the time backward returns
-            self.speculation.settle()
+            self.speculation.settle(self.comm)
 
     # -- the step (skeleton in Strategy.step) --------------------------------------------------------
     @property
