@@ -24,7 +24,9 @@ from helpers.parity import Case, build_model, ds_config, global_batches, micro_b
 
 SAVED = 2
 STEPS = 4
+STATE_CALLS = ("safe_get_full_optimizer_state", "safe_get_full_fp32_param", "safe_set_full_fp32_param")
 CALLS = (
+    *STATE_CALLS,  # DeepSpeed's: at stage 3 the first was a KeyError on rank 1, rank 0 waiting in the gather
     "forward",
     "backward",
     "step",
@@ -78,7 +80,13 @@ def _refusals(engine: Any, rank: int, world_size: int, root: str) -> dict[str, s
 
     case = Case(stage=engine.zero_optimization_stage(), steps=STEPS)
     x, y = micro_batch(global_batches(case, world_size)[SAVED], 0, rank, world_size, case.micro)
+    from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+    param = next(p for p in engine.module.parameters() if p.requires_grad)
     calls = {
+        "safe_get_full_optimizer_state": lambda: safe_get_full_optimizer_state(param, "exp_avg"),
+        "safe_get_full_fp32_param": lambda: safe_get_full_fp32_param(param),
+        "safe_set_full_fp32_param": lambda: safe_set_full_fp32_param(param, torch.zeros(getattr(param, "ds_shape", param.shape))),
         "forward": lambda: engine(x, y),
         "backward": lambda: engine.backward(torch.ones((), requires_grad=True)),
         "step": engine.step,
@@ -171,7 +179,8 @@ def test_a_load_refused_writes_nothing_and_a_torn_one_refuses_to_train_until_rep
         assert "checksum mismatch" in out["torn"] and "rank00001.safetensors" in out["torn"], out["torn"]
         assert set(out["refusals"]) == set(CALLS), (rank, out["refusals"])
         for call, message in out["refusals"].items():
-            assert message.startswith(f"engine.{call}(): load_checkpoint("), message
+            prefix = f"{call}(): " if call in STATE_CALLS else f"engine.{call}(): "
+            assert message.startswith(f"{prefix}load_checkpoint("), message
             assert "damaged" in message and "the lr scheduler and the optimizer state clears this" in message, message
         for refusal in out["partial_loads"]:  # each load succeeded, and the engine still refuses
             assert refusal.startswith("engine.step(): load_checkpoint("), refusal

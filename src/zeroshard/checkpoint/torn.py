@@ -11,19 +11,21 @@ metadata, keys, shapes, the tensor-parallel slicing, the engine state file and i
 they load in turns), so a checkpoint refused anywhere is refused before any rank writes: "nothing was loaded". Then
 `load_into` writes the tensors first and the counters last, and a reader records when its first byte went into an
 engine tensor (`delivered`). A failure once any rank wrote (a tensor whose CRC fails as it is read, a disk gone)
-marks the engine torn on every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch
-and every save (save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save)
-then refuse in one line naming the failed load, until a load succeeds on every rank that restores: every module
-weight, after a failed load_module_only one; also the counters and the lr scheduler (if the engine has one, whatever
-the failed call's load_lr_scheduler_states said), after a failed full one; also the optimizer state, unless the
+marks the engine torn on every rank (a pipeline's every stage). Its forward, backward, step, train_batch, eval_batch,
+every save (save_checkpoint, save_16bit_model, the consolidated state dicts the HF Trainer and accelerate save) and
+DeepSpeed's `safe_get_*`/`safe_set_*` of its parameters then refuse in one line naming the failed load, until a load
+succeeds on every rank that restores: every module weight, after a failed load_module_only one; also the counters
+and the lr scheduler (if the engine has one, whatever the failed call's load_lr_scheduler_states said), after a
+failed full one; also the optimizer state, unless the
 failed one had load_optimizer_states=False (a load with load_module_strict=False that misses some weights, or from a
 checkpoint without optimizer state, restores less and does not clear it). DeepSpeed has no such guard.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from zeroshard.checkpoint.errors import CheckpointError
 
@@ -53,10 +55,35 @@ def load_scope(load_optimizer_states: bool, load_module_only: bool) -> int:
     return MODULE if load_module_only else (OPTIMIZER if load_optimizer_states else TRAINING)
 
 
+# the strategies of torn engines -> what their state getters and setters say (`refuse_torn_state`): DeepSpeed's
+# `safe_get_*`/`safe_set_*` reach a strategy from a parameter, not the engine
+_TORN_STATE: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 def mark_torn(engine: Tearable, why: str, scope: int = OPTIMIZER) -> None:
     """Record that a load failed after it began writing ([Note: a torn load])."""
     held = engine._torn_load
     engine._torn_load = TornLoad(why, max(scope, held.scope if held is not None else MODULE))
+    _share(engine)
+
+
+def _share(engine: Tearable) -> None:
+    strategy = getattr(engine, "strategy", None)
+    if strategy is None:
+        return
+    if engine._torn_load is None:
+        _TORN_STATE.pop(strategy, None)
+    else:
+        _TORN_STATE[strategy] = _refusal(engine)
+
+
+def refuse_torn_state(strategy: Any, call: str) -> None:
+    """`call` (a `safe_get_*`/`safe_set_*` of a parameter `strategy` trains) refused on a torn engine: its values are
+    part checkpoint, part earlier state, and at stage 3 a state the failed load had not written yet is missing on
+    some ranks (a KeyError there while the others waited in the gather to the collective deadline)."""
+    refusal = _TORN_STATE.get(strategy)
+    if refusal is not None:
+        raise CheckpointError(f"{call}(): {refusal}")
 
 
 def cure(engine: Tearable) -> str:
@@ -67,10 +94,15 @@ def cure(engine: Tearable) -> str:
 def refuse_torn(engine: Tearable, call: str) -> None:
     """A one-line refusal of `call` on a torn engine ([Note: a torn load])."""
     if engine._torn_load is not None:
-        raise CheckpointError(
-            f"engine.{call}(): {engine._torn_load.why}, so this engine holds part of that checkpoint and part of its "
-            f"earlier state; {cure(engine)} clears this, or build a new engine"
-        )
+        raise CheckpointError(f"engine.{call}(): {_refusal(engine)}")
+
+
+def _refusal(engine: Tearable) -> str:
+    assert engine._torn_load is not None
+    return (
+        f"{engine._torn_load.why}, so this engine holds part of that checkpoint and part of its earlier state; "
+        f"{cure(engine)} clears this, or build a new engine"
+    )
 
 
 def repaired(engine: Tearable, restored: int) -> None:
@@ -78,3 +110,4 @@ def repaired(engine: Tearable, restored: int) -> None:
     scope."""
     if engine._torn_load is not None and restored >= engine._torn_load.scope:
         engine._torn_load = None
+        _share(engine)

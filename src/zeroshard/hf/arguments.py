@@ -160,3 +160,13 @@ def refuse_precompute_at_stage3(source: ZeroshardConfig, training_args: Any, ref
             "precompute_ref_log_probs without a ref_model at ZeRO-3: TRL runs the model in its constructor, before "
             "the engine places and shards it; pass ref_model= (sharded at stage 3), or precompute at stage 2"
         )
+
+
+def refuse_best_model_without_checkpoint(training_args: Any) -> None:
+    """`load_best_model_at_end` loads the best checkpoint's engine files (`_load_best_model`), which `save_only_model`
+    leaves out; transformers refuses the pair under DeepSpeed when the Trainer is built."""
+    if getattr(training_args, "save_only_model", False) and getattr(training_args, "load_best_model_at_end", False):
+        raise ConfigError(
+            "save_only_model with load_best_model_at_end is not supported (DeepSpeed refuses it too): the best model "
+            "is loaded from a checkpoint's engine files, which save_only_model leaves out; drop one of the two"
+        )

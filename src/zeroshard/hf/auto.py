@@ -147,6 +147,13 @@ def trainer_config(
     return _filled_raw(resolve_config(cfg, world_size=world_size, known=known))
 
 
+def without_training(source: ZeroshardConfig) -> ZeroshardConfig:
+    """The config of an evaluation-only engine: no optimizer and no scheduler (whose "auto" total_num_steps would be
+    0), as transformers' `deepspeed_init(inference=True)` builds DeepSpeed's for an `evaluate()` before `train()`."""
+    raw = None if source.raw is None else {k: v for k, v in source.raw.items() if k not in ("optimizer", "scheduler")}
+    return dataclasses.replace(source, optimizer=None, scheduler=None, raw=raw)
+
+
 def _filled_raw(cfg: ZeroshardConfig) -> ZeroshardConfig:
     """The config with its "auto" entries written into the mapping it keeps as given: transformers fills the dict in
     place before DeepSpeed sees it, so under the Trainer `engine.config[...]` reads the filled values."""

@@ -33,13 +33,21 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import remove_dummy_checkpoint
+from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from zeroshard.checkpoint.decoupled import decoupled
 from zeroshard.config import ZeroshardConfig
 from zeroshard.engine import Engine
 from zeroshard.errors import ConfigError
-from zeroshard.hf.arguments import config_source, refuse_precompute_at_stage3, trainer_arguments
-from zeroshard.hf.auto import trainer_config
+from zeroshard.hf.arguments import (
+    config_source,
+    refuse_best_model_without_checkpoint,
+    refuse_precompute_at_stage3,
+    trainer_arguments,
+)
+from zeroshard.hf.auto import trainer_config, without_training
 from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer, EngineScheduler
 from zeroshard.hf.ulysses import register, sequence_parallel_loss, ulysses_parallelism
 from zeroshard.initialize import initialize
@@ -83,7 +91,9 @@ class TrainerMixin:
         self.zeroshard_link = EngineLink()
         self._zeroshard_source = config_source(training_args, zeroshard_config)
         refuse_precompute_at_stage3(self._zeroshard_source, training_args, given.get("ref_model"))
+        refuse_best_model_without_checkpoint(training_args)
         self._zeroshard_steps: int | None = None
+        self._zeroshard_inference = False  # the engine was built for evaluation only, without optimizer
         self._ulysses: Any = None  # the ParallelismConfig when it asks for Ulysses
         self._zeroshard_mpu: Any = None  # its groups, for the engine (and a reference model's)
         self._saved_pending: Any = None  # the decoupled save the next on_save event is about
@@ -124,8 +134,15 @@ class TrainerMixin:
         if int(self._zeroshard_source.zero_optimization.stage) < 3:
             super()._move_model_to_device(model, device)  # type: ignore[misc]
 
-    def _build_engine(self, num_training_steps: int) -> Engine:
-        """The engine, built once: [Note: which Trainer methods we override]."""
+    def _build_engine(self, num_training_steps: int, inference: bool = False) -> Engine:
+        """The engine, built once: [Note: which Trainer methods we override]. `inference` (an `evaluate()` or
+        `predict()` with nothing to train): without the config's optimizer and scheduler, as transformers builds
+        DeepSpeed's for evaluation (`deepspeed_init(inference=True)`)."""
+        if self.engine is not None and self._zeroshard_inference and not inference:
+            raise ConfigError(
+                "train() after evaluate()/predict() ran with nothing to train (no train_dataset, max_steps <= 0): "
+                "that engine has no optimizer; build the Trainer with its train_dataset (or max_steps) to train"
+            )
         if self.engine is not None:
             if num_training_steps != self._zeroshard_steps:
                 log_rank(
@@ -137,15 +154,17 @@ class TrainerMixin:
             return self.engine
         sp = self._ulysses.sp_size if self._ulysses is not None else 1
         replicas = self.args.world_size // sp  # the batch arithmetic counts replicas
-        cfg = trainer_config(self._zeroshard_source, self.args, self.model, num_training_steps, replicas)
+        source = without_training(self._zeroshard_source) if inference else self._zeroshard_source
+        cfg = trainer_config(source, self.args, self.model, num_training_steps, replicas)
         if cfg.checkpoint.use_node_local_storage and not self.args.save_on_each_node:  # [Note: node-local ..]
             raise ConfigError(
                 "checkpoint.use_node_local_storage: set save_on_each_node=True in the TrainingArguments, so that "
                 "every node keeps its trainer_state.json and rotates its own checkpoint-N folders"
             )
-        optimizer = self.create_optimizer() if cfg.optimizer is None else None  # type: ignore[attr-defined]
+        training = not inference
+        optimizer = self.create_optimizer() if cfg.optimizer is None and training else None  # type: ignore[attr-defined]
         scheduler: Any = None
-        if cfg.scheduler is None:
+        if cfg.scheduler is None and training:
             self.lr_scheduler = None  # create_scheduler builds one only where there is none
             scheduler = functools.partial(self._trainer_scheduler, num_training_steps)
 
@@ -160,11 +179,12 @@ class TrainerMixin:
             mpu=self._zeroshard_mpu,
         )
         self.zeroshard_link.engine = engine
-        self._zeroshard_steps = num_training_steps
+        self._zeroshard_steps, self._zeroshard_inference = num_training_steps, inference
         self._shard_reference_model(cfg)
         self.model_wrapped = engine
-        self.optimizer = EngineOptimizer(self.zeroshard_link)
-        self.lr_scheduler = EngineScheduler(self.zeroshard_link)
+        if training:
+            self.optimizer = EngineOptimizer(self.zeroshard_link)
+            self.lr_scheduler = EngineScheduler(self.zeroshard_link)
         return engine
 
     def _shard_reference_model(self, cfg: ZeroshardConfig) -> None:
@@ -224,7 +244,8 @@ class TrainerMixin:
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         steps = self._zeroshard_steps
-        return self._build_engine(steps if steps is not None else self._planned_steps())
+        steps = steps if steps is not None else self._planned_steps()
+        return self._build_engine(steps, inference=steps == 0)
 
     # -- saving and loading -------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -233,26 +254,40 @@ class TrainerMixin:
         if engine is None:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
             return
+        output_dir = output_dir or self.args.output_dir
         refused = engine.strategy.consolidation_refused() if engine.strategy is not None else None
-        if _internal_call and refused:  # a checkpoint: the engine's own files keep every shard
-            log_rank(
-                logger, 20, f"checkpoint: no model.safetensors ({refused}); the engine checkpoint keeps every shard"
-            )
-            return
         gather = engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-        if _internal_call and engine.zero_stage == 3 and not gather:
-            log_rank(
-                logger,
-                20,
-                "checkpoint: weights stay sharded in the engine checkpoint (set "
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save to also write model.safetensors)",
-            )
+        if _internal_call and (refused or (engine.zero_stage == 3 and not gather)):
+            self._save_sharded(engine, output_dir, refused)
             return
         # gathered unit by unit onto the writer's CPU in the compute dtype; the other ranks take part and keep nothing
         # (transformers' _save returns on them)
         writer = bool(self.args.should_save)  # type: ignore[attr-defined]
         state = engine.consolidated_state_dict(engine.precision.compute_dtype, writer, torch.device("cpu"))
-        self._save(output_dir or self.args.output_dir, state_dict=state)  # type: ignore[attr-defined]
+        self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
+
+    def _save_sharded(self, engine: Engine, output_dir: str, refused: str | None) -> None:
+        """A checkpoint whose weights stay in the engine checkpoint (stage 3 without
+        `stage3_gather_16bit_weights_on_model_save`, or weights the engine cannot consolidate), as transformers
+        writes it under DeepSpeed: the model's config files and `training_args.bin` (`_save` of an empty state dict,
+        the weights file removed); at stage 3 a PEFT model's adapter whatever the flag (transformers gathers it with
+        `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`); with `save_only_model`, where
+        `_save_optimizer_and_scheduler` does not run, the engine checkpoint (DeepSpeed's `save_checkpoint` fallback)."""
+        peft = _is_peft(self.model)
+        if peft and not refused and engine.zero_stage == 3:
+            state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+            self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
+            return
+        why = refused or "set zero_optimization.stage3_gather_16bit_weights_on_model_save to write it"
+        log_rank(logger, 20, f"checkpoint: no model weights file ({why}); the engine checkpoint keeps every shard")
+        if not peft:  # (an empty adapter file would load as untrained weights)
+            self._save(output_dir, state_dict={})  # type: ignore[attr-defined]
+            remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+        elif self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.save_only_model:  # no _save_optimizer_and_scheduler to write the engine checkpoint
+            engine.save_checkpoint(output_dir, exclude_frozen_parameters=peft)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         engine = self.engine

@@ -33,7 +33,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
-        strategy.refuse_offloaded("safe_get_full_fp32_param")
+        _usable(strategy, "safe_get_full_fp32_param")
     return None if strategy is None else strategy.full_fp32_param(param)
 
 
@@ -49,7 +49,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
-        strategy.refuse_offloaded("safe_get_full_grad")
+        _usable(strategy, "safe_get_full_grad")
     return param.grad if strategy is None else strategy.full_grad(param)
 
 
@@ -58,7 +58,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     the first step made it, or for a parameter no engine trains (collective)."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
-        strategy.refuse_offloaded("safe_get_full_optimizer_state")
+        _usable(strategy, "safe_get_full_optimizer_state")
     return None if strategy is None else strategy.full_optimizer_state(param, optim_state_key)
 
 
@@ -67,7 +67,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     and the parameter the next forward uses. Nothing for a parameter no engine trains, as in DeepSpeed."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
-        strategy.refuse_offloaded("safe_set_full_fp32_param")
+        _usable(strategy, "safe_set_full_fp32_param")
         _wait_for_writes()
         strategy.set_full_fp32_param(param, value)
 
@@ -77,7 +77,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     the key before the optimizer created it (its first step)."""
     strategy = OWNERS.strategy_of(param)
     if strategy is not None:
-        strategy.refuse_offloaded("safe_set_full_optimizer_state")
+        _usable(strategy, "safe_set_full_optimizer_state")
         _wait_for_writes()
         strategy.set_full_optimizer_state(param, value, optim_state_key)
 
@@ -97,7 +97,7 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         if param.grad is not None:
             param.grad.copy_(value)
         return
-    strategy.refuse_offloaded("safe_set_full_grad")
+    _usable(strategy, "safe_set_full_grad")
     strategy.set_full_grad(param, value)
 
 
@@ -168,8 +168,16 @@ def _local(param: torch.Tensor, call: str) -> Any:
             f"{'not trained by an engine' if strategy is None else 'whole on every rank or on the fsdp2 backend'}); "
             f"use safe_{'get' if 'get' in call else 'set'}_full_{call.split('_local_')[1]}"
         )
-    strategy.refuse_offloaded(call)
+    _usable(strategy, call)
     return strategy
+
+
+def _usable(strategy: Any, call: str) -> None:
+    """Neither held elsewhere by `offload_states()` nor torn by a failed load ([Note: a torn load])."""
+    from zeroshard.checkpoint.torn import refuse_torn_state  # zeroshard.utils is imported before checkpoint
+
+    strategy.refuse_offloaded(call)
+    refuse_torn_state(strategy, call)
 
 
 def _wait_for_writes() -> None:
