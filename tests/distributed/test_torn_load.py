@@ -83,10 +83,11 @@ def _refusals(engine: Any, rank: int, world_size: int, root: str) -> dict[str, s
     from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
     param = next(p for p in engine.module.parameters() if p.requires_grad)
+    full = torch.zeros(getattr(param, "ds_shape", param.shape))
     calls = {
         "safe_get_full_optimizer_state": lambda: safe_get_full_optimizer_state(param, "exp_avg"),
         "safe_get_full_fp32_param": lambda: safe_get_full_fp32_param(param),
-        "safe_set_full_fp32_param": lambda: safe_set_full_fp32_param(param, torch.zeros(getattr(param, "ds_shape", param.shape))),
+        "safe_set_full_fp32_param": lambda: safe_set_full_fp32_param(param, full),
         "forward": lambda: engine(x, y),
         "backward": lambda: engine.backward(torch.ones((), requires_grad=True)),
         "step": engine.step,
