@@ -129,7 +129,7 @@ def test_report_runs_and_checks_o_direct(tmp_path, capsys):
 def test_train_rejects_bad_inputs_before_starting(capsys, args, message):
     code = main(["train", "--nproc-per-node", "2", *args])
     err = capsys.readouterr().err
-    assert code != 0 and err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err  # (bad input: exit 2)
 
 
 @pytest.mark.parametrize(

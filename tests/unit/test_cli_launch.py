@@ -93,12 +93,15 @@ def test_multi_node_static_and_elastic_rendezvous():
     assert [n.node_rank for n in static] == [0, 1] and all(n.remote for n in static)
     argv = static[1].argv
     assert argv[argv.index("--node_rank") + 1] == "1" and argv[argv.index("--master_addr") + 1] == "worker-0"
-    assert static[1].env == {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "1,3"}
+    stop = {"ZEROSHARD_STOP_WHEN_INPUT_CLOSES": "1"}  # [Note: stopping remote nodes]
+    assert static[1].env == {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "1,3", **stop}
     assert "CUDA_VISIBLE_DEVICES" not in static[0].env
     command = static[1].full_argv("/work dir")
     assert command[:3] == ["ssh", "-o", "BatchMode=yes"] and command[3] == "worker-1"
     threads = '{ t=$(( $(nproc) / 2 )); [ "$t" -ge 1 ] || t=1; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$t}"; } && '
-    assert command[4].startswith(f"cd '/work dir' && {threads}env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ")
+    assert command[4].startswith(
+        f"cd '/work dir' && {threads}env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ZEROSHARD_STOP_WHEN_INPUT_CLOSES=1 "
+    )
     elastic = multi_node(LaunchOptions("train.py", max_restarts=3, master_port=7000), resources, {})
     argv = elastic[0].argv
     assert "--node_rank" not in argv and argv[argv.index("--rdzv_endpoint") + 1] == "worker-0:7000"
@@ -193,7 +196,7 @@ def test_a_script_without_local_rank_is_told_about_no_local_rank(tmp_path):
 def test_launch_errors_are_one_line(tmp_path, capsys):
     bad = tmp_path / "hosts"
     bad.write_text("worker-0 slots=2\nworker-1\n")
-    assert main(["launch", "--hostfile", str(bad), "--dry-run", "train.py"]) == 1
+    assert main(["launch", "--hostfile", str(bad), "--dry-run", "train.py"]) == 2  # bad input, as a bad option
     err = capsys.readouterr().err
     assert err.strip().endswith(f"hostfile {bad} line 2: expected 'HOST slots=N', got 'worker-1'")
     assert "Traceback" not in err

@@ -66,10 +66,19 @@ def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
             abandon_all("the command failed before the commit")  # the exit code says it, not an exception at exit
 
 
+def _bad_input(err: Exception) -> bool:
+    """What the user named is wrong (exit 2, as argparse's): a ds_config, a dataset, a hostfile or launch option."""
+    from zeroshard.errors import ConfigError
+    from zeroshard.integrations.text_data import DataError
+    from zeroshard.launcher.hostfile import LaunchError
+
+    return isinstance(err, ConfigError | DataError | LaunchError)
+
+
 def _report(prog: str, rank: int | None, args: argparse.Namespace) -> int:
     """The line and exit code of the exception being handled."""
     from zeroshard.cli.failures import first_failed_rank, lost_a_peer
-    from zeroshard.errors import ConfigError, ZeroshardError
+    from zeroshard.errors import ZeroshardError
 
     try:
         raise
@@ -83,7 +92,7 @@ def _report(prog: str, rank: int | None, args: argparse.Namespace) -> int:
         if getattr(args, "debug", False):
             raise
         expected = isinstance(err, CLIError | ZeroshardError | OSError | ValueError | ImportError)
-        code = err.code if isinstance(err, CLIError) else EXIT_CONFIG if isinstance(err, ConfigError) else EXIT_FAILURE
+        code = err.code if isinstance(err, CLIError) else EXIT_CONFIG if _bad_input(err) else EXIT_FAILURE
         first = first_failed_rank(rank) if rank is not None else None
         if first is not None and first != rank:
             sys.stderr.write(f"{prog}: stopped, see rank {first}'s error\n")
