@@ -97,9 +97,9 @@ def test_multi_node_static_and_elastic_rendezvous():
     assert static[1].env == {"NCCL_DEBUG": "INFO", "CUDA_VISIBLE_DEVICES": "1,3", **stop}
     assert "CUDA_VISIBLE_DEVICES" not in static[0].env
     command = static[1].full_argv("/work dir")
-    assert command[:3] == ["ssh", "-o", "BatchMode=yes"] and command[3] == "worker-1"
+    assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30"] and command[5] == "worker-1"
     threads = '{ t=$(( $(nproc) / 2 )); [ "$t" -ge 1 ] || t=1; export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$t}"; } && '
-    assert command[4].startswith(
+    assert command[6].startswith(
         f"cd '/work dir' && {threads}env CUDA_VISIBLE_DEVICES=1,3 NCCL_DEBUG=INFO ZEROSHARD_STOP_WHEN_INPUT_CLOSES=1 "
     )
     elastic = multi_node(LaunchOptions("train.py", max_restarts=3, master_port=7000), resources, {})
@@ -135,8 +135,8 @@ def test_dry_run_prints_one_command_per_node(tmp_path, capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "# node 0: worker-0, 3 process(es)" and lines[2] == "# node 1: worker-1, 2 process(es)"
     node1 = shlex.split(lines[3])
-    assert node1[:4] == ["ssh", "-o", "BatchMode=yes", "worker-1"]
-    remote = shlex.split(node1[4])
+    assert node1[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "worker-1"]
+    remote = shlex.split(node1[6])
     assert remote[remote.index("--nnodes") + 1] == "2" and remote[remote.index("--node_rank") + 1] == "1"
     worker = f'exec {shlex.quote(sys.executable)} -u train.py --local_rank="$LOCAL_RANK" "$@"'
     assert remote[-7:] == ["--no_python", "/bin/sh", "-c", worker, "zeroshard-worker", "--lr", "1e-4"]

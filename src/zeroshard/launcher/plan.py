@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from zeroshard.launcher.hostfile import LaunchError, Resources
 
 DEFAULT_MASTER_PORT = 29500
+SSH_CONNECT_TIMEOUT_S = 30  # pdsh (DeepSpeed's default multi-node launcher) gives up connecting after 10 s
 # what a remote node takes from here (the local node inherits everything): DeepSpeed's prefixes and ours, PYTORCH_
 # (the allocator's PYTORCH_CUDA_ALLOC_CONF) and the CUDA runtime's switches, so that every node runs alike; not the
 # toolkit's paths (CUDA_HOME), which are each node's own, nor CUDA_VISIBLE_DEVICES, which each node's slots decide
@@ -98,7 +99,9 @@ class NodeCommand:
         if not self.remote:
             return ["bash", "-c", self.shell_command(cwd)]
         port = ["-p", str(self.ssh_port)] if self.ssh_port else []
-        return ["ssh", "-o", "BatchMode=yes", *port, self.host, self.shell_command(cwd)]
+        # a host that does not answer fails in SSH_CONNECT_TIMEOUT_S (the system's TCP timeout, minutes, otherwise)
+        timeout = ["-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
+        return ["ssh", "-o", "BatchMode=yes", *timeout, *port, self.host, self.shell_command(cwd)]
 
 
 def torchrun_prefix() -> list[str]:
