@@ -155,3 +155,20 @@ def test_train_refuses_an_unwritable_output_dir_before_starting(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"--output-dir {blocker / 'out'}: cannot write there" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"text": "fine"}\n{"text": 1}\n', "line 2: no string field 'text'"),
+        (b'{"text": "fine"}\nnot json\n', "line 2: not JSON"),
+        (b"\xff\xfe not utf-8", "is not UTF-8 text"),
+    ],
+)
+def test_train_reads_the_datasets_contents_before_starting_the_ranks(tmp_path, capsys, content, message):
+    """A bad line was found by every rank after it started (a failure report from the launched job, not one line)."""
+    data = tmp_path / ("data.jsonl" if content.startswith(b"{") else "data.txt")
+    data.write_bytes(content)
+    code = main(["train", "--nproc-per-node", "2", "--model", "tiny-llama", "--data", str(data)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and str(data) in err, err

@@ -272,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     opts = preflight(args, world_size)
     if launching:
+        from zeroshard.integrations.text_data import check_contents
+
+        check_contents(opts.data)  # (the ranks read it anyway; the launcher reads it once first)
         return _relaunch(args)
     from zeroshard.integrations.trainer import train
 

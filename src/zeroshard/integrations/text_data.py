@@ -49,6 +49,20 @@ def check_readable(spec: DataSpec) -> None:
             raise DataError(f"dataset file {name} is not readable (permissions)")
 
 
+CONTENT_CHECK_CHARS = 1 << 30  # what the launcher reads of a dataset before starting the ranks
+
+
+def check_contents(spec: DataSpec) -> None:
+    """Read the text the ranks will read (up to CONTENT_CHECK_CHARS characters), so that a file that is not UTF-8, a
+    JSONL line that is not JSON or lacks the text field, fail once before any process starts; not each rank after
+    its start."""
+    if spec.path is None:
+        return
+    limit = min(spec.max_bytes or CONTENT_CHECK_CHARS, CONTENT_CHECK_CHARS)
+    for _ in read_documents(DataSpec(spec.path, spec.text_field, limit)):
+        pass
+
+
 def read_documents(spec: DataSpec) -> Iterator[str]:
     """The documents of the dataset, in a fixed order, up to `spec.max_bytes` of text."""
     if spec.path is None:
