@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,16 +64,15 @@ def test_train_checkpoint_resume_export(tmp_path):
 
     whole, split = tmp_path / "whole", tmp_path / "split"
     _train(whole, "--zero-stage", "3", "--max-steps", "6", "--save-steps", "3", "--no-export")
-    # the run stopped at step 3: its checkpoints up to there, `latest` naming step 3 (two launches, not three)
-    (split / "checkpoints").mkdir(parents=True)
-    step3 = next(p for p in (whole / "checkpoints").iterdir() if p.is_dir() and p.name.endswith("3"))
-    shutil.copytree(step3, split / "checkpoints" / step3.name)
-    (split / "checkpoints" / "latest").write_text(step3.name)
+    # a run stopped at step 3 by --stop-after saves there without --save-steps (it saved nothing, and --resume
+    # started over at step 0)
+    _train(split, "--zero-stage", "3", "--max-steps", "6", "--stop-after", "3", "--no-export")
+    assert (split / "checkpoints" / "latest").read_text().strip().endswith("3")
     _train(split, "--zero-stage", "3", "--max-steps", "6", "--save-steps", "3", "--resume")
     # the resumed run continues exactly where the uninterrupted one went (fp32 on CPU)
     expected, resumed = _losses(whole), _losses(split)
-    assert sorted(resumed) == [4, 5, 6]
-    for step in range(4, 7):
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # (the stopped invocation's rows, then the resumed one's)
+    for step in range(1, 7):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (step, resumed, expected)
     latest = split / "checkpoints" / "latest"
     assert latest.read_text().strip().endswith("6")

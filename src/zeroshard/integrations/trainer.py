@@ -131,8 +131,13 @@ def train(opts: TrainOptions) -> TrainResult:
         if result.eval_loss is not None:
             metrics.write({"step": engine.global_steps, "eval_loss": result.eval_loss})
         progress.line(f"final eval loss {_fmt(result.eval_loss)}")
-        if opts.save_steps > 0 and engine.global_steps % opts.save_steps:
+        # the last step's checkpoint, unless --save-steps wrote it; a run ended by --stop-after before max_steps saves
+        # one whatever --save-steps says, for --resume to go on from (it restarted at step 0)
+        stopped = engine.global_steps < opts.hyper.max_steps
+        saved = opts.save_steps > 0 and engine.global_steps % opts.save_steps == 0
+        if (opts.save_steps > 0 or stopped) and not saved:
             checkpointer.save(position)
+            result.checkpoints = True
         report = engine.memory_report()
         result.memory = report.to_dict()
         progress.line(f"rank {report.rank} memory: {report.summary()}")
