@@ -114,6 +114,9 @@ def test_exported_environment_reads_env_files(tmp_path):
         {"NCCL_DEBUG": "WARN", "HOME": "/root", "PYTHONPATH": "/x"}, str(tmp_path), "/nonexistent"
     )
     assert env == {"NCCL_DEBUG": "WARN", "PYTHONPATH": "/x", "FOO": "bar", "NCCL_IB_DISABLE": "1"}
+    (tmp_path / "cluster.env").write_text("FROM_DS_ENV_FILE=1\n")  # DeepSpeed's DS_ENV_FILE names another file
+    env = exported_environment({"DS_ENV_FILE": "cluster.env", "MLFLOW_TRACKING_URI": "u"}, str(tmp_path), "/none")
+    assert env == {"FROM_DS_ENV_FILE": "1", "MLFLOW_TRACKING_URI": "u"}
     (tmp_path / ".zeroshard_env").write_text("oops\n")
     with pytest.raises(LaunchError, match="line 1: expected KEY=VALUE"):
         exported_environment({}, str(tmp_path), "/nonexistent")

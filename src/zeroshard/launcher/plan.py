@@ -38,6 +38,7 @@ EXPORT_PREFIXES = (
     "OMP_",
     "ACCELERATE_",
     "PYTORCH_",
+    "MLFLOW",  # DeepSpeed's runner exports its variables too (MLFLOW_TRACKING_URI, ...)
 )
 EXPORT_NAMES = frozenset(
     {"CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "CUDA_DEVICE_ORDER"}
@@ -211,10 +212,12 @@ def is_local_host(host: str) -> bool:
 
 
 def exported_environment(environ: Mapping[str, str], cwd: str, home: str) -> dict[str, str]:
-    """Variables a remote node needs from here: DeepSpeed's prefixes, plus KEY=VALUE lines of env files."""
+    """Variables a remote node needs from here: DeepSpeed's prefixes, plus KEY=VALUE lines of env files
+    (`.zeroshard_env`, and `.deepspeed_env` or the file `DS_ENV_FILE` names, as DeepSpeed's runner reads it)."""
     env = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES) or k in EXPORT_NAMES}
+    names = (ENV_FILES[0], environ.get("DS_ENV_FILE", ENV_FILES[1]))  # DeepSpeed's DS_ENV_FILE names its file
     for folder in (home, cwd):
-        for name in ENV_FILES:
+        for name in names:
             path = os.path.join(folder, name)
             if os.path.isfile(path):
                 env.update(read_env_file(path))
