@@ -181,6 +181,25 @@ def test_each_worker_runs_the_command_line_deepspeeds_launcher_gives_it(how, tmp
         assert seen[0] == {"script": "show.py", "module": str(tmp_path / "show.py"), "no_python": script}[how]
 
 
+@pytest.mark.parametrize("local_rank_arg", [True, False])
+def test_each_rank_log_takes_each_workers_output_to_its_own_file(tmp_path, local_rank_arg):
+    """DeepSpeed's --enable_each_rank_log DIR: DIR/<launch time>_rank<RANK>.log per worker, stdout and stderr."""
+    (tmp_path / "show.py").write_text(ARGV_SCRIPT + "import sys; sys.stderr.write('to stderr\\n')\n")
+    folder = tmp_path / "rank logs"
+    opts = LaunchOptions("show.py", ["a b"], local_rank_arg=local_rank_arg, each_rank_log=str(folder), log_prefix="T")
+    argv = single_node(opts, nproc=2)
+    worker = argv[argv.index("--no_python") + 1 :]
+    for rank in ("0", "1"):
+        env = {**os.environ, "LOCAL_RANK": rank, "RANK": str(int(rank) + 2)}
+        ran = subprocess.run(worker, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert ran.returncode == 0 and ran.stdout == ran.stderr == "", ran
+        first, second = (folder / f"T_rank{int(rank) + 2}.log").read_text().splitlines()
+        given = [f"--local_rank={rank}"] if local_rank_arg else []
+        assert json.loads(first) == [rank, ["show.py", *given, "a b"]] and second == "to stderr"
+    (tmp_path / "a file").write_text("")
+    assert main(["launch", "--enable_each_rank_log", str(tmp_path / "a file"), "show.py"]) == 2
+
+
 def test_a_script_without_local_rank_is_told_about_no_local_rank(tmp_path):
     """A real two-worker launch: every worker gets its own --local_rank; a script refusing it (argparse's exit 2)
     fails with a line saying how to leave it out (--no_local_rank: test_dry_run_single_node_and_module)."""

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import time
 from typing import TYPE_CHECKING, Any
 
 from zeroshard.cli.common import EXIT_CONFIG, CLIError, add_subcommand, out
@@ -60,6 +61,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--no-local-rank",
         action="store_true",
         help="do not pass --local_rank=N to the script (passed by default, as DeepSpeed's launcher does)",
+    )
+    p.add_argument(
+        "--enable_each_rank_log",
+        "--enable-each-rank-log",
+        metavar="DIR",
+        help="each rank's stdout and stderr to DIR/<launch time>_rank<RANK>.log (DeepSpeed's option)",
     )
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the commands instead of running them")
     p.add_argument(
@@ -106,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         module=args.module,
         no_python=args.no_python,
         local_rank_arg=not args.no_local_rank,
+        each_rank_log=args.enable_each_rank_log,
+        log_prefix=time.strftime("%Y%m%d%H%M%S"),
         rdzv_id=args.rdzv_id,
         ssh_port=args.ssh_port,
     )
@@ -212,6 +221,7 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     rest = ["--max_restarts", str(args.max_restarts)] if args.max_restarts else []
     rest += ["-m"] if args.module else ["--no_python"] if args.no_python else []
     rest += ["--no_local_rank"] if args.no_local_rank else []
+    rest += ["--enable_each_rank_log", args.enable_each_rank_log] if args.enable_each_rank_log else []
     out(sbatch_script([*rest, args.script, *args.script_args], nnodes, nproc).rstrip("\n"))
     return 0
 
@@ -221,6 +231,8 @@ def _check_before_starting(args: argparse.Namespace) -> None:
     the nodes, a script that is not there (each rank failed on it alone, and the launcher named rank 0 first)."""
     if args.module and args.no_python:
         raise CLIError("-m/--module and --no_python cannot be used together (a module runs with python)", EXIT_CONFIG)
+    if args.enable_each_rank_log is not None and os.path.isfile(args.enable_each_rank_log):
+        raise CLIError(f"--enable_each_rank_log {args.enable_each_rank_log} is a file; name a folder", EXIT_CONFIG)
     if args.master_port is not None and args.master_port > 65535:
         raise CLIError(f"--master_port {args.master_port} is not a TCP port (1-65535)", EXIT_CONFIG)
     if args.node_rank is not None and not 0 <= args.node_rank < (args.nnodes or 1):

@@ -66,6 +66,9 @@ class LaunchOptions:
     no_python: bool = False
     # `--local_rank=N` right after the script, as DeepSpeed's launcher passes it: [Note: the --local_rank argument]
     local_rank_arg: bool = False
+    # DeepSpeed's --enable_each_rank_log: each worker's stdout and stderr to DIR/<log_prefix>_rank<RANK>.log
+    each_rank_log: str | None = None
+    log_prefix: str = ""  # the launch's time, as DeepSpeed names those files
     rdzv_id: str = "zeroshard"
     ssh_port: int | None = None
     # c10d rendezvous even without restarts: [Note: one launcher per node under a scheduler]
@@ -112,7 +115,7 @@ def torchrun_prefix() -> list[str]:
 
 def _program(opts: LaunchOptions) -> list[str]:
     flags = ["-m"] if opts.module else ["--no_python"] if opts.no_python else []
-    if not opts.local_rank_arg:
+    if not opts.local_rank_arg and opts.each_rank_log is None:
         return [*flags, opts.script, *opts.script_args]
     # [Note: the --local_rank argument]
     # DeepSpeed's launcher starts every worker as `python -u script --local_rank=N ARGS` (unless --no_local_rank), and
@@ -121,8 +124,13 @@ def _program(opts: LaunchOptions) -> list[str]:
     # worker is a shell that puts its own LOCAL_RANK into that command line and execs it: the script runs in the
     # worker's process (torchrun's signals reach it) with DeepSpeed's exact argv; the script's arguments pass as the
     # shell's positional parameters, untouched.
+    # The same shell writes the worker's output to its own file under --enable_each_rank_log, as DeepSpeed's does.
     python = "" if opts.no_python else f"{shlex.quote(sys.executable)} -u {'-m ' if opts.module else ''}"
-    command = f'exec {python}{shlex.quote(opts.script)} --local_rank="$LOCAL_RANK" "$@"'
+    rank_arg = ' --local_rank="$LOCAL_RANK"' if opts.local_rank_arg else ""
+    command = f'exec {python}{shlex.quote(opts.script)}{rank_arg} "$@"'
+    if opts.each_rank_log is not None:
+        folder = shlex.quote(opts.each_rank_log)
+        command = f'mkdir -p {folder} && {command} > {folder}/{opts.log_prefix}_rank"$RANK".log 2>&1'
     return ["--no_python", "/bin/sh", "-c", command, "zeroshard-worker", *opts.script_args]
 
 
