@@ -103,7 +103,10 @@ class ZeroOptimizer:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._state_here("load_state_dict")
+        engine = self._state_here("load_state_dict")
+        speculation = getattr(engine.strategy, "speculation", None)
+        if speculation is not None:  # super_offload: the state it replaces already holds this window's step
+            speculation.check_unchanged("engine.optimizer.load_state_dict")
         self.optimizer.load_state_dict(state_dict)
 
     @property

@@ -261,6 +261,7 @@ def _setters_refused(engine) -> list[str]:
         lambda: _gathered_write(param),
     )
     refused = []
+    calls += (lambda: engine.optimizer.load_state_dict(engine.optimizer.state_dict()),)
     for call in calls:
         try:
             call()
@@ -280,7 +281,7 @@ def test_what_super_offload_refuses():
     for out in outs:
         assert "second backward before engine.step()" in out["second backward"]
         for key in ("setters", "setters with inf"):  # every setter, in one line naming it
-            assert len(out[key]) == 6 and all("between backward and engine.step()" in m for m in out[key]), out[key]
+            assert len(out[key]) == 7 and all("between backward and engine.step()" in m for m in out[key]), out[key]
             assert [m.split()[0] for m in out[key]] == [
                 "safe_set_full_grad",
                 "safe_set_full_fp32_param",
@@ -288,6 +289,7 @@ def test_what_super_offload_refuses():
                 "safe_set_local_grad",
                 "safe_set_local_fp32_param",
                 "GatheredParameters(modifier_rank=0)",
+                "engine.optimizer.load_state_dict",
             ]
         assert out["stepped with inf"] == [] and "second backward" in out["second backward with inf"]
         assert out["skipped with inf"] == 1

@@ -23,8 +23,8 @@ sub-groups does not matter). What a user can see: when `engine.backward()` retur
 masters, optimizer state and parameters hold the step's update (`engine.step()` commits it, with the learning rate
 and weight decay they were stepped with); between the boundary's backward and the step, a second backward (its
 gradients would miss that update) and the setters of masters, gradients and optimizer states (DeepSpeed's
-`safe_set_*`: the step they would change has run) are refused, on every rank alike, whether or not this rank
-stepped anything (its own gradients may have held inf/nan). Only sub-groups complete while autograd still runs
+`safe_set_*`, `engine.optimizer.load_state_dict`: the step they would change has run) are refused, on every rank
+alike, whether or not this rank stepped anything (its own gradients may have held inf/nan). Only sub-groups complete while autograd still runs
 overlap it: more sub-groups mean more overlap (`sub_group_size`); the root unit's (embeddings, the head) and the
 sub-groups whose last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped
 as backward ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last
