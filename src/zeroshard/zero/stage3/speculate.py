@@ -24,11 +24,11 @@ masters, optimizer state and parameters hold the step's update (`engine.step()` 
 and weight decay they were stepped with); between the boundary's backward and the step, a second backward (its
 gradients would miss that update) and the setters of masters, gradients and optimizer states (DeepSpeed's
 `safe_set_*`, `engine.optimizer.load_state_dict`: the step they would change has run) are refused, on every rank
-alike, whether or not this rank stepped anything (its own gradients may have held inf/nan). Only sub-groups complete while autograd still runs
-overlap it: more sub-groups mean more overlap (`sub_group_size`); the root unit's (embeddings, the head) and the
-sub-groups whose last reductions are in flight when autograd returns (at most MAX_INFLIGHT_REDUCES units) are stepped
-as backward ends, and the persistent unit, reduced only then, gets a sub-group of its own rather than delay the last
-layers'.
+alike, whether or not this rank stepped anything (its own gradients may have held inf/nan). Only sub-groups
+complete while autograd still runs overlap it: more sub-groups mean more overlap (`sub_group_size`); the root
+unit's (embeddings, the head) and the sub-groups whose last reductions are in flight when autograd returns (at most
+MAX_INFLIGHT_REDUCES units) are stepped as backward ends, and the persistent unit, reduced only then, gets a
+sub-group of its own rather than delay the last layers'.
 A failure on the worker leaves the step's state unknown: it is re-raised when backward ends, on every rank (one small
 all-reduce at the boundary: a rank whose worker did not fail names the ranks whose did), and every later backward,
 step and zero_grad refuses with the same message (resume from a checkpoint).
