@@ -172,3 +172,22 @@ def test_train_reads_the_datasets_contents_before_starting_the_ranks(tmp_path, c
     code = main(["train", "--nproc-per-node", "2", "--model", "tiny-llama", "--data", str(data)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err and str(data) in err, err
+
+
+def test_flags_the_ds_config_file_replaces_are_named(tmp_path):
+    """`--ds-config` wins over the flags behind its "auto" values, as documented; a flag given on the command line
+    that the file replaces was dropped without a word."""
+    from zeroshard.integrations.ds_config import TrainHyper, overridden_flags
+
+    path = tmp_path / "ds.json"
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": "auto"}}, "bf16": {"enabled": True}}
+    path.write_text(json.dumps({**config, "train_micro_batch_size_per_gpu": 4}))
+    hyper = TrainHyper(4, 1, 5e-4, 0.0, 0, 10, 1.0, "fp32")
+    given = {"--lr", "--micro-batch", "--weight-decay", "--dtype", "--seed"}
+    lines = overridden_flags(str(path), hyper, 1, given)
+    assert [line.split(":")[0] for line in lines] == [
+        "--dtype is not used for bf16.enabled",
+        "--lr is not used for optimizer.params.lr",
+    ]
+    assert f"{path} sets 0.0001 there" in lines[1] and 'write "auto" there' in lines[1]
+    assert overridden_flags(str(path), hyper, 1, {"--max-steps"}) == []  # not set by the file: the flag's value

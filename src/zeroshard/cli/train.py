@@ -271,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--local_rank {args.local_rank} but this process's LOCAL_RANK is {given}", EXIT_CONFIG)
     world_size = args.nproc_per_node if launching else int(os.environ.get("WORLD_SIZE", "1"))
     opts = preflight(args, world_size)
+    if not under_torchrun():  # once, in the process the user started
+        _warn_overridden(args, opts, world_size)
     if launching:
         from zeroshard.integrations.text_data import check_contents
 
@@ -280,6 +282,19 @@ def run(args: argparse.Namespace) -> int:
 
     train(opts)
     return 0
+
+
+def _warn_overridden(args: argparse.Namespace, opts: Any, world_size: int) -> None:
+    """A flag given on the command line that the --ds-config file replaces: said, not silently dropped."""
+    from zeroshard.integrations.ds_config import overridden_flags
+    from zeroshard.utils.logging import get_logger
+
+    if args.ds_config is None:
+        return
+    defaults = build_parser().parse_args([])
+    given = {f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v != getattr(defaults, k, v)}
+    for line in overridden_flags(opts.ds_config, opts.hyper, world_size, given):
+        get_logger(__name__).warning(f"zeroshard train: {line}")
 
 
 def _relaunch(args: argparse.Namespace) -> int:

@@ -49,6 +49,39 @@ class TrainHyper:
         }
 
 
+# the command-line flags behind each "auto" path of `TrainHyper.known`
+FLAG_PATHS = {
+    "--micro-batch": ("train_micro_batch_size_per_gpu",),
+    "--grad-accum": ("gradient_accumulation_steps",),
+    "--lr": ("optimizer.params.lr", "scheduler.params.warmup_max_lr"),
+    "--weight-decay": ("optimizer.params.weight_decay",),
+    "--warmup-steps": ("scheduler.params.warmup_num_steps",),
+    "--max-steps": ("scheduler.params.total_num_steps",),
+    "--max-grad-norm": ("gradient_clipping",),
+    "--dtype": ("bf16.enabled", "fp16.enabled"),
+}
+
+
+def overridden_flags(source: str, hyper: TrainHyper, world_size: int, given: set[str]) -> list[str]:
+    """One line per flag in `given` whose value the ds_config `source` replaces with a value of its own (the file
+    wins, as under the HF Trainer's "auto" rules; transformers refuses such a mismatch, zeroshard train says it)."""
+    config = load_ds_config(source)
+    known = hyper.known(world_size)
+    lines = []
+    for flag in sorted(given & set(FLAG_PATHS)):
+        for path in FLAG_PATHS[flag]:
+            value: Any = config
+            for key in path.split("."):
+                value = value.get(key) if isinstance(value, Mapping) else None
+            if value is not None and value != "auto" and value != known[path]:
+                lines.append(
+                    f'{flag} is not used for {path}: {source} sets {value!r} there (the file wins; write "auto" '
+                    "there to take the flag)"
+                )
+                break
+    return lines
+
+
 def preset_name(stage: int, offload: bool) -> str:
     return f"zero{stage}_offload" if offload else f"zero{stage}"
 
