@@ -267,12 +267,13 @@ time.sleep(120)
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, how):
     """[Note: stopping remote nodes]: ssh runs the remote torchrun without a terminal, so ending ssh left the remote
-    workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them."""
+    workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them, and the
+    hostfile's own host (localhost, run by bash in a session of its own) alike."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text(FAKE_SSH)
     (bin_dir / "ssh").chmod(0o755)
-    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
+    (tmp_path / "hosts").write_text("localhost slots=1\nnode-b slots=1\n")
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     (tmp_path / "pids").mkdir()
     env = {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}

@@ -47,8 +47,10 @@ ENV_FILES = (".zeroshard_env", ".deepspeed_env")
 # [Note: stopping remote nodes]
 # A remote node's torchrun runs under ssh without a terminal, so ending ssh (a Ctrl-C or SIGTERM of the launcher, a
 # failed node, the launcher killed) does not end the remote command: its workers trained on, holding their GPUs.
-# The launcher gives ssh a pipe it never writes to (runner.run_nodes) and the remote torchrun wrapper, told by this
-# variable, watches its input: when the input closes it sends itself SIGTERM, and torchrun stops its workers.
+# The launcher gives each node's command (ssh, or bash for a hostfile's own host, in a session of its own) a pipe it
+# never writes to (runner.run_nodes), and the node's torchrun wrapper, told by this variable, watches its input:
+# when the input closes it sends itself SIGTERM, and torchrun stops its workers. So even a SIGKILL of the launcher
+# stops every node. (A single-node launch keeps the terminal's input for its workers: a debugger reads it.)
 STOP_WHEN_INPUT_CLOSES = "ZEROSHARD_STOP_WHEN_INPUT_CLOSES"
 
 
@@ -87,10 +89,13 @@ class NodeCommand:
     remote: bool = False
     ssh_port: int | None = None
 
-    def shell_command(self, cwd: str) -> str:
+    def shell_command(self, cwd: str, watch_input: bool = False) -> str:
         """The command line the node runs (cd, environment, torchrun). Without OMP_NUM_THREADS the node divides its
-        own cores between its processes, as a local launch does (`runner.thread_env`; torchrun would set 1)."""
-        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        own cores between its processes, as a local launch does (`runner.thread_env`; torchrun would set 1).
+        `watch_input`: torchrun stops when its input closes ([Note: stopping remote nodes]; not in the commands
+        --dry-run prints, which a user may run with no input at all)."""
+        variables = {**self.env, STOP_WHEN_INPUT_CLOSES: "1"} if watch_input else self.env
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
         env = f"env {exports} " if exports else ""
         threads = ""
         if "OMP_NUM_THREADS" not in self.env and self.nproc > 1:  # (one set on the node itself wins)
@@ -98,14 +103,14 @@ class NodeCommand:
             threads = f'{{ {share}; export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$t}}"; }} && '
         return f"cd {shlex.quote(cwd)} && {threads}{env}{shlex.join(self.argv)}"
 
-    def full_argv(self, cwd: str) -> list[str]:
-        """The argv to run here: ssh for a remote node, bash for the local one."""
+    def full_argv(self, cwd: str, watch_input: bool = False) -> list[str]:
+        """The argv to run here: ssh for a remote node, bash for the local one (`watch_input`: `shell_command`'s)."""
         if not self.remote:
-            return ["bash", "-c", self.shell_command(cwd)]
+            return ["bash", "-c", self.shell_command(cwd, watch_input)]
         port = ["-p", str(self.ssh_port)] if self.ssh_port else []
         # a host that does not answer fails in SSH_CONNECT_TIMEOUT_S (the system's TCP timeout, minutes, otherwise)
         timeout = ["-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
-        return ["ssh", "-o", "BatchMode=yes", *timeout, *port, self.host, self.shell_command(cwd)]
+        return ["ssh", "-o", "BatchMode=yes", *timeout, *port, self.host, self.shell_command(cwd, watch_input)]
 
 
 def torchrun_prefix() -> list[str]:
@@ -208,8 +213,6 @@ def multi_node(opts: LaunchOptions, resources: Resources, exports: Mapping[str, 
         argv = [*torchrun_prefix(), "--nproc_per_node", str(len(slots))]
         argv += _rendezvous(opts, len(hosts), rank, master) + _program(opts)
         remote = not is_local_host(host)
-        if remote:  # [Note: stopping remote nodes]
-            env[STOP_WHEN_INPUT_CLOSES] = "1"
         commands.append(NodeCommand(host, rank, len(slots), argv, env, remote=remote, ssh_port=opts.ssh_port))
     return commands
 

@@ -74,11 +74,12 @@ def thread_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
 def run_nodes(nodes: list[NodeCommand], cwd: str, poll_s: float = 0.5) -> int:
     """Start every node, wait for all; when one fails, stop the others and return its exit code.
 
-    A remote node's ssh reads from a pipe this process holds open and never writes: when ssh ends (stopped here, or
-    this process killed) the remote torchrun sees its input close and stops its workers ([Note: stopping remote
-    nodes])."""
+    Each node's command (ssh, or bash for this host) reads from a pipe this process holds open and never writes: when
+    it ends (stopped here, or this process killed) the node's torchrun sees its input close and stops its workers
+    ([Note: stopping remote nodes])."""
     procs = [
-        (node, subprocess.Popen(node.full_argv(cwd), start_new_session=True, stdin=_input(node))) for node in nodes
+        (node, subprocess.Popen(node.full_argv(cwd, watch_input=True), start_new_session=True, stdin=subprocess.PIPE))
+        for node in nodes
     ]
     failed = 0
     with passing_stops(lambda sig: _terminate(procs, sig)):
@@ -94,10 +95,6 @@ def run_nodes(nodes: list[NodeCommand], cwd: str, poll_s: float = 0.5) -> int:
             time.sleep(poll_s)
     codes = [p.returncode for _, p in procs]
     return failed or next((c for c in codes if c), 0)
-
-
-def _input(node: NodeCommand) -> int | None:
-    return subprocess.PIPE if node.remote else None
 
 
 def _terminate(procs: list[tuple[NodeCommand, subprocess.Popen[bytes]]], sig: signal.Signals) -> None:
