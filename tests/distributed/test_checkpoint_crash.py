@@ -116,6 +116,8 @@ def _child(base: str) -> dict:
         fresh.destroy()
     report["left before"] = {f: _dot_dirs(root) for f, root in roots.items()}
     for root in roots.values():  # a save of another tag removes what the killed saves left
+        for name in os.listdir(root):  # (older than this process, as an earlier run's are; these killed saves were
+            os.utime(os.path.join(root, name), (0, 0))  # forked from it)
         engine.save_checkpoint(root, tag="c", save_latest=False)
     report["left after"] = {f: _dot_dirs(root) for f, root in roots.items()}
     report["errors"] = {}

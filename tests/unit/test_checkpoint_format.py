@@ -286,3 +286,26 @@ def test_pieces_beyond_their_tensor_are_refused_when_the_reader_opens(tmp_path):
             str(tmp_path), dataclasses.replace(meta, tensors={"w": TensorInfo((2, 3), "float32", "param", True, True)})
         )
     CheckpointReader(str(tmp_path), meta).close()
+
+
+def test_a_save_removes_an_earlier_runs_leftovers_and_keeps_what_may_still_be_written(tmp_path):
+    """`remove_leftovers`: temporary folders older than this process (an earlier run's interrupted saves) go, of any
+    tag; one made since it started (another engine's decoupled save, still writing) stays, as does the old copy of a
+    tag that is missing (loading falls back to it); an old copy whose tag is back goes."""
+    import os
+
+    from zeroshard.checkpoint.atomic import remove_leftovers
+
+    names = [".tmp.step100.0123456789ab", ".tmp.actor.aaaaaaaaaaaa", ".old.gone.bbbbbbbbbbbb", ".old.here.cccccccccccc"]
+    for name in [*names, "here", ".tmp.mine.dddddddddddd", ".tmp.notours"]:
+        (tmp_path / name).mkdir()
+    os.utime(tmp_path / ".tmp.step100.0123456789ab", (0, 0))  # an earlier run's
+    remove_leftovers(str(tmp_path), keep="dddddddddddd")
+    left = sorted(os.listdir(tmp_path))
+    assert left == [
+        ".old.gone.bbbbbbbbbbbb",
+        ".tmp.actor.aaaaaaaaaaaa",
+        ".tmp.mine.dddddddddddd",
+        ".tmp.notours",
+        "here",
+    ]

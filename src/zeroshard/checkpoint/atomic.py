@@ -16,12 +16,14 @@ import os
 import re
 import shutil
 import signal
+import time
 import zlib
 
 from zeroshard.checkpoint.errors import CheckpointError
 
 FAULT_ENV = "ZEROSHARD_CHECKPOINT_FAULT"
 _NONCE = re.compile("[0-9a-f]{12}")  # a save's nonce (save.py: uuid4().hex[:12])
+PROCESS_STARTED = time.time()  # (imported as the engine starts): what is older was left by an earlier run
 
 
 def fault_point(name: str, rank: int) -> None:
@@ -100,9 +102,10 @@ def commit_directory(tmp: str, final: str, nonce: str, rank: int) -> None:
 
 def remove_leftovers(save_dir: str, keep: str) -> None:
     """Remove what interrupted saves left in `save_dir`, whatever their tag (a save interrupted at step 100 is not
-    retried under that tag): temporary directories other than this save's (nonce `keep`), and old copies a re-save
-    set aside whose tag is in place again. An old copy whose tag is missing is what loading falls back to
-    ([Note: crash safety]): kept."""
+    retried under that tag): temporary directories of saves older than this process (an earlier run's, which no one
+    will finish; a save of this process other than this one, `keep`, may still be writing: another engine's, a
+    decoupled one), and old copies a re-save set aside whose tag is in place again. An old copy whose tag is missing
+    is what loading falls back to ([Note: crash safety]): kept."""
     for name in os.listdir(save_dir):
         kind = name[:5]
         left_tag, _, nonce = name[5:].rpartition(".")
@@ -110,5 +113,15 @@ def remove_leftovers(save_dir: str, keep: str) -> None:
             continue
         if nonce == keep:  # this save's (an export commits two folders)
             continue
-        if kind == ".tmp." or os.path.isdir(os.path.join(save_dir, left_tag)):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        path = os.path.join(save_dir, name)
+        if kind == ".old." and os.path.isdir(os.path.join(save_dir, left_tag)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif kind == ".tmp." and _older_than_this_process(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _older_than_this_process(path: str) -> bool:
+    try:
+        return os.stat(path).st_mtime < PROCESS_STARTED
+    except FileNotFoundError:
+        return False
