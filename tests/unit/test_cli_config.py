@@ -191,3 +191,15 @@ def test_flags_the_ds_config_file_replaces_are_named(tmp_path):
     ]
     assert f"{path} sets 0.0001 there" in lines[1] and 'write "auto" there' in lines[1]
     assert overridden_flags(str(path), hyper, 1, {"--max-steps"}) == []  # not set by the file: the flag's value
+
+
+def test_a_text_file_is_read_up_to_the_limit_only(tmp_path):
+    """--data-bytes (and the launcher's 1 GiB check) stop reading a text file there: it was read whole, then cut."""
+    from zeroshard.integrations.text_data import DataError, DataSpec, check_contents, read_documents
+
+    path = tmp_path / "data.txt"
+    path.write_bytes(b"x" * 100 + b"\xff")  # not UTF-8 after the limit
+    assert [len(doc) for doc in read_documents(DataSpec(str(path), "text", 100))] == [100]
+    check_contents(DataSpec(str(path), "text", 100))
+    with pytest.raises(DataError, match="is not UTF-8"):
+        check_contents(DataSpec(str(path)))

@@ -72,7 +72,7 @@ def read_documents(spec: DataSpec) -> Iterator[str]:
         return
     budget = spec.max_bytes
     for name in _files(spec.path):
-        for doc in _read_file(name, spec.text_field):
+        for doc in _read_file(name, spec.text_field, budget):
             if budget is not None:
                 doc = doc[:budget]
                 budget -= len(doc)
@@ -92,11 +92,12 @@ def _files(path: str) -> Iterator[str]:
                 yield os.path.join(dirpath, name)
 
 
-def _read_file(name: str, text_field: str) -> Iterator[str]:
+def _read_file(name: str, text_field: str, limit: int | None = None) -> Iterator[str]:
+    """The documents of one file; a text file as one document of at most `limit` characters (None: all of it)."""
     try:
         with open(name, encoding="utf-8") as handle:
             if not name.endswith((".jsonl", ".json")):
-                yield handle.read()
+                yield handle.read(-1 if limit is None else limit)
                 return
             for number, line in enumerate(handle, start=1):
                 if line.strip():
