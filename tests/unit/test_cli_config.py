@@ -198,7 +198,7 @@ def test_a_text_file_is_read_up_to_the_limit_only(tmp_path):
     from zeroshard.integrations.text_data import DataError, DataSpec, check_contents, read_documents
 
     path = tmp_path / "data.txt"
-    path.write_bytes(b"x" * 100 + b"\xff")  # not UTF-8 after the limit
+    path.write_bytes(b"x" * 100_000 + b"\xff")  # not UTF-8 well after the limit (decoding reads ahead 8 KiB)
     assert [len(doc) for doc in read_documents(DataSpec(str(path), "text", 100))] == [100]
     check_contents(DataSpec(str(path), "text", 100))
     with pytest.raises(DataError, match="is not UTF-8"):
