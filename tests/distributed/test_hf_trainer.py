@@ -128,6 +128,7 @@ def _train_save_resume(rank: int, world_size: int, tmp: str, lora: bool) -> dict
         "predictions_shape": tuple(predictions.shape),
         "generated": generated,
         "checkpoint": sorted(os.listdir(os.path.join(out, "checkpoint-3"))),
+        "sharded": None if lora else _sharded_cases(rank, tmp),  # (cases sharing this spawn)
     }
 
 
@@ -146,6 +147,76 @@ def _eval_loss(model: Any) -> float:
     with torch.no_grad():
         losses = [model(input_ids=data.ids[i : i + 2], labels=data.ids[i : i + 2]).loss for i in range(0, 8, 2)]
     return float(torch.stack(losses).mean())
+
+
+SHARDED = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}
+SCHEDULER = {  # its "auto" total_num_steps is 0 where nothing is trained
+    "type": "WarmupDecayLR",
+    "params": {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")},
+}
+
+
+def _sharded_cases(rank: int, tmp: str) -> dict[str, Any]:
+    """ZeRO-3 checkpoints without gathering, an evaluation-only run and save_only_model with load_best_model_at_end,
+    as transformers runs them under DeepSpeed 0.19.8; in the 2-rank spawn of `_train_save_resume`."""
+    from zeroshard.errors import ConfigError
+    from zeroshard.hf import Trainer, TrainingArguments
+
+    def trainer(name: str, model: Any, config: dict[str, Any], train: bool = True, **overrides: Any) -> Any:
+        out = os.path.join(tmp, f"sharded-{name}")
+        args = TrainingArguments(**arguments(out, deepspeed=config, per_device_eval_batch_size=2, **overrides))
+        data = Tokens(24) if train else None
+        return Trainer(model=model, args=args, train_dataset=data, eval_dataset=Tokens(8, seed=2))
+
+    listings: dict[str, list[str]] = {}
+    saving = dict(per_device_train_batch_size=2, max_steps=3, save_strategy="steps", save_steps=3)
+    for name, model, save_only in (("full", tiny_llama(), True), ("lora", with_lora(tiny_llama()), False)):
+        run = trainer(name, model, ds_config(3, zero_optimization=SHARDED), save_only_model=save_only, **saving)
+        run.train()
+        listings[name] = sorted(os.listdir(os.path.join(tmp, f"sharded-{name}", "checkpoint-3")))
+    lora_weights = {k: v for k, v in run.engine.consolidated_state_dict().items() if "lora_" in k}
+
+    # evaluate() with nothing to train: an engine without optimizer and scheduler, as DeepSpeed's inference engine
+    evaluating = trainer("eval", tiny_llama(), ds_config(3, scheduler=SCHEDULER), train=False)
+    eval_loss = evaluating.evaluate()["eval_loss"]
+    no_optimizer = evaluating.engine.optimizer is None and evaluating.optimizer is None
+
+    best = dict(save_only_model=True, load_best_model_at_end=True, eval_strategy="steps", **saving)
+    try:
+        trainer("best", tiny_llama(), ds_config(2), **best)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {
+        "listings": listings,
+        "lora": lora_weights if rank == 0 else None,
+        "eval_loss": eval_loss,
+        "no_optimizer": no_optimizer,
+        "refused": refused,
+    }
+
+
+def _check_sharded(results: list[dict[str, Any]], tmp_path: Any) -> None:
+    """At ZeRO-3 without gathering, checkpoint-N holds what transformers writes there under DeepSpeed: the model's
+    config and training_args.bin with the engine checkpoint (which save_only_model keeps too, as the weights' only
+    copy), a PEFT model's adapter; evaluate() with nothing to train builds the engine without the config's optimizer
+    and scheduler; save_only_model with load_best_model_at_end is refused when the Trainer is built."""
+    ours = results[0]["sharded"]
+    full, lora = ours["listings"]["full"], ours["listings"]["lora"]
+    for name in ("config.json", "generation_config.json", "training_args.bin", "latest", "trainer_state.json"):
+        assert name in full, full
+    assert "model.safetensors" not in full and not any(n.startswith("rng_state") for n in full), full
+    for name in ("adapter_config.json", "adapter_model.safetensors", "training_args.bin", "latest"):
+        assert name in lora, lora
+    assert "config.json" not in lora and "model.safetensors" not in lora, lora
+    adapter = _load_saved(str(tmp_path / "sharded-lora" / "checkpoint-3"), lora=True).state_dict()
+    assert ours["lora"]
+    for name, value in ours["lora"].items():
+        assert torch.equal(adapter[name], value), name
+    for result in (r["sharded"] for r in results):
+        assert math.isclose(result["eval_loss"], _eval_loss(tiny_llama().eval()), rel_tol=REL)
+        assert result["no_optimizer"]
+        assert "save_only_model with load_best_model_at_end is not supported" in result["refused"], result["refused"]
 
 
 # LoRA on 2 ranks is slow-marked (CI budget); LoRA parity at world size 1 stays in the default suite
@@ -172,6 +243,8 @@ def test_two_ranks_train_save_resume_and_load(tmp_path, lora):
     expected = model.generate(input_ids=Tokens(8, seed=2).ids[:2, :6], max_new_tokens=4, do_sample=False)
     assert torch.equal(ours["generated"], expected)
     assert torch.equal(results[1]["generated"], expected)
+    if not lora:
+        _check_sharded(results, tmp_path)
 
 
 def _sft_parity(rank: int, world_size: int, tmp: str) -> tuple[list[float], list[float]]:

@@ -9,7 +9,8 @@ runs unchanged; what DeepSpeed changes in it, we change at the same points, and 
 - `_prepare_for_training` (where transformers calls `deepspeed_init` and `accelerator.prepare`): build the engine
   once (`zeroshard.initialize` with the config resolved from the arguments, [Note: the Trainer's "auto" rules]),
   and on `resume_from_checkpoint` load its checkpoint from the `checkpoint-N` folder.
-- `_wrap_model`: the engine is the wrapped model, for evaluation and prediction too.
+- `_wrap_model`: the engine is the wrapped model, for evaluation and prediction too (with nothing to train, built
+  without optimizer and scheduler, as transformers' `deepspeed_init(inference=True)`).
 - `call_model_init` / `_move_model_to_device`: at stage 3 a `model_init` runs under `zeroshard.zero_init()`, and
   the engine, not the Trainer, places (and shards) the model.
 - `_save_optimizer_and_scheduler` / `_load_from_checkpoint` / `_load_best_model`: the engine's sharded checkpoint
@@ -17,7 +18,8 @@ runs unchanged; what DeepSpeed changes in it, we change at the same points, and 
   `_save_checkpoint` / `train`: with decoupled saves, old checkpoints are rotated out once the new one is committed,
   and `train()` returns with its last save committed.
 - `save_model`: the consolidated weights through transformers' own `_save`, so the folder loads with
-  `from_pretrained` (a PEFT model writes its adapter, as the plain Trainer does).
+  `from_pretrained` (a PEFT model writes its adapter, as the plain Trainer does); a checkpoint whose weights stay
+  sharded gets what transformers writes there under DeepSpeed (`_save_sharded`).
 
 The optimizer and scheduler come from the config's `optimizer` / `scheduler` blocks when present, else from the
 Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_type` schedule), as under DeepSpeed.
@@ -257,7 +259,9 @@ class TrainerMixin:
         output_dir = output_dir or self.args.output_dir
         refused = engine.strategy.consolidation_refused() if engine.strategy is not None else None
         gather = engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-        if _internal_call and (refused or (engine.zero_stage == 3 and not gather)):
+        # a PEFT model's adapter whatever the flag, as transformers gathers it under DeepSpeed at stage 3
+        # (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`, which does not read the flag)
+        if _internal_call and (refused or (engine.zero_stage == 3 and not gather and not _is_peft(self.model))):
             self._save_sharded(engine, output_dir, refused)
             return
         # gathered unit by unit onto the writer's CPU in the compute dtype; the other ranks take part and keep nothing
@@ -270,23 +274,18 @@ class TrainerMixin:
         """A checkpoint whose weights stay in the engine checkpoint (stage 3 without
         `stage3_gather_16bit_weights_on_model_save`, or weights the engine cannot consolidate), as transformers
         writes it under DeepSpeed: the model's config files and `training_args.bin` (`_save` of an empty state dict,
-        the weights file removed); at stage 3 a PEFT model's adapter whatever the flag (transformers gathers it with
-        `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`); with `save_only_model`, where
-        `_save_optimizer_and_scheduler` does not run, the engine checkpoint (DeepSpeed's `save_checkpoint` fallback)."""
+        the weights file removed); with `save_only_model`, where `_save_optimizer_and_scheduler` does not run, the
+        engine checkpoint too (DeepSpeed's `save_checkpoint` fallback)."""
         peft = _is_peft(self.model)
-        if peft and not refused and engine.zero_stage == 3:
-            state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
-            self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
-            return
         why = refused or "set zero_optimization.stage3_gather_16bit_weights_on_model_save to write it"
         log_rank(logger, 20, f"checkpoint: no model weights file ({why}); the engine checkpoint keeps every shard")
-        if not peft:  # (an empty adapter file would load as untrained weights)
+        if not peft:
             self._save(output_dir, state_dict={})  # type: ignore[attr-defined]
             remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
-        elif self.args.should_save:
+        elif self.args.should_save:  # (an empty adapter file would load as untrained weights)
             os.makedirs(output_dir, exist_ok=True)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if self.args.save_only_model:  # no _save_optimizer_and_scheduler to write the engine checkpoint
+        if self.args.save_only_model:
             engine.save_checkpoint(output_dir, exclude_frozen_parameters=peft)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
