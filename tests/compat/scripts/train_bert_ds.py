@@ -168,11 +168,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="HelloDeepSpeed MLM")
     parser.add_argument("--checkpoint_dir", required=True)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    # upstream's `fire` takes train()'s local_rank, which the deepspeed launcher passes as --local_rank=N
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "-1")))
     args = parser.parse_args()
     torch.manual_seed(42)
     np.random.seed(0)
     random.seed(0)
-    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    local_rank = args.local_rank
     first = train(checkpoint_dir=args.checkpoint_dir, num_iterations=4, dtype=args.dtype, local_rank=local_rank)
     resumed = train(load_checkpoint_dir=args.checkpoint_dir, num_iterations=7, dtype=args.dtype, local_rank=local_rank)
     if is_rank_0():
