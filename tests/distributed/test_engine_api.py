@@ -262,6 +262,9 @@ def _stalled(rank: int, world_size: int):
     model = build_model(case)
     config = ds_config(case)
     config["zeroshard"] = {"collective_timeout_s": 4}
+    # the script starts the group itself, as DeepSpeed scripts do: the config's deadline is its (it was torch's
+    # 30 minutes, and the message said the config's 4 s)
+    zeroshard.init_distributed(dist_backend="gloo", config=config)
     engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     batches = global_batches(case, world_size)
     engine.backward(engine(*micro_batch(batches[0], 0, rank, world_size, case.micro)))
@@ -281,6 +284,7 @@ def test_a_stalled_rank_fails_the_job_by_the_deadline_naming_it():
     name, message, seconds = run_on_ranks(_stalled, 2, timeout=120)[0]
     assert name == "CollectiveTimeoutError" and seconds < 30, (name, message, seconds)
     assert "engine.backward" in message and "rank 1: did not answer" in message and "rank 0: in" in message, message
+    assert "waited longer than 4s (the process group's timeout" in message, message
 
 
 # -- engine.optimizer.zero_grad inside an accumulation window -----------------------------------------------------

@@ -151,8 +151,10 @@ def init_distributed(
     `dist_init_required=True`, which torch refuses). An explicit `init_method`, `rank` or `world_size` is
     passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read, or under
     `mpirun -np N python train.py` the MPI variables with `distributed_port` as the default MASTER_PORT
-    (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. `config`
-    is accepted for compatibility and unused.
+    (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. Without
+    `timeout` the group's deadline is `zeroshard.collective_timeout_s` of `config` (a ds_config mapping or file),
+    else DeepSpeed's DEEPSPEED_TIMEOUT (minutes), else that key's default, as `initialize` starts it (torch's own
+    default, 30 minutes, was taken here).
 
     Example:
         >>> import zeroshard
@@ -162,15 +164,26 @@ def init_distributed(
         dist_init_required = not dist.is_initialized()
     if not dist_init_required:
         return
-    timeout_s = timeout.total_seconds() if timeout is not None else None
+    from zeroshard.config.features import collective_timeout  # (the config package imports comm)
+
+    timeout_s = timeout.total_seconds() if timeout is not None else collective_timeout(_raw_config(config))
     if init_method is not None or rank >= 0 or world_size >= 0:
         kwargs: dict[str, Any] = {"init_method": init_method, "rank": rank, "world_size": world_size}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(dist_backend, **kwargs)
     topo = topology.init_distributed(dist_backend, timeout_s, auto_mpi_discovery, distributed_port)
     if verbose:
         logger.info("initialised torch.distributed: rank %d of %d, %s", topo.rank, topo.world_size, topo.backend)
+
+
+def _raw_config(config: Any) -> Any:
+    """`init_distributed(config=...)` as a ds_config mapping: a mapping, or a file or preset name; DeepSpeed's
+    config object (`_param_dict`) too."""
+    if isinstance(config, str | os.PathLike):
+        from zeroshard.presets import load_ds_config
+
+        return load_ds_config(os.fspath(config))
+    return getattr(config, "_param_dict", config)
 
 
 __all__ = [

@@ -100,6 +100,17 @@ def ask_every_rank(topic: str, rank: int, world_size: int, mine: str, answer_s: 
     return lines
 
 
+def group_timeout_s(comm: Collectives, configured: float) -> float:
+    """The deadline of `comm`'s process group: the script may have started it with a timeout of its own (read from
+    the backend's options, a private field of torch's; `configured` where it cannot be read)."""
+    try:
+        group = comm.group if comm.group is not None else dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except Exception:  # (another torch's layout, a backend without options)
+        return configured
+
+
 @contextmanager
 def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator[None]:
     """A collective inside the block that passes the process group's deadline (`zeroshard.collective_timeout_s`)
@@ -112,7 +123,8 @@ def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator
             raise
         lines = ask_every_rank("deadline", comm.rank, comm.world_size, f"in {what}")
         raise CollectiveTimeoutError(
-            f"a collective in {what} waited longer than {timeout_s:.0f}s (zeroshard.collective_timeout_s): "
+            f"a collective in {what} waited longer than {group_timeout_s(comm, timeout_s):.0f}s (the process group's "
+            "timeout: zeroshard.collective_timeout_s where zeroshard starts the group): "
             + "; ".join(lines)
             + ". A rank that did not answer is stalled (stopped, swapping, deadlocked) or never reached this "
             "collective; the job stops here rather than hang."
