@@ -231,12 +231,14 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         divided the loss."""
         strategy = self._require_optimizer("backward")
         strategy.refuse_away("engine.backward", (PARAMS, GRADS))
+        self._refuse_unfinished("engine.backward")
         if strategy.steps_in_backward and self.is_gradient_accumulation_boundary():
             self.commit_checkpoint()  # super_offload steps during this backward
         see_memory_usage("Engine before backward", force=self._memory_breakdown)
         with self.wall_clock.time("bwd"):
             strategy.begin_backward()
             self.accumulation.loss_scale = self.loss_scale
+            self.accumulation.unfinished = True  # [Note: a backward that raised]
             factor = self.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.backward"):
                 scaled = loss * factor  # a root of its own: [Note: a backward the engine did not start]
@@ -249,6 +251,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
+        self.accumulation.unfinished = False
         self.accumulation.pending = True
         self.accumulation.window_backwards += 1
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)
@@ -261,6 +264,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         `managed_gradient_accumulation` is false: [Note: caller-owned windows]). `lr_kwargs` go to the scheduler's
         `step` (DeepSpeed's; Megatron-DeepSpeed passes `{"increment": n}`)."""
         strategy = self._require_optimizer("step")
+        self._refuse_unfinished("engine.step")
         if self._offloader.active:
             self._refuse_offloaded("engine.step")
         if self.accumulation.coalescing:  # as DeepSpeed
@@ -316,7 +320,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         if self.strategy is not None:
             self.strategy.refuse_away("engine.zero_grad", (GRADS,))  # [Note: offloaded states]
             self.strategy.zero_grad()
-        self.accumulation.pending = False
+        self.accumulation.pending = self.accumulation.unfinished = False
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's override of where accumulation windows end (accelerate sets it before every backward): the

@@ -245,6 +245,7 @@ class DeepSpeedCalls:
         """What `engine.backward` does before `loss.backward()`, for a backward the script started."""
         strategy = self._require_optimizer("backward")
         strategy.refuse_away("loss.backward()", (PARAMS, GRADS))
+        self._refuse_unfinished("loss.backward()")
         if self._compute is not contextlib.nullcontext:
             raise ZeroshardError(
                 "loss.backward() with tensor parallelism's vocab-parallel loss: its backward must run inside "
@@ -254,12 +255,28 @@ class DeepSpeedCalls:
             self.commit_checkpoint()  # super_offload steps during this backward
         strategy.begin_backward()
         self.accumulation.loss_scale = self.loss_scale
+        self.accumulation.unfinished = True  # until autograd's callback below ends it
 
     def _manual_backward_ends(self) -> None:
         """What `engine.backward` does after `loss.backward()` (autograd calls it when the backward is done)."""
         self._require_optimizer("backward").finish_backward()
+        self.accumulation.unfinished = False
         self.accumulation.pending = True
         self.accumulation.window_backwards += 1
+
+    def _refuse_unfinished(self, call: str) -> None:
+        """[Note: a backward that raised]
+        A backward that raises part way (an out-of-memory error on a long batch, an error in a hook) has reduced
+        some buckets of the window's gradients and not others, and where it stopped differs by stage: going on
+        from there counted the reduced part twice (stage 0), dropped it (stages 1-2 with one micro-step) or mixed
+        it into a sum of no rule (stage 1 with accumulation). The next backward or step is refused until
+        `engine.zero_grad()` drops the window's gradients, after which training goes on exactly as if the batch
+        had been skipped (DeepSpeed's stage 2 fails there with "has already been reduced")."""
+        if self.accumulation.unfinished:
+            raise ZeroshardError(
+                f"{call}: the previous backward raised before it ended, so this window's gradients hold part of it; "
+                "call engine.zero_grad() to drop them (as after an out-of-memory error on a batch), then go on"
+            )
 
     def offload_states(
         self,

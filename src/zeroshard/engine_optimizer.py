@@ -140,7 +140,7 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         engine = self._live("zero_grad")
-        if engine.zero_stage == 2 and engine.accumulation.pending:
+        if engine.zero_stage == 2 and engine.accumulation.pending and not engine.accumulation.unfinished:
             return  # DeepSpeed's stage 2 keeps the window's reduced gradients: [Note: the engine's optimizer]
         engine.zero_grad(set_to_none)
 

@@ -64,6 +64,7 @@ class AccumulationState:
     stepping: bool = False  # inside engine.step() (the boundary when windows are the caller's)
     window_backwards: int = 0  # engine.backward calls since the last step, for global_samples then
     coalescing: bool = False  # inside engine.coalesce_grad_reduction(): [Note: coalesced gradient reduction]
+    unfinished: bool = False  # a backward began and raised before it ended: [Note: a backward that raised]
 
     def is_boundary(self) -> bool:
         """The current micro-step is the last before the optimizer step."""

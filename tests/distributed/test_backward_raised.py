@@ -1,0 +1,74 @@
+"""[Note: a backward that raised]: a backward that raises part way (an out-of-memory error on one long batch, caught
+by the loop) left the window's gradients half reduced, and going on without `zero_grad()` counted them by a rule
+that differed per stage. Now the next backward or step refuses until `engine.zero_grad()`, after which training goes
+on exactly as if the batch had been skipped."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.harness import run_on_ranks
+from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
+
+FAILING = 2  # the global batch whose backward raises (every rank, as an out-of-memory error on a long batch)
+
+
+class Raised(Exception):
+    pass
+
+
+def _train(rank: int, world_size: int, stage: int, gas: int, fail: bool) -> tuple[list[float], list[str]]:
+    import zeroshard
+
+    case = Case(stage=stage, gas=gas, steps=5)
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    armed = [False]
+
+    def raise_in_backward(module, inputs, output):  # the first block's output: after the later blocks' reductions
+        if armed[0]:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(Raised("out of memory")))
+
+    model.blocks[0].register_forward_hook(raise_in_backward)
+    losses, refusals = [], []
+    for step, batch in enumerate(global_batches(case, world_size)):
+        if step == FAILING and not fail:
+            continue  # the reference: the batch skipped
+        for k in range(gas):
+            armed[0] = fail and step == FAILING and k == 0  # (the window's first: skipping it skips the batch)
+            loss = engine(*micro_batch(batch, k, rank, world_size, case.micro))
+            try:
+                engine.backward(loss)
+            except Raised:
+                for call in (
+                    lambda: engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro))),
+                    engine.step,
+                ):
+                    try:
+                        call()
+                    except zeroshard.ZeroshardError as error:
+                        refusals.append(str(error))
+                engine.zero_grad()
+                break
+            engine.step()
+            losses.append(loss.item()) if k == gas - 1 else None
+    engine.destroy()
+    return losses, refusals
+
+
+def _cases(rank: int, world_size: int) -> dict[str, tuple]:
+    out = {}
+    for stage, gas in ((0, 1), (1, 2), (2, 1), (3, 2)):
+        out[f"{stage}/{gas}"] = (
+            _train(rank, world_size, stage, gas, True),
+            _train(rank, world_size, stage, gas, False),
+        )
+    return out
+
+
+def test_a_backward_that_raised_is_refused_until_zero_grad_then_training_goes_on_as_if_skipped():
+    for out in run_on_ranks(_cases, 2, timeout=300):
+        for name, ((losses, refusals), (skipped, _)) in out.items():
+            assert len(refusals) == 2 and all("previous backward raised before it ended" in m for m in refusals), name
+            assert refusals[0].startswith("engine.backward") and refusals[1].startswith("engine.step"), refusals
+            assert losses == skipped, (name, losses, skipped)  # bit for bit the run that skipped the batch
