@@ -5,8 +5,6 @@ on exactly as if the batch had been skipped."""
 
 from __future__ import annotations
 
-import torch
-
 from helpers.harness import run_on_ranks
 from helpers.parity import Case, build_model, ds_config, global_batches, micro_batch, param_groups
 
