@@ -38,10 +38,8 @@ def _train(rank: int, world_size: int, stage: int, gas: int, fail: bool) -> tupl
             try:
                 engine.backward(loss)
             except Raised:
-                for call in (
-                    lambda: engine.backward(engine(*micro_batch(batch, 0, rank, world_size, case.micro))),
-                    engine.step,
-                ):
+                again = micro_batch(batch, 0, rank, world_size, case.micro)
+                for call in (lambda: engine.backward(engine(*again)), engine.step):  # noqa: B023 (called here)
                     try:
                         call()
                     except zeroshard.ZeroshardError as error:
