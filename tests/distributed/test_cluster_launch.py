@@ -264,7 +264,10 @@ time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param("SIGTERM", marks=pytest.mark.slow), "SIGKILL"],  # CI budget: SIGKILL leaves it no time
+)
 def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, how):
     """[Note: stopping remote nodes]: ssh runs the remote torchrun without a terminal, so ending ssh left the remote
     workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them, and the

@@ -201,17 +201,15 @@ def test_each_rank_log_takes_each_workers_output_to_its_own_file(tmp_path, local
 
 
 def test_a_script_without_local_rank_is_told_about_no_local_rank(tmp_path):
-    """A real two-worker launch: every worker gets its own --local_rank; a script refusing it (argparse's exit 2)
-    fails with a line saying how to leave it out (--no_local_rank: test_dry_run_single_node_and_module)."""
-    (tmp_path / "show.py").write_text(ARGV_SCRIPT)
+    """A real two-worker launch: every worker gets its own --local_rank (each refuses its own); a script refusing it
+    (argparse's exit 2) fails with a line saying how to leave it out (--no_local_rank:
+    test_dry_run_single_node_and_module)."""
     strict = "import argparse\np = argparse.ArgumentParser()\np.add_argument('--x')\np.parse_args()\n"
     (tmp_path / "strict.py").write_text(strict)
     launch = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2"]
-    ran = subprocess.run([*launch, "show.py", "--x", "a b"], cwd=tmp_path, capture_output=True, text=True)
-    seen = sorted(json.loads(line) for line in ran.stdout.splitlines())
-    assert seen == [[r, ["show.py", f"--local_rank={r}", "--x", "a b"]] for r in ("0", "1")], ran
     ran = subprocess.run([*launch, "strict.py", "--x", "1"], cwd=tmp_path, capture_output=True, text=True)
     assert ran.returncode == 2 and "unrecognized arguments: --local_rank=" in ran.stderr
+    assert {f"--local_rank={r}" for r in "01"} <= set(ran.stderr.split()), ran.stderr
     assert ran.stderr.strip().splitlines()[-1].endswith("pass --no_local_rank to zeroshard launch)"), ran.stderr
 
 
