@@ -248,10 +248,10 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
                         scaled.backward(retain_graph=retain_graph)
                     finally:
                         self._manual.engine_backwards -= 1
+            self.accumulation.unfinished = False  # autograd ended; what finish_backward raises says itself
             with self._deadline("engine.backward"), torch.profiler.record_function("zeroshard.reduce_wait"):
                 with self.wall_clock.time("bwd_allreduce"):
                     strategy.finish_backward()
-        self.accumulation.unfinished = False
         self.accumulation.pending = True
         self.accumulation.window_backwards += 1
         self.telemetry.after_backward(loss, self.is_gradient_accumulation_boundary(), self.global_samples)

@@ -259,8 +259,8 @@ class DeepSpeedCalls:
 
     def _manual_backward_ends(self) -> None:
         """What `engine.backward` does after `loss.backward()` (autograd calls it when the backward is done)."""
+        self.accumulation.unfinished = False  # autograd ended; what finish_backward raises says itself
         self._require_optimizer("backward").finish_backward()
-        self.accumulation.unfinished = False
         self.accumulation.pending = True
         self.accumulation.window_backwards += 1
 

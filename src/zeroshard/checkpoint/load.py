@@ -215,7 +215,8 @@ def load_checkpoint(
         if state is not None and (publish or state.regather_after_load):
             state.publish_params()
         engine.strategy.loading(done=True)
-        engine.strategy.zero_grad()
-        engine.accumulation.pending, engine.accumulation.window_backwards = False, 0
+        engine.strategy.zero_grad()  # (a backward that raised is dropped too: [Note: a backward that raised])
+        engine.accumulation.pending = engine.accumulation.unfinished = False
+        engine.accumulation.window_backwards = 0
     log_rank(logger, 20, f"loaded checkpoint {tag_dir}")
     return tag_dir, client_state
