@@ -227,6 +227,17 @@ echo "$1" >> "$(dirname "$0")/hosts_reached"
 exec bash -c "$2"
 """
 
+
+def _fake_ssh(tmp_path: Path, hosts: str) -> dict[str, str]:
+    """`hosts` as tmp_path/hosts and FAKE_SSH first on PATH: the environment to launch with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "hosts").write_text(hosts)
+    return {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
 ALL_REDUCE = """
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -241,13 +252,9 @@ dist.destroy_process_group()
 @pytest.mark.slow  # default-suite budget: moved 2026-11-25 (seventeenth session)
 def test_hostfile_fan_out_runs_through_ssh(tmp_path):
     """The hostfile's two remote hosts are started over `ssh` (a fake one on PATH that runs locally)."""
+    env = _fake_ssh(tmp_path, "node-a slots=1\nnode-b slots=1\n")
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(FAKE_SSH)
-    (bin_dir / "ssh").chmod(0o755)
-    (tmp_path / "hosts").write_text("node-a slots=1\nnode-b slots=1\n")
     (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
-    env = {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     port, result = free_port_pair(), tmp_path / "result.txt"
     command = [*LAUNCH, "--hostfile", str(tmp_path / "hosts"), "--master_addr", "127.0.0.1"]
     command += ["--master_port", str(port), str(tmp_path / "all_reduce.py"), str(result)]
@@ -272,14 +279,9 @@ def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, how):
     """[Note: stopping remote nodes]: ssh runs the remote torchrun without a terminal, so ending ssh left the remote
     workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them, and the
     hostfile's own host (localhost, run by bash in a session of its own) alike."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(FAKE_SSH)
-    (bin_dir / "ssh").chmod(0o755)
-    (tmp_path / "hosts").write_text("localhost slots=1\nnode-b slots=1\n")
+    env = _fake_ssh(tmp_path, "localhost slots=1\nnode-b slots=1\n")
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     (tmp_path / "pids").mkdir()
-    env = {**base_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     command = [*LAUNCH, "--hostfile", str(tmp_path / "hosts"), "--master_addr", "127.0.0.1"]
     command += ["--master_port", str(free_port_pair()), str(tmp_path / "sleeper.py"), str(tmp_path / "pids")]
     launcher = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True)
