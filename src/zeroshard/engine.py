@@ -319,6 +319,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         """Drop all gradients accumulated since the last step (they live in flat buffers, never in .grad)."""
         if self.strategy is not None:
             self.strategy.refuse_away("engine.zero_grad", (GRADS,))  # [Note: offloaded states]
+            self._settle_raised("engine.zero_grad")
             self.strategy.zero_grad()
         self.accumulation.pending = self.accumulation.unfinished = False
 

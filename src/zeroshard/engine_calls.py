@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from zeroshard.checkpoint.torn import refuse_torn
+from zeroshard.comm.divergence import group_timeout_s, raised_on_every_rank
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.states import BUFFERS, GRADS, PARAMS, offload_device, offload_kinds
 from zeroshard.utils.logging import get_logger
@@ -36,6 +37,7 @@ class DeepSpeedCalls:
     _compute: Any  # the engine's compute context (tensor parallelism's vocab-parallel loss), else nullcontext
     _torn_load: Any  # CheckpointMixin's: [Note: a torn load]
     _offloader: Any  # StateOffloader: offload_states()
+    comm: Any  # Collectives
     device: torch.device
     # set by `initialize`: the collate_fn it was given, and (this replica's index, replicas, whether the training
     # route shuffles) of the data
@@ -271,12 +273,20 @@ class DeepSpeedCalls:
         from there counted the reduced part twice (stage 0), dropped it (stages 1-2 with one micro-step) or mixed
         it into a sum of no rule (stage 1 with accumulation). The next backward or step is refused until
         `engine.zero_grad()` drops the window's gradients, after which training goes on exactly as if the batch
-        had been skipped (DeepSpeed's stage 2 fails there with "has already been reduced")."""
+        had been skipped (DeepSpeed's stage 2 fails there with "has already been reduced"), where every rank's
+        backward raised alike ([Note: a backward that raised on some ranks])."""
         if self.accumulation.unfinished:
             raise ZeroshardError(
                 f"{call}: the previous backward raised before it ended, so this window's gradients hold part of it; "
                 "call engine.zero_grad() to drop them (as after an out-of-memory error on a batch), then go on"
             )
+
+    def _settle_raised(self, call: str) -> None:
+        """Before a backward that raised is dropped: did every rank's raise, at the same point? ([Note: a backward
+        that raised on some ranks])"""
+        if self.accumulation.unfinished:
+            configured = float(self.config.zeroshard.collective_timeout_s)
+            raised_on_every_rank(self.comm, call, group_timeout_s(self.comm, configured))
 
     def offload_states(
         self,

@@ -68,3 +68,60 @@ def test_a_backward_that_raised_is_refused_until_zero_grad_then_training_goes_on
             assert len(refusals) == 2 and all("previous backward raised before it ended" in m for m in refusals), name
             assert refusals[0].startswith("engine.backward") and refusals[1].startswith("engine.step"), refusals
             assert losses == skipped, (name, losses, skipped)  # bit for bit the run that skipped the batch
+
+
+# [Note: a backward that raised on some ranks]: a backward that raised on one rank only (its own out-of-memory
+# error) leaves the others waiting on collectives it never issues; going on paired its next ones with theirs (stage 0
+# replicas diverged silently). Now its zero_grad waits for every rank's raise and stops with a line naming the ranks.
+TIMEOUT_S = 4
+
+
+def _raise_on(rank: int, world_size: int, stage: int, raising: dict[int, int]) -> str:
+    """One step whose backward raises on the ranks of `raising` (in the block it names); what each rank then says."""
+    import zeroshard
+
+    case = Case(stage=stage, gas=1, steps=1)
+    model = build_model(case)
+    config = {**ds_config(case), "zeroshard": {"collective_timeout_s": TIMEOUT_S}}
+    # buckets of at most 8192 elements (two per block), launched as backward fills them (at most two in flight, not
+    # waited on): ranks that raise
+    # in different blocks issued different numbers of collectives
+    config["zero_optimization"] = {**config["zero_optimization"], "reduce_bucket_size": 8192, "overlap_comm": True}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
+
+    def raise_in_backward(module, inputs, output):
+        output.register_hook(lambda grad: (_ for _ in ()).throw(Raised("out of memory")))
+
+    if rank in raising:
+        model.blocks[raising[rank]].register_forward_hook(raise_in_backward)
+    batch = next(iter(global_batches(case, world_size)))
+    loss = engine(*micro_batch(batch, 0, rank, world_size, case.micro))
+    try:
+        try:
+            engine.backward(loss)
+            engine.step()
+        except Raised:
+            engine.zero_grad()
+    except zeroshard.ZeroshardError as error:
+        return f"{type(error).__name__}: {error}"
+    return "went on"
+
+
+def test_a_backward_that_raised_on_one_rank_stops_both_with_a_line_instead_of_diverging():
+    for stage in (0, 2):  # (stage 0's buckets paired silently before; stage 2 waited out the deadline)
+        waited, raised = run_on_ranks(_raise_on, 2, stage, {1: 0}, timeout=120)
+        assert raised.startswith(
+            "CollectiveTimeoutError: engine.zero_grad: this rank's backward raised part way and that of rank(s) [0] "
+            f"did not within {TIMEOUT_S}s"
+        ), (stage, raised)
+        assert waited.startswith("CollectiveTimeoutError: a collective in engine.backward (step 0)"), (stage, waited)
+        assert "rank 1: its backward raised; it stopped in engine.zero_grad" in waited, (stage, waited)
+
+
+def test_ranks_that_raised_at_different_points_stop_and_say_so():
+    said = run_on_ranks(_raise_on, 2, 0, {0: 0, 1: 1}, timeout=120)
+    for line in said:
+        assert line.startswith(
+            "CollectiveMismatchError: engine.zero_grad: the backward raised on every rank, but at different points "
+            "(rank 0 after "
+        ), line

@@ -53,6 +53,8 @@ class CheckpointMixin:
 
         def reload_states(self, non_blocking: bool = False) -> None: ...
 
+        def _settle_raised(self, call: str) -> None: ...
+
     def save_checkpoint(
         self,
         save_dir: str | os.PathLike[str],
@@ -163,6 +165,7 @@ class CheckpointMixin:
             load_module_only: restore the module weights only (warm start).
         """
         self._refuse_offloaded("load_checkpoint")
+        self._settle_raised("load_checkpoint")  # [Note: a backward that raised on some ranks]
         self.commit_checkpoint("load_checkpoint")
         return _load.load_checkpoint(
             self,  # type: ignore[arg-type]

@@ -160,6 +160,11 @@ class Collectives:
             group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats, in_flight=self.in_flight
         )
 
+    @property
+    def issued(self) -> int:
+        """How many collectives this object issued (its sub-groups count their own)."""
+        return self._seq
+
     def global_rank(self, group_rank: int) -> int:
         """The global rank of `group_rank` in this group (what `broadcast`'s `src` takes)."""
         return _global_rank(self.group, group_rank)

@@ -13,6 +13,7 @@ parameters are all persistent (gathered once, never again) changes no collective
 from __future__ import annotations
 
 import datetime
+import itertools
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -129,3 +130,47 @@ def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator
             + ". A rank that did not answer is stalled (stopped, swapping, deadlocked) or never reached this "
             "collective; the job stops here rather than hang."
         ) from err
+
+
+_RAISES = itertools.count()  # this process's backwards that raised: ranks that raise together count alike
+
+
+def raised_on_every_rank(comm: Collectives, call: str, timeout_s: float) -> None:
+    """[Note: a backward that raised on some ranks]
+    A backward that raises part way has issued some of its collectives. Where every rank raised at the same point
+    (an error every rank's hook hits, the same shapes on every rank) those pair among themselves and the ranks can
+    go on together; where one rank raised alone (an out-of-memory error on its long batch) the others wait on
+    collectives it will never issue, and its next ones would pair with theirs: the replicas would silently diverge
+    (stage 0, whose buckets have the same sizes) or wait out the deadline. So before going on (`zero_grad`,
+    `load_checkpoint`) a rank whose backward raised posts on the rendezvous store how many collectives it issued and
+    waits, up to the process group's timeout, for every rank's post: the same count everywhere goes on; otherwise
+    this rank stops with a line naming the ranks (and posts under the deadline topic, so that the ranks left waiting
+    name it when their own collectives time out)."""
+    if comm.world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    event = next(_RAISES)
+    ranks = [comm.global_rank(r) for r in range(comm.world_size)]
+    keys = {rank: f"zeroshard/raised/{event}/{rank}" for rank in ranks}
+    waiting = f"zeroshard/deadline/{comm.rank}"  # read by ask_every_rank("deadline", ...) on the ranks left waiting
+    store.set(waiting, f"its backward raised; it stopped in {call}, waiting for every rank's backward to raise too")
+    store.set(keys[comm.global_rank(comm.rank)], str(comm.issued))
+    try:
+        store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        missing = [rank for rank, key in keys.items() if not store.check([key])]
+        raise CollectiveTimeoutError(
+            f"{call}: this rank's backward raised part way and that of rank(s) {missing} did not within "
+            f"{timeout_s:.0f}s (the collective timeout): they wait on collectives this rank will never issue, so "
+            "the ranks cannot go on together. The job stops here; restart from the last checkpoint (a batch that "
+            "fails on one rank can be skipped only where every rank skips it)"
+        ) from err
+    store.delete_key(waiting)
+    issued = {rank: int(store.get(key)) for rank, key in keys.items()}
+    if len(set(issued.values())) > 1:
+        raise CollectiveMismatchError(
+            f"{call}: the backward raised on every rank, but at different points ("
+            + ", ".join(f"rank {rank} after {n} collectives" for rank, n in issued.items())
+            + "): their collectives do not pair, so the ranks cannot go on together. The job stops here; restart "
+            "from the last checkpoint"
+        )
