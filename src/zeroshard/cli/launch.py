@@ -19,10 +19,12 @@ and reads its node rank, the node count and the rendezvous host from the schedul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from zeroshard.cli.common import EXIT_CONFIG, CLIError, add_subcommand, out
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from zeroshard.launcher.plan import LaunchOptions
 
 logger = get_logger(__name__)
+PID_FILE = "/tmp/<pid>.deepspeed"  # DeepSpeed's --save_pid file (its PID_FILE_BASEPATH), removed at exit
 
 
 def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -68,6 +71,34 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="each rank's stdout and stderr to DIR/<launch time>_rank<RANK>.log (DeepSpeed's option)",
     )
+    p.add_argument(
+        "--bind_cores_to_rank",
+        "--bind-cores-to-rank",
+        action="store_true",
+        help="each worker on its own share of the node's cores, OMP_NUM_THREADS set to it (DeepSpeed's option)",
+    )
+    p.add_argument(
+        "--bind_core_list",
+        "--bind-core-list",
+        metavar="CORES",
+        help='the cores to share out, e.g. "0-7,16-23" (implies --bind_cores_to_rank; default: every core)',
+    )
+    p.add_argument(
+        "--no_ssh",
+        "--no-ssh",
+        action="store_true",
+        help="with --hostfile and --node_rank: start only this node (run the same command on every node)",
+    )
+    p.add_argument(
+        "--force_multi",
+        "--force-multi",
+        action="store_true",
+        help="start even a single host as a node of a multi-node job (its command watched as a remote one's)",
+    )
+    p.add_argument("--save_pid", "--save-pid", action="store_true", help=f"write this launcher's pid to {PID_FILE}")
+    p.add_argument("--launcher", help='DeepSpeed\'s multi-node backend: only "pdsh" (nodes start over ssh)')
+    p.add_argument("--launcher_args", help=argparse.SUPPRESS)
+    p.add_argument("--autotuning", help=argparse.SUPPRESS)
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="print the commands instead of running them")
     p.add_argument(
         "--cluster",
@@ -89,10 +120,7 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeroshard.launcher import LaunchOptions, multi_node, read_hostfile, select_resources, single_node
-    from zeroshard.launcher.hostfile import limit_resources
-    from zeroshard.launcher.plan import exported_environment
-    from zeroshard.launcher.runner import run_local, run_nodes
+    from zeroshard.launcher import LaunchOptions
 
     for name in ("nproc_per_node", "nnodes", "master_port"):
         value = getattr(args, name)
@@ -101,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise CLIError(f"--max_restarts {args.max_restarts} must be >= 0", EXIT_CONFIG)
     _check_before_starting(args)
+    bind = args.bind_core_list if args.bind_core_list is not None else "all" if args.bind_cores_to_rank else None
     opts = LaunchOptions(
         script=args.script,
         script_args=list(args.script_args),
@@ -117,19 +146,36 @@ def run(args: argparse.Namespace) -> int:
         log_prefix=time.strftime("%Y%m%d%H%M%S"),
         rdzv_id=args.rdzv_id,
         ssh_port=args.ssh_port,
+        bind_cores=bind,
     )
     if args.print_sbatch:
         return _print_sbatch(args)
+    if args.dry_run or not args.save_pid:
+        return _launch(args, opts)
+    with _saved_pid():
+        return _launch(args, opts)
+
+
+def _launch(args: argparse.Namespace, opts: LaunchOptions) -> int:
+    from zeroshard.launcher import multi_node, read_hostfile, select_resources, single_node
+    from zeroshard.launcher.hostfile import limit_resources
+    from zeroshard.launcher.plan import exported_environment
+    from zeroshard.launcher.runner import run_local, run_nodes
+
     if args.hostfile is None:
         opts = _with_cluster(opts, args.cluster)
-    if args.hostfile is not None and args.node_rank is not None:
-        raise CLIError("--node_rank is for multi-node runs without a hostfile; with --hostfile, ranks follow its order")
-    if args.hostfile is None and (args.include or args.exclude):
+    if args.hostfile is not None and args.node_rank is not None and not args.no_ssh:
+        raise CLIError(
+            "--node_rank is for multi-node runs without a hostfile; with --hostfile, ranks follow its order "
+            "(--no_ssh --node_rank I starts only node I)"
+        )
+    if args.hostfile is None and (args.include or args.exclude or args.force_multi):
         hosts: dict[str, int] | None = {"localhost": args.nproc_per_node or _local_slots()}
     else:
         hosts = read_hostfile(args.hostfile) if args.hostfile else None
     if hosts is None:
         nproc = opts.nproc_per_node or _local_slots()
+        _check_binding(opts, nproc)
         argv = single_node(opts, nproc)
         if args.dry_run:
             out(shlex.join(argv))
@@ -141,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
     cwd = os.getcwd()
     exported = exported_environment(os.environ, cwd, os.path.expanduser("~"))
     nodes = multi_node(opts, resources, {**exported, **getattr(args, "export_env", {})})  # accelerate-launch's win
-    if len(nodes) == 1 and not nodes[0].remote:
+    if args.no_ssh:
+        return _run_this_node(args, opts, nodes, cwd)
+    if len(nodes) == 1 and not nodes[0].remote and not args.force_multi:
+        _check_binding(opts, nodes[0].nproc)
         local = single_node(opts, nodes[0].nproc)
         env = {k: v for k, v in nodes[0].env.items() if k == "CUDA_VISIBLE_DEVICES"}
         if args.dry_run:
@@ -159,6 +208,61 @@ def run(args: argparse.Namespace) -> int:
             out(shlex.join(node.full_argv(cwd)))
         return 0
     return run_nodes(nodes, cwd)
+
+
+def _run_this_node(args: argparse.Namespace, opts: LaunchOptions, nodes: list[Any], cwd: str) -> int:
+    """DeepSpeed's --no_ssh: the same command runs on every node, each starting only its own (--node_rank)."""
+    if args.node_rank is None or not 0 <= args.node_rank < len(nodes):
+        raise CLIError(
+            f"--no_ssh starts only this node: pass --node_rank in 0..{len(nodes) - 1} (its host's place among the "
+            "hostfile's hosts)",
+            EXIT_CONFIG,
+        )
+    node = nodes[args.node_rank]
+    if args.dry_run:
+        out(node.shell_command(cwd))
+        return 0
+    _check_binding(opts, node.nproc)
+    os.environ.update(node.env)
+    master = opts.master_addr or nodes[0].host
+    placed = dataclasses.replace(opts, nnodes=len(nodes), node_rank=node.node_rank, master_addr=master)
+    return _run_node(placed, node.argv, node.nproc, args.heartbeat_timeout)
+
+
+@contextlib.contextmanager
+def _saved_pid() -> Iterator[None]:
+    """DeepSpeed's --save_pid: this launcher's pid in /tmp/<pid>.deepspeed while it runs, for a program that started
+    it to find what to signal (here the launcher itself: SIGTERM stops every worker)."""
+    path = PID_FILE.replace("<pid>", str(os.getpid()))
+    out(f"launcher pid: {os.getpid()}")
+    with open(path, "w") as handle:
+        handle.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _check_binding(opts: LaunchOptions, nproc: int) -> None:
+    """--bind_core_list on this machine: cores it may run on, at least one per process ([Note: binding cores to
+    ranks]; a remote node checks its own in each worker)."""
+    from zeroshard.launcher.bind import ALL, CoreListError, available_cores, parse_core_list, share
+
+    if opts.bind_cores is None:
+        return
+    try:
+        cores = available_cores() if opts.bind_cores == ALL else parse_core_list(opts.bind_cores)
+        share(cores, 0, nproc)
+    except CoreListError as error:
+        raise CLIError(str(error), EXIT_CONFIG) from None
+    outside = sorted(set(cores) - os.sched_getaffinity(0))
+    if outside:
+        raise CLIError(
+            f"--bind_core_list {opts.bind_cores}: core(s) {outside} are not this machine's to run on (it may use "
+            f"{sorted(os.sched_getaffinity(0))})",
+            EXIT_CONFIG,
+        )
 
 
 def _local_slots() -> int:
@@ -235,7 +339,36 @@ def _check_before_starting(args: argparse.Namespace) -> None:
         raise CLIError(f"--enable_each_rank_log {args.enable_each_rank_log} is a file; name a folder", EXIT_CONFIG)
     if args.master_port is not None and args.master_port > 65535:
         raise CLIError(f"--master_port {args.master_port} is not a TCP port (1-65535)", EXIT_CONFIG)
-    if args.node_rank is not None and not 0 <= args.node_rank < (args.nnodes or 1):
+    if args.launcher is not None and args.launcher.lower() != "pdsh":
+        raise CLIError(
+            f"--launcher {args.launcher}: zeroshard launch starts a hostfile's nodes over ssh itself (DeepSpeed's "
+            "pdsh); under Slurm or mpirun run one `zeroshard launch` per node inside the job instead (it reads the "
+            "scheduler's variables; --print-sbatch writes a Slurm batch script)",
+            EXIT_CONFIG,
+        )
+    if args.launcher_args is not None:
+        raise CLIError(
+            "--launcher_args: there is no pdsh or mpirun command line here, nodes start over ssh (ssh options go in "
+            "~/.ssh/config; --ssh_port sets the port)",
+            EXIT_CONFIG,
+        )
+    if args.autotuning is not None:
+        raise CLIError(
+            f"--autotuning {args.autotuning}: DeepSpeed's autotuning through the launcher is `zeroshard autotune "
+            "--model DIR --nproc-per-node N --config ds_config.json` here (it runs the trials itself and writes the "
+            "best config); launch the script with that config",
+            EXIT_CONFIG,
+        )
+    if args.bind_core_list is not None:
+        from zeroshard.launcher.bind import CoreListError, parse_core_list
+
+        try:
+            parse_core_list(args.bind_core_list)
+        except CoreListError as error:
+            raise CLIError(str(error), EXIT_CONFIG) from None
+    if args.no_ssh and args.hostfile is None and args.node_rank is None:
+        raise CLIError("--no_ssh starts only this node of a hostfile's: pass --hostfile and --node_rank", EXIT_CONFIG)
+    if args.hostfile is None and args.node_rank is not None and not 0 <= args.node_rank < (args.nnodes or 1):
         raise CLIError(f"--node_rank {args.node_rank} must be in 0..{(args.nnodes or 1) - 1} (--nnodes)", EXIT_CONFIG)
     starts = not args.dry_run and not args.print_sbatch and args.hostfile is None  # (other hosts: their own files)
     if starts and not args.module and not args.no_python and not os.path.isfile(args.script):

@@ -71,6 +71,9 @@ class LaunchOptions:
     # DeepSpeed's --enable_each_rank_log: each worker's stdout and stderr to DIR/<log_prefix>_rank<RANK>.log
     each_rank_log: str | None = None
     log_prefix: str = ""  # the launch's time, as DeepSpeed names those files
+    # DeepSpeed's --bind_cores_to_rank (with --bind_core_list): "all" or a core list, each worker on its share
+    # ([Note: binding cores to ranks])
+    bind_cores: str | None = None
     rdzv_id: str = "zeroshard"
     ssh_port: int | None = None
     # c10d rendezvous even without restarts: [Note: one launcher per node under a scheduler]
@@ -120,7 +123,7 @@ def torchrun_prefix() -> list[str]:
 
 def _program(opts: LaunchOptions) -> list[str]:
     flags = ["-m"] if opts.module else ["--no_python"] if opts.no_python else []
-    if not opts.local_rank_arg and opts.each_rank_log is None:
+    if not opts.local_rank_arg and opts.each_rank_log is None and opts.bind_cores is None:
         return [*flags, opts.script, *opts.script_args]
     # [Note: the --local_rank argument]
     # DeepSpeed's launcher starts every worker as `python -u script --local_rank=N ARGS` (unless --no_local_rank), and
@@ -130,7 +133,12 @@ def _program(opts: LaunchOptions) -> list[str]:
     # worker's process (torchrun's signals reach it) with DeepSpeed's exact argv; the script's arguments pass as the
     # shell's positional parameters, untouched.
     # The same shell writes the worker's output to its own file under --enable_each_rank_log, as DeepSpeed's does.
+    # The same shell starts the worker on its share of the node's cores under --bind_cores_to_rank.
     python = "" if opts.no_python else f"{shlex.quote(sys.executable)} -u {'-m ' if opts.module else ''}"
+    if opts.bind_cores is not None:
+        script = shlex.quote(os.path.join(os.path.dirname(os.path.abspath(__file__)), "bind.py"))
+        bind = f"{shlex.quote(sys.executable)} -S {script} {shlex.quote(opts.bind_cores)} -- "
+        python = bind + python
     rank_arg = ' --local_rank="$LOCAL_RANK"' if opts.local_rank_arg else ""
     command = f'exec {python}{shlex.quote(opts.script)}{rank_arg} "$@"'
     if opts.each_rank_log is not None:
