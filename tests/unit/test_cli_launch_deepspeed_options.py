@@ -141,3 +141,8 @@ def test_bind_cores_reaches_every_node_of_a_hostfile(tmp_path):
     opts = LaunchOptions("show.py", [], local_rank_arg=True, bind_cores="all")
     worker = single_node(opts, 2)[-1 - 1]
     assert "/zeroshard/launcher/bind.py all -- " in worker, worker
+
+
+def test_a_batch_script_passes_the_binding_on(capsys):
+    assert main(["launch", "--print-sbatch", "--nnodes", "2", "--bind_core_list", "0-3", "s.py"]) == 0
+    assert "--bind_core_list 0-3 s.py" in capsys.readouterr().out

@@ -326,6 +326,8 @@ def _print_sbatch(args: argparse.Namespace) -> int:
     rest += ["-m"] if args.module else ["--no_python"] if args.no_python else []
     rest += ["--no_local_rank"] if args.no_local_rank else []
     rest += ["--enable_each_rank_log", args.enable_each_rank_log] if args.enable_each_rank_log else []
+    rest += ["--bind_cores_to_rank"] if args.bind_cores_to_rank else []
+    rest += ["--bind_core_list", args.bind_core_list] if args.bind_core_list is not None else []
     out(sbatch_script([*rest, args.script, *args.script_args], nnodes, nproc).rstrip("\n"))
     return 0
 
