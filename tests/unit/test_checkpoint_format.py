@@ -197,6 +197,9 @@ def test_convert_of_a_refused_checkpoint_leaves_nothing_behind(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "metadata.json" in err and "not a zeroshard checkpoint" in err, err
     assert not out.exists()
+    assert main(["convert", str(tmp_path / "nowhere"), str(out)]) == 2  # a wrong path: bad input, as argparse's
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'nowhere'}: no such checkpoint folder")
+    assert not out.exists()
 
 
 def test_a_deepspeed_checkpoint_is_named_with_the_command_that_converts_it(tmp_path) -> None:

@@ -433,6 +433,10 @@ def convert_main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from zeroshard.cli.common import EXIT_CONFIG, CLIError
+
+    if not os.path.isdir(args.checkpoint):  # a wrong path is bad input (exit 2), as a missing `train --resume`
+        raise CLIError(f"{args.checkpoint}: no such checkpoint folder", EXIT_CONFIG)
     files = convert_zero_checkpoint_to_state_dict(
         args.checkpoint,
         args.output,

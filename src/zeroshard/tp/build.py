@@ -36,7 +36,8 @@ def autotp_size(block: Mapping[str, Any] | None) -> int:
     if unknown:
         raise ConfigError(
             misspelt("tensor_parallel", unknown, KEYS)
-            or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size only"
+            or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size and loss_parallel "
+            "(tp_overlap_comm: false and keep_module_on_host are accepted)"
         )
     if block.get("tp_overlap_comm"):
         raise ConfigError("tensor_parallel.tp_overlap_comm=true is not supported; set it to false")
