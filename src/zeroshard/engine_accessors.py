@@ -36,6 +36,24 @@ class EngineAccessors(DeepSpeedSettings):
     _step_applied: bool
     sequence: SequenceParallel | None = None  # set by initialize ([Note: sequence parallelism])
 
+    def __getattr__(self, name: str) -> Any:
+        """[Note: the model's attributes through the engine]
+        As DeepSpeed's engine, an attribute the engine does not have is the model's: `engine.generate(...)`,
+        `engine.gradient_checkpointing_enable()`, a custom method or attribute of the user's module. The engine's own
+        names win (`engine.config` is the engine's config, as DeepSpeed's; `engine.module.config` the model's).
+        torch's `nn.Module.__getattr__` (parameters, buffers, submodules) is asked first."""
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            module = modules.get("module") if modules is not None else None
+            if module is not None and not (name.startswith("__") and name.endswith("__")):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
     @property
     def zero_stage(self) -> int:
         return int(self.config.zero_optimization.stage)

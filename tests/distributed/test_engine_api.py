@@ -141,18 +141,57 @@ def _stage2_rejects_no_sync(rank: int, world_size: int):
     return None
 
 
+class _WithExtras(torch.nn.Module):
+    """DeepSpeed's TestZero3ClientModuleID / TestDSInitWZinit models: an attribute and a method of the user's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.id = 3
+        self.linears = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+
+    def magic(self) -> int:
+        return 42
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linears[1](self.linears[0](x)).sum()
+
+
+def _model_attributes(rank: int, world_size: int) -> list:
+    """[Note: the model's attributes through the engine]: what the engine lacks is the model's, at stages 0 and 3."""
+    import zeroshard
+
+    seen = []
+    for stage in (0, 3):
+        model = _WithExtras()
+        config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}}
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+        try:
+            engine.no_such_attribute
+        except AttributeError as error:
+            missing = str(error)
+        seen.append(
+            (engine.id, engine.magic(), engine.linears is model.linears, engine.config is vars(engine)["config"], missing)
+            + (hasattr(engine, "__deepcopy__"), engine.training)
+        )
+        engine.destroy()
+    return seen
+
+
 def _all(rank: int, world_size: int):
     return (
         _client_objects(rank, world_size),
         _callable_optimizer_and_dataloader(rank, world_size),
         _no_sync_and_destroy(rank, world_size),
         _stage2_rejects_no_sync(rank, world_size),
+        _model_attributes(rank, world_size),
     )
 
 
 def test_engine_api():
     results = run_on_ranks(_all, 2)
-    (lrs, api), _, _, _ = results[0]
+    (lrs, api), _, _, _, attributes = results[0]
+    missing = "'Engine' object has no attribute 'no_such_attribute'"
+    assert attributes == [(3, 42, True, True, missing, False, True)] * 2, attributes
     assert [round(x[0], 10) for x in lrs] == [5e-4, 2.5e-4, 1.25e-4, 6.25e-5]
     assert api[:5] == (4, 2, 1, True, 2)
     assert "call engine.step()" in api[5][0] and "applicable to cases where weights are partitioned" in api[5][1]
