@@ -166,7 +166,7 @@ def _model_attributes(rank: int, world_size: int) -> list:
         config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}}
         engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
         try:
-            engine.no_such_attribute
+            _ = engine.no_such_attribute
         except AttributeError as error:
             missing = str(error)
         seen.append(
