@@ -170,7 +170,13 @@ def _model_attributes(rank: int, world_size: int) -> list:
         except AttributeError as error:
             missing = str(error)
         seen.append(
-            (engine.id, engine.magic(), engine.linears is model.linears, engine.config is vars(engine)["config"], missing)
+            (
+                engine.id,
+                engine.magic(),
+                engine.linears is model.linears,
+                engine.config is vars(engine)["config"],
+                missing,
+            )
             + (hasattr(engine, "__deepcopy__"), engine.training)
         )
         engine.destroy()
