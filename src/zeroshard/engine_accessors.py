@@ -95,9 +95,11 @@ class EngineAccessors(DeepSpeedSettings):
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.accumulation.is_boundary()
 
-    def get_global_grad_norm(self) -> float | None:
-        """Norm of the last step's gradients (before clipping), or None if no step was taken."""
-        return self._last_grad_norm
+    def get_global_grad_norm(self) -> torch.Tensor | None:
+        """Norm of the last step's gradients (before clipping) as a 0-dim fp32 tensor, DeepSpeed's type (scripts call
+        `.item()` on it); None before the first step or where the step computes none (`compute_grad_norm: false`)."""
+        norm = self._last_grad_norm
+        return None if norm is None else torch.tensor(norm, dtype=torch.float32)
 
     # DeepSpeed's names for what the config and topology already say (DeepSpeed's return types).
     @property

@@ -317,7 +317,7 @@ class EngineWrapper:
         if sync_gradients:  # clipping, the optimizer step and the config's scheduler step
             self.engine.step()
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> torch.Tensor | None:
         return self.engine.get_global_grad_norm()
 
 

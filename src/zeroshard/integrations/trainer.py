@@ -233,7 +233,7 @@ def _log_row(
     return {
         "loss": window.mean(engine),
         "lr": engine.get_lr()[0],
-        "grad_norm": engine.get_global_grad_norm(),
+        "grad_norm": None if (norm := engine.get_global_grad_norm()) is None else norm.item(),
         "tokens": engine.global_steps * tokens_per_step,
         "tokens_per_s": steps * tokens_per_step / max(elapsed, 1e-9),
         "model_states_mib_max": max(states) / 2**20,
