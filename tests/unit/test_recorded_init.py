@@ -142,6 +142,20 @@ def test_versions_and_dtype_casts() -> None:
     assert torch.equal(model.shared, torch.arange(6.0, dtype=torch.bfloat16).view(2, 3).t())
 
 
+def test_device_moves_in_the_block_leave_the_placement_to_the_engine() -> None:
+    """[Note: device moves under zero_init]: `.cpu()`, `.to(device)`, `.cuda()` inside the block (DeepSpeed's
+    TestSerialParamInit builds `Son().cpu()`) keep the meta tensors; a move with a dtype keeps the dtype; the values
+    are the constructor's."""
+    with zero_init():
+        moved = _Norm(4).cpu().to("cpu").to(torch.device("cpu"), torch.float64)
+        by_tensor = _Norm(4).to(torch.zeros(1, dtype=torch.bfloat16))
+        on_meta = _Norm(4).to("meta")
+    for model, dtype in ((moved, torch.float64), (by_tensor, torch.bfloat16), (on_meta, torch.float32)):
+        assert all(p.is_meta and p.dtype == dtype for p in model.parameters()), model
+        _materialise(model)
+        assert model.weight.dtype == dtype and model.weight.eq(1).all() and model.bias.eq(0).all()
+
+
 def test_uninitialised_tensors_keep_module_initialisation() -> None:
     """`torch.empty` that nothing wrote is not an initialisation: the module's reset_parameters() runs, as before."""
 

@@ -73,6 +73,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from zeroshard.loading.device_moves import DEVICE_MOVES, kept_on_meta
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -314,6 +315,11 @@ class Recorder(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
+        if func in DEVICE_MOVES and not self._paused and storage_key(args[0]) is not None:
+            moved = kept_on_meta(func, args, kwargs)
+            if moved is None:
+                return args[0]
+            func, args, kwargs = moved
         out = func(*args, **kwargs)
         if self._paused:
             return out
