@@ -312,3 +312,20 @@ def test_a_save_removes_an_earlier_runs_leftovers_and_keeps_what_may_still_be_wr
         ".tmp.notours",
         "here",
     ]
+
+
+def test_scalar_optimizer_state_keeps_its_shape() -> None:
+    """A client optimizer's one-element state of shape (1,) (DeepSpeed's test_hybrid_optimizer_state) comes back as
+    (1,), a 0-dim step as 0-dim, a Python number as that number; a record written before shapes were kept: 0-dim."""
+    from zeroshard.checkpoint.load_optim import _scalar
+    from zeroshard.checkpoint.rank_files import split_optimizer_state
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer.state[param] = {"integer_step": 2, "tensor_step": torch.full((1,), 2.0), "step": torch.tensor(5)}
+    elementwise, scalars = split_optimizer_state(optimizer, param)
+    back = {key: _scalar(record, None, torch.device("cpu")) for key, record in scalars.items()}
+    assert not elementwise and back["integer_step"] == 2
+    assert back["tensor_step"].shape == (1,) and back["tensor_step"].item() == 2.0
+    assert back["step"].shape == () and back["step"].dtype == torch.int64 and back["step"].item() == 5
+    assert _scalar({"value": 1.5, "tensor": "float32"}, None, torch.device("cpu")).shape == ()

@@ -22,7 +22,8 @@ def _scalar(record: dict[str, Any], like: Any, device: torch.device) -> Any:
         return record["value"]
     if isinstance(like, torch.Tensor):
         device = like.device
-    return torch.tensor(record["value"], dtype=dtype_from_name(record["tensor"]), device=device)
+    value = torch.tensor(record["value"], dtype=dtype_from_name(record["tensor"]), device=device)
+    return value.reshape(record["shape"]) if "shape" in record else value  # (checkpoints before it: 0-dim)
 
 
 def _state_zeros(optimizer: torch.optim.Optimizer, param: torch.Tensor, saved: str) -> torch.Tensor:

@@ -47,7 +47,9 @@ def _jsonable(value: Any) -> bool:
 
 def _scalar_record(value: Any) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
-        return {"value": value.item(), "tensor": dtype_name(value.dtype)}
+        # the shape too: a one-element state kept as shape (1,) (a client optimizer's step counter) comes back so
+        record = {"value": value.item(), "tensor": dtype_name(value.dtype)}
+        return record if value.dim() == 0 else {**record, "shape": list(value.shape)}
     return {"value": value, "tensor": None}
 
 
