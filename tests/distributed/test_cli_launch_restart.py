@@ -74,3 +74,41 @@ def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, sig):
     assert launcher.wait(timeout=40) == 130
     for pid in workers:  # reaped by torchrun before it exited
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the launcher"
+
+
+def test_a_sigterm_to_a_nodes_launcher_stops_its_workers(tmp_path):
+    """The same for one node of a multi-node job started without a hostfile (`--nnodes 2 --node_rank I
+    --master_addr A`, as a scheduler starts one launcher per node): a SIGTERM ended the launcher alone and left its
+    torchrun and workers running."""
+    import signal
+    import time
+
+    from helpers.harness import _free_port
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nopen(sys.argv[-1] + str(os.getpid()), 'w').close()\ntime.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    port = str(_free_port())
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nnodes", "2", "--node_rank", str(rank)]
+            + ["--master_addr", "127.0.0.1", "--master_port", port, "--nproc_per_node", "1", "--no_local_rank"]
+            + [str(script), str(tmp_path / f"pid{rank}.")],
+            env=env,
+            cwd=tmp_path,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pid*.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = {p.name.split(".")[0]: int(p.name.split(".")[1]) for p in tmp_path.glob("pid*.*")}
+        assert len(workers) == 2, "the workers did not start"
+        nodes[1].send_signal(signal.SIGTERM)
+        assert nodes[1].wait(timeout=40) == 130
+        assert not os.path.exists(f"/proc/{workers['pid1']}"), "node 1's worker outlived its launcher"
+    finally:
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+            node.wait(timeout=60)

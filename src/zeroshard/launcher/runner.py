@@ -114,23 +114,23 @@ def run_watched(argv: list[str], nproc: int, watch: NodeWatch, max_restarts: int
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     code: int | None = None
     try:
-        while (code := proc.poll()) is None:
-            lost = watch.lost()
-            if lost is not None and max_restarts == 0:
-                logger.error(f"zeroshard launch: lost {lost}; stopping this node's workers")
-                stop_group(proc)
-                code = 1
-                break
-            if lost is not None:
-                logger.warning(f"zeroshard launch: lost {lost}; torchrun restarts the group when it rejoins")
-                watch.forget()
-            time.sleep(poll_s)
-        else:
-            if code != 0 and (lost := watch.wait_verdict(watch.lost_after_s + 5)) is not None:
-                logger.error(f"zeroshard launch: lost {lost}; this node's workers failed with it")
-    except KeyboardInterrupt:
-        stop_group(proc)
-        raise
+        # an interrupt or a SIGTERM (a scheduler, `timeout`) stops torchrun's group: [Note: stopping a local run]
+        # (a SIGTERM ended this process alone before, and torchrun, in a session of its own, waited on)
+        with passing_stops_on(proc, grace_s=10.0):
+            while (code := proc.poll()) is None:
+                lost = watch.lost()
+                if lost is not None and max_restarts == 0:
+                    logger.error(f"zeroshard launch: lost {lost}; stopping this node's workers")
+                    stop_group(proc)
+                    code = 1
+                    break
+                if lost is not None:
+                    logger.warning(f"zeroshard launch: lost {lost}; torchrun restarts the group when it rejoins")
+                    watch.forget()
+                time.sleep(poll_s)
+            else:
+                if code != 0 and (lost := watch.wait_verdict(watch.lost_after_s + 5)) is not None:
+                    logger.error(f"zeroshard launch: lost {lost}; this node's workers failed with it")
     finally:
         watch.stop(1 if code is None else code)
     return code
