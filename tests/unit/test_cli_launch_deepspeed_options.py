@@ -146,3 +146,18 @@ def test_bind_cores_reaches_every_node_of_a_hostfile(tmp_path):
 def test_a_batch_script_passes_the_binding_on(capsys):
     assert main(["launch", "--print-sbatch", "--nnodes", "2", "--bind_core_list", "0-3", "s.py"]) == 0
     assert "--bind_core_list 0-3 s.py" in capsys.readouterr().out
+
+
+def test_an_unresolvable_master_addr_is_named_not_waited_on_silently(caplog):
+    import logging
+
+    from zeroshard.cli.launch import warn_if_unresolvable
+
+    logging.getLogger("zeroshard").addHandler(caplog.handler)  # zeroshard's logger does not propagate
+    try:
+        warn_if_unresolvable("localhost")
+        assert not caplog.records
+        warn_if_unresolvable("no-such-host.invalid")
+    finally:
+        logging.getLogger("zeroshard").removeHandler(caplog.handler)
+    assert "--master_addr no-such-host.invalid does not resolve here" in caplog.text

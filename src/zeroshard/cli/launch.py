@@ -312,9 +312,25 @@ def _run_node(opts: LaunchOptions, argv: list[str], nproc: int, heartbeat_timeou
     from zeroshard.launcher.runner import run_watched
 
     assert opts.master_addr is not None and opts.nnodes is not None and opts.node_rank is not None
+    warn_if_unresolvable(opts.master_addr)
     port = (opts.master_port or DEFAULT_MASTER_PORT) + 1
     watch = NodeWatch(opts.master_addr, port, opts.node_rank, opts.nnodes, lost_after_s=heartbeat_timeout)
     return run_watched(argv, nproc, watch.start(), opts.max_restarts)
+
+
+def warn_if_unresolvable(host: str) -> None:
+    """A --master_addr this machine cannot resolve made the node wait silently until torchrun's rendezvous timeout.
+    Not refused: a cluster's DNS (Kubernetes' headless services) may publish the name only once that pod starts."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as error:
+        logger.warning(
+            f"zeroshard launch: --master_addr {host} does not resolve here ({error}); this node waits for it to "
+            "(a cluster's DNS may publish it later) until torchrun's rendezvous times out: check the name if it "
+            "should resolve now"
+        )
 
 
 def _print_sbatch(args: argparse.Namespace) -> int:
