@@ -6,7 +6,7 @@ Example:
     ...     model=model, model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
 
 `import zeroshard as deepspeed` gives a DeepSpeed script the names it uses (`add_config_arguments`,
-`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`, and `DeepSpeedEngine`,
+`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`, `OnDevice`, and `DeepSpeedEngine`,
 `DeepSpeedHybridEngine`, `PipelineEngine`, `PipelineModule`, `DeepSpeedConfigError`, `log_dist`, `logger` as
 names of zeroshard's own); docs/compat.md lists them.
 """
@@ -25,6 +25,7 @@ from zeroshard.errors import (
     ZeroshardError,
 )
 from zeroshard.initialize import initialize
+from zeroshard.utils.init_on_device import OnDevice
 from zeroshard.zero.stage3.gathered import GatheredParameters
 from zeroshard.zero.stage3.meta import zero_init
 
@@ -65,6 +66,7 @@ __all__ = [
     "GatheredParameters",
     "LossScaleError",
     "MemoryReport",
+    "OnDevice",
     "ZeroshardError",
     "accelerator",
     "add_config_arguments",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -52,7 +53,7 @@ from zeroshard.sequence.mesh import (
 from zeroshard.tp.build import build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils import groups as parallel_groups
-from zeroshard.utils.logging import get_logger
+from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.stage3.ds_param import unmark
@@ -243,10 +244,12 @@ def _build(
     meta = any(p.is_meta for p in model.parameters())
     if meta:  # PEFT's modules_to_save copies start from their originals' values
         share_with_saved_copies(model, weights)
-    if stage < 3 and meta and weights is None:
-        raise ConfigError(
-            "the model has parameters on the meta device; sharded construction needs zero_optimization.stage 3 "
-            "(at stages 0-2 build it from a checkpoint: with zeroshard.zero_init(): from_pretrained(folder))"
+    if stage < 3 and meta and weights is None:  # as DeepSpeed's zero.Init followed by a stage 0-2 config
+        log_rank(
+            logger,
+            logging.WARNING,
+            f"the model was built on the meta device (zero_init) and zero_optimization.stage is {stage}: every rank "
+            "builds it whole from what its code recorded (stage 3 would shard it)",
         )
     # buffers are small and become real now (also when a GatheredParameters block before initialize made every
     # parameter real); stage 3 materialises parameters unit by unit

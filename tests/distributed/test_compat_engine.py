@@ -1,6 +1,6 @@
 """`import zeroshard as deepspeed` on 2 gloo ranks: a script's argument parsing, `init_distributed`,
-`deepspeed.comm` collectives and the engine accessors DeepSpeed scripts read, and `utils.safe_get_full_*` at every
-stage (tests/helpers/safe_get_full_grid.py), in one spawn."""
+`deepspeed.comm` collectives and the engine accessors DeepSpeed scripts read, `utils.safe_get_full_*` at every
+stage (tests/helpers/safe_get_full_grid.py) and `runtime.utils.clip_grad_norm_` over the ranks, in one spawn."""
 
 from __future__ import annotations
 
@@ -52,10 +52,48 @@ def _script(rank: int, world_size: int, config_path: str):
     return facts
 
 
+class _ModelParallelWorld:
+    """A Megatron-style mpu whose model-parallel group is the whole world (DeepSpeed's `clip_grad_norm_` reads
+    these two methods)."""
+
+    def get_model_parallel_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    def get_model_parallel_group(self):
+        return torch.distributed.group.WORLD
+
+
+def _clip_grad_norm(rank: int) -> dict:
+    """DeepSpeed's `clip_grad_norm_` with rank-dependent gradients: without an mpu the ranks' norms are averaged over
+    the data-parallel group (the world here); with one, a parameter not marked model-parallel counts on
+    model-parallel rank 0 only and the squares are summed over the model-parallel group first."""
+    from zeroshard.runtime.utils import clip_grad_norm_
+
+    def params() -> list[torch.nn.Parameter]:
+        shared, split = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+        shared.grad = torch.tensor([3.0, 4.0]) * (rank + 1)  # norm 5 on rank 0, 10 on rank 1
+        split.grad = torch.tensor([0.0, 12.0]) * (rank + 1)  # norm 12, 24
+        split.tensor_model_parallel = True  # type: ignore[attr-defined]
+        return [shared, split]
+
+    plain = params()
+    plain_norm = clip_grad_norm_(plain, max_norm=1.0)
+    parallel = params()
+    parallel_norm = clip_grad_norm_(parallel, max_norm=1e3, mpu=_ModelParallelWorld())
+    return {
+        "plain": (plain_norm.item(), plain[0].grad.tolist()),
+        "parallel": (parallel_norm.item(), parallel[0].grad.tolist()),
+    }
+
+
 def _spawn(rank: int, world_size: int, config_path: str) -> dict:
     from helpers.safe_get_full_grid import run_grid
 
-    return {"surface": _script(rank, world_size, config_path), "safe_get_full": run_grid(rank, world_size)}
+    return {
+        "surface": _script(rank, world_size, config_path),
+        "safe_get_full": run_grid(rank, world_size),
+        "clip_grad_norm": _clip_grad_norm(rank),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +133,21 @@ def test_safe_get_full_matches_a_single_process_reference_at_every_stage(ranks: 
     from helpers.safe_get_full_grid import check_grid
 
     check_grid([result["safe_get_full"] for result in ranks])
+
+
+def test_clip_grad_norm_averages_over_data_parallel_ranks_and_sums_over_model_parallel(ranks: list[dict]) -> None:
+    import math
+
+    local = [math.hypot(5 * (r + 1), 12 * (r + 1)) for r in range(2)]  # each rank's own norm: 13, 26
+    plain = sum(local) / 2  # DeepSpeed's mean of the ranks' norms (for MoE, whose expert gradients differ by rank)
+    # mpu: `shared` counted on model-parallel rank 0 only (5^2), `split` on both (12^2 + 24^2), then that norm
+    # averaged over the data-parallel world: every rank computed the same value
+    parallel = math.sqrt(5**2 + 12**2 + 24**2)
+    for rank, result in enumerate(ranks):
+        norm, grad = result["clip_grad_norm"]["plain"]
+        assert norm == pytest.approx(plain, rel=1e-6)
+        coefficient = 1.0 / (plain + 1e-6)
+        assert grad == pytest.approx([3.0 * (rank + 1) * coefficient, 4.0 * (rank + 1) * coefficient], rel=1e-6)
+        norm, grad = result["clip_grad_norm"]["parallel"]
+        assert norm == pytest.approx(parallel, rel=1e-6)
+        assert grad == [3.0 * (rank + 1), 4.0 * (rank + 1)]  # under max_norm: unchanged

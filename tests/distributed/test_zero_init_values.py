@@ -4,7 +4,8 @@ LayerNorm's weight is ones (it was zeros), the residual projections carry GPT-2'
 the mask, a `GatheredParameters` block before `initialize` shows the very values training starts from, every rank
 holds the same model, and training from it matches a single process started from the same values; blocks inside the
 constructor see and keep the recorded values; a Hugging Face model behind PEFT still gets its `_init_weights`, and
-GPT-2's parent branch scales its children's `c_proj` as transformers does after construction."""
+GPT-2's parent branch scales its children's `c_proj` as transformers does after construction. At stages 0 and 2 (as
+DeepSpeed's zero.Init with a stage 0-2 config) every rank builds the whole model from the same records."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from helpers.harness import run_on_ranks
 from helpers.nanogpt import LAYERS, LayerNorm, NanoGPT, T, nanogpt_batches, nanogpt_config
 
 
-def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
+def _run(rank: int, world_size: int, backend: str, stage: int = 3) -> dict[str, Any]:
     import zeroshard
 
     torch.manual_seed(1234)  # the shared seed every rank's initialisation draws from
@@ -29,7 +30,10 @@ def _run(rank: int, world_size: int, backend: str) -> dict[str, Any]:
         model = NanoGPT()
     with zeroshard.GatheredParameters([model.ln_f.weight, model.blocks[0].c_proj.weight]):
         before = (model.ln_f.weight.detach().clone(), model.blocks[0].c_proj.weight.detach().clone())
-    engine, *_ = zeroshard.initialize(model=model, config=nanogpt_config(backend))
+    config = nanogpt_config(backend)
+    if stage != 3:  # DeepSpeed's zero.Init with a stage 0-2 config: every rank builds the whole model
+        config["zero_optimization"] = {"stage": stage}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
     with zeroshard.GatheredParameters(list(model.parameters())):
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -59,9 +63,9 @@ def _reference(initial: dict[str, torch.Tensor]) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("backend", ["zero", "fsdp2"])
-def test_nanogpt_starts_from_its_own_initialisation(backend: str) -> None:
-    ranks = run_on_ranks(_run, 2, backend)
+@pytest.mark.parametrize(("backend", "stage"), [("zero", 3), ("fsdp2", 3), ("zero", 0), ("zero", 2)])
+def test_nanogpt_starts_from_its_own_initialisation(backend: str, stage: int) -> None:
+    ranks = run_on_ranks(_run, 2, backend, stage)
     got = ranks[0]
     for name, value in got["initial"].items():  # one model on every rank
         assert torch.equal(value, ranks[1]["initial"][name]), name

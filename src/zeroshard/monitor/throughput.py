@@ -49,9 +49,11 @@ class ThroughputTimer:
         self.start_step = start_step
         self._loader = loader
         self.whole_windows = whole_windows  # time from a window's first forward, not its last
-        self.started = False
+        self.initialized = False  # started at least once (DeepSpeed's name)
+        self.started = False  # between a start() and its stop()
         self.total_samples = 0  # of the steps timed since start_step
-        self.start_time = 0.0
+        self.start_time = 0.0  # of the running timed interval; 0 until the first step after start_step
+        self.end_time = 0.0  # of the latest timed interval
         self.micro_step_count = 0
         self.global_step_count = 0
         self.total_elapsed_time = 0.0
@@ -65,13 +67,15 @@ class ThroughputTimer:
     def start(self) -> None:
         if not self.enabled or (self.started and self.whole_windows):
             return
+        self.initialized = True
         self.started = True
         if self.global_step_count >= self.start_step:
             self._synchronize()
             self.start_time = time.time()
 
-    def stop(self, global_step: bool, report_speed: bool, samples: int | None = None) -> None:
-        """`samples`: what the step trained on (default train_batch_size)."""
+    def stop(self, global_step: bool = False, report_speed: bool = True, samples: int | None = None) -> None:
+        """End a micro-step (`global_step`: it ended an optimizer step, DeepSpeed's defaults); `samples`: what the
+        step trained on (default train_batch_size)."""
         if not self.enabled or not self.started:
             return
         self.started = False
@@ -81,7 +85,8 @@ class ThroughputTimer:
         if self.start_time <= 0:
             return
         self._synchronize()
-        duration = time.time() - self.start_time
+        self.end_time = time.time()
+        duration = self.end_time - self.start_time
         self.total_elapsed_time += duration
         self.step_elapsed_time += duration
         if not global_step:
@@ -90,23 +95,29 @@ class ThroughputTimer:
         self.total_samples += step_samples
         if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
             acc = get_accelerator()
-            log_rank(
-                logger,
-                20,
-                f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/global_step={self.global_step_count}, "
+            self._report(
+                f"{self._position()}, "
                 f"RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
                 f"CurrSamplesPerSec={step_samples / (self.step_elapsed_time + TIME_EPSILON)}, "
                 f"MemAllocated={round(acc.memory_allocated() / _GIB, 2)}GB, "
-                f"MaxMemAllocated={round(acc.max_memory_allocated() / _GIB, 2)}GB",
+                f"MaxMemAllocated={round(acc.max_memory_allocated() / _GIB, 2)}GB"
             )
         self.step_elapsed_time = 0.0
 
+    def _position(self) -> str:
+        return f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/global_step={self.global_step_count}"
+
+    def _report(self, message: str) -> None:
+        """The speed line: logged on rank 0 (the engine asks only rank 0 to report)."""
+        log_rank(logger, 20, message)
+
     def avg_samples_per_sec(self) -> float:
         """The samples of the steps timed since `start_step` over their time (train_batch_size over the mean step
-        time, with managed windows); -inf before the first step."""
+        time, with managed windows); -inf before the first step, as DeepSpeed's, and until a step has been timed
+        (DeepSpeed raises ZeroDivisionError from its first step to `start_step`, which its log never reaches)."""
         steps = self.global_step_count - self.start_step
         if steps <= 0 or self.total_elapsed_time <= 0:
-            return float("-inf")  # nothing timed yet (DeepSpeed divides by zero in its second step)
+            return float("-inf")
         return self.total_samples / self.total_elapsed_time
 
     def _synchronize(self) -> None:

@@ -1,16 +1,19 @@
-"""`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed` and `move_to_device`."""
+"""`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed`, `move_to_device`, `clip_grad_norm_` and
+`call_to_str`."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from zeroshard.accelerator import get_accelerator
+from zeroshard.comm import api as comm
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -65,3 +68,69 @@ def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool]
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
     return item.to(device) if hasattr(item, "to") else item
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2, mpu: Any = None
+) -> torch.Tensor:
+    """DeepSpeed's `clip_grad_norm_`: scale the given parameters' gradients in place by
+    min(1, max_norm / (total_norm + 1e-6)) and return total_norm (a tensor on the first parameter's device).
+
+    As DeepSpeed computes it: the `norm_type` norm of this rank's gradients (`inf`: the largest magnitude); with an
+    `mpu` (Megatron's `get_model_parallel_rank()`/`get_model_parallel_group()`), summed (`inf`: the max) over its
+    model-parallel group, a parameter not marked `model_parallel`/`tensor_model_parallel` counted on model-parallel
+    rank 0 only; then averaged over the data-parallel group (`zeroshard.utils.groups`): the mean of the ranks'
+    norms, which equals each one where the ranks hold the same gradients (DeepSpeed averages for MoE layers, whose
+    expert gradients differ by rank). It is a collective over those groups once torch.distributed is initialised:
+    call it on every rank. For the engine's own gradients use ds_config `gradient_clipping` (they live in the
+    engine's flat buffers, not in `p.grad`).
+
+    Example:
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> layer(torch.ones(2, 4)).sum().backward()
+        >>> norm = clip_grad_norm_(layer.parameters(), max_norm=1.0)
+    """
+    from zeroshard.utils import groups
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = [p for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    device = get_accelerator().current_device_name()  # where the collectives can run (NCCL needs the device)
+    mp_group = mpu.get_model_parallel_group() if mpu is not None else None
+    if norm_type == math.inf:
+        norms = [p.grad.detach().abs().max().float() for p in params]  # type: ignore[union-attr]
+        total = torch.stack(norms).max().to(device) if norms else torch.zeros((), device=device)
+        if mpu is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mp_group)
+    else:
+        counted = [p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0 or _model_parallel(p)]
+        norms = [p.grad.detach().float().norm(norm_type) for p in counted]  # type: ignore[union-attr]
+        total = torch.stack(norms).pow(norm_type).sum().to(device) if norms else torch.zeros((), device=device)
+        if mpu is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.SUM, group=mp_group)
+        total = total.pow(1.0 / norm_type)
+    if comm.is_available() and comm.is_initialized():
+        total = total / float(groups.get_data_parallel_world_size())
+        comm.all_reduce(total, group=groups.get_data_parallel_group())
+    if params:
+        total = total.to(params[0].device)
+    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coefficient.to(p.grad.device))  # type: ignore[union-attr]
+    return total
+
+
+def _model_parallel(param: torch.Tensor) -> bool:
+    """DeepSpeed's `is_model_parallel_parameter`: Megatron marks the parameters split across model-parallel ranks."""
+    return bool(getattr(param, "model_parallel", False) or getattr(param, "tensor_model_parallel", False))
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """`base(arg, ..., key=value, ...)` with each value's repr, as DeepSpeed's `call_to_str`.
+
+    Example:
+        >>> call_to_str("LayerSpec", 4, bias=False)
+        'LayerSpec(4, bias=False)'
+    """
+    arguments = [repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(arguments)})"

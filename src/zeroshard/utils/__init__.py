@@ -1,10 +1,11 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
-`logger`, `log_dist`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` and
+`logger`, `log_dist`, `OnDevice`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` and
 `safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
 (`set_z3_leaf_modules` and its relatives). `zero_to_fp32` (the checkpoint consolidation under DeepSpeed's module
-path) is a submodule, imported on first use."""
+path) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are submodules, imported on first use."""
 
 from zeroshard.utils import groups
+from zeroshard.utils.init_on_device import OnDevice
 from zeroshard.utils.logging import log_dist, logger
 from zeroshard.utils.repeating import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (
@@ -33,6 +34,7 @@ from zeroshard.utils.z3_leaf_module import (
 )
 
 __all__ = [
+    "OnDevice",
     "RepeatingLoader",
     "get_z3_leaf_modules",
     "groups",
@@ -55,6 +57,7 @@ __all__ = [
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",
     "set_z3_leaf_modules_by_suffix",
+    "timer",
     "unset_z3_leaf_modules",
     "zero_to_fp32",
     "z3_leaf_module",
@@ -62,8 +65,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    if name == "zero_to_fp32":  # `deepspeed.utils.zero_to_fp32.get_...`, without importing the checkpoint code early
+    # `deepspeed.utils.zero_to_fp32.get_...`, `deepspeed.utils.timer....`, without importing the checkpoint and
+    # monitor code early
+    if name in ("zero_to_fp32", "timer"):
         import importlib
 
-        return importlib.import_module("zeroshard.utils.zero_to_fp32")
+        return importlib.import_module(f"zeroshard.utils.{name}")
     raise AttributeError(f"module 'zeroshard.utils' has no attribute {name!r}")

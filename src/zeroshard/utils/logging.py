@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 _FORMAT = "[zeroshard %(rank)s] %(levelname)s %(message)s"
 
@@ -50,6 +52,20 @@ def log_rank(logger: logging.Logger, level: int, msg: str, ranks: Iterable[int] 
 logger = get_logger("zeroshard")
 
 
+def _selected_rank(ranks: Iterable[int] | None) -> int | None:
+    """DeepSpeed's rank rule for its `*_dist` helpers: this process's rank (-1 before torch.distributed is
+    initialised) when it should write, else None. Listed ranks write (`[-1]`: all); None or []: none once
+    torch.distributed is initialised, every process before."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else -1
+    wanted = list(ranks or [])
+    if not initialized or (wanted and (wanted[0] == -1 or rank in wanted)):
+        return rank
+    return None
+
+
 def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
     """DeepSpeed's `log_dist`: log on the listed ranks (`[-1]`: all ranks; None or []: none once
     torch.distributed is initialised, all before), prefixed with the rank as DeepSpeed does.
@@ -58,13 +74,74 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
         >>> from zeroshard.utils import log_dist
         >>> log_dist("step 10", ranks=[0])
     """
-    import torch.distributed as dist
-
-    initialized = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if initialized else -1
-    wanted = list(ranks or [])
-    if not initialized or (wanted and (wanted[0] == -1 or rank in wanted)):
+    rank = _selected_rank(ranks)
+    if rank is not None:
         logger.log(level, "[Rank %d] %s", rank, message)
+
+
+class _Emitted:
+    """The messages `warning_once` and `log_dist_once` have emitted. Once per process is what they mean (the
+    logger they write to is process-wide too), so one instance below holds them, as DeepSpeed's lru_cache does."""
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+
+    def first(self, key: Hashable) -> bool:
+        """Whether `key` is new (and remember it)."""
+        try:
+            if key in self._seen:
+                return False
+        except TypeError:  # unhashable arguments: DeepSpeed's cache raises; remember them by their text
+            key = repr(key)
+            if key in self._seen:
+                return False
+        self._seen.add(key)
+        return True
+
+
+_EMITTED = _Emitted()
+
+
+def warning_once(*args: Any, **kwargs: Any) -> None:
+    """DeepSpeed's `logger.warning_once`: `logger.warning(*args, **kwargs)`, only the first time these arguments
+    are given in this process (also `zeroshard.utils.logger.warning_once`).
+
+    Example:
+        >>> logger.warning_once("fp16 is slow on this device")
+    """
+    if _EMITTED.first(("warning", args, tuple(sorted(kwargs.items())))):
+        logger.warning(*args, **kwargs)
+
+
+def log_dist_once(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:
+    """DeepSpeed's: `log_dist(message, ranks, level)` only the first time these arguments are given in this
+    process (also `logger.log_dist_once`)."""
+    if _EMITTED.first(("log_dist", message, None if ranks is None else tuple(ranks), level)):
+        log_dist(message, ranks=ranks, level=level)
+
+
+# DeepSpeed's logger carries these two as methods; the names are set on zeroshard's own logger, nothing else's
+setattr(logger, "warning_once", warning_once)  # noqa: B010 - a Logger has no such attribute to type
+setattr(logger, "log_dist_once", log_dist_once)  # noqa: B010
+
+
+def print_json_dist(message: dict[str, Any], ranks: Iterable[int] | None = None, path: str | None = None) -> None:
+    """DeepSpeed's: on the ranks `log_dist` would log on, add `"rank"` to `message` (a dict) and write it as
+    JSON to `path`, synced to disk (every selected rank writes the same `path`: give each its own).
+
+    Example:
+        >>> print_json_dist({"step": 10, "loss": 1.5}, ranks=[0], path="/tmp/metrics.json")
+    """
+    if path is None:
+        raise TypeError("print_json_dist needs path=, the file to write the JSON to")
+    rank = _selected_rank(ranks)
+    if rank is None:
+        return
+    message["rank"] = rank
+    with open(path, "w") as out:
+        json.dump(message, out)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def print_configuration(obj: object, name: str) -> None:

@@ -12,8 +12,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +39,30 @@ from zeroshard.utils.zero_to_fp32 import main
 if __name__ == "__main__":
     raise SystemExit(main())
 '''
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    """DeepSpeed's: the paths of the optimizer-state files in a checkpoint's tag folder (`ckpt/global_step10`), in
+    DeepSpeed's natural order (digit runs compared as numbers). In zeroshard's layout these are
+    `optim/rankNNNNN.safetensors`, one per rank that holds optimizer state (stage 0: rank 0 only), and
+    `optim/rankNNNNN.partKKKKK.safetensors`, one per rank and optimizer sub-group, where stage 3 kept the state
+    on NVMe (docs/checkpoint.md, Format). FileNotFoundError when there are none, as DeepSpeed's.
+
+    Example:
+        >>> get_optim_files("ckpt/global_step10")  # doctest: +SKIP
+        ['ckpt/global_step10/optim/rank00000.safetensors', 'ckpt/global_step10/optim/rank00001.safetensors']
+    """
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    pattern = os.path.join("optim", "rank*.safetensors")
+    files = sorted(glob.glob(os.path.join(glob.escape(checkpoint_dir), pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def _natural_key(text: str) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +103,7 @@ __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
     "main",
     "to_torch_tensor",

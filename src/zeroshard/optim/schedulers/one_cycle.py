@@ -12,6 +12,8 @@ from zeroshard.optim.schedulers.base import BatchLRScheduler, write_lrs
 from zeroshard.optim.schedulers.checks import PerGroup, check_bool, check_int, check_number, check_per_group, per_group
 from zeroshard.utils.logging import get_logger
 
+_BETA2 = 0.99  # DeepSpeed's OneCycle pins beta2 here whatever the optimizer had
+
 
 @dataclass(frozen=True, kw_only=True)
 class OneCycleParams:
@@ -139,6 +141,13 @@ class OneCycle(BatchLRScheduler):
         if self.cycle_momentum:
             _write_betas(self.optimizer, self.mom_at(self.last_batch_iteration))
 
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """DeepSpeed's: each group's betas at the current iteration, (beta1, 0.99), as step() writes them; None
+        without cycle_momentum (or when the optimizer has no betas)."""
+        if not self.cycle_momentum:
+            return None
+        return [(beta1, _BETA2) for beta1 in self.mom_at(self.last_batch_iteration)]
+
     def lr_at(self, iteration: int) -> list[float]:
         if iteration < self.total_size:
             scale = self._scale_factor(iteration)
@@ -187,4 +196,4 @@ class OneCycle(BatchLRScheduler):
 def _write_betas(optimizer: torch.optim.Optimizer, beta1s: Sequence[float]) -> None:
     """Set each group's betas to (beta1, 0.99): DeepSpeed's OneCycle pins beta2 at 0.99."""
     for group, beta1 in zip(optimizer.param_groups, beta1s, strict=True):
-        group["betas"] = (beta1, 0.99)
+        group["betas"] = (beta1, _BETA2)

@@ -243,6 +243,11 @@ class WarmupCosineLR(BatchLRScheduler):
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
+    def get_lr_ratio(self) -> float:
+        """DeepSpeed's name: the multiplier of the groups' original lr at the current iteration (0 before the first
+        step)."""
+        return self.lr_ratio(self.last_batch_iteration)
+
     def lr_at(self, iteration: int) -> list[float]:
         if iteration < 0:
             return [0.0 for _ in self.org_lrs]
