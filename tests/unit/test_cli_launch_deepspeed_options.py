@@ -158,6 +158,8 @@ def test_an_unresolvable_master_addr_is_named_not_waited_on_silently(caplog):
         warn_if_unresolvable("localhost")
         assert not caplog.records
         warn_if_unresolvable("no-such-host.invalid")
+        warn_if_unresolvable("bad..host")
     finally:
         logging.getLogger("zeroshard").removeHandler(caplog.handler)
     assert "--master_addr no-such-host.invalid does not resolve here" in caplog.text
+    assert "--master_addr bad..host does not resolve here" in caplog.text

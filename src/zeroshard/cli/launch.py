@@ -325,7 +325,7 @@ def warn_if_unresolvable(host: str) -> None:
 
     try:
         socket.getaddrinfo(host, None)
-    except OSError as error:
+    except (OSError, UnicodeError) as error:  # (a malformed name, "a..b", fails in the idna codec)
         logger.warning(
             f"zeroshard launch: --master_addr {host} does not resolve here ({error}); this node waits for it to "
             "(a cluster's DNS may publish it later) until torchrun's rendezvous times out: check the name if it "
