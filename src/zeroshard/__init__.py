@@ -6,14 +6,14 @@ Example:
     ...     model=model, model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
 
 `import zeroshard as deepspeed` gives a DeepSpeed script the names it uses (`add_config_arguments`,
-`init_distributed`, `accelerator`, `comm`, `ops`, `runtime`, `utils`, `zero`, `OnDevice`, and `DeepSpeedEngine`,
-`DeepSpeedHybridEngine`, `PipelineEngine`, `PipelineModule`, `DeepSpeedConfigError`, `log_dist`, `logger` as
-names of zeroshard's own); docs/compat.md lists them.
+`init_distributed`, `accelerator`, `comm`, `ops`, `profiling`, `runtime`, `utils`, `zero`, `OnDevice`, and
+`DeepSpeedEngine`, `DeepSpeedHybridEngine`, `PipelineEngine`, `PipelineModule`, `DeepSpeedConfigError`, `log_dist`,
+`logger` as names of zeroshard's own); docs/compat.md lists them.
 """
 
 import re as _re
 
-from zeroshard import accelerator, comm, ops, runtime, utils, zero
+from zeroshard import accelerator, comm, ops, profiling, runtime, utils, zero
 from zeroshard.arguments import add_config_arguments
 from zeroshard.comm.api import init_distributed
 from zeroshard.engine import Engine, MemoryReport
@@ -74,6 +74,7 @@ __all__ = [
     "init_distributed",
     "initialize",
     "ops",
+    "profiling",
     "runtime",
     "utils",
     "zero",

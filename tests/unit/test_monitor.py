@@ -111,7 +111,7 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
     # One micro-batch of step 1: fc1 is MICRO x K @ K x N, fc2 MICRO x N @ N x OUT, 2*M*N*K FLOPs each.
     profile = (tmp_path / "flops.txt").read_text()
     fc1, fc2 = 2 * MICRO * K * N, 2 * MICRO * N * OUT
-    assert "Profile Summary at step 1:" in profile
+    assert "Profile Summary at step 2:" in profile  # profile_step 1: global_steps after it, as DeepSpeed prints
     assert f"{(fc1 + fc2) // 2} MACs" in profile.split("fwd MACs per GPU:")[1].splitlines()[0]
     detailed = profile.split("Detailed Profile per GPU")[1]
     assert f"(fc1): Linear({K * N} = " in detailed and f"{fc1 // 2} MACs" in detailed
@@ -122,7 +122,7 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
 def test_flops_profile_under_wall_clock_breakdown_adds_deepspeeds_backward_lines(tmp_path: pathlib.Path) -> None:
     """With wall_clock_breakdown the profile takes the engine's timings of the profiled step's last micro-step and
     counts a backward as 2 + recompute_fwd_factor forwards, as DeepSpeed's does."""
-    from zeroshard.monitor.flops import duration_to_string, flops_to_string
+    from zeroshard.monitor.flops_report import duration_to_string, flops_to_string
 
     last = STEPS - 1  # the snapshot read below is the profiled step's
     profiler = {"enabled": True, "profile_step": last, "output_file": str(tmp_path / "flops.txt")}

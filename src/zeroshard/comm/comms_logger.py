@@ -30,6 +30,7 @@ import torch
 
 from zeroshard.config.monitor import CommsLoggerConfig
 from zeroshard.errors import ConfigError
+from zeroshard.reporting import report
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -207,8 +208,8 @@ class CommsLogger:
                     f"{s['avg_latency_ms']: <20.2f}{s['tput_avg_gbps']: <20.2f}{s['busbw_avg_gbps']: <20.2f}"
                 )
         stragglers = self._stragglers(lines) if show_straggler else None
-        if print_log:
-            logger.info("\n" + "\n".join(lines))
+        if print_log:  # asked for by name: shown whatever the log level ([Note: reports the log level does not hide])
+            report("\n" + "\n".join(lines), ranks=None)
         if not return_dict:
             return None
         return {

@@ -7,7 +7,10 @@
 - `Train/Samples/train_loss`: the mean of the step's micro-batch losses, written at the boundary's
   `engine.backward()`, before the step (samples not yet counted with this step). DeepSpeed's engine wrote it there
   in earlier releases; 0.19.8 writes it from its pipeline engine only. We keep it where users' dashboards had it.
-The loss is this rank's (not averaged over ranks), as DeepSpeed logs it.
+  The loss is this rank's (not averaged over ranks), as DeepSpeed logs it.
+- from the pipeline engine, as DeepSpeed 0.19.8's: `Train/Samples/train_loss` at the end of `train_batch()`, after
+  its step (samples counted with it), and `Train/Samples/eval_loss` at the end of `eval_batch()`; each the batch's
+  loss as `train_batch`/`eval_batch` return it: the mean over the micro-batches and the data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -21,10 +24,8 @@ from torch import nn
 from zeroshard.monitor.base import Event, Monitor
 from zeroshard.monitor.flops import FlopsProfiler
 from zeroshard.monitor.opening import monitors_enabled
-from zeroshard.utils.logging import get_logger
+from zeroshard.reporting import report
 from zeroshard.zero.strategy import Strategy
-
-logger = get_logger(__name__)
 
 
 class Telemetry:
@@ -86,6 +87,11 @@ class Telemetry:
         self._loss_sum, self._losses = None, 0
         self._write([("Train/Samples/train_loss", value, samples)])
 
+    def batch_loss(self, name: str, loss: torch.Tensor, samples: int) -> None:
+        """The pipeline engine's `Train/Samples/train_loss` or `eval_loss` ([Note: monitor events])."""
+        if self.monitors:
+            self._write([(name, float(loss.detach().float().mean().item()), samples)])
+
     def after_step(self, step: int, samples: int, lr: float, loss_scale: float | None) -> None:
         """After an optimizer step (`step` counted before it): lr and loss scale."""
         events: list[Event] = [("Train/Samples/lr", lr, samples)]
@@ -99,7 +105,7 @@ class Telemetry:
         if self.profiler is not None:
             text = self.profiler.report(step, timings)
             if text is not None:
-                logger.info(text)
+                report(text)  # [Note: reports the log level does not hide]
 
     def write_events(self, event_list: list[Event]) -> None:
         """DeepSpeed's `engine.monitor.write_events([(name, value, samples), ...])`: the script's own events,

@@ -7,7 +7,8 @@ As DeepSpeed 0.19.8's engine does with `"wall_clock_breakdown": true`: `engine.f
 (`fwd_microstep`, ...) that rank 0 logs and resets after every `engine.step()`; their sums over the accumulation
 window (`fwd`, ...) it logs and resets on every boundary, after writing them to the monitors as
 `Train/Samples/elapsed_time_ms_forward`, `..._backward`, `..._backward_inner`, `..._backward_allreduce` and
-`..._step`. `engine.get_wall_clock_timers()` is
+`..._step`; the lines are shown whatever the log level, as DeepSpeed prints them ([Note: reports the log level
+does not hide]). `engine.get_wall_clock_timers()` is
 the snapshot taken before those resets. Times are milliseconds summed over the window: on CUDA between events
 recorded on the current stream (the device's time; reading them synchronizes, as DeepSpeed's do), elsewhere the
 host's. The pipeline engine times only `step`: torch's schedule runs forward and backward inside `train_batch`.
@@ -23,9 +24,7 @@ from typing import Any
 import torch
 
 from zeroshard.monitor.base import Event
-from zeroshard.utils.logging import get_logger, log_rank
-
-logger = get_logger(__name__)
+from zeroshard.reporting import report
 
 EVENT_NAMES = {  # timer -> its monitor event's suffix
     "fwd": "forward",
@@ -104,10 +103,10 @@ class WallClock:
         window = dict(self._window)
         microsteps = {f"{name}_microstep": ms for name, ms in micro.items()}
         self._snapshot = {**microsteps, **window}
-        log_rank(logger, 20, _line(microsteps))
+        report(_line(microsteps))  # [Note: reports the log level does not hide]
         if boundary:
             write([(f"Train/Samples/elapsed_time_ms_{EVENT_NAMES[name]}", ms, samples) for name, ms in window.items()])
-            log_rank(logger, 20, _line(window))
+            report(_line(window))
             self._window = dict.fromkeys(EVENT_NAMES, 0.0)
 
     def snapshot(self) -> dict[str, float]:

@@ -9,7 +9,8 @@ the schedule accumulates are DeepSpeed's; the ZeRO strategy is not involved duri
 `.grad`s at the step as one backward ([Note: gradients outside engine.backward]), reducing them over the stage's
 data-parallel group. The clipping norm adds up every stage's share (`StepPolicy.model_parallel`). The reported loss
 is the mean over micro-batches and replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's
-`_aggregate_total_loss`.
+`_aggregate_total_loss`; rank 0 writes it to the monitors as `Train/Samples/train_loss` (`eval_batch`'s as
+`eval_loss`), as DeepSpeed's pipeline engine does ([Note: monitor events]).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.accumulation.micro_steps += self.gradient_accumulation_steps() - 1
         self.step()  # the boundary: the strategy collects the .grads ([Note: pipeline step])
         self.agg_train_loss = self._aggregate_loss()
+        self.telemetry.batch_loss("Train/Samples/train_loss", self.agg_train_loss, self.global_samples)
         return self.agg_train_loss
 
     def eval_batch(
@@ -115,6 +117,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         with self._deadline("engine.eval_batch"), torch.no_grad():
             outputs = self._run(train=False)
         loss = self._aggregate_loss()
+        self.telemetry.batch_loss("Train/Samples/eval_loss", loss, self.global_samples)
         self.module.train()
         return (loss, outputs) if return_logits else loss
 
