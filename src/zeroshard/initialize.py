@@ -36,6 +36,7 @@ from zeroshard.moe.zero import refuse_expert_stage3
 from zeroshard.monitor import open_monitors
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
+from zeroshard.optim.client import check_client_optimizer
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import build_pipe, pipe_dataloader
@@ -449,9 +450,12 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
             for group in groups:
                 optimizer.add_param_group(dict(group))
         optimizer.state.clear()
+        check_client_optimizer(optimizer, cfg)
         return optimizer
     if callable(optimizer):
-        return optimizer(groups)
+        built = optimizer(groups)
+        check_client_optimizer(built, cfg)
+        return built
     assert cfg.optimizer is not None
     return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
 
