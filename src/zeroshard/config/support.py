@@ -27,6 +27,7 @@ IMPLEMENTED: Final[frozenset[str]] = frozenset(
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
         "managed_gradient_accumulation",  # [Note: caller-owned windows] in zero/strategy.py
+        "zero_allow_untested_optimizer",  # [Note: client optimizers on flat shards] in optim/client.py
         "checkpoint.use_node_local_storage",  # [Note: node-local checkpoints] in checkpoint/node_local.py
         "hybrid_engine.enabled",  # [Note: hybrid engine] in hybrid_engine.py
         "hybrid_engine.pin_parameters",
@@ -266,10 +267,6 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
         "aio.single_submit": (
             "chooses one io_submit per request or batched ones in DeepSpeed's libaio op; zeroshard's NVMe I/O is "
             "threads over pread/pwrite, each chunk its own call (docs/offload_nvme.md)"
-        ),
-        "zero_allow_untested_optimizer": (
-            "DeepSpeed's permission to leave its tested-optimizer list; zeroshard has no such list "
-            "(config optimizers are checked by name in optim/optimizers.py), so it always allows"
         ),
         "zero_optimization.contiguous_gradients": (
             "gradients always land in flat bucket buffers (zero/flat/group_buffers.py, stage-3 unit staging); "
