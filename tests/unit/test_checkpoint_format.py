@@ -198,7 +198,7 @@ def test_convert_of_a_refused_checkpoint_leaves_nothing_behind(tmp_path, capsys)
     assert "metadata.json" in err and "not a zeroshard checkpoint" in err, err
     assert not out.exists()
     assert main(["convert", str(tmp_path / "nowhere"), str(out)]) == 2  # a wrong path: bad input, as argparse's
-    assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'nowhere'}: no such checkpoint folder")
+    assert f"{tmp_path / 'nowhere'}: does not exist; name a checkpoint folder" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -12,6 +12,7 @@ any moment leaves the previous checkpoint intact and `latest` naming a complete 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -58,7 +59,12 @@ def replace_file_atomically(path: str, data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
     write_file(tmp, data)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # (`path` a directory, or not replaceable): no temporary file left beside it
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(directory)
 
 

@@ -436,7 +436,8 @@ def run_convert(args: argparse.Namespace) -> int:
     from zeroshard.cli.common import EXIT_CONFIG, CLIError
 
     if not os.path.isdir(args.checkpoint):  # a wrong path is bad input (exit 2), as a missing `train --resume`
-        raise CLIError(f"{args.checkpoint}: no such checkpoint folder", EXIT_CONFIG)
+        missing = f"{args.checkpoint}: does not exist; name a checkpoint folder (a save_dir or a tag)"
+        raise CLIError(missing, EXIT_CONFIG)
     files = convert_zero_checkpoint_to_state_dict(
         args.checkpoint,
         args.output,

@@ -43,10 +43,17 @@ def resolve_tag_dir(load_dir: str, tag: str | None, latest_file: str = LATEST_FI
         latest = os.path.join(load_dir, latest_file)
         if not os.path.isfile(latest) and latest_file == LATEST_UNIVERSAL:
             raise CheckpointError(f"{latest}: missing (ds_to_universal writes it); pass tag= to name the checkpoint")
+        if os.path.isdir(latest):
+            raise CheckpointError(f"{latest}: a folder where the pointer file to the last tag belongs; pass tag=")
         if not os.path.isfile(latest):
             return None
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
+        try:
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(
+                f"{latest}: not a tag name (not text: damaged?); write a tag of {load_dir} into it or pass tag="
+            ) from None
         if not tag:
             raise CheckpointError(
                 f"{latest}: empty, it names no checkpoint; write a tag of {load_dir} into it or pass tag="

@@ -13,20 +13,19 @@ A decoupled save (`checkpoint.writer.decoupled`) returns after phase 1, writes o
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import shutil
-import stat
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.atomic import commit_directory, fault_point, fsync_tree, replace_file_atomically, write_file
+from zeroshard.checkpoint.atomic import fault_point
+from zeroshard.checkpoint.commit import CommittedWithoutLatest, commit_tag, validate_tag
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE, CheckpointMetadata, PieceRef, TensorInfo
+from zeroshard.checkpoint.format import CheckpointMetadata, PieceRef, TensorInfo
 from zeroshard.checkpoint.node_local import NodeLocal, node_local, per_node_metadata, settle
 from zeroshard.checkpoint.protocol import CheckpointableEngine
 from zeroshard.checkpoint.rank_files import RankFiles, add_rank_files, optimizer_info, take_snapshot
@@ -188,41 +187,7 @@ def complete_metadata(meta: CheckpointMetadata, manifests: list[dict[str, Any]])
     return meta
 
 
-def _commit(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: str, save_latest: bool) -> str:
-    write_file(os.path.join(tmp_dir, METADATA_FILE), meta.encode())
-    fsync_tree(tmp_dir)
-    fault_point("before_rename", 0)
-    final = os.path.join(save_dir, tag)
-    commit_directory(tmp_dir, final, nonce, 0)
-    fault_point("before_latest", 0)
-    if save_latest:
-        replace_file_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
-    _write_recovery_script(save_dir)
-    return final
-
-
-def _write_recovery_script(save_dir: str) -> None:
-    """`zero_to_fp32.py` beside `latest`, as DeepSpeed copies its recovery script there at every save: `python
-    zero_to_fp32.py . OUT` in a checkpoint folder consolidates it (`zeroshard.utils.zero_to_fp32.main`)."""
-    from zeroshard.utils.zero_to_fp32 import RECOVERY_SCRIPT, RECOVERY_SOURCE
-
-    path = os.path.join(save_dir, RECOVERY_SCRIPT)
-    with contextlib.suppress(OSError):
-        with open(path, encoding="utf-8") as f:
-            if f.read() == RECOVERY_SOURCE:
-                return
-    replace_file_atomically(path, RECOVERY_SOURCE.encode())
-    with contextlib.suppress(OSError):  # (a file share may refuse it; DeepSpeed goes on too)
-        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
 # -- the collective call -------------------------------------------------------------------------------
-def _validate_tag(tag: str) -> str:
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not hidden)")
-    return tag
-
-
 def _agree_on_tag(hello: list[dict[str, Any]], validation: str, placement: NodeLocal | None) -> None:
     tags = [h["tag"] for h in hello]
     if len(set(tags)) > 1:
@@ -318,7 +283,7 @@ def start_save(
         raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
     rank, world_size = engine.topology.rank, engine.topology.world_size
     root = os.path.abspath(os.fspath(save_dir))
-    tag = _validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    tag = validate_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", root)
     state = engine_state(engine)
     placement = node_local(engine)
     if placement is not None and state is not None and state.peer_tensors():
@@ -418,6 +383,9 @@ def finish_save(call: SaveCall) -> bool:
                 _commit_here(call, meta.to_json())
                 where = os.path.join(call.root, call.tag)
                 log_rank(logger, 20, f"saved checkpoint {where} ({world_size} ranks, stage {meta.zero_stage})")
+        except CommittedWithoutLatest as e:
+            outcome["error"] = f"save_checkpoint: {e}"
+            local_error = local_error or e
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             outcome["error"] = f"save_checkpoint failed, nothing was committed: {e}"
             local_error = local_error or e
@@ -438,7 +406,7 @@ def finish_save(call: SaveCall) -> bool:
 def _commit_here(call: SaveCall, meta: str) -> None:
     """metadata.json, the rename and `latest` in this rank's folder (rank 0's; node-local: each leader's)."""
     latest = _names_latest(call)
-    _commit(call.root, call.tmp_dir, call.tag, call.nonce, meta, latest)
+    commit_tag(call.root, call.tmp_dir, call.tag, call.nonce, meta, latest)
     if latest:  # recorded once written: a failed commit leaves `latest` as it was
         _LATEST_BY[call.root] = call.order
 

@@ -18,14 +18,40 @@ from zeroshard.checkpoint.state import ShardedState
 
 
 def describe_write_error(error: Exception, tmp_dir: str, need: int) -> str:
-    """One line; a full disk names the directory, the bytes this rank writes and what is free."""
+    """One line; a full disk names the directory, the bytes this rank writes and what is free; any other failed
+    write (a quota, a file-size limit, a read-only or failing disk) the file and the directory."""
+    folder = os.path.dirname(tmp_dir)
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        free = free_bytes(os.path.dirname(tmp_dir))
+        free = free_bytes(folder)
         return (
-            f"no space left on the device of {os.path.dirname(tmp_dir)}: this rank writes about {need / 2**20:.1f} "
+            f"no space left on the device of {folder}: this rank writes about {need / 2**20:.1f} "
             f"MiB and {free / 2**20:.1f} MiB are free; free space or save elsewhere"
         )
+    if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
+        where = error.filename or folder
+        return (
+            f"writing {where} failed: {_WRITE_ERRNOS[error.errno]} ({error.strerror}); this rank writes about "
+            f"{need / 2**20:.1f} MiB into {folder}: {_WRITE_ADVICE[error.errno]}"
+        )
     return f"{type(error).__name__}: {error}"
+
+
+_WRITE_ERRNOS = {
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "a file grew past the largest this process may write",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EIO: "the device reported an I/O error",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+_WRITE_ADVICE = {
+    errno.EDQUOT: "free quota (old checkpoints) or save elsewhere",
+    errno.EFBIG: "raise the limit (ulimit -f) or save elsewhere",
+    errno.EROFS: "save to a writable folder",
+    errno.EIO: "check the disk, save elsewhere",
+    errno.EACCES: "make the folder writable for this user or save elsewhere",
+    errno.EPERM: "make the folder writable for this user or save elsewhere",
+}
 
 
 def rank_bytes(
