@@ -78,6 +78,7 @@ def test_each_worker_runs_on_its_own_share_of_the_cores_and_the_pid_is_saved(tmp
         (["--bind_core_list", "0,x"], "--bind_core_list '0,x': expected numbers and ranges like 1,3-5,7"),
         (["--bind_core_list", "0-4095"], "core(s) [" + ", ".join(map(str, range(len(os.sched_getaffinity(0)), 20)))),
         (["--nproc_per_node", "2", "--bind_core_list", "0"], "1 core(s) (0) for 2 processes on this node"),
+        (["--force_multi", "--bind_core_list", "0-4095"], "are not this machine's to run on"),
         (["--launcher", "slurm"], "--launcher slurm: zeroshard launch starts a hostfile's nodes over ssh itself"),
         (["--launcher_args=-x"], "--launcher_args: there is no pdsh or mpirun command line here"),
         (
@@ -163,3 +164,19 @@ def test_an_unresolvable_master_addr_is_named_not_waited_on_silently(caplog):
         logging.getLogger("zeroshard").removeHandler(caplog.handler)
     assert "--master_addr no-such-host.invalid does not resolve here" in caplog.text
     assert "--master_addr bad..host does not resolve here" in caplog.text
+
+
+def test_a_remote_nodes_worker_refuses_cores_it_does_not_have(tmp_path):
+    """A hostfile's other nodes check their own cores in each worker: one line, exit 2 (a traceback from
+    sched_setaffinity before, or a silent bind to the valid part with OMP_NUM_THREADS counting the whole list)."""
+    import zeroshard.launcher.bind as bind
+
+    env = {**os.environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    ran = subprocess.run(
+        [sys.executable, "-S", bind.__file__, "0-4095", "--", sys.executable, "-c", "print('ran')"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 2 and "ran" not in ran.stdout, ran
+    assert ran.stderr.startswith("zeroshard launch: --bind_core_list 0-4095: core(s) [") and ran.stderr.count("\n") == 1

@@ -189,8 +189,10 @@ def _launch(args: argparse.Namespace, opts: LaunchOptions) -> int:
     nodes = multi_node(opts, resources, {**exported, **getattr(args, "export_env", {})})  # accelerate-launch's win
     if args.no_ssh:
         return _run_this_node(args, opts, nodes, cwd)
+    for node in nodes:  # this machine's node (a remote one checks its own in each worker: launcher/bind.py)
+        if not node.remote and not args.dry_run:
+            _check_binding(opts, node.nproc)
     if len(nodes) == 1 and not nodes[0].remote and not args.force_multi:
-        _check_binding(opts, nodes[0].nproc)
         local = single_node(opts, nodes[0].nproc)
         env = {k: v for k, v in nodes[0].env.items() if k == "CUDA_VISIBLE_DEVICES"}
         if args.dry_run:

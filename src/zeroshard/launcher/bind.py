@@ -106,6 +106,12 @@ def main(argv: list[str]) -> None:
     assert separator == "--" and command, argv
     try:
         cores = available_cores() if spec == ALL else parse_core_list(spec)
+        outside = sorted(set(cores) - os.sched_getaffinity(0))
+        if outside:  # (the launcher checks its own machine before starting; a hostfile's other nodes check here)
+            raise CoreListError(
+                f"--bind_core_list {spec}: core(s) {outside} are not this node's to run on (it may use "
+                f"{sorted(os.sched_getaffinity(0))})"
+            )
         mine = share(cores, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     except CoreListError as error:
         print(f"zeroshard launch: {error}", file=sys.stderr)
