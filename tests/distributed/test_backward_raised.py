@@ -125,3 +125,39 @@ def test_ranks_that_raised_at_different_points_stop_and_say_so():
             "CollectiveMismatchError: engine.zero_grad: the backward raised on every rank, but at different points "
             "(rank 0 after "
         ), line
+
+
+def _tensor_parallel_raise(rank: int, world_size: int) -> str:
+    """autotp_size 2 on 2 ranks: the data-parallel group is one rank, the peer waits in a tensor-parallel collective."""
+    import zeroshard
+    from helpers.tp_parity import TpCase, batch, config, llama
+
+    model = llama()
+    cfg = config(TpCase(stage=1), 2)
+    cfg["zeroshard"]["collective_timeout_s"] = TIMEOUT_S
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+
+    def raise_in_backward(module, inputs, output):
+        (output[0] if isinstance(output, tuple) else output).register_hook(
+            lambda grad: (_ for _ in ()).throw(Raised("out of memory"))
+        )
+
+    if rank == 1:
+        model.model.layers[1].register_forward_hook(raise_in_backward)
+    ids = batch(0, 0)
+    try:
+        try:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+        except Raised:
+            engine.zero_grad()
+    except zeroshard.ZeroshardError as error:
+        return f"{type(error).__name__}: {error}"
+    return "went on"
+
+
+def test_under_tensor_parallelism_the_model_parallel_peer_is_waited_for_too():
+    """The agreement and the deadline's question go to every rank of the job, not only the data-parallel group (of
+    one rank here: rank 1 went on, and rank 0 timed out with gloo's own message)."""
+    waited, raised = run_on_ranks(_tensor_parallel_raise, 2, timeout=120)
+    assert raised.startswith("CollectiveTimeoutError: engine.zero_grad: this rank's backward raised part way"), raised
+    assert "rank 1: its backward raised; it stopped in engine.zero_grad" in waited, waited

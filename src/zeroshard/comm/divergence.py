@@ -120,9 +120,12 @@ def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator
         yield
     except RuntimeError as err:
         text = str(err).lower()  # gloo says "Timed out waiting ..." or "Application timeout caused pair closure"
-        if isinstance(err, ZeroshardError) or comm.world_size == 1 or not ("timed out" in text or "timeout" in text):
+        # every rank of the job is asked, not only `comm`'s: under tensor parallelism that is the data-parallel group
+        # (of one rank where autotp_size is the world) while the collective that timed out was the model-parallel one
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if isinstance(err, ZeroshardError) or world == 1 or not ("timed out" in text or "timeout" in text):
             raise
-        lines = ask_every_rank("deadline", comm.rank, comm.world_size, f"in {what}")
+        lines = ask_every_rank("deadline", dist.get_rank(), world, f"in {what}")
         raise CollectiveTimeoutError(
             f"a collective in {what} waited longer than {group_timeout_s(comm, timeout_s):.0f}s (the process group's "
             "timeout: zeroshard.collective_timeout_s where zeroshard starts the group): "
@@ -146,19 +149,25 @@ def raised_on_every_rank(comm: Collectives, call: str, timeout_s: float) -> None
     waits, up to the process group's timeout, for every rank's post: the same count everywhere goes on; otherwise
     this rank stops with a line naming the ranks (and posts under the deadline topic, so that the ranks left waiting
     name it when their own collectives time out)."""
-    if comm.world_size == 1:
+    # every rank of the job, not only the engine's group: under tensor parallelism that is the data-parallel group
+    # (of one rank where autotp_size is the world), while the model-parallel peers wait in the backward's collectives
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
         return
     store = dist.distributed_c10d._get_default_store()
     event = next(_RAISES)
-    ranks = [comm.global_rank(r) for r in range(comm.world_size)]
-    keys = {rank: f"zeroshard/raised/{event}/{rank}" for rank in ranks}
-    waiting = f"zeroshard/deadline/{comm.rank}"  # read by ask_every_rank("deadline", ...) on the ranks left waiting
+    keys = {rank: f"zeroshard/raised/{event}/{rank}" for rank in range(world)}
+    waiting = f"zeroshard/deadline/{dist.get_rank()}"  # what named_on_timeout reads on the ranks left waiting
     store.set(waiting, f"its backward raised; it stopped in {call}, waiting for every rank's backward to raise too")
-    store.set(keys[comm.global_rank(comm.rank)], str(comm.issued))
+    # the engine's group's count (a sub-group's collectives, hpZ's or experts', are not in it)
+    store.set(keys[dist.get_rank()], str(comm.issued))
     try:
         store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        missing = [rank for rank, key in keys.items() if not store.check([key])]
+        try:
+            missing: list[int] | str = [rank for rank, key in keys.items() if not store.check([key])]
+        except RuntimeError:  # the store itself went away: a rank stopped (its own deadline, a crash)
+            missing = "others (the job's store went away while it waited: a rank stopped)"
         raise CollectiveTimeoutError(
             f"{call}: this rank's backward raised part way and that of rank(s) {missing} did not within "
             f"{timeout_s:.0f}s (the collective timeout): they wait on collectives this rank will never issue, so "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -194,7 +196,39 @@ class NodeLayout:
 
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    """A process group over `ranks` (every rank of the world must call this, in the same order; None alone)."""
+    """A process group over `ranks` (every rank of the world must call this, in the same order; None alone), with
+    the world's deadline ([Note: sub-groups keep the world's deadline])."""
     if dist.get_world_size() == 1:
         return None
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=world_timeout())
+
+
+def world_timeout() -> datetime.timedelta | None:
+    """[Note: sub-groups keep the world's deadline]
+    torch gives a new process group (`new_group`, a `DeviceMesh`'s dimensions) 30 minutes whatever the world group
+    has, so hpZ's, MoE's, a pipeline's, sequence and tensor parallelism's collectives waited 30 minutes where the
+    job's deadline (`zeroshard.collective_timeout_s`, 300 s by default) says: every sub-group zeroshard makes takes
+    the world's. None where it cannot be read (torch's default then)."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        timeout = group._get_backend(device).options._timeout
+        return timeout if isinstance(timeout, datetime.timedelta) else None
+    except Exception:  # (another torch's layout, a backend without options)
+        return None
+
+
+def mesh_backend_override(names: tuple[str, ...]) -> Any:
+    """`init_device_mesh(..., backend_override=...)` giving each dimension's group the world's deadline ([Note:
+    sub-groups keep the world's deadline]); None where the backend's options cannot carry one."""
+    timeout = world_timeout()
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    try:
+        kind: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+        options = kind.Options() if backend == "nccl" else kind._Options()
+        options._timeout = timeout
+    except (AttributeError, RuntimeError):  # (a torch without that backend's options)
+        return None
+    return {name: (backend, options) for name in names}

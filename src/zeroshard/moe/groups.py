@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collectives import Collectives, Scope
-from zeroshard.comm.topology import NodeLayout
+from zeroshard.comm.topology import NodeLayout, new_group
 from zeroshard.pipe.layers import stage_being_built
 
 
@@ -164,7 +164,7 @@ def build_collectives(mesh: ExpertMesh, rank: int, world: int) -> tuple[Collecti
             return Collectives(None, 1, 0, scope=scope)
         if len(all_groups[0]) == world:
             return Collectives(None, world, mine.index(rank), scope=scope)
-        made = {tuple(g): dist.new_group(g) for g in all_groups}  # every rank creates every group
+        made = {tuple(g): new_group(g) for g in all_groups}  # every rank creates every group
         return Collectives(made.get(tuple(mine)), len(mine), mine.index(rank), scope=scope)
 
     return group(mesh.ep_groups()), group(mesh.edp_groups())

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zeroshard.comm.collectives import Collectives, scope_of
-from zeroshard.comm.topology import NodeLayout
+from zeroshard.comm.topology import NodeLayout, mesh_backend_override
 from zeroshard.errors import ConfigError
 
 
@@ -89,7 +89,10 @@ class TensorParallelContext:
     ) -> TensorParallelContext:
         """Collective: every rank calls it with the same `tp`."""
         grid = TensorParallelGrid(tp, world.world_size)
-        mesh = init_device_mesh(device.type, (grid.dp, grid.tp), mesh_dim_names=("dp", "tp"))
+        names = ("dp", "tp")  # with the world's deadline: [Note: sub-groups keep the world's deadline]
+        mesh = init_device_mesh(
+            device.type, (grid.dp, grid.tp), mesh_dim_names=names, backend_override=mesh_backend_override(names)
+        )
         nodes, rank = NodeLayout.from_env(world.world_size), world.rank
         dp_ranks, tp_ranks = grid.dp_ranks(grid.tp_index(rank)), grid.tp_ranks(grid.dp_index(rank))
         dp_comm = world.subgroup(mesh.get_group("dp"), grid.dp, grid.dp_index(rank), scope_of(nodes, dp_ranks))
