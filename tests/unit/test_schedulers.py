@@ -368,3 +368,33 @@ def test_zero_warmup_steps_is_accepted_as_two() -> None:
     opt = _optimizer()
     sched = build_lr_scheduler("WarmupLR", {"warmup_num_steps": 0, "warmup_type": "linear"}, opt)
     assert [lr for lr, _ in _trace(sched, opt, steps=3)] == pytest.approx([0.0, 0.0, BASE_LR / 2, BASE_LR])
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 10}),
+        ("WarmupDecayLR", {"warmup_num_steps": 3, "total_num_steps": 20, "warmup_max_lr": 0.01}),
+        ("WarmupCosineLR", {"warmup_num_steps": 3, "total_num_steps": 20}),
+        ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 4}),
+    ],
+)
+def test_a_restored_schedule_writes_its_lr_into_a_fresh_optimizer(name: str, params: dict[str, Any]) -> None:
+    """A load without the optimizer's state (`load_optimizer_states=False`) took its first step at the fresh
+    optimizer's lr (WarmupLR's 0) and `get_last_lr()` said so; now the restored iteration's lr (and OneCycle's betas)
+    are in the groups, as they were when saved."""
+
+    def fresh() -> tuple[torch.optim.Optimizer, Any]:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.01)
+        return optimizer, build_lr_scheduler(name, params, optimizer)
+
+    optimizer, scheduler = fresh()
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    saved = scheduler.state_dict()
+    again, restored = fresh()
+    restored.load_state_dict(saved)
+    assert again.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] > 0
+    assert again.param_groups[0]["betas"] == optimizer.param_groups[0]["betas"]
+    assert restored.get_last_lr() == scheduler.get_last_lr()

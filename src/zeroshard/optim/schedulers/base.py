@@ -62,8 +62,23 @@ class BatchLRScheduler:
         return {"last_batch_iteration": self.last_batch_iteration}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the iteration saved by state_dict(); the next step() continues the sequence."""
+        """Resume at the iteration saved by state_dict(); the next step() continues the sequence. The iteration's lr
+        is written into the optimizer: a load without the optimizer's state (`load_optimizer_states=False`) took its
+        first step at the fresh optimizer's lr (warmup's 0), and `get_last_lr()` said it (DeepSpeed's does both); with
+        the optimizer's state it is the lr the groups were saved with."""
         self.last_batch_iteration = int(state_dict["last_batch_iteration"])
+        self._load_settings(state_dict)
+        if self.last_batch_iteration == -1:
+            self._apply_initial()
+        else:
+            self._write_current()
+
+    def _load_settings(self, state_dict: dict[str, Any]) -> None:
+        """What a schedule saved beside its iteration (read before the iteration's values are written)."""
+
+    def _write_current(self) -> None:
+        """Write the current iteration's values into the optimizer."""
+        self._last_lr = write_lrs(self.optimizer, self.get_lr())
 
 
 def write_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[float]:

@@ -135,6 +135,11 @@ class OneCycle(BatchLRScheduler):
         if self.cycle_momentum:
             _write_betas(self.optimizer, self.min_moms)
 
+    def _write_current(self) -> None:
+        super()._write_current()
+        if self.cycle_momentum:
+            _write_betas(self.optimizer, self.mom_at(self.last_batch_iteration))
+
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance one batch, writing the lr and (with cycle_momentum) beta1 into every group."""
         super().step(last_batch_iteration)

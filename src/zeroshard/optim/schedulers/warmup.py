@@ -139,8 +139,7 @@ class WarmupLR(BatchLRScheduler):
             state["max_lrs"] = list(self.max_lrs)
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _load_settings(self, state_dict: dict[str, Any]) -> None:
         if self._max_lrs_from_groups and "max_lrs" in state_dict:
             self._set_max_lrs([float(lr) for lr in state_dict["max_lrs"]])
 
@@ -224,8 +223,7 @@ class WarmupCosineLR(BatchLRScheduler):
         """last_batch_iteration and the groups' original lrs (see [Note: lrs read from the optimizer])."""
         return {**super().state_dict(), "org_lrs": list(self.org_lrs)}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def _load_settings(self, state_dict: dict[str, Any]) -> None:
         if "org_lrs" in state_dict:
             self.org_lrs = [float(lr) for lr in state_dict["org_lrs"]]
 
