@@ -168,6 +168,8 @@ def _build(
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
     check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
+    if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a callable's: once built)
+        check_client_optimizer(optimizer, cfg)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization
@@ -450,7 +452,6 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
             for group in groups:
                 optimizer.add_param_group(dict(group))
         optimizer.state.clear()
-        check_client_optimizer(optimizer, cfg)
         return optimizer
     if callable(optimizer):
         built = optimizer(groups)

@@ -31,6 +31,14 @@ class GaLoreAdamW(torch.optim.AdamW):
     """Named as the GaLore family is."""
 
 
+class MuonWithAuxAdam(torch.optim.SGD):
+    """Named as KellerJordan's Muon is."""
+
+
+class FusedLamb(torch.optim.SGD):
+    """Named as DeepSpeed's and apex's LAMB are."""
+
+
 def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.zeros(4, 4))]
 
@@ -58,6 +66,8 @@ def test_whole_tensor_optimizers_are_refused_whatever_the_key_says() -> None:
         (torch.optim.Adafactor(_params()), "Adafactor factors"),
         (torch.optim.LBFGS(_params()), "LBFGS needs a closure"),
         (GaLoreAdamW(_params()), "GaLore projects"),
+        (MuonWithAuxAdam(_params(), lr=0.1), "Muon orthogonalises"),
+        (FusedLamb(_params(), lr=0.1), "LAMB scales each parameter's update by its trust ratio"),
     ]
     for optimizer, reason in cases:
         for allow in (False, True):

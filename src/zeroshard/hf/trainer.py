@@ -28,6 +28,7 @@ Trainer (`create_optimizer`, `create_scheduler`: AdamW and the `lr_scheduler_typ
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -165,6 +166,8 @@ class TrainerMixin:
             )
         training = not inference
         optimizer = self.create_optimizer() if cfg.optimizer is None and training else None  # type: ignore[attr-defined]
+        if optimizer is not None:  # the Trainer's own optimizer (optim=...): transformers allows it under DeepSpeed
+            cfg = dataclasses.replace(cfg, zero_allow_untested_optimizer=True)  # (a whole-tensor one is still refused)
         scheduler: Any = None
         if cfg.scheduler is None and training:
             self.lr_scheduler = None  # create_scheduler builds one only where there is none

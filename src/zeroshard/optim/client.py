@@ -55,6 +55,13 @@ _WHOLE_TENSOR = {
     "adalomo": "AdaLomo factors the second moment over each matrix's rows and columns",
     "apollo": "APOLLO scales each matrix's update by channel-wise statistics of a projection",
     "muon": "Muon orthogonalises each matrix's update (the config's Muon makes each matrix whole for it)",
+    "lamb": "LAMB scales each parameter's update by its trust ratio (the config's Lamb gets each parameter's norms)",
+    "fusedlamb": "LAMB scales each parameter's update by its trust ratio (the config's Lamb gets each parameter's "
+    "norms)",
+    "lars": "LARS scales each parameter's update by its trust ratio",
+    "novograd": "NovoGrad keeps one second moment per layer",
+    "came": "CAME factors its statistics over each matrix's rows and columns",
+    "stableadamw": "StableAdamW clips each update by its tensor's RMS",
 }
 
 
@@ -101,7 +108,7 @@ def _known_elementwise(cls: type) -> bool:
 
 def _whole_tensor_reason(name: str) -> str | None:
     key = name.lower()
-    for prefix, reason in _WHOLE_TENSOR.items():
-        if key == prefix or (len(prefix) >= 5 and key.startswith(prefix)):
+    for prefix, reason in _WHOLE_TENSOR.items():  # (MuonWithAuxAdam, GaLoreAdamW8bit, DAdaptAdam, ...)
+        if key.startswith(prefix):
             return reason
     return None
