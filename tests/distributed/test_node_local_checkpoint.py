@@ -142,7 +142,7 @@ def _half_committed(rank: int, world_size: int, tmp: str) -> list[str]:
     for steps in (range(2), range(2, 4)):
         _steps(engine, case, rank, world_size, steps)
         if rank == 2 and steps.start:
-            save_module._commit = _failing_commit
+            save_module.commit_tag = _failing_commit
         try:
             engine.save_checkpoint(folder, tag="t")
         except CheckpointError as e:

@@ -64,3 +64,13 @@ def test_a_latest_that_is_not_a_tag_is_named(tmp_path) -> None:
     (tmp_path / "latest").mkdir()
     with pytest.raises(CheckpointError, match="latest: a folder where the pointer file to the last tag belongs"):
         resolve_tag_dir(str(tmp_path), None)
+
+
+def test_a_recovery_script_that_cannot_be_written_does_not_fail_the_save(tmp_path) -> None:
+    """`zero_to_fp32.py` beside the checkpoint is a convenience: `latest` is written and the save stands (it said
+    "latest could not be written" before, while `latest` named the tag)."""
+    (tmp_path / "zero_to_fp32.py").mkdir()
+    staged = tmp_path / ".tmp.t.abc"
+    staged.mkdir()
+    assert commit_tag(str(tmp_path), str(staged), "t", "abc", "{}", True) == str(tmp_path / "t")
+    assert (tmp_path / "latest").read_text() == "t"

@@ -10,6 +10,9 @@ import stat
 from zeroshard.checkpoint.atomic import commit_directory, fault_point, fsync_tree, replace_file_atomically, write_file
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
 
 
 def validate_tag(tag: str, root: str) -> str:
@@ -42,17 +45,20 @@ def commit_tag(save_dir: str, tmp_dir: str, tag: str, nonce: str, meta: str, sav
     try:
         if save_latest:
             replace_file_atomically(os.path.join(save_dir, LATEST_FILE), tag.encode())
-        write_recovery_script(save_dir)
     except OSError as e:
         raise CommittedWithoutLatest(
             f"checkpoint {final} was committed, but {os.path.join(save_dir, LATEST_FILE)} could not be written ({e}): "
             f"load it with tag={tag!r}, and fix the folder for the next save"
         ) from e
+    try:
+        write_recovery_script(save_dir)
+    except OSError as e:  # a convenience beside the checkpoint (`zeroshard convert` does the same): not a failed save
+        log_rank(logger, 30, f"checkpoint {final} saved, but its recovery script could not be written: {e}", None)
     return final
 
 
 class CommittedWithoutLatest(CheckpointError):
-    """The tag's folder is in place (loadable by its tag); the pointer or the recovery script beside it is not."""
+    """The tag's folder is in place (loadable by its tag); the pointer beside it is not."""
 
 
 def write_recovery_script(save_dir: str) -> None:

@@ -424,6 +424,7 @@ def _finish_nodes(call: SaveCall, outcome: dict[str, Any], node_meta: str | None
             log_rank(logger, 20, f"saved checkpoint {call.root}/{call.tag} on node {placement.node}", ranks=None)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             report["error"], error = f"node {placement.node}: {e}", e
+            report["committed"] = isinstance(e, CommittedWithoutLatest)  # its folder is in place, `latest` is not
     if placement.leader and (outcome["error"] or report["error"]):
         shutil.rmtree(call.tmp_dir, ignore_errors=True)
     reports = call.sync.all_gather("node_committed", report, write_timeout())
@@ -432,6 +433,8 @@ def _finish_nodes(call: SaveCall, outcome: dict[str, Any], node_meta: str | None
         others = (
             "the other nodes committed it: a load names the nodes' different saves"
             if len(failed) < placement.layout.nodes
+            else "every node's folder is in place: load it by its tag"
+            if any(r.get("committed") for r in reports)
             else "nothing was committed"
         )
         outcome["error"] = (
