@@ -12,6 +12,7 @@ parameters are all persistent (gathered once, never again) changes no collective
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import zlib
@@ -91,13 +92,16 @@ def ask_every_rank(topic: str, rank: int, world_size: int, mine: str, answer_s: 
     does not post within `answer_s` (stalled, or blocked where it cannot notice) is named as not answering."""
     store = dist.distributed_c10d._get_default_store()
     store.set(f"zeroshard/{topic}/{rank}", mine)
+    keys = [f"zeroshard/{topic}/{other}" for other in range(world_size)]
+    with contextlib.suppress(RuntimeError):  # one wait for all (one per rank took answer_s per silent rank)
+        store.wait(keys, datetime.timedelta(seconds=answer_s))
     lines = []
-    for other in range(world_size):
+    for other, key in enumerate(keys):
         try:
-            store.wait([f"zeroshard/{topic}/{other}"], datetime.timedelta(seconds=answer_s))
-            lines.append(f"rank {other}: {store.get(f'zeroshard/{topic}/{other}').decode()}")
-        except RuntimeError:
-            lines.append(f"rank {other}: did not answer (stalled, or busy elsewhere)")
+            lines.append(f"rank {other}: {store.get(key).decode()}" if store.check([key]) else "")
+        except RuntimeError:  # (the store went away)
+            lines.append("")
+        lines[-1] = lines[-1] or f"rank {other}: did not answer (stalled, or busy elsewhere)"
     return lines
 
 

@@ -218,17 +218,29 @@ def world_timeout() -> datetime.timedelta | None:
         return None
 
 
-def mesh_backend_override(names: tuple[str, ...]) -> Any:
-    """`init_device_mesh(..., backend_override=...)` giving each dimension's group the world's deadline ([Note:
-    sub-groups keep the world's deadline]); None where the backend's options cannot carry one."""
+def mesh_backend_override(device_type: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> Any:
+    """`init_device_mesh(..., backend_override=...)` giving each dimension's new group the world's deadline ([Note:
+    sub-groups keep the world's deadline]); a dimension of one rank or of the whole world is left to torch, which
+    reuses the world group for the latter (a new world-sized communicator costs NCCL memory). None where the
+    backend's options cannot carry a deadline."""
     timeout = world_timeout()
-    if timeout is None:
+    world = dist.get_world_size()
+    wanted = [name for name, size in zip(names, sizes, strict=True) if 1 < size < world]
+    if timeout is None or not wanted:
         return None
-    backend = dist.get_backend()
+    backend = _backend_for(dist.get_backend(), device_type)  # ("cpu:gloo,cuda:nccl" when none was named)
     try:
         kind: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
         options = kind.Options() if backend == "nccl" else kind._Options()
         options._timeout = timeout
     except (AttributeError, RuntimeError):  # (a torch without that backend's options)
         return None
-    return {name: (backend, options) for name in names}
+    return {name: (backend, options) for name in wanted}
+
+
+def _backend_for(backend: str, device_type: str) -> str:
+    """The backend a group of `backend` uses for `device_type`'s tensors: "gloo", "nccl", or a per-device map."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(item.split(":", 1) for item in backend.split(","))
+    return pairs.get(device_type, next(iter(pairs.values())))

@@ -91,7 +91,10 @@ class TensorParallelContext:
         grid = TensorParallelGrid(tp, world.world_size)
         names = ("dp", "tp")  # with the world's deadline: [Note: sub-groups keep the world's deadline]
         mesh = init_device_mesh(
-            device.type, (grid.dp, grid.tp), mesh_dim_names=names, backend_override=mesh_backend_override(names)
+            device.type,
+            (grid.dp, grid.tp),
+            mesh_dim_names=names,
+            backend_override=mesh_backend_override(device.type, names, (grid.dp, grid.tp)),
         )
         nodes, rank = NodeLayout.from_env(world.world_size), world.rank
         dp_ranks, tp_ranks = grid.dp_ranks(grid.tp_index(rank)), grid.tp_ranks(grid.dp_index(rank))
