@@ -451,12 +451,12 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
     def _report_progress(self) -> None:
         every = int(self.config.steps_per_print or 0)
         if every > 0 and self.global_steps % every == 0:
-            lr = ", ".join(f"{x:.3e}" for x in self.get_lr())
+            # DeepSpeed's line first (log parsers read it), then ours
             log_rank(
                 logger,
                 20,
-                f"step={self.global_steps} skipped={self.skipped_steps} lr=[{lr}] "
-                f"grad_norm={self._last_grad_norm} loss_scale={self.loss_scale:g}",
+                f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
+                f"grad_norm={self._last_grad_norm}, loss_scale={self.loss_scale:g}",
             )
 
     def _require_optimizer(self, what: str) -> Strategy:
