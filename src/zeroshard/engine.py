@@ -138,7 +138,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         if monitors is None:
             monitors = open_monitors(config, comm, topology.rank, topology.device)
         self.telemetry = Telemetry.from_config(config, module, topology.rank, topology.world_size, strategy, monitors)
-        self.wall_clock = WallClock(bool(config.wall_clock_breakdown), topology.device)
+        self.wall_clock = WallClock(self.wall_clock_breakdown(), topology.device)  # (with the flops profiler too)
         self.schedules = TrainingSchedules.from_config(config)
         # DeepSpeed's attribute names, which scripts read (Megatron-DeepSpeed: the legacy curriculum)
         self.progressive_layer_drop = self.schedules.pld

@@ -231,7 +231,11 @@ class DeepSpeedSettings:
     # -- the rest of the config --------------------------------------------------------------------------
     gradient_predivide_factor = _setting("gradient_predivide_factor")
     steps_per_print = _setting("steps_per_print")
-    wall_clock_breakdown = _setting("wall_clock_breakdown")
+
+    def wall_clock_breakdown(self) -> bool:
+        """`wall_clock_breakdown`, or the flops profiler on: DeepSpeed's config turns the breakdown on with it."""
+        return bool(self.config.wall_clock_breakdown) or bool(self.config.flops_profiler.enabled)
+
     memory_breakdown = _setting("memory_breakdown")
     dump_state = _setting("dump_state")
     log_level = _setting("log_level")

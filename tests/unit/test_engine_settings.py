@@ -16,6 +16,8 @@ from zeroshard.engine_settings import DeepSpeedSettings
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "defaults": {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},
+    # the flops profiler turns the wall-clock breakdown on in DeepSpeed's config
+    "flops_profiler_only": {"train_batch_size": 8, "flops_profiler": {"enabled": True}},
     "stage3_offload_fp16": {
         "train_batch_size": 4,
         "gradient_accumulation_steps": 2,
