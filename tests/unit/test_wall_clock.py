@@ -70,7 +70,9 @@ def test_times_are_logged_per_micro_step_and_per_step_and_written_to_the_monitor
     assert first["fwd"] == pytest.approx(first["fwd_microstep"], abs=0.5), first  # the step's window so far
     _micro_step(engine)  # the boundary: the window's line too, and the events
     second = engine.get_wall_clock_timers()
-    assert second["fwd_microstep"] < 2 * FORWARD_S * 1e3 < second["fwd"], second  # reset per micro-step, not per step
+    # reset per micro-step, summed per step (not a bound on one forward's time: a loaded machine stretches it)
+    assert second["fwd"] == pytest.approx(first["fwd_microstep"] + second["fwd_microstep"], abs=1.0), second
+    assert second["fwd"] > second["fwd_microstep"] >= FORWARD_S * 1e3, second
     assert second["step"] >= second["step_microstep"] > 0.0, second
     lines = [r.getMessage() for r in log.records if r.levelno == logging.INFO and r.getMessage().startswith("time")]
     assert len(lines) == 3 and lines[0].startswith("time (ms) | fwd_microstep: "), lines
