@@ -109,6 +109,10 @@ class StateOffloader:
     def active(self) -> bool:
         return bool(self._held)
 
+    def holds(self, kind: str) -> bool:
+        """Whether `kind`'s tensors are away in host copies now."""
+        return any(held == kind for held, _, _ in self._held)
+
     def host_bytes(self) -> dict[str, int]:
         """Bytes held in host memory, by kind."""
         out: dict[str, int] = {}

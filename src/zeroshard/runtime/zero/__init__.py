@@ -1,7 +1,7 @@
 """`deepspeed.runtime.zero` (which `deepspeed.zero` also names): `zeroshard.zero`'s DeepSpeed names, and
-`partition_parameters`, the module scripts import `ZeroParamStatus` from."""
+`partition_parameters`, the module scripts import `ZeroParamStatus` from, and `offload_states.get_state_devices`."""
 
-from zeroshard.runtime.zero import offload_config, partition_parameters
+from zeroshard.runtime.zero import offload_config, offload_states, partition_parameters
 from zeroshard.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -16,6 +16,7 @@ __all__ = [
     "Init",
     "ZeroParamStatus",
     "offload_config",
+    "offload_states",
     "partition_parameters",
     "register_external_parameter",
     "unregister_external_parameter",
