@@ -97,11 +97,14 @@ class RootUnit:
         self.outside_use: str | None = None  # the call that kept the root whole
         self._depth = 0  # entries running (nested ones count)
         self._probe: _OutsideUse | None = None
+        self._root_running = False  # whole: the root's forward holds the unit
+        self._outside = False  # whole: an entry gathered it outside the root's forward (below)
 
     # -- the root module -------------------------------------------------------------------------------
     def root_pre_forward(self, args: Any, kwargs: Any) -> Any:
         self._depth = 0  # an entry whose forward raised never ran its post-forward
         if self.scope is RootScope.WHOLE:
+            self._root_running = True
             self.strategy.on_pre_forward(self.unit)
             return route_inputs_through_post_backward(self._whole_post_backward, args, kwargs)
         if self.scope is RootScope.PROBING and self._probe is None:
@@ -112,6 +115,7 @@ class RootUnit:
 
     def root_post_forward(self, output: Any) -> None:
         if self.scope is RootScope.WHOLE:
+            self._root_running = False
             self.strategy.on_post_forward(self.unit, output)
         elif self._probe is not None:
             seen = self._probe.seen
@@ -127,6 +131,7 @@ class RootUnit:
 
     def end_probe(self) -> None:
         """Leaves the probe's mode, also when the forward raised (an always-called hook)."""
+        self._root_running = False
         if self._probe is not None:
             self._probe.__exit__(None, None, None)
             self._probe = None
@@ -134,7 +139,15 @@ class RootUnit:
     # -- the entries -----------------------------------------------------------------------------------
     def entry_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         self._depth += 1
-        if self._depth > 1 or self.scope is RootScope.WHOLE:
+        if self._depth > 1:
+            return None
+        if self.scope is RootScope.WHOLE:
+            # [Note: a whole root used without its forward] generation or evaluation that runs an inner module
+            # (PeftModel.generate runs the base model's forward, a merged model is the base model): the root's
+            # forward never runs to gather the unit, so its entries do, as split ones without a backward
+            if not self._root_running and not torch.is_grad_enabled():
+                self._outside = True
+                self.strategy.on_pre_forward(self.unit, counted=False)
             return None
         needs_weights = id(module) not in self.grad_only
         self.strategy.on_pre_forward(self.unit, counted=needs_weights)
@@ -142,7 +155,12 @@ class RootUnit:
 
     def entry_post_forward(self, module: nn.Module, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
-        if self._depth > 0 or self.scope is RootScope.WHOLE:
+        if self._depth > 0:
+            return
+        if self.scope is RootScope.WHOLE:
+            if self._outside:  # [Note: a whole root used without its forward]
+                self._outside = False
+                self.strategy.on_post_forward(self.unit, output, backward=None, release=True)
             return
         backward = self._split if id(module) not in self.grad_only else None
         # probing, the root's forward holds the unit until its end

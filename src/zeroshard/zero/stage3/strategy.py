@@ -40,7 +40,7 @@ from zeroshard.zero.stage3.param_values import Stage3ParamValues
 from zeroshard.zero.stage3.plan import NO_LEAVES, LeafModules, UnitPolicy, unit_module_names
 from zeroshard.zero.stage3.prefetch import PrefetchPolicy
 from zeroshard.zero.stage3.reduce import UnitReducer
-from zeroshard.zero.stage3.root import root_unit_of
+from zeroshard.zero.stage3.root import RootScope, root_unit_of
 from zeroshard.zero.stage3.schedule import GatherSchedule, recomputing, settle_live_gathers
 from zeroshard.zero.stage3.sections import gather_flat
 from zeroshard.zero.stage3.speculate import SpeculationPolicy, check_undoable, speculation_for
@@ -153,8 +153,9 @@ class Stage3Strategy(Stage3Gathering, Stage3Offload, Stage3ParamValues, Strategy
         self.parameterless_blocks = [
             (len(self.units) + k, modules[name]) for k, name in enumerate(n for n in blocks if n not in unit_names)
         ]
-        by_module = policy.root_by_module
-        self.root_unit = root_unit_of(self, module, policy.unit_policy, policy.leaves) if by_module else None
+        self.root_unit = root_unit_of(self, module, policy.unit_policy, policy.leaves)
+        if self.root_unit is not None and not policy.root_by_module:  # whole from the start; its entries still
+            self.root_unit.scope = RootScope.WHOLE  # gather it without the root's forward: [Note: a whole root ...]
         self.hooks = Stage3Hooks(self, module)
         self.hooks.register()
         OWNERS.register(self, self.tracked_params())
