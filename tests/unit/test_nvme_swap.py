@@ -386,3 +386,65 @@ def test_preflight_counts_every_rank_of_the_node_and_removes_stale_swap_director
     preflight(tmp_path, 1 << 20)
     assert sorted(d for d in tmp_path.glob("zeroshard_swap_*") if d.is_dir()) == sorted([mine, elsewhere])
     assert len(list(tmp_path.glob("zeroshard_swap_*.owner"))) == 2  # the dead process's record went with it
+
+
+def test_stale_directories_are_removed_by_one_rank_and_kept_on_record_when_they_cannot_be(tmp_path, monkeypatch):
+    """The ranks of a node remove stale directories at once: each directory goes to the one rank whose claim on its
+    record succeeds (another died reading sizes of files being deleted); a claim left by a rank that died is taken
+    back; a directory that cannot be removed whole keeps its record, so a later run retries, and is named."""
+    import json
+    import logging
+    import shutil
+    import socket
+
+    from zeroshard.offload import nvme_files
+
+    def stale(name: str, pid: int = 999_999_999) -> Path:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "000000_k.swp").write_bytes(b"x" * 4096)
+        (tmp_path / f"{name}.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+        return directory
+
+    first, second = stale("zeroshard_swap_1_aaaaaaaa"), stale("zeroshard_swap_1_bbbbbbbb")
+    (tmp_path / "zeroshard_swap_1_bbbbbbbb.owner").rename(tmp_path / "zeroshard_swap_1_bbbbbbbb.owner.999999998")
+    removed = nvme_files.remove_stale_swap_directories(tmp_path)
+    assert sorted(removed) == [(first, 4096), (second, 4096)] and not list(tmp_path.iterdir())
+    assert nvme_files.remove_stale_swap_directories(tmp_path) == []  # nothing left to claim
+
+    stuck = stale("zeroshard_swap_1_cccccccc")
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(nvme_files.shutil, "rmtree", lambda path, ignore_errors=False: None)  # (EBUSY, NFS files)
+    logging.getLogger("zeroshard").addHandler(handler := logging.Handler())
+    seen: list[str] = []
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    try:
+        assert nvme_files.remove_stale_swap_directories(tmp_path) == []
+    finally:
+        logging.getLogger("zeroshard").removeHandler(handler)
+        monkeypatch.setattr(nvme_files.shutil, "rmtree", real_rmtree)
+    assert stuck.is_dir() and (tmp_path / "zeroshard_swap_1_cccccccc.owner").is_file()  # on record for a retry
+    assert any(f"{stuck} could not be removed whole" in line for line in seen), seen
+    assert [d for d, _ in nvme_files.remove_stale_swap_directories(tmp_path)] == [stuck]
+
+
+@pytest.mark.parametrize(
+    ("block", "aio", "named"),
+    [
+        ({"buffer_count": 0}, {}, "zero_optimization.offload_optimizer.buffer_count = 0"),
+        ({}, {"queue_depth": 0}, "aio.queue_depth = 0"),
+    ],
+)
+def test_zero_nvme_buffers_are_refused_naming_the_key(tmp_path, block, aio, named):
+    """0 passes the schema (as DeepSpeed's); NVMe offload needs one of each: refused naming the key (it said
+    "buffer_count must be >= 1" without saying which block's)."""
+    from zeroshard.config import parse_config
+    from zeroshard.errors import ConfigError
+    from zeroshard.zero.from_config import _nvme_store_factory
+
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), **block}
+    cfg = parse_config(
+        {"train_batch_size": 1, "zero_optimization": {"stage": 2, "offload_optimizer": offload}, "aio": aio}
+    )
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        _nvme_store_factory(cfg, "offload_optimizer", {str(tmp_path): 1}, int(offload.get("buffer_count", 4)), False)

@@ -4,13 +4,17 @@
 tensor's bytes padded with zeros to a multiple of 4096 (O_DIRECT lengths must be). Reading checks the file
 is exactly that size, so a truncated or overwritten file fails with its name rather than returning garbage.
 The directory is removed by `close()`, when the swapper is garbage collected, and at interpreter exit; a
-SIGKILL leaves it behind. [Note: stale swap directories] Beside each directory, `<directory>.owner` records the
-host, the pid and the process's start time (so a reused pid is not mistaken for its owner); the next run's
-preflight removes the directories of processes of this host that no longer run, and says so.
+process ended by a signal (SIGKILL, SIGTERM) leaves it behind. [Note: stale swap directories] Beside each directory,
+`<directory>.owner` records the host, the pid and the process's start time (so a reused pid is not mistaken for its
+owner); the next run's preflight removes the directories of processes of this host that no longer run, and says so.
+Every rank of the node runs it at once: a rank takes a directory by renaming its record to `<record>.<pid>` (one
+rename succeeds), and a claim whose rank died is put back first. A directory that cannot be removed whole keeps its
+record, so that a later run retries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +25,9 @@ from pathlib import Path
 
 from zeroshard.offload.aio import ALIGNMENT, IoMode, align_up, open_flags
 from zeroshard.offload.nvme_request import NvmeSwapError
+from zeroshard.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def make_swap_directory(path: str | Path) -> Path:
@@ -50,18 +57,40 @@ def remove_stale_swap_directories(path: str | Path) -> list[tuple[Path, int]]:
     directories]); returns each removed directory and the bytes it held. Others' directories are left alone."""
     removed = []
     host = socket.gethostname()
+    for claim in Path(path).glob("zeroshard_swap_*.owner.*"):  # a claim whose rank died removing it: back in play
+        claimer = claim.name.rsplit(".", 1)[1]
+        if claimer.isdigit() and not _alive(int(claimer), None):
+            with contextlib.suppress(OSError):
+                os.replace(claim, claim.with_name(claim.name.rsplit(".", 1)[0]))
     for record in Path(path).glob("zeroshard_swap_*.owner"):
         directory = record.with_name(record.name.removesuffix(".owner"))
         try:
             owner = json.loads(record.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue  # not ours to judge
+            continue  # not ours to judge (or another rank of this node took it first)
         if owner.get("host") != host or _alive(int(owner["pid"]), owner.get("start")):
             continue
-        size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file()) if directory.is_dir() else 0
-        remove_swap_directory(directory)
-        removed.append((directory, size))
+        # Every rank of the node runs this at once: the one whose rename of the record succeeds removes the
+        # directory, the others leave it (they read sizes of files being deleted, and a rank died of it)
+        claim = record.with_name(f"{record.name}.{os.getpid()}")
+        try:
+            os.rename(record, claim)
+        except OSError:
+            continue
+        size = _bytes_in(directory)
+        if remove_swap_directory(directory, claim):
+            removed.append((directory, size))
     return removed
+
+
+def _bytes_in(directory: Path) -> int:
+    total = 0
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        try:
+            total += entry.stat().st_size if entry.is_file() else 0
+        except OSError:  # (gone meanwhile)
+            continue
+    return total
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -74,9 +103,22 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _start_time(pid) == start  # the same pid, a new process: the owner is gone
 
 
-def remove_swap_directory(directory: Path) -> None:
+def remove_swap_directory(directory: Path, record: Path | None = None) -> bool:
+    """Remove `directory` and then its owner record (`record`: where it is, if not beside it under its own name);
+    a directory that cannot be removed whole keeps its record, under its own name, so that a later run retries,
+    and is named in a warning. Never raises (it runs at interpreter exit too)."""
+    record = record or _owner_file(directory)
     shutil.rmtree(directory, ignore_errors=True)
-    _owner_file(directory).unlink(missing_ok=True)
+    if directory.exists():
+        with contextlib.suppress(OSError):
+            os.replace(record, _owner_file(directory))
+        logger.warning("swap directory %s could not be removed whole; a later run on this host retries", directory)
+        return False
+    try:
+        record.unlink(missing_ok=True)
+    except OSError as err:  # (the filesystem went read-only)
+        logger.warning("swap directory %s removed, but not its owner record %s: %s", directory, record, err)
+    return True
 
 
 def swap_file_path(directory: Path, serial: int, key: str) -> Path:

@@ -75,12 +75,17 @@ def _nvme_store_factory(
     if str(block.device) != "nvme":
         return None
     path = str(block.nvme_path)
+    aio = cfg.aio
+    sizes = {f"zero_optimization.{key}.buffer_count": buffer_count, "aio.block_size": aio.block_size}
+    sizes |= {"aio.queue_depth": aio.queue_depth, "aio.intra_op_parallelism": aio.intra_op_parallelism}
+    for name, value in sizes.items():  # (0 passes the schema, as in DeepSpeed's; NVMe I/O needs one of each)
+        if int(value) < 1:
+            raise ConfigError(f"{name} = {value}: NVMe offload ({key}.device nvme) needs at least 1")
     # every rank of this node writes its own swap files under the path (same filesystem)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path", sharing_ranks=local_ranks)
     # staging for tensors the swapper cannot read/write in place: a block per request in flight (8 MiB by
     # default), not offload_param.buffer_size (that sizes parameter buffers, 400 MB each by default)
-    aio = cfg.aio
     buffer_bytes = max(int(aio.block_size) * int(aio.queue_depth), 1 << 20)
 
     def build() -> NvmeStateStore:
