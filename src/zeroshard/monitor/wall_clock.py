@@ -53,21 +53,30 @@ class _Timer:
     def elapsed_ms(self) -> float:
         if not self._events:
             return sum(end - start for start, end in self._spans) * 1e3
-        total = 0.0
-        for start, end in self._spans:
-            end.synchronize()
-            total += start.elapsed_time(end)
-        return total
+        return sum(span_ms(start, end, True) for start, end in self._spans)
 
     def reset(self) -> None:
         self._spans.clear()
 
     def _now(self) -> Any:
-        if not self._events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self._events)
+
+
+def mark(events: bool) -> Any:
+    """Now: a recorded CUDA event (`events`), else the host clock."""
+    if not events:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def span_ms(start: Any, end: Any, events: bool) -> float:
+    """Milliseconds between two `mark`s (events: the device's time, once its work up to `end` is done)."""
+    if not events:
+        return float((end - start) * 1e3)
+    end.synchronize()
+    return float(start.elapsed_time(end))
 
 
 class WallClock:

@@ -11,14 +11,12 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
 from zeroshard.accelerator import get_accelerator
 from zeroshard.monitor.throughput import ThroughputTimer as _EngineThroughputTimer
+from zeroshard.monitor.wall_clock import mark, span_ms
 from zeroshard.utils.logging import get_logger, log_dist
 
 logger = get_logger(__name__)
@@ -89,17 +87,10 @@ class _NamedTimer:
         return _trimmed_mean(self.elapsed_records or [], 0.1)
 
     def _now(self) -> Any:
-        if not self._events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self._events)
 
     def _span_ms(self, start: Any, end: Any) -> float:
-        if not self._events:
-            return float((end - start) * 1e3)
-        end.synchronize()  # the device's time: wait for the span's work, as DeepSpeed's event timers do
-        return float(start.elapsed_time(end))
+        return span_ms(start, end, self._events)  # the device's time, as DeepSpeed's event timers
 
 
 class SynchronizedWallClockTimer:
