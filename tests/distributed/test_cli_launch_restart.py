@@ -76,6 +76,7 @@ def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, sig):
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the launcher"
 
 
+@pytest.mark.slow  # (two launchers rendezvous, ~8 s: CI budget)
 def test_a_sigterm_to_a_nodes_launcher_stops_its_workers(tmp_path):
     """The same for one node of a multi-node job started without a hostfile (`--nnodes 2 --node_rank I
     --master_addr A`, as a scheduler starts one launcher per node): a SIGTERM ended the launcher alone and left its
