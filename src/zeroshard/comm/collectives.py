@@ -152,18 +152,13 @@ class Collectives:
         self.logger = logger if logger is not None else CommsLogger(CommsLoggerConfig(), world_size, rank)
         if stats is None:  # a sub-group leaves the straggler reduction to the world's collectives
             self.logger.min_across_ranks = _min_across_ranks(weakref.ref(self))
-        self._seq = 0
+        self.issued = 0  # collectives this object issued (its sub-groups count their own)
 
     def subgroup(self, group: dist.ProcessGroup | None, world_size: int, rank: int, scope: Scope) -> Collectives:
         """Collectives over a sub-group (`rank` within it), counted in this object's `stats` under `scope`."""
         return Collectives(
             group, world_size, rank, logger=self.logger, scope=scope, stats=self.stats, in_flight=self.in_flight
         )
-
-    @property
-    def issued(self) -> int:
-        """How many collectives this object issued (its sub-groups count their own)."""
-        return self._seq
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of `group_rank` in this group (what `broadcast`'s `src` takes)."""
@@ -376,12 +371,12 @@ class Collectives:
         """With `verify`, all-gather a fixed-size fingerprint (seq, kind, numel, dtype, label hash) and
         compare across ranks before the real collective: a mismatch is raised on every rank, naming
         what each rank was about to do, instead of a hang or a backend abort."""
-        self._seq += 1
+        self.issued += 1
         if not self.verify or self.world_size == 1:
             return
-        code = zlib.crc32(label.encode())
+        code, dtype = zlib.crc32(label.encode()), zlib.crc32(str(tensor.dtype).encode())
         mine = torch.tensor(
-            [self._seq, list(CollectiveKind).index(kind), tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code],
+            [self.issued, list(CollectiveKind).index(kind), tensor.numel(), dtype, code],
             dtype=torch.int64,
             device=tensor.device,
         )
