@@ -97,7 +97,9 @@ def test_early_stopping_and_trial_budget(tmp_path):
     assert len(run_search(space, space[0], {}, _Runner(), settings, cap=None).trials) == 2
 
 
-def test_an_impossible_cap_names_the_smallest_memory_option(tmp_path, capsys):
+def test_an_impossible_cap_names_the_smallest_memory_option(tmp_path, capsys, monkeypatch):
+    """...and leaves no empty results/experiments folders behind (the writable check made them in the cwd)."""
+    monkeypatch.chdir(tmp_path)
     config = {
         "vocab_size": 64,
         "hidden_size": 32,
@@ -111,6 +113,7 @@ def test_an_impossible_cap_names_the_smallest_memory_option(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 3 and "no configuration fits under the cap of 1000 B per rank" in err
     assert "stage 3, offload_optimizer=cpu, offload_param=cpu" in err and "(estimated)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
 
 def test_an_experiment_keeps_the_users_offload_block_where_it_keeps_its_device():

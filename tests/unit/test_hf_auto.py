@@ -154,7 +154,7 @@ def test_the_trainer_needs_a_config_and_refuses_deepspeeds_arguments():
     assert _config_source(_args(), {"zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
 
 
-def test_a_lone_process_on_several_gpus_trains_one_micro_batch_per_step():
+def test_a_lone_process_on_several_gpus_trains_one_micro_batch_per_step(tmp_path):
     """transformers' plain path (no DeepSpeed) counts a single process's GPUs for nn.DataParallel: its DataLoader
     fed N micro-batches as one and the loss divided the token count by N. The Trainer keeps one device per process,
     as DeepSpeed's branch does (simulated: the CPU counts no GPU)."""
@@ -162,14 +162,14 @@ def test_a_lone_process_on_several_gpus_trains_one_micro_batch_per_step():
 
     from zeroshard.hf import Trainer
 
-    args = _args(deepspeed={"zero_optimization": {"stage": 2}})
+    args = _args(deepspeed={"zero_optimization": {"stage": 2}}, output_dir=str(tmp_path))  # a Trainer makes it
     _ = args.device
     args._n_gpu = 2  # what transformers sets from torch.cuda.device_count() without torchrun
     trainer = Trainer(model=nn.Linear(4, 4), args=args)
     assert trainer.args.n_gpu == 1 and trainer._train_batch_size == args.per_device_train_batch_size == 4
 
 
-def test_a_trl_style_trainer_takes_its_reference_model_by_position():
+def test_a_trl_style_trainer_takes_its_reference_model_by_position(tmp_path):
     """TRL's DPO takes (model, ref_model, args, ...): the arguments are read by name (the second position was taken
     for the TrainingArguments and its n_gpu read from a model)."""
     import transformers
@@ -185,7 +185,7 @@ def test_a_trl_style_trainer_takes_its_reference_model_by_position():
     class Trainer(TrainerMixin, DPOLike):
         pass
 
-    args = _args(deepspeed={"zero_optimization": {"stage": 2}})
+    args = _args(deepspeed={"zero_optimization": {"stage": 2}}, output_dir=str(tmp_path))
     reference = nn.Linear(4, 4)
     trainer = Trainer(nn.Linear(4, 4), reference, args)
     assert trainer.args is args and trainer.ref_model is reference

@@ -138,7 +138,7 @@ def _check_writable(key: str, folder: str) -> None:
     from zeroshard.utils.files import probe_writable
 
     try:
-        probe_writable(folder)
+        probe_writable(folder, keep=False)  # a refused run leaves no empty folders behind
     except OSError as err:
         raise CLIError(
             f"{key} {folder}: cannot write there ({err.strerror}); choose another folder", EXIT_CONFIG
