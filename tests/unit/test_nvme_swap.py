@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import subprocess
@@ -435,16 +436,21 @@ def test_stale_directories_are_removed_by_one_rank_and_kept_on_record_when_they_
         ({}, {"queue_depth": 0}, "aio.queue_depth = 0"),
     ],
 )
-def test_zero_nvme_buffers_are_refused_naming_the_key(tmp_path, block, aio, named):
+def test_zero_nvme_buffers_are_refused_naming_the_key(tmp_path, capsys, block, aio, named):
     """0 passes the schema (as DeepSpeed's); NVMe offload needs one of each: refused naming the key (it said
-    "buffer_count must be >= 1" without saying which block's)."""
+    "buffer_count must be >= 1" without saying which block's), by `validate-config` too (it called such a config
+    valid)."""
+    from zeroshard.cli.main import main
     from zeroshard.config import parse_config
     from zeroshard.errors import ConfigError
     from zeroshard.zero.from_config import _nvme_store_factory
 
     offload = {"device": "nvme", "nvme_path": str(tmp_path), **block}
-    cfg = parse_config(
-        {"train_batch_size": 1, "zero_optimization": {"stage": 2, "offload_optimizer": offload}, "aio": aio}
-    )
+    raw = {"train_batch_size": 1, "zero_optimization": {"stage": 2, "offload_optimizer": offload}, "aio": aio}
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
-        _nvme_store_factory(cfg, "offload_optimizer", {str(tmp_path): 1}, int(offload.get("buffer_count", 4)), False)
+        _nvme_store_factory(
+            parse_config(raw), "offload_optimizer", {str(tmp_path): 1}, int(offload.get("buffer_count", 4)), False
+        )
+    (tmp_path / "ds.json").write_text(json.dumps(raw))
+    assert main(["validate-config", str(tmp_path / "ds.json")]) == 2
+    assert named in capsys.readouterr().err

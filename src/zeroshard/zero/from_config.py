@@ -63,6 +63,23 @@ def _nvme_bytes(cfg: ZeroshardConfig, model: nn.Module, world_size: int, precisi
     return need
 
 
+def check_nvme_sizes(cfg: ZeroshardConfig) -> None:
+    """ConfigError for a pool or aio size of 0 where a block offloads to NVMe: 0 passes the schema, as in DeepSpeed's,
+    but NVMe I/O needs one of each (run by `resolve_config` too: [Note: blocks checked by their readers])."""
+    z, aio = cfg.zero_optimization, cfg.aio
+    for key in ("offload_optimizer", "offload_param"):
+        if str(getattr(z, key).device) != "nvme":
+            continue
+        sizes = {
+            f"zero_optimization.{key}.buffer_count": getattr(z, key).buffer_count,
+            "aio.block_size": aio.block_size,
+        }
+        sizes |= {"aio.queue_depth": aio.queue_depth, "aio.intra_op_parallelism": aio.intra_op_parallelism}
+        for name, value in sizes.items():
+            if int(value) < 1:
+                raise ConfigError(f"{name} = {value}: NVMe offload ({key}.device nvme) needs at least 1")
+
+
 def _nvme_store_factory(
     cfg: ZeroshardConfig, key: str, need: dict[str, int], buffer_count: int, pin: bool
 ) -> Callable[[], Any] | None:
@@ -76,11 +93,7 @@ def _nvme_store_factory(
         return None
     path = str(block.nvme_path)
     aio = cfg.aio
-    sizes = {f"zero_optimization.{key}.buffer_count": buffer_count, "aio.block_size": aio.block_size}
-    sizes |= {"aio.queue_depth": aio.queue_depth, "aio.intra_op_parallelism": aio.intra_op_parallelism}
-    for name, value in sizes.items():  # (0 passes the schema, as in DeepSpeed's; NVMe I/O needs one of each)
-        if int(value) < 1:
-            raise ConfigError(f"{name} = {value}: NVMe offload ({key}.device nvme) needs at least 1")
+    check_nvme_sizes(cfg)
     # every rank of this node writes its own swap files under the path (same filesystem)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     preflight(path, need[path], key=f"zero_optimization.{key}.nvme_path", sharing_ranks=local_ranks)
