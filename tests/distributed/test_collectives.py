@@ -95,3 +95,43 @@ def test_gloo_chunked_collectives_match_the_fused_ones_in_place():
         # the fused calls copy the 12 MiB message into temporaries of its size; the chunked ones work in place
         assert fused_growth > 8 * (1 << 20) and chunked_growth < 6 * (1 << 20), (fused_growth, chunked_growth)
         assert stats["reduce_scatter"]["calls"] == 1 and stats["all_gather"]["calls"] == 2
+
+
+def _diagnosed_in_two_groups(rank: int, world_size: int):
+    """Two data-parallel groups, {0, 1} and {2, 3}: ranks 0 and 2 wait on an all-reduce their peer issues late."""
+    import time
+
+    import torch.distributed as dist
+
+    from zeroshard.comm import Collectives, init_distributed
+    from zeroshard.comm.divergence import DivergenceWatch
+    from zeroshard.errors import CollectiveMismatchError
+
+    init_distributed()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    comm = Collectives(groups[rank // 2], 2, rank % 2)
+    watch = DivergenceWatch(comm, torch.device("cpu"), 1.0, str)
+    message = ""
+    if rank % 2 == 0:
+        handle = comm.all_reduce(torch.ones(4), async_op=True)
+        try:
+            watch.wait(handle, f"the all-reduce of rank {rank}")
+        except CollectiveMismatchError as err:
+            message = str(err)
+    else:
+        time.sleep(2.0)  # past the waiter's 1 s deadline: it asks, and this rank, busy, never answers
+        comm.all_reduce(torch.ones(4))
+    dist.barrier()
+    return message
+
+
+def test_a_diverged_wait_asks_the_ranks_of_its_own_group():
+    """Each rank posts under its global rank: under group ranks rank 2's post (group rank 0) overwrote rank 0's, and
+    each waiter read the other group's."""
+    messages = run_on_ranks(_diagnosed_in_two_groups, 4, timeout=180)
+    for waiter, peer, others in ((0, 1, (2, 3)), (2, 3, (0, 1))):
+        text = messages[waiter]
+        assert text.startswith(f"ranks diverged: rank {waiter} waited 1s on the all-reduce of rank {waiter}"), text
+        assert f"rank {waiter}: waiting on the all-reduce of rank {waiter}" in text, text
+        assert f"rank {peer}: did not answer" in text and not any(f"rank {r}:" in text for r in others), text
+    assert messages[1] == messages[3] == ""

@@ -53,12 +53,13 @@ class DivergenceWatch:
 
     def _diagnose(self, what: str) -> str:
         recent = [self._name_of(i) for i in self.gather_log[-3:]]
-        lines = ask_every_rank(
-            "diag", self.comm.rank, self.comm.world_size, f"waiting on {what}; last gathered units {recent}"
-        )
+        group = self.comm.group if self.comm.group is not None else dist.group.WORLD
+        # posted under global ranks: the group ranks of two data-parallel groups (tensor parallelism, hpZ) collide
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.comm.world_size))
+        lines = ask_every_rank("diag", ranks, f"waiting on {what}; last gathered units {recent}")
         return (
-            f"ranks diverged: rank {self.comm.rank} waited {self.timeout_s:.0f}s on {what}, which not "
-            "every rank issued. " + "; ".join(lines) + ". " + SAME_MODULES
+            f"ranks diverged: rank {self.comm.global_rank(self.comm.rank)} waited {self.timeout_s:.0f}s on {what}, "
+            "which not every rank issued. " + "; ".join(lines) + ". " + SAME_MODULES
         )
 
     def check_step(self) -> None:
@@ -87,16 +88,17 @@ class DivergenceWatch:
             )
 
 
-def ask_every_rank(topic: str, rank: int, world_size: int, mine: str, answer_s: float = 5.0) -> list[str]:
-    """Post what this rank is doing under `topic` on the rendezvous store and read every rank's post: a rank that
-    does not post within `answer_s` (stalled, or blocked where it cannot notice) is named as not answering."""
+def ask_every_rank(topic: str, ranks: list[int], mine: str, answer_s: float = 5.0) -> list[str]:
+    """Post what this rank is doing under `topic` on the rendezvous store and read the posts of `ranks` (global
+    ranks, this one among them): a rank that does not post within `answer_s` (stalled, or blocked where it cannot
+    notice) is named as not answering."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"zeroshard/{topic}/{rank}", mine)
-    keys = [f"zeroshard/{topic}/{other}" for other in range(world_size)]
+    store.set(f"zeroshard/{topic}/{dist.get_rank()}", mine)
+    keys = {other: f"zeroshard/{topic}/{other}" for other in ranks}
     with contextlib.suppress(RuntimeError):  # one wait for all (one per rank took answer_s per silent rank)
-        store.wait(keys, datetime.timedelta(seconds=answer_s))
+        store.wait(list(keys.values()), datetime.timedelta(seconds=answer_s))
     lines = []
-    for other, key in enumerate(keys):
+    for other, key in keys.items():
         try:
             lines.append(f"rank {other}: {store.get(key).decode()}" if store.check([key]) else "")
         except RuntimeError:  # (the store went away)
@@ -129,7 +131,7 @@ def named_on_timeout(comm: Collectives, what: str, timeout_s: float) -> Iterator
         world = dist.get_world_size() if dist.is_initialized() else 1
         if isinstance(err, ZeroshardError) or world == 1 or not ("timed out" in text or "timeout" in text):
             raise
-        lines = ask_every_rank("deadline", dist.get_rank(), world, f"in {what}")
+        lines = ask_every_rank("deadline", list(range(world)), f"in {what}")
         raise CollectiveTimeoutError(
             f"a collective in {what} waited longer than {group_timeout_s(comm, timeout_s):.0f}s (the process group's "
             "timeout: zeroshard.collective_timeout_s where zeroshard starts the group): "
