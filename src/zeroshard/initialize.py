@@ -36,7 +36,7 @@ from zeroshard.moe.zero import refuse_expert_stage3
 from zeroshard.monitor import open_monitors
 from zeroshard.offload.host_memory import apply_host_policy
 from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
-from zeroshard.optim.client import check_client_optimizer
+from zeroshard.optim.client import check_client_optimizer, class_built_by
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import build_pipe, pipe_dataloader
@@ -168,8 +168,10 @@ def _build(
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
     check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
-    if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a callable's: once built)
+    if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a lambda's: once built)
         check_client_optimizer(optimizer, cfg)
+    elif (built_class := class_built_by(optimizer)) is not None:
+        check_client_optimizer(built_class, cfg, warn=False)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)
     z = cfg.zero_optimization

@@ -16,6 +16,7 @@ The fsdp2 backend's optimizers step per-parameter DTensors, so any optimizer is 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -65,13 +66,13 @@ _WHOLE_TENSOR = {
 }
 
 
-def check_client_optimizer(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
-    """Refuse, in one line, a client optimizer the zero backend's flat shards would change ([Note: client
-    optimizers on flat shards]); `cfg`: the engine's ZeroshardConfig."""
+def check_client_optimizer(optimizer: torch.optim.Optimizer | type, cfg: Any, warn: bool = True) -> None:
+    """Refuse, in one line, a client optimizer (an instance, or the class a callable builds) the zero backend's flat
+    shards would change ([Note: client optimizers on flat shards]); `cfg`: the engine's ZeroshardConfig."""
     if str(cfg.zeroshard.backend) == "fsdp2":
         return
     stage, allow_untested = int(cfg.zero_optimization.stage), bool(cfg.zero_allow_untested_optimizer)
-    cls = type(optimizer)
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     name = cls.__name__
     if _known_elementwise(cls):
         return
@@ -90,12 +91,21 @@ def check_client_optimizer(optimizer: torch.optim.Optimizer, cfg: Any) -> None:
             'if it does, set "zero_allow_untested_optimizer": true (DeepSpeed asks the same); otherwise use '
             '"zeroshard": {"backend": "fsdp2"} (stages 2-3), whose shards keep each parameter\'s shape'
         )
+    if not warn:
+        return
     log_rank(
         logger,
         30,
         f"optimizer {name} on flat shards of many parameters (zero_allow_untested_optimizer): right only if its "
         "update of each element depends on that element's gradient and state alone",
     )
+
+
+def class_built_by(optimizer: Any) -> type | None:
+    """The optimizer class a client callable builds, where that is known without calling it (the class itself,
+    or a `functools.partial` of it): checked before the model is sharded; other callables once they have built."""
+    func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
+    return func if isinstance(func, type) and issubclass(func, torch.optim.Optimizer) else None
 
 
 def _known_elementwise(cls: type) -> bool:
