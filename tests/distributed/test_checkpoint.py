@@ -224,12 +224,12 @@ def test_reshard_world_size_and_stage(tmp_path):
 
 
 # -- export and load options ------------------------------------------------------------------------------------
-def _run_recovery_script(ckpt: str, out: str) -> bool:
-    """`python ckpt/zero_to_fp32.py ckpt out`, in this process."""
+def _run_recovery_script(ckpt: str, out: str, script: str = "zero_to_fp32.py", *options: str) -> bool:
+    """`python ckpt/zero_to_fp32.py ckpt out` (or `zero_to_torch.py ... --dtype D`), in this process."""
     import runpy
     import sys
 
-    argv, sys.argv = sys.argv, [os.path.join(ckpt, "zero_to_fp32.py"), ckpt, out]
+    argv, sys.argv = sys.argv, [os.path.join(ckpt, script), ckpt, out, *options]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
@@ -294,6 +294,13 @@ def _export_and_options(rank: int, world_size: int, root: str):
                 results["recovery script"] = _run_recovery_script(ckpt, os.path.join(root, "bin")) and all(
                     torch.equal(v, fp32[k])
                     for k, v in torch.load(os.path.join(root, "bin", "pytorch_model.bin")).items()
+                )
+                # DeepSpeed 0.19's second script, beside it: the weights in the dtype asked
+                results["recovery script zero_to_torch.py"] = _run_recovery_script(
+                    ckpt, os.path.join(root, "torch"), "zero_to_torch.py", "--dtype", "bf16"
+                ) and all(
+                    v.dtype == torch.bfloat16 and torch.equal(v, fp32[k].to(torch.bfloat16))
+                    for k, v in torch.load(os.path.join(root, "torch", "pytorch_model.bin")).items()
                 )
             reloaded = load_state_dict_from_zero_checkpoint(build_model(Case(stage=0)), ckpt)
             with torch.no_grad():
@@ -432,7 +439,7 @@ def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tmp_path
         assert "rank 1: no space left on the device of " + str(tmp_path) in message, message
         assert "MiB are free" in message and "nothing was committed" in message
         assert left == [], left  # no .tmp.full.* directory keeps the disk full
-        assert after == ["later", "latest", "zero_to_fp32.py"], after  # (DeepSpeed's recovery script beside latest)
+        assert after == ["later", "latest", "zero_to_fp32.py", "zero_to_torch.py"], after  # (recovery scripts)
 
 
 # -- saves that cannot work: refused up front, in seconds (one spawn for both) ----------------------------------
@@ -496,4 +503,6 @@ def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(re
     for message in (message0, message1):
         assert "call it on every rank, not only under `if rank == 0`" in message, message
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
-    assert left == ["everyone", "latest", "zero_to_fp32.py"], left  # the refused saves wrote nothing
+    assert left == ["everyone", "latest", "zero_to_fp32.py", "zero_to_torch.py"], (
+        left
+    )  # the refused saves wrote nothing

@@ -150,7 +150,7 @@ def test_decoupled_save_overlaps_training_commits_at_the_step_and_resumes_bit_fo
             else:
                 assert seen["micro 1: writing"] and not seen["micro 1: committed"], seen
             assert seen["committed after the step"], seen
-            assert listing == [f"global_step{K}", "latest", "zero_to_fp32.py"], listing
+            assert listing == [f"global_step{K}", "latest", "zero_to_fp32.py", "zero_to_torch.py"], listing
             resumed_losses, resumed_params, counter = after[rank][v]
             assert resumed_losses == losses[K * GAS :], f"{v} rank {rank}: the resumed run differs"
             assert torch.equal(resumed_params, params)
@@ -185,7 +185,10 @@ def _failed_write(rank: int, world_size: int, root: str):
 def test_a_failed_decoupled_write_is_raised_at_the_commit_on_every_rank(tmp_path):
     for message, latest, listing in run_on_ranks(_failed_write, 2, str(tmp_path)):
         assert message.startswith("CheckpointError: save_checkpoint failed, nothing was committed: rank 1: no space")
-        assert latest == "first" and listing == ["first", "latest", "zero_to_fp32.py"], (latest, listing)
+        assert latest == "first" and listing == ["first", "latest", "zero_to_fp32.py", "zero_to_torch.py"], (
+            latest,
+            listing,
+        )
 
 
 def _one_rank_gives_up(rank: int, world_size: int, root: str):
@@ -263,7 +266,7 @@ def test_the_last_decoupled_save_of_a_worker_is_committed_when_it_returns(tmp_pa
             break
         time.sleep(0.1)
     assert open(tmp_path / "latest").read() == f"global_step{K}"
-    assert sorted(os.listdir(tmp_path)) == [f"global_step{K}", "latest", "zero_to_fp32.py"]
+    assert sorted(os.listdir(tmp_path)) == [f"global_step{K}", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 SCRIPT = textwrap.dedent(

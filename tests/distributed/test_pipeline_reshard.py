@@ -236,4 +236,9 @@ def test_a_pipeline_checkpoint_call_on_one_rank_fails_both_in_seconds(tmp_path, 
             assert f"{op} was called on rank(s) [{caller}] only: rank {1 - caller} has been in engine." in out["error"]
         else:
             assert f"not on this rank ({rank}), which has been in engine." in out["error"], out
-    assert sorted(os.listdir(tmp_path / "pipe_stage_00")) == ["everyone", "latest", "zero_to_fp32.py"]
+    assert sorted(os.listdir(tmp_path / "pipe_stage_00")) == [
+        "everyone",
+        "latest",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+    ]

@@ -16,7 +16,7 @@ from zeroshard.checkpoint.load import resolve_tag_dir
 from zeroshard.checkpoint.space import describe_write_error
 
 
-@pytest.mark.parametrize("tag", ["latest", "latest_universal", "zero_to_fp32.py"])
+@pytest.mark.parametrize("tag", ["latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"])
 def test_the_folders_own_names_are_refused_as_tags(tag, tmp_path) -> None:
     with pytest.raises(CheckpointError, match=f"checkpoint tag {tag!r} is the name of the save folder's"):
         validate_tag(tag, str(tmp_path))
@@ -74,3 +74,4 @@ def test_a_recovery_script_that_cannot_be_written_does_not_fail_the_save(tmp_pat
     staged.mkdir()
     assert commit_tag(str(tmp_path), str(staged), "t", "abc", "{}", True) == str(tmp_path / "t")
     assert (tmp_path / "latest").read_text() == "t"
+    assert (tmp_path / "zero_to_torch.py").is_file()  # the other script is written all the same

@@ -32,6 +32,7 @@ _RESERVED = {
     LATEST_FILE: "pointer to its last tag",
     "latest_universal": "pointer to its universal checkpoint (ds_to_universal)",
     "zero_to_fp32.py": "recovery script",
+    "zero_to_torch.py": "recovery script",
 }
 
 
@@ -62,15 +63,24 @@ class CommittedWithoutLatest(CheckpointError):
 
 
 def write_recovery_script(save_dir: str) -> None:
-    """`zero_to_fp32.py` beside `latest`, as DeepSpeed copies its recovery script there at every save: `python
-    zero_to_fp32.py . OUT` in a checkpoint folder consolidates it (`zeroshard.utils.zero_to_fp32.main`)."""
-    from zeroshard.utils.zero_to_fp32 import RECOVERY_SCRIPT, RECOVERY_SOURCE
+    """`zero_to_fp32.py` and `zero_to_torch.py` beside `latest`, as DeepSpeed copies its recovery scripts there at
+    every save: `python zero_to_fp32.py . OUT` in a checkpoint folder consolidates it (`zeroshard.utils.zero_to_fp32.
+    main`; `zero_to_torch.py . OUT --dtype bf16` in another dtype)."""
+    from zeroshard.utils import zero_to_fp32, zero_to_torch
 
-    path = os.path.join(save_dir, RECOVERY_SCRIPT)
-    with contextlib.suppress(OSError):
-        with open(path, encoding="utf-8") as f:
-            if f.read() == RECOVERY_SOURCE:
-                return
-    replace_file_atomically(path, RECOVERY_SOURCE.encode())
-    with contextlib.suppress(OSError):  # (a file share may refuse it; DeepSpeed goes on too)
-        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    failed: OSError | None = None
+    for script in (zero_to_fp32, zero_to_torch):  # each on its own: one that cannot be written keeps the other
+        path = os.path.join(save_dir, script.RECOVERY_SCRIPT)
+        with contextlib.suppress(OSError):
+            with open(path, encoding="utf-8") as f:
+                if f.read() == script.RECOVERY_SOURCE:
+                    continue
+        try:
+            replace_file_atomically(path, script.RECOVERY_SOURCE.encode())
+        except OSError as e:
+            failed = failed or e
+            continue
+        with contextlib.suppress(OSError):  # (a file share may refuse it; DeepSpeed goes on too)
+            os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    if failed is not None:
+        raise failed

@@ -1,8 +1,9 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
 `logger`, `log_dist`, `OnDevice`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` and
 `safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
-(`set_z3_leaf_modules` and its relatives). `zero_to_fp32` (the checkpoint consolidation under DeepSpeed's module
-path) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are submodules, imported on first use."""
+(`set_z3_leaf_modules` and its relatives). `zero_to_fp32` and `zero_to_torch` (the checkpoint consolidation under
+DeepSpeed's module paths) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are submodules, imported on
+first use."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.init_on_device import OnDevice
@@ -60,6 +61,7 @@ __all__ = [
     "timer",
     "unset_z3_leaf_modules",
     "zero_to_fp32",
+    "zero_to_torch",
     "z3_leaf_module",
 ]
 
@@ -67,7 +69,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # `deepspeed.utils.zero_to_fp32.get_...`, `deepspeed.utils.timer....`, without importing the checkpoint and
     # monitor code early
-    if name in ("zero_to_fp32", "timer"):
+    if name in ("zero_to_fp32", "zero_to_torch", "timer"):
         import importlib
 
         return importlib.import_module(f"zeroshard.utils.{name}")

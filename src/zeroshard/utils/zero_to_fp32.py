@@ -19,6 +19,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from zeroshard.checkpoint.export import (
     LazyTensor,
     convert_zero_checkpoint_to_fp32_state_dict,
@@ -28,7 +30,17 @@ from zeroshard.checkpoint.export import (
     to_torch_tensor,
 )
 
-# what save_checkpoint writes beside `latest` (DeepSpeed's `_copy_recovery_script`)
+# the output dtypes DeepSpeed's conversion names (zero_to_torch.py's --dtype choices)
+OUTPUT_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# what save_checkpoint writes beside `latest` (DeepSpeed's `_copy_recovery_script`; zero_to_torch.py too)
 RECOVERY_SCRIPT = "zero_to_fp32.py"
 RECOVERY_SOURCE = '''#!/usr/bin/env python
 """Written by zeroshard's save_checkpoint, as DeepSpeed writes its recovery script here: `python zero_to_fp32.py
@@ -99,6 +111,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 __all__ = [
+    "OUTPUT_DTYPE_NAMES",
     "LazyTensor",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
