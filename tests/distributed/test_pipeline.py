@@ -29,6 +29,7 @@ CASES_2 = [
     PipeCase(2, "gpipe", checkpoint_every=2),
     PipeCase(2, "interleaved", tied=True),
     PipeCase(2, "1f1b", zero=1, clip=0.05, tied=True, sgd=True),  # [Note: tied copies in the norm]
+    PipeCase(2, "1f1b", gas=1, clip=0.05, sgd=True),  # fewer micro-batches than stages (torch's 1F1B refused them)
 ]
 CASES_4 = [
     PipeCase(2, "gpipe", zero=1),
@@ -197,3 +198,40 @@ def test_pipeline_eval_and_train_batch_refuse_while_offloaded() -> None:
     every stage, before any stage communicates; after reload_states() the evaluation is unchanged."""
     for refused, same in run_on_ranks(_offloaded, 2):
         assert refused == ["eval_batch", "train_batch"] and same, (refused, same)
+
+
+
+def _pair_loss(output: Any, labels: tuple[Any, Any]) -> Any:
+    return ((output - labels[0]) ** 2 * labels[1]).mean()
+
+
+def _labels(rank: int, world_size: int) -> tuple[float, float, float, float]:
+    import copy
+
+    import torch
+
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    x, y, w = torch.randn(2, 8), torch.randn(2, 1), torch.rand(2, 1)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"}}
+    out = []
+    for loss_fn, label in ((None, 0), (_pair_loss, (y, w))):
+        seq = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)]
+        whole = nn.Sequential(*copy.deepcopy(seq))
+        engine, *_ = zeroshard.initialize(model=PipelineModule(layers=seq, num_stages=2, loss_fn=loss_fn), config=cfg)
+        got = engine.eval_batch(iter([(x, label), (x, label)]))  # two equal micro-batches: their mean is one's
+        with torch.no_grad():
+            want = whole(x) if loss_fn is None else loss_fn(whole(x), label)
+        out += [float(got.sum()), float(want.sum())]
+        engine.destroy()
+    return out[0], out[1], out[2], out[3]
+
+
+def test_pipeline_labels_reach_the_loss_as_deepspeeds_do() -> None:
+    """A dataset's int label with no loss_fn (DeepSpeed's TestPipeModuleSequential: the last stage's output is what
+    eval_batch returns) failed joining the labels; a tuple of label tensors reaches the loss function whole (only its
+    first tensor did)."""
+    for int_got, int_want, pair_got, pair_want in run_on_ranks(_labels, 2):
+        assert math.isclose(int_got, int_want, rel_tol=1e-6) and math.isclose(pair_got, pair_want, rel_tol=1e-6)

@@ -2,15 +2,17 @@
 
 [Note: pipeline step]
 One `train_batch` pulls `gradient_accumulation_steps` micro-batches from the data iterator (on the first stage for
-inputs, on the last for labels, as DeepSpeed) and hands them, concatenated, to a `torch.distributed.pipelining`
+inputs, on the last for labels, as DeepSpeed) and hands the inputs, concatenated, to a `torch.distributed.pipelining`
 schedule (1F1B, GPipe or interleaved 1F1B) over this replica's pipeline group, which splits them back into the same
-micro-batches. The schedule's loss function returns `loss / gas` (DeepSpeed's `_scale_loss_by_gas`), so the `.grad`s
-the schedule accumulates are DeepSpeed's; the ZeRO strategy is not involved during the schedule and collects those
-`.grad`s at the step as one backward ([Note: gradients outside engine.backward]), reducing them over the stage's
-data-parallel group. The clipping norm adds up every stage's share (`StepPolicy.model_parallel`). The reported loss
-is the mean over micro-batches and replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's
-`_aggregate_total_loss`; rank 0 writes it to the monitors as `Train/Samples/train_loss` (`eval_batch`'s as
-`eval_loss`), as DeepSpeed's pipeline engine does ([Note: monitor events]).
+micro-batches; the labels stay per micro-batch (a tensor, a tuple of tensors, or None for anything else, as
+DeepSpeed's), found by the micro-batch's index, which is what the schedule splits as its target. The schedule's loss
+function returns `loss / gas` (DeepSpeed's `_scale_loss_by_gas`), so the `.grad`s the schedule accumulates are
+DeepSpeed's; the ZeRO strategy is not involved during the schedule and collects those `.grad`s at the step as one
+backward ([Note: gradients outside engine.backward]), reducing them over the stage's data-parallel group. The clipping
+norm adds up every stage's share (`StepPolicy.model_parallel`). The reported loss is the mean over micro-batches and
+replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's `_aggregate_total_loss`; rank 0 writes it
+to the monitors as `Train/Samples/train_loss` (`eval_batch`'s as `eval_loss`), as DeepSpeed's pipeline engine does
+([Note: monitor events]).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         )
         self._schedules: dict[tuple[str, bool, int], Any] = {}
         self._micro_losses: list[torch.Tensor] = []
+        self._labels: list[Any] = []  # this batch's labels, per micro-batch (on the last stage)
         self.agg_train_loss: torch.Tensor | None = None
 
     @property
@@ -138,8 +141,9 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
             batches = [next(self.data_iterator) for _ in range(gas)]
             if self.pipe.is_first:
                 inputs = _concat([b[0] for b in batches], self.device)
-            if self.pipe.is_last:
-                kwargs["target"] = _concat([b[1] for b in batches], self.device)[0]
+            if self.pipe.is_last:  # the schedule splits each micro-batch's index; _micro_loss finds its labels
+                self._labels = [_labels(b[1], self.device) for b in batches]
+                kwargs["target"] = torch.arange(gas, device=self.device)
                 kwargs["losses"] = []
         schedule = self._schedule(train)
         outputs = schedule.step(*inputs, **kwargs) if train else schedule.eval(*inputs, **kwargs)
@@ -163,13 +167,16 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 schedule: Any = ScheduleInterleaved1F1B(stages, gas, loss_fn=self._micro_loss, scale_grads=False)
             else:
                 stage = PipelineStage(module, self.stage_id, self.num_stages, self.device, group=group)
-                schedule = _SCHEDULES[self.pipe.schedule](stage, gas, loss_fn=self._micro_loss, scale_grads=False)
+                # fewer micro-batches than stages: 1F1B's warm-up holds them all, so its order is GPipe's (torch's
+                # Schedule1F1B refuses to be built for it; DeepSpeed's TrainSchedule runs it)
+                kind = "gpipe" if self.pipe.schedule == "1f1b" and gas < self.num_stages else self.pipe.schedule
+                schedule = _SCHEDULES[kind](stage, gas, loss_fn=self._micro_loss, scale_grads=False)
             self._schedules[key] = schedule
         return self._schedules[key]
 
-    def _micro_loss(self, output: Any, target: Any) -> torch.Tensor:
+    def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         loss_fn = self.pipeline_module.loss_fn
-        loss = loss_fn(output, target) if loss_fn is not None else output
+        loss = loss_fn(output, self._labels[int(index.reshape(-1)[0])]) if loss_fn is not None else output
         self._micro_losses.append(loss.detach())
         scale = self.loss_scale if self.loss_scaler is not None else 1.0
         scaled: torch.Tensor = loss / self.gradient_accumulation_steps()
@@ -192,3 +199,13 @@ def _concat(parts: list[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
     if isinstance(parts[0], torch.Tensor):
         return (torch.cat(parts).to(device),)
     return tuple(torch.cat([p[i] for p in parts]).to(device) for i in range(len(parts[0])))
+
+
+def _labels(labels: Any, device: torch.device) -> Any:
+    """A micro-batch's labels as DeepSpeed's pipeline engine hands them to the loss function: a tensor, or a tuple
+    of tensors, on the device; anything else (a dataset's int label where the module has no loss_fn) as None."""
+    if isinstance(labels, torch.Tensor):
+        return labels.to(device)
+    if isinstance(labels, (tuple, list)) and labels and all(isinstance(x, torch.Tensor) for x in labels):
+        return tuple(x.to(device) for x in labels)
+    return None
