@@ -167,8 +167,8 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 schedule: Any = ScheduleInterleaved1F1B(stages, gas, loss_fn=self._micro_loss, scale_grads=False)
             else:
                 stage = PipelineStage(module, self.stage_id, self.num_stages, self.device, group=group)
-                # fewer micro-batches than stages: 1F1B's warm-up holds them all, so its order is GPipe's (torch's
-                # Schedule1F1B refuses to be built for it; DeepSpeed's TrainSchedule runs it)
+                # fewer micro-batches than stages: torch's Schedule1F1B refuses to be built (DeepSpeed's TrainSchedule
+                # runs it); GPipe gives the same gradients, its activations held for at most that few micro-batches
                 kind = "gpipe" if self.pipe.schedule == "1f1b" and gas < self.num_stages else self.pipe.schedule
                 schedule = _SCHEDULES[kind](stage, gas, loss_fn=self._micro_loss, scale_grads=False)
             self._schedules[key] = schedule
