@@ -113,7 +113,7 @@ def initialize(
     if source is None:
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
-    topology = init_distributed(timeout_s=collective_timeout(parsed.raw))
+    topology = init_distributed(timeout_s=collective_timeout(parsed.raw), required=dist_init_required)
     check_world(parsed, topology.world_size)
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None

@@ -41,13 +41,22 @@ def test_init_distributed_takes_deepspeeds_arguments():
         assert ours[name].default == theirs[name].default, name
 
 
-def test_init_distributed_not_required_does_nothing():
+def test_init_distributed_not_required_where_nothing_started_is_refused():
+    """DeepSpeed asserts the group was started; it returned with nothing started, and `initialize` (whose
+    dist_init_required was ignored) started one."""
     import torch.distributed as dist
 
     import zeroshard
 
-    zeroshard.init_distributed(dist_init_required=False)
-    assert not dist.is_initialized()
+    for call in (
+        lambda: zeroshard.init_distributed(dist_init_required=False),
+        lambda: zeroshard.initialize(
+            model=torch.nn.Linear(2, 2), config={"train_batch_size": 1}, dist_init_required=False
+        ),
+    ):
+        with pytest.raises(zeroshard.ZeroshardError, match="dist_init_required=False, but torch.distributed is not"):
+            call()
+        assert not dist.is_initialized()
 
 
 def test_cpu_accelerator_answers_as_deepspeeds():

@@ -147,22 +147,23 @@ def init_distributed(
 ) -> None:
     """DeepSpeed's `init_distributed` over `comm.topology.init_distributed`.
 
-    As in DeepSpeed, nothing happens when torch.distributed is already initialised (unless
-    `dist_init_required=True`, which torch refuses). An explicit `init_method`, `rank` or `world_size` is
-    passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read, or under
-    `mpirun -np N python train.py` the MPI variables with `distributed_port` as the default MASTER_PORT
-    (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. Without
-    `timeout` the group's deadline is `zeroshard.collective_timeout_s` of `config` (a ds_config mapping or file),
-    else DeepSpeed's DEEPSPEED_TIMEOUT (minutes), else that key's default, as `initialize` starts it (torch's own
-    default, 30 minutes, was taken here).
+    As in DeepSpeed, nothing happens when torch.distributed is already initialised (unless `dist_init_required=True`,
+    which torch refuses); `dist_init_required=False` where it is not is refused. An explicit `init_method`, `rank` or
+    `world_size` is passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read, or
+    under `mpirun -np N python train.py` the MPI variables with `distributed_port` as the default MASTER_PORT
+    (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. Without `timeout`
+    the group's deadline is `zeroshard.collective_timeout_s` of `config` (a ds_config mapping or file), else DeepSpeed's
+    DEEPSPEED_TIMEOUT (minutes), else that key's default, as `initialize` starts it (torch's own default, 30 minutes,
+    was taken here).
 
     Example:
         >>> import zeroshard
         >>> zeroshard.init_distributed(dist_backend="gloo")  # doctest: +SKIP
     """
-    if dist_init_required is None:
-        dist_init_required = not dist.is_initialized()
-    if not dist_init_required:
+    if dist_init_required is False:  # the script started the group (refused where it did not, as DeepSpeed)
+        topology.require_started(False)
+        return
+    if dist_init_required is None and dist.is_initialized():
         return
     from zeroshard.config.features import collective_timeout  # (the config package imports comm)
 

@@ -53,16 +53,31 @@ def local_device() -> torch.device:
     return _pick_device(int(os.environ["LOCAL_RANK"]))[0]
 
 
+def require_started(required: bool | None) -> None:
+    """DeepSpeed's `dist_init_required=False` says the script started the process group: refused where it did not."""
+    if required is False and not dist.is_initialized():
+        raise ZeroshardError(
+            "dist_init_required=False, but torch.distributed is not initialized: start the process group first "
+            "(torch.distributed.init_process_group, zeroshard.init_distributed) or leave dist_init_required unset"
+        )
+
+
 def init_distributed(
-    backend: str | None = None, timeout_s: float | None = None, mpi_discovery: bool = True, mpi_port: int = 29500
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    mpi_discovery: bool = True,
+    mpi_port: int = 29500,
+    required: bool | None = None,
 ) -> Topology:
     """Initialise torch.distributed once and describe the result.
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) the env:// rendezvous is used; under mpirun without a
     launcher the MPI variables are read first ([Note: MPI discovery]). With no
     variables at all a one-process group is created on an in-memory store, so `python train.py`
-    runs the same code path as a multi-process job. NCCL is chosen on CUDA and gloo on CPU.
+    runs the same code path as a multi-process job. NCCL is chosen on CUDA and gloo on CPU. `required=False`
+    (DeepSpeed's `dist_init_required=False`: the script started the group) refuses a group not started.
     """
+    require_started(required)
     if mpi_discovery:  # `mpirun -np N python train.py`: [Note: MPI discovery]
         os.environ.update(mpi_rank_env(os.environ, mpi_port))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
