@@ -35,7 +35,7 @@ from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, refuse_com
 from zeroshard.moe.zero import refuse_expert_stage3
 from zeroshard.monitor import open_monitors
 from zeroshard.offload.host_memory import apply_host_policy
-from zeroshard.optim import build_lr_scheduler, build_optimizer, muon, optimizer_defaults
+from zeroshard.optim import as_deepspeed_builds, build_lr_scheduler, build_optimizer, muon, optimizer_defaults
 from zeroshard.optim.client import check_client_optimizer, class_built_by
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.state_dtype import keep_state_in
@@ -460,7 +460,7 @@ def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strateg
         check_client_optimizer(built, cfg)
         return built
     assert cfg.optimizer is not None
-    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+    return as_deepspeed_builds(build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups), cfg)
 
 
 def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer | None) -> Any:

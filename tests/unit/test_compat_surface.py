@@ -173,6 +173,12 @@ def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
     uncorrected = DeepSpeedCPUAdam([w], bias_correction=False, adamw_mode=False)
     assert type(uncorrected) is UncorrectedAdam and uncorrected.defaults["adam_w_mode"] is False
     assert type(FusedAdam([w], bias_correction=False)) is UncorrectedAdam
+    # classes, as DeepSpeed's: isinstance holds for what each builds and for what a config DeepSpeed builds it for
+    # builds ([Note: DeepSpeed's optimizer classes]); it raised TypeError (they were functions)
+    assert isinstance(opt, FusedAdam) and not isinstance(opt, DeepSpeedCPUAdam)
+    assert isinstance(DeepSpeedCPUAdam([w]), DeepSpeedCPUAdam) and not isinstance(DeepSpeedCPUAdam([w]), FusedAdam)
+    assert isinstance(expected, FusedAdam) and not isinstance(torch.optim.AdamW([w]), FusedAdam)
+    assert not isinstance(build_optimizer("Adam", {"torch_adam": True}, [{"params": [w]}]), FusedAdam)
 
 
 def test_fused_lamb_is_zeroshards_lamb_with_deepspeeds_signature():
@@ -182,7 +188,7 @@ def test_fused_lamb_is_zeroshards_lamb_with_deepspeeds_signature():
 
     w = torch.zeros(2, requires_grad=True)
     opt = FusedLamb([w], 1e-3, True, (0.9, 0.99), 1e-6, False, 0.01, 0.0, 0.5, 0.02)
-    assert type(opt) is Lamb
+    assert type(opt) is Lamb and isinstance(opt, FusedLamb) and not isinstance(Lamb([w]), FusedLamb)
     assert (
         opt.defaults["max_coeff"] == 0.5 and opt.defaults["min_coeff"] == 0.02 and opt.defaults["betas"] == (0.9, 0.99)
     )

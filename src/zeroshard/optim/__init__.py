@@ -2,6 +2,7 @@
 
 from zeroshard.optim.lion import Lion
 from zeroshard.optim.optimizers import (
+    as_deepspeed_builds,
     build_optimizer,
     optimizer_defaults,
     probe_optimizer,
@@ -12,6 +13,7 @@ from zeroshard.optim.schedulers import LRSchedulerLike, build_lr_scheduler, supp
 __all__ = [
     "LRSchedulerLike",
     "Lion",
+    "as_deepspeed_builds",
     "build_lr_scheduler",
     "build_optimizer",
     "optimizer_defaults",

@@ -109,6 +109,9 @@ def build_optimizer(
     key = type_name.lower()
     if key == "muon":  # whole-matrix steps on flat shards: [Note: Muon on flat shards]
         return _build_muon(kwargs, param_groups)
+    # the DeepSpeed class this optimizer stands for, which isinstance tests ([Note: DeepSpeed's optimizer classes])
+    ds_class = {"adam": "FusedAdam", "adamw": "FusedAdam", "lamb": "FusedLamb"}.get(key)
+    ds_class = None if ds_class == "FusedAdam" and _bool_param(kwargs, "torch_adam", False) else ds_class
     if key in ("adam", "adamw"):
         cls, kwargs = _adam_kwargs(key, kwargs, param_groups)
     else:
@@ -118,9 +121,29 @@ def build_optimizer(
     _check_values(cls, kwargs)
     _tuples(kwargs)
     try:
-        return cls(param_groups, **kwargs)
+        optimizer = cls(param_groups, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"optimizer.params is invalid for optimizer.type={type_name!r}: {err}") from err
+    if ds_class is not None:
+        setattr(optimizer, DEEPSPEED_CLASS, ds_class)
+    return optimizer
+
+
+DEEPSPEED_CLASS = "_deepspeed_class"
+
+
+def as_deepspeed_builds(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.Optimizer:
+    """[Note: DeepSpeed's optimizer classes]
+    `deepspeed.ops.adam.FusedAdam` and its relatives are classes in DeepSpeed, and scripts test
+    `isinstance(opt, FusedAdam)`; here they build torch's optimizers (ops/adam.py). Each optimizer built under one
+    of those names, by it or from a ds_config DeepSpeed would build it for, carries the name (`DEEPSPEED_CLASS`),
+    which the names' `isinstance` reads (`ops._params.DeepSpeedOptimizerClass`): a config's Adam/AdamW is
+    FusedAdam (torch's with `torch_adam`), DeepSpeedCPUAdam where the optimizer is offloaded, as DeepSpeed picks;
+    a config's Lamb is FusedLamb. This marks the offloaded case, which the config's optimizer block does not know."""
+    offloaded = str(cfg.zero_optimization.offload_optimizer.device) != "none"
+    if offloaded and getattr(optimizer, DEEPSPEED_CLASS, None) == "FusedAdam":
+        setattr(optimizer, DEEPSPEED_CLASS, "DeepSpeedCPUAdam")
+    return optimizer
 
 
 def probe_optimizer(type_name: str, params: Mapping[str, Any]) -> torch.optim.Optimizer:
