@@ -429,3 +429,34 @@ def test_version_attributes_are_deepspeeds():
     )
     ds = import_deepspeed("deepspeed")
     assert isinstance(ds.__git_hash__, str) and zeroshard.__git_hash__ == zeroshard.__git_branch__ == "[none]"
+
+
+def test_compression_helper_gets_and_sets_by_dotted_name_as_deepspeeds():
+    """DeepSpeed-Chat's LoRA code imports these from `deepspeed.compression.helper` (the module was missing)."""
+    from zeroshard.compression.helper import recursive_getattr, recursive_setattr
+
+    ds_helper = import_deepspeed("deepspeed.compression.helper")
+    for get, put in (
+        (recursive_getattr, recursive_setattr),
+        (ds_helper.recursive_getattr, ds_helper.recursive_setattr),
+    ):
+        net = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        assert get(net, "0.0.weight") is net[0][0].weight
+        put(net, "0.0", torch.nn.Identity())
+        put(net, "extra", torch.nn.ReLU())
+        assert isinstance(net[0][0], torch.nn.Identity) and isinstance(get(net, "extra"), torch.nn.ReLU)
+
+
+def test_runtime_pipe_module_paths_hold_the_pipeline_names():
+    """Megatron-DeepSpeed, GPT-NeoX and DeepSpeed's tests import them from `deepspeed.runtime.pipe.*` (missing)."""
+    import zeroshard
+    from zeroshard import pipe
+    from zeroshard.pipe.engine import PipelineEngine
+    from zeroshard.runtime.pipe import engine, module, topology
+
+    ds_pipe = import_deepspeed("deepspeed.runtime.pipe")
+    for name in ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"):
+        assert getattr(zeroshard.runtime.pipe, name) is getattr(pipe, name) and hasattr(ds_pipe, name), name
+    for name in ("ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology"):
+        assert getattr(topology, name) is getattr(pipe, name), name
+    assert module.PipelineModule is pipe.PipelineModule and engine.PipelineEngine is PipelineEngine

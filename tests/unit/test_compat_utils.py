@@ -141,7 +141,9 @@ def _timer_sequence(timer) -> list:
         span = timer.end_time - timer.start_time
         assert timer.step_elapsed_time == (current + span if not boundary else 0)
         assert timer.total_elapsed_time == total + span
-    return out + [timer.global_step_count, timer.avg_samples_per_sec() > 0]
+    out += [timer.global_step_count, timer.avg_samples_per_sec() > 0]
+    timer.update_epoch_count()  # DeepSpeed-Chat calls it on the engine's timer at each epoch's end
+    return out + [timer.epoch_count, timer.micro_step_count]
 
 
 def test_throughput_timer_attributes_follow_deepspeeds():

@@ -10,7 +10,8 @@ and the current one is train_batch_size over this step's time. `synchronized` wa
 stop (what DeepSpeed does by default; off, a CUDA step may be timed before its kernels end). Where DeepSpeed made
 the training dataloader it starts the timer as the loader hands out a batch instead of at forward (so its times
 include loading the batch); here it always starts at forward, and `epoch` is the engine dataloader's epoch (its
-sampler's), 0 without one. `engine.tput_timer` is the timer, with DeepSpeed's `avg_samples_per_sec()`.
+sampler's), 0 without one, plus the epochs the script counts with `update_epoch_count()`. `engine.tput_timer` is the
+timer, with DeepSpeed's `avg_samples_per_sec()`.
 With windows the script ends ([Note: caller-owned windows]) a step follows several forwards: the timer runs from
 the window's first forward to its step and counts the samples the window trained on. (DeepSpeed restarts it at
 every forward and counts train_batch_size, so it reports the last micro-batch's time for the whole window.)
@@ -55,6 +56,7 @@ class ThroughputTimer:
         self.start_time = 0.0  # of the running timed interval; 0 until the first step after start_step
         self.end_time = 0.0  # of the latest timed interval
         self.micro_step_count = 0
+        self._epochs = 0  # counted by update_epoch_count, beyond the engine dataloader's own
         self.global_step_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
@@ -62,7 +64,13 @@ class ThroughputTimer:
     @property
     def epoch_count(self) -> int:
         sampler = getattr(self._loader, "sampler", None)
-        return int(getattr(sampler, "epoch", 0))
+        return int(getattr(sampler, "epoch", 0)) + self._epochs
+
+    def update_epoch_count(self) -> None:
+        """A new epoch of the script's own loader (DeepSpeed-Chat calls this at each epoch's end): count it and
+        start its micro-steps from 0, as DeepSpeed's timer does."""
+        self._epochs += 1
+        self.micro_step_count = 0
 
     def start(self) -> None:
         if not self.enabled or (self.started and self.whole_windows):

@@ -180,16 +180,6 @@ class ThroughputTimer(_EngineThroughputTimer):
                 raise ImportError("ThroughputTimer(monitor_memory=True) needs psutil: pip install psutil") from error
         self.monitor_memory = monitor_memory
         self.logging = logging_fn
-        self._epochs = 0
-
-    @property
-    def epoch_count(self) -> int:
-        return self._epochs
-
-    def update_epoch_count(self) -> None:
-        """A new epoch: count it and start its micro-steps from 0 (DeepSpeed's dataloader calls this)."""
-        self._epochs += 1
-        self.micro_step_count = 0
 
     def _report(self, message: str) -> None:
         self._emit(message)
