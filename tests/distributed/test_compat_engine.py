@@ -25,6 +25,8 @@ def _script(rank: int, world_size: int, config_path: str):
     comm = deepspeed.comm
     total = torch.tensor([float(comm.get_rank() + 1)])
     comm.all_reduce(total, op=comm.ReduceOp.SUM, log_name="loss")  # DeepSpeed's profiling keyword is accepted
+    inference = torch.tensor([float(comm.get_rank() + 1)])
+    comm.inference_all_reduce(inference)  # DeepSpeed's inference all-reduce (its shared-memory kernel where built)
     comm.barrier()
 
     torch.manual_seed(0)
@@ -36,7 +38,7 @@ def _script(rank: int, world_size: int, config_path: str):
         engine.step()
         applied.append(engine.was_step_applied())
     facts = {
-        "sum": total.item(),
+        "sum": (total.item(), inference.item()),
         "ranks": (comm.get_world_size(), groups._get_data_parallel_world_size(), engine.dp_world_size),
         "local_rank": engine.local_rank,
         "fp16": engine.fp16_enabled(),
@@ -115,7 +117,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_deepspeed_script_surface_on_two_ranks(ranks: list[dict]) -> None:
     for rank, result in enumerate(ranks):
         assert result["surface"] == {
-            "sum": 3.0,
+            "sum": (3.0, 3.0),
             "ranks": (2, 2, 2),
             "local_rank": rank,
             "fp16": False,

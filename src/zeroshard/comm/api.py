@@ -77,6 +77,14 @@ recv = _user_collective(dist.recv)
 isend = _user_collective(dist.isend)
 irecv = _user_collective(dist.irecv)
 barrier = _user_collective(dist.barrier)
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, **_: Any) -> Any:
+    """DeepSpeed's all-reduce for inference (its shared-memory kernel where built): torch's all-reduce, in place and
+    synchronous; the tensor itself on a group of one rank, as DeepSpeed returns it."""
+    if dist.get_world_size(group=group) <= 1:
+        return tensor
+    return all_reduce(tensor, op=op, group=group)
 monitored_barrier = _user_collective(dist.monitored_barrier)
 broadcast_object_list = dist.broadcast_object_list
 all_gather_object = dist.all_gather_object
@@ -194,6 +202,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "inference_all_reduce",
     "all_to_all_single",
     "barrier",
     "broadcast",
