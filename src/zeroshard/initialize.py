@@ -51,7 +51,7 @@ from zeroshard.sequence.mesh import (
     refuse_with_sequence_parallel,
     sequence_degree,
 )
-from zeroshard.tp.build import build_tp, follow_split, tp_degree
+from zeroshard.tp.build import autotp_mpu, build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger, log_rank
@@ -117,7 +117,7 @@ def initialize(
     check_world(parsed, topology.world_size)
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
-    mpu = None if sp_mpu is not None else mpu
+    mpu = None if sp_mpu is not None else autotp_mpu(parsed, mpu)  # an mpu of the autotp mesh is autotp
     if sp > 1:
         refuse_with_sequence_parallel(parsed, model, mpu, sp)
     # the batch arithmetic counts data-parallel replicas: world_size / num_stages with a PipelineModule, and / the

@@ -67,6 +67,32 @@ def _mpu_losses(rank: int) -> tuple[list[float], int]:
     return losses, partitioned_over
 
 
+class SwappedMpu(FakeMpu):
+    """Groups other than the autotp mesh's: tp {0,2},{1,3}, dp {0,1},{2,3}."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.tp_group, self.dp_group = self.dp_group, self.tp_group
+
+
+def _autotp_with_mpu(rank: int) -> tuple[list[float], str]:
+    """DeepSpeed's AutoTP training example passes an mpu of the autotp mesh beside autotp_size (it was refused);
+    an mpu of other groups is refused naming them."""
+    import zeroshard
+
+    case = TpCase(stage=2)
+    model = llama()  # whole: autotp splits it
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config(case), mpu=FakeMpu(rank))
+    losses = run(engine, rank // TP, range(case.steps))[0]
+    engine.destroy()
+    try:
+        zeroshard.initialize(model=llama(), config=config(case), mpu=SwappedMpu(rank))
+        refused = ""
+    except zeroshard.ConfigError as e:
+        refused = str(e)
+    return losses, refused
+
+
 def _grid(rank: int, world_size: int, cases: list[TpCase], save_dir: str | None, slow: bool) -> dict[str, Any]:
     from zeroshard.comm.topology import init_distributed
 
@@ -78,6 +104,7 @@ def _grid(rank: int, world_size: int, cases: list[TpCase], save_dir: str | None,
         out["resume_fsdp2"] = resume(rank, RESUME_FSDP2, f"{save_dir}/fsdp2", save_at=1)
     if not slow:
         out["mpu"] = _mpu_losses(rank)
+        out["autotp_mpu"] = _autotp_with_mpu(rank)
     return out
 
 
@@ -113,6 +140,10 @@ def test_tp2_dp2_matches_reference_and_resumes(tmp_path) -> None:
         mpu_losses, partitioned_over = result["mpu"]
         assert _close(mpu_losses, want), (rank, mpu_losses)  # stage 2 over the mpu's groups
         assert partitioned_over == TP, rank  # partition_activations splits over the mpu's tensor-parallel group
+        autotp_losses, refused = result["autotp_mpu"]
+        assert _close(autotp_losses, want), (rank, autotp_losses)  # the same stage 2, the model split by autotp
+        tp_ranks = [rank % TP, rank % TP + TP]
+        assert f"groups of rank {rank} are {tp_ranks} / " in refused and "not the autotp mesh's" in refused, refused
 
 
 def _first_loss_after_load(rank: int, world_size: int, save_dir: str) -> float:

@@ -96,10 +96,7 @@ def test_meta_model_refused() -> None:
         refuse_unsupported(cfg, model, 2, None)
 
 
-def test_mpu_with_autotp_or_fsdp2_refused() -> None:
-    cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}})
-    with pytest.raises(ConfigError, match="pass one of them"):
-        refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, object())
+def test_mpu_with_fsdp2_refused() -> None:
     cfg = parse_config({"train_micro_batch_size_per_gpu": 1, "zeroshard": {"backend": "fsdp2"}})
     with pytest.raises(ConfigError, match='mpu=...\\) with zeroshard.backend "fsdp2"'):
         refuse_unsupported(cfg, torch.nn.Linear(2, 2), 2, object())

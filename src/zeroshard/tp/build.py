@@ -9,7 +9,8 @@ parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the d
 [Note: tensor-parallel norm]) and with the fsdp2 backend at its stages ([Note: tensor parallelism on fsdp2]);
 stage 3 on the zero backend, offload, autotp_size with a PipelineModule (an mpu's split layers in one are
 3D parallelism: [Note: 3D mesh] in pipe/three_d.py) and MoE layers with ep_size > 1 are refused before any work,
-each in one line.
+each in one line. An `initialize(mpu=...)` beside autotp_size (DeepSpeed's AutoTP training example passes both) is
+taken where its groups are the autotp mesh's, and refused naming the groups otherwise (`autotp_mpu`).
 """
 
 from __future__ import annotations
@@ -65,15 +66,46 @@ def tp_degree(cfg: ZeroshardConfig, mpu: Any) -> int:
     return autotp_size(cfg.tensor_parallel)
 
 
+def autotp_mpu(cfg: ZeroshardConfig, mpu: Any) -> Any:
+    """The mpu `initialize` goes on with where the config also sets `tensor_parallel.autotp_size` > 1, as DeepSpeed's
+    AutoTP training example passes both: an mpu whose groups are the autotp mesh's ([Note: tensor-parallel mesh]:
+    consecutive ranks per tensor-parallel group, every autotp_size-th rank per data-parallel one) says the same thing
+    twice, and AutoTP splits the model over that mesh (None); any other mpu is refused, naming the groups.
+    Collective-free; every rank decides alike when every rank's mpu describes the same layout."""
+    tp = autotp_size(cfg.tensor_parallel)
+    if mpu is None or tp == 1:
+        return mpu
+    import torch.distributed as dist
+
+    from zeroshard.tp.mesh import TensorParallelGrid
+    from zeroshard.tp.mpu import check_mpu
+
+    check_mpu(mpu)
+    grid, rank = TensorParallelGrid(tp, dist.get_world_size()), dist.get_rank()
+    want = (grid.tp_ranks(grid.dp_index(rank)), grid.dp_ranks(grid.tp_index(rank)))
+    got = tuple(_ranks(group) for group in (mpu.get_model_parallel_group(), mpu.get_data_parallel_group()))
+    if got != want:
+        raise ConfigError(
+            f"initialize(mpu=...) with tensor_parallel.autotp_size {tp}: the mpu's tensor-/data-parallel groups of "
+            f"rank {rank} are {got[0]} / {got[1]}, not the autotp mesh's {want[0]} / {want[1]}; pass one of them "
+            "(the mpu's model already split, or autotp_size to split a Hugging Face model)"
+        )
+    return None
+
+
+def _ranks(group: Any) -> list[int] | None:
+    import torch.distributed as dist
+
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, AttributeError, TypeError):  # (not a process group)
+        return None
+
+
 def refuse_unsupported(cfg: ZeroshardConfig, model: nn.Module, tp: int, mpu: Any) -> None:
     """[Note: tensor_parallel config] one line per combination not implemented, before any work."""
     stage, what = int(cfg.zero_optimization.stage), ("initialize(mpu=...)" if mpu is not None else "")
     what = what or f"tensor_parallel.autotp_size={tp}"
-    if mpu is not None and autotp_size(cfg.tensor_parallel) > 1:
-        raise ConfigError(
-            "initialize(mpu=...) with tensor_parallel.autotp_size > 1: pass one of them (the mpu's model is "
-            "already split; autotp_size splits a Hugging Face model itself)"
-        )
     fsdp2 = str(cfg.zeroshard.backend) == "fsdp2"
     if stage == 3 and not fsdp2:
         raise ConfigError(
