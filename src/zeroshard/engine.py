@@ -154,7 +154,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         )
         self._memory_breakdown = bool(config.memory_breakdown)
         self._auto_cast = bool(config.fp16.auto_cast)
-        self._autocast_dtype = precision.autocast_dtype  # torch_autocast ([Note: torch autocast])
+        # torch_autocast ([Note: torch autocast]), or beside bf16.enabled (the bf16 model's forward, as DeepSpeed)
+        self._autocast_dtype = precision.autocast_dtype or precision.forward_autocast
         self._warned_outer_autocast = False
         self._compiled: dict[str, Any] | None = None  # engine.compile()'s arguments once it ran
         self._manual = ManualBackward(  # [Note: a backward the engine did not start]

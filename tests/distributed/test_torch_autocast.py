@@ -123,7 +123,52 @@ def test_fp16_and_a_second_precision_mode_are_refused() -> None:
     with pytest.raises(ConfigError, match="gradient scaler"):
         parse_config({**base, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
     with pytest.raises(ConfigError, match="two precision modes"):
-        parse_config({**base, "bf16": {"enabled": True}, "torch_autocast": {"enabled": True}})
+        parse_config({**base, "fp16": {"enabled": True}, "torch_autocast": {"enabled": True}})
+    with pytest.raises(ConfigError, match='torch_autocast.dtype "fp32" with bf16.enabled'):
+        parse_config({**base, "bf16": {"enabled": True}, "torch_autocast": {"enabled": True, "dtype": "fp32"}})
+
+
+class MseNet(nn.Module):
+    """A Linear and its MSE loss, which CPU autocast runs in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.lin(x), torch.ones_like(x))
+
+
+def _bf16_under_autocast(rank: int, world_size: int) -> list[tuple[torch.dtype, float, float]]:
+    import copy
+
+    import zeroshard
+
+    out = []
+    for autocast in (True, False):
+        torch.manual_seed(0)
+        model = MseNet()
+        reference = copy.deepcopy(model).to(torch.bfloat16)
+        config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+        config |= {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        if autocast:
+            config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        engine = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+        x = torch.randn(2, 8)
+        got = engine(x.to(torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            want = reference(x.to(torch.bfloat16))
+        out.append((got.dtype, float(got.float().sum()), float(want.float().sum())))
+        engine.destroy()
+    return out
+
+
+def test_bf16_with_torch_autocast_runs_the_bf16_models_forward_under_autocast() -> None:
+    """DeepSpeed's bf16_master_weight example's headline config (bf16 and torch_autocast) was refused: the bf16 model's
+    forward runs under autocast (mse_loss in fp32, as CPU autocast's policy says), the rest is bf16 training."""
+    (with_autocast, without) = run_on_ranks(_bf16_under_autocast, 1)[0]
+    assert with_autocast[0] == torch.float32 and with_autocast[1] == with_autocast[2], with_autocast
+    assert without[0] == torch.bfloat16 and without[1] == without[2], without
 
 
 def _save_and_load(rank: int, world_size: int, case: Case, path: str) -> list[bool]:

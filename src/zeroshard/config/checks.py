@@ -77,10 +77,15 @@ def _check_precision(cfg: ZeroshardConfig) -> None:
             )
     autocast = cfg.torch_autocast
     if autocast.enabled is True:  # [Note: torch autocast]
-        if fp16.enabled is True or bf16.enabled is True:
+        if fp16.enabled is True:
             raise ConfigError(
-                "torch_autocast.enabled and fp16/bf16.enabled are two precision modes: keep one (torch_autocast keeps "
+                "torch_autocast.enabled and fp16.enabled are two precision modes: keep one (torch_autocast keeps "
                 "fp32 parameters and runs the forward under torch.autocast)"
+            )
+        if bf16.enabled is True and autocast.dtype not in (None, "bf16"):  # (a bf16 model's forward under autocast)
+            raise ConfigError(
+                f'torch_autocast.dtype "{autocast.dtype}" with bf16.enabled: the bf16 model\'s forward runs under '
+                'autocast in bf16; set torch_autocast.dtype "bfloat16" or remove it'
             )
         if autocast.dtype == "fp16":
             raise ConfigError(

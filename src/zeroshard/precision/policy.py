@@ -39,6 +39,8 @@ class PrecisionPolicy:
     buffer_dtype: torch.dtype | None = None  # [Note: buffer dtypes] in precision/buffers.py
     keep_in_fp32: str | tuple[str, ...] = "auto"
     autocast_dtype: torch.dtype | None = None  # torch_autocast: the forward's ([Note: torch autocast])
+    # torch_autocast beside bf16.enabled: the bf16 model's forward under autocast, nothing else changed
+    forward_autocast: torch.dtype | None = None
     safe_modules: tuple[str, ...] | None = None  # torch_autocast.lower_precision_safe_modules (None: DeepSpeed's)
     master_dtype: torch.dtype = torch.float32
     optimizer_state_dtype: torch.dtype | None = None
@@ -74,7 +76,8 @@ class PrecisionPolicy:
             check_overflow=bool(cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow)),
             buffer_dtype=dtype_of(buffer_name) if buffer_name else None,
             keep_in_fp32=keep if isinstance(keep, str) else tuple(keep),
-            autocast_dtype=dtype_of(autocast.dtype or "bf16") if autocast.enabled else None,
+            autocast_dtype=dtype_of(autocast.dtype or "bf16") if autocast.enabled and not cfg.bf16.enabled else None,
+            forward_autocast=torch.bfloat16 if autocast.enabled and cfg.bf16.enabled else None,
             safe_modules=None
             if autocast.lower_precision_safe_modules is None
             else tuple(autocast.lower_precision_safe_modules),

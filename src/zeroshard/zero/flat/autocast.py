@@ -12,6 +12,8 @@ group that differ only in their communication dtype: the autocast dtype, and fp3
 fsdp2 backend reduce every gradient in fp32 (a warning says so: twice DeepSpeed's bytes for those modules, and no
 rounding of them). The float16 autocast dtype, which needs a gradient scaler, is refused at parse time; so are
 offload_optimizer, tensor and expert parallelism at stages 1-2 (they split the flat strategy their own way).
+Beside `bf16.enabled` (DeepSpeed's bf16_master_weight example sets both) nothing of this applies: the model trains in
+bf16 and only its forward runs under `torch.autocast(bf16)` (`PrecisionPolicy.forward_autocast`), as DeepSpeed's does.
 """
 
 from __future__ import annotations
