@@ -200,7 +200,6 @@ def test_pipeline_eval_and_train_batch_refuse_while_offloaded() -> None:
         assert refused == ["eval_batch", "train_batch"] and same, (refused, same)
 
 
-
 def _pair_loss(output: Any, labels: tuple[Any, Any]) -> Any:
     return ((output - labels[0]) ** 2 * labels[1]).mean()
 

@@ -77,6 +77,13 @@ recv = _user_collective(dist.recv)
 isend = _user_collective(dist.isend)
 irecv = _user_collective(dist.irecv)
 barrier = _user_collective(dist.barrier)
+monitored_barrier = _user_collective(dist.monitored_barrier)
+broadcast_object_list = dist.broadcast_object_list
+all_gather_object = dist.all_gather_object
+new_group = dist.new_group
+is_available = dist.is_available
+is_initialized = dist.is_initialized
+destroy_process_group = dist.destroy_process_group
 
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, **_: Any) -> Any:
@@ -85,13 +92,6 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, grou
     if dist.get_world_size(group=group) <= 1:
         return tensor
     return all_reduce(tensor, op=op, group=group)
-monitored_barrier = _user_collective(dist.monitored_barrier)
-broadcast_object_list = dist.broadcast_object_list
-all_gather_object = dist.all_gather_object
-new_group = dist.new_group
-is_available = dist.is_available
-is_initialized = dist.is_initialized
-destroy_process_group = dist.destroy_process_group
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
