@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -80,6 +81,45 @@ def test_corruption_and_truncation_name_the_file(tmp_path):
         SafetensorsReader(path)
     with pytest.raises(CheckpointError, match="x.safetensors.*metadata says"):
         SafetensorsReader(path, expected_size=size)
+
+
+def _with_header(path: str, header: object, data: bytes) -> None:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "shape_b", "extra", "said"),
+    [
+        ([[0, 16], [8, 24]], [2, 2], b"", "starts at data byte 8, where the previous tensor ends at 16"),  # overlap
+        ([[0, 16], [17, 33]], [2, 2], b"\0", "starts at data byte 17"),  # a hole: misaligned
+        ([[0, 16], [-16, 0]], [2, 2], b"", "non-negative integers"),  # into the header
+        (
+            [[0, 16], [16, 32]],
+            [3, 2],
+            b"",
+            "of shape [3, 2] (F32) needs 24 bytes, but its data_offsets [16, 32) hold 16",
+        ),
+        ([[0, 16], [16, 32]], [2, 2], b"\0" * 8, "the tensors hold 32 bytes but the file has 40"),  # unindexed bytes
+    ],
+)
+def test_a_model_files_header_that_safetensors_refuses_is_refused(tmp_path, offsets, shape_b, extra, said):
+    """A model file carries no CRC of its header: overlapping offsets loaded another tensor's bytes, one into the
+    header loaded the header's, a misaligned one NaNs, all without a word (safetensors and transformers refuse them)."""
+    path = str(tmp_path / "model.safetensors")
+    a = {"dtype": "F32", "shape": [2, 2], "data_offsets": offsets[0]}
+    b = {"dtype": "F32", "shape": shape_b, "data_offsets": offsets[1]}
+    _with_header(path, {"a": a, "b": b}, bytes(32) + extra)
+    with pytest.raises(CheckpointError, match="model.safetensors: .*" + re.escape(said)):
+        SafetensorsReader(path)
+    for header, words in (([1, 2], "header is a JSON list"), ({"a": {"dtype": "F32"}}, "is not {dtype, shape")):
+        _with_header(path, header, b"")
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            SafetensorsReader(path)
 
 
 def _metadata(pieces: dict[str, list[PieceRef]]) -> CheckpointMetadata:

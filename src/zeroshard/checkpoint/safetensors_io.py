@@ -22,7 +22,7 @@ import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -250,27 +250,61 @@ class SafetensorsReader:
             header = json.loads(raw)
         except ValueError as e:
             raise CheckpointError(f"{self.path}: header is not valid JSON ({e}); the file is corrupted") from None
-        metadata = dict(header.pop("__metadata__", None) or {})
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: header is a JSON {type(header).__name__}, not an object; corrupted")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{self.path}: header's __metadata__ is not an object; the file is corrupted")
         base = 8 + length
-        entries: dict[str, Entry] = {}
-        for name, info in header.items():
-            begin, end = info["data_offsets"]
-            if info["dtype"] not in CODE_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-            entry = Entry(
-                name,
-                CODE_DTYPES[info["dtype"]],
-                tuple(info["shape"]),
-                base + begin,
-                base + end,
-                metadata.get(_CRC_PREFIX + name),
-            )
-            if entry.end > size:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name!r} ends at byte {entry.end} but the file has {size}; truncated"
-                )
-            entries[name] = entry
+        entries = {name: self._entry(name, info, base, size, metadata) for name, info in header.items()}
+        self._check_layout(entries, base, size)
         return entries, metadata
+
+    def _entry(self, name: str, info: Any, base: int, size: int, metadata: Mapping[str, str]) -> Entry:
+        """One header entry, checked as the safetensors library checks it: a known dtype, a shape, offsets within
+        the file that hold exactly the shape's bytes (a shape and offsets that disagree were read out of range)."""
+        try:
+            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ints = [*shape, begin, end]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+                raise TypeError
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(
+                f"{self.path}: header entry of tensor {name!r} is not {{dtype, shape, data_offsets}} of non-negative "
+                "integers; the file is corrupted"
+            ) from None
+        if code not in CODE_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+        entry = Entry(name, CODE_DTYPES[code], shape, base + begin, base + end, metadata.get(_CRC_PREFIX + name))
+        if entry.end > size:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ends at byte {entry.end} but the file has {size}; truncated"
+            )
+        if end - begin != math.prod(shape) * entry.dtype.itemsize:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} of shape {list(shape)} ({code}) needs "
+                f"{math.prod(shape) * entry.dtype.itemsize} bytes, but its data_offsets [{begin}, {end}) hold "
+                f"{end - begin}; the file is corrupted"
+            )
+        return entry
+
+    def _check_layout(self, entries: Mapping[str, Entry], base: int, size: int) -> None:
+        """The tensors' bytes tile the data buffer, each after the last, as the safetensors format requires: offsets
+        that overlap, leave holes or point into the header load another tensor's bytes (or the header's) unnoticed."""
+        at = 0
+        for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+            start = entry.begin - base
+            if start != at:
+                raise CheckpointError(
+                    f"{self.path}: tensor {entry.name!r} starts at data byte {start}, where the previous tensor ends "
+                    f"at {at} (overlapping or misplaced data_offsets); the file is corrupted"
+                )
+            at = start + (entry.end - entry.begin)
+        if at != size - base:
+            raise CheckpointError(
+                f"{self.path}: the tensors hold {at} bytes but the file has {size - base} after its header (bytes no "
+                "tensor indexes); the file is corrupted"
+            )
 
     def entry(self, name: str) -> Entry:
         try:
