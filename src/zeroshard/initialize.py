@@ -14,8 +14,9 @@ from torch import nn
 from zeroshard import checkpointing
 from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
+from zeroshard.comm.same_setup import check_launched_world
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
-from zeroshard.config import ZeroshardConfig, check_world, parse_config, resolve_config
+from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
 from zeroshard.config.features import collective_timeout
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
@@ -83,11 +84,10 @@ def initialize(
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     """Build the engine; returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
-    Runs as a single process (`python train.py`) or under `torchrun`; sets up torch.distributed
-    itself (NCCL on CUDA, gloo on CPU). `backend` ("zero" or "fsdp2") overrides the config's
-    `"zeroshard": {"backend": ...}` (docs/fsdp2.md). `"tensor_parallel": {"autotp_size": N}` splits a Hugging Face
-    Llama/Qwen/Mistral-shaped model over N ranks with ZeRO over the rest; `mpu` (DeepSpeed's Megatron-style
-    model-parallel unit) gives the groups of a model the caller split itself (docs/tensor_parallel.md).
+    Runs as one process or under `torchrun`, starting torch.distributed itself (NCCL on CUDA, gloo on CPU). `backend`
+    ("zero" or "fsdp2") overrides the config's `zeroshard.backend` (docs/fsdp2.md). `tensor_parallel.autotp_size` N
+    splits a Llama/Qwen/Mistral-shaped HF model over N ranks, ZeRO over the rest; `mpu` (Megatron-style) gives the
+    groups of a model the caller split (docs/tensor_parallel.md).
 
     Example:
         >>> import torch, zeroshard
@@ -114,7 +114,7 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=collective_timeout(parsed.raw), required=dist_init_required)
-    check_world(parsed, topology.world_size)
+    check_launched_world(parsed, model, mpu, topology.world_size)  # [Note: ranks given different setups]
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
     mpu = None if sp_mpu is not None else autotp_mpu(parsed, mpu)  # an mpu of the autotp mesh is autotp
@@ -182,7 +182,7 @@ def _build(
         offload, ranks = str(z.offload_optimizer.device), topology.world_size
         around = Surroundings(
             stage, str(cfg.zeroshard.backend), offload, ranks, tp_degree(cfg, mpu), sp, has_optimizer,
-            bool(cfg.checkpoint.use_node_local_storage), bool(cfg.torch_autocast.enabled),
+            bool(cfg.checkpoint.use_node_local_storage), bool(PrecisionPolicy.from_config(cfg).autocast_dtype),
         )  # fmt: skip
         refuse_combinations(autoep, around, model)
         if stage == 3 and autoep.size > 1:  # [Note: experts at stage 3]

@@ -22,6 +22,7 @@ def _script(rank: int, world_size: int, config_path: str):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", config_path])
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     deepspeed.init_distributed()  # a second call, as scripts and initialize() both make, is a no-op
+    deepspeed.init_distributed(dist_init_required=True)  # so is one that asks for a group (torch refused a second)
     comm = deepspeed.comm
     total = torch.tensor([float(comm.get_rank() + 1)])
     comm.all_reduce(total, op=comm.ReduceOp.SUM, log_name="loss")  # DeepSpeed's profiling keyword is accepted

@@ -204,7 +204,11 @@ def _pair_loss(output: Any, labels: tuple[Any, Any]) -> Any:
     return ((output - labels[0]) ** 2 * labels[1]).mean()
 
 
-def _labels(rank: int, world_size: int) -> tuple[float, float, float, float]:
+def _dict_loss(output: Any, labels: dict[str, Any]) -> Any:
+    return ((output - labels["y"]) ** 2).mean()
+
+
+def _labels(rank: int, world_size: int) -> list[Any]:
     import copy
 
     import torch
@@ -215,22 +219,24 @@ def _labels(rank: int, world_size: int) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     x, y, w = torch.randn(2, 8), torch.randn(2, 1), torch.rand(2, 1)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"}}
-    out = []
-    for loss_fn, label in ((None, 0), (_pair_loss, (y, w))):
+    out: list[Any] = []
+    for loss_fn, label in ((None, 0), (_pair_loss, (y, w)), (_dict_loss, {"y": y})):
         seq = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)]
         whole = nn.Sequential(*copy.deepcopy(seq))
         engine, *_ = zeroshard.initialize(model=PipelineModule(layers=seq, num_stages=2, loss_fn=loss_fn), config=cfg)
         got = engine.eval_batch(iter([(x, label), (x, label)]))  # two equal micro-batches: their mean is one's
         with torch.no_grad():
             want = whole(x) if loss_fn is None else loss_fn(whole(x), label)
-        out += [float(got.sum()), float(want.sum())]
+        out.append(math.isclose(float(got.sum()), float(want.sum()), rel_tol=1e-6))
+        if loss_fn is _dict_loss:  # DeepSpeed's eval_batch arguments: one micro-batch, the loss on the last stage
+            one = engine.eval_batch(iter([(x, label)]), bcast_loss=False, num_micro_batches=1)
+            out.append(None if one is None else math.isclose(float(one), float(want), rel_tol=1e-6))
         engine.destroy()
-    return out[0], out[1], out[2], out[3]
+    return out
 
 
 def test_pipeline_labels_reach_the_loss_as_deepspeeds_do() -> None:
     """A dataset's int label with no loss_fn (DeepSpeed's TestPipeModuleSequential: the last stage's output is what
     eval_batch returns) failed joining the labels; a tuple of label tensors reaches the loss function whole (only its
-    first tensor did)."""
-    for int_got, int_want, pair_got, pair_want in run_on_ranks(_labels, 2):
-        assert math.isclose(int_got, int_want, rel_tol=1e-6) and math.isclose(pair_got, pair_want, rel_tol=1e-6)
+    first tensor did), a dict as it is; eval_batch's `num_micro_batches` and `bcast_loss` act as DeepSpeed's."""
+    assert run_on_ranks(_labels, 2) == [[True, True, True, None], [True, True, True, True]]

@@ -126,6 +126,10 @@ def test_fp16_and_a_second_precision_mode_are_refused() -> None:
         parse_config({**base, "fp16": {"enabled": True}, "torch_autocast": {"enabled": True}})
     with pytest.raises(ConfigError, match='torch_autocast.dtype "fp32" with bf16.enabled'):
         parse_config({**base, "bf16": {"enabled": True}, "torch_autocast": {"enabled": True, "dtype": "fp32"}})
+    muon = {**base, "optimizer": {"type": "Muon", "params": {"lr": 0.01}}, "torch_autocast": {"enabled": True}}
+    with pytest.raises(ConfigError, match="Muon.*torch_autocast"):
+        parse_config(muon)
+    parse_config({**muon, "bf16": {"enabled": True}})  # beside bf16 autocast only wraps the forward: Muon's math holds
 
 
 class MseNet(nn.Module):

@@ -183,3 +183,14 @@ def test_a_built_in_model_name_builds_in_the_trial_worker():
 
     model = _model("tiny-llama")
     assert model.config.hidden_size == model_preset("tiny-llama").hidden_size and model.config.vocab_size == 259
+
+
+def test_the_writable_probe_removes_every_folder_it_made(tmp_path, monkeypatch):
+    """`res/../out/sub`: makedirs makes `res` too, which the list of folders to remove (of the absolute path) missed."""
+    from zeroshard.utils.files import probe_writable
+
+    monkeypatch.chdir(tmp_path)
+    probe_writable("res/../out/sub", keep=False)
+    assert list(tmp_path.iterdir()) == []
+    probe_writable("kept/sub")  # keep=True (the default): made and left
+    assert (tmp_path / "kept" / "sub").is_dir()

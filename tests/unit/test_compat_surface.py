@@ -179,6 +179,8 @@ def test_fused_adam_builds_what_the_config_builds_with_deepspeeds_defaults():
     assert isinstance(DeepSpeedCPUAdam([w]), DeepSpeedCPUAdam) and not isinstance(DeepSpeedCPUAdam([w]), FusedAdam)
     assert isinstance(expected, FusedAdam) and not isinstance(torch.optim.AdamW([w]), FusedAdam)
     assert not isinstance(build_optimizer("Adam", {"torch_adam": True}, [{"params": [w]}]), FusedAdam)
+    with pytest.raises(TypeError, match=r"class MyAdam\(FusedAdam\): FusedAdam builds a torch optimizer"):
+        type("MyAdam", (FusedAdam,), {})  # its __init__ would never run: refused where it is written
 
 
 def test_fused_lamb_is_zeroshards_lamb_with_deepspeeds_signature():

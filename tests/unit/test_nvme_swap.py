@@ -454,3 +454,7 @@ def test_zero_nvme_buffers_are_refused_naming_the_key(tmp_path, capsys, block, a
     (tmp_path / "ds.json").write_text(json.dumps(raw))
     assert main(["validate-config", str(tmp_path / "ds.json")]) == 2
     assert named in capsys.readouterr().err
+    # an offload_param block below stage 3 is ignored (with a warning), its sizes too, as DeepSpeed ignores them
+    zero = {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 0}}
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 1, "zero_optimization": zero}))
+    assert main(["validate-config", str(tmp_path / "ds.json")]) == 0

@@ -155,8 +155,8 @@ def init_distributed(
 ) -> None:
     """DeepSpeed's `init_distributed` over `comm.topology.init_distributed`.
 
-    As in DeepSpeed, nothing happens when torch.distributed is already initialised (unless `dist_init_required=True`,
-    which torch refuses); `dist_init_required=False` where it is not is refused. An explicit `init_method`, `rank` or
+    As in DeepSpeed, nothing happens when torch.distributed is already initialised (`dist_init_required=True`
+    included); `dist_init_required=False` where it is not is refused. An explicit `init_method`, `rank` or
     `world_size` is passed to `torch.distributed.init_process_group`; otherwise the launcher's environment is read, or
     under `mpirun -np N python train.py` the MPI variables with `distributed_port` as the default MASTER_PORT
     (`auto_mpi_discovery`, [Note: MPI discovery] in comm/topology.py), or a one-process group is made. Without `timeout`
@@ -171,7 +171,7 @@ def init_distributed(
     if dist_init_required is False:  # the script started the group (refused where it did not, as DeepSpeed)
         topology.require_started(False)
         return
-    if dist_init_required is None and dist.is_initialized():
+    if dist.is_initialized():  # (dist_init_required=True too: DeepSpeed starts no second group)
         return
     from zeroshard.config.features import collective_timeout  # (the config package imports comm)
 

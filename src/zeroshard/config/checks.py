@@ -38,7 +38,7 @@ def _check_muon(cfg: ZeroshardConfig) -> None:
         conflict = "bf16/fp16 master weights (Muon keeps fp32 masters)"
     elif isinstance(cfg.sequence_parallel_size, int) and cfg.sequence_parallel_size > 1:
         conflict = "sequence_parallel_size > 1"
-    elif cfg.torch_autocast.enabled is True:
+    elif cfg.torch_autocast.enabled is True and cfg.bf16.enabled is not True:  # (beside bf16: only the forward's)
         conflict = "torch_autocast"
     if conflict is not None:
         raise ConfigError(f'optimizer.type "Muon" does not work with {conflict} yet; use AdamW, or remove that setting')

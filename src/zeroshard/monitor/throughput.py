@@ -10,8 +10,8 @@ and the current one is train_batch_size over this step's time. `synchronized` wa
 stop (what DeepSpeed does by default; off, a CUDA step may be timed before its kernels end). Where DeepSpeed made
 the training dataloader it starts the timer as the loader hands out a batch instead of at forward (so its times
 include loading the batch); here it always starts at forward, and `epoch` is the engine dataloader's epoch (its
-sampler's), 0 without one, plus the epochs the script counts with `update_epoch_count()`. `engine.tput_timer` is the
-timer, with DeepSpeed's `avg_samples_per_sec()`.
+sampler's), 0 without one, or the epochs the script counts with `update_epoch_count()` where it calls it.
+`engine.tput_timer` is the timer, with DeepSpeed's `avg_samples_per_sec()`.
 With windows the script ends ([Note: caller-owned windows]) a step follows several forwards: the timer runs from
 the window's first forward to its step and counts the samples the window trained on. (DeepSpeed restarts it at
 every forward and counts train_batch_size, so it reports the last micro-batch's time for the whole window.)
@@ -64,7 +64,7 @@ class ThroughputTimer:
     @property
     def epoch_count(self) -> int:
         sampler = getattr(self._loader, "sampler", None)
-        return int(getattr(sampler, "epoch", 0)) + self._epochs
+        return self._epochs or int(getattr(sampler, "epoch", 0))  # the script's count where it keeps one
 
     def update_epoch_count(self) -> None:
         """A new epoch of the script's own loader (DeepSpeed-Chat calls this at each epoch's end): count it and

@@ -19,6 +19,15 @@ class DeepSpeedOptimizerClass(type):
     """The type of `FusedAdam` and its relatives: calling one builds zeroshard's optimizer, and `isinstance` holds for
     the optimizers built under its name ([Note: DeepSpeed's optimizer classes] in optim/optimizers.py)."""
 
+    def __init__(cls, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> None:
+        base = next((b for b in bases if isinstance(b, DeepSpeedOptimizerClass)), None)
+        if base is not None:  # its __new__ returns a torch optimizer: a subclass's __init__ would never run
+            raise TypeError(
+                f"class {name}({base.__name__}): {base.__name__} builds a torch optimizer here and cannot be derived "
+                "from; derive from the torch optimizer it builds (torch.optim.AdamW, Adam, or zeroshard's Lamb)"
+            )
+        super().__init__(name, bases, namespace)
+
     def __instancecheck__(cls, instance: Any) -> bool:
         import torch
 

@@ -4,7 +4,7 @@
 One `train_batch` pulls `gradient_accumulation_steps` micro-batches from the data iterator (on the first stage for
 inputs, on the last for labels, as DeepSpeed) and hands the inputs, concatenated, to a `torch.distributed.pipelining`
 schedule (1F1B, GPipe or interleaved 1F1B) over this replica's pipeline group, which splits them back into the same
-micro-batches; the labels stay per micro-batch (a tensor, a tuple of tensors, or None for anything else, as
+micro-batches; the labels stay per micro-batch (a tensor or a tuple of tensors on the device, anything else as it is, as
 DeepSpeed's), found by the micro-batch's index, which is what the schedule splits as its target. The schedule's loss
 function returns `loss / gas` (DeepSpeed's `_scale_loss_by_gas`), so the `.grad`s the schedule accumulates are
 DeepSpeed's; the ZeRO strategy is not involved during the schedule and collects those `.grad`s at the step as one
@@ -106,23 +106,36 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         return self.agg_train_loss
 
     def eval_batch(
-        self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True, **_: Any
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
     ) -> Any:
-        """Forward only over `gradient_accumulation_steps` micro-batches; returns the mean loss on every rank
-        (and the last stage's outputs with `return_logits=True`)."""
+        """Forward only over `num_micro_batches` micro-batches (default `gradient_accumulation_steps`); returns the
+        mean loss over them and the replicas, on every rank (with `bcast_loss=False` on the last stage only, None
+        elsewhere, as DeepSpeed's), and the last stage's outputs with `return_logits=True`."""
         if not compute_loss:
             raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
+        if reduce_output != "avg":
+            raise ZeroshardError(f"eval_batch(reduce_output={reduce_output!r}): only 'avg' is supported")
+        if num_micro_batches is not None and num_micro_batches < 1:
+            raise ZeroshardError(f"eval_batch(num_micro_batches={num_micro_batches}): expected at least 1")
         refuse_torn(self, "eval_batch")
         if self.strategy is not None:
             self.strategy.refuse_away("eval_batch", (PARAMS,))
         self.set_dataiterator(data_iter)
         self.module.eval()
+        count = num_micro_batches or self.gradient_accumulation_steps()
         with self._deadline("engine.eval_batch"), torch.no_grad():
-            outputs = self._run(train=False)
-        loss = self._aggregate_loss()
+            outputs = self._run(train=False, count=count)
+        loss = self._aggregate_loss(count)
         self.telemetry.batch_loss("Train/Samples/eval_loss", loss, self.global_samples)
         self.module.train()
-        return (loss, outputs) if return_logits else loss
+        shown = loss if bcast_loss or self.pipe.is_last else None
+        return (shown, outputs) if return_logits else shown
 
     def consolidated_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         raise ZeroshardError(
@@ -130,8 +143,8 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
             "keeps every stage (pipe_stage_XX/)"
         )
 
-    def _run(self, train: bool) -> Any:
-        gas = self.gradient_accumulation_steps()
+    def _run(self, train: bool, count: int | None = None) -> Any:
+        gas = count or self.gradient_accumulation_steps()
         self._micro_losses = []
         inputs: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
@@ -145,18 +158,18 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 self._labels = [_labels(b[1], self.device) for b in batches]
                 kwargs["target"] = torch.arange(gas, device=self.device)
                 kwargs["losses"] = []
-        schedule = self._schedule(train)
+        schedule = self._schedule(train, gas)
         outputs = schedule.step(*inputs, **kwargs) if train else schedule.eval(*inputs, **kwargs)
         # the first step's metadata inference also calls the loss function, on placeholder tensors: keep the
         # micro-batches' own losses, the last `gas`
         self._micro_losses = self._micro_losses[-gas:]
         return outputs
 
-    def _schedule(self, train: bool) -> Any:
-        gas = self.gradient_accumulation_steps()
+    def _schedule(self, train: bool, gas: int) -> Any:
         key = (self.pipe.schedule, train, gas)  # a load into another dp changes gas: [Note: pipeline checkpoints]
         if key not in self._schedules:
-            self._schedules = {k: v for k, v in self._schedules.items() if k[2] == gas}  # the old ones go
+            kept = (gas, self.gradient_accumulation_steps())  # (an eval_batch's own count keeps the training one)
+            self._schedules = {k: v for k, v in self._schedules.items() if k[2] in kept}  # the old ones go
             module, group = self.pipeline_module, self.pipe.pp_comm.group
             if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
                 total = self.num_stages * module.virtual_stages
@@ -182,11 +195,14 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         scaled: torch.Tensor = loss / self.gradient_accumulation_steps()
         return scaled * scale if scale != 1.0 else scaled
 
-    def _aggregate_loss(self) -> torch.Tensor:
-        """The mean loss over micro-batches and replicas, on every rank ([Note: pipeline step])."""
+    def _aggregate_loss(self, count: int | None = None) -> torch.Tensor:
+        """The mean loss over the `count` micro-batches (gradient_accumulation_steps) and the replicas, on every rank
+        ([Note: pipeline step])."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.pipe.is_last:
-            total = torch.stack([x.float() for x in self._micro_losses]).sum() / self.gradient_accumulation_steps()
+            total = torch.stack([x.float() for x in self._micro_losses]).sum() / (
+                count or self.gradient_accumulation_steps()
+            )
             if self.pipe.dp_comm.world_size > 1:
                 self.pipe.dp_comm.all_reduce(total, label="pipe.loss")
                 total /= self.pipe.dp_comm.world_size
@@ -202,10 +218,16 @@ def _concat(parts: list[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def _labels(labels: Any, device: torch.device) -> Any:
-    """A micro-batch's labels as DeepSpeed's pipeline engine hands them to the loss function: a tensor, or a tuple
-    of tensors, on the device; anything else (a dataset's int label where the module has no loss_fn) as None."""
+    """A micro-batch's labels as DeepSpeed's pipeline engine hands them to the loss function: a tensor on the device,
+    a tuple or list as a tuple of tensors on the device (anything else in it is refused, as DeepSpeed asserts), and
+    anything else (a dict, an int) unchanged."""
     if isinstance(labels, torch.Tensor):
         return labels.to(device)
-    if isinstance(labels, (tuple, list)) and labels and all(isinstance(x, torch.Tensor) for x in labels):
+    if isinstance(labels, (tuple, list)):
+        if not all(isinstance(x, torch.Tensor) for x in labels):
+            kinds = sorted({type(x).__name__ for x in labels if not isinstance(x, torch.Tensor)})
+            raise ZeroshardError(
+                f"a pipeline batch's labels are a {type(labels).__name__} holding {kinds}: tensors only"
+            )
         return tuple(x.to(device) for x in labels)
-    return None
+    return labels

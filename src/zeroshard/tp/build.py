@@ -98,7 +98,7 @@ def _ranks(group: Any) -> list[int] | None:
 
     try:
         return list(dist.get_process_group_ranks(group))
-    except (RuntimeError, ValueError, AttributeError, TypeError):  # (not a process group)
+    except (RuntimeError, ValueError, AttributeError, TypeError, KeyError):  # (not a process group)
         return None
 
 

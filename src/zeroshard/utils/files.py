@@ -12,6 +12,7 @@ def probe_writable(folder: str, prefix: str = ".zeroshard_probe_", make: bool = 
 
     With `keep` false the folders the probe made are removed again (a check before work that may be refused
     leaves nothing behind); those that existed stay."""
+    folder = os.path.abspath(folder)  # (what makedirs makes of "a/../b" is what _missing lists)
     made = _missing(folder) if make and not keep else []
     try:
         if make:

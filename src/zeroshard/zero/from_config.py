@@ -68,8 +68,8 @@ def check_nvme_sizes(cfg: ZeroshardConfig) -> None:
     but NVMe I/O needs one of each (run by `resolve_config` too: [Note: blocks checked by their readers])."""
     z, aio = cfg.zero_optimization, cfg.aio
     for key in ("offload_optimizer", "offload_param"):
-        if str(getattr(z, key).device) != "nvme":
-            continue
+        if str(getattr(z, key).device) != "nvme" or (key == "offload_param" and int(z.stage) != 3):
+            continue  # (offload_param is ignored below stage 3, with a warning)
         sizes = {
             f"zero_optimization.{key}.buffer_count": getattr(z, key).buffer_count,
             "aio.block_size": aio.block_size,
