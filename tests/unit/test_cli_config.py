@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,26 @@ def test_a_text_file_is_read_up_to_the_limit_only(tmp_path):
     check_contents(DataSpec(str(path), "text", 100))
     with pytest.raises(DataError, match="is not UTF-8"):
         check_contents(DataSpec(str(path)))
+
+
+def test_train_and_autotune_open_the_model_folders_weights_before_starting(tmp_path, capsys):
+    """A truncated shard was found by every rank as it loaded (exit 1, a traceback for a malformed header) and by
+    every autotune trial (about 60 s, then 'no trial finished'): one line naming the file, exit 2, before any
+    process."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2}
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 16, "num_hidden_layers": 1}))
+    save_file({"a": torch.zeros(4, 4), "b": torch.zeros(4)}, str(folder / "model.safetensors"))
+    os.truncate(folder / "model.safetensors", os.path.getsize(folder / "model.safetensors") - 8)
+    for argv in (
+        ["train", "--nproc-per-node", "2", "--model", str(folder)],
+        ["autotune", "--nproc-per-node", "1", "--model", str(folder)],
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "model.safetensors: tensor 'b' ends at byte" in err, err
+        assert "truncated" in err and not (tmp_path / "autotuning_exps").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         settings = type(settings)(**{**settings.__dict__, "overwrite": False})
     model = from_model_arg(args.model)
+    if os.path.isdir(args.model):  # weights every trial would load: found broken once, before the first trial
+        from zeroshard.integrations.hf_models import check_weight_files
+
+        check_weight_files(args.model)
     for key in ("results_dir", "exps_dir"):  # found after the trials, or by every trial
         _check_writable(f"autotuning.{key}", getattr(settings, key))
     cap = int(args.max_memory_per_rank) if args.max_memory_per_rank else None

@@ -54,6 +54,7 @@ def check_model(spec: ModelSpec) -> None:
     if spec.is_folder:
         if not os.path.exists(os.path.join(spec.name, "config.json")):
             raise ConfigError(f"model folder {spec.name} has no config.json; pass a Hugging Face model folder")
+        check_weight_files(spec.name)
         return
     if spec.name not in MODEL_PRESETS:
         looks_like_path = os.sep in spec.name or spec.name.startswith(".")
@@ -61,6 +62,22 @@ def check_model(spec: ModelSpec) -> None:
         raise ConfigError(
             f"--model {spec.name}: {what}; pass a local Hugging Face folder or one of {', '.join(MODEL_PRESETS)}"
         )
+
+
+def check_weight_files(folder: str) -> None:
+    """A model folder's safetensors weights (an index's shards too) open: present, whole (each tensor within its
+    file, the index's names in their shards) and with headers the safetensors format allows; a ConfigError naming
+    the file otherwise, before any process starts (each rank found it as it loaded, some with a traceback). Bytes
+    are not read: a folder without safetensors files (`pytorch_model.bin`, config only) is left to its reader."""
+    from zeroshard.checkpoint.errors import CheckpointError
+    from zeroshard.loading.weights import SafetensorsFolder
+
+    if not any(name.endswith((".safetensors", ".safetensors.index.json")) for name in os.listdir(folder)):
+        return
+    try:
+        SafetensorsFolder(folder).close()
+    except CheckpointError as err:
+        raise ConfigError(f"--model {folder}: {err}") from None
 
 
 def tokenizer_source(spec: ModelSpec) -> str | None:
