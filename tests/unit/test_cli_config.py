@@ -144,9 +144,10 @@ def test_train_rejects_bad_inputs_before_starting(capsys, args, message):
 def test_train_rejects_a_bad_ds_config(tmp_path, capsys, config, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    assert main(["train", "--ds-config", str(path)]) == 2
+    assert main(["train", "--ds-config", str(path), "--output-dir", str(tmp_path / "out" / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()  # the writable check's folders go again (an empty one was left)
 
 
 def test_train_refuses_an_unwritable_output_dir_before_starting(tmp_path, capsys):

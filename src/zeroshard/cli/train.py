@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -224,11 +223,12 @@ def preflight(args: argparse.Namespace, world_size: int) -> Any:
 
 
 def _check_writable(output_dir: str) -> None:
-    """The output directory (metrics, checkpoints, the export) can be created and written, before any rank starts."""
+    """The output directory (metrics, checkpoints, the export) can be created and written, before any rank starts; a
+    folder the check made is removed again (a run refused after it left an empty one behind), the run makes it."""
+    from zeroshard.utils.files import probe_writable
+
     try:
-        os.makedirs(output_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".zeroshard-write-check-"):
-            pass
+        probe_writable(output_dir, ".zeroshard-write-check-", keep=False)
     except OSError as err:
         raise CLIError(
             f"--output-dir {output_dir}: cannot write there ({err.strerror}); choose a writable directory", EXIT_CONFIG
