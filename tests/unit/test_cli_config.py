@@ -62,6 +62,12 @@ def test_validate_config_strict_and_set(capsys):
     assert main(["validate-config", str(path), "--strict", "--json", "--world-size", "2", *sets]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["train_batch_size"] == 16 and resolved["optimizer"]["params"]["lr"] == 1e-4
+    # a key --set does not fill (a typo, a key the file sets) was dropped without a word: refused, naming the autos
+    for given in ("optimizer.params.lrr=1e-4", "zero_optimization.stage=1"):
+        assert main(["validate-config", str(path), "--set", given]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f'--set {given.split("=")[0]}: not an "auto" key of' in err, err
+        assert "optimizer.params.lr" in err
 
 
 @pytest.mark.parametrize(

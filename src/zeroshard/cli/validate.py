@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise CLIError(f"--world-size {args.world_size} must be >= 1", EXIT_CONFIG)
+    if args.hidden_size is not None and args.hidden_size < 1:
+        raise CLIError(f"--hidden-size {args.hidden_size} must be >= 1", EXIT_CONFIG)
     with _captured_warnings() as warnings:
         raw = load_ds_config(args.file)
         try:
@@ -100,10 +102,17 @@ def _known(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[dict[str, obj
     from zeroshard.presets.ds_configs import missing_batch_keys
 
     given: dict[str, object] = {}
+    wanted = {canonical_path(path) for path in auto_paths(raw)} | set(missing_batch_keys(raw))
     for item in args.sets:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.params.lr=1e-4", EXIT_CONFIG)
+        if canonical_path(key) not in wanted:  # (it was dropped without a word: a typo, or a key set in the file)
+            autos = ", ".join(sorted(wanted)) or "none"
+            raise CLIError(
+                f'--set {key}: not an "auto" key of {args.file} (--set fills those: {autos}); edit the file for others',
+                EXIT_CONFIG,
+            )
         try:
             given[canonical_path(key)] = json.loads(text)
         except json.JSONDecodeError:
@@ -114,7 +123,6 @@ def _known(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[dict[str, obj
     if args.strict:
         return given, {}
     defaults = _train_defaults(args.world_size)
-    wanted = {canonical_path(path) for path in auto_paths(raw)} | set(missing_batch_keys(raw))
     filled = {k: v for k, v in defaults.items() if k in wanted and k not in given and k != "hidden_size"}
     needs_hidden = any(p.startswith(("zero_optimization.reduce_", "zero_optimization.stage3_")) for p in wanted)
     if "hidden_size" not in given and needs_hidden:
