@@ -274,3 +274,18 @@ def test_what_no_rank_could_get_past_is_refused_before_starting(argv, message, c
     assert main(["launch", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_busy_master_port_is_one_line_before_any_worker_starts(tmp_path, capsys):
+    """torch's store failed to bind it after the workers had started: a 40-line DistNetworkError traceback."""
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code = main(["launch", "--nproc_per_node", "1", "--master_port", str(port), str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"--master_port {port}: another process listens on it" in err, err

@@ -182,6 +182,8 @@ def _launch(args: argparse.Namespace, opts: LaunchOptions) -> int:
             return 0
         if (opts.nnodes or 1) > 1 and opts.master_addr:
             return _run_node(opts, argv, nproc, args.heartbeat_timeout)
+        if opts.master_addr or opts.master_port:  # (--standalone picks a free port itself)
+            _refuse_busy_port(opts.master_port or DEFAULT_MASTER_PORT)
         return run_local(argv, nproc)
     resources = limit_resources(select_resources(hosts, args.include, args.exclude), args.nnodes, args.nproc_per_node)
     cwd = os.getcwd()
@@ -318,6 +320,26 @@ def _run_node(opts: LaunchOptions, argv: list[str], nproc: int, heartbeat_timeou
     port = (opts.master_port or DEFAULT_MASTER_PORT) + 1
     watch = NodeWatch(opts.master_addr, port, opts.node_rank, opts.nnodes, lost_after_s=heartbeat_timeout)
     return run_watched(argv, nproc, watch.start(), opts.max_restarts)
+
+
+def _refuse_busy_port(port: int) -> None:
+    """The rendezvous port this node's store will listen on, free: a port in use ended in torch's 40-line traceback
+    (DistNetworkError, EADDRINUSE) after the workers had been started."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                return  # (another failure is the store's to report)
+            raise CLIError(
+                f"--master_port {port}: another process listens on it on this host (an earlier run still going?); "
+                "pass a free port, or leave --master_port/--master_addr out and a free one is chosen",
+                EXIT_CONFIG,
+            ) from None
 
 
 def warn_if_unresolvable(host: str) -> None:
