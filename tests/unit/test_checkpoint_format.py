@@ -240,6 +240,11 @@ def test_convert_of_a_refused_checkpoint_leaves_nothing_behind(tmp_path, capsys)
     assert main(["convert", str(tmp_path / "nowhere"), str(out)]) == 2  # a wrong path: bad input, as argparse's
     assert f"{tmp_path / 'nowhere'}: does not exist; name a checkpoint folder" in capsys.readouterr().err
     assert not out.exists()
+    (tmp_path / "afile").write_text("")  # a file where a folder goes, either side: one line (a raw FileExistsError)
+    assert main(["convert", str(tmp_path / "afile"), str(out)]) == 2
+    assert f"{tmp_path / 'afile'}: is a file; name a checkpoint folder" in capsys.readouterr().err
+    assert main(["convert", str(bad), str(tmp_path / "afile")]) == 2
+    assert f"{tmp_path / 'afile'}: cannot write there (File exists)" in capsys.readouterr().err
 
 
 def test_a_deepspeed_checkpoint_is_named_with_the_command_that_converts_it(tmp_path) -> None:

@@ -436,8 +436,16 @@ def run_convert(args: argparse.Namespace) -> int:
     from zeroshard.cli.common import EXIT_CONFIG, CLIError
 
     if not os.path.isdir(args.checkpoint):  # a wrong path is bad input (exit 2), as a missing `train --resume`
-        missing = f"{args.checkpoint}: does not exist; name a checkpoint folder (a save_dir or a tag)"
-        raise CLIError(missing, EXIT_CONFIG)
+        what = "is a file" if os.path.exists(args.checkpoint) else "does not exist"
+        raise CLIError(f"{args.checkpoint}: {what}; name a checkpoint folder (a save_dir or a tag)", EXIT_CONFIG)
+    from zeroshard.utils.files import probe_writable
+
+    try:  # before any shard is read (a file there, a read-only folder: raw FileExistsError/OSError after the reading)
+        probe_writable(args.output, ".zeroshard_convert_", keep=False)
+    except OSError as err:
+        raise CLIError(
+            f"{args.output}: cannot write there ({err.strerror}); name a writable folder", EXIT_CONFIG
+        ) from None
     files = convert_zero_checkpoint_to_state_dict(
         args.checkpoint,
         args.output,
