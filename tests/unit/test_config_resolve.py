@@ -314,8 +314,8 @@ def test_literal_auto_value_is_kept() -> None:
         (
             {"train_batch_size": "auto", "gradient_accumulation_steps": "auto"},
             {},
-            "none of train_batch_size and train_micro_batch_size_per_gpu is set (set one of them in the config); "
-            "gradient_accumulation_steps alone does not fix the batch size",
+            'train_batch_size and gradient_accumulation_steps are "auto" and nothing resolved them; set numbers in '
+            "the config (the Hugging Face Trainer fills such values from its arguments; initialize alone cannot)",
         ),
         (
             {"train_batch_size": "auto"},

@@ -247,6 +247,7 @@ def _apply_elasticity(cfg: ZeroshardConfig, world_size: int) -> ZeroshardConfig:
 def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> ZeroshardConfig:
     values: dict[str, int | None] = {}
     from_known: list[str] = []
+    autos = [key for key in BATCH_KEYS if getattr(cfg, key) is AUTO and key not in ctx.known]
     for key in BATCH_KEYS:
         value = getattr(cfg, key)
         if value is None or value is AUTO:
@@ -258,6 +259,12 @@ def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> Zero
     try:
         sizes = complete_batch(values[TRAIN], values[MICRO], values[ACCUM], world_size)
     except ConfigError as err:
+        if autos:  # "auto" is the HF Trainer's to fill (from its arguments); nothing filled them here
+            raise ConfigError(
+                f'{" and ".join(autos)} {"is" if len(autos) == 1 else "are"} "auto" and nothing resolved '
+                f"{'it' if len(autos) == 1 else 'them'}; set numbers in the config (the Hugging Face Trainer fills "
+                "such values from its arguments; initialize alone cannot)"
+            ) from None
         if not from_known:
             raise
         raise ConfigError(f"{err} ({', '.join(from_known)} given outside the config)") from None
