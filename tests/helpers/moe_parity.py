@@ -120,18 +120,27 @@ def config(case: MoeCase) -> dict:
 
 def reference_losses(case: MoeCase, world_size: int) -> list[list[float]]:
     """Per step, every rank's loss, from one process holding all experts."""
+    return _reference(case, world_size)[0]
+
+
+def reference_norms(case: MoeCase, world_size: int) -> list[float]:
+    """Per step, the global gradient norm before clipping."""
+    return _reference(case, world_size)[1]
+
+
+def _reference(case: MoeCase, world_size: int) -> tuple[list[list[float]], list[float]]:
     model = MoeNet(case, ep_size=1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    out = []
+    out, norms = [], []
     for step in range(case.steps):
         micro = range(step * case.gas, (step + 1) * case.gas)
         losses = [model(*batch(case, m, r)) for m in micro for r in range(world_size)]
         opt.zero_grad()
         (torch.stack(losses).mean()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         out.append([float(v.detach()) for v in losses])
-    return out
+    return out, norms
 
 
 def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[float]]:
@@ -140,7 +149,7 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
 
     model = MoeNet(case, ep_size)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case))
-    out: dict[str, list[float]] = {"losses": []}
+    out: dict[str, list[float]] = {"losses": [], "norms": []}
     for step in range(case.steps * case.gas):  # one micro-step each; the engine steps on the boundary
         x, y = batch(case, step, rank)
         if step == 0:
@@ -153,6 +162,8 @@ def engine_losses(rank: int, case: MoeCase, ep_size: int) -> dict[str, list[floa
             out["set_grad_round_trip"] = [_set_grad_round_trip(model)]
         engine.step()
         out["losses"].append(float(loss.detach()))
+        if step % case.gas == case.gas - 1:
+            out["norms"].append(float(engine.get_global_grad_norm()))
     if ep_size > 1 and case.stage == 3:  # the experts' units ([Note: experts at stage 3])
         unit = next(u for u in engine.strategy.units if u.name.endswith("deepspeed_moe.experts"))
         out["expert_sharding"] = [float(unit.comm.world_size), float(unit.layout.shard_count)]

@@ -216,8 +216,8 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         raise ConfigError(f'{what} with zeroshard.backend "fsdp2": not implemented; use the "zero" backend')
     if stage == 0:
         raise ConfigError(
-            f"{what} trains with zero_optimization.stage 1, 2 or 3 (got 0): stage 0 would count replicated expert "
-            "gradients more than once in the norm; use stage 1 for the same math as stage 0"
+            f"{what} trains with zero_optimization.stage 1, 2 or 3 (got 0): AutoEP at stage 0 is not tested yet "
+            "(deepspeed.moe layers train there); use stage 1 for the same math as stage 0"
         )
     if tp > 1:
         raise ConfigError(f"{what} with tensor parallelism (autotp_size or an mpu): tp x ep is not implemented")

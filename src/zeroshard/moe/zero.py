@@ -10,8 +10,10 @@ the world, the expert part over the expert-data-parallel group (its master weigh
 state sharded `W/ep` ways, as DeepSpeed's ZeRO 1/2 shards them). The step is the common skeleton: one global
 norm (each shard counts once when the per-rank squares are summed over the world: the world's ranks hold
 disjoint shards of the non-expert buffer, and of each expert group's buffer), one scale, then each part steps
-its own groups. Stage 0 (replicated copies would be counted more than once) is refused; stage 3 shards the experts'
-units over the same group ([Note: experts at stage 3] in moe/stage3.py).
+its own groups. At stage 0 the parts are replicated over their groups: each group's first rank alone counts its part
+in the norm (and the dense part's bystanders, rank 0), so the sum over the world counts every gradient once, as
+DeepSpeed's MoE recipes (stage 0) need; stage 3 shards the experts' units over the same group ([Note: experts at
+stage 3] in moe/stage3.py).
 DeepSpeed's ZeRO 1/2 divide an expert's gradient by the expert-data-parallel size instead (`average_tensor`
 in stage_1_and_2.py), which makes it `ep_size` times the gradient of the mean loss; we keep the true gradient
 (the single-process reference's), which Adam barely notices but gradient clipping and SGD do.
@@ -33,6 +35,7 @@ from zeroshard.moe.groups import ExpertGroups
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.parallel_experts import ParallelExperts
 from zeroshard.utils.logging import get_logger, log_rank
+from zeroshard.zero.flat.bystanders import Bystanders
 from zeroshard.zero.flat.split import SplitStrategy, flat_parts, split_groups
 from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.stepmath import StepPolicy
@@ -76,12 +79,6 @@ def refuse_expert_settings(layers: list[MoE | ParallelExperts], stage: int, offl
     where the layers differ across ranks, as a pipeline's stages do)."""
     if all(layer.ep_size == 1 for layer in layers):
         return
-    if stage == 0:
-        raise ConfigError(
-            "MoE layers with ep_size > 1 train with zero_optimization.stage 1, 2 or 3 (got 0): stage 0 would count "
-            "replicated expert gradients more than once in the norm; use stage 1 for the same math as stage 0 "
-            "(ep_size 1 trains at every stage)"
-        )
     if offload == "nvme":  # (cpu: [Note: experts under ZeRO] holds, each part's masters on the host)
         raise ConfigError('MoE layers with ep_size > 1 do not combine with offload_optimizer "nvme" yet; use "cpu"')
     sizes = {m.ep_size for m in layers}
@@ -157,6 +154,16 @@ class ExpertSplitStrategy(SplitStrategy):
         halves = [(dense_groups, policy, comm), (expert_param_groups, expert_policy, expert_groups.edp)]
         self._hold(flat_parts(module, halves, device, accumulation))
         self._experts = experts
+        if policy.stage == 0:  # replicated parts: each counted once where the squares are summed over the world
+            for part in self.parts:
+                if part.comm.rank != 0:
+                    part._counted = [[] for _ in part.buffers]
+            self.parts[1].bystanders = Bystanders([], expert_groups.edp, policy.step.prescale)  # (the dense part's)
+
+    def _extra_norms(self) -> list[torch.Tensor]:
+        # stage 0's bystanders (trainable, outside the optimizer) are whole on every rank: counted on rank 0 only
+        replicated = self.parts[0].policy.stage == 0 and self.comm.rank != 0
+        return [] if replicated else super()._extra_norms()
 
     def holders(self, param: torch.Tensor) -> Collectives:
         # an expert (frozen ones too) is held alike by its expert-data-parallel group only
