@@ -462,3 +462,27 @@ def test_runtime_pipe_module_paths_hold_the_pipeline_names():
     for name in ("ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology"):
         assert getattr(topology, name) is getattr(pipe, name), name
     assert module.PipelineModule is pipe.PipelineModule and engine.PipelineEngine is PipelineEngine
+
+
+def test_transformers_zero3_loading_finds_the_partition_parameters_names(monkeypatch):
+    """`from_pretrained`/`from_config` under HfDeepSpeedConfig enter transformers' `prevent_arange_dtype_change`, which
+    swaps `zero_wrapper_for_fp_tensor_constructor` (and compares with `_orig_torch_arange`): an AttributeError stopped
+    DeepSpeed-Chat's ZeRO-3 model building under the swapped import; the wrapper is DeepSpeed's."""
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    from zeroshard.runtime.zero import partition_parameters as ours
+
+    ds_pp = import_deepspeed("deepspeed.runtime.zero.partition_parameters")
+    for pp in (ours, ds_pp):
+        made = pp.zero_wrapper_for_fp_tensor_constructor(torch.ones, torch.bfloat16, torch.device("cpu"))(3)
+        assert made.dtype == torch.bfloat16 and made.tolist() == [1.0, 1.0, 1.0]
+        assert pp.zero_wrapper_for_fp_tensor_constructor(torch.arange, torch.bfloat16, None)(3).dtype == torch.int64
+    monkeypatch.setattr(import_deepspeed("deepspeed.runtime.zero"), "partition_parameters", ours)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (without target_device the wrapper asks get_accelerator for the device)
+    original = ours.zero_wrapper_for_fp_tensor_constructor
+    with prevent_arange_dtype_change():
+        swapped = ours.zero_wrapper_for_fp_tensor_constructor
+        assert swapped is not original and swapped(torch.arange, torch.bfloat16)(4.0).dtype == torch.float32
+        made = swapped(torch.arange, torch.bfloat16, target_device=torch.device("cpu"))(4.0)
+        assert made.dtype == torch.float32 and made.device.type == "cpu"
+    assert ours.zero_wrapper_for_fp_tensor_constructor is original
