@@ -33,9 +33,12 @@ import torch
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.states import OPTIM_STATES
+from zeroshard.utils.logging import get_logger, log_rank
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
+
+logger = get_logger(__name__)
 
 
 def engine_optimizer(engine: Engine, optimizer: torch.optim.Optimizer | None) -> ScriptOptimizer:
@@ -158,6 +161,19 @@ class ZeroOptimizer:
 
     def reload_states(self, non_blocking: bool = False) -> None:
         self._live("reload_states").reload_states(non_blocking)
+
+    def quantize_nontrainable_params(self) -> None:
+        """DeepSpeed's stage-3 call for a script that froze parameters after its engine partitioned them (DeepSpeed-Chat
+        calls it after `initialize` with LoRA). Here what trains is fixed at `initialize`, the parameters the optimizer
+        steps, and with `zero_quantized_nontrainable_weights` the others were quantized as their units were built
+        ([Note: quantized frozen weights]): nothing is left to quantize. Without the key, DeepSpeed's warning."""
+        engine = self._live("quantize_nontrainable_params")
+        if not engine.config.zero_optimization.zero_quantized_nontrainable_weights:
+            log_rank(
+                logger,
+                30,
+                "quantize_nontrainable_params() called with zero_quantized_nontrainable_weights disabled: nothing done",
+            )
 
     def _set_scale(self, name: str, value: float) -> None:
         engine = self._live(name)

@@ -63,6 +63,7 @@ def _runs(rank: int, world_size: int) -> list[Any]:
         shards: list[Any] = []
 
         def capture(engine: Any, values: dict = values, shards: list = shards) -> None:
+            engine.optimizer.quantize_nontrainable_params()  # DeepSpeed-Chat's call after initialize: a no-op here
             values.update(_frozen_values(engine))
             shards.extend(_shards(engine))
 
