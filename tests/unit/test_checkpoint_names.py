@@ -75,3 +75,14 @@ def test_a_recovery_script_that_cannot_be_written_does_not_fail_the_save(tmp_pat
     assert commit_tag(str(tmp_path), str(staged), "t", "abc", "{}", True) == str(tmp_path / "t")
     assert (tmp_path / "latest").read_text() == "t"
     assert (tmp_path / "zero_to_torch.py").is_file()  # the other script is written all the same
+
+
+def test_a_filesystem_with_no_free_bytes_is_named_as_such() -> None:
+    """A save to /sys or /proc said "0.0 MiB are free ... Free 0.0 MiB or save elsewhere"."""
+    from zeroshard.checkpoint.space import check_space
+
+    with pytest.raises(CheckpointError, match=r"the filesystem of /sys/ck \(host h\) has no free bytes at all"):
+        check_space([{"bytes": 10, "fs": "h:7", "free": 0}, {"bytes": 10, "fs": "h:7", "free": 0}], "/sys/ck")
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[0, 1\] write about .* and 0.0 MiB are free"):
+        check_space([{"bytes": 10, "fs": "h:7", "free": 15}, {"bytes": 10, "fs": "h:7", "free": 15}], "/data/ck")
+    check_space([{"bytes": 10, "fs": "h:7", "free": 20}, {"bytes": 10, "fs": "h:7", "free": 20}], "/data/ck")

@@ -131,6 +131,12 @@ def check_space(hello: list[dict[str, Any]], root: str) -> None:
     for fs, ranks in groups.items():
         need = sum(hello[r]["bytes"] for r in ranks)
         free = min(hello[r]["free"] for r in ranks)
+        if need > free and free == 0:  # (/sys, /proc, a read-only mount: "Free 0.0 MiB" said nothing useful)
+            raise CheckpointError(
+                f"save_checkpoint: the filesystem of {root} (host {fs.rsplit(':', 1)[0]}) has no free bytes at all: "
+                "a full disk, or one nothing can be saved to (read-only, or virtual as /sys and /proc); nothing was "
+                "written. Save elsewhere."
+            )
         if need > free:
             host = fs.rsplit(":", 1)[0]
             raise CheckpointError(
