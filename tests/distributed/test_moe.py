@@ -109,6 +109,8 @@ def _resume(rank: int, world_size: int, ep_size: int, save_dir: str, case: MoeCa
 @pytest.mark.parametrize(
     "case",
     [
+        # stage 0: the dense part written by rank 0, each expert group's by its first rank (it asserted at save)
+        MoeCase(k=2, stage=0, steps=5),
         MoeCase(k=2, stage=2, steps=5),
         MoeCase(k=2, stage=2, steps=5, offload=True),
         MoeCase(k=2, stage=2, steps=5, frozen_experts=True),

@@ -20,6 +20,7 @@ test_autoep.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -140,8 +141,9 @@ class ExpertSplitState:
 
     @property
     def writes_optim(self) -> bool:
-        assert self.dense.writes_optim == self.experts.writes_optim, "stages 1-2 shard both parts"
-        return self.dense.writes_optim
+        # stages 1-2: every rank holds a shard of both parts; stage 0: each part's group's first rank writes it (the
+        # world's rank 0 the dense part, each expert-data-parallel group's first rank its experts)
+        return self.dense.writes_optim or self.experts.writes_optim
 
     def sharded_params(self) -> dict[int, str]:
         experts = {ident: self.renamed[name] for ident, name in self.experts.sharded_params().items()}
@@ -169,6 +171,14 @@ class ExpertSplitState:
         ]
         return self.dense.optim_pieces() + experts
 
+    def optim_pieces_to_save(self) -> list[OptimPiece]:
+        """Each part's pieces where this rank writes that part (every rank at stages 1-2; at stage 0 the first rank
+        of the part's group: rank 0 the dense part, each expert-data-parallel group's first rank its experts)."""
+        pieces, split = self.optim_pieces(), len(self.dense.optim_pieces())
+        return (pieces[:split] if self.dense.writes_optim else []) + (
+            pieces[split:] if self.experts.writes_optim else []
+        )
+
     def refresh_master_from_params(self) -> None:
         self.dense.refresh_master_from_params()
         self.experts.refresh_master_from_params()
@@ -177,4 +187,7 @@ class ExpertSplitState:
         self.strategy.publish_params()
 
     def parts(self) -> list[StatePart]:
-        return one_resident_part(self, self.strategy)
+        return [
+            dataclasses.replace(part, optim_pieces_to_save=self.optim_pieces_to_save)
+            for part in one_resident_part(self, self.strategy)
+        ]
