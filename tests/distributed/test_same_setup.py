@@ -15,8 +15,9 @@ def _given(rank: int, world_size: int, what: str) -> str:
 
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     config["zero_optimization"] = {"stage": 3 if what == "stage" and rank == 1 else 2}
-    if what == "nvme_path":  # one drive per GPU: the paths differ by design
+    if what == "nvme_path":  # one drive per GPU: the paths differ by design; rank 0 alone reads a monitor's name
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "nvme_path": f"/nvme{rank}"}
+        config["csv_monitor"] = {"enabled": False, "job_name": f"run_{rank}"}
     width = 5 if what == "shape" and rank == 1 else 4
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, width))
     try:

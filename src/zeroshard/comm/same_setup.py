@@ -8,8 +8,9 @@ differs at stage 2 aborted the process inside gloo; a different `lr` trained on 
 checks none of it. `initialize` digests the config as given (before "auto" values are resolved, so that a rank
 refused by its own config is compared too) and the model's parameter names, shapes and dtypes, and all-gathers the
 two digests once; where any rank differs, a second gather names the first keys (or parameters) that differ and every
-rank raises the same `ConfigError`. Left out where ranks differ by design: `nvme_path` (one drive per GPU), and the
-model of a `PipelineModule` (each stage its own layers) or one an mpu split.
+rank raises the same `ConfigError`. Left out where ranks differ by design: `nvme_path` (one drive per GPU), what rank
+0 alone reads (the monitors' paths and names, the flops profile's file), and the model of a `PipelineModule` (each
+stage its own layers) or one an mpu split.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from torch import nn
 from zeroshard.config import check_world
 from zeroshard.errors import ConfigError
 
+# what rank 0 alone reads (the monitors and the flops profile are rank 0's, as DeepSpeed's: a job name with the time
+# in it differs by a second between ranks); their `enabled` flags are compared (opening the monitors is collective)
+_RANK_0 = frozenset(
+    [f"{block}.{key}" for block in ("tensorboard", "csv_monitor") for key in ("output_path", "job_name")]
+    + [f"wandb.{key}" for key in ("group", "team", "project")]
+    + [f"comet.{key}" for key in ("project", "workspace", "api_key", "experiment_name", "experiment_key", "online")]
+    + ["comet.mode", "comet.samples_log_interval", "flops_profiler.output_file"]
+)
+
 
 def check_launched_world(parsed: Any, model: nn.Module, mpu: Any, world_size: int) -> None:
     """What the launched world must satisfy before any work: `check_world`'s rules, and every rank given the same
@@ -34,8 +44,7 @@ def check_launched_world(parsed: Any, model: nn.Module, mpu: Any, world_size: in
         return
     from zeroshard.pipe.module import PipelineModule
 
-    # (a swap path per rank is a layout some nodes need: one NVMe drive per GPU)
-    config = {k: v for k, v in _flat(parsed.raw or {}).items() if not k.endswith("nvme_path")}
+    config = {k: v for k, v in _flat(parsed.raw or {}).items() if not k.endswith("nvme_path") and k not in _RANK_0}
     shapes = {} if mpu is not None or isinstance(model, PipelineModule) else _shapes(model)
     mine = (_digest(config), _digest(shapes))
     everyone: list[Any] = [None] * world_size
