@@ -234,3 +234,13 @@ def test_train_and_autotune_open_the_model_folders_weights_before_starting(tmp_p
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and "model.safetensors: tensor 'b' ends at byte" in err, err
         assert "truncated" in err and not (tmp_path / "autotuning_exps").exists()
+
+
+def test_validate_config_set_follows_deepspeeds_renamed_blocks(tmp_path, capsys):
+    """`bfloat16` is DeepSpeed's old name of `bf16`: `--set` under either name fills its "auto" (one was refused, the
+    other dropped while the config was called valid)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 1, "bfloat16": {"enabled": "auto"}}))
+    for given in ("bf16.enabled=true", "bfloat16.enabled=true"):
+        assert main(["validate-config", str(path), "--json", "--set", given]) == 0
+        assert json.loads(capsys.readouterr().out)["bf16"]["enabled"] is True, given

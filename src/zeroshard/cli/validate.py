@@ -97,26 +97,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _known(args: argparse.Namespace, raw: dict[str, Any]) -> tuple[dict[str, object], dict[str, object]]:
     """(values for resolve_config, those of them that came from zeroshard train's defaults)."""
-    from zeroshard.config.resolve import canonical_path
     from zeroshard.integrations.ds_config import auto_paths
-    from zeroshard.presets.ds_configs import missing_batch_keys
+    from zeroshard.presets.ds_configs import canonical_ds_path, missing_batch_keys
 
     given: dict[str, object] = {}
-    wanted = {canonical_path(path) for path in auto_paths(raw)} | set(missing_batch_keys(raw))
+    wanted = {canonical_ds_path(path) for path in auto_paths(raw)} | set(missing_batch_keys(raw))
     for item in args.sets:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise CLIError(f"--set {item!r}: expected KEY=VALUE, e.g. optimizer.params.lr=1e-4", EXIT_CONFIG)
-        if canonical_path(key) not in wanted:  # (it was dropped without a word: a typo, or a key set in the file)
+        if canonical_ds_path(key) not in wanted:  # (it was dropped without a word: a typo, or a key set in the file)
             autos = ", ".join(sorted(wanted)) or "none"
             raise CLIError(
                 f'--set {key}: not an "auto" key of {args.file} (--set fills those: {autos}); edit the file for others',
                 EXIT_CONFIG,
             )
         try:
-            given[canonical_path(key)] = json.loads(text)
+            given[canonical_ds_path(key)] = json.loads(text)
         except json.JSONDecodeError:
-            given[canonical_path(key)] = text
+            given[canonical_ds_path(key)] = text
     hidden = args.hidden_size or (_hidden_of(args.model) if args.model else None)
     if hidden:
         given["hidden_size"] = hidden

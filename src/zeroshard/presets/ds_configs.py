@@ -115,7 +115,7 @@ def fill_auto(config: Mapping[str, Any], known: Mapping[str, object]) -> dict[st
     batch triple can be completed. Values the config sets explicitly are never replaced; "auto" values
     not in `known` stay for `initialize` (bucket sizes from the model's hidden size, DeepSpeed defaults).
     """
-    out = _fill(config, "", {_canonical(k): v for k, v in known.items() if v is not None})
+    out = _fill(config, "", {canonical_ds_path(k): v for k, v in known.items() if v is not None})
     for key in missing_batch_keys(config):
         if known.get(key) is not None:
             out[key] = known[key]
@@ -129,7 +129,7 @@ def missing_batch_keys(config: Mapping[str, Any]) -> list[str]:
     return [key for key in BATCH_KEYS if key not in config]
 
 
-def _canonical(path: str) -> str:
+def canonical_ds_path(path: str) -> str:
     """`canonical_path`, plus DeepSpeed's renamed top-level blocks (`bfloat16` is `bf16`)."""
     head, sep, rest = path.partition(".")
     for moved in ZeroshardConfig.MOVED:
@@ -144,8 +144,8 @@ def _fill(node: Mapping[str, Any], path: str, known: Mapping[str, object]) -> di
         here = f"{path}.{key}" if path else key
         if isinstance(value, Mapping):
             out[key] = _fill(value, here, known)
-        elif value == "auto" and _canonical(here) in known:
-            out[key] = known[_canonical(here)]
+        elif value == "auto" and canonical_ds_path(here) in known:
+            out[key] = known[canonical_ds_path(here)]
         else:
             out[key] = copy.deepcopy(value)
     return out
