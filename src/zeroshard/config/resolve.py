@@ -256,15 +256,15 @@ def _resolve_batch(cfg: ZeroshardConfig, world_size: int, ctx: _Context) -> Zero
                 value = Int(minimum=1)(value, f"{key} (from known)")
                 from_known.append(key)
         values[key] = value
+    if autos and values[TRAIN] is None and values[MICRO] is None:  # too few numbers to derive the batch from
+        raise ConfigError(
+            f'{" and ".join(autos)} {"is" if len(autos) == 1 else "are"} "auto" and nothing resolved '
+            f"{'it' if len(autos) == 1 else 'them'}; set numbers in the config (the Hugging Face Trainer fills "
+            "such values from its arguments; initialize alone cannot)"
+        )
     try:
         sizes = complete_batch(values[TRAIN], values[MICRO], values[ACCUM], world_size)
     except ConfigError as err:
-        if autos:  # "auto" is the HF Trainer's to fill (from its arguments); nothing filled them here
-            raise ConfigError(
-                f'{" and ".join(autos)} {"is" if len(autos) == 1 else "are"} "auto" and nothing resolved '
-                f"{'it' if len(autos) == 1 else 'them'}; set numbers in the config (the Hugging Face Trainer fills "
-                "such values from its arguments; initialize alone cannot)"
-            ) from None
         if not from_known:
             raise
         raise ConfigError(f"{err} ({', '.join(from_known)} given outside the config)") from None
