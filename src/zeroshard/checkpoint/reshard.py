@@ -19,7 +19,7 @@ import torch
 from zeroshard.checkpoint.atomic import read_checked
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import CheckpointMetadata, PieceRef, piece_key, read_metadata
-from zeroshard.checkpoint.safetensors_io import SafetensorsReader
+from zeroshard.checkpoint.safetensors_io import SafetensorsReader, dtype_from_name
 
 MODEL = "model"
 OPTIM = "optim"
@@ -77,6 +77,8 @@ class CheckpointReader:
         self, store: str, name: str, begin: int, end: int, out: torch.Tensor, state: str | None = None
     ) -> None:
         """Elements [begin, end) of flattened `name` into the 1-D `out`, from every overlapping piece."""
+        if begin == end:  # nothing to read (a parameter of no elements is saved without pieces)
+            return
         pieces = self._pieces[store].get(name)
         if pieces is None:
             raise CheckpointError(f"{self.tag_dir}: the checkpoint has no {store} data for {name!r}")
@@ -104,13 +106,19 @@ class CheckpointReader:
         return out.view(info.shape)
 
     def stored_dtype(self, store: str, name: str, state: str | None = None) -> torch.dtype:
-        pieces = self._pieces[store][name]
+        pieces = self._pieces[store].get(name)
+        if not pieces and self.metadata.tensors[name].numel == 0:  # (saved without pieces: nothing to store)
+            return dtype_from_name(self.metadata.tensors[name].dtype)
+        if not pieces:
+            raise CheckpointError(f"{self.tag_dir}: the checkpoint has no {store} data for {name!r}")
         # a file at hand first: a node-local checkpoint's other pieces are on other nodes ([Note: node-local ..])
         piece = next((p for p in pieces if os.path.exists(os.path.join(self.tag_dir, p.file))), pieces[0])
         return self._file(piece.file).entry(piece_key(name, piece.begin, piece.end, state)).dtype
 
     def stream(self, store: str, name: str, state: str | None = None) -> Iterator[torch.Tensor]:
         """The elements of `name` in order, in chunks (reused buffers: consume each before the next)."""
+        if self.metadata.tensors[name].numel == 0 and name not in self._pieces[store]:
+            return  # (a tensor of no elements is saved without pieces)
         for piece in self._pieces[store][name]:
             yield from self._file(piece.file).stream(piece_key(name, piece.begin, piece.end, state))
 
