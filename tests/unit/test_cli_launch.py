@@ -27,6 +27,7 @@ worker-1 slots=2
 
 def test_hostfile_in_deepspeed_format():
     assert parse_hostfile(HOSTFILE) == {"worker-0": 4, "worker-1": 2}
+    assert parse_hostfile("worker-0 slots=2 max_slots=4\n") == {"worker-0": 2}  # OpenMPI's, as DeepSpeed reads it
 
 
 @pytest.mark.parametrize(
@@ -55,6 +56,10 @@ def test_include_exclude_filters():
     assert select_resources(hosts, include="worker-0:0,2@worker-1") == {"worker-0": [0, 2], "worker-1": [0, 1]}
     assert select_resources(hosts, exclude="worker-0:1") == {"worker-0": [0, 2, 3], "worker-1": [0, 1]}
     assert select_resources(hosts, exclude="worker-1") == {"worker-0": [0, 1, 2, 3]}
+    # a host named twice: the union of its slots, as DeepSpeed merges them (the last one was kept)
+    assert select_resources(hosts, include="worker-0:0,1@worker-0:1") == {"worker-0": [0, 1]}
+    assert select_resources(hosts, include="worker-0:1@worker-0") == {"worker-0": [1]}
+    assert select_resources(hosts, exclude="worker-0:0@worker-0:1") == {"worker-0": [2, 3], "worker-1": [0, 1]}
     with pytest.raises(LaunchError, match="not in the hostfile"):
         select_resources(hosts, include="worker-9")
     with pytest.raises(LaunchError, match="slots 0-1, not \\[5\\]"):
@@ -289,3 +294,11 @@ def test_a_busy_master_port_is_one_line_before_any_worker_starts(tmp_path, capsy
         code = main(["launch", "--nproc_per_node", "1", "--master_port", str(port), str(script)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and f"--master_port {port}: another process listens on it" in err, err
+
+
+def test_a_filter_and_counts_together_are_refused_as_deepspeed_refuses_them(capsys):
+    """`-i localhost:0 --num_gpus 2` ran (the counts applied after the filter); DeepSpeed refuses the pair."""
+    for extra in (["--num_gpus", "1"], ["--num_nodes", "1"]):
+        code = main(["launch", "-i", "localhost:0", *extra, "--dry-run", "train.py"])
+        err = capsys.readouterr().err
+        assert code == 2 and "--num_nodes/--num_gpus with --include/--exclude" in err, err

@@ -30,7 +30,7 @@ def test_pld_schedule(theta: float) -> None:
     np = pytest.importorskip("numpy")
     pld = ProgressiveLayerDrop(theta, GAMMA)
     assert pld.get_theta() == 1.0
-    for i in range(10):
+    for i in range(60):  # (math.exp was 1 ulp off numpy's at steps 10, 26, 45, 51)
         pld.update_state(i)
         assert pld.get_theta() == (1.0 - theta) * np.exp(-GAMMA * i) + theta  # DeepSpeed's test: exact
         assert pld.get_state() == {"progressive_layer_drop": True, "pld_theta": pld.get_theta()}

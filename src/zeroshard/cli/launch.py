@@ -119,6 +119,9 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.set_defaults(run=run)
 
 
+DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's (DLTS_HOSTFILE)
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.launcher import LaunchOptions
 
@@ -128,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--{name} {value} must be >= 1", EXIT_CONFIG)
     if args.max_restarts < 0:
         raise CLIError(f"--max_restarts {args.max_restarts} must be >= 0", EXIT_CONFIG)
+    if args.hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):  # DeepSpeed's default, used where it exists
+        logger.info(f"zeroshard launch: using the hostfile {DEFAULT_HOSTFILE} (DeepSpeed's default; -H names another)")
+        args.hostfile = DEFAULT_HOSTFILE
     _check_before_starting(args)
     bind = args.bind_core_list if args.bind_core_list is not None else "all" if args.bind_cores_to_rank else None
     opts = LaunchOptions(
@@ -379,6 +385,12 @@ def _check_before_starting(args: argparse.Namespace) -> None:
         raise CLIError("-m/--module and --no_python cannot be used together (a module runs with python)", EXIT_CONFIG)
     if args.enable_each_rank_log is not None and os.path.isfile(args.enable_each_rank_log):
         raise CLIError(f"--enable_each_rank_log {args.enable_each_rank_log} is a file; name a folder", EXIT_CONFIG)
+    if (args.include or args.exclude) and (args.nnodes is not None or args.nproc_per_node is not None):
+        raise CLIError(
+            "--num_nodes/--num_gpus with --include/--exclude: the filter already chooses the hosts and slots; pass "
+            "one of them (DeepSpeed refuses the pair too)",
+            EXIT_CONFIG,
+        )
     if args.master_port is not None and args.master_port > 65535:
         raise CLIError(f"--master_port {args.master_port} is not a TCP port (1-65535)", EXIT_CONFIG)
     if args.launcher is not None and args.launcher.lower() != "pdsh":

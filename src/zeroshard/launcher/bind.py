@@ -29,7 +29,8 @@ class CoreListError(ValueError):
 
 
 def parse_core_list(text: str) -> list[int]:
-    """DeepSpeed's `--bind_core_list` syntax: `1,3-5,7` -> [1, 3, 4, 5, 7]."""
+    """DeepSpeed's `--bind_core_list` syntax: `1,3-5,7` -> [1, 3, 4, 5, 7]; as DeepSpeed's, the ranges ascend and do
+    not overlap (`0,2-6,5-9` and `1,0` are refused: which core a rank gets would depend on the order)."""
     cores: list[int] = []
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
@@ -39,7 +40,12 @@ def parse_core_list(text: str) -> list[int]:
             raise CoreListError(f"--bind_core_list {text!r}: expected numbers and ranges like 1,3-5,7") from None
         if not span or span.start < 0:
             raise CoreListError(f"--bind_core_list {text!r}: {part.strip()!r} is not a range of core numbers")
-        cores += [c for c in span if c not in cores]
+        if cores and span.start <= cores[-1]:
+            raise CoreListError(
+                f"--bind_core_list {text!r}: {part.strip()!r} does not come after core {cores[-1]}; list the cores "
+                "in ascending ranges that do not overlap"
+            )
+        cores += list(span)
     return cores
 
 

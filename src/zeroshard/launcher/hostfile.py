@@ -20,7 +20,8 @@ from zeroshard.errors import ZeroshardError
 
 Resources = dict[str, list[int]]  # host -> slot indices (GPU ids), in hostfile order
 
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)$")
+# (OpenMPI's hostfiles add `max_slots=N` after the slots: read past, as DeepSpeed's parser does)
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+max_slots\s*=\s*\d+)?$")
 
 
 class LaunchError(ZeroshardError):
@@ -62,14 +63,15 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
 
 
 def parse_filter(spec: str, option: str) -> dict[str, list[int] | None]:
-    """`host1@host2:0,2` -> {host1: None (all slots), host2: [0, 2]}."""
-    out: dict[str, list[int] | None] = {}
+    """`host1@host2:0,2` -> {host1: None (all slots), host2: [0, 2]}. A host named twice has the union of its slots,
+    as DeepSpeed merges them (`w:0@w:1` is `w:0,1`; `w:1@w` is `w:1`: a bare name adds no slot)."""
+    merged: dict[str, list[int]] = {}
     for part in spec.split("@"):
         host, sep, slots_text = part.strip().partition(":")
         if not host:
             raise LaunchError(f"{option} {spec!r}: empty host name; the form is HOST[:SLOT,SLOT]@HOST...")
+        merged.setdefault(host, [])
         if not sep:
-            out[host] = None
             continue
         try:
             slots = [int(s) for s in slots_text.split(",") if s.strip()]
@@ -77,8 +79,8 @@ def parse_filter(spec: str, option: str) -> dict[str, list[int] | None]:
             raise LaunchError(f"{option} {spec!r}: slots of {host} must be integers, e.g. {host}:0,1") from None
         if not slots:
             raise LaunchError(f"{option} {spec!r}: no slots after '{host}:'")
-        out[host] = sorted(set(slots))
-    return out
+        merged[host] += slots
+    return {host: sorted(set(slots)) or None for host, slots in merged.items()}
 
 
 def select_resources(hosts: dict[str, int], include: str | None = None, exclude: str | None = None) -> Resources:

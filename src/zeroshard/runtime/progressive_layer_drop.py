@@ -14,8 +14,9 @@ The schedule is a function of the step count alone, so a resumed run (global_ste
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+import numpy as np
 
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -47,4 +48,4 @@ class ProgressiveLayerDrop:
         return self.current_theta
 
     def update_state(self, global_step: int) -> None:
-        self.current_theta = (1.0 - self.theta) * math.exp(-self.gamma * global_step) + self.theta
+        self.current_theta = (1.0 - self.theta) * float(np.exp(-self.gamma * global_step)) + self.theta
