@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+import runpy
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -226,9 +228,6 @@ def test_reshard_world_size_and_stage(tmp_path):
 # -- export and load options ------------------------------------------------------------------------------------
 def _run_recovery_script(ckpt: str, out: str, script: str = "zero_to_fp32.py", *options: str) -> bool:
     """`python ckpt/zero_to_fp32.py ckpt out` (or `zero_to_torch.py ... --dtype D`), in this process."""
-    import runpy
-    import sys
-
     argv, sys.argv = sys.argv, [os.path.join(ckpt, script), ckpt, out, *options]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -290,18 +289,14 @@ def _export_and_options(rank: int, world_size: int, root: str):
                 and fp32["lm_head.weight"] is fp32["wte.weight"]
             )
             results[f"{dtype} lazy_mode"] = lazy_mode_matches(ckpt, fp32)
-            if dtype == "fp32":  # the recovery script save_checkpoint wrote, as DeepSpeed's: pytorch_model.bin
-                results["recovery script"] = _run_recovery_script(ckpt, os.path.join(root, "bin")) and all(
-                    torch.equal(v, fp32[k])
-                    for k, v in torch.load(os.path.join(root, "bin", "pytorch_model.bin")).items()
-                )
-                # DeepSpeed 0.19's second script, beside it: the weights in the dtype asked
-                results["recovery script zero_to_torch.py"] = _run_recovery_script(
-                    ckpt, os.path.join(root, "torch"), "zero_to_torch.py", "--dtype", "bf16"
-                ) and all(
-                    v.dtype == torch.bfloat16 and torch.equal(v, fp32[k].to(torch.bfloat16))
-                    for k, v in torch.load(os.path.join(root, "torch", "pytorch_model.bin")).items()
-                )
+            if dtype == "fp32":  # the recovery scripts save_checkpoint wrote, as DeepSpeed's: pytorch_model.bin
+                scripts = (("zero_to_fp32.py", torch.float32), ("zero_to_torch.py", torch.bfloat16, "--dtype", "bf16"))
+                for script, want, *options in scripts:
+                    out = os.path.join(root, script)
+                    results[script] = _run_recovery_script(ckpt, out, script, *options) and all(
+                        v.dtype == want and torch.equal(v, fp32[k].to(want))
+                        for k, v in torch.load(os.path.join(out, "pytorch_model.bin")).items()
+                    )
             reloaded = load_state_dict_from_zero_checkpoint(build_model(Case(stage=0)), ckpt)
             with torch.no_grad():
                 results[f"{dtype} load_state_dict_from_zero_checkpoint"] = (
@@ -403,8 +398,7 @@ def test_export_load_options_and_one_rank_calls(tmp_path):
     the DeepSpeed-named helpers consolidate fp32 weights; load_module_only, strictness and frozen exclusion
     (at stage 3 too) behave as DeepSpeed's; a save or load called on one rank only raises instead of hanging."""
     results = run_on_ranks(_export_and_options, 2, str(tmp_path), timeout=120)
-    assert all(results[0].values()), results[0]
-    assert all(results[1].values()), results[1]
+    assert all(results[0].values()) and all(results[1].values()), results
     assert not os.path.exists(tmp_path / "only-rank-0")
 
 
@@ -503,6 +497,4 @@ def test_a_save_on_rank_0_only_fails_both_ranks_in_seconds_naming_the_mistake(re
     for message in (message0, message1):
         assert "call it on every rank, not only under `if rank == 0`" in message, message
     assert seconds0 < 20 and seconds1 < 20, (seconds0, seconds1)
-    assert left == ["everyone", "latest", "zero_to_fp32.py", "zero_to_torch.py"], (
-        left
-    )  # the refused saves wrote nothing
+    assert left == ["everyone", "latest", "zero_to_fp32.py", "zero_to_torch.py"], left  # the refused wrote nothing
