@@ -80,9 +80,17 @@ def _natural_key(text: str) -> list[int | str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """DeepSpeed's `zero_to_fp32.py` command line: `pytorch_model.bin` (sharded past `--max_shard_size`) unless
     `--safe_serialization`, as DeepSpeed's script writes."""
-    p = argparse.ArgumentParser(prog="zero_to_fp32.py", description=__doc__)
+    return command_line("zero_to_fp32.py", __doc__, argv)
+
+
+def command_line(prog: str, description: str | None, argv: Sequence[str] | None, with_dtype: bool = False) -> int:
+    """The recovery scripts' command line (zero_to_torch.py's adds a required `--dtype`); an error is one line on
+    stderr (a traceback with -d)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote (with `latest`), e.g. path/checkpoint-12")
-    p.add_argument("output_dir", help="folder for the fp32 state_dict files")
+    p.add_argument("output_dir", help="folder for the state_dict files")
+    if with_dtype:
+        p.add_argument("--dtype", choices=sorted(OUTPUT_DTYPE_NAMES), required=True, help="the weights' dtype")
     p.add_argument("--max_shard_size", default="5GB", help="largest file before sharding, e.g. 5GB")
     p.add_argument("--safe_serialization", action="store_true", help="safetensors instead of pytorch_model.bin")
     p.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
@@ -94,13 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("zeroshard").setLevel(logging.DEBUG)
     from zeroshard.cli.main import run_guarded
 
-    return run_guarded(_convert, args, p.prog)  # an error is one line on stderr (a traceback with -d)
+    return run_guarded(_convert, args, p.prog)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    files = convert_zero_checkpoint_to_fp32_state_dict(
+    files = convert_zero_checkpoint_to_state_dict(
         args.checkpoint_dir,
         args.output_dir,
+        dtype=OUTPUT_DTYPE_NAMES[getattr(args, "dtype", None) or "fp32"],
         max_shard_size=args.max_shard_size,
         safe_serialization=args.safe_serialization,
         tag=args.tag,
