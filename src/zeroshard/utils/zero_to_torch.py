@@ -32,3 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["main"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
