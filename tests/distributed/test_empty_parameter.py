@@ -1,5 +1,6 @@
 """A trainable parameter of no elements (a zero-width LoRA rank, an empty bias) is saved without pieces: loading the
-checkpoint said "the checkpoint has no model data for 'e'" at stage 0, and `zeroshard convert` ended in a KeyError."""
+checkpoint said "the checkpoint has no model data for 'e'" at stage 0, and `zeroshard convert` ended in a KeyError;
+a frozen one (stages 0-2) or an empty buffer (every stage) failed the save ("every tensor is already written")."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def _save_load_export(rank: int, world_size: int, folder: str) -> list[str]:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
         model.empty = torch.nn.Parameter(torch.zeros(0))
+        model.empty_frozen = torch.nn.Parameter(torch.zeros(0), requires_grad=False)
+        model.register_buffer("empty_buffer", torch.zeros(0))
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
         engine = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)[0]

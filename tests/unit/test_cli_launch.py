@@ -302,3 +302,18 @@ def test_a_filter_and_counts_together_are_refused_as_deepspeed_refuses_them(caps
         code = main(["launch", "-i", "localhost:0", *extra, "--dry-run", "train.py"])
         err = capsys.readouterr().err
         assert code == 2 and "--num_nodes/--num_gpus with --include/--exclude" in err, err
+
+
+def test_job_hostfile_is_the_default_where_nothing_else_chose_the_nodes(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's `/job/hostfile` default; not with --nnodes/--node_rank/--master_addr, a scheduler or --cluster
+    none, whose documented one-node launches it turned into ssh launches of every host."""
+    import zeroshard.cli.launch as launch
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    monkeypatch.setattr(launch, "DEFAULT_HOSTFILE", str(hostfile))
+    assert main(["launch", "--dry-run", "train.py"]) == 0
+    assert "worker-1" in capsys.readouterr().out  # every host of it
+    for extra in (["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"], ["--cluster", "none"]):
+        assert main(["launch", "--nproc_per_node", "1", *extra, "--dry-run", "train.py"]) == 0
+        assert "worker-1" not in capsys.readouterr().out, extra

@@ -141,6 +141,8 @@ class SafetensorsWriter:
 
     def write(self, chunk: torch.Tensor) -> None:
         """Append `chunk` (the next elements of the current tensor, in its dtype) to the file."""
+        if chunk.numel() == 0:  # (an empty tensor's spec is finished by _advance_empty; its chunk has no bytes)
+            return
         self._advance_empty()
         spec = self.current
         if spec is None:

@@ -70,7 +70,8 @@ def rank_bytes(
     total = state.model_bytes_to_save(skip)
     if optimizer is not None and (state.writes_optim or leader):  # `leader`: a node-local node's leader
         per_element = max((_element_bytes(optimizer, p) for p in _optimizer_params(optimizer)), default=4)
-        total += per_element * sum(p.end - p.begin for p in state.optim_pieces())
+        pieces = getattr(state, "optim_pieces_to_save", state.optim_pieces)()  # (MoE at stage 0: its parts' writers)
+        total += per_element * sum(p.end - p.begin for p in pieces)
     return total
 
 

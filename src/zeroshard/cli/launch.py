@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--{name} {value} must be >= 1", EXIT_CONFIG)
     if args.max_restarts < 0:
         raise CLIError(f"--max_restarts {args.max_restarts} must be >= 0", EXIT_CONFIG)
-    if args.hostfile is None and os.path.isfile(DEFAULT_HOSTFILE):  # DeepSpeed's default, used where it exists
+    if _default_hostfile_applies(args):  # DeepSpeed's default, used where it exists
         logger.info(f"zeroshard launch: using the hostfile {DEFAULT_HOSTFILE} (DeepSpeed's default; -H names another)")
         args.hostfile = DEFAULT_HOSTFILE
     _check_before_starting(args)
@@ -160,6 +160,19 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, opts)
     with _saved_pid():
         return _launch(args, opts)
+
+
+def _default_hostfile_applies(args: argparse.Namespace) -> bool:
+    """`/job/hostfile` where it exists and nothing else chose the nodes: not with `--nnodes/--node_rank/--master_addr`
+    (each node started on its own), a scheduler's job (each node's launcher starts its own node) or `--cluster none`
+    (accelerate-launch's one machine)."""
+    if args.hostfile is not None or not os.path.isfile(DEFAULT_HOSTFILE) or args.cluster != "auto":
+        return False
+    if args.nnodes is not None or args.node_rank is not None or args.master_addr is not None:
+        return False
+    from zeroshard.launcher.cluster import detect
+
+    return detect(os.environ, args.cluster) is None
 
 
 def _launch(args: argparse.Namespace, opts: LaunchOptions) -> int:

@@ -45,6 +45,8 @@ def check_launched_world(parsed: Any, model: nn.Module, mpu: Any, world_size: in
     from zeroshard.pipe.module import PipelineModule
 
     config = {k: v for k, v in _flat(parsed.raw or {}).items() if not k.endswith("nvme_path") and k not in _RANK_0}
+    # whether the flops profile goes to a file decides whether opening the monitors exchanges a flag: compared
+    config["flops_profiler.output_file is set"] = str(bool(parsed.flops_profiler.output_file))
     shapes = {} if mpu is not None or isinstance(model, PipelineModule) else _shapes(model)
     mine = (_digest(config), _digest(shapes))
     everyone: list[Any] = [None] * world_size
