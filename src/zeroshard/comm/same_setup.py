@@ -64,8 +64,13 @@ def _flat(raw: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         if isinstance(value, Mapping):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True, default=str)
+            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True, default=_kind)
     return out
+
+
+def _kind(value: Any) -> str:
+    """A value JSON cannot hold, compared by its type: its text may name its address, another on every rank."""
+    return f"<{type(value).__qualname__}>"
 
 
 def _shapes(model: nn.Module) -> dict[str, str]:
