@@ -36,9 +36,10 @@ from zeroshard.moe.auto import Surroundings, apply_autoep, autoep_of, refuse_com
 from zeroshard.moe.zero import refuse_expert_stage3
 from zeroshard.monitor import open_monitors
 from zeroshard.offload.host_memory import apply_host_policy
-from zeroshard.optim import as_deepspeed_builds, build_lr_scheduler, build_optimizer, muon, optimizer_defaults
+from zeroshard.optim import as_deepspeed_builds, build_lr_scheduler, build_optimizer, optimizer_defaults
 from zeroshard.optim.client import check_client_optimizer, class_built_by
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
+from zeroshard.optim.regroup import config_groups
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
@@ -285,8 +286,8 @@ def _build(
     precision = PrecisionPolicy.from_config(cfg)
     apply_buffer_dtypes(model, precision.compute_dtype, precision.buffer_dtype, precision.keep_in_fp32)
     groups = _param_groups(model, optimizer, model_parameters)
-    if optimizer is None and cfg.optimizer is not None and str(cfg.optimizer.type).lower() == "muon":
-        groups = _muon_groups(cfg, groups, model, split=pipe is not None or tp is not None)
+    if optimizer is None:  # Muon's halves, muP's width groups ([Note: muP on flat shards])
+        groups = config_groups(cfg, groups, model, split=pipe is not None or tp is not None)
     has_optimizer = optimizer is not None or cfg.optimizer is not None
     accumulation = AccumulationState(
         int(cfg.gradient_accumulation_steps or 1),
@@ -413,28 +414,6 @@ def _param_groups(
     if orphans:
         logger.warning("trainable parameters not in any optimizer group stay unchanged: %s", ", ".join(orphans[:8]))
     return groups
-
-
-def _muon_groups(
-    cfg: ZeroshardConfig, groups: list[ParamGroupSpec], model: nn.Module, split: bool
-) -> list[ParamGroupSpec]:
-    """Each group as its Muon and Adam halves ([Note: Muon on flat shards] in optim/muon.py)."""
-    from zeroshard.moe.zero import moe_layers
-
-    if split or moe_layers(model) or int(cfg.sequence_parallel_size or 1) > 1:  # (a sequence mpu sets the size)
-        raise ConfigError(
-            'optimizer.type "Muon" does not work with a PipelineModule, tensor, sequence parallelism or MoE layers '
-            "yet; use AdamW"
-        )
-    assert cfg.optimizer is not None
-    params = cfg.optimizer.params or {}  # checked when the config was resolved (probe_optimizer)
-    halves = []
-    for group in groups:
-        for use in (True, False):
-            named = [(name, p) for name, p in group.params if muon.uses_muon(name, p.shape) is use]
-            if named:
-                halves.append(ParamGroupSpec(muon.half_options(params, group.options, use), named))
-    return halves
 
 
 def _make_optimizer(cfg: ZeroshardConfig, optimizer: OptimizerArg, zero: Strategy) -> torch.optim.Optimizer:

@@ -255,10 +255,15 @@ def ranks_threads() -> Iterator[None]:
 
 
 def reference_run(
-    case: Case, world_size: int, device: torch.device | str = "cpu", values: dict[str, torch.Tensor] | None = None
+    case: Case,
+    world_size: int,
+    device: torch.device | str = "cpu",
+    values: dict[str, torch.Tensor] | None = None,
+    optimizer_for: Callable[[nn.Module, Case], torch.optim.Optimizer] | None = None,
 ) -> tuple[list[float], list[torch.Tensor]]:
     """Per-step mean loss and per-step flat parameters of the single-process reference (on `device`: the GPU suite
-    compares a CUDA engine with a CUDA reference); `values` replace the named parameters' initial values."""
+    compares a CUDA engine with a CUDA reference); `values` replace the named parameters' initial values;
+    `optimizer_for(model, case)` builds another optimizer than AdamW over `param_groups`."""
     if case.master != "fp32":
         assert values is None
         with ranks_threads():
@@ -270,8 +275,10 @@ def reference_run(
                 p.copy_(values[name])
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     work = copy.deepcopy(master_model).to(dtype)
-    groups = param_groups(master_model, case)
-    optimizer = torch.optim.AdamW(groups, lr=case.lr)
+    if optimizer_for is None:
+        optimizer = torch.optim.AdamW(param_groups(master_model, case), lr=case.lr)
+    else:
+        optimizer = optimizer_for(master_model, case)
     trainable = [(m, w) for m, w in zip(master_model.parameters(), work.parameters(), strict=True) if m.requires_grad]
     losses, params = [], []
     n_micro = world_size * case.gas
@@ -370,12 +377,14 @@ def engine_run(
     case: Case,
     configure: Callable[[dict], dict] | None = None,
     prepare: Callable[[Any], None] | None = None,
+    build: Callable[[Case], nn.Module] = build_model,
 ):
     """Train `case` with zeroshard on this rank; per-step mean local loss and per-step flat params. `prepare` gets
-    the engine before the first step (`engine.compile()`, say)."""
+    the engine before the first step (`engine.compile()`, say); `build` makes the model (module-level: it is sent
+    to the ranks)."""
     import zeroshard
 
-    model = build_model(case)
+    model = build(case)
     config = ds_config(case) if configure is None else configure(ds_config(case))
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=config)
     if prepare is not None:

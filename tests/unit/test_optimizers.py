@@ -190,9 +190,6 @@ def test_names_are_case_insensitive(name: str, cls: type) -> None:
         "OneBitAdam",
         "ZeroOneAdam",
         "OneBitLamb",
-        "MuAdam",
-        "MuAdamW",
-        "MuSGD",
         "Adafactor",
     ],
 )

@@ -91,7 +91,7 @@ class ExpertStage3Strategy(Stage3Strategy):
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         refuse_unplanned(optimizer, "MoE experts at stage 3")
-        if isinstance(optimizer, Muon):  # (a config's "Muon" is refused at initialize: _muon_groups)
+        if isinstance(optimizer, Muon):  # (a config's "Muon" is refused at initialize: optim/regroup.py)
             raise ConfigError(
                 "Muon is not supported with MoE experts at stage 3: its matrix exchange runs over the whole world, "
                 "not the experts' groups; use AdamW"

@@ -4,10 +4,11 @@
 group, a shard that concatenates slices of many parameters. An optimizer whose update of one element depends
 only on that element's own gradient and state (Adam, SGD, Lion, ...) gives the same result on the shard as on
 the original parameters. Anything that looks at a whole tensor (LAMB's trust ratio, Muon's orthogonalisation,
-Adafactor's row/column factors, muP's shape-dependent scaling, 1-bit compression, LBFGS's line search) would
-silently compute something else, so those names are refused. Muon and LAMB are built anyway: the strategies make
-each of Muon's matrices whole for the step ([Note: Muon on flat shards] in muon.py) and give LAMB each parameter's
-whole norms ([Note: LAMB on flat shards] in lamb.py).
+Adafactor's row/column factors, 1-bit compression, LBFGS's line search) would silently compute something else,
+so those names are refused. Muon and LAMB are built anyway: the strategies make each of Muon's matrices whole for
+the step ([Note: Muon on flat shards] in muon.py) and give LAMB each parameter's whole norms ([Note: LAMB on flat
+shards] in lamb.py). muP's optimizers are torch's Adam, AdamW and SGD over groups split by width before the shards
+are made ([Note: muP on flat shards] in regroup.py).
 
 [Note: Adam implementation] DeepSpeed maps "Adam"/"AdamW" to its FusedAdam (weight_decay default 0.0,
 decoupled unless `adam_w_mode: false` on "Adam"). We use torch's Adam/AdamW (or, for `bias_correction: false`,
@@ -36,6 +37,7 @@ from zeroshard.optim import muon
 from zeroshard.optim.adam import UncorrectedAdam
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
+from zeroshard.optim.regroup import MUP_OPTIMIZERS
 
 # torch.optim classes whose update is elementwise, by their exact names.
 _TORCH_ELEMENTWISE: tuple[str, ...] = (
@@ -58,9 +60,6 @@ _NOT_ELEMENTWISE: Mapping[str, str] = MappingProxyType(
         "onebitadam": "1-bit Adam compresses whole-tensor communication and needs DeepSpeed's backend",
         "zerooneadam": "0/1 Adam compresses whole-tensor communication and needs DeepSpeed's backend",
         "onebitlamb": "1-bit LAMB uses per-tensor trust ratios and compressed communication",
-        "muadam": "muP optimizers scale the lr by each parameter's shape",
-        "muadamw": "muP optimizers scale the lr by each parameter's shape",
-        "musgd": "muP optimizers scale the lr by each parameter's shape",
         "adafactor": "Adafactor factors the second moment over each matrix's rows and columns",
         "lbfgs": "LBFGS needs a closure and a line search over all parameters",
         "sparseadam": "SparseAdam needs sparse gradients",
@@ -82,7 +81,7 @@ _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
 def supported_optimizer_names() -> list[str]:
     """The `optimizer.type` values build_optimizer accepts (matched case-insensitively)."""
-    return sorted({*_TORCH_ELEMENTWISE, "Lamb", "Lion", "Muon"}, key=str.lower)
+    return sorted({*_TORCH_ELEMENTWISE, "Lamb", "Lion", "Muon", "MuAdam", "MuAdamW", "MuSGD"}, key=str.lower)
 
 
 def build_optimizer(
@@ -114,6 +113,10 @@ def build_optimizer(
     ds_class = None if ds_class == "FusedAdam" and _bool_param(kwargs, "torch_adam", False) else ds_class
     if key in ("adam", "adamw"):
         cls, kwargs = _adam_kwargs(key, kwargs, param_groups)
+    elif key in MUP_OPTIMIZERS:  # torch's class over groups split by width ([Note: muP on flat shards]), as mup
+        cls = getattr(torch.optim, MUP_OPTIMIZERS[key])  # builds it: the keys as given, DeepSpeed's ones refused
+        if cls is not torch.optim.SGD and "fused" not in kwargs and "foreach" not in kwargs:
+            kwargs["fused" if _fused_kernels_available(param_groups) else "foreach"] = True
     else:
         cls = _resolve_class(type_name)
         kwargs = _drop_ds_only_keys(cls, kwargs)
