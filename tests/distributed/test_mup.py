@@ -16,7 +16,8 @@ from helpers.harness import run_on_ranks
 from helpers.mup_shapes import build_mup_model, reference_optimizer, with_optimizer
 from helpers.parity import Case, engine_run, ranks_threads, reference_run, relative_difference
 
-CASES = [
+# (type, case[, backend]): the fsdp2 backend's parameters carry the `infshape`s too
+CASES: list[tuple] = [
     ("MuAdamW", Case(stage=0, steps=3)),
     ("MuAdamW", Case(stage=1, steps=3, bucket=1000)),
     ("MuAdamW", Case(stage=2, steps=3, gas=2)),
@@ -25,13 +26,15 @@ CASES = [
     ("MuAdam", Case(stage=2, steps=3)),
     ("MuSGD", Case(stage=1, steps=3, lr=0.05)),
     ("MuSGD", Case(stage=3, steps=3, lr=0.05)),
+    ("MuAdamW", Case(stage=3, steps=3), "fsdp2"),
+    ("MuSGD", Case(stage=2, steps=3, lr=0.05), "fsdp2"),
 ]
 
 
-def _train(rank: int, world_size: int, cases: list[tuple[str, Case]]):
+def _train(rank: int, world_size: int, cases: list[tuple]):
     out = []
-    for type_name, case in cases:
-        configure = functools.partial(with_optimizer, type_name)
+    for type_name, case, *backend in cases:
+        configure = functools.partial(with_optimizer, type_name, backend=backend[0] if backend else "zero")
         losses, params, _ = engine_run(rank, world_size, case, configure=configure, build=build_mup_model)
         out.append((losses, params))
     return out
@@ -39,7 +42,7 @@ def _train(rank: int, world_size: int, cases: list[tuple[str, Case]]):
 
 def test_mup_optimizers_equal_a_single_process_with_the_scaled_groups() -> None:
     results = run_on_ranks(_train, 2, CASES)
-    for i, (type_name, case) in enumerate(CASES):
+    for i, (type_name, case, *_) in enumerate(CASES):
         with ranks_threads():
             want_losses, want_params = reference_run(
                 case, 2, optimizer_for=functools.partial(reference_optimizer, type_name)

@@ -42,12 +42,22 @@ def attach_infshapes(model: nn.Module) -> nn.Module:
 
 
 def build_mup_model(case: Case) -> nn.Module:
-    return attach_infshapes(build_model(case))
+    """The parity GPT with `infshape`s, read in the forward as mup's `MuReadout` reads its weight's (a block's norm
+    and the root's: the fsdp2 backend's units replace the parameters, [Note: parameter attributes under fsdp2])."""
+    model = attach_infshapes(build_model(case))
+    for module in (model.blocks[0].ln_1, model.ln_f):
+        module.register_forward_pre_hook(_reads_infshape)
+    return model
 
 
-def with_optimizer(type_name: str, config: dict) -> dict:
+def _reads_infshape(module: nn.Module, args: object) -> None:
+    module.weight.infshape.width_mult()
+
+
+def with_optimizer(type_name: str, config: dict, backend: str = "zero") -> dict:
     """The parity config with `optimizer.type` set to a muP optimizer (its lr and weight_decay kept)."""
     config["optimizer"]["type"] = type_name
+    config["zeroshard"] = {**config.get("zeroshard", {}), "backend": backend}
     return config
 
 

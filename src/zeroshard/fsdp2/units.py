@@ -16,6 +16,14 @@ A parameter that got no gradient on this rank is reduced as zeros (`set_reduce_s
 backend's flat shards do: FSDP2 otherwise reduce-scatters only the parameters with a gradient, so ranks whose tokens
 reached different experts of a leaf module ([Note: leaf modules]) would sum different parameters' gradients into one
 another without an error. A torch whose FSDP2 lacks that setter is refused when the model has a leaf module.
+
+[Note: parameter attributes under fsdp2]
+`fully_shard` replaces every parameter by new objects (the sharded DTensor parameter, and at the first gather the
+unsharded one), which carry none of the Python attributes set on the original: mup's `infshape`, which its
+`MuReadout` reads in every forward, a `use_muon` tag, a model's own marks. Each attribute of an original
+parameter is set on its sharded parameter after `fully_shard`, and on its unsharded parameter by a forward
+pre-hook on its unit (after FSDP2's own, which gathers it; the object is made once and reused), so the module
+sees the attributes whether its parameter is sharded or gathered.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ def shard_units(
         for n, p in root.named_parameters(remove_duplicate=False):
             if id(p) in inside and n.startswith(name + "."):
                 owner[param_names[id(p)]] = name
+    attributes = _parameter_attributes(root)  # [Note: parameter attributes under fsdp2]
     for name in sorted(names, key=lambda n: n.count("."), reverse=True):  # innermost first
         fully_shard(
             modules[name],
@@ -107,7 +116,53 @@ def shard_units(
         module.set_custom_reduce_scatter(CountedReduceScatter(comm))
         owned = tuple(n for n, o in owner.items() if o == name)
         sharded.append(Fsdp2Unit(name, module, owned))
+        _carry_attributes(module, attributes)
     return sharded
+
+
+# what FSDP2's parameters carry of their own (nothing to copy over them)
+_OWN_ATTRIBUTES = frozenset(vars(nn.Parameter(torch.zeros(1))))
+
+
+def _parameter_attributes(root: nn.Module) -> dict[tuple[int, str], dict[str, object]]:
+    """The Python attributes of each parameter that has some, by (id of its module, its name there)."""
+    found = {}
+    for module in root.modules():
+        for name, param in module.named_parameters(recurse=False):
+            extra = {k: v for k, v in vars(param).items() if k not in _OWN_ATTRIBUTES}
+            if extra:
+                found[(id(module), name)] = extra
+    return found
+
+
+def _carry_attributes(unit: FSDPModule, attributes: dict[tuple[int, str], dict[str, object]]) -> None:
+    """[Note: parameter attributes under fsdp2]: the unit's sharded parameters get their originals' attributes
+    now, the unsharded ones at each forward (set once: later forwards find them there)."""
+    carried = []
+    for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            extra = attributes.get((id(info.module), info.param_name))
+            if extra:
+                _set_missing(fsdp_param.sharded_param, extra)
+                carried.append((fsdp_param, extra))
+    if not carried:
+        return
+
+    def to_unsharded(module: nn.Module, args: object) -> None:
+        for fsdp_param, extra in carried:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                _set_missing(unsharded, extra)
+
+    assert isinstance(unit, nn.Module)
+    unit.register_forward_pre_hook(to_unsharded)
+
+
+def _set_missing(param: nn.Parameter, extra: dict[str, object]) -> None:
+    for key, value in extra.items():
+        if not hasattr(param, key):
+            setattr(param, key, value)
 
 
 def unsharded_views(unit: Fsdp2Unit) -> list[tuple[nn.Parameter, torch.Tensor]]:
