@@ -165,6 +165,9 @@ GRID_2 = [
     EpCase("mixtral", eager=True, client=True),
     EpCase("qwen3_moe", lora=True),  # the experts split and frozen
     EpCase("qwen3_moe", stage=1, gas=2, offload=True),
+    # ZeRO-0 (DeepSpeed's MoE recipes' stage): each replicated part counted once in the norm
+    EpCase("qwen3_moe", stage=0, gas=2),
+    EpCase("gpt_oss", stage=0, skew=True, frozen=True),
     # ZeRO-3: the experts' units over their expert-data-parallel group ([Note: experts at stage 3])
     EpCase("mixtral", stage=3),
     EpCase("gpt_oss", stage=3, skew=True, frozen=True),
@@ -177,6 +180,7 @@ GRID_4 = [
     EpCase("mixtral", halves=True),
     EpCase("qwen3_moe", extra={"use_data_before_expert_parallelism": True}),  # "D + E"
     EpCase("gpt_oss", ep=4),
+    EpCase("mixtral", stage=0, halves=True),  # the experts' pairs replicate them: each pair's first rank counts them
     EpCase("mixtral", offload=True),  # the experts' host state sharded over their expert-data-parallel pairs
     EpCase("mixtral", stage=3, halves=True),  # expert units gathered and reduced over pairs, half of them idle
     EpCase("qwen3_moe", stage=3, offload=True, extra={"use_data_before_expert_parallelism": True}),
@@ -191,7 +195,7 @@ def _grid(rank: int, world: int, cases: list[EpCase]) -> dict[str, list[float]]:
 
 
 def test_autoep_losses_match_the_single_process_model() -> None:
-    """ep2 on 2 ranks: four model families, ZeRO 1, 2 and 3, accumulation, the eager and grouped-mm experts, a
+    """ep2 on 2 ranks: four model families, ZeRO 0, 1, 2 and 3, accumulation, the eager and grouped-mm experts, a
     client optimizer built before initialize, and a rank that receives no token (its experts get zero gradients; also
     when nothing before the MoE layers trains)."""
     results = run_on_ranks(_grid, 2, GRID_2, timeout=600)
@@ -274,14 +278,14 @@ def _checkpoint(rank: int, world: int, folder: str, case: EpCase) -> dict[str, A
 
 @pytest.mark.parametrize(
     ("lora", "offload", "stage"),
-    [(False, False, 2), (True, False, 2), (False, True, 2), (False, False, 3), (True, False, 3)],
+    [(True, False, 0), (False, False, 2), (True, False, 2), (False, True, 2), (False, False, 3), (True, False, 3)],
 )
 def test_autoep_checkpoint_loads_into_other_layouts_and_hugging_face(
     tmp_path, lora: bool, offload: bool, stage: int
 ) -> None:
-    """Saved at ep2 (ZeRO-2 or ZeRO-3), resumed at ep1 and without the block (ZeRO-1): the reference's next losses;
+    """Saved at ep2 (ZeRO-0, 2 or 3), resumed at ep1 and without the block (ZeRO-1): the reference's next losses;
     the 16-bit save and the consolidated state dict are the reference model's weights, loadable by transformers.
-    With LoRA the split experts are frozen: at ZeRO-2 each expert-data-parallel group's first rank writes its rows
+    With LoRA the split experts are frozen: at ZeRO-0 and 2 each expert-data-parallel group's first rank writes its rows
     whole, at ZeRO-3 they are in the experts' units."""
     from safetensors.torch import load_file
 

@@ -63,7 +63,6 @@ def test_kernel_choices_warn_naming_them(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.parametrize(
     ("around", "words"),
     [
-        (Surroundings(0, "zero", "none", 2), "stage 1, 2 or 3 (got 0)"),
         (Surroundings(2, "fsdp2", "none", 2), 'backend "fsdp2"'),
         (Surroundings(2, "zero", "nvme", 2), 'offload_optimizer "nvme"'),
         (Surroundings(2, "zero", "none", 4, tp=2), "tp x ep"),

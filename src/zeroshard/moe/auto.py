@@ -214,11 +214,6 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
         )
     if backend == "fsdp2":
         raise ConfigError(f'{what} with zeroshard.backend "fsdp2": not implemented; use the "zero" backend')
-    if stage == 0:
-        raise ConfigError(
-            f"{what} trains with zero_optimization.stage 1, 2 or 3 (got 0): AutoEP at stage 0 is not tested yet "
-            "(deepspeed.moe layers train there); use stage 1 for the same math as stage 0"
-        )
     if tp > 1:
         raise ConfigError(f"{what} with tensor parallelism (autotp_size or an mpu): tp x ep is not implemented")
     if sp > 1:
