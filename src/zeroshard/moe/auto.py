@@ -195,7 +195,7 @@ def refuse_combinations(autoep: AutoEp, around: Surroundings, model: nn.Module) 
     if autoep.size == 1:
         return
     what = f"expert_parallel.autoep_size={autoep.size}"
-    stage, backend, tp, sp = around.stage, around.backend, around.tp, around.sp
+    backend, tp, sp = around.backend, around.tp, around.sp
     if around.offload == "nvme":
         raise ConfigError(f'{what} does not combine with offload_optimizer "nvme" yet; use "cpu"')
     if around.world % autoep.size:
