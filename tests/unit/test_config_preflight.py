@@ -79,6 +79,9 @@ def test_a_disabled_autoep_block_is_not_read_but_for_a_misspelt_switch() -> None
         ({"stages": "two"}, "pipeline.stages='two': expected \"auto\" or a positive int"),
         ({"stages": 2.5}, "pipeline.stages=2.5: expected"),  # was truncated to 2
         ({"schedle": "gpipe"}, "pipeline.schedle: unknown key; did you mean schedule?"),
+        ({"activation_checkpoint_interval": -1}, "pipeline.activation_checkpoint_interval=-1: expected an int >= 0"),
+        ({"activation_checkpoint_interval": "2"}, "pipeline.activation_checkpoint_interval='2': expected"),
+        ({"use_reentrant": "false"}, "pipeline.use_reentrant='false': expected true or false"),
     ],
 )
 def test_the_pipeline_block_is_checked_in_one_line(block: dict[str, Any], message: str) -> None:

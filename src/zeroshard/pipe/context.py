@@ -3,7 +3,9 @@
 [Note: pipeline config]
 DeepSpeed 0.19.8's `pipeline` block has stages ("auto"), partition ("best"), seed_layers,
 activation_checkpoint_interval, pipe_partitioned and grad_partitioned; its PipelineModule's arguments decide the
-split, and the block is informational. zeroshard checks the same keys (`stages`, if an int, must equal the module's
+split, and of the block the engine reads `activation_checkpoint_interval` (above 0 it becomes the module's:
+[Note: pipeline activation checkpointing] in pipe/module.py) and `use_reentrant` (which checkpoint function).
+zeroshard checks the same keys (`stages`, if an int, must equal the module's
 num_stages) and reads two of its own, which DeepSpeed ignores: `schedule` ("1f1b", DeepSpeed's TrainSchedule and the
 default; "gpipe"; or "interleaved", torch's interleaved 1F1B) and `virtual_stages` (chunks per rank with
 "interleaved", default 2: [Note: interleaved chunks]). ZeRO stages 2 and 3 are refused as DeepSpeed refuses them
@@ -50,6 +52,9 @@ def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -
     stages, schedule, virtual = check_pipeline_block(block)
     if stages is not None and stages != module.num_stages:
         raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
+    interval = dict(block or {}).get("activation_checkpoint_interval", 0)
+    if interval > 0:  # as DeepSpeed's pipeline engine: [Note: pipeline activation checkpointing]
+        module.set_checkpoint_interval(interval)
     return schedule, virtual
 
 
@@ -75,6 +80,13 @@ def check_pipeline_block(block: Mapping[str, Any] | None) -> tuple[int | None, s
             f"pipeline.virtual_stages={virtual!r}: chunks per rank, at least 2 and only with "
             '"schedule": "interleaved" (default 2 there)'
         )
+    interval = block.get("activation_checkpoint_interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(
+            f"pipeline.activation_checkpoint_interval={interval!r}: expected an int >= 0 (layers per range)"
+        )
+    if not isinstance(block.get("use_reentrant", True), bool):
+        raise ConfigError(f"pipeline.use_reentrant={block['use_reentrant']!r}: expected true or false")
     return None if stages == "auto" else stages, schedule, virtual
 
 

@@ -11,6 +11,17 @@ DeepSpeed's `allreduce_tied_weight_gradients`.
 The interleaved schedule (zeroshard's `"pipeline": {"schedule": "interleaved", "virtual_stages": v}`) splits
 the layers into num_stages * v chunks with the same partition method; chunk k runs on stage k % num_stages,
 so each rank holds v chunks, each a PipelineStage of torch's ScheduleInterleaved1F1B.
+
+[Note: pipeline activation checkpointing]
+With `activation_checkpoint_interval` n > 0 (the module's argument, `set_checkpoint_interval(n)`, or the config's
+`pipeline.activation_checkpoint_interval`, which DeepSpeed's pipeline engine writes into the module when above 0),
+the stage's layers run in ranges of n, and a range is recomputed in the backward when it is checkpointable, as
+DeepSpeed's `_is_checkpointable` decides: every layer's class named in `checkpointable_layers` when that is given,
+else any layer holding parameters (a range of activations and reshapes is not worth recomputing). The checkpoint
+is `activation_checkpoint_func` when given, else torch's non-reentrant one (DeepSpeed's default is its reentrant
+`checkpointing.checkpoint`; `pipeline.use_reentrant: false` switches it to the non-reentrant one: the same gradients
+either way). DeepSpeed's special case for its Megatron GPT pipes (only `ParallelTransformerLayerPipe` ranges with a
+reentrant checkpoint) is not kept: the non-reentrant checkpoint takes the embedding's range as well.
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ class PipelineModule(nn.Module):
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self._checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
         self._specs = list(layers)
         self._partition_method = partition_method
         self._seed_fn = (seed_fn or set_random_seed) if seed_layers else None
@@ -173,6 +185,18 @@ class PipelineModule(nn.Module):
     def topology(self) -> PipeGrid:
         return self.grid
 
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint the layers in ranges of `interval` from the next forward (0: none), as DeepSpeed's."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval({interval!r}): expected an int >= 0")
+        self.activation_checkpoint_interval = interval
+
+    def _is_checkpointable(self, funcs: Sequence[Callable[..., Any]]) -> bool:
+        """Whether a range is recomputed ([Note: pipeline activation checkpointing])."""
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
+
     def _run_checkpointed(self, funcs: list[Callable[..., Any]], *inputs: Any) -> Any:
         x: Any = inputs[0] if len(inputs) == 1 else inputs
         interval = self.activation_checkpoint_interval
@@ -180,7 +204,9 @@ class PipelineModule(nn.Module):
             return _run(funcs, x)
         for start in range(0, len(funcs), interval):
             run = functools.partial(_run, funcs[start : start + interval])
-            if self._checkpoint_func is not None:
+            if not self._is_checkpointable(funcs[start : start + interval]):
+                x = run(x)
+            elif self._checkpoint_func is not None:
                 x = self._checkpoint_func(run, x)
             else:
                 x = checkpoint(run, x, use_reentrant=False)
