@@ -17,6 +17,7 @@ from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.same_setup import check_launched_world
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
+from zeroshard.autotuning.settings import engine_warning
 from zeroshard.config.features import collective_timeout
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
@@ -125,6 +126,8 @@ def initialize(
     # tensor-parallel size ([Note: tensor-parallel mesh]), and / the sequence-parallel size
     dp = dp_size(model, topology.world_size) // tp_degree(parsed, mpu) // sp
     cfg = resolve_config(parsed, world_size=dp, known=_known_values(model, optimizer))
+    if (autotuning := engine_warning(cfg.autotuning)) is not None:
+        log_rank(logger, logging.WARNING, autotuning)
     if sp > 1:  # the step divides by the replicas; gradients travel in their own dtype
         cfg = dataclasses.replace(
             cfg, sequence_parallel_size=sp, communication_data_type=cfg.seq_parallel_communication_data_type

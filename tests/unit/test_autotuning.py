@@ -194,3 +194,48 @@ def test_the_writable_probe_removes_every_folder_it_made(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     probe_writable("kept/sub")  # keep=True (the default): made and left
     assert (tmp_path / "kept" / "sub").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"enabeld": True}, "autotuning.enabeld: unknown key"),
+        ({"enabled": "true"}, "autotuning.enabled 'true': true or false"),
+        ({"start_profile_step": "1"}, "autotuning.start_profile_step '1': a whole number"),
+        ({"start_profile_step": 6}, "start_profile_step must be below end_profile_step"),
+    ],
+)
+def test_the_block_is_checked_wherever_a_config_is_resolved(block: dict, message: str) -> None:
+    """`validate-config` and `initialize` refused nothing here: only `zeroshard autotune` read the block."""
+    from zeroshard.config import parse_config, resolve_config
+
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(parse_config({"train_micro_batch_size_per_gpu": 1, "autotuning": block}), world_size=1)
+
+
+def test_an_engine_with_autotuning_enabled_says_it_trains_on(caplog) -> None:
+    """DeepSpeed's engine would write autotuning_metric.json and exit after end_profile_step + 1 steps (its
+    autotuner's trial protocol); here one warning says the engine trains on, and the steps go on."""
+    import logging
+
+    import torch
+
+    import zeroshard
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "autotuning": {"enabled": True, "start_profile_step": 1, "end_profile_step": 2},
+    }
+    logging.getLogger("zeroshard").propagate = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="zeroshard"):
+            engine, *_ = zeroshard.initialize(model=torch.nn.Linear(2, 1), config=config)
+    finally:
+        logging.getLogger("zeroshard").propagate = False
+    assert "autotuning.enabled is true" in caplog.text and "zeroshard autotune" in caplog.text
+    for _ in range(4):
+        engine.backward(engine(torch.ones(1, 2)).sum())
+        engine.step()
+    assert engine.global_steps == 4
+    engine.destroy()

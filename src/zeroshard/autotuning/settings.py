@@ -29,6 +29,13 @@ class AutotuningSettings:
     fast: bool = True  # accepted for DeepSpeed configs; the search here is always the fast one
 
     def validate(self) -> AutotuningSettings:
+        for key in ("enabled", "overwrite", "fast"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"autotuning.{key} {getattr(self, key)!r}: true or false")
+        for key in ("start_profile_step", "end_profile_step"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"autotuning.{key} {value!r}: a whole number")
         if self.metric not in METRICS:
             raise ConfigError(f"autotuning.metric {self.metric!r}: one of {', '.join(METRICS)}")
         if self.tuner_type not in TUNERS:
@@ -56,3 +63,18 @@ def from_block(block: Mapping[str, Any] | None, **overrides: Any) -> AutotuningS
         raise ConfigError(f"autotuning.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}")
     values.update({k: v for k, v in overrides.items() if v is not None})
     return AutotuningSettings(**values).validate()
+
+
+def engine_warning(block: Mapping[str, Any] | None) -> str | None:
+    """The line an engine logs for `autotuning.enabled: true` in a training run (None: nothing to say). DeepSpeed's
+    engine then follows its autotuner's trial protocol: it profiles steps start..end, writes
+    `autotuning_metric.json` (or `model_info_path` with `model_info.profile`) and exits the process after
+    `end_profile_step` + 1 steps. zeroshard's autotuner runs its own trials (`zeroshard autotune`), so the engine
+    trains on, and says so."""
+    if not block or block.get("enabled") is not True:
+        return None
+    return (
+        "autotuning.enabled is true: DeepSpeed's engine would stop this process after autotuning.end_profile_step + 1 "
+        "steps and write autotuning_metric.json (its autotuner's trial protocol); zeroshard's engine trains on and "
+        "writes no metrics. Tune with `zeroshard autotune`, or set autotuning.enabled false"
+    )

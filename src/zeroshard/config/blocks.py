@@ -3,7 +3,7 @@
 [Note: blocks checked by their readers]
 Some blocks are read where they act, by pure functions that also check them: the opaque `tensor_parallel` and
 `expert_parallel` blocks, `comms_logger.prof_ops`, NVMe offload's pool and aio sizes, `activation_checkpointing`
-(DeepSpeed's assertions), and what the fsdp2 backend cannot do. `initialize` runs each before any work, but `zeroshard
+(DeepSpeed's assertions), `autotuning` (which `zeroshard autotune` reads), and what the fsdp2 backend cannot do. `initialize` runs each before any work, but `zeroshard
 validate-config` builds no engine, so a config it called valid could still be refused. `resolve_config`, which both
 call, runs the same functions here: the rule stays in one place, its reader's module (imported here when resolving,
 since those modules import this package). What needs the model (the `pipeline` block, which DeepSpeed reads only for a
@@ -33,6 +33,10 @@ def check_blocks(cfg: ZeroshardConfig) -> None:
     autoep_of(cfg.expert_parallel, quiet=True)
     check_prof_ops(cfg.comms_logger.prof_ops)
     check_nvme_sizes(cfg)
+    if cfg.autotuning is not None:  # `zeroshard autotune` reads it; a typo or a wrong type is refused everywhere
+        from zeroshard.autotuning.settings import from_block as autotuning_block
+
+        autotuning_block(cfg.autotuning)
     if "activation_checkpointing" in (cfg.raw or {}):  # initialize configures checkpointing from it
         from zeroshard.checkpointing.settings import from_block
 
