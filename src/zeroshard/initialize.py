@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from zeroshard import checkpointing
+from zeroshard.autotuning.settings import engine_warning
 from zeroshard.comm.collectives import Collectives, Scope
 from zeroshard.comm.comms_logger import CommsLogger
 from zeroshard.comm.same_setup import check_launched_world
 from zeroshard.comm.topology import NodeLayout, Topology, init_distributed
 from zeroshard.config import ZeroshardConfig, parse_config, resolve_config
-from zeroshard.autotuning.settings import engine_warning
 from zeroshard.config.features import collective_timeout
 from zeroshard.data import build_dataloader
 from zeroshard.engine import Engine
