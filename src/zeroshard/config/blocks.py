@@ -6,10 +6,10 @@ Some blocks are read where they act, by pure functions that also check them: the
 (DeepSpeed's assertions), `autotuning` (which `zeroshard autotune` reads), and what the fsdp2 backend cannot do.
 `initialize` runs each before any work, but `zeroshard validate-config` builds no engine, so a config it called valid
 could still be refused. `resolve_config`, which both call, runs the same functions here: the rule stays in one place,
-its reader's module (imported here when resolving, since those modules import this package). What needs the model
-(the `pipeline` block, which DeepSpeed reads only for a PipelineModule; MoE layers), the script's process (torch_autocast's safe module classes, precision/policy.py
-`check_before_work`) or the launched world (`check_world`, which `initialize` runs on the whole world and
-validate-config on `--world-size`) is checked where it is known.
+its reader's module (imported here when resolving, since those modules import this package). What needs the model (the
+`pipeline` block, which DeepSpeed reads only for a PipelineModule; MoE layers), the script's process (torch_autocast's
+safe module classes, precision/policy.py `check_before_work`) or the launched world (`check_world`, which `initialize`
+runs on the whole world and validate-config on `--world-size`) is checked where it is known.
 """
 
 from __future__ import annotations
