@@ -8,7 +8,7 @@ import torch
 from zeroshard.config import parse_config, resolve_config
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.params import row_range
-from zeroshard.fsdp2.plan import plan_from_config
+from zeroshard.fsdp2.plan import plan_from_config, unused_keys
 
 
 def _cfg(stage: int = 3, **zero: object) -> object:
@@ -107,3 +107,24 @@ def test_zeropp_keys_are_refused_naming_the_key(key: str, value: object) -> None
     """FSDP2's collectives are its own: a ZeRO++ key would be accepted and do nothing."""
     with pytest.raises(ConfigError, match=rf"zero_optimization\.{key} \(ZeRO\+\+\) needs the \"zero\" backend"):
         plan_from_config(_cfg(3, **{key: value}), torch.float32)
+
+
+def test_the_zero_backends_tuning_keys_are_named_as_unused() -> None:
+    """The engine logs these in one warning line: before, the fsdp2 backend dropped them without a word (a bf16
+    grad_accum_dtype too, where the zero backend accumulates in bf16)."""
+    raw = {
+        "zero_optimization": {"stage": 3, "sub_group_size": 10, "stage3_max_live_parameters": 0, "overlap_comm": True},
+        "data_types": {"grad_accum_dtype": "bf16"},
+    }
+    assert unused_keys(raw) == [
+        "zero_optimization.overlap_comm",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.stage3_max_live_parameters",
+        "data_types.grad_accum_dtype",
+    ]
+    # "auto" is an integration's placeholder, fp32 accumulation is FSDP2's own: nothing the fsdp2 backend drops
+    quiet = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
+    assert unused_keys(quiet) == []

@@ -9,7 +9,7 @@ from torch import nn
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.errors import ConfigError
-from zeroshard.fsdp2.plan import plan_from_config
+from zeroshard.fsdp2.plan import plan_from_config, unused_keys
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.loading.weights import StreamedWeights
 from zeroshard.offload.tier import Tier
@@ -39,6 +39,15 @@ def build_fsdp2_strategy(
     """The fsdp2 backend's strategy for `model` (checked against the config first: [Note: fsdp2 mapping]); with
     `tp`, FSDP2 over its data-parallel mesh dimension ([Note: tensor parallelism on fsdp2] in tp/fsdp2.py)."""
     plan = plan_from_config(cfg, compute_dtype)
+    unused = unused_keys(dict(cfg.raw or {}))
+    if unused:
+        log_rank(
+            logger,
+            30,
+            f"the fsdp2 backend does not use {', '.join(unused)}: the zero backend's bucket and stage-3 settings have "
+            "no FSDP2 counterpart (it gathers one unit at a time and prefetches the next itself), and FSDP2 "
+            "accumulates gradients in fp32 (docs/fsdp2.md)",
+        )
     sparse = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse]
     if sparse:  # FSDP2's reduce-scatter copies gradients with an op that has no sparse kernel
         raise ConfigError(

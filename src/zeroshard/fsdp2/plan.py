@@ -16,6 +16,9 @@ The `fsdp2` backend runs the same config and engine API on `torch.distributed.fs
 - Gradient scaling, clipping, the fp16 loss scaler, optimizers and schedulers are zeroshard's own: FSDP2 is
   told to sum gradients (divided by `gradient_predivide_factor` or the world size exactly as
   [Note: pre- and post-scaling]), and the shared step skeleton of `Strategy.step` does the rest.
+- The zero backend's tuning keys (buckets, stage 3's persistence, prefetch and reuse, sub-groups) and a
+  `data_types.grad_accum_dtype` other than fp32 have no FSDP2 counterpart: `unused_keys` names those the config
+  sets (not "auto"), and the engine logs them in one warning line.
 """
 
 from __future__ import annotations
@@ -86,3 +89,41 @@ def plan_from_config(cfg: Any, compute_dtype: torch.dtype) -> Fsdp2Plan:
         cpu_offload=offload,
         pin_memory=bool(z.offload_optimizer.pin_memory) and offload,
     )
+
+
+# zero_optimization keys that tune the zero backend's buckets and stage-3 units: FSDP2 gathers one unit at a time and
+# prefetches the next itself
+ZERO_BACKEND_KEYS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "round_robin_gradients",
+    "sub_group_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+)
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+
+
+def unused_keys(raw: Any) -> list[str]:
+    """The keys of the config as given (`cfg.raw`) that the fsdp2 backend does not use ([Note: fsdp2 mapping]):
+    set, and not "auto" (an integration's placeholder, nothing the user chose).
+
+    Example:
+        >>> unused_keys({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size":
+        ...     "auto"}, "data_types": {"grad_accum_dtype": "bf16"}})
+        ['zero_optimization.reduce_bucket_size', 'data_types.grad_accum_dtype']
+    """
+    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    zero = zero if isinstance(zero, dict) else {}
+    found = [f"zero_optimization.{key}" for key in ZERO_BACKEND_KEYS if key in zero and zero[key] != "auto"]
+    types = raw.get("data_types") if isinstance(raw, dict) else None
+    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    if accum is not None and accum != "auto" and str(accum).lower() not in _FP32_NAMES:
+        found.append("data_types.grad_accum_dtype")
+    return found
