@@ -487,3 +487,13 @@ def test_zeropp_keys_with_the_fsdp2_backend_get_its_refusal_not_the_stage_warnin
     """fsdp2/plan.py refuses ZeRO++ keys at any stage: the "ignored at stage 2" line would contradict that."""
     parse_config({"zeroshard": {"backend": "fsdp2"}, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
     assert warnings_of(log) == []
+
+
+def test_a_vocabulary_size_off_a_multiple_of_8_gets_deepspeeds_hint(log: pytest.LogCaptureFixture) -> None:
+    parse_config({"vocabulary_size": 50257})
+    assert warnings_of(log) == [
+        "zeroshard: vocabulary_size 50257 is not a multiple of 8: an embedding padded to one uses tensor cores better "
+        "(the key changes nothing else, as in DeepSpeed)"
+    ]
+    parse_config({"vocabulary_size": 50304})
+    assert len(warnings_of(log)) == 1

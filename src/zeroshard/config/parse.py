@@ -59,6 +59,12 @@ def parse_config(source: ConfigSource | ZeroshardConfig) -> ZeroshardConfig:
     check_consistency(cfg)
     warn_ignored(cfg, logger)
     warn_unimplemented(cfg, logger)
+    vocabulary = cfg.vocabulary_size
+    if isinstance(vocabulary, int) and vocabulary % 8:  # DeepSpeed's hint (its config's _do_warning_check)
+        logger.warning(
+            f"zeroshard: vocabulary_size {vocabulary} is not a multiple of 8: an embedding padded to one uses "
+            "tensor cores better (the key changes nothing else, as in DeepSpeed)"
+        )
     return cfg
 
 

@@ -289,7 +289,7 @@ NO_OP_BY_DESIGN: Final[Mapping[str, str]] = MappingProxyType(
             "when DeepSpeed's BF16_Optimizer adds a gradient into its fp32 copy (in the hook or after backward), "
             "the same additions; zeroshard always adds in the gradient hook"
         ),
-        "vocabulary_size": "DeepSpeed only logs a tensor-core hint when it is not a multiple of 8",
+        "vocabulary_size": "DeepSpeed only logs a tensor-core hint when it is not a multiple of 8 (zeroshard too)",
         "hybrid_engine.max_out_tokens": (
             "sizes DeepSpeed's inference-kernel workspace; zeroshard generates with the model's own generate"
         ),
