@@ -13,6 +13,15 @@ norm adds up every stage's share (`StepPolicy.model_parallel`). The reported los
 replicas, broadcast from the last stage to the whole pipeline, as DeepSpeed's `_aggregate_total_loss`; rank 0 writes it
 to the monitors as `Train/Samples/train_loss` (`eval_batch`'s as `eval_loss`), as DeepSpeed's pipeline engine does
 ([Note: monitor events]).
+
+[Note: the schedule's set-up forward]
+A new torch schedule infers its stages' shapes on its first step: each stage runs its module once in training mode on
+the first micro-batch's inputs (stage 0) or on uninitialised tensors of the received shapes (the others), and the
+backward of that (recomputing checkpointed ranges), before the real micro-batches. torch keeps the RNG out of it
+(`fork_rng`); it does not keep the module's buffers: a BatchNorm counted one batch more than DeepSpeed's and took its
+statistics from that batch, on later stages from whatever memory `torch.empty` returned. `_Stage` copies the module's
+buffers when the inference starts and puts them back before its first real forward, so the set-up leaves no trace
+there (a module's own Python counters still see the call).
 """
 
 from __future__ import annotations
@@ -174,12 +183,12 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
             if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
                 total = self.num_stages * module.virtual_stages
                 stages: list[Any] = [
-                    PipelineStage(chunk, index, total, self.device, group=group)
+                    _Stage(chunk, index, total, self.device, group=group)
                     for chunk, index in zip(module.chunk_modules(), module.local_chunks(), strict=True)
                 ]
                 schedule: Any = ScheduleInterleaved1F1B(stages, gas, loss_fn=self._micro_loss, scale_grads=False)
             else:
-                stage = PipelineStage(module, self.stage_id, self.num_stages, self.device, group=group)
+                stage = _Stage(module, self.stage_id, self.num_stages, self.device, group=group)
                 # fewer micro-batches than stages: torch's Schedule1F1B refuses to be built (DeepSpeed's TrainSchedule
                 # runs it); GPipe gives the same gradients, its activations held for at most that few micro-batches
                 kind = "gpipe" if self.pipe.schedule == "1f1b" and gas < self.num_stages else self.pipe.schedule
@@ -231,3 +240,23 @@ def _labels(labels: Any, device: torch.device) -> Any:
             )
         return tuple(x.to(device) for x in labels)
     return labels
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage whose shape inference leaves the module's buffers as they were ([Note: the schedule's
+    set-up forward])."""
+
+    _kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            self._kept = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        return super()._prepare_forward_infra(*args, **kwargs)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kept is not None:
+            with torch.no_grad():
+                for buffer, value in self._kept:
+                    buffer.copy_(value)
+            self._kept = None
+        return super().forward_one_chunk(*args, **kwargs)

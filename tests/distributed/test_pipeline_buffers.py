@@ -1,0 +1,56 @@
+"""[Note: the schedule's set-up forward] in pipe/engine.py: torch's schedule runs each stage once more on its first
+step to infer shapes (stage 0 on the first micro-batch, later stages on uninitialised tensors); the module's buffers
+must not keep that call. A BatchNorm on each of 2 stages: after one train_batch its running statistics are those of
+a single process running the same micro-batches through the same layers (before: one batch more, on the later stage
+from whatever `torch.empty` held), and again after an eval_batch, whose schedule makes its own set-up forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helpers.harness import run_on_ranks
+
+GAS = 2
+
+
+def _layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)]
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(4, 8, generator=g) * 3 + 1, torch.randn(4, 4, generator=g)) for _ in range(GAS)]
+
+
+def _run(rank: int, world: int):
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    net = PipelineModule(layers=_layers(), loss_fn=nn.functional.mse_loss, num_stages=2, partition_method="uniform")
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},  # the weights stay: only the statistics move
+    }
+    engine, *_ = zeroshard.initialize(model=net, config=config)
+    engine.train_batch(data_iter=iter(_data()))
+    trained = {k: v.clone() for k, v in engine.module.state_dict().items() if "running" in k or "batches" in k}
+    engine.eval_batch(data_iter=iter(_data()))
+    evaluated = {k: v.clone() for k, v in engine.module.state_dict().items() if "running" in k or "batches" in k}
+    engine.destroy()
+    return trained, evaluated
+
+
+def test_the_schedules_set_up_forward_leaves_no_batch_in_the_statistics() -> None:
+    reference = nn.Sequential(*_layers())
+    for x, _ in _data():
+        reference(x)
+    want = [m for m in reference if isinstance(m, nn.BatchNorm1d)]
+    for rank, (trained, evaluated) in enumerate(run_on_ranks(_run, 2)):
+        assert trained.keys() == evaluated.keys() and all(torch.equal(trained[k], evaluated[k]) for k in trained), rank
+        means = [v for k, v in sorted(trained.items()) if k.endswith("running_mean")]
+        counts = [int(v) for k, v in sorted(trained.items()) if k.endswith("num_batches_tracked")]
+        assert counts == [GAS], (rank, counts)  # one BatchNorm per stage
+        torch.testing.assert_close(means[0], want[rank].running_mean, rtol=1e-6, atol=1e-7)
