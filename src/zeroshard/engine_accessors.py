@@ -97,7 +97,8 @@ class EngineAccessors(DeepSpeedSettings):
 
     def get_global_grad_norm(self) -> torch.Tensor | None:
         """Norm of the last step's gradients (before clipping) as a 0-dim fp32 tensor, DeepSpeed's type (scripts call
-        `.item()` on it); None before the first step or where the step computes none (`compute_grad_norm: false`)."""
+        `.item()` on it); inf after a step skipped for inf/nan gradients (as DeepSpeed's ZeRO); None before the first
+        step or where the step computes none (`compute_grad_norm: false`)."""
         norm = self._last_grad_norm
         return None if norm is None else torch.tensor(norm, dtype=torch.float32)
 

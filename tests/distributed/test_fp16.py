@@ -50,6 +50,9 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
     if rank == 0:
         handle.remove()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, params(), strict=True))
+    if engine.skipped_steps:  # the skipped step's norm reads inf, as DeepSpeed's ZeRO reports it (it was None)
+        norm = engine.get_global_grad_norm()
+        assert norm is not None and float(norm) == float("inf"), norm
     result = (engine.skipped_steps, unchanged, engine.loss_scale, scale_before, engine.get_lr(), lr_before)
     view += [
         wrapped and optimizer.overflow,

@@ -137,3 +137,20 @@ def test_the_recompute_runs_under_the_forwards_autocast():
         y.float().pow(2).sum().backward()
         grads.append([x.grad, *[p.grad for p in layer.parameters()]])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_keyword_arguments_take_part_in_autograd_as_deepspeeds():
+    """DeepSpeed 0.19.8's `checkpoint(function, *args, **kwargs)` (its TestActivationCheckpointKeywordArguments): a
+    tensor passed by keyword gets its gradient, a plain value passes through; before, a TypeError."""
+    calls = []
+
+    def function(value, *, scale, offset):
+        calls.append(offset)
+        return value * scale + offset
+
+    value, scale = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    checkpointing.checkpoint(function, value, scale=scale, offset=1.5).sum().backward()
+    assert torch.equal(scale.grad, value.detach()) and torch.equal(value.grad, scale.detach())
+    assert calls == [1.5, 1.5]  # the forward, then the recompute in backward
+    with torch.no_grad():
+        assert torch.equal(checkpointing.checkpoint(function, value, scale=scale, offset=0.0), value * scale)

@@ -124,8 +124,13 @@ def _restore_training_state(
     gas = int(engine.config.gradient_accumulation_steps)
     # the same windows; with caller-owned ones micro-steps count step() calls whatever the accumulation steps
     same_windows = gas == int(meta.batch["gradient_accumulation_steps"]) or not engine.accumulation.managed
-    # Another accumulation count: micro-steps restart on the boundary after the last optimizer step.
-    engine.micro_steps = int(counters["micro_steps"]) if same_windows else engine.global_steps * gas
+    # Another accumulation count: micro-steps restart on the boundary after the last optimizer step. A save inside a
+    # managed window kept none of its gradients (save.py warns): the window starts again, as DeepSpeed's (its load
+    # leaves the micro-step count at 0), instead of ending after fewer micro-batches than it sums
+    micro = int(counters["micro_steps"])
+    if same_windows and engine.accumulation.managed:
+        micro -= micro % gas
+    engine.micro_steps = micro if same_windows else engine.global_steps * gas
     scheduler = load_lr_scheduler_states and engine.lr_scheduler is not None and blob["lr_scheduler"] is not None
     if scheduler:
         engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])

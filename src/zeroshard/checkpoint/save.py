@@ -310,7 +310,12 @@ def start_save(
         placement = settle(placement, sync, hello, root, nonce)
     tmp_dir = os.path.join(root, f".tmp.{tag}.{nonce}")
     if engine.accumulation.pending:
-        log_rank(logger, 30, "save_checkpoint inside an accumulation window: the partial gradients are not saved")
+        log_rank(
+            logger,
+            30,
+            "save_checkpoint inside an accumulation window: the partial gradients are not saved (a load starts the "
+            "window again)",
+        )
     writer = engine.config.checkpoint.writer
     call = SaveCall(
         sync,

@@ -63,10 +63,11 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in inputs])
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """Run `function(*args)` keeping only its inputs; recompute it in backward (DeepSpeed's
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `function(*args, **kwargs)` keeping only its inputs; recompute it in backward (DeepSpeed's
     `deepspeed.checkpointing.checkpoint`). The inputs are kept as `configure` / the `activation_checkpointing`
-    block say: partitioned over the model-parallel group, in host memory, in contiguous buffers.
+    block say: partitioned over the model-parallel group, in host memory, in contiguous buffers. Tensors passed by
+    keyword take part in autograd as positional ones do (DeepSpeed's rule: they travel as trailing inputs).
 
     Example:
         >>> import torch
@@ -78,10 +79,21 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
         torch.Size([2, 4])
     """
     if not torch.is_grad_enabled():
-        return function(*args)
+        return function(*args, **kwargs)
+    if kwargs:
+        function, args = _with_keywords(function, len(args), tuple(kwargs)), (*args, *kwargs.values())
     outputs: list[Any] = []
     tensors = CheckpointFunction.apply(function, outputs, *args)
     return _merge(outputs[0], tensors)
+
+
+def _with_keywords(function: Callable[..., Any], positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:
+    """`function` taking its keyword arguments as trailing positional inputs (in `keys`' order)."""
+
+    def run(*inputs: Any) -> Any:
+        return function(*inputs[:positional], **dict(zip(keys, inputs[positional:], strict=True)))
+
+    return run
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:
