@@ -1,11 +1,17 @@
-"""[Note: the schedule's set-up forward] in pipe/engine.py: torch's schedule runs each stage once more on its first
-step to infer shapes (stage 0 on the first micro-batch, later stages on uninitialised tensors); the module's buffers
-must not keep that call. A BatchNorm on each of 2 stages: after one train_batch its running statistics are those of
-a single process running the same micro-batches through the same layers (before: one batch more, on the later stage
-from whatever `torch.empty` held), and again after an eval_batch, whose schedule makes its own set-up forward."""
+"""The pipeline's torch schedules as the data changes, in pipe/engine.py. [Note: the schedule's set-up forward]: torch's
+schedule runs each stage once more on its first step to infer shapes (stage 0 on the first micro-batch, later stages on
+uninitialised tensors); the module's buffers must not keep that call. A BatchNorm on each of 2 stages: after one
+train_batch its running statistics are those of a single process running the same micro-batches through the same layers
+(before: one batch more, on the later stage from whatever `torch.empty` held), and again after an eval_batch, whose
+schedule makes its own set-up forward.
+
+[Note: pipeline input shapes]: batches of other sequence lengths (DeepSpeed's `dynamic_shape`) train with a single
+process's losses (before: gloo aborted on the later stage); micro-batches of one batch that differ are refused in one
+line on every stage."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -54,3 +60,65 @@ def test_the_schedules_set_up_forward_leaves_no_batch_in_the_statistics() -> Non
         counts = [int(v) for k, v in sorted(trained.items()) if k.endswith("num_batches_tracked")]
         assert counts == [GAS], (rank, counts)  # one BatchNorm per stage
         torch.testing.assert_close(means[0], want[rank].running_mean, rtol=1e-6, atol=1e-7)
+
+
+class _MeanOverTime(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def _sequence_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _MeanOverTime(), nn.Linear(8, 4)]
+
+
+def _sequences(lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(2, n, 8, generator=g), torch.randn(2, 4, generator=g)) for n in lengths for _ in range(GAS)]
+
+
+LENGTHS = [6, 10, 6, 3]
+
+
+def _shapes(rank: int, world: int):
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    layers = _sequence_layers()
+    net = PipelineModule(layers=layers, loss_fn=nn.functional.mse_loss, num_stages=2, partition_method="uniform")
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, *_ = zeroshard.initialize(model=net, config=config)
+    data = iter(_sequences(LENGTHS))
+    losses = [float(engine.train_batch(data_iter=data)) for _ in LENGTHS]
+    g = torch.Generator().manual_seed(7)
+    mixed = iter([(torch.randn(2, 4, 8, generator=g), torch.randn(2, 4)), (torch.randn(2, 5, 8), torch.randn(2, 4))])
+    try:
+        engine.train_batch(data_iter=mixed)
+        refused = None
+    except zeroshard.ZeroshardError as err:
+        refused = str(err)
+    return losses, refused
+
+
+def test_batches_of_other_lengths_train_with_a_single_process_losses() -> None:
+    reference = nn.Sequential(*_sequence_layers())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    data, want = _sequences(LENGTHS), []
+    for step in range(len(LENGTHS)):
+        total = 0.0
+        for x, y in data[step * GAS : (step + 1) * GAS]:
+            loss = nn.functional.mse_loss(reference(x), y)
+            (loss / GAS).backward()
+            total += loss.item() / GAS
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(total)
+    results = run_on_ranks(_shapes, 2)
+    for rank, (losses, refused) in enumerate(results):
+        assert losses == pytest.approx(want, rel=1e-6), (rank, losses, want)
+        # the first stage reads the inputs; every stage refuses the batch (none waits in the schedule)
+        assert refused is not None and "micro-batches of one train_batch/eval_batch have inputs" in refused, rank

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from zeroshard.checkpoint.torn import refuse_torn
@@ -58,7 +59,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.data_iterator: Iterator[Any] | None = (
             RepeatingLoader(self.training_dataloader) if self.training_dataloader is not None else None
         )
-        self._schedules: dict[tuple[str, bool, int], Any] = {}
+        self._schedules: dict[tuple[str, bool, int, tuple[Any, ...]], Any] = {}
         self._micro_losses: list[torch.Tensor] = []
         self._labels: list[Any] = []  # this batch's labels, per micro-batch (on the last stage)
         self.agg_train_loss: torch.Tensor | None = None
@@ -157,28 +158,51 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self._micro_losses = []
         inputs: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
+        refused: str | None = None
         if self.pipe.is_first or self.pipe.is_last:
             if self.data_iterator is None:
                 raise ZeroshardError("train_batch()/eval_batch() need data: pass data_iter= or training_data=")
             batches = [next(self.data_iterator) for _ in range(gas)]
             if self.pipe.is_first:
-                inputs = _concat([b[0] for b in batches], self.device)
+                try:
+                    inputs = _concat([b[0] for b in batches], self.device)
+                except ZeroshardError as err:  # refused on every stage: [Note: pipeline input shapes]
+                    refused = str(err)
             if self.pipe.is_last:  # the schedule splits each micro-batch's index; _micro_loss finds its labels
                 self._labels = [_labels(b[1], self.device) for b in batches]
                 kwargs["target"] = torch.arange(gas, device=self.device)
                 kwargs["losses"] = []
-        schedule = self._schedule(train, gas)
+        schedule = self._schedule(train, gas, self._input_shapes(inputs, refused))
         outputs = schedule.step(*inputs, **kwargs) if train else schedule.eval(*inputs, **kwargs)
         # the first step's metadata inference also calls the loss function, on placeholder tensors: keep the
         # micro-batches' own losses, the last `gas`
         self._micro_losses = self._micro_losses[-gas:]
         return outputs
 
-    def _schedule(self, train: bool, gas: int) -> Any:
-        key = (self.pipe.schedule, train, gas)  # a load into another dp changes gas: [Note: pipeline checkpoints]
-        if key not in self._schedules:
+    def _input_shapes(self, inputs: tuple[Any, ...], refused: str | None) -> tuple[Any, ...]:
+        """[Note: pipeline input shapes] The first stage's input shapes and dtypes, the same on every stage of this
+        pipeline (one small broadcast from the first stage per batch): torch's schedule fixes the activations'
+        shapes on its first step, so inputs of other shapes (another sequence length) take a schedule of their own,
+        on every stage, as DeepSpeed's `dynamic_shape` sends each batch's shapes; without it a later stage received
+        into buffers of the first batch's shapes and gloo aborted. `refused`: the first stage's reason to refuse
+        the batch, raised on every stage (none is left waiting in the schedule)."""
+        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in inputs if isinstance(t, torch.Tensor))
+        box: list[Any] = [(shapes, refused)]
+        if self.num_stages > 1:
+            first = self.pipe.groups.grid.pp_ranks(self.pipe.groups.replica)[0]
+            dist.broadcast_object_list(box, src=first, group=self.pipe.pp_comm.group)
+        shapes, refused = box[0]
+        if refused is not None:
+            raise ZeroshardError(refused)
+        return tuple(shapes)
+
+    def _schedule(self, train: bool, gas: int, shapes: tuple[Any, ...] = ()) -> Any:
+        key = (self.pipe.schedule, train, gas, shapes)  # a load into another dp changes gas: [Note: pipeline
+        if key not in self._schedules:  # checkpoints]; other input shapes: [Note: pipeline input shapes]
             kept = (gas, self.gradient_accumulation_steps())  # (an eval_batch's own count keeps the training one)
             self._schedules = {k: v for k, v in self._schedules.items() if k[2] in kept}  # the old ones go
+            while len(self._schedules) >= _KEPT_SCHEDULES:  # each holds receive buffers of its shapes
+                del self._schedules[next(iter(self._schedules))]
             module, group = self.pipeline_module, self.pipe.pp_comm.group
             if self.pipe.schedule == "interleaved":  # [Note: interleaved chunks]
                 total = self.num_stages * module.virtual_stages
@@ -220,10 +244,18 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
 
 
 def _concat(parts: list[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Micro-batches (a tensor or a tuple of tensors each) joined along the batch dimension."""
-    if isinstance(parts[0], torch.Tensor):
-        return (torch.cat(parts).to(device),)
-    return tuple(torch.cat([p[i] for p in parts]).to(device) for i in range(len(parts[0])))
+    """Micro-batches (a tensor or a tuple of tensors each) joined along the batch dimension; one batch's must agree
+    in every other dimension (the schedule splits the joined tensor back: [Note: pipeline input shapes])."""
+    columns = [[p] for p in parts] if isinstance(parts[0], torch.Tensor) else [list(p) for p in parts]
+    for index in range(len(columns[0])):
+        shapes = {tuple(c[index].shape[1:]) for c in columns if isinstance(c[index], torch.Tensor)}
+        if len(shapes) > 1:
+            raise ZeroshardError(
+                f"the micro-batches of one train_batch/eval_batch have inputs of different shapes {sorted(shapes)} "
+                "(beyond the batch dimension): torch's pipeline schedule splits one joined batch; pad the "
+                "micro-batches of a batch to one length (batches may differ from one another)"
+            )
+    return tuple(torch.cat([c[i] for c in columns]).to(device) for i in range(len(columns[0])))
 
 
 def _labels(labels: Any, device: torch.device) -> Any:
@@ -240,6 +272,9 @@ def _labels(labels: Any, device: torch.device) -> Any:
             )
         return tuple(x.to(device) for x in labels)
     return labels
+
+
+_KEPT_SCHEDULES = 8  # schedules kept for reuse (train and eval, per input shapes)
 
 
 class _Stage(PipelineStage):
