@@ -41,6 +41,7 @@ from zeroshard.optim import as_deepspeed_builds, build_lr_scheduler, build_optim
 from zeroshard.optim.client import check_client_optimizer, class_built_by
 from zeroshard.optim.lamb import Lamb, refuse_unplanned
 from zeroshard.optim.regroup import config_groups
+from zeroshard.optim.schedulers.base import steps_on_a_metric
 from zeroshard.optim.state_dtype import keep_state_in
 from zeroshard.pipe.build import build_pipe, pipe_dataloader
 from zeroshard.pipe.context import dp_size
@@ -320,6 +321,13 @@ def _build(
     BUILT.forget(model)  # an engine has it now: blocks no longer see zero_init's pending parameters in it
     forget_recorded(model)  # every tensor of it is real: [Note: initialisation recorded under zero_init]
     scheduler = _make_scheduler(cfg, lr_scheduler, engine_optimizer)
+    if steps_on_a_metric(scheduler):  # optim/schedulers/base.py: DeepSpeed's handed it the batch size as the metric
+        log_rank(
+            logger,
+            logging.WARNING,
+            f"lr_scheduler {type(scheduler).__name__} steps on a metric: engine.step() "
+            "leaves it alone; call lr_scheduler.step(metric) after each evaluation (the Hugging Face Trainer does)",
+        )
     fp16 = cfg.fp16
     loss_scaler = None
     if fp16.enabled:

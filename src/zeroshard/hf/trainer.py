@@ -51,7 +51,8 @@ from zeroshard.hf.arguments import (
     trainer_arguments,
 )
 from zeroshard.hf.auto import trainer_config, without_training
-from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer, EngineScheduler
+from zeroshard.hf.link import EngineAccelerator, EngineLink, EngineOptimizer
+from zeroshard.hf.schedulers import scheduler_for_engine, scheduler_for_trainer
 from zeroshard.hf.ulysses import register, sequence_parallel_loss, ulysses_parallelism
 from zeroshard.initialize import initialize
 from zeroshard.utils.logging import get_logger, log_rank
@@ -102,6 +103,7 @@ class TrainerMixin:
         self._saved_pending: Any = None  # the decoupled save the next on_save event is about
         self._committed_saves: list[Any] = []  # the states of committed saves whose on_save is still to come
         super().__init__(*args, **kwargs)
+        self._zeroshard_given = (self.optimizer, self.lr_scheduler)  # Trainer(optimizers=...): hf/schedulers.py
         handler = self.callback_handler
         handler.on_save = functools.partial(_on_save_once_committed, self, handler.on_save)
         handler.on_step_end = functools.partial(_on_step_end_after_saves, self, handler.on_step_end)
@@ -169,9 +171,8 @@ class TrainerMixin:
         if optimizer is not None:  # the Trainer's own optimizer (optim=...): transformers allows it under DeepSpeed
             cfg = dataclasses.replace(cfg, zero_allow_untested_optimizer=True)  # (a whole-tensor one is still refused)
         scheduler: Any = None
-        if cfg.scheduler is None and training:
-            self.lr_scheduler = None  # create_scheduler builds one only where there is none
-            scheduler = functools.partial(self._trainer_scheduler, num_training_steps)
+        if cfg.scheduler is None and training:  # [Note: the Trainer's schedulers] in hf/schedulers.py
+            scheduler = scheduler_for_engine(self, cfg.optimizer is not None, num_training_steps)
 
         # initialize parses its config with parse_config, which takes a ZeroshardConfig as it is
         if sp > 1:
@@ -189,7 +190,7 @@ class TrainerMixin:
         self.model_wrapped = engine
         if training:
             self.optimizer = EngineOptimizer(self.zeroshard_link)
-            self.lr_scheduler = EngineScheduler(self.zeroshard_link)
+            self.lr_scheduler = scheduler_for_trainer(engine, self.zeroshard_link)
         return engine
 
     def _shard_reference_model(self, cfg: ZeroshardConfig) -> None:
@@ -213,9 +214,6 @@ class TrainerMixin:
         engine.eval()
         self.ref_model = engine
 
-    def _trainer_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
-        return self.create_scheduler(num_training_steps, optimizer=optimizer)  # type: ignore[attr-defined]
-
     def _planned_steps(self) -> int:
         """The run's optimizer steps, for an engine built by `evaluate()` before `train()`."""
         if self.args.max_steps > 0 or getattr(self, "train_dataset", None) is None:
@@ -228,10 +226,15 @@ class TrainerMixin:
         if resume_from_checkpoint is not None:
             path, _ = engine.load_checkpoint(resume_from_checkpoint, load_module_strict=not _is_peft(self.model))
             if path is None:
-                before = _committed_before(resume_from_checkpoint)
+                before, folder = _committed_before(resume_from_checkpoint), resume_from_checkpoint
+                why = "a decoupled save that was never committed leaves none"
+                if any(os.path.exists(os.path.join(folder, f)) for f in _MODEL_FILES):  # (save_only_model=True)
+                    why = (
+                        "it holds the model only, as save_only_model=True saves it; resuming needs the optimizer state"
+                    )
                 raise ConfigError(
-                    f"no zeroshard checkpoint (a `latest` file) in {resume_from_checkpoint} (a decoupled save that was "
-                    "never committed leaves none)" + (f"; the last committed one is {before}" if before else "")
+                    f"no zeroshard checkpoint (a `latest` file) in {folder} ({why})"
+                    + (f"; the last committed one is {before}" if before else "")
                 )
         if self._ulysses is not None:  # [Note: the Trainer's sequence parallelism]
             train_dataloader = self.accelerator.deepspeed_ulysses_dl_adapter(train_dataloader, engine)
@@ -480,6 +483,9 @@ def newest_committed(output_dir: str, set_aside: bool = False) -> str | None:
         f"stopped before its save was committed){aside}; resuming from {before}",
     )
     return before
+
+
+_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors")
 
 
 def _committed_before(folder: str) -> str | None:

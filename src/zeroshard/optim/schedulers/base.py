@@ -99,19 +99,45 @@ def as_float(value: Any) -> float:
 def step_scheduler(scheduler: Any, lr_kwargs: dict[str, Any] | None, train_batch_size: int) -> None:
     """The engine's scheduler step, as DeepSpeed's: `step(**lr_kwargs)`; without them, a scheduler whose `step` needs
     an argument (Megatron's `AnnealingLR.step(increment)`, under the pipeline engine) is given the train batch
-    size, where DeepSpeed retries after a TypeError (which also hid TypeErrors raised inside `step`)."""
+    size, where DeepSpeed retries after a TypeError (which also hid TypeErrors raised inside `step`). A scheduler
+    that steps on a metric (`steps_on_a_metric`) is left to its owner: DeepSpeed's retry handed ReduceLROnPlateau the
+    batch size as its metric, which never improves, so the lr was cut every `patience` steps."""
     if lr_kwargs:
         scheduler.step(**lr_kwargs)
         return
-    try:
-        needs = [
-            p
-            for p in inspect.signature(scheduler.step).parameters.values()
-            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):  # (a builtin without a signature)
-        needs = []
+    needs = _required_arguments(scheduler)
+    if needs and needs[0] in _METRIC_NAMES:
+        return
     if needs:
         scheduler.step(train_batch_size)
     else:
         scheduler.step()
+
+
+_METRIC_NAMES = ("metrics", "metric")
+
+
+def steps_on_a_metric(scheduler: Any) -> bool:
+    """Whether `scheduler.step` takes an evaluation metric (torch's ReduceLROnPlateau, transformers' GreedyLR): its
+    owner steps it after each evaluation, the engine does not ([Note: the Trainer's schedulers] in hf/schedulers.py).
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> steps_on_a_metric(torch.optim.lr_scheduler.ReduceLROnPlateau(opt)), steps_on_a_metric(None)
+        (True, False)
+    """
+    needs = _required_arguments(scheduler) if hasattr(scheduler, "step") else []
+    return bool(needs) and needs[0] in _METRIC_NAMES
+
+
+def _required_arguments(scheduler: Any) -> list[str]:
+    """The names of `scheduler.step`'s positional parameters without a default."""
+    try:
+        return [
+            p.name
+            for p in inspect.signature(scheduler.step).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # (a builtin without a signature)
+        return []
