@@ -1,7 +1,8 @@
 """`engine.step(lr_kwargs=...)` as DeepSpeed's: the keywords go to the scheduler's step (Megatron-DeepSpeed passes
 `{"increment": n}`); it was a TypeError. Without them a scheduler whose step needs an argument gets the train batch
 size, as DeepSpeed gives it. A scheduler class passed as `lr_scheduler` is called with the optimizer, as DeepSpeed calls
-any callable (it has a `step` attribute and was taken for a scheduler)."""
+any callable (it has a `step` attribute and was taken for a scheduler). A scheduler stepping on a metric is left to
+its owner.
 
 from __future__ import annotations
 
@@ -52,4 +53,32 @@ def test_a_torch_scheduler_steps_as_before():
     _train_step(engine)
     _train_step(engine, lr_kwargs=None)
     assert engine.get_lr() == [0.025] and scheduler.last_epoch == 2
+    engine.destroy()
+
+
+def test_a_scheduler_stepping_on_a_metric_is_left_to_its_owner(caplog):
+    """ReduceLROnPlateau: DeepSpeed's engine hands it the batch size as the metric every step (the lr is cut every
+    patience + 1 steps); here the engine leaves it alone, says so once, and the owner's step(metric) works."""
+    import logging
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    config = {"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+    def plateau(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.ReduceLROnPlateau:
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+
+    logging.getLogger("zeroshard").propagate = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="zeroshard"):
+            engine, *_ = zeroshard.initialize(model=model, config=config, lr_scheduler=plateau)
+    finally:
+        logging.getLogger("zeroshard").propagate = False
+    assert "lr_scheduler ReduceLROnPlateau steps on a metric: engine.step() leaves it alone" in caplog.text
+    for _ in range(3):
+        _train_step(engine)
+    assert engine.get_lr() == [0.1]
+    engine.lr_scheduler.step(1.0)
+    engine.lr_scheduler.step(2.0)  # worse: cut
+    assert engine.get_lr() == [0.05]
     engine.destroy()
