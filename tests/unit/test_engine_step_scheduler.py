@@ -2,7 +2,7 @@
 `{"increment": n}`); it was a TypeError. Without them a scheduler whose step needs an argument gets the train batch
 size, as DeepSpeed gives it. A scheduler class passed as `lr_scheduler` is called with the optimizer, as DeepSpeed calls
 any callable (it has a `step` attribute and was taken for a scheduler). A scheduler stepping on a metric is left to
-its owner.
+its owner."""
 
 from __future__ import annotations
 
