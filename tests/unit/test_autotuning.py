@@ -239,3 +239,22 @@ def test_an_engine_with_autotuning_enabled_says_it_trains_on(caplog) -> None:
         engine.step()
     assert engine.global_steps == 4
     engine.destroy()
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        {"max_train_micro_batch_size_per_gpu": 64, "min_train_micro_batch_size_per_gpu": 1},
+        {"num_tuning_micro_batch_sizes": 3, "min_train_batch_size": 2},
+        {"metric": "flops"},
+        {"mp_size": 2},
+    ],
+)
+def test_what_deepspeeds_engine_accepts_resolves_and_the_tuner_refuses_in_one_line(block: dict) -> None:
+    """DeepSpeed's autotuning keys load in a training config (DeepSpeed's engine accepts them; checking the block at
+    resolve must not refuse them); `zeroshard autotune`, which does not act on them, says so."""
+    from zeroshard.config import parse_config, resolve_config
+
+    resolve_config(parse_config({"train_micro_batch_size_per_gpu": 1, "autotuning": block}), world_size=1)
+    with pytest.raises(ConfigError, match=r"^autotuning\.(\w+)"):
+        from_block(block)

@@ -28,19 +28,21 @@ class AutotuningSettings:
     overwrite: bool = True  # False: a rerun keeps finished trials (resume)
     fast: bool = True  # accepted for DeepSpeed configs; the search here is always the fast one
 
-    def validate(self) -> AutotuningSettings:
+    def validate(self, tuner: bool = True) -> AutotuningSettings:
+        """Types and ranges; `tuner`: also what `zeroshard autotune` cannot do (DeepSpeed's engine accepts a `flops`
+        metric and an `mp_size` its autotuner reads, so a config resolved for training is not refused on them)."""
         for key in ("enabled", "overwrite", "fast"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"autotuning.{key} {getattr(self, key)!r}: true or false")
-        for key in ("start_profile_step", "end_profile_step"):
+        for key in ("start_profile_step", "end_profile_step", "mp_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"autotuning.{key} {value!r}: a whole number")
-        if self.metric not in METRICS:
+        if self.metric not in (METRICS if tuner else (*METRICS, "flops")):
             raise ConfigError(f"autotuning.metric {self.metric!r}: one of {', '.join(METRICS)}")
         if self.tuner_type not in TUNERS:
             raise ConfigError(f"autotuning.tuner_type {self.tuner_type!r}: one of {', '.join(TUNERS)}")
-        if self.mp_size != 1:
+        if tuner and self.mp_size != 1:
             raise ConfigError("autotuning.mp_size: zeroshard has no model parallelism; only 1 is accepted")
         if not 0 <= self.start_profile_step < self.end_profile_step:
             raise ConfigError("autotuning: start_profile_step must be below end_profile_step (and >= 0)")
@@ -51,18 +53,41 @@ class AutotuningSettings:
         return self
 
 
-def from_block(block: Mapping[str, Any] | None, **overrides: Any) -> AutotuningSettings:
+# DeepSpeed's launcher plumbing (its autotuner writes them into each trial's config), ignored here
+_PLUMBING = ("arg_mappings", "metric_path", "model_info", "model_info_path")
+# DeepSpeed's micro-batch bounds, which `zeroshard autotune` does not read (its space: [Note: autotuning space])
+DEEPSPEED_BOUNDS = (
+    "min_train_batch_size",
+    "max_train_micro_batch_size_per_gpu",
+    "min_train_micro_batch_size_per_gpu",
+    "num_tuning_micro_batch_sizes",
+)
+
+
+def from_block(block: Mapping[str, Any] | None, tuner: bool = True, **overrides: Any) -> AutotuningSettings:
     """The settings of a ds_config's `autotuning` block (unknown keys are an error naming the valid ones),
-    then `overrides` that are not None (command-line options)."""
+    then `overrides` that are not None (command-line options). `tuner`: for `zeroshard autotune`, which refuses
+    DeepSpeed's micro-batch bounds (`DEEPSPEED_BOUNDS`), a `flops` metric and `mp_size` > 1 in one line; a config
+    resolved for training accepts them, as DeepSpeed's engine does."""
     known = {f.name for f in fields(AutotuningSettings)}
     values = dict(block or {})
-    for key in ("arg_mappings", "metric_path", "model_info", "model_info_path"):  # DeepSpeed launcher plumbing
+    for key in _PLUMBING:
         values.pop(key, None)
-    unknown = sorted(set(values) - known)
+    bounds = sorted(set(values) & set(DEEPSPEED_BOUNDS))
+    if bounds and tuner:
+        raise ConfigError(
+            f"autotuning.{bounds[0]}: DeepSpeed's autotuner reads it, zeroshard autotune does not (its micro-batches "
+            "double from 1 while the estimate fits, bounded by max_train_batch_size: docs/autotuning.md); remove it"
+        )
+    unknown = sorted(set(values) - known - set(DEEPSPEED_BOUNDS))
     if unknown:
         raise ConfigError(f"autotuning.{unknown[0]}: unknown key; valid keys are {', '.join(sorted(known))}")
+    for key in bounds:
+        value = values.pop(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"autotuning.{key} {value!r}: a whole number")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return AutotuningSettings(**values).validate()
+    return AutotuningSettings(**values).validate(tuner)
 
 
 def engine_warning(block: Mapping[str, Any] | None) -> str | None:

@@ -36,7 +36,7 @@ def check_blocks(cfg: ZeroshardConfig) -> None:
     if cfg.autotuning is not None:  # `zeroshard autotune` reads it; a typo or a wrong type is refused everywhere
         from zeroshard.autotuning.settings import from_block as autotuning_block
 
-        autotuning_block(cfg.autotuning)
+        autotuning_block(cfg.autotuning, tuner=False)  # (what DeepSpeed's engine accepts: not only the tuner's)
     if "activation_checkpointing" in (cfg.raw or {}):  # initialize configures checkpointing from it
         from zeroshard.checkpointing.settings import from_block
 
