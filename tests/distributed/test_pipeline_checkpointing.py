@@ -82,3 +82,100 @@ def test_pipeline_activation_checkpoint_interval(
             base = plain[rank]["calls"].get(kind, 0)
             extra = base if kind in recomputed else 0  # each recomputed forward once more in the backward
             assert got[rank]["calls"].get(kind, 0) == base + extra, (rank, kind, got[rank]["calls"], base)
+
+
+class _Split(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h * 0.5
+
+
+class _Pair(nn.Module):  # DeepSpeed's convention: the previous layer's tuple arrives as one argument
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, aux = inputs
+        return torch.tanh(self.a(h)) + aux, aux
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, aux = inputs
+        return self.b(h + aux)
+
+
+def _tuple_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [_Split(), _Pair(), _Pair(), _Pair(), _Pair(), _Join()]
+
+
+def _tuple_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(GAS * STEPS)]
+
+
+def _tuples(rank: int, world: int, how: str):
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    given = {
+        "func": dict(activation_checkpoint_interval=1, activation_checkpoint_func=zeroshard.checkpointing.checkpoint)
+    }
+    given["non_reentrant"] = {
+        **given["func"],
+        "activation_checkpoint_func": zeroshard.checkpointing.non_reentrant_checkpoint,
+    }
+    net = PipelineModule(
+        layers=_tuple_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform",
+        **given.get(how, given["func"] if how == "use_reentrant_false" else {}),
+    )  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    if how == "use_reentrant_false":
+        config["pipeline"] = {"use_reentrant": False}
+    engine, *_ = zeroshard.initialize(model=net, config=config)
+    data = iter(_tuple_data())
+    losses = [float(engine.train_batch(data_iter=data)) for _ in range(STEPS)]
+    engine.destroy()
+    return losses
+
+
+@pytest.mark.parametrize("how", ["plain", "func", "non_reentrant", "use_reentrant_false"])
+def test_tuple_activations_and_a_given_checkpoint_function_train_as_one_process(how: str) -> None:
+    """Layers passing tuples get them as one argument, as DeepSpeed's (they raised TypeError: the tuple was spread);
+    DeepSpeed's reentrant `checkpointing.checkpoint` as `activation_checkpoint_func` gives the layers before it their
+    gradients (the first stage's inputs need none: its layers got no gradient, silently), as does its
+    `non_reentrant_checkpoint` and `pipeline.use_reentrant: false`. Losses of a single process with the same
+    clipping, every step."""
+    layers = _tuple_layers()
+    params = [p for layer in layers for p in layer.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    data, want = _tuple_data(), []
+    for step in range(STEPS):
+        total = 0.0
+        for x, y in data[step * GAS : (step + 1) * GAS]:
+            for layer in layers:
+                x = layer(x)
+            loss = nn.functional.mse_loss(x, y)
+            (loss / GAS).backward()
+            total += loss.item() / GAS
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(total)
+    for rank, losses in enumerate(run_on_ranks(_tuples, 2, how)):
+        assert losses == pytest.approx(want, rel=1e-6), (rank, how, losses, want)

@@ -154,3 +154,15 @@ def test_keyword_arguments_take_part_in_autograd_as_deepspeeds():
     assert calls == [1.5, 1.5]  # the forward, then the recompute in backward
     with torch.no_grad():
         assert torch.equal(checkpointing.checkpoint(function, value, scale=scale, offset=0.0), value * scale)
+
+
+def test_non_reentrant_checkpoint_gives_an_embedding_its_gradient_and_refuses_kept_copies():
+    """DeepSpeed's `non_reentrant_checkpoint` (the pipeline's `use_reentrant: false` puts it in place): inputs that
+    need no gradient still give the layers inside theirs; the partitioned/host copies are `checkpoint`'s only."""
+    embedding = nn.Embedding(10, 4)
+    ids = torch.tensor([1, 2, 2])
+    checkpointing.non_reentrant_checkpoint(embedding, ids).sum().backward()
+    assert torch.equal(embedding.weight.grad.sum(dim=1), torch.tensor([0, 4, 8, 0, 0, 0, 0, 0, 0, 0.0]))
+    checkpointing.configure(None, checkpoint_in_cpu=True)
+    with pytest.raises(ZeroshardError, match="apply to checkpointing.checkpoint only"):
+        checkpointing.non_reentrant_checkpoint(embedding, ids)

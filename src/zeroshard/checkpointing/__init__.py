@@ -25,7 +25,7 @@ from typing import Any
 
 from zeroshard.checkpointing import rng
 from zeroshard.checkpointing.context import CONTEXT, CheckpointStats, ModelParallel
-from zeroshard.checkpointing.function import CheckpointFunction, checkpoint
+from zeroshard.checkpointing.function import CheckpointFunction, checkpoint, non_reentrant_checkpoint
 from zeroshard.checkpointing.rng import CudaRNGStatesTracker
 from zeroshard.checkpointing.settings import CheckpointingSettings, from_block, with_overrides
 from zeroshard.utils.logging import get_logger, log_rank
@@ -38,6 +38,7 @@ __all__ = [
     "checkpoint",
     "configure",
     "configure_from_config",
+    "non_reentrant_checkpoint",
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",

@@ -18,11 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from zeroshard.checkpointing import rng
 from zeroshard.checkpointing.context import CONTEXT, CheckpointingContext
 from zeroshard.checkpointing.storage import Kept, is_activation, keep, restore
+from zeroshard.errors import ZeroshardError
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -85,6 +87,30 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     outputs: list[Any] = []
     tensors = CheckpointFunction.apply(function, outputs, *args)
     return _merge(outputs[0], tensors)
+
+
+def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's `deepspeed.checkpointing.non_reentrant_checkpoint`: `function(*args, **kwargs)` recomputed in
+    backward through saved-tensor hooks (torch's non-reentrant checkpoint, the RNG state replayed), so inputs that
+    need no gradient (token ids into an embedding) still give the layers inside theirs, and `torch.autograd.grad`
+    works. How the inputs are kept is torch's: refused in one line when `configure` asked for partitioned, host or
+    contiguous copies, which only `checkpoint` keeps (DeepSpeed's version keeps them for both).
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Embedding(10, 4)
+        >>> non_reentrant_checkpoint(layer, torch.tensor([1, 2])).sum().backward()
+        >>> layer.weight.grad.abs().sum() > 0
+        tensor(True)
+    """
+    kept = CONTEXT.settings
+    if kept.partition_activations or kept.cpu_checkpointing or kept.contiguous_memory_optimization:
+        raise ZeroshardError(
+            "non_reentrant_checkpoint keeps the inputs as torch does: activation_checkpointing's "
+            "partition_activations, cpu_checkpointing and contiguous_memory_optimization apply to "
+            "checkpointing.checkpoint only; use it, or turn those settings off"
+        )
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _with_keywords(function: Callable[..., Any], positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:

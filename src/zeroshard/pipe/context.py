@@ -52,9 +52,11 @@ def pipeline_schedule(block: Mapping[str, Any] | None, module: PipelineModule) -
     stages, schedule, virtual = check_pipeline_block(block)
     if stages is not None and stages != module.num_stages:
         raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={module.num_stages}")
-    interval = dict(block or {}).get("activation_checkpoint_interval", 0)
-    if interval > 0:  # as DeepSpeed's pipeline engine: [Note: pipeline activation checkpointing]
-        module.set_checkpoint_interval(interval)
+    given = dict(block or {})
+    if given.get("activation_checkpoint_interval", 0) > 0:  # as DeepSpeed's engine: [Note: pipeline activation
+        module.set_checkpoint_interval(given["activation_checkpoint_interval"])  # checkpointing] in pipe/module.py
+    if given.get("use_reentrant") is False:  # DeepSpeed's engine puts its non-reentrant checkpoint in the user's place
+        module.use_non_reentrant_checkpoint()
     return schedule, virtual
 
 

@@ -39,7 +39,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.offload.states import PARAMS
 from zeroshard.pipe.checkpoint import PipelineCheckpointMixin
 from zeroshard.pipe.context import PipeContext
-from zeroshard.pipe.module import PipelineModule
+from zeroshard.pipe.module import PipelineModule, inferring_shapes
 from zeroshard.utils.repeating import RepeatingLoader
 
 _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -286,7 +286,8 @@ class _Stage(PipelineStage):
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             self._kept = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
-        return super()._prepare_forward_infra(*args, **kwargs)
+        with inferring_shapes():  # the layers run without checkpoints there (pipe/module.py)
+            return super()._prepare_forward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         if self._kept is not None:

@@ -14,20 +14,26 @@ so each rank holds v chunks, each a PipelineStage of torch's ScheduleInterleaved
 
 [Note: pipeline activation checkpointing]
 With `activation_checkpoint_interval` n > 0 (the module's argument, `set_checkpoint_interval(n)`, or the config's
-`pipeline.activation_checkpoint_interval`, which DeepSpeed's pipeline engine writes into the module when above 0),
-the stage's layers run in ranges of n, and a range is recomputed in the backward when it is checkpointable, as
-DeepSpeed's `_is_checkpointable` decides: every layer's class named in `checkpointable_layers` when that is given,
-else any layer holding parameters (a range of activations and reshapes is not worth recomputing). The checkpoint
-is `activation_checkpoint_func` when given, else torch's non-reentrant one (DeepSpeed's default is its reentrant
-`checkpointing.checkpoint`; `pipeline.use_reentrant: false` switches it to the non-reentrant one: the same gradients
-either way). DeepSpeed's special case for its Megatron GPT pipes (only `ParallelTransformerLayerPipe` ranges with a
-reentrant checkpoint) is not kept: the non-reentrant checkpoint takes the embedding's range as well.
+`pipeline.activation_checkpoint_interval`, which DeepSpeed's pipeline engine writes into the module when above 0), the
+stage's layers run in ranges of n, and a range is recomputed in the backward when it is checkpointable, as DeepSpeed's
+`_is_checkpointable` decides: every layer's class named in `checkpointable_layers` when that is given, else any layer
+holding parameters (a range of activations and reshapes is not worth recomputing). The checkpoint is
+`activation_checkpoint_func` when given, called as DeepSpeed calls it (`func(range, *inputs)`; floating-point inputs
+that need no gradient made leaves that do, as DeepSpeed's engine makes the first stage's, else a reentrant checkpoint
+such as `checkpointing.checkpoint` gave the layers before it no gradient, silently), else torch's non-reentrant one
+(DeepSpeed's default is its reentrant `checkpointing.checkpoint`; `pipeline.use_reentrant: false` puts the
+non-reentrant one in the given function's place, as DeepSpeed: the same gradients either way). Each layer gets the
+previous one's output as one argument, a tuple too, as DeepSpeed's `exec_func` passes it. DeepSpeed's special case for
+its Megatron GPT pipes (only `ParallelTransformerLayerPipe` ranges with a reentrant checkpoint) is not kept: the
+non-reentrant checkpoint takes the embedding's range as well.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -191,6 +197,11 @@ class PipelineModule(nn.Module):
             raise ValueError(f"set_checkpoint_interval({interval!r}): expected an int >= 0")
         self.activation_checkpoint_interval = interval
 
+    def use_non_reentrant_checkpoint(self) -> None:
+        """`pipeline.use_reentrant: false`: torch's non-reentrant checkpoint, also over a given
+        `activation_checkpoint_func` (DeepSpeed's engine puts its `non_reentrant_checkpoint` there)."""
+        self._checkpoint_func = None
+
     def _is_checkpointable(self, funcs: Sequence[Callable[..., Any]]) -> bool:
         """Whether a range is recomputed ([Note: pipeline activation checkpointing])."""
         if self.checkpointable_layers is not None:
@@ -200,14 +211,15 @@ class PipelineModule(nn.Module):
     def _run_checkpointed(self, funcs: list[Callable[..., Any]], *inputs: Any) -> Any:
         x: Any = inputs[0] if len(inputs) == 1 else inputs
         interval = self.activation_checkpoint_interval
-        if interval <= 0 or not torch.is_grad_enabled():
+        if interval <= 0 or not torch.is_grad_enabled() or _INFERRING_SHAPES.get():
             return _run(funcs, x)
         for start in range(0, len(funcs), interval):
             run = functools.partial(_run, funcs[start : start + interval])
             if not self._is_checkpointable(funcs[start : start + interval]):
                 x = run(x)
-            elif self._checkpoint_func is not None:
-                x = self._checkpoint_func(run, x)
+            elif self._checkpoint_func is not None:  # DeepSpeed's call: the inputs spread, a single one unwrapped
+                spread = x if isinstance(x, tuple) else (x,)
+                x = self._checkpoint_func(functools.partial(_run_spread, run), *_differentiable(spread))
             else:
                 x = checkpoint(run, x, use_reentrant=False)
         return x
@@ -242,10 +254,42 @@ def _from_topology(topology: Any, num_stages: int | None) -> tuple[int, int]:
     return stages, int(topology.get_dim("model")) if "model" in axes else 1
 
 
+# torch's schedule is inferring the stages' shapes ([Note: the schedule's set-up forward] in pipe/engine.py): the
+# layers run without checkpoints, whose recompute a reentrant checkpoint would refuse under the inference's
+# `torch.autograd.grad` (only the shapes are wanted there)
+_INFERRING_SHAPES: ContextVar[bool] = ContextVar("zeroshard_pipe_inferring_shapes", default=False)
+
+
+@contextmanager
+def inferring_shapes() -> Iterator[None]:
+    token = _INFERRING_SHAPES.set(True)
+    try:
+        yield
+    finally:
+        _INFERRING_SHAPES.reset(token)
+
+
 def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:
+    """The layers in turn, each given the previous one's output as one argument (a tuple too), as DeepSpeed's."""
     for fn in funcs:
-        x = fn(*x) if isinstance(x, tuple) else fn(x)
+        x = fn(x)
     return x
+
+
+def _run_spread(run: Callable[[Any], Any], *inputs: Any) -> Any:
+    return run(inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _differentiable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A reentrant checkpoint's inputs: floating-point tensors that need no gradient made leaves that do, as
+    DeepSpeed's pipeline engine makes the first stage's inputs under activation checkpointing; otherwise a reentrant
+    checkpoint (DeepSpeed's `checkpointing.checkpoint`) returns outputs without a gradient and the layers in it get
+    none, silently."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return inputs
+    return tuple(
+        t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs
+    )
 
 
 def _count_params(spec: Layer) -> int:
