@@ -113,13 +113,20 @@ def test_the_zero_backends_tuning_keys_are_named_as_unused() -> None:
     """The engine logs these in one warning line: before, the fsdp2 backend dropped them without a word (a bf16
     grad_accum_dtype too, where the zero backend accumulates in bf16)."""
     raw = {
-        "zero_optimization": {"stage": 3, "sub_group_size": 10, "stage3_max_live_parameters": 0, "overlap_comm": True},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 10,
+            "stage3_max_live_parameters": 0,
+            "overlap_comm": True,
+            "ignore_unused_parameters": False,
+        },
         "data_types": {"grad_accum_dtype": "bf16"},
     }
     assert unused_keys(raw) == [
         "zero_optimization.overlap_comm",
         "zero_optimization.sub_group_size",
         "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.ignore_unused_parameters",
         "data_types.grad_accum_dtype",
     ]
     # "auto" is an integration's placeholder, fp32 accumulation is FSDP2's own: nothing the fsdp2 backend drops

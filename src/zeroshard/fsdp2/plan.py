@@ -16,9 +16,10 @@ The `fsdp2` backend runs the same config and engine API on `torch.distributed.fs
 - Gradient scaling, clipping, the fp16 loss scaler, optimizers and schedulers are zeroshard's own: FSDP2 is
   told to sum gradients (divided by `gradient_predivide_factor` or the world size exactly as
   [Note: pre- and post-scaling]), and the shared step skeleton of `Strategy.step` does the rest.
-- The zero backend's tuning keys (buckets, stage 3's persistence, prefetch and reuse, sub-groups) and a
-  `data_types.grad_accum_dtype` other than fp32 have no FSDP2 counterpart: `unused_keys` names those the config
-  sets (not "auto"), and the engine logs them in one warning line.
+- The zero backend's tuning keys (buckets, stage 3's persistence, prefetch and reuse, sub-groups),
+  `ignore_unused_parameters: false` (FSDP2 reduces a parameter without a gradient as zeros, where the zero backend's
+  stages 1-2 refuse it) and a `data_types.grad_accum_dtype` other than fp32 have no FSDP2 counterpart:
+  `unused_keys` names those the config sets (not "auto"), and the engine logs them in one warning line.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def unused_keys(raw: Any) -> list[str]:
     zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
     zero = zero if isinstance(zero, dict) else {}
     found = [f"zero_optimization.{key}" for key in ZERO_BACKEND_KEYS if key in zero and zero[key] != "auto"]
+    if zero.get("ignore_unused_parameters") is False:  # the zero backend's stages 1-2 refuse a parameter without a
+        found.append("zero_optimization.ignore_unused_parameters")  # gradient; FSDP2 reduces it as zeros
     types = raw.get("data_types") if isinstance(raw, dict) else None
     accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
     if accum is not None and accum != "auto" and str(accum).lower() not in _FP32_NAMES:
