@@ -7,6 +7,7 @@ micro-batch, the others not, and the losses stay the same to the bit."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -114,14 +115,33 @@ class _Join(nn.Module):
         return self.b(h + aux)
 
 
-def _tuple_layers() -> list[nn.Module]:
+class _Single(nn.Module):  # returns a 1-tuple, which a stage boundary must keep a tuple, as DeepSpeed's
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        assert isinstance(inputs, tuple), type(inputs)
+        return (torch.tanh(self.c(inputs[0] + inputs[-1])),)
+
+
+class _Unpack(nn.Module):
+    def forward(self, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        (h,) = inputs
+        return h, h * 0.5
+
+
+def _tuple_layers(one: bool = False) -> list[nn.Module]:
     torch.manual_seed(0)
+    if one:  # the data a 1-tuple; stage 0: Single, Unpack, Single -> a 1-tuple crosses; stage 1: Unpack, Pair, Join
+        return [_Single(), _Unpack(), _Single(), _Unpack(), _Pair(), _Join()]
     return [_Split(), _Pair(), _Pair(), _Pair(), _Pair(), _Join()]
 
 
-def _tuple_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _tuple_data(one: bool = False) -> list[tuple[Any, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
-    return [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(GAS * STEPS)]
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(GAS * STEPS)]
+    return [((x,), y) for x, y in data] if one else data
 
 
 def _tuples(rank: int, world: int, how: str):
@@ -135,10 +155,14 @@ def _tuples(rank: int, world: int, how: str):
         **given["func"],
         "activation_checkpoint_func": zeroshard.checkpointing.non_reentrant_checkpoint,
     }
+    kwargs = given.get(how, given["func"] if how == "use_reentrant_false" else {})
     net = PipelineModule(
-        layers=_tuple_layers(), num_stages=2, loss_fn=nn.functional.mse_loss, partition_method="uniform",
-        **given.get(how, given["func"] if how == "use_reentrant_false" else {}),
-    )  # fmt: skip
+        layers=_tuple_layers(how == "one_tuple"),
+        num_stages=2,
+        loss_fn=nn.functional.mse_loss,
+        partition_method="uniform",
+        **kwargs,
+    )
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": GAS,
@@ -148,23 +172,24 @@ def _tuples(rank: int, world: int, how: str):
     if how == "use_reentrant_false":
         config["pipeline"] = {"use_reentrant": False}
     engine, *_ = zeroshard.initialize(model=net, config=config)
-    data = iter(_tuple_data())
+    data = iter(_tuple_data(how == "one_tuple"))
     losses = [float(engine.train_batch(data_iter=data)) for _ in range(STEPS)]
     engine.destroy()
     return losses
 
 
-@pytest.mark.parametrize("how", ["plain", "func", "non_reentrant", "use_reentrant_false"])
+@pytest.mark.parametrize("how", ["plain", "func", "non_reentrant", "use_reentrant_false", "one_tuple"])
 def test_tuple_activations_and_a_given_checkpoint_function_train_as_one_process(how: str) -> None:
     """Layers passing tuples get them as one argument, as DeepSpeed's (they raised TypeError: the tuple was spread);
     DeepSpeed's reentrant `checkpointing.checkpoint` as `activation_checkpoint_func` gives the layers before it their
     gradients (the first stage's inputs need none: its layers got no gradient, silently), as does its
     `non_reentrant_checkpoint` and `pipeline.use_reentrant: false`. Losses of a single process with the same
-    clipping, every step."""
-    layers = _tuple_layers()
+    clipping, every step. A 1-tuple stays a tuple as the first stage's data and across the stage boundary (it
+    arrived as a tensor)."""
+    layers = _tuple_layers(how == "one_tuple")
     params = [p for layer in layers for p in layer.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.1)
-    data, want = _tuple_data(), []
+    data, want = _tuple_data(how == "one_tuple"), []
     for step in range(STEPS):
         total = 0.0
         for x, y in data[step * GAS : (step + 1) * GAS]:

@@ -166,3 +166,16 @@ def test_non_reentrant_checkpoint_gives_an_embedding_its_gradient_and_refuses_ke
     checkpointing.configure(None, checkpoint_in_cpu=True)
     with pytest.raises(ZeroshardError, match="apply to checkpointing.checkpoint only"):
         checkpointing.non_reentrant_checkpoint(embedding, ids)
+
+
+def test_non_reentrant_checkpoint_gives_keyword_arguments_to_the_function():
+    """`debug` and `preserve_rng_state` are the function's here, not torch's checkpoint options (they were taken)."""
+    seen = []
+
+    def function(x, debug=False, preserve_rng_state="unset"):
+        seen.append((debug, preserve_rng_state))
+        return torch.sin(x)  # saves x: the backward recomputes
+
+    x = torch.randn(3, requires_grad=True)
+    checkpointing.non_reentrant_checkpoint(function, x, debug=True, preserve_rng_state="mine").sum().backward()
+    assert seen == [(True, "mine"), (True, "mine")] and torch.allclose(x.grad, torch.cos(x.detach()))

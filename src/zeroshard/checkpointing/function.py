@@ -13,6 +13,7 @@ no gradient.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,7 +111,9 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
             "partition_activations, cpu_checkpointing and contiguous_memory_optimization apply to "
             "checkpointing.checkpoint only; use it, or turn those settings off"
         )
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if kwargs:  # the function's own (torch's checkpoint would take `debug`, `preserve_rng_state`, ... as its options)
+        function = functools.partial(function, **kwargs)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def _with_keywords(function: Callable[..., Any], positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:

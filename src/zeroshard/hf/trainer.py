@@ -170,9 +170,7 @@ class TrainerMixin:
         optimizer = self.create_optimizer() if cfg.optimizer is None and training else None  # type: ignore[attr-defined]
         if optimizer is not None:  # the Trainer's own optimizer (optim=...): transformers allows it under DeepSpeed
             cfg = dataclasses.replace(cfg, zero_allow_untested_optimizer=True)  # (a whole-tensor one is still refused)
-        scheduler: Any = None
-        if cfg.scheduler is None and training:  # [Note: the Trainer's schedulers] in hf/schedulers.py
-            scheduler = scheduler_for_engine(self, cfg.optimizer is not None, num_training_steps)
+        scheduler = scheduler_for_engine(self, cfg, num_training_steps) if training else None  # (hf/schedulers.py)
 
         # initialize parses its config with parse_config, which takes a ZeroshardConfig as it is
         if sp > 1:

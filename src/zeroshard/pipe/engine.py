@@ -17,11 +17,14 @@ to the monitors as `Train/Samples/train_loss` (`eval_batch`'s as `eval_loss`), a
 [Note: the schedule's set-up forward]
 A new torch schedule infers its stages' shapes on its first step: each stage runs its module once in training mode on
 the first micro-batch's inputs (stage 0) or on uninitialised tensors of the received shapes (the others), and the
-backward of that (recomputing checkpointed ranges), before the real micro-batches. torch keeps the RNG out of it
-(`fork_rng`); it does not keep the module's buffers: a BatchNorm counted one batch more than DeepSpeed's and took its
-statistics from that batch, on later stages from whatever memory `torch.empty` returned. `_Stage` copies the module's
-buffers when the inference starts and puts them back before its first real forward, so the set-up leaves no trace
-there (a module's own Python counters still see the call).
+backward of that, before the real micro-batches (the layers run without checkpoints there: `inferring_shapes`). torch
+keeps the RNG out of it (`fork_rng`); it does not keep the module's buffers: a BatchNorm counted one batch more than
+DeepSpeed's and took its statistics from that batch, on later stages from whatever memory `torch.empty` returned.
+`_Stage` copies the module's buffers when the inference starts and puts them back before its first real forward, so
+the set-up leaves no trace there (a module's own Python counters still see the call). A new input shape builds a new
+schedule, and so costs one more set-up forward and backward ([Note: pipeline input shapes]: about +45% on that batch
+for a small 2-stage model on CPU), and the first stage's shapes are broadcast to the others before every batch (one
+small object broadcast).
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 raise ZeroshardError("train_batch()/eval_batch() need data: pass data_iter= or training_data=")
             batches = [next(self.data_iterator) for _ in range(gas)]
             if self.pipe.is_first:
+                self.pipeline_module.tuple_input = isinstance(batches[0][0], tuple)  # [Note: tuples between stages]
                 try:
                     inputs = _concat([b[0] for b in batches], self.device)
                 except ZeroshardError as err:  # refused on every stage: [Note: pipeline input shapes]

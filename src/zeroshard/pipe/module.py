@@ -99,6 +99,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self._checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        self.tuple_input = False  # the first stage's data is a tuple (the pipeline engine sets it per batch)
         self._specs = list(layers)
         self._partition_method = partition_method
         self._seed_fn = (seed_fn or set_random_seed) if seed_layers else None
@@ -140,7 +141,11 @@ class PipelineModule(nn.Module):
 
     def chunk_modules(self) -> list[nn.Module]:
         """One module per local chunk, for torch's PipelineStage (sharing this module's parameters)."""
-        return [_Chunk(funcs, self._run_checkpointed) for funcs in self.chunk_funcs]
+        total = self.num_stages * self.virtual_stages
+        return [
+            _Chunk(funcs, functools.partial(self._run_checkpointed, first=index == 0, last=index == total - 1))
+            for funcs, index in zip(self.chunk_funcs, self.local_chunks(), strict=True)
+        ]
 
     def _build(self) -> None:
         self.chunk_funcs = []
@@ -186,7 +191,8 @@ class PipelineModule(nn.Module):
         return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
 
     def forward(self, *inputs: Any) -> Any:
-        return self._run_checkpointed(self.forward_funcs, *inputs)
+        last = self.stage_id == self.num_stages - 1
+        return self._run_checkpointed(self.forward_funcs, *inputs, first=self.stage_id == 0, last=last)
 
     def topology(self) -> PipeGrid:
         return self.grid
@@ -208,8 +214,24 @@ class PipelineModule(nn.Module):
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
 
-    def _run_checkpointed(self, funcs: list[Callable[..., Any]], *inputs: Any) -> Any:
-        x: Any = inputs[0] if len(inputs) == 1 else inputs
+    def _run_checkpointed(
+        self, funcs: list[Callable[..., Any]], *inputs: Any, first: bool = True, last: bool = True
+    ) -> Any:
+        """The layers over what torch's stage hands over, spread as positional arguments: a 1-tuple is told from a
+        tensor by `ONE_TUPLE` after it (at a stage boundary) or by `tuple_input` (the first stage's data), as
+        DeepSpeed keeps a tuple a tuple ([Note: tuples between stages])."""
+        if inputs and is_one_tuple_mark(inputs[-1]):
+            x: Any = tuple(inputs[:-1])
+        elif first and self.tuple_input:
+            x = tuple(inputs)
+        else:
+            x = inputs[0] if len(inputs) == 1 else inputs
+        out = self._run_ranges(funcs, x)
+        if not last and isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], torch.Tensor):
+            return (*out, one_tuple_mark(out[0].device))
+        return out
+
+    def _run_ranges(self, funcs: list[Callable[..., Any]], x: Any) -> Any:
         interval = self.activation_checkpoint_interval
         if interval <= 0 or not torch.is_grad_enabled() or _INFERRING_SHAPES.get():
             return _run(funcs, x)
@@ -267,6 +289,18 @@ def inferring_shapes() -> Iterator[None]:
         yield
     finally:
         _INFERRING_SHAPES.reset(token)
+
+
+# [Note: tuples between stages] torch's stage spreads a tuple into positional arguments, and a 1-tuple arrives as a
+# lone tensor; a stage whose output is a 1-tuple sends this mark after it (no gradient: the stage's backward skips it),
+# and the next stage's module turns the pair back into the 1-tuple the layer returned, as DeepSpeed's receiving stage
+# rebuilds a tuple. (A stage's own data is a tuple by `PipelineModule.tuple_input`, set by the engine.)
+def one_tuple_mark(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.uint8, device=device)
+
+
+def is_one_tuple_mark(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and tuple(value.shape) == (1,)
 
 
 def _run(funcs: Sequence[Callable[..., Any]], x: Any) -> Any:

@@ -217,8 +217,8 @@ class Strategy(ABC):
         decided = scale_from_norms(norms, overflow, self.comm, self._sharded, loss_scale, self.step_policy, self.device)
         if decided.overflow:
             self._land_gradients()  # no copy into host memory outlives the step, skipped or not
-            self.zero_grad()  # the norm of inf/nan gradients reads inf, as DeepSpeed's stages 1-3 report it
-            return StepOutcome(skipped=True, grad_norm=float("inf"))
+            self.zero_grad()  # the norm of inf/nan gradients reads inf where one is computed, as DeepSpeed's ZeRO
+            return StepOutcome(skipped=True, grad_norm=float("inf") if with_norms else None)
         self._land_gradients()
         with torch.profiler.record_function("zeroshard.optimizer_step"):
             self._step_chunks(decided.scale)
