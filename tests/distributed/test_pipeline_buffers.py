@@ -122,3 +122,31 @@ def test_batches_of_other_lengths_train_with_a_single_process_losses() -> None:
         assert losses == pytest.approx(want, rel=1e-6), (rank, losses, want)
         # the first stage reads the inputs; every stage refuses the batch (none waits in the schedule)
         assert refused is not None and "micro-batches of one train_batch/eval_batch have inputs" in refused, rank
+
+
+def _refusals(rank: int, world: int):
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    net = PipelineModule(layers=_sequence_layers(), loss_fn=nn.functional.mse_loss, num_stages=2)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "optimizer": {"type": "SGD"}}
+    engine, *_ = zeroshard.initialize(model=net, config=config)
+    out = []
+    bad_labels = iter([(torch.randn(2, 4, 8), [torch.randn(2, 4), 3])] * GAS)
+    exhausted = iter(_sequences([4]))  # one batch, then nothing
+    for data in (bad_labels, exhausted, exhausted):
+        try:
+            engine.train_batch(data_iter=data)
+            out.append("trained")
+        except zeroshard.ZeroshardError as err:
+            out.append(f"refused: {err}")
+        except StopIteration:
+            out.append("stopped")
+    return out
+
+
+def test_a_batch_one_stage_refuses_or_cannot_read_stops_every_stage() -> None:
+    """The last stage refuses labels, then the data runs out: every stage raises (before, only the stage that read
+    the data did, and the others waited in the schedule until the connection dropped)."""
+    for rank, got in enumerate(run_on_ranks(_refusals, 2)):
+        assert got[0].startswith("refused: stage 1:") and got[1:] == ["trained", "stopped"], (rank, got)

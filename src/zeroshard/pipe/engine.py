@@ -23,8 +23,8 @@ DeepSpeed's and took its statistics from that batch, on later stages from whatev
 `_Stage` copies the module's buffers when the inference starts and puts them back before its first real forward, so
 the set-up leaves no trace there (a module's own Python counters still see the call). A new input shape builds a new
 schedule, and so costs one more set-up forward and backward ([Note: pipeline input shapes]: about +45% on that batch
-for a small 2-stage model on CPU), and the first stage's shapes are broadcast to the others before every batch (one
-small object broadcast).
+for a small 2-stage model on CPU), and the stages exchange the first stage's shapes (and any stage's refusal) before every
+batch (one small object all-gather over the pipeline group).
 """
 
 from __future__ import annotations
@@ -161,21 +161,23 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self._micro_losses = []
         inputs: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
-        refused: str | None = None
+        refused: str | None = None  # a stage's reason to stop, raised on every stage ([Note: pipeline input shapes])
         if self.pipe.is_first or self.pipe.is_last:
             if self.data_iterator is None:
                 raise ZeroshardError("train_batch()/eval_batch() need data: pass data_iter= or training_data=")
-            batches = [next(self.data_iterator) for _ in range(gas)]
-            if self.pipe.is_first:
-                self.pipeline_module.tuple_input = isinstance(batches[0][0], tuple)  # [Note: tuples between stages]
-                try:
-                    inputs = _concat([b[0] for b in batches], self.device)
-                except ZeroshardError as err:  # refused on every stage: [Note: pipeline input shapes]
-                    refused = str(err)
-            if self.pipe.is_last:  # the schedule splits each micro-batch's index; _micro_loss finds its labels
-                self._labels = [_labels(b[1], self.device) for b in batches]
-                kwargs["target"] = torch.arange(gas, device=self.device)
-                kwargs["losses"] = []
+            try:
+                batches = [next(self.data_iterator) for _ in range(gas)]
+                if self.pipe.is_first:
+                    self.pipeline_module.tuple_input = isinstance(batches[0][0], tuple)  # [Note: tuples between
+                    inputs = _concat([b[0] for b in batches], self.device)  # stages]
+                if self.pipe.is_last:  # the schedule splits each micro-batch's index; _micro_loss finds its labels
+                    self._labels = [_labels(b[1], self.device) for b in batches]
+                    kwargs["target"] = torch.arange(gas, device=self.device)
+                    kwargs["losses"] = []
+            except StopIteration:
+                refused = _EXHAUSTED
+            except ZeroshardError as err:
+                refused = f"stage {self.stage_id}: {err}"
         schedule = self._schedule(train, gas, self._input_shapes(inputs, refused))
         outputs = schedule.step(*inputs, **kwargs) if train else schedule.eval(*inputs, **kwargs)
         # the first step's metadata inference also calls the loss function, on placeholder tensors: keep the
@@ -185,20 +187,24 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
 
     def _input_shapes(self, inputs: tuple[Any, ...], refused: str | None) -> tuple[Any, ...]:
         """[Note: pipeline input shapes] The first stage's input shapes and dtypes, the same on every stage of this
-        pipeline (one small broadcast from the first stage per batch): torch's schedule fixes the activations'
+        pipeline (one small all-gather over the pipeline group per batch): torch's schedule fixes the activations'
         shapes on its first step, so inputs of other shapes (another sequence length) take a schedule of their own,
         on every stage, as DeepSpeed's `dynamic_shape` sends each batch's shapes; without it a later stage received
-        into buffers of the first batch's shapes and gloo aborted. `refused`: the first stage's reason to refuse
-        the batch, raised on every stage (none is left waiting in the schedule)."""
+        into buffers of the first batch's shapes and gloo aborted. `refused`: this stage's reason to refuse the batch
+        (its inputs or labels, or the data ran out), raised on every stage: none is left waiting in the schedule."""
         shapes = tuple((tuple(t.shape), str(t.dtype)) for t in inputs if isinstance(t, torch.Tensor))
-        box: list[Any] = [(shapes, refused)]
+        posts: list[Any] = [(shapes if self.pipe.is_first else None, refused)]
         if self.num_stages > 1:
-            first = self.pipe.groups.grid.pp_ranks(self.pipe.groups.replica)[0]
-            dist.broadcast_object_list(box, src=first, group=self.pipe.pp_comm.group)
-        shapes, refused = box[0]
-        if refused is not None:
-            raise ZeroshardError(refused)
-        return tuple(shapes)
+            posts = [None] * self.num_stages
+            dist.all_gather_object(
+                posts, (shapes if self.pipe.is_first else None, refused), group=self.pipe.pp_comm.group
+            )
+        reasons = [reason for _, reason in posts if reason is not None]
+        if _EXHAUSTED in reasons:
+            raise StopIteration("the data iterator ran out on the first or the last stage")
+        if reasons:
+            raise ZeroshardError(reasons[0])
+        return tuple(next(shape for shape, _ in posts if shape is not None))
 
     def _schedule(self, train: bool, gas: int, shapes: tuple[Any, ...] = ()) -> Any:
         key = (self.pipe.schedule, train, gas, shapes)  # a load into another dp changes gas: [Note: pipeline
@@ -278,6 +284,7 @@ def _labels(labels: Any, device: torch.device) -> Any:
     return labels
 
 
+_EXHAUSTED = "the data iterator ran out"
 _KEPT_SCHEDULES = 8  # schedules kept for reuse (train and eval, per input shapes)
 
 
