@@ -23,8 +23,8 @@ DeepSpeed's and took its statistics from that batch, on later stages from whatev
 `_Stage` copies the module's buffers when the inference starts and puts them back before its first real forward, so
 the set-up leaves no trace there (a module's own Python counters still see the call). A new input shape builds a new
 schedule, and so costs one more set-up forward and backward ([Note: pipeline input shapes]: about +45% on that batch
-for a small 2-stage model on CPU), and the stages exchange the first stage's shapes (and any stage's refusal) before every
-batch (one small object all-gather over the pipeline group).
+for a small 2-stage model on CPU), and the stages exchange the first stage's shapes (and any stage's refusal) before
+every batch (one small object all-gather over the pipeline group).
 """
 
 from __future__ import annotations
