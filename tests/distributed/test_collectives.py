@@ -125,6 +125,8 @@ def _diagnosed_in_two_groups(rank: int, world_size: int):
     return message
 
 
+# slow (CI budget): the world-group diagnosis stays in the default suite; this is its two-group variant
+@pytest.mark.slow
 def test_a_diverged_wait_asks_the_ranks_of_its_own_group():
     """Each rank posts under its global rank: under group ranks rank 2's post (group rank 0) overwrote rank 0's, and
     each waiter read the other group's."""

@@ -104,6 +104,7 @@ def _resume_model_only(rank: int, world: int, tmp: str) -> str:
     return ""
 
 
+@pytest.mark.slow  # CI budget: a message only
 def test_resuming_from_a_model_only_checkpoint_says_so(tmp_path) -> None:
     """save_only_model=True at stage 2 leaves the model's weights and no engine checkpoint: the refusal says that
     (it blamed a decoupled save that was never committed)."""

@@ -235,6 +235,7 @@ def _labels(rank: int, world_size: int) -> list[Any]:
     return out
 
 
+@pytest.mark.slow  # CI budget: the pipeline compat script (tests/compat) passes labels as DeepSpeed's do
 def test_pipeline_labels_reach_the_loss_as_deepspeeds_do() -> None:
     """A dataset's int label with no loss_fn (DeepSpeed's TestPipeModuleSequential: the last stage's output is what
     eval_batch returns) failed joining the labels; a tuple of label tensors reaches the loss function whole (only its

@@ -68,7 +68,7 @@ def _run(rank: int, world: int, config_interval: int, module_interval: int, only
     [
         (1, 0, None, {"linear"}),  # from the config; the parameterless Tanh ranges run once
         (0, 1, ["CountedTanh"], {"tanh"}),  # the module's own, only the named class
-        (3, 0, None, {"linear", "tanh"}),  # each stage one range holding a Linear: all of it again
+        pytest.param(3, 0, None, {"linear", "tanh"}, marks=pytest.mark.slow),  # each stage one range: all again
     ],
 )
 def test_pipeline_activation_checkpoint_interval(
@@ -178,7 +178,9 @@ def _tuples(rank: int, world: int, how: str):
     return losses
 
 
-@pytest.mark.parametrize("how", ["plain", "func", "non_reentrant", "use_reentrant_false", "one_tuple"])
+@pytest.mark.parametrize(  # slow: CI budget (non_reentrant_checkpoint is checked in tests/unit too)
+    "how", ["plain", "func", pytest.param("non_reentrant", marks=pytest.mark.slow), "use_reentrant_false", "one_tuple"]
+)
 def test_tuple_activations_and_a_given_checkpoint_function_train_as_one_process(how: str) -> None:
     """Layers passing tuples get them as one argument, as DeepSpeed's (they raised TypeError: the tuple was spread);
     DeepSpeed's reentrant `checkpointing.checkpoint` as `activation_checkpoint_func` gives the layers before it their
