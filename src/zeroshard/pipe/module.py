@@ -218,7 +218,7 @@ class PipelineModule(nn.Module):
         self, funcs: list[Callable[..., Any]], *inputs: Any, first: bool = True, last: bool = True
     ) -> Any:
         """The layers over what torch's stage hands over, spread as positional arguments: a 1-tuple is told from a
-        tensor by `ONE_TUPLE` after it (at a stage boundary) or by `tuple_input` (the first stage's data), as
+        tensor by `one_tuple_mark()` after it (at a stage boundary) or by `tuple_input` (the first stage's data), as
         DeepSpeed keeps a tuple a tuple ([Note: tuples between stages])."""
         if inputs and is_one_tuple_mark(inputs[-1]):
             x: Any = tuple(inputs[:-1])
