@@ -1,5 +1,4 @@
-"""Which scheduler the engine steps and which one the Hugging Face Trainer holds, when the config has no `scheduler`
-block.
+"""Which scheduler the engine steps and which one the Hugging Face Trainer holds.
 
 [Note: the Trainer's schedulers]
 - `Trainer(optimizers=(optimizer, scheduler))` without the config's `optimizer` block: the engine trains the user's
