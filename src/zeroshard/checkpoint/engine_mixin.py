@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -152,6 +152,7 @@ class CheckpointMixin:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved with any world size and ZeRO stage; returns `(path, client_state)`.
 
@@ -163,6 +164,8 @@ class CheckpointMixin:
                 master weights are rebuilt from the loaded module weights).
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: restore the module weights only (warm start).
+            custom_load_fn: `f(src=state_dict, dst=module)` loads the module weights instead of their names
+                ([Note: custom_load_fn] in checkpoint/custom_load.py).
         """
         self._refuse_offloaded("load_checkpoint")
         self._settle_raised("load_checkpoint")  # [Note: a backward that raised on some ranks]
@@ -175,4 +178,5 @@ class CheckpointMixin:
             load_optimizer_states,
             load_lr_scheduler_states,
             load_module_only,
+            custom_load_fn=custom_load_fn,
         )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint import custom_load as _custom_load
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.format import LATEST_FILE, METADATA_FILE
 from zeroshard.checkpoint.load_plan import LoadPlan, Reads
@@ -103,10 +104,15 @@ class _Checked:
 
 
 def _check(
-    engine: CheckpointableEngine, load_dir: str | os.PathLike[str], tag: Any, load_module_strict: bool, reads: Reads
+    engine: CheckpointableEngine,
+    load_dir: str | os.PathLike[str],
+    tag: Any,
+    load_module_strict: bool,
+    reads: Reads,
+    custom: bool = False,
 ) -> _Checked | None:
     """The entry phase and the checks that write nothing, agreed by every rank ([Note: a torn load]); None when
-    there is no `latest` to load."""
+    there is no `latest` to load. `custom`: a custom load function places the module weights."""
     rank, world_size = engine.topology.rank, engine.topology.world_size
     root = os.path.abspath(os.fspath(load_dir))
     sync = RankSync("load_checkpoint", rank, world_size, prefix=engine.topology.store_prefix)
@@ -141,7 +147,7 @@ def _check(
     plan, local_error = None, None
     try:  # with pipeline_loading_checkpoint in the node's turns, as the reads
         with sync.in_turn(after, write_timeout() * max(1, in_line - 1), "plan_turn"):
-            plan = _plan(engine, tag_dir, universal, load_module_strict, keep_open=in_line == 1, reads=reads)
+            plan = _plan(engine, tag_dir, universal, load_module_strict, in_line == 1, reads, custom)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     refused = describe_errors(sync.all_gather("checked", {"error": _said(local_error)}, write_timeout() * in_line))
@@ -163,6 +169,7 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
     across: Callable[[bool], bool] | None = None,
+    custom_load_fn: Callable[..., Any] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """See `CheckpointMixin.load_checkpoint`. `across`: whether some other group refused its checks, given whether
     this one did, called once on every rank whatever happened (a pipeline's stages, each loading its own folder at
@@ -170,7 +177,8 @@ def load_checkpoint(
     checked, refusal = None, None
     try:
         optimizer = load_optimizer_states and not load_module_only and engine.basic_optimizer is not None
-        checked = _check(engine, load_dir, tag, load_module_strict, Reads(optimizer, not load_module_only))
+        reads = Reads(optimizer, not load_module_only)
+        checked = _check(engine, load_dir, tag, load_module_strict, reads, custom_load_fn is not None)
     except BaseException as e:  # noqa: BLE001 - raised below, once the other groups have been told
         refusal = e
     if across is not None and across(refusal is not None) and refusal is None:
@@ -187,6 +195,34 @@ def load_checkpoint(
     if checked is None:
         return None, None
     tag_dir, plan, sync, after, in_line = checked.tag_dir, checked.plan, checked.sync, checked.after, checked.in_line
+    if custom_load_fn is not None:  # [Note: custom_load_fn]: collective, before the reads taken in turns
+        try:
+            _custom_load.refuse(engine, plan)
+        except BaseException:
+            plan.close()
+            sync.leave(write_timeout())
+            raise
+        try:
+            if engine.strategy is not None:
+                engine.strategy.loading(done=False)
+            _custom_load.apply(engine, plan, custom_load_fn)
+        except Exception as err:  # raised on every rank alike (the module load agrees on its outcome)
+            plan.close()
+            sync.leave(write_timeout())
+            why = f"load_checkpoint({tag_dir!r}): custom_load_fn failed ({_said(err)})"
+            mark_torn(engine, why, load_scope(load_optimizer_states, load_module_only))
+            raise CheckpointError(
+                f"{why}; it may have written part of the module, so the engine refuses to train or save until "
+                f"{cure(engine)} succeeds"
+            ) from err
+        if reads.optimizer and plan.missing:
+            log_rank(
+                logger,
+                30,
+                f"the checkpoint holds no optimizer state under the names of {plan.missing[:10]} (of "
+                f"{len(plan.missing)}): theirs starts fresh from the weights custom_load_fn wrote",
+            )
+        plan.module_by_name, plan.missing, plan.touched = False, [], True
     local_error: Exception | None = None
     client_state: dict[str, Any] | None = None
     publish, restored = False, -1

@@ -53,10 +53,10 @@ def _ckpt_name(meta: CheckpointMetadata, name: str, aliases: dict[str, str]) -> 
 
 
 def check_module_keys(
-    meta: CheckpointMetadata, catalog: ModuleCatalog, strict: bool
+    meta: CheckpointMetadata, catalog: ModuleCatalog, strict: bool, quiet: bool = False
 ) -> tuple[dict[str, str], list[str]]:
     """(engine canonical name -> checkpoint name, the engine's names the checkpoint lacks); missing/unexpected keys
-    are errors when `strict`."""
+    are errors when `strict`, else a warning unless `quiet` (a custom load function places the weights)."""
     mapping: dict[str, str] = {}
     missing = []
     for name, tensor in catalog.tensors.items():
@@ -77,7 +77,8 @@ def check_module_keys(
         message = f"module keys differ from the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}"
         if strict:
             raise CheckpointError(message + " (pass load_module_strict=False to load the rest)")
-        log_rank(logger, 30, message)
+        if not quiet:
+            log_rank(logger, 30, message)
     return mapping, missing
 
 
@@ -201,6 +202,7 @@ class LoadPlan:
     opened: CheckpointReader | None = None  # the files' reader (None between the halves under turns)
     reader: CheckpointReader | None = None  # `opened`, resliced where the tensor-parallel size differs
     touched: bool = False  # counters or scalars were written (tensors: the readers' `delivered`)
+    module_by_name: bool = True  # False: a custom load function wrote the module weights ([Note: custom_load_fn])
     _delivered: bool = False  # a closed reader's `delivered`
 
     def open(self) -> CheckpointReader:
@@ -233,11 +235,18 @@ class LoadPlan:
 
 
 def plan_load(
-    engine: CheckpointableEngine, tag_dir: str, universal: bool, strict: bool, keep_open: bool, reads: Reads
+    engine: CheckpointableEngine,
+    tag_dir: str,
+    universal: bool,
+    strict: bool,
+    keep_open: bool,
+    reads: Reads,
+    custom: bool = False,
 ) -> LoadPlan:
     """The checks a load can make before it writes, so that a checkpoint refused on any rank is refused before any rank
     writes. `keep_open`: keep the reader for `load_into` (else it is opened again there, in this rank's turn);
-    `reads`: which of the files the load will open."""
+    `reads`: which of the files the load will open; `custom`: a custom load function places the module weights
+    ([Note: custom_load_fn]), their names need not match."""
     opened = UniversalReader(tag_dir) if universal else CheckpointReader(tag_dir)
     try:
         if not universal:
@@ -253,7 +262,7 @@ def plan_load(
         caller_split = bool(getattr(state, "caller_split", False))
         plan = LoadPlan(tag_dir, universal, caller_split, state, catalog, {}, [], {}, opened)
         reader = plan.open()
-        plan.mapping, plan.missing = check_module_keys(reader.metadata, catalog, strict)
+        plan.mapping, plan.missing = check_module_keys(reader.metadata, catalog, strict and not custom, custom)
         plan.blob = torch.load(io.BytesIO(reader.read_small(ENGINE_STATE_FILE)), map_location="cpu", weights_only=False)
     except BaseException:
         opened.close()
@@ -289,7 +298,8 @@ def _load_tensors_and_state(
 ) -> tuple[dict[str, Any], bool, int]:
     state, blob = plan.state, plan.blob
     meta = reader.metadata
-    load_module_weights(reader, plan.catalog, state, plan.mapping)
+    if plan.module_by_name:
+        load_module_weights(reader, plan.catalog, state, plan.mapping)
     optimizer_too = (
         not load_module_only and load_optimizer_states and state is not None and engine.basic_optimizer is not None
     )
@@ -300,7 +310,8 @@ def _load_tensors_and_state(
     ckpt_group: dict[int, int] = {}
     for part in state.parts() if state is not None else []:  # one part in memory at a time
         with part.hold(True):
-            fill_targets(reader, part.model_targets(), plan.mapping)
+            if plan.module_by_name:
+                fill_targets(reader, part.model_targets(), plan.mapping)
             if optimizer_too:
                 assert engine.basic_optimizer is not None
                 load_optimizer_state(reader, engine.basic_optimizer, part, plan.mapping, master_loaded, ckpt_group)
@@ -317,7 +328,8 @@ def _load_tensors_and_state(
                 level = OPTIMIZER
     publish = False
     if state is not None and engine.strategy is not None:
-        # Module weights stored in another dtype than this engine computes in: rebuild them from fp32.
-        publish = master_loaded and meta.compute_dtype != compute_dtype_name(engine)
+        # Module weights stored in another dtype than this engine computes in, or not read (a custom load function
+        # wrote them, [Note: custom_load_fn]): rebuild them from the restored fp32 masters.
+        publish = master_loaded and (meta.compute_dtype != compute_dtype_name(engine) or not plan.module_by_name)
     client_state: dict[str, Any] = blob["client_state"]
     return client_state, publish, level

@@ -141,7 +141,13 @@ class PipelineCheckpointMixin(CheckpointMixin):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
+        if custom_load_fn is not None:  # (DeepSpeed's pipeline engine asserts it is None)
+            raise ZeroshardError(
+                "load_checkpoint(custom_load_fn=...) is not supported with a PipelineModule (each stage loads its own "
+                "layers); load without it"
+            )
         self._refuse_offloaded("load_checkpoint")
         # every rank arrives over the world first: a rank that trains on instead is named in seconds
         world = self.pipe.world
