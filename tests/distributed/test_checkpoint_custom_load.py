@@ -135,3 +135,27 @@ def test_custom_load_fn(tmp_path, stage: int) -> None:
         assert out["raised"] is not None and why in out["raised"], (rank, out)
         assert "custom_load_fn failed" in out["trained_on"] and "clears this" in out["trained_on"], (rank, out)
         assert out["resumed"], (rank, out)
+
+
+def _refused_on_fsdp2(rank: int, world: int, folder: str):
+    import zeroshard
+
+    case = Case(stage=2, steps=2)
+    first, second = global_batches(case, world)
+    config = {**ds_config(case), "zeroshard": {"backend": "fsdp2"}}
+    engine, *_ = zeroshard.initialize(model=build_model(case), config=config)
+    _step(engine, first, rank)
+    engine.save_checkpoint(folder, tag="a")
+    try:
+        engine.load_checkpoint(folder, tag="a", custom_load_fn=_shifted)
+        said = None
+    except Exception as err:  # noqa: BLE001 - what each rank saw
+        said = str(err)
+    _step(engine, second, rank)  # nothing was loaded: not torn
+    engine.destroy()
+    return said
+
+
+def test_custom_load_fn_is_refused_where_the_module_holds_dtensors(tmp_path) -> None:
+    for said in run_on_ranks(_refused_on_fsdp2, 2, str(tmp_path)):
+        assert said is not None and "fsdp2" in said and "nothing was loaded" in said, said

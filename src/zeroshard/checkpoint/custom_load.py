@@ -7,14 +7,15 @@ the rest at their initial values. Here `src` is the checkpoint's module state di
 the dtype it was saved in (tied names each present, frozen parameters left out by `exclude_frozen_parameters`
 absent), read by every rank before anything is written, and `dst` the module, gathered at stage 3; rank 0's result
 becomes every rank's and the master weights follow it (`engine.load_module_state_dict`'s call, whose failures are
-raised on every rank and undone). `load_module_strict` does not apply, as in DeepSpeed. The rest of the load then
-runs without loading module weights by name: where it restores master weights (`load_optimizer_states`), those of
-every parameter the checkpoint holds under the engine's name come back with their optimizer state and the module
-weights are rebuilt from them, as DeepSpeed's ZeRO restores its fp32 masters over what the function wrote; the
-other parameters keep the function's values with fresh optimizer state. A function that raises (on any rank) may
-have written part of the module, buffers included, so the engine is left torn ([Note: a torn load]) until a load
-succeeds. Refused in one line: a module that holds slices or a part of the model
-(tensor parallelism, experts on other ranks), as the function would get whole tensors for it, and a pipeline
+raised on every rank; at stage 3 it gathers the whole module, as DeepSpeed does without the optimizer state).
+`load_module_strict` does not apply, as in DeepSpeed. The rest of the load then runs without loading module weights
+by name: where it restores master weights (`load_optimizer_states`), those of every parameter the checkpoint holds
+under the engine's name come back with their optimizer state and the module weights are rebuilt from them, as
+DeepSpeed's ZeRO restores its fp32 masters over what the function wrote; the other parameters keep the function's
+values with fresh optimizer state. A function that raises (on any rank) may have written part of the module, buffers
+included, so the engine is left torn ([Note: a torn load]) until a load succeeds. Refused in one line: a module that
+holds slices or a part of the model (tensor parallelism, experts on other ranks), as the function would get whole
+tensors for it, the fsdp2 backend (its parameters are DTensors: `load_module_state_dict`'s refusal) and a pipeline
 (DeepSpeed asserts)."""
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from zeroshard.checkpoint.reshard import MODEL, CheckpointReader
 def refuse(engine: CheckpointableEngine, plan: LoadPlan) -> None:
     """A one-line refusal where this engine's module cannot take whole tensors from a custom load function (the same
     on every rank: nothing was written)."""
-    why = None
+    why = engine.strategy.module_load_refused() if engine.strategy is not None else None
+    if why is not None:
+        raise CheckpointError(f"load_checkpoint(custom_load_fn=...): {why}; nothing was loaded")
     if plan.caller_split or any(isinstance(p, DTensor) for p in engine.module.parameters()):
         why = "its module holds tensor-parallel slices"
     elif set(plan.catalog.infos) - set(plan.catalog.tensors):
