@@ -34,7 +34,7 @@ def test_hostfile_in_deepspeed_format():
     ("text", "message"),
     [
         ("worker-0 slots=4\nworker-1 4\n", "hosts line 2: expected 'HOST slots=N'"),
-        ("worker-0 slots=0\n", "hosts line 1: slots=0 must be a positive integer"),
+        ("worker-0 slots=-1\n", "hosts line 1: slots=-1 must be a whole number"),
         ("worker-0 slots=x\n", "hosts line 1: slots=x"),
         ("a slots=1\nb slots=1\na slots=2\n", "hosts line 3: host a is listed twice (first on line 1)"),
         ("# nothing\n\n", "lists no hosts"),
@@ -43,6 +43,20 @@ def test_hostfile_in_deepspeed_format():
 def test_hostfile_errors_name_the_file_and_line(text, message):
     with pytest.raises(LaunchError, match=re.escape(message)):
         parse_hostfile(text, "hosts")
+
+
+def test_a_host_with_slots_0_stays_out_of_the_launch():
+    # DeepSpeed's parser takes slots=0 and its filter removes hosts without slots (before, refused here)
+    hosts = parse_hostfile("worker-0 slots=2\nworker-1 slots=0\n")
+    assert select_resources(hosts) == {"worker-0": [0, 1]}
+    assert select_resources(hosts, exclude="worker-0:0") == {"worker-0": [1]}
+    assert select_resources(hosts, include="worker-0@worker-1") == {"worker-0": [0, 1]}
+    with pytest.raises(LaunchError, match=re.escape("worker-1 has no slots (slots=0), not [0]")):
+        select_resources(hosts, include="worker-1:0")
+    with pytest.raises(LaunchError, match="leaves no slots to run on"):
+        select_resources(hosts, include="worker-1")
+    with pytest.raises(LaunchError, match=re.escape("the hostfile leaves no slots to run on (every host has slots=0)")):
+        select_resources(parse_hostfile("worker-0 slots=0\n"))
 
 
 def test_read_hostfile_missing_file(tmp_path):

@@ -8,7 +8,7 @@ A hostfile lists one host per line, `HOST slots=N`; `#` starts a comment; blank 
 
 A filter names hosts separated by `@`, each optionally followed by `:` and slot indices:
 `--include "worker-0@worker-1:0,2"` keeps all of worker-0 and slots 0 and 2 of worker-1;
-`--exclude "worker-1:0"` drops slot 0 of worker-1 (a host without slots is dropped whole).
+`--exclude "worker-1:0"` drops slot 0 of worker-1 (a host without slots is dropped whole, as is a `slots=0` host).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
         if match is None:
             raise LaunchError(f"hostfile {source} line {number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host, slots_text = match["host"], match["slots"]
-        if not slots_text.isdigit() or int(slots_text) < 1:
-            raise LaunchError(f"hostfile {source} line {number}: slots={slots_text} must be a positive integer")
+        if not slots_text.isdigit():  # slots=0 keeps a host listed but out of the launch, as DeepSpeed drops it
+            raise LaunchError(f"hostfile {source} line {number}: slots={slots_text} must be a whole number")
         if host in hosts:
             raise LaunchError(
                 f"hostfile {source} line {number}: host {host} is listed twice (first on line {first_line[host]})"
@@ -89,7 +89,7 @@ def select_resources(hosts: dict[str, int], include: str | None = None, exclude:
         raise LaunchError("--include and --exclude cannot be used together")
     resources: Resources = {host: list(range(slots)) for host, slots in hosts.items()}
     if not include and not exclude:
-        return resources
+        return _with_slots(resources, "the hostfile")
     option = "--include" if include else "--exclude"
     wanted = parse_filter(include or exclude or "", option)
     for host, slots in wanted.items():
@@ -97,9 +97,11 @@ def select_resources(hosts: dict[str, int], include: str | None = None, exclude:
             raise LaunchError(f"{option}: host {host} is not in the hostfile ({', '.join(resources)})")
         bad = [s for s in slots or [] if s not in resources[host]]
         if bad:
-            raise LaunchError(f"{option}: {host} has slots 0-{hosts[host] - 1}, not {bad}")
+            held = f"slots 0-{hosts[host] - 1}" if hosts[host] else "no slots (slots=0)"
+            raise LaunchError(f"{option}: {host} has {held}, not {bad}")
     if include:
-        return {h: list(wanted[h] or resources[h]) for h in resources if h in wanted}
+        chosen = {h: list(wanted[h] or resources[h]) for h in resources if h in wanted}
+        return _with_slots(chosen, f"--include {include!r}")
     kept: Resources = {}
     for host, slots in resources.items():
         dropped = wanted.get(host, [])
@@ -110,6 +112,14 @@ def select_resources(hosts: dict[str, int], include: str | None = None, exclude:
             kept[host] = remaining
     if not kept:
         raise LaunchError(f"--exclude {exclude!r} leaves no slots to run on")
+    return kept
+
+
+def _with_slots(resources: Resources, source: str) -> Resources:
+    """The hosts that have slots (a `slots=0` host is left out, as DeepSpeed removes hosts without slots)."""
+    kept = {host: slots for host, slots in resources.items() if slots}
+    if not kept:
+        raise LaunchError(f"{source} leaves no slots to run on (every host has slots=0)")
     return kept
 
 
