@@ -1,6 +1,7 @@
 """`deepspeed.utils.groups` answers for the engine built last ([Note: groups follow the engine] in
 utils/groups.py): on 2 ranks, pure data parallelism, a 2-stage pipeline (data-parallel degree 1), an mpu's tensor
-parallelism over both ranks, and MoE layers with `ep_size` 2; after `destroy`, the world again."""
+parallelism over both ranks, and MoE layers with `ep_size` 2 (whose one-rank expert-data-parallel group is one rank's
+own, [Note: a one-rank group]); after `destroy`, the world again."""
 
 from __future__ import annotations
 
@@ -79,6 +80,15 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     out["moe"] = (name, groups._get_max_expert_size(), groups._get_expert_parallel_world_size(name))
     out["moe"] += (groups._get_expert_data_parallel_world_size(name), groups._get_expert_parallel_rank(name))
     out["moe_dp"] = _answers()["dp"]
+    # [Note: a one-rank group]: a script's all-reduce over the expert-data-parallel group (one rank each, ep_size
+    # the world) sums this rank's tensor alone (it summed the world's, the other expert's)
+    import torch
+    import torch.distributed as dist
+
+    edp = groups._get_expert_data_parallel_group(name)
+    mine = torch.tensor([float(rank + 1)])
+    dist.all_reduce(mine, group=edp)
+    out["edp_group"] = (dist.get_process_group_ranks(edp), mine.item())
     engine.destroy()
     out["after"] = _answers()
     try:
@@ -99,5 +109,6 @@ def test_groups_follow_the_engine_built_last() -> None:
         assert out["megatron_mpu"] == (out["mpu"], 1)
         assert out["moe"] == ("ep_size_2", 2, 2, 1, rank)
         assert out["moe_dp"] == (2, rank)
+        assert out["edp_group"] == ([rank], float(rank + 1))
         assert out["after"] == world
         assert "ep_size_2" in out["no_experts"]

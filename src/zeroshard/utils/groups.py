@@ -78,7 +78,25 @@ def _initialized() -> bool:
 
 
 def _group(comm: Collectives) -> dist.ProcessGroup | None:
-    return comm.group if comm.group is not None else dist.group.WORLD  # type: ignore[return-value]
+    """[Note: a one-rank group]
+    The engine's collectives over the whole world or over one rank need no process group of their own (`group`
+    None), but a script that asks for the group runs its own collectives over it: a one-rank group (an expert group
+    of `ep_size=1`, the expert-data-parallel group when `ep_size` is the world) must be one rank's, as DeepSpeed's
+    are, or an all-reduce over it would sum the world's tensors (the group of other experts). It is made here on first
+    asking, by this rank alone (`use_local_synchronization`: no other rank takes part), once per world."""
+    if comm.group is not None:
+        return comm.group
+    if comm.world_size > 1 or not _initialized() or dist.get_world_size() == 1:
+        return dist.group.WORLD  # type: ignore[return-value]
+    from zeroshard.comm.topology import world_timeout  # (comm imports this module)
+
+    key = (id(dist.group.WORLD), dist.get_rank())
+    if key not in _SINGLETONS:
+        _SINGLETONS[key] = dist.new_group([dist.get_rank()], timeout=world_timeout(), use_local_synchronization=True)
+    return _SINGLETONS[key]
+
+
+_SINGLETONS: dict[tuple[int, int], dist.ProcessGroup] = {}  # (the world's id, rank) -> its one-rank group
 
 
 def get_data_parallel_group() -> dist.ProcessGroup | None:
