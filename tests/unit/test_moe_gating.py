@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroshard.moe import ExpertMesh, MoE, top1gating, top2gating
-from zeroshard.moe.gating import capacity_for
+from zeroshard.moe.gating import capacity_for, topkgating
 
 # 4 tokens, 2 experts: tokens 0, 1 and 3 prefer expert 0, token 2 expert 1
 LOGITS = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
@@ -97,27 +97,40 @@ def test_expert_mesh_data_before_expert():
     assert ExpertMesh(world_size=4, ep_size=2).edp_root(3) == 1  # "E + D": the group {1, 3}
 
 
-def test_layer_matches_a_loop_over_tokens():
+@pytest.mark.parametrize("k", [2, 3])
+def test_layer_matches_a_loop_over_tokens(k):
     torch.manual_seed(0)
-    layer = MoE(
-        4, nn.Linear(4, 4), num_experts=3, k=2, min_capacity=0, capacity_factor=1.0, top2_2nd_expert_sampling=False
-    )
+    experts = k + 1
+    layer = MoE(4, nn.Linear(4, 4), num_experts=experts, k=k, min_capacity=0, top2_2nd_expert_sampling=False)
     for i, expert in enumerate(layer.experts.deepspeed_experts):
         nn.init.normal_(expert.weight, std=1.0 + i)
     x = torch.randn(2, 5, 4)
     out, l_aux, counts = layer(x)
-    gate = top2gating(layer.gate.wg(x.reshape(-1, 4)), 1.0, 0, second_expert_sampling=False)
+    logits = layer.gate.wg(x.reshape(-1, 4))
+    gate = top2gating(logits, 1.0, 0, second_expert_sampling=False) if k == 2 else topkgating(logits, k, 1.0, 0)
     tokens = x.reshape(-1, 4)
     want = torch.stack(
         [
-            sum(gate.combine[s, e].sum() * layer.experts.deepspeed_experts[e](tokens[s]) for e in range(3))
+            sum(gate.combine[s, e].sum() * layer.experts.deepspeed_experts[e](tokens[s]) for e in range(experts))
             for s in range(10)
         ]
     )
     torch.testing.assert_close(out.reshape(-1, 4), want)
     assert counts.tolist() == gate.exp_counts.tolist() and l_aux.item() == pytest.approx(gate.l_aux.item())
     assert "deepspeed_moe.gate.wg.weight" in layer.state_dict()
-    assert "deepspeed_moe.experts.deepspeed_experts.2.weight" in layer.state_dict()
+    assert f"deepspeed_moe.experts.deepspeed_experts.{k}.weight" in layer.state_dict()
+
+
+def test_used_token_masks_tokens_at_top1():
+    torch.manual_seed(0)
+    layer = MoE(4, nn.Linear(4, 4), num_experts=2, k=1, min_capacity=0, capacity_factor=2.0, use_rts=False)
+    x = torch.randn(6, 4)
+    used = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    out, _, counts = layer(x, used)
+    assert counts.sum().item() == 4 and out[1].abs().sum() == 0 and out[3].abs().sum() == 0
+    assert out[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="only top-1 gating masks tokens"):
+        MoE(4, nn.Linear(4, 4), num_experts=2, k=2)(x, used)
 
 
 def test_residual_moe_runs():
@@ -131,7 +144,7 @@ def test_residual_moe_runs():
     [
         ({"use_tutel": True}, "Tutel"),
         ({"enable_expert_tensor_parallelism": True}, "expert tensor parallelism"),
-        ({"k": 3}, "top-1 and top-2"),
+        ({"k": 3}, "choose k from 1 to num_experts"),
         ({"num_experts": 3, "ep_size": 2}, "multiple of ep_size"),
         ({"noisy_gate_policy": "Gaussian"}, "noisy_gate_policy"),
     ],
@@ -156,3 +169,36 @@ def test_split_params_helper_keeps_the_groups():
     assert split_params_into_different_moe_groups_for_optimizer(group) == [group]
     assert is_moe_param(layer.experts.deepspeed_experts[1].weight, layer)
     assert not is_moe_param(layer.gate.wg.weight, layer)
+
+
+def test_gumbel_noise_spreads_sampled_choices():
+    # Before, the noise was NaN: RSample sent every token to expert 0, top-2's sampled second choice to the first
+    # expert not already chosen. With equal logits both choices spread over the experts.
+    from zeroshard.moe.gating import gumbel
+
+    torch.manual_seed(0)
+    assert torch.isfinite(gumbel(torch.Size([64, 4]), torch.device("cpu"))).all()
+    logits = torch.zeros(4000, 4)
+    rsample = top1gating(logits, 1.0, 0, noisy_gate_policy="RSample", drop_tokens=False).exp_counts
+    assert rsample.min() > 900, rsample.tolist()
+    second = top2gating(logits, 1.0, 0, drop_tokens=False, second_expert_sampling=True).exp_counts
+    first = torch.bincount(logits.argmax(dim=1), minlength=4)  # all expert 0
+    assert (second - first)[1:].min() > 1200, (second - first).tolist()
+
+
+def test_sampled_gating_equals_deepspeeds_draws():
+    """The same generator state gives DeepSpeed 0.19.8's choices, weights and loss to the bit."""
+    sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+    torch.manual_seed(0)
+    logits = torch.randn(512, 4) * 0.3
+    for drop_tokens in (True, False):
+        torch.manual_seed(1)
+        want = sharded_moe.top2gating(logits.clone(), 1.0, 0, drop_tokens=drop_tokens)
+        torch.manual_seed(1)
+        got = top2gating(logits.clone(), 1.0, 0, drop_tokens=drop_tokens)
+        assert torch.equal(got.combine, want[1]) and torch.equal(got.l_aux, want[0]), drop_tokens
+        torch.manual_seed(1)
+        want = sharded_moe.top1gating(logits.clone(), 1.0, 0, noisy_gate_policy="RSample", drop_tokens=drop_tokens)
+        torch.manual_seed(1)
+        got = top1gating(logits.clone(), 1.0, 0, noisy_gate_policy="RSample", drop_tokens=drop_tokens, use_rts=False)
+        assert torch.equal(got.exp_counts, want[3]), drop_tokens

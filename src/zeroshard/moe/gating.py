@@ -1,4 +1,4 @@
-"""Top-1 and top-2 gating with capacity and the load-balancing loss, as DeepSpeed's sharded_moe computes them.
+"""Top-1, top-2 and top-k gating with capacity and the load-balancing loss, as DeepSpeed's sharded_moe computes them.
 
 [Note: gating]
 A gate scores `S` tokens against `E` experts (softmax in fp32). Each expert takes at most `capacity` tokens:
@@ -44,8 +44,11 @@ def capacity_for(num_tokens: int, num_experts: int, capacity_factor: float, min_
 
 
 def gumbel(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    uniform = torch.rand(shape, device=device)
-    return -torch.log(-torch.log(uniform.clamp_min(1e-20)).clamp_min(1e-20))
+    """Standard Gumbel noise, drawn as DeepSpeed's `gumbel_rsample` draws it (torch's `Gumbel(0, 1).rsample`: the same
+    numbers from the same generator state). Before, a misplaced minus made every value NaN, so RSample and top-2's
+    second-expert sampling sent every token to the first expert not already chosen."""
+    zero, one = torch.tensor(0.0, device=device), torch.tensor(1.0, device=device)
+    return torch.distributions.gumbel.Gumbel(zero, one).rsample(shape)
 
 
 def _keep_first(mask: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -54,10 +57,11 @@ def _keep_first(mask: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def _keep_random(mask: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Random token selection: per expert, `capacity` assigned tokens chosen at random."""
+    """Random token selection: per expert, `capacity` assigned tokens chosen at random (the numbers are drawn when
+    every token fits too, as DeepSpeed draws them: the generator then moves on alike)."""
+    priority = mask * torch.rand(mask.shape, device=mask.device)
     if capacity >= mask.shape[0]:
         return mask
-    priority = mask * torch.rand(mask.shape, device=mask.device)
     top = torch.topk(priority, k=capacity, dim=0).indices
     return mask * torch.zeros_like(mask).scatter_(0, top, 1)
 
@@ -74,12 +78,16 @@ def top1gating(
     noisy_gate_policy: str | None = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
+    used_token: torch.Tensor | None = None,
 ) -> GateOutput:
-    """[Note: gating] top-1: each token to its best expert (RSample: best after Gumbel noise)."""
+    """[Note: gating] top-1: each token to its best expert (RSample: best after Gumbel noise); `used_token` [S]
+    (DeepSpeed's): tokens whose entry is 0 go to no expert."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     chooser = logits + gumbel(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
     mask = F.one_hot(torch.argmax(chooser, dim=1), num_classes=num_experts)
+    if used_token is not None:
+        mask = mask * used_token.to(mask.dtype).unsqueeze(1)  # (0/1 in any dtype; DeepSpeed's fails on a float one)
     exp_counts = mask.sum(dim=0).detach().cpu()
     if drop_tokens:
         capacity = capacity_for(num_tokens, num_experts, capacity_factor, min_capacity)
@@ -124,4 +132,44 @@ def top2gating(
     ) + torch.einsum(
         "se,sc->sec", (gates2 / denom)[:, None] * mask2.float(), _slots((locations2 * mask2).sum(dim=1), capacity)
     )
+    return GateOutput(l_aux, combine, combine.bool(), exp_counts)
+
+
+def topkgating(
+    logits: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    drop_policy: str = "probs",
+) -> GateOutput:
+    """[Note: gating] top-k (k > 2, DeepSpeed's `topkgating`): each token to its k most probable experts, the kept
+    weights renormalised to sum to one. Capacity `ceil(S / E * capacity_factor * k)`; past it `drop_policy` "probs"
+    keeps each expert's most probable tokens, "position" the first ones. Loss `E * E / k * mean(mean_gates *
+    fraction_routed)` on the assignments before capacity."""
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"topkgating(drop_policy={drop_policy!r}): choose 'probs' or 'position'")
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, True)
+    exp_counts = mask.sum(dim=0).detach().cpu()
+    l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
+    if drop_tokens:
+        capacity = capacity_for(num_tokens, num_experts, capacity_factor * k, min_capacity)
+        if drop_policy == "probs":
+            chosen = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
+            kept = torch.topk(chosen, k=min(capacity, num_tokens), dim=0, sorted=False).indices
+            mask &= torch.zeros_like(mask).scatter_(0, kept, True)
+            locations = torch.cumsum(mask, dim=0) - 1
+        else:
+            locations = torch.cumsum(mask, dim=0) - 1
+            mask &= torch.lt(locations, capacity)
+    else:
+        capacity = int(exp_counts.max())
+        locations = torch.cumsum(mask, dim=0) - 1
+    masked = gates * mask
+    masked = masked / torch.clamp(masked.sum(dim=-1, keepdim=True), min=torch.finfo(masked.dtype).eps)
+    slots = F.one_hot(locations * mask, num_classes=capacity).float()
+    combine = torch.einsum("se,sec->sec", masked, slots)
     return GateOutput(l_aux, combine, combine.bool(), exp_counts)

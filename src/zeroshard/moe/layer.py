@@ -26,7 +26,7 @@ from torch import nn
 from zeroshard.errors import ZeroshardError
 from zeroshard.moe.exchange import exchange_capacities, from_experts, to_experts
 from zeroshard.moe.experts import Experts
-from zeroshard.moe.gating import GateOutput, top1gating, top2gating
+from zeroshard.moe.gating import GateOutput, top1gating, top2gating, topkgating
 from zeroshard.moe.groups import ExpertGroups
 
 _NOISY = (None, "None", "Jitter", "RSample")
@@ -42,8 +42,8 @@ def _refuse(
             "MoE(enable_expert_tensor_parallelism=True): expert tensor parallelism is not supported; experts are "
             "expert- and data-parallel only"
         )
-    if k not in (1, 2):
-        raise ValueError(f"MoE(k={k}): only top-1 and top-2 gating are supported")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"MoE(k={k}): choose k from 1 to num_experts ({num_experts})")
     if noisy not in _NOISY:
         raise ValueError(f"MoE(noisy_gate_policy={noisy!r}): choose one of {_NOISY}")
     if num_experts % ep_size:
@@ -74,7 +74,7 @@ class TopKGate(nn.Module):
         self.wg = nn.Linear(hidden_size, num_experts, bias=False).float()
         self.policy = policy
 
-    def forward(self, tokens: torch.Tensor) -> GateOutput:
+    def forward(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None) -> GateOutput:
         p = self.policy
         x = tokens.float()
         if p.noisy_gate_policy == "Jitter" and self.training:  # DeepSpeed's multiplicative jitter, eps 1e-2
@@ -83,8 +83,12 @@ class TopKGate(nn.Module):
         factor = p.capacity_factor if self.training else p.eval_capacity_factor
         if p.k == 1:
             noisy = p.noisy_gate_policy if self.training else None
-            return top1gating(logits, factor, p.min_capacity, noisy, p.drop_tokens, p.use_rts)
-        return top2gating(logits, factor, p.min_capacity, p.drop_tokens, p.top2_2nd_expert_sampling)
+            return top1gating(logits, factor, p.min_capacity, noisy, p.drop_tokens, p.use_rts, used_token)
+        if used_token is not None:  # (DeepSpeed's gate drops it silently there)
+            raise ValueError(f"MoE(k={p.k}).forward(used_token=...): only top-1 gating masks tokens")
+        if p.k == 2:
+            return top2gating(logits, factor, p.min_capacity, p.drop_tokens, p.top2_2nd_expert_sampling)
+        return topkgating(logits, p.k, factor, p.min_capacity, p.drop_tokens)
 
 
 class MoE(nn.Module):
@@ -167,8 +171,6 @@ class MoE(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if used_token is not None:
-            raise ValueError("MoE.forward(used_token=...) is not supported")
         if self.groups.pending:
             raise ZeroshardError(
                 "MoE built by a PipelineModule stage: its expert groups are made by zeroshard.initialize; run the "
@@ -176,7 +178,7 @@ class MoE(nn.Module):
             )
         model = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model)
-        gate: GateOutput = self.gate(tokens)
+        gate: GateOutput = self.gate(tokens, None if used_token is None else used_token.reshape(-1))
         dispatched = torch.einsum("sec,sm->ecm", gate.dispatch.type_as(tokens), tokens)
         capacities = exchange_capacities(self.groups.ep, gate.capacity, tokens.device)
         outputs = self.experts(to_experts(dispatched, self.groups.ep, capacities))
