@@ -46,7 +46,9 @@ _DEEPSPEED_NAMES = {
     "DeepSpeedConfigError": ("zeroshard.errors", "ConfigError"),
     "log_dist": ("zeroshard.utils", "log_dist"),
     "logger": ("zeroshard.utils", "logger"),
+    "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
 }
+_SUBMODULES = ("checkpointing",)  # `deepspeed.checkpointing` without an import of its own, as DeepSpeed's __init__
 
 
 def __getattr__(name: str) -> object:
@@ -55,6 +57,10 @@ def __getattr__(name: str) -> object:
 
         module, attribute = _DEEPSPEED_NAMES[name]
         return getattr(importlib.import_module(module), attribute)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"zeroshard.{name}")
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
 
 

@@ -162,3 +162,15 @@ def configure_from_config(cfg: Any, mpu: Any = None) -> None:
     later `configure` call still wins."""
     if "activation_checkpointing" in (cfg.raw or {}):
         configure(mpu, deepspeed_config=cfg)
+
+
+def _module_globals() -> None:
+    """DeepSpeed's module globals on this module ([Note: checkpointing module globals])."""
+    import sys
+
+    from zeroshard.checkpointing.globals import CheckpointingModule
+
+    sys.modules[__name__].__class__ = CheckpointingModule
+
+
+_module_globals()

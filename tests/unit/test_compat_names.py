@@ -1,0 +1,72 @@
+"""`import zeroshard as deepspeed`: more names DeepSpeed's own tests import (the checkpointing module's globals under
+both module paths, `get_accelerator` at the top, `utils.torch`), compared with DeepSpeed's where that is cheap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.deepspeed_reference import import_deepspeed
+
+
+def test_checkpointing_globals_read_and_write_the_settings():
+    # [Note: checkpointing module globals]: DeepSpeed's tests save the globals, configure, and write them back
+    import zeroshard as deepspeed
+    from zeroshard.runtime.activation_checkpointing import checkpointing as by_path
+
+    cp = deepspeed.checkpointing
+    assert by_path is cp
+    names = ("PARTITION_ACTIVATIONS", "CONTIGUOUS_CHECKPOINTING", "num_layers", "CPU_CHECKPOINT", "SYNCHRONIZE")
+    names += ("PROFILE_TIME", "mpu", "deepspeed_checkpointing_enabled")
+    saved = {name: getattr(cp, name) for name in names}
+    try:
+        cp.configure(None, partition_activations=True, checkpoint_in_cpu=True, num_checkpoints=3)
+        assert (cp.PARTITION_ACTIVATIONS, cp.CPU_CHECKPOINT, cp.num_layers) == (True, True, 3)
+        assert cp.deepspeed_checkpointing_enabled
+        cp.CPU_CHECKPOINT = False  # a write is the setting the next checkpoint uses
+        assert cp.settings().cpu_checkpointing is False
+        x = torch.randn(4, 8, requires_grad=True)
+        cp.checkpoint(torch.nn.Linear(8, 8), x).sum().backward()
+        assert cp.stats().peak_host_bytes == 0 and cp.stats().peak_device_bytes > 0
+    finally:
+        for name, value in saved.items():
+            setattr(cp, name, value)
+        cp.reset()
+    assert {name: getattr(cp, name) for name in names} == saved
+
+
+def test_non_reentrant_checkpoint_under_deepspeeds_module_path():
+    from zeroshard.checkpointing import non_reentrant_checkpoint
+    from zeroshard.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint as by_path
+
+    assert by_path is non_reentrant_checkpoint
+
+
+def test_get_accelerator_at_the_top():
+    import zeroshard as deepspeed
+    from zeroshard.accelerator import get_accelerator
+
+    assert deepspeed.get_accelerator is get_accelerator
+
+
+@pytest.mark.parametrize(
+    ("min_version", "max_version"), [(2.1, None), (None, 2.0), ("2.0", "99"), (99, None), (None, "2.6.0")]
+)
+def test_required_torch_version_as_deepspeeds(min_version, max_version):
+    from zeroshard.utils.torch import required_torch_version
+
+    ours = required_torch_version(min_version=min_version, max_version=max_version)
+    ds = import_deepspeed()
+    from deepspeed.utils.torch import required_torch_version as theirs  # noqa: E402 - after the reference's import
+
+    assert ds is not None and ours == theirs(min_version=min_version, max_version=max_version)
+
+
+def test_register_grad_hook_runs_after_accumulation():
+    from zeroshard.utils.torch import register_grad_hook
+
+    seen = []
+    p = torch.nn.Parameter(torch.ones(3))
+    register_grad_hook(p, lambda param: seen.append(param.grad.clone()))
+    (p * 2).sum().backward()
+    assert torch.equal(seen[0], torch.full((3,), 2.0))
