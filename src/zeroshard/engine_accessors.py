@@ -35,6 +35,7 @@ class EngineAccessors(DeepSpeedSettings):
     schedules: TrainingSchedules
     _step_applied: bool
     sequence: SequenceParallel | None = None  # set by initialize ([Note: sequence parallelism])
+    mpu: Any = None  # the model-parallel unit `initialize` was given (tensor or sequence parallel), as DeepSpeed's
 
     def __getattr__(self, name: str) -> Any:
         """[Note: the model's attributes through the engine]
@@ -53,6 +54,19 @@ class EngineAccessors(DeepSpeedSettings):
                 except AttributeError:
                     pass
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
+    @property
+    def num_experts(self) -> list[int]:
+        """DeepSpeed's: the expert count of each MoE layer (`zeroshard.moe.MoE`) in the model, in module order."""
+        from zeroshard.moe.layer import MoE
+
+        module: torch.nn.Module = self.module  # type: ignore[attr-defined]
+        return [m.num_experts for m in module.modules() if isinstance(m, MoE)]
+
+    @property
+    def has_moe_layers(self) -> bool:
+        """DeepSpeed's: whether the model holds MoE layers."""
+        return bool(self.num_experts)
 
     @property
     def zero_stage(self) -> int:

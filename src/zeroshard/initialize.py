@@ -365,7 +365,7 @@ def _build(
         engine = PipelineEngine(*parts, loader, None, monitors, pipe=pipe)
     else:
         engine = Engine(*parts, loader, compute, monitors)
-    engine.sequence = sequence
+    engine.sequence, engine.mpu = sequence, mpu if mpu is not None else sp_mpu
     if cfg.hybrid_engine.enabled or engine.forward_communicates():
         from zeroshard.generation import install
 

@@ -69,8 +69,10 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     pipe = build(PipeCase(stages=2))
     out["pipeline"] = _answers()
     pipe.destroy()
-    engine = _engine(nn.Linear(4, 4), 1, mpu=_WorldTensorParallel(rank))
+    mpu = _WorldTensorParallel(rank)
+    engine = _engine(nn.Linear(4, 4), 1, mpu=mpu)
     out["mpu"] = _answers()
+    out["engine_mpu"] = (engine.mpu is mpu, engine.has_moe_layers, engine.num_experts)
     engine.destroy()
     engine = _engine(nn.Linear(4, 4), 1, mpu=_MegatronStyle(rank))  # sequence methods too: still tensor-parallel
     out["megatron_mpu"] = (_answers(), engine.sequence_parallel_size)
@@ -80,6 +82,7 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     out["moe"] = (name, groups._get_max_expert_size(), groups._get_expert_parallel_world_size(name))
     out["moe"] += (groups._get_expert_data_parallel_world_size(name), groups._get_expert_parallel_rank(name))
     out["moe_dp"] = _answers()["dp"]
+    out["moe_engine"] = (engine.has_moe_layers, engine.num_experts, engine.mpu)
     # [Note: a one-rank group]: a script's all-reduce over the expert-data-parallel group (one rank each, ep_size
     # the world) sums this rank's tensor alone (it summed the world's, the other expert's)
     import torch
@@ -109,6 +112,7 @@ def test_groups_follow_the_engine_built_last() -> None:
         assert out["megatron_mpu"] == (out["mpu"], 1)
         assert out["moe"] == ("ep_size_2", 2, 2, 1, rank)
         assert out["moe_dp"] == (2, rank)
+        assert out["moe_engine"] == (True, [4], None) and out["engine_mpu"] == (True, False, [])
         assert out["edp_group"] == ([rank], float(rank + 1))
         assert out["after"] == world
         assert "ep_size_2" in out["no_experts"]

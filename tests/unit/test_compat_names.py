@@ -70,3 +70,28 @@ def test_register_grad_hook_runs_after_accumulation():
     register_grad_hook(p, lambda param: seen.append(param.grad.clone()))
     (p * 2).sum().backward()
     assert torch.equal(seen[0], torch.full((3,), 2.0))
+
+
+def test_runtime_utils_partitioning_and_weight_norm_as_deepspeeds():
+    import_deepspeed()
+    from deepspeed.runtime import utils as theirs
+
+    from zeroshard.runtime import utils as ours
+
+    for items, parts in [(10, 3), (3, 5), (12, 4), (7, 7)]:
+        assert ours.partition_uniform(items, parts) == theirs.partition_uniform(items, parts)
+    for weights, parts in [([1, 2, 3, 4], 2), ([5, 1, 1, 1, 1, 5], 3), ([2] * 9, 4)]:
+        assert ours.partition_balanced(weights, parts) == theirs.partition_balanced(weights, parts)
+        assert ours.prefix_sum_inc(weights) == theirs.prefix_sum_inc(weights)
+    torch.manual_seed(0)
+    params = [torch.randn(4, 3), torch.randn(5)]
+    for norm_type in (2, 1, float("inf")):
+        assert ours.get_weight_norm(params, norm_type) == pytest.approx(theirs.get_weight_norm(params, norm_type))
+    broken = [torch.tensor([1.0, float("nan")])]
+    assert ours.get_weight_norm(broken) == theirs.get_weight_norm(broken) == -1
+
+
+def test_csv_monitor_under_deepspeeds_class_name():
+    from zeroshard.monitor.csv_monitor import CSVMonitor, csvMonitor
+
+    assert csvMonitor is CSVMonitor

@@ -1,13 +1,14 @@
-"""`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed`, `move_to_device`, `clip_grad_norm_` and
-`call_to_str`."""
+"""`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed`, `move_to_device`, `clip_grad_norm_`,
+`get_weight_norm`, `call_to_str`, and the pipeline's `partition_uniform`, `partition_balanced`, `prefix_sum_inc`."""
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -134,3 +135,75 @@ def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
     """
     arguments = [repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
     return f"{base}({', '.join(arguments)})"
+
+
+def get_weight_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2, mpu: Any = None) -> float:
+    """DeepSpeed's `get_weight_norm`: the `norm_type` norm of the parameters' values (not their gradients), -1 when
+    it is not finite. With an `mpu`, summed (`inf`: the max) over its model-parallel group, a parameter not marked
+    `model_parallel` counted on model-parallel rank 0 only, and a pipeline's replicated copy
+    (`ds_pipe_replicated`) once; a collective over that group then.
+
+    Example:
+        >>> get_weight_norm([torch.ones(3), torch.ones(1)])
+        2.0
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    device = get_accelerator().current_device_name()
+    group = mpu.get_model_parallel_group() if mpu is not None else None
+    if norm_type == math.inf:
+        maxima = [p.detach().abs().max().float() for p in params if p.numel()]
+        total = torch.stack(maxima).max().to(device) if maxima else torch.zeros((), device=device)
+        if mpu is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=group)
+        value = float(total)
+    else:
+        counted = [
+            p
+            for p in params
+            if not getattr(p, "ds_pipe_replicated", False)
+            and (mpu is None or mpu.get_model_parallel_rank() == 0 or _model_parallel(p))
+        ]
+        powers = [p.detach().float().norm(norm_type) ** norm_type for p in counted]
+        total = torch.stack(powers).sum().to(device) if powers else torch.zeros((), device=device)
+        if mpu is not None:
+            comm.all_reduce(total, op=comm.ReduceOp.SUM, group=group)
+        value = float(total) ** (1.0 / norm_type)
+    return value if math.isfinite(value) else -1
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's: the stage boundaries of `num_items` equal layers over `num_parts` (pipe/partition.py)."""
+    from zeroshard.pipe import partition  # (the pipe package imports this module)
+
+    return partition.partition_uniform(num_items, num_parts)
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """DeepSpeed's: the stage boundaries that balance `weights` over `num_parts` (pipe/partition.py)."""
+    from zeroshard.pipe import partition
+
+    return partition.partition_balanced(weights, num_parts)
+
+
+def prefix_sum_inc(weights: Iterable[float]) -> list[float]:
+    """The inclusive prefix sums of `weights` (DeepSpeed's pipeline partitioning helper).
+
+    Example:
+        >>> prefix_sum_inc([3, 4, 5])
+        [3, 7, 12]
+    """
+    return list(itertools.accumulate(weights))
+
+
+__all__ = [
+    "call_to_str",
+    "clip_grad_norm_",
+    "get_weight_norm",
+    "move_to_device",
+    "partition_balanced",
+    "partition_uniform",
+    "prefix_sum_inc",
+    "see_memory_usage",
+    "set_random_seed",
+]
