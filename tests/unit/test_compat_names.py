@@ -95,3 +95,21 @@ def test_csv_monitor_under_deepspeeds_class_name():
     from zeroshard.monitor.csv_monitor import CSVMonitor, csvMonitor
 
     assert csvMonitor is CSVMonitor
+
+
+def test_expert_parallel_rank_layout_as_deepspeeds():
+    import_deepspeed()
+    from deepspeed.utils.groups import _get_expert_parallel_ranks as theirs
+
+    from zeroshard.utils.groups import _get_expert_parallel_ranks as ours
+
+    for world in (1, 2, 4, 8, 16):
+        for tp in (1, 2, 4):
+            for pp in (1, 2):
+                for ep in (1, 2, 4):
+                    for data_first in (False, True):
+                        if world % (tp * pp) or (world // (tp * pp)) % ep:
+                            with pytest.raises(ValueError, match="do not split"):
+                                ours(world, tp, ep, pp, data_first)
+                            continue
+                        assert ours(world, tp, ep, pp, data_first) == theirs(world, tp, ep, pp, data_first)

@@ -13,7 +13,7 @@ different meshes should ask each engine (`engine.dp_world_size`, `engine.pipe`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -157,13 +157,106 @@ def get_tensor_model_parallel_src_rank() -> int:
     return min(dist.get_process_group_ranks(group))
 
 
-def _experts(group_name: str) -> ExpertGroups:
+def _all_experts() -> dict[str, ExpertGroups]:
+    """The engine's expert groups by name, and those a script made (`_create_expert_and_data_parallel`)."""
     published = _PUBLISHED.groups
-    groups = published.experts.get(group_name) if published is not None else None
+    made = _MADE.get(id(dist.group.WORLD), {}) if _initialized() else {}
+    return {**made, **(published.experts if published is not None else {})}
+
+
+def _experts(group_name: str) -> ExpertGroups:
+    groups = _all_experts().get(group_name)
     if groups is None:
-        known = sorted(published.experts) if published is not None else []
+        known = sorted(_all_experts())
         raise KeyError(f"no expert groups named {group_name!r} (the engine's MoE layers have {known})")
     return groups
+
+
+_MADE: dict[int, dict[str, ExpertGroups]] = {}  # the world's id -> expert groups a script made, by name
+
+
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int,
+    mp_size: int | None = None,
+    pp_size: int | None = None,
+    mp_mode: str = "tp",
+    use_data_before_expert_parallel_: bool = False,
+    folding_spec: Any = None,
+) -> None:
+    """DeepSpeed's: make the expert-parallel and expert-data-parallel groups of `expert_parallel_size_` over the
+    world (collective: every rank), named `ep_size_N` as an engine's MoE layers name theirs (an engine's own win).
+    DeepSpeed's engine calls it for its MoE layers; scripts and its tests call it to use the groups without an
+    engine. Only the world's "E + D" / "D + E" layouts: model or pipeline parallel sizes above 1 are refused."""
+    from zeroshard.moe.groups import ExpertGroups
+
+    if (mp_size or 1) > 1 or (pp_size or 1) > 1 or folding_spec is not None:
+        raise ValueError(
+            "_create_expert_and_data_parallel: only expert groups over the whole world are made here (mp_size, "
+            "pp_size and folding_spec are not supported); an engine makes those of its own mesh"
+        )
+    if not _initialized():
+        raise RuntimeError("_create_expert_and_data_parallel: torch.distributed is not initialized")
+    groups = ExpertGroups(expert_parallel_size_)
+    groups.use_topology(use_data_before_expert_parallel_)
+    _MADE.setdefault(id(dist.group.WORLD), {})[f"ep_size_{expert_parallel_size_}"] = groups
+
+
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's layout of the expert-parallel and expert-data-parallel groups over a mesh of pipeline stages
+    (blocks of world / pp ranks), tensor-parallel neighbours and data-parallel replicas. Pure: the rank lists.
+
+    Each stage's data-parallel ranks of one tensor-parallel index (every tp-th rank; "D + E": gathered in
+    expert-sized strides) are cut into consecutive expert-parallel groups of `expert_parallel_size_`; the ranks at
+    one position of those groups form an expert-data-parallel group.
+
+    Example:
+        >>> _get_expert_parallel_ranks(8, 2, 2)[0]
+        [[0, 2], [4, 6], [1, 3], [5, 7]]
+    """
+    tp, ep, pp = tensor_parallel_size_, expert_parallel_size_, pipeline_parallel_size_
+    if world_size % (tp * pp) or (world_size // (tp * pp)) % ep:
+        raise ValueError(
+            f"_get_expert_parallel_ranks: {world_size} ranks do not split into tensor-parallel {tp} x pipeline {pp} "
+            f"with data-parallel groups divisible by the expert-parallel size {ep}"
+        )
+    dp, stage_size = world_size // (tp * pp), world_size // pp
+    data_groups = []
+    for start in range(0, world_size, stage_size):
+        for i in range(tp):
+            if use_data_before_expert_parallel_:
+                stride = dp // ep  # replicas of one expert sit this many tensor-parallel blocks apart
+                ranks = [r for d in range(stride) for r in range(start + i + d * tp, start + stage_size, stride * tp)]
+            else:
+                ranks = list(range(start + i, start + stage_size, tp))
+            data_groups.append(ranks)
+    expert_groups, expert_data_groups = [], []
+    for ranks in data_groups:
+        parts = [ranks[j : j + ep] for j in range(0, dp, ep)]
+        expert_groups.extend(parts)
+        expert_data_groups.extend(list(column) for column in zip(*parts, strict=True))
+    return expert_groups, expert_data_groups
+
+
+def _get_expert_parallel_group_dict() -> dict[str, dist.ProcessGroup | None]:
+    """This rank's expert-parallel group of every expert mesh, by name."""
+    return {name: _group(groups.ep) for name, groups in _all_experts().items()}
+
+
+def _get_broadcast_src_rank() -> int:
+    """The global rank of the first rank of the group ZeRO shards over (what DeepSpeed broadcasts from)."""
+    group = _get_sequence_data_parallel_group()
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank of the first rank of this rank's expert-data-parallel group of `group_name`."""
+    return dist.get_global_rank(_get_expert_data_parallel_group(group_name), 0)
 
 
 def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup | None:
@@ -192,8 +285,8 @@ def _get_expert_data_parallel_rank(group_name: str) -> int:
 
 def _get_max_expert_size_name() -> str:
     """The name of the largest expert-parallel size among the engine's MoE layers."""
-    published = _PUBLISHED.groups
-    names = sorted(published.experts, key=lambda n: published.experts[n].mesh.ep_size) if published else []
+    every = _all_experts()
+    names = sorted(every, key=lambda n: every[n].mesh.ep_size)
     if not names:
         raise KeyError("the engine has no MoE layers with expert parallelism")
     return names[-1]
