@@ -235,7 +235,8 @@ def _get_expert_parallel_ranks(
             else:
                 ranks = list(range(start + i, start + stage_size, tp))
             data_groups.append(ranks)
-    expert_groups, expert_data_groups = [], []
+    expert_groups: list[list[int]] = []
+    expert_data_groups: list[list[int]] = []
     for ranks in data_groups:
         parts = [ranks[j : j + ep] for j in range(0, dp, ep)]
         expert_groups.extend(parts)
@@ -256,7 +257,8 @@ def _get_broadcast_src_rank() -> int:
 
 def _get_expert_broadcast_src_rank(group_name: str) -> int:
     """The global rank of the first rank of this rank's expert-data-parallel group of `group_name`."""
-    return dist.get_global_rank(_get_expert_data_parallel_group(group_name), 0)
+    group = _get_expert_data_parallel_group(group_name)
+    return dist.get_global_rank(group, 0) if group is not None else 0
 
 
 def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup | None:
