@@ -31,10 +31,10 @@ def _engine(rank: int, verify: str = "0", timeout: str = "8", backend: str = "ze
     return engine
 
 
-def _dschat_save(rank: int, world_size: int) -> tuple[str, str, float, int]:
+def _dschat_save(rank: int, world_size: int, one_unit: bool = False) -> tuple[str, str, float, int]:
     import zeroshard
 
-    engine = _engine(rank)
+    engine = _one_unit_engine(rank) if one_unit else _engine(rank)
     saved: dict[str, Any] = {}
 
     def save() -> None:
@@ -54,6 +54,34 @@ def test_a_lone_state_dict_beside_the_others_gathering_stands_down_without_finge
     assert first[:2] == second[:2] == ("", ""), (first, second)
     assert first[2] < 5 and second[2] < 5, (first, second)  # at once, not after a timeout
     assert first[3] == 0, first  # placeholders: every parameter released, so empty (DeepSpeed's too)
+
+
+def _one_unit_engine(rank: int) -> Any:
+    """A model whose parameters are all in the root unit (DeepSpeed-Chat's reward model at a tiny size): a lone
+    `state_dict()` would gather exactly what the others' first block gathers."""
+    import torch
+    from torch import nn
+
+    import zeroshard
+
+    os.environ["ZEROSHARD_VERIFY_COLLECTIVES"], os.environ["ZEROSHARD_DIVERGENCE_TIMEOUT_S"] = "1", "8"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    config = {"train_micro_batch_size_per_gpu": 1}
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}  # sharded, not kept whole
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    assert len(engine.strategy.units) == 1, [u.name for u in engine.strategy.units]
+    return engine
+
+
+def test_a_lone_state_dict_stands_down_beside_blocks_of_the_same_units() -> None:
+    """The same save with every parameter in one unit: rank 0's `state_dict()` stands down though it would gather the
+    same unit as the others' first `GatheredParameters` (before, the two were paired: the fingerprints named the
+    difference, DeepSpeed-Chat's step-2 save at stage 3 stopped there)."""
+    first, second = run_on_ranks(functools.partial(_dschat_save, one_unit=True), 2, timeout=120)
+    assert first[:2] == second[:2] == ("", ""), (first, second)
+    assert first[3] == 0, first
 
 
 def _alone(rank: int, world_size: int) -> tuple[str, str, float]:

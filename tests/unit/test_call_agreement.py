@@ -164,6 +164,10 @@ def test_an_optional_call_that_differs_stands_down_and_the_others_meet_its_next_
     ranks = _agreements(3, 10, dist.HashStore())
     stood: list[bool] = []
 
+    def rank0_same_units() -> None:
+        stood.append(ranks[0].agree("state_dict()", "all-gather of units [0]", role="optional"))
+        stood.append(ranks[0].agree("GatheredParameters", "all-gather of units [0]", role="block"))
+
     def rank0() -> None:
         stood.append(ranks[0].agree("state_dict()", "all-gather of units [0, 1, 2]", role="optional"))
         stood.append(ranks[0].agree("GatheredParameters", "all-gather of units [1]", role="block"))
@@ -171,6 +175,18 @@ def test_an_optional_call_that_differs_stands_down_and_the_others_meet_its_next_
     others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [1]", role="block") for a in ranks[1:]]
     assert _on_ranks([rank0, *others]) == [None, None, None]
     assert stood == [False, True] and ranks[0].stood_down_for == "GatheredParameters"
+    # the same units as the others' blocks over some parameters (a model of one unit): it stands down all the same,
+    # or the ranks would pair its gather with the others' first block and make different numbers of calls after
+    stood.clear()
+    others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [0]", role="block") for a in ranks[1:]]
+    assert _on_ranks([rank0_same_units, *others]) == [None, None, None]
+    assert stood == [False, True]
+    # beside blocks over the whole model ("whole") that gather the same units it pairs with them
+    others = [lambda a=a: a.agree("GatheredParameters", "all-gather of units [0]", role="whole") for a in ranks[1:]]
+    stood.clear()
+    alone = [lambda: stood.append(ranks[0].agree("state_dict()", "all-gather of units [0]", role="optional"))]
+    assert _on_ranks([*alone, *others]) == [None, None, None]
+    assert stood == [True]
     # optional calls that differ among themselves, with no other call to give way to: named
     outcomes = _on_ranks(
         [lambda a=a: a.agree("state_dict()", f"all-gather of units [{a.rank}]", role="optional") for a in ranks]

@@ -142,16 +142,23 @@ class CallAgreement:
             )
 
     def before_block(
-        self, call: str, gathers: list[Any], modifier_rank: int | None, units: int, optional: bool = False
+        self,
+        call: str,
+        gathers: list[Any],
+        modifier_rank: int | None,
+        units: int,
+        optional: bool = False,
+        whole: bool = False,
     ) -> bool:
         """Before a `GatheredParameters`-like block over `units` units communicates: `gathers` names what it gathers
         (nothing when all are gathered already), a modifier's broadcast at the block's end is part of what is agreed.
-        A block that sends nothing posts nothing. False: an `optional` call stood down (`agree`)."""
+        A block that sends nothing posts nothing. False: an `optional` call stood down (`agree`). `whole`: the block
+        holds every parameter of the model (generation's way), which a lone `state_dict()` may pair with."""
         broadcast = f"; broadcast from rank {modifier_rank} at the end" if modifier_rank is not None and units else ""
         if not (gathers or broadcast):
             return True
         shown = call if modifier_rank is None else f"{call}, modifier_rank={modifier_rank}"
-        role = "optional" if optional else "block"
+        role = "optional" if optional else "whole" if whole else "block"
         return self.agree(shown, f"all-gather of units {gathers}{broadcast}", role=role)
 
     def before_broadcast(self, modifier_rank: int, units: list[Any]) -> None:
@@ -173,11 +180,15 @@ class CallAgreement:
         seen = [json.loads(value) for value in _get_all(store, posts)]
         others = [(name, digest, role) for name, digest, _, role in seen if role != "optional"]
         theirs = others[0][1] if others else None
-        standing = [r for r, (_, digest, _, role) in enumerate(seen) if role == "optional" and digest != theirs]
-        if len({digest for _, digest, _, _ in seen}) == 1:
-            verdict = ""
-        elif others and standing and all(role == "block" and d == theirs for _, d, role in others):
+        # An optional call (a lone state_dict()) pairs with blocks over the whole model that gather what it gathers;
+        # beside blocks over some parameters it stands down even where it would gather the same units (a model of one
+        # unit): paired, the ranks would make different numbers of calls from there on
+        partial = any(role == "block" for _, _, role in others)
+        standing = [r for r, (_, d, _, role) in enumerate(seen) if role == "optional" and (d != theirs or partial)]
+        if others and standing and all(role in ("block", "whole") and d == theirs for _, d, role in others):
             verdict = _STAND_DOWN + json.dumps([standing, others[0][0]])  # they gave way to GatheredParameters blocks
+        elif len({digest for _, digest, _, _ in seen}) == 1:
+            verdict = ""
         else:
             shown = _where_they_differ([what for _, _, what, _ in seen])
             verdict = "; ".join(f"rank {r}: {name} ({shown[r]})" for r, (name, *_) in enumerate(seen))

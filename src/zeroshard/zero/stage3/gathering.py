@@ -62,7 +62,9 @@ class Stage3Gathering:
         gathers the whole model when every rank calls it, so its agreement marks it optional: when every other rank is
         in the same `GatheredParameters`-like block, the `state_dict()` calls that differ stand down and return
         DeepSpeed's placeholders (a warning names the others' call), and the others' block is agreed again with those
-        ranks' next call. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
+        ranks' next call. Beside a block over some of the parameters they stand down even where they would gather
+        the same units (a model of one unit, DeepSpeed-Chat's reward model at a small size); only a block over the
+        whole model (generation's) pairs with an equal `state_dict()`. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
         a `state_dict()` met by no gathering call times out, and one that stood down with no call after is named."""
         optional = self._state_dict_required == 0  # save_16bit_model's must gather
         gathers = not keep_vars and self._agree("state_dict()", self.units, optional=optional)  # nothing held yet
@@ -151,7 +153,8 @@ class Stage3Gathering:
         if modifier_rank is not None and self.speculation is not None:  # the masters it writes were stepped already
             self.speculation.check_unchanged(call or f"GatheredParameters(modifier_rank={modifier_rank})")
         units = self.units_of(params)
-        self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units, modifier_rank)
+        every = {id(p) for unit in self.units for p in unit.params} <= {id(p) for p in params}
+        self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units, modifier_rank, whole=every)
         self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
             return units
@@ -194,12 +197,18 @@ class Stage3Gathering:
         return modifier_rank
 
     def _agree(
-        self, call: str, units: Sequence[ShardedUnit], modifier_rank: int | None = None, optional: bool = False
+        self,
+        call: str,
+        units: Sequence[ShardedUnit],
+        modifier_rank: int | None = None,
+        optional: bool = False,
+        whole: bool = False,
     ) -> bool:
         """Before a caller's call gathers: [Note: gathering calls agree first]. Units gathered already (the
-        persistent one, or inside a forward) communicate nothing. False: an `optional` call stood down."""
+        persistent one, or inside a forward) communicate nothing. False: an `optional` call stood down. `whole`: a
+        block over every parameter of the model."""
         needed = [u.index for u in units if u.state is UnitState.SHARDED]
-        return self.agreement.before_block(call, needed, modifier_rank, len(units), optional)
+        return self.agreement.before_block(call, needed, modifier_rank, len(units), optional, whole)
 
     def units_of(self, params: Sequence[torch.Tensor]) -> list[ShardedUnit]:
         wanted = {id(p) for p in params}
