@@ -113,3 +113,15 @@ def test_expert_parallel_rank_layout_as_deepspeeds():
                                 ours(world, tp, ep, pp, data_first)
                             continue
                         assert ours(world, tp, ep, pp, data_first) == theirs(world, tp, ep, pp, data_first)
+
+
+@pytest.mark.parametrize(
+    ("module", "names"),
+    [("data_sampling", "data-efficiency sampler"), ("data_routing", "random-LTD"), ("data_sampling.data_sampler", "")],
+)
+def test_data_efficiency_modules_say_they_are_not_provided(module, names):
+    # DeepSpeedExamples' data_efficiency scripts import these: one line naming what is missing and what to use
+    import importlib
+
+    with pytest.raises(ImportError, match=f"{names}.*is not provided by zeroshard"):
+        importlib.import_module(f"zeroshard.runtime.data_pipeline.{module}")

@@ -64,8 +64,9 @@ class Stage3Gathering:
         DeepSpeed's placeholders (a warning names the others' call), and the others' block is agreed again with those
         ranks' next call. Beside a block over some of the parameters they stand down even where they would gather
         the same units (a model of one unit, DeepSpeed-Chat's reward model at a small size); only a block over the
-        whole model (generation's) pairs with an equal `state_dict()`. Against any other call it is a mismatch as before; `save_16bit_model`'s never stands down;
-        a `state_dict()` met by no gathering call times out, and one that stood down with no call after is named."""
+        whole model (generation's) pairs with an equal `state_dict()`. Against any other call it is a mismatch as
+        before; `save_16bit_model`'s never stands down; a `state_dict()` met by no gathering call times out, and one
+        that stood down with no call after is named."""
         optional = self._state_dict_required == 0  # save_16bit_model's must gather
         gathers = not keep_vars and self._agree("state_dict()", self.units, optional=optional)  # nothing held yet
         self._state_dict_gathered.append(gathers)
