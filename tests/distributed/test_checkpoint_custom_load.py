@@ -1,8 +1,9 @@
 """`load_checkpoint(custom_load_fn=f)` ([Note: custom_load_fn] in checkpoint/custom_load.py), DeepSpeed's argument:
 before, a TypeError. On 2 ranks: a function that renames keys (a model saved inside a wrapper, as `torch.compile`'s
 `_orig_mod.`) loads the weights; one that keeps some prefixes leaves the rest at their initial values; a resume with
-the optimizer state restores the masters over what the function wrote (the next step is a plain load's to the bit),
-without it the function's values are the weights; a function that raises on one rank raises on every rank and leaves
+the optimizer state restores the masters over what the function wrote at stages 1-3 (the next step is a plain load's
+to the bit) and keeps the function's values at fp32 stage 0 (DeepSpeed's torch optimizer), without it the function's
+values are the weights; a function that raises on one rank raises on every rank and leaves
 the engine torn until a load succeeds."""
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def _run(rank: int, world: int, stage: int, folder: str):
     shifted = engine()
     shifted.load_checkpoint(folder, tag="plain", custom_load_fn=_shifted)
     out["counters"] = (shifted.global_steps, shifted.micro_steps)
+    # fp32 stage 0: the masters are the parameters, the function's values stay (DeepSpeed's torch optimizer loads its
+    # state only); stages 1-3: the restored masters are the weights, the next step a plain load's
+    out["after_load"] = torch.equal(_weights(shifted), saved + 1 if stage == 0 else saved)
     _step(shifted, second, rank)
     out["resume_is_a_plain_load"] = torch.equal(_weights(shifted), _weights(plain))
 
@@ -127,7 +131,8 @@ def _run(rank: int, world: int, stage: int, folder: str):
 def test_custom_load_fn(tmp_path, stage: int) -> None:
     for rank, out in enumerate(run_on_ranks(_run, 2, stage, str(tmp_path))):
         assert out["counters"] == (1, 1), (rank, out)
-        assert out["resume_is_a_plain_load"], (rank, out)
+        assert out["after_load"], (rank, out)
+        assert out["resume_is_a_plain_load"] == (stage > 0), (rank, out)
         assert out["function_values"], (rank, out)
         assert out["renamed"], (rank, out)
         assert out["filtered"], (rank, out)

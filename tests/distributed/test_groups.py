@@ -100,6 +100,9 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
         out["no_experts"] = str(err)
     # groups a script makes without an engine (DeepSpeed's own tests do), answered by the same accessors
     groups._create_expert_and_data_parallel(2)
+    first = groups._all_experts()["ep_size_2"]
+    groups._create_expert_and_data_parallel(2, use_data_before_expert_parallel_=True)  # kept, as DeepSpeed keeps them
+    out["kept"] = groups._all_experts()["ep_size_2"] is first
     ep, edp = groups._get_expert_parallel_group("ep_size_2"), groups._get_expert_data_parallel_group("ep_size_2")
     out["made"] = (dist.get_process_group_ranks(ep), dist.get_process_group_ranks(edp))
     out["made"] += (sorted(groups._get_expert_parallel_group_dict()),)
@@ -123,4 +126,4 @@ def test_groups_follow_the_engine_built_last() -> None:
         assert out["edp_group"] == ([rank], float(rank + 1))
         assert out["after"] == world
         assert "ep_size_2" in out["no_experts"]
-        assert out["made"] == ([0, 1], [rank], ["ep_size_2"], rank, 0, "ep_size_2")
+        assert out["made"] == ([0, 1], [rank], ["ep_size_2"], rank, 0, "ep_size_2") and out["kept"]

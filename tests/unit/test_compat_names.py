@@ -28,6 +28,8 @@ def test_checkpointing_globals_read_and_write_the_settings():
         x = torch.randn(4, 8, requires_grad=True)
         cp.checkpoint(torch.nn.Linear(8, 8), x).sum().backward()
         assert cp.stats().peak_host_bytes == 0 and cp.stats().peak_device_bytes > 0
+        cp.PARTITION_ACTIVATIONS, cp.CONTIGUOUS_CHECKPOINTING, cp.num_layers = False, True, None
+        cp.checkpoint(torch.nn.Linear(8, 8), x).sum().backward()  # contiguous alone does nothing, as in DeepSpeed
     finally:
         for name, value in saved.items():
             setattr(cp, name, value)
@@ -49,8 +51,12 @@ def test_get_accelerator_at_the_top():
     assert deepspeed.get_accelerator is get_accelerator
 
 
+RELEASE = torch.__version__.split("+")[0]  # the running release: "2.13.0+cpu" is above it, as DeepSpeed compares
+
+
 @pytest.mark.parametrize(
-    ("min_version", "max_version"), [(2.1, None), (None, 2.0), ("2.0", "99"), (99, None), (None, "2.6.0")]
+    ("min_version", "max_version"),
+    [(2.1, None), (None, 2.0), ("2.0", "99"), (99, None), (None, "2.6.0"), (None, RELEASE), (RELEASE, None)],
 )
 def test_required_torch_version_as_deepspeeds(min_version, max_version):
     from zeroshard.utils.torch import required_torch_version
@@ -123,5 +129,5 @@ def test_data_efficiency_modules_say_they_are_not_provided(module, names):
     # DeepSpeedExamples' data_efficiency scripts import these: one line naming what is missing and what to use
     import importlib
 
-    with pytest.raises(ImportError, match=f"{names}.*is not provided by zeroshard"):
+    with pytest.raises(ModuleNotFoundError, match=f"{names}.*is not provided by zeroshard"):
         importlib.import_module(f"zeroshard.runtime.data_pipeline.{module}")

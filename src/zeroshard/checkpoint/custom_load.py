@@ -11,12 +11,15 @@ raised on every rank; at stage 3 it gathers the whole module, as DeepSpeed does 
 `load_module_strict` does not apply, as in DeepSpeed. The rest of the load then runs without loading module weights
 by name: where it restores master weights (`load_optimizer_states`), those of every parameter the checkpoint holds
 under the engine's name come back with their optimizer state and the module weights are rebuilt from them, as
-DeepSpeed's ZeRO restores its fp32 masters over what the function wrote; the other parameters keep the function's
-values with fresh optimizer state. A function that raises (on any rank) may have written part of the module, buffers
-included, so the engine is left torn ([Note: a torn load]) until a load succeeds. Refused in one line: a module that
-holds slices or a part of the model (tensor parallelism, experts on other ranks), as the function would get whole
-tensors for it, the fsdp2 backend (its parameters are DTensors: `load_module_state_dict`'s refusal) and a pipeline
-(DeepSpeed asserts)."""
+DeepSpeed's ZeRO and mixed-precision optimizers restore their fp32 masters over what the function wrote (DeepSpeed
+leaves the module on the function's values until its first step, whose gradient is taken there: its first step after
+such a load differs from a plain load's, zeroshard's does not); the other parameters keep the function's values with
+fresh optimizer state. At fp32 stage 0, where the masters are the parameters and DeepSpeed's optimizer is torch's
+own (its state loads, the parameters stay), the function's values stay and the optimizer state loads. A function
+that raises (on any rank) may have written part of the module, buffers included, so the engine is left torn ([Note:
+a torn load]) until a load succeeds. Refused in one line: a module that holds slices or a part of the model (tensor
+parallelism, experts on other ranks), as the function would get whole tensors for it, the fsdp2 backend (its
+parameters are DTensors: `load_module_state_dict`'s refusal) and a pipeline (DeepSpeed asserts)."""
 
 from __future__ import annotations
 

@@ -307,6 +307,8 @@ def _load_tensors_and_state(
         log_rank(logger, 30, "the checkpoint has no optimizer state; the optimizer starts fresh")
         optimizer_too = False
     master_loaded = optimizer_too and bool(engine.config.zero_optimization.load_from_fp32_weights)
+    if not plan.module_by_name and int(engine.config.zero_optimization.stage) == 0:  # [Note: custom_load_fn]
+        master_loaded = master_loaded and engine.precision.compute_dtype != torch.float32  # fp32: the parameters
     ckpt_group: dict[int, int] = {}
     for part in state.parts() if state is not None else []:  # one part in memory at a time
         with part.hold(True):

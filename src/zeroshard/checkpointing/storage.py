@@ -24,6 +24,7 @@ import torch
 
 from zeroshard.checkpointing.context import CheckpointingContext
 from zeroshard.comm.api import all_gather_into_tensor
+from zeroshard.errors import ConfigError
 
 
 @dataclass
@@ -60,9 +61,13 @@ def keep(tensor: torch.Tensor, position: int, ctx: CheckpointingContext) -> Kept
         if flat.numel() < chunk * mp.size:
             flat = torch.nn.functional.pad(flat, (0, chunk * mp.size - flat.numel()))
         data = flat.narrow(0, chunk * mp.rank, chunk)
-    if s.contiguous_memory_optimization:
+    if s.contiguous_memory_optimization and s.partition_activations:  # (alone it does nothing, as in DeepSpeed)
         device = torch.device("cpu") if s.cpu_checkpointing else data.device
-        assert s.number_checkpoints is not None  # settings.validate
+        if s.number_checkpoints is None:  # (configure refuses it; DeepSpeed's module globals can be written apart)
+            raise ConfigError(
+                "activation checkpointing: contiguous_memory_optimization needs number_checkpoints (DeepSpeed's "
+                "num_layers), the number of checkpoints per forward"
+            )
         data, piece = ctx.buffers.take(position, data, s.number_checkpoints, device)
     elif s.cpu_checkpointing:
         data = _to_host(data, ctx)

@@ -186,7 +186,8 @@ def _create_expert_and_data_parallel(
     """DeepSpeed's: make the expert-parallel and expert-data-parallel groups of `expert_parallel_size_` over the
     world (collective: every rank), named `ep_size_N` as an engine's MoE layers name theirs (an engine's own win).
     DeepSpeed's engine calls it for its MoE layers; scripts and its tests call it to use the groups without an
-    engine. Only the world's "E + D" / "D + E" layouts: model or pipeline parallel sizes above 1 are refused."""
+    engine. Only the world's "E + D" / "D + E" layouts: model or pipeline parallel sizes above 1 are refused. A second
+    call for the same size keeps the first groups (DeepSpeed's skips a size it has)."""
     from zeroshard.moe.groups import ExpertGroups
 
     if (mp_size or 1) > 1 or (pp_size or 1) > 1 or folding_spec is not None:
@@ -196,9 +197,12 @@ def _create_expert_and_data_parallel(
         )
     if not _initialized():
         raise RuntimeError("_create_expert_and_data_parallel: torch.distributed is not initialized")
+    made = _MADE.setdefault(id(dist.group.WORLD), {})
+    if f"ep_size_{expert_parallel_size_}" in made:  # made before: kept, as DeepSpeed keeps its first groups
+        return
     groups = ExpertGroups(expert_parallel_size_)
     groups.use_topology(use_data_before_expert_parallel_)
-    _MADE.setdefault(id(dist.group.WORLD), {})[f"ep_size_{expert_parallel_size_}"] = groups
+    made[f"ep_size_{expert_parallel_size_}"] = groups
 
 
 def _get_expert_parallel_ranks(
