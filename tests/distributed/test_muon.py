@@ -146,16 +146,18 @@ def test_muon_state_resumes_in_another_layout(tmp_path, saver: Case, loader: Cas
             assert torch.equal(got, want), (got - want).abs().max().item()
 
 
-# DeepSpeed 0.19.8's own Muon engine on the same ranks. Without clipping its stages 0-3 update as ours to the bit
-# (its stage 2 with a window of two micro-steps to rounding). With clipping its stages 1-3 differ by design: their
-# norm counts the orthogonalised updates where the gradients stood ([Note: Muon on flat shards]); stage 0 agrees.
+# DeepSpeed 0.19.8's own Muon engine on the same ranks. Without clipping its stages 0-3 update as ours to the bit on an
+# AVX-512 CPU (its stage 2 with a window of two micro-steps to rounding); on an AVX2 one (AMD EPYC, 2026-11-30) within
+# 1e-6 (6e-8 after the first step, 2e-7 after the second: the matrix products round apart there). With clipping its
+# stages 1-3 differ by design: their norm counts the orthogonalised updates where the gradients stood ([Note: Muon on
+# flat shards]); stage 0 agrees.
 DEEPSPEED_CASES = [
-    (Case(stage=0, steps=3, clip=0.0), 0.0),
-    (Case(stage=1, steps=3, bucket=1000, clip=0.0), 0.0),
-    (Case(stage=2, steps=3, bucket=1000, clip=0.0), 0.0),
+    (Case(stage=0, steps=3, clip=0.0), 1e-6),
+    (Case(stage=1, steps=3, bucket=1000, clip=0.0), 1e-6),
+    (Case(stage=2, steps=3, bucket=1000, clip=0.0), 1e-6),
     (Case(stage=0, steps=3, clip=1.0), 1e-6),
     (Case(stage=2, steps=3, gas=2, clip=0.0), 1e-6),
-    (Case(stage=3, steps=3, clip=0.0, reduce_scatter=False), 0.0),  # DeepSpeed's stage 3 refuses Muon otherwise
+    (Case(stage=3, steps=3, clip=0.0, reduce_scatter=False), 1e-6),  # DeepSpeed's stage 3 refuses Muon otherwise
 ]
 
 
