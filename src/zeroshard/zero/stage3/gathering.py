@@ -154,7 +154,8 @@ class Stage3Gathering:
         if modifier_rank is not None and self.speculation is not None:  # the masters it writes were stepped already
             self.speculation.check_unchanged(call or f"GatheredParameters(modifier_rank={modifier_rank})")
         units = self.units_of(params)
-        every = {id(p) for unit in self.units for p in unit.params} <= {id(p) for p in params}
+        held = {id(p) for p in params}
+        every = len(units) == len(self.units) and all(id(p) in held for u in self.units for p in u.params)
         self._agree(call or f"GatheredParameters over {len(params)} parameter(s)", units, modifier_rank, whole=every)
         self.schedule.pin(units, "GatheredParameters")
         if len(units) < len(self.units):
