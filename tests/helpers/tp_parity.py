@@ -26,11 +26,14 @@ class TpCase:
     backend: str = "zero"  # "fsdp2": [Note: tensor parallelism on fsdp2]
     client_optimizer: bool = False  # torch's AdamW passed to initialize instead of the config's
     left_out: bool = False  # LEFT_OUT not optimized: fp32 stage 0 still clips over them ([Note: clipping over ...])
+    arch: str = "llama"  # ARCHS: the model; "qwen3" and "phi3" use more of transformers' tp_plan styles
+    specs: str = ""  # a key of SPECS: tensor_parallel keys beside autotp_size (partition_config, preset_model)
 
     @property
     def name(self) -> str:
         lp, client, out = int(self.loss_parallel), int(self.client_optimizer), int(self.left_out)
-        return f"{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}-out{out}"
+        head = f"{self.arch}-{self.specs}-" if self.arch != "llama" or self.specs else ""
+        return f"{head}{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}-out{out}"
 
 
 LEFT_OUT = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight")  # replicated; row-parallel (Shard(1))
@@ -40,22 +43,63 @@ def optimized(model: torch.nn.Module, case: TpCase) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if not (case.left_out and n in LEFT_OUT)]
 
 
-def llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama(seed: int = 0, arch: str = "llama") -> torch.nn.Module:
+    """A tiny decoder of `arch`: Llama (colwise/rowwise), Qwen3 (q_norm/k_norm "replicated_with_grad_allreduce"),
+    Phi-3 (fused qkv_proj and gate_up_proj, "colwise_gather_output" / "rowwise_split_input")."""
+    import transformers
 
+    config_class, model_class = ARCHS[arch]
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    cfg = getattr(transformers, config_class)(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=16,
         vocab_size=VOCAB,
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
         attn_implementation="eager",
+        **({"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2} if arch == "phi3" else {}),  # (32000 > VOCAB)
     )
-    return LlamaForCausalLM(cfg)
+    model = getattr(transformers, model_class)(cfg)
+    if arch == "qwen3":  # RMSNorm weights start at one: make q_norm/k_norm differ per element so a wrong sum shows
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+TRAINED = ("layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight", "layers.1.mlp.down_proj.weight")
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+# Llama's tp plan written as DeepSpeed's partition_config, the MLP of layer 1 left whole (unmatched) and the untied
+# lm_head split with its logits gathered; and DeepSpeed's "llama" preset (the same split of every layer, lm_head whole)
+_ROW = {
+    "patterns": [r".*\.self_attn\.o_proj\.weight$", r".*\.layers\.0\.mlp\.down_proj\.weight$"],
+    "partition_type": "row",
+}
+SPECS: dict[str, dict[str, Any]] = {
+    "custom": {
+        "partition_config": {
+            "use_default_specs": False,
+            "layer_specs": [
+                _ROW,
+                {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+                {"patterns": [r".*\.layers\.0\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column"},
+                {"patterns": [r"lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+            ],
+        }
+    },
+    "preset": {"preset_model": "llama"},
+}
 
 
 def batch(step: int, replica: int) -> torch.Tensor:
@@ -70,14 +114,20 @@ def config(case: TpCase, tp: int = 2) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": case.clip,
         "zero_optimization": {"stage": case.stage, "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
-        "tensor_parallel": {"autotp_size": tp, "loss_parallel": case.loss_parallel},
+        "tensor_parallel": {"autotp_size": tp, "loss_parallel": case.loss_parallel, **SPECS.get(case.specs, {})},
         "zeroshard": {"backend": case.backend},
     }
 
 
 def reference(case: TpCase, dp: int) -> tuple[list[list[float]], list[float]]:
     """Per step, every replica's loss; and each step's gradient norm before clipping."""
-    model = llama()
+    losses, norms, _ = trained_reference(case, dp)
+    return losses, norms
+
+
+def trained_reference(case: TpCase, dp: int) -> tuple[list[list[float]], list[float], torch.nn.Module]:
+    """`reference`'s losses and norms, and the model after its steps."""
+    model = llama(arch=case.arch)
     opt = torch.optim.AdamW(optimized(model, case), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(case.steps):
@@ -89,7 +139,7 @@ def reference(case: TpCase, dp: int) -> tuple[list[list[float]], list[float]]:
         opt.step()
         losses.append([float(v.detach()) for v in per])
         norms.append(float(norm))
-    return losses, norms
+    return losses, norms, model
 
 
 def run(engine: Any, replica: int, steps: range, gas: int = 1) -> tuple[list[float], list[float]]:
@@ -109,7 +159,7 @@ def run(engine: Any, replica: int, steps: range, gas: int = 1) -> tuple[list[flo
 def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
     import zeroshard
 
-    model = llama()
+    model = llama(arch=case.arch)
     cfg = config(case, tp)
     if case.client_optimizer:
         del cfg["optimizer"]
@@ -119,8 +169,13 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
         engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=optimized(model, case), config=cfg)
     replica = rank // tp
     losses, norms = run(engine, replica, range(case.steps), case.gas)
-    q = model.model.layers[0].self_attn.q_proj.weight
+    attention = model.model.layers[0].self_attn
+    q = attention.qkv_proj.weight if case.arch == "phi3" else attention.q_proj.weight
     out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.dp_world_size}
+    # the tensor-parallel placement (the last: fsdp2 puts its dp placement first)
+    out["placements"] = {n: repr(p.placements[-1]) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    out["trained"] = {n: p.detach().clone() for n, p in whole.items() if n.endswith(TRAINED)}
     assert engine.strategy.comm.world_size == engine.dp_world_size  # ZeRO shards over the data-parallel group
     try:  # the local slices are not the whole model: refused, not a partial state dict
         engine.consolidated_state_dict()
@@ -141,7 +196,7 @@ def resume(
     import zeroshard
 
     replica = rank // tp
-    model = llama()
+    model = llama(arch=case.arch)
     engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(case, tp))
     straight, norms = run(engine, replica, range(save_at))
     engine.save_checkpoint(save_dir, tag="mid")
@@ -150,7 +205,7 @@ def resume(
     out = {"straight": straight + more[0], "norms": norms + more[1]}
     out["resumed"] = continue_from(rank, case, save_dir, save_at, tp)
     if other_tp is not None:
-        other = llama(seed=7)
+        other = llama(seed=7, arch=case.arch)
         cfg = config(case, other_tp)
         engine, _, _, _ = zeroshard.initialize(model=other, model_parameters=other.parameters(), config=cfg)
         engine.load_checkpoint(save_dir, tag="mid")
@@ -165,7 +220,7 @@ def continue_from(rank: int, case: TpCase, load_dir: str, save_at: int, tp: int)
     the checkpoint `load_dir`/mid, whatever autotp_size wrote it."""
     import zeroshard
 
-    fresh = llama(seed=7)
+    fresh = llama(seed=7, arch=case.arch)
     engine, _, _, _ = zeroshard.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(case, tp))
     engine.load_checkpoint(load_dir, tag="mid")
     losses = run(engine, rank // tp, range(save_at, case.steps))[0]

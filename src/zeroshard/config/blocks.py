@@ -26,9 +26,10 @@ def check_blocks(cfg: ZeroshardConfig) -> None:
     from zeroshard.comm.comms_logger import check_prof_ops
     from zeroshard.moe.auto import autoep_of
     from zeroshard.tp.build import autotp_size, loss_parallel_of
+    from zeroshard.tp.specs import partition_config_of
     from zeroshard.zero.from_config import check_nvme_sizes
 
-    autotp_size(cfg.tensor_parallel)
+    partition_config_of(dict(cfg.tensor_parallel or {}), autotp_size(cfg.tensor_parallel))
     loss_parallel_of(cfg.tensor_parallel)
     autoep_of(cfg.expert_parallel, quiet=True)
     check_prof_ops(cfg.comms_logger.prof_ops)

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.utils`: `see_memory_usage`, `set_random_seed`, `move_to_device`, `clip_grad_norm_`,
-`get_weight_norm`, `call_to_str`, and the pipeline's `partition_uniform`, `partition_balanced`, `prefix_sum_inc`."""
+`get_weight_norm`, `call_to_str`, the pipeline's `partition_uniform`, `partition_balanced`, `prefix_sum_inc` and
+`PartitionedTensor`, and the overflow check scripts run on their own gradients (`CheckOverflow`, overflow.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from zeroshard.accelerator import get_accelerator
 from zeroshard.comm import api as comm
+from zeroshard.runtime.overflow import CheckOverflow, get_global_norm, is_invalid_grad_norm
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -196,10 +198,22 @@ def prefix_sum_inc(weights: Iterable[float]) -> list[float]:
     return list(itertools.accumulate(weights))
 
 
+def __getattr__(name: str) -> Any:
+    if name == "PartitionedTensor":  # built on the pipe package, which imports this module
+        from zeroshard.runtime.partitioned_tensor import PartitionedTensor
+
+        return PartitionedTensor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "CheckOverflow",
+    "PartitionedTensor",  # noqa: F822 - module __getattr__ above
     "call_to_str",
     "clip_grad_norm_",
+    "get_global_norm",
     "get_weight_norm",
+    "is_invalid_grad_norm",
     "move_to_device",
     "partition_balanced",
     "partition_uniform",

@@ -4,7 +4,9 @@
 DeepSpeed's AutoTP training block is `"tensor_parallel": {"autotp_size": N}`: N ranks split each layer, the
 world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zeroshard reads `autotp_size`, accepts
 DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection), and
-reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py); other keys are refused by name. Tensor
+reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py), and `partition_config` / `preset_model`
+(the layer specs that replace the Hugging Face plan, [Note: autotp layer specs] in tp/specs.py); other keys are
+refused by name. Tensor
 parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
 [Note: tensor-parallel norm]) and with the fsdp2 backend at its stages ([Note: tensor parallelism on fsdp2]);
 stage 3 on the zero backend, offload, autotp_size with a PipelineModule (an mpu's split layers in one are
@@ -27,7 +29,7 @@ from zeroshard.config.parse import misspelt
 from zeroshard.errors import ConfigError
 from zeroshard.tp.mesh import TensorParallelContext
 
-KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host", "loss_parallel"}
+KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host", "loss_parallel", "partition_config", "preset_model"}
 
 
 def autotp_size(block: Mapping[str, Any] | None) -> int:
@@ -37,8 +39,8 @@ def autotp_size(block: Mapping[str, Any] | None) -> int:
     if unknown:
         raise ConfigError(
             misspelt("tensor_parallel", unknown, KEYS)
-            or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size and loss_parallel "
-            "(tp_overlap_comm: false and keep_module_on_host are accepted)"
+            or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size, loss_parallel, "
+            "partition_config and preset_model (tp_overlap_comm: false and keep_module_on_host are accepted)"
         )
     if block.get("tp_overlap_comm"):
         raise ConfigError("tensor_parallel.tp_overlap_comm=true is not supported; set it to false")
@@ -151,13 +153,13 @@ def build_tp(
         from zeroshard.tp.mpu import context_from_mpu
 
         return context_from_mpu(mpu, world, stages)
-    from zeroshard.tp.plan import apply_tensor_parallel, hf_plan
+    from zeroshard.tp.plan import apply_tensor_parallel, model_plan
 
     vocab_parallel = loss_parallel_of(cfg.tensor_parallel)
-    hf_plan(model, tp, vocab_parallel)  # refuses an unsplittable model before the mesh exists
+    plan = model_plan(model, tp, cfg.tensor_parallel, vocab_parallel)  # refuses before the mesh exists
     context = TensorParallelContext.create(world, tp, device, vocab_parallel)
     assert context.tp_mesh is not None
-    apply_tensor_parallel(model, context.tp_mesh, vocab_parallel)
+    apply_tensor_parallel(model, context.tp_mesh, vocab_parallel, plan)
     return context
 
 

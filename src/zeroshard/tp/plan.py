@@ -11,6 +11,20 @@ range, the partial embeddings all-reduced) and `lm_head` column-parallel over th
 (`output_layouts=Replicate()`) so the model's own loss runs unchanged. Attention reads its shapes from the
 projections' outputs (`view(*input_shape, -1, head_dim)` in transformers 5), so local heads need no change. The
 split needs every sharded size divisible by tp; anything else is refused before the model is touched.
+Models whose attention slices a fused projection by the config's sizes (Phi-3's qkv_proj, OLMo-2) say
+"colwise_gather_output" (`ColwiseParallel(output_layouts=Replicate())`: the output slices all-gathered) and
+"rowwise_split_input" (`RowwiseParallel(input_layouts=Replicate())`: each rank takes its slice of a whole input);
+"colwise_rep" is transformers' older name of the first. Other styles (packed experts, `embedding_rowwise`,
+`local_*`) are refused.
+
+[Note: replicated with grad all-reduce]
+Qwen3 and Gemma3 normalize each attention head's q and k (`q_norm`, `k_norm`: RMSNorm over head_dim) after the
+column-parallel projections, so each tensor-parallel rank applies the whole norm weight to its own heads and gets a
+partial gradient: "replicated_with_grad_allreduce". Left as plain parameters the ranks' weights would drift apart
+after the first step (and ZeRO would reduce them over dp only). torch's DTensor does the sum: the weight becomes a
+replicated DTensor and the norm's input a DTensor sharded on its heads dimension (-2 of `(..., heads, head_dim)`),
+so the norm runs locally (it reduces over the last dimension only) and autograd sums the weight's gradient over tp,
+as `SequenceParallel` does for a norm over sequence shards. The output goes back to a local tensor.
 
 [Note: vocab-parallel loss]
 With `"tensor_parallel": {"loss_parallel": true}` (ours; DeepSpeed has no such key) `lm_head` keeps its logits
@@ -23,16 +37,57 @@ code that reads the logits as plain tensors keeps working.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from zeroshard.errors import ConfigError
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+class ReplicatedOverHeads(ParallelStyle):
+    """[Note: replicated with grad all-reduce] A module whose parameters every tensor-parallel rank holds whole but
+    applies to its own heads: the parameters become replicated DTensors and the input a DTensor sharded on dim -2,
+    so its computation over the last dim runs locally and the parameters' gradients are summed over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _heads_input, _local_output)  # type: ignore[arg-type]
+
+
+def _replicate_params(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    for p_name, param in module.named_parameters(recurse=False):  # equal on every rank: built from one seed/file
+        replicated = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
+        module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _heads_input(module: nn.Module, inputs: tuple[Any, ...], device_mesh: DeviceMesh) -> tuple[Any, ...]:
+    x = inputs[0]
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() < 2:
+        raise ConfigError(
+            f"replicated_with_grad_allreduce: {type(module).__name__} got {type(x).__name__} "
+            f"{tuple(getattr(x, 'shape', ()))}; zeroshard maps this style for norms over a rank's heads "
+            "(..., heads, head_dim): set autotp_size to 1 for this model"
+        )
+    return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *inputs[1:])
+
+
+def _local_output(module: nn.Module, output: Any, device_mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": partial(ColwiseParallel, output_layouts=Replicate()),
+    "colwise_rep": partial(ColwiseParallel, output_layouts=Replicate()),  # transformers' older name
+    "rowwise_split_input": partial(RowwiseParallel, input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": ReplicatedOverHeads,
+}
 DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
@@ -81,6 +136,26 @@ def check_divisible(config: Any, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel_loss: bool = False) -> None:
-    """Split `model`'s parameters into DTensors over `tp_mesh` in place ([Note: autotp plan])."""
-    parallelize_module(model, tp_mesh, hf_plan(model, tp_mesh.size(), vocab_parallel_loss))
+def model_plan(
+    model: nn.Module, tp: int, block: Mapping[str, Any] | None = None, vocab_parallel_loss: bool = False
+) -> dict[str, ParallelStyle]:
+    """The plan of `model` under the `tensor_parallel` block: its layer specs where it has `partition_config` or
+    `preset_model` ([Note: autotp layer specs] in tp/specs.py), else the Hugging Face plan ([Note: autotp plan])."""
+    from zeroshard.tp.specs import partition_config_of, spec_plan
+
+    specs = partition_config_of(dict(block or {}), tp)
+    if specs is not None:
+        return spec_plan(model, tp, specs, vocab_parallel_loss)
+    return hf_plan(model, tp, vocab_parallel_loss)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    vocab_parallel_loss: bool = False,
+    plan: Mapping[str, ParallelStyle] | None = None,
+) -> None:
+    """Split `model`'s parameters into DTensors over `tp_mesh` in place, by `plan` (the Hugging Face plan when
+    None, [Note: autotp plan])."""
+    chosen = dict(plan) if plan is not None else hf_plan(model, tp_mesh.size(), vocab_parallel_loss)
+    parallelize_module(model, tp_mesh, chosen)

@@ -302,6 +302,11 @@ def _get_max_expert_size() -> int:
     return _experts(_get_max_expert_size_name()).mesh.ep_size
 
 
+def _get_max_expert_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's expert-parallel group of the largest expert-parallel size (where an overflow check meets)."""
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
 def sequence_parallel_collectives() -> Collectives | None:
     """The engine's sequence-parallel collectives (None without sequence parallelism)."""
     published = _PUBLISHED.groups

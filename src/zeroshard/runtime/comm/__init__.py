@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.comm`: the batched collectives scripts call (`coalesced_collectives`)."""
