@@ -21,8 +21,13 @@ CASES = [
     TpCase(stage=1, steps=2, arch="qwen3"),
     TpCase(stage=1, steps=2, arch="phi3"),
     TpCase(stage=1, steps=2, specs="custom"),
+    TpCase(stage=1, steps=2, arch="phi3", specs="fused"),
 ]
-SLOW_CASES = [TpCase(stage=2, steps=2, specs="preset"), TpCase(stage=3, steps=2, arch="qwen3", backend="fsdp2")]
+SLOW_CASES = [
+    TpCase(stage=2, steps=2, specs="preset"),
+    TpCase(stage=3, steps=2, arch="qwen3", backend="fsdp2"),
+    TpCase(stage=3, steps=2, arch="phi3", specs="fused", backend="fsdp2"),
+]
 
 # what each case splits how (the tensor-parallel placement of layer 0 and 1's tensors, by name suffix)
 PLACEMENTS: dict[str, dict[str, str]] = {
@@ -39,10 +44,16 @@ PLACEMENTS: dict[str, dict[str, str]] = {
         "layers.1.mlp.down_proj.weight": "Shard(dim=1)",
         "layers.1.self_attn.k_proj.weight": "Shard(dim=0)",
     },
+    "fused": {
+        "layers.0.self_attn.qkv_proj.weight": "_StridedShard(dim=0, sf=4)",
+        "layers.1.mlp.gate_up_proj.weight": "_StridedShard(dim=0, sf=2)",
+        "layers.1.mlp.down_proj.weight": "Shard(dim=1)",
+    },
 }
 WHOLE: dict[str, tuple[str, ...]] = {  # left plain tensors (no DTensor) by the case's plan
     "custom": ("layers.1.mlp.down_proj.weight", "layers.1.mlp.up_proj.weight", "embed_tokens.weight"),
     "preset": ("lm_head.weight", "embed_tokens.weight"),
+    "fused": ("self_attn.o_proj.weight", "lm_head.weight"),
 }
 
 
@@ -76,7 +87,7 @@ def _check(cases: list[TpCase]) -> None:
             placements = out["placements"]
             for suffix, placement in PLACEMENTS[_key(case)].items():
                 assert any(n.endswith(suffix) and p == placement for n, p in placements.items()), (suffix, placements)
-            for suffix in WHOLE.get(_key(case), ()):
+            for suffix in WHOLE.get(_key(case), ()) if case.backend == "zero" else ():  # (fsdp2: DTensors over dp)
                 assert not any(n.endswith(suffix) for n in placements), (suffix, placements)
             for name, value in out["trained"].items():  # the norms summed over tp move as the reference's
                 # (AdamW moves every element ~lr=1e-2 per step whatever its gradient: a gradient near zero that
@@ -98,15 +109,48 @@ def test_autotp_preset_and_fsdp2_match_the_reference() -> None:
 def _resumes(rank: int, world_size: int, save_dir: str) -> list[dict[str, Any]]:
     from helpers.tp_parity import resume
 
-    cases = [TpCase(stage=2, steps=3, arch="qwen3"), TpCase(stage=2, steps=3, specs="custom")]
+    cases = [
+        TpCase(stage=2, steps=3, arch=a, specs=s) for a, s in (("qwen3", ""), ("llama", "custom"), ("phi3", "fused"))
+    ]
     return [resume(rank, case, f"{save_dir}/{case.name}", save_at=1, other_tp=1) for case in cases]
 
 
 @pytest.mark.slow
 def test_autotp_qwen3_and_custom_specs_resume_and_reshard(tmp_path: Any) -> None:
-    """A checkpoint of each resumes exactly at tp2 and loads into tp1 (the replicated q_norm/k_norm DTensors and
-    the specs' whole and split layers alike): the next loss equal within 1e-6."""
+    """A checkpoint of each resumes exactly at tp2 and loads into tp1 (the replicated q_norm/k_norm DTensors, the
+    specs' whole and split layers, the fused layers' parts): the next loss equal within 1e-6."""
     for result in run_on_ranks(_resumes, 2, str(tmp_path), timeout=600):
         for got in result:
             assert got["resumed"] == got["straight"][1:], got
             assert math.isclose(got["other_tp_loss"], got["resumed"][0], rel_tol=1e-6), got
+
+
+def _save_fused(rank: int, world_size: int, folder: str, stage: int, backend: str) -> Any:
+    import zeroshard
+    from helpers.tp_parity import config, llama
+
+    zeroshard.init_distributed()
+    cfg = config(TpCase(stage=stage, backend=backend, arch="phi3", specs="fused"))
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = zeroshard.initialize(model=llama(arch="phi3"), config=cfg)
+    engine.save_16bit_model(folder, "model.safetensors")
+    whole = engine._consolidated_16bit_state_dict()
+    engine.destroy()
+    return None if whole is None else {k: v.float() for k, v in whole.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "backend"), [(1, "zero"), (3, "fsdp2")])
+def test_fused_parts_are_saved_whole_in_their_order(tmp_path: Any, stage: int, backend: str) -> None:
+    """`save_16bit_model` and OpenRLHF's `_consolidated_16bit_state_dict` of the fused Phi-3 equal the unsplit model
+    (each rank's pieces put back part by part, [Note: fused sub-parameters])."""
+    from safetensors.torch import load_file
+
+    from helpers.tp_parity import llama
+
+    results = run_on_ranks(_save_fused, 2, str(tmp_path), stage, backend, timeout=300)
+    want = llama(arch="phi3").state_dict()
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) == set(want) and set(results[0]) == set(want) and results[1] is None
+    assert [k for k, v in want.items() if not torch.equal(saved[k].float(), v.float())] == []
+    assert [k for k, v in want.items() if not torch.equal(results[0][k], v.float())] == []

@@ -99,6 +99,18 @@ SPECS: dict[str, dict[str, Any]] = {
         }
     },
     "preset": {"preset_model": "llama"},
+    # Phi-3's fused layers by sub-parameter specs ([Note: fused sub-parameters]): qkv_proj (q 64, k 32, v 32 rows) in
+    # 4 parts, gathered (its attention slices q/k/v by the config's sizes: any parts gather back); gate_up_proj in 2
+    # parts, each rank's [gate, up] slices chunked locally into down_proj's input slice; o_proj whole
+    "fused": {
+        "partition_config": {
+            "layer_specs": [
+                {"patterns": [r".*\.qkv_proj\.weight$"], "shape": [4, -1], "partition_dim": 0, "gather_output": True},
+                {"patterns": [r".*\.gate_up_proj\.weight$"], "partition_type": "column", "shape": [[128, 128], -1]},
+                {"patterns": [r".*\.down_proj\.weight$"], "partition_type": "row"},
+            ],
+        }
+    },
 }
 
 

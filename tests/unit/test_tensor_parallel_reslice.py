@@ -89,3 +89,44 @@ def test_uneven_or_mixed_slices_refused_by_key() -> None:
         plan_reslices(mpu, {"q": _info(8)})
     with pytest.raises(CheckpointError, match="this engine holds slices of a model split by the caller"):
         plan_reslices(_meta({"q": _info(8)}, []), {slice_name("q", j, 2): _info(4) for j in range(2)}, True)
+
+
+def _pieces(whole: torch.Tensor, parts: int, k: int, dim: int) -> list[torch.Tensor]:
+    """Slices of a fused tensor of `k` equal parts along `dim` over `parts` ranks: rank i holds piece i of every
+    part, side by side ([Note: fused sub-parameters]: `_StridedShard(dim, split_factor=k)`)."""
+    if parts == 1:
+        return [whole]
+    return [torch.cat([part.chunk(parts, dim)[i] for part in whole.chunk(k, dim)], dim) for i in range(parts)]
+
+
+@pytest.mark.parametrize(("shape", "dim", "k"), [((36, 5), 0, 3), ((24,), 0, 2), ((3, 24, 2), 1, 4)])
+def test_fused_parts_reslice_as_their_pieces(shape: tuple[int, ...], dim: int, k: int) -> None:
+    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
+    for a, b in itertools.permutations((1, 2, 3, 6), 2):
+        sources = [s.contiguous().view(-1) for s in _pieces(whole, a, k, dim)]
+
+        def read(j: int, lo: int, hi: int, out: torch.Tensor, sources=sources) -> None:
+            out.copy_(sources[j][lo:hi])
+
+        for i, want in enumerate(t.contiguous().view(-1) for t in _pieces(whole, b, k, dim)):
+            plan = Reslice(tuple(f"s{j}" for j in range(a)), shape, dim, i, b, k)
+            n = want.numel()
+            for begin, end in _ranges(n):
+                out = torch.full((end - begin,), -1.0, dtype=torch.float64)
+                read_resliced(plan, begin, end, out, read)
+                assert torch.equal(out, want[begin:end]), (shape, dim, k, a, b, i, begin, end)
+
+
+def test_fused_parts_recorded_planned_and_refused_when_they_differ() -> None:
+    saved = _meta({slice_name("qkv", j, 2): _info(6, 4) for j in range(2)}, [])
+    saved.extra["tensor_parallel_blocks"] = {"qkv": 3}
+    three = {slice_name("qkv", j, 3): _info(4, 4) for j in range(3)}
+    assert plan_reslices(saved, three, blocks={"qkv": 3})[slice_name("qkv", 2, 3)].blocks == 3
+    assert plan_reslices(saved, {"qkv": _info(12, 4)})["qkv"].blocks == 3  # into a whole tensor: the saved parts
+    with pytest.raises(CheckpointError, match=r"qkv was split in 3 equal part\(s\) per slice and this engine .* in 1"):
+        plan_reslices(saved, three)
+    with pytest.raises(CheckpointError, match="qkv was split in 3"):  # the same size, other parts: not read as is
+        plan_reslices(saved, {slice_name("qkv", j, 2): _info(6, 4) for j in range(2)}, blocks={"qkv": 2})
+    assert plan_reslices(saved, {slice_name("qkv", j, 2): _info(6, 4) for j in range(2)}, blocks={"qkv": 3}) == {}
+    whole = _meta({"qkv": _info(12, 4)}, [])
+    assert plan_reslices(whole, three, blocks={"qkv": 3})[slice_name("qkv", 0, 3)].blocks == 3

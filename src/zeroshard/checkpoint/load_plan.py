@@ -211,7 +211,8 @@ class LoadPlan:
         if self.opened is None:
             self.opened = UniversalReader(self.tag_dir) if self.universal else CheckpointReader(self.tag_dir)
         if self.reader is None:  # [Note: tensor-parallel resharding]
-            self.reader = tensor_parallel_reader(self.opened, self.catalog.infos, self.caller_split)
+            blocks = getattr(self.state, "tp_blocks", {})  # [Note: fused sub-parameters] in tp/plan.py
+            self.reader = tensor_parallel_reader(self.opened, self.catalog.infos, self.caller_split, blocks)
         return self.reader
 
     def close(self) -> None:

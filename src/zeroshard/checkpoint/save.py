@@ -343,6 +343,8 @@ def start_save(
             call.meta = start_metadata(engine, tag, catalog)
             if getattr(state, "caller_split", False):  # [Note: tensor-parallel checkpoints] in tp/checkpoint.py
                 call.meta.extra["tensor_parallel_caller_split"] = True
+            if getattr(state, "tp_blocks", None):  # (the same note)
+                call.meta.extra["tensor_parallel_blocks"] = dict(state.tp_blocks)  # type: ignore[union-attr]
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
         shared_writer = call.commits

@@ -86,7 +86,7 @@ def sharded_param(name: str, param: nn.Parameter, group: int, rank: int, world_s
     )
     dims = list(param.shape)
     for mesh_dim, placement in enumerate(placements[1:], start=1):  # tensor-parallel dims: the local slice's shape
-        if isinstance(placement, Shard):
+        if isinstance(placement, Shard | _StridedShard):
             dims[placement.dim] //= param.device_mesh.size(mesh_dim)
     shape = tuple(dims)
     lo, hi = row_range(shape[0] if shape else 1, world_size, rank)

@@ -11,7 +11,9 @@ and ZeRO stage 0-2 (pieces are ranges of named tensors); into another `tp` (1 in
 and from a checkpoint saved without one) the slices are concatenated and split at read time ([Note:
 tensor-parallel resharding] in tp/reshard.py). Nothing beyond the slice names is recorded (the split dimension
 follows from the shapes) except `extra["tensor_parallel_caller_split"]` when the slices are not DTensors (an
-mpu's Megatron-marked model, whose slices need not be plain splits: such a checkpoint is not resharded).
+mpu's Megatron-marked model, whose slices need not be plain splits: such a checkpoint is not resharded), and
+`extra["tensor_parallel_blocks"]` (key: parts) for fused layers whose slices hold a piece of each equal part
+([Note: fused sub-parameters] in tp/plan.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
@@ -40,6 +43,13 @@ def slice_name(key: str, position: int, tp: int) -> str:
 def base_of(name: str) -> str:
     """The full tensor's key of a slice name (`name` itself for a whole tensor)."""
     return _SLICE.sub("", name)
+
+
+def blocks_of(param: object) -> int:
+    """The equal parts of a fused parameter whose slices hold a piece of each (`_StridedShard`'s split factor,
+    [Note: fused sub-parameters] in tp/plan.py); 1 for a plain split."""
+    placements = getattr(param, "placements", ())
+    return next((int(p.split_factor) for p in placements if isinstance(p, _StridedShard)), 1)
 
 
 def tp_size_of(names: list[str]) -> int | list[int]:
@@ -65,8 +75,11 @@ class TensorParallelState:
         params = {id(p): p for p in strategy.sharded.tracked_params()}
         # Megatron-marked tensors of an mpu's model: their layout (fused qkv, ...) is the caller's, not a plain split
         self.caller_split = not all(isinstance(params[i], DTensor) for i in self.sharded.sharded_params())
+        self.tp_blocks: dict[str, int] = {}  # [Note: fused sub-parameters]: the parts a slice holds one piece of each
         for param_id, key in self.sharded.sharded_params().items():
             param = params[param_id]
+            if blocks_of(param) > 1:
+                self.tp_blocks[key] = blocks_of(param)
             local = local_of(param)
             self.renamed[key] = slice_name(key, position, tp)
             self.shapes[param_id] = tuple(local.shape)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from zeroshard.checkpoint.format import TensorInfo
 from zeroshard.checkpoint.safetensors_io import dtype_name
@@ -31,9 +31,9 @@ from zeroshard.fsdp2.checkpoint import Fsdp2State
 from zeroshard.fsdp2.strategy import Fsdp2Policy, Fsdp2Strategy
 from zeroshard.offload.gradients import GradShard
 from zeroshard.precision.loss_scaler import has_inf_or_nan
-from zeroshard.tp.checkpoint import slice_name
+from zeroshard.tp.checkpoint import blocks_of, slice_name
 from zeroshard.tp.mesh import TensorParallelContext
-from zeroshard.tp.zero import is_tp_sharded
+from zeroshard.tp.zero import SHARDS, is_tp_sharded
 from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
@@ -57,6 +57,8 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
         # by name: fully_shard replaces the parameter objects
         self.tp_sliced = {name for name, p in module.named_parameters() if is_tp_sharded(p)}
         self.tp_dims = {name: _shard_dim(p) for name, p in module.named_parameters() if name in self.tp_sliced}
+        # [Note: fused sub-parameters]: read off the tensor-parallel placements before FSDP2 adds its own
+        self.tp_blocks = {name: blocks_of(p) for name, p in module.named_parameters() if blocks_of(p) > 1}
         self.tp_comm: Collectives = tp.tp_comm
         super().__init__(module, groups, policy, comm, device, accumulation)
 
@@ -81,7 +83,10 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
         local = gathered.contiguous()
         whole = local.new_empty(self.tp_comm.world_size * local.numel())
         self.tp_comm.all_gather(whole, local.view(-1), label="tp full state dict")
-        return torch.cat(whole.view(self.tp_comm.world_size, *local.shape).unbind(0), dim=dim)
+        slices = whole.view(self.tp_comm.world_size, *local.shape).unbind(0)
+        blocks = self.tp_blocks.get(key, 1)  # a fused layer's slices hold a piece of each part: part by part
+        pieces = [piece for k in range(blocks) for piece in (s.chunk(blocks, dim)[k] for s in slices)]
+        return torch.cat(pieces, dim=dim)
 
     def whole_state_dict(self, exclude_frozen: bool) -> dict[str, Any] | None:
         """The 16-bit state dict (accelerate's `get_state_dict`), each tensor on the host as soon as it is whole: the
@@ -97,7 +102,7 @@ class TensorParallelFsdp2Strategy(Fsdp2Strategy):
 def _shard_dim(param: torch.Tensor) -> int:
     """The dimension the tensor-parallel plan split `param` along (its DTensor's Shard placement)."""
     if isinstance(param, DTensor):
-        return next(p.dim for p in param.placements if isinstance(p, Shard))
+        return next(p.dim for p in param.placements if isinstance(p, SHARDS))
     raise ZeroshardError("tensor parallelism on the fsdp2 backend needs DTensor parameters ([Note: autotp plan])")
 
 
@@ -111,6 +116,7 @@ class TensorParallelFsdp2State(Fsdp2State):
         self.sliced = strategy.tp_sliced
         self.renamed = {name: slice_name(name, position, tp) for name in self.sliced}
         self.peers: dict[str, TensorInfo] = {}
+        self.tp_blocks = dict(strategy.tp_blocks)
         for sp in strategy.params:
             if sp.name in self.sliced:
                 info = TensorInfo(sp.full_shape, dtype_name(sp.master.dtype), "param", True, sp.param.requires_grad)

@@ -26,6 +26,18 @@ replicated DTensor and the norm's input a DTensor sharded on its heads dimension
 so the norm runs locally (it reduces over the last dimension only) and autograd sums the weight's gradient over tp,
 as `SequenceParallel` does for a norm over sequence shards. The output goes back to a local tensor.
 
+[Note: fused sub-parameters]
+A fused weight (Phi-3's qkv_proj or gate_up_proj, ChatGLM's query_key_value) stacks equal parts along its output
+features; a plain column split would give rank 0 all of `gate` and rank 1 all of `up`. DeepSpeed's layer specs say
+`"shape": [k, -1]` (or `[[s, s, ...], -1]`): each rank holds its slice of every part, side by side, so the model's
+own `chunk(k)` of the local output yields this rank's slice of each part. torch names that layout
+`_StridedShard(0, split_factor=k)`: DTensor's matmul rules carry it to the output (`_StridedShard(-1, k)`) and to the
+weight's gradient, `full_tensor()` rebuilds the weight in its own order (exports, accelerate's state dict), and
+`gather_output` all-gathers the output back into the original order (for attention that slices q/k/v by the
+config's sizes). Checkpoint slices record the parts (`extra["tensor_parallel_blocks"]`) so a load into another
+autotp_size reassembles each part ([Note: tensor-parallel resharding]). Parts of unequal sizes (a grouped-query
+q/k/v) have no such placement and are refused.
+
 [Note: vocab-parallel loss]
 With `"tensor_parallel": {"loss_parallel": true}` (ours; DeepSpeed has no such key) `lm_head` keeps its logits
 sharded over the vocabulary (`output_layouts=Shard(-1)`, DTensors) and the engine enters torch's `loss_parallel()`
@@ -44,8 +56,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from zeroshard.errors import ConfigError
 
@@ -78,6 +91,32 @@ def _heads_input(module: nn.Module, inputs: tuple[Any, ...], device_mesh: Device
 
 def _local_output(module: nn.Module, output: Any, device_mesh: DeviceMesh) -> Any:
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class BlockColwiseParallel(ColwiseParallel):
+    """[Note: fused sub-parameters] A column-parallel layer whose output features are `blocks` equal parts (a fused
+    q/k/v or gate/up weight): each rank holds its slice of every part, `_StridedShard(0, split_factor=blocks)`, and
+    its output is its slices side by side (the layout the model's `chunk` expects), or the whole output in the
+    original order with `gather`."""
+
+    def __init__(self, blocks: int, gather: bool = False):
+        super().__init__(output_layouts=Replicate() if gather else None)
+        self.blocks, self.gather = blocks, gather
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placement = _StridedShard(0, split_factor=self.blocks)
+        for p_name, param in module.named_parameters(recurse=False):
+            split = distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(p_name, nn.Parameter(split, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        inputs = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        return distribute_module(module, device_mesh, self._partition_linear_fn, inputs, self._blocks_output)  # type: ignore[arg-type]
+
+    def _blocks_output(self, module: nn.Module, output: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        if self.gather:  # the parts' slices of every rank back in the weight's order
+            return output.redistribute(placements=[Replicate()]).to_local()
+        return output.to_local()  # (its strided placement already says what the rank holds)
 
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {

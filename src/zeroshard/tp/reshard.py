@@ -20,7 +20,12 @@ overlapping source, read exactly; for d>0 each source contributes a [rows, S/A, 
 outer rows, read in one call (a stored piece with a CRC is streamed whole per call anyway) and narrowed in memory.
 The fsdp2 backend names slices the same way and reads through the same path. DTensor Shard placements are plain
 splits by definition; the slices of an mpu's Megatron-marked model (fused qkv and the like) need not be, so a
-checkpoint or engine with those is refused when the sizes differ (`caller_split`).
+checkpoint or engine with those is refused when the sizes differ (`caller_split`). A fused layer split in `k`
+equal parts ([Note: fused sub-parameters] in tp/plan.py, recorded as `extra["tensor_parallel_blocks"]`) holds a
+piece of each part per slice: viewing dim d as [k, S/k], the parts are one more outer dimension ([outer * k, S/k,
+inner]) and the pieces plain splits of S/k, so the same reading applies. Both sides must cut the layer into the
+same parts (a whole tensor, tp 1, has none); otherwise, and when the parts differ at the same size, the load is
+refused by key.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Reslice:
     dim: int
     position: int
     parts: int
+    blocks: int = 1  # equal parts of `dim` each slice holds a piece of ([Note: fused sub-parameters])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,7 +80,7 @@ def read_resliced(r: Reslice, begin: int, end: int, out: torch.Tensor, read: Rea
     elements [lo, hi) of source j. See [Note: tensor-parallel resharding]. Pure: tested without a checkpoint."""
     if begin >= end:
         return
-    outer, size = math.prod(r.full[: r.dim]), r.full[r.dim]
+    outer, size = math.prod(r.full[: r.dim]) * r.blocks, r.full[r.dim] // r.blocks
     inner = math.prod(r.full[r.dim + 1 :])
     a = len(r.sources)
     sa, sb = size // a, size // r.parts
@@ -100,14 +106,22 @@ def read_resliced(r: Reslice, begin: int, end: int, out: torch.Tensor, read: Rea
 
 
 def plan_reslices(
-    meta: CheckpointMetadata, infos: Mapping[str, TensorInfo], caller_split: bool = False
+    meta: CheckpointMetadata,
+    infos: Mapping[str, TensorInfo],
+    caller_split: bool = False,
+    blocks: Mapping[str, int] | None = None,
 ) -> dict[str, Reslice]:
     """The engine's tensor names whose tensor-parallel slicing differs from the checkpoint's, each with its
     recipe; empty when the sizes agree. `infos`: the engine's tensors (its own and its peers' slices);
     `caller_split`: the engine's slices are an mpu model's own (not DTensors), as are those of a checkpoint whose
-    metadata says so: neither is resharded."""
+    metadata says so: neither is resharded; `blocks`: the engine's fused layers' parts by key, checked against the
+    checkpoint's."""
     saved, now = tp_size_of(list(meta.tensors)), tp_size_of(list(infos))
+    saved_blocks, now_blocks = dict(meta.extra.get("tensor_parallel_blocks", {})), dict(blocks or {})
     if saved == now:
+        if saved != 1 and saved_blocks != now_blocks:
+            key = sorted(set(saved_blocks.items()) ^ set(now_blocks.items()))[0][0]
+            raise CheckpointError(_blocks_differ(meta.tag, key, saved_blocks, now_blocks))
         return {}
     if caller_split or meta.extra.get("tensor_parallel_caller_split"):
         raise CheckpointError(
@@ -134,9 +148,22 @@ def plan_reslices(
         src, tgt = meta.tensors[sources[0]].shape, infos[targets[0]].shape
         dim = shard_dim(base, tuple(src), len(sources), tuple(tgt), len(targets))
         full = tuple(n * len(sources) if d == dim else n for d, n in enumerate(src))
+        cuts = [int(saved_blocks.get(base, 1))] if len(sources) > 1 else []  # (a whole tensor has no parts)
+        cuts += [int(now_blocks.get(base, 1))] if len(targets) > 1 else []
+        if len(set(cuts)) > 1:
+            raise CheckpointError(_blocks_differ(meta.tag, base, saved_blocks, now_blocks))
+        parts = cuts[0] if cuts else 1
         for i, name in enumerate(targets):
-            plans[name] = Reslice(tuple(sources), full, dim, i, len(targets))
+            plans[name] = Reslice(tuple(sources), full, dim, i, len(targets), parts)
     return plans
+
+
+def _blocks_differ(tag: str, key: str, saved: Mapping[str, int], now: Mapping[str, int]) -> str:
+    return (
+        f"checkpoint {tag}: {key} was split in {saved.get(key, 1)} equal part(s) per slice and this engine splits it "
+        f"in {now.get(key, 1)} ([Note: fused sub-parameters]); the slices cannot be matched: load it with the "
+        "saving engine's layer specs (tensor_parallel.partition_config)"
+    )
 
 
 def _names(base: str, tp: int, names: Mapping[str, TensorInfo]) -> list[str]:
@@ -194,8 +221,11 @@ class ReslicingReader(CheckpointReader):
 
 
 def tensor_parallel_reader(
-    reader: CheckpointReader, infos: Mapping[str, TensorInfo], caller_split: bool = False
+    reader: CheckpointReader,
+    infos: Mapping[str, TensorInfo],
+    caller_split: bool = False,
+    blocks: Mapping[str, int] | None = None,
 ) -> CheckpointReader:
     """`reader` itself when the checkpoint's tensor-parallel slicing is the engine's, else a `ReslicingReader`."""
-    plans = plan_reslices(reader.metadata, infos, caller_split)
+    plans = plan_reslices(reader.metadata, infos, caller_split, blocks)
     return ReslicingReader(reader, plans) if plans else reader

@@ -11,11 +11,12 @@ names the whole prefix, usually `.*`), restricted to `model_types` (the model's 
 - "skip": left whole; with `grad_allreduce` (any parameter it matches, 1-D too) the module is a norm over the rank's
   heads and its gradients are summed over tp ([Note: replicated with grad all-reduce] in tp/plan.py).
 Modules no spec matches stay whole (`strict_mode`: refused instead, for `nn.Linear`). A split output head must
-gather its logits (`gather_output`) or keep them vocabulary-sharded under `loss_parallel`; a split embedding, a
-split tied weight, sizes tp does not divide and sub-parameter layouts (`shape`, DeepSpeed's fused qkv / gate_up
-splits) are refused before the model is touched, naming the parameter. `preset_model` is DeepSpeed's spec list for
-a model family; with `partition_config` and `use_default_specs` (default true) the custom specs come first, then
-the preset's. Either one replaces the Hugging Face plan, as in DeepSpeed.
+gather its logits (`gather_output`) or keep them vocabulary-sharded under `loss_parallel`. A column spec's `shape`
+of k equal parts splits a fused weight part by part ([Note: fused sub-parameters] in tp/plan.py). A split
+embedding, a split tied weight, sizes tp does not divide and the other sub-parameter layouts (unequal parts, row
+layers, 3-D views) are refused before the model is touched, naming the parameter. `preset_model` is DeepSpeed's
+spec list for a model family; with `partition_config` and `use_default_specs` (default true) the custom specs come
+first, then the preset's. Either one replaces the Hugging Face plan, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LayerSpec:
     gather_output: bool = False
     grad_allreduce: bool = False
     model_types: tuple[str, ...] | None = None
+    blocks: int = 1  # equal parts of the output features split one by one ([Note: fused sub-parameters])
 
     def matches(self, name: str, model_type: str | None) -> bool:
         if self.model_types is not None and (model_type or "").lower() not in self.model_types:
@@ -186,12 +188,7 @@ def _spec(entry: Any, path: str) -> LayerSpec:
             compiled.append(re.compile(pattern))
         except (re.error, TypeError) as e:
             raise ConfigError(f"{path}.patterns: {pattern!r} is not a regular expression ({e})") from e
-    if entry.get("shape") is not None:
-        raise ConfigError(
-            f"{path}.shape={entry['shape']!r}: sub-parameter layouts (a fused qkv or gate_up weight split per part) "
-            "are not implemented; split such a model by its Hugging Face tp_plan (no partition_config: "
-            "colwise_gather_output) or skip the layer"
-        )
+    blocks = _blocks(entry.get("shape"), kind, entry.get("partition_dim"), path)
     default_dim = {"column": 0, "row": 1}.get(kind)
     if entry.get("partition_dim") not in (None, default_dim):
         raise ConfigError(
@@ -205,7 +202,29 @@ def _spec(entry: Any, path: str) -> LayerSpec:
     if types is not None and (isinstance(types, str) or not isinstance(types, Sequence)):
         raise ConfigError(f"{path}.model_types={types!r}: expected a list of config.model_type names")
     lowered = tuple(str(t).lower() for t in types) if types is not None else None
-    return LayerSpec(tuple(compiled), kind, gather, grad_allreduce, lowered)
+    return LayerSpec(tuple(compiled), kind, gather, grad_allreduce, lowered, blocks)
+
+
+def _blocks(shape: Any, kind: str, partition_dim: Any, path: str) -> int:
+    """The equal parts a column spec's `shape` cuts the output features into ([Note: fused sub-parameters]): `[n,
+    -1]` or `[[s, s, ...], -1]`; 1 without a shape. Other shapes are refused."""
+    if shape is None:
+        return 1
+    first = shape[0] if isinstance(shape, Sequence) and not isinstance(shape, str) and len(shape) == 2 else None
+    ok = isinstance(first, int) and not isinstance(first, bool) and first > 0 and shape[1] == -1
+    sizes = list(first) if isinstance(first, Sequence) and not isinstance(first, str) else None
+    if kind != "column" or partition_dim not in (None, 0) or not (ok or sizes and shape[1] == -1):
+        raise ConfigError(
+            f"{path}.shape={shape!r}: zeroshard splits a column layer's output features into equal parts ([n, -1] or "
+            "[[s, s, ...], -1] with partition_dim 0); other sub-parameter layouts (row layers, 3-D views) are not "
+            "implemented"
+        )
+    if sizes is not None and (len(set(sizes)) != 1 or not all(isinstance(v, int) and v > 0 for v in sizes)):
+        raise ConfigError(
+            f"{path}.shape={shape!r}: parts of unequal sizes (a grouped-query q/k/v) are not implemented; split such "
+            "a layer by the model's Hugging Face plan (colwise_gather_output) or skip it"
+        )
+    return len(sizes) if sizes is not None else int(first)  # type: ignore[arg-type]
 
 
 def spec_plan(
@@ -263,6 +282,8 @@ def _style(
     config: PartitionConfig,
     vocab_parallel_loss: bool,
 ) -> ParallelStyle:
+    from zeroshard.tp.plan import BlockColwiseParallel
+
     where = f"tensor_parallel.partition_config: {name}.weight ({spec.partition_type})"
     if not isinstance(module, nn.Linear):
         raise ConfigError(
@@ -270,11 +291,17 @@ def _style(
             'Hugging Face plan); use partition_type "skip" for it'
         )
     dim = 0 if spec.partition_type == "column" else 1
-    if weight.shape[dim] % tp:
+    if weight.shape[dim] % (tp * spec.blocks):
+        parts = f" into {spec.blocks} parts each divisible" if spec.blocks > 1 else ""
         raise ConfigError(
-            f"{where}: its {('output', 'input')[dim]} features ({weight.shape[dim]}) do not divide by autotp_size={tp}"
+            f"{where}: its {('output', 'input')[dim]} features ({weight.shape[dim]}) do not divide{parts} by "
+            f"autotp_size={tp}"
         )
     head = _is_head(name, config)
+    if spec.blocks > 1:
+        if head:
+            raise ConfigError(f"{where}: an output head split in parts is not implemented; drop its shape")
+        return BlockColwiseParallel(spec.blocks, spec.gather_output)
     if spec.partition_type == "row":
         return RowwiseParallel(input_layouts=Replicate()) if head else RowwiseParallel()
     if spec.gather_output:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from zeroshard.checkpoint.state import ShardedState
 from zeroshard.comm.collectives import Collectives
@@ -33,12 +34,15 @@ from zeroshard.zero.flat.strategy import FlatPolicy
 from zeroshard.zero.stepmath import tensor_norms
 from zeroshard.zero.strategy import AccumulationState, ParamGroupSpec
 
+SHARDS = (Shard, _StridedShard)  # split placements (a fused layer's parts: [Note: fused sub-parameters] in tp/plan.py)
+
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
-    """Whether `param` holds a different slice on each tensor-parallel rank: a DTensor with a Shard placement, or
-    a Megatron parameter marked `tensor_model_parallel` / `model_parallel` (DeepSpeed's test for an mpu's model)."""
+    """Whether `param` holds a different slice on each tensor-parallel rank: a DTensor with a Shard placement (or
+    `_StridedShard`, not a Shard subclass in every torch release), or a Megatron parameter marked
+    `tensor_model_parallel` / `model_parallel` (DeepSpeed's test for an mpu's model)."""
     if isinstance(param, DTensor):
-        return any(isinstance(p, Shard) for p in param.placements)
+        return any(isinstance(p, SHARDS) for p in param.placements)
     return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False))
 
 

@@ -76,11 +76,12 @@ def test_hf_plan_styles_of_qwen3_and_phi3() -> None:
         (_spec(["("]), "not a regular expression"),
         (_spec([]), "patterns"),
         (_spec(["x"], "diagonal"), "partition_type='diagonal'"),
-        (_spec(["x"], shape=[3, -1], partition_dim=0), "shape=[3, -1]"),
+        (_spec(["x"], "row", shape=[-1, 2], partition_dim=1), "shape=[-1, 2]"),
+        (_spec(["x"], shape=[[64, 32, 32], -1]), "parts of unequal sizes"),
+        (_spec(["x"], shape=[4, -1, 8], partition_dim=1), "3-D views"),
         (_spec(["x"], partition_dim=1), "partition_dim=1"),
         (_spec(["x"], "row", gather_output=True), "gather_output"),
         (_spec(["x"], patern="y"), "did you mean patterns"),
-        ({"preset_model": "phi3"}, "sub-parameter layouts"),
     ],
 )
 def test_bad_specs_are_refused_in_one_line(block: dict[str, Any], words: str) -> None:
@@ -109,6 +110,18 @@ def test_models_the_specs_cannot_split_are_refused(block: dict[str, Any], words:
     with pytest.raises(ConfigError) as err:
         _plan(block, tp=tp, vocab_parallel_loss=vocab)
     assert words in str(err.value), err.value
+
+
+def test_fused_parts_and_the_presets_with_them() -> None:
+    from zeroshard.tp.plan import BlockColwiseParallel
+
+    phi = llama(arch="phi3")  # q 64 + k 32 + v 32 rows: DeepSpeed's phi3 preset cuts qkv_proj in 3 equal parts
+    with pytest.raises(ConfigError, match=r"\(128\) do not divide into 3 parts each divisible by autotp_size=2"):
+        _plan({"preset_model": "phi3"}, phi)
+    gate_up = _plan(_spec([r".*gate_up_proj\.weight$"], shape=[2, -1]), phi)["model.layers.0.mlp.gate_up_proj"]
+    assert isinstance(gate_up, BlockColwiseParallel) and gate_up.blocks == 2 and not gate_up.gather
+    equal = _plan(_spec([r".*qkv_proj\.weight$"], shape=[[32, 32, 32, 32], -1], gather_output=True), phi)
+    assert all(s.blocks == 4 and s.gather for s in equal.values()) and len(equal) == 2
 
 
 def test_a_tied_weight_is_not_split_by_a_spec() -> None:
