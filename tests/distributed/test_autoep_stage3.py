@@ -49,6 +49,9 @@ def _stage3(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"units": units, "split": split, "parts": parts, "kept": kept, "first": first, "resumed": resumed}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by AutoEP at stage 3:
+# test_autoep_streams_each_ranks_experts_from_the_checkpoint[3]
+@pytest.mark.slow
 def test_autoep_at_zero_3_over_four_ranks(tmp_path) -> None:
     """ep2 x dp2 at ZeRO-3: each experts module is a unit of its own sharded over its expert-data-parallel pair
     (each rank holds half of its experts' elements), the other units over all four ranks; a `modifier_rank` 0 block over
@@ -91,7 +94,9 @@ def _streamed(rank: int, world: int, folder: str, stage: int) -> dict[str, Any]:
     return {"whole": whole, "losses": losses, "meta": meta, "read": read / experts}
 
 
-@pytest.mark.parametrize("stage", [3, 1])
+@pytest.mark.parametrize(
+    "stage", [3, pytest.param(1, marks=pytest.mark.slow)]
+)  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
 def test_autoep_streams_each_ranks_experts_from_the_checkpoint(tmp_path, stage: int) -> None:
     """A Mixtral checkpoint (experts stored apart, in several files) read under zero_init into AutoEP on ep2 x dp2:
     each rank reads half of the experts' elements (its rows), a quarter at ZeRO-3 (its shard of them); the

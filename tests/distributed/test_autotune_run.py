@@ -46,6 +46,9 @@ def test_autotune_picks_the_fastest_trial_under_the_cap(tmp_path, capsys, monkey
     assert capsys.readouterr().out.count("(reused)") == 4
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the autotuner:
+# tests/unit/test_autotun*.py
+@pytest.mark.slow
 def test_a_trial_that_times_out_leaves_no_worker_behind(tmp_path):
     """torchrun starts its workers in sessions of their own: killing torchrun alone at a trial's timeout left them
     running (on a GPU, holding its memory through the next trials). It gets SIGTERM now and stops them."""
@@ -91,6 +94,9 @@ Sleeping(model="unused", nproc=1, seq_len=8, start_step=1, end_step=2, timeout_s
 """
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the autotuner's trials:
+# test_a_trial_that_times_out_leaves_no_worker_behind
+@pytest.mark.slow
 def test_stopping_the_autotuner_stops_its_trial(tmp_path):
     """A trial runs in a session of its own (above): a SIGTERM of the autotuner (a scheduler, `timeout`; a terminal's
     Ctrl-C alike) ended it and left the trial's torchrun and worker running. It is passed on to the trial now."""

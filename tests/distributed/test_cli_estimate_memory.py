@@ -5,6 +5,8 @@ The acceptance bound is 10%; padding of the flat buffers is the only expected di
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.harness import run_on_ranks
 
 STAGES = (1, 2, 3)
@@ -89,6 +91,9 @@ def _measure(rank: int, world_size: int, dtypes: list[str]) -> dict[tuple[int | 
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the estimator:
+# tests/unit/test_estimate*.py
+@pytest.mark.slow
 def test_estimate_matches_memory_report():
     from zeroshard.cli.estimate.formulas import Option, Precision, zeroshard_states
 

@@ -53,7 +53,9 @@ def test_launch_reports_failed_ranks_without_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [pytest.param(s, marks=pytest.mark.slow) for s in ("SIGINT", "SIGTERM")]
+)  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
 def test_a_signal_to_the_launcher_alone_stops_its_workers(tmp_path, sig):
     """[Note: stopping a local run]: `kill` of the launcher (a scheduler, `timeout`), not a terminal's Ctrl-C of the
     whole group, left the workers running with the launcher gone."""

@@ -275,6 +275,9 @@ time.sleep(120)
     "how",
     [pytest.param("SIGTERM", marks=pytest.mark.slow), "SIGKILL"],  # CI budget: SIGKILL leaves it no time
 )
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the cluster launch: the other tests of
+# this file
+@pytest.mark.slow
 def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, how):
     """[Note: stopping remote nodes]: ssh runs the remote torchrun without a terminal, so ending ssh left the remote
     workers running; a SIGTERM of the launcher (and even a SIGKILL, which leaves it no time) now stops them, and the

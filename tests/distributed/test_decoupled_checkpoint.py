@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -239,6 +240,9 @@ def _save_on_rank_0_only(rank: int, world_size: int, root: str):
         return f"{type(e).__name__}: {e}", time.perf_counter() - began
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by decoupled commits:
+# test_decoupled_save_overlaps_training_commits_at_the_step_and_resumes_bit_for_bit
+@pytest.mark.slow
 def test_a_commit_on_some_ranks_only_is_named_in_seconds(tmp_path):
     """The commit is a call of its own ([Note: one-rank checkpoint calls]): the rank that went on training is named
     within seconds instead of rank 0 waiting out the write timeout."""
@@ -293,6 +297,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by decoupled commits:
+# test_decoupled_save_overlaps_training_commits_at_the_step_and_resumes_bit_for_bit
+@pytest.mark.slow
 def test_a_script_ending_after_its_save_commits_it_at_exit(tmp_path):
     """A plain `python` process: its last save is committed at exit, also after an uncaught exception when it is the
     only process (no other rank can be waiting in a collective; with more, the save is given up: the destroy test
@@ -367,6 +374,9 @@ def _trainer(rank: int, world_size: int, out: str):
     return seen, listing, resumed
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by decoupled commits:
+# test_decoupled_save_overlaps_training_commits_at_the_step_and_resumes_bit_for_bit
+@pytest.mark.slow
 def test_the_trainer_rotates_old_checkpoints_once_the_new_one_is_committed(tmp_path):
     """save_total_limit 1 and a save per step: each new checkpoint is committed at the next step, and only then is
     the one before it rotated out; train() returns with its last checkpoint committed and alone; a resume with

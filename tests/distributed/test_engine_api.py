@@ -325,6 +325,9 @@ def _stalled(rank: int, world_size: int):
     return None, None, time.time() - start
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by deadlines: test_node_watch.py,
+# test_gathering_agreement.py
+@pytest.mark.slow
 def test_a_stalled_rank_fails_the_job_by_the_deadline_naming_it():
     name, message, seconds = run_on_ranks(_stalled, 2, timeout=120)[0]
     assert name == "CollectiveTimeoutError" and seconds < 30, (name, message, seconds)

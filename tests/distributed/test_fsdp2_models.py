@@ -122,6 +122,9 @@ def _streamed_stage(folder: str, stage: int) -> tuple:
     return meta, logits, float(loss)
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by fsdp2 models:
+# test_lora_trains_the_same_on_both_backends_at_stages_2_and_3
+@pytest.mark.slow
 def test_zero_init_from_pretrained_on_fsdp2_at_stages_2_and_3(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -282,6 +282,9 @@ def _lora_kinds(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by LoRA under zero_init:
+# test_lora_adapters_of_a_zero_init_model_start_from_the_base
+@pytest.mark.slow
 def test_lora_kinds_around_a_zero_init_model(tmp_path) -> None:
     """Embedding LoRA gets PEFT's initialisation too (its A and B are parameter dicts); DoRA, whose magnitudes need
     the base weights, is refused in one line; at stage 2 a block after initialize over the (partly frozen) model is
@@ -321,6 +324,9 @@ def _every_parameter(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return {"loss": loss, "expected": expected}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by streamed blocks:
+# test_streamed_checkpoint_under_gathered_parameters_before_initialize
+@pytest.mark.slow
 def test_a_block_over_every_parameter_of_a_streamed_model(tmp_path) -> None:
     """Its rotary buffers are still on the meta device when every parameter is real: initialize makes them real too
     (it raised 'Cannot copy out of meta tensor')."""
@@ -359,6 +365,8 @@ def _diverging(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by agreement: test_gathering_agreement.py
+@pytest.mark.slow
 def test_diverging_blocks_before_initialize_are_named() -> None:
     first, second = run_on_ranks(_diverging, 2, timeout=120)
     for got in (first, second):
@@ -409,6 +417,9 @@ def _same_shapes(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by named divergence:
+# test_diverging_blocks_before_initialize_are_named
+@pytest.mark.slow
 def test_blocks_over_parameters_of_one_shape_are_told_apart() -> None:
     first, second = run_on_ranks(_same_shapes, 2, timeout=120)
     for got in (first, second):
@@ -450,6 +461,9 @@ def _wrapped_and_twin(rank: int, world_size: int, folder: str) -> dict[str, str]
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by blocks before initialize:
+# test_gathered_parameters_before_initialize
+@pytest.mark.slow
 def test_wrapped_layers_and_twin_models_are_told_apart_before_initialize(tmp_path) -> None:
     tiny_llama().save_pretrained(tmp_path)
     for got in run_on_ranks(_wrapped_and_twin, 2, str(tmp_path), timeout=120):

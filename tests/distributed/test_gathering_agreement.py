@@ -231,6 +231,9 @@ def _fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by agreement: the zero backend's cases in
+# this file
+@pytest.mark.slow
 def test_the_fsdp2_backend_agrees_too() -> None:
     outs = run_on_ranks(_fsdp2, 2, timeout=120)
     for out in outs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -103,6 +104,9 @@ def _not_added(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by stage-3 generation:
+# test_seq2seq_predict_with_generate_at_stage_3_finishes_on_every_rank
+@pytest.mark.slow
 def test_where_the_engine_adds_no_synced_gpus() -> None:
     results = run_on_ranks(_not_added, 2)
     assert tuple(results[0]["alone"]) == (2, 9) and "alone" not in results[1]

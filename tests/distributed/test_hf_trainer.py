@@ -53,7 +53,10 @@ CASES = {  # name: (stage, optimizer block in the config, LoRA, more arguments)
     "stage1-lora": (1, True, True, {}),
     "stage1-unmanaged": (1, True, False, {}),
 }
-SLOW = {"stage2-config-optimizer", "stage1-lora"}  # CI budget: stages 1-2 of the other two stage-3 cases
+# CI budget: stages 1-2 of the other two stage-3 cases; LoRA at stage 3 (test_stage3_features.py) and caller-owned
+# windows (test_managed_accumulation.py) are covered without the Trainer
+# ... and the launched config (`accelerate launch`'s variables: test_accelerate_* in tests/compat)
+SLOW = {"stage2-config-optimizer", "stage1-lora", "stage3-lora", "stage1-unmanaged", "stage3-trainer-optimizer"}
 # managed_gradient_accumulation false ([Note: caller-owned windows]): the Trainer's windows, the epoch's short one too
 UNMANAGED = {"stage1-unmanaged"}
 
@@ -272,6 +275,9 @@ def _sft_parity(rank: int, world_size: int, tmp: str) -> tuple[list[float], list
     return plain.losses, ours.losses
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the Trainer mixin:
+# test_world_size_1_losses_equal_the_plain_trainer
+@pytest.mark.slow
 def test_trl_sft_trainer_through_the_mixin_equals_plain_sft_trainer(tmp_path):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
@@ -340,6 +346,9 @@ def _dpo_parity(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"plain": plain.losses, "ours": ours.losses, "ref_sharded": sharded, "sync_refused": refused}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the Trainer at stage 3:
+# test_world_size_1_losses_equal_the_plain_trainer
+@pytest.mark.slow
 def test_trl_dpo_reference_model_is_sharded_at_stage3(tmp_path):
     """TRL's DPOTrainer through the mixin on 2 ranks at ZeRO-3: the reference model becomes a stage-3 engine without
     optimizer (as TRL's prepare_deepspeed makes it under DeepSpeed) and the losses equal the plain DPOTrainer's;
@@ -377,6 +386,8 @@ def _streamed_model(rank: int, world_size: int, tmp: str, folder: str) -> dict[s
     return {"whole": whole, "streamed": streamed, "model_init": from_init, "meta": built.lm_head.weight.is_meta}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by streaming: test_streaming_load.py
+@pytest.mark.slow
 def test_a_model_streamed_under_zero_init_trains_as_the_whole_one(tmp_path):
     folder = str(tmp_path / "llama")
     tiny_llama().save_pretrained(folder)
@@ -420,6 +431,9 @@ def _node_local_without_save_on_each_node(rank: int, world_size: int, tmp: str) 
     return ""
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by node-local checkpoints:
+# test_node_local_checkpoint.py
+@pytest.mark.slow
 def test_node_local_checkpoints_need_each_node_to_save_its_trainer_state(tmp_path):
     """[Note: node-local checkpoints]: without save_on_each_node only node 0 would write trainer_state.json and rotate
     its checkpoint-N folders; refused before training starts."""
@@ -456,6 +470,9 @@ def _node_local_trainer(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"full": full.losses, "resumed": resumed.losses, "checkpoint": sorted(os.listdir(out + "/checkpoint-3"))}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by node-local checkpoints:
+# test_node_local_checkpoint.py
+@pytest.mark.slow
 def test_node_local_checkpoints_under_the_trainer_resume_on_each_node(tmp_path):
     """[Note: node-local checkpoints] with save_on_each_node: each node's folder gets its trainer_state.json and its
     ranks' engine files, and a resume from checkpoint-3 continues with the uninterrupted run's losses."""

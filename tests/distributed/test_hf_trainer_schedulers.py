@@ -77,7 +77,9 @@ def _run(rank: int, world: int, tmp: str, case: str) -> dict[str, list[tuple[flo
     return out
 
 
-@pytest.mark.parametrize("case", ["plateau", "user_pair"])
+@pytest.mark.parametrize(
+    "case", [pytest.param("plateau", marks=pytest.mark.slow), "user_pair"]
+)  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
 def test_the_trainers_schedulers_step_as_the_plain_trainers(tmp_path, case: str) -> None:
     got = run_on_ranks(_run, 1, str(tmp_path), case)[0]
     plain, ours = got["plain"], got["zeroshard"]

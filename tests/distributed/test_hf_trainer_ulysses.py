@@ -118,6 +118,9 @@ def _reference(sequences: list[list[int]], gas: int = 1) -> tuple[list[float], l
     return losses, norms
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by Ulysses: test_ulysses_hf.py,
+# test_sequence_parallel.py
+@pytest.mark.slow
 def test_trainer_with_sequence_parallelism_trains_as_whole_sequences(tmp_path: Any) -> None:
     per_rank = run_on_ranks(_both, 2, str(tmp_path), timeout=900)
     for name, gas in (("zeroshard", 1), ("zeroshard-stage3-gas2", 2)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import pytest
 import torch
 
 from helpers.harness import run_on_ranks
@@ -144,6 +145,9 @@ def _settings(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the actor loop:
+# test_an_actor_loop_generates_as_the_model_and_trains_as_without_the_block
+@pytest.mark.slow
 def test_rng_release_and_the_latency_line(tmp_path) -> None:
     results = run_on_ranks(_settings, 2, str(tmp_path))
     assert torch.equal(results[0]["draw_True"], results[1]["draw_True"])
@@ -220,11 +224,17 @@ def _gathered_parameters_generation(rank: int, world_size: int) -> list[Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the actor loop:
+# test_an_actor_loop_generates_as_the_model_and_trains_as_without_the_block
+@pytest.mark.slow
 def test_generation_inside_gathered_parameters_leaves_training_alone() -> None:
     for (plain_losses, plain_traces), (losses, traces) in run_on_ranks(_gathered_parameters_generation, 2):
         assert losses == plain_losses and traces == plain_traces  # no divergence reported, the same training
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by uneven generation:
+# test_stage_3_generation_of_different_lengths_finishes_on_every_rank
+@pytest.mark.slow
 def test_uneven_generation_then_training_and_copies_of_the_module() -> None:
     results = run_on_ranks(_uneven, 2)
     assert [r["lengths"] for r in results] == [PROMPT + NEW, PROMPT + NEW + 3]

@@ -73,7 +73,14 @@ def _adapter(rank: int, world_size: int, base: str, adapter: str, stage: int, ba
     return out
 
 
-@pytest.mark.parametrize("stage, backend", [(3, "zero"), (2, "zero"), (3, "fsdp2")])
+@pytest.mark.parametrize(
+    "stage, backend",
+    [
+        (3, "zero"),
+        pytest.param(2, "zero", marks=pytest.mark.slow),
+        pytest.param(3, "fsdp2", marks=pytest.mark.slow),
+    ],  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
+)
 def test_a_saved_lora_adapter_loads_onto_a_zero_init_base(tmp_path: Path, stage: int, backend: str) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -150,7 +157,9 @@ def _saved_copy(rank: int, world_size: int, folder: str | None) -> dict[str, Any
     return out
 
 
-@pytest.mark.parametrize("from_checkpoint", [True, False])
+@pytest.mark.parametrize(
+    "from_checkpoint", [True, pytest.param(False, marks=pytest.mark.slow)]
+)  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
 def test_modules_to_save_copies_start_as_their_originals(tmp_path: Path, from_checkpoint: bool) -> None:
     """PEFT's `modules_to_save` trains a deep copy of the module, made on the meta device: it starts from the
     original's values (the checkpoint's, or the recorded initialisation), not from `reset_parameters()`."""
@@ -212,6 +221,9 @@ def _edges(rank: int, world_size: int, base: str, adapter: str) -> dict[str, Any
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by loads before initialize:
+# test_a_state_dict_loaded_before_initialize_is_the_start
+@pytest.mark.slow
 def test_copies_buffers_assign_loads_and_trainable_tokens(tmp_path: Path) -> None:
     """A hooked module deep-copies after a block before initialize; non-persistent buffers are not loaded; PEFT's
     low_cpu_mem_usage=True load (assign=True, then moved to meta) and trainable_token_indices on a zero_init base are

@@ -84,6 +84,9 @@ def _against_deepspeed(rank: int, world_size: int) -> list[Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by a plain backward:
+# test_a_plain_backward_trains_as_engine_backward
+@pytest.mark.slow
 def test_a_plain_backward_trains_as_deepspeeds() -> None:
     """DeepSpeed 0.19.8 divides the gradient entering the engine's outputs by gradient_accumulation_steps too."""
     for per_rank in run_on_ranks(_against_deepspeed, 2, timeout=900):

@@ -43,7 +43,10 @@ SLOW_CASES = [CASES[i] for i in (2, 3, 5, 8, 11, 17, 18)]
 
 @pytest.mark.parametrize(
     "cases",
-    [[c for c in CASES if c not in SLOW_CASES], SLOW_CASES],
+    [
+        [c for c in CASES if c not in SLOW_CASES],
+        pytest.param(SLOW_CASES, marks=pytest.mark.slow),
+    ],  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
     ids=["default", "variants"],
 )
 def test_offload_parity_and_placement(cases: list[Case]):

@@ -167,6 +167,9 @@ def _io(rank: int, world_size: int) -> list[list[int]]:
     return [b[0].tolist() for b in engine.deepspeed_io(data, batch_size=4)]
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by pipeline parity:
+# test_pipeline_four_ranks_pp2_dp2
+@pytest.mark.slow
 def test_deepspeed_io_reads_the_replicas_share_in_order() -> None:
     """Two stages of one replica: each stage's rank reads the whole data, in order, as the pipeline's own loader."""
     assert run_on_ranks(_io, 2) == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2

@@ -18,6 +18,9 @@ def ranks() -> list[dict]:
     return run_on_ranks(run_grid, 2)
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by safe_set_full_grad:
+# test_super_offload.py, test_tensor_parallel.py
+@pytest.mark.slow
 def test_set_gradients_train_as_the_reference_edits_them(ranks: list[dict]) -> None:
     from helpers.set_grad_grid import CASES, reference_params
 

@@ -42,6 +42,9 @@ def _inner_calls(rank: int, world_size: int, by_module: bool) -> list:
 
 
 @pytest.mark.parametrize("by_module", [False, pytest.param(True, marks=pytest.mark.slow)])  # (True: CI budget)
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by stage-3 generation:
+# test_hf_generation.py
+@pytest.mark.slow
 def test_generation_and_inner_forwards_gather_a_whole_root(by_module: bool) -> None:
     for generated, inner, outer in run_on_ranks(_inner_calls, 2, by_module):
         assert len(generated[0]) == 7 and inner == outer, (generated, inner, outer)

@@ -113,6 +113,9 @@ def _missing_and_unexpected(rank: int, world_size: int, folder: str):
     return info, logits
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by streaming:
+# test_streamed_logits_equal_plain_from_pretrained
+@pytest.mark.slow
 def test_missing_and_unexpected_keys_are_reported_like_transformers(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -224,6 +227,9 @@ def _frozen_quantized(folder: str, streamed: bool):
     return packed, before, after
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by quantized frozen weights:
+# test_quantized_frozen.py
+@pytest.mark.slow
 def test_streamed_frozen_weights_are_quantized_as_a_built_model_s(tmp_path):
     """[Note: quantized frozen weights]: read straight into the shards, the frozen tails are packed from the file's
     values exactly as from a model built whole; the logits differ from the unquantized model's."""

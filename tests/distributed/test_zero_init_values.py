@@ -160,6 +160,9 @@ def _blocks_and_peft(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by zero_init values: the other tests of
+# this file
+@pytest.mark.slow
 def test_blocks_in_the_constructor_and_peft() -> None:
     for got in run_on_ranks(_blocks_and_peft, 2):
         seen, norm, gain = got["gathers"]
@@ -211,6 +214,9 @@ def _spread(t: torch.Tensor) -> float:
     return t.std().item() if t.numel() > 1 else t.item()  # a scalar (SigLIP's logit_scale): its value
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by zero_init values: the other tests of
+# this file
+@pytest.mark.slow
 def test_transformers_models_at_the_default_persistence_threshold() -> None:
     """Every tensor of T5 and SigLIP built under zero_init follows the model built whole (T5's block-0 attention was
     N(0, 1); SigLIP crashed in its attention's xavier_uniform_ on a released parameter of another unit)."""

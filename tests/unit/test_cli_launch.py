@@ -219,6 +219,9 @@ def test_each_rank_log_takes_each_workers_output_to_its_own_file(tmp_path, local
     assert main(["launch", "--enable_each_rank_log", str(tmp_path / "a file"), "show.py"]) == 2
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the launcher: the other tests of this
+# file
+@pytest.mark.slow
 def test_a_script_without_local_rank_is_told_about_no_local_rank(tmp_path):
     """A real two-worker launch: every worker gets its own --local_rank (each refuses its own); a script refusing it
     (argparse's exit 2) fails with a line saying how to leave it out (--no_local_rank:

@@ -52,6 +52,9 @@ def test_core_lists_are_read_and_shared_out_as_deepspeeds():
     assert bound_command([0, 1, 2, 5], ["p"], "numactl")[-3:] == ["-C", "0-2,5", "p"]
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by launcher options: the other tests of
+# this file
+@pytest.mark.slow
 def test_each_worker_runs_on_its_own_share_of_the_cores_and_the_pid_is_saved(tmp_path, capsys):
     """One real launch with --bind_cores_to_rank, --save_pid and --force_multi: each worker's affinity is its share
     (by local rank) and OMP_NUM_THREADS its size, with DeepSpeed's argv; the launcher's pid is in /tmp/<pid>.deepspeed

@@ -104,9 +104,13 @@ def test_fresh_buffers_are_advised_for_huge_pages_under_the_policy() -> None:
 @pytest.mark.parametrize(
     ("churns", "env"),
     [
-        (False, {}),  # stages 0-2 on the CPU without offload: glibc's default, so the buffer may sit in the heap
-        (True, {"ZEROSHARD_HOST_ALLOC": "glibc"}),
-        (True, {"MALLOC_MMAP_THRESHOLD_": "33554432"}),  # the user's threshold: 16 MiB comes from the heap
+        # stages 0-2 on the CPU without offload: glibc's default, so the buffer may sit in the heap
+        pytest.param(False, {}, marks=pytest.mark.slow),  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
+        pytest.param(
+            True, {"ZEROSHARD_HOST_ALLOC": "glibc"}, marks=pytest.mark.slow
+        ),  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
+        # the user's threshold: 16 MiB comes from the heap
+        pytest.param(True, {"MALLOC_MMAP_THRESHOLD_": "33554432"}, marks=pytest.mark.slow),
     ],
 )
 def test_without_the_policy_nothing_is_advised(churns: bool, env: dict[str, str]) -> None:

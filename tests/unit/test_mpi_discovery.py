@@ -32,6 +32,8 @@ def test_missing_master_addr_is_one_clear_error() -> None:
         mpi_rank_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by MPI discovery: its unit checks
+@pytest.mark.slow
 def test_two_processes_started_as_mpirun_would_form_one_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -281,6 +281,9 @@ def test_garbage_collection_removes_the_directory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by swap directories:
+# test_preflight_counts_every_rank_of_the_node_and_removes_stale_swap_directories
+@pytest.mark.slow
 def test_interpreter_exit_removes_the_directory(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

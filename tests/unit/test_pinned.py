@@ -76,6 +76,9 @@ def test_torch_allocator_on_request(monkeypatch):
     assert fake.locked == {}
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by pinned buffers: the other tests of
+# this file
+@pytest.mark.slow
 def test_quiet_at_interpreter_exit():
     """State still referenced when the interpreter exits (an engine in a global) is left to the driver, which
     unlocks at process exit: no finalizer noise, no call into a half-torn-down CUDA runtime."""

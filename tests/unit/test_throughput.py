@@ -97,6 +97,9 @@ def test_throughput_off_logs_nothing(log) -> None:  # noqa: F811
     engine.destroy()
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the throughput lines: the other tests
+# of this file
+@pytest.mark.slow
 def test_memory_breakdown_logs_six_lines_per_micro_step(log) -> None:  # noqa: F811
     engine = _engine(memory_breakdown=True)
     _train(engine, 1)
