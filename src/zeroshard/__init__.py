@@ -47,6 +47,7 @@ _DEEPSPEED_NAMES = {
     "log_dist": ("zeroshard.utils", "log_dist"),
     "logger": ("zeroshard.utils", "logger"),
     "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
+    "tp_model_init": ("zeroshard.tp.model_init", "tp_model_init"),  # [Note: tp_model_init]
 }
 _SUBMODULES = ("checkpointing",)  # `deepspeed.checkpointing` without an import of its own, as DeepSpeed's __init__
 

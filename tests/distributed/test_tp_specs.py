@@ -154,3 +154,65 @@ def test_fused_parts_are_saved_whole_in_their_order(tmp_path: Any, stage: int, b
     assert set(saved) == set(want) and set(results[0]) == set(want) and results[1] is None
     assert [k for k, v in want.items() if not torch.equal(saved[k].float(), v.float())] == []
     assert [k for k, v in want.items() if not torch.equal(results[0][k], v.float())] == []
+
+
+def _tp_model_init(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import zeroshard
+    from helpers.tp_parity import config, run
+    from zeroshard.module_inject.layers import is_autotp_training_mode
+    from zeroshard.tp.model_init import RECORDED
+
+    zeroshard.init_distributed()
+    both = dist.new_group([0, 1])
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, tp_config: dict[str, Any] | None, **kwargs: Any) -> Any:
+        from helpers.tp_parity import llama
+
+        RECORDED.args = None  # (process-wide, as DeepSpeed's record)
+        mpu = kwargs.pop("mpu", None)
+        model = zeroshard.tp_model_init(llama(), tp_size=2, dtype=kwargs.pop("dtype", torch.float32), **kwargs)
+        cfg = config(TpCase(stage=1, steps=2))
+        cfg.pop("tensor_parallel")
+        cfg.update(tp_config or {})
+        try:
+            engine, *_ = zeroshard.initialize(model=model, config=cfg, mpu=mpu)
+        except zeroshard.ConfigError as err:
+            out[name] = str(err)
+            return None
+        return engine
+
+    engine = attempt("split", None, tp_group=both)
+    out["mode"] = is_autotp_training_mode()
+    out["losses"] = run(engine, 0, range(2))[0]
+    out["q_local"] = list(engine.module.model.layers[0].self_attn.q_proj.weight.to_local().shape)
+    engine.destroy()
+    attempt("conflict", {"tensor_parallel": {"autotp_size": 1}})
+    attempt("dtype", {"bf16": {"enabled": True}})
+    attempt("with_mpu", None, tp_group=both, mpu=object())
+    attempt("one_rank_group", None, tp_group=dist.new_group([0]) if rank == 0 else dist.new_group([1]))
+    RECORDED.args = None
+    zeroshard.tp_model_init(nn_model := torch.nn.Linear(2, 2), tp_size=2, dtype=None)
+    try:
+        zeroshard.tp_model_init(nn_model, tp_size=4, dtype=None)
+    except zeroshard.ConfigError as err:
+        out["second_call"] = str(err)
+    RECORDED.args = None
+    return out
+
+
+def test_tp_model_init_is_merged_into_the_config_at_initialize() -> None:
+    """[Note: tp_model_init]: DeepSpeed's `tp_model_init(model, tp_size, dtype, tp_group)` before `initialize`
+    fills autotp_size in (the model trains as the reference, split in two); conflicts are one line each."""
+    case = TpCase(stage=1, steps=2)
+    want = [step[0] for step in trained_reference(case, dp=1)[0]]
+    for out in run_on_ranks(_tp_model_init, 2, timeout=300):
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["losses"], want, strict=True)), out
+        assert out["q_local"] == [32, 64] and out["mode"] is True
+        assert "tensor_parallel.autotp_size=1 conflicts with tp_model_init(tp_size=2)" in out["conflict"]
+        assert "trains in torch.bfloat16 but tp_model_init(tp_size=2) asked for dtype=torch.float32" in out["dtype"]
+        assert "its tp_group has 1 ranks" in out["one_rank_group"]
+        assert "was given tp_group; then initialize must not receive mpu=" in out["with_mpu"]
+        assert "conflicts with an earlier call" in out["second_call"]
