@@ -4,7 +4,8 @@ per-step losses and gradient norms to 1e-5 relative, clipping active, ZeRO stage
 replicated with grad all-reduce]; their trained values equal the reference's), Phi-3 by its plan (fused qkv_proj and
 gate_up_proj "colwise_gather_output", o_proj/down_proj "rowwise_split_input"), and Llama by DeepSpeed's
 `partition_config` ([Note: autotp layer specs]: layer 1's MLP left whole, lm_head split with its logits gathered).
-Slow: DeepSpeed's "llama" `preset_model`, and Qwen3 on the fsdp2 backend at stage 3."""
+Slow: DeepSpeed's "llama" `preset_model`, Qwen3 and the fused Phi-3 on the fsdp2 backend at stage 3, GPT-NeoX
+by its plan ("embedding_rowwise"), checkpoints resumed and resharded, whole state dicts of fused layers."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ SLOW_CASES = [
     TpCase(stage=2, steps=2, specs="preset"),
     TpCase(stage=3, steps=2, arch="qwen3", backend="fsdp2"),
     TpCase(stage=3, steps=2, arch="phi3", specs="fused", backend="fsdp2"),
+    TpCase(stage=2, steps=2, arch="gpt_neox"),
 ]
 
 # what each case splits how (the tensor-parallel placement of layer 0 and 1's tensors, by name suffix)
@@ -43,6 +45,11 @@ PLACEMENTS: dict[str, dict[str, str]] = {
     "preset": {
         "layers.1.mlp.down_proj.weight": "Shard(dim=1)",
         "layers.1.self_attn.k_proj.weight": "Shard(dim=0)",
+    },
+    "gpt_neox": {
+        "gpt_neox.embed_in.weight": "Shard(dim=0)",  # "embedding_rowwise": vocab-parallel
+        "layers.1.attention.query_key_value.weight": "Shard(dim=0)",
+        "layers.1.attention.dense.weight": "Shard(dim=1)",
     },
     "fused": {
         "layers.0.self_attn.qkv_proj.weight": "_StridedShard(dim=0, sf=4)",

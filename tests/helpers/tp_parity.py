@@ -74,10 +74,16 @@ def llama(seed: int = 0, arch: str = "llama") -> torch.nn.Module:
 
 TRAINED = ("layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight", "layers.1.mlp.down_proj.weight")
 
+QUERY = {  # the first query projection's weight (fused in Phi-3 and GPT-NeoX)
+    "phi3": "model.layers.0.self_attn.qkv_proj.weight",
+    "gpt_neox": "gpt_neox.layers.0.attention.query_key_value.weight",
+}
+
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),  # embed_in "embedding_rowwise"; fused per-head qkv colwise
 }
 
 # Llama's tp plan written as DeepSpeed's partition_config, the MLP of layer 1 left whole (unmatched) and the untied
@@ -181,8 +187,7 @@ def engine_losses(rank: int, case: TpCase, tp: int = 2) -> dict[str, Any]:
         engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=optimized(model, case), config=cfg)
     replica = rank // tp
     losses, norms = run(engine, replica, range(case.steps), case.gas)
-    attention = model.model.layers[0].self_attn
-    q = attention.qkv_proj.weight if case.arch == "phi3" else attention.q_proj.weight
+    q = model.get_parameter(QUERY.get(case.arch, "model.layers.0.self_attn.q_proj.weight"))
     out = {"losses": losses, "norms": norms, "q_local": list(q.to_local().shape), "dp": engine.dp_world_size}
     # the tensor-parallel placement (the last: fsdp2 puts its dp placement first)
     out["placements"] = {n: repr(p.placements[-1]) for n, p in model.named_parameters() if hasattr(p, "placements")}

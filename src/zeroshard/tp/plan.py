@@ -14,8 +14,8 @@ split needs every sharded size divisible by tp; anything else is refused before 
 Models whose attention slices a fused projection by the config's sizes (Phi-3's qkv_proj, OLMo-2) say
 "colwise_gather_output" (`ColwiseParallel(output_layouts=Replicate())`: the output slices all-gathered) and
 "rowwise_split_input" (`RowwiseParallel(input_layouts=Replicate())`: each rank takes its slice of a whole input);
-"colwise_rep" is transformers' older name of the first. Other styles (packed experts, `embedding_rowwise`,
-`local_*`) are refused.
+"colwise_rep" is transformers' older name of the first. GPT-NeoX's "embedding_rowwise" is the vocab-parallel
+embedding above. Other styles (packed experts, `local_*`) are refused.
 
 [Note: replicated with grad all-reduce]
 Qwen3 and Gemma3 normalize each attention head's q and k (`q_norm`, `k_norm`: RMSNorm over head_dim) after the
@@ -125,6 +125,7 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gather_output": partial(ColwiseParallel, output_layouts=Replicate()),
     "colwise_rep": partial(ColwiseParallel, output_layouts=Replicate()),  # transformers' older name
     "rowwise_split_input": partial(RowwiseParallel, input_layouts=Replicate()),
+    "embedding_rowwise": partial(RowwiseParallel, input_layouts=Replicate()),  # GPT-NeoX's vocab-parallel embed_in
     "replicated_with_grad_allreduce": ReplicatedOverHeads,
 }
 DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
