@@ -29,6 +29,7 @@ SLOW_CASES = [
     TpCase(stage=3, steps=2, arch="qwen3", backend="fsdp2"),
     TpCase(stage=3, steps=2, arch="phi3", specs="fused", backend="fsdp2"),
     TpCase(stage=2, steps=2, arch="gpt_neox"),
+    TpCase(stage=0, steps=2, arch="qwen3", left_out=True),  # a q_norm left out of the optimizer is still clipped over
 ]
 
 # what each case splits how (the tensor-parallel placement of layer 0 and 1's tensors, by name suffix)
@@ -86,7 +87,10 @@ def _check(cases: list[TpCase]) -> None:
                 out["losses"],
                 want,
             )
-            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(out["norms"], ref_norms, strict=True)), (
+            # the first step's norm to 1e-6 (the same weights: a part of it counted wrong shows), later ones to 1e-5
+            tolerances = [1e-6] + [1e-5] * (len(ref_norms) - 1)
+            pairs = zip(out["norms"], ref_norms, tolerances, strict=True)
+            assert all(math.isclose(a, b, rel_tol=tol) for a, b, tol in pairs), (
                 case.name,
                 out["norms"],
                 ref_norms,

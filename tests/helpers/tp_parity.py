@@ -36,7 +36,8 @@ class TpCase:
         return f"{head}{self.backend}-s{self.stage}-gas{self.gas}-clip{self.clip:g}-lp{lp}-client{client}-out{out}"
 
 
-LEFT_OUT = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight")  # replicated; row-parallel (Shard(1))
+# replicated; row-parallel (Shard(1)); Qwen3's q_norm, whose gradient is Partial until summed over tp
+LEFT_OUT = ("model.norm.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_norm.weight")
 
 
 def optimized(model: torch.nn.Module, case: TpCase) -> list[torch.nn.Parameter]:

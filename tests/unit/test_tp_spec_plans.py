@@ -41,18 +41,28 @@ def test_preset_and_custom_specs_merge_custom_first() -> None:
     assert "model.layers.0.self_attn.o_proj" not in plan  # the custom skip comes first
     assert isinstance(plan["model.layers.0.mlp.down_proj"], RowwiseParallel)  # the preset's
     block["partition_config"]["use_default_specs"] = False
-    assert set(_plan(block)) == set()  # only the custom skip
+    with pytest.raises(ConfigError, match="nothing would be split"):  # only the custom skip
+        _plan(block)
     assert "lm_head" not in _plan({"preset_model": "LLaMA"})  # DeepSpeed's presets leave the head whole
 
 
 def test_model_types_head_row_and_grad_allreduce_specs() -> None:
-    assert _plan(_spec([r".*_proj\.weight$"], model_types=["qwen2"])) == {}
+    with pytest.raises(ConfigError, match="no layer of this llama model matches a column or row spec"):
+        _plan(_spec([r".*_proj\.weight$"], model_types=["qwen2"]))
+    with pytest.raises(ConfigError, match="preset_model: no layer of this llama model"):
+        _plan({"preset_model": "bloom"})  # another family's module names
+    assert len(_plan(_spec([r".*_proj\.weight$"], model_types=[]))) == 14  # [] restricts nothing, as in DeepSpeed
+    assert "model.embed_tokens" in _plan({"partition_config": {}})  # empty: none, the Hugging Face plan
     assert len(_plan(_spec([r".*_proj\.weight$"], model_types=["LLAMA"]))) == 14
     row_head = _plan(_spec([r"lm_head\.weight$"], "row"))["lm_head"]
     assert isinstance(row_head, RowwiseParallel) and row_head.input_layouts == (Replicate(),)
     vocab = _plan(_spec([r"lm_head\.weight$"]), vocab_parallel_loss=True)["lm_head"]
     assert vocab.output_layouts == (Shard(-1),) and not vocab.use_local_output
-    qwen = _plan(_spec([r".*_norm\.weight$"], "skip", grad_allreduce=True), llama(arch="qwen3"))
+    norms = _spec([r".*_norm\.weight$"], "skip", grad_allreduce=True)
+    with pytest.raises(ConfigError, match="nothing would be split"):
+        _plan(norms, llama(arch="qwen3"))
+    norms["partition_config"]["layer_specs"].append({"patterns": [r".*\.q_proj\.weight$"]})
+    qwen = {k: v for k, v in _plan(norms, llama(arch="qwen3")).items() if "_norm" in k}
     assert all(isinstance(s, ReplicatedOverHeads) for s in qwen.values())
     assert sorted(qwen)[:2] == ["model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.q_norm"]
 
@@ -78,6 +88,7 @@ def test_hf_plan_styles_of_qwen3_and_phi3() -> None:
         (_spec(["x"], "diagonal"), "partition_type='diagonal'"),
         (_spec(["x"], "row", shape=[-1, 2], partition_dim=1), "shape=[-1, 2]"),
         (_spec(["x"], shape=[[64, 32, 32], -1]), "parts of unequal sizes"),
+        (_spec(["x"], shape=[[True, True], -1]), "parts of unequal sizes"),
         (_spec(["x"], shape=[4, -1, 8], partition_dim=1), "3-D views"),
         (_spec(["x"], partition_dim=1), "partition_dim=1"),
         (_spec(["x"], "row", gather_output=True), "gather_output"),
@@ -102,6 +113,7 @@ def test_bad_specs_are_refused_in_one_line(block: dict[str, Any], words: str) ->
         (_spec([r"lm_head\.weight$"]), "set gather_output true"),
         ({"partition_config": {"strict_mode": True, **_spec([r".*q_proj\.weight$"])["partition_config"]}}, "strict"),
         (_spec([r".*q_proj\.weight$"]) | {"loss_parallel": True}, "loss_parallel=true needs the output head"),
+        (_spec([r"lm_head\.weight$"], gather_output=True) | {"loss_parallel": True}, "with its logits left sharded"),
     ],
 )
 def test_models_the_specs_cannot_split_are_refused(block: dict[str, Any], words: str) -> None:
@@ -115,9 +127,14 @@ def test_models_the_specs_cannot_split_are_refused(block: dict[str, Any], words:
 def test_fused_parts_and_the_presets_with_them() -> None:
     from zeroshard.tp.plan import BlockColwiseParallel
 
-    phi = llama(arch="phi3")  # q 64 + k 32 + v 32 rows: DeepSpeed's phi3 preset cuts qkv_proj in 3 equal parts
-    with pytest.raises(ConfigError, match=r"\(128\) do not divide into 3 parts each divisible by autotp_size=2"):
+    phi = llama(arch="phi3")  # DeepSpeed's phi3 preset leaves qkv_proj split: transformers' attention cannot read it
+    with pytest.raises(ConfigError, match="Phi-3 attention reads q, k and v at the config's full sizes"):
         _plan({"preset_model": "phi3"}, phi)
+    odd = _spec([r".*qkv_proj\.weight$"], shape=[3, -1], gather_output=True)  # q 64 + k 32 + v 32 rows
+    with pytest.raises(ConfigError, match=r"\(128\) do not divide into 3 parts each divisible by autotp_size=2"):
+        _plan(odd, phi)
+    with pytest.raises(ConfigError, match="parts add up to 32 rows, the weight has 256"):
+        _plan(_spec([r".*gate_up_proj\.weight$"], shape=[[16, 16], -1]), phi)
     gate_up = _plan(_spec([r".*gate_up_proj\.weight$"], shape=[2, -1]), phi)["model.layers.0.mlp.gate_up_proj"]
     assert isinstance(gate_up, BlockColwiseParallel) and gate_up.blocks == 2 and not gate_up.gather
     equal = _plan(_spec([r".*qkv_proj\.weight$"], shape=[[32, 32, 32, 32], -1], gather_output=True), phi)

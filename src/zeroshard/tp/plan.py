@@ -79,7 +79,7 @@ def _replicate_params(name: str, module: nn.Module, device_mesh: DeviceMesh) -> 
 
 
 def _heads_input(module: nn.Module, inputs: tuple[Any, ...], device_mesh: DeviceMesh) -> tuple[Any, ...]:
-    x = inputs[0]
+    x = inputs[0] if inputs else None  # (a keyword-only call brings no positional input)
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() < 2:
         raise ConfigError(
             f"replicated_with_grad_allreduce: {type(module).__name__} got {type(x).__name__} "

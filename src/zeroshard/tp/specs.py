@@ -9,14 +9,18 @@ names the whole prefix, usually `.*`), restricted to `model_types` (the model's 
 - "row": `RowwiseParallel` (input features split, partial outputs all-reduced; an output head named in
   `lm_head_patterns` takes a whole input and splits it, DeepSpeed's row-parallel head);
 - "skip": left whole; with `grad_allreduce` (any parameter it matches, 1-D too) the module is a norm over the rank's
-  heads and its gradients are summed over tp ([Note: replicated with grad all-reduce] in tp/plan.py).
-Modules no spec matches stay whole (`strict_mode`: refused instead, for `nn.Linear`). A split output head must
-gather its logits (`gather_output`) or keep them vocabulary-sharded under `loss_parallel`. A column spec's `shape`
-of k equal parts splits a fused weight part by part ([Note: fused sub-parameters] in tp/plan.py). A split
-embedding, a split tied weight, sizes tp does not divide and the other sub-parameter layouts (unequal parts, row
-layers, 3-D views) are refused before the model is touched, naming the parameter. `preset_model` is DeepSpeed's
-spec list for a model family; with `partition_config` and `use_default_specs` (default true) the custom specs come
-first, then the preset's. Either one replaces the Hugging Face plan, as in DeepSpeed.
+  heads and its gradients are summed over tp ([Note: replicated with grad all-reduce] in tp/plan.py): all of that
+  module's own parameters (DeepSpeed sums only the matched ones; a norm has one).
+Modules no spec matches stay whole (`strict_mode`: refused instead, for `nn.Linear`); specs that split nothing are
+refused, and an empty `partition_config` is none (DeepSpeed's reading). transformers' Phi-3 attention reads q/k/v at
+the config's full sizes, so its qkv_proj split without `gather_output` (DeepSpeed's phi3 preset) is refused. A
+split output head must gather its logits (`gather_output`) or keep them vocabulary-sharded under `loss_parallel`. A
+column spec's `shape` of k equal parts splits a fused weight part by part ([Note: fused sub-parameters] in
+tp/plan.py). A split embedding, a split tied weight, sizes tp does not divide and the other sub-parameter layouts
+(unequal parts, row layers, 3-D views) are refused before the model is touched, naming the parameter.
+`preset_model` is DeepSpeed's spec list for a model family; with `partition_config` and `use_default_specs`
+(default true) the custom specs come first, then the preset's. Either one replaces the Hugging Face plan, as in
+DeepSpeed.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class LayerSpec:
     grad_allreduce: bool = False
     model_types: tuple[str, ...] | None = None
     blocks: int = 1  # equal parts of the output features split one by one ([Note: fused sub-parameters])
+    rows: int | None = None  # the rows the parts add up to, where the shape names their sizes
 
     def matches(self, name: str, model_type: str | None) -> bool:
         if self.model_types is not None and (model_type or "").lower() not in self.model_types:
@@ -63,6 +68,7 @@ class PartitionConfig:
     specs: tuple[LayerSpec, ...]
     strict_mode: bool = False
     lm_head_patterns: tuple[str, ...] = LM_HEADS
+    custom: bool = False  # from partition_config (else preset_model alone)
 
     def find(self, name: str, model_type: str | None) -> LayerSpec | None:
         return next((s for s in self.specs if s.matches(name, model_type)), None)
@@ -127,7 +133,8 @@ PRESETS: dict[str, list[dict[str, Any]]] = {
 def partition_config_of(block: Mapping[str, Any], tp: int) -> PartitionConfig | None:
     """The specs of `tensor_parallel`'s `partition_config` and `preset_model` (None: neither, the Hugging Face plan
     applies), every key checked."""
-    preset, custom = block.get("preset_model"), block.get("partition_config")
+    # an empty partition_config is none, as DeepSpeed reads it (`if partition_config:`)
+    preset, custom = block.get("preset_model"), block.get("partition_config") or None
     if preset is None and custom is None:
         return None
     if preset is not None and (not isinstance(preset, str) or preset.lower() not in PRESETS):
@@ -156,7 +163,7 @@ def partition_config_of(block: Mapping[str, Any], tp: int) -> PartitionConfig | 
     if not isinstance(heads, Sequence) or isinstance(heads, str) or not all(isinstance(h, str) for h in heads):
         raise ConfigError(f"{path}.lm_head_patterns={heads!r}: expected a list of module names")
     strict = _flag(custom, "strict_mode", False, path)
-    return PartitionConfig(_specs(merged, f"{path}.layer_specs"), strict, tuple(heads) or LM_HEADS)
+    return PartitionConfig(_specs(merged, f"{path}.layer_specs"), strict, tuple(heads) or LM_HEADS, custom=True)
 
 
 def _flag(block: Mapping[str, Any], key: str, default: bool, path: str) -> bool:
@@ -188,7 +195,7 @@ def _spec(entry: Any, path: str) -> LayerSpec:
             compiled.append(re.compile(pattern))
         except (re.error, TypeError) as e:
             raise ConfigError(f"{path}.patterns: {pattern!r} is not a regular expression ({e})") from e
-    blocks = _blocks(entry.get("shape"), kind, entry.get("partition_dim"), path)
+    blocks, rows = _blocks(entry.get("shape"), kind, entry.get("partition_dim"), path)
     default_dim = {"column": 0, "row": 1}.get(kind)
     if entry.get("partition_dim") not in (None, default_dim):
         raise ConfigError(
@@ -201,15 +208,15 @@ def _spec(entry: Any, path: str) -> LayerSpec:
     types = entry.get("model_types")
     if types is not None and (isinstance(types, str) or not isinstance(types, Sequence)):
         raise ConfigError(f"{path}.model_types={types!r}: expected a list of config.model_type names")
-    lowered = tuple(str(t).lower() for t in types) if types is not None else None
-    return LayerSpec(tuple(compiled), kind, gather, grad_allreduce, lowered, blocks)
+    lowered = tuple(str(t).lower() for t in types) if types else None  # [] restricts nothing, as in DeepSpeed
+    return LayerSpec(tuple(compiled), kind, gather, grad_allreduce, lowered, blocks, rows)
 
 
-def _blocks(shape: Any, kind: str, partition_dim: Any, path: str) -> int:
+def _blocks(shape: Any, kind: str, partition_dim: Any, path: str) -> tuple[int, int | None]:
     """The equal parts a column spec's `shape` cuts the output features into ([Note: fused sub-parameters]): `[n,
-    -1]` or `[[s, s, ...], -1]`; 1 without a shape. Other shapes are refused."""
+    -1]` or `[[s, s, ...], -1]` (then also the rows they add up to); 1 without a shape. Other shapes are refused."""
     if shape is None:
-        return 1
+        return 1, None
     first = shape[0] if isinstance(shape, Sequence) and not isinstance(shape, str) and len(shape) == 2 else None
     ok = isinstance(first, int) and not isinstance(first, bool) and first > 0 and shape[1] == -1
     sizes = list(first) if isinstance(first, Sequence) and not isinstance(first, str) else None
@@ -219,12 +226,15 @@ def _blocks(shape: Any, kind: str, partition_dim: Any, path: str) -> int:
             "[[s, s, ...], -1] with partition_dim 0); other sub-parameter layouts (row layers, 3-D views) are not "
             "implemented"
         )
-    if sizes is not None and (len(set(sizes)) != 1 or not all(isinstance(v, int) and v > 0 for v in sizes)):
+    valid = sizes is not None and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes)
+    if sizes is not None and (not valid or len(set(sizes)) != 1):
         raise ConfigError(
             f"{path}.shape={shape!r}: parts of unequal sizes (a grouped-query q/k/v) are not implemented; split such "
             "a layer by the model's Hugging Face plan (colwise_gather_output) or skip it"
         )
-    return len(sizes) if sizes is not None else int(first)  # type: ignore[arg-type]
+    if sizes is not None:
+        return len(sizes), sum(sizes)
+    return int(first), None  # type: ignore[arg-type]
 
 
 def spec_plan(
@@ -249,6 +259,12 @@ def spec_plan(
                     f"tensor_parallel.partition_config: {name}.weight is shared with another module (tied "
                     "embeddings): splitting it would split the other too; skip it or untie the weights"
                 )
+            if model_type == "phi3" and name.endswith("self_attn.qkv_proj") and not spec.gather_output:
+                raise ConfigError(  # (DeepSpeed's phi3 preset: it fails at the first forward)
+                    f"tensor_parallel.partition_config: {name}.weight: transformers' Phi-3 attention reads q, k and v "
+                    "at the config's full sizes, so a split qkv_proj needs gather_output true (o_proj then whole); "
+                    "or split Phi-3 by its own tp_plan (no partition_config or preset_model)"
+                )
             plan[name] = _style(name, module, weight, spec, tp, config, vocab_parallel_loss)
             continue
         if weight is not None and weight.dim() == 2 and spec is None and config.strict_mode:
@@ -261,10 +277,19 @@ def spec_plan(
         specs = [config.find(p, model_type) for p in own]
         if any(s is not None and s.grad_allreduce for s in specs):
             plan[name] = ReplicatedOverHeads()
-    if vocab_parallel_loss and not any(_is_head(n, config) for n in plan):
+    vocab_heads = [
+        n for n, s in plan.items() if _is_head(n, config) and getattr(s, "output_layouts", ()) == (Shard(-1),)
+    ]
+    if vocab_parallel_loss and not vocab_heads:
         raise ConfigError(
-            "tensor_parallel.loss_parallel=true needs the output head split column-wise; add a column spec for it "
-            "(and no gather_output) or set loss_parallel false"
+            "tensor_parallel.loss_parallel=true needs the output head split column-wise with its logits left "
+            "sharded; add a column spec for it without gather_output, or set loss_parallel false"
+        )
+    if not any(isinstance(s, ColwiseParallel | RowwiseParallel) for s in plan.values()):
+        given = "preset_model" if not config.custom else "partition_config.layer_specs"
+        raise ConfigError(
+            f"tensor_parallel.{given}: no layer of this {model_type or type(model).__name__} model matches a column or "
+            f"row spec, so nothing would be split over autotp_size={tp}; fix the patterns (module names + '.weight')"
         )
     return plan
 
@@ -291,6 +316,8 @@ def _style(
             'Hugging Face plan); use partition_type "skip" for it'
         )
     dim = 0 if spec.partition_type == "column" else 1
+    if spec.rows is not None and spec.rows != weight.shape[0]:
+        raise ConfigError(f"{where}: its shape's parts add up to {spec.rows} rows, the weight has {weight.shape[0]}")
     if weight.shape[dim] % (tp * spec.blocks):
         parts = f" into {spec.blocks} parts each divisible" if spec.blocks > 1 else ""
         raise ConfigError(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from zeroshard.comm.collectives import Collectives
 from zeroshard.zero.flat.local import local_of
@@ -51,6 +52,9 @@ class Bystanders:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                # a Partial gradient summed first ([Note: replicated with grad all-reduce] in tp/plan.py)
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [local_of(p.grad) for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         prescale = self.prescale(self.comm.world_size)
