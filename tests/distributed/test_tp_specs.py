@@ -130,10 +130,25 @@ def _resumes(rank: int, world_size: int, save_dir: str) -> list[dict[str, Any]]:
 def test_autotp_qwen3_and_custom_specs_resume_and_reshard(tmp_path: Any) -> None:
     """A checkpoint of each resumes exactly at tp2 and loads into tp1 (the replicated q_norm/k_norm DTensors, the
     specs' whole and split layers, the fused layers' parts): the next loss equal within 1e-6."""
+    from zeroshard.checkpoint.errors import CheckpointError
+    from zeroshard.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
+
     for result in run_on_ranks(_resumes, 2, str(tmp_path), timeout=600):
         for got in result:
             assert got["resumed"] == got["straight"][1:], got
             assert math.isclose(got["other_tp_loss"], got["resumed"][0], rel_tol=1e-6), got
+    saved = next(p for p in tmp_path.iterdir() if p.is_dir())  # the offline export refuses slices (wrote slice 0)
+    for export in (get_fp32_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_fp32_state_dict):
+        args = (
+            (str(saved), str(tmp_path / "out"))
+            if export is convert_zero_checkpoint_to_fp32_state_dict
+            else (str(saved),)
+        )
+        with pytest.raises(CheckpointError, match="a tensor-parallel checkpoint .* does not join slices"):
+            export(*args, tag="mid")
 
 
 def _save_fused(rank: int, world_size: int, folder: str, stage: int, backend: str) -> Any:

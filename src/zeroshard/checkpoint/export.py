@@ -10,6 +10,11 @@ metadata (names, shapes, dtypes are known before any byte is read), writes each 
 copies every tensor from its pieces in chunks of `safetensors_io.CHUNK_BYTES`, converting the dtype per
 chunk. Peak memory is a few chunks, whatever the model or tensor size (the `--format bin` path is the
 exception: torch.save needs each shard in memory, so it is bounded by `max_shard_size`).
+
+A checkpoint of tensor-parallel slices (`<key>.tp<j>of<N>`, [Note: tensor-parallel checkpoints]) is refused in one
+line: the export does not join slices (their split dimension is known to an engine, not recorded), and it used to
+write the first slice under the whole tensor's name. Load such a checkpoint into an engine (any autotp_size: it
+reshards) and call `save_16bit_model`, or save it again from an engine without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -82,6 +87,20 @@ def _source(reader: CheckpointReader, name: str) -> tuple[str, str | None]:
     if reader.metadata.tensors[name].trainable and reader.has(OPTIM, name):
         return OPTIM, MASTER
     return MODEL, None
+
+
+def _whole_tensors_only(reader: CheckpointReader) -> CheckpointReader:
+    """`reader`, unless its checkpoint holds tensor-parallel slices (refused: see the module docstring)."""
+    from zeroshard.tp.checkpoint import tp_size_of
+
+    tp = tp_size_of(list(reader.metadata.tensors))
+    if tp != 1:
+        raise CheckpointError(
+            f"{reader.tag_dir}: a tensor-parallel checkpoint (slices of autotp_size {tp}); the offline export does not "
+            "join slices: load it into an engine (any autotp_size) and call engine.save_16bit_model(...), or load it "
+            "into an engine without tensor_parallel and save_checkpoint again"
+        )
+    return reader
 
 
 def _exported_names(meta: CheckpointMetadata, exclude_frozen: bool) -> list[str]:
@@ -161,7 +180,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     """
     tag_dir = resolve_checkpoint(checkpoint_dir, tag)
     with CheckpointReader(tag_dir) as reader:
-        meta = reader.metadata
+        meta = _whole_tensors_only(reader).metadata
         result: dict[str, Any] = {}
         source = _OpenCheckpoint(tag_dir, meta)
         for name in _exported_names(meta, exclude_frozen_parameters):
@@ -211,7 +230,7 @@ def load_state_dict_from_zero_checkpoint(
     tag_dir = resolve_checkpoint(checkpoint_dir, tag)
     targets = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict(keep_vars=True).items()}
     with CheckpointReader(tag_dir) as reader:
-        meta = reader.metadata
+        meta = _whole_tensors_only(reader).metadata
         names = {key: key if key in meta.tensors else meta.aliases.get(key) for key in targets}
         matched = {key: name for key, name in names.items() if name is not None}
         _refuse_other_shapes(
@@ -332,7 +351,7 @@ def convert_zero_checkpoint_to_state_dict(
     temporaries: dict[str, str] = {}  # final name -> this call's temporary file
     try:
         with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
-            meta = reader.metadata
+            meta = _whole_tensors_only(reader).metadata
             names = _exported_names(meta, exclude_frozen_parameters)
             dtypes = {n: _out_dtype(meta.tensors[n].dtype, out_dtype) for n in names}
             sizes = [(n, meta.tensors[n].numel * dtypes[n].itemsize) for n in names]
