@@ -117,6 +117,11 @@ def test_autotp_preset_and_fsdp2_match_the_reference() -> None:
     _check(SLOW_CASES)
 
 
+RESUMED = [
+    TpCase(stage=2, steps=3, arch=a, specs=s) for a, s in (("qwen3", ""), ("llama", "custom"), ("phi3", "fused"))
+]
+
+
 def _resumes(rank: int, world_size: int, save_dir: str) -> list[dict[str, Any]]:
     from helpers.tp_parity import resume
 
@@ -129,26 +134,37 @@ def _resumes(rank: int, world_size: int, save_dir: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_autotp_qwen3_and_custom_specs_resume_and_reshard(tmp_path: Any) -> None:
     """A checkpoint of each resumes exactly at tp2 and loads into tp1 (the replicated q_norm/k_norm DTensors, the
-    specs' whole and split layers, the fused layers' parts): the next loss equal within 1e-6."""
-    from zeroshard.checkpoint.errors import CheckpointError
+    specs' whole and split layers, the fused layers' parts): the next loss equal within 1e-6; the offline export
+    (eager, lazy, streamed to safetensors) gives the whole model, which takes that step equally."""
     from zeroshard.utils.zero_to_fp32 import (
         convert_zero_checkpoint_to_fp32_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
     )
 
-    for result in run_on_ranks(_resumes, 2, str(tmp_path), timeout=600):
+    results = run_on_ranks(_resumes, 2, str(tmp_path), timeout=600)
+    for result in results:
         for got in result:
             assert got["resumed"] == got["straight"][1:], got
             assert math.isclose(got["other_tp_loss"], got["resumed"][0], rel_tol=1e-6), got
-    saved = next(p for p in tmp_path.iterdir() if p.is_dir())  # the offline export refuses slices (wrote slice 0)
-    for export in (get_fp32_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_fp32_state_dict):
-        args = (
-            (str(saved), str(tmp_path / "out"))
-            if export is convert_zero_checkpoint_to_fp32_state_dict
-            else (str(saved),)
-        )
-        with pytest.raises(CheckpointError, match="a tensor-parallel checkpoint .* does not join slices"):
-            export(*args, tag="mid")
+    # the offline export joins each case's slices (the fused parts in order): the model it gives takes the step the
+    # resumed engine took first, equally; the streamed safetensors and the lazy state dict hold the same tensors
+    from safetensors.torch import load_file
+
+    from helpers.tp_parity import batch, llama
+    from zeroshard.utils.zero_to_fp32 import to_torch_tensor
+
+    for case, got in zip(RESUMED, results[0], strict=True):
+        folder = str(tmp_path / case.name)
+        whole = get_fp32_state_dict_from_zero_checkpoint(folder, tag="mid")
+        model = llama(seed=7, arch=case.arch)
+        model.load_state_dict(whole)
+        ids = batch(1, 0)
+        assert math.isclose(model(input_ids=ids, labels=ids).loss.item(), got["resumed"][0], rel_tol=1e-6), case
+        convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / f"{case.name}-out"), tag="mid")
+        streamed = load_file(str(tmp_path / f"{case.name}-out" / "model.safetensors"))
+        lazy = to_torch_tensor(get_fp32_state_dict_from_zero_checkpoint(folder, tag="mid", lazy_mode=True))
+        for name, value in whole.items():
+            assert torch.equal(streamed.get(name, value), value) and torch.equal(lazy[name], value), name
 
 
 def _save_fused(rank: int, world_size: int, folder: str, stage: int, backend: str) -> Any:

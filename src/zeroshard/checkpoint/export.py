@@ -11,10 +11,11 @@ copies every tensor from its pieces in chunks of `safetensors_io.CHUNK_BYTES`, c
 chunk. Peak memory is a few chunks, whatever the model or tensor size (the `--format bin` path is the
 exception: torch.save needs each shard in memory, so it is bounded by `max_shard_size`).
 
-A checkpoint of tensor-parallel slices (`<key>.tp<j>of<N>`, [Note: tensor-parallel checkpoints]) is refused in one
-line: the export does not join slices (their split dimension is known to an engine, not recorded), and it used to
-write the first slice under the whole tensor's name. Load such a checkpoint into an engine (any autotp_size: it
-reshards) and call `save_16bit_model`, or save it again from an engine without tensor parallelism.
+A checkpoint of tensor-parallel slices (`<key>.tp<j>of<N>`, [Note: tensor-parallel checkpoints]) is exported whole:
+each slice set is read as one tensor under its own key, joined along the split dimension the checkpoint records
+(`tp/reshard.py` `whole_reader`, the load path's reslicing at autotp_size 1; a fused layer's parts put back in order).
+A checkpoint that does not record it (an mpu's own split, or written before it was recorded) is refused in one line
+(the export used to write slice 0 under the whole tensor's name).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from zeroshard.checkpoint.load import resolve_tag_dir
 from zeroshard.checkpoint.reshard import MODEL, OPTIM, CheckpointReader
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, dtype_from_name
 from zeroshard.precision.dtypes import DTYPES
+from zeroshard.tp.reshard import whole_reader
 from zeroshard.utils.chunks import greedy_chunks
 
 
@@ -89,20 +91,6 @@ def _source(reader: CheckpointReader, name: str) -> tuple[str, str | None]:
     return MODEL, None
 
 
-def _whole_tensors_only(reader: CheckpointReader) -> CheckpointReader:
-    """`reader`, unless its checkpoint holds tensor-parallel slices (refused: see the module docstring)."""
-    from zeroshard.tp.checkpoint import tp_size_of
-
-    tp = tp_size_of(list(reader.metadata.tensors))
-    if tp != 1:
-        raise CheckpointError(
-            f"{reader.tag_dir}: a tensor-parallel checkpoint (slices of autotp_size {tp}); the offline export does not "
-            "join slices: load it into an engine (any autotp_size) and call engine.save_16bit_model(...), or load it "
-            "into an engine without tensor_parallel and save_checkpoint again"
-        )
-    return reader
-
-
 def _exported_names(meta: CheckpointMetadata, exclude_frozen: bool) -> list[str]:
     return [
         name
@@ -140,13 +128,14 @@ class _OpenCheckpoint:
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if self._reader is None:
-            self._reader = CheckpointReader(self.tag_dir, self.meta)
+            self._opened = CheckpointReader(self.tag_dir)
+            self._reader = whole_reader(self._opened)  # (tensor-parallel slices joined, as the eager export)
         store, state = _source(self._reader, name)
         return self._reader.read_tensor(store, name, dtype=dtype, state=state)
 
     def __del__(self) -> None:
         if self._reader is not None:
-            self._reader.close()
+            self._opened.close()
 
 
 class LazyTensor:
@@ -179,8 +168,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
         >>> model.load_state_dict(sd)  # doctest: +SKIP
     """
     tag_dir = resolve_checkpoint(checkpoint_dir, tag)
-    with CheckpointReader(tag_dir) as reader:
-        meta = _whole_tensors_only(reader).metadata
+    with CheckpointReader(tag_dir) as opened:
+        reader = whole_reader(opened)
+        meta = reader.metadata
         result: dict[str, Any] = {}
         source = _OpenCheckpoint(tag_dir, meta)
         for name in _exported_names(meta, exclude_frozen_parameters):
@@ -229,8 +219,9 @@ def load_state_dict_from_zero_checkpoint(
     """
     tag_dir = resolve_checkpoint(checkpoint_dir, tag)
     targets = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict(keep_vars=True).items()}
-    with CheckpointReader(tag_dir) as reader:
-        meta = _whole_tensors_only(reader).metadata
+    with CheckpointReader(tag_dir) as opened:
+        reader = whole_reader(opened)
+        meta = reader.metadata
         names = {key: key if key in meta.tensors else meta.aliases.get(key) for key in targets}
         matched = {key: name for key, name in names.items() if name is not None}
         _refuse_other_shapes(
@@ -350,8 +341,9 @@ def convert_zero_checkpoint_to_state_dict(
     created = not os.path.isdir(out)
     temporaries: dict[str, str] = {}  # final name -> this call's temporary file
     try:
-        with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as reader:
-            meta = _whole_tensors_only(reader).metadata
+        with CheckpointReader(resolve_checkpoint(checkpoint_dir, tag)) as opened:
+            reader = whole_reader(opened)
+            meta = reader.metadata
             names = _exported_names(meta, exclude_frozen_parameters)
             dtypes = {n: _out_dtype(meta.tensors[n].dtype, out_dtype) for n in names}
             sizes = [(n, meta.tensors[n].numel * dtypes[n].itemsize) for n in names]

@@ -345,6 +345,8 @@ def start_save(
                 call.meta.extra["tensor_parallel_caller_split"] = True
             if getattr(state, "tp_blocks", None):  # (the same note)
                 call.meta.extra["tensor_parallel_blocks"] = dict(state.tp_blocks)  # type: ignore[union-attr]
+            if getattr(state, "tp_dims", None):  # the offline export joins slices along them
+                call.meta.extra["tensor_parallel_dims"] = dict(state.tp_dims)  # type: ignore[union-attr]
         for sub in ("model", "optim", "rng"):
             os.makedirs(os.path.join(tmp_dir, sub), exist_ok=True)
         shared_writer = call.commits

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from zeroshard.checkpoint.format import TensorInfo
@@ -76,10 +76,13 @@ class TensorParallelState:
         # Megatron-marked tensors of an mpu's model: their layout (fused qkv, ...) is the caller's, not a plain split
         self.caller_split = not all(isinstance(params[i], DTensor) for i in self.sharded.sharded_params())
         self.tp_blocks: dict[str, int] = {}  # [Note: fused sub-parameters]: the parts a slice holds one piece of each
+        self.tp_dims: dict[str, int] = {}
         for param_id, key in self.sharded.sharded_params().items():
             param = params[param_id]
             if blocks_of(param) > 1:
                 self.tp_blocks[key] = blocks_of(param)
+            if isinstance(param, DTensor):  # the split dimension, for the offline export ([Note: ...resharding])
+                self.tp_dims[key] = next(p.dim for p in param.placements if isinstance(p, Shard | _StridedShard))
             local = local_of(param)
             self.renamed[key] = slice_name(key, position, tp)
             self.shapes[param_id] = tuple(local.shape)

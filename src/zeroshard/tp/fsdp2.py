@@ -117,6 +117,7 @@ class TensorParallelFsdp2State(Fsdp2State):
         self.renamed = {name: slice_name(name, position, tp) for name in self.sliced}
         self.peers: dict[str, TensorInfo] = {}
         self.tp_blocks = dict(strategy.tp_blocks)
+        self.tp_dims = dict(strategy.tp_dims)
         for sp in strategy.params:
             if sp.name in self.sliced:
                 info = TensorInfo(sp.full_shape, dtype_name(sp.master.dtype), "param", True, sp.param.requires_grad)

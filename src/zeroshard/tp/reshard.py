@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +218,51 @@ class ReslicingReader(CheckpointReader):
             super(ReslicingReader, self).read_range(store, plan.sources[j], lo, hi, buf, state)
 
         read_resliced(plan, begin, end, out, read)
+
+    def stored_dtype(self, store: str, name: str, state: str | None = None) -> torch.dtype:
+        plan = self.plans.get(name)
+        return super().stored_dtype(store, plan.sources[0] if plan is not None else name, state)
+
+    def stream(self, store: str, name: str, state: str | None = None) -> Iterator[torch.Tensor]:
+        plan = self.plans.get(name)
+        if plan is None:
+            yield from super().stream(store, name, state)
+            return
+        numel, step = math.prod(plan.shape), _STREAM_ELEMENTS
+        buffer = torch.empty(min(step, numel), dtype=self.stored_dtype(store, name, state))
+        for begin in range(0, numel, step):
+            end = min(begin + step, numel)
+            self.read_range(store, name, begin, end, buffer[: end - begin], state)
+            yield buffer[: end - begin]
+
+
+_STREAM_ELEMENTS = 1 << 22  # a resliced tensor streamed in chunks of this many elements (the export's bound)
+
+
+def whole_reader(reader: CheckpointReader) -> CheckpointReader:
+    """`reader` with each tensor-parallel slice set joined into the whole tensor under its own name, for the offline
+    export ([Note: tensor-parallel resharding] at autotp_size 1); `reader` itself without slices. A checkpoint that
+    does not record its split dimensions (written before they were, or an mpu's Megatron slices) is refused."""
+    meta = reader.metadata
+    tp = tp_size_of(list(meta.tensors))
+    if tp == 1:
+        return reader
+    dims = meta.extra.get("tensor_parallel_dims")
+    if isinstance(tp, list) or meta.extra.get("tensor_parallel_caller_split") or not isinstance(dims, dict):
+        raise CheckpointError(
+            f"{reader.tag_dir}: a tensor-parallel checkpoint (slices of autotp_size {tp}) that does not record how its "
+            "slices join (an mpu's own split, or written before zeroshard recorded it): load it into an engine (any "
+            "autotp_size) and call engine.save_16bit_model(...), or save it again from an engine without "
+            "tensor_parallel"
+        )
+    infos: dict[str, TensorInfo] = {}
+    for name, info in meta.tensors.items():
+        base = base_of(name)
+        if base != name and base not in infos:
+            dim = int(dims[base])
+            whole = tuple(n * tp if d == dim else n for d, n in enumerate(info.shape))
+            infos[base] = dataclasses.replace(info, shape=whole)
+    return ReslicingReader(reader, plan_reslices(meta, infos))
 
 
 def tensor_parallel_reader(
