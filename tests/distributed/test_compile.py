@@ -66,6 +66,9 @@ def test_compiled_engine_matches_the_reference_at_the_other_stages() -> None:
     _check(MORE_CASES, run_on_ranks(_compiled_runs, 2, "aot_eager", MORE_CASES, False, timeout=600), 2)
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by compile: the zero backend's test in
+# this file
+@pytest.mark.slow
 def test_compiled_engine_on_the_fsdp2_backend() -> None:
     cases = [Case(stage=3, steps=3)]
     _check(cases, run_on_ranks(_compiled_runs, 2, "aot_eager", cases, True, timeout=600), 2)

@@ -78,7 +78,7 @@ def _run(rank: int, world: int, tmp: str, case: str) -> dict[str, list[tuple[flo
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param("plateau", marks=pytest.mark.slow), "user_pair"]
+    "case", [pytest.param(c, marks=pytest.mark.slow) for c in ("plateau", "user_pair")]
 )  # CI budget: the default suite in 15 minutes on 2 AVX2 cores
 def test_the_trainers_schedulers_step_as_the_plain_trainers(tmp_path, case: str) -> None:
     got = run_on_ranks(_run, 1, str(tmp_path), case)[0]

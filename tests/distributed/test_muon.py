@@ -186,6 +186,9 @@ def _both(rank: int, world_size: int, params: dict):
     return runs
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by Muon:
+# test_muon_equals_a_single_process
+@pytest.mark.slow
 def test_muon_trains_as_deepspeeds() -> None:
     for runs in run_on_ranks(_both, 2, PARAMS, timeout=900):
         ours, theirs = runs[: len(DEEPSPEED_CASES)], runs[len(DEEPSPEED_CASES) :]
