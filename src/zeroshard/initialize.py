@@ -57,6 +57,7 @@ from zeroshard.sequence.mesh import (
 )
 from zeroshard.tp.build import autotp_mpu, build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
+from zeroshard.tp.model_init import with_tp_model_init
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.flat.local import local_of
@@ -117,7 +118,7 @@ def initialize(
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
     parsed = _with_backend(parse_config(source), backend)
     topology = init_distributed(timeout_s=collective_timeout(parsed.raw), required=dist_init_required)
-    parsed = _with_tp_model_init(parsed, mpu)  # [Note: tp_model_init] in tp/model_init.py
+    parsed = with_tp_model_init(parsed, mpu)  # [Note: tp_model_init]
     check_launched_world(parsed, model, mpu, topology.world_size)  # [Note: ranks given different setups]
     # a sequence-parallel mpu is not a tensor-parallel one ([Note: sequence parallelism])
     sp, sp_mpu = sequence_degree(parsed, mpu, topology.world_size), mpu if is_sequence_mpu(mpu) else None
@@ -146,16 +147,6 @@ def _with_backend(cfg: ZeroshardConfig, backend: str | None) -> ZeroshardConfig:
     if backend not in ("zero", "fsdp2"):
         raise ConfigError(f'initialize(backend={backend!r}): expected "zero" or "fsdp2"')
     return dataclasses.replace(cfg, zeroshard=dataclasses.replace(cfg.zeroshard, backend=backend))
-
-
-def _with_tp_model_init(cfg: ZeroshardConfig, mpu: Any) -> ZeroshardConfig:
-    """The config with what `tp_model_init` recorded merged into `tensor_parallel` ([Note: tp_model_init])."""
-    from zeroshard.tp.model_init import RECORDED, merged_block
-
-    if RECORDED.args is None:
-        return cfg
-    block = merged_block(cfg.raw or {}, cfg.tensor_parallel, mpu)
-    return dataclasses.replace(cfg, tensor_parallel=block, raw={**(cfg.raw or {}), "tensor_parallel": block})
 
 
 def _known_values(model: nn.Module, optimizer: OptimizerArg) -> dict[str, Any]:

@@ -479,9 +479,7 @@ def refused_saves(tmp_path_factory):
     return root, run_on_ranks(_refused_saves, 2, str(root), timeout=120)
 
 
-# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by checkpoints: the other tests of this
-# file
-@pytest.mark.slow
+@pytest.mark.slow  # CI budget (the default suite in 15 minutes on 2 AVX2 cores); the other tests here cover saves
 def test_a_save_is_refused_up_front_when_the_ranks_together_need_more_than_the_free_space(refused_saves):
     root, results = refused_saves
     for result in results:

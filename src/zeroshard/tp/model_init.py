@@ -14,6 +14,7 @@ changes nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.config import ZeroshardConfig
 from zeroshard.errors import ConfigError
 
 
@@ -107,6 +109,14 @@ def merged_block(raw: Mapping[str, Any], block: Mapping[str, Any] | None, mpu: A
     if args.tp_group is not None:
         _check_group(args.tp_group, args.tp_size, where)
     return merged
+
+
+def with_tp_model_init(cfg: ZeroshardConfig, mpu: Any) -> ZeroshardConfig:
+    """`cfg` with what `tp_model_init` recorded merged into `tensor_parallel` (`cfg` itself without a call)."""
+    if RECORDED.args is None:
+        return cfg
+    block = merged_block(cfg.raw or {}, cfg.tensor_parallel, mpu)
+    return dataclasses.replace(cfg, tensor_parallel=block, raw={**(cfg.raw or {}), "tensor_parallel": block})
 
 
 def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
