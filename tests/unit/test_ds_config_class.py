@@ -97,6 +97,9 @@ def test_batch_triple_and_refusals() -> None:
     with pytest.raises(ConfigError, match="zero_optimizaton"):
         DeepSpeedConfig({"train_batch_size": 8, "zero_optimizaton": {"stage": 2}})
     assert DeepSpeedConfig({"train_batch_size": 2, "bf16": {"enabled": True}}).bfloat16_config.enabled
+    topo = {"train_batch_size": 2, "use_data_before_expert_parallelism": True}  # DeepSpeed's top-level key
+    theirs = import_deepspeed("deepspeed.runtime.config").DeepSpeedConfig(dict(topo))
+    assert DeepSpeedConfig(topo).use_data_before_expert_parallel_ is theirs.use_data_before_expert_parallel_ is True
     assert DeepSpeedConfig({"train_batch_size": 2, "communication_data_type": "bf16"}).communication_data_type == (
         torch.bfloat16
     )

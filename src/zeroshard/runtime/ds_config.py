@@ -119,11 +119,7 @@ class DeepSpeedConfig:
         self.wall_clock_breakdown = view.wall_clock_breakdown()
         self.memory_breakdown = view.memory_breakdown()
         self.autotuning_config = cfg.autotuning
-        self.use_data_before_expert_parallel_ = (
-            bool(cfg.raw.get("expert_data_topo_config", {}).get("use_data_before_expert_parallelism", False))
-            if isinstance(cfg.raw.get("expert_data_topo_config"), Mapping)
-            else False
-        )
+        self.use_data_before_expert_parallel_ = bool(cfg.use_data_before_expert_parallelism)
         self.hybrid_engine = cfg.hybrid_engine
         self.pipeline = cfg.pipeline
         self.data_efficiency_enabled = view.data_efficiency_enabled()

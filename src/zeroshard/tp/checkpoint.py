@@ -79,8 +79,8 @@ class TensorParallelState:
         self.tp_dims: dict[str, int] = {}
         for param_id, key in self.sharded.sharded_params().items():
             param = params[param_id]
-            if blocks_of(param) > 1:
-                self.tp_blocks[key] = blocks_of(param)
+            if (blocks := blocks_of(param)) > 1:
+                self.tp_blocks[key] = blocks
             if isinstance(param, DTensor):  # the split dimension, for the offline export ([Note: ...resharding])
                 self.tp_dims[key] = next(p.dim for p in param.placements if isinstance(p, Shard | _StridedShard))
             local = local_of(param)
