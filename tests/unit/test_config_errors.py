@@ -3,6 +3,7 @@ spellings, cross-key rules, warnings for unimplemented keys."""
 
 from __future__ import annotations
 
+import base64
 import pathlib
 from typing import Any
 
@@ -108,7 +109,7 @@ def test_tag_validation_is_case_insensitive() -> None:
 
 
 def test_source_of_the_wrong_type() -> None:
-    assert error_of(42) == "a ds_config is a path to a JSON file or a mapping, not a int"
+    assert error_of(42) == "a ds_config is a path to a JSON file, a mapping or base64-encoded JSON, not a int"
     assert error_of({1: 2}) == "ds_config: key 1 is not a string"
 
 
@@ -142,6 +143,25 @@ def test_json_that_is_not_an_object(tmp_path: pathlib.Path) -> None:
     assert error_of(path) == f"ds_config file {path} holds a JSON list, not an object"
 
 
+def test_base64_json_reads_as_deepspeed_reads_it(tmp_path: pathlib.Path) -> None:
+    """DeepSpeed's autotuner hands a trial's config to the script as `--deepspeed_config <urlsafe base64>`; its
+    DeepSpeedConfig decodes a string that is no existing path, and so does parse_config."""
+    text = '{"train_batch_size": 8, "zero_optimization": {"stage": 2}}'
+    encoded = base64.urlsafe_b64encode(text.encode()).decode()
+    cfg = parse_config(encoded)
+    assert (cfg.train_batch_size, cfg.zero_optimization.stage) == (8, 2)
+    assert parse_config(base64.urlsafe_b64encode(b'{"fp16": {"enabled": true,},}').decode()).fp16.enabled  # hjson
+    wrong = base64.urlsafe_b64encode(b'{"zero_optimization": {"stage": 2, "stage": 3}}').decode()
+    assert error_of(wrong) == 'ds_config (base64): key "stage" appears twice, with 2 and 3; keep one'
+    typo = base64.urlsafe_b64encode(b'{"train_batch_sise": 8}').decode()
+    assert error_of(typo) == "train_batch_sise: unknown key; did you mean train_batch_size?"
+    # a file of that name is a file; a string that decodes to no JSON object is a path that does not exist
+    (tmp_path / "ZZZZ").write_text('{"train_batch_size": 4}')
+    assert parse_config(tmp_path / "ZZZZ").train_batch_size == 4
+    for name in ("ZZZZ", base64.urlsafe_b64encode(b"[1, 2]").decode(), "ds_config.json"):
+        assert error_of(name) == f"ds_config file {name} does not exist"
+
+
 def test_directory_is_not_a_config(tmp_path: pathlib.Path) -> None:
     assert error_of(tmp_path).startswith(f"ds_config file {tmp_path} cannot be read")
 
@@ -151,7 +171,7 @@ def test_duplicate_json_keys(tmp_path: pathlib.Path, log: pytest.LogCaptureFixtu
     same.write_text('{"gradient_accumulation_steps": 4, "gradient_accumulation_steps": 4}')
     assert parse_config(same).gradient_accumulation_steps == 4
     assert warnings_of(log) == [
-        f'zeroshard: key "gradient_accumulation_steps" appears twice in {same} with the same value'
+        f'zeroshard: key "gradient_accumulation_steps" appears twice in ds_config file {same} with the same value'
     ]
     different = tmp_path / "different.json"
     different.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')

@@ -1,8 +1,10 @@
-"""parse_config: read a ds_config (a JSON file or a mapping), check every key and value, apply
+"""parse_config: read a ds_config (a JSON file, a mapping or base64-encoded JSON), check every key and value, apply
 deprecated spellings, and keep "auto" values as AUTO (see [Note: auto and the two phases])."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import dataclasses
 import difflib
@@ -10,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -33,12 +36,14 @@ from zeroshard.utils.logging import get_logger
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 B = TypeVar("B", bound=ConfigBlock)
+_BASE64 = re.compile(r"[A-Za-z0-9_\-+/]+={0,2}")
 
 
 def parse_config(source: ConfigSource | ZeroshardConfig) -> ZeroshardConfig:
     """Validate a ds_config and return it as a ZeroshardConfig; "auto" values stay AUTO.
 
-    `source` is a path to a JSON file or a mapping (a ZeroshardConfig is returned as it is).
+    `source` is a path to a JSON file, a mapping, or a string of urlsafe-base64-encoded JSON as DeepSpeed's autotuner
+    passes it (a ZeroshardConfig is returned as it is).
     Raises ConfigError naming the key for unknown keys, wrong types, out-of-range values and
     contradictions; logs one warning per deprecated key, per key ignored as DeepSpeed ignores it (offload_param
     below stage 3) and per set-but-unimplemented key.
@@ -73,8 +78,27 @@ def load_source(source: object, logger: logging.Logger) -> Mapping[str, Any]:
     if isinstance(source, Mapping):
         return source
     if isinstance(source, str | os.PathLike):
-        return read_json_file(os.fsdecode(source), logger)
-    raise ConfigError(f"a ds_config is a path to a JSON file or a mapping, not a {type(source).__name__}")
+        text = os.fsdecode(source)
+        decoded = None if os.path.exists(text) else _base64_json(text)
+        if decoded is not None:
+            return parse_json_text(decoded, "ds_config (base64)", logger)
+        return read_json_file(text, logger)
+    raise ConfigError(
+        f"a ds_config is a path to a JSON file, a mapping or base64-encoded JSON, not a {type(source).__name__}"
+    )
+
+
+def _base64_json(text: str) -> str | None:
+    """The JSON text a urlsafe-base64 string encodes (DeepSpeed's autotuner passes trial configs to the script as
+    `--deepspeed_config <base64>`, and DeepSpeed's `DeepSpeedConfig` decodes them); None for anything else, which is
+    then read as a path. Only the base64 alphabet, decoding to UTF-8 text that opens a JSON object, counts."""
+    if not _BASE64.fullmatch(text):
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
 
 
 def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
@@ -89,7 +113,12 @@ def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
         raise ConfigError(f"ds_config file {path} is not UTF-8 text: {err.reason}") from None
     except OSError as err:
         raise ConfigError(f"ds_config file {path} cannot be read: {err.strerror or err}") from None
-    hook = lambda pairs: _unique_keys(pairs, path, logger)  # noqa: E731
+    return parse_json_text(text, f"ds_config file {path}", logger)
+
+
+def parse_json_text(text: str, source: str, logger: logging.Logger) -> dict[str, Any]:
+    """The JSON (or hjson) object in `text`; `source` names where it came from in errors ("ds_config file x")."""
+    hook = lambda pairs: _unique_keys(pairs, source, logger)  # noqa: E731
     try:
         data = json.loads(text, object_pairs_hook=hook)
     except json.JSONDecodeError as err:
@@ -101,15 +130,15 @@ def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:
                 else "hjson, which DeepSpeed also reads, is not installed: `pip install hjson` for files written in it"
             )
             raise ConfigError(
-                f"ds_config file {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno} ({hjson})"
+                f"{source} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno} ({hjson})"
             ) from None
         if data == {} and "{" not in text:  # hjson reads nothing at all as {}: a truncated or unwritten file
             raise ConfigError(
-                f"ds_config file {path} is empty (or holds only comments); write the config as a JSON object ({{}} "
+                f"{source} is empty (or holds only comments); write the config as a JSON object ({{}} "
                 "for DeepSpeed's defaults)"
             ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"ds_config file {path} holds a JSON {type(data).__name__}, not an object")
+        raise ConfigError(f"{source} holds a JSON {type(data).__name__}, not an object")
     return data
 
 
@@ -125,16 +154,14 @@ def _hjson(text: str, hook: Any) -> Any:
         return None
 
 
-def _unique_keys(pairs: list[tuple[str, Any]], path: str, logger: logging.Logger) -> dict[str, Any]:
+def _unique_keys(pairs: list[tuple[str, Any]], source: str, logger: logging.Logger) -> dict[str, Any]:
     # DeepSpeed rejects every duplicate; a repeated key with the same value is harmless, so it only warns.
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out and out[key] != value:
-            raise ConfigError(
-                f'ds_config file {path}: key "{key}" appears twice, with {show(out[key])} and {show(value)}; keep one'
-            )
+            raise ConfigError(f'{source}: key "{key}" appears twice, with {show(out[key])} and {show(value)}; keep one')
         if key in out:
-            logger.warning(f'zeroshard: key "{key}" appears twice in {path} with the same value')
+            logger.warning(f'zeroshard: key "{key}" appears twice in {source} with the same value')
         out[key] = value
     return out
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from abc import ABC, abstractmethod
+from typing import Any
 
 from zeroshard.errors import ConfigError
 from zeroshard.utils.files import probe_writable
@@ -11,12 +12,31 @@ from zeroshard.utils.files import probe_writable
 Event = tuple[str, float, int]  # (name such as "Train/Samples/lr", value, x-axis: global samples)
 
 
-class Monitor(Protocol):
-    """A backend that records scalar events; built on rank 0 only (opening.py)."""
+class Monitor(ABC):
+    """A backend that records scalar events: DeepSpeed's `deepspeed.monitor.monitor.Monitor`, built from its config
+    block. Built for a disabled block, or in a process other than global rank 0, it is inert and writes nothing, as
+    DeepSpeed's monitors (a script's own `TensorBoardMonitor(ds_config.monitor_config.tensorboard)` on every rank);
+    `initialize` builds the enabled ones on rank 0 only (opening.py)."""
 
-    def write_events(self, events: list[Event]) -> None: ...
+    def __init__(self, monitor_config: Any):
+        self.monitor_config = monitor_config
+        self.enabled = bool(monitor_config.enabled)
 
-    def close(self) -> None: ...
+    @abstractmethod
+    def write_events(self, events: list[Event]) -> None:
+        """Record `(name, value, global samples)` events (nothing when inert)."""
+
+    def close(self) -> None:  # noqa: B027 - a backend with nothing to end keeps this one
+        """End the backend's run (the engine's `destroy`, a failed `initialize`)."""
+
+
+def writes_here(config: Any) -> bool:
+    """Whether a monitor built from `config` writes in this process: enabled, on global rank 0 (DeepSpeed's one
+    writer; rank 0 also before `torch.distributed` starts)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return bool(config.enabled) and rank == 0
 
 
 def log_dir(output_path: str, job_name: str, block: str) -> str:

@@ -11,14 +11,21 @@ from typing import Any
 
 from zeroshard.config.monitor import CometConfig
 from zeroshard.errors import ConfigError
-from zeroshard.monitor.base import Event
+from zeroshard.monitor.base import Event, Monitor, writes_here
 
 
-class CometMonitor:
-    """Comet metrics, thinned to one per `samples_log_interval` samples per name. What keeps `comet_ml.start` from
-    starting the experiment is one line naming the block ([Note: monitors open first])."""
+class CometMonitor(Monitor):
+    """Comet metrics, thinned to one per `samples_log_interval` samples per name (`experiment` None where it is
+    inert: base.py). What keeps `comet_ml.start` from starting the experiment is one line naming the block ([Note:
+    monitors open first])."""
 
     def __init__(self, config: CometConfig):
+        super().__init__(config)
+        self.samples_log_interval = int(config.samples_log_interval)
+        self.experiment: Any = None
+        self._last_logged: dict[str, int] = {}  # name -> global samples of its last logged value
+        if not writes_here(config):
+            return
         try:
             import comet_ml
         except ImportError as e:
@@ -28,9 +35,8 @@ class CometMonitor:
                 "comet.enabled is true but Comet has no API key: set comet.api_key, set COMET_API_KEY or run "
                 "`comet login`, or set comet.online to false to store an offline experiment"
             )
-        self.samples_log_interval = int(config.samples_log_interval)
         try:
-            self.experiment: Any = comet_ml.start(
+            self.experiment = comet_ml.start(
                 api_key=config.api_key,
                 project=config.project,
                 workspace=config.workspace,
@@ -47,9 +53,10 @@ class CometMonitor:
                 f"comet.enabled is true but comet_ml.start failed: {reason}; check the comet block (api_key, "
                 f"project, workspace, experiment_key, mode){offline}"
             ) from e
-        self._last_logged: dict[str, int] = {}  # name -> global samples of its last logged value
 
     def write_events(self, events: list[Event]) -> None:
+        if self.experiment is None:
+            return
         for name, value, samples in events:
             last = self._last_logged.get(name)
             if last is None or samples - last >= self.samples_log_interval:
@@ -57,7 +64,8 @@ class CometMonitor:
                 self.experiment.log_metric(name, value, step=samples)
 
     def close(self) -> None:
-        self.experiment.end()
+        if self.experiment is not None:
+            self.experiment.end()
 
 
 def _lacks_api_key(comet_ml: Any, config: CometConfig) -> bool:

@@ -53,11 +53,12 @@ def check_packages(config: Any) -> None:
 
 
 def build_monitors(config: Any) -> list[Monitor]:
-    """The enabled backends of `config`, in DeepSpeed's order; those built are closed again if a later one fails."""
+    """The enabled backends of `config` (a ZeroshardConfig or a DeepSpeedMonitorConfig), in DeepSpeed's order
+    (MonitorMaster's); those built are closed again if a later one fails."""
     builders = (
         (config.tensorboard, TensorBoardMonitor),
-        (config.csv_monitor, CSVMonitor),
         (config.wandb, WandbMonitor),
+        (config.csv_monitor, CSVMonitor),
         (config.comet, CometMonitor),
     )
     monitors: list[Monitor] = []

@@ -2,26 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from zeroshard.config.monitor import TensorBoardConfig
 from zeroshard.errors import ConfigError
-from zeroshard.monitor.base import Event, log_dir
+from zeroshard.monitor.base import Event, Monitor, log_dir, writes_here
 
 
-class TensorBoardMonitor:
+class TensorBoardMonitor(Monitor):
     """Writes each event with `add_scalar(name, value, samples)` under `<output_path>/<job_name>`, flushed after
-    every batch of events, as DeepSpeed's TensorBoardMonitor."""
+    every batch of events, as DeepSpeed's TensorBoardMonitor (`summary_writer` None where it is inert: base.py).
+
+    Example:
+        >>> TensorBoardMonitor(TensorBoardConfig()).summary_writer is None  # a disabled block writes nothing
+        True
+    """
 
     def __init__(self, config: TensorBoardConfig):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ConfigError("tensorboard.enabled needs the tensorboard package: pip install tensorboard") from e
-        self.writer = SummaryWriter(log_dir=log_dir(config.output_path, config.job_name, "tensorboard"))
+        super().__init__(config)
+        self.output_path, self.job_name = config.output_path, config.job_name
+        self.summary_writer: Any = None
+        if writes_here(config):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ConfigError("tensorboard.enabled needs the tensorboard package: pip install tensorboard") from e
+            self.summary_writer = SummaryWriter(log_dir=log_dir(config.output_path, config.job_name, "tensorboard"))
 
-    def write_events(self, events: list[Event]) -> None:
+    def write_events(self, events: list[Event], flush: bool = True) -> None:
+        if self.summary_writer is None:
+            return
         for name, value, step in events:
-            self.writer.add_scalar(name, value, step)
-        self.writer.flush()
+            self.summary_writer.add_scalar(name, value, step)
+        if flush:
+            self.summary_writer.flush()
+
+    def flush(self) -> None:
+        if self.summary_writer is not None:
+            self.summary_writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.summary_writer is not None:
+            self.summary_writer.close()

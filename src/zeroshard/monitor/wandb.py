@@ -6,17 +6,22 @@ from typing import Any
 
 from zeroshard.config.monitor import WandbConfig
 from zeroshard.errors import ConfigError
-from zeroshard.monitor.base import Event
+from zeroshard.monitor.base import Event, Monitor, writes_here
 
 _OFFLINE = "or set WANDB_MODE=offline to keep the run in a local folder"
 
 
-class WandbMonitor:
+class WandbMonitor(Monitor):
     """`wandb.init(project, group, entity=team)` once, then `wandb.log({name: value}, step=samples)` per event,
-    as DeepSpeed's WandbMonitor. What keeps `wandb.init` from starting a run is one line naming the block
-    ([Note: monitors open first])."""
+    as DeepSpeed's WandbMonitor (`run` None where it is inert: base.py). What keeps `wandb.init` from starting a run
+    is one line naming the block ([Note: monitors open first])."""
 
     def __init__(self, config: WandbConfig):
+        super().__init__(config)
+        self.group, self.team, self.project = config.group, config.team, config.project
+        self.run: Any = None
+        if not writes_here(config):
+            return
         try:
             import wandb
         except ImportError as e:
@@ -27,12 +32,18 @@ class WandbMonitor:
         except Exception as e:  # noqa: BLE001 - whatever wandb raises, it is this block that cannot start
             raise ConfigError(_failure(e, config)) from e
 
+    def log(self, data: dict[str, Any], step: int | None = None, commit: bool | None = None) -> None:
+        """DeepSpeed's `WandbMonitor.log`: `wandb.log(data, step, commit)` where this monitor writes."""
+        if self.run is not None:
+            self._wandb.log(data, step=step, commit=commit)
+
     def write_events(self, events: list[Event]) -> None:
         for name, value, step in events:
-            self._wandb.log({name: value}, step=step)
+            self.log({name: value}, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 def _failure(error: Exception, config: WandbConfig) -> str:
