@@ -171,7 +171,8 @@ class EngineAccessors(DeepSpeedSettings):
 
     @property
     def monitor(self) -> Telemetry:
-        """DeepSpeed's MonitorMaster: `enabled` when a monitor block is, `write_events` for the script's own events."""
+        """DeepSpeed's MonitorMaster: `enabled` when a monitor block is, `write_events` for the script's own events,
+        `tb_monitor`/`wandb_monitor`/`csv_monitor`/`comet_monitor` (the enabled ones, on rank 0; None elsewhere)."""
         return self.telemetry
 
     def fp16_enabled(self) -> bool:

@@ -79,6 +79,11 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
     engine, losses, lrs, scales, samples = _train(cfg)
     assert engine.monitor.enabled
     engine.monitor.write_events([("Eval/Samples/accuracy", 0.5, 7)])  # DeepSpeed scripts log their own events
+    assert engine.monitor.wandb_monitor is None and engine.monitor.comet_monitor is None
+    assert engine.monitor.csv_monitor is not None and engine.monitor.csv_monitor.job_name == "csv"
+    if tb:  # scripts write their own scalars through DeepSpeed's MonitorMaster attributes
+        assert engine.monitor.tb_monitor is not None and engine.monitor.tb_monitor.output_path == str(tmp_path)
+        engine.monitor.tb_monitor.summary_writer.add_scalar("train_auc", 0.75, 3)
     engine.destroy()
     assert _read_csv(tmp_path / "csv" / "Eval_Samples_accuracy.csv") == (["step", "accuracy"], [(7, 0.5)])
     before = [0, *samples[:-1]]  # train_loss is written at the boundary backward, before the step counts
@@ -97,7 +102,7 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
 
         events = EventAccumulator(str(tmp_path / "tb"))
         events.Reload()
-        assert set(events.Tags()["scalars"]) - {"Eval/Samples/accuracy"} == {
+        assert set(events.Tags()["scalars"]) - {"Eval/Samples/accuracy", "train_auc"} == {
             "Train/Samples/train_loss",
             "Train/Samples/lr",
             "Train/Samples/loss_scale",

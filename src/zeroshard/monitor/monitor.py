@@ -30,10 +30,7 @@ class MonitorMaster(Monitor):
     def __init__(self, monitor_config: Any):
         super().__init__(monitor_config)
         built = build_monitors(monitor_config) if writes_here(monitor_config) else []
-        self.tb_monitor = _the(TensorBoardMonitor, built)
-        self.wandb_monitor = _the(WandbMonitor, built)
-        self.csv_monitor = _the(CSVMonitor, built)
-        self.comet_monitor = _the(CometMonitor, built)
+        self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor = by_kind(built)
 
     def monitors(self) -> list[Monitor]:
         """The monitors that write in this process, in DeepSpeed's order."""
@@ -47,6 +44,18 @@ class MonitorMaster(Monitor):
     def close(self) -> None:
         for monitor in self.monitors():
             monitor.close()
+
+
+def by_kind(
+    monitors: list[Monitor],
+) -> tuple[TensorBoardMonitor | None, WandbMonitor | None, CSVMonitor | None, CometMonitor | None]:
+    """MonitorMaster's `tb_monitor`, `wandb_monitor`, `csv_monitor`, `comet_monitor` among `monitors`."""
+    return (
+        _the(TensorBoardMonitor, monitors),
+        _the(WandbMonitor, monitors),
+        _the(CSVMonitor, monitors),
+        _the(CometMonitor, monitors),
+    )
 
 
 def _the(kind: type[M], monitors: list[Monitor]) -> M | None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from zeroshard.monitor.base import Event, Monitor
 from zeroshard.monitor.flops import FlopsProfiler
+from zeroshard.monitor.monitor import by_kind
 from zeroshard.monitor.opening import monitors_enabled
 from zeroshard.reporting import report
 from zeroshard.zero.strategy import Strategy
@@ -34,6 +35,9 @@ class Telemetry:
     def __init__(self, monitors: list[Monitor], profiler: FlopsProfiler | None, enabled: bool = False):
         self.enabled = enabled  # DeepSpeed's monitor.enabled: a monitor block is on (on every rank)
         self.monitors = monitors
+        # DeepSpeed's MonitorMaster attributes (scripts log through `engine.monitor.tb_monitor.summary_writer`):
+        # None for a disabled block and on every rank but 0
+        self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor = by_kind(monitors)
         self.profiler = profiler
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
