@@ -150,16 +150,32 @@ def test_base64_json_reads_as_deepspeed_reads_it(tmp_path: pathlib.Path) -> None
     encoded = base64.urlsafe_b64encode(text.encode()).decode()
     cfg = parse_config(encoded)
     assert (cfg.train_batch_size, cfg.zero_optimization.stage) == (8, 2)
+    wrapped = "\n".join(encoded[i : i + 76] for i in range(0, len(encoded), 76)) + "\n"  # as `base64` prints it
+    assert parse_config(wrapped).train_batch_size == 8
     assert parse_config(base64.urlsafe_b64encode(b'{"fp16": {"enabled": true,},}').decode()).fp16.enabled  # hjson
+    shown = lambda raw: repr(raw[:40] + "...")  # noqa: E731
     wrong = base64.urlsafe_b64encode(b'{"zero_optimization": {"stage": 2, "stage": 3}}').decode()
-    assert error_of(wrong) == 'ds_config (base64): key "stage" appears twice, with 2 and 3; keep one'
+    assert error_of(wrong) == (
+        f'ds_config {shown(wrong)} (no existing file; read as base64): key "stage" appears twice, with 2 and 3; '
+        "keep one"
+    )
     typo = base64.urlsafe_b64encode(b'{"train_batch_sise": 8}').decode()
     assert error_of(typo) == "train_batch_sise: unknown key; did you mean train_batch_size?"
-    # a file of that name is a file; a string that decodes to no JSON object is a path that does not exist
+    listed = base64.urlsafe_b64encode(b"[1, 2]").decode()
+    assert (
+        error_of(listed) == f"ds_config '{listed}' (no existing file; read as base64) holds a JSON list, not an object"
+    )
+    for bad, reason in ((encoded.rstrip("="), "incorrect padding"), ("6Sfp", "not UTF-8 text")):
+        assert error_of(bad) == (
+            f"ds_config {bad if len(bad) <= 40 else bad[:40] + '...'!r} is no existing file, nor "
+            f"urlsafe-base64-encoded JSON ({reason}); pass the path of a JSON file, a dict, or the config's JSON "
+            "encoded with base64.urlsafe_b64encode"
+        )
+    # a file of that name is a file, and a path object is always one (DeepSpeed decodes strings only)
     (tmp_path / "ZZZZ").write_text('{"train_batch_size": 4}')
-    assert parse_config(tmp_path / "ZZZZ").train_batch_size == 4
-    for name in ("ZZZZ", base64.urlsafe_b64encode(b"[1, 2]").decode(), "ds_config.json"):
-        assert error_of(name) == f"ds_config file {name} does not exist"
+    assert parse_config(str(tmp_path / "ZZZZ")).train_batch_size == 4
+    assert error_of(pathlib.Path(encoded)) == f"ds_config file {encoded} does not exist"
+    assert error_of("ds_config.json") == "ds_config file ds_config.json does not exist"
 
 
 def test_directory_is_not_a_config(tmp_path: pathlib.Path) -> None:

@@ -84,7 +84,10 @@ def test_csv_tensorboard_and_flops_profile_read_back(tmp_path: pathlib.Path) -> 
     if tb:  # scripts write their own scalars through DeepSpeed's MonitorMaster attributes
         assert engine.monitor.tb_monitor is not None and engine.monitor.tb_monitor.output_path == str(tmp_path)
         engine.monitor.tb_monitor.summary_writer.add_scalar("train_auc", 0.75, 3)
+    csv_monitor = engine.monitor.csv_monitor
     engine.destroy()
+    assert engine.monitor.csv_monitor is None and engine.monitor.tb_monitor is None
+    csv_monitor.write_events([("Eval/Samples/accuracy", 0.25, 9)])  # closed with the engine: not written
     assert _read_csv(tmp_path / "csv" / "Eval_Samples_accuracy.csv") == (["step", "accuracy"], [(7, 0.5)])
     before = [0, *samples[:-1]]  # train_loss is written at the boundary backward, before the step counts
 
@@ -136,6 +139,7 @@ def test_flops_profile_under_wall_clock_breakdown_adds_deepspeeds_backward_lines
     profiler = {"enabled": True, "profile_step": last, "output_file": str(tmp_path / "flops.txt")}
     cfg = _config(tmp_path, wall_clock_breakdown=True, flops_profiler={**profiler, "recompute_fwd_factor": 1.0})
     engine, *_ = _train(cfg)
+    assert not engine.monitor.enabled  # DeepSpeed's MonitorMaster.enabled: a monitor block, not the profiler's file
     times = engine.get_wall_clock_timers()
     engine.destroy()
     lines = dict(

@@ -128,19 +128,24 @@ def test_comet_as_deepspeeds_tests() -> None:
 def test_only_global_rank_0_writes(tmp_path: pathlib.Path, rank_one: None) -> None:
     """DeepSpeed's tests build the monitors on both ranks: on rank 1 an enabled block starts nothing."""
     import comet_ml
+    import wandb
 
     block = {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}
-    config = DeepSpeedConfig({"train_batch_size": 2, "tensorboard": block, "csv_monitor": block, "comet": COMET})
-    start = Mock()
-    with patch.object(comet_ml, "start", start):
+    config = DeepSpeedConfig(
+        {"train_batch_size": 2, "tensorboard": block, "csv_monitor": block, "comet": COMET, "wandb": {"enabled": True}}
+    )
+    start, init = Mock(), Mock()
+    with patch.object(comet_ml, "start", start), patch.object(wandb, "init", init):
         comet = CometMonitor(config.monitor_config.comet)
-    assert comet.enabled and comet.experiment is None
+        run = WandbMonitor(config.monitor_config.wandb)
+    assert comet.enabled and comet.experiment is None and run.enabled and run.run is None
     start.assert_not_called()
+    init.assert_not_called()
     monitor = csvMonitor(config.monitor_config.csv_monitor)
     monitor.write_events(EVENTS)
     assert TensorBoardMonitor(config.monitor_config.tensorboard).summary_writer is None
     master = MonitorMaster(config.monitor_config)
-    assert master.enabled and master.monitors() == []
+    assert master.enabled and master.monitors == []
     assert list(tmp_path.iterdir()) == []
 
 
@@ -151,10 +156,29 @@ def test_monitor_master_writes_to_every_enabled_block(tmp_path: pathlib.Path) ->
     assert master.enabled
     assert isinstance(master.tb_monitor, TensorBoardMonitor) and isinstance(master.csv_monitor, csvMonitor)
     assert master.wandb_monitor is None and master.comet_monitor is None
+    writer = master.tb_monitor.get_summary_writer()
     master.write_events(EVENTS)
     master.close()
     assert _rows(tmp_path / "job" / "Train_Samples_lr.csv")[1:] == [["8", "0.001"], ["16", "0.002"]]
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "job").iterdir())
+    files = sorted(p.name for p in (tmp_path / "job").iterdir())
+    assert len([name for name in files if name.startswith("events.out.tfevents")]) == 1 and writer is not None
+    assert master.tb_monitor is None and master.monitors == []
+    master.write_events(EVENTS)  # closed: nothing more is written (a closed SummaryWriter would open a new file)
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == files
+    assert _rows(tmp_path / "job" / "Train_Samples_lr.csv")[1:] == [["8", "0.001"], ["16", "0.002"]]
     off = MonitorMaster(DeepSpeedMonitorConfig())
-    assert not off.enabled and off.monitors() == [] and off.tb_monitor is None
+    assert not off.enabled and off.monitors == [] and off.tb_monitor is None
     off.write_events(EVENTS)
+
+
+def test_a_scripts_own_monitor_class_keeps_its_config(tmp_path: pathlib.Path) -> None:
+    """DeepSpeed's `Monitor` base only stores the config: a subclass may use any config object."""
+    from zeroshard.monitor.monitor import Monitor
+
+    class Printer(Monitor):
+        def write_events(self, events: list) -> None:
+            self.seen = events
+
+    printer = Printer({"path": str(tmp_path)})
+    printer.write_events(EVENTS)
+    assert printer.monitor_config == {"path": str(tmp_path)} and not printer.enabled and printer.seen == EVENTS

@@ -36,7 +36,7 @@ from zeroshard.utils.logging import get_logger
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 B = TypeVar("B", bound=ConfigBlock)
-_BASE64 = re.compile(r"[A-Za-z0-9_\-+/]+={0,2}")
+_BASE64 = re.compile(r"[A-Za-z0-9_\-+/]+={0,2}")  # what a string read as base64 may hold (whitespace left out)
 
 
 def parse_config(source: ConfigSource | ZeroshardConfig) -> ZeroshardConfig:
@@ -77,28 +77,33 @@ def load_source(source: object, logger: logging.Logger) -> Mapping[str, Any]:
     """The user's mapping: `source` itself, or the JSON object in the file it names."""
     if isinstance(source, Mapping):
         return source
+    if isinstance(source, str) and not os.path.exists(source) and _BASE64.fullmatch(packed := "".join(source.split())):
+        return parse_json_text(
+            _base64_text(source, packed), f"ds_config {_shown(source)} (no existing file; read as base64)", logger
+        )
     if isinstance(source, str | os.PathLike):
-        text = os.fsdecode(source)
-        decoded = None if os.path.exists(text) else _base64_json(text)
-        if decoded is not None:
-            return parse_json_text(decoded, "ds_config (base64)", logger)
-        return read_json_file(text, logger)
+        return read_json_file(os.fsdecode(source), logger)
     raise ConfigError(
         f"a ds_config is a path to a JSON file, a mapping or base64-encoded JSON, not a {type(source).__name__}"
     )
 
 
-def _base64_json(text: str) -> str | None:
-    """The JSON text a urlsafe-base64 string encodes (DeepSpeed's autotuner passes trial configs to the script as
-    `--deepspeed_config <base64>`, and DeepSpeed's `DeepSpeedConfig` decodes them); None for anything else, which is
-    then read as a path. Only the base64 alphabet, decoding to UTF-8 text that opens a JSON object, counts."""
-    if not _BASE64.fullmatch(text):
-        return None
+def _base64_text(source: str, packed: str) -> str:
+    """The text a string of the base64 alphabet that names no file encodes: DeepSpeed's autotuner passes a trial's
+    config to the script as `--deepspeed_config <urlsafe base64>` and DeepSpeed's `DeepSpeedConfig` decodes such a
+    string (whitespace, as `base64` wraps its lines, is left out, as DeepSpeed's decoder leaves it out)."""
     try:
-        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
-        return None
-    return decoded if decoded.lstrip().startswith("{") else None
+        return base64.urlsafe_b64decode(packed).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError) as e:
+        reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e).rstrip(".").lower()
+        raise ConfigError(
+            f"ds_config {_shown(source)} is no existing file, nor urlsafe-base64-encoded JSON ({reason}); pass the "
+            "path of a JSON file, a dict, or the config's JSON encoded with base64.urlsafe_b64encode"
+        ) from None
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def read_json_file(path: str, logger: logging.Logger) -> dict[str, Any]:

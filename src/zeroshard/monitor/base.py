@@ -20,7 +20,7 @@ class Monitor(ABC):
 
     def __init__(self, monitor_config: Any):
         self.monitor_config = monitor_config
-        self.enabled = bool(monitor_config.enabled)
+        self.enabled = bool(getattr(monitor_config, "enabled", False))  # DeepSpeed's base stores the config alone
 
     @abstractmethod
     def write_events(self, events: list[Event]) -> None:

@@ -66,6 +66,7 @@ class CometMonitor(Monitor):
     def close(self) -> None:
         if self.experiment is not None:
             self.experiment.end()
+            self.experiment = None
 
 
 def _lacks_api_key(comet_ml: Any, config: CometConfig) -> bool:

@@ -37,5 +37,8 @@ class CSVMonitor(Monitor):
                     writer.writerow(["step", name.split("/")[-1]])
                 writer.writerow([step, value])
 
+    def close(self) -> None:
+        self.log_dir = None  # every event was written with its file closed; later ones are not written
+
 
 csvMonitor = CSVMonitor  # noqa: N816 - DeepSpeed's name (deepspeed.monitor.csv_monitor.csvMonitor)

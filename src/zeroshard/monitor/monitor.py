@@ -29,21 +29,18 @@ class MonitorMaster(Monitor):
 
     def __init__(self, monitor_config: Any):
         super().__init__(monitor_config)
-        built = build_monitors(monitor_config) if writes_here(monitor_config) else []
-        self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor = by_kind(built)
-
-    def monitors(self) -> list[Monitor]:
-        """The monitors that write in this process, in DeepSpeed's order."""
-        found = (self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor)
-        return [m for m in found if m is not None]
+        self.monitors = build_monitors(monitor_config) if writes_here(monitor_config) else []  # on rank 0
+        self.tb_monitor, self.wandb_monitor, self.csv_monitor, self.comet_monitor = by_kind(self.monitors)
 
     def write_events(self, events: list[Event]) -> None:
-        for monitor in self.monitors():
+        for monitor in self.monitors:
             monitor.write_events(events)
 
     def close(self) -> None:
-        for monitor in self.monitors():
+        for monitor in self.monitors:
             monitor.close()
+        self.monitors = []
+        self.tb_monitor = self.wandb_monitor = self.csv_monitor = self.comet_monitor = None
 
 
 def by_kind(

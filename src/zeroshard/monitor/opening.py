@@ -38,11 +38,16 @@ _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"
 _MESSAGE_BYTES = 1024  # of a failure's line sent to the other ranks (longer ones are cut)
 
 
+def monitor_blocks_enabled(config: Any) -> bool:
+    """Whether any monitor block of `config` (a ZeroshardConfig) is enabled: DeepSpeed's `monitor.enabled`."""
+    return any(getattr(config, block).enabled for block in MONITOR_BLOCKS)
+
+
 def monitors_enabled(config: Any) -> bool:
-    """Whether any monitor block of `config` (a ZeroshardConfig) is enabled: DeepSpeed's `monitor.enabled`; or the
-    FLOPs profiler writes a file (rank 0, at `profile_step`: its folder is checked here too)."""
+    """Whether `initialize` opens anything: a monitor block, or the FLOPs profiler's file (rank 0 writes it at
+    `profile_step`: its folder is checked here too)."""
     flops = config.flops_profiler
-    return any(getattr(config, block).enabled for block in MONITOR_BLOCKS) or bool(flops.enabled and flops.output_file)
+    return monitor_blocks_enabled(config) or bool(flops.enabled and flops.output_file)
 
 
 def check_packages(config: Any) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from zeroshard.monitor.base import Event, Monitor
 from zeroshard.monitor.flops import FlopsProfiler
 from zeroshard.monitor.monitor import by_kind
-from zeroshard.monitor.opening import monitors_enabled
+from zeroshard.monitor.opening import monitor_blocks_enabled
 from zeroshard.reporting import report
 from zeroshard.zero.strategy import Strategy
 
@@ -54,7 +54,7 @@ class Telemetry:
     ) -> Telemetry:
         """`monitors` (opened on rank 0: opening.py) and the profiler on rank 0 (DeepSpeed builds and profiles there
         only); nothing elsewhere."""
-        enabled = monitors_enabled(config)
+        enabled = monitor_blocks_enabled(config)
         if rank != 0:
             return cls([], None, enabled)
         profiler = None
@@ -120,6 +120,7 @@ class Telemetry:
         for m in self.monitors:
             m.close()
         self.monitors = []
+        self.tb_monitor = self.wandb_monitor = self.csv_monitor = self.comet_monitor = None
 
     def _write(self, events: list[Event]) -> None:
         for m in self.monitors:

@@ -37,6 +37,10 @@ class TensorBoardMonitor(Monitor):
         if flush:
             self.summary_writer.flush()
 
+    def get_summary_writer(self) -> Any:
+        """DeepSpeed's accessor: the SummaryWriter, None where this monitor is inert or closed."""
+        return self.summary_writer
+
     def flush(self) -> None:
         if self.summary_writer is not None:
             self.summary_writer.flush()
@@ -44,3 +48,4 @@ class TensorBoardMonitor(Monitor):
     def close(self) -> None:
         if self.summary_writer is not None:
             self.summary_writer.close()
+            self.summary_writer = None  # written to after this, a SummaryWriter would open a new event file

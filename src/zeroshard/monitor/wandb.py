@@ -44,6 +44,7 @@ class WandbMonitor(Monitor):
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
+            self.run = None
 
 
 def _failure(error: Exception, config: WandbConfig) -> str:
