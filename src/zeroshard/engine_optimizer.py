@@ -138,6 +138,12 @@ class ZeroOptimizer:
         return self.dynamic_loss_scale
 
     @property
+    def loss_scale_config(self) -> LossScaleConfig:
+        """DeepSpeed's fp16 optimizers' `loss_scale_config` (`cur_scale`, `cur_iter`, `scale_window`, ...), read live
+        from the engine's scaler."""
+        return LossScaleConfig(self._live("loss_scale_config"), self)
+
+    @property
     def overflow(self) -> bool:
         return self._live("overflow").last_step_overflowed
 
@@ -187,6 +193,39 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"
+
+
+class LossScaleConfig:
+    """DeepSpeed's `LossScaleConfig` fields over an engine's loss scaler ([Note: dynamic loss scale update]): what
+    DeepSpeed's own loss-scale tests read. Without fp16: no grad scaling, scale 1.0, the dynamic fields None."""
+
+    def __init__(self, engine: Engine, optimizer: ZeroOptimizer):
+        self._engine, self._optimizer = engine, optimizer
+        scaler = engine.loss_scaler
+        dynamic = scaler is not None and bool(scaler.dynamic)
+        self.use_grad_scaling = scaler is not None
+        self.dynamic_loss_scale = dynamic
+        self.scale_factor = scaler.scale_factor if dynamic else None
+        self.scale_window = scaler.scale_window if dynamic else None
+        self.min_loss_scale = scaler.min_scale if dynamic else None
+
+    @property
+    def cur_scale(self) -> float:
+        return self._optimizer.cur_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self._optimizer.cur_scale = value
+
+    @property
+    def cur_iter(self) -> int:
+        scaler = self._engine.loss_scaler
+        return scaler.iteration if scaler is not None else 0
+
+    @property
+    def last_overflow_iter(self) -> int | None:
+        scaler = self._engine.loss_scaler
+        return scaler.last_overflow_iteration if self.dynamic_loss_scale else None
 
 
 ScriptOptimizer = ZeroOptimizer | torch.optim.Optimizer | None

@@ -340,6 +340,7 @@ def _build(
             hysteresis=fp16.hysteresis,
             consecutive_hysteresis=fp16.consecutive_hysteresis,
             min_loss_scale=fp16.min_loss_scale,
+            zero_stage=stage,
         )
     loader = None
     replicas = tp.dp_comm if tp is not None else sequence.dp if sequence is not None else topology

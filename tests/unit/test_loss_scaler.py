@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from helpers.deepspeed_reference import import_deepspeed
 from zeroshard.errors import ConfigError, LossScaleError
 from zeroshard.precision import DynamicLossScaler, StaticLossScaler, build_loss_scaler, has_inf_or_nan
+from zeroshard.precision.loss_scaler import Fp16OptimizerLossScaler
 
 
 def _dynamic(**overrides: Any) -> DynamicLossScaler:
@@ -215,6 +217,44 @@ def test_matches_deepspeed_dynamic_loss_scaler(index: int, monkeypatch: pytest.M
         assert ours.loss_scale == theirs.cur_scale, f"step {step}"
         assert ours.hysteresis_left == theirs.cur_hysteresis, f"step {step}"
     assert not dies
+
+
+@pytest.mark.parametrize("index", range(len(PARITY_CASES)))
+def test_stage_0_matches_deepspeeds_fp16_optimizer_rule(index: int) -> None:
+    """DeepSpeed's stage-0 fp16 optimizers update their `loss_scale_config` by a rule of their own
+    (FP16_Optimizer._update_scale): no hysteresis, floored at min_loss_scale, no error there."""
+    config = import_deepspeed("deepspeed.runtime.fp16.loss_scaler")
+    fused = import_deepspeed("deepspeed.runtime.fp16.fused_optimizer")
+    power, window, hysteresis, consecutive, min_scale, p_overflow, _ = PARITY_CASES[index]
+    args = {"init_scale": 2**power, "scale_window": window, "delayed_shift": hysteresis, "min_scale": min_scale}
+    theirs = SimpleNamespace(
+        verbose=False,
+        loss_scale_config=config.LossScaleConfig(
+            torch.float16,
+            True,
+            0,
+            {**args, "consecutive_hysteresis": consecutive},
+            profile=config.LossScaleProfile.FUSED,
+        ),
+    )
+    ours = build_loss_scaler(
+        loss_scale=0,
+        initial_scale_power=power,
+        loss_scale_window=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_loss_scale=min_scale,
+        zero_stage=0,
+    )
+    assert isinstance(ours, Fp16OptimizerLossScaler)
+    rng = random.Random(index)
+    for step in range(300):
+        overflow = rng.random() < p_overflow
+        fused.FP16_Optimizer._update_scale(theirs, overflow)
+        ours.update_scale(overflow)
+        assert ours.loss_scale == theirs.loss_scale_config.cur_scale, f"step {step}"
+        assert ours.iteration == theirs.loss_scale_config.cur_iter, f"step {step}"
+        assert ours.last_overflow_iteration == theirs.loss_scale_config.last_overflow_iter, f"step {step}"
 
 
 # ---------------------------------------------------------------------------------------------------------

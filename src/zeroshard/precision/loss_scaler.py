@@ -14,6 +14,12 @@ t = 0, 1, ...:
   by `scale_factor` (and, without consecutive_hysteresis, the counter is refilled). So the first raise comes
   on the (window + 1)-th consecutive clean step after an overflow (or from the start), later raises every
   `window` clean steps: DeepSpeed's off-by-one, kept so that runs match step for step.
+
+That is DeepSpeed's ZeRO optimizers' scaler (stages 1-3). At stage 0 DeepSpeed's fp16 optimizers (FP16_Optimizer,
+FP16_UnfusedOptimizer: `_update_scale`) keep a rule of their own, which `Fp16OptimizerLossScaler` follows: every
+overflow divides the scale (no hysteresis: `fp16.hysteresis` and `consecutive_hysteresis` are not read), floored at
+`min_loss_scale`, where further overflows are skipped steps and no error; clean steps raise it as above. Measured
+against DeepSpeed's own `test_dynamic_loss_scale.py` sequences (all steps overflowing, window 2: 8, 4, 2, 1, 1, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class StaticLossScaler:
         if not scale > 0:
             raise ConfigError(f"fp16.loss_scale must be > 0 for a static loss scale, got {scale!r}")
         self._scale = float(scale)
+        self._iteration = 0
 
     @property
     def loss_scale(self) -> float:
@@ -57,8 +64,14 @@ class StaticLossScaler:
     def loss_scale(self, value: float) -> None:
         self._scale = _set_scale(value)
 
+    @property
+    def iteration(self) -> int:
+        """Optimizer steps recorded so far (DeepSpeed's `cur_iter`)."""
+        return self._iteration
+
     def update_scale(self, overflow: bool) -> None:
         """Record one step's overflow status; a static scale only logs the skipped step."""
+        self._iteration += 1
         if overflow:
             log_rank(
                 get_logger(_LOGGER_NAME),
@@ -68,11 +81,12 @@ class StaticLossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """The scale, for checkpoints."""
-        return {"cur_scale": self._scale}
+        return {"cur_scale": self._scale, "cur_iter": self._iteration}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scale saved by state_dict()."""
         self._scale = float(state_dict["cur_scale"])
+        self._iteration = int(state_dict.get("cur_iter", 0))
 
 
 class DynamicLossScaler:
@@ -124,6 +138,16 @@ class DynamicLossScaler:
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self._scale = _set_scale(value)
+
+    @property
+    def iteration(self) -> int:
+        """Optimizer steps recorded so far (DeepSpeed's `cur_iter`)."""
+        return self._iteration
+
+    @property
+    def last_overflow_iteration(self) -> int:
+        """The step of the latest overflow, -1 before the first (DeepSpeed's `last_overflow_iter`)."""
+        return self._last_overflow_iteration
 
     @property
     def hysteresis_left(self) -> int:
@@ -201,6 +225,33 @@ class DynamicLossScaler:
         self._overflows_since_growth = int(state_dict.get("overflows_since_growth", 0))
 
 
+class Fp16OptimizerLossScaler(DynamicLossScaler):
+    """DeepSpeed's stage-0 dynamic scale ([Note: dynamic loss scale update]): every overflow halves the scale down to
+    `min_loss_scale` and never raises; no hysteresis.
+
+    Example:
+        >>> scaler = Fp16OptimizerLossScaler(init_scale=8.0, scale_window=2, min_scale=1.0)
+        >>> for _ in range(5):
+        ...     scaler.update_scale(True)
+        >>> scaler.loss_scale
+        1.0
+    """
+
+    def __init__(self, init_scale: float, scale_window: int, min_scale: float, scale_factor: float = 2.0) -> None:
+        super().__init__(init_scale, scale_window, min_scale, 1, False, scale_factor)
+
+    def _on_overflow(self) -> None:
+        lowered = max(self._scale / self.scale_factor, self.min_scale)
+        if lowered < self._scale:
+            self._log(f"OVERFLOW! Skipping step. Attempted loss scale: {self._scale:g}, reducing to {lowered:g}")
+        else:
+            self._log(f"OVERFLOW! Skipping step. The loss scale stays at min_loss_scale {lowered:g}")
+        self._scale = lowered
+        self._consecutive_overflows += 1
+        self._overflows_since_growth += 1
+        self._last_overflow_iteration = self._iteration
+
+
 LossScaler = StaticLossScaler | DynamicLossScaler
 
 
@@ -219,8 +270,10 @@ def build_loss_scaler(
     hysteresis: int,
     consecutive_hysteresis: bool,
     min_loss_scale: float,
+    zero_stage: int = 1,
 ) -> LossScaler:
-    """The scaler for a ds_config `fp16` block: static when `loss_scale > 0`, dynamic when it is 0.
+    """The scaler for a ds_config `fp16` block: static when `loss_scale > 0`, dynamic when it is 0 (at `zero_stage` 0
+    DeepSpeed's fp16 optimizers' rule: [Note: dynamic loss scale update]).
 
     Example:
         >>> scaler = build_loss_scaler(loss_scale=0, initial_scale_power=16, loss_scale_window=1000,
@@ -236,6 +289,9 @@ def build_loss_scaler(
         raise ConfigError(f"fp16.initial_scale_power must be an integer, got {initial_scale_power!r}")
     if not isinstance(consecutive_hysteresis, bool):
         raise ConfigError(f"fp16.consecutive_hysteresis must be true or false, got {consecutive_hysteresis!r}")
+    if zero_stage == 0:
+        _check_dynamic_args(2.0**initial_scale_power, loss_scale_window, min_loss_scale, hysteresis, 2.0)
+        return Fp16OptimizerLossScaler(2.0**initial_scale_power, loss_scale_window, min_loss_scale)
     return DynamicLossScaler(
         init_scale=2.0**initial_scale_power,
         scale_window=loss_scale_window,
@@ -295,6 +351,7 @@ def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> bool:
 
 __all__ = [
     "DynamicLossScaler",
+    "Fp16OptimizerLossScaler",
     "LossScaler",
     "StaticLossScaler",
     "build_loss_scaler",
