@@ -29,6 +29,16 @@ def test_configure_applies_the_block_then_the_keywords():
     assert checkpointing.settings().cpu_checkpointing is False
 
 
+def test_the_setters_change_one_setting_and_configure_nothing():
+    """DeepSpeed's `set_num_layers` and `partition_activations_in_checkpoint` assign one global each."""
+    checkpointing.deepspeed_checkpointing_enabled = False  # as before any configure (the fixture configured)
+    checkpointing.set_num_layers(3)
+    checkpointing.partition_activations_in_checkpoint(True)
+    s = checkpointing.settings()
+    assert (s.number_checkpoints, s.partition_activations, s.cpu_checkpointing) == (3, True, False)
+    assert not checkpointing.is_configured() and not checkpointing.deepspeed_checkpointing_enabled
+
+
 @pytest.mark.parametrize(
     ("options", "needs"),
     [

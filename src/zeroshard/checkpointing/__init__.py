@@ -117,11 +117,18 @@ def stats() -> CheckpointStats:
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
-    configure(None, partition_activations=partition_activation, **_others("partition_activations"))
+    """One setting, as DeepSpeed's setter assigns one global: checkpointing is no more configured than it was."""
+    _set(partition_activations=partition_activation)
 
 
 def set_num_layers(nlayers: int) -> None:
-    configure(None, num_checkpoints=nlayers, **_others("number_checkpoints"))
+    """`number_checkpoints`, as DeepSpeed's setter assigns it: checkpointing is no more configured than it was."""
+    _set(number_checkpoints=nlayers)
+
+
+def _set(**setting: Any) -> None:
+    CONTEXT.settings = with_overrides(CONTEXT.settings, **setting)
+    CONTEXT.buffers.release()  # sized by the settings
 
 
 def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
@@ -139,20 +146,6 @@ def model_parallel_reconfigure_tp_seed(seed: int) -> None:
     with CONTEXT.rng_tracker.fork():
         value = seed + 2718 + ModelParallel.of(CONTEXT.mpu).rank
         torch.cuda.manual_seed(value) if torch.cuda.is_available() else torch.manual_seed(value)
-
-
-def _others(changed: str) -> dict[str, Any]:
-    s = CONTEXT.settings
-    names = {
-        "partition_activations": s.partition_activations,
-        "contiguous_checkpointing": s.contiguous_memory_optimization,
-        "num_checkpoints": s.number_checkpoints,
-        "checkpoint_in_cpu": s.cpu_checkpointing,
-        "synchronize": s.synchronize_checkpoint_boundary,
-        "profile": s.profile,
-    }
-    skip = {"number_checkpoints": "num_checkpoints"}.get(changed, changed)
-    return {k: v for k, v in names.items() if k != skip}
 
 
 def configure_from_config(cfg: Any, mpu: Any = None) -> None:

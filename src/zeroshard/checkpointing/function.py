@@ -131,12 +131,12 @@ def _tensors(result: Any) -> list[torch.Tensor]:
 
 
 def _merge(result: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
-    """`result` with its tensors replaced by the autograd-connected ones `CheckpointFunction` returned."""
+    """`result` with its tensors replaced by the autograd-connected ones `CheckpointFunction` returned: a tuple for a
+    list or tuple, as DeepSpeed's checkpoint returns its autograd function's outputs."""
     if isinstance(result, torch.Tensor):
         return tensors[0]
     produced = iter(tensors)
-    merged = [next(produced) if isinstance(t, torch.Tensor) else t for t in result]
-    return type(result)(merged) if isinstance(result, tuple) else merged
+    return tuple(next(produced) if isinstance(t, torch.Tensor) else t for t in result)
 
 
 def _detached(arg: Any) -> Any:
