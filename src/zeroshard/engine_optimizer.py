@@ -21,7 +21,12 @@ The torch optimizer is `engine.basic_optimizer` (DeepSpeed's name) and the view'
 one. The view is no `torch.optim.Optimizer`, as DeepSpeed's is none: torch's lr schedulers take the torch optimizer.
 It holds the engine weakly, so it keeps no destroyed engine alive, and after `destroy()` its calls refuse.
 At stage 0 in fp32 DeepSpeed wraps nothing, and its own tests assert that `initialize` returns the client optimizer
-there: so does `engine_optimizer`.
+there: so does `engine_optimizer`. Elsewhere the view's class carries the name of the DeepSpeed optimizer the same
+configuration gets, for scripts that test `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` (imported from
+DeepSpeed's module paths: `runtime/zero/stage3.py`, ...): `DeepSpeedZeroOptimizer` at stages 1-2,
+`DeepSpeedZeroOptimizer_Stage3` at stage 3 (either backend), and at stage 0 `BF16_Optimizer`, or with fp16
+`FP16_Optimizer` over FusedAdam (a config's Adam/AdamW) and `FP16_UnfusedOptimizer` over anything else. Only the
+name is DeepSpeed's: the attributes are this view's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload.states import OPTIM_STATES
+from zeroshard.optim.optimizers import DEEPSPEED_CLASS
 from zeroshard.utils.logging import get_logger, log_rank
 
 if TYPE_CHECKING:
@@ -47,7 +53,7 @@ def engine_optimizer(engine: Engine, optimizer: torch.optim.Optimizer | None) ->
         return None
     if engine.zero_stage == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
         return optimizer
-    return ZeroOptimizer(engine, optimizer)
+    return _named(engine, optimizer)(engine, optimizer)
 
 
 class ZeroOptimizer:
@@ -193,6 +199,38 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"
+
+
+class DeepSpeedZeroOptimizer(ZeroOptimizer):
+    """`engine.optimizer` at stages 1-2, under DeepSpeed's class name ([Note: the engine's optimizer])."""
+
+
+class DeepSpeedZeroOptimizer_Stage3(ZeroOptimizer):  # noqa: N801 - DeepSpeed's name
+    """`engine.optimizer` at stage 3, under DeepSpeed's class name ([Note: the engine's optimizer])."""
+
+
+class BF16_Optimizer(ZeroOptimizer):  # noqa: N801 - DeepSpeed's name
+    """`engine.optimizer` at stage 0 in bf16, under DeepSpeed's class name ([Note: the engine's optimizer])."""
+
+
+class FP16_Optimizer(ZeroOptimizer):  # noqa: N801 - DeepSpeed's name
+    """`engine.optimizer` at stage 0 in fp16 over FusedAdam, under DeepSpeed's class name ([Note: the engine's
+    optimizer])."""
+
+
+class FP16_UnfusedOptimizer(ZeroOptimizer):  # noqa: N801 - DeepSpeed's name
+    """`engine.optimizer` at stage 0 in fp16 over another optimizer, under DeepSpeed's class name ([Note: the
+    engine's optimizer])."""
+
+
+def _named(engine: Engine, optimizer: torch.optim.Optimizer) -> type[ZeroOptimizer]:
+    if engine.zero_stage == 3:
+        return DeepSpeedZeroOptimizer_Stage3
+    if engine.zero_stage > 0:
+        return DeepSpeedZeroOptimizer
+    if not engine.fp16_enabled():
+        return BF16_Optimizer
+    return FP16_Optimizer if getattr(optimizer, DEEPSPEED_CLASS, None) == "FusedAdam" else FP16_UnfusedOptimizer
 
 
 class LossScaleConfig:

@@ -131,3 +131,43 @@ def test_data_efficiency_modules_say_they_are_not_provided(module, names):
 
     with pytest.raises(ModuleNotFoundError, match=f"{names}.*is not provided by zeroshard"):
         importlib.import_module(f"zeroshard.runtime.data_pipeline.{module}")
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision", "optimizer", "expected"),
+    [
+        (0, "fp16", "Adam", "zeroshard.runtime.fp16.fused_optimizer.FP16_Optimizer"),
+        (0, "fp16", "Lamb", "zeroshard.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"),
+        (0, "bf16", "Adam", "zeroshard.runtime.bf16_optimizer.BF16_Optimizer"),
+        (1, "fp32", "Adam", "zeroshard.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"),
+        (2, "bf16", "Adam", "zeroshard.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"),
+        (3, "fp32", "Adam", "zeroshard.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"),
+    ],
+)
+def test_engine_and_optimizer_classes_under_deepspeeds_module_paths(stage, precision, optimizer, expected):
+    """Scripts test `isinstance(model, DeepSpeedEngine)` and `isinstance(engine.optimizer, <DeepSpeed's class>)`
+    with the classes imported from DeepSpeed's modules."""
+    import importlib
+
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.runtime.engine import DeepSpeedEngine
+
+    module, name = expected.rsplit(".", 1)
+    named = getattr(importlib.import_module(module), name)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "fp16": {"enabled": precision == "fp16"},
+        "bf16": {"enabled": precision == "bf16"},
+    }
+    engine, optim, _, _ = zeroshard.initialize(model=torch.nn.Linear(2, 2), config=config)
+    try:
+        assert isinstance(engine, DeepSpeedEngine) and optim is engine.optimizer
+        assert isinstance(optim, named) and type(optim).__name__ == name, type(optim)
+    finally:
+        engine.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
