@@ -171,3 +171,16 @@ def test_engine_and_optimizer_classes_under_deepspeeds_module_paths(stage, preci
         engine.destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_zero_stage_enum_and_loss_scalers_for_safe_globals_as_deepspeeds():
+    """Scripts allow-list DeepSpeed's `LossScaler` and `ZeroStageEnum` for `torch.load(weights_only=True)`."""
+    from zeroshard.precision.loss_scaler import DynamicLossScaler as Ours
+    from zeroshard.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from zeroshard.runtime.zero.config import ZeroStageEnum
+
+    theirs = import_deepspeed("deepspeed.runtime.zero.config").ZeroStageEnum
+    assert [(m.name, m.value) for m in ZeroStageEnum] == [(m.name, m.value) for m in theirs]
+    assert ZeroStageEnum.max_stage is ZeroStageEnum.weights and ZeroStageEnum(2) == 2
+    torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum])
+    assert LossScaler(8.0).loss_scale == 8.0 and DynamicLossScaler is Ours

@@ -1,7 +1,7 @@
 """`deepspeed.runtime.zero` (which `deepspeed.zero` also names): `zeroshard.zero`'s DeepSpeed names, and
 `partition_parameters`, the module scripts import `ZeroParamStatus` from, and `offload_states.get_state_devices`."""
 
-from zeroshard.runtime.zero import offload_config, offload_states, partition_parameters
+from zeroshard.runtime.zero import config, offload_config, offload_states, partition_parameters
 from zeroshard.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -15,6 +15,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "config",
     "offload_config",
     "offload_states",
     "partition_parameters",
