@@ -184,3 +184,14 @@ def test_zero_stage_enum_and_loss_scalers_for_safe_globals_as_deepspeeds():
     assert ZeroStageEnum.max_stage is ZeroStageEnum.weights and ZeroStageEnum(2) == 2
     torch.serialization.add_safe_globals([LossScaler, ZeroStageEnum])
     assert LossScaler(8.0).loss_scale == 8.0 and DynamicLossScaler is Ours
+
+
+def test_is_model_parallel_parameter_reads_megatrons_marks_as_deepspeeds():
+    from zeroshard.runtime.utils import is_model_parallel_parameter
+
+    theirs = import_deepspeed("deepspeed.runtime.utils").is_model_parallel_parameter
+    for marks in ({}, {"model_parallel": True}, {"tensor_model_parallel": True}, {"tensor_model_parallel": False}):
+        param = torch.nn.Parameter(torch.ones(1))
+        for name, value in marks.items():
+            setattr(param, name, value)
+        assert is_model_parallel_parameter(param) == theirs(param), marks

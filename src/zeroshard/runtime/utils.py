@@ -106,7 +106,7 @@ def clip_grad_norm_(
         if mpu is not None:
             comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mp_group)
     else:
-        counted = [p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0 or _model_parallel(p)]
+        counted = [p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)]
         norms = [p.grad.detach().float().norm(norm_type) for p in counted]  # type: ignore[union-attr]
         total = torch.stack(norms).pow(norm_type).sum().to(device) if norms else torch.zeros((), device=device)
         if mpu is not None:
@@ -123,8 +123,9 @@ def clip_grad_norm_(
     return total
 
 
-def _model_parallel(param: torch.Tensor) -> bool:
-    """DeepSpeed's `is_model_parallel_parameter`: Megatron marks the parameters split across model-parallel ranks."""
+def is_model_parallel_parameter(param: torch.Tensor) -> bool:
+    """DeepSpeed's: Megatron marks the parameters split across model-parallel ranks (`model_parallel`,
+    `tensor_model_parallel`). zeroshard's AutoTP slices are DTensors, which carry their placements instead."""
     return bool(getattr(param, "model_parallel", False) or getattr(param, "tensor_model_parallel", False))
 
 
@@ -164,7 +165,7 @@ def get_weight_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
             p
             for p in params
             if not getattr(p, "ds_pipe_replicated", False)
-            and (mpu is None or mpu.get_model_parallel_rank() == 0 or _model_parallel(p))
+            and (mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p))
         ]
         powers = [p.detach().float().norm(norm_type) ** norm_type for p in counted]
         total = torch.stack(powers).sum().to(device) if powers else torch.zeros((), device=device)
@@ -214,6 +215,7 @@ __all__ = [
     "get_global_norm",
     "get_weight_norm",
     "is_invalid_grad_norm",
+    "is_model_parallel_parameter",
     "move_to_device",
     "partition_balanced",
     "partition_uniform",
