@@ -106,7 +106,9 @@ def clip_grad_norm_(
         if mpu is not None:
             comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mp_group)
     else:
-        counted = [p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)]
+        counted = [
+            p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)
+        ]
         norms = [p.grad.detach().float().norm(norm_type) for p in counted]  # type: ignore[union-attr]
         total = torch.stack(norms).pow(norm_type).sum().to(device) if norms else torch.zeros((), device=device)
         if mpu is not None:
