@@ -132,6 +132,9 @@ CASES = [
         )
         + tuple(f"set_stage3_{o}_local_{d}" for o in ("none", "cpu") for d in ("float32", "bfloat16"))
         + ("update_stage3_none", "update_stage3_cpu"),
+        # slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by
+        # test_compat_engine::test_safe_get_full_matches_a_single_process_reference_at_every_stage and test_set_grad
+        slow=True,
     ),
     # [Note: Accelerate's DeepSpeed path on zeroshard]: one process, since accelerate's DeepSpeed mode counts one
     # process on a machine without an accelerator (2 ranks: test_accelerate_script_on_two_ranks)
@@ -450,6 +453,9 @@ BING_BERT_LAMB = {
 }
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores); covered by the script's fp32 case against
+# DeepSpeed (bing_bert_fp32_resume) and Lamb's parity tests (tests/distributed/test_lamb.py)
+@pytest.mark.slow
 def test_bing_bert_trains_with_its_lamb_config(tmp_path: Path) -> None:
     """The script reads `optimizer_name() == LAMB_OPTIMIZER`, trains, saves, reloads and trains on: every loss finite,
     the first epoch's falling."""

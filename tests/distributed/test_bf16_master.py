@@ -173,7 +173,10 @@ def _checkpoints(rank: int, world_size: int, root: str, phase: str):
         return losses, params
 
     out = {}
-    saves = {"s3-fp32state": Case(stage=3, state="fp32", steps=6, **B16), "s1-mixed": Case(stage=1, dtype="bf16")}
+    saves = {
+        "s3-fp32state": Case(stage=3, state="fp32", steps=6, **B16),
+        "s1-mixed": Case(stage=1, dtype="bf16", steps=6),
+    }
     loads = {  # name: (checkpoint, case it loads into)
         "s3->s1": ("s3-fp32state", Case(stage=1, state="fp32", steps=6, **B16)),
         "mixed->bf16state": ("s1-mixed", Case(stage=2, state="bf16", steps=6, **B16)),

@@ -181,6 +181,9 @@ def test_flops_profiler_totals_equal_the_matmul_count() -> None:
     assert profiler.report(0) is not None and profiler.report(1) is None
 
 
+# slow (CI budget: the default suite in 15 minutes on 2 AVX2 cores: wandb starts a service process); covered by the
+# CSV and TensorBoard read-backs above and the wandb monitor's construction tests (test_monitor_classes.py)
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
 def test_wandb_offline_logs_the_engine_values(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
