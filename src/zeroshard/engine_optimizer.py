@@ -23,14 +23,16 @@ It holds the engine weakly, so it keeps no destroyed engine alive, and after `de
 At stage 0 in fp32 DeepSpeed wraps nothing, and its own tests assert that `initialize` returns the client optimizer
 there: so does `engine_optimizer`. Elsewhere the view's class carries the name of the DeepSpeed optimizer the same
 configuration gets, for scripts that test `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` (imported from
-DeepSpeed's module paths: `runtime/zero/stage3.py`, ...): `DeepSpeedZeroOptimizer` at stages 1-2,
-`DeepSpeedZeroOptimizer_Stage3` at stage 3 (either backend), and at stage 0 `BF16_Optimizer`, or with fp16
-`FP16_Optimizer` over FusedAdam (a config's Adam/AdamW) and `FP16_UnfusedOptimizer` over anything else. Only the
-name is DeepSpeed's: the attributes are this view's.
+DeepSpeed's module paths: `runtime/zero/stage3.py`, ...), as DeepSpeed 0.19.8 chooses it: `DeepSpeedZeroOptimizer`
+at stages 1-2 (but `BF16_Optimizer` at stage 1 with bf16 weights, `data_types.grad_accum_dtype: fp32` and no CPU
+offload), `DeepSpeedZeroOptimizer_Stage3` at stage 3 (either backend), and at stage 0 `FP16_Optimizer` over FusedAdam
+(a config's Adam/AdamW) or `FP16_UnfusedOptimizer` over anything else, in fp16 and in bf16 alike (a pipeline's bf16:
+`BF16_Optimizer`). Only the name is DeepSpeed's: the attributes are this view's.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -224,13 +226,23 @@ class FP16_UnfusedOptimizer(ZeroOptimizer):  # noqa: N801 - DeepSpeed's name
 
 
 def _named(engine: Engine, optimizer: torch.optim.Optimizer) -> type[ZeroOptimizer]:
-    if engine.zero_stage == 3:
-        return DeepSpeedZeroOptimizer_Stage3
+    """DeepSpeed 0.19.8's choice (`_do_optimizer_sanity_check`): at stage 1, bf16 weights with fp32 gradient
+    accumulation set and no CPU offload get its BF16_Optimizer; at stage 0 a pipeline's bf16 does, other bf16 and
+    fp16 its FP16 optimizers (fused over FusedAdam)."""
+    model_dtype, accum_dtype = engine.get_data_types()
+    bf16 = model_dtype == torch.bfloat16
+    if engine.zero_stage == 1 and bf16 and accum_dtype == torch.float32 and not engine.zero_cpu_offload():
+        return BF16_Optimizer
     if engine.zero_stage > 0:
-        return DeepSpeedZeroOptimizer
-    if not engine.fp16_enabled():
+        return DeepSpeedZeroOptimizer_Stage3 if engine.zero_stage == 3 else DeepSpeedZeroOptimizer
+    if bf16 and _is_pipeline(engine):
         return BF16_Optimizer
     return FP16_Optimizer if getattr(optimizer, DEEPSPEED_CLASS, None) == "FusedAdam" else FP16_UnfusedOptimizer
+
+
+def _is_pipeline(engine: Engine) -> bool:
+    module = sys.modules.get("zeroshard.pipe.engine")  # loaded wherever a pipeline engine exists, and only there
+    return module is not None and isinstance(engine, module.PipelineEngine)
 
 
 class LossScaleConfig:

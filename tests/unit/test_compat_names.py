@@ -138,15 +138,17 @@ def test_data_efficiency_modules_say_they_are_not_provided(module, names):
     [
         (0, "fp16", "Adam", "zeroshard.runtime.fp16.fused_optimizer.FP16_Optimizer"),
         (0, "fp16", "Lamb", "zeroshard.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"),
-        (0, "bf16", "Adam", "zeroshard.runtime.bf16_optimizer.BF16_Optimizer"),
+        (0, "bf16", "Adam", "zeroshard.runtime.fp16.fused_optimizer.FP16_Optimizer"),  # DeepSpeed's DDP_BFLOAT16
+        (0, "bf16", "SGD", "zeroshard.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"),
         (1, "fp32", "Adam", "zeroshard.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"),
+        (1, "bf16-fp32-accumulation", "Adam", "zeroshard.runtime.bf16_optimizer.BF16_Optimizer"),
         (2, "bf16", "Adam", "zeroshard.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"),
         (3, "fp32", "Adam", "zeroshard.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"),
     ],
 )
 def test_engine_and_optimizer_classes_under_deepspeeds_module_paths(stage, precision, optimizer, expected):
     """Scripts test `isinstance(model, DeepSpeedEngine)` and `isinstance(engine.optimizer, <DeepSpeed's class>)`
-    with the classes imported from DeepSpeed's modules."""
+    with the classes imported from DeepSpeed's modules: the class DeepSpeed 0.19.8's engine makes for the config."""
     import importlib
 
     import torch.distributed as dist
@@ -161,8 +163,10 @@ def test_engine_and_optimizer_classes_under_deepspeeds_module_paths(stage, preci
         "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage},
         "fp16": {"enabled": precision == "fp16"},
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision.startswith("bf16")},
     }
+    if precision == "bf16-fp32-accumulation":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, optim, _, _ = zeroshard.initialize(model=torch.nn.Linear(2, 2), config=config)
     try:
         assert isinstance(engine, DeepSpeedEngine) and optim is engine.optimizer
