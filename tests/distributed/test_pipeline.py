@@ -203,6 +203,33 @@ def test_pipeline_eval_and_train_batch_refuse_while_offloaded() -> None:
         assert refused == ["eval_batch", "train_batch"] and same, (refused, same)
 
 
+def _logits(rank: int, world_size: int) -> list[Any]:
+    import copy
+
+    import torch
+
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    seq = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)]
+    whole = nn.Sequential(*copy.deepcopy(seq))
+    data = [(torch.randn(2, 8), torch.randn(2, 3)) for _ in range(2)]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"}}
+    engine, *_ = zeroshard.initialize(model=PipelineModule(layers=seq, num_stages=2, loss_fn=nn.MSELoss()), config=cfg)
+    loss, logits = engine.eval_batch(iter(data), return_logits=True)
+    engine.destroy()
+    with torch.no_grad():
+        want = whole(data[1][0])  # DeepSpeed's: the last micro-batch's outputs
+        mean = sum(float(nn.functional.mse_loss(whole(x), y)) for x, y in data) / 2
+    return [math.isclose(float(loss), mean, rel_tol=1e-6), None if logits is None else torch.allclose(logits, want)]
+
+
+def test_eval_batch_returns_the_last_micro_batchs_logits_as_deepspeed() -> None:
+    first, last = run_on_ranks(_logits, 2)
+    assert first == [True, None] and last == [True, True], (first, last)
+
+
 def _pair_loss(output: Any, labels: tuple[Any, Any]) -> Any:
     return ((output - labels[0]) ** 2 * labels[1]).mean()
 

@@ -129,7 +129,8 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
     ) -> Any:
         """Forward only over `num_micro_batches` micro-batches (default `gradient_accumulation_steps`); returns the
         mean loss over them and the replicas, on every rank (with `bcast_loss=False` on the last stage only, None
-        elsewhere, as DeepSpeed's), and the last stage's outputs with `return_logits=True`."""
+        elsewhere, as DeepSpeed's), and with `return_logits=True` the last stage's outputs of the last micro-batch (the
+        `outputs` DeepSpeed's forward leaves, each micro-batch replacing the one before; None on other stages)."""
         if not compute_loss:
             raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
         if reduce_output != "avg":
@@ -148,7 +149,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.telemetry.batch_loss("Train/Samples/eval_loss", loss, self.global_samples)
         self.module.train()
         shown = loss if bcast_loss or self.pipe.is_last else None
-        return (shown, outputs) if return_logits else shown
+        return (shown, _last_micro_batch(outputs, count)) if return_logits else shown
 
     def consolidated_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         raise ZeroshardError(
@@ -251,6 +252,16 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 total /= self.pipe.dp_comm.world_size
         self.pipe.pp_comm.broadcast(total, src=self.pipe.last_stage_rank, label="pipe.loss")
         return total
+
+
+def _last_micro_batch(outputs: Any, count: int) -> Any:
+    """The rows of the last of `count` micro-batches in the schedule's merged outputs (a tensor or a tuple of them),
+    which torch's schedule split and joined along dimension 0."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.tensor_split(count)[-1]
+    if isinstance(outputs, tuple | list):
+        return type(outputs)(_last_micro_batch(o, count) for o in outputs)
+    return outputs
 
 
 def _concat(parts: list[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
