@@ -29,6 +29,18 @@ def _script(rank: int, world_size: int, config_path: str):
     inference = torch.tensor([float(comm.get_rank() + 1)])
     comm.inference_all_reduce(inference)  # DeepSpeed's inference all-reduce (its shared-memory kernel where built)
     comm.barrier()
+    rank, peer = comm.get_rank(), 1 - comm.get_rank()
+    outputs = [torch.zeros(2), torch.zeros(2)]
+    comm.all_to_all(outputs, [torch.tensor([10.0 * rank + i, 1.0]) for i in range(2)])
+    coalesced = [torch.tensor([1.0 + rank]), torch.tensor([2.0 * (1 + rank)])]
+    comm.all_reduce_coalesced(coalesced)
+    gathered = [torch.zeros(2), torch.zeros(4)]
+    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank, 5.0])])
+    received = torch.zeros(1)
+    ops = [comm.P2POp(comm.isend, torch.tensor([float(rank)]), peer), comm.P2POp(comm.irecv, received, peer)]
+    for request in comm.batch_isend_irecv(ops):
+        request.wait()
+    launcher = (comm.get_world_rank_from_launcher(), comm.get_world_size_from_launcher())
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -40,6 +52,15 @@ def _script(rank: int, world_size: int, config_path: str):
         applied.append(engine.was_step_applied())
     facts = {
         "sum": (total.item(), inference.item()),
+        "comm": (
+            [t.tolist() for t in outputs],
+            [t.item() for t in coalesced],
+            [t.tolist() for t in gathered],
+            received.item(),
+            comm.get_all_ranks_from_group(),
+            launcher,
+            comm.has_all_gather_into_tensor() and comm.has_reduce_scatter_tensor(),
+        ),
         "ranks": (comm.get_world_size(), groups._get_data_parallel_world_size(), engine.dp_world_size),
         "local_rank": engine.local_rank,
         "fp16": engine.fp16_enabled(),
@@ -119,6 +140,15 @@ def test_deepspeed_script_surface_on_two_ranks(ranks: list[dict]) -> None:
     for rank, result in enumerate(ranks):
         assert result["surface"] == {
             "sum": (3.0, 3.0),
+            "comm": (
+                [[float(rank), 1.0], [10.0 + rank, 1.0]],  # all_to_all: part `rank` of each rank's inputs
+                [3.0, 6.0],
+                [[0.0, 1.0], [0.0, 5.0, 1.0, 5.0]],
+                float(1 - rank),  # from the peer's isend
+                [0, 1],
+                (rank, 2),
+                True,
+            ),
             "ranks": (2, 2, 2),
             "local_rank": rank,
             "fp16": False,

@@ -70,6 +70,8 @@ reduce = _user_collective(dist.reduce)
 reduce_scatter = _user_collective(dist.reduce_scatter)
 reduce_scatter_tensor = _user_collective(dist.reduce_scatter_tensor)
 all_to_all_single = _user_collective(dist.all_to_all_single)
+all_to_all = _user_collective(dist.all_to_all)
+all_reduce_coalesced = _user_collective(dist.all_reduce_coalesced)
 gather = _user_collective(dist.gather)
 scatter = _user_collective(dist.scatter)
 send = _user_collective(dist.send)
@@ -84,6 +86,66 @@ new_group = dist.new_group
 is_available = dist.is_available
 is_initialized = dist.is_initialized
 destroy_process_group = dist.destroy_process_group
+
+
+class P2POp:
+    """DeepSpeed's point-to-point operation for `batch_isend_irecv`: `op` is this module's `isend` or `irecv`.
+
+    Example:
+        >>> P2POp(isend, torch.zeros(1), peer=1).op
+        'isend'
+    """
+
+    def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0):
+        if op not in (isend, irecv):
+            raise ValueError("P2POp: op must be zeroshard.comm.isend or zeroshard.comm.irecv (deepspeed.comm's)")
+        self.op = "isend" if op is isend else "irecv"
+        self.tensor, self.peer, self.group, self.tag = tensor, peer, group, tag
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp], **_: Any) -> list[Any]:
+    """The operations as one batch (torch's `batch_isend_irecv`); their requests, to wait on."""
+    ops = [dist.P2POp(getattr(dist, op.op), op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
+    return USER_IN_FLIGHT.issue([op.tensor for op in p2p_op_list], lambda: dist.batch_isend_irecv(ops))
+
+
+def all_gather_coalesced(
+    output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], group: Any = None, async_op: bool = False
+) -> Any:
+    """Each input gathered into its output (`all_gather_into_tensor` pair by pair, as DeepSpeed's gloo path has no
+    coalescing); with `async_op` the last pair's work, which finishes after the others on one process group."""
+    if len(output_tensors) != len(input_tensors):
+        raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
+    work = None
+    for output, tensor in zip(output_tensors, input_tensors, strict=True):
+        work = all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    return work
+
+
+def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:
+    """The global ranks of `group` (the world when None), in group-rank order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def has_all_gather_into_tensor() -> bool:
+    return True  # torch >= 2.6 has it on every backend this library runs on
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return True
+
+
+def get_local_rank_from_launcher() -> int:
+    """LOCAL_RANK (or Open MPI's), 0 without a launcher: DeepSpeed's reading of the launcher's environment."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
+
+
+def get_world_rank_from_launcher() -> int:
+    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+
+
+def get_world_size_from_launcher() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
 
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, **_: Any) -> Any:
@@ -202,8 +264,19 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
     "inference_all_reduce",
+    "all_to_all",
     "all_to_all_single",
+    "batch_isend_irecv",
+    "P2POp",
+    "get_all_ranks_from_group",
+    "get_local_rank_from_launcher",
+    "get_world_rank_from_launcher",
+    "get_world_size_from_launcher",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
     "barrier",
     "broadcast",
     "broadcast_object_list",
