@@ -118,6 +118,11 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.telemetry.batch_loss("Train/Samples/train_loss", self.agg_train_loss, self.global_samples)
         return self.agg_train_loss
 
+    @property
+    def micro_batches(self) -> int:
+        """DeepSpeed's pipeline attribute: the micro-batches a `train_batch` runs (`gradient_accumulation_steps`)."""
+        return self.gradient_accumulation_steps()
+
     def eval_batch(
         self,
         data_iter: Iterator[Any],

@@ -132,6 +132,16 @@ class PipelineModule(nn.Module):
         log_rank(logger, 20, f"interleaved pipeline: {virtual} chunks per rank at layers {self.parts}")
 
     @property
+    def _local_start(self) -> int:
+        """DeepSpeed's: the index of this stage's first layer (its first chunk's when interleaved)."""
+        return self.parts[self.stage_id]
+
+    @property
+    def _local_stop(self) -> int:
+        """DeepSpeed's: one past this stage's last layer (of its first chunk when interleaved)."""
+        return self.parts[self.stage_id + 1]
+
+    @property
     def forward_funcs(self) -> list[Callable[..., Any]]:
         return [fn for chunk in self.chunk_funcs for fn in chunk]
 
