@@ -1,6 +1,6 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
-`logger`, `log_dist`, `OnDevice`, `RepeatingLoader`, `groups`, `safe_get_full_*` / `safe_set_full_*` and
-`safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
+`logger`, `log_dist`, `instrument_w_nvtx`, `OnDevice`, `RepeatingLoader`, `groups`, `safe_get_full_*` /
+`safe_set_full_*` and `safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
 (`set_z3_leaf_modules` and its relatives). `zero_to_fp32` and `zero_to_torch` (the checkpoint consolidation under
 DeepSpeed's module paths) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are submodules, imported on
 first use."""
@@ -8,6 +8,7 @@ first use."""
 from zeroshard.utils import groups
 from zeroshard.utils.init_on_device import OnDevice
 from zeroshard.utils.logging import log_dist, logger
+from zeroshard.utils.nvtx import instrument_w_nvtx
 from zeroshard.utils.repeating import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (
     safe_get_full_fp32_param,
@@ -39,6 +40,7 @@ __all__ = [
     "RepeatingLoader",
     "get_z3_leaf_modules",
     "groups",
+    "instrument_w_nvtx",
     "log_dist",
     "logger",
     "safe_get_full_fp32_param",
