@@ -1,9 +1,9 @@
 """Small shared helpers, and `deepspeed.utils`'s names for scripts run with `import zeroshard as deepspeed`:
 `logger`, `log_dist`, `instrument_w_nvtx`, `OnDevice`, `RepeatingLoader`, `groups`, `safe_get_full_*` /
-`safe_set_full_*` and `safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3 leaf-module marks
-(`set_z3_leaf_modules` and its relatives). `zero_to_fp32` and `zero_to_torch` (the checkpoint consolidation under
-DeepSpeed's module paths) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are submodules, imported on
-first use."""
+`safe_set_full_*` and `safe_update_full_grad_vectorized` (every stage), `safe_*_local_*` (stage 3), and the ZeRO-3
+leaf-module marks (`set_z3_leaf_modules` and its relatives). `zero_to_fp32` and `zero_to_torch` (the checkpoint
+consolidation under DeepSpeed's module paths) and `timer` (`SynchronizedWallClockTimer`, `ThroughputTimer`) are
+submodules, imported on first use."""
 
 from zeroshard.utils import groups
 from zeroshard.utils.init_on_device import OnDevice
