@@ -1,6 +1,6 @@
 """[Note: client optimizers on flat shards]: a client optimizer instance is refused before anything is built, so the
 model is left as it was (at stage 3 a refusal after the strategy's build left every parameter empty, its hooks on);
-so is one a callable builds where its class is known unbuilt (the class, a `functools.partial` of it)."""
+so is one a callable builds (the class, a `functools.partial` of it, a lambda: probed over a throwaway parameter)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _refused_at_stage3(rank: int, world_size: int) -> list[tuple[str, bool, int]
         torch.optim.Adafactor(model.parameters()),
         functools.partial(torch.optim.Adafactor, lr=1e-3),
         torch.optim.Adafactor,
+        lambda groups: torch.optim.Adafactor(groups, lr=1e-3),  # (before: refused after the build, model emptied)
     ):
         try:
             zeroshard.initialize(model=model, optimizer=optimizer, config=config)

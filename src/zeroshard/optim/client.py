@@ -102,10 +102,20 @@ def check_client_optimizer(optimizer: torch.optim.Optimizer | type, cfg: Any, wa
 
 
 def class_built_by(optimizer: Any) -> type | None:
-    """The optimizer class a client callable builds, where that is known without calling it (the class itself,
-    or a `functools.partial` of it): checked before the model is sharded; other callables once they have built."""
+    """The optimizer class a client callable builds, for the check before the model is sharded: the class itself,
+    a `functools.partial` of it, or the class of what another callable (a lambda) builds over one throwaway
+    parameter, as the config's optimizer is probed. A callable that cannot build over it is checked once it has
+    built over the engine's groups (where its own error, if any, is raised)."""
     func = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
-    return func if isinstance(func, type) and issubclass(func, torch.optim.Optimizer) else None
+    if isinstance(func, type) and issubclass(func, torch.optim.Optimizer):
+        return func
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        return None
+    try:
+        built = optimizer([{"params": [torch.zeros(1, requires_grad=True)]}])
+    except Exception:  # noqa: BLE001 - see the docstring: the real call comes later
+        return None
+    return type(built) if isinstance(built, torch.optim.Optimizer) else None
 
 
 def _known_elementwise(cls: type) -> bool:
