@@ -218,22 +218,26 @@ def _logits(rank: int, world_size: int) -> list[Any]:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"}}
     engine, *_ = zeroshard.initialize(model=PipelineModule(layers=seq, num_stages=2, loss_fn=nn.MSELoss()), config=cfg)
     loss, logits = engine.eval_batch(iter(data), return_logits=True)
+    outputs = engine.eval_batch(iter(data), compute_loss=False)  # DeepSpeed's: the outputs' mean, last stage only
     module = engine.module  # DeepSpeed's attributes: its layer range, the micro-batches a train_batch runs
     span = (module._local_start, module._local_stop, len(module.forward_funcs), engine.micro_batches)
     engine.destroy()
     with torch.no_grad():
         want = whole(data[1][0])  # DeepSpeed's: the last micro-batch's outputs
         mean = sum(float(nn.functional.mse_loss(whole(x), y)) for x, y in data) / 2
+        mean_outputs = (whole(data[0][0]) + whole(data[1][0])) / 2
     close = None if logits is None else torch.allclose(logits, want)
-    return [math.isclose(float(loss), mean, rel_tol=1e-6), close, span]
+    averaged = None if outputs is None else torch.allclose(outputs, mean_outputs)
+    return [math.isclose(float(loss), mean, rel_tol=1e-6), close, span, averaged]
 
 
-def test_eval_batch_returns_the_last_micro_batchs_logits_as_deepspeed() -> None:
+def test_eval_batch_logits_and_outputs_as_deepspeed() -> None:
     first, last = run_on_ranks(_logits, 2)
     assert first[:2] == [True, None] and last[:2] == [True, True], (first, last)
     (start0, stop0, count0, micro0), (start1, stop1, count1, micro1) = first[2], last[2]
     assert (start0, stop1, stop0 - start0, stop1 - start1) == (0, 3, count0, count1) and stop0 == start1 > 0
     assert micro0 == micro1 == 2
+    assert first[3] is None and last[3] is True, (first[3], last[3])  # eval_batch(compute_loss=False)
 
 
 def _pair_loss(output: Any, labels: tuple[Any, Any]) -> Any:

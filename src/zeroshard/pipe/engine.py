@@ -65,6 +65,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self._schedules: dict[tuple[str, bool, int, tuple[Any, ...]], Any] = {}
         self._micro_losses: list[torch.Tensor] = []
         self._labels: list[Any] = []  # this batch's labels, per micro-batch (on the last stage)
+        self._compute_loss = True  # eval_batch(compute_loss=False): the last stage keeps its outputs, not losses
         self.agg_train_loss: torch.Tensor | None = None
 
     @property
@@ -135,9 +136,9 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         """Forward only over `num_micro_batches` micro-batches (default `gradient_accumulation_steps`); returns the
         mean loss over them and the replicas, on every rank (with `bcast_loss=False` on the last stage only, None
         elsewhere, as DeepSpeed's), and with `return_logits=True` the last stage's outputs of the last micro-batch (the
-        `outputs` DeepSpeed's forward leaves, each micro-batch replacing the one before; None on other stages)."""
-        if not compute_loss:
-            raise ZeroshardError("eval_batch(compute_loss=False) is not supported; the loss_fn is applied")
+        `outputs` DeepSpeed's forward leaves, each micro-batch replacing the one before; None on other stages). With
+        `compute_loss=False` the loss_fn is not applied: the last stage returns its outputs averaged element by element
+        over the micro-batches and the replicas, the other stages None, as DeepSpeed's."""
         if reduce_output != "avg":
             raise ZeroshardError(f"eval_batch(reduce_output={reduce_output!r}): only 'avg' is supported")
         if num_micro_batches is not None and num_micro_batches < 1:
@@ -148,8 +149,16 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         self.set_dataiterator(data_iter)
         self.module.eval()
         count = num_micro_batches or self.gradient_accumulation_steps()
-        with self._deadline("engine.eval_batch"), torch.no_grad():
-            outputs = self._run(train=False, count=count)
+        self._compute_loss = compute_loss
+        try:
+            with self._deadline("engine.eval_batch"), torch.no_grad():
+                outputs = self._run(train=False, count=count)
+        finally:
+            self._compute_loss = True
+        if not compute_loss:
+            self.module.train()
+            mean = self._mean_outputs(count)
+            return (mean, _last_micro_batch(outputs, count)) if return_logits else mean
         loss = self._aggregate_loss(count)
         self.telemetry.batch_loss("Train/Samples/eval_loss", loss, self.global_samples)
         self.module.train()
@@ -237,12 +246,25 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         return self._schedules[key]
 
     def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        loss_fn = self.pipeline_module.loss_fn
+        loss_fn = self.pipeline_module.loss_fn if self._compute_loss else None
         loss = loss_fn(output, self._labels[int(index.reshape(-1)[0])]) if loss_fn is not None else output
         self._micro_losses.append(loss.detach())
         scale = self.loss_scale if self.loss_scaler is not None else 1.0
         scaled: torch.Tensor = loss / self.gradient_accumulation_steps()
         return scaled * scale if scale != 1.0 else scaled
+
+    def _mean_outputs(self, count: int) -> torch.Tensor | None:
+        """`eval_batch(compute_loss=False)`: the `count` micro-batches' outputs averaged element by element and over the
+        replicas, on the last stage (DeepSpeed's `_reduce_outputs`); None elsewhere."""
+        if not self.pipe.is_last:
+            return None
+        if not all(isinstance(x, torch.Tensor) for x in self._micro_losses):
+            raise ZeroshardError("eval_batch(compute_loss=False): the last stage's output must be one tensor")
+        mean = torch.stack(self._micro_losses).sum(0) / count
+        if self.pipe.dp_comm.world_size > 1:
+            self.pipe.dp_comm.all_reduce(mean, label="pipe.outputs")
+            mean /= self.pipe.dp_comm.world_size
+        return mean
 
     def _aggregate_loss(self, count: int | None = None) -> torch.Tensor:
         """The mean loss over the `count` micro-batches (gradient_accumulation_steps) and the replicas, on every rank
