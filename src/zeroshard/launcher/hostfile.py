@@ -20,8 +20,9 @@ from zeroshard.errors import ZeroshardError
 
 Resources = dict[str, list[int]]  # host -> slot indices (GPU ids), in hostfile order
 
-# (OpenMPI's hostfiles add `max_slots=N` after the slots: read past, as DeepSpeed's parser does)
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+max_slots\s*=\s*\d+)?$")
+# (MPI hostfiles add `max_slots=N`, `max-slots=N` and the like after the slots: read past, as DeepSpeed's parser reads
+# past anything there)
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+[\w.-]+\s*=\s*\S+)*$")
 
 
 class LaunchError(ZeroshardError):
