@@ -191,11 +191,13 @@ def complete_metadata(meta: CheckpointMetadata, manifests: list[dict[str, Any]])
 def _agree_on_tag(hello: list[dict[str, Any]], validation: str, placement: NodeLocal | None) -> None:
     tags = [h["tag"] for h in hello]
     if len(set(tags)) > 1:
-        message = f"save_checkpoint: ranks passed different tags {tags}; rank 0's tag {tags[0]!r} is used"
+        different = f"save_checkpoint: ranks passed different tags {tags}"
         if validation == "FAIL":
-            raise CheckpointError(message + " (checkpoint.tag_validation is FAIL)")
+            raise CheckpointError(
+                f"{different}; nothing was saved (checkpoint.tag_validation is FAIL): pass every rank the same tag"
+            )
         if validation == "WARN":
-            log_rank(logger, 30, message)
+            log_rank(logger, 30, f"{different}; rank 0's tag {tags[0]!r} is used")
     nodes = [placement.layout.node_of(r) if placement is not None else 0 for r in range(len(hello))]
     for node in sorted(set(nodes)):  # [Note: node-local checkpoints]: each node may name its own disk's folder
         dirs = {h["dir"] for h, n in zip(hello, nodes, strict=True) if n == node}
