@@ -1,5 +1,6 @@
-"""`checkpoint.tag_validation` with a different tag per rank (DeepSpeed's `tests/unit/checkpoint/test_tag_validation.py`):
-FAIL refuses on every rank and writes nothing, WARN writes rank 0's tag."""
+"""`checkpoint.tag_validation` with a different tag per rank (DeepSpeed's
+`tests/unit/checkpoint/test_tag_validation.py`): FAIL refuses on every rank and writes nothing, WARN writes rank 0's
+tag."""
 
 from __future__ import annotations
 
