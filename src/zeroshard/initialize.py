@@ -177,7 +177,7 @@ def _build(
     check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
     if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a lambda's: once built)
         check_client_optimizer(optimizer, cfg)
-    elif (built_class := class_built_by(optimizer)) is not None:
+    elif str(cfg.zeroshard.backend) != "fsdp2" and (built_class := class_built_by(optimizer)) is not None:
         check_client_optimizer(built_class, cfg, warn=False)
     if str(cfg.zeroshard.backend) == "fsdp2":  # refuse what FSDP2 cannot do before any work ([Note: fsdp2 mapping])
         plan_from_config(cfg, PrecisionPolicy.from_config(cfg).compute_dtype)

@@ -35,7 +35,7 @@ def _script(rank: int, world_size: int, config_path: str):
     coalesced = [torch.tensor([1.0 + rank]), torch.tensor([2.0 * (1 + rank)])]
     comm.all_reduce_coalesced(coalesced)
     gathered = [torch.zeros(2), torch.zeros(4)]
-    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank, 5.0])])
+    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank, 5.0])], async_op=True).wait()
     received = torch.zeros(1)
     ops = [comm.P2POp(comm.isend, torch.tensor([float(rank)]), peer), comm.P2POp(comm.irecv, received, peer)]
     for request in comm.batch_isend_irecv(ops):

@@ -222,6 +222,9 @@ def _logits(rank: int, world_size: int) -> list[Any]:
     module = engine.module  # DeepSpeed's attributes: its layer range, the micro-batches a train_batch runs
     span = (module._local_start, module._local_stop, len(module.forward_funcs), engine.micro_batches)
     engine.destroy()
+    chunked = PipelineModule(layers=[nn.Linear(8, 8) for _ in range(4)], num_stages=2, loss_fn=nn.MSELoss())
+    chunked.interleave(2)  # the interleaved schedule re-splits the layers: the loss module stays
+    span = (*span, isinstance(chunked.loss_fn, nn.MSELoss))
     with torch.no_grad():
         want = whole(data[1][0])  # DeepSpeed's: the last micro-batch's outputs
         mean = sum(float(nn.functional.mse_loss(whole(x), y)) for x, y in data) / 2
@@ -234,7 +237,8 @@ def _logits(rank: int, world_size: int) -> list[Any]:
 def test_eval_batch_logits_and_outputs_as_deepspeed() -> None:
     first, last = run_on_ranks(_logits, 2)
     assert first[:2] == [True, None] and last[:2] == [True, True], (first, last)
-    (start0, stop0, count0, micro0), (start1, stop1, count1, micro1) = first[2], last[2]
+    (start0, stop0, count0, micro0, kept0), (start1, stop1, count1, micro1, kept1) = first[2], last[2]
+    assert kept0 and kept1
     assert (start0, stop1, stop0 - start0, stop1 - start1) == (0, 3, count0, count1) and stop0 == start1 > 0
     assert micro0 == micro1 == 2
     assert first[3] is None and last[3] is True, (first[3], last[3])  # eval_batch(compute_loss=False)

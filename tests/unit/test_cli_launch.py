@@ -28,7 +28,7 @@ worker-1 slots=2
 def test_hostfile_in_deepspeed_format():
     assert parse_hostfile(HOSTFILE) == {"worker-0": 4, "worker-1": 2}
     assert parse_hostfile("worker-0 slots=2 max_slots=4\n") == {"worker-0": 2}  # OpenMPI's, as DeepSpeed reads it
-    assert parse_hostfile("w slots=2 max-slots=4 extra=3\n") == {"w": 2}  # any key=value after: DeepSpeed reads past
+    assert parse_hostfile("w slots=2 max-slots=4 extra=3\nv slots=1 max_slots\n") == {"w": 2, "v": 1}  # as DeepSpeed
 
 
 @pytest.mark.parametrize(

@@ -289,3 +289,20 @@ def test_has_inf_or_nan_syncs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     assert not has_inf_or_nan([torch.randn(10) for _ in range(500)])
     assert calls["norm"] == 1
+
+
+def test_a_dynamic_scaler_loads_a_static_scalers_state() -> None:
+    """A checkpoint saved with `fp16.loss_scale > 0` resumed with a dynamic scale: the scale and step count come
+    over, the rest starts fresh (a KeyError left the engine half-loaded)."""
+    static = StaticLossScaler(64.0)
+    for overflow in (False, True, False):
+        static.update_scale(overflow)
+    dynamic = DynamicLossScaler(init_scale=2.0**16, scale_window=2, min_scale=1.0, delayed_shift=2,
+                                consecutive_hysteresis=False)  # fmt: skip
+    dynamic.load_state_dict(static.state_dict())
+    assert (dynamic.loss_scale, dynamic.iteration, dynamic.last_overflow_iteration, dynamic.hysteresis_left) == (
+        64.0,
+        3,
+        -1,
+        2,
+    )

@@ -113,13 +113,29 @@ def all_gather_coalesced(
     output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], group: Any = None, async_op: bool = False
 ) -> Any:
     """Each input gathered into its output (`all_gather_into_tensor` pair by pair, as DeepSpeed's gloo path has no
-    coalescing); with `async_op` the last pair's work, which finishes after the others on one process group."""
+    coalescing); with `async_op` one handle whose `wait()` waits for every pair."""
     if len(output_tensors) != len(input_tensors):
         raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
-    work = None
-    for output, tensor in zip(output_tensors, input_tensors, strict=True):
-        work = all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
-    return work
+    works = [
+        all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+        for output, tensor in zip(output_tensors, input_tensors, strict=True)
+    ]
+    return _AllWorks(works) if async_op else None
+
+
+class _AllWorks:
+    """Works issued together, waited on together."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def get_all_ranks_from_group(group: dist.ProcessGroup | None = None) -> list[int]:

@@ -22,7 +22,7 @@ Resources = dict[str, list[int]]  # host -> slot indices (GPU ids), in hostfile 
 
 # (MPI hostfiles add `max_slots=N`, `max-slots=N` and the like after the slots: read past, as DeepSpeed's parser reads
 # past anything there)
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s+[\w.-]+\s*=\s*\S+)*$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\S+)(?:\s.*)?$")
 
 
 class LaunchError(ZeroshardError):

@@ -63,7 +63,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
             RepeatingLoader(self.training_dataloader) if self.training_dataloader is not None else None
         )
         self._schedules: dict[tuple[str, bool, int, tuple[Any, ...]], Any] = {}
-        self._micro_losses: list[torch.Tensor] = []
+        self._micro_losses: list[Any] = []  # losses; outputs under eval_batch(compute_loss=False)
         self._labels: list[Any] = []  # this batch's labels, per micro-batch (on the last stage)
         self._compute_loss = True  # eval_batch(compute_loss=False): the last stage keeps its outputs, not losses
         self.agg_train_loss: torch.Tensor | None = None
@@ -248,7 +248,7 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
     def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         loss_fn = self.pipeline_module.loss_fn if self._compute_loss else None
         loss = loss_fn(output, self._labels[int(index.reshape(-1)[0])]) if loss_fn is not None else output
-        self._micro_losses.append(loss.detach())
+        self._micro_losses.append(_detached(loss))
         scale = self.loss_scale if self.loss_scaler is not None else 1.0
         scaled: torch.Tensor = loss / self.gradient_accumulation_steps()
         return scaled * scale if scale != 1.0 else scaled
@@ -258,13 +258,19 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
         replicas, on the last stage (DeepSpeed's `_reduce_outputs`); None elsewhere."""
         if not self.pipe.is_last:
             return None
-        if not all(isinstance(x, torch.Tensor) for x in self._micro_losses):
-            raise ZeroshardError("eval_batch(compute_loss=False): the last stage's output must be one tensor")
-        mean = torch.stack(self._micro_losses).sum(0) / count
+        first = self._micro_losses[0]
+        if isinstance(first, torch.Tensor):
+            return self._replica_mean(torch.stack(self._micro_losses).sum(0) / count)
+        return type(first)(  # a tuple of output tensors: each averaged
+            self._replica_mean(torch.stack([out[i] for out in self._micro_losses]).sum(0) / count)
+            for i in range(len(first))
+        )
+
+    def _replica_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.pipe.dp_comm.world_size > 1:
-            self.pipe.dp_comm.all_reduce(mean, label="pipe.outputs")
-            mean /= self.pipe.dp_comm.world_size
-        return mean
+            self.pipe.dp_comm.all_reduce(tensor, label="pipe.outputs")
+            tensor /= self.pipe.dp_comm.world_size
+        return tensor
 
     def _aggregate_loss(self, count: int | None = None) -> torch.Tensor:
         """The mean loss over the `count` micro-batches (gradient_accumulation_steps) and the replicas, on every rank
@@ -279,6 +285,13 @@ class PipelineEngine(PipelineCheckpointMixin, Engine):
                 total /= self.pipe.dp_comm.world_size
         self.pipe.pp_comm.broadcast(total, src=self.pipe.last_stage_rank, label="pipe.loss")
         return total
+
+
+def _detached(value: Any) -> Any:
+    """A micro-batch's loss, or its outputs (a tensor or a tuple of them) under `eval_batch(compute_loss=False)`."""
+    if isinstance(value, tuple | list):
+        return type(value)(_detached(v) for v in value)
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _last_micro_batch(outputs: Any, count: int) -> Any:

@@ -123,7 +123,8 @@ class PipelineModule(nn.Module):
         if virtual == self.virtual_stages:
             return
         for name, _ in list(self.named_children()):
-            delattr(self, name)
+            if name != "loss_fn":  # a loss module (nn.MSELoss()) is no layer: it stays
+                delattr(self, name)
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs = {}
         self.virtual_stages = virtual

@@ -216,18 +216,20 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the state saved by state_dict(); the configured window, minimum and factor are kept."""
+        """Restore the state saved by state_dict(); the configured window, minimum and factor are kept. A static
+        scaler's state (a checkpoint saved with `fp16.loss_scale > 0`) gives the scale and step count, the rest
+        starts fresh."""
         self._scale = float(state_dict["cur_scale"])
-        self._iteration = int(state_dict["cur_iter"])
-        self._last_overflow_iteration = int(state_dict["last_overflow_iter"])
-        self._hysteresis = int(state_dict["cur_hysteresis"])
+        self._iteration = int(state_dict.get("cur_iter", 0))
+        self._last_overflow_iteration = int(state_dict.get("last_overflow_iter", -1))
+        self._hysteresis = int(state_dict.get("cur_hysteresis", self.delayed_shift))
         self._consecutive_overflows = int(state_dict.get("consecutive_overflows", 0))
         self._overflows_since_growth = int(state_dict.get("overflows_since_growth", 0))
 
 
 class Fp16OptimizerLossScaler(DynamicLossScaler):
     """DeepSpeed's stage-0 dynamic scale ([Note: dynamic loss scale update]): every overflow halves the scale down to
-    `min_loss_scale` and never raises; no hysteresis.
+    `min_loss_scale`, where overflows are skipped steps and no error; no hysteresis.
 
     Example:
         >>> scaler = Fp16OptimizerLossScaler(init_scale=8.0, scale_window=2, min_scale=1.0)
