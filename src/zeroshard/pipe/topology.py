@@ -29,6 +29,9 @@ class ProcessTopology:
     def world_size(self) -> int:
         return len(self._coords)
 
+    def __str__(self) -> str:
+        return str(self.mapping)  # DeepSpeed's: every coordinate with its rank
+
     def get_axis_names(self) -> list[str]:
         return list(self.axes)
 
@@ -98,3 +101,16 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+def _prime_factors(n: int) -> list[int]:
+    """DeepSpeed's helper: the prime factors of `n` > 0, ascending, with repeats (12 -> [2, 2, 3])."""
+    if n <= 0:
+        raise ValueError("Values must be strictly positive.")
+    primes, candidate = [], 2
+    while n != 1:
+        while n % candidate == 0:
+            primes.append(candidate)
+            n //= candidate
+        candidate += 1
+    return primes
