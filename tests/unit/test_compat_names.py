@@ -199,3 +199,20 @@ def test_is_model_parallel_parameter_reads_megatrons_marks_as_deepspeeds():
         for name, value in marks.items():
             setattr(param, name, value)
         assert is_model_parallel_parameter(param) == theirs(param), marks
+
+
+def test_topology_str_prime_factors_and_range_lists_as_deepspeeds():
+    from zeroshard.runtime.pipe.topology import ProcessTopology, _prime_factors
+    from zeroshard.utils.numa import parse_range_list
+
+    topology = import_deepspeed("deepspeed.runtime.pipe.topology")
+    numa = import_deepspeed("deepspeed.utils.numa")
+    assert str(ProcessTopology(["pipe", "data"], [2, 3])) == str(topology.ProcessTopology(["pipe", "data"], [2, 3]))
+    for n in (1, 2, 12, 97, 360, 1024):
+        assert _prime_factors(n) == topology._prime_factors(n), n
+    assert parse_range_list("0,2-4,6") == numa.parse_range_list("0,2-4,6") == [0, 2, 3, 4, 6]
+    for bad in ("3,1", "0-2,2"):
+        with pytest.raises(ValueError):
+            parse_range_list(bad)
+        with pytest.raises(ValueError):
+            numa.parse_range_list(bad)
