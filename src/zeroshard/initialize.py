@@ -175,7 +175,7 @@ def _build(
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
     check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
-    if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a lambda's: once built)
+    if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a callable's: class_built_by)
         check_client_optimizer(optimizer, cfg)
     elif str(cfg.zeroshard.backend) != "fsdp2" and (built_class := class_built_by(optimizer)) is not None:
         check_client_optimizer(built_class, cfg, warn=False)
