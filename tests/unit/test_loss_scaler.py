@@ -181,6 +181,20 @@ PARITY_CASES = [
 ]
 
 
+def _ours(index: int, zero_stage: int) -> Any:
+    """zeroshard's dynamic scaler for PARITY_CASES[index] at `zero_stage`."""
+    power, window, hysteresis, consecutive, min_scale, _, _ = PARITY_CASES[index]
+    return build_loss_scaler(
+        loss_scale=0,
+        initial_scale_power=power,
+        loss_scale_window=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_loss_scale=min_scale,
+        zero_stage=zero_stage,
+    )
+
+
 @pytest.mark.parametrize("index", range(len(PARITY_CASES)))
 def test_matches_deepspeed_dynamic_loss_scaler(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
     ds_scaler = import_deepspeed("deepspeed.runtime.fp16.loss_scaler")
@@ -194,14 +208,7 @@ def test_matches_deepspeed_dynamic_loss_scaler(index: int, monkeypatch: pytest.M
         consecutive_hysteresis=consecutive,
         raise_error_at_min_scale=True,
     )
-    ours = build_loss_scaler(
-        loss_scale=0,
-        initial_scale_power=power,
-        loss_scale_window=window,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive,
-        min_loss_scale=min_scale,
-    )
+    ours = _ours(index, zero_stage=1)
     assert isinstance(ours, DynamicLossScaler)
     rng = random.Random(index)
     for step in range(300):
@@ -237,15 +244,7 @@ def test_stage_0_matches_deepspeeds_fp16_optimizer_rule(index: int) -> None:
             profile=config.LossScaleProfile.FUSED,
         ),
     )
-    ours = build_loss_scaler(
-        loss_scale=0,
-        initial_scale_power=power,
-        loss_scale_window=window,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive,
-        min_loss_scale=min_scale,
-        zero_stage=0,
-    )
+    ours = _ours(index, zero_stage=0)
     assert isinstance(ours, Fp16OptimizerLossScaler)
     rng = random.Random(index)
     for step in range(300):
