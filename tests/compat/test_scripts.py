@@ -122,6 +122,10 @@ CASES = [
     # ignore_unused_parameters=false: an unused parameter raises the AssertionError that names the option
     Case("unit_test_ignore_unused_parameters", "test_ignore_unused_parameters.py"),
     Case("unit_test_latest_checkpoint", "test_latest_checkpoint.py", ("{tmp}/checkpoints",)),
+    # DeepSpeedExamples' OPSD: build_rollout/HybridEngineRollout on a ZeRO-3 hybrid-engine student (greedy, then
+    # sampled with 2 samples per prompt, reseeded per step), a ZeRO-3 offloaded teacher, the streamed reverse KL;
+    # compared too: response tokens, EOS rows, pad ids left out of the mask, checksums of the ids and masks
+    Case("opsd_rollout", "opsd_rollout.py"),
     # deepspeed.utils.safe_get_*/safe_set_*/safe_update_full_grad_vectorized at stages 1-3, offloaded or not: the
     # values set read back exactly and train as DeepSpeed's ([Note: setting a gradient])
     Case(

@@ -1,6 +1,6 @@
 """`deepspeed.runtime`: the modules DeepSpeed scripts import from it (`utils`, `lr_schedules`, `constants`, `config`,
-`progressive_layer_drop`, `data_pipeline.curriculum_scheduler`, `pipe`, `engine`, `bf16_optimizer`, `fp16`), as thin
-names over zeroshard's own implementations."""
+`progressive_layer_drop`, `data_pipeline.curriculum_scheduler`, `pipe`, `engine`, `bf16_optimizer`, `fp16`,
+`rollout`), as thin names over zeroshard's own implementations."""
 
 from zeroshard.runtime import config, constants, data_pipeline, lr_schedules, progressive_layer_drop, utils
 
@@ -14,11 +14,12 @@ __all__ = [
     "lr_schedules",
     "pipe",
     "progressive_layer_drop",
+    "rollout",
     "utils",
 ]
 
 
-_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16")
+_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16", "rollout")
 
 
 def __getattr__(name: str) -> object:
