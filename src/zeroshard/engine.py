@@ -124,6 +124,7 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
         self.loss_scaler = loss_scaler
         self.training_dataloader = training_dataloader
         self._compute = compute_context or contextlib.nullcontext
+        self.first_forward_hooks: list[Any] = []  # one-shot checks on the module, removed at destroy if never run
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -417,6 +418,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
             self._watch.stop()
         parallel_groups.withdraw(self.comm)  # [Note: groups follow the engine]
         uninstall_generate(self)  # [Note: generation at stage 3]
+        for handle in self.first_forward_hooks:
+            handle.remove()
         if self.strategy is not None:
             self.strategy.destroy()
             self.strategy = None

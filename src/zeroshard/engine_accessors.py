@@ -147,6 +147,34 @@ class EngineAccessors(DeepSpeedSettings):
     def get_sequence_parallel_group(self) -> Any:
         return self.seq_parallel_group
 
+    # DeepSpeed's engine attributes for its groups (utils.groups, which follows the latest engine: [Note: groups follow
+    # the engine])
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group of this rank's data-parallel replicas (the tensor- and sequence-parallel ranks apart)."""
+        from zeroshard.utils import groups
+
+        return groups._get_data_parallel_group()
+
+    @property
+    def seq_data_parallel_group(self) -> Any:
+        """The group ZeRO shards and reduces over: the data- and sequence-parallel ranks together."""
+        from zeroshard.utils import groups
+
+        return groups._get_sequence_data_parallel_group()
+
+    @property
+    def mp_world_size(self) -> int:
+        """The model-parallel (tensor-parallel) size; 1 without it."""
+        from zeroshard.utils import groups
+
+        return int(groups._get_model_parallel_world_size())
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """The model-parallel rank a checkpoint's files are named by (0 without model parallelism)."""
+        return self.get_model_parallel_rank() if self.mp_world_size > 1 else 0
+
     def get_wall_clock_timers(self) -> dict[str, float]:
         """With `wall_clock_breakdown`: each timer's milliseconds at the last `engine.step()` ([Note: wall clock
         breakdown]); empty without it, as DeepSpeed's."""

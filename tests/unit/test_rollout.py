@@ -124,8 +124,9 @@ def test_greedy_graph_capture_dispatches_and_is_refused_here() -> None:
     rollout._generate_graph = MagicMock(return_value=torch.zeros(1, 5, dtype=torch.long))  # type: ignore[method-assign]
     rollout.generate(req, greedy)
     rollout._generate_graph.assert_called_once()
-    with pytest.raises(ConfigError, match="^SamplingConfig.continuous_batch_size=2: "):
-        rollout.generate(req, SamplingConfig(max_new_tokens=3, temperature=0, continuous_batch_size=2))
+    graph = HybridEngineRollout(MagicMock(), tok, cfg=HybridEngineRolloutConfig(use_graph_capture=True))
+    with pytest.raises(ConfigError, match="^use_graph_capture: "):  # the continuous decode captures none either
+        graph.generate(req, SamplingConfig(max_new_tokens=3, temperature=0, continuous_batch_size=2))
 
 
 # --- the pieces against DeepSpeed's ----------------------------------------------------------------------------------
@@ -317,6 +318,15 @@ def test_shared_prefill_decodes_the_same_responses() -> None:
         handle.remove()
     assert shapes == [(3, 4), (9, 1), (9, 1)]  # the prompts once each, then every sample decodes
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_tokenizer_without_one_pad_id_is_one_line() -> None:
+    tok = SimpleNamespace(pad_token_id=None, eos_token_id=[EOS, 6])
+    rollout = HybridEngineRollout(SimpleNamespace(module=_model()), tok)
+    with pytest.raises(
+        ValueError, match=r"no pad_token_id and its eos_token_id \[5, 6\] .* set tokenizer.pad_token_id"
+    ):
+        rollout.generate(_request(), SamplingConfig(max_new_tokens=2))
 
 
 def test_profiling_reports_deepspeeds_keys() -> None:

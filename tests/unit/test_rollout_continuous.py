@@ -113,19 +113,34 @@ def test_profiling_and_statistics_carry_deepspeeds_keys() -> None:
     assert profile is not None and stats is not None
     assert profile["num_prefill_forwards"] >= 3 and profile["num_decode_forwards"] == stats["decode_steps"] > 0
     assert profile["active_batch_size"] == profile["continuous_batch_size"] == 3
-    assert profile["prefill_forward_ms"] + profile["decode_forward_ms"] <= profile["generation_ms"]
-    assert {
-        "cache_capacity",
-        "peak_cache_length",
-        "cache_memory_bytes",
-        "trim_count",
-        "trimmed_columns",
-        "trim_latency_ms",
-        "decode_steps",
-        "trim_frequency",
-        "end_to_end_ms",
-        "tokens_per_second",
-    } == set(stats)
+    spent = sum(profile[k] for k in ("prefill_forward_ms", "decode_forward_ms", "scheduler_overhead_ms"))
+    assert 0.0 < spent + profile["cache_management_overhead_ms"] <= profile["generation_ms"]
+    # DeepSpeed 0.19.8's keys (_finish_continuous_profile; the statistics of _generate_continuous)
+    assert set(profile) == {
+        "prompt_expansion_ms", "generation_ms", "prefill_forward_ms", "decode_forward_ms", "generation_overhead_ms",
+        "num_prefill_forwards", "num_decode_forwards", "scheduler_overhead_ms", "cache_management_overhead_ms",
+        "post_processing_ms", "total_ms", "num_generated_tokens", "tokens_per_second", "batch_size",
+        "num_samples_per_prompt", "prompt_length", "response_length", "active_batch_size", "continuous_batch_size",
+    }  # fmt: skip
+    assert set(stats) == {
+        "cache_capacity", "peak_cache_length", "cache_memory_bytes", "trim_count", "trimmed_columns",
+        "trim_latency_ms", "decode_steps", "trim_frequency", "end_to_end_ms", "tokens_per_second", "trim_bytes_moved",
+    }  # fmt: skip
+    assert stats["end_to_end_ms"] > 0 and stats["tokens_per_second"] > 0
+    _, quiet = _rollout(_model(), sampling)
+    quiet_stats = quiet.get_last_continuous_stats()
+    assert quiet_stats is not None and quiet_stats["end_to_end_ms"] is None and quiet_stats["tokens_per_second"] is None
+
+
+def test_generation_config_processors_it_does_not_apply_are_refused() -> None:
+    sampling = SamplingConfig(max_new_tokens=NEW, temperature=0, continuous_batch_size=2)
+    for name, value in (("no_repeat_ngram_size", 2), ("suppress_tokens", [3, 5]), ("forced_eos_token_id", 4)):
+        model = _model()
+        setattr(model.generation_config, name, value)
+        with pytest.raises(ValueError, match=f"generation_config.{name}=.* reset it, or decode without"):
+            _rollout(model, sampling)
+    with pytest.raises(ValueError, match="continuous_cache_capacity 0 is below the prompt width 6"):
+        _rollout(_model(), sampling, continuous_cache_capacity=0)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,6 @@ script that constructs DeepSpeed's optimizer and passes it to `initialize` train
 names it in the config.
 """
 
-from zeroshard.ops import adam, lamb
+from zeroshard.ops import adagrad, adam, lamb, lion
 
-__all__ = ["adam", "lamb"]
+__all__ = ["adagrad", "adam", "lamb", "lion"]

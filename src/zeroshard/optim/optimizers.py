@@ -109,7 +109,7 @@ def build_optimizer(
     if key == "muon":  # whole-matrix steps on flat shards: [Note: Muon on flat shards]
         return _build_muon(kwargs, param_groups)
     # the DeepSpeed class this optimizer stands for, which isinstance tests ([Note: DeepSpeed's optimizer classes])
-    ds_class = {"adam": "FusedAdam", "adamw": "FusedAdam", "lamb": "FusedLamb"}.get(key)
+    ds_class = {"adam": "FusedAdam", "adamw": "FusedAdam", "lamb": "FusedLamb", "lion": "FusedLion"}.get(key)
     ds_class = None if ds_class == "FusedAdam" and _bool_param(kwargs, "torch_adam", False) else ds_class
     if key in ("adam", "adamw"):
         cls, kwargs = _adam_kwargs(key, kwargs, param_groups)
@@ -142,11 +142,20 @@ def as_deepspeed_builds(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.opt
     of those names, by it or from a ds_config DeepSpeed would build it for, carries the name (`DEEPSPEED_CLASS`),
     which the names' `isinstance` reads (`ops._params.DeepSpeedOptimizerClass`): a config's Adam/AdamW is
     FusedAdam (torch's with `torch_adam`), DeepSpeedCPUAdam where the optimizer is offloaded, as DeepSpeed picks;
-    a config's Lamb is FusedLamb. This marks the offloaded case, which the config's optimizer block does not know."""
+    a config's Lamb is FusedLamb, its Lion FusedLion (DeepSpeedCPULion offloaded), its Adagrad torch's
+    (DeepSpeedCPUAdagrad offloaded). This marks the offloaded case, which the config's optimizer block does not know."""
     offloaded = str(cfg.zero_optimization.offload_optimizer.device) != "none"
-    if offloaded and getattr(optimizer, DEEPSPEED_CLASS, None) == "FusedAdam":
-        setattr(optimizer, DEEPSPEED_CLASS, "DeepSpeedCPUAdam")
+    if offloaded:
+        marked = getattr(optimizer, DEEPSPEED_CLASS, None)
+        if isinstance(marked, str) and marked in _OFFLOADED_CLASS:
+            setattr(optimizer, DEEPSPEED_CLASS, _OFFLOADED_CLASS[marked])
+        elif marked is None and type(optimizer) is torch.optim.Adagrad:
+            setattr(optimizer, DEEPSPEED_CLASS, "DeepSpeedCPUAdagrad")
     return optimizer
+
+
+# what DeepSpeed builds instead of a config's optimizer when ZeRO offloads it to the CPU
+_OFFLOADED_CLASS = MappingProxyType({"FusedAdam": "DeepSpeedCPUAdam", "FusedLion": "DeepSpeedCPULion"})
 
 
 def probe_optimizer(type_name: str, params: Mapping[str, Any]) -> torch.optim.Optimizer:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,40 @@ def check_continuous(request: RolloutRequest, sampling: SamplingConfig, rows: in
         raise _refuse("every prompt needs at least one attended token")
 
 
+# generation_config fields whose logits processors the model's generate applies to greedy decoding and this decode
+# does not (it applies the repetition penalty alone)
+_PROCESSORS = (
+    "no_repeat_ngram_size",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "dola_layers",
+    "guidance_scale",
+    "watermarking_config",
+)
+
+
+def _check_generation_config(module: nn.Module) -> None:
+    generation = getattr(module, "generation_config", None)
+    if generation is None:
+        return
+    defaults = type(generation)()
+    for name in _PROCESSORS:
+        value = getattr(generation, name, None)
+        if value != getattr(defaults, name, None):
+            raise _refuse(
+                f"the model's generation_config.{name}={value!r} changes greedy decoding in its generate, which "
+                "the continuous decode does not apply (it applies repetition_penalty alone); reset it, or decode "
+                "without continuous batching"
+            )
+
+
 def _check_model(module: nn.Module, longest: int, capacity: int) -> None:
+    _check_generation_config(module)
     config = getattr(module, "config", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - {"full_attention"} or (not kinds and getattr(config, "sliding_window", None)):
@@ -170,6 +204,7 @@ class _Stats:
     trimmed_columns: int = 0
     trim_latency_ms: float = 0.0
     decode_steps: int = 0
+    trim_bytes_moved: int = 0  # a trim keeps views of the live columns (the next step's cache update copies them)
 
 
 class ContinuousDecode:
@@ -179,7 +214,15 @@ class ContinuousDecode:
         self.module, self.settings, self.rows = module, settings, rows
         # with enable_profiling: forward times (host time after synchronising the device) and counts, per kind
         self.profile: dict[str, float] = dict.fromkeys(
-            ("prefill_forward_ms", "decode_forward_ms", "num_prefill_forwards", "num_decode_forwards"), 0.0
+            (
+                "prefill_forward_ms",
+                "decode_forward_ms",
+                "num_prefill_forwards",
+                "num_decode_forwards",
+                "scheduler_overhead_ms",
+                "cache_management_overhead_ms",
+            ),
+            0.0,
         )
         self.active_batch_size = 0
         # transformers 5.x names the forward's cache argument `cache` (`past_key_values` warns); earlier releases not
@@ -198,7 +241,8 @@ class ContinuousDecode:
         self._prompts = [ids[i, first[i] :] for i in range(ids.shape[0])]
         lengths = mask.sum(dim=1).tolist() if self.settings.align_decode_fronts else [width] * ids.shape[0]
         self._needed = max(lengths) + self.max_new - 1  # one row's columns at its last decode step
-        capacity = self.settings.continuous_cache_capacity or self._needed
+        configured = self.settings.continuous_cache_capacity
+        capacity = self._needed if configured is None else configured
         if capacity < max(lengths):
             raise _refuse(f"continuous_cache_capacity {capacity} is below the prompt width {max(lengths)}")
         _check_model(self.module, max(lengths) + self.max_new, capacity)
@@ -206,17 +250,20 @@ class ContinuousDecode:
         order: list[int] = list(range(ids.shape[0]))
         if self.settings.align_decode_fronts:  # the longest first, as DeepSpeed admits them
             order = sorted(order, key=lambda i: -lengths[i])
-        scheduler = ContinuousBatchScheduler(self.rows, self.max_new)
-        for i in order:
-            scheduler.submit(ContinuousBatchRequest(i))
+        with self._timed("scheduler_overhead_ms"):
+            scheduler = ContinuousBatchScheduler(self.rows, self.max_new)
+            for i in order:
+                scheduler.submit(ContinuousBatchRequest(i))
         responses: dict[Any, list[int]] = {i: [] for i in range(ids.shape[0])}
         live: _Rows | None = None
         stage3 = getattr(engine, "zero_stage", 0) == 3 and hasattr(engine, "gathered_for_generation")
         with engine.gathered_for_generation() if stage3 else contextlib.nullcontext():
-            update = scheduler.schedule()
+            with self._timed("scheduler_overhead_ms"):
+                update = scheduler.schedule()
             while update.active:
                 if live is not None and update.keep_slots:
-                    live = live.select(torch.tensor(update.keep_slots, device=ids.device))
+                    with self._timed("cache_management_overhead_ms"):
+                        live = live.select(torch.tensor(update.keep_slots, device=ids.device))
                     if update.retired and self.settings.enable_cache_trimming:
                         live = self._trim(live, stats)
                 else:
@@ -227,16 +274,28 @@ class ContinuousDecode:
                 if live is None or fresh is None:
                     live = live if fresh is None else fresh
                 else:
-                    live = live.join(fresh)
+                    with self._timed("cache_management_overhead_ms"):
+                        live = live.join(fresh)
                 assert live is not None  # the active rows are the kept and the admitted
                 self.active_batch_size = max(self.active_batch_size, len(update.active))
                 stats.peak_cache_length = max(stats.peak_cache_length, live.width)
                 stats.cache_memory_bytes = max(stats.cache_memory_bytes, live.nbytes())
                 finished = [i for i in update.active_ids if self._is_eos(responses[i][-1])]
-                update = scheduler.advance(finished)
+                with self._timed("scheduler_overhead_ms"):
+                    update = scheduler.advance(finished)
         report: dict[str, Any] = dict(vars(stats))
         report["trim_frequency"] = stats.trim_count / stats.decode_steps if stats.decode_steps else 0.0
         return [responses[i] for i in range(ids.shape[0])], report
+
+    @contextlib.contextmanager
+    def _timed(self, field: str) -> Iterator[None]:
+        """With enable_profiling, the block's time (the device synchronised at both ends) added to `field`."""
+        if not self.settings.enable_profiling:
+            yield
+            return
+        start = _synced_time(True)
+        yield
+        self.profile[field] += (_synced_time(True) - start) * 1000.0
 
     def _is_eos(self, token: int) -> bool:
         return self.eos is not None and bool((self.eos == token).any())
@@ -333,9 +392,10 @@ class ContinuousDecode:
         dead = live.dead_prefix()
         if dead == 0:
             return live
-        start = time.perf_counter()
-        trimmed = live.drop_left(dead)
+        start = _synced_time(self.settings.enable_profiling)
+        with self._timed("cache_management_overhead_ms"):
+            trimmed = live.drop_left(dead)
         stats.trim_count += 1
         stats.trimmed_columns += dead
-        stats.trim_latency_ms += (time.perf_counter() - start) * 1000.0
+        stats.trim_latency_ms += (_synced_time(self.settings.enable_profiling) - start) * 1000.0
         return trimmed

@@ -17,15 +17,17 @@ kernels' workspace (refused at ZeRO stage 3, and for a model its kernels do not 
 cache (`DynamicCache.batch_repeat_interleave`, or the tuples of older caches), for any transformers model at any
 stage. Decoding then sees the same prompt state as without it (to rounding: a prefill over B rows instead of B * n).
 
-Not here (one line at the call, before any work): `use_graph_capture` (DeepSpeed's greedy decode replays a CUDA graph
-over its static cache; on the CPU its accelerator's graphs do nothing) and `SamplingConfig.continuous_batch_size`
-(DeepSpeed's experimental continuous-batching decode). The slot scheduler that continuous batching runs on is
-`continuous_batching.ContinuousBatchScheduler`.
+`SamplingConfig.continuous_batch_size` decodes greedily in a continuous batch ([Note: continuous decode over the
+model's own cache] in continuous_decode.py, on `continuous_batching.ContinuousBatchScheduler`).
+
+Not here (one line at the call, before any work): `use_graph_capture` with greedy decoding (DeepSpeed's greedy decode
+replays a CUDA graph over its static cache; on the CPU its accelerator's graphs do nothing).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,7 @@ class HybridEngineRolloutConfig:
         enable_profiling: each `generate` times its phases and forwards (`get_last_profile()`).
         use_shared_prefill: with several samples per prompt, the prompt's forward runs once per prompt.
         align_decode_fronts, enable_cache_trimming, continuous_cache_capacity: settings of the continuous-batching
-            decode (refused here with `SamplingConfig.continuous_batch_size`).
+            decode (`SamplingConfig.continuous_batch_size`; [Note: continuous decode over the model's own cache]).
     """
 
     use_graph_capture: bool = False
@@ -157,7 +159,9 @@ class _SharedPrefill:
         if not self.reduced:
             raise ZeroshardError("use_shared_prefill: the prompt forward was not reduced to one row per prompt")
         self.pending = False
-        output.past_key_values = _repeat_cache(output.past_key_values, self.repeats)
+        # transformers 5 names the output's cache `cache` (`past_key_values` still answers, with a warning)
+        name = "cache" if isinstance(output, Mapping) and "cache" in output else "past_key_values"
+        setattr(output, name, _repeat_cache(getattr(output, name), self.repeats))
         output.logits = output.logits.repeat_interleave(self.repeats, dim=0)
         return output
 
@@ -168,7 +172,12 @@ def _pad_id(tokenizer: Any) -> int:
         pad = tokenizer.eos_token_id
     if pad is None:
         raise ValueError("HybridEngineRollout: the tokenizer must define pad_token_id or eos_token_id")
-    return int(pad)
+    if not isinstance(pad, int):
+        raise ValueError(
+            f"HybridEngineRollout: the tokenizer has no pad_token_id and its eos_token_id {pad!r} is not one id to pad "
+            "with; set tokenizer.pad_token_id"
+        )
+    return pad
 
 
 class HybridEngineRollout(RolloutEngine):
@@ -355,8 +364,10 @@ class HybridEngineRollout(RolloutEngine):
         done = self._sync_time()
         tokens = sum(len(r) for r in responses)
         total_ms = (done - start) * 1000.0
-        stats["end_to_end_ms"] = total_ms
-        stats["tokens_per_second"] = tokens / (total_ms / 1000.0) if total_ms > 0.0 else 0.0
+        # measured with profiling only, as DeepSpeed's
+        speed = tokens / (total_ms / 1000.0) if total_ms > 0.0 else 0.0
+        stats["end_to_end_ms"] = total_ms if self.enable_profiling else None
+        stats["tokens_per_second"] = speed if self.enable_profiling else None
         self._last_continuous_stats = stats
         if self.enable_profiling:
             generation_ms = (generated - start) * 1000.0
@@ -369,10 +380,12 @@ class HybridEngineRollout(RolloutEngine):
                 "generation_overhead_ms": max(0.0, generation_ms - forwards),
                 "num_prefill_forwards": int(decode.profile["num_prefill_forwards"]),
                 "num_decode_forwards": int(decode.profile["num_decode_forwards"]),
+                "scheduler_overhead_ms": decode.profile["scheduler_overhead_ms"],
+                "cache_management_overhead_ms": decode.profile["cache_management_overhead_ms"],
                 "post_processing_ms": (done - generated) * 1000.0,
                 "total_ms": total_ms,
                 "num_generated_tokens": tokens,
-                "tokens_per_second": stats["tokens_per_second"],
+                "tokens_per_second": speed,
                 "batch_size": int(request.prompt_ids.shape[0]),
                 "num_samples_per_prompt": 1,
                 "prompt_length": int(request.prompt_ids.shape[1]),
