@@ -6,6 +6,8 @@ sequence, and the same losses, gradient norms and parameters over 3 steps as Dee
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -158,3 +160,42 @@ def _check(kv_heads: int, runs: list[dict[str, Any]]) -> None:
     # the single-process one, in DeepSpeed and here alike (README, sequence parallelism)
     ratio = runs[0]["ours"]["norms"][0] / ref_norm
     assert abs(ratio - 2.0) <= 1e-5, (kv_heads, ratio)
+
+
+def _hub_kernel(rank: int, world_size: int) -> list[Any]:
+    """A Hub kernel's name (`org/repo`) as the attention implementation: registered through transformers' lazy
+    loader before it is looked up (DeepSpeed's test_register_hub_kernel_attn, the loader mocked: no hub here)."""
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import zeroshard
+    from zeroshard.runtime.sequence_parallel import parallel_state_sp, ulysses_sp
+
+    zeroshard.init_distributed()
+    name, called = "kernels-community/flash-attn2", []
+
+    def lazy_import(implementation: str, attention_wrapper: Any = None, allow_all_kernels: bool = False) -> Any:
+        called.append(implementation)
+        if implementation not in ALL_ATTENTION_FUNCTIONS:
+            ALL_ATTENTION_FUNCTIONS.register(implementation, ALL_ATTENTION_FUNCTIONS["sdpa"])
+        return (None, None, None, None), None
+
+    original = fa.lazy_import_flash_attention
+    fa.lazy_import_flash_attention = lazy_import
+    folder = tempfile.mkdtemp()  # a model named by its path, as DeepSpeed's test names one on the hub
+    _model(2).config.save_pretrained(folder)
+    try:
+        mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=folder, core_attn_implementation=name, sequence_parallel_size=2, micro_batch_size=1
+        )
+        wrapped = getattr(ALL_ATTENTION_FUNCTIONS[name], "ulysses_wraps", None) is not None
+        parallel_state_sp._release_sequence_parallel_groups()
+    finally:
+        fa.lazy_import_flash_attention = original
+        shutil.rmtree(folder)
+    return [called, wrapped, mpu is not None]
+
+
+def test_a_hub_kernel_attention_is_registered_before_it_is_looked_up() -> None:
+    for out in run_on_ranks(_hub_kernel, 2):
+        assert out == [["kernels-community/flash-attn2"], True, True]

@@ -18,6 +18,7 @@ a rank's loss over its part uses the next token even at a part's edge.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,10 @@ from zeroshard.sequence.tiled import (  # noqa: F401  DeepSpeed's names for them
     TiledMLP,
     sequence_tiled_compute,
 )
+
+# a Hugging Face Hub kernel named as an attention implementation (kernels-community/flash-attn2, with an optional
+# @revision and :kernel), which transformers registers in ALL_ATTENTION_FUNCTIONS only when it is first loaded
+_HUB_KERNEL = re.compile(r"^[^/:@]+/[^/:@]+(@[^/:@]+)?(:[^/:@]+)?$")
 
 
 class UlyssesSPAttentionHF(nn.Module):
@@ -164,6 +169,10 @@ class UlyssesSPAttentionHF(nn.Module):
                 "here (eager needs an O(seq^2) 4-D mask; flex_attention's block mask is not rebuilt); use sdpa or "
                 "a flash attention implementation"
             )
+        if _HUB_KERNEL.match(core_attn_implementation):  # "org/repo[@revision][:kernel]": registered on first use
+            from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+            lazy_import_flash_attention(core_attn_implementation)
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(
                 f"{core_attn_implementation} is not a valid attn_implementation; the choices are "
