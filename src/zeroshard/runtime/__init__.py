@@ -1,11 +1,12 @@
 """`deepspeed.runtime`: the modules DeepSpeed scripts import from it (`utils`, `lr_schedules`, `constants`, `config`,
 `progressive_layer_drop`, `data_pipeline.curriculum_scheduler`, `pipe`, `engine`, `bf16_optimizer`, `fp16`,
-`rollout`), as thin names over zeroshard's own implementations."""
+`rollout`, `chunked_cross_entropy`), as thin names over zeroshard's own implementations."""
 
 from zeroshard.runtime import config, constants, data_pipeline, lr_schedules, progressive_layer_drop, utils
 
 __all__ = [
     "bf16_optimizer",
+    "chunked_cross_entropy",
     "config",
     "constants",
     "data_pipeline",
@@ -19,7 +20,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16", "rollout")
+_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16", "rollout", "chunked_cross_entropy")
 
 
 def __getattr__(name: str) -> object:
