@@ -54,11 +54,12 @@ from zeroshard.sequence.mesh import (
     is_sequence_mpu,
     refuse_with_sequence_parallel,
     sequence_degree,
+    with_mesh_param,
 )
 from zeroshard.tp.build import autotp_mpu, build_tp, follow_split, tp_degree
 from zeroshard.tp.mesh import TensorParallelContext
 from zeroshard.tp.model_init import with_tp_model_init
-from zeroshard.tp.same_batch import check_first_batch
+from zeroshard.tp.same_batch import first_batch_check
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger, log_rank
 from zeroshard.zero.flat.local import local_of
@@ -119,7 +120,7 @@ def initialize(
     source = source if source is not None else from_args
     if source is None:
         raise ConfigError("initialize(): no config; pass config=<path to ds_config.json or a dict>")
-    parsed = _with_backend(_with_mesh_param(parse_config(source), mesh_param), backend)
+    parsed = _with_backend(with_mesh_param(parse_config(source), mesh_param), backend)
     topology = init_distributed(timeout_s=collective_timeout(parsed.raw), required=dist_init_required)
     parsed = with_tp_model_init(parsed, mpu)  # [Note: tp_model_init]
     check_launched_world(parsed, model, mpu, topology.world_size)  # [Note: ranks given different setups]
@@ -150,27 +151,6 @@ def _with_backend(cfg: ZeroshardConfig, backend: str | None) -> ZeroshardConfig:
     if backend not in ("zero", "fsdp2"):
         raise ConfigError(f'initialize(backend={backend!r}): expected "zero" or "fsdp2"')
     return dataclasses.replace(cfg, zeroshard=dataclasses.replace(cfg.zeroshard, backend=backend))
-
-
-def _with_mesh_param(parsed: ZeroshardConfig, mesh_param: tuple[int, int] | None) -> ZeroshardConfig:
-    """DeepSpeed's `initialize(mesh_param=(dp, sp))`: the config's `data_parallel_size` and
-    `sequence_parallel_size`, which may also be given there, with the same values."""
-    if mesh_param is None:
-        return parsed
-    if len(mesh_param) != 2 or not all(isinstance(v, int) and v > 0 for v in mesh_param):
-        raise ConfigError(
-            f"initialize(mesh_param={mesh_param!r}): give (data-parallel size, sequence-parallel size), two positive "
-            "integers"
-        )
-    raw = dict(parsed.raw or {})
-    for key, value in zip(("data_parallel_size", "sequence_parallel_size"), mesh_param, strict=True):
-        if raw.get(key, value) != value:
-            raise ConfigError(
-                f"initialize(mesh_param={tuple(mesh_param)}) sets {key}={value} but the config says {raw[key]}; "
-                "give it once, or the same value"
-            )
-        raw[key] = value
-    return parse_config(raw)
 
 
 def _known_values(model: nn.Module, optimizer: OptimizerArg) -> dict[str, Any]:
@@ -397,10 +377,8 @@ def _build(
         from zeroshard.generation import install
 
         install(engine)  # [Note: generation at stage 3]
-    if tp is not None and tp.tp_mesh is not None and tp.tp_size > 1 and pipe is None:
-        # [Note: a tensor-parallel group reads one batch]
-        tp_ranks = [tp.tp_comm.global_rank(i) for i in range(tp.tp_size)]
-        engine.first_forward_hooks.append(check_first_batch(model, tp.tp_comm.group, tp_ranks))
+    if pipe is None and (check := first_batch_check(model, tp)) is not None:  # [Note: a tensor-parallel group ...]
+        engine.first_forward_hooks.append(check)
     engine.collate_fn = collate_fn  # deepspeed_io's default, and the replica it reads for
     if pipe is not None:  # a pipeline's loader reads in order, as pipe_dataloader's
         engine.data_replica = (pipe.data_parallel_rank, pipe.data_parallel_size, False)

@@ -142,3 +142,26 @@ def build_sequence_parallel(size: int, mpu: Any, world: Collectives) -> Sequence
     sp = world.subgroup(sp_group, size, world.rank % size, scope_of(nodes, mine))
     dp = world.subgroup(dp_made.get(tuple(mine_dp)), len(mine_dp), world.rank // size, scope_of(nodes, mine_dp))
     return SequenceParallel(sp, dp)
+
+
+def with_mesh_param(parsed: Any, mesh_param: tuple[int, int] | None) -> Any:
+    """DeepSpeed's `initialize(mesh_param=(dp, sp))`: the config's `data_parallel_size` and
+    `sequence_parallel_size`, which may also be given there, with the same values."""
+    if mesh_param is None:
+        return parsed
+    if len(mesh_param) != 2 or not all(isinstance(v, int) and v > 0 for v in mesh_param):
+        raise ConfigError(
+            f"initialize(mesh_param={mesh_param!r}): give (data-parallel size, sequence-parallel size), two positive "
+            "integers"
+        )
+    raw = dict(parsed.raw or {})
+    for key, value in zip(("data_parallel_size", "sequence_parallel_size"), mesh_param, strict=True):
+        if raw.get(key, value) != value:
+            raise ConfigError(
+                f"initialize(mesh_param={tuple(mesh_param)}) sets {key}={value} but the config says {raw[key]}; "
+                "give it once, or the same value"
+            )
+        raw[key] = value
+    from zeroshard.config import parse_config
+
+    return parse_config(raw)

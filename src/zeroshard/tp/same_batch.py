@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.tp.mesh import TensorParallelContext
 
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -67,8 +68,12 @@ def _first_difference(digests: list[dict[str, str]]) -> str | None:
     return None
 
 
-def check_first_batch(module: nn.Module, group: Any, ranks: list[int]) -> RemovableHandle:
-    """[Note: a tensor-parallel group reads one batch] A one-shot forward pre-hook over `group` (global `ranks`)."""
+def first_batch_check(module: nn.Module, tp: TensorParallelContext | None) -> RemovableHandle | None:
+    """[Note: a tensor-parallel group reads one batch] A one-shot forward pre-hook over AutoTP's tensor-parallel
+    group; None without AutoTP (or at tp 1)."""
+    if tp is None or tp.tp_mesh is None or tp.tp_size == 1:
+        return None
+    group, ranks = tp.tp_comm.group, [tp.tp_comm.global_rank(i) for i in range(tp.tp_size)]
     handle: RemovableHandle | None = None
 
     def check(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
