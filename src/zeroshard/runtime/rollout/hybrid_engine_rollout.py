@@ -26,6 +26,7 @@ replays a CUDA graph over its static cache; on the CPU its accelerator's graphs 
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -172,12 +173,12 @@ def _pad_id(tokenizer: Any) -> int:
         pad = tokenizer.eos_token_id
     if pad is None:
         raise ValueError("HybridEngineRollout: the tokenizer must define pad_token_id or eos_token_id")
-    if not isinstance(pad, int):
+    if not isinstance(pad, numbers.Integral):
         raise ValueError(
             f"HybridEngineRollout: the tokenizer has no pad_token_id and its eos_token_id {pad!r} is not one id to pad "
             "with; set tokenizer.pad_token_id"
         )
-    return pad
+    return int(pad)
 
 
 class HybridEngineRollout(RolloutEngine):
