@@ -45,7 +45,10 @@ class UnitSpec:
 
 
 def default_unit_policy(root: nn.Module) -> UnitPolicy:
-    """Transformer blocks: HF `_no_split_modules` classes, else repeated children of module lists."""
+    """Transformer blocks: HF `_no_split_modules` classes, else repeated children of module lists. A unit is gathered
+    when its forward runs, so a child without a forward of its own (a `ModuleList` or `ModuleDict` whose modules the
+    parent calls directly, as in DeepSpeed's `TiledLinear` rows) is looked into, never made a unit: its unit would
+    never be gathered and the first forward would read empty shards."""
     no_split = set(getattr(root, "_no_split_modules", None) or [])
     repeated: set[int] = set()
 
@@ -54,7 +57,8 @@ def default_unit_policy(root: nn.Module) -> UnitPolicy:
             kinds = [type(c) for c in module.children()]
             for child in module.children():
                 composite = any(True for _ in child.children())  # a block, not a bare Linear
-                if kinds.count(type(child)) >= 2 and composite and any(True for _ in child.parameters()):
+                called = type(child).forward is not nn.Module.forward
+                if kinds.count(type(child)) >= 2 and composite and called and any(True for _ in child.parameters()):
                     repeated.add(id(child))
         for child in module.children():
             if id(child) not in repeated:  # outermost repeated blocks only
