@@ -49,7 +49,6 @@ from zeroshard.precision.buffers import apply_buffer_dtypes
 from zeroshard.precision.loss_scaler import build_loss_scaler
 from zeroshard.precision.policy import PrecisionPolicy, check_before_work
 from zeroshard.sequence.mesh import (
-    SequenceParallel,
     build_sequence_parallel,
     is_sequence_mpu,
     refuse_with_sequence_parallel,
@@ -384,19 +383,19 @@ def _build(
         engine.data_replica = (pipe.data_parallel_rank, pipe.data_parallel_size, False)
     else:
         engine.data_replica = (replicas.rank, replicas.world_size, True)
-    publish_groups(model, comm, tp, sequence)
+    publish_groups(model, comm, tp, sequence, mpu or sp_mpu)
     return engine, engine.optimizer, loader, scheduler  # [Note: the engine's optimizer]
 
 
 def publish_groups(
-    model: nn.Module, dp: Collectives, tp: TensorParallelContext | None, sequence: SequenceParallel | None = None
+    model: nn.Module, dp: Collectives, tp: TensorParallelContext | None, sequence: Any = None, mpu: Any = None
 ) -> None:
     """`deepspeed.utils.groups` answers for this engine from now on ([Note: groups follow the engine])."""
     from zeroshard.moe.zero import moe_layers
 
     experts = {m.expert_group_name: m.groups for m in moe_layers(model)}
     tp_comm = tp.tp_comm if tp is not None else None
-    parallel_groups.publish(parallel_groups.EngineGroups(dp, tp_comm, experts, sequence))
+    parallel_groups.publish(parallel_groups.EngineGroups(dp, tp_comm, experts, sequence), mpu)
 
 
 def _param_groups(

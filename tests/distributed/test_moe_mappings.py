@@ -1,7 +1,7 @@
 """`gather_tokens` / `drop_tokens` on 2 gloo ranks against DeepSpeed 0.19.8's `deepspeed.moe.mappings`, the same
 inputs and the same mpu in the same ranks: forward outputs and input gradients bit-equal, along dims 0 and 1, with
 a contiguous and a non-contiguous input, for an mpu of Megatron's current names and one of the oldest names, and
-for the tensor-parallel group of an engine built with that mpu (no `groups.mpu` set). Each result is also checked
+for an engine built with that mpu (which `initialize` puts at `groups.mpu`, as DeepSpeed's engine does). Each result is also checked
 against the concatenation / slice it should be. With one tensor-parallel rank, or no mpu and no engine, the input
 comes back as it is; a dimension that does not split over the ranks is refused in one line."""
 
@@ -135,13 +135,17 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
     except ValueError as err:
         out["indivisible"] = str(err)
 
-    del groups.mpu
+    groups.mpu = None
     deepspeed.utils.groups.mpu = mpus["old"]
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     model = nn.Linear(4, 4)
     engine = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpus["old"])[0]
+    out["initialize sets groups.mpu"] = groups.mpu is mpus["old"]
+    out |= {f"engine's mpu, {case}": ok for case, ok in _compare(rank, ours, theirs).items()}
+    groups.mpu = None  # a script that clears it: the engine's published tensor-parallel group answers
     out |= {f"engine's group, {case}": ok for case, ok in _compare(rank, ours, theirs).items()}
     engine.destroy()
+    groups.mpu = None  # DeepSpeed leaves it after the engine; without it the published groups answer
     out["after the engine"] = ours.gather_tokens(x, 0) is x
     return out
 
@@ -152,7 +156,7 @@ def test_gather_and_drop_tokens_match_deepspeed() -> None:
             "drop_tokens: dimension 0 has 3 elements, which do not split over 2 tensor-parallel ranks; pad it to a "
             "multiple of 2"
         )
-        assert len(out) == 3 + 3 * 16
+        assert len(out) == 4 + 4 * 16
         assert [case for case, ok in out.items() if not ok] == []
 
 

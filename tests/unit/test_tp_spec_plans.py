@@ -112,7 +112,7 @@ def test_bad_specs_are_refused_in_one_line(block: dict[str, Any], words: str) ->
         (_spec([r".*q_proj\.weight$"]), "do not divide by autotp_size=3"),
         (_spec([r"lm_head\.weight$"]), "set gather_output true"),
         ({"partition_config": {"strict_mode": True, **_spec([r".*q_proj\.weight$"])["partition_config"]}}, "strict"),
-        (_spec([r".*q_proj\.weight$"]) | {"loss_parallel": True}, "loss_parallel=true needs the output head"),
+        (_spec([r".*q_proj\.weight$"]) | {"loss_parallel": True}, "vocab_parallel_lm_head) true needs the output head"),
         (_spec([r"lm_head\.weight$"], gather_output=True) | {"loss_parallel": True}, "with its logits left sharded"),
     ],
 )

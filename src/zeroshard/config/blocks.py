@@ -25,12 +25,13 @@ def check_blocks(cfg: ZeroshardConfig) -> None:
     """ConfigError for what a block's reader would refuse ([Note: blocks checked by their readers])."""
     from zeroshard.comm.comms_logger import check_prof_ops
     from zeroshard.moe.auto import autoep_of
-    from zeroshard.tp.build import autotp_size, loss_parallel_of
+    from zeroshard.tp.build import autotp_size, local_vocab_head_of, loss_parallel_of
     from zeroshard.tp.specs import partition_config_of
     from zeroshard.zero.from_config import check_nvme_sizes
 
     partition_config_of(dict(cfg.tensor_parallel or {}), autotp_size(cfg.tensor_parallel))
     loss_parallel_of(cfg.tensor_parallel)
+    local_vocab_head_of(cfg.tensor_parallel)
     autoep_of(cfg.expert_parallel, quiet=True)
     check_prof_ops(cfg.comms_logger.prof_ops)
     check_nvme_sizes(cfg)

@@ -4,7 +4,8 @@
 DeepSpeed's AutoTP training block is `"tensor_parallel": {"autotp_size": N}`: N ranks split each layer, the
 world's other dimension is data-parallel ([Note: tensor-parallel mesh]). zeroshard reads `autotp_size`, accepts
 DeepSpeed's `tp_overlap_comm: false` and `keep_module_on_host` (which only affect DeepSpeed's own injection), and
-reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py), and `partition_config` / `preset_model`
+reads its own `loss_parallel` ([Note: vocab-parallel loss] in tp/plan.py), DeepSpeed's `vocab_parallel_lm_head` and
+`vocab_parallel_ce_backend` ([Note: vocabulary-parallel LM head]), and `partition_config` / `preset_model`
 (the layer specs that replace the Hugging Face plan, [Note: autotp layer specs] in tp/specs.py); other keys are
 refused by name. Tensor
 parallelism composes with ZeRO stages 0-2 on the "zero" backend (ZeRO over the data-parallel dimension,
@@ -29,7 +30,16 @@ from zeroshard.config.parse import misspelt
 from zeroshard.errors import ConfigError
 from zeroshard.tp.mesh import TensorParallelContext
 
-KEYS = {"autotp_size", "tp_overlap_comm", "keep_module_on_host", "loss_parallel", "partition_config", "preset_model"}
+KEYS = {
+    "autotp_size",
+    "tp_overlap_comm",
+    "keep_module_on_host",
+    "loss_parallel",
+    "vocab_parallel_lm_head",
+    "vocab_parallel_ce_backend",
+    "partition_config",
+    "preset_model",
+}
 
 
 def autotp_size(block: Mapping[str, Any] | None) -> int:
@@ -40,7 +50,8 @@ def autotp_size(block: Mapping[str, Any] | None) -> int:
         raise ConfigError(
             misspelt("tensor_parallel", unknown, KEYS)
             or f"tensor_parallel: keys {unknown} are not supported; zeroshard reads autotp_size, loss_parallel, "
-            "partition_config and preset_model (tp_overlap_comm: false and keep_module_on_host are accepted)"
+            "vocab_parallel_lm_head, vocab_parallel_ce_backend, partition_config and preset_model (tp_overlap_comm: "
+            "false and keep_module_on_host are accepted)"
         )
     if block.get("tp_overlap_comm"):
         raise ConfigError("tensor_parallel.tp_overlap_comm=true is not supported; set it to false")
@@ -56,6 +67,30 @@ def loss_parallel_of(block: Mapping[str, Any] | None) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"tensor_parallel.loss_parallel={value!r}: expected true or false")
     return value
+
+
+def local_vocab_head_of(block: Mapping[str, Any] | None) -> bool:
+    """`tensor_parallel.vocab_parallel_lm_head` (DeepSpeed's; null, its default, is false here: DeepSpeed turns it
+    on by itself only for a tied output head, which zeroshard refuses to split) and `vocab_parallel_ce_backend`,
+    checked together with `loss_parallel`: [Note: vocabulary-parallel LM head]."""
+    block = dict(block or {})
+    value = block.get("vocab_parallel_lm_head")
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"tensor_parallel.vocab_parallel_lm_head={value!r}: expected true, false or null")
+    backend = block.get("vocab_parallel_ce_backend", "torch")
+    if backend not in ("torch", "liger"):
+        raise ConfigError(f'tensor_parallel.vocab_parallel_ce_backend={backend!r}: expected "torch" or "liger"')
+    if backend != "torch" and not value:
+        raise ConfigError(
+            f'tensor_parallel.vocab_parallel_ce_backend="{backend}" needs vocab_parallel_lm_head true (it is the loss '
+            "of a no-gather vocabulary-parallel head); drop the key or set vocab_parallel_lm_head true"
+        )
+    if value and loss_parallel_of(block):
+        raise ConfigError(
+            "tensor_parallel: vocab_parallel_lm_head and loss_parallel both keep the logits vocabulary-sharded "
+            "(local tensors with DeepSpeed's loss, or DTensors with torch's); set one of them"
+        )
+    return bool(value)
 
 
 def tp_degree(cfg: ZeroshardConfig, mpu: Any) -> int:
@@ -154,12 +189,17 @@ def build_tp(
 
         return context_from_mpu(mpu, world, stages)
     from zeroshard.tp.plan import apply_tensor_parallel, model_plan
+    from zeroshard.tp.vocab_head import install_vocab_parallel_loss, local_logits
 
-    vocab_parallel = loss_parallel_of(cfg.tensor_parallel)
-    plan = model_plan(model, tp, cfg.tensor_parallel, vocab_parallel)  # refuses before the mesh exists
-    context = TensorParallelContext.create(world, tp, device, vocab_parallel)
+    loss_parallel, local_head = loss_parallel_of(cfg.tensor_parallel), local_vocab_head_of(cfg.tensor_parallel)
+    plan = model_plan(model, tp, cfg.tensor_parallel, loss_parallel or local_head)  # refuses before the mesh exists
+    if local_head:
+        plan = local_logits(model, plan)
+    context = TensorParallelContext.create(world, tp, device, loss_parallel)
     assert context.tp_mesh is not None
-    apply_tensor_parallel(model, context.tp_mesh, vocab_parallel, plan)
+    apply_tensor_parallel(model, context.tp_mesh, loss_parallel or local_head, plan)
+    if local_head:
+        install_vocab_parallel_loss(model, context.tp_comm, dict(cfg.tensor_parallel or {}))
     return context
 
 

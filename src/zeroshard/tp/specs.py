@@ -282,8 +282,9 @@ def spec_plan(
     ]
     if vocab_parallel_loss and not vocab_heads:
         raise ConfigError(
-            "tensor_parallel.loss_parallel=true needs the output head split column-wise with its logits left "
-            "sharded; add a column spec for it without gather_output, or set loss_parallel false"
+            "tensor_parallel.loss_parallel (or vocab_parallel_lm_head) true needs the output head split "
+            "column-wise with its logits left sharded; add a column spec for it without gather_output, or set the key "
+            "false"
         )
     if not any(isinstance(s, ColwiseParallel | RowwiseParallel) for s in plan.values()):
         given = "preset_model" if not config.custom else "partition_config.layer_specs"
@@ -336,7 +337,7 @@ def _style(
     if head and not vocab_parallel_loss:
         raise ConfigError(
             f"{where}: a column-split output head leaves each rank a slice of the logits; set gather_output true "
-            "(or tensor_parallel.loss_parallel true for a vocabulary-parallel loss)"
+            "(or tensor_parallel.vocab_parallel_lm_head or loss_parallel true for a vocabulary-parallel loss)"
         )
     if head:
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)

@@ -40,6 +40,11 @@ class EngineGroups:
         return self.sequence.dp if self.sequence is not None else self.dp
 
 
+# DeepSpeed's `groups.mpu`: the mpu the engine built last was given (`publish` sets it, as DeepSpeed's engine does,
+# and leaves it after `destroy`), or one a script set; Megatron-DeepSpeed code reads it (`moe.mappings`, `utils.bwc`)
+mpu: Any = None
+
+
 class _Published:
     """The groups of the engine built last ([Note: groups follow the engine]); one per process. They count only
     while the process group they were made in is the current one (a script may destroy it without `destroy`)."""
@@ -61,9 +66,13 @@ class _Published:
 _PUBLISHED = _Published()
 
 
-def publish(groups: EngineGroups | None) -> None:
-    """`initialize` calls this with the engine's groups once the engine exists (None: pure data parallelism)."""
+def publish(groups: EngineGroups | None, engine_mpu: Any = None) -> None:
+    """`initialize` calls this with the engine's groups once the engine exists (None: pure data parallelism), and the
+    mpu it was given, which becomes `mpu` as DeepSpeed's engine sets it (an mpu of the AutoTP mesh is AutoTP's)."""
+    global mpu
     _PUBLISHED.set(groups)
+    if engine_mpu is not None:
+        mpu = engine_mpu
 
 
 def withdraw(dp: Collectives) -> None:

@@ -15,10 +15,10 @@ zero/stage3/plan.py), not module by module as DeepSpeed. Its default policy make
 a ModuleList units, if they have a forward of their own: a plain ModuleList row is never called (DeepSpeed calls the
 tiles directly), so that policy looks into it and its tiles would join the parent's unit, gathered whole. Each row
 here is therefore a `TileRow`, a ModuleList whose forward runs its tiles: for a TiledLinear outside every block with
-`out_splits >= 2` the rows are units, and a row is gathered for its forward and backward, one row at a time. With `out_splits == 1` the tiles belong
-to the root unit, and inside a block to the block's unit (gathered whole with it). A tile is gathered alone only
-under a unit policy that makes each tile a unit, which `initialize` does not offer. The results are the same in every
-case: only the gathered working set differs.
+`out_splits >= 2` the rows are units, and a row is gathered for its forward and backward, one row at a time. With
+`out_splits == 1` the tiles belong to the root unit, and inside a block to the block's unit (gathered whole with
+it). A tile is gathered alone only under a unit policy that makes each tile a unit, which `initialize` does not
+offer. The results are the same in every case: only the gathered working set differs.
 """
 
 from __future__ import annotations
