@@ -1,8 +1,8 @@
 """`gather_tokens` / `drop_tokens` on 2 gloo ranks against DeepSpeed 0.19.8's `deepspeed.moe.mappings`, the same
 inputs and the same mpu in the same ranks: forward outputs and input gradients bit-equal, along dims 0 and 1, with
 a contiguous and a non-contiguous input, for an mpu of Megatron's current names and one of the oldest names, and
-for an engine built with that mpu (which `initialize` puts at `groups.mpu`, as DeepSpeed's engine does). Each result is also checked
-against the concatenation / slice it should be. With one tensor-parallel rank, or no mpu and no engine, the input
+for an engine built with that mpu (which `initialize` puts at `groups.mpu`, as DeepSpeed's engine does) and its
+published tensor-parallel group. Each result is also checked against the concatenation / slice it should be. With one tensor-parallel rank, or no mpu and no engine, the input
 comes back as it is; a dimension that does not split over the ranks is refused in one line."""
 
 from __future__ import annotations
