@@ -3,7 +3,8 @@ inputs and the same mpu in the same ranks: forward outputs and input gradients b
 a contiguous and a non-contiguous input, for an mpu of Megatron's current names and one of the oldest names, and
 for an engine built with that mpu (which `initialize` puts at `groups.mpu`, as DeepSpeed's engine does) and its
 published tensor-parallel group. Each result is also checked against the concatenation / slice it should be. With
-one tensor-parallel rank, or no mpu and no engine, the input comes back as it is; a dimension that does not split over the ranks is refused in one line."""
+one tensor-parallel rank, or no mpu and no engine, the input comes back as it is; a dimension that does not split
+over the ranks is refused in one line."""
 
 from __future__ import annotations
 
