@@ -186,6 +186,10 @@ def _refusals(rank: int, zs: Any) -> list[str]:
         "gather without none": lambda: zs.vocab_parallel_cross_entropy(
             logits, target, sp_group=world, gather_sequence_loss=True
         ),
+        # sequence shards hold different tokens: rank 1's bad target stops rank 0 too, not in a collective
+        "one sequence shard's target outside": lambda: zs.vocab_parallel_cross_entropy(
+            logits, torch.tensor([0, 1, 2, 7 * rank]), sp_group=world
+        ),
     }.items():
         try:
             call()

@@ -159,7 +159,7 @@ def vocab_parallel_cross_entropy(
     _check_reduction(reduction, gather_sequence_loss, sp_group)
     _check_backend(backend)
     shard = _shard(vocab_parallel_logits, tp_group, vocab_start_index, vocab_end_index, global_vocab_size)
-    check_ids_in_vocab(target, ignore_index, shard.vocab_size, "target")
+    check_ids_in_vocab(target, ignore_index, shard.vocab_size, "target", sp_group)
     loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, shard, ignore_index)
     if reduction == "none":
         return _GatherSequenceLoss.apply(loss, sp_group, True) if gather_sequence_loss else loss

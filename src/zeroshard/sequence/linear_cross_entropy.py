@@ -204,7 +204,7 @@ def vocab_parallel_linear_cross_entropy(
     shard = resolve_vocab_shard(weight.shape[0], vocab_start_index, vocab_end_index, tp_group, hidden.device)
     shape = target.shape
     target = target.reshape(-1).to(dtype=torch.long)
-    check_ids_in_vocab(target, ignore_index, shard.vocab_size, "target")
+    check_ids_in_vocab(target, ignore_index, shard.vocab_size, "target", sp_group)
     hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     weight = weight.contiguous()
     if chunk_size is None:

@@ -91,9 +91,21 @@ def resolve_vocab_shard(
     return VocabShard(lo, hi, expected)
 
 
-def check_ids_in_vocab(ids: torch.Tensor, ignore_index: int, vocab_size: int, what: str) -> None:
-    """One line if an id other than `ignore_index` lies outside `[0, vocab_size)` (data-dependent: a sync)."""
+def check_ids_in_vocab(ids: torch.Tensor, ignore_index: int, vocab_size: int, what: str, sp_group: Any = None) -> None:
+    """One line if an id other than `ignore_index` lies outside `[0, vocab_size)` (data-dependent: a sync). The
+    ranks of `sp_group` hold different tokens, so they agree first (one MAX all-reduce) and all raise together
+    rather than leaving the others waiting in the loss's collectives; tensor-parallel ranks hold the same ids."""
     outside = (ids != ignore_index) & ((ids < 0) | (ids >= vocab_size))
+    found = bool(outside.any().item())
+    comm = group_collectives(sp_group)
+    if comm is not None:
+        found = comm.any_true(found, ids.device)
+    if not found:
+        return
     if bool(outside.any().item()):
         bad = ids[outside][0].item()
         raise ValueError(f"{what} id {bad} is outside the vocabulary of {vocab_size} ids (ignore_index {ignore_index})")
+    raise ValueError(
+        f"a {what} id on another sequence-parallel rank is outside the vocabulary of {vocab_size} ids (ignore_index "
+        f"{ignore_index})"
+    )
