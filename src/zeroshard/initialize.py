@@ -395,6 +395,7 @@ def publish_groups(
 
     experts = {m.expert_group_name: m.groups for m in moe_layers(model)}
     tp_comm = tp.tp_comm if tp is not None else None
+    mpu = mpu if mpu is not None or tp is None else parallel_groups  # AutoTP's: the module, as DeepSpeed sets it
     parallel_groups.publish(parallel_groups.EngineGroups(dp, tp_comm, experts, sequence), mpu)
 
 

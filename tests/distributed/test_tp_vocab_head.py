@@ -17,6 +17,7 @@ CASES = [TpCase(stage=1, steps=3), TpCase(stage=3, steps=2, backend="fsdp2")]
 def _train(rank: int, world_size: int) -> list[dict[str, Any]]:
     import zeroshard
     from zeroshard.sequence.cross_entropy import VocabParallelCausalLMLoss
+    from zeroshard.utils import groups
 
     out = []
     for case in CASES:
@@ -37,6 +38,7 @@ def _train(rank: int, world_size: int) -> list[dict[str, Any]]:
                 "logits": (type(logits).__name__, tuple(logits.shape)),
                 "loss_fn": isinstance(model.loss_function, VocabParallelCausalLMLoss),
                 "loss_all_reduces": calls,
+                "groups.mpu": groups.mpu is groups,  # AutoTP's mpu is the groups module, as DeepSpeed sets it
             }
         )
         engine.destroy()
@@ -50,7 +52,7 @@ def test_a_vocabulary_parallel_head_trains_as_the_reference() -> None:
         for rank, per_case in enumerate(results):
             got = per_case[i]
             assert got["logits"] == ("Tensor", (2, 16, VOCAB // 2)), (case.name, rank, got["logits"])
-            assert got["loss_fn"] and got["loss_all_reduces"] == 3, (case.name, rank, got)
+            assert got["loss_fn"] and got["loss_all_reduces"] == 3 and got["groups.mpu"], (case.name, rank, got)
             for step, (a, b) in enumerate(zip(got["losses"], [r[0] for r in ref_losses], strict=True)):
                 assert math.isclose(a, b, rel_tol=1e-5), (case.name, rank, step, a, b)
             for step, (a, b) in enumerate(zip(got["norms"], ref_norms, strict=True)):

@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 from helpers.deepspeed_reference import import_deepspeed
@@ -30,6 +31,9 @@ class Expert(nn.Module):
         self.w1 = nn.Linear(d, 2 * d)
         self.w2 = nn.Linear(2 * d, d)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # called, so a unit candidate (a module the parent only
+        return self.w2(self.w1(x))  # looks into is never gathered by itself)
+
 
 class SparseMoe(nn.Module):
     def __init__(self, experts: int = 3):
@@ -43,6 +47,9 @@ class Block(nn.Module):
         super().__init__()
         self.attn = nn.Linear(4, 4)
         self.moe = SparseMoe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
 
 
 class Net(nn.Module):

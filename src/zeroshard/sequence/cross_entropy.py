@@ -9,8 +9,11 @@ Every rank then holds the same per-token loss, and since every rank back-propaga
 logit's gradient (softmax - onehot) x upstream needs no communication. The arithmetic, in that order, is DeepSpeed
 0.19.8's PyTorch backend's, so loss and gradient equal its to the bit (`tests/distributed/test_vocab_parallel_ce.py`).
 Unlike DeepSpeed, forward keeps the logits it was given (and one max and one sum per token) instead of an fp32
-copy of their exponentials, and backward recomputes them: for bf16 logits that saves 4 bytes per logit for the
-length of the backward pass (6 where the caller keeps no reference to the logits).
+copy of their exponentials, and backward recomputes them in place: 4 bytes per logit less between forward and
+backward where the caller holds the logits anyway (what `benchmarks/vocab_ce_memory.py` measures), 2 for bf16
+logits the caller drops, none for fp32 ones it drops; backward holds one fp32 copy where DeepSpeed's holds two.
+Two consequences: the logits must not be changed in place between forward and backward (autograd's version
+check says so; DeepSpeed's saved exponentials do not mind), and the backward is once-differentiable.
 
 Sequence parallelism adds a leading sequence dimension split over `sp_group`: `reduction` "sum"/"mean" sum over it
 (the mean divides by the valid tokens of the whole sequence), and "none" with `gather_sequence_loss` all-gathers the
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from zeroshard.sequence.vocab_shard import VocabShard, check_ids_in_vocab, group_collectives, resolve_vocab_shard
 from zeroshard.utils.logging import warning_once
@@ -60,6 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         logits, global_max, sum_exp, local_target, held, valid = ctx.saved_tensors
         # forward's exponentials recomputed, in place: one fp32 [rows, vocab] tensor (DeepSpeed's backward holds two)
@@ -158,6 +163,8 @@ def vocab_parallel_cross_entropy(
         )
     _check_reduction(reduction, gather_sequence_loss, sp_group)
     _check_backend(backend)
+    if vocab_parallel_logits.shape[-1] == 0 and group_collectives(tp_group) is None:  # a group checks it together
+        raise ValueError("vocabulary-parallel cross entropy: the logits hold no vocabulary entry (last dimension 0)")
     shard = _shard(vocab_parallel_logits, tp_group, vocab_start_index, vocab_end_index, global_vocab_size)
     check_ids_in_vocab(target, ignore_index, shard.vocab_size, "target", sp_group)
     loss = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, shard, ignore_index)

@@ -62,6 +62,12 @@ def resolve_vocab_shard(
     every = torch.empty(comm.world_size * 3, dtype=torch.long, device=device)
     comm.all_gather(every, torch.tensor(mine, dtype=torch.long, device=device), label="vocab shard layout")
     triples = every.view(comm.world_size, 3).tolist()
+    explicit = [lo >= 0 for lo, _, _ in triples]
+    if any(explicit) and not all(explicit):  # decided from what every rank sent: all raise together
+        raise ValueError(
+            "vocabulary shard bounds were given on some tensor-parallel ranks only "
+            f"({[r for r, e in enumerate(explicit) if e]} of {comm.world_size}); give them on every rank or on none"
+        )
     if start is None:
         sizes = [size for _, _, size in triples]
         if len(set(sizes)) > 1:

@@ -40,8 +40,8 @@ class EngineGroups:
         return self.sequence.dp if self.sequence is not None else self.dp
 
 
-# DeepSpeed's `groups.mpu`: the mpu the engine built last was given (`publish` sets it, as DeepSpeed's engine does,
-# and leaves it after `destroy`), or one a script set; Megatron-DeepSpeed code reads it (`moe.mappings`, `utils.bwc`)
+# DeepSpeed's `groups.mpu`: the mpu the engine built last was given, this module under AutoTP (`publish` sets it, as
+# DeepSpeed's engine does, and leaves it after `destroy`), or one a script set; `moe.mappings` reads it
 mpu: Any = None
 
 

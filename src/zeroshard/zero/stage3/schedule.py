@@ -19,6 +19,12 @@ backward will run are counted for `last_backward`: not a forward under no_grad (
 first pass), not a recompute at its forward. A reentrant recompute is backwarded (its own graph), so it is
 counted when that backward starts (`pre_backward(recomputed=True)`); a non-reentrant recompute's graph is
 discarded, so its hooks never fire and the original forward's count stands.
+A unit used both inside and outside a reentrant checkpoint (the root unit split by module, [Note: root unit by
+module], whose entries a checkpointed method of the root calls) would reach zero after the backward of its use
+outside and be reduced before the recompute's gradients arrived. So a forward under no_grad inside a forward
+that began with grad enabled (what a reentrant checkpoint's first pass is) is counted at once, as a recompute
+expected later, and that recompute's backward then takes the expected count instead of adding one. A no_grad
+region that is not a checkpoint leaves its count standing: the unit is reduced when backward ends.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class GatherSchedule:
         self.suspended = 0  # inside whole-model blocks: [Note: forwards of the whole gathered model]
         self._numels = [u.numel for u in units]  # fixed once the units exist; read on every event
         self.forward_calls: dict[int, int] = {}
+        self.expected_recomputes: dict[int, int] = {}  # [Note: recompute] counted at a no_grad first pass
+        self.forward_with_grad = False  # the current forward began with grad enabled
         self.in_backward = False
         self._kept: set[int] = set()  # units left gathered after use because the trace reuses them soon
         self.peak_gathered_numel = 0  # largest sum of gathered (non-persistent) unit sizes seen
@@ -78,6 +86,8 @@ class GatherSchedule:
     def root_pre_forward(self) -> None:
         """A new forward: close the previous trace (a forward without backward, e.g. evaluation)."""
         self._refuse_away("a forward")
+        if not self.in_backward:
+            self.forward_with_grad = torch.is_grad_enabled()
         if self.in_backward or not self.trace.current:
             return
         self.trace.end_step()
@@ -86,11 +96,16 @@ class GatherSchedule:
         self._kept.clear()
         if not self.suspended:  # a forward with grad before a whole-model block keeps its count for its backward
             self.forward_calls.clear()
+            self.expected_recomputes.clear()
 
     def pre_forward(self, unit: ShardedUnit, counted: bool = True) -> None:
         self._record(unit)
-        if counted and torch.is_grad_enabled() and not recomputing():  # [Note: recompute]
-            self._count_forward(unit)
+        if counted and not recomputing():  # [Note: recompute]
+            if torch.is_grad_enabled():
+                self._count_forward(unit)
+            elif self.forward_with_grad and not self.suspended:  # a reentrant checkpoint's first pass, presumably
+                self._count_forward(unit)
+                self.expected_recomputes[unit.index] = self.expected_recomputes.get(unit.index, 0) + 1
         self._use(unit)
 
     def _record(self, unit: ShardedUnit) -> None:
@@ -120,7 +135,11 @@ class GatherSchedule:
     def pre_backward(self, unit: ShardedUnit, recomputed: bool = False) -> None:
         self.in_backward = True
         if recomputed:  # [Note: recompute] a reentrant recompute's own backward
-            self._count_forward(unit)
+            expected = self.expected_recomputes.get(unit.index, 0)
+            if expected:
+                self.expected_recomputes[unit.index] = expected - 1
+            else:
+                self._count_forward(unit)
         self._record(unit)
         self._use(unit)
 
@@ -137,6 +156,7 @@ class GatherSchedule:
             unit.release()
         self._kept.clear()
         self.forward_calls.clear()
+        self.expected_recomputes.clear()
         self.in_backward = False
         self.trace.end_step()
 
