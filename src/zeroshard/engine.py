@@ -343,6 +343,8 @@ class Engine(CheckpointMixin, DeepSpeedCalls, WholeModelCalls, EngineAccessors, 
                 f"no_sync() is incompatible with ZeRO stage {self.zero_stage}: gradients are partitioned "
                 "(reduce-scattered) every micro-step. Use stage 0/1, or rely on gradient_accumulation_steps."
             )
+        if self.accumulation.coalescing:  # [Note: coalesced gradient reduction]: DeepSpeed refuses the nesting too
+            raise ZeroshardError("no_sync() inside coalesce_grad_reduction(): the block already holds the reduction")
         self.accumulation.no_sync_depth += 1
         try:
             yield

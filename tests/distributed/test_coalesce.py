@@ -114,6 +114,14 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     engine.backward(engine(x, y))  # the failed block's gradients were dropped: the engine trains on
     engine.step()
     engine.destroy()
+    case = Case(stage=1)  # no_sync() is a stage 0/1 context: inside the block it is refused, as DeepSpeed's
+    model = build_model(case)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=param_groups(model, case), config=ds_config(case))
+    with pytest.raises(zeroshard.ZeroshardError, match="no_sync\\(\\) inside coalesce_grad_reduction"):
+        with engine.coalesce_grad_reduction():
+            with engine.no_sync():
+                pass
+    engine.destroy()
     return messages
 
 
