@@ -18,8 +18,10 @@ def _overflow(rank: int, world_size: int, stage: int, offload: str = "none", pre
     config = ds_config(case)
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1}
-    elif precision != "fp32":  # "bf16" (check_grad_overflow left at its default) or "bf16-unchecked"
+    elif precision != "fp32":  # "bf16" (check_grad_overflow left at its default) or "bf16-unchecked[-fp32-accum]"
         config["bf16"] = {"enabled": True} if precision == "bf16" else {"enabled": True, "check_grad_overflow": False}
+        if precision.endswith("fp32-accum"):  # DeepSpeed's stage 1 is then its BF16_Optimizer
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     config["scheduler"] = {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10},
@@ -122,9 +124,13 @@ def test_bf16_inf_gradient_skips_step_unless_unchecked():
         assert scale == scale_before == 1.0 and lr == lr_before and moved
     # check_grad_overflow false at stage 2: the inf goes into the update (the norm is inf, clipping makes every
     # gradient nan), as DeepSpeed's stage 1-2 optimizer does with the check off; stage 3 skips whatever the key
-    for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 2, "none", "bf16-unchecked"):
-        assert skipped == 0 and not unchanged
+    for stage in (1, 2):  # stage 1 too (DeepSpeed 0.19.8 measured: it used to be skipped here)
+        for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, stage, "none", "bf16-unchecked"):
+            assert skipped == 0 and not unchanged, stage
     for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 3, "none", "bf16-unchecked"):
+        assert skipped == 1 and unchanged
+    # stage 1 with fp32 accumulation is DeepSpeed's BF16_Optimizer, which skips an inf/nan norm whatever the key
+    for skipped, unchanged, *_ in run_on_ranks(_overflow, 2, 1, "none", "bf16-unchecked-fp32-accum"):
         assert skipped == 1 and unchanged
 
 

@@ -136,7 +136,7 @@ def make_strategy(
         prescale_gradients=bool(cfg.prescale_gradients),
         gradient_predivide_factor=float(cfg.gradient_predivide_factor),
         check_overflow=precision.check_overflow,
-        skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision),
+        skip_nonfinite_norm=_skips_nonfinite_norm(stage, precision, cfg),
         model_parallel=model_parallel,
         sum_over_ranks=str(cfg.gradient_allreduce_op) == "sum",
         compute_norm=z.compute_grad_norm is not False,
@@ -307,11 +307,16 @@ def _param_align(stage: int, aligned: bool, dtype: torch.dtype) -> int:
     return 16 // math.gcd(16, torch.finfo(dtype).bits // 8) if aligned and stage in (1, 2) else 1
 
 
-def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy) -> bool:
+def _skips_nonfinite_norm(stage: int, precision: PrecisionPolicy, cfg: ZeroshardConfig) -> bool:
     """[Note: skipped steps] which configurations apply a step whose global gradient norm is inf/nan."""
     fp32 = precision.compute_dtype == torch.float32
     bf16_unchecked = precision.compute_dtype == torch.bfloat16 and not precision.check_overflow
-    return not ((fp32 and stage == 0) or (bf16_unchecked and stage == 2))
+    # DeepSpeed's stage 1 is its BF16_Optimizer (which skips) only with fp32 accumulation asked for, not offloaded
+    accum = str(cfg.data_types.grad_accum_dtype or "").lower()
+    bf16_optimizer = (
+        accum in ("fp32", "float32", "float") and str(cfg.zero_optimization.offload_optimizer.device) != "cpu"
+    )
+    return not ((fp32 and stage == 0) or (bf16_unchecked and (stage == 2 or (stage == 1 and not bf16_optimizer))))
 
 
 def _tier(cfg: ZeroshardConfig, key: str, need: dict[str, int], device: torch.device) -> Tier:

@@ -19,9 +19,10 @@ class StepPolicy:
     `check_overflow` (fp16; bf16 with `check_grad_overflow`, DeepSpeed's default) exchanges every rank's inf/nan
     flag before the norm, as DeepSpeed's loss-scaled and bf16 optimizers do. `skip_nonfinite_norm` also skips a
     step whose global norm is inf/nan, which costs no collective (the norm is all-reduced anyway): DeepSpeed's
-    ZeRO optimizers do that in fp32, and in bf16 everywhere but stage 2 whatever `check_grad_overflow` says
-    (DeepSpeed 0.19.8's bf16 optimizer and stage 3 always skip); only bf16 at stage 2 with
-    `check_grad_overflow: false` and stage 0 in fp32 (DDP's semantics) apply such a step.
+    ZeRO optimizers do that in fp32, and in bf16 at stages 0 and 3 whatever `check_grad_overflow` says (DeepSpeed
+    0.19.8's bf16 optimizer and stage 3 always skip); bf16 at stages 1-2 with `check_grad_overflow: false` applies
+    such a step (DeepSpeed's stage 1-2 optimizer), except at stage 1 with `data_types.grad_accum_dtype` fp32 and
+    no optimizer offload (DeepSpeed's BF16_Optimizer there), and so does stage 0 in fp32 (DDP's semantics).
     """
 
     gradient_clipping: float
