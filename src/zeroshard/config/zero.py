@@ -82,6 +82,17 @@ class OffloadOptimizerConfig(ConfigBlock):
     super_offload: bool = option(False, "High-performance CPU offload for superchips (stage 3).", Bool())
     cpuadam_cores_perc: float = option(0.8, "Fraction of CPU cores used by CPU Adam.", Float(0.0, 1.0))
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived field: NVMe reads or writes overlap the step."""
+        return self.pipeline_read or self.pipeline_write
+
+
+def _leaf_names(value: object, path: str) -> tuple[str, ...]:
+    """A list of names, or one name for a list of one, without repeats (DeepSpeed's coercion)."""
+    names = ListOf(Str())([value] if isinstance(value, str) else value, path)
+    return tuple(dict.fromkeys(str(name) for name in names))
+
 
 @dataclass(frozen=True)
 class LeafModuleConfig(ConfigBlock):
@@ -89,9 +100,9 @@ class LeafModuleConfig(ConfigBlock):
 
     AUTO_POLICY = AutoPolicy.DEFAULT
 
-    classes: tuple[str, ...] = option(_LEAF_CLASSES, "Qualified class names of leaf modules.", ListOf(Str()))
-    names: tuple[str, ...] = option((), "Module names treated as leaves.", ListOf(Str()))
-    name_suffixes: tuple[str, ...] = option((), "Module-name suffixes treated as leaves.", ListOf(Str()))
+    classes: tuple[str, ...] = option(_LEAF_CLASSES, "Qualified class names of leaf modules.", _leaf_names)
+    names: tuple[str, ...] = option((), "Module names treated as leaves.", _leaf_names)
+    name_suffixes: tuple[str, ...] = option((), "Module-name suffixes treated as leaves.", _leaf_names)
 
 
 @dataclass(frozen=True)
@@ -230,3 +241,14 @@ class ZeroConfig(ConfigBlock):
     def dynamic_defaults(cls, given: Mapping[str, object]) -> dict[str, object]:
         """overlap_comm defaults to true exactly for stage 3, as in DeepSpeed."""
         return {"overlap_comm": given.get("stage") == 3}
+
+    # DeepSpeedZeroConfig's field names where they differ from the JSON keys (its pydantic aliases), read-only
+    prefetch_bucket_size = property(lambda self: self.stage3_prefetch_bucket_size)
+    param_persistence_threshold = property(lambda self: self.stage3_param_persistence_threshold)
+    model_persistence_threshold = property(lambda self: self.stage3_model_persistence_threshold)
+    max_live_parameters = property(lambda self: self.stage3_max_live_parameters)
+    max_reuse_distance = property(lambda self: self.stage3_max_reuse_distance)
+    gather_16bit_weights_on_model_save = property(lambda self: self.stage3_gather_16bit_weights_on_model_save)
+    module_granularity_threshold = property(lambda self: self.stage3_module_granularity_threshold)
+    use_all_reduce_for_fetch_params = property(lambda self: self.stage3_use_all_reduce_for_fetch_params)
+    allgather_sequential = property(lambda self: self.stage3_allgather_sequential)

@@ -2,8 +2,9 @@
 ([Note: leaf modules] in zero/stage3/plan.py). Call them before `initialize`, which plans the units.
 
 The mark is DeepSpeed's: a `_z3_leaf` attribute on the module, which scripts and libraries (ms-swift, for its
-mixture-of-experts models) set through these functions and read back with `z3_leaf_module`. The
-`zero_optimization.leaf_module` block is read by the planner directly and marks nothing.
+mixture-of-experts models) set through these functions and read back with `z3_leaf_module`. The modules the
+`zero_optimization.leaf_module` block names are marked too when a stage-3 (or fsdp2) engine is built, as DeepSpeed's
+engine marks them.
 
 Example:
     >>> from torch import nn

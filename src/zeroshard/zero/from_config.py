@@ -281,6 +281,7 @@ def leaf_modules(cfg: ZeroshardConfig, model: nn.Module) -> LeafModules:
             f"zeroshard: zero_optimization.leaf_module names {missing}, which match no module of the model; they are "
             "left out (a name is a qualified name from model.named_modules(), a suffix the end of one)"
         )
+    leaves.mark(model)
     return leaves
 
 

@@ -91,6 +91,13 @@ class LeafModules:
             return True
         return name in self.names or any(name.endswith(s) for s in self.name_suffixes)  # "" matches all, as there
 
+    def mark(self, root: nn.Module) -> None:
+        """Set DeepSpeed's `_z3_leaf` mark on the modules of `root` the block names, as DeepSpeed's engine applies
+        `zero_optimization.leaf_module` (so `z3_leaf_module` and `get_z3_leaf_modules` report them)."""
+        for name, module in root.named_modules():
+            if self(name, module):
+                module._z3_leaf = True
+
     def unmatched(self, root: nn.Module) -> list[str]:
         """The names and suffixes that match no module of `root` (classes may name models not in use)."""
         names = [n for n, _ in root.named_modules()]
