@@ -49,7 +49,10 @@ _DEEPSPEED_NAMES = {
     "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
     "tp_model_init": ("zeroshard.tp.model_init", "tp_model_init"),  # [Note: tp_model_init]
 }
-_SUBMODULES = ("checkpointing",)  # `deepspeed.checkpointing` without an import of its own, as DeepSpeed's __init__
+_SUBMODULES = (
+    "checkpointing",
+    "linear",
+)  # `deepspeed.checkpointing` without an import of its own, as DeepSpeed's __init__
 
 
 def __getattr__(name: str) -> object:

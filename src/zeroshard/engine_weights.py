@@ -13,6 +13,7 @@ import torch
 
 from zeroshard.checkpoint.torn import refuse_torn
 from zeroshard.errors import ZeroshardError
+from zeroshard.linear.engine import whole_base_weights
 from zeroshard.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -55,8 +56,11 @@ class WholeModelCalls:
             )
         keep = self.global_rank == 0
         state = self.strategy.save_state_dict(keep) if self.strategy is not None else self.module.state_dict()
+        # sharded or quantized LoRAOptimizedLinear base weights, whole ([Note: sharded base weights])
+        whole = {} if exclude_frozen_parameters else whole_base_weights(self.module)
         if not keep:
             return True
+        state.update((key, value) for key, value in whole.items() if key in state)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}

@@ -24,6 +24,7 @@ from zeroshard.engine import Engine
 from zeroshard.engine_optimizer import ScriptOptimizer
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
+from zeroshard.linear.engine import refuse_sharded_base_weights
 from zeroshard.loading.agree import differing_start
 from zeroshard.loading.materialize import (
     materialize_adapters,
@@ -178,6 +179,7 @@ def _build(
 ) -> tuple[Engine, ScriptOptimizer, Any, Any]:
     stage, sp = int(cfg.zero_optimization.stage), int(cfg.sequence_parallel_size or 1)
     check_before_work(cfg, model)  # autocast's safe module classes; a bf16 module DeepSpeed would train in bf16
+    refuse_sharded_base_weights(model, stage, str(cfg.zeroshard.backend))  # [Note: sharded base weights]
     if isinstance(optimizer, torch.optim.Optimizer):  # before the model is sharded (a callable's: class_built_by)
         check_client_optimizer(optimizer, cfg)
     elif str(cfg.zeroshard.backend) != "fsdp2" and (built_class := class_built_by(optimizer)) is not None:
@@ -494,6 +496,8 @@ def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) 
     experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
     for layer in moe_layers(module):
         layer.groups.broadcast_experts(layer.expert_parameters())
-    # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters])
-    tensors = [local_of(t).data for t in module.parameters() if id(t) not in experts] + list(module.buffers())
+    # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters]);
+    # not DeepSpeed's rank-local `ds_optim_param`s ([Note: sharded base weights] in linear/optimized_linear.py)
+    skip = experts | {id(t) for t in module.parameters() if getattr(t, "ds_optim_param", False)}
+    tensors = [local_of(t).data for t in module.parameters() if id(t) not in skip] + list(module.buffers())
     comm.broadcast_coalesced(tensors, src=src, bucket_bytes=_BROADCAST_BUCKET)

@@ -15,6 +15,7 @@ from zeroshard.checkpoint import save as _save
 from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
 from zeroshard.checkpoint.torn import TornLoad, refuse_torn
 from zeroshard.errors import ZeroshardError
+from zeroshard.linear.engine import refuse_checkpoint_of_shards
 from zeroshard.offload.states import StateOffloader
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -76,6 +77,7 @@ class CheckpointMixin:
         checkpoint writes]).
         """
         refuse_torn(self, "save_checkpoint")
+        refuse_checkpoint_of_shards(self.module, exclude_frozen_parameters)  # type: ignore[attr-defined]
         with self._states_back("save_checkpoint"):
             self.commit_checkpoint("save_checkpoint")
             deferred = decoupled(self)

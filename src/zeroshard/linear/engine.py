@@ -1,0 +1,65 @@
+"""What the engine does about `LoRAOptimizedLinear` layers ([Note: sharded base weights] in optimized_linear.py):
+where their rank-local base-weight shards cannot go, and their whole weights for a 16-bit model file."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zeroshard.errors import ConfigError, ZeroshardError
+
+if TYPE_CHECKING:
+    from zeroshard.linear.optimized_linear import LoRAOptimizedLinear
+
+
+def _layers(model: nn.Module) -> list[tuple[str, LoRAOptimizedLinear]]:
+    """The model's `LoRAOptimizedLinear` layers in use (none unless `zeroshard.linear` was imported)."""
+    if "zeroshard.linear.optimized_linear" not in sys.modules:
+        return []
+    from zeroshard.linear.optimized_linear import LoRAOptimizedLinear
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAOptimizedLinear) and not m.disabled]
+
+
+def sharded_layers(model: nn.Module) -> list[tuple[str, LoRAOptimizedLinear]]:
+    """The layers whose base weight is a rank-local shard (`base_weight_sharding` > 1)."""
+    return [(n, m) for n, m in _layers(model) if m.zero_shards > 1]
+
+
+def refuse_sharded_base_weights(model: nn.Module, stage: int, backend: str) -> None:
+    """Before any work: ZeRO stage 3 and the fsdp2 backend shard every parameter, a rank-local shard included."""
+    layers = sharded_layers(model)
+    if layers and (stage == 3 or backend == "fsdp2"):
+        name, layer = layers[0]
+        where = "the fsdp2 backend" if backend == "fsdp2" else "ZeRO stage 3"
+        raise ConfigError(
+            f"{name or 'the model'}: a LoRAOptimizedLinear with base_weight_sharding={layer.zero_shards} keeps its "
+            f"rank's shard of the base weight, which {where} would shard again ({len(layers)} such layers); use "
+            "base_weight_sharding=1 there (it shards the frozen base weights itself) or ZeRO stage 0-2"
+        )
+
+
+def refuse_checkpoint_of_shards(model: nn.Module, exclude_frozen_parameters: bool) -> None:
+    """A checkpoint writes a replicated parameter once, from one rank: a rank-local shard would come back as that
+    rank's on every rank. The base weights are frozen (they come from the pretrained files), so leave them out."""
+    layers = sharded_layers(model)
+    if layers and not exclude_frozen_parameters:
+        raise ZeroshardError(
+            f"save_checkpoint: {len(layers)} LoRAOptimizedLinear layers ({layers[0][0]}, ...) keep rank-local shards "
+            "of their frozen base weights, which a checkpoint cannot write as one tensor; pass "
+            "exclude_frozen_parameters=True (the base weights come from the pretrained model)"
+        )
+
+
+def whole_base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole base weights of the sharded or quantized layers, by state-dict key, on the CPU, in the layer's dtype
+    (collective: every rank calls it). What a 16-bit model file holds, loadable into the layers again."""
+    whole = {}
+    for name, layer in _layers(model):
+        if layer.zero_shards > 1 or layer.weight.dtype != layer.dtype:
+            with torch.no_grad():
+                whole[f"{name}.weight" if name else "weight"] = layer.full_weight().cpu()
+    return whole
