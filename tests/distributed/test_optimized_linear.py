@@ -244,7 +244,7 @@ def _pretrained_cases(rank: int, world_size: int, folder: str) -> dict[str, Any]
     import transformers
 
     import zeroshard
-    from zeroshard.linear import Init, LoRAConfig, LoRAOptimizedLinear
+    from zeroshard.linear import Init, LoRAConfig, LoRAOptimizedLinear, QuantizationConfig, QuantizedParameter
 
     zeroshard.init_distributed(dist_backend="gloo")
     auto = transformers.AutoModelForCausalLM
@@ -276,11 +276,24 @@ def _pretrained_cases(rank: int, world_size: int, folder: str) -> dict[str, Any]
     out["count"] = sum(not m.disabled for m in layers.values())
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     out["logits"] = torch.equal(model(ids).logits, baseline(ids).logits)
+
+    quant = QuantizationConfig(group_size=64)
+    with Init(lora_config=LoRAConfig(lora_r=4, base_weight_sharding=2), quant_config=quant):
+        model = auto.from_pretrained(folder)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoRAOptimizedLinear) and not m.disabled}
+    with torch.no_grad():  # each rank's rows quantized, then gathered: fp8's relative error, 2^-4
+        out["quantized shards"] = all(
+            isinstance(m.weight, QuantizedParameter)
+            and bool(((m.full_weight().float() - plain[n].weight.float()).abs() <= plain[n].weight.float().abs() / 16
+                      + 2e-3).all())
+            for n, m in layers.items()
+        )  # fmt: skip
     return out
 
 
 def test_from_pretrained_under_init_reads_each_ranks_shard(tmp_path: Any) -> None:
     for out in run_on_ranks(_pretrained_cases, 2, str(tmp_path), timeout=300):
         assert out == {
-            "targets sharded": True, "targets gather whole": True, "lm_head plain": True, "count": 14, "logits": True
+            "targets sharded": True, "targets gather whole": True, "lm_head plain": True, "count": 14, "logits": True,
+            "quantized shards": True,
         }  # fmt: skip

@@ -169,6 +169,10 @@ def test_quantized_parameter_copies_pickles_and_loads_values() -> None:
     )
     with pytest.raises(ValueError, match="requires_grad=True is not supported"):
         QuantizedParameter(values, requires_grad=True)
+    param.ds_optim_param = True
+    clone = QuantizedParameter(param.data, **param.__dict__)  # how Transformers and Accelerate clone a parameter
+    assert torch.equal(clone.data, param.data) and clone.quantization_config == param.quantization_config
+    assert torch.equal(clone.dequantized(), param.dequantized()) and clone.ds_optim_param
 
 
 def test_quantized_layers_compute_with_the_dequantized_weight() -> None:

@@ -167,6 +167,8 @@ class LoRAOptimizedLinear(nn.Module):
         local = self.output_dim * self.sharded_weight_size
         if incoming.dtype == self.weight.dtype and incoming.shape == self.weight.shape:
             return incoming  # this layer's own (shard, or packed quantized shard)
+        if incoming.numel() == local:
+            return incoming.reshape(-1)  # a shard's values (quantized as it loads)
         if incoming.numel() == self.output_dim * self.input_dim:
             import torch.distributed as dist
 

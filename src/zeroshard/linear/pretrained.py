@@ -13,6 +13,7 @@ naming it), and the layers whose weights it skipped read them here. A layer a lo
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 import torch
 
 from zeroshard.linear.optimized_linear import LoRAOptimizedLinear
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
 
 
 def from_pretrained(pretrained: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -41,6 +45,13 @@ def from_pretrained(pretrained: Callable[..., Any], args: tuple[Any, ...], kwarg
     reader = _SafetensorsFiles(_folder(path, kwargs))
     for key, layer in layers.items():
         _load_layer(layer, key, reader, key in skipped)
+    if skipped & set(layers):
+        log_rank(
+            logger,
+            logging.INFO,
+            f"deepspeed.linear.Init: {len(skipped & set(layers))} base weights read from the checkpoint's files as "
+            "this rank's shard or quantized (the sizes Transformers reports as mismatched above)",
+        )
     return (model, info) if wants_info else model
 
 

@@ -39,15 +39,20 @@ class QuantizedParameter(nn.Parameter):
         requires_grad: bool = False,
         quantization_config: QuantizationConfig | None = None,
         quantizer: Quantizer | None = None,
+        **attributes: Any,
     ) -> QuantizedParameter:
         if requires_grad:
             raise ValueError("requires_grad=True is not supported with QuantizedParameter (its weight is frozen)")
         config = QuantizationConfig() if quantization_config is None else quantization_config
-        quantizer = FP_Quantize(config) if quantizer is None else quantizer
         values = torch.empty(0) if data is None else data.detach()
-        packed = _pack(values, config, quantizer) if values.numel() else values
-        self = torch.Tensor._make_subclass(cls, packed, False)
-        self.quantization_config, self.quantizer = config, quantizer
+        if quantizer is not None and values.dtype == config.q_dtype:
+            # packed already: Transformers and Accelerate clone a parameter as `cls(param.data, **param.__dict__)`
+            self = cls.of_packed(values, config, quantizer)
+        else:
+            quantizer = FP_Quantize(config) if quantizer is None else quantizer
+            packed = _pack(values, config, quantizer) if values.numel() else values
+            self = cls.of_packed(packed, config, quantizer)
+        self.__dict__.update(attributes)
         return self
 
     @classmethod
@@ -56,7 +61,7 @@ class QuantizedParameter(nn.Parameter):
         loading re-wraps parameters as plain `nn.Parameter`s)."""
         self = torch.Tensor._make_subclass(cls, packed.detach(), False)
         self.quantization_config, self.quantizer = config, quantizer
-        return self
+        return self  # type: ignore[return-value]
 
     def dequantized(self) -> torch.Tensor:
         """The weight's values, in the dtype and shape it was built with."""
