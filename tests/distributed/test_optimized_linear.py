@@ -191,6 +191,14 @@ def _engine_cases(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         except ConfigError as err:
             out[f"{name} refused"] = str(err)
 
+    quantized = torch.nn.Sequential(
+        zeroshard.linear.QuantizedLinear(128, 4, quantization_config=zeroshard.linear.QuantizationConfig(group_size=64))
+    )
+    try:
+        zeroshard.initialize(model=quantized, config=refused["stage 3"]["config"] | {"optimizer": None})
+    except ConfigError as err:
+        out["quantized at stage 3 refused"] = str(err)
+
     model = _build(zeroshard, 5 + rank)
     shards = [layer.weight.detach().clone() for layer in model.linears]
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -233,6 +241,10 @@ def test_sharded_base_weights_in_the_engine_checkpoints_and_model_files(tmp_path
             "which ZeRO stage 3 would shard again (4 such layers)"
         )
         assert "which the fsdp2 backend would shard again" in out["fsdp2 refused"]
+        assert out["quantized at stage 3 refused"].startswith(
+            "0.weight: a deepspeed.linear QuantizedParameter (1 in the model) holds fp8 bytes, which ZeRO stage 3 "
+            "cannot shard"
+        )
         assert "pass exclude_frozen_parameters=True" in out["save refused"]
         assert out["resumed"] == out["straight on"]
         assert out["resumed shards"] and out["16-bit file whole"] and out["16-bit file reloads"]

@@ -30,15 +30,30 @@ def sharded_layers(model: nn.Module) -> list[tuple[str, LoRAOptimizedLinear]]:
 
 
 def refuse_sharded_base_weights(model: nn.Module, stage: int, backend: str) -> None:
-    """Before any work: ZeRO stage 3 and the fsdp2 backend shard every parameter, a rank-local shard included."""
+    """Before any work: ZeRO stage 3 and the fsdp2 backend shard every parameter, a rank-local shard included, and
+    gather a parameter in the compute dtype, which quantized bytes are not."""
+    if stage != 3 and backend != "fsdp2":
+        return
+    where = "the fsdp2 backend" if backend == "fsdp2" else "ZeRO stage 3"
     layers = sharded_layers(model)
-    if layers and (stage == 3 or backend == "fsdp2"):
+    if layers:
         name, layer = layers[0]
-        where = "the fsdp2 backend" if backend == "fsdp2" else "ZeRO stage 3"
         raise ConfigError(
             f"{name or 'the model'}: a LoRAOptimizedLinear with base_weight_sharding={layer.zero_shards} keeps its "
             f"rank's shard of the base weight, which {where} would shard again ({len(layers)} such layers); use "
             "base_weight_sharding=1 there (it shards the frozen base weights itself) or ZeRO stage 0-2"
+        )
+    if "zeroshard.linear.quantization" not in sys.modules:
+        return
+    from zeroshard.linear.quantization import QuantizedParameter
+
+    quantized = [n for n, p in model.named_parameters() if isinstance(p, QuantizedParameter)]
+    if quantized:
+        raise ConfigError(
+            f"{quantized[0]}: a deepspeed.linear QuantizedParameter ({len(quantized)} in the model) holds fp8 bytes, "
+            f"which {where} cannot shard and gather as weights; use ZeRO stage 0-2, or at stage 3 no "
+            'quantization_config and "zero_optimization": {"zero_quantized_nontrainable_weights": true} (stage 3\'s own '
+            "8-bit frozen weights)"
         )
 
 
