@@ -52,8 +52,8 @@ def refuse_sharded_base_weights(model: nn.Module, stage: int, backend: str) -> N
         raise ConfigError(
             f"{quantized[0]}: a deepspeed.linear QuantizedParameter ({len(quantized)} in the model) holds fp8 bytes, "
             f"which {where} cannot shard and gather as weights; use ZeRO stage 0-2, or at stage 3 no "
-            'quantization_config and "zero_optimization": {"zero_quantized_nontrainable_weights": true} (stage 3\'s own '
-            "8-bit frozen weights)"
+            'quantization_config and "zero_optimization": {"zero_quantized_nontrainable_weights": true} '
+            "(stage 3's own 8-bit frozen weights)"
         )
 
 
