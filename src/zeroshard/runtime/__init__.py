@@ -1,6 +1,6 @@
 """`deepspeed.runtime`: the modules DeepSpeed scripts import from it (`utils`, `lr_schedules`, `constants`, `config`,
 `progressive_layer_drop`, `data_pipeline.curriculum_scheduler`, `pipe`, `engine`, `bf16_optimizer`, `fp16`,
-`rollout`, `chunked_cross_entropy`), as thin names over zeroshard's own implementations."""
+`rollout`, `chunked_cross_entropy`, `dataloader`), as thin names over zeroshard's own implementations."""
 
 from zeroshard.runtime import config, constants, data_pipeline, lr_schedules, progressive_layer_drop, utils
 
@@ -10,6 +10,7 @@ __all__ = [
     "config",
     "constants",
     "data_pipeline",
+    "dataloader",
     "engine",
     "fp16",
     "lr_schedules",
@@ -20,7 +21,7 @@ __all__ = [
 ]
 
 
-_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16", "rollout", "chunked_cross_entropy")
+_LAZY = ("pipe", "engine", "bf16_optimizer", "fp16", "rollout", "chunked_cross_entropy", "dataloader")
 
 
 def __getattr__(name: str) -> object:
