@@ -24,7 +24,7 @@ from zeroshard.engine import Engine
 from zeroshard.engine_optimizer import ScriptOptimizer
 from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
-from zeroshard.linear.engine import refuse_sharded_base_weights
+from zeroshard.linear.engine import offload_base_weights, refuse_sharded_base_weights
 from zeroshard.loading.agree import differing_start
 from zeroshard.loading.materialize import (
     materialize_adapters,
@@ -292,6 +292,7 @@ def _build(
     if not meta:
         model.to(topology.device)
         _broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)
+        offload_base_weights(model)  # LoRAConfig.offload_ratio ([Note: sharded base weights])
         if pipe is not None:
             pipe.sync_tied(model)
     precision = PrecisionPolicy.from_config(cfg)

@@ -144,13 +144,12 @@ def test_lora_optimized_linear_trains_as_deepspeed_and_the_reference() -> None:
             assert abs(got - want) <= 1e-6 * abs(want), (rank, ours, out["reference"])
 
 
-def _build(lib: Any, seed: int) -> Any:
+def _build(lib: Any, seed: int, **lora: Any) -> Any:
     import torch
 
     torch.manual_seed(seed)
-    with lib.linear.Init(
-        lora_config=lib.linear.LoRAConfig(lora_r=8, lora_alpha=16, base_weight_sharding=2, target_mods=["linears"])
-    ):
+    config = lib.linear.LoRAConfig(lora_r=8, lora_alpha=16, base_weight_sharding=2, target_mods=["linears"], **lora)
+    with lib.linear.Init(lora_config=config):
         model = _model_class()(torch.float32)
     lib.linear.init_lora(model)
     return model
@@ -223,6 +222,23 @@ def _engine_cases(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     )
     engine.destroy()
 
+    offloaded = _build(zeroshard, 5 + rank, offload_ratio=0.5)  # the first half of the base weights to the host
+    engine, *_ = zeroshard.initialize(model=offloaded, model_parameters=offloaded.parameters(), config=config)
+    out["offload marks"] = [getattr(layer.weight, "ds_offload", None) for layer in engine.module.linears]
+    out["offload losses"] = _steps(engine, rank, 0, 2)
+    engine.destroy()
+
+    from zeroshard.linear import LoRAConfig, LoRAOptimizedLinear
+
+    kept = LoRAConfig(lora_r=2, base_weight_sharding=2, regather_in_backward=False)
+    heads = [LoRAOptimizedLinear(16, 16, lora_config=kept, dtype=torch.float32) for _ in range(2)]
+    x = torch.randn(3, 16, requires_grad=True)
+    outputs = [head(x) for head in heads]  # both heads on both ranks; each rank back-propagates through its own
+    outputs[rank].sum().backward()
+    with torch.no_grad():  # (every rank gathers both, in one order)
+        head_weight = [head.full_weight() for head in heads][rank]
+    out["heads per rank"] = torch.equal(x.grad, torch.ones(3, 16) @ head_weight)  # the adapters start at zero
+
     dist.barrier()
     saved = torch.load(os.path.join(folder, "model.bin"), weights_only=True)
     out["16-bit file whole"] = all(torch.equal(saved[f"linears.{i}.weight"], w) for i, w in enumerate(whole))
@@ -247,6 +263,9 @@ def test_sharded_base_weights_in_the_engine_checkpoints_and_model_files(tmp_path
         )
         assert "pass exclude_frozen_parameters=True" in out["save refused"]
         assert out["resumed"] == out["straight on"]
+        assert out["offload marks"] == [True, True, False, False], out["offload marks"]
+        assert out["offload losses"] == out["first"], (out["offload losses"], out["first"])
+        assert out["heads per rank"]
         assert out["resumed shards"] and out["16-bit file whole"] and out["16-bit file reloads"]
 
 

@@ -55,6 +55,7 @@ def test_lora_layer_output_and_gradients_are_the_written_out_sums() -> None:
     assert torch.equal(x.grad, x2.grad) and torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
     assert layer.weight.grad is None and not layer.weight.requires_grad
     assert layer.weight.ds_optim_param is True
+    assert layer.bias is None  # an attribute Transformers' weight tying reads as a tensor or None
 
 
 def test_lora_layer_starts_as_its_base_and_freezes_it() -> None:
@@ -69,7 +70,7 @@ def test_lora_layer_starts_as_its_base_and_freezes_it() -> None:
     ("kwargs", "message"),
     [
         ({"bias": True}, "bias=True is not supported"),
-        ({"lora_config": LoRAConfig(offload_ratio=0.5)}, "offload_ratio=0.5 is not supported"),
+        ({"lora_config": LoRAConfig(offload_ratio=1.5)}, "offload_ratio=1.5 is not a share"),
         ({"lora_config": LoRAConfig(base_weight_sharding=2)}, "needs torch.distributed initialized"),
         ({"quantization_config": QuantizationConfig(), "dtype": torch.float32}, "bfloat16 only"),
         ({"lora_config": None}, "needs a lora_config"),
@@ -105,10 +106,12 @@ def test_loading_a_state_dict_disables_non_targets_and_loads_targets() -> None:
     missing, unexpected = model.load_state_dict(saved, strict=False)
     assert unexpected == []
     assert not model["q_proj"].disabled and torch.equal(model["q_proj"].weight, saved["q_proj.weight"])
-    assert set(missing) == {"q_proj.lora_weight_1.weight", "q_proj.lora_weight_2.weight"}
+    assert set(missing) == {f"{n}.lora_weight_{i}.weight" for n in ("q_proj", "lm_head") for i in (1, 2)}
     head = model["lm_head"]
     assert head.disabled and torch.equal(head.weight, saved["lm_head.weight"])
-    assert [n for n, _ in head.named_parameters()] == ["weight"]
+    # its adapters stay, unused, as DeepSpeed's: the model's own state dict still loads strictly
+    assert [n for n, _ in head.named_parameters()] == ["weight", "lora_weight_1.weight", "lora_weight_2.weight"]
+    model.load_state_dict(model.state_dict())
     x = torch.randn(3, 8)
     assert torch.equal(head(x), F.linear(x, saved["lm_head.weight"].to(head.dtype)))
 
@@ -146,6 +149,17 @@ def test_fp8_refusals() -> None:
         quantizer.quantize(torch.ones(128, dtype=torch.bfloat16), stochastic_mode=True)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         quantizer.quantize(torch.ones(128))
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantizer.quantize(torch.tensor([1.0, float("inf")] * 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="q_dtype=torch.float8_e4m3fn is not supported"):
+        QuantizedParameter(
+            torch.ones(128, dtype=torch.bfloat16),
+            quantization_config=QuantizationConfig(group_size=128, q_dtype=torch.float8_e4m3fn),
+        )
+    tiny = torch.tensor([1e-37, -1e-37, 0.0, 5e-38] * 32, dtype=torch.bfloat16)  # the factor would overflow fp32
+    for mantissa in (3, 2):
+        back = quantizer.dequantize(quantizer.quantize(tiny, q_mantisa_bits=mantissa), q_mantisa_bits=mantissa)
+        assert bool(torch.isfinite(back).all()) and bool(((back.float() - tiny.float()).abs() <= 1e-37).all())
     zeros = quantizer.quantize(torch.zeros(128, dtype=torch.bfloat16))
     assert torch.equal(quantizer.dequantize(zeros), torch.zeros(128, dtype=torch.bfloat16))
 
@@ -197,6 +211,46 @@ def test_quantized_layers_compute_with_the_dequantized_weight() -> None:
     whole = torch.randn(32, 64, dtype=torch.bfloat16)  # a pretrained file's values: quantized as they load
     plain.load_state_dict({"weight": whole, "bias": torch.zeros(32, dtype=torch.bfloat16)})
     assert torch.equal(plain.weight.dequantized(), QuantizedParameter(whole, quantization_config=quant).dequantized())
+    before = plain(x3)
+    plain.load_state_dict(plain.state_dict(), assign=True)  # the meta-device pattern: a plain parameter of the bytes
+    assert torch.equal(plain(x3), before) and isinstance(plain.weight, QuantizedParameter)
+    holder = nn.ModuleDict({"q_proj": layer})  # a target's name (a layer loaded under another turns plain)
+    holder.load_state_dict(holder.state_dict(), assign=True)
+    assert torch.equal(layer(x.detach()), y.detach()) and not layer.disabled
+
+
+def test_frozen_linear_under_autocast_twice_differentiable_and_kept_weight_switch() -> None:
+    from zeroshard.linear.frozen import frozen_linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 64), torch.randn(48, requires_grad=True)
+    for bias in (None, b):
+        x = torch.randn(2, 7, 64, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, want = frozen_linear(x, lambda: w, bias), F.linear(x2, w, bias)
+        g = torch.randn(y.shape, dtype=y.dtype)
+        (gx, *gb) = torch.autograd.grad(y, [x] + ([b] if bias is not None else []), g)
+        (gx2, *gb2) = torch.autograd.grad(want, [x2] + ([b] if bias is not None else []), g)
+        assert torch.equal(y, want) and gx.dtype == torch.float32 and torch.equal(gx, gx2)
+        assert all(torch.equal(p, q) for p, q in zip(gb, gb2, strict=True))
+    x = torch.randn(5, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    (gx,) = torch.autograd.grad(frozen_linear(x, lambda: w).square().sum(), x, create_graph=True)
+    (gx2,) = torch.autograd.grad(F.linear(x2, w).square().sum(), x2, create_graph=True)
+    gx.sum().backward()
+    gx2.sum().backward()
+    assert torch.equal(gx, gx2) and torch.equal(x.grad, x2.grad)
+    quant = QuantizationConfig(group_size=64)
+    kept = LoRAOptimizedLinear(64, 32, lora_config=LoRAConfig(lora_r=4, regather_in_backward=False),
+                               quantization_config=quant)  # fmt: skip
+    rebuilt = LoRAOptimizedLinear(64, 32, lora_config=LoRAConfig(lora_r=4), quantization_config=quant)
+    nn.ModuleDict({"q_proj": rebuilt}).load_state_dict(nn.ModuleDict({"q_proj": kept}).state_dict())
+    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    kept(x).sum().backward()
+    rebuilt(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
 
 
 def _tiny_llama() -> object:

@@ -3,6 +3,7 @@ where their rank-local base-weight shards cannot go, and their whole weights for
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,9 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError, ZeroshardError
+from zeroshard.utils.logging import get_logger, log_rank
+
+logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     from zeroshard.linear.optimized_linear import LoRAOptimizedLinear
@@ -43,6 +47,12 @@ def refuse_sharded_base_weights(model: nn.Module, stage: int, backend: str) -> N
             f"rank's shard of the base weight, which {where} would shard again ({len(layers)} such layers); use "
             "base_weight_sharding=1 there (it shards the frozen base weights itself) or ZeRO stage 0-2"
         )
+    offloaded = [n for n, m in _layers(model) if m.lora_config.offload or m.lora_config.offload_ratio]
+    if offloaded:
+        raise ConfigError(
+            f"{offloaded[0]}: LoRAConfig offload / offload_ratio moves base weights to the CPU, which {where} "
+            'manages itself; use "zero_optimization": {"offload_param": {"device": "cpu"}} there, or ZeRO stage 0-2'
+        )
     if "zeroshard.linear.quantization" not in sys.modules:
         return
     from zeroshard.linear.quantization import QuantizedParameter
@@ -55,6 +65,30 @@ def refuse_sharded_base_weights(model: nn.Module, stage: int, backend: str) -> N
             'quantization_config and "zero_optimization": {"zero_quantized_nontrainable_weights": true} '
             "(stage 3's own 8-bit frozen weights)"
         )
+
+
+def offload_base_weights(model: nn.Module) -> None:
+    """`LoRAConfig.offload_ratio`, as DeepSpeed's engine applies it once the model is on its device: that share of the
+    base-weight elements (the `ds_optim_param` parameters, the first in the model's order first) moves to the CPU
+    (pinned where CUDA is at hand) and is marked `ds_offload`; the layers copy it to the input's device for each use."""
+    layers = _layers(model)
+    ratios = sorted({float(m.lora_config.offload_ratio) for _, m in layers})
+    if len(ratios) > 1:
+        raise ConfigError(
+            f"LoRAConfig offload_ratio differs between the model's LoRAOptimizedLinear layers ({ratios}); give every "
+            "layer the same ratio (it is a share of the whole model's base weights)"
+        )
+    if not ratios or ratios[0] == 0:
+        return
+    params = [p for p in model.parameters() if getattr(p, "ds_optim_param", False)]
+    limit, moved = sum(p.numel() for p in params) * ratios[0], 0
+    for param in params:
+        param.ds_offload = moved < limit  # type: ignore[attr-defined]
+        if param.ds_offload:  # type: ignore[attr-defined]
+            moved += param.numel()
+            host = param.data.to("cpu")
+            param.data = host.pin_memory() if torch.cuda.is_available() else host
+    log_rank(logger, logging.INFO, f"LoRAConfig offload_ratio {ratios[0]}: {moved} base-weight elements on the CPU")
 
 
 def refuse_checkpoint_of_shards(model: nn.Module, exclude_frozen_parameters: bool) -> None:

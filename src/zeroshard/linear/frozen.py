@@ -6,8 +6,13 @@ quantized bytes, or both. DeepSpeed builds the whole bf16 weight in the forward 
 autograd keeps it until the backward: every layer's whole base weight is then alive from its forward to its
 backward, as if it were not reduced. `frozen_linear` keeps only the way to rebuild it (the layer) and rebuilds the
 weight in the backward (one more gather, or dequantization, per layer): between the passes a layer holds its reduced
-form only. The results are those of `F.linear(x, weight, bias)` under autograd, bit for bit (the input's gradient
-is `grad @ weight`, the bias's the sum of `grad` over the rows, as torch computes them).
+form only. The input's gradient is `grad @ weight` and the bias's the sum of `grad` over the rows, in `grad`'s dtype
+(the weight cast to it under autocast, as autocast's `F.linear` casts it), so the results are `F.linear`'s under
+autograd bit for bit for contiguous inputs (a transposed 2-D input's gradient may differ in the last bits: torch
+computes that one in another layout). The backward is differentiable (`create_graph`). With sharded weights the
+gather in the backward is a collective, so every rank must back-propagate through the same sharded layers in the same
+order, as ZeRO-3 requires of every layer; `LoRAConfig(regather_in_backward=False)` keeps the gathered weight for the
+backward instead, as DeepSpeed does, where the ranks' graphs differ (a head used on some ranks only).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -28,9 +32,12 @@ class _FrozenLinear(torch.autograd.Function):
             return F.linear(x, rebuild(), bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        grad_x = grad.matmul(ctx.rebuild()) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            with torch.no_grad():
+                weight = ctx.rebuild().to(grad.dtype)
+            grad_x = grad.matmul(weight)  # autograd casts it to the input's dtype
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)

@@ -87,16 +87,14 @@ class LoRAOptimizedLinear(nn.Module):
             raise ValueError("LoRAOptimizedLinear needs a lora_config (deepspeed.linear.LoRAConfig)")
         if bias:
             raise ValueError("bias=True is not supported by LoRAOptimizedLinear")
-        if lora_config.offload_ratio:
-            raise ValueError(
-                f"LoRAConfig offload_ratio={lora_config.offload_ratio} is not supported: use offload=True to keep "
-                "every base weight on the CPU between uses"
-            )
+        if not 0 <= lora_config.offload_ratio <= 1:
+            raise ValueError(f"LoRAConfig offload_ratio={lora_config.offload_ratio} is not a share: give 0 to 1")
         if quantization_config is not None and dtype != torch.bfloat16:
             raise ValueError(f"LoRAOptimizedLinear with quantization supports dtype torch.bfloat16 only, not {dtype}")
         from zeroshard.accelerator import get_accelerator
 
-        self.input_dim, self.output_dim, self.bias = input_dim, output_dim, bias
+        self.input_dim, self.output_dim = input_dim, output_dim
+        self.register_parameter("bias", None)  # a module attribute Transformers' weight tying reads (not a bool)
         self.lora_config, self.quantization_config = lora_config, quantization_config
         self.device = get_accelerator().current_device_name() if device is None else device
         self.linear_cls, self.dtype = linear_cls, dtype
@@ -119,11 +117,8 @@ class LoRAOptimizedLinear(nn.Module):
 
     def disable(self) -> None:
         """A plain linear layer from now on: a whole, unquantized base weight and no adapters (a module a loaded
-        state dict names outside `target_mods`; adapters built already go, as the forward would not use them)."""
+        state dict names outside `target_mods`; adapters built already stay, unused, as DeepSpeed's)."""
         self.disabled = True
-        for name in ("lora_weight_1", "lora_weight_2"):
-            if hasattr(self, name):
-                delattr(self, name)
         whole = torch.empty((self.output_dim, self.input_dim), dtype=self.dtype, device=self.weight.device)
         self.weight = nn.Parameter(whole, requires_grad=False)
 
@@ -139,8 +134,8 @@ class LoRAOptimizedLinear(nn.Module):
             self.weight.data = self.weight.data.to("cpu")
         self.lora_scaling_factor = self.lora_config.lora_alpha / self.lora_config.lora_r
         r, device = self.lora_config.lora_r, self.device
-        self.lora_weight_1 = self.linear_cls(self.input_dim, r, bias=self.bias, device=device, dtype=self.dtype)
-        self.lora_weight_2 = self.linear_cls(r, self.output_dim, bias=self.bias, device=device, dtype=self.dtype)
+        self.lora_weight_1 = self.linear_cls(self.input_dim, r, bias=False, device=device, dtype=self.dtype)
+        self.lora_weight_2 = self.linear_cls(r, self.output_dim, bias=False, device=device, dtype=self.dtype)
         nn.init.kaiming_uniform_(self.lora_weight_1.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_weight_2.weight)
         self.lora_weight_1.weight.requires_grad = True
@@ -203,12 +198,23 @@ class LoRAOptimizedLinear(nn.Module):
             return F.linear(input_tensor, self.weight)
         if not self._initialized:
             raise RuntimeError("init_lora was never called, please initialize before proceeding")
-        if self.zero_shards > 1 or isinstance(self.weight, QuantizedParameter) or self.lora_config.offload:
-            base = frozen_linear(input_tensor, lambda: self.full_weight(input_tensor.device))
-        else:
+        self._ensure_quantized()
+        device = input_tensor.device
+        if not self._reduced():
             base = F.linear(input_tensor, self.weight)
+        elif self.lora_config.regather_in_backward:
+            base = frozen_linear(input_tensor, lambda: self.full_weight(device))
+        else:
+            with torch.no_grad():
+                whole = self.full_weight(device)
+            base = F.linear(input_tensor, whole)
         lora = self.lora_weight_2(self.lora_weight_1(input_tensor))
         return base + self.lora_scaling_factor * lora
+
+    def _reduced(self) -> bool:
+        """Whether the base weight is held other than whole on the compute device: sharded, quantized, offloaded."""
+        offloaded = self.lora_config.offload or getattr(self.weight, "ds_offload", False)
+        return self.zero_shards > 1 or isinstance(self.weight, QuantizedParameter) or offloaded
 
 
 def _check_sharding(shards: int, input_dim: int) -> None:

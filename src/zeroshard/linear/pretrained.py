@@ -59,10 +59,10 @@ def _load_layer(layer: LoRAOptimizedLinear, key: str, reader: _SafetensorsFiles,
     prefix = key[: -len("weight")]
     target = any(name in prefix for name in layer.lora_config.target_mods)
     if not skipped:  # Transformers loaded it whole (no shard, not quantized)
-        if not target:
-            whole = layer.weight.data
+        if not target:  # the same parameter object: a weight Transformers tied (lm_head to the embeddings) stays tied
+            whole = layer.weight
             layer.disable()
-            layer.weight.data = whole
+            layer.weight = whole
         return
     rows = None
     if target and layer.zero_shards > 1 and layer.output_dim % layer.zero_shards == 0:

@@ -3,7 +3,7 @@
 DeepSpeed quantizes a `QuantizedParameter` when it reaches an accelerator (its kernel is CUDA-only) and leaves it in
 bf16 elsewhere; zeroshard quantizes it where it is built, on any device ([Note: fp8 groups] in
 ops/fp_quantizer/quantize.py), so the CPU holds the bytes too. The parameter's data is the packed quantized tensor
-(`[groups, group_size + 4]` uint8, or `q_dtype`); `dequantized()` gives the values in the original dtype and shape.
+(`[groups, group_size + 4]` uint8); `dequantized()` gives the values in the original dtype and shape.
 A state dict written from the layer holds the packed bytes; one holding the original values (a pretrained model's
 file) is quantized as it is loaded (`load_values`).
 """
@@ -44,6 +44,11 @@ class QuantizedParameter(nn.Parameter):
         if requires_grad:
             raise ValueError("requires_grad=True is not supported with QuantizedParameter (its weight is frozen)")
         config = QuantizationConfig() if quantization_config is None else quantization_config
+        if config.q_dtype != torch.uint8:
+            raise ValueError(
+                f"QuantizationConfig q_dtype={config.q_dtype} is not supported: the quantized bytes are kept as "
+                "torch.uint8 (DeepSpeed's default), which module.to(dtype) leaves alone"
+            )
         values = torch.empty(0) if data is None else data.detach()
         if quantizer is not None and values.dtype == config.q_dtype:
             # packed already: Transformers and Accelerate clone a parameter as `cls(param.data, **param.__dict__)`
@@ -115,7 +120,7 @@ def _rebuild(data: torch.Tensor, state: dict[str, Any]) -> QuantizedParameter:
 def _pack(values: torch.Tensor, config: QuantizationConfig, quantizer: Quantizer) -> torch.Tensor:
     packed = quantizer.quantize(values, q_bits=config.q_bits, q_mantisa_bits=config.mantissa_bits)
     assert isinstance(packed, torch.Tensor)
-    return packed if config.q_dtype == torch.uint8 else packed.view(config.q_dtype)
+    return packed
 
 
 def load_quantized(param: torch.Tensor, state_dict: dict[str, Any], key: str) -> None:
@@ -151,11 +156,13 @@ class QuantizedLinear(nn.Linear):
             raise ValueError(f"QuantizedLinear supports dtype torch.bfloat16 only, not {dtype}")
         super().__init__(input_dim, output_dim, bias=bias, dtype=dtype)
         self.weight = QuantizedParameter(self.weight.data, quantization_config=quantization_config)
+        self._quantizer, self.weight_config = self.weight.quantizer, self.weight.quantization_config
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         load_quantized(self.weight, state_dict, f"{prefix}weight")
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        assert isinstance(self.weight, QuantizedParameter)
+        if not isinstance(self.weight, QuantizedParameter):  # replaced by a plain parameter (`assign=True` loads)
+            self.weight = requantized(self.weight, self.weight_config, self._quantizer)
         return frozen_linear(input, self.weight.dequantized, self.bias)

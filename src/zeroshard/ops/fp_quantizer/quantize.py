@@ -99,7 +99,11 @@ class FP_Quantize(Quantizer):
         self.num_groups = input.numel() // self.group_size
         groups = input.detach().reshape(self.num_groups, self.group_size).float()
         largest = groups.abs().amax(dim=1, keepdim=True)
+        if not largest.is_meta and not bool(torch.isfinite(largest).all()):  # (Transformers builds on meta)
+            raise ValueError("fp quantization: the tensor holds inf or nan values, which no scale can represent")
         limit = torch.finfo(fmt).max
+        # a group below limit / fp32's largest is scaled as if that were its largest (its factor stays finite)
+        largest = torch.where(largest > 0, largest.clamp_min(limit / torch.finfo(torch.float32).max), largest)
         factor = torch.where(largest > 0, limit / largest, torch.zeros_like(largest))
         values = (groups * factor).to(fmt).view(torch.uint8)
         scale = (largest / limit).view(torch.uint8)
