@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zeroshard.comm import topology
+from zeroshard.comm.collectives import all_gather_single
 from zeroshard.comm.comms_logger import LIVE
 from zeroshard.comm.in_flight import InFlight
 from zeroshard.utils.logging import get_logger
@@ -65,7 +66,7 @@ def _tensors_in(values: list[Any]) -> list[torch.Tensor]:
 all_reduce = _user_collective(dist.all_reduce)
 broadcast = _user_collective(dist.broadcast)
 all_gather = _user_collective(dist.all_gather)
-all_gather_into_tensor = _user_collective(dist.all_gather_into_tensor)
+all_gather_into_tensor = _user_collective(all_gather_single)  # (torch 2.13 deprecates the old name: no warning)
 reduce = _user_collective(dist.reduce)
 reduce_scatter = _user_collective(dist.reduce_scatter)
 reduce_scatter_tensor = _user_collective(dist.reduce_scatter_tensor)
