@@ -7,9 +7,10 @@ base weight, as a flat tensor (DeepSpeed's layout: rank r holds elements [r*n, (
 the layer all-gathers the whole weight over the world for its matmul, in the forward and again in the backward
 ([Note: frozen weights rebuilt in backward] in frozen.py), and keeps none of it between uses. The shards are
 rank-local: the engine does not broadcast them from the first rank (DeepSpeed's `ds_optim_param` mark), ZeRO stage 3
-and the fsdp2 backend refuse them (they shard every parameter themselves: use base_weight_sharding=1 there), and a
-checkpoint leaves them out (`exclude_frozen_parameters`: the base weights come from the pretrained files). A state
-dict loaded into the layer narrows a whole weight to the rank's shard; a shard of the right size is taken as it is.
+and the fsdp2 backend refuse them (they shard every parameter themselves: use base_weight_sharding=1 there), a
+checkpoint must leave them out (`save_checkpoint` refuses them without `exclude_frozen_parameters=True`: the base
+weights come from the pretrained files), and `save_16bit_model` writes them whole (linear/engine.py). A state dict
+loaded into the layer narrows a whole weight to the rank's shard; a shard of the right size is taken as it is.
 """
 
 from __future__ import annotations
