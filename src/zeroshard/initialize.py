@@ -26,6 +26,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.fsdp2.plan import plan_from_config
 from zeroshard.linear.engine import offload_base_weights, refuse_sharded_base_weights
 from zeroshard.loading.agree import differing_start
+from zeroshard.loading.broadcast import BROADCAST_BUCKET, broadcast_module_state
 from zeroshard.loading.materialize import (
     materialize_adapters,
     materialize_buffers,
@@ -62,7 +63,6 @@ from zeroshard.tp.model_init import with_tp_model_init
 from zeroshard.tp.same_batch import first_batch_check
 from zeroshard.utils import groups as parallel_groups
 from zeroshard.utils.logging import get_logger, log_rank
-from zeroshard.zero.flat.local import local_of
 from zeroshard.zero.from_config import make_strategy
 from zeroshard.zero.stage3.ds_param import unmark
 from zeroshard.zero.stage3.pending import BUILT, refuse_open_block
@@ -279,7 +279,7 @@ def _build(
         # kept); stages 0-2 broadcast every parameter below
         whole, first = [p.data for p in model.parameters() if not p.is_meta and not BUILT.kept(p)], comm.global_rank(0)
         comm.broadcast_coalesced(
-            whole, src=first, via=topology.device, label="zero_init start", bucket_bytes=_BROADCAST_BUCKET
+            whole, src=first, via=topology.device, label="zero_init start", bucket_bytes=BROADCAST_BUCKET
         )
         comm.broadcast_coalesced(list(model.buffers()), src=first, label="zero_init start")
     # stage 3 and fsdp2 replay zero_init's records on each rank: the rank whose values all take where they differ
@@ -291,7 +291,7 @@ def _build(
         meta = False
     if not meta:
         model.to(topology.device)
-        _broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)
+        broadcast_module_state(model, comm, src=tp.dp_root if tp is not None else pipe.dp_root if pipe else 0)
         offload_base_weights(model)  # LoRAConfig.offload_ratio ([Note: sharded base weights])
         if pipe is not None:
             pipe.sync_tied(model)
@@ -481,24 +481,3 @@ def _make_scheduler(cfg: ZeroshardConfig, lr_scheduler: Any, optimizer: torch.op
     if cfg.scheduler is not None and optimizer is not None:
         return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
     return None
-
-
-_BROADCAST_BUCKET = 1 << 28  # bytes per flat broadcast of whole parameters: not a second model on the device
-
-
-def _broadcast_module_state(module: nn.Module, comm: Collectives, src: int = 0) -> None:
-    """Every rank starts from the group's first rank's (global rank `src`) parameters and buffers (as DDP and
-    DeepSpeed do); MoE experts from the first rank of their expert-data-parallel group ([Note: expert groups] in
-    moe/groups.py)."""
-    if comm.world_size == 1:
-        return
-    from zeroshard.moe.zero import moe_layers
-
-    experts = {id(p) for layer in moe_layers(module) for p in layer.expert_parameters()}
-    for layer in moe_layers(module):
-        layer.groups.broadcast_experts(layer.expert_parameters())
-    # a tensor-parallel parameter's local slice, synced with its data-parallel peers ([Note: DTensor parameters]);
-    # not DeepSpeed's rank-local `ds_optim_param`s ([Note: sharded base weights] in linear/optimized_linear.py)
-    skip = experts | {id(t) for t in module.parameters() if getattr(t, "ds_optim_param", False)}
-    tensors = [local_of(t).data for t in module.parameters() if id(t) not in skip] + list(module.buffers())
-    comm.broadcast_coalesced(tensors, src=src, bucket_bytes=_BROADCAST_BUCKET)
