@@ -15,15 +15,8 @@ import sys
 import torch
 
 import zeroshard
+from benchmarks.machine import status_mib
 from zeroshard.models.gpt import GPT, PRESETS
-
-
-def _status_mib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key):
-                return int(line.split()[1]) // 1024
-    raise KeyError(key)
 
 
 def main() -> None:
@@ -46,11 +39,11 @@ def main() -> None:
     step()
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     engine.save_checkpoint(root)
     step()
     engine.commit_checkpoint()
-    peak = _status_mib("VmHWM")
+    peak = status_mib("VmHWM")
     print(f"{mode}: VmRSS before the save {before} MiB, VmHWM over save + step + commit {peak} MiB (+{peak - before})")  # noqa: T201
 
 

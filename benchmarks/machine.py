@@ -47,3 +47,12 @@ def describe() -> dict[str, Any]:
         "loadavg_1min": round(os.getloadavg()[0], 2),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def status_mib(key: str) -> int:
+    """A field of /proc/self/status (VmRSS: resident now; VmHWM: its peak since start or the last clear_refs) in MiB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) // 1024
+    raise KeyError(key)

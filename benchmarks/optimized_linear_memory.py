@@ -24,15 +24,9 @@ import time
 
 import torch
 
+from benchmarks.machine import status_mib
+
 LAYERS, HIDDEN, TOKENS = 8, 2048, 512
-
-
-def _status_mib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key):
-                return int(line.split()[1]) // 1024
-    raise KeyError(key)
 
 
 def _forward(layers: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -57,13 +51,13 @@ def one(library: str, shards: int) -> None:
     layers = [OptimizedLinear(HIDDEN, HIDDEN, lora_config=config, dtype=torch.float32) for _ in range(LAYERS)]
     kept = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) >> 20
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7), requires_grad=True)
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
     y = _forward(layers, x)
-    held = _status_mib("VmRSS") - before
+    held = status_mib("VmRSS") - before
     y.square().mean().backward()
-    peak = _status_mib("VmHWM") - before
+    peak = status_mib("VmHWM") - before
     times = []
     for _ in range(4):
         dist.barrier()

@@ -19,13 +19,7 @@ import sys
 
 import torch
 
-
-def _status_mib(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key):
-                return int(line.split()[1]) // 1024
-    raise KeyError(key)
+from benchmarks.machine import status_mib
 
 
 def one(library: str, dtype_name: str, rows: int, vocab: int) -> str:
@@ -36,13 +30,13 @@ def one(library: str, dtype_name: str, rows: int, vocab: int) -> str:
     torch.manual_seed(0)
     logits = torch.randn(rows, vocab).to(getattr(torch, dtype_name)).requires_grad_(True)
     target = torch.randint(0, vocab, (rows,))
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
     loss = vocab_parallel_cross_entropy(logits, target)
-    held = _status_mib("VmRSS") - before
+    held = status_mib("VmRSS") - before
     loss.backward()
-    peak = _status_mib("VmHWM") - before
+    peak = status_mib("VmHWM") - before
     size = logits.numel() * logits.element_size() >> 20
     return f"| {library} | {dtype_name} | {size} | {held} | {peak} | {loss.item():.6f} |"
 
