@@ -15,7 +15,7 @@ from zeroshard.checkpoint import save as _save
 from zeroshard.checkpoint.decoupled import PendingSave, decoupled, failing
 from zeroshard.checkpoint.torn import TornLoad, refuse_torn
 from zeroshard.errors import ZeroshardError
-from zeroshard.linear.engine import refuse_checkpoint_of_shards
+from zeroshard.linear.engine import checkpoint_excludes_frozen
 from zeroshard.offload.states import StateOffloader
 from zeroshard.utils.logging import get_logger, log_rank
 
@@ -77,7 +77,8 @@ class CheckpointMixin:
         checkpoint writes]).
         """
         refuse_torn(self, "save_checkpoint")
-        refuse_checkpoint_of_shards(self.module, exclude_frozen_parameters)  # type: ignore[attr-defined]
+        # [Note: sharded base weights]: rank-local shards are never written
+        exclude_frozen_parameters = checkpoint_excludes_frozen(self.module, exclude_frozen_parameters)  # type: ignore[attr-defined]
         with self._states_back("save_checkpoint"):
             self.commit_checkpoint("save_checkpoint")
             deferred = decoupled(self)

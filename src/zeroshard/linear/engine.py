@@ -1,5 +1,6 @@
 """What the engine does about `LoRAOptimizedLinear` layers ([Note: sharded base weights] in optimized_linear.py):
-where their rank-local base-weight shards cannot go, and their whole weights for a 16-bit model file."""
+where their rank-local base-weight shards cannot go, their `offload_ratio`, checkpoints without them, and their whole
+weights for a 16-bit model file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.errors import ConfigError, ZeroshardError
+from zeroshard.errors import ConfigError
 from zeroshard.utils.logging import get_logger, log_rank
 
 logger = get_logger(__name__)
@@ -91,16 +92,21 @@ def offload_base_weights(model: nn.Module) -> None:
     log_rank(logger, logging.INFO, f"LoRAConfig offload_ratio {ratios[0]}: {moved} base-weight elements on the CPU")
 
 
-def refuse_checkpoint_of_shards(model: nn.Module, exclude_frozen_parameters: bool) -> None:
+def checkpoint_excludes_frozen(model: nn.Module, exclude_frozen_parameters: bool) -> bool:
     """A checkpoint writes a replicated parameter once, from one rank: a rank-local shard would come back as that
-    rank's on every rank. The base weights are frozen (they come from the pretrained files), so leave them out."""
+    rank's on every rank. With such layers the checkpoint leaves out the frozen parameters (they come from the
+    pretrained files, as the base weights do), as `exclude_frozen_parameters=True` does, saying so once; a script
+    that does not pass the flag (Transformers' Trainer saves a non-PEFT model without it) still saves and resumes."""
     layers = sharded_layers(model)
     if layers and not exclude_frozen_parameters:
-        raise ZeroshardError(
+        log_rank(
+            logger,
+            logging.WARNING,
             f"save_checkpoint: {len(layers)} LoRAOptimizedLinear layers ({layers[0][0]}, ...) keep rank-local shards "
-            "of their frozen base weights, which a checkpoint cannot write as one tensor; pass "
-            "exclude_frozen_parameters=True (the base weights come from the pretrained model)"
+            "of their frozen base weights, which a checkpoint cannot write as one tensor: the frozen parameters are "
+            "left out (exclude_frozen_parameters=True); they come from the pretrained model when the run resumes",
         )
+    return exclude_frozen_parameters or bool(layers)
 
 
 def whole_base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
