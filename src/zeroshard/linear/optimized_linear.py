@@ -9,8 +9,9 @@ the layer all-gathers the whole weight over the world for its matmul, in the for
 rank-local: the engine does not broadcast them from the first rank (DeepSpeed's `ds_optim_param` mark), ZeRO stage 3
 and the fsdp2 backend refuse them (they shard every parameter themselves: use base_weight_sharding=1 there), a
 checkpoint leaves them out (`save_checkpoint` leaves out the frozen parameters, as `exclude_frozen_parameters=True`:
-the base weights come from the pretrained files), and `save_16bit_model` writes them whole (linear/engine.py). A state dict
-loaded into the layer narrows a whole weight to the rank's shard; a shard of the right size is taken as it is.
+the base weights come from the pretrained files), and `save_16bit_model` writes them whole (linear/engine.py). A
+state dict loaded into the layer narrows a whole weight to the rank's shard; a shard of the right size is taken as it
+is.
 """
 
 from __future__ import annotations
